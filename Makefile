@@ -1,0 +1,36 @@
+# Two entry points, each doing all of its set-up on a fresh machine:
+#   make run   -- virtual environment + project, then the main job
+#   make test  -- the same plus the MindtPy chain, then the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, CPU build: an unpinned torch would pull a multi-GB CUDA build.
+# On a GPU cluster, set TORCH_SPEC to your own torch (or leave the one you have:
+# an importable torch is never replaced).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup minlp run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+minlp: setup
+	bash scripts/install_minlp.sh $(PY)
+
+run: setup
+	$(VENV)/bin/oobleck-launch plan --config configs/tiny_mm.yaml --nodes 4 --fail-nodes node3
+
+test: minlp
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+bench: setup
+	$(PY) scripts/bench_planner.py --json docs/bench_planner.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,762 @@
+"""Job configuration: YAML -> validated dataclasses, the one place user settings are checked.
+
+A job file has six sections (``model``, ``data``, ``training``,
+``fault_tolerance``, ``cluster``, ``planning``); only ``model`` is required.
+Each section is a ``@dataclass(kw_only=True, slots=True)`` whose
+``__post_init__`` checks (and normalises) its own fields; rules that relate
+fields to each other live in one function, ``validate(job)``, which
+``JobConfig`` runs on construction. Every mistake raises ``ConfigError`` whose
+message starts with the dotted path of the field and carries the bad value and
+what would be valid, so the CLI can print it as one line.
+
+Units: durations are ``"500ms"``, ``"3s"``, ``"2m"``, ``"1h"`` or a number of
+seconds (-> ``timedelta``); memory sizes are ``"40GiB"``, ``"80GB"`` or bytes
+(GB = 1e9, GiB = 2**30); bandwidths are ``"100Gbps"``/``"200Gb/s"`` (bits) or
+``"25GB/s"``/``"25GBps"`` (bytes) or a number of bytes/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from oobleck_mm.model.spec import layer_specs, resolve_frozen, sequence_tokens
+from oobleck_mm.planning.costs import ClusterSpec
+from oobleck_mm.profiling.analytical import DEVICES
+
+
+class ConfigError(ValueError):
+    """A mistake in the job configuration; the message starts with the dotted field path."""
+
+
+# --------------------------------------------------------------------------- value checks
+# Each takes the dotted path and the raw value and returns the normalised value,
+# so section checks and the free-form scheduler params share one implementation.
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _as_int(path: str, value: Any, *, minimum: int | None = None) -> int:
+    # bool is an int subclass in Python; "true" for a batch size is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_float(
+    path: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+    below: float | None = None,
+) -> float:
+    number = value
+    # PyYAML follows YAML 1.1, which reads `1e-4` (no dot) as a string.
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}")
+    number = float(number)
+    if positive and number <= 0:
+        raise ConfigError(f"{path}: must be > 0, got {number}")
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{path}: must be <= {maximum}, got {number}")
+    if below is not None and number >= below:
+        raise ConfigError(f"{path}: must be < {below}, got {number}")
+    return number
+
+
+def _as_bool(path: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
+    return value
+
+
+def _as_str(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {_describe(value)}")
+    return value
+
+
+def _as_choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        valid = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{path}: must be one of {valid}, got {_describe(value)}")
+    return value
+
+
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(rf"^\s*{_NUMBER}\s*(us|ms|s|m|h)?\s*$")
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*([a-zA-Z]*)\s*$")
+_PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+# Case matters for bandwidths: "Gb" is gigabits, "GB" gigabytes.
+_BANDWIDTH_RE = re.compile(rf"^\s*{_NUMBER}\s*(K|M|G|T|Ki|Mi|Gi|Ti)?(b|B)(ps|/s)\s*$")
+
+
+def _as_duration(path: str, value: Any) -> timedelta:
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+    else:
+        raise ConfigError(
+            f"{path}: expected a duration like '500ms', '3s', '2m' or a number of seconds, got {_describe(value)}"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{path}: must be a positive duration, got {_describe(value)}")
+    return timedelta(seconds=seconds)
+
+
+def _as_size(path: str, value: Any) -> int:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        num_bytes = float(value)
+    elif isinstance(value, str) and (match := _SIZE_RE.match(value)) and match.group(2).lower() in _SIZE_UNITS:
+        num_bytes = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    else:
+        raise ConfigError(f"{path}: expected a size like '40GiB', '80GB' or a number of bytes, got {_describe(value)}")
+    if not (math.isfinite(num_bytes) and num_bytes >= 1):
+        raise ConfigError(f"{path}: must be a positive size, got {_describe(value)}")
+    return int(num_bytes)
+
+
+def _as_bandwidth(path: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        rate = float(value)
+    elif isinstance(value, str) and (match := _BANDWIDTH_RE.match(value)):
+        bits = match.group(3) == "b"
+        rate = float(match.group(1)) * _PREFIX[match.group(2) or ""] / (8 if bits else 1)
+    else:
+        raise ConfigError(
+            f"{path}: expected a bandwidth like '100Gbps', '25GB/s' or a number of bytes/s, got {_describe(value)}"
+        )
+    if not (math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"{path}: must be a positive bandwidth, got {_describe(value)}")
+    return rate
+
+
+def _as_str_tuple(path: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list of names, got {_describe(value)}")
+    names = tuple(_as_str(f"{path}[{i}]", v) for i, v in enumerate(value))
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: names must be unique, got {list(names)}")
+    return names
+
+
+def _check(obj: Any, name: str, convert, *args, **kwargs) -> None:
+    """Checks field ``name`` of a section with ``convert`` and stores the normalised value."""
+    value = getattr(obj, name)
+    setattr(obj, name, convert(f"{type(obj)._PATH}.{name}", value, *args, **kwargs))
+
+
+def _check_optional(obj: Any, name: str, convert, *args, **kwargs) -> None:
+    if getattr(obj, name) is not None:
+        _check(obj, name, convert, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(kw_only=True, slots=True)
+class LLMConfig:
+    _PATH: ClassVar[str] = "model.llm"
+    num_layers: int
+    """Transformer blocks of the language model."""
+    hidden: int
+    """Model width."""
+    num_heads: int
+    """Attention heads (query heads)."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; default: ``num_heads`` (plain multi-head)."""
+    ffn_hidden: int | None = None
+    """FFN inner width; default ``4 * hidden``."""
+    vocab_size: int
+    """Vocabulary size (token embedding rows and LM-head outputs)."""
+    gated_ffn: bool = False
+    """SwiGLU-style FFN with three matrices (Llama, Qwen) instead of two (GPT)."""
+    tie_embeddings: bool = False
+    """LM head shares the token-embedding matrix (counted once in the model's parameters)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "vocab_size"):
+            _check(self, name, _as_int, minimum=1)
+        _check_optional(self, "num_kv_heads", _as_int, minimum=1)
+        _check_optional(self, "ffn_hidden", _as_int, minimum=1)
+        _check(self, "gated_ffn", _as_bool)
+        _check(self, "tie_embeddings", _as_bool)
+        self.num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionConfig:
+    _PATH: ClassVar[str] = "model.vision"
+    num_layers: int
+    """Transformer blocks of the ViT encoder."""
+    hidden: int
+    num_heads: int
+    ffn_hidden: int | None = None
+    """FFN inner width; default ``4 * hidden``."""
+    patch_size: int = 14
+    """Square patch side in pixels; one patch is one encoder token."""
+    in_channels: int = 3
+    token_merge: int = 1
+    """Encoder tokens concatenated into one before the projector (Qwen2-VL's 2x2 merger is 4;
+    OrchMLLM's "downsample before the connector"). The LLM sees patches / token_merge tokens."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "patch_size", "in_channels", "token_merge"):
+            _check(self, name, _as_int, minimum=1)
+        _check_optional(self, "ffn_hidden", _as_int, minimum=1)
+        self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+
+@dataclass(kw_only=True, slots=True)
+class AudioConfig:
+    _PATH: ClassVar[str] = "model.audio"
+    num_layers: int
+    """Transformer blocks of the audio encoder (Whisper-style)."""
+    hidden: int
+    num_heads: int
+    ffn_hidden: int | None = None
+    """FFN inner width; default ``4 * hidden``."""
+    mel_bins: int = 80
+    """Mel-spectrogram features per input frame."""
+    downsample: int = 2
+    """Input frames folded into one encoder token by the frame embedding (Whisper's stride-2 conv is 2)."""
+    token_merge: int = 1
+    """Encoder tokens concatenated into one before the projector (the LLM sees frames / token_merge)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "mel_bins", "downsample", "token_merge"):
+            _check(self, name, _as_int, minimum=1)
+        _check_optional(self, "ffn_hidden", _as_int, minimum=1)
+        self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+
+@dataclass(kw_only=True, slots=True)
+class ProjectorConfig:
+    _PATH: ClassVar[str] = "model.projector"
+    num_layers: int = 1
+    """Linear layers of each encoder's MLP projector into the LLM width (1 or 2)."""
+
+    def __post_init__(self) -> None:
+        _check(self, "num_layers", _as_int, minimum=1)
+        if self.num_layers > 2:
+            raise ConfigError(f"model.projector.num_layers: must be 1 or 2, got {self.num_layers}")
+
+
+# Module names `model.frozen` accepts besides exact layer names (see spec.resolve_frozen).
+FROZEN_MODULES = ("vision", "audio", "projector", "llm")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    _PATH: ClassVar[str] = "model"
+    name: str
+    """Model name, used for profile caching and logs."""
+    llm: LLMConfig
+    vision: VisionConfig | None = None
+    """Image encoder; absent for a text-only model."""
+    audio: AudioConfig | None = None
+    """Audio encoder; absent when the model takes no audio."""
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    """Shape of the projector each encoder has."""
+    frozen: tuple[str, ...] = ()
+    """Modules whose weights are not trained: any of vision, audio, projector, llm, or exact
+    layer names (``llm.block0``; ``vision.projector`` covers ``vision.projector0/1``)."""
+
+    def __post_init__(self) -> None:
+        _check(self, "name", _as_str)
+        _check(self, "frozen", _as_str_tuple)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    _PATH: ClassVar[str] = "data"
+    kind: str = "synthetic"
+    """``synthetic`` (generated from the shape below) or ``llava_json`` (a LLaVA-style JSON file)."""
+    path: str | None = None
+    """Dataset file; required for ``llava_json``."""
+    seed: int = 0
+    mean_text_tokens: float = 32.0
+    """Mean text tokens per sample (planning workload shape)."""
+    mean_images_per_sample: float = 0.0
+    """Mean images per sample; must be > 0 exactly when the model has a vision encoder."""
+    image_size: int = 224
+    """Side of the (square) image in pixels after preprocessing."""
+    mean_audio_seconds: float = 0.0
+    """Mean audio seconds per sample; must be > 0 exactly when the model has an audio encoder."""
+    audio_frames_per_second: float = 100.0
+    """Mel frames per second of audio (10 ms hop)."""
+    max_seq_len: int = 2048
+    """Longest LLM sequence (text + projected image/audio tokens) a sample may have."""
+
+    def __post_init__(self) -> None:
+        _check(self, "kind", _as_choice, ("synthetic", "llava_json"))
+        _check_optional(self, "path", _as_str)
+        if self.path is not None:
+            self.path = os.path.expanduser(self.path)
+            if not os.path.exists(self.path):
+                raise ConfigError(f"data.path: file {self.path!r} does not exist")
+        _check(self, "seed", _as_int, minimum=0)
+        _check(self, "mean_text_tokens", _as_float, positive=True)
+        _check(self, "mean_images_per_sample", _as_float, minimum=0.0)
+        _check(self, "image_size", _as_int, minimum=1)
+        _check(self, "mean_audio_seconds", _as_float, minimum=0.0)
+        _check(self, "audio_frames_per_second", _as_float, positive=True)
+        _check(self, "max_seq_len", _as_int, minimum=1)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerParams:
+    _PATH: ClassVar[str] = "training.optimizer.params"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self, "lr", _as_float, positive=True)
+        if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
+            raise ConfigError(f"{self._PATH}.betas: expected two numbers [beta1, beta2], got {_describe(self.betas)}")
+        self.betas = tuple(
+            _as_float(f"{self._PATH}.betas[{i}]", b, minimum=0.0, below=1.0) for i, b in enumerate(self.betas)
+        )
+        _check(self, "eps", _as_float, positive=True)
+        _check(self, "weight_decay", _as_float, minimum=0.0)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    _PATH: ClassVar[str] = "training.optimizer"
+    type: str = "AdamW"
+    """``AdamW`` (decoupled weight decay) or ``Adam``."""
+    params: OptimizerParams = field(default_factory=OptimizerParams)
+
+    def __post_init__(self) -> None:
+        _check(self, "type", _as_choice, ("AdamW", "Adam"))
+
+
+def _warmup_type(path: str, value: Any) -> str:
+    return _as_choice(path, value, ("log", "linear"))
+
+
+# DeepSpeed's runtime/lr_schedules.py argument names and meanings, per scheduler.
+_SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
+    "WarmupLR": {
+        "warmup_min_lr": lambda p, v: _as_float(p, v, minimum=0.0),
+        "warmup_max_lr": lambda p, v: _as_float(p, v, positive=True),
+        "warmup_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "warmup_type": _warmup_type,
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "warmup_min_lr": lambda p, v: _as_float(p, v, minimum=0.0),
+        "warmup_max_lr": lambda p, v: _as_float(p, v, positive=True),
+        "warmup_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "warmup_type": _warmup_type,
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "warmup_min_ratio": lambda p, v: _as_float(p, v, minimum=0.0, maximum=1.0),
+        "warmup_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "cos_min_ratio": lambda p, v: _as_float(p, v, minimum=0.0, maximum=1.0),
+        "warmup_type": _warmup_type,
+    },
+}
+# DeepSpeed's own defaults, used by the cross-field checks on what it will run.
+SCHEDULER_DEFAULT_WARMUP_STEPS = 1000
+WARMUP_DECAY_DEFAULT_MAX_LR = 0.001
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    _PATH: ClassVar[str] = "training.scheduler"
+    type: str = "WarmupLR"
+    """``WarmupLR``, ``WarmupDecayLR`` or ``WarmupCosineLR`` (DeepSpeed semantics)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """DeepSpeed's argument names: warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type
+    (log|linear), total_num_steps (defaults to training.steps), warmup_min_ratio, cos_min_ratio."""
+
+    def __post_init__(self) -> None:
+        _check(self, "type", _as_choice, tuple(_SCHEDULER_PARAMS))
+        if self.params is None:
+            self.params = {}
+        if not isinstance(self.params, Mapping):
+            raise ConfigError(f"training.scheduler.params: expected a mapping, got {_describe(self.params)}")
+        allowed = _SCHEDULER_PARAMS[self.type]
+        _reject_unknown(self.params, tuple(allowed), "training.scheduler.params", f" for {self.type}")
+        self.params = {k: allowed[k](f"training.scheduler.params.{k}", v) for k, v in self.params.items()}
+
+    @property
+    def needs_total_steps(self) -> bool:
+        return "total_num_steps" in _SCHEDULER_PARAMS[self.type]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    _PATH: ClassVar[str] = "training"
+    global_batch: int = 16
+    """Samples per iteration over all pipelines."""
+    microbatch_size: int = 2
+    """Samples per microbatch; global_batch must be a multiple of it."""
+    steps: int = 10
+    """Iterations to train."""
+    seed: int = 0
+    dtype: str = "float32"
+    """``float32``, ``float64``, ``bfloat16`` or ``float16`` (mixed precision for the half types)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate schedule; absent keeps the optimizer's lr constant."""
+    gradient_clipping: float = 0.0
+    """Global gradient-norm clip; 0 turns clipping off."""
+    activation_checkpointing: bool = False
+    """Keep only each layer's input from forward and recompute the rest in backward."""
+    flash_attention: bool = True
+    """Attention that never materialises the score matrix (FlashAttention / torch SDPA): the
+    cost model then keeps no quadratic activation memory. false models eager attention."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "microbatch_size", "steps"):
+            _check(self, name, _as_int, minimum=1)
+        _check(self, "seed", _as_int, minimum=0)
+        _check(self, "dtype", _as_choice, ("float32", "float64", "bfloat16", "float16"))
+        _check(self, "gradient_clipping", _as_float, minimum=0.0)
+        _check(self, "activation_checkpointing", _as_bool)
+        _check(self, "flash_attention", _as_bool)
+        if self.scheduler is not None and self.scheduler.needs_total_steps:
+            self.scheduler.params.setdefault("total_num_steps", self.steps)
+
+
+# --------------------------------------------------------------------------- fault tolerance, cluster, planning
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultToleranceConfig:
+    _PATH: ClassVar[str] = "fault_tolerance"
+    f: int = 1
+    """Simultaneous node failures the job must survive (f + 1 pipelines are kept)."""
+    heartbeat_interval: timedelta = timedelta(seconds=1)
+    """How often agents report to the master."""
+    heartbeat_timeout: timedelta = timedelta(seconds=5)
+    """Silence after which a node is declared failed; longer than the interval."""
+    recovery: str = "live"
+    """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
+    checkpoint_interval: int = 100
+    """Steps between checkpoints; 0 never checkpoints."""
+
+    def __post_init__(self) -> None:
+        _check(self, "f", _as_int, minimum=0)
+        _check(self, "heartbeat_interval", _as_duration)
+        _check(self, "heartbeat_timeout", _as_duration)
+        _check(self, "recovery", _as_choice, ("live", "restart"))
+        _check(self, "checkpoint_interval", _as_int, minimum=0)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    _PATH: ClassVar[str] = "cluster"
+    nodes: int = 2
+    """Nodes the job starts with."""
+    gpus_per_node: int = 1
+    device: str = "cpu"
+    """Device kind, a key of ``oobleck_mm.profiling.analytical.DEVICES``."""
+    device_memory: int | None = None
+    """Bytes of memory per device; default: the device kind's."""
+    max_gpus_per_stage: int = 1
+    """Largest GPU count of one pipeline stage: 1, 2, 4 or 8, at most gpus_per_node."""
+    intra_node_bandwidth: float = 150e9
+    """Bytes/s between GPUs of a node."""
+    inter_node_bandwidth: float = 12.5e9
+    """Bytes/s between nodes."""
+    backend: str = "auto"
+    """torch.distributed backend: ``auto`` (nccl on GPUs, gloo on cpu), ``gloo`` or ``nccl``."""
+
+    def __post_init__(self) -> None:
+        _check(self, "nodes", _as_int, minimum=1)
+        _check(self, "gpus_per_node", _as_int, minimum=1)
+        _check(self, "device", _as_choice, tuple(DEVICES))
+        if self.device_memory is None:
+            self.device_memory = DEVICES[self.device].memory_bytes
+        _check(self, "device_memory", _as_size)
+        _check(self, "max_gpus_per_stage", _as_int, minimum=1)
+        if self.max_gpus_per_stage not in (1, 2, 4, 8):
+            raise ConfigError(f"cluster.max_gpus_per_stage: must be 1, 2, 4 or 8, got {self.max_gpus_per_stage}")
+        _check(self, "intra_node_bandwidth", _as_bandwidth)
+        _check(self, "inter_node_bandwidth", _as_bandwidth)
+        _check(self, "backend", _as_choice, ("auto", "gloo", "nccl"))
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "gloo" if self.device == "cpu" else "nccl"
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanningConfig:
+    _PATH: ClassVar[str] = "planning"
+    profile: str = "analytical"
+    """Layer costs from the ``analytical`` model or ``measured`` by running the layers."""
+    solver: str = "highs"
+    """Batch-distribution solver: ``highs`` (exact MILP of the predicted iteration time, default),
+    ``mindtpy`` (the seed's eq. 2.6 MINLP via MindtPy; needs scripts/install_minlp.sh) or
+    ``python`` (the same exact min-max optimum without Pyomo)."""
+    profile_cache_dir: str = "~/.cache/oobleck_mm/profiles"
+    """Where measured profiles are cached (``~`` is expanded)."""
+    microbatches_hint: int | None = None
+    """Microbatches per pipeline the templates are optimised for; default: derived from the batch."""
+
+    def __post_init__(self) -> None:
+        _check(self, "profile", _as_choice, ("analytical", "measured"))
+        _check(self, "solver", _as_choice, ("highs", "mindtpy", "python"))
+        _check(self, "profile_cache_dir", _as_str)
+        self.profile_cache_dir = os.path.expanduser(self.profile_cache_dir)
+        _check_optional(self, "microbatches_hint", _as_int, minimum=1)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-able dict; ``config_from_dict(job.to_dict())`` gives an equal job."""
+        return _to_plain(self)
+
+    def cluster_spec(self) -> ClusterSpec:
+        c = self.cluster
+        return ClusterSpec(
+            gpus_per_node=c.gpus_per_node,
+            device_memory_bytes=c.device_memory,
+            intra_node_bandwidth=c.intra_node_bandwidth,
+            inter_node_bandwidth=c.inter_node_bandwidth,
+            max_gpus_per_stage=c.max_gpus_per_stage,
+        )
+
+
+def validate(job: JobConfig) -> None:
+    """Every rule that relates fields to each other; raises ConfigError carrying the numbers."""
+    t, c, ft, m, d = job.training, job.cluster, job.fault_tolerance, job.model, job.data
+    if t.global_batch % t.microbatch_size:
+        raise ConfigError(
+            f"training.global_batch ({t.global_batch}) must be a multiple of "
+            f"training.microbatch_size ({t.microbatch_size})"
+        )
+    if job.planning.microbatches_hint is not None:
+        most = t.global_batch // t.microbatch_size
+        if job.planning.microbatches_hint > most:
+            raise ConfigError(
+                f"planning.microbatches_hint ({job.planning.microbatches_hint}) exceeds "
+                f"training.global_batch / training.microbatch_size ({most})"
+            )
+    if c.nodes < ft.f + 1:
+        raise ConfigError(f"fault_tolerance.f ({ft.f}) needs at least {ft.f + 1} nodes, cluster.nodes is {c.nodes}")
+    if ft.heartbeat_interval >= ft.heartbeat_timeout:
+        raise ConfigError(
+            f"fault_tolerance.heartbeat_interval ({ft.heartbeat_interval.total_seconds()}s) must be shorter than "
+            f"fault_tolerance.heartbeat_timeout ({ft.heartbeat_timeout.total_seconds()}s)"
+        )
+    if c.max_gpus_per_stage > c.gpus_per_node:
+        raise ConfigError(
+            f"cluster.max_gpus_per_stage ({c.max_gpus_per_stage}) exceeds cluster.gpus_per_node ({c.gpus_per_node})"
+        )
+    if c.backend == "nccl" and c.device == "cpu":
+        raise ConfigError("cluster.backend: 'nccl' needs a GPU device, cluster.device is 'cpu'")
+    _validate_scheduler(t)
+    _validate_model(m)
+    _validate_workload(m, d)
+
+
+def _validate_scheduler(t: TrainingConfig) -> None:
+    if t.scheduler is None:
+        return
+    params = t.scheduler.params
+    path = "training.scheduler.params"
+    warmup = params.get("warmup_num_steps", SCHEDULER_DEFAULT_WARMUP_STEPS)
+    if "total_num_steps" in params and params["total_num_steps"] < warmup:
+        raise ConfigError(
+            f"{path}.total_num_steps ({params['total_num_steps']}) must be >= {path}.warmup_num_steps ({warmup})"
+        )
+    if "warmup_min_lr" in params:
+        # DeepSpeed's WarmupLR peaks at the optimizer's lr by default, WarmupDecayLR at 0.001.
+        default_max = t.optimizer.params.lr if t.scheduler.type == "WarmupLR" else WARMUP_DECAY_DEFAULT_MAX_LR
+        peak = params.get("warmup_max_lr", default_max)
+        if params["warmup_min_lr"] > peak:
+            raise ConfigError(f"{path}.warmup_min_lr ({params['warmup_min_lr']}) exceeds the warmup peak lr ({peak})")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for prefix, enc in (("model.llm", m.llm), ("model.vision", m.vision), ("model.audio", m.audio)):
+        if enc is not None and enc.hidden % enc.num_heads:
+            raise ConfigError(
+                f"{prefix}.hidden ({enc.hidden}) must be divisible by {prefix}.num_heads ({enc.num_heads})"
+            )
+    if m.llm.num_heads % m.llm.num_kv_heads:
+        raise ConfigError(
+            f"model.llm.num_heads ({m.llm.num_heads}) must be divisible by "
+            f"model.llm.num_kv_heads ({m.llm.num_kv_heads})"
+        )
+
+
+def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
+    if d.kind == "llava_json" and d.path is None:
+        raise ConfigError("data.path: required when data.kind is 'llava_json'")
+    # An encoder with no input would be costed as idle, silently skewing the plan.
+    if (m.vision is None) != (d.mean_images_per_sample == 0):
+        raise ConfigError(
+            f"data.mean_images_per_sample ({d.mean_images_per_sample}) must be > 0 exactly when model.vision is set "
+            f"(model.vision is {'set' if m.vision else 'not set'})"
+        )
+    if (m.audio is None) != (d.mean_audio_seconds == 0):
+        raise ConfigError(
+            f"data.mean_audio_seconds ({d.mean_audio_seconds}) must be > 0 exactly when model.audio is set "
+            f"(model.audio is {'set' if m.audio else 'not set'})"
+        )
+    if m.vision is not None and d.image_size % m.vision.patch_size:
+        raise ConfigError(
+            f"data.image_size ({d.image_size}) must be a multiple of model.vision.patch_size ({m.vision.patch_size})"
+        )
+    tokens = sequence_tokens(m, d)
+    if tokens.llm > d.max_seq_len:
+        raise ConfigError(
+            f"data.max_seq_len ({d.max_seq_len}) is below the mean LLM tokens per sample ({tokens.llm:g} = "
+            f"{tokens.text:g} text + {tokens.vision_llm:g} image + {tokens.audio_llm:g} audio)"
+        )
+    try:
+        resolve_frozen(m.frozen, layer_specs(m, d))
+    except ValueError as exc:
+        raise ConfigError(f"model.frozen: {exc}") from None
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _reject_unknown(raw: Mapping, valid: tuple[str, ...], path: str, where: str = "") -> None:
+    for key in raw:
+        if key not in valid:
+            dotted = f"{path}.{key}" if path else str(key)
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{dotted}'{hint}; valid keys{where}: {', '.join(valid)}")
+
+
+def _section_class(hint: Any) -> tuple[type | None, bool]:
+    """(section dataclass, optional?) for a field annotation, or (None, False) for a plain value."""
+    if dataclasses.is_dataclass(hint):
+        return hint, False
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0], True
+    return None, False
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path or '<root>'}: expected a mapping of settings, got {_describe(raw)}")
+    fields = dataclasses.fields(cls)
+    _reject_unknown(raw, tuple(f.name for f in fields), path)
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in fields:
+        key_path = f"{path}.{f.name}" if path else f.name
+        if f.name not in raw:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"{key_path}: required but missing")
+            continue
+        value = raw[f.name]
+        section, optional = _section_class(hints[f.name])
+        if section is not None and not (optional and value is None):
+            value = _build(section, value, key_path)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def config_from_dict(d: Any, source: str = "<dict>") -> JobConfig:
+    """Builds and validates a job from a plain dict (e.g. parsed YAML)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"<root>: {source} must hold a mapping of sections, got {_describe(d)}")
+    return _build(JobConfig, d, "")
+
+
+# libyaml's loader when built in: same results, many times faster.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_config(path: str | os.PathLike) -> JobConfig:
+    """Reads a YAML job file; a relative ``data.path`` is taken relative to the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.load(fh, Loader=_YAML_LOADER)
+    except FileNotFoundError:
+        raise ConfigError(f"<file>: config file {path!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"<file>: cannot read config file {path!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"<file>: {path} is not valid YAML{where}: {problem}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("data"), dict) and isinstance(raw["data"].get("path"), str):
+        data_path = os.path.expanduser(raw["data"]["path"])
+        raw["data"]["path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data_path)
+    return config_from_dict(raw, source=path)

@@ -1,0 +1,282 @@
+"""Per-layer and per-stage costs: the one currency every planning step uses.
+
+A ``ModelProfile`` is what both cost sources produce (the measured profiler in
+``oobleck_mm.profiling.profiler`` and the analytical model in
+``oobleck_mm.profiling.analytical``). ``stage_cost`` turns a contiguous layer
+range on ``d`` GPUs of one node into the forward/backward seconds and the
+memory the planner checks. Frozen-aware backward costs (Cornstarch eq. 3.1-3.3)
+are applied once, in ``effective_layers``, so no caller can forget them.
+
+Pure: no torch, no torch.distributed, no grpc.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# Modalities a layer may belong to. Encoder branches ("vision", "audio") run in
+# parallel in the model; the "text" trunk (token embedding + LLM) sits after all
+# of them, so a trainable encoder layer makes every later text layer back-propagate.
+MODALITIES = ("vision", "audio", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """Costs of one layer for one microbatch of the profiled size."""
+
+    name: str
+    """Layer name, e.g. ``vision.block3`` or ``llm.head``."""
+    modality: str
+    """``vision``, ``audio`` (encoder branches, projectors included) or ``text`` (LLM trunk)."""
+    forward_s: float
+    """Forward seconds."""
+    backward_weight_s: float
+    """Seconds of the weight-gradient part of backward (B_w, eq. 3.1)."""
+    backward_input_s: float
+    """Seconds of the input-gradient part of backward (B_d, eq. 3.1)."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Bytes kept alive from forward to backward for one microbatch."""
+    output_bytes: int
+    """Bytes of the layer's output for one microbatch (what a p2p send carries)."""
+    trainable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.modality not in MODALITIES:
+            raise ValueError(f"layer {self.name!r}: modality {self.modality!r} is not one of {MODALITIES}")
+        for name in ("forward_s", "backward_weight_s", "backward_input_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"layer {self.name!r}: {name} must be a finite number >= 0, got {value}")
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"layer {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_weight_s + self.backward_input_s
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state: what a layer move copies and what stays resident."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """Per-layer costs of a whole model at one microbatch size on one device kind."""
+
+    model_name: str
+    device: str
+    microbatch_size: int
+    layers: tuple[LayerCost, ...]
+    source: str = "analytical"
+    """``measured`` or ``analytical``."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"profile of {self.model_name!r} has no layers")
+        if self.microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def with_frozen(profile: ModelProfile, frozen: tuple[str, ...]) -> ModelProfile:
+    """Marks layers frozen by exact name (``llm.block1``) or by module (``vision.``).
+
+    An entry ending in ``.`` freezes every layer under it; any other entry
+    freezes only the layer of that exact name, so ``llm.block1`` never freezes
+    ``llm.block10``. A layer without parameters is never trainable: counting it
+    as trainable would make every later layer pay input gradients (eq. 3.3)
+    for nothing.
+    """
+
+    def is_frozen(name: str) -> bool:
+        return any(name == entry or (entry.endswith(".") and name.startswith(entry)) for entry in frozen)
+
+    layers = tuple(
+        replace(layer, trainable=layer.param_bytes > 0 and not is_frozen(layer.name)) for layer in profile.layers
+    )
+    return replace(profile, layers=layers)
+
+
+def needs_input_grad(layers: tuple[LayerCost, ...]) -> tuple[bool, ...]:
+    """For each layer: must it back-propagate input gradients (p(L) of eq. 3.3)?
+
+    A layer needs B_d only when a trainable layer sits *strictly before* it on
+    its data path: earlier in its own encoder branch, or, for the text trunk,
+    anywhere earlier in any branch. The seed's eq. 3.3 also counts the layer
+    itself, which charges the first trainable layer an input gradient nobody
+    consumes; we do not.
+    """
+    seen_trainable = {m: False for m in MODALITIES}
+    result = []
+    for layer in layers:
+        if layer.modality == "text":
+            before = any(seen_trainable.values())
+        else:
+            before = seen_trainable[layer.modality]
+        result.append(before)
+        if layer.trainable:
+            seen_trainable[layer.modality] = True
+    return tuple(result)
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveLayer:
+    """A layer's costs after frozen status is applied (eq. 3.2)."""
+
+    forward_s: float
+    backward_s: float
+    resident_bytes: int
+    """Params (+ grads + optimizer state when trainable)."""
+    activation_bytes: int
+    """Kept per in-flight microbatch; 0 when the layer runs no backward at all."""
+    output_bytes: int
+    grad_bytes: int
+    """Bytes all-reduced across replicas each iteration (0 when frozen)."""
+
+
+def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
+    """Applies eq. 3.2: B = (B_w if trainable) + (B_d if a trainable layer is before it)."""
+    out = []
+    for layer, input_grad in zip(profile.layers, needs_input_grad(profile.layers)):
+        backward = (layer.backward_weight_s if layer.trainable else 0.0) + (
+            layer.backward_input_s if input_grad else 0.0
+        )
+        runs_backward = layer.trainable or input_grad
+        out.append(
+            EffectiveLayer(
+                forward_s=layer.forward_s,
+                backward_s=backward,
+                resident_bytes=layer.state_bytes if layer.trainable else layer.param_bytes,
+                activation_bytes=layer.activation_bytes if runs_backward else 0,
+                output_bytes=layer.output_bytes,
+                grad_bytes=layer.grad_bytes if layer.trainable else 0,
+            )
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """What the planner knows about the hardware: homogeneous nodes of identical GPUs."""
+
+    gpus_per_node: int
+    device_memory_bytes: int
+    intra_node_bandwidth: float = 150e9
+    """Bytes/s between GPUs of one node (NVLink class)."""
+    inter_node_bandwidth: float = 12.5e9
+    """Bytes/s between nodes (100 Gb/s class)."""
+    p2p_latency_s: float = 20e-6
+    """Fixed cost of one message."""
+    max_gpus_per_stage: int = 1
+    """Largest GPU count of one stage (1, 2, 4 or 8 and <= gpus_per_node)."""
+    memory_headroom: float = 0.9
+    """Fraction of device memory the planner may fill (the rest: allocator, workspace)."""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.max_gpus_per_stage not in (1, 2, 4, 8):
+            raise ValueError(f"max_gpus_per_stage must be 1, 2, 4 or 8, got {self.max_gpus_per_stage}")
+        if self.device_memory_bytes <= 0:
+            raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes}")
+        if not 0 < self.memory_headroom <= 1:
+            raise ValueError(f"memory_headroom must be in (0, 1], got {self.memory_headroom}")
+
+    @property
+    def stage_gpu_options(self) -> tuple[int, ...]:
+        """GPU counts a stage may use on this cluster."""
+        return tuple(d for d in (1, 2, 4, 8) if d <= min(self.max_gpus_per_stage, self.gpus_per_node))
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.device_memory_bytes * self.memory_headroom
+
+    def transfer_s(self, num_bytes: float, cross_node: bool) -> float:
+        """Seconds to send ``num_bytes`` point to point."""
+        if num_bytes <= 0:
+            return 0.0
+        bandwidth = self.inter_node_bandwidth if cross_node else self.intra_node_bandwidth
+        return self.p2p_latency_s + num_bytes / bandwidth
+
+    def allreduce_s(self, num_bytes: float, participants: int, cross_node: bool) -> float:
+        """Ring all-reduce seconds: 2(p-1)/p of the bytes over the slowest link."""
+        if participants <= 1 or num_bytes <= 0:
+            return 0.0
+        bandwidth = self.inter_node_bandwidth if cross_node else self.intra_node_bandwidth
+        steps = 2 * (participants - 1)
+        return steps * self.p2p_latency_s + steps / participants * num_bytes / bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    forward_s: float
+    backward_s: float
+    resident_bytes: float
+    """Per GPU of the stage."""
+    activation_bytes: float
+    """Per GPU of the stage, per in-flight microbatch."""
+    output_bytes: int
+    """Bytes the stage sends to the next one per microbatch (its last layer's output)."""
+    grad_bytes: float
+    """Per GPU: gradient bytes all-reduced across replicas per iteration."""
+
+    def memory_bytes(self, in_flight: int) -> float:
+        return self.resident_bytes + self.activation_bytes * in_flight
+
+
+class LayerPrefix:
+    """Prefix sums over effective layers, so any stage [u, v) costs O(1)."""
+
+    __slots__ = ("layers", "fwd", "bwd", "resident", "act", "grad")
+
+    def __init__(self, layers: tuple[EffectiveLayer, ...]):
+        self.layers = layers
+        self.fwd = _prefix([l.forward_s for l in layers])
+        self.bwd = _prefix([l.backward_s for l in layers])
+        self.resident = _prefix([l.resident_bytes for l in layers])
+        self.act = _prefix([l.activation_bytes for l in layers])
+        self.grad = _prefix([l.grad_bytes for l in layers])
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, num_gpus: int) -> StageCost:
+    """Costs of layers [start, end) run as one stage on ``num_gpus`` GPUs of one node.
+
+    With d > 1 GPUs the stage is sharded (tensor parallel): compute and state
+    divide by d, and each layer pays two all-reduces of its output in forward
+    and two in backward over the node's links (Megatron-style). This makes
+    wide stages pay for their collectives instead of looking free.
+    """
+    assert 0 <= start < end <= len(prefix.layers) and num_gpus >= 1
+    d = num_gpus
+    forward = (prefix.fwd[end] - prefix.fwd[start]) / d
+    backward = (prefix.bwd[end] - prefix.bwd[start]) / d
+    if d > 1:
+        for layer in prefix.layers[start:end]:
+            collective = 2 * cluster.allreduce_s(layer.output_bytes / d, d, cross_node=False)
+            forward += collective
+            if layer.backward_s > 0:
+                backward += collective
+    return StageCost(
+        forward_s=forward,
+        backward_s=backward,
+        resident_bytes=(prefix.resident[end] - prefix.resident[start]) / d,
+        activation_bytes=(prefix.act[end] - prefix.act[start]) / d,
+        output_bytes=prefix.layers[end - 1].output_bytes,
+        grad_bytes=(prefix.grad[end] - prefix.grad[start]) / d,
+    )

@@ -1,0 +1,406 @@
+"""GPU-stage mapping of pipeline templates and the node specification (§2.4.1).
+
+This module owns two decisions of the seed's template generator:
+
+* **GPU-stage mapping** (§2.4.1.2): for ``n`` nodes of ``M`` GPUs, cut the
+  model's ``L`` layers into contiguous stages and give each stage ``d`` GPUs of
+  one node (``d`` in ``cluster.stage_gpu_options``) so that every GPU is used.
+  Pipeline order is node order; inside a node the GPUs are taken in index order.
+* **Node specification** (§2.4.1.1): ``n0`` (the fewest nodes that hold the
+  model) and the consecutive node counts ``n0 .. min(N - f n0, largest
+  mappable)`` that satisfy the Frobenius coverage condition.
+
+Objective
+---------
+The exact 1F1B iteration time (``pipeline_time``) couples neighbouring stages
+and is not decomposable over stages, so the DP solves the lexicographic
+objective that bounds it: (1) minimise the bottleneck stage cost
+``c_k = F_k + B_k + send_activation_s[k] + send_grad_s[k]`` (both transfers of
+boundary ``k`` are charged to the stage that sends the activation; the last
+stage has none), then (2) among the mappings with that bottleneck, minimise
+``sum_k c_k`` (the fill/drain part). Two exact passes: a min-max DP, then a
+min-sum DP in which every stage costlier than the bottleneck is masked out.
+
+The DP
+------
+It runs over *suffixes* of the pipeline's GPU sequence: ``V_g[w]`` is the best
+value for layers ``[w, L)`` on the last ``g`` GPUs, starting at a stage
+boundary. The first stage of that suffix takes ``d`` GPUs and layers
+``[w, w')``; it is legal when it stays inside one node, and its outgoing
+boundary is intra-node, cross-node or absent (last stage) depending on where
+the remaining ``g - d`` GPUs start. Because ``V_g`` is indexed from the end of
+the pipeline, the node-local offset of a suffix start does not depend on the
+template's size, so one chain ``V_0, V_1, ...`` serves every template at once
+(``V_{nM}[0]`` is template ``n``'s optimum): this is the seed's memoisation,
+templates share sub-results. Each transition is one numpy min over an
+``(L+1) x (L+1)`` matrix, so a chain costs ``O(n M |options| L^2)``.
+(The brief suggested per-node ``G[u, v]`` tables built by ``L^3`` matrix
+products; the GPU-level chain computes the same optimum with ``L^2`` per step.)
+
+Memory
+------
+Under 1F1B stage ``k`` of ``S`` keeps ``S - k`` microbatches of activations in
+flight (assuming at least ``S`` microbatches). Building from the back, the DP
+knows how many GPUs follow a stage but not how many stages, so it uses
+``in_flight = min(1 + gpus_after, 1 + L - w')`` (each later stage has at least
+one GPU and one layer). This is exact when ``max_gpus_per_stage == 1`` (every
+GPU is one stage) and never an underestimate otherwise, so a mapping the DP
+accepts always fits; with wider stages it may reject a few mappings that
+would fit. The reported ``StageSpec.memory_bytes`` uses the exact ``S - k``.
+
+Pure: numpy only; no torch, no torch.distributed, no grpc.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, ModelProfile, effective_layers, stage_cost
+from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
+
+# Kinds of a stage's outgoing boundary: what its activation send crosses.
+_INTRA, _CROSS, _LAST = 0, 1, 2
+# Relative slack when pass 2 masks stages above the bottleneck. Pass 1's
+# bottleneck is one of the very matrix entries pass 2 compares, so equality
+# already holds; the slack keeps it so should the passes ever round differently.
+_BOTTLENECK_SLACK = 1e-12
+
+_GiB = float(2**30)
+
+
+def map_stages(
+    profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, microbatches_hint: int | None = None
+) -> PipelineTemplate | None:
+    """The lexicographically best mapping of ``profile`` onto ``num_nodes`` nodes, or None if none fits.
+
+    ``microbatches_hint`` is accepted for API stability; the objective does not
+    depend on the microbatch count (``PipelineTemplate.iteration_time(M)`` is
+    exact for any ``M``), and memory assumes at least ``S`` microbatches.
+    """
+    _check_positive("num_nodes", num_nodes)
+    _check_hint(microbatches_hint)
+    planner = _Planner(profile, cluster)
+    if num_nodes > planner.max_nodes_by_layers:
+        return None
+    return planner.template(num_nodes)
+
+
+def min_nodes(profile: ModelProfile, cluster: ClusterSpec) -> int:
+    """n0: the fewest nodes on which a memory-feasible mapping exists (ValueError when none does)."""
+    return _Planner(profile, cluster).min_nodes()
+
+
+def build_templates(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    num_nodes: int,
+    fault_tolerance: int,
+    microbatches_hint: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> TemplateSet:
+    """Templates for every node count ``n0 .. min(N - f n0, largest mappable)`` (§2.4.1.1).
+
+    "Largest mappable" is the last count of the consecutive run from ``n0`` for
+    which a memory-feasible mapping exists (a pipeline needs at least one layer
+    per stage; memory is not always monotone in the node count because more
+    stages keep more microbatches in flight on the first ones).
+    """
+    _check_positive("num_nodes", num_nodes)
+    if fault_tolerance < 0:
+        raise ValueError(f"fault_tolerance must be >= 0, got {fault_tolerance}")
+    _check_hint(microbatches_hint)
+    planner = _Planner(profile, cluster)
+    n0 = planner.min_nodes()
+    f = fault_tolerance
+    if num_nodes < (f + 1) * n0:
+        raise ValueError(
+            f"num_nodes ({num_nodes}) < (fault_tolerance ({f}) + 1) x min_nodes ({n0}) = {(f + 1) * n0}: "
+            f"{f + 1} replica(s) of model {profile.model_name!r} need at least {(f + 1) * n0} nodes; "
+            f"use num_nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1)
+        )
+    budget_max = num_nodes - f * n0
+    n_max = planner.last_feasible_from(n0, budget_max)
+    _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, planner.max_nodes_by_layers)
+    templates = []
+    for n in range(n0, n_max + 1):
+        template = planner.template(n)
+        assert template is not None, n  # last_feasible_from checked pass 1
+        templates.append(template)
+        if progress is not None:
+            progress(_describe(template))
+    return TemplateSet(min_nodes=n0, templates=tuple(templates))
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_hint(microbatches_hint: int | None) -> None:
+    if microbatches_hint is not None and microbatches_hint < 1:
+        raise ValueError(f"microbatches_hint must be >= 1 or None, got {microbatches_hint}")
+
+
+def _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, layer_max) -> None:
+    """Frobenius condition (§2.4.1.1, appendix A.1): p > n0 - 1 consecutive node counts."""
+    p = n_max - n0 + 1
+    if p >= n0:
+        return
+    if n_max == budget_max:
+        fix = (
+            f"N - f n0 must reach 2 n0 - 1 = {2 * n0 - 1}: use num_nodes >= {(f + 2) * n0 - 1}"
+            + _or_fault_tolerance((num_nodes - 2 * n0 + 1) // n0)
+        )
+    elif n_max == layer_max:
+        fix = (
+            f"the model's {profile.num_layers} layers fill at most {layer_max} nodes of "
+            f"{cluster.gpus_per_node} GPUs with max_gpus_per_stage={cluster.max_gpus_per_stage}; "
+            f"raise max_gpus_per_stage so fewer stages fill a node"
+        )
+    else:
+        fix = f"no memory-feasible mapping exists on {n_max + 1} nodes; more device memory would help"
+    raise ValueError(
+        f"templates for {n0}..{n_max} nodes give p = {p} node counts, but covering every node count "
+        f">= (f + 1) n0 = {(f + 1) * n0} needs p > n0 - 1, i.e. at least n0 = {n0} consecutive counts: {fix}"
+    )
+
+
+def _or_fault_tolerance(largest: int) -> str:
+    return f" or fault_tolerance <= {largest}" if largest >= 0 else ""
+
+
+def _describe(template: PipelineTemplate) -> str:
+    costs = _stage_objective(template)
+    return (
+        f"template {template.num_nodes} nodes: {template.num_stages} stages, "
+        f"bottleneck {max(costs):.4g} s, sum {sum(costs):.4g} s"
+    )
+
+
+def _stage_objective(template: PipelineTemplate) -> list[float]:
+    """c_k = F_k + B_k + transfers of boundary k (charged to the sender of the activation)."""
+    sends = [a + g for a, g in zip(template.send_activation_s, template.send_grad_s)] + [0.0]
+    return [s.forward_s + s.backward_s + c for s, c in zip(template.stages, sends)]
+
+
+def _min_stages_per_node(gpus_per_node: int, options: tuple[int, ...]) -> int:
+    """Fewest stages whose GPU counts (from ``options``) add up to one node."""
+    best = [0] + [math.inf] * gpus_per_node
+    for x in range(1, gpus_per_node + 1):
+        best[x] = 1 + min(best[x - d] for d in options if d <= x)
+    return int(best[gpus_per_node])
+
+
+class _CostTables:
+    """Stage costs of every layer range ``[w, w')`` on ``d`` GPUs, as ``(L+1) x (L+1)`` matrices.
+
+    ``stage_cost`` is additive over layers (compute, collectives and bytes are
+    per-layer sums; only ``output_bytes`` is the last layer's), so one call per
+    (layer, d) plus prefix sums reproduce it for every range in O(L^2) numpy
+    work instead of O(L^3) Python calls. The brute-force test holds the DP to
+    ``stage_cost`` itself, so a non-additive change there would be caught.
+    """
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec):
+        self.prefix = LayerPrefix(effective_layers(profile))
+        self.cluster = cluster
+        self.num_layers = L = profile.num_layers
+        self.options = cluster.stage_gpu_options
+        self.usable = cluster.usable_memory_bytes
+        upper = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)  # w < w': a stage has >= 1 layer
+        out_bytes = [self.prefix.layers[max(v - 1, 0)].output_bytes for v in range(L + 1)]
+        comm = {
+            _INTRA: np.array([2 * cluster.transfer_s(b, cross_node=False) for b in out_bytes]),
+            _CROSS: np.array([2 * cluster.transfer_s(b, cross_node=True) for b in out_bytes]),
+            _LAST: np.zeros(L + 1),
+        }
+        self.time: dict[tuple[int, int], np.ndarray] = {}
+        self._resident: dict[int, np.ndarray] = {}
+        self._activation: dict[int, np.ndarray] = {}
+        for d in self.options:
+            per_layer = [stage_cost(self.prefix, cluster, k, k + 1, d) for k in range(L)]
+            compute = _range_sums([c.forward_s + c.backward_s for c in per_layer], upper)
+            for kind, vec in comm.items():
+                self.time[(d, kind)] = compute + vec[None, :]
+            self._resident[d] = _range_sums([c.resident_bytes for c in per_layer], upper)
+            self._activation[d] = _range_sums([c.activation_bytes for c in per_layer], upper)
+        self._feasible: dict[tuple[int, int], np.ndarray] = {}
+
+    def in_flight(self, gpus_after: int) -> np.ndarray:
+        """Per end layer w': microbatches the stage may hold (see module docstring), never an underestimate."""
+        ends = np.arange(self.num_layers + 1)
+        return np.minimum(1 + gpus_after, 1 + self.num_layers - ends)
+
+    def memory(self, d: int, gpus_after: int) -> np.ndarray:
+        """Peak bytes per GPU of every stage ``[w, w')`` on ``d`` GPUs (inf where w >= w')."""
+        return self._resident[d] + self._activation[d] * self.in_flight(gpus_after)[None, :]
+
+    def feasible(self, d: int, gpus_after: int) -> np.ndarray:
+        # Beyond L - 1 GPUs after, in_flight no longer depends on gpus_after.
+        key = (d, min(gpus_after, self.num_layers - 1))
+        mask = self._feasible.get(key)
+        if mask is None:
+            mask = self._feasible[key] = self.memory(d, gpus_after) <= self.usable
+        return mask
+
+
+def _range_sums(values: list[float], valid: np.ndarray) -> np.ndarray:
+    """S[w, w'] = sum(values[w:w']) where w < w', inf elsewhere."""
+    cum = np.concatenate(([0.0], np.cumsum(values)))
+    sums = cum[None, :] - cum[:, None]
+    return np.where(valid, sums, np.inf)
+
+
+# cost_fn(d, boundary kind, gpus after the stage) -> (L+1) x (L+1) stage values (inf = forbidden).
+_CostFn = Callable[[int, int, int], np.ndarray]
+
+
+class _SuffixChain:
+    """V_g[w]: best value for layers [w, L) on the last g GPUs of a pipeline (module docstring)."""
+
+    def __init__(self, tables: _CostTables, cost_fn: _CostFn, combine: Callable, keep_argmin: bool):
+        self.tables = tables
+        self.gpus_per_node = tables.cluster.gpus_per_node
+        self.cost_fn = cost_fn
+        self.combine = combine
+        self.keep_argmin = keep_argmin
+        L = tables.num_layers
+        start = np.full(L + 1, np.inf)
+        start[L] = 0.0  # no GPUs left: only the empty layer suffix is done
+        self.values: list[np.ndarray] = [start]
+        self.choice: list[tuple[np.ndarray, np.ndarray] | None] = [None]
+        self._rows = np.arange(L + 1)
+
+    def extend_to(self, num_gpus: int) -> None:
+        while len(self.values) <= num_gpus:
+            self._step(len(self.values))
+
+    def best(self, num_nodes: int) -> float:
+        g = num_nodes * self.gpus_per_node
+        self.extend_to(g)
+        return float(self.values[g][0])
+
+    def _step(self, g: int) -> None:
+        M = self.gpus_per_node
+        offset = (-g) % M  # node-local GPU index where this suffix starts
+        best_vals, best_ends, gpu_counts = [], [], []
+        for d in self.tables.options:
+            if offset + d > M or d > g:
+                continue  # a stage never spans nodes
+            after = g - d
+            kind = _LAST if after == 0 else (_CROSS if after % M == 0 else _INTRA)
+            candidates = self.combine(self.cost_fn(d, kind, after), self.values[after][None, :])
+            ends = np.argmin(candidates, axis=1)
+            best_vals.append(candidates[self._rows, ends])
+            best_ends.append(ends)
+            gpu_counts.append(d)
+        stacked = np.stack(best_vals)
+        pick = np.argmin(stacked, axis=0)
+        self.values.append(stacked[pick, self._rows])
+        if self.keep_argmin:
+            self.choice.append((np.asarray(gpu_counts)[pick], np.stack(best_ends)[pick, self._rows]))
+
+    def stages(self, num_nodes: int) -> list[tuple[int, int, int, int, int]]:
+        """(layer start, layer end, node, first local gpu, d) of the optimum on ``num_nodes`` nodes."""
+        M = self.gpus_per_node
+        total = g = num_nodes * M
+        w, out = 0, []
+        while g > 0:
+            gpu_counts, ends = self.choice[g]
+            d, end = int(gpu_counts[w]), int(ends[w])
+            position = total - g
+            out.append((w, end, position // M, position % M, d))
+            g, w = g - d, end
+        assert w == self.tables.num_layers, (w, out)
+        return out
+
+
+class _Planner:
+    """Cost tables and the shared pass-1 (min-max) chain of one (profile, cluster)."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec):
+        self.profile = profile
+        self.cluster = cluster
+        self.tables = _CostTables(profile, cluster)
+        stages_per_node = _min_stages_per_node(cluster.gpus_per_node, self.tables.options)
+        self.max_nodes_by_layers = profile.num_layers // stages_per_node
+        self.bottleneck_chain = _SuffixChain(self.tables, self._feasible_time, np.maximum, keep_argmin=False)
+
+    def _feasible_time(self, d: int, kind: int, gpus_after: int) -> np.ndarray:
+        return np.where(self.tables.feasible(d, gpus_after), self.tables.time[(d, kind)], np.inf)
+
+    def bottleneck(self, num_nodes: int) -> float:
+        return self.bottleneck_chain.best(num_nodes)
+
+    def min_nodes(self) -> int:
+        for n in range(1, self.max_nodes_by_layers + 1):
+            if math.isfinite(self.bottleneck(n)):
+                return n
+        raise ValueError(self._does_not_fit_message())
+
+    def last_feasible_from(self, first: int, limit: int) -> int:
+        n = first
+        while n < min(limit, self.max_nodes_by_layers) and math.isfinite(self.bottleneck(n + 1)):
+            n += 1
+        return n
+
+    def template(self, num_nodes: int) -> PipelineTemplate | None:
+        bound = self.bottleneck(num_nodes)
+        if not math.isfinite(bound):
+            return None
+        threshold = bound * (1 + _BOTTLENECK_SLACK)
+        capped = {key: np.where(t <= threshold, t, np.inf) for key, t in self.tables.time.items()}
+
+        def cost(d: int, kind: int, gpus_after: int) -> np.ndarray:
+            return np.where(self.tables.feasible(d, gpus_after), capped[(d, kind)], np.inf)
+
+        chain = _SuffixChain(self.tables, cost, np.add, keep_argmin=True)
+        chain.extend_to(num_nodes * self.cluster.gpus_per_node)
+        return self._assemble(num_nodes, chain.stages(num_nodes))
+
+    def _assemble(self, num_nodes: int, cuts: list[tuple[int, int, int, int, int]]) -> PipelineTemplate:
+        """Turns DP cuts into StageSpecs with costs straight from ``stage_cost``."""
+        num_stages = len(cuts)
+        stages, sends = [], []
+        for k, (start, end, node, first_gpu, d) in enumerate(cuts):
+            cost = stage_cost(self.tables.prefix, self.cluster, start, end, d)
+            stages.append(
+                StageSpec(
+                    layer_start=start,
+                    layer_end=end,
+                    node=node,
+                    gpus=tuple(range(first_gpu, first_gpu + d)),
+                    forward_s=cost.forward_s,
+                    backward_s=cost.backward_s,
+                    memory_bytes=cost.memory_bytes(num_stages - k),  # exact 1F1B in-flight count
+                    grad_bytes=cost.grad_bytes,
+                )
+            )
+            if k + 1 < num_stages:
+                sends.append(self.cluster.transfer_s(cost.output_bytes, cross_node=cuts[k + 1][2] != node))
+        return PipelineTemplate(
+            num_nodes=num_nodes,
+            gpus_per_node=self.cluster.gpus_per_node,
+            stages=tuple(stages),
+            send_activation_s=tuple(sends),
+            send_grad_s=tuple(sends),  # the activation's gradient has the activation's size
+        )
+
+    def _does_not_fit_message(self) -> str:
+        """Why no node count fits: the smallest worst-stage memory any mapping reaches."""
+        tables = self.tables
+        chain = _SuffixChain(tables, lambda d, kind, after: tables.memory(d, after), np.maximum, keep_argmin=False)
+        n_max = self.max_nodes_by_layers
+        worst = min((chain.best(n) for n in range(1, n_max + 1)), default=math.inf)
+        c = self.cluster
+        return (
+            f"model {self.profile.model_name!r} does not fit: even the best mapping on 1..{n_max} nodes "
+            f"of {c.gpus_per_node} GPUs (max_gpus_per_stage={c.max_gpus_per_stage}, 1F1B in-flight "
+            f"activations counted) needs {worst / _GiB:.3f} GiB ({worst:.0f} bytes) on its worst stage, "
+            f"but a GPU offers {c.usable_memory_bytes / _GiB:.3f} GiB (device_memory_bytes="
+            f"{c.device_memory_bytes} x memory_headroom={c.memory_headroom})"
+        )

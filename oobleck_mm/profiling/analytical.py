@@ -1,0 +1,251 @@
+"""Analytical layer costs: a roofline estimate of each layer from its shape, no hardware needed.
+
+Owns the device catalogue (``DEVICES``) and turns ``LayerSpec``s into the
+``ModelProfile`` the planner consumes, the same currency the measured profiler
+produces. Per layer and microbatch of ``b`` samples (``s`` = b * tokens per sample,
+``L`` = attention span, ``h`` hidden, ``P`` matmul weights):
+
+* FLOPs. Forward: ``2*P*s`` for the matmuls plus ``4*s*L*h`` for attention
+  (QK^T and AV), halved when causal. Backward splits (Cornstarch eq. 3.1) into
+  the weight gradients ``B_w = 2*P*s`` and the input gradients
+  ``B_d = 2*P*s + 2 * attention``: the attention core has no weights, and its
+  backward (dQ, dK, dV, dP) is twice its forward. So ``B_w + B_d = 2 F``, and a
+  frozen layer that only passes gradients through pays ``B_d`` alone.
+* Time of each pass: ``max(FLOPs / (peak * efficiency), bytes moved / memory
+  bandwidth)``; bytes moved = weights read once + the layer's input and output
+  activations. Embedding lookups and small layers are bandwidth-bound this way.
+* Memory: params and grads at ``bytes_per_param``; optimizer state at
+  ``optimizer_bytes_per_param``. Activations kept for backward per microbatch
+  follow Korthikanti et al. 2022 ("Reducing activation recomputation"): a
+  transformer block keeps ``s*(9h + 2*ffn)`` elements (``3*ffn`` for a gated FFN;
+  both give the paper's ``34*s*h`` bytes at 2 bytes and ffn = 4h) plus
+  ``5*a*s*L`` bytes of attention scores and masks at half precision (scaled with the
+  activation width). With ``flash_attention`` the scores are never stored: only the
+  fp32 softmax statistics, ``4*a*s`` bytes (its backward recomputes the scores; that
+  extra half of the attention forward is not counted). Linear layers keep their
+  input (+ output for the projector's activation); the LM head keeps its input, its
+  norm's input and fp32 logits; the token embedding keeps only the int64 ids.
+* Activation checkpointing: a layer keeps only its input, and backward re-runs the
+  forward, charged to B_w and B_d in proportion to their sizes. A layer running both
+  pays exactly one forward; one running only B_d (frozen, gradients passing through)
+  is charged just B_d's share, an underestimate the B_w/B_d split cannot avoid.
+* Output: ``s*h`` activations (logits for the head) plus, for an encoder branch
+  that follows another one, the already projected tokens of the earlier branch,
+  which must travel with it to the LLM.
+
+Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from oobleck_mm.model.spec import LayerSpec, layer_specs, matmul_param_count, param_count, resolve_frozen
+from oobleck_mm.planning.costs import LayerCost, ModelProfile
+
+if TYPE_CHECKING:  # config.py imports this module for DEVICES
+    from oobleck_mm.config import JobConfig
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator kind as the cost model sees it."""
+
+    name: str
+    peak_flops: float
+    """Dense FLOP/s at the training dtype (bf16 on GPUs, fp32 on the CPU); no sparsity."""
+    memory_bytes: int
+    memory_bandwidth: float
+    """Bytes/s of device memory."""
+    efficiency: float = 0.45
+    """Fraction of peak FLOP/s real kernels achieve."""
+    bytes_per_param: int = 2
+    """Bytes of a weight, its gradient and an activation element at the training dtype."""
+    optimizer_bytes_per_param: int = 12
+    """Adam state per parameter: fp32 master copy + two moments for mixed precision (12), two moments in fp32 (8)."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "memory_bytes", "memory_bandwidth", "bytes_per_param"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"device {self.name!r}: {name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"device {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if self.optimizer_bytes_per_param < 0:
+            raise ValueError(
+                f"device {self.name!r}: optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param}"
+            )
+
+    def with_dtype(self, dtype: str) -> DeviceSpec:
+        """The same device training in ``dtype``: byte widths change, peak FLOP/s is kept."""
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {dtype!r}")
+        return replace(self, bytes_per_param=DTYPE_BYTES[dtype][0], optimizer_bytes_per_param=DTYPE_BYTES[dtype][1])
+
+
+# dtype -> (bytes per weight/grad/activation, Adam bytes per parameter). Half types train
+# with an fp32 master copy (4) + two fp32 moments (8); full types need only the moments.
+DTYPE_BYTES = {"bfloat16": (2, 12), "float16": (2, 12), "float32": (4, 8), "float64": (8, 16)}
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        # A desktop CPU core pool in fp32; what the tiny test models run on.
+        DeviceSpec(name="cpu", peak_flops=1e11, memory_bytes=24 * GiB, memory_bandwidth=20e9,
+                   efficiency=0.5, bytes_per_param=4, optimizer_bytes_per_param=8),
+        # A40: 149.7 TFLOPS bf16 is with 2:4 sparsity; dense is half of it. 48 GB GDDR6.
+        DeviceSpec(name="a40", peak_flops=74.8e12, memory_bytes=48 * GiB, memory_bandwidth=696e9),
+        DeviceSpec(name="a100-40gb", peak_flops=312e12, memory_bytes=40 * GiB, memory_bandwidth=1555e9),
+        DeviceSpec(name="a100-80gb", peak_flops=312e12, memory_bytes=80 * GiB, memory_bandwidth=2039e9),
+        # H100 SXM: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s.
+        DeviceSpec(name="h100", peak_flops=989e12, memory_bytes=80 * GiB, memory_bandwidth=3.35e12),
+    )
+}  # fmt: skip
+
+
+def get_device(device: DeviceSpec | str) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
+    return DEVICES[device]
+
+
+# --------------------------------------------------------------------------- per-layer model
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """FLOPs and bytes moved of one pass over one microbatch."""
+
+    flops: float
+    bytes_moved: float
+
+    def seconds(self, dev: DeviceSpec) -> float:
+        return max(self.flops / (dev.peak_flops * dev.efficiency), self.bytes_moved / dev.memory_bandwidth)
+
+
+def _in_width(spec: LayerSpec) -> int:
+    # The token embedding reads ids and table rows: count the rows it gathers.
+    return spec.hidden if spec.kind == "token_embed" else spec.in_features
+
+
+def _out_width(spec: LayerSpec) -> int:
+    return spec.vocab_size if spec.kind == "lm_head" else spec.hidden
+
+
+def _passes(spec: LayerSpec, tokens: float, dev: DeviceSpec) -> tuple[_Work, _Work, _Work]:
+    """(forward, backward weight-grad, backward input-grad) work of one microbatch."""
+    matmul = 2.0 * matmul_param_count(spec) * tokens
+    attention = 4.0 * tokens * spec.attention_len * spec.hidden * (0.5 if spec.causal else 1.0)
+    # A lookup reads the rows it gathers, not the whole table.
+    weights = 0.0 if spec.kind == "token_embed" else param_count(spec) * dev.bytes_per_param
+    io = tokens * (_in_width(spec) + _out_width(spec)) * dev.bytes_per_param
+    forward = _Work(matmul + attention, weights + io)
+    backward_weight = _Work(matmul, weights + io)
+    # The embedding's input is integer ids: no input gradient beyond passing the merged
+    # encoder tokens' gradients through, a copy.
+    backward_input = _Work(0.0, io) if spec.kind == "token_embed" else _Work(matmul + 2 * attention, weights + io)
+    return forward, backward_weight, backward_input
+
+
+def _activation_bytes(spec: LayerSpec, tokens: float, bpa: int, checkpointing: bool, flash: bool) -> float:
+    if checkpointing:
+        return tokens * _in_width(spec) * bpa if spec.kind != "token_embed" else tokens * 8
+    if spec.kind == "block":
+        ffn_tensors = 3 if spec.gated_ffn else 2
+        linear = tokens * (9 * spec.hidden + ffn_tensors * spec.ffn_hidden) * bpa
+        if spec.attention_len == 0:
+            return linear
+        if flash:
+            return linear + 4 * spec.num_heads * tokens
+        return linear + 5 * spec.num_heads * tokens * spec.attention_len * bpa / 2
+    if spec.kind == "token_embed":
+        return tokens * 8  # int64 ids
+    if spec.kind == "lm_head":
+        return tokens * (2 * spec.hidden * bpa + 4 * spec.vocab_size)
+    if spec.kind == "projector":
+        return tokens * (spec.in_features + spec.hidden) * bpa
+    return tokens * spec.in_features * bpa  # patch/frame embedding: its input
+
+
+def _layer_cost(
+    spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool
+) -> LayerCost:
+    tokens = spec.tokens_per_sample * microbatch_size
+    forward, b_weight, b_input = (w.seconds(dev) for w in _passes(spec, tokens, dev))
+    if checkpointing and b_weight + b_input > 0:
+        # Recompute runs once before either half; charge it in proportion so that a layer
+        # running both halves pays exactly one forward.
+        share = b_weight / (b_weight + b_input)
+        b_weight, b_input = b_weight + forward * share, b_input + forward * (1 - share)
+    params = param_count(spec)
+    return LayerCost(
+        name=spec.name,
+        modality=spec.modality,
+        forward_s=forward,
+        backward_weight_s=b_weight,
+        backward_input_s=b_input,
+        param_bytes=params * dev.bytes_per_param,
+        grad_bytes=params * dev.bytes_per_param,
+        optimizer_bytes=params * dev.optimizer_bytes_per_param,
+        activation_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, checkpointing, flash)),
+        output_bytes=math.ceil(tokens * _out_width(spec) * dev.bytes_per_param),
+    )
+
+
+def analytical_profile(
+    specs: Sequence[LayerSpec],
+    device: DeviceSpec | str,
+    microbatch_size: int,
+    model_name: str,
+    activation_checkpointing: bool = False,
+    flash_attention: bool = False,
+) -> ModelProfile:
+    """Costs of every layer for one microbatch of ``microbatch_size`` samples on ``device``.
+
+    ``flash_attention=False`` (the default) keeps Korthikanti's materialised attention scores.
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    dev = get_device(device)
+    own = [_layer_cost(spec, dev, microbatch_size, activation_checkpointing, flash_attention) for spec in specs]
+    layers: list[LayerCost] = []
+    carried = 0  # bytes of finished encoder branches' projected tokens, en route to the LLM
+    for i, (spec, cost) in enumerate(zip(specs, own)):
+        if i and specs[i - 1].modality not in (spec.modality, "text"):
+            carried += own[i - 1].output_bytes  # the previous branch just ended
+        if spec.modality != "text":
+            cost = replace(cost, output_bytes=cost.output_bytes + carried)
+        layers.append(cost)
+    return ModelProfile(
+        model_name=model_name,
+        device=dev.name,
+        microbatch_size=microbatch_size,
+        layers=tuple(layers),
+        source="analytical",
+    )
+
+
+def profile_from_config(job: JobConfig) -> ModelProfile:
+    """The analytical profile of a job: model and workload shape, dtype, device, attention and
+    checkpointing choices, frozen modules."""
+    specs = layer_specs(job.model, job.data)
+    device = get_device(job.cluster.device).with_dtype(job.training.dtype)
+    t = job.training
+    profile = analytical_profile(
+        specs,
+        device,
+        t.microbatch_size,
+        job.model.name,
+        activation_checkpointing=t.activation_checkpointing,
+        flash_attention=t.flash_attention,
+    )
+    # Exact names, not costs.with_frozen's prefixes: "llm.block1" must not freeze "llm.block10".
+    frozen = resolve_frozen(job.model.frozen, specs)
+    layers = tuple(replace(layer, trainable=layer.name not in frozen) for layer in profile.layers)
+    return replace(profile, layers=layers)

@@ -1,0 +1,223 @@
+"""Analytical cost model: FLOP accounting, the backward split, memory terms, frozen effects."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oobleck_mm.config import load_config
+from oobleck_mm.model.spec import LayerSpec, layer_specs, matmul_param_count, param_count
+from oobleck_mm.planning.costs import effective_layers
+from oobleck_mm.profiling.analytical import DEVICES, DeviceSpec, analytical_profile, get_device, profile_from_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def job(name: str):
+    return load_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
+
+
+def by_name(profile):
+    return {layer.name: layer for layer in profile.layers}
+
+
+# A device so fast at memory that every layer is compute-bound: times are FLOPs / rate.
+COMPUTE_BOUND = DeviceSpec(name="ideal", peak_flops=1e12, memory_bytes=2**40, memory_bandwidth=1e30, efficiency=1.0)
+
+
+def block(**overrides) -> LayerSpec:
+    base = dict(name="llm.block0", modality="text", kind="block", hidden=64, in_features=64, ffn_hidden=256,
+                num_heads=4, tokens_per_sample=100, attention_len=100)  # fmt: skip
+    return LayerSpec(**{**base, **overrides})
+
+
+def seconds_of(spec: LayerSpec, microbatch_size: int = 1):
+    layer = analytical_profile([spec], COMPUTE_BOUND, microbatch_size, "m").layers[0]
+    return layer.forward_s, layer.backward_weight_s, layer.backward_input_s
+
+
+def test_device_catalogue_uses_dense_peaks():
+    assert DEVICES["a40"].peak_flops == pytest.approx(74.8e12)  # 149.7 is with sparsity
+    assert DEVICES["a100-40gb"].peak_flops == DEVICES["a100-80gb"].peak_flops == pytest.approx(312e12)
+    assert DEVICES["h100"].peak_flops == pytest.approx(989e12)
+    assert DEVICES["h100"].memory_bytes == 80 * 2**30 and DEVICES["a100-40gb"].memory_bytes == 40 * 2**30
+    assert DEVICES["cpu"].bytes_per_param == 4 and DEVICES["cpu"].optimizer_bytes_per_param == 8
+    assert DEVICES["h100"].bytes_per_param == 2 and DEVICES["h100"].optimizer_bytes_per_param == 12
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        get_device("tpu")
+
+
+def test_forward_flops_are_matmuls_plus_attention():
+    spec = block(attention_len=0)
+    forward, _, _ = seconds_of(spec)
+    assert forward == pytest.approx(2 * matmul_param_count(spec) * 100 / 1e12)
+    with_attention, _, _ = seconds_of(block())
+    assert with_attention - forward == pytest.approx(4 * 100 * 100 * 64 / 1e12)
+
+
+def test_causal_attention_counts_half_the_quadratic_work():
+    plain = seconds_of(block())[0] - seconds_of(block(attention_len=0))[0]
+    causal = seconds_of(block(causal=True))[0] - seconds_of(block(attention_len=0, causal=True))[0]
+    assert causal == pytest.approx(plain / 2)
+
+
+def test_backward_splits_into_weight_and_input_grads_summing_to_twice_forward():
+    forward, b_weight, b_input = seconds_of(block())
+    assert b_weight + b_input == pytest.approx(2 * forward)
+    # The attention core has no weights: all of its backward is input-gradient work.
+    no_attention = seconds_of(block(attention_len=0))
+    assert b_weight == pytest.approx(no_attention[1])
+    assert b_input - b_weight == pytest.approx(2 * (forward - no_attention[0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.sampled_from([1, 2, 4, 8]),
+    kv_div=st.sampled_from([1, 2]),
+    head_dim=st.integers(1, 16),
+    ffn=st.integers(1, 512),
+    tokens=st.floats(1, 5000),
+    span=st.floats(0, 5000),
+    causal=st.booleans(),
+    gated=st.booleans(),
+)
+def test_backward_is_twice_forward_for_any_block_shape(heads, kv_div, head_dim, ffn, tokens, span, causal, gated):
+    spec = block(hidden=heads * head_dim, in_features=heads * head_dim, num_heads=heads,
+                 num_kv_heads=max(1, heads // kv_div), ffn_hidden=ffn, tokens_per_sample=tokens,
+                 attention_len=span, causal=causal, gated_ffn=gated)  # fmt: skip
+    forward, b_weight, b_input = seconds_of(spec)
+    assert b_weight + b_input == pytest.approx(2 * forward)
+    assert b_weight <= b_input and b_weight == pytest.approx(2 * matmul_param_count(spec) * tokens / 1e12)
+
+
+def test_compute_bound_times_scale_with_microbatch():
+    one = seconds_of(block(), microbatch_size=1)
+    four = seconds_of(block(), microbatch_size=4)
+    for a, b in zip(one, four):
+        assert b == pytest.approx(4 * a)
+
+
+def test_bandwidth_bound_layers_cost_bytes_over_bandwidth():
+    j = job("tiny_mm")
+    specs = layer_specs(j.model, j.data)
+    embed = by_name(analytical_profile(specs, "cpu", 2, "tiny"))["llm.embed"]
+    tokens = 2 * 32
+    # A lookup: no FLOPs, reads the gathered rows and writes them (fp32 on the cpu).
+    assert embed.forward_s == pytest.approx(tokens * 2 * 64 * 4 / DEVICES["cpu"].memory_bandwidth)
+    assert embed.forward_s > 0
+
+
+def test_gpt3_block_matches_korthikanti_activation_memory():
+    j = job("gpt3_2.7b")
+    specs = layer_specs(j.model, j.data)
+    layer = by_name(analytical_profile(specs, "a40", 2, "gpt"))["llm.block0"]
+    s, b, h, a = 2048, 2, 2560, 32
+    # 34sbh + 5as^2b bytes in half precision per transformer layer (Korthikanti et al. 2022, eq. 2).
+    assert layer.activation_bytes == pytest.approx(34 * s * b * h + 5 * a * s * s * b, rel=1e-9)
+    assert layer.output_bytes == s * b * h * 2
+    # Flash attention stores no scores, only fp32 softmax statistics per head and token.
+    flash = by_name(analytical_profile(specs, "a40", 2, "gpt", flash_attention=True))["llm.block0"]
+    assert flash.activation_bytes == pytest.approx(34 * s * b * h + 4 * a * s * b, rel=1e-9)
+    assert flash.forward_s == layer.forward_s and flash.backward_s == layer.backward_s
+
+
+def test_profile_from_config_applies_checkpointing_and_attention_choices():
+    j = job("gpt3_2.7b")  # activation checkpointing on, eager attention
+    specs = layer_specs(j.model, j.data)
+    from_config = by_name(profile_from_config(j))["llm.block0"]
+    direct = by_name(analytical_profile(specs, "a40", 2, "gpt", activation_checkpointing=True))["llm.block0"]
+    assert from_config.activation_bytes == direct.activation_bytes == 2 * 2048 * 2560 * 2
+    j.training.activation_checkpointing = False
+    j.training.flash_attention = True
+    flash = by_name(profile_from_config(j))["llm.block0"]
+    assert flash.activation_bytes == pytest.approx(34 * 2048 * 2 * 2560 + 4 * 32 * 2048 * 2, rel=1e-9)
+
+
+def test_state_bytes_follow_parameter_counts_and_dtype():
+    j = job("gpt3_2.7b")  # float16: 2-byte weights and grads, 12-byte Adam state
+    specs = {s.name: s for s in layer_specs(j.model, j.data)}
+    for layer in profile_from_config(j).layers:
+        params = param_count(specs[layer.name])
+        assert (layer.param_bytes, layer.grad_bytes, layer.optimizer_bytes) == (2 * params, 2 * params, 12 * params)
+    tiny = job("tiny_mm")  # float32 on the cpu: 4 + 4 + 8
+    head = by_name(profile_from_config(tiny))["llm.head"]
+    assert (head.param_bytes, head.optimizer_bytes) == (4 * (64 * 256 + 64), 8 * (64 * 256 + 64))
+    assert DEVICES["h100"].with_dtype("float32").bytes_per_param == 4
+    with pytest.raises(ValueError, match="dtype"):
+        DEVICES["h100"].with_dtype("int8")
+
+
+def test_profile_from_config_uses_the_job_shape():
+    j = job("mllm_10b")
+    profile = profile_from_config(j)
+    assert profile.model_name == "MLLM-10B" and profile.device == "h100" and profile.microbatch_size == 1
+    assert profile.source == "analytical"
+    assert [l.name for l in profile.layers] == [s.name for s in layer_specs(j.model, j.data)]
+    assert all(l.trainable for l in profile.layers)
+
+
+def test_later_encoder_branch_carries_the_earlier_branch_tokens():
+    j = job("tiny_mm_audio")
+    layers = by_name(profile_from_config(j))
+    vision_out = layers["vision.projector"].output_bytes
+    alone = 2 * 8 * 32 * 4  # microbatch 2 x 8 audio tokens x hidden 32 x fp32
+    assert layers["audio.block0"].output_bytes == alone + vision_out
+    # The LLM sequence already contains them: no double counting after the merge.
+    assert layers["llm.block0"].output_bytes == 2 * (16 + 16 + 8) * 64 * 4
+
+
+def test_activation_checkpointing_trades_memory_for_one_recomputed_forward():
+    j = job("gpt3_2.7b")
+    specs = layer_specs(j.model, j.data)
+    plain = by_name(analytical_profile(specs, "a40", 2, "gpt"))["llm.block3"]
+    ckpt = by_name(analytical_profile(specs, "a40", 2, "gpt", activation_checkpointing=True))["llm.block3"]
+    assert ckpt.activation_bytes == 2 * 2048 * 2560 * 2  # only the block's input
+    assert ckpt.activation_bytes < plain.activation_bytes / 10
+    assert ckpt.backward_s == pytest.approx(plain.backward_s + plain.forward_s)
+    assert ckpt.forward_s == plain.forward_s
+
+
+# --------------------------------------------------------------------------- frozen effects
+
+
+def test_cornstarch_frozen_encoders_and_llm_pay_only_what_they_must():
+    j = job("cornstarch_mllm_sss")
+    profile = profile_from_config(j)
+    layers = by_name(profile)
+    trainable = {l.name for l in profile.layers if l.trainable}
+    assert trainable == {"vision.projector0", "vision.projector1", "audio.projector0", "audio.projector1"}
+    effective = dict(zip(layers, effective_layers(profile)))
+    # Frozen encoders before any trainable layer run no backward and keep no activations.
+    for name in ("vision.embed", "vision.block5", "audio.block3"):
+        assert effective[name].backward_s == 0 and effective[name].activation_bytes == 0
+        assert effective[name].resident_bytes == layers[name].param_bytes
+    # The first projector layer has nothing trainable before it: weight grads only.
+    assert effective["vision.projector0"].backward_s == pytest.approx(layers["vision.projector0"].backward_weight_s)
+    assert effective["vision.projector1"].backward_s == pytest.approx(layers["vision.projector1"].backward_s)
+    # The frozen LLM must pass gradients back to the projectors: input grads only.
+    block = layers["llm.block7"]
+    assert effective["llm.block7"].backward_s == pytest.approx(block.backward_input_s)
+    assert 0 < block.backward_input_s < block.backward_s
+    assert effective["llm.block7"].grad_bytes == 0
+
+
+def test_freezing_reduces_total_backward_and_state():
+    j = job("cornstarch_mllm_sss")
+    frozen = profile_from_config(j)
+    all_trainable = replace(frozen, layers=tuple(replace(l, trainable=True) for l in frozen.layers))
+    eff_frozen, eff_all = effective_layers(frozen), effective_layers(all_trainable)
+    assert sum(e.backward_s for e in eff_frozen) < 0.6 * sum(e.backward_s for e in eff_all)
+    assert sum(e.resident_bytes for e in eff_frozen) < 0.2 * sum(e.resident_bytes for e in eff_all)
+    # Forward work does not depend on what is trained.
+    assert [e.forward_s for e in eff_frozen] == [e.forward_s for e in eff_all]
+
+
+def test_frozen_layer_names_in_config_are_exact():
+    j = job("gpt3_2.7b")
+    j.model.frozen = ("llm.block1",)
+    frozen = {l.name for l in profile_from_config(j).layers if not l.trainable}
+    assert frozen == {"llm.block1"}  # llm.block10..19 stay trainable

@@ -1,0 +1,259 @@
+"""Job configuration: every mistake names its field; units parse; defaults fill; round trips."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+
+import pytest
+import yaml
+
+from oobleck_mm.config import ConfigError, JobConfig, config_from_dict, load_config
+from oobleck_mm.profiling.analytical import DEVICES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+TINY = os.path.join(ROOT, "configs", "tiny_mm.yaml")
+DELETE = object()
+
+
+def tiny_dict() -> dict:
+    with open(TINY, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def with_value(d: dict, dotted: str, value) -> dict:
+    """A deep copy of ``d`` with ``dotted`` set to ``value`` (or removed for DELETE)."""
+    d = copy.deepcopy(d)
+    *parents, last = dotted.split(".")
+    node = d
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return d
+
+
+MINIMAL = {"model": {"name": "m", "llm": {"num_layers": 2, "hidden": 16, "num_heads": 2, "vocab_size": 32}}}
+
+
+def test_every_shipped_config_loads_and_round_trips():
+    assert len(CONFIGS) >= 10
+    for path in CONFIGS:
+        job = load_config(path)
+        assert config_from_dict(job.to_dict()) == job, path
+        # to_dict must be plain YAML (no timedelta or tuple objects).
+        assert config_from_dict(yaml.safe_load(yaml.safe_dump(job.to_dict()))) == job, path
+
+
+def test_shipped_paper_configs_match_their_setups():
+    gpt = load_config(os.path.join(ROOT, "configs", "gpt3_2.7b.yaml"))
+    assert (gpt.training.global_batch, gpt.training.microbatch_size, gpt.data.max_seq_len) == (1024, 2, 2048)
+    assert (gpt.cluster.nodes, gpt.cluster.gpus_per_node, gpt.cluster.device) == (30, 1, "a40")
+    assert gpt.cluster.device_memory == 40 * 10**9 and gpt.fault_tolerance.f == 1
+    orch = load_config(os.path.join(ROOT, "configs", "mllm_84b.yaml"))
+    assert (orch.cluster.device, orch.cluster.gpus_per_node, orch.model.llm.num_layers) == ("h100", 8, 80)
+    corn = load_config(os.path.join(ROOT, "configs", "cornstarch_mllm_sss.yaml"))
+    assert set(corn.model.frozen) == {"vision", "audio", "llm"}
+    assert (corn.training.global_batch, corn.training.microbatch_size, corn.cluster.nodes) == (48, 4, 6)
+
+
+def test_tiny_config_is_the_described_model():
+    job = load_config(TINY)
+    assert job.model.vision.num_layers == 2 and job.model.vision.hidden == 32
+    assert job.model.llm.num_layers == 4 and job.model.llm.hidden == 64 and job.model.llm.vocab_size == 256
+    assert (job.data.image_size, job.model.vision.patch_size) == (32, 8)
+    assert (job.training.global_batch, job.training.microbatch_size, job.fault_tolerance.f) == (16, 2, 1)
+    assert (job.cluster.nodes, job.cluster.gpus_per_node, job.cluster.device) == (4, 1, "cpu")
+    audio = load_config(os.path.join(ROOT, "configs", "tiny_mm_audio.yaml"))
+    assert audio.model.audio.num_layers == 2
+
+
+def test_defaults_fill_a_minimal_config():
+    job = config_from_dict(MINIMAL)
+    assert job.model.llm.ffn_hidden == 64 and job.model.llm.num_kv_heads == 2
+    assert job.model.vision is None and job.model.audio is None and job.model.frozen == ()
+    assert job.data.kind == "synthetic" and job.training.optimizer.type == "AdamW"
+    assert job.training.scheduler is None and job.training.optimizer.params.betas == (0.9, 0.999)
+    assert job.training.flash_attention and not job.training.activation_checkpointing
+    assert job.cluster.device_memory == DEVICES["cpu"].memory_bytes
+    assert job.cluster.resolved_backend == "gloo"
+    assert job.fault_tolerance.heartbeat_interval < job.fault_tolerance.heartbeat_timeout
+    assert not job.planning.profile_cache_dir.startswith("~")
+    # Empty sections (YAML `data:` with nothing under it) mean "all defaults".
+    assert config_from_dict({**MINIMAL, "data": None, "cluster": {}}) == job
+
+
+def test_device_memory_defaults_to_the_device_kind():
+    job = config_from_dict(with_value(MINIMAL, "cluster", {"device": "h100", "nodes": 2}))
+    assert job.cluster.device_memory == DEVICES["h100"].memory_bytes
+    assert job.cluster.resolved_backend == "nccl"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("3s", 3.0), ("2m", 120.0), ("1h", 3600.0), ("250us", 250e-6), (2, 2.0), (0.25, 0.25),
+     ("1.5s", 1.5), ("4", 4.0)],
+)  # fmt: skip
+def test_durations_parse(text, seconds):
+    d = with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": text, "heartbeat_timeout": 10_000})
+    job = config_from_dict(d)
+    assert job.fault_tolerance.heartbeat_interval.total_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [("40GiB", 40 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20), ("1.5TB", 1.5e12), (123456, 123456),
+     ("48 GB", 48 * 10**9), ("1024", 1024)],
+)  # fmt: skip
+def test_sizes_parse(text, num_bytes):
+    job = config_from_dict(with_value(MINIMAL, "cluster", {"device_memory": text}))
+    assert job.cluster.device_memory == int(num_bytes)
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [("100Gbps", 12.5e9), ("200Gb/s", 25e9), ("25GB/s", 25e9), ("25GBps", 25e9), ("1GiB/s", 2**30),
+     (1e9, 1e9), ("400Mbps", 50e6)],
+)  # fmt: skip
+def test_bandwidths_parse(text, rate):
+    job = config_from_dict(with_value(MINIMAL, "cluster", {"inter_node_bandwidth": text}))
+    assert job.cluster.inter_node_bandwidth == pytest.approx(rate)
+    assert job.cluster_spec().inter_node_bandwidth == pytest.approx(rate)
+
+
+def test_cluster_spec_carries_the_cluster_section():
+    job = load_config(os.path.join(ROOT, "configs", "mllm_10b.yaml"))
+    spec = job.cluster_spec()
+    assert spec.gpus_per_node == 8 and spec.max_gpus_per_stage == 8
+    assert spec.device_memory_bytes == 80 * 10**9
+    assert spec.intra_node_bandwidth == 450e9 and spec.inter_node_bandwidth == 3200e9 / 8
+    assert spec.stage_gpu_options == (1, 2, 4, 8)
+
+
+def test_yaml_float_without_dot_is_accepted_for_float_fields():
+    # YAML 1.1 reads 1e-4 as a string; a learning rate written that way must still work.
+    job = config_from_dict(with_value(MINIMAL, "training", {"optimizer": {"params": {"lr": "1e-4"}}}))
+    assert job.training.optimizer.params.lr == 1e-4
+
+
+def test_scheduler_params_follow_deepspeed_and_total_defaults_to_steps():
+    d = with_value(MINIMAL, "training", {"steps": 50, "scheduler": {"type": "WarmupDecayLR",
+                                                                    "params": {"warmup_num_steps": 5}}})  # fmt: skip
+    job = config_from_dict(d)
+    assert job.training.scheduler.params == {"warmup_num_steps": 5, "total_num_steps": 50}
+    cosine = with_value(d, "training.scheduler", {"type": "WarmupCosineLR",
+                                                  "params": {"warmup_num_steps": 5, "cos_min_ratio": 0.1}})  # fmt: skip
+    assert config_from_dict(cosine).training.scheduler.params["cos_min_ratio"] == 0.1
+
+
+# Each bad config: (dotted field to set, value, what the message must start with, a fragment it must contain).
+BAD = [
+    ("cluster.gpu_per_node", 2, "unknown key 'cluster.gpu_per_node'", "did you mean 'gpus_per_node'"),
+    ("model.vision.hiden", 2, "unknown key 'model.vision.hiden'", "valid keys: num_layers, hidden"),
+    ("training.optimizer.params.momentum", 0.9, "unknown key 'training.optimizer.params.momentum'", "lr, betas"),
+    ("training.global_batch", "abc", "training.global_batch:", "expected an integer, got 'abc' (str)"),
+    ("training.global_batch", True, "training.global_batch:", "expected an integer, got True (bool)"),
+    ("training.microbatch_size", 0, "training.microbatch_size:", "must be >= 1, got 0"),
+    ("training.global_batch", 15, "training.global_batch (15)", "multiple of training.microbatch_size (2)"),
+    ("training.dtype", "fp8", "training.dtype:", "'float32', 'float64', 'bfloat16', 'float16'"),
+    ("training.gradient_clipping", -1, "training.gradient_clipping:", "must be >= 0.0, got -1.0"),
+    ("training.activation_checkpointing", 1, "training.activation_checkpointing:", "expected true or false"),
+    ("training.optimizer.type", "SGD", "training.optimizer.type:", "'AdamW', 'Adam'"),
+    ("training.optimizer.params.betas", [0.9], "training.optimizer.params.betas:", "two numbers"),
+    ("training.optimizer.params.betas", [0.9, 1.0], "training.optimizer.params.betas[1]:", "must be < 1.0"),
+    ("training.optimizer.params.lr", 0, "training.optimizer.params.lr:", "must be > 0"),
+    ("training.scheduler", {"type": "OneCycle"}, "training.scheduler.type:", "'WarmupLR', 'WarmupDecayLR'"),
+    ("training.scheduler", {"type": "WarmupLR", "params": {"total_num_steps": 5}},
+     "unknown key 'training.scheduler.params.total_num_steps'", "valid keys for WarmupLR"),
+    ("training.scheduler", {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1000}},
+     "training.scheduler.params.total_num_steps (20)", "warmup_num_steps (1000)"),
+    ("training.scheduler", {"type": "WarmupLR", "params": {"warmup_type": "cubic"}},
+     "training.scheduler.params.warmup_type:", "'log', 'linear'"),
+    ("training.scheduler", {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1}},
+     "training.scheduler.params.warmup_min_lr (0.1)", "warmup peak lr (0.001)"),
+    ("fault_tolerance.f", 4, "fault_tolerance.f (4)", "needs at least 5 nodes, cluster.nodes is 4"),
+    ("fault_tolerance.f", -1, "fault_tolerance.f:", "must be >= 0"),
+    ("fault_tolerance.heartbeat_interval", "5s", "fault_tolerance.heartbeat_interval (5.0s)",
+     "shorter than fault_tolerance.heartbeat_timeout (2.0s)"),
+    ("fault_tolerance.heartbeat_timeout", "3 parsecs", "fault_tolerance.heartbeat_timeout:", "'500ms'"),
+    ("fault_tolerance.heartbeat_timeout", "0s", "fault_tolerance.heartbeat_timeout:", "positive duration"),
+    ("fault_tolerance.recovery", "pray", "fault_tolerance.recovery:", "'live', 'restart'"),
+    ("cluster.nodes", 0, "cluster.nodes:", "must be >= 1, got 0"),
+    ("cluster.device", "tpu", "cluster.device:", "'cpu', 'a40'"),
+    ("cluster.device_memory", "40 bananas", "cluster.device_memory:", "'40GiB'"),
+    ("cluster.max_gpus_per_stage", 3, "cluster.max_gpus_per_stage:", "1, 2, 4 or 8, got 3"),
+    ("cluster.max_gpus_per_stage", 2, "cluster.max_gpus_per_stage (2)", "exceeds cluster.gpus_per_node (1)"),
+    ("cluster.inter_node_bandwidth", "fast", "cluster.inter_node_bandwidth:", "'100Gbps'"),
+    ("cluster.backend", "nccl", "cluster.backend:", "needs a GPU device"),
+    ("planning.solver", "cplex", "planning.solver:", "'highs', 'mindtpy'"),
+    ("planning.profile", "guess", "planning.profile:", "'analytical', 'measured'"),
+    ("planning.microbatches_hint", 9, "planning.microbatches_hint (9)", "(8)"),
+    ("model.name", DELETE, "model.name:", "required"),
+    ("model.llm.num_heads", 5, "model.llm.hidden (64)", "divisible by model.llm.num_heads (5)"),
+    ("model.llm.num_kv_heads", 3, "model.llm.num_heads (4)", "divisible by model.llm.num_kv_heads (3)"),
+    ("model.llm.gated_ffn", "yes", "model.llm.gated_ffn:", "expected true or false"),
+    ("model.projector.num_layers", 3, "model.projector.num_layers:", "1 or 2, got 3"),
+    ("model.frozen", ["audio"], "model.frozen:", "'audio' names no layer"),
+    ("model.frozen", ["llm.block9"], "model.frozen:", "'llm.block9' names no layer"),
+    ("model.frozen", "llm", "model.frozen:", "expected a list"),
+    ("data.image_size", 30, "data.image_size (30)", "multiple of model.vision.patch_size (8)"),
+    ("data.mean_images_per_sample", 0, "data.mean_images_per_sample (0.0)", "model.vision is set"),
+    ("data.mean_audio_seconds", 2, "data.mean_audio_seconds (2.0)", "model.audio is not set"),
+    ("data.max_seq_len", 20, "data.max_seq_len (20)", "(32 = 16 text + 16 image + 0 audio)"),
+    ("data.kind", "llava_json", "data.path:", "required when data.kind is 'llava_json'"),
+    ("data.path", "/nonexistent/llava.json", "data.path:", "does not exist"),
+    ("data.mean_text_tokens", "many", "data.mean_text_tokens:", "expected a finite number, got 'many' (str)"),
+    ("model", DELETE, "model:", "required"),
+    ("training", [1, 2], "training:", "expected a mapping"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value", "prefix", "fragment"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
+def test_each_bad_field_gets_its_own_message(field, value, prefix, fragment):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(with_value(tiny_dict(), field, value))
+    message = str(info.value)
+    assert message.startswith(prefix), message
+    assert fragment in message, message
+    assert "\n" not in message
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_root_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="mapping"):
+        config_from_dict(["model"])
+
+
+def test_missing_file_and_bad_yaml_give_one_line(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "nope.yaml")
+    assert "does not exist" in str(info.value) and "\n" not in str(info.value)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: [unclosed\n  llm: {}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert "not valid YAML at line" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_relative_data_path_is_relative_to_the_config_file(tmp_path):
+    (tmp_path / "llava.json").write_text("[]")
+    d = with_value(tiny_dict(), "data.kind", "llava_json")
+    d["data"]["path"] = "llava.json"
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(yaml.safe_dump(d))
+    job = load_config(config_file)
+    assert job.data.path == str(tmp_path / "llava.json")
+
+
+def test_sections_validate_when_built_in_code():
+    job = load_config(TINY)
+    with pytest.raises(ConfigError, match=r"^training.global_batch \(15\)"):
+        JobConfig(model=job.model, data=job.data, training=type(job.training)(global_batch=15, microbatch_size=4,
+                                                                              steps=1), cluster=job.cluster)  # fmt: skip

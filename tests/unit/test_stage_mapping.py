@@ -1,0 +1,300 @@
+"""GPU-stage mapping and node specification (§2.4.1), held to a brute-force enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oobleck_mm.planning.costs import (
+    ClusterSpec,
+    LayerCost,
+    LayerPrefix,
+    ModelProfile,
+    effective_layers,
+    stage_cost,
+    with_frozen,
+)
+from oobleck_mm.planning.stage_mapping import build_templates, map_stages, min_nodes
+from oobleck_mm.planning.template import PipelineTemplate
+
+GB = 2**30
+
+
+def layer(name="llm.block", modality="text", fwd=1.0, bw=1.0, bd=1.0, state=0, act=0, out=0, trainable=True):
+    return LayerCost(
+        name=name,
+        modality=modality,
+        forward_s=fwd,
+        backward_weight_s=bw,
+        backward_input_s=bd,
+        param_bytes=state,
+        grad_bytes=state,
+        optimizer_bytes=2 * state,
+        activation_bytes=act,
+        output_bytes=out,
+        trainable=trainable,
+    )
+
+
+def profile_of(layers, name="toy") -> ModelProfile:
+    return ModelProfile(model_name=name, device="test", microbatch_size=1, layers=tuple(layers))
+
+
+# --- brute force: every mapping, scored the way the module docstring defines --------------------
+
+
+def node_layouts(gpus: int, options: tuple[int, ...]):
+    """Ordered GPU counts of the stages on one node (compositions of ``gpus`` into ``options``)."""
+    if gpus == 0:
+        yield ()
+        return
+    for d in options:
+        if d <= gpus:
+            for rest in node_layouts(gpus - d, options):
+                yield (d,) + rest
+
+
+def all_mappings(profile, cluster, num_nodes):
+    """Yields (stage objectives, worst stage bytes under the DP's in-flight rule) of every legal mapping."""
+    prefix = LayerPrefix(effective_layers(profile))
+    L = profile.num_layers
+    layouts = list(node_layouts(cluster.gpus_per_node, cluster.stage_gpu_options))
+    for per_node in itertools.product(layouts, repeat=num_nodes):
+        gpu_stages = [(node, d) for node, layout in enumerate(per_node) for d in layout]
+        S = len(gpu_stages)
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            bounds = (0, *cuts, L)
+            objective, memory = [], []
+            for k, (node, d) in enumerate(gpu_stages):
+                cost = stage_cost(prefix, cluster, bounds[k], bounds[k + 1], d)
+                gpus_after = sum(d2 for _, d2 in gpu_stages[k + 1 :])
+                rule = min(1 + gpus_after, 1 + L - bounds[k + 1])
+                assert rule >= S - k  # the DP never underestimates 1F1B's in-flight count
+                if cluster.max_gpus_per_stage == 1:
+                    assert rule == S - k  # ... and is exact when every GPU is a stage
+                memory.append(cost.memory_bytes(rule))
+                send = 0.0
+                if k + 1 < S:
+                    send = 2 * cluster.transfer_s(cost.output_bytes, cross_node=gpu_stages[k + 1][0] != node)
+                objective.append(cost.forward_s + cost.backward_s + send)
+            yield objective, max(memory)
+
+
+def brute_force_optimum(mappings, usable_bytes):
+    """(bottleneck, sum) of the lexicographic optimum among mappings that fit, or None."""
+    scored = [(max(c), sum(c)) for c, worst in mappings if worst <= usable_bytes]
+    if not scored:
+        return None
+    bottleneck = min(m for m, _ in scored)
+    return bottleneck, min(s for m, s in scored if m <= bottleneck * (1 + 1e-12))
+
+
+# --- checks on a template -----------------------------------------------------------------------
+
+
+def template_objective(t: PipelineTemplate) -> list[float]:
+    sends = [a + g for a, g in zip(t.send_activation_s, t.send_grad_s)] + [0.0]
+    return [s.forward_s + s.backward_s + c for s, c in zip(t.stages, sends)]
+
+
+def assert_well_formed(t: PipelineTemplate, profile, cluster, num_nodes) -> None:
+    """All GPUs used once, stages in node order inside nodes, layers covered in order, costs exact."""
+    M = cluster.gpus_per_node
+    assert t.num_nodes == num_nodes and t.gpus_per_node == M
+    used = [(s.node, g) for s in t.stages for g in s.gpus]
+    assert used == [(n, g) for n in range(num_nodes) for g in range(M)]  # every GPU once, in order
+    assert [s.layer_start for s in t.stages] == [0] + [s.layer_end for s in t.stages[:-1]]
+    assert t.stages[-1].layer_end == profile.num_layers
+    prefix = LayerPrefix(effective_layers(profile))
+    S = t.num_stages
+    for k, s in enumerate(t.stages):
+        assert s.num_layers >= 1 and len(s.gpus) in cluster.stage_gpu_options
+        cost = stage_cost(prefix, cluster, s.layer_start, s.layer_end, len(s.gpus))
+        assert (s.forward_s, s.backward_s, s.grad_bytes) == (cost.forward_s, cost.backward_s, cost.grad_bytes)
+        assert s.memory_bytes == cost.memory_bytes(S - k) <= cluster.usable_memory_bytes
+        if k + 1 < S:
+            cross = t.stages[k + 1].node != s.node
+            assert t.send_activation_s[k] == t.send_grad_s[k] == cluster.transfer_s(cost.output_bytes, cross)
+
+
+# --- the DP equals the brute force --------------------------------------------------------------
+
+
+@st.composite
+def instances(draw):
+    """(profile, cluster without its memory set, num_nodes) for L <= 7, nodes <= 3."""
+    gpus_per_node = draw(st.sampled_from((1, 2, 4)))
+    max_gpus_per_stage = draw(st.sampled_from((1, 2, 4)))
+    num_nodes = draw(st.integers(1, 3))
+    # Counted down from 7 so most examples have many mappings; a few have too few layers for any.
+    num_layers = 7 - draw(st.integers(0, 6))
+    layers = [
+        layer(
+            name=f"l{i}",
+            modality=draw(st.sampled_from(("vision", "audio", "text"))),
+            fwd=draw(st.floats(0, 1)),
+            bw=draw(st.floats(0, 1)),
+            bd=draw(st.floats(0, 1)),
+            state=draw(st.integers(0, 1000)),
+            act=draw(st.integers(0, 1000)),
+            out=draw(st.sampled_from((0, 10**6, 10**8, 10**9))),
+            trainable=draw(st.booleans()),
+        )
+        for i in range(num_layers)
+    ]
+    cluster = ClusterSpec(
+        gpus_per_node=gpus_per_node,
+        device_memory_bytes=1,
+        max_gpus_per_stage=max_gpus_per_stage,
+        # A slow network makes where the cross-node boundaries fall decide the optimum.
+        inter_node_bandwidth=draw(st.sampled_from((1e9, 12.5e9))),
+    )
+    return profile_of(layers), cluster, num_nodes
+
+
+def device_memory_for(mappings, tightness) -> int:
+    """Device bytes that make memory bind: a quantile of the mappings' worst-stage bytes
+    (0: only the leanest fit, exactly at the limit), "evict" (just too little for every
+    mapping that is optimal without a memory limit), or None (nothing fits)."""
+    needs = sorted(worst for _, worst in mappings) or [1.0]
+    if tightness is None:
+        return max(1, math.ceil(needs[0]) - 1)
+    if tightness == "evict":
+        free_optimum = brute_force_optimum(mappings, math.inf)
+        optimal = [worst for c, worst in mappings if (max(c), sum(c)) == free_optimum] or [1.0]
+        return max(1, math.ceil(min(optimal)) - 1)
+    return max(1, math.ceil(needs[round(tightness * (len(needs) - 1))]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances(), st.one_of(st.none(), st.just("evict"), st.floats(0, 1)))
+def test_dp_equals_brute_force(instance, tightness):
+    profile, cluster, num_nodes = instance
+    mappings = list(all_mappings(profile, cluster, num_nodes))
+    memory = device_memory_for(mappings, tightness)
+    cluster = replace(cluster, device_memory_bytes=memory, memory_headroom=1.0)
+    expected = brute_force_optimum(mappings, cluster.usable_memory_bytes)
+    template = map_stages(profile, cluster, num_nodes)
+    if expected is None:
+        assert template is None
+        return
+    assert template is not None
+    assert_well_formed(template, profile, cluster, num_nodes)
+    objective = template_objective(template)
+    assert max(objective) == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+    assert sum(objective) == pytest.approx(expected[1], rel=1e-9, abs=1e-12)
+
+
+# --- frozen layers, memory, node specification --------------------------------------------------
+
+
+def test_frozen_encoder_drops_backward_where_eq_3_2_says():
+    layers = [
+        layer("vision.0", "vision", bw=1.0, bd=0.5, state=1000),
+        layer("vision.1", "vision", bw=2.0, bd=0.25, state=1000),
+        layer("llm.0", "text", bw=4.0, bd=0.125, state=1000),
+        layer("llm.1", "text", bw=8.0, bd=0.0625, state=1000),
+    ]
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=GB)  # 4 single-GPU stages: one layer each
+    trained = map_stages(profile_of(layers), cluster, 1)
+    frozen = map_stages(with_frozen(profile_of(layers), ("vision.",)), cluster, 1)
+    # Trainable everywhere: B_w always, B_d once something trainable precedes the layer.
+    assert [s.backward_s for s in trained.stages] == [1.0, 2.25, 4.125, 8.0625]
+    # Frozen encoder: no backward at all in it, and the first LLM layer feeds no trainable input.
+    assert [s.backward_s for s in frozen.stages] == [0.0, 0.0, 4.0, 8.0625]
+    assert [s.forward_s for s in frozen.stages] == [s.forward_s for s in trained.stages]
+
+
+def test_memory_tight_model_needs_more_nodes():
+    profile = profile_of([layer(f"l{i}", state=GB // 8, act=GB // 16) for i in range(8)])
+    roomy = ClusterSpec(gpus_per_node=2, device_memory_bytes=64 * GB)
+    tight = ClusterSpec(gpus_per_node=2, device_memory_bytes=2 * GB)
+    assert min_nodes(profile, roomy) == 1
+    n0 = min_nodes(profile, tight)
+    assert n0 > 1
+    assert map_stages(profile, tight, n0 - 1) is None
+    assert_well_formed(map_stages(profile, tight, n0), profile, tight, n0)
+
+
+def test_templates_cover_consecutive_node_counts():
+    profile = profile_of([layer(f"l{i}", fwd=1.0 + i % 3, out=10**7) for i in range(12)])
+    cluster = ClusterSpec(gpus_per_node=2, device_memory_bytes=GB, max_gpus_per_stage=2)
+    lines = []
+    templates = build_templates(profile, cluster, num_nodes=7, fault_tolerance=1, progress=lines.append)
+    assert templates.min_nodes == 1
+    assert templates.node_counts == tuple(range(1, 7))  # n0 .. N - f n0
+    assert len(lines) == 6 and all(line.startswith(f"template {n} nodes") for n, line in zip(range(1, 7), lines))
+    for t in templates.templates:
+        assert_well_formed(t, profile, cluster, t.num_nodes)
+        assert t == map_stages(profile, cluster, t.num_nodes)  # shared chain = standalone mapping
+
+
+def test_templates_stop_at_the_layer_count():
+    profile = profile_of([layer(f"l{i}") for i in range(6)])
+    cluster = ClusterSpec(gpus_per_node=2, device_memory_bytes=GB)  # 2 stages per node, 1 layer each at least
+    templates = build_templates(profile, cluster, num_nodes=10, fault_tolerance=0)
+    assert templates.node_counts == (1, 2, 3)
+    assert map_stages(profile, cluster, 4) is None
+
+
+def test_templates_stop_where_more_stages_overflow_memory():
+    # One stage holds one microbatch of layer 0's activation; two stages put two on stage 0.
+    profile = profile_of([layer("l0", act=GB), layer("l1")])
+    cluster = ClusterSpec(gpus_per_node=1, device_memory_bytes=int(1.5 * GB), memory_headroom=1.0)
+    assert map_stages(profile, cluster, 2) is None
+    assert build_templates(profile, cluster, num_nodes=2, fault_tolerance=0).node_counts == (1,)
+
+
+# --- user errors name the numbers ---------------------------------------------------------------
+
+
+def test_model_that_never_fits_names_model_bytes_and_memory():
+    profile = profile_of([layer(f"l{i}", state=GB) for i in range(4)], name="huge-llm")
+    cluster = ClusterSpec(gpus_per_node=2, device_memory_bytes=2 * GB)
+    with pytest.raises(ValueError, match=r"'huge-llm'.*4\.000 GiB.*1\.800 GiB.*device_memory_bytes=2147483648"):
+        min_nodes(profile, cluster)
+
+
+def test_too_few_nodes_for_the_replicas():
+    profile = profile_of([layer(f"l{i}", state=GB // 8) for i in range(8)])
+    cluster = ClusterSpec(gpus_per_node=1, device_memory_bytes=2 * GB)
+    n0 = min_nodes(profile, cluster)
+    assert n0 == 3
+    with pytest.raises(ValueError, match=r"num_nodes \(5\) < \(fault_tolerance \(1\) \+ 1\) x min_nodes \(3\) = 6"):
+        build_templates(profile, cluster, num_nodes=5, fault_tolerance=1)
+
+
+def test_too_short_template_range_for_frobenius_coverage():
+    profile = profile_of([layer(f"l{i}", state=GB // 8) for i in range(8)])
+    cluster = ClusterSpec(gpus_per_node=1, device_memory_bytes=2 * GB)  # n0 = 3
+    with pytest.raises(ValueError, match=r"3\.\.4 nodes give p = 2.*n0 = 3.*num_nodes >= 5"):
+        build_templates(profile, cluster, num_nodes=4, fault_tolerance=0)
+    assert build_templates(profile, cluster, num_nodes=5, fault_tolerance=0).node_counts == (3, 4, 5)
+
+
+def test_too_few_layers_for_frobenius_coverage():
+    profile = profile_of([layer(f"l{i}", state=GB // 8) for i in range(5)])
+    cluster = ClusterSpec(gpus_per_node=2, device_memory_bytes=int(1.2 * GB))  # n0 = 2; 5 layers fill 2 nodes
+    with pytest.raises(ValueError, match=r"2\.\.2 nodes give p = 1.*5 layers fill at most 2 nodes.*max_gpus_per_stage"):
+        build_templates(profile, cluster, num_nodes=9, fault_tolerance=0)
+    wider = replace(cluster, max_gpus_per_stage=2)
+    assert build_templates(profile, wider, num_nodes=9, fault_tolerance=0).node_counts[:2] == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_nodes": 0, "fault_tolerance": 0}, r"num_nodes must be >= 1, got 0"),
+        ({"num_nodes": 2, "fault_tolerance": -1}, r"fault_tolerance must be >= 0, got -1"),
+        ({"num_nodes": 2, "fault_tolerance": 0, "microbatches_hint": 0}, r"microbatches_hint must be >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    profile = profile_of([layer("l0")])
+    with pytest.raises(ValueError, match=message):
+        build_templates(profile, ClusterSpec(gpus_per_node=1, device_memory_bytes=GB), **kwargs)
