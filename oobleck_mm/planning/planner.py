@@ -133,7 +133,13 @@ def plan_job(
 
     start = time.perf_counter()
     template_set = build_templates(
-        profile, cluster, len(node_names), f, microbatches_hint=job.planning.microbatches_hint, progress=progress
+        profile,
+        cluster,
+        len(node_names),
+        f,
+        microbatches_hint=job.planning.microbatches_hint,
+        progress=progress,
+        total_microbatches=job.training.global_batch // job.training.microbatch_size,
     )
     seconds["templates"] = time.perf_counter() - start
 

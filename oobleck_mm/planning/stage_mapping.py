@@ -14,11 +14,18 @@ Objective
 ---------
 The exact 1F1B iteration time (``pipeline_time``) couples neighbouring stages
 and is not decomposable over stages, so the DP solves the lexicographic
-objective that bounds it: (1) minimise the bottleneck stage cost
-``c_k = F_k + B_k + send_activation_s[k] + send_grad_s[k]`` (both transfers of
-boundary ``k`` are charged to the stage that sends the activation; the last
-stage has none), then (2) among the mappings with that bottleneck, minimise
-``sum_k c_k`` (the fill/drain part). Two exact passes: a min-max DP, then a
+objective that governs it: (1) minimise the bottleneck stage cost
+``c_k = F_k + B_k + (a_{k-1} + g_{k-1}) + (a_k + g_k)`` where ``a``/``g`` are
+the activation/gradient transfers of a boundary, then (2) among the mappings
+with that bottleneck, minimise ``sum_k c_k`` (the fill/drain part).
+
+Why both boundaries: DeepSpeed's p2p is a blocking rendezvous, so a transfer
+occupies *both* of its stages. In steady state the meeting times of boundary
+``k`` obey ``E_k(t+1) = max(E_{k-1}(t) + a_{k-1} + g_{k-1} + F_k, E_{k+1}(t) +
+a_{k+1} + g_{k+1} + B_{k+1})``; every cycle of that max-plus system is a union
+of single-stage cycles, so the per-microbatch period is exactly ``max_k c_k``.
+Charging a boundary to one side only (the first version did) left 3% mean and
+25% worst-case gaps to the exact optimum on small instances. Two exact passes: a min-max DP, then a
 min-sum DP in which every stage costlier than the bottleneck is masked out.
 
 The DP
@@ -70,23 +77,38 @@ _INTRA, _CROSS, _LAST = 0, 1, 2
 _BOTTLENECK_SLACK = 1e-12
 
 _GiB = float(2**30)
+# Bottleneck caps tried above the optimum when a microbatch count is known
+# (relative). A handful of caps recovers most of the gap between the
+# lexicographic optimum and the exact 1F1B optimum at small microbatch counts
+# (docs/planning.md has the measurement); each costs one min-sum pass.
+_CAP_RELAXATIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
+# ... tried only when microbatches < _TRANSIENT_RATIO x stages.
+_TRANSIENT_RATIO = 4
+# Exact-time evaluations the boundary hill-climb may spend per template, and
+# the schedule steps (2 (M + S) per evaluation, ~20 us each) it may spend.
+_POLISH_EVALUATIONS = 200
+_POLISH_MIN_EVALUATIONS = 4
+_POLISH_STEPS = 20_000
 
 
 def map_stages(
     profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, microbatches_hint: int | None = None
 ) -> PipelineTemplate | None:
-    """The lexicographically best mapping of ``profile`` onto ``num_nodes`` nodes, or None if none fits.
+    """The best mapping of ``profile`` onto ``num_nodes`` nodes, or None if none fits.
 
-    ``microbatches_hint`` is accepted for API stability; the objective does not
-    depend on the microbatch count (``PipelineTemplate.iteration_time(M)`` is
-    exact for any ``M``), and memory assumes at least ``S`` microbatches.
+    Without ``microbatches_hint``: the lexicographic optimum (module docstring).
+    With it: the mapping with the smallest exact 1F1B time for that many
+    microbatches among the lexicographic optimum and the min-sum mappings under
+    a few looser bottleneck caps (``_CAP_RELAXATIONS``): fill and drain weigh
+    more when a pipeline runs few microbatches, and a slightly worse bottleneck
+    can buy a much shorter fill. Memory assumes at least ``S`` microbatches.
     """
     _check_positive("num_nodes", num_nodes)
     _check_hint(microbatches_hint)
     planner = _Planner(profile, cluster)
     if num_nodes > planner.max_nodes_by_layers:
         return None
-    return planner.template(num_nodes)
+    return planner.template(num_nodes, microbatches_hint)
 
 
 def min_nodes(profile: ModelProfile, cluster: ClusterSpec) -> int:
@@ -101,6 +123,7 @@ def build_templates(
     fault_tolerance: int,
     microbatches_hint: int | None = None,
     progress: Callable[[str], None] | None = None,
+    total_microbatches: int | None = None,
 ) -> TemplateSet:
     """Templates for every node count ``n0 .. min(N - f n0, largest mappable)`` (§2.4.1.1).
 
@@ -108,6 +131,11 @@ def build_templates(
     which a memory-feasible mapping exists (a pipeline needs at least one layer
     per stage; memory is not always monotone in the node count because more
     stages keep more microbatches in flight on the first ones).
+
+    Each template is tuned (see ``map_stages``) for ``microbatches_hint``
+    microbatches when given, else, when ``total_microbatches`` (global batch /
+    microbatch size) is given, for the share an ``n``-node pipeline gets when
+    all ``num_nodes`` nodes train: ``round(total * n / num_nodes)``.
     """
     _check_positive("num_nodes", num_nodes)
     if fault_tolerance < 0:
@@ -127,7 +155,10 @@ def build_templates(
     _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, planner.max_nodes_by_layers)
     templates = []
     for n in range(n0, n_max + 1):
-        template = planner.template(n)
+        hint = microbatches_hint
+        if hint is None and total_microbatches is not None:
+            hint = max(1, round(total_microbatches * n / num_nodes))
+        template = planner.template(n, hint)
         assert template is not None, n  # last_feasible_from checked pass 1
         templates.append(template)
         if progress is not None:
@@ -182,9 +213,10 @@ def _describe(template: PipelineTemplate) -> str:
 
 
 def _stage_objective(template: PipelineTemplate) -> list[float]:
-    """c_k = F_k + B_k + transfers of boundary k (charged to the sender of the activation)."""
-    sends = [a + g for a, g in zip(template.send_activation_s, template.send_grad_s)] + [0.0]
-    return [s.forward_s + s.backward_s + c for s, c in zip(template.stages, sends)]
+    """c_k = F_k + B_k + the transfers of both of stage k's boundaries (module docstring)."""
+    sends = [a + g for a, g in zip(template.send_activation_s, template.send_grad_s)]
+    incoming, outgoing = [0.0] + sends, sends + [0.0]
+    return [s.forward_s + s.backward_s + i + o for s, i, o in zip(template.stages, incoming, outgoing)]
 
 
 def _min_stages_per_node(gpus_per_node: int, options: tuple[int, ...]) -> int:
@@ -218,6 +250,8 @@ class _CostTables:
             _CROSS: np.array([2 * cluster.transfer_s(b, cross_node=True) for b in out_bytes]),
             _LAST: np.zeros(L + 1),
         }
+        # A stage starting at layer w receives layer w-1's output (nothing when w == 0).
+        self.incoming = {kind: np.concatenate(([0.0], vec[1:])) for kind, vec in comm.items() if kind != _LAST}
         self.time: dict[tuple[int, int], np.ndarray] = {}
         self._resident: dict[int, np.ndarray] = {}
         self._activation: dict[int, np.ndarray] = {}
@@ -248,6 +282,19 @@ class _CostTables:
         return mask
 
 
+def _shift_boundary(cuts: list, k: int, shift: int) -> list | None:
+    """Moves the boundary between stages k and k+1 by ``shift`` layers (None if a stage would empty)."""
+    start, end, node, gpu, d = cuts[k]
+    nstart, nend, nnode, ngpu, nd = cuts[k + 1]
+    boundary = end + shift
+    if not start < boundary < nend:
+        return None
+    moved = list(cuts)
+    moved[k] = (start, boundary, node, gpu, d)
+    moved[k + 1] = (boundary, nend, nnode, ngpu, nd)
+    return moved
+
+
 def _range_sums(values: list[float], valid: np.ndarray) -> np.ndarray:
     """S[w, w'] = sum(values[w:w']) where w < w', inf elsewhere."""
     cum = np.concatenate(([0.0], np.cumsum(values)))
@@ -255,15 +302,26 @@ def _range_sums(values: list[float], valid: np.ndarray) -> np.ndarray:
     return np.where(valid, sums, np.inf)
 
 
-# cost_fn(d, boundary kind, gpus after the stage) -> (L+1) x (L+1) stage values (inf = forbidden).
+# cost_fn(d, outgoing boundary kind, gpus after the stage) -> (L+1) x (L+1) stage values
+# (inf = forbidden), without the incoming transfer, which _SuffixChain adds by row.
 _CostFn = Callable[[int, int, int], np.ndarray]
 
 
 class _SuffixChain:
     """V_g[w]: best value for layers [w, L) on the last g GPUs of a pipeline (module docstring)."""
 
-    def __init__(self, tables: _CostTables, cost_fn: _CostFn, combine: Callable, keep_argmin: bool):
+    def __init__(
+        self,
+        tables: _CostTables,
+        cost_fn: _CostFn,
+        combine: Callable,
+        keep_argmin: bool,
+        add_incoming: bool = True,
+        cap: float = math.inf,
+    ):
         self.tables = tables
+        self.add_incoming = add_incoming
+        self.cap = cap
         self.gpus_per_node = tables.cluster.gpus_per_node
         self.cost_fn = cost_fn
         self.combine = combine
@@ -274,6 +332,7 @@ class _SuffixChain:
         self.values: list[np.ndarray] = [start]
         self.choice: list[tuple[np.ndarray, np.ndarray] | None] = [None]
         self._rows = np.arange(L + 1)
+        self.incoming = np.zeros(L + 1)
 
     def extend_to(self, num_gpus: int) -> None:
         while len(self.values) <= num_gpus:
@@ -287,13 +346,19 @@ class _SuffixChain:
     def _step(self, g: int) -> None:
         M = self.gpus_per_node
         offset = (-g) % M  # node-local GPU index where this suffix starts
+        self.incoming = self.tables.incoming[_CROSS if offset == 0 else _INTRA]
         best_vals, best_ends, gpu_counts = [], [], []
         for d in self.tables.options:
             if offset + d > M or d > g:
                 continue  # a stage never spans nodes
             after = g - d
             kind = _LAST if after == 0 else (_CROSS if after % M == 0 else _INTRA)
-            candidates = self.combine(self.cost_fn(d, kind, after), self.values[after][None, :])
+            cost = self.cost_fn(d, kind, after)
+            if self.add_incoming:
+                cost = cost + self.incoming[:, None]
+            if self.cap < math.inf:
+                cost = np.where(cost <= self.cap, cost, np.inf)
+            candidates = self.combine(cost, self.values[after][None, :])
             ends = np.argmin(candidates, axis=1)
             best_vals.append(candidates[self._rows, ends])
             best_ends.append(ends)
@@ -348,19 +413,66 @@ class _Planner:
             n += 1
         return n
 
-    def template(self, num_nodes: int) -> PipelineTemplate | None:
+    def template(self, num_nodes: int, microbatches: int | None = None) -> PipelineTemplate | None:
         bound = self.bottleneck(num_nodes)
         if not math.isfinite(bound):
             return None
-        threshold = bound * (1 + _BOTTLENECK_SLACK)
-        capped = {key: np.where(t <= threshold, t, np.inf) for key, t in self.tables.time.items()}
+        cuts = self._min_sum_cuts(num_nodes, bound)
+        template = self._assemble(num_nodes, cuts)
+        if microbatches is None:
+            return template
+        if microbatches >= _TRANSIENT_RATIO * template.num_stages:
+            # Many microbatches per stage: the period (the bottleneck) dominates
+            # and the lexicographic optimum is within ~0.3% (docs/planning.md).
+            return template
+        # Few: fill and drain matter, so a looser bottleneck with a shorter
+        # fill may win, and so may moving a layer off the first or last stage.
+        time = template.iteration_time(microbatches)
+        for relax in _CAP_RELAXATIONS:
+            other = self._min_sum_cuts(num_nodes, bound * (1 + relax))
+            if other == cuts:
+                continue
+            candidate = self._assemble(num_nodes, other)
+            candidate_time = candidate.iteration_time(microbatches)
+            if candidate_time < time * (1 - 1e-12):  # ties keep the tighter bottleneck
+                cuts, template, time = other, candidate, candidate_time
+        return self._polish(num_nodes, cuts, template, time, microbatches)
 
-        def cost(d: int, kind: int, gpus_after: int) -> np.ndarray:
-            return np.where(self.tables.feasible(d, gpus_after), capped[(d, kind)], np.inf)
-
-        chain = _SuffixChain(self.tables, cost, np.add, keep_argmin=True)
+    def _min_sum_cuts(self, num_nodes: int, cap: float) -> list[tuple[int, int, int, int, int]]:
+        """Pass 2: the min-sum mapping among those whose every stage costs <= ``cap``."""
+        threshold = cap * (1 + _BOTTLENECK_SLACK)
+        chain = _SuffixChain(self.tables, self._feasible_time, np.add, keep_argmin=True, cap=threshold)
         chain.extend_to(num_nodes * self.cluster.gpus_per_node)
-        return self._assemble(num_nodes, chain.stages(num_nodes))
+        return chain.stages(num_nodes)
+
+    def _polish(self, num_nodes, cuts, template, time, microbatches) -> PipelineTemplate:
+        """Hill-climbs on the exact 1F1B time by moving one layer across one stage boundary.
+
+        The DP's objective is position-blind, but with few microbatches the
+        exact time is not (a heavy first stage delays every forward, a heavy
+        last stage every backward). Moves keep each stage's GPUs and >= 1
+        layer, and the exact in-flight memory; the evaluation budget keeps
+        this a small fraction of planning time on big templates.
+        """
+        # An evaluation sweeps 2 (M + S) schedule steps; cap the steps, not just the count.
+        steps = 2 * (microbatches + template.num_stages)
+        budget = min(_POLISH_EVALUATIONS, max(_POLISH_MIN_EVALUATIONS, _POLISH_STEPS // steps))
+        improved = True
+        while improved and budget > 0:
+            improved = False
+            for k in range(len(cuts) - 1):
+                for shift in (-1, 1):
+                    moved = _shift_boundary(cuts, k, shift)
+                    if moved is None or budget <= 0:
+                        continue
+                    candidate = self._assemble(num_nodes, moved)
+                    if any(s.memory_bytes > self.tables.usable for s in candidate.stages):
+                        continue
+                    budget -= 1
+                    candidate_time = candidate.iteration_time(microbatches)
+                    if candidate_time < time * (1 - 1e-9):
+                        cuts, template, time, improved = moved, candidate, candidate_time, True
+        return template
 
     def _assemble(self, num_nodes: int, cuts: list[tuple[int, int, int, int, int]]) -> PipelineTemplate:
         """Turns DP cuts into StageSpecs with costs straight from ``stage_cost``."""
@@ -393,7 +505,9 @@ class _Planner:
     def _does_not_fit_message(self) -> str:
         """Why no node count fits: the smallest worst-stage memory any mapping reaches."""
         tables = self.tables
-        chain = _SuffixChain(tables, lambda d, kind, after: tables.memory(d, after), np.maximum, keep_argmin=False)
+        chain = _SuffixChain(
+            tables, lambda d, kind, after: tables.memory(d, after), np.maximum, keep_argmin=False, add_incoming=False
+        )
         n_max = self.max_nodes_by_layers
         worst = min((chain.best(n) for n in range(1, n_max + 1)), default=math.inf)
         c = self.cluster
