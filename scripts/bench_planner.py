@@ -118,12 +118,13 @@ def main() -> int:
                   f"{paper_s / seconds:>8.0f}x", flush=True)
 
     scale = []
-    for nodes in (64, 256):
-        row = time_instantiation(nodes)
-        scale.append(row)
-        print(f"instantiation + batch split (HiGHS), {nodes} nodes (32 layers, 1 GPU/node, f=1, "
-              f"{row['pipelines']} pipelines): cold {row['cold_seconds']:.3f} s, warm {row['warm_seconds']:.3f} s "
-              f"(target <= 1 s; templates built beforehand in {row['template_build_seconds']:.3f} s)", flush=True)
+    for layers in (32, 64, 96):
+        for nodes in (64, 256):
+            row = time_instantiation(nodes, layers=layers)
+            scale.append(row)
+            print(f"instantiation + batch split (HiGHS), {nodes} nodes, {layers} layers, 1 GPU/node, f=1: "
+                  f"{row['pipelines']} pipelines, cold {row['cold_seconds']:.3f} s, warm {row['warm_seconds']:.3f} s "
+                  f"(target <= 1 s; templates built beforehand in {row['template_build_seconds']:.3f} s)", flush=True)
 
     worst = max(r["seconds"] for r in rows)
     print(f"worst cell {worst:.3f} s (target <= 30 s)")

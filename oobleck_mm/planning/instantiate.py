@@ -123,7 +123,8 @@ def best_template_counts(
 
     # `most` pipelines of floor/ceil(N / most) nodes with floor/ceil(total / most) microbatches each.
     even = -(-total // most)
-    upper = max(template_set.for_nodes(n).iteration_time(even) for n in {num_nodes // most, widest})
+    # From the tables themselves: min_feasible_time needs `upper` to be one of their values.
+    upper = max(time_table(template_set.for_nodes(n))(even) for n in {num_nodes // most, widest})
     best = min_feasible_time(tables, limit, upper, feasible)
 
     caps = caps_at(best)

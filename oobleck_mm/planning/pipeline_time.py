@@ -119,8 +119,18 @@ def iteration_times(
     ready = np.zeros((1, costs.num_stages + 2))
     snapshots = _sweep_whole(ready, costs, max_microbatches, 2 * max_microbatches)
     counts = np.arange(1, max_microbatches + 1)[:, None]
-    for offset in range(2 * costs.num_stages - 2):
-        _apply_step(snapshots, offset % 2, *_increments(costs, 2 * counts + offset, counts, offset % 2))
+    num_offsets = 2 * costs.num_stages - 2
+    if max_microbatches * costs.num_stages <= _BATCHED_TAIL_CELLS:
+        # Increments of every remaining step for every run at once: (offsets, runs, boundaries);
+        # saves the per-call overhead when the runs are few. Large ones go step by step.
+        tables = [
+            _increments(costs, 2 * counts + np.arange(p, num_offsets, 2)[:, None, None], counts, p) for p in (0, 1)
+        ]
+        for offset in range(num_offsets):
+            _apply_step(snapshots, offset % 2, *(table[offset // 2] for table in tables[offset % 2]))
+    else:
+        for offset in range(num_offsets):
+            _apply_step(snapshots, offset % 2, *_increments(costs, 2 * counts + offset, counts, offset % 2))
     return [float(x) for x in snapshots.max(axis=1)]
 
 
@@ -187,12 +197,21 @@ def _apply_step(ready: np.ndarray, parity: int, meets, transfer, lower, upper) -
     ready[:, parity:-1:2] = new_lo
 
 
+# Up to this many (runs x stages) the tail of ``iteration_times`` precomputes all its steps at once.
+_BATCHED_TAIL_CELLS = 4096
+# Below this many stages a plain Python loop over the active boundaries beats
+# the numpy step (a fixed ~15 us of calls per step whatever S is).
+_SCALAR_MAX_STAGES = 40
+
+
 def _sweep_whole(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, num_steps: int) -> np.ndarray:
     """Run steps ``0..num_steps-1`` of one run in place; return its state after every odd step.
 
     The per-step increments are computed for all steps of a parity at once, so
     the loop itself is a handful of numpy calls on ``S / 2``-long views.
     """
+    if costs.num_stages <= _SCALAR_MAX_STAGES:
+        return _sweep_scalar(ready, costs, num_microbatches, num_steps)
     snapshots = np.empty((num_steps // 2, ready.shape[1]))
     tables = [_increments(costs, np.arange(p, num_steps, 2)[:, None], num_microbatches, p) for p in (0, 1)]
     for step in range(num_steps):
@@ -200,6 +219,42 @@ def _sweep_whole(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, 
         _apply_step(ready, parity, *(table[step // 2] for table in tables[parity]))
         if parity:
             snapshots[step // 2] = ready[0]
+    return snapshots
+
+
+def _sweep_scalar(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, num_steps: int) -> np.ndarray:
+    """``_sweep_whole`` as a plain loop: the same recurrence, boundary by boundary.
+
+    Boundary ``k`` (padded index ``k + 1``) is active at step ``t`` when ``t + k``
+    is odd; it carries the gradient of ``b = (t + k + 1) // 2 - S`` and the
+    activation of ``j = (t - k - 1) // 2`` when those are valid microbatches.
+    The two virtual boundaries only add stage 0's forward / stage S-1's backward.
+    """
+    S, M = costs.num_stages, num_microbatches
+    F, B = costs.forward.tolist(), costs.backward.tolist()
+    A, G = costs.send_activation.tolist(), costs.send_grad.tolist()
+    R = ready[0].tolist()  # padded: R[k + 1] is stage k
+    snapshots = np.empty((num_steps // 2, len(R)))
+    for t in range(num_steps):
+        # Padded boundary p = k + 1 joins columns p and p + 1; active when t + p is even.
+        for p in range(t % 2, S + 1, 2):
+            grad = 0 <= (t + p) // 2 - S < M
+            act = 0 <= (t - p) // 2 < M
+            if not (grad or act):
+                continue
+            if 0 < p < S:  # a real boundary: the two stages meet
+                # Same association as the numpy step, so both paths agree to the last bit.
+                met = max(R[p], R[p + 1]) + ((G[p] if grad else 0.0) + (A[p] if act else 0.0))
+                R[p] = met + (B[p] if grad else 0.0)
+                R[p + 1] = met + (F[p + 1] if act else 0.0)
+            else:
+                if grad:
+                    R[p] += B[p]
+                if act:
+                    R[p + 1] += F[p + 1]
+        if t % 2:
+            snapshots[t // 2] = R
+    ready[0] = R
     return snapshots
 
 

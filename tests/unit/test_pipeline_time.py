@@ -62,6 +62,32 @@ def test_iteration_times_equals_one_run_per_microbatch_count(pipeline, max_micro
     assert times == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("num_stages, max_microbatches", [(3, 40), (30, 200), (45, 30), (60, 90)])
+def test_every_code_path_gives_bit_identical_times(monkeypatch, num_stages, max_microbatches):
+    # Scalar and numpy sweeps, batched and step-by-step tails: the batch solver compares table values
+    # with iteration_time() results, so they must agree to the last bit, not just approximately.
+    import random
+
+    import oobleck_mm.planning.pipeline_time as pt
+
+    rng = random.Random(num_stages)
+    pipeline = (
+        [rng.uniform(0.1, 2) for _ in range(num_stages)],
+        [rng.uniform(0.1, 2) for _ in range(num_stages)],
+        [rng.choice([0.0, rng.uniform(0, 0.3)]) for _ in range(num_stages - 1)],
+        [rng.choice([0.0, rng.uniform(0, 0.3)]) for _ in range(num_stages - 1)],
+    )
+    probes = sorted({1, 2, max_microbatches // 3, max_microbatches})
+    results = []
+    for scalar_max, batched_cells in [(0, 0), (10**9, 0), (0, 10**9), (10**9, 10**9)]:
+        monkeypatch.setattr(pt, "_SCALAR_MAX_STAGES", scalar_max)
+        monkeypatch.setattr(pt, "_BATCHED_TAIL_CELLS", batched_cells)
+        table = pt.iteration_times(*pipeline, max_microbatches)
+        results.append([table[q - 1] for q in probes] + [pt.iteration_time_1f1b(*pipeline, q) for q in probes])
+    assert all(r == results[0] for r in results)
+    assert results[0][: len(probes)] == results[0][len(probes) :]
+
+
 def test_hand_computed_two_stage_single_microbatch():
     # F0, then the activation, F1, B1, the gradient, B0: nothing overlaps with one microbatch.
     args = ([1.0, 2.0], [3.0, 4.0], [0.5], [0.25])

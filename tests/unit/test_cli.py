@@ -1,0 +1,94 @@
+"""oobleck-launch plan: what a user sees, as text, as JSON, and on bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oobleck_mm.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny_mm.yaml")
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["plan", "--config", TINY, "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def assert_plan_valid(plan: dict, live_nodes: set[str]) -> None:
+    used = [n for p in plan["pipelines"] for n in p["nodes"]]
+    assert sorted(used) == sorted(live_nodes)  # every live node used exactly once
+    assert plan["num_pipelines"] >= 2  # f + 1 replicas (tiny_mm has f = 1)
+    assert sum(p["num_microbatches"] for p in plan["pipelines"]) * plan["microbatch_size"] == plan["global_batch"]
+    assert all(p["num_microbatches"] >= 1 for p in plan["pipelines"])
+    for p in plan["pipelines"]:  # stages cover every layer in order
+        bounds = [s["layers"] for s in p["stages"]]
+        assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_plan_json_is_complete_and_consistent(capsys):
+    doc = run_json(capsys, "--nodes", "5", "--fail-nodes", "node1", "3")
+    num_layers = len(doc["profile"]["layers"])
+    assert [t["nodes"] for t in doc["templates"]] == list(range(doc["min_nodes"], doc["min_nodes"] + len(doc["templates"])))
+    assert all(t["stages"][-1]["layers"][1] == num_layers for t in doc["templates"])
+    assert_plan_valid(doc["plan"], {f"node{i}" for i in range(5)})
+    rec = doc["reconfiguration"]
+    assert rec["ok"] and rec["lost"] == ["node1", "node3"]
+    assert_plan_valid(rec["plan"], {"node0", "node2", "node4"})
+    assert doc["plan"]["samples_per_s"] == pytest.approx(doc["plan"]["global_batch"] / doc["plan"]["iteration_time_s"])
+
+
+def test_plan_with_joins_uses_the_new_nodes(capsys):
+    doc = run_json(capsys, "--nodes", "4", "--fail-nodes", "0", "--join-nodes", "2")
+    assert_plan_valid(doc["reconfiguration"]["plan"], {"node1", "node2", "node3", "node4", "node5"})
+
+
+def test_losing_too_many_nodes_reports_cannot_keep_replicas(capsys):
+    doc = run_json(capsys, "--nodes", "4", "--fail-nodes", "0", "1", "2")
+    assert doc["reconfiguration"]["ok"] is False
+    assert doc["reconfiguration"]["live_nodes"] == 1 and doc["reconfiguration"]["needed"] == 2
+
+
+def test_text_output_names_templates_plan_and_reconfiguration(capsys):
+    assert main(["plan", "--config", TINY, "--fail-nodes", "node3"]) == 0
+    out = capsys.readouterr().out
+    for expected in ("pipeline templates:", "plan: 4 pipelines on 4 nodes", "samples/s", "microbatches",
+                     "reconfiguration after lost node3", "new plan: 3 pipelines on 3 nodes"):
+        assert expected in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--fail-nodes", "node9"], "--fail-nodes: unknown node 'node9'; valid nodes are node0..node3"),
+        (["--fail-nodes", "node1", "1"], "--fail-nodes: node 'node1' listed twice"),
+        (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
+        (["--nodes", "1"], "need at least 2 nodes; use num_nodes >= 2 or fault_tolerance <= 0"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
+    assert main(["plan", "--config", TINY, *args]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]  # progress lines may precede it
+
+
+def test_bad_config_exits_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(TINY).read_text().replace("microbatch_size: 2", "microbatch_size: -2"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(bad)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert "training.microbatch_size" in proc.stderr and "-2" in proc.stderr
+
+
+def test_missing_config_file_exits_2(capsys, tmp_path):
+    assert main(["plan", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
