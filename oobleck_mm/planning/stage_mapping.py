@@ -31,7 +31,8 @@ min-sum DP in which every stage costlier than the bottleneck is masked out.
 Tuning for a microbatch count
 -----------------------------
 With few microbatches per stage (M < 8 S) fill and drain weigh as much as the
-period, and the objective above is position-blind. When the caller knows M
+period, and the objective above is position-blind (pipelines of at most 32
+stages are tuned; longer ones keep the lexicographic optimum). When the caller knows M
 (``microbatches_hint``, or ``build_templates``' share of the global batch),
 the template is the best in *exact* 1F1B time among the lexicographic optimum,
 min-sum mappings under a few looser bottleneck caps, and a budgeted hill-climb
@@ -92,14 +93,17 @@ _GiB = float(2**30)
 # (relative). A handful of caps recovers most of the gap between the
 # lexicographic optimum and the exact 1F1B optimum at small microbatch counts
 # (docs/planning.md has the measurement); each costs one min-sum pass.
-_CAP_RELAXATIONS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
-# ... tried only when microbatches < _TRANSIENT_RATIO x stages.
+_CAP_RELAXATIONS = (0.05, 0.2, 0.5)
+# ... tried only when microbatches < _TRANSIENT_RATIO x stages, and only for
+# pipelines of at most _TUNE_MAX_STAGES stages: exact evaluations of long
+# pipelines are costly and the planner rarely instantiates them.
 _TRANSIENT_RATIO = 8
+_TUNE_MAX_STAGES = 32
 # Exact-time evaluations the boundary hill-climb may spend per template, and
 # the schedule steps (2 (M + S) per evaluation, ~20 us each) it may spend.
 _POLISH_EVALUATIONS = 200
 _POLISH_MIN_EVALUATIONS = 4
-_POLISH_STEPS = 20_000
+_POLISH_STEPS = 4_000
 
 
 def map_stages(
@@ -432,7 +436,7 @@ class _Planner:
         template = self._assemble(num_nodes, cuts)
         if microbatches is None:
             return template
-        if microbatches >= _TRANSIENT_RATIO * template.num_stages:
+        if microbatches >= _TRANSIENT_RATIO * template.num_stages or template.num_stages > _TUNE_MAX_STAGES:
             # Many microbatches per stage: the period (the bottleneck) dominates;
             # the lexicographic optimum is within 0.1% of the exact optimum on
             # average (scripts/stage_mapping_gap.py, docs/planning.md).
