@@ -539,8 +539,12 @@ class PlanningConfig:
     """Where measured profiles are cached (``~`` is expanded)."""
     microbatches_hint: int | None = None
     """Microbatches per pipeline the templates are optimised for; default: derived from the batch."""
+    replan_gain: float | None = 0.02
+    """On reconfiguration, lay the live nodes out afresh (more layer states to copy) when that is
+    predicted this much faster than the seed's incremental steps; ``null``: never."""
 
     def __post_init__(self) -> None:
+        _check_optional(self, "replan_gain", _as_float, minimum=0.0)
         _check(self, "profile", _as_choice, ("analytical", "measured"))
         _check(self, "solver", _as_choice, ("highs", "mindtpy", "python"))
         _check(self, "profile_cache_dir", _as_str)
@@ -582,9 +586,12 @@ def validate(job: JobConfig) -> None:
     """Every rule that relates fields to each other; raises ConfigError carrying the numbers."""
     t, c, ft, m, d = job.training, job.cluster, job.fault_tolerance, job.model, job.data
     if t.global_batch % t.microbatch_size:
+        below = t.global_batch - t.global_batch % t.microbatch_size
+        nearest = ([below] if below else []) + [below + t.microbatch_size]
         raise ConfigError(
             f"training.global_batch ({t.global_batch}) must be a multiple of "
-            f"training.microbatch_size ({t.microbatch_size})"
+            f"training.microbatch_size ({t.microbatch_size}); nearest valid global batches: "
+            + " or ".join(map(str, nearest))
         )
     if job.planning.microbatches_hint is not None:
         most = t.global_batch // t.microbatch_size

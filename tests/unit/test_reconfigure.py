@@ -8,6 +8,7 @@ tests do not depend on the stage mapper; the batch split is the real one
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 import pytest
@@ -16,9 +17,9 @@ from hypothesis import strategies as st
 
 from oobleck_mm.planning.batch import split_batch
 from oobleck_mm.planning.costs import ClusterSpec
-from oobleck_mm.planning.instantiate import best_template_counts
+from oobleck_mm.planning.instantiate import best_template_counts, enumerate_template_counts
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
-from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
+from oobleck_mm.planning.reconfigure import DEFAULT_REPLAN_GAIN, CannotKeepReplicas, Reconfiguration, reconfigure
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 
 CLUSTER = ClusterSpec(gpus_per_node=2, device_memory_bytes=80 * 2**30)
@@ -83,8 +84,39 @@ def layouts(plan: Plan) -> list[tuple[PipelineTemplate, tuple[str, ...]]]:
     return [(p.template, p.nodes) for p in plan.pipelines]
 
 
-def run(plan, lost, joined, template_set, f):
-    return reconfigure(plan, lost, joined, template_set, f, CLUSTER, solver=SOLVER)
+def run(plan, lost, joined, template_set, f, replan_gain=math.inf):
+    """Reconfigures; by default with the seed's steps only (no re-plan), which most tests examine."""
+    return reconfigure(plan, lost, joined, template_set, f, CLUSTER, solver=SOLVER, replan_gain=replan_gain)
+
+
+def best_plan_time(template_set: TemplateSet, live: int, f: int, like: Plan) -> float:
+    """Predicted iteration time of the best layout for ``live`` nodes (brute force over template counts)."""
+    best = math.inf
+    for counts in enumerate_template_counts(template_set, live, f):
+        templates = [t for t, c in zip(template_set.templates, counts) for _ in range(c)]
+        try:
+            split = split_batch(templates, like.global_batch, like.microbatch_size, solver="python")
+        except ValueError:
+            continue
+        best = min(best, split.iteration_time_s + gradient_allreduce_s(templates, CLUSTER))
+    return best
+
+
+def test_drifted_layout_is_replanned_when_the_best_is_clearly_faster():
+    # Three 3-node pipelines lose a node in each of two: the seed's steps keep 2+2+3 nodes, about
+    # 10% slower than the best layout for 7 nodes (seven 1-node pipelines with these templates).
+    template_set = make_set(n0=1, num_nodes=9, f=1, gpus=2)
+    plan = make_plan(template_set, [3, 3, 3])
+    best = best_plan_time(template_set, 7, 1, plan)
+    seed_only = run(plan, ["n0", "n3"], [], template_set, 1)
+    assert sorted(len(p.nodes) for p in seed_only.plan.pipelines) == [2, 2, 3]
+    assert seed_only.plan.iteration_time_s > best * 1.05
+    default = run(plan, ["n0", "n3"], [], template_set, 1, DEFAULT_REPLAN_GAIN)
+    assert default.plan.iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert any("slower than the best" in a for a in default.actions)
+    check_reconfiguration(default, plan, ["n0", "n3"], [], template_set, 1)
+    # A loose threshold keeps the incremental layout.
+    assert run(plan, ["n0", "n3"], [], template_set, 1, 0.5).plan == seed_only.plan
 
 
 def held_by_survivors(plan: Plan, lost) -> dict:
@@ -173,9 +205,9 @@ def test_every_feasible_node_count_has_template_counts(n0, f, spare, gpus):
 # --- any sequence of events -------------------------------------------------------------------
 
 
-@given(scenario=scenarios(), history=events)
+@given(scenario=scenarios(), history=events, replan_gain=st.sampled_from([math.inf, DEFAULT_REPLAN_GAIN, 0.0]))
 @settings(deadline=None, max_examples=40)
-def test_any_failure_and_join_sequence_keeps_every_invariant(scenario, history):
+def test_any_failure_and_join_sequence_keeps_every_invariant(scenario, history, replan_gain):
     template_set, f, plan = scenario
     num_nodes = len(plan.nodes)
     needed = (f + 1) * template_set.min_nodes
@@ -185,7 +217,7 @@ def test_any_failure_and_join_sequence_keeps_every_invariant(scenario, history):
         lost = sorted({nodes[i % len(nodes)] for i in picks})
         survivors = len(nodes) - len(lost)
         joined = [f"j{next(fresh)}" for _ in range(min(num_joined, num_nodes - survivors))]
-        result = run(plan, lost, joined, template_set, f)
+        result = run(plan, lost, joined, template_set, f, replan_gain)
         if survivors + len(joined) < needed:
             assert result == CannotKeepReplicas(survivors + len(joined), needed, result.reason)
             return
@@ -195,6 +227,10 @@ def test_any_failure_and_join_sequence_keeps_every_invariant(scenario, history):
             assert "layers" in result.reason
             return
         check_reconfiguration(result, plan, lost, joined, template_set, f)
+        if replan_gain < math.inf:  # never more than replan_gain slower than the best layout
+            live = len(result.plan.nodes)
+            best = best_plan_time(template_set, live, f, result.plan)
+            assert result.plan.iteration_time_s <= best * (1 + replan_gain) * (1 + 1e-9)
         plan = result.plan
 
 
