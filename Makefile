@@ -24,7 +24,7 @@ minlp: setup
 	bash scripts/install_minlp.sh $(PY)
 
 run: setup
-	$(VENV)/bin/oobleck-launch plan --config configs/tiny_mm.yaml --nodes 4 --fail-nodes node3
+	$(VENV)/bin/oobleck-launch plan --config configs/gpt3_6.7b.yaml --nodes 30 --fail-nodes node3 node17
 
 test: minlp
 	$(PY) -m pytest tests -q -p no:cacheprovider
