@@ -119,18 +119,27 @@ def iteration_times(
     ready = np.zeros((1, costs.num_stages + 2))
     snapshots = _sweep_whole(ready, costs, max_microbatches, 2 * max_microbatches)
     counts = np.arange(1, max_microbatches + 1)[:, None]
+    # A run of q >= S microbatches has every boundary's gradient and activation ids past
+    # their validity thresholds (all <= S) in these last steps, so all such runs share one
+    # row of increments; only the runs q < S need their own.
+    split = min(costs.num_stages - 1, max_microbatches)
+    groups = [(snapshots[:split], counts[:split]), (snapshots[split:], counts[-1:])]
+    groups = [(rows, c) for rows, c in groups if len(rows)]
     num_offsets = 2 * costs.num_stages - 2
-    if max_microbatches * costs.num_stages <= _BATCHED_TAIL_CELLS:
-        # Increments of every remaining step for every run at once: (offsets, runs, boundaries);
-        # saves the per-call overhead when the runs are few. Large ones go step by step.
-        tables = [
-            _increments(costs, 2 * counts + np.arange(p, num_offsets, 2)[:, None, None], counts, p) for p in (0, 1)
-        ]
+    offsets = [np.arange(p, num_offsets, 2)[:, None, None] for p in (0, 1)]
+    if split * num_offsets * costs.num_stages <= _BATCHED_TAIL_CELLS:
+        # Every step's increments at once, (offsets, runs, boundaries): a few numpy calls
+        # instead of a few per step.
+        tables = [[_increments(costs, 2 * c + offsets[p], c, p) for p in (0, 1)] for _, c in groups]
         for offset in range(num_offsets):
-            _apply_step(snapshots, offset % 2, *(table[offset // 2] for table in tables[offset % 2]))
+            parity = offset % 2
+            for (rows, _), table in zip(groups, tables):
+                _apply_step(rows, parity, *(part[offset // 2] for part in table[parity]))
     else:
         for offset in range(num_offsets):
-            _apply_step(snapshots, offset % 2, *_increments(costs, 2 * counts + offset, counts, offset % 2))
+            parity = offset % 2
+            for rows, c in groups:
+                _apply_step(rows, parity, *_increments(costs, 2 * c + offset, c, parity))
     return [float(x) for x in snapshots.max(axis=1)]
 
 
@@ -197,8 +206,9 @@ def _apply_step(ready: np.ndarray, parity: int, meets, transfer, lower, upper) -
     ready[:, parity:-1:2] = new_lo
 
 
-# Up to this many (runs x stages) the tail of ``iteration_times`` precomputes all its steps at once.
-_BATCHED_TAIL_CELLS = 4096
+# Up to this many (runs x steps x stages) cells the tail of ``iteration_times`` precomputes
+# the increments of all its steps at once (8 arrays of that size: ~100 MB at most).
+_BATCHED_TAIL_CELLS = 1_500_000
 # Below this many stages a plain Python loop over the active boundaries beats
 # the numpy step (a fixed ~15 us of calls per step whatever S is).
 _SCALAR_MAX_STAGES = 40
