@@ -35,10 +35,8 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
-from oobleck_mm.planning.pipeline_time import iteration_times
-from oobleck_mm.planning.template import PipelineTemplate
+from oobleck_mm.planning.template import PipelineTemplate, TimeTable, time_table  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -63,90 +61,6 @@ class BatchSplit:
     solver: str
     reason: str
     """One line on how the split was found (solver status, objective)."""
-
-
-# ---------------------------------------------------------------------------
-# T_j(q) tables
-
-
-class TimeTable:
-    """``T(q)`` of one template for ``q = 1, 2, ...``, computed in chunks on demand.
-
-    ``pipeline_time.iteration_times`` gives ``T(1..M)`` for about the cost of
-    ``T(M)`` alone, but that cost grows with ``M``, so the table is extended
-    only as far as a search needs: ``capacity`` first extends it to a cheap
-    upper bound on the answer (``_capacity_bound``), then doubles if needed.
-    """
-
-    __slots__ = ("template", "_values", "_offsets", "_per_microbatch")
-
-    def __init__(self, template: PipelineTemplate):
-        self.template = template
-        self._values: list[float] = []
-        # Stage k cannot start before microbatch 0 went forward through stages < k
-        # and cannot finish before the last backward came back through them, and
-        # it runs all q forwards and backwards itself, one at a time:
-        #     T(q) >= max_k sum_{i<k} (F_i + B_i) + q (F_k + B_k).
-        busy = [s.forward_s + s.backward_s for s in template.stages]
-        self._offsets = [sum(busy[:k]) for k in range(len(busy))]
-        self._per_microbatch = busy
-
-    def __call__(self, q: int) -> float:
-        assert q >= 1, q
-        if q > len(self._values):
-            self._extend(max(q, 2 * len(self._values)))
-        return self._values[q - 1]
-
-    def _extend(self, size: int) -> None:
-        t = self.template
-        self._values = iteration_times(
-            [s.forward_s for s in t.stages],
-            [s.backward_s for s in t.stages],
-            t.send_activation_s,
-            t.send_grad_s,
-            size,
-        )
-
-    def _capacity_bound(self, time_s: float) -> float:
-        """An upper bound on ``capacity(time_s)`` from the lower bound on ``T(q)`` above."""
-        bound = float("inf")
-        for offset, busy in zip(self._offsets, self._per_microbatch):
-            if busy > 0:
-                bound = min(bound, (time_s - offset) / busy)
-        return bound
-
-    def capacity(self, time_s: float, limit: int, known: int = 0, strict: bool = False) -> int:
-        """Largest ``q`` in ``[known, limit]`` with ``T(q) <= time_s`` (``<`` if ``strict``).
-
-        ``known`` is a ``q`` already known to qualify (0: none).
-        """
-
-        def fits(q: int) -> bool:
-            return self(q) < time_s if strict else self(q) <= time_s
-
-        # Compute the table up to the bound (+1: it may round down) and bisect
-        # below it; gallop beyond it only if the bound was not one after all.
-        lo = known
-        hi = max(lo, min(limit, int(min(self._capacity_bound(time_s), limit)) + 1))
-        if hi == lo or fits(hi):
-            lo, step = hi, 1
-            while lo + step <= limit and fits(lo + step):
-                lo += step
-                step *= 2
-            hi = min(limit, lo + step - 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-
-@lru_cache(maxsize=4096)
-def time_table(template: PipelineTemplate) -> TimeTable:
-    """The shared, growing ``T(q)`` table of ``template`` (memoised: templates never change)."""
-    return TimeTable(template)
 
 
 # ---------------------------------------------------------------------------

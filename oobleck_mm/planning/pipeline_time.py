@@ -104,25 +104,105 @@ def iteration_times(
     send_activation: Sequence[float],
     send_grad: Sequence[float],
     max_microbatches: int,
+    first_microbatches: int = 1,
 ) -> list[float]:
-    """``[T(1), ..., T(max_microbatches)]`` for the same stages in ``O(M + S)`` numpy calls.
+    """``[T(first), ..., T(max_microbatches)]`` for the same stages, at a cost that stops growing with M.
+
+    Runs of ``q < S`` microbatches each need their own drain (``O(S^3)`` work for
+    all of them); a caller that rarely needs them asks from ``first = S`` on.
 
     The batch solver needs ``T(q)`` for many ``q``. Runs with ``q`` and ``M > q``
     microbatches are identical up to step ``2q - 1``: the first event that
-    involves microbatch ``q`` is stage 0's forward at step ``2q``. So one run of
-    ``M`` microbatches provides every run's state after step ``2q - 1``, and the
-    remaining ``2S - 2`` steps of all ``M`` runs are swept together, one row each
-    (``O(S (M + S) + M S^2)`` arithmetic in all).
+    involves microbatch ``q`` is stage 0's forward at step ``2q``. So one run
+    provides every run's state ``R(q)`` after step ``2q - 1``, and the remaining
+    ``2S - 2`` (drain) steps of all runs are swept together, one row each.
+
+    Beyond that, the steady phase is one max-plus linear map applied again and
+    again, so ``R(q)`` becomes periodic up to a shift: once
+    ``R(q*) = R(q* - c) + delta`` (all stages, within float rounding) with
+    ``q* - c > S``, every later state repeats that shift, and since the drain
+    map is the same max-plus function for every run of ``>= S`` microbatches,
+    ``T(q) = T(q - c) + delta`` for all ``q > q*``. The run is swept only until
+    the period shows (usually a few ``S``), so a table of thousands of
+    microbatches costs about as much as one of ``O(S)``. Max-plus maps are
+    non-expansive, so a shift detected within a relative ``_PERIOD_RTOL`` keeps
+    every extrapolated time within that error per period: ~1e-9 relative for
+    thousands of microbatches, far below what any decision depends on.
     """
     costs = _PaddedCosts.of(forward, backward, send_activation, send_grad)
     validate_count("max_microbatches", max_microbatches)
-    ready = np.zeros((1, costs.num_stages + 2))
-    snapshots = _sweep_whole(ready, costs, max_microbatches, 2 * max_microbatches)
-    counts = np.arange(1, max_microbatches + 1)[:, None]
+    validate_count("first_microbatches", first_microbatches)
+    if first_microbatches > max_microbatches:
+        raise ValueError(f"first_microbatches ({first_microbatches}) must be <= max_microbatches ({max_microbatches})")
+    states, period = _periodic_states(costs, max_microbatches)
+    start = first_microbatches
+    if period is not None:  # the last period's runs are drained too: they seed the extrapolation
+        start = min(start, len(states) - period[0] + 1)
+    times = _drain_times(costs, states[start - 1 :], start)
+    if period is not None:
+        c, delta = period
+        while len(times) < max_microbatches - start + 1:
+            times.append(times[-c] + delta)
+    return times[first_microbatches - start :]
+
+
+# Stop sweeping once the state repeats up to a shift (see iteration_times); the
+# shift must agree on every stage within this relative tolerance. Periods up to
+# _MAX_PERIOD microbatches are recognised (1 in every case seen so far).
+_PERIOD_RTOL = 1e-12
+_MAX_PERIOD = 4
+
+
+def _periodic_states(costs: _PaddedCosts, max_microbatches: int) -> tuple[np.ndarray, tuple[int, float] | None]:
+    """States ``R(q)`` for ``q = 1..Q`` (``Q <= max_microbatches``) and the period, if it showed.
+
+    Sweeps the ``max_microbatches`` run in chunks and stops at the first ``q``
+    with ``R(q) = R(q - c) + delta`` on every real stage and ``q - c > S``.
+    """
+    S, M = costs.num_stages, max_microbatches
+    ready = np.zeros((1, S + 2))
+    chunk = 2 * max(4 * S, 32)  # steps per chunk: a few S microbatches
+    states: list[np.ndarray] = []
+    step = 0
+    while step < 2 * M:
+        end = min(2 * M, step + chunk)
+        states.append(_sweep_whole(ready, costs, M, end, first_step=step))
+        step = end
+        period = _find_period(np.concatenate(states), S)
+        if period is not None:
+            q_star, c, delta = period
+            return np.concatenate(states)[:q_star], (c, delta)
+    return np.concatenate(states), None
+
+
+def _find_period(states: np.ndarray, num_stages: int) -> tuple[int, int, float] | None:
+    """(q*, c, delta) for the first ``q*`` whose state is ``c`` microbatches' state plus ``delta``."""
+    real = states[:, 1:-1]  # the virtual end columns never change and never matter
+    scale = np.abs(real).max(axis=1)
+    best = None
+    for c in range(1, _MAX_PERIOD + 1):
+        first = num_stages + 1 + c  # q* - c > S: both states are in the time-invariant steady phase
+        if len(real) < first:
+            continue
+        diff = real[first - 1 :] - real[first - 1 - c : len(real) - c]
+        spread = diff.max(axis=1) - diff.min(axis=1)
+        hits = np.nonzero(spread <= _PERIOD_RTOL * scale[first - 1 :])[0]
+        if len(hits):
+            q_star = first + int(hits[0])
+            if best is None or q_star < best[0]:
+                best = (q_star, c, float(diff[hits[0]].max()))
+    return best
+
+
+def _drain_times(costs: _PaddedCosts, states: np.ndarray, first: int = 1) -> list[float]:
+    """``T(q)`` for ``q = first..first+len(states)-1``: each run's last ``2S - 2`` steps from ``R(q)``."""
+    snapshots = states.copy()
+    count = len(snapshots)
+    counts = np.arange(first, first + count)[:, None]
     # A run of q >= S microbatches has every boundary's gradient and activation ids past
     # their validity thresholds (all <= S) in these last steps, so all such runs share one
     # row of increments; only the runs q < S need their own.
-    split = min(costs.num_stages - 1, max_microbatches)
+    split = min(max(costs.num_stages - first, 0), count)
     groups = [(snapshots[:split], counts[:split]), (snapshots[split:], counts[-1:])]
     groups = [(rows, c) for rows, c in groups if len(rows)]
     num_offsets = 2 * costs.num_stages - 2
@@ -214,25 +294,32 @@ _BATCHED_TAIL_CELLS = 1_500_000
 _SCALAR_MAX_STAGES = 40
 
 
-def _sweep_whole(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, num_steps: int) -> np.ndarray:
-    """Run steps ``0..num_steps-1`` of one run in place; return its state after every odd step.
+def _sweep_whole(
+    ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, num_steps: int, first_step: int = 0
+) -> np.ndarray:
+    """Run steps ``first_step..num_steps-1`` of one run in place; return its state after each odd step.
 
-    The per-step increments are computed for all steps of a parity at once, so
-    the loop itself is a handful of numpy calls on ``S / 2``-long views.
+    ``first_step`` is even. The per-step increments are computed for all steps
+    of a parity at once, so the loop itself is a handful of numpy calls on
+    ``S / 2``-long views.
     """
     if costs.num_stages <= _SCALAR_MAX_STAGES:
-        return _sweep_scalar(ready, costs, num_microbatches, num_steps)
-    snapshots = np.empty((num_steps // 2, ready.shape[1]))
-    tables = [_increments(costs, np.arange(p, num_steps, 2)[:, None], num_microbatches, p) for p in (0, 1)]
-    for step in range(num_steps):
+        return _sweep_scalar(ready, costs, num_microbatches, num_steps, first_step)
+    snapshots = np.empty(((num_steps - first_step) // 2, ready.shape[1]))
+    tables = [
+        _increments(costs, np.arange(first_step + p, num_steps, 2)[:, None], num_microbatches, p) for p in (0, 1)
+    ]
+    for i, step in enumerate(range(first_step, num_steps)):
         parity = step % 2
-        _apply_step(ready, parity, *(table[step // 2] for table in tables[parity]))
+        _apply_step(ready, parity, *(table[i // 2] for table in tables[parity]))
         if parity:
-            snapshots[step // 2] = ready[0]
+            snapshots[i // 2] = ready[0]
     return snapshots
 
 
-def _sweep_scalar(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, num_steps: int) -> np.ndarray:
+def _sweep_scalar(
+    ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int, num_steps: int, first_step: int = 0
+) -> np.ndarray:
     """``_sweep_whole`` as a plain loop: the same recurrence, boundary by boundary.
 
     Boundary ``k`` (padded index ``k + 1``) is active at step ``t`` when ``t + k``
@@ -244,8 +331,8 @@ def _sweep_scalar(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int,
     F, B = costs.forward.tolist(), costs.backward.tolist()
     A, G = costs.send_activation.tolist(), costs.send_grad.tolist()
     R = ready[0].tolist()  # padded: R[k + 1] is stage k
-    snapshots = np.empty((num_steps // 2, len(R)))
-    for t in range(num_steps):
+    snapshots = np.empty(((num_steps - first_step) // 2, len(R)))
+    for t in range(first_step, num_steps):
         # Padded boundary p = k + 1 joins columns p and p + 1; active when t + p is even.
         for p in range(t % 2, S + 1, 2):
             grad = 0 <= (t + p) // 2 - S < M
@@ -263,7 +350,7 @@ def _sweep_scalar(ready: np.ndarray, costs: _PaddedCosts, num_microbatches: int,
                 if act:
                     R[p + 1] += F[p + 1]
         if t % 2:
-            snapshots[t // 2] = R
+            snapshots[(t - first_step) // 2] = R
     ready[0] = R
     return snapshots
 

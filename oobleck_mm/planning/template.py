@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from oobleck_mm.planning.pipeline_time import iteration_time_1f1b
+from oobleck_mm.planning.pipeline_time import iteration_times
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +62,12 @@ class PipelineTemplate:
         return self.stages[-1].layer_end
 
     def iteration_time(self, num_microbatches: int) -> float:
-        """Exact 1F1B iteration seconds (DeepSpeed ``TrainSchedule``) for ``num_microbatches``."""
-        return _cached_time(self, num_microbatches)
+        """Exact 1F1B iteration seconds (DeepSpeed ``TrainSchedule``) for ``num_microbatches``.
+
+        Read from the template's ``TimeTable``: one source for every planning
+        decision and report.
+        """
+        return time_table(self)(num_microbatches)
 
     def layers_of_gpu(self) -> dict[tuple[int, int], range]:
         """(template node, local gpu) -> layer range that GPU holds."""
@@ -80,15 +84,88 @@ class PipelineTemplate:
         return " ".join(parts)
 
 
-@lru_cache(maxsize=65536)
-def _cached_time(template: PipelineTemplate, num_microbatches: int) -> float:
-    return iteration_time_1f1b(
-        [s.forward_s for s in template.stages],
-        [s.backward_s for s in template.stages],
-        template.send_activation_s,
-        template.send_grad_s,
-        num_microbatches,
-    )
+class TimeTable:
+    """``T(q)`` of one template for ``q = 1, 2, ...``, computed in chunks on demand.
+
+    ``pipeline_time.iteration_times`` gives ``T(1..M)`` for about the cost of
+    ``T(M)`` alone (less once the steady state's period shows), and the table
+    is extended only as far as a search needs: ``capacity`` first extends it to
+    a cheap upper bound on the answer (``_capacity_bound``), then doubles if
+    needed. Every planning decision and report reads ``T(q)`` from here.
+    """
+
+    __slots__ = ("template", "_first", "_values", "_short", "_offsets", "_per_microbatch")
+
+    def __init__(self, template: PipelineTemplate):
+        self.template = template
+        # Runs of q < S microbatches each need their own drain (O(S^3) for all of them), and a
+        # search on a deep template often never asks for them: they are computed apart, when asked.
+        self._first = template.num_stages
+        self._values: list[float] = []  # T(first), T(first + 1), ...
+        self._short: list[float] = []  # T(1) .. T(first - 1)
+        # Stage k cannot start before microbatch 0 went forward through stages < k
+        # and cannot finish before the last backward came back through them, and
+        # it runs all q forwards and backwards itself, one at a time:
+        #     T(q) >= max_k sum_{i<k} (F_i + B_i) + q (F_k + B_k).
+        busy = [s.forward_s + s.backward_s for s in template.stages]
+        self._offsets = [sum(busy[:k]) for k in range(len(busy))]
+        self._per_microbatch = busy
+
+    def __call__(self, q: int) -> float:
+        assert q >= 1, q
+        if q < self._first:
+            if not self._short:
+                self._short = iteration_times(*self._latencies(), self._first - 1)
+            return self._short[q - 1]
+        index = q - self._first
+        if index >= len(self._values):
+            self._values = iteration_times(*self._latencies(), max(q, self._first + 2 * len(self._values)), self._first)
+        return self._values[index]
+
+    def _latencies(self) -> tuple:
+        t = self.template
+        return [s.forward_s for s in t.stages], [s.backward_s for s in t.stages], t.send_activation_s, t.send_grad_s
+
+    def _capacity_bound(self, time_s: float) -> float:
+        """An upper bound on ``capacity(time_s)`` from the lower bound on ``T(q)`` above."""
+        bound = float("inf")
+        for offset, busy in zip(self._offsets, self._per_microbatch):
+            if busy > 0:
+                bound = min(bound, (time_s - offset) / busy)
+        return bound
+
+    def capacity(self, time_s: float, limit: int, known: int = 0, strict: bool = False) -> int:
+        """Largest ``q`` in ``[known, limit]`` with ``T(q) <= time_s`` (``<`` if ``strict``).
+
+        ``known`` is a ``q`` already known to qualify (0: none).
+        """
+
+        def fits(q: int) -> bool:
+            return self(q) < time_s if strict else self(q) <= time_s
+
+        # Compute the table up to the bound (+1: it may round down) and bisect
+        # below it; gallop beyond it only if the bound was not one after all.
+        lo = known
+        hi = max(lo, min(limit, int(min(self._capacity_bound(time_s), limit)) + 1))
+        if hi == lo or fits(hi):
+            lo, step = hi, 1
+            while lo + step <= limit and fits(lo + step):
+                lo += step
+                step *= 2
+            hi = min(limit, lo + step - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+@lru_cache(maxsize=4096)
+def time_table(template: PipelineTemplate) -> TimeTable:
+    """The shared, growing ``T(q)`` table of ``template`` (memoised: templates never change)."""
+    return TimeTable(template)
 
 
 @dataclass(frozen=True, slots=True)

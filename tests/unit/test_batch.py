@@ -278,3 +278,29 @@ def test_mindtpy_minimises_the_seed_variance_objective():
     result = split_batch([slow, fast], 9, 1, solver="mindtpy")
     assert result.microbatches == (3, 6)
     assert math.isclose(result.iteration_time_s, max(slow.iteration_time(3), fast.iteration_time(6)))
+
+
+def test_time_table_is_seamless_between_short_and_long_runs():
+    # TimeTable computes q < S one run at a time and q >= S as one extrapolated table: the two must
+    # agree with the exact recurrence and keep T non-decreasing across the seam.
+    from oobleck_mm.planning.pipeline_time import iteration_time_1f1b
+    from oobleck_mm.planning.template import TimeTable
+
+    stages = [(0.3 + 0.1 * (k % 3), 0.5 + 0.2 * (k % 2)) for k in range(12)]
+    template = PipelineTemplate(
+        num_nodes=12,
+        gpus_per_node=1,
+        stages=tuple(
+            StageSpec(layer_start=k, layer_end=k + 1, node=k, gpus=(0,), forward_s=f, backward_s=b, memory_bytes=0.0)
+            for k, (f, b) in enumerate(stages)
+        ),
+        send_activation_s=(0.05,) * 11,
+        send_grad_s=(0.05,) * 11,
+    )
+    table = TimeTable(template)
+    values = [table(q) for q in (40, 3, 12, 11, 13, 1, 200)]  # out of order: both parts grow on demand
+    exact = [iteration_time_1f1b([f for f, _ in stages], [b for _, b in stages], template.send_activation_s,
+                                 template.send_grad_s, q) for q in (40, 3, 12, 11, 13, 1, 200)]
+    assert values == pytest.approx(exact, rel=1e-11)
+    series = [table(q) for q in range(1, 60)]
+    assert all(a <= b for a, b in zip(series, series[1:]))

@@ -62,30 +62,60 @@ def test_iteration_times_equals_one_run_per_microbatch_count(pipeline, max_micro
     assert times == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("num_stages, max_microbatches", [(3, 40), (30, 200), (45, 30), (60, 90)])
-def test_every_code_path_gives_bit_identical_times(monkeypatch, num_stages, max_microbatches):
-    # Scalar and numpy sweeps, batched and step-by-step tails: the batch solver compares table values
-    # with iteration_time() results, so they must agree to the last bit, not just approximately.
+def random_pipeline(num_stages: int, seed: int):
     import random
 
-    import oobleck_mm.planning.pipeline_time as pt
-
-    rng = random.Random(num_stages)
-    pipeline = (
+    rng = random.Random(seed)
+    return (
         [rng.uniform(0.1, 2) for _ in range(num_stages)],
         [rng.uniform(0.1, 2) for _ in range(num_stages)],
         [rng.choice([0.0, rng.uniform(0, 0.3)]) for _ in range(num_stages - 1)],
         [rng.choice([0.0, rng.uniform(0, 0.3)]) for _ in range(num_stages - 1)],
     )
+
+
+@pytest.mark.parametrize("num_stages, max_microbatches", [(3, 40), (30, 200), (45, 30), (60, 90)])
+def test_every_code_path_of_one_run_gives_bit_identical_times(monkeypatch, num_stages, max_microbatches):
+    # The scalar and numpy sweeps must agree to the last bit: which one runs depends only on S.
+    import oobleck_mm.planning.pipeline_time as pt
+
+    pipeline = random_pipeline(num_stages, num_stages)
     probes = sorted({1, 2, max_microbatches // 3, max_microbatches})
     results = []
-    for scalar_max, batched_cells in [(0, 0), (10**9, 0), (0, 10**9), (10**9, 10**9)]:
+    for scalar_max in (0, 10**9):
         monkeypatch.setattr(pt, "_SCALAR_MAX_STAGES", scalar_max)
-        monkeypatch.setattr(pt, "_BATCHED_TAIL_CELLS", batched_cells)
+        results.append([pt.iteration_time_1f1b(*pipeline, q) for q in probes])
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize(
+    "num_stages, max_microbatches, periodic",
+    # (50, 250): a slow front still travels through the stages after 250 microbatches, so the
+    # table must come from the full sweep instead.
+    [(1, 300, True), (3, 400, True), (8, 1000, True), (30, 600, True), (50, 250, False)],
+)
+def test_tables_extrapolate_the_period_exactly(monkeypatch, num_stages, max_microbatches, periodic):
+    # Long tables stop sweeping once the state repeats up to a shift and extrapolate; every
+    # value must still equal an independent full run, with and without the batched drain.
+    import oobleck_mm.planning.pipeline_time as pt
+
+    pipeline = random_pipeline(num_stages, 7 * num_stages)
+    costs = pt._PaddedCosts.of(*pipeline)
+    states, period = pt._periodic_states(costs, max_microbatches)
+    if periodic:
+        assert period is not None and len(states) < max_microbatches // 2  # the shortcut really ran
+    else:
+        assert period is None and len(states) == max_microbatches
+    probes = sorted({1, num_stages, len(states), min(len(states) + 1, max_microbatches), max_microbatches // 2, max_microbatches})
+    for batched in (0, 10**9):
+        monkeypatch.setattr(pt, "_BATCHED_TAIL_CELLS", batched)
         table = pt.iteration_times(*pipeline, max_microbatches)
-        results.append([table[q - 1] for q in probes] + [pt.iteration_time_1f1b(*pipeline, q) for q in probes])
-    assert all(r == results[0] for r in results)
-    assert results[0][: len(probes)] == results[0][len(probes) :]
+        assert len(table) == max_microbatches
+        for q in probes:
+            assert table[q - 1] == pytest.approx(pt.iteration_time_1f1b(*pipeline, q), rel=1e-11)
+        # Starting the table later (what TimeTable does for q >= S) gives the same values.
+        first = min(num_stages, max_microbatches)
+        assert pt.iteration_times(*pipeline, max_microbatches, first) == table[first - 1 :]
 
 
 def test_hand_computed_two_stage_single_microbatch():
