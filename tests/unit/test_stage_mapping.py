@@ -349,3 +349,24 @@ def test_bad_arguments(kwargs, message):
     profile = profile_of([layer("l0")])
     with pytest.raises(ValueError, match=message):
         build_templates(profile, ClusterSpec(gpus_per_node=1, device_memory_bytes=GB), **kwargs)
+
+
+@pytest.mark.parametrize("gpus_per_node, max_gpus, num_nodes", [(1, 1, 4), (4, 2, 2), (2, 1, 3)])
+def test_template_iteration_time_equals_simulating_deepspeeds_schedule(gpus_per_node, max_gpus, num_nodes):
+    # What the planner reports for a template (read from its T(q) table, extrapolated past the
+    # steady state's period) is what executing DeepSpeed's TrainSchedule instructions takes.
+    from oobleck_mm.planning.simulate import simulate_train_schedule
+
+    layers = [layer(fwd=0.2 + 0.05 * (i % 4), bw=0.3, bd=0.1 + 0.1 * (i % 3), out=10**8) for i in range(12)]
+    cluster = ClusterSpec(gpus_per_node=gpus_per_node, device_memory_bytes=10**15, max_gpus_per_stage=max_gpus,
+                          inter_node_bandwidth=1e9)
+    template = map_stages(profile_of(layers), cluster, num_nodes)
+    latencies = (
+        [s.forward_s for s in template.stages],
+        [s.backward_s for s in template.stages],
+        template.send_activation_s,
+        template.send_grad_s,
+    )
+    for microbatches in (1, 3, template.num_stages, 4 * template.num_stages + 1, 150):
+        simulated = simulate_train_schedule(*latencies, microbatches).makespan_s
+        assert template.iteration_time(microbatches) == pytest.approx(simulated, rel=1e-9)
