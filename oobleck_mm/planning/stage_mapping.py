@@ -278,6 +278,7 @@ class _CostTables:
             self._resident[d] = _range_sums([c.resident_bytes for c in per_layer], upper)
             self._activation[d] = _range_sums([c.activation_bytes for c in per_layer], upper)
         self._feasible: dict[tuple[int, int], np.ndarray] = {}
+        self._masked: dict[tuple[int, int, int], np.ndarray] = {}
 
     def in_flight(self, gpus_after: int) -> np.ndarray:
         """Per end layer w': microbatches the stage may hold (see module docstring), never an underestimate."""
@@ -293,8 +294,27 @@ class _CostTables:
         key = (d, min(gpus_after, self.num_layers - 1))
         mask = self._feasible.get(key)
         if mask is None:
-            mask = self._feasible[key] = self.memory(d, gpus_after) <= self.usable
+            mask = self.memory(d, gpus_after) <= self.usable
+            # Neighbouring counts usually give the same mask: share the object so that
+            # masked_time can cache by it.
+            previous = self._feasible.get((d, key[1] - 1))
+            if previous is not None and np.array_equal(previous, mask):
+                mask = previous
+            self._feasible[key] = mask
         return mask
+
+    def masked_time(self, d: int, kind: int, gpus_after: int) -> np.ndarray:
+        """Stage seconds of every ``[w, w')`` on ``d`` GPUs, inf where memory does not fit.
+
+        Every template's chains ask for the same matrices again; computed once per
+        distinct feasibility mask.
+        """
+        mask = self.feasible(d, gpus_after)
+        key = (d, kind, id(mask))
+        masked = self._masked.get(key)
+        if masked is None:
+            masked = self._masked[key] = np.where(mask, self.time[(d, kind)], np.inf)
+        return masked
 
 
 def _shift_boundary(cuts: list, k: int, shift: int) -> list | None:
@@ -411,7 +431,7 @@ class _Planner:
         self.bottleneck_chain = _SuffixChain(self.tables, self._feasible_time, np.maximum, keep_argmin=False)
 
     def _feasible_time(self, d: int, kind: int, gpus_after: int) -> np.ndarray:
-        return np.where(self.tables.feasible(d, gpus_after), self.tables.time[(d, kind)], np.inf)
+        return self.tables.masked_time(d, kind, gpus_after)
 
     def bottleneck(self, num_nodes: int) -> float:
         return self.bottleneck_chain.best(num_nodes)
