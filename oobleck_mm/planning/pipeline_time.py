@@ -168,10 +168,12 @@ def _periodic_states(costs: _PaddedCosts, max_microbatches: int) -> tuple[np.nda
         end = min(2 * M, step + chunk)
         states.append(_sweep_whole(ready, costs, M, end, first_step=step))
         step = end
-        period = _find_period(np.concatenate(states), S)
+        swept = np.concatenate(states)
+        period = _find_period(swept, S)
         if period is not None:
             q_star, c, delta = period
-            return np.concatenate(states)[:q_star], (c, delta)
+            return swept[:q_star], (c, delta)
+        states = [swept]
     return np.concatenate(states), None
 
 

@@ -130,6 +130,8 @@ class _Context:
     held: dict[Gpu, range]
     """Surviving GPU -> layers it held in the old plan (lost nodes excluded)."""
     time_cache: dict[tuple[int, ...], float] = field(default_factory=dict)
+    best_sizes: dict[int, list[int]] = field(default_factory=dict)
+    """Live node count -> pipeline sizes of the best fresh layout (see ``_best_sizes``)."""
 
     @property
     def n0(self) -> int:
@@ -343,13 +345,24 @@ def _time_of(templates: list[PipelineTemplate], ctx: _Context) -> float:
     return slowest + gradient_allreduce_s(templates, ctx.cluster)
 
 
+def _best_sizes(ctx: _Context, live: int) -> list[int]:
+    """Pipeline sizes (largest first) of the best template counts for ``live`` nodes, memoised.
+
+    Raises ``ValueError`` like ``best_template_counts`` when no layout exists.
+    """
+    if live not in ctx.best_sizes:
+        counts = best_template_counts(ctx.templates, live, ctx.fault_tolerance, ctx.total_microbatches)
+        sizes = (t.num_nodes for t, c in zip(ctx.templates.templates, counts) for _ in range(c))
+        ctx.best_sizes[live] = sorted(sizes, reverse=True)
+    return ctx.best_sizes[live]
+
+
 def _best_layout_time(ctx: _Context, live: int) -> float:
     """Predicted iteration seconds of the best template counts for ``live`` nodes (inf if none)."""
     try:
-        counts = best_template_counts(ctx.templates, live, ctx.fault_tolerance, ctx.total_microbatches)
+        return _predicted_time(ctx, _best_sizes(ctx, live))
     except ValueError:
         return math.inf
-    return _predicted_time(ctx, [t.num_nodes for t, c in zip(ctx.templates.templates, counts) for _ in range(c)])
 
 
 def _pick(candidates: list[tuple], ctx: _Context, sizes_after) -> tuple | None:
@@ -509,7 +522,7 @@ def _fresh_layout(
     pool = list(joined)
     live = sum(map(len, remaining)) + len(pool)
     try:
-        counts = best_template_counts(ctx.templates, live, ctx.fault_tolerance, ctx.total_microbatches)
+        sizes = _best_sizes(ctx, live)
     except ValueError as err:
         # Only reachable when joins push the cluster past the N the templates were built for.
         raise ValueError(
@@ -517,7 +530,6 @@ def _fresh_layout(
             f"{ctx.templates.max_nodes} nodes ({err}); rebuild the template set for {live} nodes "
             f"(stage_mapping.build_templates) and instantiate afresh"
         ) from err
-    sizes = sorted((t.num_nodes for t, c in zip(ctx.templates.templates, counts) for _ in range(c)), reverse=True)
     groups = []
     for size in sizes:
         nodes: list[str] = []

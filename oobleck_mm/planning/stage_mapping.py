@@ -25,15 +25,17 @@ occupies *both* of its stages. In steady state the meeting times of boundary
 a_{k+1} + g_{k+1} + B_{k+1})``; every cycle of that max-plus system is a union
 of single-stage cycles, so the per-microbatch period is exactly ``max_k c_k``.
 Charging a boundary to one side only (the first version did) left 3% mean and
-25% worst-case gaps to the exact optimum on small instances. Two exact passes: a min-max DP, then a
-min-sum DP in which every stage costlier than the bottleneck is masked out.
+25% worst-case gaps to the exact optimum on small instances.
+
+Two exact passes: a min-max DP, then a min-sum DP in which every stage
+costlier than the bottleneck is masked out.
 
 Tuning for a microbatch count
 -----------------------------
 With few microbatches per stage (M < 8 S) fill and drain weigh as much as the
-period, and the objective above is position-blind (pipelines of at most 32
-stages are tuned; longer ones keep the lexicographic optimum). When the caller knows M
-(``microbatches_hint``, or ``build_templates``' share of the global batch),
+period, and the objective above is position-blind. When the caller knows M
+(``microbatches_hint``, or ``build_templates``' share of the global batch) and
+the pipeline has at most 32 stages (longer ones keep the lexicographic optimum),
 the template is the best in *exact* 1F1B time among the lexicographic optimum,
 min-sum mappings under a few looser bottleneck caps, and a budgeted hill-climb
 that moves one layer across one boundary at a time. Measured against brute
@@ -112,11 +114,9 @@ def map_stages(
     """The best mapping of ``profile`` onto ``num_nodes`` nodes, or None if none fits.
 
     Without ``microbatches_hint``: the lexicographic optimum (module docstring).
-    With it: the mapping with the smallest exact 1F1B time for that many
-    microbatches among the lexicographic optimum and the min-sum mappings under
-    a few looser bottleneck caps (``_CAP_RELAXATIONS``): fill and drain weigh
-    more when a pipeline runs few microbatches, and a slightly worse bottleneck
-    can buy a much shorter fill. Memory assumes at least ``S`` microbatches.
+    With it: tuned on the exact 1F1B time for that many microbatches when they
+    are few per stage (module docstring, "Tuning for a microbatch count").
+    Memory assumes at least ``S`` microbatches.
     """
     _check_positive("num_nodes", num_nodes)
     _check_hint(microbatches_hint)
