@@ -1,0 +1,51 @@
+"""Where each sample of a global batch runs: pipeline -> microbatches -> sample ids.
+
+The deterministic sampler gives every rank the same global batch; an
+``Assignment`` says which pipeline and which of its microbatches processes each
+sample. Every rank computes the same assignment from metadata alone, so no data
+moves between ranks. The update does not depend on it: losses are normalised by
+the global number of loss tokens, wherever a sample runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    pipelines: tuple[tuple[tuple[int, ...], ...], ...]
+    """``pipelines[p][m]``: sample ids of microbatch ``m`` of pipeline ``p``, in packing order."""
+    reason: str = ""
+
+    def sample_ids(self) -> list[int]:
+        return [i for p in self.pipelines for mb in p for i in mb]
+
+    def check_covers(self, global_batch: Sequence[int], microbatches_per_pipeline: Sequence[int]) -> None:
+        """Raise unless every sample of the batch appears exactly once, with the plan's microbatch counts."""
+        counts = [len(p) for p in self.pipelines]
+        if counts != list(microbatches_per_pipeline):
+            raise ValueError(f"assignment has {counts} microbatches per pipeline, the plan {list(microbatches_per_pipeline)}")
+        if sorted(self.sample_ids()) != sorted(global_batch):
+            raise ValueError("assignment does not hold every sample of the global batch exactly once")
+
+
+def contiguous_assignment(
+    global_batch: Sequence[int], microbatches_per_pipeline: Sequence[int], microbatch_size: int
+) -> Assignment:
+    """The unbalanced default: fixed-size microbatches taken in sampler order, pipeline by pipeline."""
+    need = sum(microbatches_per_pipeline) * microbatch_size
+    if need != len(global_batch):
+        raise ValueError(
+            f"global batch of {len(global_batch)} samples does not fill {sum(microbatches_per_pipeline)} "
+            f"microbatches of {microbatch_size}"
+        )
+    pipelines, pos = [], 0
+    for count in microbatches_per_pipeline:
+        mbs = []
+        for _ in range(count):
+            mbs.append(tuple(global_batch[pos : pos + microbatch_size]))
+            pos += microbatch_size
+        pipelines.append(tuple(mbs))
+    return Assignment(tuple(pipelines), reason="contiguous (balancer off)")
