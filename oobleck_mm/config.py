@@ -307,13 +307,27 @@ class DataConfig:
     """``synthetic`` (generated from the shape below) or ``llava_json`` (a LLaVA-style JSON file)."""
     path: str | None = None
     """Dataset file; required for ``llava_json``."""
+    image_dir: str | None = None
+    """Folder the ``llava_json`` image paths are relative to; a relative folder is taken relative
+    to the JSON file's folder. Default: the JSON file's folder."""
     seed: int = 0
+    """Seed of the synthetic samples (each sample is a function of (seed, index) only)."""
+    num_samples: int = 100000
+    """Samples of the synthetic dataset (one epoch)."""
     mean_text_tokens: float = 32.0
-    """Mean text tokens per sample (planning workload shape)."""
+    """Mean text tokens per sample (planning workload shape; the synthetic text lengths' mean)."""
+    text_length_sigma: float = 0.8
+    """Synthetic text lengths are lognormal with mean ``mean_text_tokens`` and this sigma of the
+    log (0: every sample has the mean length); larger values give a heavier tail."""
     mean_images_per_sample: float = 0.0
     """Mean images per sample; must be > 0 exactly when the model has a vision encoder."""
+    max_images_per_sample: int = 4
+    """Most images of one synthetic sample (their count is binomial, 0..this, with the mean above)."""
     image_size: int = 224
-    """Side of the (square) image in pixels after preprocessing."""
+    """Largest image side in pixels after preprocessing (the planner's image is this square)."""
+    min_image_size: int | None = None
+    """Smallest side of a synthetic image (rounded up to the patch size); sides are drawn between it
+    and ``image_size``, so images need not be square. Default: ``image_size`` (fixed size)."""
     mean_audio_seconds: float = 0.0
     """Mean audio seconds per sample; must be > 0 exactly when the model has an audio encoder."""
     audio_frames_per_second: float = 100.0
@@ -328,13 +342,40 @@ class DataConfig:
             self.path = os.path.expanduser(self.path)
             if not os.path.exists(self.path):
                 raise ConfigError(f"data.path: file {self.path!r} does not exist")
+        _check_optional(self, "image_dir", _as_str)
+        if self.image_dir is not None:
+            self.image_dir = os.path.expanduser(self.image_dir)
+            self._check_image_dir()
         _check(self, "seed", _as_int, minimum=0)
+        _check(self, "num_samples", _as_int, minimum=1)
         _check(self, "mean_text_tokens", _as_float, positive=True)
+        _check(self, "text_length_sigma", _as_float, minimum=0.0)
         _check(self, "mean_images_per_sample", _as_float, minimum=0.0)
+        _check(self, "max_images_per_sample", _as_int, minimum=0)
+        if self.mean_images_per_sample > 0 and self.max_images_per_sample < max(1.0, self.mean_images_per_sample):
+            raise ConfigError(
+                f"data.max_images_per_sample ({self.max_images_per_sample}) must be >= 1 and >= "
+                f"data.mean_images_per_sample ({self.mean_images_per_sample})"
+            )
         _check(self, "image_size", _as_int, minimum=1)
+        if self.min_image_size is None:
+            self.min_image_size = self.image_size
+        _check(self, "min_image_size", _as_int, minimum=1)
+        if self.min_image_size > self.image_size:
+            raise ConfigError(
+                f"data.min_image_size ({self.min_image_size}) must be <= data.image_size ({self.image_size})"
+            )
         _check(self, "mean_audio_seconds", _as_float, minimum=0.0)
         _check(self, "audio_frames_per_second", _as_float, positive=True)
         _check(self, "max_seq_len", _as_int, minimum=1)
+
+    def _check_image_dir(self) -> None:
+        # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.
+        if self.path is None:
+            return
+        folder = os.path.join(os.path.dirname(os.path.abspath(self.path)), self.image_dir)
+        if not os.path.isdir(folder):
+            raise ConfigError(f"data.image_dir: folder {folder!r} does not exist")
 
 
 # --------------------------------------------------------------------------- training

@@ -1,0 +1,178 @@
+"""Reader of a LLaVA-style JSON file of samples whose images are local files.
+
+The file is a list of records::
+
+    {"id": "0001", "image": "imgs/cat.png" (or a list of paths, or absent),
+     "conversations": [{"from": "human", "value": "<image>\\nWhat is this?"},
+                       {"from": "gpt", "value": "A cat."}]}
+
+The text is every turn as ``"<from>: <value>\\n"``, concatenated; each ``<image>``
+marker becomes an ``IMAGE`` placeholder, and the markers must match the images
+in number. Image paths are relative to ``data.image_dir`` (itself relative to
+the JSON's folder; default: that folder).
+
+All metadata is computed at construction from the JSON and the image *headers*
+(no pixel is decoded): an image is scaled so its longer side is at most
+``data.image_size``, then each side is rounded down to whole patches (at least
+one). Text that would take the sample past ``data.max_seq_len`` is cut at the
+end (placeholders are kept); a sample whose images alone do not fit is an
+error naming it. Every bad record raises ValueError naming the sample id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from oobleck_mm.config import DataConfig
+from oobleck_mm.data.dataset import ModelInputs, check_index
+from oobleck_mm.data.sample import BOS, EOS, IMAGE, Sample, SampleMeta
+from oobleck_mm.data.tokenizer import encode, num_tokens
+
+MARKER = "<image>"
+_PIL_MODES = {1: "L", 3: "RGB"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    sample_id: str
+    texts: tuple[str, ...]
+    """Text around the image markers: one more than there are images."""
+    image_paths: tuple[str, ...]
+    meta: SampleMeta
+
+
+class LlavaJsonDataset:
+    """The samples of ``data.path``, shaped for the model in ``inputs``."""
+
+    def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
+        if data.path is None:
+            raise ValueError("data.path: required when data.kind is 'llava_json'")
+        self.data, self.inputs = data, inputs
+        json_dir = os.path.dirname(os.path.abspath(data.path))
+        self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
+        entries = _load_json(data.path)
+        self._records = tuple(self._record(position, entry) for position, entry in enumerate(entries))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def meta(self, index: int) -> SampleMeta:
+        return self._records[check_index(index, len(self))].meta
+
+    def sample_id(self, index: int) -> str:
+        return self._records[check_index(index, len(self))].sample_id
+
+    def __getitem__(self, index: int) -> Sample:
+        record = self._records[check_index(index, len(self))]
+        images = [_load_image(p, size, self.inputs.in_channels)
+                  for p, size in zip(record.image_paths, record.meta.image_sizes)]  # fmt: skip
+        return Sample(meta=record.meta, tokens=self._tokens(record), images=images)
+
+    # ------------------------------------------------------------------ construction
+
+    def _record(self, position: int, entry) -> _Record:
+        if not isinstance(entry, dict):
+            raise ValueError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
+        sample_id = str(entry.get("id", f"#{position}"))
+        where = f"{self.data.path}: sample {sample_id!r}"
+        texts = tuple(_conversation_text(entry.get("conversations"), where).split(MARKER))
+        paths = _image_paths(entry.get("image"), where)
+        if len(texts) - 1 != len(paths):
+            raise ValueError(f"{where} has {len(texts) - 1} '{MARKER}' markers but {len(paths)} images")
+        if paths and not self.inputs.has_vision:
+            raise ValueError(f"{where} has {len(paths)} images but the model has no vision encoder")
+        paths = tuple(os.path.join(self.image_dir, p) for p in paths)
+        sizes = tuple(self._image_size(p, where) for p in paths)
+        media = sum(self.inputs.image_llm_tokens(h, w) for h, w in sizes)
+        budget = self.data.max_seq_len - 2 - media  # BOS and EOS
+        if budget < 0:
+            raise ValueError(
+                f"{where}: its {len(paths)} images take {media} LLM tokens, which with BOS/EOS exceed "
+                f"data.max_seq_len ({self.data.max_seq_len}); raise it to at least {media + 2} or lower "
+                f"data.image_size ({self.data.image_size})"
+            )
+        text = min(budget, sum(num_tokens(t) for t in texts))
+        meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes)
+        return _Record(sample_id=sample_id, texts=texts, image_paths=paths, meta=meta)
+
+    def _image_size(self, path: str, where: str) -> tuple[int, int]:
+        """(height, width) after preprocessing, from the file header only."""
+        if self.inputs.in_channels not in _PIL_MODES:
+            raise ValueError(
+                f"{where}: images need model.vision.in_channels 1 or 3, got {self.inputs.in_channels}"
+            )
+        try:
+            with Image.open(path) as im:
+                width, height = im.size
+        except (OSError, UnidentifiedImageError) as exc:
+            raise ValueError(f"{where}: cannot read image {path!r}: {exc}") from None
+        return fit_size(height, width, self.data.image_size, self.inputs.patch_size)
+
+    # ------------------------------------------------------------------ loading
+
+    def _tokens(self, record: _Record) -> torch.Tensor:
+        budget = record.meta.text_tokens - 2 - record.meta.num_images
+        ids = [BOS]
+        for i, text in enumerate(record.texts):
+            if i:
+                ids.append(IMAGE)
+            part = encode(text, self.inputs.vocab_size)[: max(0, budget)]
+            budget -= len(part)
+            ids += part
+        ids.append(EOS)
+        return torch.tensor(ids, dtype=torch.int64)
+
+
+def fit_size(height: int, width: int, image_size: int, patch_size: int) -> tuple[int, int]:
+    """Size an image is resized to: longer side <= image_size, both sides whole patches (>= 1)."""
+    scale = min(1.0, image_size / max(height, width))
+    return tuple(max(patch_size, int(side * scale) // patch_size * patch_size) for side in (height, width))
+
+
+def _load_json(path: str) -> list:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            entries = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"data.path: cannot read {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"data.path: {path} is not valid JSON: {exc}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"data.path: {path} must hold a JSON list of samples, got {type(entries).__name__}")
+    if not entries:
+        raise ValueError(f"data.path: {path} holds no samples")
+    return entries
+
+
+def _conversation_text(conversations, where: str) -> str:
+    if not isinstance(conversations, list) or not conversations:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of turns")
+    lines = []
+    for i, turn in enumerate(conversations):
+        if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
+            raise ValueError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value'")
+        lines.append(f"{turn['from']}: {turn['value']}\n")
+    return "".join(lines)
+
+
+def _image_paths(image, where: str) -> tuple[str, ...]:
+    if image is None:
+        return ()
+    paths = [image] if isinstance(image, str) else image
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise ValueError(f"{where}: 'image' must be a path or a list of paths, got {image!r}")
+    return tuple(paths)
+
+
+def _load_image(path: str, size: tuple[int, int], channels: int) -> torch.Tensor:
+    height, width = size
+    with Image.open(path) as im:
+        pixels = im.convert(_PIL_MODES[channels]).resize((width, height), Image.Resampling.BICUBIC)
+    array = np.asarray(pixels, dtype=np.float32).reshape(height, width, channels) / 255.0
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
