@@ -1,0 +1,45 @@
+"""The training data of a job as the engine and the reference trainer see it.
+
+``TrainingData`` joins the dataset, the deterministic global-batch sampler and
+packing: step -> global batch ids -> (metadata, loss-token count) -> packed
+microbatches. Every rank of every pipeline builds the same one from the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from oobleck_mm.data.dataset import build_dataset
+from oobleck_mm.data.packing import PackedBatch, PackingSpec, pack
+from oobleck_mm.data.sample import SampleMeta
+from oobleck_mm.data.sampler import GlobalBatchSampler
+from oobleck_mm.model.layers import model_layer_specs, torch_dtype
+
+
+class TrainingData:
+    def __init__(self, job, dataset=None):
+        self.dataset = dataset if dataset is not None else build_dataset(job)
+        self.sampler = GlobalBatchSampler(len(self.dataset), job.training.global_batch, job.training.seed)
+        self.microbatch_size = job.training.microbatch_size
+        self.spec = PackingSpec.from_model(job.model)
+        self.dtype = torch_dtype(job.training.dtype)
+        widths = {s.name: s.in_features for s in model_layer_specs(job)}
+        self.vision_in = widths.get("vision.embed", 0)
+        self.audio_in = widths.get("audio.embed", 0)
+
+    def global_batch(self, step: int) -> tuple[int, ...]:
+        return self.sampler.batch(step)
+
+    def metas(self, ids: Sequence[int]) -> list[SampleMeta]:
+        return [self.dataset.meta(i) for i in ids]
+
+    def loss_tokens(self, ids: Sequence[int]) -> int:
+        """Loss tokens of the whole global batch: the normaliser every microbatch's loss shares."""
+        total = sum(m.loss_tokens for m in self.metas(ids))
+        if total <= 0:
+            raise ValueError(f"global batch {list(ids)[:8]}... has no text targets to train on")
+        return total
+
+    def microbatch(self, ids: Sequence[int]) -> PackedBatch:
+        samples = [self.dataset[i] for i in ids]
+        return pack(samples, self.spec, self.dtype, self.vision_in, self.audio_in)

@@ -1,0 +1,216 @@
+"""Packs samples into one microbatch without padding, with the indices attention and the LLM need.
+
+A ``PackedBatch`` is built identically on every stage of a pipeline from the
+sample ids alone (datasets are local and deterministic), so only hidden states
+cross stage boundaries. Encoder inputs are flattened token lists:
+
+- vision: each image becomes its patches, row-major, ``[patches, C*p*p]``; an
+  image is one attention segment (bidirectional inside it);
+- audio: each clip folds ``downsample`` consecutive mel frames into one token,
+  ``[frames/downsample, mel*downsample]``; a clip is one segment;
+- text: each sample is one causal segment of its LLM sequence, in which every
+  media placeholder is expanded into the medium's projected tokens (their
+  indices are ``EncoderInput.llm_positions``).
+
+Targets are next-token text ids: position ``j-1`` predicts text token ``j`` of
+the same sample; media slots and the leading BOS are never targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from oobleck_mm.data.sample import AUDIO, IMAGE, Sample
+
+IGNORE = -100
+
+
+@dataclass(slots=True)
+class EncoderInput:
+    features: torch.Tensor
+    """[tokens, in_features] encoder input tokens of every medium of the microbatch."""
+    grid: torch.Tensor
+    """int64 [tokens, 2]: (row, col) of a patch in its image; (frame, 0) for audio."""
+    segments: torch.Tensor
+    """int64 [tokens]: which medium of the microbatch each token belongs to."""
+    llm_positions: torch.Tensor
+    """int64 [tokens // merge]: where each projected token goes in the packed LLM sequence."""
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def attention_mask(self) -> torch.Tensor:
+        """[tokens, tokens] bool: a token attends to every token of its own medium."""
+        if self._mask is None:
+            self._mask = self.segments[:, None] == self.segments[None, :]
+        return self._mask
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    sample_ids: tuple[int, ...]
+    tokens: torch.Tensor
+    """int64 [T]: the packed LLM sequence; media slots hold their placeholder id."""
+    labels: torch.Tensor
+    """int64 [T]: the next text token, or IGNORE."""
+    positions: torch.Tensor
+    """int64 [T]: position inside the sample (rotary embeddings)."""
+    segments: torch.Tensor
+    """int64 [T]: which sample of the microbatch each position belongs to."""
+    vision: EncoderInput | None = None
+    audio: EncoderInput | None = None
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def attention_mask(self) -> torch.Tensor:
+        """[T, T] bool: causal inside each sample, nothing across samples."""
+        if self._mask is None:
+            same = self.segments[:, None] == self.segments[None, :]
+            self._mask = same & torch.ones_like(same).tril_()
+        return self._mask
+
+    def encoder(self, modality: str) -> EncoderInput | None:
+        return self.vision if modality == "vision" else self.audio
+
+
+def patchify(image: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[C, H, W] -> ([H/p * W/p, C*p*p] patches row-major, [n, 2] (row, col))."""
+    c, h, w = image.shape
+    if h % patch or w % patch:
+        raise ValueError(f"image of {h}x{w} px is not a multiple of the patch size {patch}")
+    rows, cols = h // patch, w // patch
+    x = image.reshape(c, rows, patch, cols, patch).permute(1, 3, 0, 2, 4).reshape(rows * cols, c * patch * patch)
+    grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
+    return x, grid
+
+
+def fold_frames(clip: torch.Tensor, downsample: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[F, mel] -> ([F/d, mel*d], [F/d, 2] (frame, 0))."""
+    frames, mel = clip.shape
+    if frames % downsample:
+        raise ValueError(f"audio clip of {frames} frames is not a multiple of the downsample {downsample}")
+    n = frames // downsample
+    grid = torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)], -1)
+    return clip.reshape(n, mel * downsample), grid
+
+
+@dataclass(frozen=True, slots=True)
+class PackingSpec:
+    """What packing needs from the model config."""
+
+    patch_size: int = 1
+    image_merge: int = 1
+    audio_downsample: int = 1
+    audio_merge: int = 1
+    has_vision: bool = False
+    has_audio: bool = False
+
+    @classmethod
+    def from_model(cls, model) -> PackingSpec:
+        v, a = model.vision, model.audio
+        return cls(
+            patch_size=v.patch_size if v else 1,
+            image_merge=v.token_merge if v else 1,
+            audio_downsample=a.downsample if a else 1,
+            audio_merge=a.token_merge if a else 1,
+            has_vision=v is not None,
+            has_audio=a is not None,
+        )
+
+
+class _EncoderParts:
+    def __init__(self) -> None:
+        self.features: list[torch.Tensor] = []
+        self.grids: list[torch.Tensor] = []
+        self.segments: list[torch.Tensor] = []
+        self.llm_positions: list[torch.Tensor] = []
+
+    def add(self, feats: torch.Tensor, grid: torch.Tensor, llm_start: int, merge: int) -> int:
+        n = feats.shape[0]
+        if n % merge:
+            raise ValueError(f"a medium of {n} tokens is not a multiple of the projector's token merge {merge}")
+        self.segments.append(torch.full((n,), len(self.features), dtype=torch.long))
+        self.features.append(feats)
+        self.grids.append(grid)
+        self.llm_positions.append(torch.arange(llm_start, llm_start + n // merge))
+        return n // merge
+
+    def build(self, in_features: int, dtype: torch.dtype) -> EncoderInput:
+        def cat(parts, empty):
+            return torch.cat(parts) if parts else empty
+
+        long0 = torch.zeros(0, dtype=torch.long)
+        return EncoderInput(
+            features=cat(self.features, torch.zeros(0, in_features)).to(dtype),
+            grid=cat(self.grids, torch.zeros(0, 2, dtype=torch.long)),
+            segments=cat(self.segments, long0),
+            llm_positions=cat(self.llm_positions, long0),
+        )
+
+
+def pack(samples: Sequence[Sample], spec: PackingSpec, dtype: torch.dtype = torch.float32,
+         vision_in: int = 0, audio_in: int = 0) -> PackedBatch:
+    """One microbatch of ``samples`` (in that order); ``*_in`` size empty encoder inputs."""
+    tokens, labels, positions, segments = [], [], [], []
+    vision, audio = _EncoderParts(), _EncoderParts()
+    offset = 0
+    for seg, sample in enumerate(samples):
+        images, clips = iter(sample.images), iter(sample.audio)
+        seq: list[torch.Tensor] = []
+        is_text: list[torch.Tensor] = []
+        for piece in _split_at_media(sample.tokens):
+            pos = offset + sum(len(s) for s in seq)
+            if piece.numel() == 1 and int(piece) in (IMAGE, AUDIO) and _is_media(piece, spec):
+                if int(piece) == IMAGE:
+                    feats, grid = patchify(next(images), spec.patch_size)
+                    n = vision.add(feats, grid, pos, spec.image_merge)
+                else:
+                    feats, grid = fold_frames(next(clips), spec.audio_downsample)
+                    n = audio.add(feats, grid, pos, spec.audio_merge)
+                seq.append(torch.full((n,), int(piece), dtype=torch.long))
+                is_text.append(torch.zeros(n, dtype=torch.bool))
+            else:
+                seq.append(piece)
+                is_text.append(torch.ones(len(piece), dtype=torch.bool))
+        toks, text = torch.cat(seq), torch.cat(is_text)
+        # Position j-1 predicts text token j (j >= 1): BOS and media slots are never targets.
+        lab = torch.full_like(toks, IGNORE)
+        target = text.clone()
+        target[0] = False
+        lab[:-1] = torch.where(target[1:], toks[1:], IGNORE)
+        tokens.append(toks)
+        labels.append(lab)
+        positions.append(torch.arange(len(toks)))
+        segments.append(torch.full((len(toks),), seg, dtype=torch.long))
+        offset += len(toks)
+    return PackedBatch(
+        sample_ids=tuple(s.meta.index for s in samples),
+        tokens=torch.cat(tokens),
+        labels=torch.cat(labels),
+        positions=torch.cat(positions),
+        segments=torch.cat(segments),
+        vision=vision.build(vision_in, dtype) if spec.has_vision else None,
+        audio=audio.build(audio_in, dtype) if spec.has_audio else None,
+    )
+
+
+def _is_media(piece: torch.Tensor, spec: PackingSpec) -> bool:
+    return (int(piece) == IMAGE and spec.has_vision) or (int(piece) == AUDIO and spec.has_audio)
+
+
+def _split_at_media(tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Text runs and single placeholder tokens, in order."""
+    media = ((tokens == IMAGE) | (tokens == AUDIO)).nonzero().flatten().tolist()
+    pieces, start = [], 0
+    for m in media:
+        if m > start:
+            pieces.append(tokens[start:m])
+        pieces.append(tokens[m : m + 1])
+        start = m + 1
+    if start < len(tokens):
+        pieces.append(tokens[start:])
+    return pieces

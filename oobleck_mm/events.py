@@ -1,0 +1,80 @@
+"""The structured event log: one JSON object per line, ``{"ts": unix seconds, "event": name, ...fields}``.
+
+Failure timelines (registered, lost, plan decided, assignment sent, rendezvous
+done, resumed, ...) are written here so recovery time can be broken down after
+the fact (``read_events`` + differences of ``ts``). Several threads of one
+process may write; each line is written and flushed whole under a lock.
+Processes other than the master (workers) open their own file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+class EventLog:
+    """Appends events to ``path`` (created with its folder); ``path=None`` discards them."""
+
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self._lock = threading.Lock()
+        self._fh = None
+        if self.path is not None:
+            folder = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(folder, exist_ok=True)
+            # Line-buffered so a crash (or SIGKILL) loses at most the line being written.
+            self._fh = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Writes one event and returns it; ``fields`` must be JSON-able (``ts``/``event`` are reserved)."""
+        if "ts" in fields or "event" in fields:
+            raise ValueError(f"event {event!r}: fields 'ts' and 'event' are reserved, got {sorted(fields)}")
+        record = {"ts": time.time(), "event": event, **fields}
+        line = json.dumps(record, separators=(",", ":"), default=_jsonable)
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line + "\n")
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _jsonable(value: Any) -> Any:
+    # Tuples, sets and dataclass-like values show up in fields; anything else is a bug worth seeing as text.
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return repr(value)
+
+
+def read_events(path: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:
+    """The events in ``path`` (optionally only those named ``event``), skipping a torn last line."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a writer killed mid-line
+        if event is None or record.get("event") == event:
+            out.append(record)
+    return out

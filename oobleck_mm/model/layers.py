@@ -1,0 +1,251 @@
+"""The torch modules behind each ``LayerSpec``: the multimodal model as a list of cuttable layers.
+
+Every layer has the same call shape, ``layer(acts, batch) -> acts``, where
+``acts`` is the tuple of hidden states that crosses a stage boundary and
+``batch`` is the microbatch's ``PackedBatch`` (built locally on every stage):
+
+- an encoder's embedding appends its hidden states to ``acts``; its blocks and
+  projector layers transform ``acts[-1]``;
+- ``llm.embed`` consumes every encoder output (vision first, then audio),
+  scatters them into the token embeddings at their ``llm_positions`` and
+  leaves ``(hidden,)``; the blocks transform it, ``llm.head`` turns it into
+  logits.
+
+Parameter shapes follow ``spec.param_count`` exactly (no biases in attention or
+FFN, weight-only norms), so the planner's byte counts are the runtime's.
+Positions use no parameters: 2-D sinusoidal for image patches, 1-D sinusoidal
+for audio frames, rotary embeddings in the LLM.
+
+Each layer is initialised from a generator seeded by (seed, layer index), so
+any rank builds any layer identically without communication.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oobleck_mm.data.packing import PackedBatch
+from oobleck_mm.model.spec import LayerSpec, layer_specs, resolve_frozen
+
+Acts = tuple[torch.Tensor, ...]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the last dim of [heads, T, d]."""
+    d = x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=x.dtype) / d))
+    ang = positions.to(x.dtype)[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, flash: bool):
+        super().__init__()
+        if hidden % num_heads:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of num_heads ({num_heads})")
+        self.num_heads, self.num_kv_heads, self.flash = num_heads, num_kv_heads, flash
+        self.head_dim = hidden // num_heads
+        kv = self.head_dim * num_kv_heads
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv, bias=False)
+        self.v = nn.Linear(hidden, kv, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
+        k = self.k(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if positions is not None:
+            q, k = _rotary(q, positions), _rotary(k, positions)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        if self.flash:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # eager: materialises the score matrix (what flash_attention: false models)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.o(out.transpose(0, 1).reshape(t, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block over one token stream of the microbatch."""
+
+    def __init__(self, spec: LayerSpec, stream: str, flash: bool):
+        super().__init__()
+        self.stream = stream
+        h = spec.hidden
+        self.norm1 = nn.LayerNorm(h, bias=False)
+        self.attn = Attention(h, spec.num_heads, spec.num_kv_heads or spec.num_heads, flash)
+        self.norm2 = nn.LayerNorm(h, bias=False)
+        self.gated = spec.gated_ffn
+        self.fc1 = nn.Linear(h, spec.ffn_hidden, bias=False)
+        self.gate = nn.Linear(h, spec.ffn_hidden, bias=False) if spec.gated_ffn else None
+        self.fc2 = nn.Linear(spec.ffn_hidden, h, bias=False)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = acts[-1]
+        if x.shape[0] == 0:  # no image/clip in this microbatch
+            return acts
+        if self.stream == "text":
+            mask, positions = batch.attention_mask(), batch.positions
+        else:
+            enc = batch.encoder(self.stream)
+            mask, positions = enc.attention_mask(), None
+        x = x + self.attn(self.norm1(x), mask, positions)
+        y = self.norm2(x)
+        y = F.silu(self.gate(y)) * self.fc1(y) if self.gated else F.gelu(self.fc1(y))
+        return (*acts[:-1], x + self.fc2(y))
+
+
+# --------------------------------------------------------------------------- embeddings, projector, head
+
+
+def _sinusoid(pos: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
+    ang = pos.to(dtype)[:, None] * inv[None, :]
+    return torch.cat([ang.sin(), ang.cos()], -1)[:, :dim]
+
+
+class EncoderEmbed(nn.Module):
+    """Patch (or folded-frame) embedding plus fixed sinusoidal positions; appends to ``acts``."""
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__()
+        self.modality = spec.modality
+        self.proj = nn.Linear(spec.in_features, spec.hidden)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        enc = batch.encoder(self.modality)
+        x = self.proj(enc.features)
+        h = x.shape[-1]
+        if self.modality == "vision":  # 2-D: half the width for the row, half for the column
+            pos = torch.cat([_sinusoid(enc.grid[:, 0], h // 2, x.dtype), _sinusoid(enc.grid[:, 1], h - h // 2, x.dtype)], -1)
+        else:
+            pos = _sinusoid(enc.grid[:, 0], h, x.dtype)
+        return (*acts, x + pos)
+
+
+class Projector(nn.Module):
+    """One Linear of an encoder's MLP projector; the first merges ``merge`` consecutive tokens."""
+
+    def __init__(self, spec: LayerSpec, first: bool, merge: int):
+        super().__init__()
+        self.first, self.merge = first, merge
+        self.proj = nn.Linear(spec.in_features, spec.hidden)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = acts[-1]
+        if self.first:
+            x = x.reshape(x.shape[0] // self.merge, x.shape[1] * self.merge)
+        else:
+            x = F.gelu(x)
+        return (*acts[:-1], self.proj(x))
+
+
+class TokenEmbed(nn.Module):
+    """Token embedding with every encoder's projected tokens scattered at their positions."""
+
+    def __init__(self, spec: LayerSpec, encoders: Sequence[str]):
+        super().__init__()
+        self.encoders = tuple(encoders)
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = self.embed(batch.tokens)
+        for modality, feats in zip(self.encoders, acts, strict=True):
+            enc = batch.encoder(modality)
+            if feats.shape[0]:
+                x = x.index_put((enc.llm_positions,), feats)
+        return (x,)
+
+
+class LMHead(nn.Module):
+    def __init__(self, spec: LayerSpec):
+        super().__init__()
+        self.norm = nn.LayerNorm(spec.hidden, bias=False)
+        self.out = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        return (self.out(self.norm(acts[-1])),)
+
+
+def microbatch_loss(logits: torch.Tensor, batch: PackedBatch, global_loss_tokens: int) -> torch.Tensor:
+    """Sum of the microbatch's token losses over the *global* number of loss tokens.
+
+    Summing these over every microbatch of every pipeline gives the mean token
+    loss of the global batch, whatever the split: the normalisation the
+    reference trainer and the engine share.
+    """
+    return F.cross_entropy(logits, batch.labels, ignore_index=-100, reduction="sum") / global_loss_tokens
+
+
+# --------------------------------------------------------------------------- building
+
+
+def model_layer_specs(job) -> tuple[LayerSpec, ...]:
+    return layer_specs(job.model, job.data)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in ("float32", "float64"):
+        raise ValueError(
+            f"training.dtype: {name!r} is not run by the engine yet; valid: float32, float64 "
+            "(mixed precision for bfloat16/float16 is planned only)"
+        )
+    return getattr(torch, name)
+
+
+def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn.Module:
+    """Layer ``index`` of the job's model with its deterministic initial weights, in the job's dtype."""
+    specs = specs if specs is not None else model_layer_specs(job)
+    spec = specs[index]
+    if spec.kind == "lm_head" and spec.tied_embedding:
+        raise ValueError("model.llm.tie_embeddings: tied embeddings are not run by the engine yet; set it to false")
+    flash = job.training.flash_attention
+    encoders = [m for m in ("vision", "audio") if getattr(job.model, m) is not None]
+    # One generator per (seed, layer): any rank builds the same layer without talking to others.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.training.seed * 1_000_003 + index)
+        if spec.kind in ("patch_embed", "frame_embed"):
+            layer = EncoderEmbed(spec)
+        elif spec.kind == "block":
+            layer = Block(spec, spec.modality, flash)
+        elif spec.kind == "projector":
+            first = index == 0 or specs[index - 1].kind != "projector"
+            merge = getattr(job.model, spec.modality).token_merge
+            layer = Projector(spec, first, merge)
+        elif spec.kind == "token_embed":
+            layer = TokenEmbed(spec, encoders)
+        elif spec.kind == "lm_head":
+            layer = LMHead(spec)
+        else:
+            raise ValueError(f"layer {spec.name!r}: unknown kind {spec.kind!r}")
+    layer = layer.to(torch_dtype(job.training.dtype))
+    if spec.name in frozen_layers(job, specs):
+        layer.requires_grad_(False)
+    return layer
+
+
+def frozen_layers(job, specs: Sequence[LayerSpec] | None = None) -> frozenset[str]:
+    specs = specs if specs is not None else model_layer_specs(job)
+    return resolve_frozen(job.model.frozen, specs)
+
+
+def trainable_mask(job, specs: Sequence[LayerSpec] | None = None) -> tuple[bool, ...]:
+    """Per layer: does it have trainable parameters?"""
+    specs = specs if specs is not None else model_layer_specs(job)
+    frozen = frozen_layers(job, specs)
+    return tuple(s.name not in frozen for s in specs)

@@ -1,0 +1,215 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_FAILURE_UNSPECIFIED: _ClassVar[WorkerFailure]
+    WORKER_EXITED: _ClassVar[WorkerFailure]
+    WORKER_ZOMBIE: _ClassVar[WorkerFailure]
+    WORKER_STOPPED: _ClassVar[WorkerFailure]
+WORKER_FAILURE_UNSPECIFIED: WorkerFailure
+WORKER_EXITED: WorkerFailure
+WORKER_ZOMBIE: WorkerFailure
+WORKER_STOPPED: WorkerFailure
+
+class Stage(_message.Message):
+    __slots__ = ("rank", "layer_start", "layer_end")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    layer_start: int
+    layer_end: int
+    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class Pipeline(_message.Message):
+    __slots__ = ("num_microbatches", "stages")
+    NUM_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    num_microbatches: int
+    stages: _containers.RepeatedCompositeFieldContainer[Stage]
+    def __init__(self, num_microbatches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ...) -> None: ...
+
+class ExecutionPlan(_message.Message):
+    __slots__ = ("num_layers", "microbatch_size", "pipelines")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    microbatch_size: int
+    pipelines: _containers.RepeatedCompositeFieldContainer[Pipeline]
+    def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    start_step: int
+    steps: int
+    plan: ExecutionPlan
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class WorkerCommand(_message.Message):
+    __slots__ = ("assignment", "shutdown")
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    assignment: Assignment
+    shutdown: Shutdown
+    def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class StepMetrics(_message.Message):
+    __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    COMM_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    rank: int
+    loss: float
+    samples_per_s: float
+    step_time_s: float
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., comm_s: _Optional[float] = ...) -> None: ...
+
+class WorkerDone(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class WorkerFailed(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("metrics", "done", "failed")
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    metrics: StepMetrics
+    done: WorkerDone
+    failed: WorkerFailed
+    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node", "gpus", "memory_bytes", "pid")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    gpus: int
+    memory_bytes: int
+    pid: int
+    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("node", "session", "gpus", "heartbeat_interval_s", "heartbeat_timeout_s", "config_yaml")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    session: int
+    gpus: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    config_yaml: str
+    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., config_yaml: _Optional[str] = ...) -> None: ...
+
+class NodeRef(_message.Message):
+    __slots__ = ("node", "session")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    session: int
+    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeRef
+    def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class AgentEvent(_message.Message):
+    __slots__ = ("assignment", "shutdown")
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    assignment: WorkerAssignment
+    shutdown: Shutdown
+    def __init__(self, assignment: _Optional[_Union[WorkerAssignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class WorkerAssignment(_message.Message):
+    __slots__ = ("local_rank", "assignment")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    assignment: Assignment
+    def __init__(self, local_rank: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
+
+class WorkerReportRequest(_message.Message):
+    __slots__ = ("node", "local_rank", "report")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    node: NodeRef
+    local_rank: int
+    report: WorkerReport
+    def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ..., local_rank: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ...) -> None: ...
+
+class WorkerFailureRequest(_message.Message):
+    __slots__ = ("node", "local_rank", "failure", "message")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeRef
+    local_rank: int
+    failure: WorkerFailure
+    message: str
+    def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ..., local_rank: _Optional[int] = ..., failure: _Optional[_Union[WorkerFailure, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

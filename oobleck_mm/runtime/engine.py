@@ -1,0 +1,248 @@
+"""One worker's training engine: its pipeline stage, run as DeepSpeed's 1F1B instruction stream.
+
+Each iteration the stage walks ``deepspeed.runtime.pipe.schedule.TrainSchedule``
+for its pipeline's microbatch count and stage index and executes every
+instruction through a dispatch table (an unknown instruction raises). Then
+gradients are all-reduced layer-wise across pipelines (``GradientSync``) and
+every layer's optimizer steps (``apply_update``).
+
+Which samples a microbatch holds comes from an ``Assignment`` of the step's
+global batch (contiguous by default, the balancer's otherwise); every stage
+packs the microbatch itself from the local dataset, so only hidden states and
+their gradients cross stages.
+
+Frozen layers (§3.3.1): they get no gradients and no optimizer. A stage
+back-propagates into its input only when a trainable layer sits before it, so
+with a frozen vision encoder at the front nothing flows back into it at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from deepspeed.runtime.pipe import schedule as ds
+
+from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
+from oobleck_mm.data.loader import TrainingData
+from oobleck_mm.data.packing import PackedBatch
+from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, trainable_mask
+from oobleck_mm.runtime.grad_sync import GradientSync
+from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.optim import build_layer_optimizer
+from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
+from oobleck_mm.runtime.update import apply_update, trainable_params
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step: int
+    loss: float
+    """Mean token loss of the whole global batch (all-reduced)."""
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_s: float = 0.0
+    """Seconds in stage-to-stage transfers and the gradient all-reduce."""
+    bytes_sent: int = 0
+    microbatch_times: list[tuple[float, float]] = field(default_factory=list)
+    """(forward s, backward s) of each microbatch on this stage, in order."""
+
+
+def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, Callable]) -> int:
+    """Run an instruction stream through a dispatch table; an instruction without a handler raises."""
+    count = 0
+    for instructions in steps:
+        for instruction in instructions:
+            handler = table.get(type(instruction))
+            if handler is None:
+                raise RuntimeError(
+                    f"no handler for pipeline instruction {instruction!r}; handled: "
+                    f"{sorted(t.__name__ for t in table)}"
+                )
+            handler(instruction)
+            count += 1
+    return count
+
+
+class StageEngine:
+    def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
+                 device: torch.device | str = "cpu"):
+        self.job, self.plan, self.rank, self.device = job, plan, rank, torch.device(device)
+        self.specs = model_layer_specs(job)
+        if plan.num_layers != len(self.specs):
+            raise ValueError(f"plan has {plan.num_layers} layers, the model {len(self.specs)}")
+        if plan.microbatch_size != job.training.microbatch_size:
+            raise ValueError(
+                f"plan microbatch size {plan.microbatch_size} != training.microbatch_size "
+                f"{job.training.microbatch_size}"
+            )
+        self.data = data if data is not None else TrainingData(job)
+        self.pipeline_index, self.stage_index = plan.position(rank)
+        self.pipeline = plan.pipelines[self.pipeline_index]
+        self.stage = self.pipeline.stages[self.stage_index]
+        self.num_stages = len(self.pipeline.stages)
+        self.prev_rank = self.pipeline.stages[self.stage_index - 1].rank if self.stage_index > 0 else None
+        self.next_rank = self.pipeline.stages[self.stage_index + 1].rank if self.stage_index + 1 < self.num_stages else None
+
+        trainable = trainable_mask(job, self.specs)
+        # A stage needs the gradient of its input iff a trainable layer precedes it.
+        self.needs_input_grad = any(trainable[: self.stage.layer_start])
+        self.next_needs_grad = self.next_rank is not None and any(trainable[: self.stage.layer_end])
+        self.needs_backward = any(trainable[: self.stage.layer_end])
+
+        self.layers = {i: build_layer(job, i, self.specs).to(self.device) for i in self.stage.layers}
+        self.optimizers = {
+            i: build_layer_optimizer(trainable_params(m), job.training)
+            for i, m in self.layers.items()
+            if trainable_params(m)
+        }
+        self.sync = GradientSync(plan, rank, trainable)
+        self._dispatch: dict[type, Callable] = {
+            ds.LoadMicroBatch: self._load_microbatch,
+            ds.RecvActivation: self._recv_activation,
+            ds.ForwardPass: self._forward,
+            ds.SendActivation: self._send_activation,
+            ds.RecvGrad: self._recv_grad,
+            ds.BackwardPass: self._backward,
+            ds.SendGrad: self._send_grad,
+            ds.ReduceTiedGrads: self._reduce_tied_grads,
+            ds.ReduceGrads: self._reduce_grads,
+            ds.OptimizerStep: self._optimizer_step,
+        }
+
+    # ------------------------------------------------------------------ iteration
+    def train_step(self, step: int, assignment: Assignment | None = None) -> StepResult:
+        """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
+        t0 = time.perf_counter()
+        ids = self.data.global_batch(step)
+        if assignment is None:
+            counts = [p.num_microbatches for p in self.plan.pipelines]
+            assignment = contiguous_assignment(ids, counts, self.plan.microbatch_size)
+        self._step = step
+        self._microbatches = assignment.pipelines[self.pipeline_index]
+        self._loss_tokens = self.data.loss_tokens(ids)
+        self._batches: dict[int, PackedBatch] = {}
+        self._inputs: dict[int, tuple] = {}
+        self._outputs: dict[int, tuple] = {}
+        self._grads: dict[int, tuple] = {}
+        self._buffer_mb: dict[int, int] = {}
+        self._next_forward = self._next_load = 0
+        self._loss = torch.zeros((), dtype=torch.float64)
+        self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0)
+        schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
+                                    stage_id=self.stage_index)
+        execute(schedule.steps(), self._dispatch)
+        self._result.step_time_s = time.perf_counter() - t0
+        return self._result
+
+    def _batch(self, mb: int) -> PackedBatch:
+        if mb not in self._batches:
+            self._batches[mb] = self.data.microbatch(self._microbatches[mb])
+        return self._batches[mb]
+
+    # ------------------------------------------------------------------ instructions
+    def _load_microbatch(self, ins) -> None:
+        # Only the first and last stages get this instruction; every stage packs lazily in _batch.
+        self._batch(self._next_load)
+        self._next_load += 1
+
+    def _recv_activation(self, ins) -> None:
+        t0 = time.perf_counter()
+        acts = recv_tensors(self.prev_rank, self.device)
+        if self.needs_input_grad:
+            acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
+        self._inputs[ins.buffer_id] = acts
+        self._result.comm_s += time.perf_counter() - t0
+
+    def _forward(self, ins) -> None:
+        t0 = time.perf_counter()
+        mb = self._next_forward
+        self._next_forward += 1
+        self._buffer_mb[ins.buffer_id] = mb
+        batch = self._batch(mb)
+        acts = self._inputs.get(ins.buffer_id, ()) if self.prev_rank is not None else ()
+        ckpt = self.job.training.activation_checkpointing and self.needs_backward
+        with torch.set_grad_enabled(self.needs_backward):
+            for i in self.stage.layers:
+                if ckpt:
+                    acts = torch.utils.checkpoint.checkpoint(self.layers[i], acts, batch, use_reentrant=False)
+                else:
+                    acts = self.layers[i](acts, batch)
+            if self.next_rank is None:
+                loss = microbatch_loss(acts[0], batch, self._loss_tokens)
+                self._loss += loss.detach().double().cpu()
+                acts = (loss,)
+        self._outputs[ins.buffer_id] = acts
+        dt = time.perf_counter() - t0
+        self._result.forward_s += dt
+        self._result.microbatch_times.append((dt, 0.0))
+
+    def _send_activation(self, ins) -> None:
+        t0 = time.perf_counter()
+        self._result.bytes_sent += send_tensors(self._outputs[ins.buffer_id], self.next_rank, self.device)
+        self._result.comm_s += time.perf_counter() - t0
+
+    def _recv_grad(self, ins) -> None:
+        if not self.next_needs_grad:
+            return
+        t0 = time.perf_counter()
+        self._grads[ins.buffer_id] = recv_tensors(self.next_rank, self.device)
+        self._result.comm_s += time.perf_counter() - t0
+
+    def _backward(self, ins) -> None:
+        t0 = time.perf_counter()
+        outputs = self._outputs.pop(ins.buffer_id)
+        grads = self._grads.pop(ins.buffer_id, None)
+        if self.needs_backward:
+            if self.next_rank is None:
+                outputs[0].backward()
+            elif grads is not None:
+                pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        mb = self._buffer_mb.pop(ins.buffer_id)
+        self._batches.pop(mb, None)
+        dt = time.perf_counter() - t0
+        self._result.backward_s += dt
+        fwd, _ = self._result.microbatch_times[mb]
+        self._result.microbatch_times[mb] = (fwd, dt)
+
+    def _send_grad(self, ins) -> None:
+        inputs = self._inputs.pop(ins.buffer_id)
+        if not self.needs_input_grad:
+            return
+        t0 = time.perf_counter()
+        grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in inputs)
+        self._result.bytes_sent += send_tensors(grads, self.prev_rank, self.device)
+        self._result.comm_s += time.perf_counter() - t0
+
+    def _reduce_tied_grads(self, ins) -> None:
+        pass  # build_layer refuses tied embeddings, so no layer is tied across stages
+
+    def _reduce_grads(self, ins) -> None:
+        t0 = time.perf_counter()
+        self.sync.all_reduce(self.layers)
+        self._result.comm_s += time.perf_counter() - t0
+
+    def _optimizer_step(self, ins) -> None:
+        t0 = time.perf_counter()
+        norm_sq = self.sync.global_grad_sq(self.layers, self.device)
+        self._result.grad_norm, self._result.lr = apply_update(
+            self.layers, self.optimizers, norm_sq, self._step, self.job.training
+        )
+        loss = self._loss.to(self.device)
+        torch.distributed.all_reduce(loss)
+        self._result.loss = float(loss)
+        self._result.comm_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ state
+    def layer_state(self, index: int) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.layers[index].state_dict().items()}

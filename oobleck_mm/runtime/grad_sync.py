@@ -1,0 +1,87 @@
+"""Layer-wise gradient synchronisation across heterogeneous pipelines (dissertation §2.6.1).
+
+Pipelines built from different templates cut the model differently, so a
+layer's replicas sit on ranks that hold different neighbours. Gradients are
+therefore all-reduced per layer, across exactly the ranks holding it, with
+layers sharing the same holder set flattened into one bucket. Every rank
+creates every group in the same order (torch.distributed requires it) and runs
+its buckets in one global order (by first layer), so the collectives cannot
+deadlock. The sum is the update: each microbatch's loss is already divided by
+the global number of loss tokens.
+
+Gradient-norm clipping counts each layer once: the first holder of a layer
+(its owner) contributes that layer's squared norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.update import fill_missing_grads, grad_sq, trainable_params
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    holders: tuple[int, ...]
+    layers: tuple[int, ...]
+
+
+def buckets(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> list[Bucket]:
+    """Trainable layers grouped by identical holder sets, ordered by their first layer (pure)."""
+    by_holders: dict[tuple[int, ...], list[int]] = {}
+    for layer in range(plan.num_layers):
+        if trainable[layer]:
+            by_holders.setdefault(tuple(sorted(plan.holders(layer))), []).append(layer)
+    out = [Bucket(h, tuple(ls)) for h, ls in by_holders.items()]
+    return sorted(out, key=lambda b: b.layers[0])
+
+
+class GradientSync:
+    def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...]):
+        self.rank = rank
+        self.plan = plan
+        self.buckets = buckets(plan, trainable)
+        # new_group is collective over the default group: every rank, same order.
+        self.groups = {}
+        for b in self.buckets:
+            if len(b.holders) > 1:
+                group = dist.new_group(list(b.holders))
+                if rank in b.holders:
+                    self.groups[b.holders] = group
+        self.owned = {layer for layer in range(plan.num_layers) if plan.holders(layer)[0] == rank}
+
+    def all_reduce(self, layers: Mapping[int, nn.Module]) -> int:
+        """Sum every held layer's gradients over its holders; returns bytes reduced."""
+        total = 0
+        for b in self.buckets:
+            if self.rank not in b.holders:
+                continue
+            mods = [layers[i] for i in b.layers]
+            for m in mods:
+                fill_missing_grads(m)
+            if len(b.holders) == 1:
+                continue
+            grads = [p.grad for m in mods for p in trainable_params(m)]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.groups[b.holders])
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            total += flat.numel() * flat.element_size()
+        return total
+
+    def global_grad_sq(self, layers: Mapping[int, nn.Module], device) -> float:
+        """Squared global gradient norm, each layer counted once (by its owner)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for i in sorted(self.owned & layers.keys()):
+            local += grad_sq(layers[i])
+        local = local.to(device)
+        dist.all_reduce(local)
+        return float(local)

@@ -1,0 +1,64 @@
+"""The parameter update after gradients are complete: global-norm clipping, the LR at the step, per-layer AdamW.
+
+Shared by the engine and the reference trainer so the two can only differ in
+where gradients come from. The squared gradient norm arrives already summed
+(the engine all-reduces it across ranks, each layer counted once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from oobleck_mm.runtime.optim import clip_coefficient, lr_at, set_lr
+
+
+def trainable_params(layer: nn.Module) -> list[nn.Parameter]:
+    return [p for p in layer.parameters() if p.requires_grad]
+
+
+def fill_missing_grads(layer: nn.Module) -> None:
+    """Zero gradients for parameters no sample touched (e.g. vision layers in a text-only batch).
+
+    AdamW skips a parameter whose grad is None but updates one whose grad is
+    zero (moments decay, weight decay applies). A layer's replicas must all do
+    the same whatever samples they saw, so missing means zero everywhere.
+    """
+    for p in trainable_params(layer):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def grad_sq(layer: nn.Module) -> torch.Tensor:
+    """Sum of squared gradients of one layer (float64 scalar)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in trainable_params(layer):
+        if p.grad is not None:
+            total += p.grad.detach().double().pow(2).sum()
+    return total
+
+
+def apply_update(
+    layers: Mapping[int, nn.Module],
+    optimizers: Mapping[int, torch.optim.Optimizer],
+    total_grad_sq: float,
+    step: int,
+    training,
+) -> tuple[float, float]:
+    """Clip by the global norm, set the step's LR, step every layer's optimizer; returns (grad norm, lr)."""
+    norm = math.sqrt(total_grad_sq)
+    coef = clip_coefficient(norm, training.gradient_clipping)
+    lr = lr_at(training, step)
+    for index in sorted(optimizers):
+        layer = layers[index]
+        fill_missing_grads(layer)
+        if coef < 1.0:
+            for p in trainable_params(layer):
+                p.grad.mul_(coef)
+        set_lr(optimizers[index], lr)
+        optimizers[index].step()
+        optimizers[index].zero_grad(set_to_none=True)
+    return norm, lr

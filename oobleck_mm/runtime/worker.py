@@ -1,0 +1,119 @@
+"""Worker process entry points: join a generation's process group and train a stage.
+
+Two ways in, one engine:
+
+- ``worker_main(conn, config_path, node, local_rank)``: what an agent starts,
+  one per GPU. It waits for ``Assignment`` messages (protobuf bytes on ``conn``),
+  rendezvouses on the master's store under the generation's prefix, trains and
+  reports ``StepMetrics`` after every step.
+- ``run_local(job, plan, steps, out_dir)``: starts one process per rank of an
+  ``ExecutionPlan`` on this machine with a private store (tests, benchmarks),
+  each saving its layers' final states and per-step losses.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from oobleck_mm.runtime.engine import StageEngine, StepResult
+from oobleck_mm.runtime.layout import ExecutionPlan
+
+log = logging.getLogger(__name__)
+
+
+def device_for(job, local_rank: int) -> torch.device:
+    if job.cluster.device == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def join_group(job, store: dist.Store, generation: int, rank: int, world_size: int,
+               timeout: timedelta | None = None) -> None:
+    """Initialise the default process group of ``generation`` on ``store`` (a prefix per generation)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    timeout = timeout or job.fault_tolerance.heartbeat_timeout * 4
+    prefixed = dist.PrefixStore(f"gen{generation}", store)
+    dist.init_process_group(job.cluster.resolved_backend, store=prefixed, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, device: torch.device,
+          on_step: Callable[[StepResult], None] | None = None) -> StageEngine:
+    """Build this rank's stage and run ``steps`` iterations from ``start_step``."""
+    engine = StageEngine(job, plan, rank, device=device)
+    for step in range(start_step, start_step + steps):
+        result = engine.train_step(step)
+        if on_step is not None:
+            on_step(result)
+    return engine
+
+
+# --------------------------------------------------------------------------- local launch (tests, benchmarks)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        join_group(job, store, 0, rank, plan.world_size, timeout=timedelta(seconds=120))
+        results: list[StepResult] = []
+        engine = train(job, plan, rank, 0, steps, torch.device("cpu"), results.append)
+        states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
+        optim = {engine.specs[i].name: len(opt.state) for i, opt in engine.optimizers.items()}
+        torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_state_sizes": optim,
+                    "results": results}, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, threads: int = 1,
+              timeout_s: float = 120.0) -> list[dict]:
+    """Train ``plan`` for ``steps`` with one OS process per rank; returns each rank's saved outputs."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_local_entry, args=(job, plan, r, port, steps, str(out_dir), threads), daemon=True)
+             for r in range(plan.world_size)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        errors = [f.read_text() for f in sorted(out_dir.glob("rank*.err"))]
+        if errors:
+            raise RuntimeError("worker failed:\n" + errors[0])
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"workers exited abnormally (rank, exit code): {bad}")
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(plan.world_size)]
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        del store
