@@ -1,0 +1,132 @@
+"""Packing without padding: targets, media positions, attention masks; and the pipeline dispatch table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.runtime.pipe import schedule as ds
+
+from oobleck_mm.config import load_config
+from oobleck_mm.data.loader import TrainingData
+from oobleck_mm.data.packing import IGNORE, fold_frames, patchify
+from oobleck_mm.data.sample import IMAGE
+from oobleck_mm.model.layers import build_layer, model_layer_specs
+from oobleck_mm.runtime.engine import execute
+
+
+@pytest.fixture(scope="module")
+def job():
+    return load_config("configs/tiny_mm.yaml")
+
+
+@pytest.fixture(scope="module")
+def data(job):
+    return TrainingData(job)
+
+
+def test_targets_match_metadata_and_skip_media(data):
+    ids = data.global_batch(0)
+    batch = data.microbatch(ids)
+    assert batch.num_loss_tokens == sum(m.loss_tokens for m in data.metas(ids))
+    # no media slot is ever a target; the token after an image is (predicted from the last slot)
+    targets = batch.labels[batch.labels != IGNORE]
+    assert not (targets == IMAGE).any()
+    slots = batch.vision.llm_positions
+    assert (batch.tokens[slots] == IMAGE).all()
+    after = slots + 1
+    after = after[(after < len(batch.tokens)) & ~torch.isin(after, slots)]
+    assert (batch.labels[after - 1] == batch.tokens[after]).all()
+
+
+def test_masks_stay_inside_sample_and_image(data):
+    ids = data.global_batch(1)[:4]
+    batch = data.microbatch(ids)
+    mask = batch.attention_mask()
+    seg = batch.segments
+    i, j = torch.nonzero(mask, as_tuple=True)
+    assert (seg[i] == seg[j]).all() and (j <= i).all()  # causal, within a sample
+    assert mask.diagonal().all()
+    vm = batch.vision.attention_mask()
+    vs = batch.vision.segments
+    assert torch.equal(vm, vs[:, None] == vs[None, :])  # bidirectional within each image
+
+
+def test_media_slots_equal_projected_tokens(job, data):
+    ids = data.global_batch(2)
+    batch = data.microbatch(ids)
+    metas = data.metas(ids)
+    patches = sum(sum(m.image_patches(job.model.vision.patch_size)) for m in metas)
+    assert batch.vision.features.shape[0] == patches == len(batch.vision.llm_positions)
+    assert len(batch.tokens) == sum(m.llm_tokens(job.model.vision.patch_size) for m in metas)
+
+
+def test_patchify_and_fold_invert():
+    img = torch.rand(3, 16, 24)
+    patches, grid = patchify(img, 8)
+    assert patches.shape == (6, 3 * 64) and grid.tolist()[:4] == [[0, 0], [0, 1], [0, 2], [1, 0]]
+    assert torch.equal(patches[4].view(3, 8, 8), img[:, 8:16, 8:16])
+    with pytest.raises(ValueError, match="patch size 5"):
+        patchify(img, 5)
+    clip = torch.rand(10, 4)
+    folded, _ = fold_frames(clip, 2)
+    assert torch.equal(folded[1], clip[2:4].reshape(-1))
+
+
+def test_training_batches_are_skewed(job, data):
+    """The equivalence tests' batches have text-only samples and several resolutions in one microbatch."""
+    metas = [m for s in range(5) for m in data.metas(data.global_batch(s))]
+    assert any(m.num_images == 0 for m in metas)
+    assert len({size for m in metas for size in m.image_sizes}) >= 3
+    assert len({m.llm_tokens(job.model.vision.patch_size) for m in metas}) >= 10
+
+
+def test_microbatch_without_images_runs_the_encoder(job, data):
+    specs = model_layer_specs(job)
+    text_only = [m.index for m in (data.dataset.meta(i) for i in range(200)) if m.num_images == 0][:2]
+    batch = data.microbatch(text_only)
+    assert batch.vision.features.shape[0] == 0
+    acts = ()
+    for i in range(len(specs)):
+        acts = build_layer(job, i, specs)(acts, batch)
+    assert acts[0].shape == (len(batch.tokens), job.model.llm.vocab_size)
+
+
+def test_dispatch_table_raises_on_unknown_instruction():
+    seen = []
+    table = {ds.ForwardPass: seen.append, ds.BackwardPass: seen.append}
+    assert execute([[ds.ForwardPass(0)], [ds.BackwardPass(0)]], table) == 2
+    with pytest.raises(RuntimeError, match="no handler for pipeline instruction.*SendGrad"):
+        execute([[ds.ForwardPass(0), ds.SendGrad(1)]], table)
+
+
+def test_single_rank_engine_handles_every_instruction_and_equals_reference(tmp_path):
+    """World of one (a real gloo group): every TrainSchedule instruction kind has a handler, same result."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from oobleck_mm.model.reference import ReferenceTrainer
+    from oobleck_mm.runtime.engine import StageEngine
+    from oobleck_mm.runtime.layout import ExecutionPlan
+
+    job = load_config("configs/tiny_mm.yaml")
+    job = dataclasses.replace(job, training=dataclasses.replace(job.training, dtype="float64"))
+    kinds = set()
+    for stages in (1, 2, 4):
+        for stage in range(stages):
+            for step in ds.TrainSchedule(micro_batches=5, stages=stages, stage_id=stage).steps():
+                kinds |= {type(i) for i in step}
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        specs = model_layer_specs(job)
+        engine = StageEngine(job, ExecutionPlan.even(len(specs), [1], [8], 2), 0)
+        assert kinds <= set(engine._dispatch)
+        ref = ReferenceTrainer(job)
+        for step in range(2):
+            assert engine.train_step(step).loss == pytest.approx(ref.train_step(step), abs=1e-12)
+        for i in range(len(specs)):
+            for k, v in engine.layer_state(i).items():
+                assert (v - ref.layer_state(i)[k]).abs().max() < 1e-12
+    finally:
+        dist.destroy_process_group()
