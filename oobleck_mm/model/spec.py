@@ -124,7 +124,12 @@ class SequenceTokens:
 def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
     vision = audio = per_image = vision_llm = audio_llm = 0.0
     if model.vision is not None:
-        per_image = float((data.image_size // model.vision.patch_size) ** 2)
+        p = model.vision.patch_size
+        # Sides are drawn uniformly in whole patches between min_image_size and image_size,
+        # independently, so the mean patch count is the square of the mean side in patches.
+        low = max(1, -(-data.min_image_size // p))
+        high = max(low, data.image_size // p)
+        per_image = ((low + high) / 2) ** 2
         vision = data.mean_images_per_sample * per_image
         vision_llm = vision / model.vision.token_merge
     if model.audio is not None:

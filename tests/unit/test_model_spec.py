@@ -57,7 +57,8 @@ def test_two_layer_projector_is_two_cuttable_layers():
 def test_token_counts_follow_the_workload_shape():
     j = job("tiny_mm_audio")
     specs = {s.name: s for s in layer_specs(j.model, j.data)}
-    patches = (32 // 8) ** 2
+    # sides of 16..32 px in whole 8-px patches (2, 3 or 4 patches), drawn independently: mean 3 x 3
+    patches = 3.0**2
     assert specs["vision.block0"].tokens_per_sample == 1 * patches
     assert specs["vision.block0"].attention_len == patches and not specs["vision.block0"].causal
     frames = 0.32 * 100 / 4
@@ -83,13 +84,14 @@ def test_token_merge_shrinks_what_the_llm_sees_but_not_the_encoder():
 
 def test_more_images_mean_proportionally_more_vision_work():
     j = job("tiny_mm")
-    double = DataConfig(mean_text_tokens=16, mean_images_per_sample=2, image_size=32, max_seq_len=64)
+    double = DataConfig(mean_text_tokens=16, mean_images_per_sample=2, image_size=32, min_image_size=16,
+                        max_images_per_sample=3, max_seq_len=128)
     one = {s.name: s for s in layer_specs(j.model, j.data)}
     two = {s.name: s for s in layer_specs(j.model, double)}
     assert two["vision.block0"].tokens_per_sample == 2 * one["vision.block0"].tokens_per_sample
     # Attention stays within an image: its span does not grow with the image count.
     assert two["vision.block0"].attention_len == one["vision.block0"].attention_len
-    assert two["llm.block0"].tokens_per_sample == one["llm.block0"].tokens_per_sample + 16
+    assert two["llm.block0"].tokens_per_sample == one["llm.block0"].tokens_per_sample + 9  # one more mean image
 
 
 # --------------------------------------------------------------------------- frozen names
