@@ -306,3 +306,28 @@ def test_bad_layers_are_rejected():
         _profile([("a", "video", linear)])
     with pytest.raises(ValueError, match="example_input"):
         _profile([("a", "text", linear)], example=[torch.zeros(1), 3])
+
+
+def test_measured_profile_of_the_runtime_model(tmp_path):
+    """planning.profile: measured times the job's own layers (exact frozen names, cached on disk)."""
+    import dataclasses
+
+    from oobleck_mm.config import load_config
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.planning.planner import load_profile
+
+    job = load_config("configs/tiny_mm.yaml")
+    model = dataclasses.replace(job.model, frozen=("vision",))
+    planning = dataclasses.replace(job.planning, profile="measured", profile_cache_dir=str(tmp_path))
+    job = dataclasses.replace(job, model=model, planning=planning)
+    lines = []
+    profile = load_profile(job, lines.append)
+    specs = model_layer_specs(job)
+    assert [c.name for c in profile.layers] == [s.name for s in specs]
+    assert profile.source == "measured"
+    assert all(c.forward_s > 0 for c in profile.layers)
+    trainable = {c.name: c.trainable for c in profile.layers}
+    assert not trainable["vision.embed"] and not trainable["vision.block1"]
+    assert trainable["vision.projector"] and trainable["llm.block0"]
+    again = load_profile(job, lines.append)
+    assert again == profile and any("loaded profile" in line for line in lines)
