@@ -1,0 +1,7 @@
+"""The node agent: one per node. It registers with the master, heartbeats, starts one
+worker process per GPU, relays the master's assignments to them over local pipes and
+supervises them; a dead, zombie or stopped worker makes the node lost.
+
+Modules: ``agent`` (the agent's threads and main loop), ``workers`` (worker
+processes: spawn, pipe, psutil supervision, killing whole process trees).
+"""

@@ -1,16 +1,21 @@
 """``oobleck-launch``: the one command-line entry point.
 
-Subcommands that exist today: ``plan`` (templates, the best plan for N nodes
-and, with ``--fail-nodes``, the reconfiguration after losing them). The
-control-plane subcommands (``master``, ``agent``, ``local``) come with the
-control-plane issue. Exit codes: 0 done, 2 bad config or arguments (one line on
-stderr naming the field), 1 anything else.
+Subcommands: ``plan`` (templates, the best plan for N nodes and, with
+``--fail-nodes``, the reconfiguration after losing them), ``master`` (the job's
+coordinator), ``agent`` (one per node) and ``local`` (master + N agents and
+their workers on this machine). Exit codes: 0 done, 2 bad config or arguments
+(one line on stderr naming the field), 3 the job could not keep f+1 replicas,
+1 anything else (with the log path).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
+import socket
 import sys
 import time
 from typing import Sequence
@@ -18,6 +23,8 @@ from typing import Sequence
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
+EXIT_NO_REPLICAS = 3
+"""Fewer than (f+1)*n0 nodes left (reserved: live reconfiguration, issue 5)."""
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -44,7 +51,42 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--join-nodes", type=int, default=0, metavar="K", help="nodes that join after the failures")
     plan.add_argument("--solver", choices=("highs", "mindtpy", "python"), default=None, help="override planning.solver")
     plan.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    _add_control_plane_parsers(sub)
     return parser
+
+
+def _add_control_plane_parsers(sub) -> None:
+    # Flags follow torchrun where they overlap; its spellings are accepted as aliases.
+    master = sub.add_parser("master", help="run the job's master (one per job)")
+    master.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    master.add_argument("--host", "--master-addr", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
+    master.add_argument("--store-port", type=int, default=0, help="TCPStore port for the workers (0: any free port)")
+    master.add_argument("--nodes", "--nnodes", type=int, default=None, help="agents to wait for (default cluster.nodes)")
+    master.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
+    master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
+    master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
+    master.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
+
+    agent = sub.add_parser("agent", help="run a node agent (one per node)")
+    agent.add_argument("--master", "--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the master's address")
+    agent.add_argument("--gpus", "--nproc-per-node", type=int, default=0,
+                       help="workers (GPUs) on this node (default: the job's cluster.gpus_per_node)")
+    agent.add_argument("--node", default=None, help="node name, unique in the job (default: the host name)")
+    agent.add_argument("--token-file", default=None, help="job token file (default: $OOBLECK_TOKEN)")
+    agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
+    agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
+
+    local = sub.add_parser("local", help="master, N agents and their workers on this machine")
+    local.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    local.add_argument("--nodes", "--nnodes", type=int, default=None, help="simulated nodes (default cluster.nodes)")
+    local.add_argument("--gpus-per-node", "--nproc-per-node", type=int, default=None,
+                       help="CPU worker processes per node (default cluster.gpus_per_node)")
+    local.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
+    local.add_argument("--run-dir", default="", help="logs folder (default runs/<model>-<time>-<pid>)")
+    local.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
+    local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "master":
+            return _cmd_master(args)
+        if args.command == "agent":
+            return _cmd_agent(args)
+        if args.command == "local":
+            return _cmd_local(args)
     except ValueError as err:  # user mistakes: ConfigError, BatchSplitError, impossible requests
         print(f"oobleck-launch: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -98,6 +146,100 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(result.format())
     return EXIT_OK
+
+
+# --------------------------------------------------------------------------- control plane
+
+
+def _setup_logging(prefix: str, level: int = logging.INFO) -> None:
+    # Our processes log at ``level``; libraries (the MILP solver's chatter) only warnings.
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s {prefix} %(levelname)s %(message)s", datefmt="%H:%M:%S",
+        force=True,
+    )  # fmt: skip
+    for name in ("master", "agent"):
+        logging.getLogger(name).setLevel(level)
+
+
+def _load_job(args: argparse.Namespace):
+    from master.server import apply_overrides
+    from oobleck_mm.config import load_config
+
+    for flag in ("nodes", "steps", "gpus_per_node"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    return apply_overrides(
+        load_config(args.config), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
+        steps=args.steps,
+    )  # fmt: skip
+
+
+def _cmd_master(args: argparse.Namespace) -> int:
+    from master.server import MasterOptions, MasterServer
+
+    job = _load_job(args)
+    _setup_logging("master")
+    options = MasterOptions(
+        host=args.host, port=args.port, store_port=args.store_port, run_dir=args.run_dir,
+        token_file=args.token_file, event_log=args.event_log,
+    )  # fmt: skip
+    server = MasterServer(job, options)
+    interrupted: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        print(f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} steps\n"
+              f"  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
+              f"  start each node with: oobleck-launch agent --master {server.address} "
+              f"--token-file {server.token_file}", flush=True)  # fmt: skip
+        while (code := server.wait(0.2)) is None:
+            if interrupted:
+                server.finish(EXIT_ERROR, f"master interrupted by {signal.Signals(interrupted.pop()).name}")
+    finally:
+        server.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return _report_exit(code, server.message, server.event_log_path)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from agent.agent import Agent, AgentOptions
+    from agent.workers import DEFAULT_WORKER_TARGET
+    from oobleck_mm.protocol.auth import resolve_token
+
+    if args.gpus < 0:
+        raise ValueError(f"--gpus: must be >= 0, got {args.gpus}")
+    token = resolve_token(args.token_file)
+    node = args.node or socket.gethostname().split(".")[0]
+    _setup_logging(f"agent {node}")
+    # Workers inherit this: one torch thread each unless the user chose (torchrun does the same).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    options = AgentOptions(
+        master=args.master, token=token, node=node, gpus=args.gpus,
+        worker_target=args.worker_target or DEFAULT_WORKER_TARGET, connect_timeout_s=args.connect_timeout,
+    )  # fmt: skip
+    return Agent(options).run()
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from master.local import LocalCluster, LocalOptions
+
+    job = _load_job(args)
+    _setup_logging("local", logging.WARNING)  # the console shows progress; details are in the event log
+    cluster = LocalCluster(job, LocalOptions(run_dir=args.run_dir, event_log=args.event_log,
+                                             worker_target=args.worker_target))  # fmt: skip
+    code = cluster.run()
+    logs = ", ".join([cluster.server.event_log_path, *cluster.log_paths()])
+    return _report_exit(code, cluster.server.message, logs)
+
+
+def _report_exit(code: int, message: str, logs: str) -> int:
+    if code == EXIT_OK:
+        print(message, flush=True)
+    else:
+        print(f"oobleck-launch: error: {message}; logs: {logs}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

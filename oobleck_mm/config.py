@@ -510,10 +510,11 @@ class FaultToleranceConfig:
     _PATH: ClassVar[str] = "fault_tolerance"
     f: int = 1
     """Simultaneous node failures the job must survive (f + 1 pipelines are kept)."""
-    heartbeat_interval: timedelta = timedelta(seconds=1)
-    """How often agents report to the master."""
-    heartbeat_timeout: timedelta = timedelta(seconds=5)
-    """Silence after which a node is declared failed; longer than the interval."""
+    heartbeat_interval: timedelta = timedelta(milliseconds=500)
+    """How often agents report to the master (and check their workers)."""
+    heartbeat_timeout: timedelta = timedelta(seconds=3)
+    """Silence after which a node is declared failed (a hung node whose sockets stay open); longer
+    than the interval. A dead agent is detected sooner, by its closed event stream."""
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100

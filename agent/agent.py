@@ -1,0 +1,282 @@
+"""The node agent: registers with the master, heartbeats, runs and supervises the node's workers.
+
+Threads only observe and forward; every action on processes happens on the
+main thread, in the order the inbox delivers it:
+
+- ``stream``: the Subscribe stream -> assignments and shutdown into the inbox;
+  its end without a Shutdown means the master is gone.
+- ``heartbeat``: a Heartbeat every interval; silence of the master past the
+  timeout (or a master that no longer knows this node) goes into the inbox.
+- ``reports``: reads every worker pipe and forwards reports to the master.
+- the main thread: starts workers (one per GPU, on their first assignment),
+  hands later assignments over their pipes, checks them with psutil every
+  heartbeat interval, and on any exit path kills every worker tree.
+
+Exit codes: 0 after the master's Shutdown, 1 when the master is lost, a worker
+fails or a signal arrives, 2 when the master refuses the agent (token, name).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_connections
+
+import grpc
+import psutil
+
+from agent.workers import DEFAULT_WORKER_TARGET, Worker, WorkerFault
+from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+from oobleck_mm.protocol.auth import call_metadata
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
+_REFUSALS = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    master: str
+    """HOST:PORT of the master."""
+    token: str
+    node: str
+    gpus: int = 0
+    """Workers to run; 0: as many as the job's cluster.gpus_per_node."""
+    worker_target: str = DEFAULT_WORKER_TARGET
+    """"module:function" each worker process runs (see agent.workers.worker_entry)."""
+    connect_timeout_s: float = 60.0
+    """How long registration waits for the master to come up."""
+
+
+class Agent:
+    def __init__(self, options: AgentOptions) -> None:
+        self.o = options
+        self.master_host = _host_of(options.master)
+        self.metadata = call_metadata(options.token)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
+        self.workers: dict[int, Worker] = {}
+        self._workers_lock = threading.Lock()  # the reports thread reads the worker list
+        self._stopping = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self._stream = None
+        self._work_dir = ""
+
+    # ------------------------------------------------------------------ entry point
+    def run(self) -> int:
+        self._channel = grpc.insecure_channel(self.o.master)
+        self.stub = pb_grpc.CoordinatorStub(self._channel)
+        old_handlers = {}
+        try:
+            # Until registered there is nothing to clean up: SIGINT/SIGTERM keep their default effect.
+            reply = self._register()
+            if isinstance(reply, int):
+                return reply
+            old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            self._work_dir = tempfile.mkdtemp(prefix=f"oobleck-agent-{self.o.node}-")
+            self.config_path = _write_private(os.path.join(self._work_dir, "job.yaml"), reply.config_yaml)
+            self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
+            self.interval = reply.heartbeat_interval_s
+            self.timeout = reply.heartbeat_timeout_s
+            log.info("registered as %s: %d GPUs, heartbeat %.2fs, timeout %.2fs",
+                     self.o.node, reply.gpus, self.interval, self.timeout)  # fmt: skip
+            self._start_threads()
+            return self._main_loop()
+        finally:
+            self._stopping.set()
+            self._kill_workers()
+            if self._stream is not None:
+                self._stream.cancel()
+            self._channel.close()
+            if self._work_dir:
+                shutil.rmtree(self._work_dir, ignore_errors=True)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+
+    def _register(self) -> pb.RegisterReply | int:
+        request = pb.RegisterRequest(
+            node=self.o.node, gpus=self.o.gpus, memory_bytes=psutil.virtual_memory().total, pid=os.getpid()
+        )
+        try:
+            # wait_for_ready: an agent may start before its master listens.
+            return self.stub.Register(
+                request, metadata=self.metadata, timeout=self.o.connect_timeout_s, wait_for_ready=True
+            )
+        except grpc.RpcError as err:
+            if err.code() in _REFUSALS:
+                log.error("the master at %s refused node %s: %s", self.o.master, self.o.node, err.details())
+                return EXIT_REFUSED
+            log.error("cannot register with the master at %s: %s %s", self.o.master, err.code().name, err.details())
+            return EXIT_ERROR
+
+    # ------------------------------------------------------------------ main thread
+    def _main_loop(self) -> int:
+        next_check = time.monotonic() + self.interval
+        while True:
+            try:
+                kind, value = self.inbox.get(timeout=min(0.1, self.interval))
+            except queue.Empty:
+                kind, value = "tick", None
+            if kind == "event":
+                code = self._on_event(value)
+                if code is not None:
+                    return code
+            elif kind == "fatal":
+                log.error("%s; stopping the node's workers", value)
+                return EXIT_ERROR
+            elif kind == "signal":
+                log.warning("got %s; stopping the node's workers", signal.Signals(value).name)
+                return EXIT_ERROR
+            if kind == "worker_eof" or time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.interval
+                fault = self._supervise()
+                if fault is not None:
+                    return self._report_fault(fault)
+
+    def _on_event(self, event: pb.AgentEvent) -> int | None:
+        which = event.WhichOneof("event")
+        if which == "shutdown":
+            log.info("shutdown from the master: %s", event.shutdown.reason)
+            self._stop_workers(event.shutdown.reason)
+            return EXIT_OK
+        if which == "assignment":
+            self._assign(event.assignment.local_rank, event.assignment.assignment)
+        return None
+
+    def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:
+        if not assignment.store_host:  # a master bound to all interfaces: its store is where we found it
+            assignment.store_host = self.master_host
+        worker = self.workers.get(local_rank)
+        if worker is None:
+            # Started here, on the main thread, once: PR_SET_PDEATHSIG follows the spawning thread.
+            worker = Worker(self.o.worker_target, self.config_path, self.o.node, local_rank)
+            with self._workers_lock:
+                self.workers[local_rank] = worker
+            log.info("started worker %d (pid %d)", local_rank, worker.pid)
+        log.info("generation %d: local rank %d is rank %d of %d",
+                 assignment.generation, local_rank, assignment.rank, assignment.world_size)  # fmt: skip
+        worker.send(pb.WorkerCommand(assignment=assignment))  # a dead worker is caught by supervision
+
+    def _supervise(self) -> WorkerFault | None:
+        for worker in list(self.workers.values()):
+            fault = worker.fault()
+            if fault is not None:
+                return fault
+        return None
+
+    def _report_fault(self, fault: WorkerFault) -> int:
+        log.error("worker %d failed: %s (%s); the node is lost", fault.local_rank, fault.reason, fault.message)
+        request = pb.WorkerFailureRequest(
+            node=self.ref, local_rank=fault.local_rank, failure=fault.kind, message=fault.message
+        )
+        try:
+            self.stub.ReportWorkerFailure(request, metadata=self.metadata, timeout=self.timeout)
+        except grpc.RpcError as err:  # the master sees our stream close when we exit anyway
+            log.warning("could not report the failure: %s", err.code().name)
+        return EXIT_ERROR
+
+    def _stop_workers(self, reason: str) -> None:
+        # In parallel: each worker gets the Shutdown first, then the grace period runs once for all.
+        for worker in self.workers.values():
+            worker.send(pb.WorkerCommand(shutdown=pb.Shutdown(reason=reason)))
+        deadline = time.monotonic() + self.timeout
+        for worker in self.workers.values():
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+
+    def _kill_workers(self) -> None:
+        with self._workers_lock:
+            workers, self.workers = list(self.workers.values()), {}
+        for worker in workers:
+            worker.kill()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.inbox.put(("signal", signum))
+
+    # ------------------------------------------------------------------ observer threads
+    def _start_threads(self) -> None:
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._stream_loop, "stream"),
+                             (self._reports_loop, "reports")):  # fmt: skip
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def _stream_loop(self) -> None:
+        self._stream = self.stub.Subscribe(self.ref, metadata=self.metadata)
+        try:
+            for event in self._stream:
+                self.inbox.put(("event", event))
+                if event.WhichOneof("event") == "shutdown":
+                    return
+            self.inbox.put(("fatal", "the master ended the event stream without a shutdown"))
+        except grpc.RpcError as err:
+            if not self._stopping.is_set():
+                self.inbox.put(("fatal", f"lost the event stream to the master: {err.code().name}"))
+
+    def _heartbeat_loop(self) -> None:
+        last_ok = time.monotonic()
+        request = pb.HeartbeatRequest(node=self.ref)
+        while not self._stopping.wait(self.interval):
+            try:
+                self.stub.Heartbeat(request, metadata=self.metadata, timeout=max(self.interval, 0.1))
+                last_ok = time.monotonic()
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    self.inbox.put(("fatal", f"the master no longer knows this node: {err.details()}"))
+                    return
+                silent = time.monotonic() - last_ok
+                if silent > self.timeout:
+                    self.inbox.put(("fatal", f"the master has not answered for {silent:.1f}s ({err.code().name})"))
+                    return
+
+    def _reports_loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._workers_lock:
+                by_conn = {w.conn: w for w in self.workers.values() if not w.conn.closed}
+            if not by_conn:
+                self._stopping.wait(0.05)
+                continue
+            try:
+                ready = wait_connections(list(by_conn), timeout=0.1)
+            except (OSError, ValueError):  # the main thread closed a pipe under us
+                continue
+            for conn in ready:
+                worker = by_conn[conn]
+                try:
+                    report = pb.WorkerReport.FromString(conn.recv_bytes())
+                except (EOFError, OSError):
+                    conn.close()
+                    self.inbox.put(("worker_eof", worker.local_rank))  # supervision says why
+                    continue
+                self._forward(worker.local_rank, report)
+
+    def _forward(self, local_rank: int, report: pb.WorkerReport) -> None:
+        request = pb.WorkerReportRequest(node=self.ref, local_rank=local_rank, report=report)
+        try:
+            self.stub.ReportWorker(request, metadata=self.metadata, timeout=self.timeout)
+        except grpc.RpcError as err:  # the heartbeat thread decides whether the master is gone
+            log.warning("could not forward a report of worker %d: %s", local_rank, err.code().name)
+
+
+def _host_of(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--master: expected HOST:PORT, got {address!r}")
+    return host.strip("[]")
+
+
+def _write_private(path: str, text: str) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return path

@@ -1,0 +1,143 @@
+"""The agent's worker processes: start, talk to (protobuf over a pipe), supervise, kill.
+
+One worker per GPU, each its own OS process started with ``spawn`` (a forked
+copy of the agent would inherit gRPC's threads). Workers are started once and
+then only receive commands: their in-memory model states are what makes
+checkpoint-free recovery possible, so they are never restarted.
+
+No orphans: a worker dies with its agent even when the agent is SIGKILLed
+(``PR_SET_PDEATHSIG`` on Linux, a parent watch thread elsewhere), and the agent
+kills each worker's whole process tree when it stops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import psutil
+
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKER_TARGET = "oobleck_mm.runtime.worker:worker_main"
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------------- inside the worker process
+def worker_entry(target: str, conn: Connection, config_path: str, node: str, local_rank: int, agent_pid: int) -> None:
+    """First code a worker runs: tie its life to the agent, then run ``target`` ("module:function")."""
+    _die_with_parent(agent_pid)
+    module, _, name = target.partition(":")
+    fn: Callable = getattr(importlib.import_module(module), name)
+    fn(conn, config_path, node, local_rank)
+
+
+def _die_with_parent(agent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        # The kernel SIGKILLs us when the thread that spawned us exits: the agent spawns
+        # from its main thread, which lives exactly as long as the agent.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent_pid:  # the agent died before prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(agent_pid,), daemon=True, name="parent-watch").start()
+
+
+def _watch_parent(agent_pid: int) -> None:
+    # Backstop where PR_SET_PDEATHSIG does not exist (macOS): reparenting changes getppid().
+    while os.getppid() == agent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+# ---------------------------------------------------------------------- inside the agent
+@dataclass(frozen=True, slots=True)
+class WorkerFault:
+    local_rank: int
+    kind: int
+    """A ``pb.WorkerFailure`` value."""
+    message: str
+
+    @property
+    def reason(self) -> str:
+        """``worker_exited`` | ``worker_zombie`` | ``worker_stopped``: the reason the master logs."""
+        return pb.WorkerFailure.Name(self.kind).lower()
+
+
+class Worker:
+    """One worker process and the agent's end of its pipe."""
+
+    def __init__(self, target: str, config_path: str, node: str, local_rank: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.local_rank = local_rank
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=worker_entry,
+            args=(target, child_conn, config_path, node, local_rank, os.getpid()),
+            name=f"worker-{node}-{local_rank}",
+        )
+        self.process.start()
+        # Our copy of the child's end must go, or a dead worker's pipe would never read EOF.
+        child_conn.close()
+        self.pid = self.process.pid
+        self._ps = psutil.Process(self.pid)  # pins the pid to this process (create time), against reuse
+
+    def send(self, command: pb.WorkerCommand) -> bool:
+        """Sends a command; False when the worker's end is gone."""
+        try:
+            self.conn.send_bytes(command.SerializeToString())
+            return True
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            return False
+
+    def fault(self) -> WorkerFault | None:
+        """Why this worker can no longer run, or None while it is healthy."""
+        code = self.process.exitcode  # reaps a dead child (waitpid WNOHANG)
+        if code is not None:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return WorkerFault(self.local_rank, pb.WORKER_EXITED, f"pid {self.pid} exited ({how})")
+        try:
+            status = self._ps.status()
+        except psutil.NoSuchProcess:
+            return WorkerFault(self.local_rank, pb.WORKER_EXITED, f"pid {self.pid} is gone")
+        if status == psutil.STATUS_ZOMBIE:
+            return WorkerFault(self.local_rank, pb.WORKER_ZOMBIE, f"pid {self.pid} is a zombie")
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return WorkerFault(self.local_rank, pb.WORKER_STOPPED, f"pid {self.pid} is stopped (status {status})")
+        return None
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return self._ps.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, grace_s: float, reason: str) -> None:
+        """Asks the worker to shut down, waits up to ``grace_s``, then kills its whole tree."""
+        if self.process.exitcode is None and self.send(pb.WorkerCommand(shutdown=pb.Shutdown(reason=reason))):
+            self.process.join(grace_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILLs the worker and every process under it, and reaps the worker."""
+        tree = self.descendants()  # before the worker dies: orphans reparent and are lost to us
+        for proc in [self._ps, *tree]:
+            try:
+                proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=2.0)
+        self.process.join(2.0)
+        self.conn.close()

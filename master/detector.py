@@ -1,0 +1,71 @@
+"""Failure detection as a pure function of the node states and the clock.
+
+A node is the failure unit. It is lost when
+- its agent reported a worker that exited, turned zombie or stopped (``worker_*``),
+- its Subscribe stream ended (``stream_closed``: a dead agent's sockets are reset
+  by the kernel, so this fires at once), or
+- no heartbeat arrived for longer than the timeout (``heartbeat_timeout``: the
+  hung node, e.g. a SIGSTOPped agent whose sockets stay open).
+The master feeds this function snapshots; it keeps no state and reads no clock,
+so every rule is tested by building the states by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+STREAM_CLOSED = "stream_closed"
+HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+WORKER_EXITED = "worker_exited"
+WORKER_STOPPED = "worker_stopped"
+WORKER_ZOMBIE = "worker_zombie"
+WORKER_FAILED = "worker_failed"
+"""The worker itself reported an error (``WorkerFailed``) before exiting."""
+WORKER_REASONS = (WORKER_EXITED, WORKER_STOPPED, WORKER_ZOMBIE, WORKER_FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    last_heartbeat: float
+    """Clock reading (monotonic seconds) of the last heartbeat, or of the registration."""
+    stream_closed: bool = False
+    """The node's Subscribe stream ended without the master closing it."""
+    worker_failure: str | None = None
+    """One of ``WORKER_REASONS`` when the agent or a worker reported a failure."""
+    detail: str = ""
+    """Human-readable detail of ``worker_failure`` (exit code, status)."""
+
+    def __post_init__(self) -> None:
+        if self.worker_failure is not None and self.worker_failure not in WORKER_REASONS:
+            raise ValueError(f"worker_failure: {self.worker_failure!r} is not one of {WORKER_REASONS}")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    node: str
+    reason: str
+    detail: str
+
+
+def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timedelta) -> list[Failure]:
+    """The lost nodes among ``nodes`` at clock ``now``, sorted by name, each with its reason.
+
+    When several signs hold, the most specific wins: a worker report says why,
+    a closed stream says the agent is gone, a silent node only that it hangs.
+    """
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout: must be positive, got {timeout}")
+    limit = timeout.total_seconds()
+    out = []
+    for name in sorted(nodes):
+        health = nodes[name]
+        if health.worker_failure is not None:
+            out.append(Failure(name, health.worker_failure, health.detail))
+        elif health.stream_closed:
+            out.append(Failure(name, STREAM_CLOSED, "event stream to the agent ended"))
+        elif now - health.last_heartbeat > limit:
+            silent = now - health.last_heartbeat
+            out.append(Failure(name, HEARTBEAT_TIMEOUT, f"no heartbeat for {silent:.2f}s (timeout {limit:g}s)"))
+    return out

@@ -1,0 +1,162 @@
+"""The master process wiring: run dir, token, event log, TCPStore, gRPC server and the control thread.
+
+``MasterServer`` is what ``oobleck-launch master`` runs and what ``oobleck-launch
+local`` embeds: ``start()`` binds (printing where), ``wait()`` returns the exit
+code once the coordinator finished, ``stop()`` releases everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from master.coordinator import Coordinator
+from master.service import CoordinatorService, TokenInterceptor
+from oobleck_mm.events import EventLog
+from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+from oobleck_mm.protocol.auth import new_token, read_token, write_token
+
+log = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+@dataclass(frozen=True, slots=True)
+class MasterOptions:
+    host: str = "127.0.0.1"
+    port: int = 29400
+    """gRPC port; 0 picks a free one."""
+    store_port: int = 0
+    """TCPStore port for the workers' rendezvous; 0 picks a free one."""
+    run_dir: str = ""
+    """Where the token and the event log go by default; created if missing."""
+    token_file: str | None = None
+    """Read the token from here if the file exists, else generate one and write it here (0600)."""
+    event_log: str | None = None
+
+
+def apply_overrides(job, nodes: int | None = None, gpus_per_node: int | None = None, steps: int | None = None):
+    """The job with command-line values in place, validated again (ConfigError names the field)."""
+    if nodes is not None:
+        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, nodes=nodes))
+    if gpus_per_node is not None:
+        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=gpus_per_node))
+    if steps is not None:
+        job = dataclasses.replace(job, training=dataclasses.replace(job.training, steps=steps))
+    return job
+
+
+def default_run_dir(job_name: str) -> str:
+    return os.path.join("runs", f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class MasterServer:
+    def __init__(self, job, options: MasterOptions, progress: Callable[[str], None] = print) -> None:
+        # Command-line overrides are already in ``job`` (apply_overrides): one source of truth.
+        self.job, self.options, self.progress = job, options, progress
+        self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
+        self.run_dir = options.run_dir or default_run_dir(job.model.name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
+        self.token_file = options.token_file or os.path.join(self.run_dir, "token")
+        self.token = _load_or_create_token(self.token_file)
+        self.events = EventLog(self.event_log_path)
+        self.port = 0
+        self._server: grpc.Server | None = None
+        self._store = None
+        self._done = threading.Event()
+        self._exit_code = 1
+        self.coordinator: Coordinator | None = None
+
+    @property
+    def address(self) -> str:
+        return format_address(self.options.host, self.port)
+
+    def start(self) -> None:
+        import torch.distributed as dist  # only the master process needs torch for the store
+
+        # The store has no authentication and listens on every interface (docs/control_plane.md).
+        self._store = dist.TCPStore(
+            self.options.host or "0.0.0.0", self.options.store_port, is_master=True, wait_for_workers=False
+        )
+        host = self.options.host
+        advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
+        self.coordinator = Coordinator(
+            self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised,
+            store_port=self._store.port, events=self.events, progress=self.progress,
+        )  # fmt: skip
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max(32, 2 * self.num_nodes + 16), thread_name_prefix="grpc"),
+            interceptors=[TokenInterceptor(self.token, self.coordinator.refused)],
+        )
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
+        try:
+            self.port = self._server.add_insecure_port(format_address(host or "0.0.0.0", self.options.port))
+        except RuntimeError:
+            self.port = 0
+        if not self.port:
+            raise ValueError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
+        self._server.start()
+        self.events.write(
+            "master_started", address=self.address, store_port=self._store.port, nodes=self.num_nodes,
+            steps=self.steps, pid=os.getpid(),
+        )  # fmt: skip
+        threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+
+    def _control_loop(self) -> None:
+        assert self.coordinator is not None
+        # Detection latency of a silent node is timeout + one tick: tick well below the timeout.
+        tick = min(0.1, self.job.fault_tolerance.heartbeat_timeout.total_seconds() / 10)
+        try:
+            while (result := self.coordinator.tick()) is None:
+                self.coordinator.wait_for_change(tick)
+        except Exception as exc:  # a bug: end the job loudly rather than hang it
+            log.exception("control loop failed")
+            self.coordinator.finish(1, f"master control loop failed: {exc!r}")
+            result = self.coordinator.finish_result
+        # Let every agent read its Shutdown before the server goes away.
+        self.coordinator.wait_streams_closed(timeout=max(2.0, self.job.fault_tolerance.heartbeat_timeout.total_seconds()))
+        self._exit_code = result.exit_code
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code once the job finished, or None if ``timeout`` passed first."""
+        return self._exit_code if self._done.wait(timeout) else None
+
+    def finish(self, exit_code: int, message: str) -> None:
+        """Ends the job from outside (a signal, the local launcher)."""
+        if self.coordinator is not None:
+            self.coordinator.finish(exit_code, message)
+        else:
+            self._done.set()
+
+    @property
+    def message(self) -> str:
+        result = self.coordinator.finish_result if self.coordinator else None
+        return result.message if result else ""
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=0.5).wait()
+        self._store = None
+        self.events.close()
+
+
+def _load_or_create_token(path: str) -> str:
+    if os.path.exists(path):
+        return read_token(path)
+    token = new_token()
+    write_token(path, token)
+    return token

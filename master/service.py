@@ -1,0 +1,128 @@
+"""The master's gRPC face: the Coordinator service and the token check on every call.
+
+Handlers translate messages to ``Coordinator`` calls and ``Refused`` to status
+codes; they decide nothing. The token interceptor runs before any handler, so
+no method (not even Register) is reachable without the job token.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from typing import Callable, Iterator
+
+import grpc
+
+from master.coordinator import END_OF_STREAM, Coordinator, Refused
+from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+from oobleck_mm.protocol.auth import TOKEN_HEADER, token_matches
+
+log = logging.getLogger(__name__)
+
+# The enum's names, lower-cased, are the detector's reasons (worker_exited, ...).
+_FAILURES = {kind: pb.WorkerFailure.Name(kind).lower() for kind in (pb.WORKER_EXITED, pb.WORKER_ZOMBIE, pb.WORKER_STOPPED)}
+_STREAM_POLL_S = 0.2
+"""How often an idle stream handler checks that its client is still there."""
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose ``x-oobleck-token`` header is missing or wrong (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str, on_refused: Callable[[str, str, str], None]) -> None:
+        self._token = token
+        self._on_refused = on_refused
+
+    def intercept_service(self, continuation, handler_call_details):
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get(TOKEN_HEADER)
+        if token_matches(self._token, given):
+            return continuation(handler_call_details)
+        reason = "missing token" if given is None else "wrong token"
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        handler = continuation(handler_call_details)
+        return _denying_handler(handler, method, reason, self._on_refused)
+
+
+def _denying_handler(handler, method: str, reason: str, on_refused):
+    def deny(request, context):
+        on_refused(context.peer(), method, reason)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{reason} (header {TOKEN_HEADER})")
+
+    if handler is None:
+        return None  # unknown method: gRPC answers UNIMPLEMENTED
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+
+    def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
+        with _refusals(context):
+            session, gpus = self.c.register(
+                request.node, request.gpus, request.memory_bytes, request.pid, context.peer()
+            )
+        ft = self.c.job.fault_tolerance
+        return pb.RegisterReply(
+            node=request.node,
+            session=session,
+            gpus=gpus,
+            heartbeat_interval_s=ft.heartbeat_interval.total_seconds(),
+            heartbeat_timeout_s=ft.heartbeat_timeout.total_seconds(),
+            config_yaml=self.c.config_yaml,
+        )
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        with _refusals(context):
+            generation = self.c.heartbeat(request.node.node, request.node.session)
+        return pb.HeartbeatReply(generation=generation)
+
+    def Subscribe(self, request: pb.NodeRef, context) -> Iterator[pb.AgentEvent]:
+        with _refusals(context):
+            outbox = self.c.open_stream(request.node, request.session)
+        # Fires when the RPC ends for any reason, including the agent's socket reset:
+        # that is how a killed agent is seen at once.
+        context.add_callback(lambda: self.c.stream_ended(request.node, request.session))
+        while context.is_active():
+            try:
+                event = outbox.get(timeout=_STREAM_POLL_S)
+            except queue.Empty:
+                continue
+            if event is END_OF_STREAM:
+                return
+            yield event
+
+    def ReportWorker(self, request: pb.WorkerReportRequest, context) -> pb.Ack:
+        with _refusals(context):
+            self.c.worker_report(request.node.node, request.node.session, request.local_rank, request.report)
+        return pb.Ack()
+
+    def ReportWorkerFailure(self, request: pb.WorkerFailureRequest, context) -> pb.Ack:
+        reason = _FAILURES.get(request.failure)
+        if reason is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"failure: unknown kind {request.failure}")
+        with _refusals(context):
+            self.c.worker_failure(
+                request.node.node, request.node.session, request.local_rank, reason, request.message
+            )
+        return pb.Ack()
+
+
+class _refusals:
+    """Turns ``Refused`` into the gRPC status it names."""
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, Refused):
+            self.context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return False

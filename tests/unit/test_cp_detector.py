@@ -1,0 +1,63 @@
+"""Failure detection is a pure function of node states and the clock: every rule, built by hand."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from master.detector import (
+    HEARTBEAT_TIMEOUT,
+    STREAM_CLOSED,
+    WORKER_EXITED,
+    WORKER_STOPPED,
+    Failure,
+    NodeHealth,
+    detect_failures,
+)
+
+TIMEOUT = timedelta(seconds=3)
+
+
+def test_fresh_heartbeats_are_healthy_up_to_the_timeout_itself():
+    nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=97.0)}
+    assert detect_failures(100.0, nodes, TIMEOUT) == []  # b is silent exactly 3 s: not yet past
+
+
+def test_silence_past_the_timeout_is_a_hung_node():
+    nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=96.9)}
+    [failure] = detect_failures(100.0, nodes, TIMEOUT)
+    assert (failure.node, failure.reason) == ("b", HEARTBEAT_TIMEOUT)
+    assert "3.10s" in failure.detail
+
+
+def test_a_closed_stream_is_lost_at_once_even_with_a_fresh_heartbeat():
+    nodes = {"a": NodeHealth(last_heartbeat=100.0, stream_closed=True)}
+    assert detect_failures(100.0, nodes, TIMEOUT) == [Failure("a", STREAM_CLOSED, "event stream to the agent ended")]
+
+
+def test_a_worker_failure_is_the_reason_given_over_the_other_signs():
+    # The agent reported a stopped worker, then its stream broke and it went silent:
+    # the worker's state is what explains the loss.
+    nodes = {"a": NodeHealth(last_heartbeat=0.0, stream_closed=True, worker_failure=WORKER_STOPPED, detail="pid 7")}
+    assert detect_failures(100.0, nodes, TIMEOUT) == [Failure("a", WORKER_STOPPED, "pid 7")]
+
+
+def test_every_lost_node_is_reported_once_in_name_order():
+    nodes = {
+        "n2": NodeHealth(last_heartbeat=0.0),
+        "n0": NodeHealth(last_heartbeat=100.0, worker_failure=WORKER_EXITED),
+        "n1": NodeHealth(last_heartbeat=100.0),
+        "n3": NodeHealth(last_heartbeat=100.0, stream_closed=True),
+    }
+    failures = detect_failures(100.0, nodes, TIMEOUT)
+    assert [(f.node, f.reason) for f in failures] == [
+        ("n0", WORKER_EXITED), ("n2", HEARTBEAT_TIMEOUT), ("n3", STREAM_CLOSED),
+    ]  # fmt: skip
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="worker_failure"):
+        NodeHealth(last_heartbeat=0.0, worker_failure="tired")
+    with pytest.raises(ValueError, match="timeout"):
+        detect_failures(0.0, {}, timedelta(0))
