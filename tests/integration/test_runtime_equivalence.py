@@ -106,3 +106,18 @@ def test_frozen_vision_encoder(tmp_path):
         assert not set(out["optimizer_state_sizes"]) & set(initial), "a frozen layer got optimizer state"
     trained = [n for out in outs for n in out["optimizer_state_sizes"]]
     assert "vision.projector" in trained and "llm.head" in trained
+
+
+def test_audio_and_vision_model_equals_reference(tmp_path):
+    """Both encoders' states cross stage boundaries (the activation tuple carries two tensors)."""
+    with open("configs/tiny_mm_audio.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=3)
+    job = config_from_dict(d)
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(3)]
+    mbs = job.training.global_batch // job.training.microbatch_size
+    plan = ExecutionPlan.even(len(trainer.specs), [3, 2], [mbs // 2, mbs - mbs // 2], job.training.microbatch_size)
+    outs = run_local(job, plan, 3, tmp_path)
+    assert max_param_diff(outs, trainer) < 1e-10
+    assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
