@@ -56,6 +56,20 @@ class StepResult:
     """(forward s, backward s) of each microbatch on this stage, in order."""
 
 
+@dataclass(slots=True)
+class HeldLayer:
+    """A layer a worker holds: its module and its optimizer (None when frozen). Moves as one unit."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+
+
+def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu") -> HeldLayer:
+    module = build_layer(job, index, specs).to(device)
+    params = trainable_params(module)
+    return HeldLayer(module, build_layer_optimizer(params, job.training) if params else None)
+
+
 def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, Callable]) -> int:
     """Run an instruction stream through a dispatch table; an instruction without a handler raises."""
     count = 0
@@ -74,7 +88,9 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
 
 class StageEngine:
     def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None):
+        """``held``: layers this worker already holds (after a reconfiguration, with their optimizers);
+        every other layer of the stage is built fresh from the seed."""
         self.job, self.plan, self.rank, self.device = job, plan, rank, torch.device(device)
         self.specs = model_layer_specs(job)
         if plan.num_layers != len(self.specs):
@@ -98,12 +114,12 @@ class StageEngine:
         self.next_needs_grad = self.next_rank is not None and any(trainable[: self.stage.layer_end])
         self.needs_backward = any(trainable[: self.stage.layer_end])
 
-        self.layers = {i: build_layer(job, i, self.specs).to(self.device) for i in self.stage.layers}
-        self.optimizers = {
-            i: build_layer_optimizer(trainable_params(m), job.training)
-            for i, m in self.layers.items()
-            if trainable_params(m)
-        }
+        held = dict(held or {})
+        for i in self.stage.layers:
+            if i not in held:
+                held[i] = fresh_layer(job, i, self.specs, self.device)
+        self.layers = {i: held[i].module for i in self.stage.layers}
+        self.optimizers = {i: held[i].optimizer for i in self.stage.layers if held[i].optimizer is not None}
         self.sync = GradientSync(plan, rank, trainable)
         self._dispatch: dict[type, Callable] = {
             ds.LoadMicroBatch: self._load_microbatch,
@@ -244,5 +260,8 @@ class StageEngine:
         self._result.comm_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ state
+    def held(self) -> dict[int, HeldLayer]:
+        return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
+
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.layers[index].state_dict().items()}

@@ -18,7 +18,8 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,6 +28,8 @@ import torch.distributed as dist
 
 from oobleck_mm.runtime.engine import StageEngine, StepResult
 from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.optim import optimizer_state
+from oobleck_mm.runtime.state_transfer import adopt_plan
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +72,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int) -> None:
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """A later plan in a local run: the workers re-form without restarting (a simulated reconfiguration)."""
+
+    plan: ExecutionPlan
+    steps: int
+    survivors: Mapping[int, int]
+    """Previous phase's rank -> this phase's rank; a rank left out leaves the job (its node is lost)."""
+
+
+def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int,
+                 phases: Sequence[Phase] = ()) -> None:
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         join_group(job, store, 0, rank, plan.world_size, timeout=timedelta(seconds=120))
         results: list[StepResult] = []
         engine = train(job, plan, rank, 0, steps, torch.device("cpu"), results.append)
+        step, transfers = steps, []
+        for generation, phase in enumerate(phases, start=1):
+            if rank not in phase.survivors:
+                dist.destroy_process_group()
+                return  # this worker's node is gone
+            old_plan, rank = plan, phase.survivors[rank]
+            plan = phase.plan
+            join_group(job, store, generation, rank, plan.world_size, timeout=timedelta(seconds=120))
+            engine, moves, _ = adopt_plan(job, engine, old_plan, plan, phase.survivors, rank)
+            transfers.append(moves)
+            for s in range(step, step + phase.steps):
+                results.append(engine.train_step(s))
+            step += phase.steps
         states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
-        optim = {engine.specs[i].name: len(opt.state) for i, opt in engine.optimizers.items()}
-        torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_state_sizes": optim,
-                    "results": results}, Path(out_dir) / f"rank{rank}.pt")
+        optim = {engine.specs[i].name: optimizer_state(opt) for i, opt in engine.optimizers.items()}
+        torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
+                    "optimizer_state_sizes": {k: len(opt.state) for k, opt in
+                                              ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},
+                    "results": results, "transfers": transfers}, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -88,16 +117,21 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
 
 
 def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, threads: int = 1,
-              timeout_s: float = 120.0) -> list[dict]:
-    """Train ``plan`` for ``steps`` with one OS process per rank; returns each rank's saved outputs."""
+              timeout_s: float = 120.0, phases: Sequence[Phase] = ()) -> list[dict]:
+    """Train ``plan`` for ``steps`` with one OS process per rank, then each of ``phases``.
+
+    Returns the saved outputs of every rank of the last plan, in rank order.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_local_entry, args=(job, plan, r, port, steps, str(out_dir), threads), daemon=True)
+    procs = [ctx.Process(target=_local_entry, args=(job, plan, r, port, steps, str(out_dir), threads, tuple(phases)),
+                         daemon=True)
              for r in range(plan.world_size)]
+    final = phases[-1].plan if phases else plan
     try:
         for p in procs:
             p.start()
@@ -109,7 +143,7 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"workers exited abnormally (rank, exit code): {bad}")
-        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(plan.world_size)]
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(final.world_size)]
     finally:
         for p in procs:
             if p.pid is not None:

@@ -12,6 +12,7 @@ from oobleck_mm.data.packing import IGNORE, fold_frames, patchify
 from oobleck_mm.data.sample import IMAGE
 from oobleck_mm.model.layers import build_layer, model_layer_specs
 from oobleck_mm.runtime.engine import execute
+from oobleck_mm.runtime.layout import ExecutionPlan
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,18 @@ def test_single_rank_engine_handles_every_instruction_and_equals_reference(tmp_p
                 assert (v - ref.layer_state(i)[k]).abs().max() < 1e-12
     finally:
         dist.destroy_process_group()
+
+
+def test_transfers_spread_over_surviving_holders():
+    from oobleck_mm.runtime.state_transfer import Transfer, plan_transfers
+
+    new = ExecutionPlan.even(4, [1, 2, 1], [1, 1, 1], 1)  # ranks 0 | 1,2 | 3
+    holders = {0: [1], 1: [1], 2: [2], 3: [2]}  # only pipeline 1 survived with its layers
+    transfers = plan_transfers(holders, new)
+    assert len(transfers) == 8  # ranks 0 and 3 need all 4 layers
+    senders = [t.src for t in transfers]
+    assert senders.count(1) == senders.count(2) == 4
+    assert all(t.src in holders[t.layer] for t in transfers)
+    with pytest.raises(ValueError, match="layer 2 has no surviving holder"):
+        plan_transfers({0: [1], 1: [1], 3: [2]}, new)
+    assert Transfer(0, 1, 2) < Transfer(1, 0, 2)
