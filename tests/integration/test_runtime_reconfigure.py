@@ -14,7 +14,7 @@ import torch
 
 from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
 from oobleck_mm.runtime.worker import Phase, run_local
-from tests.integration.test_runtime_equivalence import max_param_diff, reference, tiny_job
+from test_runtime_equivalence import max_param_diff, reference, tiny_job
 
 pytestmark = pytest.mark.integration
 
