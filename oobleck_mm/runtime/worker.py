@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_mm.runtime.engine import StageEngine, StepResult
+from oobleck_mm.runtime.checkpoint import save_layers, save_meta
 from oobleck_mm.runtime.layout import ExecutionPlan
 from oobleck_mm.runtime.optim import optimizer_state
 from oobleck_mm.runtime.state_transfer import adopt_plan
@@ -63,6 +64,17 @@ def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, devi
     return engine
 
 
+def save_checkpoint(directory: str, engine: StageEngine, step: int) -> None:
+    """Collective: every rank writes the layers it owns (first holder), then rank 0 writes meta.json."""
+    plan, rank = engine.plan, engine.rank
+    owned = [i for i in engine.layers if plan.holders(i)[0] == rank]
+    save_layers(directory, engine.held(), owned, engine.specs)
+    dist.barrier()
+    if rank == 0:
+        save_meta(directory, engine.job, step, engine.specs, engine.data.sampler)
+    dist.barrier()
+
+
 # --------------------------------------------------------------------------- local launch (tests, benchmarks)
 
 
@@ -83,7 +95,7 @@ class Phase:
 
 
 def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int,
-                 phases: Sequence[Phase] = ()) -> None:
+                 phases: Sequence[Phase] = (), save_final: str | None = None) -> None:
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -103,6 +115,8 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
             for s in range(step, step + phase.steps):
                 results.append(engine.train_step(s))
             step += phase.steps
+        if save_final is not None:
+            save_checkpoint(save_final, engine, step)
         states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
         optim = {engine.specs[i].name: optimizer_state(opt) for i, opt in engine.optimizers.items()}
         torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
@@ -117,7 +131,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
 
 
 def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, threads: int = 1,
-              timeout_s: float = 120.0, phases: Sequence[Phase] = ()) -> list[dict]:
+              timeout_s: float = 120.0, phases: Sequence[Phase] = (), save_final: str | None = None) -> list[dict]:
     """Train ``plan`` for ``steps`` with one OS process per rank, then each of ``phases``.
 
     Returns the saved outputs of every rank of the last plan, in rank order.
@@ -128,7 +142,7 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_local_entry, args=(job, plan, r, port, steps, str(out_dir), threads, tuple(phases)),
+    procs = [ctx.Process(target=_local_entry, args=(job, plan, r, port, steps, str(out_dir), threads, tuple(phases), save_final),
                          daemon=True)
              for r in range(plan.world_size)]
     final = phases[-1].plan if phases else plan

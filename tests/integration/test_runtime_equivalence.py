@@ -121,3 +121,25 @@ def test_audio_and_vision_model_equals_reference(tmp_path):
     outs = run_local(job, plan, 3, tmp_path)
     assert max_param_diff(outs, trainer) < 1e-10
     assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
+
+
+def test_saved_run_verifies_against_the_reference(tmp_path, capsys):
+    """--save-final writes each layer once; `python -m oobleck_mm.verify` replays and compares."""
+    from oobleck_mm import verify
+    from oobleck_mm.runtime.checkpoint import read_meta
+
+    job = tiny_job()
+    plan = ExecutionPlan.even(10, [2, 3], [4, 4], job.training.microbatch_size)
+    config = tmp_path / "job.yaml"
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=3)
+    config.write_text(yaml.safe_dump(d))
+    run_local(config_from_dict(d), plan, 3, tmp_path / "out", save_final=str(tmp_path / "final"))
+    meta = read_meta(tmp_path / "final")
+    assert meta["step"] == 3 and len(list((tmp_path / "final" / "layers").iterdir())) == 10
+    assert verify.main(["--config", str(config), "--steps", "3", "--against", str(tmp_path / "final")]) == 0
+    assert "within tolerance" in capsys.readouterr().out
+    # a different number of steps is a different model: verification must fail
+    assert verify.main(["--config", str(config), "--steps", "2", "--against", str(tmp_path / "final")]) == 1
+    assert verify.main(["--config", str(tmp_path / "nope.yaml"), "--steps", "2", "--against", "x"]) == 2

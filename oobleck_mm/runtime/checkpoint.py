@@ -1,0 +1,107 @@
+"""Layer-sharded checkpoints: each layer written once, with its optimizer state, plus the job's position.
+
+Layout of a checkpoint directory::
+
+    meta.json            {"format", "step", "num_layers", "layer_names", "config", "sampler": {...}}
+    layers/<name>.pt     {"params": state_dict, "optimizer": flat optimizer state or None}
+
+``step`` is the next global step to run; the sampler is stateless in the step,
+so it is the whole data position. Every rank writes the layers it owns (the
+first holder of each layer), so a checkpoint costs one copy of the model
+whatever the number of replicas, and it loads onto any plan: each worker reads
+just the layers of its stage. The same files are what ``--save-final`` writes
+and what ``python -m oobleck_mm.verify`` compares against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from oobleck_mm.runtime.engine import HeldLayer, fresh_layer
+from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
+
+FORMAT = 1
+
+
+def _layer_file(directory: Path, name: str) -> Path:
+    return directory / "layers" / f"{name}.pt"
+
+
+def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], layers: Iterable[int], specs) -> None:
+    """Write ``layers`` (indices into ``held``) atomically, one file each."""
+    directory = Path(directory)
+    (directory / "layers").mkdir(parents=True, exist_ok=True)
+    for i in layers:
+        h = held[i]
+        payload = {
+            "params": {k: v.detach().cpu() for k, v in h.module.state_dict().items()},
+            "optimizer": ({k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
+                          if h.optimizer is not None else None),
+        }
+        path = _layer_file(directory, specs[i].name)
+        tmp = path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+
+
+def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None) -> None:
+    """Written last (by one rank, after every layer file): its presence marks a complete checkpoint."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "num_layers": len(specs),
+        "layer_names": [s.name for s in specs],
+        "config": _jsonable(asdict(job)),
+        "sampler": ({"epoch": sampler.epoch_of(step), "steps_per_epoch": sampler.steps_per_epoch}
+                    if sampler is not None else None),
+    }
+    tmp = directory / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, directory / "meta.json")
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / "meta.json"
+    if not path.exists():
+        raise ValueError(f"{directory}: not a complete checkpoint (no meta.json)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this version reads {FORMAT}")
+    return meta
+
+
+def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu") -> HeldLayer:
+    """Layer ``index`` with its parameters and optimizer state from the checkpoint."""
+    path = _layer_file(Path(directory), specs[index].name)
+    if not path.exists():
+        raise ValueError(f"{directory}: checkpoint has no layer {specs[index].name!r} ({path} missing)")
+    payload = torch.load(path, map_location=device, weights_only=True)
+    held = fresh_layer(job, index, specs, device)
+    held.module.load_state_dict(payload["params"])
+    if held.optimizer is not None:
+        if payload["optimizer"] is None:
+            raise ValueError(f"{path}: layer {specs[index].name!r} is trainable but was saved without optimizer state")
+        load_optimizer_state(held.optimizer, payload["optimizer"])
+    return held
+
+
+def load_params(directory: str | os.PathLike, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(_layer_file(Path(directory), name), map_location="cpu", weights_only=True)["params"]
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)
