@@ -73,6 +73,7 @@ class Agent:
         self._stopping = threading.Event()
         self._channel: grpc.Channel | None = None
         self._stream = None
+        self._reports_thread: threading.Thread | None = None
         self._work_dir = ""
 
     # ------------------------------------------------------------------ entry point
@@ -97,6 +98,8 @@ class Agent:
             return self._main_loop()
         finally:
             self._stopping.set()
+            if self._reports_thread is not None:
+                self._reports_thread.join(1.0)  # it reads the pipes that killing the workers closes
             self._kill_workers()
             if self._stream is not None:
                 self._stream.cancel()
@@ -150,6 +153,7 @@ class Agent:
         which = event.WhichOneof("event")
         if which == "shutdown":
             log.info("shutdown from the master: %s", event.shutdown.reason)
+            self._stopping.set()  # no more heartbeats or reports: the master is going away
             self._stop_workers(event.shutdown.reason)
             return EXIT_OK
         if which == "assignment":
@@ -207,9 +211,10 @@ class Agent:
 
     # ------------------------------------------------------------------ observer threads
     def _start_threads(self) -> None:
-        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._stream_loop, "stream"),
-                             (self._reports_loop, "reports")):  # fmt: skip
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._stream_loop, "stream")):
             threading.Thread(target=target, name=name, daemon=True).start()
+        self._reports_thread = threading.Thread(target=self._reports_loop, name="reports", daemon=True)
+        self._reports_thread.start()
 
     def _stream_loop(self) -> None:
         self._stream = self.stub.Subscribe(self.ref, metadata=self.metadata)
@@ -227,14 +232,17 @@ class Agent:
         last_ok = time.monotonic()
         request = pb.HeartbeatRequest(node=self.ref)
         while not self._stopping.wait(self.interval):
+            # A slow answer still counts on the master's side: give it up to half the timeout
+            # rather than cancelling it after one interval on a busy machine.
             try:
-                self.stub.Heartbeat(request, metadata=self.metadata, timeout=max(self.interval, 0.1))
+                self.stub.Heartbeat(request, metadata=self.metadata, timeout=self.timeout / 2)
                 last_ok = time.monotonic()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     self.inbox.put(("fatal", f"the master no longer knows this node: {err.details()}"))
                     return
                 silent = time.monotonic() - last_ok
+                log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)
                 if silent > self.timeout:
                     self.inbox.put(("fatal", f"the master has not answered for {silent:.1f}s ({err.code().name})"))
                     return
@@ -242,7 +250,7 @@ class Agent:
     def _reports_loop(self) -> None:
         while not self._stopping.is_set():
             with self._workers_lock:
-                by_conn = {w.conn: w for w in self.workers.values() if not w.conn.closed}
+                by_conn = {w.conn: w for w in self.workers.values() if not w.eof}
             if not by_conn:
                 self._stopping.wait(0.05)
                 continue
@@ -255,7 +263,7 @@ class Agent:
                 try:
                     report = pb.WorkerReport.FromString(conn.recv_bytes())
                 except (EOFError, OSError):
-                    conn.close()
+                    worker.eof = True  # only the main thread closes pipes: a double close could hit a reused fd
                     self.inbox.put(("worker_eof", worker.local_rank))  # supervision says why
                     continue
                 self._forward(worker.local_rank, report)

@@ -6,20 +6,17 @@ then only receive commands: their in-memory model states are what makes
 checkpoint-free recovery possible, so they are never restarted.
 
 No orphans: a worker dies with its agent even when the agent is SIGKILLed
-(``PR_SET_PDEATHSIG`` on Linux, a parent watch thread elsewhere), and the agent
-kills each worker's whole process tree when it stops.
+(``oobleck_mm.lifetime``), and the agent kills each worker's whole process
+tree when it stops.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import logging
 import multiprocessing
 import os
 import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -27,39 +24,21 @@ from typing import Callable
 
 import psutil
 
+from oobleck_mm.lifetime import die_with_parent
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKER_TARGET = "oobleck_mm.runtime.worker:worker_main"
-_PR_SET_PDEATHSIG = 1
 
 
 # ---------------------------------------------------------------------- inside the worker process
 def worker_entry(target: str, conn: Connection, config_path: str, node: str, local_rank: int, agent_pid: int) -> None:
     """First code a worker runs: tie its life to the agent, then run ``target`` ("module:function")."""
-    _die_with_parent(agent_pid)
+    die_with_parent(agent_pid)
     module, _, name = target.partition(":")
     fn: Callable = getattr(importlib.import_module(module), name)
     fn(conn, config_path, node, local_rank)
-
-
-def _die_with_parent(agent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        # The kernel SIGKILLs us when the thread that spawned us exits: the agent spawns
-        # from its main thread, which lives exactly as long as the agent.
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != agent_pid:  # the agent died before prctl took effect
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(agent_pid,), daemon=True, name="parent-watch").start()
-
-
-def _watch_parent(agent_pid: int) -> None:
-    # Backstop where PR_SET_PDEATHSIG does not exist (macOS): reparenting changes getppid().
-    while os.getppid() == agent_pid:
-        time.sleep(0.5)
-    os._exit(1)
 
 
 # ---------------------------------------------------------------------- inside the agent
@@ -92,6 +71,8 @@ class Worker:
         # Our copy of the child's end must go, or a dead worker's pipe would never read EOF.
         child_conn.close()
         self.pid = self.process.pid
+        self.eof = False
+        """The worker's end of the pipe is closed (set by the agent's reports thread)."""
         self._ps = psutil.Process(self.pid)  # pins the pid to this process (create time), against reuse
 
     def send(self, command: pb.WorkerCommand) -> bool:
@@ -138,6 +119,20 @@ class Worker:
                 proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(tree, timeout=2.0)
         self.process.join(2.0)
+        _wait_dead(tree, 2.0)
         self.conn.close()
+
+
+def _wait_dead(procs: list[psutil.Process], timeout: float) -> None:
+    # Not psutil.wait_procs: an orphan killed here is reaped by whoever adopted it, and an
+    # init that never reaps (some containers) would keep it a zombie for the whole timeout.
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        while time.monotonic() < deadline:
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.01)

@@ -4,6 +4,8 @@ No gRPC here: ``master.service`` calls these methods from its handler threads
 and turns ``Refused`` into status codes. Handlers only record what they saw;
 the decisions (who is lost, when to plan, when the job ends) are taken by
 ``tick``, which one control thread calls in a loop, so they happen in one order.
+Planning itself runs in a helper process (``master.planning``) while the
+control thread goes on detecting failures.
 
 Phases: ``waiting`` (for ``num_nodes`` agents with open streams) -> ``running``
 (generation 1 assigned) -> ``finished`` (exit code decided). A node that joins
@@ -19,12 +21,14 @@ import re
 import secrets
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import yaml
 
 from master.detector import WORKER_FAILED, NodeHealth, detect_failures
+from master.planning import plan_inline
 from oobleck_mm.events import EventLog
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
@@ -38,8 +42,8 @@ END_OF_STREAM = None
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
-Planner = Callable[[Any, Sequence[str]], Any]
-"""(job, node names) -> planning ``Plan``."""
+PlanSubmitter = Callable[[str, Sequence[str]], Future]
+"""(job YAML, node names) -> future of ``master.planning.plan_nodes``'s result."""
 
 
 class Refused(Exception):
@@ -77,22 +81,6 @@ class _Node:
         return NodeHealth(self.last_heartbeat, closed, self.worker_failure, self.detail)
 
 
-def _default_planner(job, names: Sequence[str]):
-    from oobleck_mm.planning.planner import plan_job
-
-    return plan_job(job, list(names)).plan
-
-
-def rank_table(plan) -> dict[tuple[str, int], int]:
-    """(node, local gpu) -> global rank, numbered pipeline by pipeline, stage by stage."""
-    ranks: dict[tuple[str, int], int] = {}
-    for instance in plan.pipelines:
-        for spec in instance.template.stages:
-            for gpu in spec.gpus:
-                ranks[(instance.nodes[spec.node], gpu)] = len(ranks)
-    return ranks
-
-
 def layout_summary(plan: ExecutionPlan) -> str:
     stages = ",".join(str(len(p.stages)) for p in plan.pipelines)
     mbs = ",".join(str(p.num_microbatches) for p in plan.pipelines)
@@ -111,7 +99,7 @@ class Coordinator:
         events: EventLog,
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[str], None] = print,
-        planner: Planner = _default_planner,
+        submit_plan: PlanSubmitter = plan_inline,
     ) -> None:
         self.job = job
         self.num_nodes = num_nodes
@@ -121,7 +109,7 @@ class Coordinator:
         self.events = events
         self.clock = clock
         self.progress = progress
-        self.planner = planner
+        self.submit_plan = submit_plan
         self.timeout = job.fault_tolerance.heartbeat_timeout
         # What the workers read: the job with its overrides and absolute paths, whatever their file system.
         self.config_yaml = yaml.safe_dump(job.to_dict(), sort_keys=False)
@@ -137,6 +125,8 @@ class Coordinator:
         self._step_reports: dict[int, dict[int, pb.StepMetrics]] = {}
         self._done_ranks: set[int] = set()
         self._started_at = 0.0
+        self._planning: tuple[list[str], Future] | None = None
+        self._last_detect: float | None = None
 
     # ------------------------------------------------------------------ calls from agents
     def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str) -> tuple[int, int]:
@@ -144,7 +134,8 @@ class Coordinator:
         want = self.job.cluster.gpus_per_node
         with self._lock:
             if not _NODE_NAME.match(node):
-                self._refuse("INVALID_ARGUMENT", peer, "Register", f"node name {node!r} must match {_NODE_NAME.pattern}")
+                reason = f"node name {node!r} must match {_NODE_NAME.pattern}"
+                self._refuse("INVALID_ARGUMENT", peer, "Register", reason)
             if gpus not in (0, want):
                 self._refuse(
                     "INVALID_ARGUMENT", peer, "Register",
@@ -172,6 +163,7 @@ class Coordinator:
             if entry.stream != "pending":
                 raise Refused("FAILED_PRECONDITION", f"node {node} already has an event stream")
             entry.stream = "open"
+            self.events.write("subscribed", node=node)
             self._changed.notify_all()
             return entry.outbox
 
@@ -216,14 +208,26 @@ class Coordinator:
 
     # ------------------------------------------------------------------ the control thread
     def tick(self) -> Finish | None:
-        """Detects failures, plans when enough nodes are in, and says whether the job is over."""
+        """Detects failures, plans when enough nodes are in, and says whether the job is over.
+
+        Planning runs elsewhere (``submit_plan``): this thread keeps detecting
+        failures meanwhile and applies the plan once it is ready.
+        """
         with self._lock:
             if self.phase != FINISHED:
                 self._detect()
-            ready = self.phase == WAITING and self._ready_nodes()
-        if ready:
-            self._plan_and_assign(ready)
-        return self.finish_result
+            if self.phase == WAITING and self._planning is None and (names := self._ready_nodes()):
+                self._planning = (names, self.submit_plan(self.config_yaml, names))
+                self._planning[1].add_done_callback(lambda _: self._wake())
+            if self._planning is not None and self._planning[1].done():
+                names, future = self._planning
+                self._planning = None
+                self._apply_plan(names, future)
+            return self.finish_result
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def wait_for_change(self, timeout: float) -> None:
         with self._changed:
@@ -269,9 +273,28 @@ class Coordinator:
         entry.outbox.put(END_OF_STREAM)
 
     def _detect(self) -> None:
+        now = self.clock()
+        self._forgive_own_stall(now)
         health = {name: n.health() for name, n in self._nodes.items()}
-        for failure in detect_failures(self.clock(), health, self.timeout):
+        for failure in detect_failures(now, health, self.timeout):
             self._declare_lost(failure.node, failure.reason, failure.detail)
+
+    def _forgive_own_stall(self, now: float) -> None:
+        """Time the master itself was frozen (starved of CPU, paused) is nobody's silence.
+
+        Heartbeats that arrived meanwhile wait unread in its sockets; without this, a
+        master descheduled for longer than the timeout would declare every node lost
+        at its next tick. The control thread ticks every ~0.1 s, so a gap of half the
+        timeout means the master, not the nodes, stopped.
+        """
+        last, self._last_detect = self._last_detect, now
+        gap = 0.0 if last is None else now - last
+        if gap <= self.timeout.total_seconds() / 2:
+            return
+        for entry in self._nodes.values():
+            entry.last_heartbeat = min(now, entry.last_heartbeat + gap)
+        self.events.write("master_stalled", seconds=gap)
+        log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 
     def _declare_lost(self, name: str, reason: str, detail: str) -> None:
         entry = self._nodes.pop(name)
@@ -329,34 +352,36 @@ class Coordinator:
             self.finish(0, f"done: {self.steps} steps in {seconds:.1f} s")
 
     # ------------------------------------------------------------------ planning
-    def _plan_and_assign(self, names: list[str]) -> None:
-        start = time.perf_counter()
-        try:
-            plan = self.planner(self.job, names)  # slow (MILP); runs without the lock
-            ranks = rank_table(plan)
-            execution = ExecutionPlan.from_plan(plan, ranks)
-        except ValueError as exc:
-            self.finish(2, f"planning {len(names)} nodes failed: {exc}")
+    def _apply_plan(self, names: list[str], future: Future) -> None:
+        if self.phase != WAITING:
             return
-        seconds = time.perf_counter() - start
-        with self._lock:
-            if self.phase != WAITING:
-                return
-            if any(n not in self._nodes or self._nodes[n].stream != "open" for n in names):
-                self.events.write("plan_discarded", nodes=names, reason="a node was lost while planning")
-                return
-            self.generation += 1
-            self.plan, self._ranks, self.phase = execution, ranks, RUNNING
-            self._started_at = time.monotonic()
-            self.events.write(
-                "plan_decided", generation=self.generation, nodes=names, layout=execution.to_dict(),
-                describe=execution.describe(), predicted_samples_per_s=plan.samples_per_s, seconds=seconds,
-            )  # fmt: skip
-            self.progress(
-                f"generation {self.generation}: {layout_summary(execution)} on {len(names)} nodes, "
-                f"planned in {seconds:.2f} s: {execution.describe()}"
-            )
-            self._send_assignments(execution)
+        try:
+            result = future.result()
+        except Exception as exc:  # the helper process died: nothing the user can fix
+            self.finish(1, f"the planner failed: {exc!r}")
+            return
+        if "error" in result:
+            self.finish(2, f"planning {len(names)} nodes failed: {result['error']}")
+            return
+        if any(n not in self._nodes or self._nodes[n].stream != "open" for n in names):
+            # The next tick plans again with the nodes that are there.
+            self.events.write("plan_discarded", nodes=names, reason="a node was lost while planning")
+            return
+        execution = ExecutionPlan.from_dict(result["layout"])
+        self.generation += 1
+        self.plan, self.phase = execution, RUNNING
+        self._ranks = {(node, gpu): rank for node, gpu, rank in result["ranks"]}
+        self._started_at = time.monotonic()
+        self.events.write(
+            "plan_decided", generation=self.generation, nodes=names, layout=result["layout"],
+            describe=execution.describe(), predicted_samples_per_s=result["samples_per_s"],
+            seconds=result["seconds"],
+        )  # fmt: skip
+        self.progress(
+            f"generation {self.generation}: {layout_summary(execution)} on {len(names)} nodes, "
+            f"planned in {result['seconds']:.2f} s: {execution.describe()}"
+        )
+        self._send_assignments(execution)
 
     def _send_assignments(self, execution: ExecutionPlan) -> None:
         plan_msg = plan_to_proto(execution)

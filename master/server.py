@@ -19,6 +19,7 @@ from typing import Callable
 import grpc
 
 from master.coordinator import Coordinator
+from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
 from oobleck_mm.events import EventLog
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
@@ -76,6 +77,7 @@ class MasterServer:
         self.port = 0
         self._server: grpc.Server | None = None
         self._store = None
+        self._planner: PlannerPool | None = None
         self._done = threading.Event()
         self._exit_code = 1
         self.coordinator: Coordinator | None = None
@@ -93,9 +95,12 @@ class MasterServer:
         )
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
+        # Started from this (the main) thread: the helper's parent-death signal follows it.
+        self._planner = PlannerPool()
         self.coordinator = Coordinator(
             self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised,
             store_port=self._store.port, events=self.events, progress=self.progress,
+            submit_plan=self._planner.submit,
         )  # fmt: skip
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(32, 2 * self.num_nodes + 16), thread_name_prefix="grpc"),
@@ -127,7 +132,8 @@ class MasterServer:
             self.coordinator.finish(1, f"master control loop failed: {exc!r}")
             result = self.coordinator.finish_result
         # Let every agent read its Shutdown before the server goes away.
-        self.coordinator.wait_streams_closed(timeout=max(2.0, self.job.fault_tolerance.heartbeat_timeout.total_seconds()))
+        timeout = self.job.fault_tolerance.heartbeat_timeout.total_seconds()
+        self.coordinator.wait_streams_closed(timeout=max(2.0, timeout))
         self._exit_code = result.exit_code
         self._done.set()
 
@@ -150,6 +156,8 @@ class MasterServer:
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=0.5).wait()
+        if self._planner is not None:
+            self._planner.close()
         self._store = None
         self.events.close()
 

@@ -8,7 +8,6 @@ no method (not even Register) is reachable without the job token.
 from __future__ import annotations
 
 import logging
-import queue
 from typing import Callable, Iterator
 
 import grpc
@@ -21,9 +20,9 @@ from oobleck_mm.protocol.auth import TOKEN_HEADER, token_matches
 log = logging.getLogger(__name__)
 
 # The enum's names, lower-cased, are the detector's reasons (worker_exited, ...).
-_FAILURES = {kind: pb.WorkerFailure.Name(kind).lower() for kind in (pb.WORKER_EXITED, pb.WORKER_ZOMBIE, pb.WORKER_STOPPED)}
-_STREAM_POLL_S = 0.2
-"""How often an idle stream handler checks that its client is still there."""
+_FAILURES = {
+    kind: pb.WorkerFailure.Name(kind).lower() for kind in (pb.WORKER_EXITED, pb.WORKER_ZOMBIE, pb.WORKER_STOPPED)
+}
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -85,16 +84,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def Subscribe(self, request: pb.NodeRef, context) -> Iterator[pb.AgentEvent]:
         with _refusals(context):
             outbox = self.c.open_stream(request.node, request.session)
+
+        def ended() -> None:
+            self.c.stream_ended(request.node, request.session)
+            outbox.put(END_OF_STREAM)  # wakes the handler below if it is waiting
+
         # Fires when the RPC ends for any reason, including the agent's socket reset:
         # that is how a killed agent is seen at once.
-        context.add_callback(lambda: self.c.stream_ended(request.node, request.session))
-        while context.is_active():
-            try:
-                event = outbox.get(timeout=_STREAM_POLL_S)
-            except queue.Empty:
-                continue
-            if event is END_OF_STREAM:
-                return
+        if not context.add_callback(ended):  # the RPC already ended
+            ended()
+        while (event := outbox.get()) is not END_OF_STREAM:
             yield event
 
     def ReportWorker(self, request: pb.WorkerReportRequest, context) -> pb.Ack:

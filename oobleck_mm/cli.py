@@ -63,7 +63,8 @@ def _add_control_plane_parsers(sub) -> None:
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
     master.add_argument("--store-port", type=int, default=0, help="TCPStore port for the workers (0: any free port)")
-    master.add_argument("--nodes", "--nnodes", type=int, default=None, help="agents to wait for (default cluster.nodes)")
+    master.add_argument("--nodes", "--nnodes", type=int, default=None,
+                        help="agents to wait for (default cluster.nodes)")
     master.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
     master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
@@ -186,7 +187,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
     )  # fmt: skip
     server = MasterServer(job, options)
     interrupted: list[int] = []
-    old = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The handler only records the signal: the main loop ends the job (never from inside a handler).
+    old = {s: signal.signal(s, lambda signum, _: interrupted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
         print(f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} steps\n"

@@ -51,6 +51,15 @@ def join(c: Coordinator, name: str, stream: bool = True) -> tuple[int, queue.Que
     return session, (c.open_stream(name, session) if stream else None)
 
 
+def advance(c: Coordinator, clock: Clock, seconds: float):
+    """Moves the clock in the control thread's small steps, ticking after each; the last tick's result."""
+    result = None
+    for _ in range(round(seconds / 0.05)):
+        clock.now += 0.05
+        result = c.tick()
+    return result
+
+
 def drain(outbox: queue.Queue) -> list:
     out = []
     while not outbox.empty():
@@ -108,10 +117,9 @@ def test_a_silent_node_is_lost_after_the_timeout_and_stops_a_running_job(make):
     c.tick()
     drain(box_a), drain(box_b)
     timeout = c.timeout.total_seconds()
-    clock.now += timeout * 0.75
+    result = advance(c, clock, timeout * 0.75)
     c.heartbeat("a", sa)
-    clock.now += timeout * 0.5  # b silent for 1.25 timeouts, a for 0.5
-    result = c.tick()
+    result = advance(c, clock, timeout * 0.5)  # b silent for 1.25 timeouts, a for 0.5
     [lost] = read_events(events, "lost")
     assert (lost["node"], lost["reason"], lost["in_plan"]) == ("b", "heartbeat_timeout", True)
     assert result is not None and result.exit_code == 1 and "issue 5" in result.message
@@ -168,3 +176,18 @@ def test_an_agents_worker_report_makes_its_node_lost(make):
     assert c.tick().exit_code == 1
     [lost] = read_events(events, "lost")
     assert (lost["node"], lost["reason"]) == ("a", "worker_stopped") and "pid 42" in lost["detail"]
+
+
+def test_time_the_master_itself_was_frozen_is_not_the_nodes_silence(make):
+    c, clock, _, events = make(nodes=3)
+    sa, _ = join(c, "a")
+    join(c, "b")
+    c.tick()
+    timeout = c.timeout.total_seconds()
+    clock.now += 3 * timeout  # the master was descheduled: nobody could be heard
+    c.tick()
+    assert read_events(events, "lost") == [] and read_events(events, "master_stalled")[0]["seconds"] == 3 * timeout
+    for _ in range(int(timeout / 0.1) + 2):  # then it runs normally and only a beats
+        c.heartbeat("a", sa)
+        advance(c, clock, 0.1)
+    assert [(e["node"], e["reason"]) for e in read_events(events, "lost")] == [("b", "heartbeat_timeout")]

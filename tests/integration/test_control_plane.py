@@ -1,0 +1,220 @@
+"""The control plane for real: gRPC, agent and worker processes, signals, the runtime's worker.
+
+Each test starts its own master (in this process, or as ``oobleck-launch
+master`` when the test kills it) and ``oobleck-launch agent`` subprocesses,
+injects a fault with a signal and checks the event log's timeline; teardown
+kills whatever is left and fails if any process a test started survived.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from tests.integration.cp_harness import (
+    INTERVAL_S,
+    ROOT,
+    TIMEOUT_S,
+    Procs,
+    assert_all_gone,
+    master_in_process,
+    send,
+    start_master_process,
+    tree,
+    wait_event,
+    wait_for,
+    worker_pid,
+    write_config,
+)
+from oobleck_mm.events import read_events
+from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+from oobleck_mm.protocol.auth import call_metadata, write_token
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def procs(tmp_path):
+    started = Procs(tmp_path)
+    yield started
+    started.cleanup()
+
+
+def start_agents(procs: Procs, master, *nodes: str) -> dict[str, tuple[subprocess.Popen, object]]:
+    agents = {node: procs.agent(master.address, node, master.token_file) for node in nodes}
+    for node in nodes:
+        wait_event(master.event_log_path, "subscribed", node=node)
+    return agents
+
+
+# ---------------------------------------------------------------------- dead and hung agents
+
+
+def test_a_killed_agent_is_lost_within_a_second(tmp_path, procs):
+    # Three nodes expected, two present: the master waits, so only the detector acts.
+    with master_in_process(write_config(tmp_path, nodes=3), tmp_path) as master:
+        agents = start_agents(procs, master, "node0", "node1")
+        killed_at = send(agents["node0"][0], signal.SIGKILL)
+        lost = wait_event(master.event_log_path, "lost", node="node0", timeout=5)
+        assert lost["reason"] == "stream_closed"
+        assert lost["ts"] - killed_at < 1.0
+        time.sleep(2 * INTERVAL_S)
+        assert [e["node"] for e in read_events(master.event_log_path, "lost")] == ["node0"]  # node1 is fine
+
+
+def test_a_stopped_agent_is_lost_by_heartbeat_timeout(tmp_path, procs):
+    with master_in_process(write_config(tmp_path, nodes=3), tmp_path) as master:
+        agents = start_agents(procs, master, "node0", "node1")
+        stopped_at = send(agents["node1"][0], signal.SIGSTOP)  # its sockets stay open: only silence tells
+        lost = wait_event(master.event_log_path, "lost", node="node1", timeout=TIMEOUT_S + 5)
+        assert lost["reason"] == "heartbeat_timeout"
+        # Not before the timeout (less the heartbeat it may have just sent), and within a second after it.
+        assert TIMEOUT_S - INTERVAL_S - 0.05 <= lost["ts"] - stopped_at < TIMEOUT_S + 1.0
+
+
+# ---------------------------------------------------------------------- authentication
+
+
+def test_a_wrong_or_missing_token_is_refused_and_never_gets_a_plan(tmp_path, procs):
+    bad_token = str(tmp_path / "bad-token")
+    write_token(bad_token, "not-the-job-token")
+    with master_in_process(write_config(tmp_path, nodes=2, steps=50), tmp_path) as master:
+        intruder, _ = procs.agent(master.address, "intruder", bad_token)  # first in: it would be in the plan
+        assert intruder.wait(15) == 2
+        with grpc.insecure_channel(master.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            calls = [
+                lambda: stub.Register(pb.RegisterRequest(node="nometa"), timeout=5),
+                lambda: stub.Heartbeat(pb.HeartbeatRequest(), metadata=call_metadata("guess"), timeout=5),
+                lambda: list(stub.Subscribe(pb.NodeRef(node="nometa"), timeout=5)),
+            ]
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        start_agents(procs, master, "node0", "node1")
+        log = master.event_log_path
+        decided = wait_event(log, "plan_decided", timeout=15)
+        assert sorted(decided["nodes"]) == ["node0", "node1"]
+        wait_for(lambda: len(read_events(log, "assignment_sent")) == 2, 5, "both assignments")
+        assert {e["node"] for e in read_events(log, "assignment_sent")} == {"node0", "node1"}
+        assert "intruder" not in {e["node"] for e in read_events(log, "registered")}
+        refused = read_events(log, "refused")
+        assert {(e["method"], e["reason"]) for e in refused} >= {
+            ("Register", "wrong token"), ("Register", "missing token"), ("Heartbeat", "wrong token"),
+            ("Subscribe", "missing token"),
+        }  # fmt: skip
+        assert all("not-the-job-token" not in str(e) for e in refused)  # secrets stay out of logs
+
+
+# ---------------------------------------------------------------------- workers and the master dying
+
+
+def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
+    with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
+        agents = start_agents(procs, master, "node0", "node1")
+        pid = worker_pid(agents["node0"][1])
+        wait_for(lambda: len(tree(agents["node1"][0].pid)) > 1, 10, "node1's worker")
+        started = procs.remember(agents["node0"][0].pid) + procs.remember(agents["node1"][0].pid)
+        killed_at = time.time()
+        [p for p in started if p.pid == pid][0].kill()
+        lost = wait_event(master.event_log_path, "lost", node="node0", timeout=5)
+        assert lost["reason"] == "worker_exited" and "SIGKILL" in lost["detail"]
+        assert lost["ts"] - killed_at < INTERVAL_S + 1.0
+        # No live reconfiguration yet: the job stops, every agent exits and takes its workers.
+        assert master.wait(10) == 1
+        assert agents["node0"][0].wait(10) == 1  # gave up its node
+        assert agents["node1"][0].wait(10) == 0  # told to shut down
+        assert_all_gone(started, 5)
+
+
+def test_agents_exit_and_kill_their_workers_when_the_master_dies(tmp_path, procs):
+    config = write_config(tmp_path, nodes=2, steps=1000)
+    master, address, events, token = start_master_process(procs, config, tmp_path)
+    agents = [procs.agent(address, node, token) for node in ("node0", "node1")]
+    workers = [worker_pid(log) for _, log in agents]
+    started = [p for agent, _ in agents for p in procs.remember(agent.pid)]
+    assert set(workers) <= {p.pid for p in started}
+    killed_at = send(master, signal.SIGKILL)
+    for agent, _ in agents:
+        assert agent.wait(TIMEOUT_S + 5) == 1
+    assert_all_gone(started, 5)
+    assert time.time() - killed_at < TIMEOUT_S + 5
+
+
+# ---------------------------------------------------------------------- oobleck-launch local
+
+
+def _launch(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _started_pids(run_dir) -> list[int]:
+    """Agents (from the event log) and workers (from the agents' logs) a local run started."""
+    pids = [e["pid"] for e in read_events(run_dir / "events.jsonl", "registered")]
+    for log in run_dir.glob("agent-*.log"):
+        pids += [int(p) for p in re.findall(r"started worker \d+ \(pid (\d+)\)", log.read_text())]
+    return pids
+
+
+def test_local_trains_three_nodes_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    done = _launch("local", "--config", str(ROOT / "configs" / "tiny_mm.yaml"), "--nodes", "3", "--steps", "5",
+                   "--run-dir", str(run_dir), timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [f"step {i}/5" in done.stdout for i in range(1, 6)] == [True] * 5
+    steps = read_events(run_dir / "events.jsonl", "step")
+    assert [s["step"] for s in steps] == list(range(5))
+    assert all(math.isfinite(s["loss"]) and s["samples_per_s"] > 0 for s in steps)
+    assert read_events(run_dir / "events.jsonl", "done")[0]["steps"] == 5
+    pids = _started_pids(run_dir)
+    assert len(pids) == 6  # 3 agents + 3 workers, all gone with the launcher
+    assert all(not _running(pid) for pid in pids)
+
+
+def test_local_interrupted_kills_every_child(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", write_config(tmp_path, nodes=2, steps=1000),
+           "--run-dir", str(run_dir)]  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_event(run_dir / "events.jsonl", "assignment_sent", timeout=20)
+        wait_for(lambda: len(tree(launcher.pid)) >= 5, 10, "agents and workers")  # launcher, 2 agents, 2 workers
+        started = tree(launcher.pid)[1:]
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C on the launcher alone
+        assert launcher.wait(TIMEOUT_S + 10) == 1
+        assert "interrupted by SIGINT" in launcher.stderr.read()
+        assert_all_gone(started, 5)
+    finally:
+        for p in tree(launcher.pid):
+            p.kill()
+        launcher.wait()
+
+
+def test_bad_config_or_arguments_exit_2_with_one_line_naming_the_field(tmp_path):
+    bad = write_config(tmp_path, training={"global_batch": 15})
+    done = _launch("local", "--config", bad, "--nodes", "3", "--steps", "5", timeout=30)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert "training.global_batch (15)" in line
+    done = _launch("local", "--config", str(ROOT / "configs" / "tiny_mm.yaml"), "--nodes", "1", timeout=30)
+    assert done.returncode == 2 and "fault_tolerance.f" in done.stderr
+    done = _launch("agent", "--master", "127.0.0.1:1", timeout=30)
+    assert done.returncode == 2 and "--token-file" in done.stderr
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
