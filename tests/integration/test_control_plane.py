@@ -19,7 +19,7 @@ import grpc
 import psutil
 import pytest
 
-from tests.integration.cp_harness import (
+from cp_harness import (
     INTERVAL_S,
     ROOT,
     TIMEOUT_S,
