@@ -137,6 +137,20 @@ def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
         assert_all_gone(started, 5)
 
 
+def test_a_terminated_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
+    with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
+        agents = start_agents(procs, master, "node0", "node1")
+        worker_pid(agents["node0"][1])
+        started = procs.remember(agents["node0"][0].pid)
+        assert len(started) >= 2  # the agent and its worker
+        stopped_at = send(agents["node0"][0], signal.SIGTERM)
+        assert agents["node0"][0].wait(5) == 1
+        assert_all_gone(started, 5)
+        lost = wait_event(master.event_log_path, "lost", node="node0", timeout=5)
+        assert lost["reason"] == "stream_closed" and lost["ts"] - stopped_at < 5
+        assert master.wait(10) == 1
+
+
 def test_agents_exit_and_kill_their_workers_when_the_master_dies(tmp_path, procs):
     config = write_config(tmp_path, nodes=2, steps=1000)
     master, address, events, token = start_master_process(procs, config, tmp_path)
