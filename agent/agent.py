@@ -32,7 +32,7 @@ from multiprocessing.connection import wait as wait_connections
 import grpc
 import psutil
 
-from agent.workers import DEFAULT_WORKER_TARGET, Worker, WorkerFault
+from agent.workers import DEFAULT_WORKER_TARGET, Worker, WorkerFault, stop_all
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import call_metadata
@@ -154,7 +154,9 @@ class Agent:
         if which == "shutdown":
             log.info("shutdown from the master: %s", event.shutdown.reason)
             self._stopping.set()  # no more heartbeats or reports: the master is going away
-            self._stop_workers(event.shutdown.reason)
+            with self._workers_lock:
+                workers = list(self.workers.values())
+            stop_all(workers, self.timeout, event.shutdown.reason)
             return EXIT_OK
         if which == "assignment":
             self._assign(event.assignment.local_rank, event.assignment.assignment)
@@ -191,14 +193,6 @@ class Agent:
         except grpc.RpcError as err:  # the master sees our stream close when we exit anyway
             log.warning("could not report the failure: %s", err.code().name)
         return EXIT_ERROR
-
-    def _stop_workers(self, reason: str) -> None:
-        # In parallel: each worker gets the Shutdown first, then the grace period runs once for all.
-        for worker in self.workers.values():
-            worker.send(pb.WorkerCommand(shutdown=pb.Shutdown(reason=reason)))
-        deadline = time.monotonic() + self.timeout
-        for worker in self.workers.values():
-            worker.process.join(max(0.0, deadline - time.monotonic()))
 
     def _kill_workers(self) -> None:
         with self._workers_lock:

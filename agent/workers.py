@@ -105,12 +105,6 @@ class Worker:
         except psutil.NoSuchProcess:
             return []
 
-    def stop(self, grace_s: float, reason: str) -> None:
-        """Asks the worker to shut down, waits up to ``grace_s``, then kills its whole tree."""
-        if self.process.exitcode is None and self.send(pb.WorkerCommand(shutdown=pb.Shutdown(reason=reason))):
-            self.process.join(grace_s)
-        self.kill()
-
     def kill(self) -> None:
         """SIGKILLs the worker and every process under it, and reaps the worker."""
         tree = self.descendants()  # before the worker dies: orphans reparent and are lost to us
@@ -122,6 +116,22 @@ class Worker:
         self.process.join(2.0)
         _wait_dead(tree, 2.0)
         self.conn.close()
+
+
+def stop_all(workers: list[Worker], grace_s: float, reason: str) -> None:
+    """Sends every worker Shutdown, gives them ``grace_s`` in all to exit, then kills what is left.
+
+    A worker busy in a step reads its pipe only between assignments, so the
+    grace is a courtesy; the kill is what guarantees the end.
+    """
+    command = pb.WorkerCommand(shutdown=pb.Shutdown(reason=reason))
+    for worker in workers:
+        worker.send(command)
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        worker.process.join(max(0.0, deadline - time.monotonic()))
+    for worker in workers:
+        worker.kill()
 
 
 def _wait_dead(procs: list[psutil.Process], timeout: float) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.workers import Worker
+from agent.workers import Worker, stop_all
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_shutdown_ends_a_worker_and_kill_takes_its_children(worker):
     w = worker()
     w.conn.poll(20)
     w.conn.recv_bytes()
-    w.stop(grace_s=10, reason="done")
+    stop_all([w], grace_s=10, reason="done")
     assert w.process.exitcode == 0  # it obeyed the Shutdown: no kill needed
     w2 = worker(f"{__name__}:idle_with_child")
     assert w2.conn.poll(20)
