@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # an importable torch is never replaced).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup minlp run test bench clean
+.PHONY: setup minlp run test bench proto clean
 
 setup: $(VENV)/.installed
 
@@ -24,13 +24,16 @@ minlp: setup
 	bash scripts/install_minlp.sh $(PY)
 
 run: setup
-	$(VENV)/bin/oobleck-launch plan --config configs/gpt3_6.7b.yaml --nodes 30 --fail-nodes node3 node17
+	$(VENV)/bin/oobleck-launch local --config configs/tiny_mm.yaml --nodes 4 --steps 40
 
 test: minlp
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 bench: setup
 	$(PY) scripts/bench_planner.py --json docs/bench_planner.json
+
+proto: setup
+	bash oobleck_mm/protocol/regen.sh $(PY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,8 +23,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import os
+
 import torch
-from deepspeed.runtime.pipe import schedule as ds
+
+if not torch.cuda.is_available():
+    # Tell DeepSpeed up front instead of letting every worker log its accelerator probe.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
 
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
