@@ -47,7 +47,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,13 @@ class Assignment(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_PLAN_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_DIR_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -64,7 +71,24 @@ class Assignment(_message.Message):
     start_step: int
     steps: int
     plan: ExecutionPlan
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ...) -> None: ...
+    previous_generation: int
+    previous_plan: ExecutionPlan
+    previous_ranks: _containers.RepeatedScalarFieldContainer[int]
+    resume_dir: str
+    save_final_dir: str
+    checkpoint_interval: int
+    checkpoint_dir: str
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("dir", "generation", "surviving_ranks")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SURVIVING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    generation: int
+    surviving_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dir: _Optional[str] = ..., generation: _Optional[int] = ..., surviving_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason",)
@@ -73,12 +97,14 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("assignment", "shutdown")
+    __slots__ = ("assignment", "shutdown", "checkpoint")
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     assignment: Assignment
     shutdown: Shutdown
-    def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    checkpoint: Checkpoint
+    def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s")
@@ -114,15 +140,45 @@ class WorkerFailed(_message.Message):
     message: str
     def __init__(self, message: _Optional[str] = ...) -> None: ...
 
+class PhaseDone(_message.Message):
+    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    phase: str
+    step: int
+    seconds: float
+    bytes: int
+    message: str
+    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CheckpointDone(_message.Message):
+    __slots__ = ("dir", "step", "layers")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    step: int
+    layers: int
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., layers: _Optional[int] = ...) -> None: ...
+
 class WorkerReport(_message.Message):
-    __slots__ = ("metrics", "done", "failed")
+    __slots__ = ("metrics", "done", "failed", "phase", "checkpoint_done")
     METRICS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DONE_FIELD_NUMBER: _ClassVar[int]
     metrics: StepMetrics
     done: WorkerDone
     failed: WorkerFailed
-    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ...) -> None: ...
+    phase: PhaseDone
+    checkpoint_done: CheckpointDone
+    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., phase: _Optional[_Union[PhaseDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node", "gpus", "memory_bytes", "pid")
@@ -173,12 +229,22 @@ class HeartbeatReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
-    __slots__ = ("assignment", "shutdown")
+    __slots__ = ("assignment", "shutdown", "checkpoint", "restart")
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     assignment: WorkerAssignment
     shutdown: Shutdown
-    def __init__(self, assignment: _Optional[_Union[WorkerAssignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    checkpoint: Checkpoint
+    restart: RestartWorkers
+    def __init__(self, assignment: _Optional[_Union[WorkerAssignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., restart: _Optional[_Union[RestartWorkers, _Mapping]] = ...) -> None: ...
+
+class RestartWorkers(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
     __slots__ = ("local_rank", "assignment")

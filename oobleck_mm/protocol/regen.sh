@@ -4,6 +4,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${1:-${PYTHON:-python3}}"
+# A relative interpreter path (.venv/bin/python) must survive the cd below.
+[ -e "$python" ] && python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")"
 cd "$here"
 "$python" -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. oobleck.proto
 # protoc writes a top-level import; the modules live in a package.
