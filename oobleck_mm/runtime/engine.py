@@ -255,15 +255,24 @@ class StageEngine:
         self._result.comm_s += time.perf_counter() - t0
 
     def _optimizer_step(self, ins) -> None:
+        # The last collective of the iteration carries both the squared gradient norm and the
+        # loss, *before* any parameter changes: if a peer fails, no rank has updated anything
+        # and the iteration can be discarded and rerun after reconfiguration.
         t0 = time.perf_counter()
-        norm_sq = self.sync.global_grad_sq(self.layers, self.device)
+        norm_sq, loss = self.sync.global_grad_sq(self.layers, self.device, extra=self._loss)
+        self._result.loss = loss
+        self._result.comm_s += time.perf_counter() - t0
         self._result.grad_norm, self._result.lr = apply_update(
             self.layers, self.optimizers, norm_sq, self._step, self.job.training
         )
-        loss = self._loss.to(self.device)
-        torch.distributed.all_reduce(loss)
-        self._result.loss = float(loss)
-        self._result.comm_s += time.perf_counter() - t0
+
+    def discard_iteration(self) -> None:
+        """Forget a failed iteration: gradients, in-flight activations, packed microbatches."""
+        for module in self.layers.values():
+            module.zero_grad(set_to_none=True)
+        for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb"):
+            if hasattr(self, name):
+                getattr(self, name).clear()
 
     # ------------------------------------------------------------------ state
     def held(self) -> dict[int, HeldLayer]:

@@ -77,11 +77,19 @@ class GradientSync:
             total += flat.numel() * flat.element_size()
         return total
 
-    def global_grad_sq(self, layers: Mapping[int, nn.Module], device) -> float:
-        """Squared global gradient norm, each layer counted once (by its owner)."""
-        local = torch.zeros((), dtype=torch.float64)
+    def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extra: torch.Tensor | None = None):
+        """Squared global gradient norm, each layer counted once (by its owner).
+
+        With ``extra`` (a scalar), it is summed over all ranks in the same collective and
+        returned too: ``(norm_sq, extra_sum)``.
+        """
+        local = torch.zeros(2, dtype=torch.float64)
         for i in sorted(self.owned & layers.keys()):
-            local += grad_sq(layers[i])
+            local[0] += grad_sq(layers[i])
+        if extra is not None:
+            local[1] = extra.double()
         local = local.to(device)
         dist.all_reduce(local)
-        return float(local)
+        if extra is None:
+            return float(local[0])
+        return float(local[0]), float(local[1])

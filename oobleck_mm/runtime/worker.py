@@ -75,6 +75,23 @@ def save_checkpoint(directory: str, engine: StageEngine, step: int) -> None:
     dist.barrier()
 
 
+def write_replica_hashes(directory: str, engine: StageEngine) -> None:
+    """``replicas/rank{r}.json``: sha256 of every layer this rank holds, to check replicas are identical."""
+    import hashlib
+    import json
+
+    hashes = {}
+    for i, module in engine.layers.items():
+        digest = hashlib.sha256()
+        for key, value in sorted(module.state_dict().items()):
+            digest.update(key.encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        hashes[engine.specs[i].name] = digest.hexdigest()
+    path = Path(directory) / "replicas"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"rank{engine.rank}.json").write_text(json.dumps(hashes, indent=1, sort_keys=True))
+
+
 # --------------------------------------------------------------------------- local launch (tests, benchmarks)
 
 
@@ -167,59 +184,5 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
         del store
 
 
-# --------------------------------------------------------------------------- agent-started worker
-
-
-def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
-    """Entry point of a worker process started by an agent (one per GPU).
-
-    Reads ``WorkerCommand`` protobufs from ``conn``: an ``Assignment`` makes it
-    join generation g's group on the master's store and train from
-    ``start_step`` to ``steps``; ``Shutdown`` (or the agent's pipe closing)
-    ends it. Reports ``StepMetrics`` after each step, ``WorkerDone`` at the
-    end and ``WorkerFailed`` with the traceback on an error.
-    """
-    from oobleck_mm.config import load_config
-    from oobleck_mm.protocol import oobleck_pb2 as pb
-    from oobleck_mm.protocol.convert import plan_from_proto
-    from oobleck_mm.protocol.pipe import recv_command, send_report
-
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node}/gpu{local_rank} %(levelname)s %(message)s")
-    try:
-        job = load_config(config_path)
-        device = device_for(job, local_rank)
-        while True:
-            try:
-                command = recv_command(conn)
-            except EOFError:
-                return  # the agent is gone; it kills what it started, but do not linger either
-            if command.WhichOneof("command") == "shutdown":
-                return
-            a = command.assignment
-            plan = plan_from_proto(a.plan)
-            store = dist.TCPStore(a.store_host, a.store_port, is_master=False,
-                                  timeout=job.fault_tolerance.heartbeat_timeout * 10)
-            join_group(job, store, a.generation, a.rank, a.world_size)
-            log.info("generation %d rank %d/%d: %s", a.generation, a.rank, a.world_size, plan.describe())
-
-            def report(r: StepResult, a=a, plan=plan) -> None:
-                metrics = pb.StepMetrics(
-                    generation=a.generation, step=r.step, rank=a.rank, loss=r.loss,
-                    samples_per_s=plan.global_batch / r.step_time_s, step_time_s=r.step_time_s,
-                    forward_s=r.forward_s, backward_s=r.backward_s, comm_s=r.comm_s,
-                )
-                send_report(conn, pb.WorkerReport(metrics=metrics))
-
-            train(job, plan, a.rank, a.start_step, a.steps - a.start_step, device, report)
-            dist.destroy_process_group()
-            send_report(conn, pb.WorkerReport(done=pb.WorkerDone(step=a.steps - 1)))
-    except Exception:
-        message = traceback.format_exc()
-        log.error("worker failed:\n%s", message)
-        try:
-            send_report(conn, pb.WorkerReport(failed=pb.WorkerFailed(message=message)))
-        except (OSError, EOFError):
-            pass
-        raise SystemExit(1)
+# The agent's entry point lives with the generation logic; agents name it through this module.
+from oobleck_mm.runtime.agent_worker import worker_main  # noqa: E402,F401

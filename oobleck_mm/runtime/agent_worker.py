@@ -1,0 +1,297 @@
+"""The worker process an agent starts (one per GPU): generations, failures, state hand-over.
+
+A worker lives for the whole job. It trains generation after generation, and
+its in-memory layer states are what makes checkpoint-free recovery possible:
+
+1. An ``Assignment`` of generation g arrives (protobuf bytes on the agent's pipe).
+2. Rendezvous: a store-based arrival barrier under the prefix ``gen{g}`` (long
+   deadline, abandoned if a newer command arrives), then a process group whose
+   collective timeout is ``heartbeat_timeout + 5 s``, so a hung peer cannot
+   hold survivors longer than that.
+3. The start step: survivors agree on their next step (all-reduce max; min must
+   match), a fresh job takes the assignment's, a resume the checkpoint's.
+4. State hand-over (``adopt_plan``): survivors keep what they still hold and
+   copy what they now need (params + Adam state) from surviving replicas;
+   joiners receive everything; a resume loads its stage from the checkpoint.
+5. Steps. A command that arrives meanwhile is applied at the next iteration
+   boundary. A failed collective (a peer died or hung) aborts the iteration: its
+   gradients are discarded, the process group is destroyed (which unblocks
+   peers still waiting on this worker), "aborted" is reported and the worker
+   waits for the master's next plan. No parameter has changed in an aborted
+   iteration (the last collective precedes the update), so rerunning it in the
+   next generation gives the failure-free result.
+
+The worker keeps the last generation in which it completed a step
+("committed") until the next one completes one: if a recovery itself fails, the
+master plans again from the last generation every survivor completed, and the
+worker still holds exactly that generation's layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol.convert import plan_from_proto
+from oobleck_mm.protocol.pipe import recv_command, send_report
+from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers
+from oobleck_mm.runtime.engine import StageEngine
+from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.state_transfer import adopt_plan
+from oobleck_mm.runtime.worker import device_for, save_checkpoint, write_replica_hashes
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_DEADLINE = timedelta(minutes=5)
+
+
+class CommandReader:
+    """Reads the agent's pipe in a thread so training can poll for commands between iterations."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="commands").start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.queue.put(recv_command(self.conn))
+            except (EOFError, OSError):
+                self.queue.put(None)  # the agent is gone
+                return
+
+    def get(self):
+        return self.queue.get()
+
+    def poll(self):
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+
+@dataclass(slots=True)
+class Generation:
+    number: int
+    plan: ExecutionPlan
+    rank: int
+    engine: StageEngine
+
+
+class PeerFailure(RuntimeError):
+    """A collective or the rendezvous failed: this generation is over."""
+
+
+class WorkerLoop:
+    def __init__(self, conn, job, node: str, local_rank: int):
+        self.conn, self.job, self.node, self.local_rank = conn, job, node, local_rank
+        self.commands = CommandReader(conn)
+        self.device = device_for(job, local_rank)
+        self.committed: Generation | None = None  # last generation in which a step completed
+        self.current: Generation | None = None
+        self.next_step: int | None = None  # first step not yet applied to this worker's layers
+        self.collective_timeout = job.fault_tolerance.heartbeat_timeout + timedelta(seconds=5)
+
+    # ------------------------------------------------------------------ reports
+    def report(self, **kind) -> None:
+        send_report(self.conn, pb.WorkerReport(**kind))
+
+    def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
+              message: str = "") -> None:
+        self.report(phase=pb.PhaseDone(generation=generation, phase=name, step=step, seconds=seconds,
+                                       bytes=nbytes, message=message))
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        command = self.commands.get()
+        while command is not None:
+            kind = command.WhichOneof("command")
+            if kind == "shutdown":
+                return
+            if kind == "checkpoint":
+                self.checkpoint(command.checkpoint)
+                command = self.commands.get()
+            else:
+                command = self.run_generation(command.assignment)
+
+    def run_generation(self, a):
+        """Train generation ``a``; returns the next command to act on (None: the agent is gone)."""
+        plan = plan_from_proto(a.plan)
+        try:
+            pending = self.rendezvous(a)
+            if pending is not None:
+                return pending
+            engine, start = self.adopt(a, plan)
+        except PeerFailure as error:
+            return self.abort(a.generation, self.next_step or a.start_step, str(error))
+        gen = Generation(a.generation, plan, a.rank, engine)
+        self.current = gen
+        for step in range(start, a.steps):
+            pending = self.commands.poll()
+            if pending is not None:
+                self._leave_group()
+                return pending  # a new plan (a join, a failure elsewhere) or a shutdown: at a boundary
+            try:
+                result = engine.train_step(step)
+            except RuntimeError as error:  # gloo/NCCL: a peer died, hung past the timeout, or left
+                engine.discard_iteration()
+                return self.abort(a.generation, step, str(error).splitlines()[0])
+            self.next_step = step + 1
+            self.report(metrics=pb.StepMetrics(
+                generation=a.generation, step=step, rank=a.rank, loss=result.loss,
+                samples_per_s=plan.global_batch / result.step_time_s, step_time_s=result.step_time_s,
+                forward_s=result.forward_s, backward_s=result.backward_s, comm_s=result.comm_s))
+            if self.committed is not gen:
+                self.committed = gen
+                self.phase(a.generation, "resumed", step=step)
+            if a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0 and a.checkpoint_dir:
+                save_checkpoint(a.checkpoint_dir, engine, self.next_step)
+                self.report(checkpoint_done=pb.CheckpointDone(dir=a.checkpoint_dir, step=self.next_step,
+                                                              layers=len(engine.layers)))
+        if a.save_final_dir:
+            save_checkpoint(a.save_final_dir, engine, a.steps)
+            write_replica_hashes(a.save_final_dir, engine)
+        self.report(done=pb.WorkerDone(step=a.steps - 1))
+        self._leave_group()
+        return self.commands.get()
+
+    def abort(self, generation: int, step: int, message: str):
+        log.warning("generation %d: iteration %d abandoned: %s", generation, step, message)
+        self._leave_group()  # closes our connections: peers blocked on us fail fast instead of timing out
+        self.phase(generation, "aborted", step=step, message=message[:500])
+        return self.commands.get()
+
+    def _leave_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ generation set-up
+    def rendezvous(self, a):
+        """Join generation ``a.generation``; returns a newer command instead if one arrives while waiting."""
+        t0 = time.perf_counter()
+        self._leave_group()
+        store = dist.TCPStore(a.store_host, a.store_port, is_master=False, timeout=RENDEZVOUS_DEADLINE)
+        prefixed = dist.PrefixStore(f"gen{a.generation}", store)
+        # Arrival barrier with a long deadline: survivors of a hang arrive up to a collective
+        # timeout apart, fresh workers seconds apart; only then the short-timeout group.
+        prefixed.add("arrived", 1)
+        deadline = time.monotonic() + RENDEZVOUS_DEADLINE.total_seconds()
+        while prefixed.add("arrived", 0) < a.world_size:
+            pending = self.commands.poll()
+            if pending is not None:
+                return pending  # the master re-planned while we waited (a failure during recovery)
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"generation {a.generation}: not all {a.world_size} workers arrived")
+            time.sleep(0.01)
+        try:
+            dist.init_process_group(self.job.cluster.resolved_backend, store=prefixed, rank=a.rank,
+                                    world_size=a.world_size, timeout=self.collective_timeout)
+        except RuntimeError as error:
+            raise PeerFailure(f"generation {a.generation}: rendezvous failed: {error}") from error
+        self.phase(a.generation, "rendezvous", seconds=time.perf_counter() - t0)
+        return None
+
+    def _survivor_engine(self, previous_generation: int) -> StageEngine | None:
+        for gen in (self.current, self.committed):
+            if gen is not None and gen.number == previous_generation:
+                return gen.engine
+        return None
+
+    def _held_generations(self) -> list[int]:
+        return sorted({g.number for g in (self.current, self.committed) if g is not None})
+
+    def adopt(self, a, plan: ExecutionPlan) -> tuple[StageEngine, int]:
+        t0 = time.perf_counter()
+        survivor = bool(a.previous_generation) and a.previous_ranks[a.rank] >= 0
+        old_engine = self._survivor_engine(a.previous_generation) if survivor else None
+        if survivor and old_engine is None:
+            raise RuntimeError(
+                f"generation {a.generation}: the master counts this worker as a survivor of generation "
+                f"{a.previous_generation}, which it does not hold (it holds {self._held_generations()})"
+            )
+        start = self.agree_on_start(a, self.next_step if survivor else None)
+        try:
+            if a.previous_generation:
+                old_plan = plan_from_proto(a.previous_plan)
+                survivors = {old: new for new, old in enumerate(a.previous_ranks) if old >= 0}
+                engine, transfers, moved = adopt_plan(self.job, old_engine, old_plan, plan,
+                                                      survivors, a.rank, self.device)
+            else:
+                held = {}
+                if a.resume_dir:
+                    specs = _specs(self.job)
+                    held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
+                            for i in plan.stage(a.rank).layers}
+                engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held)
+                transfers, moved = [], 0
+        except RuntimeError as error:
+            raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
+        self.phase(a.generation, "states_copied", step=start, seconds=time.perf_counter() - t0, nbytes=moved,
+                   message=f"{len(transfers)} layer transfers in the generation")
+        self.next_step = start
+        return engine, start
+
+    def agree_on_start(self, a, mine: int | None) -> int:
+        """Survivors' next step (they must agree), else the checkpoint's or the assignment's."""
+        value = torch.tensor([mine if mine is not None else -1, -(mine if mine is not None else 1 << 40)],
+                             dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        except RuntimeError as error:
+            raise PeerFailure(f"generation {a.generation}: {error}") from error
+        latest, earliest = int(value[0]), -int(value[1])
+        if latest >= 0:
+            if latest != earliest:
+                raise RuntimeError(f"survivors disagree on the step to resume: {earliest} vs {latest}")
+            return latest
+        if a.resume_dir:
+            return int(read_meta(a.resume_dir)["step"])
+        return int(a.start_step)
+
+    # ------------------------------------------------------------------ below threshold
+    def checkpoint(self, c) -> None:
+        """Write the layers this worker owns among the survivors of generation ``c.generation``."""
+        gen = self.committed if self.committed and self.committed.number == c.generation else self.current
+        if gen is None or gen.number != c.generation or self.next_step is None:
+            self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=-1, layers=0))
+            return
+        alive = set(c.surviving_ranks)
+        owned = [i for i in gen.engine.layers if min(r for r in gen.plan.holders(i) if r in alive) == gen.rank]
+        save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs)
+        self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, layers=len(owned)))
+
+
+def _specs(job):
+    from oobleck_mm.model.layers import model_layer_specs
+
+    return model_layer_specs(job)
+
+
+def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
+    """Entry point of a worker process started by an agent (one per GPU)."""
+    from oobleck_mm.config import load_config
+
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node}/gpu{local_rank} %(levelname)s %(message)s")
+    try:
+        WorkerLoop(conn, load_config(config_path), node, local_rank).run()
+    except Exception:
+        message = traceback.format_exc()
+        log.error("worker failed:\n%s", message)
+        try:
+            send_report(conn, pb.WorkerReport(failed=pb.WorkerFailed(message=message)))
+        except (OSError, EOFError):
+            pass
+        raise SystemExit(1)
