@@ -1,0 +1,160 @@
+"""The balancing decision of one step: algorithm registry, trigger rule, result with its reason.
+
+``balance(problem, algorithm, threshold)`` is what every rank calls with the
+same inputs (global batch metadata, pipelines, shipped cost coefficients) and
+so gets the same ``Assignment``:
+
+1. Every microbatch must get a sample: fewer samples than microbatches is a
+   ``ValueError`` naming both numbers.
+2. Trigger (LoongForge): when the unbalanced split (``contiguous_assignment``)
+   applies and its predicted max/mean pipeline time is within ``threshold``,
+   keep it; rebalancing could only win noise.
+3. Otherwise run the named algorithm and keep its placement unless it is
+   predicted no faster than the unbalanced split.
+
+A single sample heavier than a pipeline's fair share is not an error: it
+lands alone (with the lightest samples to fill that pipeline's other
+microbatches) and the reason says so, since no placement can hide it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
+from oobleck_mm.balance.baselines import mmscale, orchmllm_lpt, orchmllm_padded, orchmllm_quadratic, random_placement
+from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
+from oobleck_mm.balance.metrics import imbalance
+from oobleck_mm.balance.ours import ours
+from oobleck_mm.balance.problem import BalanceProblem, PipelineShape, Placement, check_enough_samples
+from oobleck_mm.balance.work import ModelDims, sample_features
+
+ALGORITHMS: dict[str, Callable[[BalanceProblem], Placement]] = {
+    "ours": ours,
+    "random": random_placement,
+    "orchmllm_lpt": orchmllm_lpt,
+    "orchmllm_padded": orchmllm_padded,
+    "orchmllm_quadratic": orchmllm_quadratic,
+    "mmscale": mmscale,
+}
+"""Every placement algorithm by name; all take a ``BalanceProblem`` and return a ``Placement``."""
+
+DEFAULT_THRESHOLD = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceResult:
+    assignment: Assignment
+    predicted_s: tuple[float, ...]
+    """Predicted iteration seconds of each pipeline under ``assignment``."""
+    unbalanced_s: tuple[float, ...] | None
+    """The same for the unbalanced split, when the batch fills it (``None`` otherwise)."""
+    algorithm: str
+    """The algorithm whose placement was kept, or ``contiguous``."""
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.predicted_s)
+
+    @property
+    def predicted_max_s(self) -> float:
+        return max(self.predicted_s)
+
+    @property
+    def predicted_mean_s(self) -> float:
+        return float(np.mean(self.predicted_s))
+
+
+def get_algorithm(name: str) -> Callable[[BalanceProblem], Placement]:
+    if name not in ALGORITHMS:
+        raise ValueError(f"balance algorithm {name!r} is unknown; valid: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float = DEFAULT_THRESHOLD) -> BalanceResult:
+    """Assign the problem's samples to pipelines and microbatches (see the module docstring)."""
+    run = get_algorithm(algorithm)
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    check_enough_samples(problem.num_samples, problem.num_microbatches)
+    unbalanced = _unbalanced(problem)
+    if unbalanced is not None:
+        base_times = tuple(map(float, problem.predicted_times(unbalanced)))
+        if imbalance(base_times) <= 1 + threshold:
+            reason = f"kept contiguous: predicted imbalance {imbalance(base_times):.3f} <= {1 + threshold:.3f}"
+            return BalanceResult(_contiguous(problem, reason), base_times, base_times, "contiguous")
+    placement = run(problem)
+    problem.check(placement)
+    times = tuple(map(float, problem.predicted_times(placement)))
+    if unbalanced is not None and max(times) >= max(base_times):
+        reason = f"kept contiguous: {algorithm} predicted {max(times):.4g} s, not below {max(base_times):.4g} s"
+        return BalanceResult(_contiguous(problem, reason), base_times, base_times, "contiguous")
+    reason = f"{algorithm}: predicted imbalance {imbalance(times):.3f}"
+    if unbalanced is not None:
+        reason += f" (contiguous {imbalance(base_times):.3f}, max {max(base_times):.4g} s -> {max(times):.4g} s)"
+    reason += _heavy_note(problem, times)
+    return BalanceResult(_assignment(problem, placement, reason), times,
+                         base_times if unbalanced is not None else None, algorithm)  # fmt: skip
+
+
+def balance_batch(
+    global_batch: Sequence[int],
+    metas: Sequence,
+    dims: ModelDims,
+    pipelines: Sequence[PipelineShape],
+    model: CostModel,
+    coefficients: CostCoefficients,
+    microbatch_size: int | None = None,
+    algorithm: str = "ours",
+    threshold: float = DEFAULT_THRESHOLD,
+    seed: int = 0,
+) -> BalanceResult:
+    """``balance`` from the sampler's ids and their ``SampleMeta``s (same order)."""
+    if len(metas) != len(global_batch):
+        raise ValueError(f"got {len(metas)} sample metadata for a global batch of {len(global_batch)}")
+    features = sample_features(metas, dims)
+    problem = BalanceProblem.build(global_batch, features, pipelines, model, coefficients, microbatch_size, seed)
+    return balance(problem, algorithm, threshold)
+
+
+def _unbalanced(problem: BalanceProblem) -> Placement | None:
+    """The contiguous split as a placement, when the batch exactly fills it."""
+    b = problem.microbatch_size
+    if not b or int(problem.num_microbatches.sum()) * b != problem.num_samples:
+        return None
+    mb_global = np.arange(problem.num_samples) // b
+    offsets = np.cumsum(problem.num_microbatches) - problem.num_microbatches
+    pipeline = np.searchsorted(offsets, mb_global, side="right") - 1
+    return Placement(pipeline.astype(np.int64), mb_global - offsets[pipeline])
+
+
+def _contiguous(problem: BalanceProblem, reason: str) -> Assignment:
+    """Exactly what the balancer-off path runs (sampler order inside each microbatch), with the reason."""
+    plain = contiguous_assignment(problem.sample_ids.tolist(), problem.num_microbatches.tolist(), problem.microbatch_size)
+    return replace(plain, reason=reason)
+
+
+def _assignment(problem: BalanceProblem, placement: Placement, reason: str) -> Assignment:
+    """Sample ids per (pipeline, microbatch), each microbatch in ascending id order (packing order)."""
+    order = np.lexsort((problem.sample_ids, placement.microbatch, placement.pipeline))
+    ids = problem.sample_ids[order].tolist()
+    key = (placement.pipeline * int(problem.num_microbatches.max()) + placement.microbatch)[order]
+    cuts = np.nonzero(np.diff(key))[0] + 1
+    groups = iter(np.split(np.arange(len(ids)), cuts))
+    pipelines = []
+    for count in problem.num_microbatches:
+        pipelines.append(tuple(tuple(ids[i] for i in next(groups)) for _ in range(int(count))))
+    return Assignment(tuple(pipelines), reason=reason)
+
+
+def _heavy_note(problem: BalanceProblem, times: tuple[float, ...]) -> str:
+    """Name the samples that alone exceed a pipeline's fair share of the batch's work."""
+    weight = problem.total_cost()
+    fair = weight.sum() / problem.num_pipelines
+    heavy = problem.sample_ids[weight > fair]
+    if not len(heavy):
+        return ""
+    return f"; sample(s) {sorted(heavy.tolist())[:4]} each exceed a pipeline's fair share alone"

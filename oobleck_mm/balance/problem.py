@@ -1,0 +1,216 @@
+"""One balancing decision as arrays: samples x pipeline stages costs, and how to score a placement.
+
+``BalanceProblem.build`` turns the global batch (sample ids + work features),
+the pipelines (microbatch counts + stage layer ranges) and the cost model into
+integer tick costs of every sample on every distinct stage. Every algorithm in
+the registry reads only this object and returns a ``Placement`` (pipeline and
+microbatch of each sample); scoring is shared, so all algorithms are judged by
+the same clock.
+
+Why integer ticks: every rank must reach the same decision. Costs are rounded
+to ``tick_s`` (1 ns) once, from elementwise IEEE products; after that every
+sum the algorithms compare is a sum of integers held exactly in float64 (below
+2^53 ticks, ~104 days), so it is the same in any order and on any CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
+from oobleck_mm.balance.schedule_time import iteration_times
+from oobleck_mm.balance.work import NUM_FEATURES
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineShape:
+    """What the balancer needs of one pipeline of the execution plan."""
+
+    num_microbatches: int
+    stages: tuple[tuple[int, int], ...]
+    """``(layer_start, layer_end)`` of each stage, in pipeline order (end exclusive)."""
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if not self.stages:
+            raise ValueError("a pipeline needs at least one stage")
+
+
+def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
+    """The shapes of an ``oobleck_mm.runtime.layout.ExecutionPlan``'s pipelines."""
+    return tuple(
+        PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.stages)) for p in plan.pipelines
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where each sample (by position in the problem) runs; microbatch numbers are execution order."""
+
+    pipeline: np.ndarray
+    microbatch: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BalanceProblem:
+    sample_ids: np.ndarray
+    """``(N,)`` int64, in the sampler's order."""
+    features: np.ndarray
+    """``(N, NUM_FEATURES)`` work features (``work.sample_features``)."""
+    num_microbatches: np.ndarray
+    """``(P,)`` per pipeline, fixed by the plan."""
+    num_stages: np.ndarray
+    stage_index: np.ndarray
+    """``(P, S_max)`` index of each stage among the distinct stages; padding points at the zero column."""
+    cost: np.ndarray
+    """``(N, U + 1)`` ticks (integral float64) of each sample on each distinct stage; last column 0."""
+    microbatch_cost: np.ndarray
+    """``(U + 1,)`` fixed ticks per microbatch on each distinct stage."""
+    forward_share: np.ndarray
+    """``(U + 1,)`` forward's share of a stage's time."""
+    microbatch_size: int | None
+    """Samples per microbatch of the unbalanced split (``contiguous_assignment``), if it applies."""
+    seed: int
+    """Seed of randomised baselines (e.g. the step), so a decision is a function of its inputs."""
+    tick_s: float
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.num_microbatches)
+
+    @classmethod
+    def build(
+        cls,
+        sample_ids: Sequence[int],
+        features: np.ndarray,
+        pipelines: Sequence[PipelineShape],
+        model: CostModel,
+        coefficients: CostCoefficients,
+        microbatch_size: int | None = None,
+        seed: int = 0,
+        tick_s: float = 1e-9,
+    ) -> BalanceProblem:
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        features = np.asarray(features, dtype=float)
+        if features.shape != (len(ids), NUM_FEATURES):
+            raise ValueError(f"features must be ({len(ids)}, {NUM_FEATURES}), got {features.shape}")
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError("sample_ids must be distinct")
+        if not pipelines:
+            raise ValueError("need at least one pipeline")
+        distinct = sorted({stage for p in pipelines for stage in p.stages})
+        position = {stage: i for i, stage in enumerate(distinct)}
+        vectors = np.zeros((len(distinct) + 1, NUM_FEATURES))
+        share = np.ones(len(distinct) + 1)
+        for i, (start, end) in enumerate(distinct):
+            vectors[i] = model.stage_vector(coefficients, start, end)
+            share[i] = model.forward_share(start, end)
+        s_max = max(len(p.stages) for p in pipelines)
+        stage_index = np.full((len(pipelines), s_max), len(distinct), dtype=np.int64)
+        for i, p in enumerate(pipelines):
+            stage_index[i, : len(p.stages)] = [position[s] for s in p.stages]
+        cost = np.zeros((len(ids), len(distinct) + 1))
+        for f in range(1, NUM_FEATURES):  # column 0 is the per-microbatch constant
+            if vectors[:, f].any() and features[:, f].any():
+                cost += features[:, f : f + 1] * vectors[None, :, f]
+        return cls(
+            sample_ids=ids,
+            features=features,
+            num_microbatches=np.array([p.num_microbatches for p in pipelines], dtype=np.int64),
+            num_stages=np.array([len(p.stages) for p in pipelines], dtype=np.int64),
+            stage_index=stage_index,
+            cost=np.rint(cost / tick_s),
+            microbatch_cost=np.rint(vectors[:, 0] / tick_s),
+            forward_share=share,
+            microbatch_size=microbatch_size,
+            seed=seed,
+            tick_s=tick_s,
+        )
+
+    # ------------------------------------------------------------------ derived costs
+    def sample_stage_cost(self, positions: np.ndarray, pipelines: np.ndarray) -> np.ndarray:
+        """``(..., S_max)`` ticks of samples ``positions`` on the stages of ``pipelines`` (broadcast)."""
+        return self.cost[np.asarray(positions)[..., None], self.stage_index[np.asarray(pipelines)]]
+
+    def total_cost(self) -> np.ndarray:
+        """``(N,)`` ticks of each sample through the whole model (on pipeline 0's cut)."""
+        return self.sample_stage_cost(np.arange(self.num_samples), np.zeros(self.num_samples, dtype=np.int64)).sum(
+            axis=1
+        )
+
+    def stage_loads(self, pipeline: np.ndarray) -> np.ndarray:
+        """``(P, S_max)`` ticks per stage of each pipeline's samples, fixed microbatch costs included."""
+        own = self.sample_stage_cost(np.arange(self.num_samples), pipeline)
+        loads = np.zeros((self.num_pipelines, own.shape[1]))
+        for k in range(own.shape[1]):
+            loads[:, k] = np.bincount(pipeline, weights=own[:, k], minlength=self.num_pipelines)
+        return loads + self.num_microbatches[:, None] * self.microbatch_cost[self.stage_index]
+
+    def proxy_times(self, loads: np.ndarray) -> np.ndarray:
+        """``(P,)`` ticks: 1F1B time if each pipeline's load were split into equal microbatches.
+
+        ``(M - 1) * max_k t_k + sum_k t_k`` with ``t_k = load_k / M``: the steady
+        state runs at the slowest stage, fill and drain pass every stage once.
+        """
+        m = self.num_microbatches
+        return ((m - 1) * loads.max(axis=1) + loads.sum(axis=1)) / m
+
+    def microbatch_ticks(self, placement: Placement) -> np.ndarray:
+        """``(P, M_max, S_max)`` ticks of every microbatch on every stage."""
+        m_max = int(self.num_microbatches.max())
+        own = self.sample_stage_cost(np.arange(self.num_samples), placement.pipeline)
+        key = placement.pipeline * m_max + placement.microbatch
+        out = np.zeros((self.num_pipelines * m_max, own.shape[1]))
+        for k in range(own.shape[1]):
+            out[:, k] = np.bincount(key, weights=own[:, k], minlength=len(out))
+        out = out.reshape(self.num_pipelines, m_max, -1)
+        exists = np.arange(m_max)[None, :] < self.num_microbatches[:, None]
+        return out + exists[:, :, None] * self.microbatch_cost[self.stage_index][:, None, :]
+
+    def predicted_times(self, placement: Placement) -> np.ndarray:
+        """``(P,)`` seconds: each pipeline's exact 1F1B iteration time (``schedule_time``)."""
+        return self.iteration_seconds(np.arange(self.num_pipelines), self.microbatch_ticks(placement))
+
+    def iteration_seconds(self, pipes: np.ndarray, ticks: np.ndarray) -> np.ndarray:
+        """``(I,)`` exact 1F1B seconds of instances of pipelines ``pipes`` with microbatch stage
+        ticks ``(I, M_max, S_max)`` (fixed costs included; padding ignored)."""
+        seconds = ticks * self.tick_s
+        share = self.forward_share[self.stage_index[pipes]][:, None, :]
+        forward = np.swapaxes(seconds * share, 1, 2)
+        backward = np.swapaxes(seconds, 1, 2) - forward
+        return iteration_times(forward, backward, self.num_stages[pipes], self.num_microbatches[pipes])
+
+    def check(self, placement: Placement) -> None:
+        """Raise unless every sample has a valid place and every microbatch holds a sample."""
+        pipe, micro = placement.pipeline, placement.microbatch
+        if pipe.shape != (self.num_samples,) or micro.shape != (self.num_samples,):
+            raise ValueError(f"placement must give each of the {self.num_samples} samples a pipeline and microbatch")
+        if ((pipe < 0) | (pipe >= self.num_pipelines)).any() or (micro < 0).any():
+            raise ValueError("placement names a pipeline or microbatch that does not exist")
+        if (micro >= self.num_microbatches[pipe]).any():
+            raise ValueError("placement uses a microbatch beyond its pipeline's count")
+        m_max = int(self.num_microbatches.max())
+        used = np.zeros(self.num_pipelines * m_max, dtype=bool)
+        used[pipe * m_max + micro] = True
+        empty = (~used.reshape(self.num_pipelines, m_max)) & (np.arange(m_max) < self.num_microbatches[:, None])
+        if empty.any():
+            p, m = map(int, np.argwhere(empty)[0])
+            raise ValueError(f"placement leaves microbatch {m} of pipeline {p} empty")
+
+
+def check_enough_samples(num_samples: int, num_microbatches: Sequence[int]) -> None:
+    """Every microbatch needs a sample: ValueError naming the numbers otherwise."""
+    need = int(sum(num_microbatches))
+    if num_samples < need:
+        raise ValueError(
+            f"global batch of {num_samples} samples cannot give each of the {need} microbatches "
+            f"(per pipeline: {list(map(int, num_microbatches))}) at least one sample"
+        )

@@ -1,0 +1,168 @@
+"""Benchmark of the multimodal data-parallel balancer: predicted imbalance and decision time per algorithm.
+
+    python scripts/bench_balancer.py [--json OUT] [--quick]
+    python scripts/bench_balancer.py --real      (not yet: needs the runtime)
+
+Workload: OrchMLLM's MLLM-10B (configs/mllm_10b.yaml: ViT + Whisper-style
+audio encoder + Qwen2-7B-class LLM) with a 2x2 vision token merge (Qwen2-VL),
+analytical H100 profile. Each sample has 0-8 images of 224-896 px sides
+(most have 0-2), lognormal text of 16-4096 tokens (heavy tail), and 20%
+carry one 1-30 s audio clip. Pipelines have mixed depths (2, 3, 4, 6, 8
+stages, cut at equal mean-sample cost) and microbatch counts proportional to
+depth (two samples per microbatch on average), as the planner would give
+them; the global batch is exactly what the unbalanced split fills.
+
+Each row: one (pipelines, samples per pipeline) case and algorithm; imbalance
+is predicted max/mean pipeline iteration time (the exact 1F1B model of
+``oobleck_mm.balance.schedule_time``), ms the best of several decision times
+(``balance.ALGORITHMS[name](problem)`` alone; building the problem, i.e. the
+per-sample stage costs, is reported separately as ``build_ms``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from oobleck_mm.balance.balancer import ALGORITHMS  # noqa: E402
+from oobleck_mm.balance.cost_model import CostCoefficients, CostModel  # noqa: E402
+from oobleck_mm.balance.metrics import imbalance  # noqa: E402
+from oobleck_mm.balance.problem import BalanceProblem, PipelineShape  # noqa: E402
+from oobleck_mm.balance.work import sample_features  # noqa: E402
+from oobleck_mm.config import load_config  # noqa: E402
+from oobleck_mm.data.dataset import ModelInputs  # noqa: E402
+from oobleck_mm.data.sample import SampleMeta  # noqa: E402
+from oobleck_mm.model.spec import layer_specs  # noqa: E402
+from oobleck_mm.profiling.analytical import profile_from_config  # noqa: E402
+
+PIPELINES = (4, 16, 64, 256)
+SAMPLES_PER_PIPELINE = (16, 64, 128)
+DEPTHS = (2, 3, 4, 6, 8)
+MICROBATCH_SIZE = 2
+IMAGE_COUNT_P = (0.30, 0.34, 0.12, 0.07, 0.05, 0.04, 0.03, 0.03, 0.02)
+FIXED_S_PER_LAYER = 30e-6
+
+
+def bench_model():
+    job = load_config(ROOT / "configs" / "mllm_10b.yaml")
+    job.model.vision = replace(job.model.vision, token_merge=4)
+    specs = layer_specs(job.model, job.data)
+    cost_model = CostModel.from_profile(profile_from_config(job), specs)
+    return job, cost_model, CostCoefficients.initial(FIXED_S_PER_LAYER), ModelInputs.from_model(job.model)
+
+
+def skewed_metas(num: int, dims: ModelInputs, rng: np.random.Generator) -> list[SampleMeta]:
+    unit = dims.patch_size
+    metas = []
+    for i in range(num):
+        images = int(rng.choice(len(IMAGE_COUNT_P), p=IMAGE_COUNT_P))
+        sides = rng.integers(224 // unit, 896 // unit + 1, size=(images, 2)) * unit
+        text = int(np.clip(rng.lognormal(np.log(250), 1.1), 16, 4096))
+        clips = ()
+        if rng.random() < 0.2:
+            step = dims.audio_downsample * dims.audio_merge
+            clips = (int(rng.integers(100, 3001)) // step * step,)
+        metas.append(SampleMeta(index=i, text_tokens=text + images + len(clips),
+                                image_sizes=tuple(map(tuple, sides.tolist())), audio_frames=clips))  # fmt: skip
+    return metas
+
+
+def cut_stages(cost_model, coefficients, mean_features, depth: int) -> tuple[tuple[int, int], ...]:
+    """Stages of equal mean-sample cost (what a planner would aim at for the average sample)."""
+    per_layer = np.array([cost_model.predict(coefficients, l, l + 1, mean_features) for l in range(cost_model.num_layers)])
+    cum = np.cumsum(per_layer)
+    cuts = [0]
+    for k in range(1, depth):
+        cut = int(np.searchsorted(cum, cum[-1] * k / depth)) + 1
+        cuts.append(min(max(cut, cuts[-1] + 1), cost_model.num_layers - (depth - k)))
+    cuts.append(cost_model.num_layers)
+    return tuple(zip(cuts, cuts[1:]))
+
+
+def case(num_pipes: int, per_pipe: int, cost_model, coefficients, dims, seed: int):
+    rng = np.random.default_rng([seed, num_pipes, per_pipe])
+    depths = [DEPTHS[i % len(DEPTHS)] for i in range(num_pipes)]
+    mean_depth = float(np.mean(depths))
+    micro = [max(1, round(per_pipe * d / mean_depth / MICROBATCH_SIZE)) for d in depths]
+    num = sum(micro) * MICROBATCH_SIZE
+    metas = skewed_metas(num, dims, rng)
+    features = sample_features(metas, dims)
+    mean = features.mean(axis=0)
+    mean[0] = 1.0 / MICROBATCH_SIZE
+    stages = {d: cut_stages(cost_model, coefficients, mean * MICROBATCH_SIZE, d) for d in set(depths)}
+    shapes = [PipelineShape(m, stages[d]) for m, d in zip(micro, depths)]
+    ids = rng.permutation(10 * num)[:num]
+    start = time.perf_counter()
+    problem = BalanceProblem.build(ids, features, shapes, cost_model, coefficients, MICROBATCH_SIZE, seed)
+    return problem, (time.perf_counter() - start) * 1e3
+
+
+def timed(fn, problem, repeats: int):
+    best, placement = np.inf, None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        placement = fn(problem)
+        best = min(best, time.perf_counter() - start)
+    return placement, best * 1e3
+
+
+def run(pipelines, per_pipeline, algorithms, repeats: int, seed: int = 0) -> list[dict]:
+    _, cost_model, coefficients, dims = bench_model()
+    rows = []
+    for num_pipes in pipelines:
+        for per_pipe in per_pipeline:
+            problem, build_ms = case(num_pipes, per_pipe, cost_model, coefficients, dims, seed)
+            for name in algorithms:
+                reps = repeats if problem.num_samples <= 8192 or name == "ours" else 1
+                placement, ms = timed(ALGORITHMS[name], problem, reps)
+                problem.check(placement)
+                rows.append({"pipelines": num_pipes, "samples": problem.num_samples, "samples_per_pipeline": per_pipe,
+                             "algorithm": name, "imbalance": imbalance(problem.predicted_times(placement)),
+                             "ms": ms, "build_ms": build_ms})  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[dict], algorithms) -> None:
+    cases = sorted({(r["pipelines"], r["samples_per_pipeline"], r["samples"]) for r in rows})
+    header = f"{'pipes':>5} {'per':>4} {'samples':>7} " + " ".join(f"{a:>18}" for a in algorithms)
+    print("imbalance (predicted max/mean) | decision ms")
+    print(header)
+    for p, per, n in cases:
+        cells = []
+        for a in algorithms:
+            r = next(r for r in rows if (r["pipelines"], r["samples_per_pipeline"], r["algorithm"]) == (p, per, a))
+            cells.append(f"{r['imbalance']:8.4f} |{r['ms']:7.1f}")
+        print(f"{p:>5} {per:>4} {n:>7} " + " ".join(f"{c:>18}" for c in cells))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
+    parser.add_argument("--repeats", type=int, default=5, help="decision timings per row (best is kept)")
+    parser.add_argument("--real", action="store_true", help="measured on-vs-off run (needs the runtime)")
+    args = parser.parse_args(argv)
+    if args.real:
+        # TODO(issue 6, runtime part): launch `oobleck-launch local` with skewed data, alternate the
+        # balancer on and off in one run and compare measured step times.
+        parser.error("--real is not yet implemented: it needs the runtime (oobleck-launch local)")
+    algorithms = list(ALGORITHMS)
+    pipelines, per = ((4, 16), (16, 64)) if args.quick else (PIPELINES, SAMPLES_PER_PIPELINE)
+    rows = run(pipelines, per, algorithms, args.repeats)
+    print_table(rows, algorithms)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
