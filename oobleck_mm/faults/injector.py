@@ -1,0 +1,303 @@
+"""The fault injector: fires ``FaultEvent`` values at a running local cluster with real signals.
+
+A small thread that tails the master's JSONL event log for progress (``step``
+events: completed steps; ``plan_decided``: training has a plan; ``shutdown``:
+the job is over), and when an event is due:
+
+- ``kill``: SIGKILL the node's agent, then every process under it (workers,
+  their DataLoader children, multiprocessing's resource tracker): a crashed
+  machine. The agent goes first so the node cannot report anything.
+- ``killworker``: SIGKILL one worker (and its own children); the agent lives
+  and is the one to notice.
+- ``stop``: SIGSTOP the agent, then everything under it: a hung machine whose
+  sockets stay open, so only the heartbeat timeout can tell.
+- ``join``: ``start_agent(name)``, the launcher's own way to start a node.
+
+Events due at the same moment are resolved first and signalled together
+(simultaneous failures), then each is recorded as an ``injected`` event
+(kind, node, step, seconds, pids, batch, source) in the same event log; one
+that cannot be carried out (unknown or already dead node) is recorded as
+``inject_skipped`` with the reason and never stops the job.
+
+Workers are the agent's children started by multiprocessing's ``spawn``
+(``spawn_main`` on their command line), ordered by start time: the agent starts
+them in local-rank order, so the K-th is ``gpuK``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import psutil
+
+from oobleck_mm.events import EventLog
+from oobleck_mm.faults.spec import FaultEvent, node_number
+
+log = logging.getLogger(__name__)
+
+AgentPids = Callable[[], Mapping[str, int]]
+"""node name -> agent pid, for every agent the launcher started (dead ones included)."""
+StartAgent = Callable[[str], None]
+"""Starts an agent with this node name (the launcher's ``_start_agent``)."""
+
+
+class EventTail:
+    """Reads the events appended to a JSONL file since the last call (complete lines only)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # the line being written, if any
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a writer killed mid-line
+        return out
+
+
+@dataclass(slots=True)
+class Progress:
+    """What the event log says about training so far."""
+
+    steps_done: int | None = None
+    """Completed steps: 0 once a plan is decided, then 1 + the highest step logged."""
+    first_step_ts: float | None = None
+    """Wall time (``ts``) of the first step completed: time 0 of ``@tXs`` events."""
+    finished: bool = False
+
+    def update(self, event: Mapping[str, Any]) -> None:
+        name = event.get("event")
+        if name == "plan_decided" and self.steps_done is None:
+            self.steps_done = 0
+        elif name == "step" and isinstance(event.get("step"), int):
+            self.steps_done = max(self.steps_done or 0, event["step"] + 1)
+            if self.first_step_ts is None:
+                self.first_step_ts = float(event["ts"])
+        elif name == "shutdown":
+            self.finished = True
+
+    def elapsed(self, now: float) -> float | None:
+        return None if self.first_step_ts is None else now - self.first_step_ts
+
+
+@dataclass(slots=True)
+class _Target:
+    fault: FaultEvent
+    procs: list[psutil.Process] = field(default_factory=list)
+    error: str | None = None
+
+
+class Injector:
+    """Fires ``faults`` at the cluster as training reaches them; ``start()`` / ``stop()``, one thread."""
+
+    def __init__(
+        self,
+        faults: Sequence[FaultEvent],
+        *,
+        event_log_path: str | os.PathLike,
+        events: EventLog,
+        agents: AgentPids,
+        start_agent: StartAgent,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.pending = list(faults)
+        self.events = events
+        self.agents = agents
+        self.start_agent = start_agent
+        self.poll_s = poll_s
+        self.progress = Progress()
+        self.injected: list[dict[str, Any]] = []
+        """The ``injected`` / ``inject_skipped`` records written, in order."""
+        self._tail = EventTail(event_log_path)
+        self._stopped_pids: list[psutil.Process] = []
+        self._joined: list[str] = []
+        self._batch = 0
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the injector is already started")
+        self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
+        self._thread.start()
+
+    def stop(self, kill_stopped: bool = True, timeout: float = 5.0) -> None:
+        """Ends the thread; with ``kill_stopped``, SIGKILLs the nodes it hung (the job gave them up)."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if kill_stopped:
+            for proc in self._stopped_pids:
+                _signal(proc, signal.SIGKILL)  # SIGKILL ends a stopped process without SIGCONT
+            self._stopped_pids.clear()
+
+    @property
+    def done(self) -> bool:
+        """Every event fired (or skipped), or the job is over."""
+        return not self.pending or self.progress.finished
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.poll(time.time())
+            except Exception:  # never take the launcher down: record and go on
+                log.exception("fault injector: unexpected error")
+            if self.done:
+                return
+            self._halt.wait(self.poll_s)
+
+    # ------------------------------------------------------------------ one poll (also called by tests)
+    def poll(self, now: float) -> list[dict[str, Any]]:
+        """Reads new progress and fires what is due at wall time ``now``; returns the records written."""
+        for event in self._tail.poll():
+            self.progress.update(event)
+        if self.progress.finished:
+            return []
+        elapsed = self.progress.elapsed(now)
+        due = [f for f in self.pending if f.due(self.progress.steps_done, elapsed)]
+        if not due:
+            return []
+        self.pending = [f for f in self.pending if f not in due]
+        return self.fire(due)
+
+    def fire(self, faults: Sequence[FaultEvent]) -> list[dict[str, Any]]:
+        """Carries out ``faults`` together: every failure's processes are found first, then signalled."""
+        self._batch += 1
+        targets = [_Target(f) for f in faults]
+        for target in targets:
+            if target.fault.is_failure:
+                self._resolve(target)
+        for target in targets:  # one tight loop: simultaneous failures really are
+            if target.fault.is_failure and target.error is None:
+                self._signal_target(target)
+        records = [self._record(t) for t in targets if t.fault.is_failure]
+        for target in targets:
+            if not target.fault.is_failure:
+                records.append(self._join(target))
+        return records
+
+    # ------------------------------------------------------------------ internals
+    def _resolve(self, target: _Target) -> None:
+        fault = target.fault
+        pids = dict(self.agents())
+        if fault.node not in pids:
+            target.error = f"unknown node {fault.node!r}; the launcher started {sorted(pids)}"
+            return
+        agent = _live_process(pids[fault.node])
+        if agent is None:
+            target.error = f"node {fault.node} is already gone (agent pid {pids[fault.node]})"
+            return
+        if fault.kind == "killworker":
+            workers = worker_processes(agent)
+            if fault.local_rank >= len(workers):
+                target.error = f"node {fault.node} has {len(workers)} workers; no gpu{fault.local_rank}"
+                return
+            worker = workers[fault.local_rank]
+            target.procs = [worker, *_children(worker)]
+        else:
+            target.procs = [agent, *_children(agent)]
+
+    def _signal_target(self, target: _Target) -> None:
+        sig = signal.SIGSTOP if target.fault.kind == "stop" else signal.SIGKILL
+        for proc in target.procs:
+            if _signal(proc, sig) and sig == signal.SIGSTOP:
+                self._stopped_pids.append(proc)
+
+    def _record(self, target: _Target) -> dict[str, Any]:
+        fault = target.fault
+        common = dict(kind=fault.kind, node=fault.node, step=self.progress.steps_done,
+                      seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        if fault.kind == "killworker":
+            common["local_rank"] = fault.local_rank
+        if target.error is not None:
+            log.warning("fault %s skipped: %s", fault.describe(), target.error)
+            return self._write("inject_skipped", reason=target.error, **common)
+        log.warning("injected %s (pids %s)", fault.describe(), [p.pid for p in target.procs])
+        return self._write("injected", pids=[p.pid for p in target.procs], **common)
+
+    def _join(self, target: _Target) -> dict[str, Any]:
+        fault = target.fault
+        name = fault.node or self._next_name()
+        common = dict(kind="join", node=name, step=self.progress.steps_done,
+                      seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        if name in self.agents() and _live_process(self.agents()[name]) is not None:
+            return self._write("inject_skipped", reason=f"node {name} is already running", **common)
+        try:
+            self.start_agent(name)
+        except Exception as exc:  # the launcher could not start it: record, never crash the job
+            return self._write("inject_skipped", reason=f"starting agent {name} failed: {exc!r}", **common)
+        self._joined.append(name)
+        pid = self.agents().get(name)
+        log.warning("injected join of %s (agent pid %s)", name, pid)
+        return self._write("injected", pids=[] if pid is None else [pid], **common)
+
+    def _next_name(self) -> str:
+        used = [*self.agents(), *self._joined]
+        return f"node{1 + max((node_number(n) for n in used), default=-1)}"
+
+    def _write(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = self.events.write(event, **fields)
+        self.injected.append(record)
+        return record
+
+
+# ---------------------------------------------------------------------- processes
+def worker_processes(agent: psutil.Process) -> list[psutil.Process]:
+    """The agent's worker processes in local-rank order (the order it started them)."""
+    workers = []
+    for child in _safe(agent.children, []):
+        cmdline = " ".join(_safe(child.cmdline, []))
+        if "spawn_main" in cmdline:  # not the resource tracker, also a multiprocessing child
+            workers.append(child)
+    return sorted(workers, key=lambda p: (_safe(p.create_time, 0.0), p.pid))
+
+
+def _live_process(pid: int) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None  # dead, not yet reaped by the launcher
+        return proc
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    return _safe(lambda: proc.children(recursive=True), [])
+
+
+def _signal(proc: psutil.Process, sig: int) -> bool:
+    try:
+        proc.send_signal(sig)  # psutil checks the pid still names the same process (create time)
+        return True
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _safe(fn: Callable, default):
+    try:
+        return fn()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return default

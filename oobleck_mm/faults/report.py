@@ -1,0 +1,393 @@
+"""Recovery breakdown from an event log: a per-failure table of phases and a samples/s plot.
+
+Pure over a list of events (``oobleck_mm.events.read_events``); missing phases
+are ``None`` (printed ``-``), never an error, so the same code reads a run with
+live recovery, checkpoint-restart, or no recovery at all.
+
+One row per *incident*: the failures injected together (same injector
+``batch``), a failure the master found by itself (a ``lost`` with no injection
+behind it), or a join. Its timeline, each phase measured from the previous one
+that is present:
+
+    failure (``injected``) -> detected (``lost``) -> plan decided
+    -> rendezvous done -> states copied (bytes, MB/s) -> resumed
+
+The recovery generation is the one of the first step logged after detection
+(so a failure during recovery, which needs one more plan, is charged to the
+same incident). Time lost = from the end of the last step completed before the
+failure to the start of the first run of the interrupted step afterwards:
+the wait for detection and recovery plus the abandoned iteration's work, and,
+under checkpoint-restart, the steps redone since the checkpoint.
+
+Phase events may be written once per worker: a phase is done when its last
+worker is done (the latest ``ts`` of that generation). Bytes of per-worker
+``states_copied`` events count every byte twice (its sender and its receiver,
+as ``runtime/state_transfer.py`` counts ``moved``), so their sum is halved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from oobleck_mm.events import read_events
+from oobleck_mm.faults.spec import FAILURE_KINDS
+
+Event = Mapping[str, Any]
+
+PHASE_ALIASES = {"rendezvous": "rendezvous_done", "detected": "lost", "joined": "registered"}
+"""Spellings of the same phase (a worker's ``PhaseDone.phase`` vs. the master's event names)."""
+_PER_WORKER_FIELDS = ("rank", "local_rank", "node")
+_SAME_MOMENT_S = 0.2
+"""Injections without a ``batch`` this close together are one incident."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryRow:
+    kind: str
+    """``kill`` | ``killworker`` | ``stop`` | ``join`` (injected, ``+``-joined when mixed) or ``lost``."""
+    nodes: tuple[str, ...]
+    at_ts: float
+    """When it happened: the injection, or the detection for a failure nobody injected."""
+    step: int | None
+    """The step interrupted (for a join: the first step of the new generation)."""
+    reason: str | None = None
+    """How it was detected (``lost`` reasons), or ``registered`` for a join."""
+    generation: int | None = None
+    """The generation that resumed training (None: it never did)."""
+    detect_s: float | None = None
+    decide_s: float | None = None
+    rendezvous_s: float | None = None
+    copy_s: float | None = None
+    copy_bytes: int | None = None
+    copy_mb_per_s: float | None = None
+    resume_s: float | None = None
+    abandoned_s: float | None = None
+    """Work of the interrupted iteration thrown away: from the last completed step to the failure."""
+    lost_s: float | None = None
+    outcome: str = ""
+
+    @property
+    def reconfigure_s(self) -> float | None:
+        """Detection to rendezvous done: the reconfiguration without detection, state copy and first step."""
+        parts = [p for p in (self.decide_s, self.rendezvous_s) if p is not None]
+        return sum(parts) if parts else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["nodes"] = list(self.nodes)
+        out["reconfigure_s"] = self.reconfigure_s
+        return out
+
+
+# ---------------------------------------------------------------------- events
+def phase_name(event: Event) -> str:
+    """The event's name, with a generic ``phase`` event resolved and aliases folded."""
+    name = str(event.get("event", ""))
+    if name in ("phase", "phase_done") and "phase" in event:
+        name = str(event["phase"])
+    return PHASE_ALIASES.get(name, name)
+
+
+def _sorted(events: Iterable[Event]) -> list[Event]:
+    return sorted((e for e in events if isinstance(e.get("ts"), (int, float))), key=lambda e: e["ts"])
+
+
+def _steps(events: Sequence[Event]) -> list[Event]:
+    return [e for e in events if phase_name(e) == "step" and isinstance(e.get("step"), int)]
+
+
+# ---------------------------------------------------------------------- incidents
+@dataclass(frozen=True, slots=True)
+class _Incident:
+    kind: str
+    nodes: tuple[str, ...]
+    ts: float
+    join: bool
+    injected: bool
+
+
+def incidents(events: Sequence[Event]) -> list[_Incident]:
+    """Injected failures grouped by batch, joins, and losses nobody injected, in time order."""
+    injected = [e for e in events if phase_name(e) == "injected"]
+    groups: dict[tuple, list[Event]] = {}
+    for e in injected:
+        join = e.get("kind") == "join"
+        key = ("batch", e["batch"], join) if "batch" in e else ("ts", round(e["ts"] / _SAME_MOMENT_S), join)
+        groups.setdefault(key, []).append(e)
+    out = []
+    for (_, _, join), group in groups.items():
+        kinds = sorted({str(e.get("kind")) for e in group})
+        nodes = tuple(str(e.get("node")) for e in group)
+        out.append(_Incident("+".join(kinds), nodes, min(e["ts"] for e in group), join, True))
+    hit = {(str(e.get("node")), e["ts"]) for e in injected if e.get("kind") in FAILURE_KINDS}
+    for e in events:
+        if phase_name(e) == "lost" and not any(n == e.get("node") and ts <= e["ts"] for n, ts in hit):
+            out.append(_Incident("lost", (str(e.get("node")),), e["ts"], False, False))
+    return sorted(out, key=lambda i: i.ts)
+
+
+# ---------------------------------------------------------------------- one incident
+def recovery_rows(events: Iterable[Event]) -> list[RecoveryRow]:
+    """The per-incident breakdown of a run's event log."""
+    ordered = _sorted(events)
+    return [_row(ordered, incident) for incident in incidents(ordered)]
+
+
+def _first(events: Sequence[Event], name: str, after: float, **match: Any) -> Event | None:
+    for e in events:
+        if e["ts"] >= after and phase_name(e) == name and all(e.get(k) == v for k, v in match.items()):
+            return e
+    return None
+
+
+def _last_before(events: Sequence[Event], name: str, before: float) -> Event | None:
+    found = None
+    for e in events:
+        if e["ts"] > before:
+            break
+        if phase_name(e) == name:
+            found = e
+    return found
+
+
+def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | None, str | None]:
+    """When every node of the incident was detected (lost, or registered for a join), and why."""
+    name = "registered" if incident.join else "lost"
+    found = [_first(events, name, incident.ts, node=node) for node in incident.nodes]
+    found = [e for e in found if e is not None]
+    if not found:
+        return None, None
+    reasons = sorted({str(e.get("reason", name)) for e in found})
+    return max(e["ts"] for e in found), "+".join(reasons)
+
+
+def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
+    detect_ts, reason = _detection(events, incident)
+    since = detect_ts if detect_ts is not None else incident.ts
+    plan = _recovery_plan(events, since)
+    # A join changes nothing until its plan is decided; a failure interrupts at once.
+    boundary = plan["ts"] if incident.join and plan is not None else since
+    last_old = _last_before(_steps(events), "step", boundary)
+    wanted = 0 if last_old is None else last_old["step"] + 1
+    after = since if plan is None else plan["ts"]
+    first_new = next((e for e in _steps(events) if e["ts"] > after and e["step"] >= wanted), None)
+    generation = None if plan is None else plan.get("generation")
+    phases = _phase_times(events, generation, plan)
+    durations = _chain(incident.ts, [
+        ("detect", detect_ts), ("decide", None if plan is None else plan["ts"]),
+        ("rendezvous", phases["rendezvous_done"]), ("copy", phases["states_copied"]),
+        ("resume", phases["resumed"] or (None if first_new is None else first_new["ts"])),
+    ])  # fmt: skip
+    copy_bytes, copy_seconds = _copied(events, generation)
+    copy_window = copy_seconds or durations["copy"]
+    return RecoveryRow(
+        kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts,
+        step=first_new["step"] if incident.join and first_new is not None else (wanted if last_old else None),
+        reason=reason, generation=generation if first_new is not None else None,
+        detect_s=durations["detect"], decide_s=durations["decide"], rendezvous_s=durations["rendezvous"],
+        copy_s=durations["copy"], copy_bytes=copy_bytes,
+        copy_mb_per_s=(copy_bytes / 1e6 / copy_window) if copy_bytes and copy_window else None,
+        resume_s=durations["resume"],
+        abandoned_s=None if incident.join or last_old is None else max(0.0, incident.ts - last_old["ts"]),
+        lost_s=_time_lost(last_old, first_new), outcome=_outcome(events, incident, first_new),
+    )  # fmt: skip
+
+
+def _recovery_plan(events: Sequence[Event], since: float) -> Event | None:
+    """The plan of the generation that resumed training after ``since``.
+
+    Usually the first plan after it; when a failure during recovery forced
+    another plan, the last one before the first step of the new generation.
+    """
+    first_plan = _first(events, "plan_decided", since)
+    if first_plan is None:
+        return None
+    resumed = next((e for e in _steps(events) if e["ts"] > first_plan["ts"]), None)
+    if resumed is None:
+        return first_plan
+    plans = [e for e in events if phase_name(e) == "plan_decided" and first_plan["ts"] <= e["ts"] <= resumed["ts"]]
+    same = [e for e in plans if "generation" in resumed and e.get("generation") == resumed["generation"]]
+    return (same or plans)[-1]
+
+
+def _phase_times(events: Sequence[Event], generation: Any, plan: Event | None) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name in ("rendezvous_done", "states_copied", "resumed"):
+        times = [e["ts"] for e in events if phase_name(e) == name and plan is not None and e["ts"] >= plan["ts"]
+                 and (generation is None or e.get("generation", generation) == generation)]  # fmt: skip
+        out[name] = max(times) if times else None  # done when the last worker is
+    return out
+
+
+def _chain(start: float, chain: list[tuple[str, float | None]]) -> dict[str, float | None]:
+    """Each phase's duration from the previous phase that happened (missing ones are None)."""
+    out: dict[str, float | None] = {}
+    previous = start
+    for name, ts in chain:
+        if ts is None:
+            out[name] = None
+            continue
+        out[name] = max(0.0, ts - previous)
+        previous = ts
+    return out
+
+
+def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float | None]:
+    copies = [e for e in events if phase_name(e) == "states_copied"
+              and (generation is None or e.get("generation", generation) == generation)]  # fmt: skip
+    if generation is None or not copies:
+        return None, None
+    total = sum(int(e.get("bytes", 0) or 0) for e in copies)
+    if any(f in e for e in copies for f in _PER_WORKER_FIELDS):
+        total //= 2  # each byte reported by its sender and its receiver
+    seconds = max((float(e.get("seconds", 0) or 0) for e in copies), default=0.0)
+    return total, seconds or None
+
+
+def _time_lost(last_old: Event | None, first_new: Event | None) -> float | None:
+    if last_old is None or first_new is None:
+        return None
+    started = first_new["ts"] - float(first_new.get("step_time_s", 0.0) or 0.0)
+    return max(0.0, started - last_old["ts"])
+
+
+def _outcome(events: Sequence[Event], incident: _Incident, first_new: Event | None) -> str:
+    if first_new is not None:
+        return f"resumed at step {first_new['step']}"
+    end = _first(events, "shutdown", incident.ts)
+    if end is None:
+        return "not resumed"
+    return f"job ended (exit {end.get('exit_code', '?')})"
+
+
+# ---------------------------------------------------------------------- text
+COLUMNS = (
+    ("#", None), ("kind", "kind"), ("nodes", "nodes"), ("step", "step"), ("detect s", "detect_s"),
+    ("reason", "reason"), ("plan s", "decide_s"), ("rdv s", "rendezvous_s"), ("copy s", "copy_s"),
+    ("MB", "copy_bytes"), ("MB/s", "copy_mb_per_s"), ("resume s", "resume_s"), ("abandoned s", "abandoned_s"),
+    ("lost s", "lost_s"), ("outcome", "outcome"),
+)  # fmt: skip
+
+
+def _cell(field: str | None, row: RecoveryRow, index: int) -> str:
+    if field is None:
+        return str(index)
+    value = getattr(row, field)
+    if value is None or value == "":
+        return "-"
+    if field == "nodes":
+        return ",".join(value)
+    if field == "copy_bytes":
+        return f"{value / 1e6:.2f}"
+    if isinstance(value, float):
+        return f"{value:.2f}" if field != "copy_mb_per_s" else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[RecoveryRow]) -> str:
+    """The recovery table as aligned text (``-`` for a phase that did not happen or was not logged)."""
+    if not rows:
+        return "no failures or joins in the event log"
+    cells = [[title for title, _ in COLUMNS]]
+    cells += [[_cell(field, row, i) for _, field in COLUMNS] for i, row in enumerate(rows, start=1)]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(COLUMNS))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+
+
+# ---------------------------------------------------------------------- plot
+def throughput_series(events: Iterable[Event]) -> tuple[list[float], list[float], list[float]]:
+    """(seconds since the first step's start, reported samples/s, effective samples/s) per step.
+
+    Reported: the step's own rate. Effective: its samples over the wall time since
+    the previous step was logged, so downtime shows as a dip.
+    """
+    steps = _steps(_sorted(events))
+    if not steps:
+        return [], [], []
+    t0 = steps[0]["ts"] - float(steps[0].get("step_time_s", 0.0) or 0.0)
+    xs, reported, effective = [], [], []
+    previous = t0
+    for e in steps:
+        rate = float(e.get("samples_per_s", 0.0) or 0.0)
+        samples = rate * float(e.get("step_time_s", 0.0) or 0.0)
+        xs.append(e["ts"] - t0)
+        reported.append(rate)
+        effective.append(samples / (e["ts"] - previous) if e["ts"] > previous else rate)
+        previous = e["ts"]
+    return xs, reported, effective
+
+
+def plot_throughput(events: Iterable[Event], path: str, title: str = "") -> str:
+    """Saves a PNG of samples/s over time with failures (red), detections (purple) and joins (green)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: runs and CI have none
+    import matplotlib.pyplot as plt
+
+    ordered = _sorted(events)
+    xs, reported, effective = throughput_series(ordered)
+    steps = _steps(ordered)
+    t0 = steps[0]["ts"] - float(steps[0].get("step_time_s", 0.0) or 0.0) if steps else 0.0
+    fig, ax = plt.subplots(figsize=(10, 4))
+    # Wall clock: samples over the time since the previous step, so downtime shows; the step's own
+    # rate as dots only, since a line joining the dots across a failure would hide the gap.
+    ax.step(xs, effective, where="pre", lw=1.2, color="tab:blue", label="samples/s (wall clock)")
+    ax.plot(xs, reported, ".", ms=4, color="black", label="samples/s (step time)")
+    marked = set()
+    for incident in incidents(ordered):
+        color = "green" if incident.join else "red"
+        label = "join" if incident.join else "failure"
+        ax.axvline(incident.ts - t0, color=color, lw=1.2, label=None if label in marked else label)
+        ax.annotate(f"{incident.kind}:{','.join(incident.nodes)}", (incident.ts - t0, 1),
+                    xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
+                    color=color)  # fmt: skip
+        marked.add(label)
+    for e in ordered:
+        if phase_name(e) == "lost":
+            ax.axvline(e["ts"] - t0, color="tab:purple", ls=":", lw=1,
+                       label=None if "detected" in marked else "detected")  # fmt: skip
+            marked.add("detected")
+    ax.set_xlabel("seconds since training started")
+    ax.set_ylabel("samples/s")
+    ax.set_title(title or "throughput")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------- command line
+def summarize(event_log: str, plot: str | None = None) -> str:
+    """The table for one event log (and the PNG when ``plot`` names a path): what ``local`` prints at the end."""
+    events = read_events(event_log)
+    text = format_table(recovery_rows(events))
+    if plot:
+        plot_throughput(events, plot)
+        text += f"\nthroughput plot: {plot}"
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oobleck_mm.faults.report", description=__doc__.splitlines()[0])
+    parser.add_argument("event_log", help="a run's events.jsonl")
+    parser.add_argument("--plot", default=None, help="write a PNG of samples/s over time here")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.json:
+        rows = recovery_rows(read_events(args.event_log))
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        if args.plot:
+            plot_throughput(read_events(args.event_log), args.plot)
+    else:
+        print(summarize(args.event_log, args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

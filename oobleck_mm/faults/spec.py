@@ -1,0 +1,158 @@
+"""Fault-injection specs: ``kill:node1@step4,stop:node3@t12.5s`` parsed into ``FaultEvent`` values.
+
+Pure parsing, no processes. One grammar serves ``--inject`` and trace replay
+(``oobleck_mm.faults.trace`` builds the same ``FaultEvent`` values), so the
+injector has one kind of input.
+
+Forms (one token each; tokens are comma-separated, flags may repeat):
+
+    kill:NODE@WHEN            SIGKILL the node's agent and all its workers (a crashed node)
+    killworker:NODE@WHEN      SIGKILL one worker of the node (local rank 0)
+    killworker:NODE:gpuK@WHEN SIGKILL the worker of local rank K
+    stop:NODE@WHEN            SIGSTOP the agent and all its workers (a hung node)
+    join@WHEN                 start a new agent (named by the launcher)
+    join:NODE@WHEN            start a new agent named NODE
+
+    WHEN = stepN   once N steps are complete (the master logged step N-1, 0-based):
+                   the failure hits step N while it runs; step0 = as soon as the
+                   first plan is decided
+         | tXs     X seconds (a decimal) after the first step completed
+
+Several events at the same step fire together: simultaneous failures.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+KINDS = ("kill", "killworker", "stop", "join")
+FAILURE_KINDS = ("kill", "killworker", "stop")
+
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""The master's rule for node names (``master/coordinator.py``)."""
+
+VALID_FORMS = (
+    "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, join[:NODE]@stepN "
+    "(or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s)"
+)
+
+_STEP = re.compile(r"^step(\d+)$")
+_TIME = re.compile(r"^t(\d+(?:\.\d*)?|\.\d+)s$")
+_GPU = re.compile(r"^gpu(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    """One thing to inject. Exactly one of ``step`` and ``seconds`` is set."""
+
+    kind: str
+    """``kill`` | ``killworker`` | ``stop`` | ``join``."""
+    node: str | None
+    """The node to hit; for ``join`` the new node's name, or None to let the launcher name it."""
+    step: int | None = None
+    """Fire once this many steps are complete."""
+    seconds: float | None = None
+    """Fire this many seconds after the first step completed."""
+    local_rank: int = 0
+    """``killworker`` only: which worker of the node."""
+    source: str = ""
+    """Where it came from (the spec token, or the trace line), for the event log."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if (self.step is None) == (self.seconds is None):
+            raise ValueError(f"fault {self.source or self.kind!r}: give exactly one of step and seconds")
+        if self.node is None and self.kind != "join":
+            raise ValueError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
+
+    @property
+    def is_failure(self) -> bool:
+        return self.kind in FAILURE_KINDS
+
+    def due(self, steps_done: int | None, elapsed_s: float | None) -> bool:
+        """Whether to fire now. ``steps_done``: completed steps (0 once a plan exists, None before);
+        ``elapsed_s``: seconds since the first step completed (None before)."""
+        if self.step is not None:
+            return steps_done is not None and steps_done >= self.step
+        return elapsed_s is not None and elapsed_s >= self.seconds
+
+    def describe(self) -> str:
+        target = self.node or ""
+        if self.kind == "killworker":
+            target += f":gpu{self.local_rank}"
+        when = f"step{self.step}" if self.step is not None else f"t{self.seconds:g}s"
+        return f"{self.kind}{':' if target else ''}{target}@{when}"
+
+
+def parse_inject(specs: str | Iterable[str]) -> list[FaultEvent]:
+    """Every event of one ``--inject`` value, or of several (a repeated flag), in the order given."""
+    values = [specs] if isinstance(specs, str) else list(specs)
+    events = []
+    for value in values:
+        for token in value.split(","):
+            token = token.strip()
+            if not token:
+                raise ValueError(f"--inject {value!r}: empty event (stray comma?); valid forms: {VALID_FORMS}")
+            events.append(parse_token(token))
+    return events
+
+
+def parse_token(token: str) -> FaultEvent:
+    """One event, e.g. ``killworker:node2:gpu1@step6``; ValueError naming the token otherwise."""
+    what, at, when = token.partition("@")
+    if not at or not when:
+        _bad(token, "missing '@stepN' or '@tXs'")
+    step, seconds = _parse_when(token, when)
+    kind, *parts = what.split(":")
+    if kind not in KINDS:
+        _bad(token, f"unknown kind {kind!r}")
+    node, local_rank = _parse_target(token, kind, parts)
+    return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, local_rank=local_rank, source=token)
+
+
+def _parse_when(token: str, when: str) -> tuple[int | None, float | None]:
+    if m := _STEP.match(when):
+        return int(m.group(1)), None
+    if m := _TIME.match(when):
+        return None, float(m.group(1))
+    _bad(token, f"bad time {when!r}: expected stepN (N >= 0) or tXs (X seconds >= 0)")
+    raise AssertionError  # unreachable: _bad raises
+
+
+def _parse_target(token: str, kind: str, parts: list[str]) -> tuple[str | None, int]:
+    if kind == "join":
+        if len(parts) > 1:
+            _bad(token, "join takes at most a node name")
+        node = parts[0] if parts else None
+    elif kind == "killworker":
+        if len(parts) not in (1, 2):
+            _bad(token, "killworker takes NODE or NODE:gpuK")
+        node = parts[0]
+    else:
+        if len(parts) != 1:
+            _bad(token, f"{kind} takes exactly one node")
+        node = parts[0]
+    if node is not None and not NODE_NAME.match(node):
+        _bad(token, f"bad node name {node!r} (letters, digits, '.', '_', '-'; at most 64)")
+    local_rank = 0
+    if kind == "killworker" and len(parts) == 2:
+        if not (m := _GPU.match(parts[1])):
+            _bad(token, f"bad worker {parts[1]!r}: expected gpuK, e.g. gpu0")
+        local_rank = int(m.group(1))
+    return node, local_rank
+
+
+def node_number(node: str) -> int:
+    """The trailing number of a node name (``node12`` -> 12), -1 without one: launchers name nodes node<K>."""
+    m = _TRAILING_DIGITS.search(node)
+    return int(m.group(1)) if m else -1
+
+
+_TRAILING_DIGITS = re.compile(r"(\d+)$")
+
+
+def _bad(token: str, why: str) -> None:
+    raise ValueError(f"--inject: bad event {token!r}: {why}; valid forms: {VALID_FORMS}")

@@ -1,0 +1,133 @@
+"""Spot-instance availability traces (``../shared/traces/``) turned into a timeline of injections.
+
+Pure: a trace file and a time scale in, ``FaultEvent`` values with ``seconds``
+out. Trace format (its README): no header, one event per line,
+``delta_ms,add|remove,nodeName``, several events may share a timestamp.
+
+Replay rules:
+
+- The trace's nodes present at its start (every ``add`` at or before
+  ``start_s``; by default the first timestamp) are the cluster the launcher
+  starts with, whatever their number: the local cluster has its own
+  ``--nodes``. Time 0 of the replay is that start.
+- Each later ``remove`` kills one live local node, each later ``add`` starts one
+  new agent: the trace's changes are replayed one for one, not its node count.
+- Which node a removal kills is deterministic: the highest-numbered live one
+  (the newest; trace node names do not exist locally). Joins are named
+  ``node<K>`` with K one past the highest number used so far. A removal with
+  no live node left is dropped (the job will have ended below its threshold).
+- ``time_scale`` multiplies trace time: 0.01 replays ten minutes in six seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from oobleck_mm.faults.spec import FaultEvent, node_number
+
+ACTIONS = ("add", "remove")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    ms: int
+    """Milliseconds since the start of the trace."""
+    action: str
+    """``add`` | ``remove``."""
+    node: str
+    """The trace's node name (not a local node)."""
+    line: int
+    """1-based line number, for messages."""
+
+
+def read_trace(path: str | os.PathLike) -> list[TraceEvent]:
+    """The events of a trace file, in time order (ties keep file order); ValueError names a bad line."""
+    with open(path, encoding="utf-8") as fh:
+        return parse_trace(fh.read().splitlines(), name=os.fspath(path))
+
+
+def parse_trace(lines: Iterable[str], name: str = "trace") -> list[TraceEvent]:
+    events = []
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        events.append(_parse_line(line, number, name))
+    if not events:
+        raise ValueError(f"{name}: no events (expected lines of delta_ms,add|remove,nodeName)")
+    return sorted(events, key=lambda e: e.ms)  # stable: simultaneous events keep file order
+
+
+def _parse_line(line: str, number: int, name: str) -> TraceEvent:
+    parts = [p.strip() for p in line.split(",")]
+    where = f"{name}:{number}: {line!r}"
+    if len(parts) != 3:
+        raise ValueError(f"{where}: expected delta_ms,add|remove,nodeName")
+    ms, action, node = parts
+    if not ms.isdigit():
+        raise ValueError(f"{where}: delta_ms must be a non-negative integer of milliseconds, got {ms!r}")
+    if action not in ACTIONS:
+        raise ValueError(f"{where}: action must be add or remove, got {action!r}")
+    if not node:
+        raise ValueError(f"{where}: empty node name")
+    return TraceEvent(int(ms), action, node, number)
+
+
+def trace_timeline(
+    events: Sequence[TraceEvent],
+    nodes: Sequence[str],
+    time_scale: float = 1.0,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    name: str = "trace",
+) -> list[FaultEvent]:
+    """Kills and joins for a local cluster that starts as ``nodes``, in firing order.
+
+    ``start_s``/``end_s`` (trace seconds) cut a window; events at or before
+    ``start_s`` form the starting population and are not replayed.
+    """
+    if not time_scale > 0:
+        raise ValueError(f"--time-scale: must be > 0, got {time_scale}")
+    if not events:
+        return []
+    start_ms = events[0].ms if start_s is None else round(start_s * 1000)
+    end_ms = None if end_s is None else round(end_s * 1000)
+    if end_ms is not None and end_ms <= start_ms:
+        raise ValueError(f"trace window: end ({end_s} s) must come after start ({start_ms / 1000} s)")
+    live = list(nodes)
+    next_index = 1 + max((node_number(n) for n in nodes), default=-1)
+    out: list[FaultEvent] = []
+    for event in events:
+        if event.ms <= start_ms or (end_ms is not None and event.ms > end_ms):
+            continue
+        seconds = (event.ms - start_ms) / 1000 * time_scale
+        source = f"{name}:{event.line} {event.action} {event.node}"
+        if event.action == "remove":
+            if not live:
+                continue
+            victim = max(live, key=_order_key)
+            live.remove(victim)
+            out.append(FaultEvent(kind="kill", node=victim, seconds=seconds, source=source))
+        else:
+            joined = f"node{next_index}"
+            next_index += 1
+            live.append(joined)
+            out.append(FaultEvent(kind="join", node=joined, seconds=seconds, source=source))
+    return out
+
+
+def load_timeline(
+    path: str | os.PathLike, nodes: Sequence[str], time_scale: float = 1.0,
+    start_s: float | None = None, end_s: float | None = None,
+) -> list[FaultEvent]:  # fmt: skip
+    """``read_trace`` + ``trace_timeline``: what ``--trace FILE --time-scale X`` replays."""
+    name = os.path.basename(os.fspath(path))
+    return trace_timeline(read_trace(path), nodes, time_scale, start_s, end_s, name=name)
+
+
+
+def _order_key(node: str) -> tuple[int, str]:
+    # node10 after node9: by the trailing number, then by name for names without one.
+    return node_number(node), node

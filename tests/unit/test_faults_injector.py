@@ -1,0 +1,171 @@
+"""The injector against real processes: stand-in agents with spawned workers, real signals, a real event log.
+
+A stand-in agent is a Python process that starts two ``spawn`` children the
+way ``agent/workers.py`` does (so it also has multiprocessing's resource
+tracker, which is not a worker); progress is written into the event log by
+hand, as the master would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from oobleck_mm.events import EventLog, read_events
+from oobleck_mm.faults.injector import EventTail, Injector, worker_processes
+from oobleck_mm.faults.spec import parse_inject
+
+AGENT = """
+import multiprocessing as mp, sys, time
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=time.sleep, args=(120,)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    print(" ".join(str(w.pid) for w in workers), flush=True)
+    time.sleep(120)
+"""
+
+
+class FakeCluster:
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, list[int]] = {}
+
+    def start_agent(self, node: str) -> None:
+        proc = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
+        self.procs[node] = proc
+        self.workers[node] = [int(p) for p in proc.stdout.readline().split()]
+
+    def agents(self) -> dict[str, int]:
+        return {node: proc.pid for node, proc in self.procs.items()}
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            for child in _tree(proc.pid):
+                child.kill()
+            proc.kill()
+            proc.wait()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def dead(pid: int) -> bool:
+    return status(pid) in ("gone", psutil.STATUS_ZOMBIE)
+
+
+def eventually(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def cluster():
+    c = FakeCluster()
+    try:
+        for i in range(3):
+            c.start_agent(f"node{i}")
+        yield c
+    finally:
+        c.close()
+
+
+def test_workers_are_the_spawned_children_in_start_order(cluster):
+    agent = psutil.Process(cluster.procs["node0"].pid)
+    assert [p.pid for p in worker_processes(agent)] == cluster.workers["node0"]
+    assert len(agent.children()) == 3, "the resource tracker is a child too, and not a worker"
+
+
+def test_events_fire_when_due_with_real_signals_and_are_logged(cluster, tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    faults = parse_inject("killworker:node2:gpu1@step1,kill:node0@step2,stop:node1@step2,kill:node7@step2,join@step3")
+    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents,
+                        start_agent=cluster.start_agent)  # fmt: skip
+    log.write("plan_decided", generation=1)
+    assert injector.poll(time.time()) == []
+
+    log.write("step", generation=1, step=0)
+    [worker_kill] = injector.poll(time.time())
+    victim, spared = cluster.workers["node2"][1], cluster.workers["node2"][0]
+    assert worker_kill["pids"] == [victim] and worker_kill["local_rank"] == 1
+    eventually(lambda: dead(victim))
+    assert not dead(spared) and not dead(cluster.procs["node2"].pid), "one worker, not the node"
+
+    log.write("step", generation=1, step=1)
+    kill, stop, skipped = injector.poll(time.time())
+    assert kill["batch"] == stop["batch"] == skipped["batch"] == worker_kill["batch"] + 1, "one simultaneous batch"
+    assert kill["step"] == 2 and kill["event"] == "injected" and stop["kind"] == "stop"
+    assert cluster.procs["node0"].wait(5) == -9
+    for pid in cluster.workers["node0"]:
+        eventually(lambda: dead(pid))
+    assert set(cluster.workers["node1"]) <= set(stop["pids"]) and stop["pids"][0] == cluster.procs["node1"].pid
+    for pid in stop["pids"]:
+        assert status(pid) == psutil.STATUS_STOPPED
+    assert skipped["event"] == "inject_skipped" and "unknown node 'node7'" in skipped["reason"]
+
+    log.write("step", generation=1, step=2)
+    [join] = injector.poll(time.time())
+    assert join["node"] == "node3" and join["pids"] == [cluster.procs["node3"].pid]
+    assert injector.done and injector.pending == []
+
+    injector.stop()  # a hung node the job gave up on is killed, not left stopped
+    for pid in stop["pids"]:
+        eventually(lambda: dead(pid))
+    logged = [e for e in read_events(path) if e["event"] in ("injected", "inject_skipped")]
+    assert [(e["kind"], e["node"]) for e in logged] == [
+        ("killworker", "node2"), ("kill", "node0"), ("stop", "node1"), ("kill", "node7"), ("join", "node3"),
+    ]  # fmt: skip
+
+
+def test_the_thread_fires_time_events_after_the_first_step_and_ends_with_the_job(cluster, tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    injector = Injector(parse_inject("kill:node0@t0.3s,kill:node1@step50"), event_log_path=path, events=log,
+                        agents=cluster.agents, start_agent=cluster.start_agent, poll_s=0.01)  # fmt: skip
+    injector.start()
+    try:
+        time.sleep(0.4)
+        assert not dead(cluster.procs["node0"].pid), "no time passes before the first step"
+        log.write("step", generation=1, step=0)
+        started = time.time()
+        assert cluster.procs["node0"].wait(5) == -9
+        assert 0.3 <= time.time() - started < 2.0
+        [record] = [e for e in read_events(path) if e["event"] == "injected"]
+        assert record["seconds"] >= 0.3
+        log.write("shutdown", exit_code=0, reason="done")
+        eventually(lambda: not injector._thread.is_alive())
+        assert not dead(cluster.procs["node1"].pid), "events not reached when the job ended never fire"
+    finally:
+        injector.stop()
+
+
+def test_the_tail_returns_whole_lines_only(tmp_path):
+    path = tmp_path / "e.jsonl"
+    tail = EventTail(path)
+    assert tail.poll() == []
+    with open(path, "w") as fh:
+        fh.write('{"event": "a"}\n{"event": "b", "x"')
+        fh.flush()
+        assert [e["event"] for e in tail.poll()] == ["a"]
+        fh.write(': 1}\nnot json\n')
+        fh.flush()
+        assert tail.poll() == [{"event": "b", "x": 1}]

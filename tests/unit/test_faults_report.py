@@ -1,0 +1,194 @@
+"""The recovery table and plot, from event logs written by hand (the shapes the master and injector write)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oobleck_mm.events import read_events
+from oobleck_mm.faults.report import format_table, plot_throughput, recovery_rows, summarize, throughput_series
+
+STEP_S = 0.25
+BATCH = 16
+
+
+class Log:
+    """A run's events with explicit times."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.t = 100.0
+
+    def at(self, t: float, event: str, **fields) -> dict:
+        record = {"ts": t, "event": event, **fields}
+        self.events.append(record)
+        return record
+
+    def steps(self, generation: int, first: int, count: int, start: float, step_s: float = STEP_S) -> float:
+        t = start
+        for step in range(first, first + count):
+            t += step_s
+            self.at(t, "step", generation=generation, step=step, loss=1.0,
+                    samples_per_s=BATCH / step_s, step_time_s=step_s)  # fmt: skip
+        return t
+
+    def recovery(self, generation: int, plan_t: float, ranks: int = 3, nbytes: int = 2_000_000, copy_s: float = 0.1):
+        """plan at plan_t, per-worker rendezvous (+0.3 s), copy (+0.2 s), resumed (+0.3 s)."""
+        self.at(plan_t, "plan_decided", generation=generation, nodes=[], seconds=0.05)
+        for rank in range(ranks):
+            self.at(plan_t + 0.2 + 0.05 * rank, "rendezvous_done", generation=generation, rank=rank, seconds=0.2)
+        for rank in range(ranks):
+            # each moved byte is counted by its sender and its receiver
+            self.at(plan_t + 0.45 + 0.025 * rank, "states_copied", generation=generation, rank=rank,
+                    bytes=nbytes if rank < 2 else 0, seconds=copy_s)  # fmt: skip
+        for rank in range(ranks):
+            self.at(plan_t + 0.8, "resumed", generation=generation, rank=rank, step=0)
+
+
+def one_kill() -> tuple[Log, dict]:
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1", "node2", "node3"])
+    end = log.steps(1, 0, 4, 100.0)  # steps 0..3 done at 101.0
+    times = {"last_old": end, "fail": end + 0.1, "lost": end + 0.5, "plan": end + 0.7}
+    log.at(times["fail"], "injected", kind="kill", node="node1", step=4, pids=[11, 12], batch=1)
+    log.at(times["lost"], "lost", node="node1", reason="stream_closed", generation=1)
+    log.recovery(2, times["plan"])
+    log.steps(2, 4, 3, times["plan"] + 0.8)  # the rerun of step 4 starts when resumed
+    times["first_new"] = times["plan"] + 0.8 + STEP_S
+    return log, times
+
+
+def test_one_kill_is_broken_into_its_phases():
+    log, t = one_kill()
+    [row] = recovery_rows(log.events)
+    assert (row.kind, row.nodes, row.step, row.reason, row.generation) == ("kill", ("node1",), 4, "stream_closed", 2)
+    assert row.detect_s == pytest.approx(t["lost"] - t["fail"])
+    assert row.decide_s == pytest.approx(t["plan"] - t["lost"])
+    assert row.rendezvous_s == pytest.approx(0.3), "the last worker's rendezvous ends the phase"
+    assert row.copy_s == pytest.approx(0.2)
+    assert row.copy_bytes == 2_000_000, "per-worker byte counts are halved (sender + receiver)"
+    assert row.copy_mb_per_s == pytest.approx(2.0 / 0.1), "MB/s over the slowest worker's copy time"
+    assert row.resume_s == pytest.approx(0.3)
+    assert row.abandoned_s == pytest.approx(0.1)
+    # from the end of step 3 to the start of the rerun of step 4
+    assert row.lost_s == pytest.approx(t["first_new"] - STEP_S - t["last_old"])
+    assert row.reconfigure_s == pytest.approx(row.decide_s + row.rendezvous_s)
+    assert row.outcome == "resumed at step 4"
+
+
+def test_missing_phases_are_dashes_and_the_chain_skips_them():
+    log, t = one_kill()
+    log.events = [e for e in log.events if e["event"] not in ("rendezvous_done", "states_copied", "resumed")]
+    [row] = recovery_rows(log.events)
+    assert row.rendezvous_s is None and row.copy_s is None and row.copy_bytes is None
+    assert row.resume_s == pytest.approx(t["first_new"] - t["plan"]), "measured from the last phase present"
+    table = format_table([row])
+    header, line = table.splitlines()
+    assert "rdv s" in header and "MB/s" in header
+    assert line.split()[:4] == ["1", "kill", "node1", "4"]
+    assert line.count(" - ") >= 3
+
+
+def test_simultaneous_failures_are_one_incident_detected_when_the_last_one_is():
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1)
+    end = log.steps(1, 0, 2, 100.0)
+    log.at(end + 0.1, "injected", kind="kill", node="node1", batch=1)
+    log.at(end + 0.1, "injected", kind="stop", node="node2", batch=1)
+    log.at(end + 0.6, "lost", node="node1", reason="stream_closed")
+    log.at(end + 2.2, "lost", node="node2", reason="heartbeat_timeout")
+    log.at(end + 2.3, "plan_decided", generation=2)
+    log.steps(2, 2, 2, end + 2.5)
+    [row] = recovery_rows(log.events)
+    assert row.kind == "kill+stop" and set(row.nodes) == {"node1", "node2"}
+    assert row.detect_s == pytest.approx(2.1)
+    assert row.reason == "heartbeat_timeout+stream_closed"
+    assert row.lost_s == pytest.approx(2.5 - 0.0)
+
+
+def test_a_failure_during_recovery_is_charged_to_the_same_incident_and_its_final_generation():
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1)
+    end = log.steps(1, 0, 3, 100.0)
+    log.at(end + 0.1, "injected", kind="kill", node="node1", batch=1)
+    log.at(end + 0.4, "lost", node="node1", reason="stream_closed")
+    log.at(end + 0.5, "plan_decided", generation=2)
+    log.at(end + 0.9, "injected", kind="kill", node="node2", batch=2)  # while states are copied
+    log.at(end + 1.2, "lost", node="node2", reason="stream_closed")
+    log.recovery(3, end + 1.4)
+    log.steps(3, 3, 2, end + 2.2)
+    first, second = recovery_rows(log.events)
+    assert first.generation == 3 and second.generation == 3
+    assert first.decide_s == pytest.approx(1.0), "detection to the plan that actually resumed"
+    assert first.lost_s == pytest.approx(2.2)
+    assert second.lost_s == pytest.approx(2.2), "same interrupted step: the same wait, seen from each failure"
+
+
+def test_checkpoint_restart_counts_the_redone_steps_as_lost():
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1)
+    end = log.steps(1, 0, 6, 100.0)  # steps 0..5; checkpoint at step 4
+    log.at(end + 0.1, "injected", kind="kill", node="node3", batch=1)
+    log.at(end + 0.5, "lost", node="node3", reason="stream_closed")
+    log.at(end + 5.0, "plan_decided", generation=2)  # everything restarted, loaded step 4
+    log.steps(2, 4, 4, end + 8.0)  # redo 4, 5, then 6, 7
+    [row] = recovery_rows(log.events)
+    assert row.step == 6
+    assert row.lost_s == pytest.approx(8.0 + 2 * STEP_S), "restart, then steps 4 and 5 again"
+    assert row.outcome == "resumed at step 6"
+
+
+def test_losses_nobody_injected_joins_and_a_job_that_ended_below_threshold():
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1"])
+    end = log.steps(1, 0, 2, 100.0)
+    log.at(end + 0.1, "injected", kind="join", node="node2", batch=1)
+    log.at(end + 2.0, "registered", node="node2", spare=True)
+    log.at(end + 2.3, "plan_decided", generation=2, nodes=["node0", "node1", "node2"])
+    log.at(end + 2.9, "states_copied", generation=2, bytes=5_000_000)  # one aggregate event: not halved
+    end2 = log.steps(2, 2, 2, end + 3.0)
+    log.at(end2 + 0.2, "lost", node="node0", reason="worker_exited", generation=2)
+    log.at(end2 + 0.4, "lost", node="node1", reason="worker_exited", generation=2)
+    log.at(end2 + 1.0, "shutdown", exit_code=3, reason="below threshold; checkpoint in runs/x/ckpt")
+    join, lost0, lost1 = recovery_rows(log.events)
+    assert (join.kind, join.nodes, join.reason) == ("join", ("node2",), "registered")
+    assert join.detect_s == pytest.approx(1.9) and join.decide_s == pytest.approx(0.3)
+    assert join.copy_bytes == 5_000_000 and join.step == 2
+    assert join.lost_s == pytest.approx(end + 3.0 - end), "from the last old step to the new generation's start"
+    assert join.abandoned_s is None
+    assert (lost0.kind, lost0.nodes, lost0.detect_s) == ("lost", ("node0",), 0.0)
+    assert lost0.lost_s is None and lost0.generation is None
+    assert lost0.outcome == "job ended (exit 3)" and lost1.outcome == "job ended (exit 3)"
+
+
+def test_a_run_without_failures_has_no_rows():
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1)
+    log.steps(1, 0, 5, 100.0)
+    assert recovery_rows(log.events) == []
+    assert "no failures" in format_table([])
+
+
+def test_throughput_dips_over_downtime_and_the_plot_is_a_png(tmp_path):
+    log, t = one_kill()
+    xs, reported, effective = throughput_series(log.events)
+    assert reported == [pytest.approx(BATCH / STEP_S)] * 7
+    assert effective[:4] == [pytest.approx(BATCH / STEP_S)] * 4
+    gap = t["first_new"] - t["last_old"]
+    assert effective[4] == pytest.approx(BATCH / gap), "the first step after the failure carries the downtime"
+    assert xs[0] == pytest.approx(STEP_S) and xs == sorted(xs)
+    path = plot_throughput(log.events, str(tmp_path / "t.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summarize_reads_a_real_event_log_file(tmp_path):
+    log, _ = one_kill()
+    path = tmp_path / "events.jsonl"
+    with open(path, "w") as fh:
+        for e in log.events:
+            fh.write(json.dumps(e) + "\n")
+        fh.write('{"ts": 1, "event": "st')  # a torn last line
+    assert len(read_events(path)) == len(log.events)
+    text = summarize(str(path))
+    assert "kill" in text and "node1" in text and "stream_closed" in text

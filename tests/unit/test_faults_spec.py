@@ -1,0 +1,138 @@
+"""``--inject`` specs and trace replay: pure parsing into the injector's ``FaultEvent`` timeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oobleck_mm.faults.spec import FaultEvent, parse_inject, parse_token
+from oobleck_mm.faults.trace import load_timeline, parse_trace, read_trace, trace_timeline
+
+TRACES = Path("/work/shared/traces")
+NODES4 = [f"node{i}" for i in range(4)]
+
+
+# ---------------------------------------------------------------------- specs
+def test_every_form_parses_to_its_kind_target_and_time():
+    events = parse_inject(["kill:node1@step4,killworker:node2@step6", "killworker:node2:gpu3@t1.5s",
+                           "stop:node3@step8", "join@step10", "join:node9@t0s"])  # fmt: skip
+    assert [(e.kind, e.node, e.local_rank, e.step, e.seconds) for e in events] == [
+        ("kill", "node1", 0, 4, None),
+        ("killworker", "node2", 0, 6, None),
+        ("killworker", "node2", 3, None, 1.5),
+        ("stop", "node3", 0, 8, None),
+        ("join", None, 0, 10, None),
+        ("join", "node9", 0, None, 0.0),
+    ]
+    assert [e.is_failure for e in events] == [True, True, True, True, False, False]
+
+
+def test_describe_round_trips():
+    for token in ("kill:node1@step4", "killworker:node2:gpu1@step6", "stop:n-3.a@t12.5s", "join@step0",
+                  "join:node7@t3s"):  # fmt: skip
+        event = parse_token(token)
+        assert parse_token(event.describe()) == FaultEvent(
+            kind=event.kind, node=event.node, step=event.step, seconds=event.seconds,
+            local_rank=event.local_rank, source=event.describe(),
+        )  # fmt: skip
+
+
+def test_same_step_events_are_due_together_and_time_events_wait_for_the_first_step():
+    a, b, c = parse_inject("kill:node1@step3,stop:node2@step3,kill:node0@t2s")
+    assert not a.due(None, None) and not a.due(2, 10.0)
+    assert a.due(3, None) and b.due(3, None)
+    assert not c.due(10, None), "time events count from the first completed step"
+    assert not c.due(10, 1.99) and c.due(0, 2.0)
+    assert parse_token("join@step0").due(0, None), "step0 fires once a plan exists"
+
+
+@pytest.mark.parametrize(
+    "value, names",
+    [
+        ("kill:node1", "missing '@stepN'"),
+        ("kill:node1@4", "bad time '4'"),
+        ("kill:node1@step-1", "bad time"),
+        ("kill:node1@t5", "bad time 't5'"),
+        ("explode:node1@step2", "unknown kind 'explode'"),
+        ("kill@step2", "kill takes exactly one node"),
+        ("kill:a:b@step2", "kill takes exactly one node"),
+        ("killworker:node2:cpu1@step2", "bad worker 'cpu1'"),
+        ("join:a:b@step1", "join takes at most a node name"),
+        ("stop:no/de@step1", "bad node name 'no/de'"),
+        ("kill:node1@step1,,stop:node2@step2", "empty event"),
+    ],
+)
+def test_bad_tokens_name_the_token_and_the_valid_forms(value, names):
+    with pytest.raises(ValueError) as err:
+        parse_inject(value)
+    message = str(err.value)
+    assert names in message
+    assert "valid forms" in message and "kill:NODE@stepN" in message
+    if "," not in value:
+        assert repr(value) in message
+
+
+# ---------------------------------------------------------------------- traces
+def test_trace_lines_are_validated_with_file_and_line():
+    with pytest.raises(ValueError, match=r"t\.csv:2: .*add or remove"):
+        parse_trace(["0,add,node1", "5,boom,node2"], name="t.csv")
+    with pytest.raises(ValueError, match=r"t\.csv:1: .*non-negative integer"):
+        parse_trace(["-5,add,node1"], name="t.csv")
+    with pytest.raises(ValueError, match="no events"):
+        parse_trace(["", "  "], name="t.csv")
+
+
+def test_simultaneous_trace_events_keep_file_order_after_sorting():
+    events = parse_trace(["20,remove,b", "10,add,a", "20,remove,a", "10,add,b"])
+    assert [(e.ms, e.action, e.node) for e in events] == [
+        (10, "add", "a"), (10, "add", "b"), (20, "remove", "b"), (20, "remove", "a"),
+    ]  # fmt: skip
+
+
+def test_timeline_kills_the_newest_live_node_and_names_joins_after_the_highest():
+    events = parse_trace(["0,add,x1", "0,add,x2", "1000,remove,x1", "1000,remove,x2", "3000,add,x3",
+                          "4000,remove,x3", "5000,add,x4"])  # fmt: skip
+    timeline = trace_timeline(events, ["node0", "node1", "node2", "node10"], time_scale=0.5)
+    assert [(e.kind, e.node, e.seconds) for e in timeline] == [
+        ("kill", "node10", 0.5), ("kill", "node2", 0.5),  # node10 sorts after node2 (numbers, not text)
+        ("join", "node11", 1.5), ("kill", "node11", 2.0), ("join", "node12", 2.5),
+    ]  # fmt: skip
+    assert all(e.seconds is not None and e.step is None for e in timeline)
+
+
+def test_timeline_never_kills_more_nodes_than_are_live():
+    events = parse_trace(["0,add,a", *(f"{t},remove,n{t}" for t in range(1, 6))])
+    timeline = trace_timeline(events, ["node0", "node1"])
+    assert [e.node for e in timeline] == ["node1", "node0"]
+
+
+def test_timeline_window_and_scale_are_checked():
+    events = parse_trace(["0,add,a", "1000,remove,a", "2000,add,b", "3000,remove,b"])
+    timeline = trace_timeline(events, ["node0", "node1"], time_scale=2.0, start_s=1.0, end_s=2.5)
+    assert [(e.kind, e.node, e.seconds) for e in timeline] == [("join", "node2", 2.0)]
+    with pytest.raises(ValueError, match="--time-scale"):
+        trace_timeline(events, ["node0"], time_scale=0)
+    with pytest.raises(ValueError, match="end"):
+        trace_timeline(events, ["node0"], start_s=3, end_s=1)
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
+def test_the_shared_synthetic_trace_replays_one_removal_per_period():
+    timeline = load_timeline(TRACES / "10m.csv", NODES4, time_scale=0.01)
+    # 30 nodes at t=0 are the starting cluster; then a removal every ~10 min, one-for-one.
+    assert [e.node for e in timeline] == ["node3", "node2", "node1", "node0"]
+    gaps = [b.seconds - a.seconds for a, b in zip(timeline, timeline[1:])]
+    assert all(abs(g - 6.012) < 1e-9 for g in gaps), gaps
+    assert timeline[0].source.startswith("10m.csv:")
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
+def test_every_shared_trace_parses_and_replays_in_time_order():
+    for path in sorted(TRACES.glob("*.csv")):
+        events = read_trace(path)
+        timeline = load_timeline(path, NODES4, time_scale=0.001)
+        times = [e.seconds for e in timeline]
+        assert times == sorted(times), path.name
+        later = [e for e in events if e.ms > events[0].ms]
+        assert len(timeline) <= len(later), path.name
