@@ -48,6 +48,7 @@ from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.layout import ExecutionPlan
 from oobleck_mm.runtime.state_transfer import adopt_plan
+from oobleck_mm.runtime.waiting import PeerFailure, Waiter
 from oobleck_mm.runtime.worker import device_for, save_checkpoint, write_replica_hashes
 
 log = logging.getLogger(__name__)
@@ -61,24 +62,46 @@ class CommandReader:
     def __init__(self, conn):
         self.conn = conn
         self.queue: queue.Queue = queue.Queue()
+        self.replanned = threading.Event()
+        """Set when a queued command means a peer is gone: waits on collectives give up at once."""
         threading.Thread(target=self._run, daemon=True, name="commands").start()
 
     def _run(self) -> None:
         while True:
             try:
-                self.queue.put(recv_command(self.conn))
+                command = recv_command(self.conn)
             except (EOFError, OSError):
                 self.queue.put(None)  # the agent is gone
+                self.replanned.set()
                 return
+            self.queue.put(command)  # before the flag: get() clears it only once the queue is empty
+            if _drops_peers(command):
+                self.replanned.set()
 
     def get(self):
-        return self.queue.get()
+        command = self.queue.get()
+        if self.queue.empty():
+            self.replanned.clear()
+        return command
 
     def poll(self):
         try:
-            return self.queue.get_nowait()
+            command = self.queue.get_nowait()
         except queue.Empty:
             return None
+        if self.queue.empty():
+            self.replanned.clear()
+        return command
+
+
+def _drops_peers(command) -> bool:
+    """A shutdown, a checkpoint, or a plan whose previous generation lost ranks: not a mere join."""
+    kind = command.WhichOneof("command")
+    if kind != "assignment":
+        return True
+    a = command.assignment
+    old_world = sum(len(p.stages) for p in a.previous_plan.pipelines)
+    return bool(a.previous_generation) and len({r for r in a.previous_ranks if r >= 0}) < old_world
 
 
 @dataclass(slots=True)
@@ -87,10 +110,6 @@ class Generation:
     plan: ExecutionPlan
     rank: int
     engine: StageEngine
-
-
-class PeerFailure(RuntimeError):
-    """A collective or the rendezvous failed: this generation is over."""
 
 
 class WorkerLoop:
@@ -102,6 +121,7 @@ class WorkerLoop:
         self.current: Generation | None = None
         self.next_step: int | None = None  # first step not yet applied to this worker's layers
         self.collective_timeout = job.fault_tolerance.heartbeat_timeout + timedelta(seconds=5)
+        self.waiter = Waiter(self.collective_timeout, self.commands.replanned.is_set)
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
@@ -226,14 +246,14 @@ class WorkerLoop:
                 old_plan = plan_from_proto(a.previous_plan)
                 survivors = {old: new for new, old in enumerate(a.previous_ranks) if old >= 0}
                 engine, transfers, moved = adopt_plan(self.job, old_engine, old_plan, plan,
-                                                      survivors, a.rank, self.device)
+                                                      survivors, a.rank, self.device, self.waiter)
             else:
                 held = {}
                 if a.resume_dir:
                     specs = _specs(self.job)
                     held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
                             for i in plan.stage(a.rank).layers}
-                engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held)
+                engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter)
                 transfers, moved = [], 0
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
@@ -247,7 +267,7 @@ class WorkerLoop:
         value = torch.tensor([mine if mine is not None else -1, -(mine if mine is not None else 1 << 40)],
                              dtype=torch.int64, device=self.device)
         try:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            self.waiter.wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), "start-step agreement")
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: {error}") from error
         latest, earliest = int(value[0]), -int(value[1])

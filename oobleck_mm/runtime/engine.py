@@ -41,6 +41,7 @@ from oobleck_mm.runtime.layout import ExecutionPlan
 from oobleck_mm.runtime.optim import build_layer_optimizer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.update import apply_update, trainable_params
+from oobleck_mm.runtime.waiting import Waiter
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
 
 class StageEngine:
     def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
-                 device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None):
+                 device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None,
+                 waiter: Waiter | None = None):
         """``held``: layers this worker already holds (after a reconfiguration, with their optimizers);
         every other layer of the stage is built fresh from the seed."""
         self.job, self.plan, self.rank, self.device = job, plan, rank, torch.device(device)
@@ -107,6 +109,8 @@ class StageEngine:
                 f"{job.training.microbatch_size}"
             )
         self.data = data if data is not None else TrainingData(job)
+        self.waiter = waiter or Waiter()
+        """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
@@ -126,7 +130,7 @@ class StageEngine:
                 held[i] = fresh_layer(job, i, self.specs, self.device)
         self.layers = {i: held[i].module for i in self.stage.layers}
         self.optimizers = {i: held[i].optimizer for i in self.stage.layers if held[i].optimizer is not None}
-        self.sync = GradientSync(plan, rank, trainable)
+        self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout)
         self._dispatch: dict[type, Callable] = {
             ds.LoadMicroBatch: self._load_microbatch,
             ds.RecvActivation: self._recv_activation,
@@ -178,7 +182,7 @@ class StageEngine:
 
     def _recv_activation(self, ins) -> None:
         t0 = time.perf_counter()
-        acts = recv_tensors(self.prev_rank, self.device)
+        acts = recv_tensors(self.prev_rank, self.device, self.waiter)
         if self.needs_input_grad:
             acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
         self._inputs[ins.buffer_id] = acts
@@ -209,14 +213,14 @@ class StageEngine:
 
     def _send_activation(self, ins) -> None:
         t0 = time.perf_counter()
-        self._result.bytes_sent += send_tensors(self._outputs[ins.buffer_id], self.next_rank, self.device)
+        self._result.bytes_sent += send_tensors(self._outputs[ins.buffer_id], self.next_rank, self.device, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
     def _recv_grad(self, ins) -> None:
         if not self.next_needs_grad:
             return
         t0 = time.perf_counter()
-        self._grads[ins.buffer_id] = recv_tensors(self.next_rank, self.device)
+        self._grads[ins.buffer_id] = recv_tensors(self.next_rank, self.device, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
     def _backward(self, ins) -> None:
@@ -243,7 +247,7 @@ class StageEngine:
             return
         t0 = time.perf_counter()
         grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in inputs)
-        self._result.bytes_sent += send_tensors(grads, self.prev_rank, self.device)
+        self._result.bytes_sent += send_tensors(grads, self.prev_rank, self.device, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
     def _reduce_tied_grads(self, ins) -> None:
@@ -251,7 +255,7 @@ class StageEngine:
 
     def _reduce_grads(self, ins) -> None:
         t0 = time.perf_counter()
-        self.sync.all_reduce(self.layers)
+        self.sync.all_reduce(self.layers, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
     def _optimizer_step(self, ins) -> None:
@@ -259,7 +263,7 @@ class StageEngine:
         # loss, *before* any parameter changes: if a peer fails, no rank has updated anything
         # and the iteration can be discarded and rerun after reconfiguration.
         t0 = time.perf_counter()
-        norm_sq, loss = self.sync.global_grad_sq(self.layers, self.device, extra=self._loss)
+        norm_sq, loss = self.sync.global_grad_sq(self.layers, self.device, extra=self._loss, waiter=self.waiter)
         self._result.loss = loss
         self._result.comm_s += time.perf_counter() - t0
         self._result.grad_norm, self._result.lr = apply_update(

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.waiting import Waiter
 from oobleck_mm.runtime.update import fill_missing_grads, grad_sq, trainable_params
 
 
@@ -43,7 +45,7 @@ def buckets(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> list[Bucket]:
 
 
 class GradientSync:
-    def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...]):
+    def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None):
         self.rank = rank
         self.plan = plan
         self.buckets = buckets(plan, trainable)
@@ -51,12 +53,13 @@ class GradientSync:
         self.groups = {}
         for b in self.buckets:
             if len(b.holders) > 1:
-                group = dist.new_group(list(b.holders))
+                # Without an explicit timeout a subgroup waits 30 min on a hung peer, whatever the world's.
+                group = dist.new_group(list(b.holders), timeout=timeout)
                 if rank in b.holders:
                     self.groups[b.holders] = group
         self.owned = {layer for layer in range(plan.num_layers) if plan.holders(layer)[0] == rank}
 
-    def all_reduce(self, layers: Mapping[int, nn.Module]) -> int:
+    def all_reduce(self, layers: Mapping[int, nn.Module], waiter: Waiter = Waiter()) -> int:
         """Sum every held layer's gradients over its holders; returns bytes reduced."""
         total = 0
         for b in self.buckets:
@@ -69,7 +72,8 @@ class GradientSync:
                 continue
             grads = [p.grad for m in mods for p in trainable_params(m)]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.groups[b.holders])
+            waiter.wait(dist.all_reduce(flat, group=self.groups[b.holders], async_op=True),
+                        f"gradient all-reduce over ranks {b.holders}")
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -77,7 +81,8 @@ class GradientSync:
             total += flat.numel() * flat.element_size()
         return total
 
-    def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extra: torch.Tensor | None = None):
+    def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extra: torch.Tensor | None = None,
+                       waiter: Waiter = Waiter()):
         """Squared global gradient norm, each layer counted once (by its owner).
 
         With ``extra`` (a scalar), it is summed over all ranks in the same collective and
@@ -89,7 +94,7 @@ class GradientSync:
         if extra is not None:
             local[1] = extra.double()
         local = local.to(device)
-        dist.all_reduce(local)
+        waiter.wait(dist.all_reduce(local, async_op=True), "gradient-norm all-reduce")
         if extra is None:
             return float(local[0])
         return float(local[0]), float(local[1])

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from oobleck_mm.runtime.waiting import Waiter
+
+_BLOCKING = Waiter()
+
 HEADER_LEN = 32
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -40,25 +44,25 @@ def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ..
     return out
 
 
-def send_tensors(tensors: Sequence[torch.Tensor], dst: int, device: torch.device | str = "cpu", group=None) -> int:
+def send_tensors(tensors: Sequence[torch.Tensor], dst: int, device: torch.device | str = "cpu",
+                 waiter: Waiter = _BLOCKING) -> int:
     """Send ``tensors`` to global rank ``dst``; returns the payload bytes."""
-    dist.send(encode_header(tensors).to(device), dst, group=group)
-    sent = 0
-    for t in tensors:
-        if t.numel():
-            t = t.detach().contiguous()
-            dist.send(t, dst, group=group)
-            sent += t.numel() * t.element_size()
+    # The tensors stay referenced here until every request completes.
+    payload = [encode_header(tensors).to(device)] + [t.detach().contiguous() for t in tensors if t.numel()]
+    works = [dist.isend(t, dst) for t in payload]
+    sent = sum(t.numel() * t.element_size() for t in payload[1:])
+    for work in works:
+        waiter.wait(work, f"send to rank {dst}", pollable=False)
     return sent
 
 
-def recv_tensors(src: int, device: torch.device | str = "cpu", group=None) -> tuple[torch.Tensor, ...]:
+def recv_tensors(src: int, device: torch.device | str = "cpu", waiter: Waiter = _BLOCKING) -> tuple[torch.Tensor, ...]:
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
+    waiter.wait(dist.irecv(header, src), f"receive from rank {src}", pollable=False)
     out = []
     for dtype, shape in decode_header(header.cpu()):
         t = torch.empty(shape, dtype=dtype, device=device)
         if t.numel():
-            dist.recv(t, src, group=group)
+            waiter.wait(dist.irecv(t, src), f"receive from rank {src}", pollable=False)
         out.append(t)
     return tuple(out)

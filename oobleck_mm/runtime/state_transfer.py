@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from oobleck_mm.runtime.engine import HeldLayer
 from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
+from oobleck_mm.runtime.waiting import Waiter
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -47,6 +48,7 @@ def transfer_layers(
     held: Mapping[int, HeldLayer],
     build: Callable[[int], HeldLayer],
     device: torch.device | str = "cpu",
+    waiter: Waiter = Waiter(),
 ) -> tuple[dict[int, HeldLayer], int]:
     """Run this rank's part of ``transfers``; returns the layers received and the bytes moved here.
 
@@ -80,7 +82,7 @@ def transfer_layers(
             received[t.layer] = (fresh, targets, buffers)
     if ops:
         for request in dist.batch_isend_irecv(ops):
-            request.wait()
+            waiter.wait(request, f"layer state transfer on rank {rank}", pollable=False)
     out = {}
     for layer, (fresh, _, buffers) in received.items():
         names = list(fresh.module.state_dict())
@@ -128,7 +130,7 @@ def surviving_holders(old_plan, survivors: Mapping[int, int]) -> dict[int, list[
 
 
 def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], new_rank: int,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", waiter: Waiter = Waiter()):
     """Move a surviving worker from ``engine`` (old plan) to ``new_plan``, keeping every layer it still needs.
 
     Call after joining the new generation's process group, on every rank of it (a
@@ -139,8 +141,10 @@ def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], ne
     transfers = plan_transfers(surviving_holders(old_plan, survivors), new_plan)
     held = engine.held() if engine is not None else {}
     specs = engine.specs if engine is not None else None
-    received, moved = transfer_layers(transfers, new_rank, held, lambda i: fresh_layer(job, i, specs, device), device)
+    received, moved = transfer_layers(transfers, new_rank, held, lambda i: fresh_layer(job, i, specs, device),
+                                      device, waiter)
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
     data = engine.data if engine is not None else None
-    return StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep), transfers, moved
+    engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter)
+    return engine, transfers, moved

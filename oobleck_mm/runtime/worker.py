@@ -184,5 +184,8 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
         del store
 
 
-# The agent's entry point lives with the generation logic; agents name it through this module.
-from oobleck_mm.runtime.agent_worker import worker_main  # noqa: E402,F401
+def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
+    """The agent's entry point; it lives with the generation logic in ``agent_worker``."""
+    from oobleck_mm.runtime.agent_worker import worker_main as main
+
+    main(conn, config_path, node, local_rank)

@@ -1,0 +1,121 @@
+"""The agent-started worker across generations, driven over its real pipe by this test (playing the master).
+
+Real worker processes, a real SIGKILL in the middle of training: survivors
+abandon the iteration, re-form in generation 2 from the plan the test sends,
+copy the layer states they lack and finish with the failure-free parameters.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+import yaml
+
+from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol.convert import plan_to_proto
+from oobleck_mm.protocol.pipe import recv_report, send_command
+from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.runtime.worker import free_port, worker_main
+from oobleck_mm.verify import compare
+
+pytestmark = pytest.mark.integration
+STEPS = 5
+
+
+def assignment(gen, rank, plan, port, previous=None, previous_ranks=(), save_final="", steps=STEPS):
+    a = pb.Assignment(generation=gen, rank=rank, world_size=plan.world_size, store_host="127.0.0.1",
+                      store_port=port, start_step=0, steps=steps, plan=plan_to_proto(plan),
+                      save_final_dir=save_final)
+    if previous is not None:
+        a.previous_generation = gen - 1
+        a.previous_plan.CopyFrom(plan_to_proto(previous))
+        a.previous_ranks.extend(previous_ranks)
+    return pb.WorkerCommand(assignment=a)
+
+
+def reports_until(conn, predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            report = recv_report(conn)
+            seen.append(report)
+            if predicate(report):
+                return seen
+    raise AssertionError(f"timed out; saw {[r.WhichOneof('report') for r in seen]}")
+
+
+def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=STEPS)
+    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="1s")
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(d))
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    gen1 = ExecutionPlan.even(10, [2, 2], [4, 4], 2)  # ranks 0,1 | 2,3
+    pipes, procs = [], []
+    try:
+        for rank in range(4):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(child, str(config), f"node{rank}", 0), daemon=True)
+            p.start()
+            pipes.append(parent)
+            procs.append(p)
+        for rank, conn in enumerate(pipes):
+            send_command(conn, assignment(1, rank, gen1, port))
+        # let step 1 complete everywhere, then kill rank 3 (last stage of pipeline 1)
+        for conn in pipes:
+            reports_until(conn, lambda r: r.WhichOneof("report") == "metrics" and r.metrics.step == 1)
+        os.kill(procs[3].pid, signal.SIGKILL)
+        started = time.monotonic()
+        time.sleep(1.0)  # the master's detection (heartbeat timeout 1 s; a killed agent's stream closes at once)
+        # generation 2: rank 2 alone is a 1-stage pipeline and needs layers 5-9 from rank 1
+        gen2 = ExecutionPlan(
+            (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
+            10, 2,
+        )
+        final = tmp_path / "final"
+        for rank in range(3):
+            send_command(pipes[rank], assignment(2, rank, gen2, port, previous=gen1, previous_ranks=[0, 1, 2],
+                                                 save_final=str(final)))
+        aborted = {}
+        for rank in range(3):
+            seen = reports_until(pipes[rank], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "aborted")
+            aborted[rank] = seen[-1].phase.step
+        unblocked_s = time.monotonic() - started
+        # heartbeat timeout (1 s) + the process group's timeout margin (5 s)
+        assert unblocked_s < 6.5, f"survivors took {unblocked_s:.1f} s to give up the iteration"
+        phases = {}
+        for rank in range(3):
+            seen = reports_until(pipes[rank], lambda r: r.WhichOneof("report") == "done")
+            phases[rank] = [r.phase.phase for r in seen if r.WhichOneof("report") == "phase"]
+            steps = [r.metrics.step for r in seen if r.WhichOneof("report") == "metrics"]
+            assert steps == list(range(min(aborted.values()), STEPS)), (rank, steps, aborted)
+        assert all(p == ["rendezvous", "states_copied", "resumed"] for p in phases.values()), phases
+        for conn in pipes[:3]:
+            send_command(conn, pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")))
+        for p in procs:
+            p.join(20)
+        assert [p.exitcode for p in procs[:3]] == [0, 0, 0]
+        from oobleck_mm.config import load_config
+
+        worst, where = compare(load_config(config), STEPS, str(final), progress=lambda line: None)
+        assert worst < 1e-9, where
+        hashes = [yaml.safe_load((final / "replicas" / f"rank{r}.json").read_text()) for r in range(3)]
+        for layer in hashes[2]:  # rank 2 holds every layer; each replica must be identical
+            assert all(h[layer] == hashes[2][layer] for h in hashes if layer in h)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        del store
