@@ -19,10 +19,12 @@ failure to the start of the first run of the interrupted step afterwards:
 the wait for detection and recovery plus the abandoned iteration's work, and,
 under checkpoint-restart, the steps redone since the checkpoint.
 
-Phase events may be written once per worker: a phase is done when its last
-worker is done (the latest ``ts`` of that generation). Bytes of per-worker
-``states_copied`` events count every byte twice (its sender and its receiver,
-as ``runtime/state_transfer.py`` counts ``moved``), so their sum is halved.
+Phase events may be written once per worker or once per generation: a phase is
+done when its last worker is (the latest ``ts`` of that generation). The
+``bytes`` of ``states_copied``, per worker or the master's sum over workers,
+count every byte twice (at its sender and its receiver, as
+``runtime/state_transfer.py`` counts ``moved``), so the report halves them; an
+event that carries ``bytes_transferred`` (each byte once) is taken as is.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ Event = Mapping[str, Any]
 
 PHASE_ALIASES = {"rendezvous": "rendezvous_done", "detected": "lost", "joined": "registered"}
 """Spellings of the same phase (a worker's ``PhaseDone.phase`` vs. the master's event names)."""
-_PER_WORKER_FIELDS = ("rank", "local_rank", "node")
 _SAME_MOMENT_S = 0.2
 """Injections without a ``batch`` this close together are one incident."""
 
@@ -237,13 +238,17 @@ def _chain(start: float, chain: list[tuple[str, float | None]]) -> dict[str, flo
 
 
 def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float | None]:
+    """(bytes transferred, each once; the slowest worker's copy seconds) of a generation."""
     copies = [e for e in events if phase_name(e) == "states_copied"
               and (generation is None or e.get("generation", generation) == generation)]  # fmt: skip
     if generation is None or not copies:
         return None, None
-    total = sum(int(e.get("bytes", 0) or 0) for e in copies)
-    if any(f in e for e in copies for f in _PER_WORKER_FIELDS):
-        total //= 2  # each byte reported by its sender and its receiver
+    if all("bytes_transferred" in e for e in copies):
+        total = sum(int(e["bytes_transferred"] or 0) for e in copies)
+    else:
+        # Workers count a byte where it is sent and where it is received (state_transfer's ``moved``),
+        # whether one event per worker or the master's sum over them: each byte twice.
+        total = sum(int(e.get("bytes", 0) or 0) for e in copies) // 2
     seconds = max((float(e.get("seconds", 0) or 0) for e in copies), default=0.0)
     return total, seconds or None
 

@@ -67,7 +67,7 @@ def test_one_kill_is_broken_into_its_phases():
     assert row.decide_s == pytest.approx(t["plan"] - t["lost"])
     assert row.rendezvous_s == pytest.approx(0.3), "the last worker's rendezvous ends the phase"
     assert row.copy_s == pytest.approx(0.2)
-    assert row.copy_bytes == 2_000_000, "per-worker byte counts are halved (sender + receiver)"
+    assert row.copy_bytes == 2_000_000, "byte counts are halved (each counted by its sender and its receiver)"
     assert row.copy_mb_per_s == pytest.approx(2.0 / 0.1), "MB/s over the slowest worker's copy time"
     assert row.resume_s == pytest.approx(0.3)
     assert row.abandoned_s == pytest.approx(0.1)
@@ -146,7 +146,7 @@ def test_losses_nobody_injected_joins_and_a_job_that_ended_below_threshold():
     log.at(end + 0.1, "injected", kind="join", node="node2", batch=1)
     log.at(end + 2.0, "registered", node="node2", spare=True)
     log.at(end + 2.3, "plan_decided", generation=2, nodes=["node0", "node1", "node2"])
-    log.at(end + 2.9, "states_copied", generation=2, bytes=5_000_000)  # one aggregate event: not halved
+    log.at(end + 2.9, "states_copied", generation=2, bytes_transferred=5_000_000, bytes=10_000_000)
     end2 = log.steps(2, 2, 2, end + 3.0)
     log.at(end2 + 0.2, "lost", node="node0", reason="worker_exited", generation=2)
     log.at(end2 + 0.4, "lost", node="node1", reason="worker_exited", generation=2)
@@ -192,3 +192,19 @@ def test_summarize_reads_a_real_event_log_file(tmp_path):
     assert len(read_events(path)) == len(log.events)
     text = summarize(str(path))
     assert "kill" in text and "node1" in text and "stream_closed" in text
+
+
+def test_the_masters_one_event_per_phase_is_read_like_per_worker_events():
+    log, _ = one_kill()
+    per_worker = recovery_rows(log.events)[0]
+    merged = [e for e in log.events if e["event"] not in ("rendezvous_done", "states_copied", "resumed")]
+    copies = [e for e in log.events if e["event"] == "states_copied"]
+    last = {name: max((e for e in log.events if e["event"] == name), key=lambda e: e["ts"])
+            for name in ("rendezvous_done", "states_copied", "resumed")}  # fmt: skip
+    for name, e in last.items():
+        fields = {"generation": 2, "seconds": 0.1, "cause": "lost"}
+        if name == "states_copied":
+            fields["bytes"] = sum(c["bytes"] for c in copies)  # progress.py sums the workers' counts
+        merged.append({"ts": e["ts"], "event": name, **fields})
+    [row] = recovery_rows(merged)
+    assert row == per_worker
