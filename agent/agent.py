@@ -9,8 +9,10 @@ main thread, in the order the inbox delivers it:
   timeout (or a master that no longer knows this node) goes into the inbox.
 - ``reports``: reads every worker pipe and forwards reports to the master.
 - the main thread: starts workers (one per GPU, on their first assignment),
-  hands later assignments over their pipes, checks them with psutil every
-  heartbeat interval, and on any exit path kills every worker tree.
+  hands later assignments (and checkpoint commands) over their pipes, checks
+  them with psutil every heartbeat interval, kills and forgets them all on
+  ``RestartWorkers`` (restart-mode recovery: the next assignment starts fresh
+  ones), and on any exit path kills every worker tree.
 
 Exit codes: 0 after the master's Shutdown, 1 when the master is lost, a worker
 fails or a signal arrives, 2 when the master refuses the agent (token, name).
@@ -160,6 +162,15 @@ class Agent:
             return EXIT_OK
         if which == "assignment":
             self._assign(event.assignment.local_rank, event.assignment.assignment)
+        elif which == "checkpoint":
+            # Every worker of the node writes its share; each answers CheckpointDone on its own.
+            command = pb.WorkerCommand(checkpoint=event.checkpoint)
+            for worker in list(self.workers.values()):
+                worker.send(command)
+        elif which == "restart":
+            # Restart-mode recovery: fresh processes (started by the next assignment) load the checkpoint.
+            log.warning("restarting the node's workers: %s", event.restart.reason)
+            self._kill_workers()
         return None
 
     def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:

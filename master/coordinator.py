@@ -1,16 +1,23 @@
-"""The job's state machine on the master: node registry, planning, assignments, progress, completion.
+"""The job's state machine on the master: node registry, generations, recovery, checkpoints, completion.
 
 No gRPC here: ``master.service`` calls these methods from its handler threads
 and turns ``Refused`` into status codes. Handlers only record what they saw;
 the decisions (who is lost, when to plan, when the job ends) are taken by
 ``tick``, which one control thread calls in a loop, so they happen in one order.
-Planning itself runs in a helper process (``master.planning``) while the
-control thread goes on detecting failures.
+Planning runs in a helper process (``master.planning``) while the control
+thread goes on detecting failures; what to plan is decided by the pure
+functions of ``master.recovery``.
 
 Phases: ``waiting`` (for ``num_nodes`` agents with open streams) -> ``running``
-(generation 1 assigned) -> ``finished`` (exit code decided). A node that joins
-while running is registered as a spare; a planned node lost while running ends
-the job with exit 1 until live reconfiguration lands (issue 5).
+(generation 1 and every later one) -> ``checkpointing`` (too few nodes left:
+the survivors write their layers) -> ``finished`` (exit code decided).
+
+While running, whenever the live nodes differ from the current generation's
+(a node lost, a node joined), the master plans a new generation from the
+*base* the survivors hold (``recovery.plan_request``), checks that nothing
+changed while it planned, and sends every worker its ``Assignment``. Joins
+wait until the current generation completed a step. With ``recovery:
+restart`` a lost node instead restarts every worker from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -23,15 +30,27 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable
 
 import yaml
 
+from master import checkpointing
+from master.assignments import Sending, build_assignments
 from master.detector import WORKER_FAILED, NodeHealth, detect_failures
-from master.planning import plan_inline
+from master.planning import InlinePlanner
+from master.progress import Incident, Progress, layout_summary
+from master.recovery import (
+    Gpu,
+    GenerationView,
+    Holdings,
+    Request,
+    StateLost,
+    plan_request,
+    previous_ranks,
+    states_to_move,
+)
 from oobleck_mm.events import EventLog
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.protocol.convert import plan_to_proto
 from oobleck_mm.runtime.layout import ExecutionPlan
 
 log = logging.getLogger(__name__)
@@ -40,10 +59,8 @@ END_OF_STREAM = None
 """Put on a node's outbox to end its Subscribe stream."""
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-PlanSubmitter = Callable[[str, Sequence[str]], Future]
-"""(job YAML, node names) -> future of ``master.planning.plan_nodes``'s result."""
+WAITING, RUNNING, CHECKPOINTING, FINISHED = "waiting", "running", "checkpointing", "finished"
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_NO_REPLICAS = 0, 1, 2, 3
 
 
 class Refused(Exception):
@@ -60,6 +77,24 @@ class Finish:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How this run starts, saves and recovers (``oobleck-launch master|local`` flags)."""
+
+    resume_dir: str = ""
+    """Absolute checkpoint directory the first generation loads (``--resume``)."""
+    resume_step: int = 0
+    save_final_dir: str = ""
+    checkpoint_root: str = "."
+    """Where below-threshold checkpoints (and restart mode's) are written."""
+    recovery: str = "live"
+    """``live`` or ``restart``."""
+    checkpoint_interval: int = 0
+    """Restart mode: steps between checkpoints."""
+    resume_command: str = "oobleck-launch local --config CONFIG"
+    """Printed, followed by ``--resume DIR``, when the job stops below the threshold."""
+
+
 @dataclass(slots=True)
 class _Node:
     name: str
@@ -74,17 +109,19 @@ class _Node:
     """The master ended the stream itself (shutdown, declared lost): its end is no failure."""
     worker_failure: str | None = None
     detail: str = ""
-    spare: bool = False
 
     def health(self) -> NodeHealth:
         closed = self.stream == "closed" and not self.closing
         return NodeHealth(self.last_heartbeat, closed, self.worker_failure, self.detail)
 
 
-def layout_summary(plan: ExecutionPlan) -> str:
-    stages = ",".join(str(len(p.stages)) for p in plan.pipelines)
-    mbs = ",".join(str(p.num_microbatches) for p in plan.pipelines)
-    return f"{len(plan.pipelines)} pipelines (stages {stages}; microbatches {mbs})"
+@dataclass(frozen=True, slots=True)
+class _Generation:
+    view: GenerationView
+    plan: Any
+    """The planning ``Plan`` (the next reconfiguration starts from it)."""
+    template_nodes: int
+    """Node count the planner's templates were built for."""
 
 
 class Coordinator:
@@ -99,18 +136,24 @@ class Coordinator:
         events: EventLog,
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[str], None] = print,
-        submit_plan: PlanSubmitter = plan_inline,
+        planner=None,
+        options: RunOptions = RunOptions(),
     ) -> None:
         self.job = job
         self.num_nodes = num_nodes
         self.steps = steps
-        self.store_host = store_host
-        self.store_port = store_port
         self.events = events
         self.clock = clock
-        self.progress = progress
-        self.submit_plan = submit_plan
+        self.say = progress
+        self.planner = planner or InlinePlanner()
+        self.options = options
         self.timeout = job.fault_tolerance.heartbeat_timeout
+        restart = options.recovery == "restart"
+        self.sending = Sending(
+            store_host=store_host, store_port=store_port, steps=steps, save_final_dir=options.save_final_dir,
+            checkpoint_interval=options.checkpoint_interval if restart else 0,
+            checkpoint_dir=f"{options.checkpoint_root}/checkpoints" if restart else "",
+        )  # fmt: skip
         # What the workers read: the job with its overrides and absolute paths, whatever their file system.
         self.config_yaml = yaml.safe_dump(job.to_dict(), sort_keys=False)
         self.phase = WAITING
@@ -121,12 +164,21 @@ class Coordinator:
         self._changed = threading.Condition(self._lock)
         self._nodes: dict[str, _Node] = {}  # live nodes only
         self._registrations = 0
-        self._ranks: dict[tuple[str, int], int] = {}
-        self._step_reports: dict[int, dict[int, pb.StepMetrics]] = {}
-        self._done_ranks: set[int] = set()
+        self._gens: dict[int, _Generation] = {}
+        self._holdings: dict[Gpu, Holdings] = {}
+        self._done: dict[Gpu, tuple[int, int]] = {}
+        """(node, gpu) -> (generation, last step) of its WorkerDone."""
+        self._reported: dict[Gpu, int] = {}
+        """(node, gpu) -> generation of its latest metrics or phase report."""
+        self._next_step = options.resume_step
+        self._planning: tuple[Request, Future] | None = None
+        self._incident: Incident | None = None
+        self._round: checkpointing.CheckpointRound | None = None
+        self._last_checkpoint: tuple[str, int] | None = None
+        self._restarted_for = 0
         self._started_at = 0.0
-        self._planning: tuple[list[str], Future] | None = None
         self._last_detect: float | None = None
+        self._progress = Progress(events, steps, progress)
 
     # ------------------------------------------------------------------ calls from agents
     def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str) -> tuple[int, int]:
@@ -143,16 +195,16 @@ class Coordinator:
                 )  # fmt: skip
             if node in self._nodes:
                 self._refuse("ALREADY_EXISTS", peer, "Register", f"node name {node!r} is already registered")
-            if self.phase == FINISHED:
-                self._refuse("FAILED_PRECONDITION", peer, "Register", "the job has finished")
-            spare = self.phase == RUNNING
+            if self.phase in (FINISHED, CHECKPOINTING):
+                self._refuse("FAILED_PRECONDITION", peer, "Register", f"the job is {self.phase}")
+            spare = self.phase != WAITING
             session = secrets.randbits(62)
-            self._nodes[node] = _Node(node, session, want, self._registrations, self.clock(), spare=spare)
+            self._nodes[node] = _Node(node, session, want, self._registrations, self.clock())
             self._registrations += 1
             self.events.write(
                 "registered", node=node, gpus=want, memory_bytes=memory_bytes, pid=pid, peer=peer, spare=spare
             )
-            log.info("registered %s (%d GPUs) from %s%s", node, want, peer, " as a spare" if spare else "")
+            log.info("registered %s (%d GPUs) from %s%s", node, want, peer, " (joins the job)" if spare else "")
             self._changed.notify_all()
             return session, want
 
@@ -182,11 +234,17 @@ class Coordinator:
     def worker_report(self, node: str, session: int, local_rank: int, report: pb.WorkerReport) -> None:
         with self._lock:
             entry = self._live(node, session)
+            gpu = (node, local_rank)
             kind = report.WhichOneof("report")
             if kind == "metrics":
-                self._on_metrics(report.metrics)
+                self._on_metrics(gpu, report.metrics)
+            elif kind == "phase":
+                self._on_phase(gpu, report.phase)
+            elif kind == "checkpoint_done":
+                self._on_checkpoint_done(gpu, report.checkpoint_done)
             elif kind == "done":
-                self._on_done(node, local_rank, report.done.step)
+                # WorkerDone names no generation: it ends the one the worker last reported from.
+                self._done[gpu] = (self._reported.get(gpu, 0), report.done.step)
             elif kind == "failed":
                 entry.worker_failure = WORKER_FAILED
                 entry.detail = f"local rank {local_rank}: {report.failed.message}"
@@ -208,21 +266,20 @@ class Coordinator:
 
     # ------------------------------------------------------------------ the control thread
     def tick(self) -> Finish | None:
-        """Detects failures, plans when enough nodes are in, and says whether the job is over.
-
-        Planning runs elsewhere (``submit_plan``): this thread keeps detecting
-        failures meanwhile and applies the plan once it is ready.
-        """
+        """Detects failures, plans when membership changed, applies finished plans, says whether the job is over."""
         with self._lock:
             if self.phase != FINISHED:
                 self._detect()
-            if self.phase == WAITING and self._planning is None and (names := self._ready_nodes()):
-                self._planning = (names, self.submit_plan(self.config_yaml, names))
-                self._planning[1].add_done_callback(lambda _: self._wake())
+            if self.phase in (WAITING, RUNNING) and self._planning is None:
+                self._maybe_plan()
             if self._planning is not None and self._planning[1].done():
-                names, future = self._planning
+                request, future = self._planning
                 self._planning = None
-                self._apply_plan(names, future)
+                self._apply(request, future)
+            if self.phase == RUNNING and self._planning is None:
+                self._check_done()
+            if self.phase == CHECKPOINTING:
+                self._check_round()
             return self.finish_result
 
     def _wake(self) -> None:
@@ -241,7 +298,9 @@ class Coordinator:
             self.phase = FINISHED
             self.finish_result = Finish(exit_code, message)
             for entry in self._nodes.values():
-                self._close(entry, message)
+                entry.closing = True
+                entry.outbox.put(pb.AgentEvent(shutdown=pb.Shutdown(reason=message)))
+                entry.outbox.put(END_OF_STREAM)
             self.events.write("shutdown", exit_code=exit_code, reason=message)
             self._changed.notify_all()
 
@@ -256,7 +315,7 @@ class Coordinator:
                 self._changed.wait(left)
         return True
 
-    # ------------------------------------------------------------------ internals (lock held)
+    # ------------------------------------------------------------------ registry internals (lock held)
     def _live(self, node: str, session: int) -> _Node:
         entry = self._nodes.get(node)
         if entry is None or entry.session != session:
@@ -267,10 +326,12 @@ class Coordinator:
         self.refused(peer, method, reason)
         raise Refused(code, reason)
 
-    def _close(self, entry: _Node, reason: str) -> None:
-        entry.closing = True
-        entry.outbox.put(pb.AgentEvent(shutdown=pb.Shutdown(reason=reason)))
-        entry.outbox.put(END_OF_STREAM)
+    def _live_names(self) -> list[str]:
+        """Nodes that can take part now, in registration order."""
+        return [n.name for n in sorted(self._nodes.values(), key=lambda n: n.order) if n.stream == "open"]
+
+    def _send(self, node: str, event: pb.AgentEvent) -> None:
+        self._nodes[node].outbox.put(event)
 
     def _detect(self) -> None:
         now = self.clock()
@@ -298,99 +359,262 @@ class Coordinator:
 
     def _declare_lost(self, name: str, reason: str, detail: str) -> None:
         entry = self._nodes.pop(name)
-        in_plan = any(node == name for node, _ in self._ranks)
+        current = self._gens.get(self.generation)
+        in_plan = current is not None and name in current.view.nodes
         self.events.write(
             "lost", node=name, reason=reason, detail=detail, phase=self.phase, in_plan=in_plan,
             generation=self.generation,
         )  # fmt: skip
         log.warning("node %s lost: %s (%s)", name, reason, detail)
-        self._close(entry, f"node {name} declared lost: {reason}")
+        # Its state is gone with it; a node coming back under this name starts empty.
+        for gpu in [g for g in self._holdings if g[0] == name]:
+            del self._holdings[gpu]
+        for table in (self._done, self._reported):
+            for gpu in [g for g in table if g[0] == name]:
+                del table[gpu]
+        # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
+        # the stream frees the handler thread; a live agent reads the end as "master gone" and
+        # stops its workers, which is what a node declared lost must do.
+        entry.closing = True
+        entry.outbox.put(END_OF_STREAM)
         if self.phase == RUNNING and in_plan:
-            self.finish(
-                1,
-                f"node {name} lost ({reason}: {detail}); live reconfiguration is not implemented yet "
-                "(issue 5), so the job stops",
-            )
+            self.say(f"node {name} lost ({reason}); planning generation {self.generation + 1}")
+            if self._incident is None or self._incident.cause != "lost":
+                self._incident = Incident.now("lost", [name])
+            else:
+                self._incident = Incident("lost", (*self._incident.nodes, name), self._incident.detected_ts,
+                                          self._incident.detected_mono)  # fmt: skip
+        elif self.phase == CHECKPOINTING:
+            self._round_lost(name)
 
-    def _ready_nodes(self) -> list[str] | None:
-        open_nodes = sorted((n for n in self._nodes.values() if n.stream == "open"), key=lambda n: n.order)
-        if len(open_nodes) < self.num_nodes:
-            return None
-        return [n.name for n in open_nodes[: self.num_nodes]]
+    # ------------------------------------------------------------------ deciding what to plan
+    def _views(self) -> dict[int, GenerationView]:
+        return {number: g.view for number, g in self._gens.items()}
 
-    def _on_metrics(self, m: pb.StepMetrics) -> None:
-        if self.plan is None or m.generation != self.generation or not 0 <= m.rank < self.plan.world_size:
-            return  # a late report of an older generation
-        reports = self._step_reports.setdefault(m.step, {})
-        reports[m.rank] = m
-        if len(reports) == self.plan.world_size:
-            del self._step_reports[m.step]
-            self._print_step(m.step, list(reports.values()))
+    def _wanted(self) -> Request | StateLost | None:
+        """What the next plan must account for now (None: nothing to plan)."""
+        live = self._live_names()
+        if self.phase == WAITING:
+            if len(live) < self.num_nodes:
+                return None
+            names = tuple(live[: self.num_nodes])
+            return Request(base=0, lost=(), joined=names, live=names, failure=False)
+        current = self._gens[self.generation].view
+        if self.options.recovery == "restart":
+            if all(n in live for n in current.nodes):
+                return None  # joins wait for the next restart: restarting for them would redo steps
+            return Request(base=0, lost=(), joined=tuple(live), live=tuple(live), failure=True)
+        wanted, _ = plan_request(current, self._views(), self._holdings, live)
+        if isinstance(wanted, Request) and not wanted.failure and self._next_step >= self.steps:
+            return None  # every step is done: a node joining now has nothing left to train
+        return wanted
 
-    def _print_step(self, step: int, reports: list[pb.StepMetrics]) -> None:
-        first = min(reports, key=lambda r: r.rank)
-        slowest = max(r.step_time_s for r in reports)
-        self.events.write(
-            "step", generation=self.generation, step=step, loss=first.loss, samples_per_s=first.samples_per_s,
-            step_time_s=slowest, forward_s=max(r.forward_s for r in reports),
-            backward_s=max(r.backward_s for r in reports), comm_s=max(r.comm_s for r in reports),
-        )  # fmt: skip
-        assert self.plan is not None
-        self.progress(
-            f"step {step + 1}/{self.steps}  loss {first.loss:.4f}  {first.samples_per_s:.1f} samples/s  "
-            f"{slowest:.3f} s/step  gen {self.generation}: {layout_summary(self.plan)}"
-        )
-
-    def _on_done(self, node: str, local_rank: int, step: int) -> None:
-        rank = self._ranks.get((node, local_rank))
-        if rank is None or self.phase != RUNNING:
+    def _maybe_plan(self) -> None:
+        wanted = self._wanted()
+        if wanted is None:
             return
-        self._done_ranks.add(rank)
-        if self.plan is not None and len(self._done_ranks) == self.plan.world_size:
-            seconds = time.monotonic() - self._started_at
-            self.events.write("done", generation=self.generation, steps=self.steps, last_step=step, seconds=seconds)
-            self.finish(0, f"done: {self.steps} steps in {seconds:.1f} s")
+        if isinstance(wanted, StateLost):
+            self.finish(EXIT_ERROR, f"cannot recover: {wanted.reason}")
+            return
+        if self.phase == RUNNING and self._incident is None:
+            self._incident = Incident.now("joined", wanted.joined)
+        if self.phase == RUNNING and self.options.recovery == "restart":
+            self._restart_workers(wanted.live)
+        if wanted.base == 0:
+            future = self.planner.fresh(self.config_yaml, wanted.live)
+        else:
+            base = self._gens[wanted.base]
+            future = self.planner.reconfigure(self.config_yaml, base.template_nodes, base.plan, wanted.lost,
+                                              wanted.joined)  # fmt: skip
+        self._planning = (wanted, future)
+        future.add_done_callback(lambda _: self._wake())
 
-    # ------------------------------------------------------------------ planning
-    def _apply_plan(self, names: list[str], future: Future) -> None:
-        if self.phase != WAITING:
+    def _restart_workers(self, live: tuple[str, ...]) -> None:
+        """Restart mode: every surviving agent kills its workers and starts fresh ones on the next assignment."""
+        if self._restarted_for == self.generation:
+            return  # already restarted for a failure of this generation
+        self._restarted_for = self.generation
+        reason = f"restart recovery after losing {', '.join(self._incident.nodes) if self._incident else 'a node'}"
+        for node in live:
+            self._send(node, pb.AgentEvent(restart=pb.RestartWorkers(reason=reason)))
+        self._holdings.clear()
+        self._reported.clear()
+        self.events.write("restart", generation=self.generation, nodes=list(live), reason=reason)
+
+    # ------------------------------------------------------------------ applying a plan
+    def _apply(self, request: Request, future: Future) -> None:
+        if self.phase not in (WAITING, RUNNING):
             return
         try:
             result = future.result()
         except Exception as exc:  # the helper process died: nothing the user can fix
-            self.finish(1, f"the planner failed: {exc!r}")
+            self.finish(EXIT_ERROR, f"the planner failed: {exc!r}")
+            return
+        if self._wanted() != request:
+            # Membership or holdings changed while planning: the next tick plans again.
+            self.events.write("plan_discarded", nodes=list(request.live), reason="the job changed while planning")
             return
         if "error" in result:
-            self.finish(2, f"planning {len(names)} nodes failed: {result['error']}")
-            return
-        if any(n not in self._nodes or self._nodes[n].stream != "open" for n in names):
-            # The next tick plans again with the nodes that are there.
-            self.events.write("plan_discarded", nodes=names, reason="a node was lost while planning")
-            return
-        execution = ExecutionPlan.from_dict(result["layout"])
-        self.generation += 1
-        self.plan, self.phase = execution, RUNNING
-        self._ranks = {(node, gpu): rank for node, gpu, rank in result["ranks"]}
-        self._started_at = time.monotonic()
-        self.events.write(
-            "plan_decided", generation=self.generation, nodes=names, layout=result["layout"],
-            describe=execution.describe(), predicted_samples_per_s=result["samples_per_s"],
-            seconds=result["seconds"],
-        )  # fmt: skip
-        self.progress(
-            f"generation {self.generation}: {layout_summary(execution)} on {len(names)} nodes, "
-            f"planned in {result['seconds']:.2f} s: {execution.describe()}"
-        )
-        self._send_assignments(execution)
+            code = EXIT_BAD_INPUT if self.phase == WAITING else EXIT_ERROR
+            self.finish(code, f"planning {len(request.live)} nodes failed: {result['error']}")
+        elif "cannot" in result:
+            self._below_threshold(request, result)
+        else:
+            self._start_generation(request, result)
 
-    def _send_assignments(self, execution: ExecutionPlan) -> None:
-        plan_msg = plan_to_proto(execution)
-        for (node, gpu), rank in sorted(self._ranks.items(), key=lambda kv: kv[1]):
-            assignment = pb.Assignment(
-                generation=self.generation, rank=rank, world_size=execution.world_size,
-                store_host=self.store_host, store_port=self.store_port, start_step=0, steps=self.steps,
-                plan=plan_msg,
-            )  # fmt: skip
-            event = pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu, assignment=assignment))
-            self._nodes[node].outbox.put(event)
-            self.events.write("assignment_sent", generation=self.generation, node=node, local_rank=gpu, rank=rank)
+    def _start_generation(self, request: Request, result: dict) -> None:
+        number = self.generation + 1
+        layout = ExecutionPlan.from_dict(result["layout"])
+        view = GenerationView(number, layout, {(node, gpu): rank for node, gpu, rank in result["ranks"]})
+        base = self._gens[request.base].view if request.base else None
+        holding = [n for n in base.nodes if n not in request.lost] if base else []
+        previous = previous_ranks(view.ranks, base, holding)
+        moved = states_to_move(base.layout if base else None, layout, previous)
+        self._gens[number] = _Generation(view, result["plan"], result["template_nodes"])
+        incident = self._incident if self.phase == RUNNING else None
+        self.generation, self.plan, self.phase = number, layout, RUNNING
+        if number == 1:
+            self._started_at = time.monotonic()
+        self.events.write(
+            "plan_decided", generation=number, nodes=list(view.nodes), layout=result["layout"],
+            describe=layout.describe(), predicted_samples_per_s=result["samples_per_s"], seconds=result["seconds"],
+            previous_generation=request.base, lost=list(request.lost), joined=list(request.joined),
+            layer_states_moved=moved, fresh=result.get("fresh", True), reason=result.get("reason", ""),
+            actions=result.get("actions", []), cause=incident.cause if incident else "start",
+            since_detected_s=incident.since() if incident else None,
+        )  # fmt: skip
+        self.say(
+            f"generation {number}: {layout_summary(layout)} on {len(view.nodes)} nodes, planned in "
+            f"{result['seconds']:.2f} s"
+            + (f" ({moved} layer states to move from generation {request.base})" if request.base else "")
+            + f": {layout.describe()}"
+        )
+        self._progress.start(view, incident)
+        self._send_assignments(view, base, previous)
+
+    def _send_assignments(self, view: GenerationView, base: GenerationView | None, previous: list[int]) -> None:
+        resume_dir, start = self.options.resume_dir, self._next_step
+        if self.options.recovery == "restart" and self._last_checkpoint is not None:
+            resume_dir, start = self._last_checkpoint
+        if base is not None:
+            resume_dir = ""  # survivors carry the state
+        for gpu, assignment in build_assignments(
+            view, self.sending, start_step=start, base=base, previous_ranks=previous if base else None,
+            resume_dir=resume_dir,
+        ):  # fmt: skip
+            event = pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=assignment))
+            self._send(gpu[0], event)
+            self.events.write("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],
+                              rank=assignment.rank, previous_rank=previous[assignment.rank] if base else -1)  # fmt: skip
+
+    # ------------------------------------------------------------------ reports
+    def _rank(self, gpu: Gpu, generation: int) -> int | None:
+        gen = self._gens.get(generation)
+        return None if gen is None else gen.view.ranks.get(gpu)
+
+    def _on_metrics(self, gpu: Gpu, m: pb.StepMetrics) -> None:
+        self._reported[gpu] = max(self._reported.get(gpu, 0), m.generation)
+        self._holdings[gpu] = self._holdings.get(gpu, Holdings()).completed_step(m.generation)
+        self._next_step = max(self._next_step, m.step + 1)
+        self._progress.metrics(m)
+
+    def _on_phase(self, gpu: Gpu, p: pb.PhaseDone) -> None:
+        self._reported[gpu] = max(self._reported.get(gpu, 0), p.generation)
+        holdings = self._holdings.get(gpu, Holdings())
+        if p.phase == "states_copied":
+            self._holdings[gpu] = holdings.adopted(p.generation)
+        elif p.phase == "resumed":
+            self._holdings[gpu] = holdings.completed_step(p.generation)
+        self._progress.phase(gpu[0], gpu[1], self._rank(gpu, p.generation), p)
+
+    def _on_checkpoint_done(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
+        if self.phase == CHECKPOINTING and self._round is not None:
+            self._round.record(gpu, done)
+            return
+        # Restart mode's periodic checkpoints: one report means all ranks passed the closing barrier.
+        if done.step > 0 and (self._last_checkpoint is None or done.step > self._last_checkpoint[1]):
+            self._last_checkpoint = (done.dir, done.step)
+            self.events.write("checkpoint_saved", dir=done.dir, step=done.step, generation=self.generation)
+
+    def _check_done(self) -> None:
+        current = self._gens.get(self.generation)
+        if current is None or self._wanted() is not None:
+            return  # a new generation is due: whoever finished will run it
+        finished = (self.generation, self.steps - 1)
+        if all(self._done.get(gpu, (0, -1)) >= finished for gpu in current.view.ranks):
+            seconds = time.monotonic() - self._started_at
+            self.events.write("done", generation=self.generation, steps=self.steps, last_step=self.steps - 1,
+                              seconds=seconds)  # fmt: skip
+            self.finish(EXIT_OK, f"done: {self.steps} steps in {seconds:.1f} s")
+
+    # ------------------------------------------------------------------ below the threshold
+    def _below_threshold(self, request: Request, result: dict) -> None:
+        why = f"{result['cannot']} (live nodes {result['live']}, need {result['needed']})"
+        self.events.write("below_threshold", live=result["live"], needed=result["needed"], reason=result["cannot"])
+        if self.phase == WAITING:
+            self.finish(EXIT_BAD_INPUT, f"planning {len(request.live)} nodes failed: {why}")
+            return
+        if self.options.recovery == "restart":
+            self._stop_below_threshold(why, self._last_checkpoint)
+            return
+        if request.base == 0:
+            self._stop_below_threshold(why, None, "no worker had completed a step")
+            return
+        gen = self._gens[request.base].view
+        writers = tuple(n for n in gen.nodes if n not in request.lost)
+        directory = checkpointing.new_checkpoint_dir(self.options.checkpoint_root, self.generation)
+        wait = 2 * self.timeout.total_seconds() + 60.0  # survivors may first wait out a hung peer
+        self._round = checkpointing.CheckpointRound(directory, gen, writers, why, time.monotonic() + wait)
+        self.phase = CHECKPOINTING
+        self._send_round()
+        self.say(f"only {result['live']} nodes left, {result['needed']} needed for f+1 replicas: "
+                 f"checkpointing generation {gen.number} to {directory}")  # fmt: skip
+
+    def _send_round(self) -> None:
+        assert self._round is not None
+        r = self._round
+        self.events.write("checkpoint_requested", dir=r.directory, generation=r.gen.number, writers=list(r.writers),
+                          surviving_ranks=r.surviving)  # fmt: skip
+        for node in r.writers:
+            self._send(node, r.command())
+
+    def _round_lost(self, node: str) -> None:
+        if self._round is None or node not in self._round.writers:
+            return
+        again = self._round.without(node)
+        if again is None:
+            self.finish(EXIT_ERROR, f"node {node} was lost while checkpointing and took the last copy of some "
+                                    f"layers with it; the model state is gone")  # fmt: skip
+            return
+        self._round = again
+        self._send_round()  # the remaining writers now own the lost node's layers
+
+    def _check_round(self) -> None:
+        r = self._round
+        assert r is not None
+        if not r.complete():
+            if time.monotonic() > r.deadline:
+                self.finish(EXIT_ERROR, f"the checkpoint to {r.directory} did not complete: "
+                                        f"{len(r.reports)} of {len(r.expected())} workers answered")  # fmt: skip
+            return
+        step, problem = r.step()
+        if step is None:
+            self.finish(EXIT_ERROR, f"the checkpoint to {r.directory} is inconsistent: {problem}")
+            return
+        checkpointing.write_meta(r.directory, self.job, step)
+        layers = sum(d.layers for d in r.reports.values())
+        self.events.write("checkpoint_written", dir=r.directory, step=step, layers=layers,
+                          seconds=time.monotonic() - r.started, generation=r.gen.number)  # fmt: skip
+        self._stop_below_threshold(r.reason, (r.directory, step))
+
+    def _stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "") -> None:
+        if checkpoint is not None:
+            directory, step = checkpoint
+            message = (f"cannot keep f+1 replicas: {why}. Checkpoint of step {step} written to {directory}; "
+                       f"resume with: {self.options.resume_command} --resume {directory}")  # fmt: skip
+        elif self.options.resume_dir:
+            message = (f"cannot keep f+1 replicas: {why}. No step was completed since the resume; resume again "
+                       f"with: {self.options.resume_command} --resume {self.options.resume_dir}")  # fmt: skip
+        else:
+            message = f"cannot keep f+1 replicas: {why}. No checkpoint to resume from{': ' + detail if detail else ''}"
+        self.finish(EXIT_NO_REPLICAS, message)

@@ -2,8 +2,11 @@
 
 The same code as a real cluster, only on loopback: each agent is a separate
 process with its own workers (one CPU process per simulated GPU), so killing
-an agent here is killing a node. Every child is killed on the way out,
-including on Ctrl-C or when the launcher itself fails.
+an agent here is killing a node. Faults are injected with real signals by
+``oobleck_mm.faults`` (``--inject``, ``--trace``), which finds processes and
+starts joining nodes through ``agent_pids`` and ``start_agent``. Every child is
+killed on the way out, including on Ctrl-C or when the launcher itself fails,
+and at the end the run's recovery table is printed and its throughput plotted.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import psutil
 
@@ -30,17 +35,30 @@ class LocalOptions:
     event_log: str | None = None
     worker_target: str | None = None
     """Overrides the agents' worker entry point ("module:function"); for development."""
+    resume_dir: str = ""
+    save_final_dir: str = ""
+    resume_command: str = "oobleck-launch local --config CONFIG"
+    faults: Sequence = ()
+    """``oobleck_mm.faults.FaultEvent`` values to inject (``--inject``, ``--trace``)."""
+    report: bool = True
+    """Print the recovery table and write ``throughput.png`` in the run dir at the end."""
 
 
 class LocalCluster:
-    def __init__(self, job, options: LocalOptions) -> None:
+    def __init__(self, job, options: LocalOptions, progress=print) -> None:
         self.job = job
         self.options = options
-        self.server = MasterServer(
-            job, MasterOptions(host="127.0.0.1", port=0, run_dir=options.run_dir, event_log=options.event_log)
-        )
-        self.agents: list[tuple[str, subprocess.Popen, str]] = []
+        master = MasterOptions(
+            host="127.0.0.1", port=0, run_dir=options.run_dir, event_log=options.event_log,
+            resume_dir=options.resume_dir, save_final_dir=options.save_final_dir,
+            resume_command=options.resume_command,
+        )  # fmt: skip
+        self.server = MasterServer(job, master, progress=progress)
+        self.agents: dict[str, tuple[subprocess.Popen, str]] = {}
+        self._agents_lock = threading.Lock()  # the injector thread starts joining nodes
         self._signal: int | None = None
+        self.injector = None
+        self.summary = ""
 
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -49,17 +67,25 @@ class LocalCluster:
             print(f"master on {self.server.address}; run dir {self.server.run_dir}; "
                   f"event log {self.server.event_log_path}", flush=True)  # fmt: skip
             for i in range(self.job.cluster.nodes):
-                self._start_agent(f"node{i}")
+                self.start_agent(f"node{i}")
+            self._start_injector()
             code = self._wait()
+            if self.injector is not None:
+                self.injector.stop(kill_stopped=True)  # hung nodes never exit by themselves
             self._wait_agents(self.job.fault_tolerance.heartbeat_timeout.total_seconds() + 2.0)
             return code
         finally:
+            if self.injector is not None:
+                self.injector.stop(kill_stopped=True)
             self._kill_agents()
             self.server.stop()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+            self._report()
 
-    def _start_agent(self, node: str) -> None:
+    # ------------------------------------------------------------------ what the fault injector uses
+    def start_agent(self, node: str) -> None:
+        """Starts ``oobleck-launch agent`` for ``node`` (a new name: a joining node)."""
         env = dict(os.environ)
         # One torch thread per simulated GPU unless the user chose otherwise: N workers share this CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -68,9 +94,33 @@ class LocalCluster:
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
         log_path = os.path.join(self.server.run_dir, f"agent-{node}.log")
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        self.agents.append((node, proc, log_path))
+        with self._agents_lock:
+            if node in self.agents and self.agents[node][0].poll() is None:
+                raise ValueError(f"node {node} is already running")
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            self.agents[node] = (proc, log_path)
+
+    def agent_pids(self) -> dict[str, int]:
+        """node -> agent pid, for every agent started (dead ones included)."""
+        with self._agents_lock:
+            return {node: proc.pid for node, (proc, _) in self.agents.items()}
+
+    def log_paths(self) -> list[str]:
+        with self._agents_lock:
+            return [path for _, path in self.agents.values()]
+
+    # ------------------------------------------------------------------ internals
+    def _start_injector(self) -> None:
+        if not self.options.faults:
+            return
+        from oobleck_mm.faults.injector import Injector
+
+        self.injector = Injector(
+            list(self.options.faults), event_log_path=self.server.event_log_path, events=self.server.events,
+            agents=self.agent_pids, start_agent=self.start_agent,
+        )  # fmt: skip
+        self.injector.start()
 
     def _wait(self) -> int:
         while (code := self.server.wait(0.2)) is None:
@@ -78,7 +128,9 @@ class LocalCluster:
                 self.server.finish(1, f"interrupted by {signal.Signals(self._signal).name}")
                 self._signal = None
             coordinator = self.server.coordinator
-            for node, proc, log_path in self.agents:
+            with self._agents_lock:
+                agents = list(self.agents.items())
+            for node, (proc, log_path) in agents:
                 # Before the plan a dead agent is never missed by the master: it would wait forever.
                 if proc.poll() is not None and coordinator is not None and coordinator.phase == WAITING:
                     self.server.finish(1, f"agent {node} exited with code {proc.returncode} before the job "
@@ -87,32 +139,53 @@ class LocalCluster:
 
     def _wait_agents(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for _, proc, _ in self.agents:
+        with self._agents_lock:
+            procs = [proc for proc, _ in self.agents.values()]
+        for proc in procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
 
     def _kill_agents(self) -> None:
-        for node, proc, _ in self.agents:
+        with self._agents_lock:
+            agents = list(self.agents.items())
+        for node, (proc, _) in agents:
             if proc.poll() is None:
                 log.warning("agent %s still running; stopping it", node)
                 _stop_tree(proc)
 
-    def log_paths(self) -> list[str]:
-        return [path for _, _, path in self.agents]
+    def _report(self) -> None:
+        if not self.options.report or not os.path.exists(self.server.event_log_path):
+            return
+        try:
+            from oobleck_mm.faults.report import summarize
+
+            plot = os.path.join(self.server.run_dir, "throughput.png")
+            self.summary = summarize(self.server.event_log_path, plot=plot)
+            print(self.summary, flush=True)
+        except Exception as exc:  # the report is a courtesy: never turn a finished job into a failure
+            log.warning("could not summarise %s: %r", self.server.event_log_path, exc)
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signal = signum
 
 
 def _stop_tree(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
-    """SIGTERM (the agent then kills its workers), SIGKILL after ``grace_s``, then any survivor below it."""
+    """SIGTERM (the agent then kills its workers), SIGKILL after ``grace_s``, then any survivor below it.
+
+    A stopped (SIGSTOP) agent cannot act on SIGTERM: it and its tree get SIGKILL at once.
+    """
     try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
+        root = psutil.Process(proc.pid)
+        tree = root.children(recursive=True)
+        stopped = root.status() == psutil.STATUS_STOPPED
     except psutil.NoSuchProcess:
-        tree = []
-    proc.terminate()
+        tree, stopped = [], False
+    if stopped:
+        proc.kill()
+    else:
+        proc.terminate()
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:

@@ -18,7 +18,8 @@ from typing import Callable
 
 import grpc
 
-from master.coordinator import Coordinator
+from master.checkpointing import resume_step
+from master.coordinator import Coordinator, RunOptions
 from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
 from oobleck_mm.events import EventLog
@@ -42,10 +43,24 @@ class MasterOptions:
     token_file: str | None = None
     """Read the token from here if the file exists, else generate one and write it here (0600)."""
     event_log: str | None = None
+    resume_dir: str = ""
+    """Checkpoint to continue from (``--resume``)."""
+    save_final_dir: str = ""
+    """Where the workers write the final model and optimizer states (``--save-final``)."""
+    resume_command: str = "oobleck-launch master --config CONFIG"
+    """How the user restarts this job; printed with ``--resume DIR`` when it stops below the threshold."""
 
 
-def apply_overrides(job, nodes: int | None = None, gpus_per_node: int | None = None, steps: int | None = None):
+def apply_overrides(job, nodes: int | None = None, gpus_per_node: int | None = None, steps: int | None = None,
+                    recovery: str | None = None, checkpoint_interval: int | None = None):
     """The job with command-line values in place, validated again (ConfigError names the field)."""
+    ft = job.fault_tolerance
+    if recovery is not None or checkpoint_interval is not None:
+        ft = dataclasses.replace(
+            ft, recovery=ft.recovery if recovery is None else recovery,
+            checkpoint_interval=ft.checkpoint_interval if checkpoint_interval is None else checkpoint_interval,
+        )  # fmt: skip
+        job = dataclasses.replace(job, fault_tolerance=ft)
     if nodes is not None:
         job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, nodes=nodes))
     if gpus_per_node is not None:
@@ -69,6 +84,7 @@ class MasterServer:
         self.job, self.options, self.progress = job, options, progress
         self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
         self.run_dir = options.run_dir or default_run_dir(job.model.name)
+        self.run_options = _run_options(job, options, self.run_dir)  # checks --resume before creating anything
         os.makedirs(self.run_dir, exist_ok=True)
         self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
         self.token_file = options.token_file or os.path.join(self.run_dir, "token")
@@ -99,8 +115,8 @@ class MasterServer:
         self._planner = PlannerPool()
         self.coordinator = Coordinator(
             self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised,
-            store_port=self._store.port, events=self.events, progress=self.progress,
-            submit_plan=self._planner.submit,
+            store_port=self._store.port, events=self.events, progress=self.progress, planner=self._planner,
+            options=self.run_options,
         )  # fmt: skip
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(32, 2 * self.num_nodes + 16), thread_name_prefix="grpc"),
@@ -160,6 +176,23 @@ class MasterServer:
             self._planner.close()
         self._store = None
         self.events.close()
+
+
+def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
+    """The coordinator's options; raises ValueError naming the flag when a checkpoint does not fit the job."""
+    ft = job.fault_tolerance
+    if ft.recovery == "restart" and ft.checkpoint_interval == 0:
+        log.warning("recovery: restart with checkpoint_interval 0 restarts every failure from the first step")
+    resume_dir = os.path.abspath(options.resume_dir) if options.resume_dir else ""
+    return RunOptions(
+        resume_dir=resume_dir,
+        resume_step=resume_step(resume_dir, job) if resume_dir else 0,
+        save_final_dir=os.path.abspath(options.save_final_dir) if options.save_final_dir else "",
+        checkpoint_root=os.path.abspath(run_dir),
+        recovery=ft.recovery,
+        checkpoint_interval=ft.checkpoint_interval,
+        resume_command=options.resume_command,
+    )
 
 
 def _load_or_create_token(path: str) -> str:

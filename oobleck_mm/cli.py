@@ -24,7 +24,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_REPLICAS = 3
-"""Fewer than (f+1)*n0 nodes left (reserved: live reconfiguration, issue 5)."""
+"""Fewer than (f+1)*n0 nodes left: the survivors wrote a checkpoint; the message says how to resume."""
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -69,6 +69,7 @@ def _add_control_plane_parsers(sub) -> None:
     master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
     master.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
+    _add_run_flags(master)
 
     agent = sub.add_parser("agent", help="run a node agent (one per node)")
     agent.add_argument("--master", "--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the master's address")
@@ -87,7 +88,24 @@ def _add_control_plane_parsers(sub) -> None:
     local.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
     local.add_argument("--run-dir", default="", help="logs folder (default runs/<model>-<time>-<pid>)")
     local.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
+    _add_run_flags(local)
+    local.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                       help="faults to inject, e.g. kill:node1@step4,stop:node2@t10s,join@step6 (repeatable)")
+    local.add_argument("--trace", default=None, metavar="FILE", help="replay a spot-instance trace (kills, joins)")
+    local.add_argument("--time-scale", type=float, default=1.0, help="trace seconds -> run seconds (default 1)")
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
+
+
+def _add_run_flags(parser) -> None:
+    parser.add_argument("--resume", default=None, metavar="DIR",
+                        help="continue from this checkpoint (any node count; the same results as never stopping)")
+    parser.add_argument("--save-final", default=None, metavar="DIR",
+                        help="write the final model and optimizer states here (python -m oobleck_mm.verify reads it)")
+    parser.add_argument("--recovery", choices=("live", "restart"), default=None,
+                        help="on a failure: reconfigure the survivors (live) or restart from the last checkpoint "
+                             "(default fault_tolerance.recovery)")
+    parser.add_argument("--checkpoint-interval", type=int, default=None, metavar="K",
+                        help="restart mode: checkpoint every K steps (default fault_tolerance.checkpoint_interval)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,10 +188,17 @@ def _load_job(args: argparse.Namespace):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
+        raise ValueError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
     return apply_overrides(
         load_config(args.config), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
-        steps=args.steps,
+        steps=args.steps, recovery=args.recovery, checkpoint_interval=args.checkpoint_interval,
     )  # fmt: skip
+
+
+def _resume_command(command: str, args: argparse.Namespace) -> str:
+    """How to start this job again (``--resume DIR`` is appended where it is printed)."""
+    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}"
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
@@ -183,7 +208,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
     _setup_logging("master")
     options = MasterOptions(
         host=args.host, port=args.port, store_port=args.store_port, run_dir=args.run_dir,
-        token_file=args.token_file, event_log=args.event_log,
+        token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
+        save_final_dir=args.save_final or "", resume_command=_resume_command("master", args),
     )  # fmt: skip
     server = MasterServer(job, options)
     interrupted: list[int] = []
@@ -228,12 +254,32 @@ def _cmd_local(args: argparse.Namespace) -> int:
     from master.local import LocalCluster, LocalOptions
 
     job = _load_job(args)
+    faults = _faults(args, job.cluster.nodes)
     _setup_logging("local", logging.WARNING)  # the console shows progress; details are in the event log
-    cluster = LocalCluster(job, LocalOptions(run_dir=args.run_dir, event_log=args.event_log,
-                                             worker_target=args.worker_target))  # fmt: skip
+    options = LocalOptions(
+        run_dir=args.run_dir, event_log=args.event_log, worker_target=args.worker_target,
+        resume_dir=args.resume or "", save_final_dir=args.save_final or "",
+        resume_command=_resume_command("local", args), faults=faults,
+    )  # fmt: skip
+    cluster = LocalCluster(job, options)
     code = cluster.run()
     logs = ", ".join([cluster.server.event_log_path, *cluster.log_paths()])
     return _report_exit(code, cluster.server.message, logs)
+
+
+def _faults(args: argparse.Namespace, num_nodes: int) -> list:
+    """``--inject`` and ``--trace`` as one list of ``FaultEvent`` (ValueError names the bad flag)."""
+    if not args.inject and args.trace is None:
+        return []
+    from oobleck_mm.faults.spec import parse_inject
+    from oobleck_mm.faults.trace import load_timeline
+
+    faults = parse_inject(args.inject) if args.inject else []
+    if args.trace is not None:
+        if not os.path.exists(args.trace):
+            raise ValueError(f"--trace: no such file {args.trace!r}")
+        faults += load_timeline(args.trace, _node_names(num_nodes), time_scale=args.time_scale)
+    return faults
 
 
 def _report_exit(code: int, message: str, logs: str) -> int:

@@ -1,16 +1,20 @@
-"""The master's state machine without gRPC: registration, planning, assignments, detection, progress, the end.
+"""The master's state machine without gRPC: registration, planning, detection, reconfiguration, checkpoints, the end.
 
-The planner runs for real on the tiny model; the clock is a number the test moves.
+The planner runs for real on the tiny model; the clock is a number the test
+moves; the test plays the agents (reading their outboxes) and the workers
+(sending their reports).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import queue
 from pathlib import Path
 
 import pytest
 
-from master.coordinator import END_OF_STREAM, RUNNING, WAITING, Coordinator, Refused
+from master.coordinator import CHECKPOINTING, END_OF_STREAM, RUNNING, WAITING, Coordinator, Refused, RunOptions
 from master.server import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import EventLog, read_events
@@ -28,166 +32,343 @@ class Clock:
         return self.now
 
 
+class Job:
+    """A coordinator and the agents the test plays."""
+
+    def __init__(self, c: Coordinator, clock: Clock, lines: list[str], events: Path) -> None:
+        self.c, self.clock, self.lines, self.events = c, clock, lines, events
+        self.sessions: dict[str, int] = {}
+        self.boxes: dict[str, queue.Queue] = {}
+        self.assigned: dict[tuple[str, int], pb.Assignment] = {}  # latest per worker
+
+    def join(self, name: str, stream: bool = True) -> None:
+        self.sessions[name], _ = self.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1")
+        if stream:
+            self.boxes[name] = self.c.open_stream(name, self.sessions[name])
+
+    def drain(self, name: str) -> list:
+        out, box = [], self.boxes[name]
+        while not box.empty():
+            item = box.get_nowait()
+            out.append(item)
+            if item is not END_OF_STREAM and item.WhichOneof("event") == "assignment":
+                self.assigned[(name, item.assignment.local_rank)] = item.assignment.assignment
+        return out
+
+    def drain_all(self) -> dict[str, list]:
+        return {name: self.drain(name) for name in list(self.boxes)}
+
+    def report(self, gpu: tuple[str, int], **kind) -> None:
+        self.c.worker_report(gpu[0], self.sessions[gpu[0]], gpu[1], pb.WorkerReport(**kind))
+
+    def train(self, generation: int, step: int) -> None:
+        """Every worker of ``generation`` reports ``step`` done (and ``resumed`` on its first)."""
+        for gpu, a in self.assigned.items():
+            if a.generation == generation:
+                self.report(gpu, metrics=pb.StepMetrics(generation=generation, step=step, rank=a.rank, loss=1.0,
+                                                        samples_per_s=10.0, step_time_s=0.1))  # fmt: skip
+                self.report(gpu, phase=pb.PhaseDone(generation=generation, phase="resumed", step=step))
+
+    def heartbeat_all(self) -> None:
+        for name in self.boxes:
+            if name in self.sessions:
+                try:
+                    self.c.heartbeat(name, self.sessions[name])
+                except Refused:
+                    pass
+
+    def advance(self, seconds: float):
+        result = None
+        for _ in range(round(seconds / 0.05)):
+            self.clock.now += 0.05
+            result = self.c.tick()
+        return result
+
+
 @pytest.fixture
 def make(tmp_path):
     made = []
 
-    def build(nodes: int = 2, gpus: int = 1, steps: int = 3):
-        job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps)
+    def build(nodes: int = 2, gpus: int = 1, steps: int = 3, options: RunOptions | None = None, memory=None,
+              recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None) -> Job:  # fmt: skip
+        job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps, recovery=recovery,
+                              checkpoint_interval=checkpoint_interval)  # fmt: skip
+        if memory is not None:  # a smaller GPU: the model needs n0 = 2 nodes, so pipelines span nodes
+            job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device_memory=memory))
+        if f is not None:
+            job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, f=f))
+        options = options or RunOptions(checkpoint_root=str(tmp_path), recovery=job.fault_tolerance.recovery,
+                                        checkpoint_interval=job.fault_tolerance.checkpoint_interval)  # fmt: skip
         clock, lines = Clock(), []
         events_path = tmp_path / f"events{len(made)}.jsonl"
         c = Coordinator(job, num_nodes=nodes, steps=steps, store_host="10.0.0.1", store_port=4321,
-                        events=EventLog(events_path), clock=clock, progress=lines.append)  # fmt: skip
+                        events=EventLog(events_path), clock=clock, progress=lines.append, options=options)  # fmt: skip
         made.append(c)
-        return c, clock, lines, events_path
+        return Job(c, clock, lines, events_path)
 
     yield build
     for c in made:
         c.events.close()
 
 
-def join(c: Coordinator, name: str, stream: bool = True) -> tuple[int, queue.Queue | None]:
-    session, _ = c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1")
-    return session, (c.open_stream(name, session) if stream else None)
-
-
-def advance(c: Coordinator, clock: Clock, seconds: float):
-    """Moves the clock in the control thread's small steps, ticking after each; the last tick's result."""
-    result = None
-    for _ in range(round(seconds / 0.05)):
-        clock.now += 0.05
-        result = c.tick()
-    return result
-
-
-def drain(outbox: queue.Queue) -> list:
-    out = []
-    while not outbox.empty():
-        out.append(outbox.get_nowait())
-    return out
+def start(j: Job, *names: str) -> None:
+    for name in names:
+        j.join(name)
+    j.c.tick()
+    j.drain_all()
+    assert j.c.phase == RUNNING
 
 
 def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_rank(make):
-    c, _, lines, events = make(nodes=2, gpus=2)
-    s0, box0 = join(c, "a")
-    s1, _ = join(c, "b", stream=False)
-    assert c.tick() is None and c.phase == WAITING  # b registered but cannot be told anything yet
-    box1 = c.open_stream("b", s1)
-    c.tick()
-    assert c.phase == RUNNING and c.generation == 1
-    sent = {("a", e.assignment.local_rank): e.assignment.assignment for e in drain(box0)}
-    sent |= {("b", e.assignment.local_rank): e.assignment.assignment for e in drain(box1)}
+    j = make(nodes=2, gpus=2)
+    j.join("a")
+    j.join("b", stream=False)
+    assert j.c.tick() is None and j.c.phase == WAITING  # b registered but cannot be told anything yet
+    j.boxes["b"] = j.c.open_stream("b", j.sessions["b"])
+    j.c.tick()
+    assert j.c.phase == RUNNING and j.c.generation == 1
+    j.drain_all()
+    sent = j.assigned
     assert set(sent) == {("a", 0), ("a", 1), ("b", 0), ("b", 1)}  # one worker per GPU of each node
     plan = plan_from_proto(next(iter(sent.values())).plan)
     assert sorted(a.rank for a in sent.values()) == list(range(plan.world_size)) == list(range(4))
     for a in sent.values():
         assert (a.generation, a.world_size, a.store_host, a.store_port, a.steps) == (1, 4, "10.0.0.1", 4321, 3)
-        assert plan_from_proto(a.plan) == plan
-    decided = read_events(events, "plan_decided")
+        assert plan_from_proto(a.plan) == plan and a.previous_generation == 0 and not a.resume_dir
+    decided = read_events(j.events, "plan_decided")
     assert decided[0]["nodes"] == ["a", "b"] and decided[0]["layout"] == plan.to_dict()
-    assert len(read_events(events, "assignment_sent")) == 4 and "generation 1" in lines[0]
-
-    _, box2 = join(c, "late")  # a join after the start waits as a spare
-    assert read_events(events, "registered")[-1]["spare"] is True
-    c.tick()
-    assert drain(box2) == []
+    assert len(read_events(j.events, "assignment_sent")) == 4 and "generation 1" in j.lines[0]
 
 
 def test_refusals_name_the_problem_and_are_logged(make):
-    c, _, _, events = make()
-    session, _ = join(c, "a")
+    j = make()
+    j.join("a")
+    session = j.sessions["a"]
     for call, code in [
-        (lambda: c.register("a", 0, 0, 1, "peer"), "ALREADY_EXISTS"),
-        (lambda: c.register("b", 3, 0, 1, "peer"), "INVALID_ARGUMENT"),
-        (lambda: c.register("../etc", 0, 0, 1, "peer"), "INVALID_ARGUMENT"),
-        (lambda: c.heartbeat("a", session + 1), "NOT_FOUND"),
-        (lambda: c.open_stream("a", session), "FAILED_PRECONDITION"),
+        (lambda: j.c.register("a", 0, 0, 1, "peer"), "ALREADY_EXISTS"),
+        (lambda: j.c.register("b", 3, 0, 1, "peer"), "INVALID_ARGUMENT"),
+        (lambda: j.c.register("../etc", 0, 0, 1, "peer"), "INVALID_ARGUMENT"),
+        (lambda: j.c.heartbeat("a", session + 1), "NOT_FOUND"),
+        (lambda: j.c.open_stream("a", session), "FAILED_PRECONDITION"),
     ]:
         with pytest.raises(Refused) as err:
             call()
         assert err.value.code == code
-    reasons = [e["reason"] for e in read_events(events, "refused")]
+    reasons = [e["reason"] for e in read_events(j.events, "refused")]
     assert any("already registered" in r for r in reasons) and any("cluster.gpus_per_node = 1" in r for r in reasons)
 
 
-def test_a_silent_node_is_lost_after_the_timeout_and_stops_a_running_job(make):
-    c, clock, _, events = make(nodes=2)
-    sa, box_a = join(c, "a")
-    sb, box_b = join(c, "b")
-    c.tick()
-    drain(box_a), drain(box_b)
-    timeout = c.timeout.total_seconds()
-    result = advance(c, clock, timeout * 0.75)
-    c.heartbeat("a", sa)
-    result = advance(c, clock, timeout * 0.5)  # b silent for 1.25 timeouts, a for 0.5
-    [lost] = read_events(events, "lost")
+def test_a_silent_node_is_lost_and_the_survivors_get_a_new_generation_from_their_states(make):
+    j = make(nodes=3, steps=10)
+    start(j, "a", "b", "c")
+    old = {gpu: a.rank for gpu, a in j.assigned.items()}
+    j.train(1, 0)
+    timeout = j.c.timeout.total_seconds()
+    j.advance(timeout * 0.75)
+    j.c.heartbeat("a", j.sessions["a"])
+    j.c.heartbeat("c", j.sessions["c"])
+    j.advance(timeout * 0.5)  # b silent for 1.25 timeouts
+    [lost] = read_events(j.events, "lost")
     assert (lost["node"], lost["reason"], lost["in_plan"]) == ("b", "heartbeat_timeout", True)
-    assert result is not None and result.exit_code == 1 and "issue 5" in result.message
-    for box in (box_a, box_b):  # everyone is told to stop, and the streams end
-        *_, shutdown, end = drain(box)
-        assert shutdown.WhichOneof("event") == "shutdown" and end is END_OF_STREAM
+    assert j.c.generation == 2 and j.c.finish_result is None
+    boxes = j.drain_all()
+    assert boxes["b"] == [END_OF_STREAM]  # a lost (maybe hung) node is told nothing; its stream just ends
     with pytest.raises(Refused):
-        c.heartbeat("b", sb)  # a lost node stays lost
+        j.c.heartbeat("b", j.sessions["b"])  # a lost node stays lost
+    new = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert set(new) == {("a", 0), ("c", 0)}
+    for gpu, a in new.items():
+        assert a.previous_generation == 1 and a.world_size == 2 and a.start_step == 1
+        assert a.previous_ranks[a.rank] == old[gpu]  # every survivor keeps its states
+        assert plan_from_proto(a.previous_plan).world_size == 3
+    decided = read_events(j.events, "plan_decided")[-1]
+    assert decided["cause"] == "lost" and decided["previous_generation"] == 1 and decided["lost"] == ["b"]
+    assert decided["since_detected_s"] >= 0
 
 
-def test_a_node_lost_while_waiting_only_leaves_the_waiting_set(make):
-    c, _, _, events = make(nodes=2)
-    join(c, "a")
-    sb, _ = join(c, "b", stream=False)
-    c.open_stream("b", sb)
-    c.stream_ended("b", sb)  # its agent died before the plan
-    assert c.tick() is None and c.phase == WAITING
-    assert read_events(events, "lost")[0]["reason"] == "stream_closed"
-    join(c, "b")  # the node comes back under the same name with a new session
-    c.tick()
-    assert c.phase == RUNNING and read_events(events, "plan_decided")[0]["nodes"] == ["a", "b"]
+def test_a_joining_node_waits_for_a_completed_step_then_gets_every_layer(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.join("late")
+    assert read_events(j.events, "registered")[-1]["spare"] is True
+    j.c.tick()
+    assert j.c.generation == 1 and j.drain("late") == []  # generation 1 has not completed a step yet
+    j.train(1, 0)
+    j.c.tick()
+    assert j.c.generation == 2
+    j.drain_all()
+    new = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert set(new) == {("a", 0), ("b", 0), ("late", 0)}
+    joiner = new[("late", 0)]
+    assert joiner.previous_generation == 1 and joiner.previous_ranks[joiner.rank] == -1
+    assert sorted(r for r in joiner.previous_ranks if r >= 0) == [0, 1]
+    decided = read_events(j.events, "plan_decided")[-1]
+    assert decided["cause"] == "joined" and decided["joined"] == ["late"] and decided["layer_states_moved"] == 10
+
+
+def test_a_failure_during_recovery_plans_from_the_generation_the_survivors_still_hold(make):
+    # n0 = 2 nodes: 5 nodes run pipelines of 3 + 2 nodes, so losing one moves layer states.
+    j = make(nodes=5, steps=10, memory=4e6)
+    names = ["n0", "n1", "n2", "n3", "n4"]
+    start(j, *names)
+    j.train(1, 0)
+    gen1 = {gpu: a.rank for gpu, a in j.assigned.items()}
+    j.c.stream_ended("n4", j.sessions["n4"])  # its agent died
+    j.c.tick()
+    j.drain_all()
+    assert j.c.generation == 2
+    gen2 = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert len(gen2) == 4 and read_events(j.events, "plan_decided")[-1]["layer_states_moved"] > 0
+    # The copy of generation 2 is interrupted: n0 finished it, the others did not; then n3 dies too.
+    j.report(("n0", 0), phase=pb.PhaseDone(generation=2, phase="states_copied", step=1))
+    j.c.stream_ended("n3", j.sessions["n3"])
+    j.c.tick()
+    j.drain_all()
+    # 3 nodes < (f+1) * n0 = 4: the survivors of generation 1 (what they all still hold) write a checkpoint.
+    assert j.c.phase == CHECKPOINTING
+    [request] = read_events(j.events, "checkpoint_requested")
+    assert request["generation"] == 1 and sorted(request["writers"]) == ["n0", "n1", "n2"]
+    assert request["surviving_ranks"] == sorted(gen1[(n, 0)] for n in ("n0", "n1", "n2"))
+
+
+def test_below_threshold_the_survivors_checkpoint_and_the_job_exits_3_with_the_resume_command(make, tmp_path):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.train(1, 1)
+    rank_a = j.assigned[("a", 0)].rank
+    j.c.worker_failure("b", j.sessions["b"], 0, "worker_stopped", "pid 42 is stopped (status stopped)")
+    assert j.c.tick() is None and j.c.phase == CHECKPOINTING
+    [lost] = read_events(j.events, "lost")
+    assert (lost["node"], lost["reason"]) == ("b", "worker_stopped") and "pid 42" in lost["detail"]
+    [command] = [e for e in j.drain("a") if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
+    c = command.checkpoint
+    assert c.generation == 1 and list(c.surviving_ranks) == [rank_a] and c.dir.startswith(str(tmp_path))
+    j.report(("a", 0), checkpoint_done=pb.CheckpointDone(dir=c.dir, step=2, layers=10))
+    result = j.c.tick()
+    assert result.exit_code == 3
+    assert f"--resume {c.dir}" in result.message and "step 2" in result.message
+    meta = json.loads((Path(c.dir) / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["sampler"]["steps_per_epoch"] == 4096 // 16
+    written = read_events(j.events, "checkpoint_written")[0]
+    assert (written["step"], written["layers"]) == (2, 10)
+
+
+def test_a_writer_lost_while_checkpointing_hands_its_layers_to_the_others(make):
+    j = make(nodes=4, steps=10, f=2)  # f = 2: 4 one-node pipelines, 3 nodes needed
+    start(j, "a", "b", "c", "d")
+    j.train(1, 0)
+    j.c.stream_ended("c", j.sessions["c"])
+    j.c.stream_ended("d", j.sessions["d"])
+    j.c.tick()
+    assert j.c.phase == CHECKPOINTING
+    first = read_events(j.events, "checkpoint_requested")[0]
+    assert first["writers"] == ["a", "b"] and len(first["surviving_ranks"]) == 2
+    j.drain_all()
+    j.c.stream_ended("b", j.sessions["b"])  # b held full copies: a now writes every layer
+    j.c.tick()
+    again = read_events(j.events, "checkpoint_requested")[-1]
+    assert again["writers"] == ["a"] and again["surviving_ranks"] == [j.assigned[("a", 0)].rank]
+    [command] = [e.checkpoint for e in j.drain("a") if e is not END_OF_STREAM]
+    assert list(command.surviving_ranks) == again["surviving_ranks"]
+    j.c.stream_ended("a", j.sessions["a"])  # the last copy is gone
+    result = j.c.tick()
+    assert result.exit_code == 1 and "model state is gone" in result.message
 
 
 def test_progress_waits_for_every_rank_and_all_done_ends_the_job(make):
-    c, _, lines, events = make(nodes=2, steps=2)
-    sessions = {name: join(c, name) for name in ("a", "b")}
-    c.tick()
-    ranks = {}
-    for name, (session, box) in sessions.items():
-        for e in drain(box):
-            ranks[e.assignment.assignment.rank] = (name, session, e.assignment.local_rank)
+    j = make(nodes=2, steps=2)
+    start(j, "a", "b")
+    ranks = {a.rank: gpu for gpu, a in j.assigned.items()}
     for step in range(2):
-        for rank, (name, session, local) in sorted(ranks.items()):
-            assert not any(f"step {step + 1}/2" in line for line in lines)  # not before the last rank
+        for rank, gpu in sorted(ranks.items()):
+            assert not any(f"step {step + 1}/2" in line for line in j.lines)  # not before the last rank
             metrics = pb.StepMetrics(generation=1, step=step, rank=rank, loss=3.0 - step, samples_per_s=50.0,
                                      step_time_s=0.1 * (rank + 1))  # fmt: skip
-            c.worker_report(name, session, local, pb.WorkerReport(metrics=metrics))
-        assert any(f"step {step + 1}/2  loss {3.0 - step:.4f}" in line for line in lines)
-    steps = read_events(events, "step")
+            j.report(gpu, metrics=metrics)
+        assert any(f"step {step + 1}/2  loss {3.0 - step:.4f}" in line for line in j.lines)
+    steps = read_events(j.events, "step")
     assert [s["step"] for s in steps] == [0, 1] and steps[0]["step_time_s"] == pytest.approx(0.1 * len(ranks))
-    for rank, (name, session, local) in ranks.items():
-        assert c.tick() is None
-        c.worker_report(name, session, local, pb.WorkerReport(done=pb.WorkerDone(step=1)))
-    assert c.tick().exit_code == 0
-    assert read_events(events, "done")[0]["steps"] == 2
+    for rank, gpu in ranks.items():
+        assert j.c.tick() is None
+        j.report(gpu, done=pb.WorkerDone(step=1))
+    assert j.c.tick().exit_code == 0
+    assert read_events(j.events, "done")[0]["steps"] == 2
 
 
-def test_an_agents_worker_report_makes_its_node_lost(make):
-    c, _, _, events = make(nodes=2)
-    sa, _ = join(c, "a")
-    join(c, "b")
-    c.tick()
-    c.worker_failure("a", sa, 0, "worker_stopped", "pid 42 is stopped (status stopped)")
-    assert c.tick().exit_code == 1
-    [lost] = read_events(events, "lost")
-    assert (lost["node"], lost["reason"]) == ("a", "worker_stopped") and "pid 42" in lost["detail"]
+def test_recovery_phases_become_one_event_each_when_the_last_rank_is_through(make):
+    j = make(nodes=3, steps=10)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    j.c.stream_ended("c", j.sessions["c"])
+    j.c.tick()
+    j.drain_all()
+    survivors = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    for i, gpu in enumerate(survivors):
+        j.report(gpu, phase=pb.PhaseDone(generation=1, phase="aborted", step=1, message="peer closed"))
+        j.report(gpu, phase=pb.PhaseDone(generation=2, phase="rendezvous", seconds=0.1 * (i + 1)))
+        j.report(gpu, phase=pb.PhaseDone(generation=2, phase="states_copied", bytes=100, seconds=0.2))
+    assert len(read_events(j.events, "aborted")) == 2
+    [rdv] = read_events(j.events, "rendezvous_done")
+    [copied] = read_events(j.events, "states_copied")
+    assert rdv["generation"] == 2 and rdv["seconds"] == pytest.approx(0.2) and rdv["cause"] == "lost"
+    assert copied["bytes"] == 200
+    j.train(2, 1)
+    resumed = read_events(j.events, "resumed")[-1]  # generation 1 had its own
+    assert resumed["generation"] == 2 and resumed["step"] == 1 and resumed["since_detected_s"] >= 0
+    assert any("resumed at step 2" in line for line in j.lines)
+
+
+def test_restart_mode_restarts_every_worker_from_the_last_checkpoint(make):
+    j = make(nodes=3, steps=10, recovery="restart", checkpoint_interval=2)
+    start(j, "a", "b", "c")
+    first = j.assigned[("a", 0)]
+    assert first.checkpoint_interval == 2 and first.checkpoint_dir.endswith("/checkpoints")
+    j.train(1, 0)
+    j.train(1, 1)
+    j.report(("a", 0), checkpoint_done=pb.CheckpointDone(dir="/ckpt/step2", step=2, layers=10))
+    j.train(1, 2)
+    j.c.stream_ended("c", j.sessions["c"])
+    j.c.tick()
+    boxes = j.drain_all()
+    for name in ("a", "b"):
+        kinds = [e.WhichOneof("event") for e in boxes[name]]
+        assert kinds == ["restart", "assignment"]  # killed first, then fresh workers get their plan
+    new = j.assigned[("a", 0)]
+    assert (new.generation, new.previous_generation, new.resume_dir, new.start_step) == (2, 0, "/ckpt/step2", 2)
+    assert [e["step"] for e in read_events(j.events, "checkpoint_saved")] == [2]
+
+
+def test_resume_and_save_final_reach_every_assignment(make, tmp_path):
+    options = RunOptions(resume_dir="/ckpt/x", resume_step=5, save_final_dir="/out/final",
+                         checkpoint_root=str(tmp_path))  # fmt: skip
+    j = make(nodes=2, steps=10, options=options)
+    start(j, "a", "b")
+    for a in j.assigned.values():
+        assert (a.resume_dir, a.start_step, a.save_final_dir) == ("/ckpt/x", 5, "/out/final")
+
+
+def test_a_node_lost_while_waiting_only_leaves_the_waiting_set(make):
+    j = make(nodes=2)
+    j.join("a")
+    j.join("b")
+    j.c.stream_ended("b", j.sessions["b"])  # its agent died before the plan
+    assert j.c.tick() is None and j.c.phase == WAITING
+    assert read_events(j.events, "lost")[0]["reason"] == "stream_closed"
+    j.join("b")  # the node comes back under the same name with a new session
+    j.c.tick()
+    assert j.c.phase == RUNNING and read_events(j.events, "plan_decided")[0]["nodes"] == ["a", "b"]
 
 
 def test_time_the_master_itself_was_frozen_is_not_the_nodes_silence(make):
-    c, clock, _, events = make(nodes=3)
-    sa, _ = join(c, "a")
-    join(c, "b")
-    c.tick()
-    timeout = c.timeout.total_seconds()
-    clock.now += 3 * timeout  # the master was descheduled: nobody could be heard
-    c.tick()
-    assert read_events(events, "lost") == [] and read_events(events, "master_stalled")[0]["seconds"] == 3 * timeout
-    for _ in range(int(timeout / 0.1) + 2):  # then it runs normally and only a beats
-        c.heartbeat("a", sa)
-        advance(c, clock, 0.1)
-    assert [(e["node"], e["reason"]) for e in read_events(events, "lost")] == [("b", "heartbeat_timeout")]
+    j = make(nodes=3)
+    start(j, "a", "b", "c")
+    timeout = j.c.timeout.total_seconds()
+    j.clock.now += 3 * timeout  # the master was descheduled: nobody could be heard
+    j.c.tick()
+    assert read_events(j.events, "lost") == [] and read_events(j.events, "master_stalled")[0]["seconds"] == 3 * timeout
+    for _ in range(int(timeout / 0.1) + 2):  # then it runs normally and only a and c beat
+        j.c.heartbeat("a", j.sessions["a"])
+        j.c.heartbeat("c", j.sessions["c"])
+        j.advance(0.1)
+    assert [(e["node"], e["reason"]) for e in read_events(j.events, "lost")] == [("b", "heartbeat_timeout")]

@@ -1,0 +1,115 @@
+"""The master's side of checkpoints: the below-threshold round, meta.json, and ``--resume`` checks.
+
+Below (f+1)*n0 nodes the job cannot keep training, but its state is still in
+the survivors' memory. The master sends ``Checkpoint{dir, generation,
+surviving_ranks}`` to the nodes that hold that generation; each worker writes
+the layers whose lowest surviving holder it is (so each layer exactly once)
+and answers ``CheckpointDone``. When every writer answered, the master writes
+``meta.json`` (the step, the sampler position, the config): its presence marks
+the checkpoint complete, and ``--resume DIR`` continues from it on any node count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from master.recovery import Gpu, GenerationView, orphan_layers, surviving_ranks
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+
+@dataclass(slots=True)
+class CheckpointRound:
+    """One below-threshold checkpoint in progress."""
+
+    directory: str
+    gen: GenerationView
+    writers: tuple[str, ...]
+    """Nodes that hold ``gen`` and write their share."""
+    reason: str
+    """Why the job cannot continue (the planner's words)."""
+    deadline: float
+    """Monotonic clock past which the round has failed."""
+    started: float = field(default_factory=time.monotonic)
+    reports: dict[Gpu, pb.CheckpointDone] = field(default_factory=dict)
+
+    @property
+    def surviving(self) -> list[int]:
+        return surviving_ranks(self.gen, self.writers)
+
+    def command(self) -> pb.AgentEvent:
+        c = pb.Checkpoint(dir=self.directory, generation=self.gen.number, surviving_ranks=self.surviving)
+        return pb.AgentEvent(checkpoint=c)
+
+    def expected(self) -> set[Gpu]:
+        return {gpu for gpu in self.gen.ranks if gpu[0] in self.writers}
+
+    def record(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
+        if gpu in self.expected() and done.dir == self.directory:
+            self.reports[gpu] = done
+
+    def complete(self) -> bool:
+        return self.expected() <= set(self.reports)
+
+    def without(self, node: str) -> CheckpointRound | None:
+        """The round again without a lost writer, or None if some layer then has no writer left."""
+        writers = tuple(n for n in self.writers if n != node)
+        if orphan_layers(self.gen.layout, surviving_ranks(self.gen, writers)):
+            return None
+        return CheckpointRound(self.directory, self.gen, writers, self.reason, self.deadline)
+
+    def step(self) -> tuple[int | None, str]:
+        """The step every writer reported (the next one to run), or None with what is wrong."""
+        steps = {r.step for r in self.reports.values()}
+        if len(steps) != 1 or min(steps) < 0:
+            return None, f"workers reported steps {sorted(steps)} (-1: the worker did not hold the generation)"
+        return steps.pop(), ""
+
+
+def write_meta(directory: str, job, step: int) -> None:
+    """``meta.json`` of a checkpoint whose layer files the workers wrote."""
+    from oobleck_mm.data.dataset import build_dataset
+    from oobleck_mm.data.sampler import GlobalBatchSampler
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.checkpoint import save_meta
+
+    sampler = GlobalBatchSampler(len(build_dataset(job)), job.training.global_batch, job.training.seed)
+    save_meta(directory, job, step, model_layer_specs(job), sampler)
+
+
+def new_checkpoint_dir(root: str, generation: int) -> str:
+    """A directory under ``root`` that does not exist yet (a resumed job may share the run dir)."""
+    path = os.path.abspath(os.path.join(root, f"checkpoint-g{generation}"))
+    candidate, k = path, 1
+    while os.path.exists(candidate):
+        candidate, k = f"{path}-{k}", k + 1
+    return candidate
+
+
+def resume_step(directory: str, job) -> int:
+    """The step a checkpoint resumes at; ValueError naming ``--resume`` if it does not fit the job."""
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.checkpoint import read_meta
+
+    try:
+        meta = read_meta(directory)
+    except ValueError as err:
+        raise ValueError(f"--resume: {err}") from None
+    names = [s.name for s in model_layer_specs(job)]
+    if meta["layer_names"] != names:
+        raise ValueError(f"--resume: {directory} holds layers {meta['layer_names']}, this job's model has {names}")
+    saved = meta.get("config", {}).get("training", {})
+    for key in ("seed", "global_batch"):
+        if key in saved and saved[key] != getattr(job.training, key):
+            raise ValueError(
+                f"--resume: {directory} was trained with training.{key} = {saved[key]}, the config says "
+                f"{getattr(job.training, key)}; the resumed run would not continue the same training"
+            )
+    step = int(meta["step"])
+    if step >= job.training.steps:
+        raise ValueError(
+            f"--resume: {directory} is at step {step} and the job has training.steps = {job.training.steps}; "
+            f"nothing is left to run (raise --steps above {step})"
+        )
+    return step

@@ -1,0 +1,228 @@
+"""The master's recovery decisions as pure functions of its state: which generation to plan from, what changed.
+
+Vocabulary:
+
+- A *generation* is one plan sent to the workers: an ``ExecutionPlan`` and a rank
+  per (node, GPU). Workers of generation g rendezvous under the store prefix ``gen{g}``.
+- A worker *holds* a generation when its in-memory layer states follow that
+  generation's layout. The worker keeps two: the generation it last adopted
+  (``current``: it reported ``states_copied``) and the last one in which it
+  completed a step (``committed``: it reported ``resumed``/metrics); a
+  committed step drops the older ones. The master mirrors both from the reports.
+- The *base* of a new plan is the generation the survivors' states are taken
+  from (``Assignment.previous_generation``): the newest generation that every
+  worker of the nodes counted as survivors holds, such that every layer still
+  has a holder among them. Usually that is the current generation; after a
+  failure *during* a recovery (the new generation's copy was interrupted) it is
+  the generation the workers came from, which they still hold. Nodes of the
+  base that do not hold it (a joiner whose copy failed) are treated as lost and
+  joined again: their workers start from nothing (``previous_ranks`` -1).
+
+Why the reports are enough (no handshake before planning): no step of a
+generation can complete once one of its workers is gone (every step ends with a
+collective over all ranks), so a worker's ``committed`` cannot move after the
+failure; and ``current`` only adds a generation, which never invalidates a base
+chosen without it. Reports travel in order per worker, and the plan is checked
+against the latest reports again when it is applied.
+
+Decisions return ``(result, reason)`` like torchft's quorum: the reason is what
+the event log and the console print.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from oobleck_mm.runtime.layout import ExecutionPlan
+
+Gpu = tuple[str, int]
+"""(node name, node-local GPU index)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationView:
+    """What the decisions need to know about one generation the master sent."""
+
+    number: int
+    layout: ExecutionPlan
+    ranks: Mapping[Gpu, int]
+    """(node, gpu) -> rank in this generation."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Nodes in rank order (first appearance)."""
+        out: list[str] = []
+        for (node, _), _rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
+            if node not in out:
+                out.append(node)
+        return tuple(out)
+
+    def gpus_of(self, node: str) -> list[Gpu]:
+        return sorted(gpu for gpu in self.ranks if gpu[0] == node)
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """The generations one worker's states follow, as its reports say (0: none)."""
+
+    current: int = 0
+    committed: int = 0
+
+    def held(self) -> frozenset[int]:
+        return frozenset(g for g in (self.current, self.committed) if g > 0)
+
+    def adopted(self, generation: int) -> Holdings:
+        """After ``states_copied`` of ``generation``: the committed one is kept until a step completes."""
+        return Holdings(current=max(self.current, generation), committed=self.committed)
+
+    def completed_step(self, generation: int) -> Holdings:
+        """After a step (metrics, ``resumed``) of ``generation``: older generations are dropped."""
+        if generation < self.committed:
+            return self  # a late report of an older generation
+        return Holdings(current=generation, committed=generation)
+
+
+@dataclass(frozen=True, slots=True)
+class Base:
+    generation: int
+    """0: nobody holds trained state yet; the next generation starts afresh."""
+    holding_nodes: tuple[str, ...]
+    """Live nodes of the base whose every worker holds it: the survivors."""
+    stale_nodes: tuple[str, ...]
+    """Live nodes of the base that do not hold it: their states are dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """The inputs of one planning call; compared again when its result arrives."""
+
+    base: int
+    lost: tuple[str, ...]
+    """Nodes of the base plan that leave it (gone, or stale)."""
+    joined: tuple[str, ...]
+    """Live nodes that enter it (new, or stale ones coming back empty)."""
+    live: tuple[str, ...]
+    """Every node of the new plan, in registration order."""
+    failure: bool
+    """Some node of the current generation is gone (as opposed to joins only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateLost:
+    """No generation the survivors hold covers every layer: nothing can continue, not even a checkpoint."""
+
+    reason: str
+
+
+def choose_base(
+    generations: Mapping[int, GenerationView], holdings: Mapping[Gpu, Holdings], live: Collection[str]
+) -> tuple[Base | None, str]:
+    """The generation the next plan takes its states from, or None when the model state is gone.
+
+    Candidates are the generations some live worker holds. A candidate is
+    usable when every layer has a holder among the live nodes whose every
+    worker holds it; among usable ones the base is the one held by the most
+    live nodes (their states need not be copied again), the newest on a tie.
+    All candidates are at the same training step: no step completes once a
+    worker of the group is gone, so choosing an older one loses nothing.
+    """
+    candidates = sorted({g for gpu, h in holdings.items() if gpu[0] in live for g in h.held()}, reverse=True)
+    if not candidates:
+        return Base(0, (), ()), "no worker holds trained state yet: the next generation starts afresh"
+    usable, reasons = [], []
+    for number in candidates:
+        gen = generations.get(number)
+        if gen is None:
+            continue
+        holding = tuple(n for n in gen.nodes if n in live and _node_holds(gen, n, holdings))
+        orphans = orphan_layers(gen.layout, surviving_ranks(gen, holding))
+        if orphans:
+            reasons.append(f"generation {number} lost every holder of layers {_ranges(orphans)}")
+        else:
+            stale = tuple(n for n in gen.nodes if n in live and n not in holding)
+            usable.append(Base(number, holding, stale))
+    if not usable:
+        return None, "the model state is gone: " + "; ".join(reasons)
+    base = max(usable, key=lambda b: (len(b.holding_nodes), b.generation))
+    why = f"generation {base.generation} is held by {len(base.holding_nodes)} live node(s), covering every layer"
+    return base, why + (f"; {', '.join(base.stale_nodes)} start empty" if base.stale_nodes else "")
+
+
+def _node_holds(gen: GenerationView, node: str, holdings: Mapping[Gpu, Holdings]) -> bool:
+    return all(gen.number in holdings.get(gpu, Holdings()).held() for gpu in gen.gpus_of(node))
+
+
+def surviving_ranks(gen: GenerationView, holding_nodes: Collection[str]) -> list[int]:
+    """Ranks of ``gen`` on ``holding_nodes``, sorted."""
+    return sorted(rank for (node, _), rank in gen.ranks.items() if node in holding_nodes)
+
+
+def orphan_layers(layout: ExecutionPlan, alive_ranks: Collection[int]) -> list[int]:
+    """Layers none of ``alive_ranks`` holds in ``layout``."""
+    alive = set(alive_ranks)
+    return [layer for layer in range(layout.num_layers) if not alive.intersection(layout.holders(layer))]
+
+
+def committed(gen: GenerationView, holdings: Mapping[Gpu, Holdings]) -> bool:
+    """Every worker of ``gen`` completed a step in it: the generation is fully joined."""
+    return all(holdings.get(gpu, Holdings()).committed == gen.number for gpu in gen.ranks)
+
+
+def plan_request(
+    current: GenerationView,
+    generations: Mapping[int, GenerationView],
+    holdings: Mapping[Gpu, Holdings],
+    live: Sequence[str],
+) -> tuple[Request | StateLost | None, str]:
+    """What the next plan must account for, or None (nothing changed, or joins that must wait).
+
+    ``live``: the nodes that can take part now (registered, stream open), in
+    registration order. Joins wait until the current generation is committed:
+    a join is applied at an iteration boundary, and planning it from a
+    generation still being copied would abandon that copy.
+    """
+    gone = [n for n in current.nodes if n not in live]
+    new = [n for n in live if n not in current.nodes]
+    if not gone and not new:
+        return None, "membership unchanged"
+    if not gone and not committed(current, holdings):
+        return None, f"joins of {', '.join(new)} wait until generation {current.number} completed a step"
+    base, why = choose_base(generations, holdings, live)
+    if base is None:
+        return StateLost(why), why
+    base_nodes = generations[base.generation].nodes if base.generation else ()
+    lost = tuple(n for n in base_nodes if n not in base.holding_nodes)
+    joined = tuple(n for n in live if n not in base_nodes or n in base.stale_nodes)
+    return Request(base.generation, lost, joined, tuple(live), failure=bool(gone)), why
+
+
+def previous_ranks(
+    new_ranks: Mapping[Gpu, int], base: GenerationView | None, holding_nodes: Collection[str]
+) -> list[int]:
+    """``Assignment.previous_ranks``: per new rank, its rank in the base, or -1 for a worker without state."""
+    out = [-1] * len(new_ranks)
+    for gpu, rank in new_ranks.items():
+        if base is not None and gpu[0] in holding_nodes and gpu in base.ranks:
+            out[rank] = base.ranks[gpu]
+    return out
+
+
+def states_to_move(base: ExecutionPlan | None, new: ExecutionPlan, previous: Sequence[int]) -> int:
+    """(layer, new rank) pairs whose worker did not hold the layer in the base: layer states to copy or load."""
+    moved = 0
+    for stage in (s for p in new.pipelines for s in p.stages):
+        old = previous[stage.rank]
+        held = base.stage(old).layers if base is not None and old >= 0 else range(0)
+        moved += sum(1 for layer in stage.layers if layer not in held)
+    return moved
+
+
+def _ranges(layers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    parts, start = [], layers[0]
+    for prev, cur in zip(layers, [*layers[1:], None]):
+        if cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)

@@ -1,0 +1,158 @@
+"""The master's recovery decisions (``master.recovery``), on generations and holdings built by hand."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from master.recovery import (
+    GenerationView,
+    Holdings,
+    Request,
+    StateLost,
+    choose_base,
+    committed,
+    orphan_layers,
+    plan_request,
+    previous_ranks,
+    states_to_move,
+)
+from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+
+
+def view(number: int, layout: ExecutionPlan, nodes: list[str]) -> GenerationView:
+    """One GPU per node; node i runs rank i."""
+    return GenerationView(number, layout, {(n, 0): r for r, n in enumerate(nodes)})
+
+
+# gen 1: pipelines [a b] and [c d], layers 0-4 | 5-9 each
+GEN1 = view(1, ExecutionPlan.even(10, [2, 2], [4, 4], 2), ["a", "b", "c", "d"])
+# gen 2 after losing d: [a b] unchanged, c alone holds every layer (needs 0-4 copied)
+GEN2 = view(2, ExecutionPlan((PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5),
+                              PipelineLayout((StageLayout(2, 0, 10),), 3)), 10, 2), ["a", "b", "c"])  # fmt: skip
+GENS = {1: GEN1, 2: GEN2}
+
+
+def holds(**by_node: tuple[int, int]) -> dict:
+    """node=(current, committed)."""
+    return {(n, 0): Holdings(current=c, committed=k) for n, (c, k) in by_node.items()}
+
+
+def test_holdings_follow_the_workers_rules():
+    h = Holdings().completed_step(1)
+    assert h.held() == {1}
+    h = h.adopted(2)  # copied into 2, no step yet: 1 is kept
+    assert h.held() == {1, 2} and h.committed == 1
+    assert h.completed_step(2).held() == {2}  # a step in 2 drops 1
+    assert h.completed_step(2).completed_step(1).held() == {2}  # a late report of 1 changes nothing
+
+
+def test_everyone_holds_the_current_generation_it_is_the_base():
+    base, why = choose_base(GENS, holds(a=(1, 1), b=(1, 1), c=(1, 1)), live=["a", "b", "c"])
+    assert (base.generation, base.holding_nodes, base.stale_nodes) == (1, ("a", "b", "c"), ())
+    assert "generation 1" in why
+
+
+def test_failure_during_the_copy_plans_from_the_generation_the_survivors_came_from():
+    # gen 2 was being set up: a finished its copy (holds 1 and 2), b did not (holds 1); now c is lost too.
+    h = holds(a=(2, 1), b=(1, 1))
+    base, why = choose_base(GENS, h, live=["a", "b"])
+    # gen 2 would need c (the only holder of layers 5-9 beyond b... b does not hold 2): rejected
+    assert base.generation == 1 and base.holding_nodes == ("a", "b")
+    request, _ = plan_request(GEN2, GENS, h, live=["a", "b"])
+    assert request == Request(base=1, lost=("c", "d"), joined=(), live=("a", "b"), failure=True)
+
+
+def test_the_newest_generation_wins_a_tie_and_the_most_survivors_win_otherwise():
+    h = holds(a=(2, 1), b=(2, 1), c=(2, 1))  # every copy of gen 2 finished, no step yet
+    base, _ = choose_base(GENS, h, live=["a", "b", "c"])
+    assert base.generation == 2
+    # gen 3 = c alone (one stage) held only by c; gen 2 held by a, b and c: keep three nodes' states
+    gen3 = view(3, ExecutionPlan.even(10, [1], [8], 2), ["c"])
+    h[("c", 0)] = Holdings(current=3, committed=2)
+    base, _ = choose_base({**GENS, 3: gen3}, h, live=["a", "b", "c"])
+    assert base.generation == 2 and base.holding_nodes == ("a", "b", "c")
+
+
+def test_a_node_that_does_not_hold_the_base_is_stale_and_starts_empty():
+    # c joined in gen 2 (it was not in gen 1 here) and its copy failed; a and b hold 2 and cover it.
+    gen2 = view(2, GEN2.layout, ["a", "b", "c"])
+    gen1 = view(1, ExecutionPlan.even(10, [1, 1], [4, 4], 2), ["a", "b"])
+    h = {("a", 0): Holdings(2, 1), ("b", 0): Holdings(2, 1)}
+    base, why = choose_base({1: gen1, 2: gen2}, h, live=["a", "b", "c"])
+    assert base.generation == 2 and base.stale_nodes == ("c",) and "c start empty" in why
+    request, _ = plan_request(gen2, {1: gen1, 2: gen2}, h, live=["a", "b", "c"])
+    assert request is None  # nobody is gone and gen 2 has not completed a step: nothing to do yet
+    request, _ = plan_request(gen2, {1: gen1, 2: gen2}, h, live=["a", "b"])  # now c is lost
+    assert request == Request(base=2, lost=("c",), joined=(), live=("a", "b"), failure=True)
+    # b lost instead: a alone holds only layers 0-4 of gen 2, but all of gen 1 (one-stage pipeline)
+    request, _ = plan_request(gen2, {1: gen1, 2: gen2}, h, live=["a", "c"])
+    assert request == Request(base=1, lost=("b",), joined=("c",), live=("a", "c"), failure=True)
+
+
+def test_the_model_state_is_gone_when_no_generation_covers_every_layer():
+    h = holds(a=(1, 1))  # b, c and d lost: nobody holds layers 5-9
+    base, why = choose_base(GENS, h, live=["a"])
+    assert base is None and "layers 5-9" in why
+    request, _ = plan_request(GEN1, GENS, h, live=["a"])
+    assert isinstance(request, StateLost)
+
+
+def test_nobody_trained_yet_means_a_fresh_start():
+    base, _ = choose_base(GENS, {}, live=["a", "b"])
+    assert base.generation == 0
+    request, _ = plan_request(GEN1, GENS, {}, live=["a", "b"])
+    assert request == Request(base=0, lost=(), joined=("a", "b"), live=("a", "b"), failure=True)
+
+
+def test_joins_wait_for_a_committed_generation_then_join_the_base():
+    live = ["a", "b", "c", "d", "e"]
+    h = holds(a=(1, 0), b=(1, 0), c=(1, 0), d=(1, 0))  # set up, no step completed yet
+    assert plan_request(GEN1, GENS, h, live)[0] is None
+    assert not committed(GEN1, h)
+    h = holds(a=(1, 1), b=(1, 1), c=(1, 1), d=(1, 1))
+    assert committed(GEN1, h)
+    request, _ = plan_request(GEN1, GENS, h, live)
+    assert request == Request(base=1, lost=(), joined=("e",), live=tuple(live), failure=False)
+    assert plan_request(GEN1, GENS, h, ["a", "b", "c", "d"])[0] is None  # nothing changed
+
+
+def test_previous_ranks_name_each_survivors_old_rank_and_minus_one_for_the_rest():
+    new = {("c", 0): 0, ("a", 0): 1, ("e", 0): 2, ("b", 0): 3}
+    assert previous_ranks(new, GEN1, holding_nodes=["a", "b", "c"]) == [2, 0, -1, 1]
+    assert previous_ranks(new, GEN1, holding_nodes=["a", "b"]) == [-1, 0, -1, 1]  # c is stale
+    assert previous_ranks(new, None, holding_nodes=[]) == [-1, -1, -1, -1]
+
+
+def test_states_to_move_counts_layers_a_rank_did_not_hold():
+    # gen 1 -> gen 2: c (old rank 2, layers 0-4) now holds 0-9: 5 layers to receive
+    assert states_to_move(GEN1.layout, GEN2.layout, [0, 1, 2]) == 5
+    assert states_to_move(GEN1.layout, GEN2.layout, [0, 1, -1]) == 10  # c as a joiner
+    assert states_to_move(None, GEN2.layout, [-1, -1, -1]) == 20  # a fresh start: every layer
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), min_size=4, max_size=4),
+    st.lists(st.booleans(), min_size=4, max_size=4),
+)
+def test_a_chosen_base_is_held_by_its_survivors_and_covers_every_layer(pairs, alive):
+    nodes = ["a", "b", "c", "d"]
+    gen2 = view(2, ExecutionPlan.even(10, [1, 3], [4, 4], 2), nodes)
+    gens = {1: GEN1, 2: gen2}
+    h = {(n, 0): Holdings(current=max(c, k), committed=k) for n, (c, k) in zip(nodes, pairs)}
+    live = [n for n, up in zip(nodes, alive) if up]
+    base, _ = choose_base(gens, h, live)
+    if base is None or base.generation == 0:
+        return
+    gen = gens[base.generation]
+    assert set(base.holding_nodes) <= set(live)
+    assert all(base.generation in h[(n, 0)].held() for n in base.holding_nodes)
+    alive_ranks = [gen.ranks[(n, 0)] for n in base.holding_nodes]
+    assert orphan_layers(gen.layout, alive_ranks) == []
+    # and no other usable generation keeps more nodes' states
+    for other in {1, 2} - {base.generation}:
+        holders = [n for n in live if all(other in h[g].held() for g in gens[other].gpus_of(n))]
+        usable = not orphan_layers(gens[other].layout, [gens[other].ranks[(n, 0)] for n in holders])
+        assert not usable or len(holders) < len(base.holding_nodes) or (
+            len(holders) == len(base.holding_nodes) and other < base.generation)
