@@ -5,8 +5,8 @@ main thread, in the order the inbox delivers it:
 
 - ``stream``: the Subscribe stream -> assignments and shutdown into the inbox;
   its end without a Shutdown means the master is gone.
-- ``heartbeat``: a Heartbeat every interval; silence of the master past the
-  timeout (or a master that no longer knows this node) goes into the inbox.
+- ``heartbeat``: a Heartbeat every interval; silence of the master past twice
+  the timeout (or a master that no longer knows this node) goes into the inbox.
 - ``reports``: reads every worker pipe and forwards reports to the master.
 - the main thread: starts workers (one per GPU, on their first assignment),
   hands later assignments (and checkpoint commands) over their pipes, checks
@@ -248,7 +248,10 @@ class Agent:
                     return
                 silent = time.monotonic() - last_ok
                 log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)
-                if silent > self.timeout:
+                # A dead master is seen at once (its sockets reset: the stream breaks); silence only
+                # means a hung or starved one. The master forgives its own stalls, so the agent waits
+                # twice the timeout before deciding for the job that the master is gone.
+                if silent > 2 * self.timeout:
                     self.inbox.put(("fatal", f"the master has not answered for {silent:.1f}s ({err.code().name})"))
                     return
 

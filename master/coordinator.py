@@ -398,12 +398,14 @@ class Coordinator:
             if len(live) < self.num_nodes:
                 return None
             names = tuple(live[: self.num_nodes])
-            return Request(base=0, lost=(), joined=names, live=names, failure=False)
+            return Request(base=0, plan_from=0, lost=(), joined=names, live=names, failure=False)
         current = self._gens[self.generation].view
         if self.options.recovery == "restart":
-            if all(n in live for n in current.nodes):
+            gone = tuple(n for n in current.nodes if n not in live)
+            if not gone:
                 return None  # joins wait for the next restart: restarting for them would redo steps
-            return Request(base=0, lost=(), joined=tuple(live), live=tuple(live), failure=True)
+            new = tuple(n for n in live if n not in current.nodes)
+            return Request(base=0, plan_from=current.number, lost=gone, joined=new, live=tuple(live), failure=True)
         wanted, _ = plan_request(current, self._views(), self._holdings, live)
         if isinstance(wanted, Request) and not wanted.failure and self._next_step >= self.steps:
             return None  # every step is done: a node joining now has nothing left to train
@@ -420,11 +422,11 @@ class Coordinator:
             self._incident = Incident.now("joined", wanted.joined)
         if self.phase == RUNNING and self.options.recovery == "restart":
             self._restart_workers(wanted.live)
-        if wanted.base == 0:
+        if wanted.plan_from == 0:
             future = self.planner.fresh(self.config_yaml, wanted.live)
         else:
-            base = self._gens[wanted.base]
-            future = self.planner.reconfigure(self.config_yaml, base.template_nodes, base.plan, wanted.lost,
+            source = self._gens[wanted.plan_from]
+            future = self.planner.reconfigure(self.config_yaml, source.template_nodes, source.plan, wanted.lost,
                                               wanted.joined)  # fmt: skip
         self._planning = (wanted, future)
         future.add_done_callback(lambda _: self._wake())

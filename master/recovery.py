@@ -98,8 +98,11 @@ class Request:
     """The inputs of one planning call; compared again when its result arrives."""
 
     base: int
+    """The generation whose states the survivors keep (``previous_generation``); 0: they start afresh."""
+    plan_from: int
+    """The generation whose plan the planner reconfigures (its templates are kept); 0: a fresh plan."""
     lost: tuple[str, ...]
-    """Nodes of the base plan that leave it (gone, or stale)."""
+    """Nodes of ``plan_from``'s plan that leave it (gone, or stale)."""
     joined: tuple[str, ...]
     """Live nodes that enter it (new, or stale ones coming back empty)."""
     live: tuple[str, ...]
@@ -191,10 +194,14 @@ def plan_request(
     base, why = choose_base(generations, holdings, live)
     if base is None:
         return StateLost(why), why
-    base_nodes = generations[base.generation].nodes if base.generation else ()
+    if base.generation == 0:
+        # Nobody holds trained state: plan from the current layout all the same (the templates
+        # built for the starting node count stay valid), only the workers start afresh.
+        return Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone)), why
+    base_nodes = generations[base.generation].nodes
     lost = tuple(n for n in base_nodes if n not in base.holding_nodes)
     joined = tuple(n for n in live if n not in base_nodes or n in base.stale_nodes)
-    return Request(base.generation, lost, joined, tuple(live), failure=bool(gone)), why
+    return Request(base.generation, base.generation, lost, joined, tuple(live), failure=bool(gone)), why
 
 
 def previous_ranks(

@@ -60,7 +60,7 @@ def test_failure_during_the_copy_plans_from_the_generation_the_survivors_came_fr
     # gen 2 would need c (the only holder of layers 5-9 beyond b... b does not hold 2): rejected
     assert base.generation == 1 and base.holding_nodes == ("a", "b")
     request, _ = plan_request(GEN2, GENS, h, live=["a", "b"])
-    assert request == Request(base=1, lost=("c", "d"), joined=(), live=("a", "b"), failure=True)
+    assert request == Request(base=1, plan_from=1, lost=("c", "d"), joined=(), live=("a", "b"), failure=True)
 
 
 def test_the_newest_generation_wins_a_tie_and_the_most_survivors_win_otherwise():
@@ -84,10 +84,10 @@ def test_a_node_that_does_not_hold_the_base_is_stale_and_starts_empty():
     request, _ = plan_request(gen2, {1: gen1, 2: gen2}, h, live=["a", "b", "c"])
     assert request is None  # nobody is gone and gen 2 has not completed a step: nothing to do yet
     request, _ = plan_request(gen2, {1: gen1, 2: gen2}, h, live=["a", "b"])  # now c is lost
-    assert request == Request(base=2, lost=("c",), joined=(), live=("a", "b"), failure=True)
+    assert request == Request(base=2, plan_from=2, lost=("c",), joined=(), live=("a", "b"), failure=True)
     # b lost instead: a alone holds only layers 0-4 of gen 2, but all of gen 1 (one-stage pipeline)
     request, _ = plan_request(gen2, {1: gen1, 2: gen2}, h, live=["a", "c"])
-    assert request == Request(base=1, lost=("b",), joined=("c",), live=("a", "c"), failure=True)
+    assert request == Request(base=1, plan_from=1, lost=("b",), joined=("c",), live=("a", "c"), failure=True)
 
 
 def test_the_model_state_is_gone_when_no_generation_covers_every_layer():
@@ -101,8 +101,9 @@ def test_the_model_state_is_gone_when_no_generation_covers_every_layer():
 def test_nobody_trained_yet_means_a_fresh_start():
     base, _ = choose_base(GENS, {}, live=["a", "b"])
     assert base.generation == 0
-    request, _ = plan_request(GEN1, GENS, {}, live=["a", "b"])
-    assert request == Request(base=0, lost=(), joined=("a", "b"), live=("a", "b"), failure=True)
+    request, _ = plan_request(GEN1, GENS, {}, live=["a", "b", "e"])  # c and d lost, e joined
+    assert request == Request(base=0, plan_from=1, lost=("c", "d"), joined=("e",), live=("a", "b", "e"),
+                              failure=True)  # the layout is still planned from generation 1's
 
 
 def test_joins_wait_for_a_committed_generation_then_join_the_base():
@@ -113,7 +114,7 @@ def test_joins_wait_for_a_committed_generation_then_join_the_base():
     h = holds(a=(1, 1), b=(1, 1), c=(1, 1), d=(1, 1))
     assert committed(GEN1, h)
     request, _ = plan_request(GEN1, GENS, h, live)
-    assert request == Request(base=1, lost=(), joined=("e",), live=tuple(live), failure=False)
+    assert request == Request(base=1, plan_from=1, lost=(), joined=("e",), live=tuple(live), failure=False)
     assert plan_request(GEN1, GENS, h, ["a", "b", "c", "d"])[0] is None  # nothing changed
 
 
