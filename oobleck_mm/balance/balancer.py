@@ -27,13 +27,14 @@ import numpy as np
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.balance.baselines import mmscale, orchmllm_lpt, orchmllm_padded, orchmllm_quadratic, random_placement
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
-from oobleck_mm.balance.metrics import imbalance
-from oobleck_mm.balance.ours import ours
+from oobleck_mm.balance.metrics import imbalance, modality_dist_ratios
+from oobleck_mm.balance.ours import ours, ours_fast, target_shares
 from oobleck_mm.balance.problem import BalanceProblem, PipelineShape, Placement, check_enough_samples
 from oobleck_mm.balance.work import ModelDims, sample_features
 
 ALGORITHMS: dict[str, Callable[[BalanceProblem], Placement]] = {
     "ours": ours,
+    "ours_fast": ours_fast,
     "random": random_placement,
     "orchmllm_lpt": orchmllm_lpt,
     "orchmllm_padded": orchmllm_padded,
@@ -118,6 +119,26 @@ def balance_batch(
     features = sample_features(metas, dims)
     problem = BalanceProblem.build(global_batch, features, pipelines, model, coefficients, microbatch_size, seed)
     return balance(problem, algorithm, threshold)
+
+
+def step_metrics(problem: BalanceProblem, result: BalanceResult) -> dict[str, float]:
+    """Plain numbers for the progress line and the event log.
+
+    ``dist_<modality>``: OmniBal's Dist Ratio of that modality's tokens per pipeline,
+    each pipeline's tokens divided by its fair share of the batch's work (pipelines of
+    different speeds should not get equal tokens); 0 is perfect.
+    """
+    position = {int(i): k for k, i in enumerate(problem.sample_ids.tolist())}
+    pipeline = np.empty(problem.num_samples, dtype=np.int64)
+    for p, microbatches in enumerate(result.assignment.pipelines):
+        for mb in microbatches:
+            pipeline[[position[i] for i in mb]] = p
+    shares = np.maximum(target_shares(problem), 1e-12)
+    out = {"predicted_max_s": result.predicted_max_s, "predicted_mean_s": result.predicted_mean_s,
+           "predicted_imbalance": result.imbalance}  # fmt: skip
+    for name, value in modality_dist_ratios(problem.features, pipeline, problem.num_pipelines, shares).items():
+        out[f"dist_{name}"] = value
+    return out
 
 
 def _unbalanced(problem: BalanceProblem) -> Placement | None:

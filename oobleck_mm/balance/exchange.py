@@ -48,18 +48,18 @@ def marginal(problem: BalanceProblem, weight: np.ndarray, loads: np.ndarray, sca
     m = problem.num_microbatches[pipes][:, None]
     bottleneck = problem.stage_index[pipes, np.argmax(loads[pipes], axis=1)][:, None]
     s = np.maximum(samples, 0)
-    value = scale[pipes][:, None] * ((m - 1) * problem.cost[s, bottleneck] + weight[s]) / m
+    value = scale[pipes][:, None] * ((m - 1) * problem.cost_at(s, bottleneck) + np.take(weight, s)) / m
     return np.where(samples >= 0, value, np.inf)
 
 
 def candidates(problem, weight, loads, scale, values, members, counts, high, low, per_pair: int, forced: int = 0):
     """Up to ``per_pair`` exchanges per pair, best first-order objective first.
 
-    ``forced``: also include, whatever their first-order objective, the move and the
-    best swap of each of high's first ``forced`` slots (its heaviest samples when rows
-    are sorted by ``microbatch.sort_members``): lumpiness is what first order misses.
+    ``forced``: also include, whatever its first-order objective, the best swap of each
+    of high's first ``forced`` slots (its heaviest samples when rows are sorted by
+    ``microbatch.sort_members``): lumpiness is what first order misses.
     Returns slot indices ``a`` (into ``members[high]``) and ``b`` (into ``members[low]``,
-    -1 for a move), each ``(Q, per_pair + 2 * forced)``; unusable entries have ``a = -1``.
+    -1 for a move), each ``(Q, per_pair + forced)``; unusable entries have ``a = -1``.
     """
     mh, ml = members[high], members[low]
     both = np.concatenate([high, low, high, low])
@@ -77,7 +77,7 @@ def candidates(problem, weight, loads, scale, values, members, counts, high, low
     b_all = np.concatenate([np.full(mh.shape, -1), partner], axis=1)
     pick = np.argsort(obj, axis=1, kind="stable")[:, :per_pair]
     if forced:
-        pick = np.concatenate([pick, np.tile(np.r_[np.arange(forced), width + np.arange(forced)], (len(high), 1))], axis=1)
+        pick = np.concatenate([pick, np.tile(width + np.arange(forced), (len(high), 1))], axis=1)
     a = np.take_along_axis(a_all, pick, axis=1)
     b = np.take_along_axis(b_all, pick, axis=1)
     return np.where(np.isfinite(np.take_along_axis(obj, pick, axis=1)), a, -1), b
@@ -196,26 +196,26 @@ def exchange_rounds(problem: BalanceProblem, pipeline: np.ndarray, weight: np.nd
         if not gain.any():
             break
         q = np.nonzero(gain)[0]
-        h, l, a, b, give, take = high[q], low[q], a[q, c[q]], b[q, c[q]], give[q, c[q]], take[q, c[q]]
-        loads[h], loads[l] = new_h[q, c[q]], new_l[q, c[q]]
-        pipeline[give] = l
+        slow, fast, a, b, give, take = high[q], low[q], a[q, c[q]], b[q, c[q]], give[q, c[q]], take[q, c[q]]
+        loads[slow], loads[fast] = new_h[q, c[q]], new_l[q, c[q]]
+        pipeline[give] = fast
         swapped = take >= 0
-        pipeline[take[swapped]] = h[swapped]
+        pipeline[take[swapped]] = slow[swapped]
         # A swap exchanges two entries; a move leaves a hole and appends to the receiver.
-        members[h, a] = take
-        members[l[swapped], b[swapped]] = give[swapped]
+        members[slow, a] = take
+        members[fast[swapped], b[swapped]] = give[swapped]
         moved = ~swapped
-        members[l[moved], free[l[moved]]] = give[moved]
-        free[l[moved]] += 1
-        counts[h[moved]] -= 1
-        counts[l[moved]] += 1
+        members[fast[moved], free[fast[moved]]] = give[moved]
+        free[fast[moved]] += 1
+        counts[slow[moved]] -= 1
+        counts[fast[moved]] += 1
     return pipeline
 
 
-def pairs(values: np.ndarray, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pairs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Slowest with fastest, second slowest with second fastest, ...: only pairs with a gap; ties by index."""
     ranked = np.lexsort((np.arange(len(values)), -values))
-    half = len(values) // 2 if limit is None else min(len(values) // 2, limit)
+    half = len(values) // 2
     high, low = ranked[:half], ranked[::-1][:half]
     keep = values[high] > values[low]
     return high[keep], low[keep]

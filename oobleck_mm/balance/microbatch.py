@@ -38,50 +38,55 @@ def sort_members(problem: BalanceProblem, members: np.ndarray, weight: np.ndarra
 
 
 def split(problem: BalanceProblem, pipes: np.ndarray, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Microbatch of every member ``(I, W)`` (-1 at holes) and microbatch stage ticks ``(I, M_max, S_max)``.
+    """Microbatch of every member ``(I, W)`` (-1 at holes) and microbatch stage ticks ``(I, S_max, M_max)``.
 
     ``members`` rows must be sorted by ``sort_members``; every row needs at least as
     many members as its pipeline has microbatches.
     """
     num, width = members.shape
     valid = members >= 0
-    cost = np.where(valid[:, :, None], problem.sample_stage_cost(np.maximum(members, 0), pipes[:, None]), 0.0)
+    # Stage-major (S, I, ...) inside: the max over stages is then a max of contiguous slabs.
+    stages = problem.stage_index[pipes].T
+    cost = problem.cost_at(np.maximum(members, 0)[None], stages[:, :, None]) * valid[None]
     m = problem.num_microbatches[pipes]
     m_max = int(problem.num_microbatches.max())
     counts = valid.sum(axis=1)
-    fixed = problem.microbatch_cost[problem.stage_index[pipes]]
+    fixed = problem.microbatch_cost[stages]
     exists = np.arange(m_max)[None, :] < m[:, None]
-    loads = np.where(exists[:, :, None], fixed[:, None, :], 0.0)
-    share = np.maximum((cost.sum(axis=1) + m[:, None] * fixed) / m[:, None], 1.0)[:, None, :]
+    loads = fixed[:, :, None] * exists[None]
+    inverse_share = (1.0 / np.maximum((cost.sum(axis=2) + m * fixed) / m, 1.0))[:, :, None]
     micro = np.full((num, width), -1, dtype=np.int64)
     rows = np.arange(num)[:, None]
     for r in range(int(np.ceil(counts / m).max(initial=0))):
         rank = r * m[:, None] + np.arange(m_max)[None, :]
         take = exists & (rank < counts[:, None])
-        fill = np.where(exists, (loads / share).max(axis=2), np.inf)
+        fill = np.where(exists, (loads * inverse_share).max(axis=0), np.inf)
         target = np.argsort(fill, axis=1, kind="stable")  # least filled first; ties by number
-        row = np.broadcast_to(rows, rank.shape)[take]
-        micro[row, rank[take]] = target[take]
-        loads[row, target[take]] += cost[row, rank[take]]  # one sample per microbatch per round: no repeats
+        row, slot, mb = np.broadcast_to(rows, rank.shape)[take], rank[take], target[take]
+        micro[row, slot] = mb
+        loads[:, row, mb] += cost[:, row, slot]  # one sample per microbatch per round: no repeats
     return _pyramid(problem, pipes, micro, loads)
 
 
 def _pyramid(problem: BalanceProblem, pipes: np.ndarray, micro: np.ndarray, loads: np.ndarray):
-    """Renumber microbatches light - heavy - light by bottleneck ticks; returns (micro, loads) renumbered."""
-    num, m_max = loads.shape[:2]
+    """Renumber microbatches light - heavy - light by bottleneck ticks.
+
+    ``loads`` is stage-major ``(S, I, M)``; returns ``(micro, ticks (I, S, M))`` renumbered.
+    """
+    _, num, m_max = loads.shape
     m = problem.num_microbatches[pipes][:, None]
     r = np.arange(m_max)[None, :]
     exists = r < m
-    ascending = np.argsort(np.where(exists, loads.max(axis=2), np.inf), axis=1, kind="stable")
+    ascending = np.argsort(np.where(exists, loads.max(axis=0), np.inf), axis=1, kind="stable")
     # Rank r (ascending) runs at position r / 2 when r is even, M - 1 - (r - 1) / 2 when odd.
     position = np.where(exists, np.where(r % 2 == 0, r // 2, m - 1 - (r - 1) // 2), r)
     rows = np.arange(num)[:, None]
     new_number = np.empty_like(ascending)
     new_number[rows, ascending] = position
-    renumbered = np.empty_like(loads)
-    renumbered[rows, new_number] = loads
+    ticks = np.empty((num, loads.shape[0], m_max))
+    ticks[rows[:, :, None], np.arange(loads.shape[0])[None, :, None], new_number[:, None, :]] = loads.transpose(1, 0, 2)
     micro = np.where(micro >= 0, new_number[rows, np.maximum(micro, 0)], -1)
-    return micro, renumbered
+    return micro, ticks
 
 
 def placement_arrays(problem: BalanceProblem, members: np.ndarray, micro: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

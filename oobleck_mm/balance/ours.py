@@ -14,14 +14,19 @@
 3. Exchanges on the proxy (``exchange.exchange_rounds``): slowest paired with
    fastest, best move or swap per pair, all pairs at once.
 4. Microbatches (``microbatch.split``): stratified dealing, light - heavy -
-   light order.
-5. Exact polish. The proxy assumes equal microbatches; real ones are lumpy
-   (a few heavy samples), which costs each pipeline 0-20 % more depending on
-   its exact samples, not only on its shape. So the slowest pipelines, by the
-   exact 1F1B model, are paired with the fastest; for each pair a few
-   first-order candidates (scaled by each pipeline's exact/proxy ratio) are
-   re-split and timed exactly, all candidates of all pairs in one vectorised
-   evaluation, and the best improving one per pair is applied.
+   light order; then every pipeline is timed exactly.
+5. Calibration. The proxy assumes equal microbatches; real ones are lumpy (a
+   few heavy samples), which costs each pipeline 0-25 % more depending on its
+   exact samples, not only on its shape. Each pipeline's exact / proxy ratio
+   rescales its proxy and steps 3-4 run again; the better result is kept.
+6. Exact polish. The slowest pipelines, each paired with several of the
+   fastest, try a few exchanges (first-order ones, the best swap of the
+   slow pipeline's heaviest sample, and that sample for two lighter ones);
+   candidates are re-split and timed exactly, all at once, and each pipeline
+   takes part in at most one applied exchange per round.
+
+Scales (exact seconds / proxy ticks per pipeline) make every comparison in
+seconds; only ratios between pipelines matter to the exchanges.
 """
 
 from __future__ import annotations
@@ -38,25 +43,29 @@ from oobleck_mm.balance.split import descending, ensure_min_counts, proportional
 HEAD_PER_PIPELINE = 2
 EXCHANGE_ROUNDS = 8
 CALIBRATIONS = 2
-POLISH_ROUNDS = 4
+POLISH_ROUNDS = 6
 GOOD_ENOUGH = 0.005
 """Stop refining once predicted max/mean is within this: below the cost model's own accuracy."""
 POLISH_PAIRS = 8
 POLISH_PARTNERS = 3
 POLISH_CANDIDATES = 2
 POLISH_FORCED = 1
+POLISH_VERIFIED = 2
 
 
-def ours(problem: BalanceProblem) -> Placement:
+def ours(problem: BalanceProblem, *, calibrations: int | None = None, polish_rounds: int | None = None) -> Placement:
+    """The default placement; ``ours_fast`` is this with one calibration and no exact polish."""
+    calibrations = CALIBRATIONS if calibrations is None else calibrations
+    polish_rounds = POLISH_ROUNDS if polish_rounds is None else polish_rounds
     weight = problem.total_cost()
     order = descending(weight, problem.sample_ids)
-    pipeline = _construct(problem, weight, order, _target_shares(problem))
+    pipeline = _construct(problem, weight, order, target_shares(problem))
     pipeline = ensure_min_counts(problem, pipeline, weight)
     scale = np.ones(problem.num_pipelines)
     best = None
-    for _ in range(CALIBRATIONS):
+    for _ in range(max(calibrations, 1)):
         pipeline = exchange_rounds(problem, pipeline, weight, scale, EXCHANGE_ROUNDS)
-        state = _evaluate(problem, pipeline, weight)
+        state = _evaluate(problem, pipeline, weight, polish_rounds)
         if best is None or state[3].max() < best[3].max():
             best = state
         if _good_enough(best[3]):
@@ -64,15 +73,22 @@ def ours(problem: BalanceProblem) -> Placement:
         # Each pipeline's exact / proxy ratio rescales its proxy for the next exchanges.
         scale = state[3] / problem.proxy_times(problem.stage_loads(pipeline))
     members, micro, ticks, exact = best
-    if not _good_enough(exact):
-        members, micro = _polish(problem, weight, members, micro, ticks, exact)
+    members, micro = _polish(problem, weight, members, micro, ticks, exact, polish_rounds)
     return Placement(*placement_arrays(problem, members, micro))
 
 
-def _evaluate(problem: BalanceProblem, pipeline: np.ndarray, weight: np.ndarray):
-    """Split every pipeline into microbatches and time it exactly: (members, micro, ticks, seconds)."""
+def ours_fast(problem: BalanceProblem) -> Placement:
+    """``ours`` without the exact polish and with a single calibration: several times cheaper."""
+    return ours(problem, calibrations=1, polish_rounds=0)
+
+
+def _evaluate(problem: BalanceProblem, pipeline: np.ndarray, weight: np.ndarray, spare: int):
+    """Split every pipeline into microbatches and time it exactly: (members, micro, ticks, seconds).
+
+    Member rows keep ``spare`` empty slots for samples the polish may add.
+    """
     pipes = np.arange(problem.num_pipelines)
-    members = sort_members(problem, slots(pipeline, problem.num_pipelines, spare=POLISH_ROUNDS), weight)
+    members = sort_members(problem, slots(pipeline, problem.num_pipelines, spare=spare), weight)
     micro, ticks = split(problem, pipes, members)
     return members, micro, ticks, problem.iteration_seconds(pipes, ticks)
 
@@ -84,7 +100,7 @@ def _good_enough(exact: np.ndarray) -> bool:
 # ---------------------------------------------------------------------- 1. targets
 
 
-def _target_shares(problem: BalanceProblem) -> np.ndarray:
+def target_shares(problem: BalanceProblem) -> np.ndarray:
     """Fraction of the batch's work each pipeline should get so all finish together."""
     slope, offset = _time_lines(problem)
     rows = np.arange(problem.num_pipelines)
@@ -144,14 +160,14 @@ def _construct(problem: BalanceProblem, weight: np.ndarray, order: np.ndarray, s
 # ---------------------------------------------------------------------- 5. exact polish
 
 
-def _polish(problem, weight, members, micro, ticks, exact):
+def _polish(problem, weight, members, micro, ticks, exact, rounds: int):
     """Improvements judged by the exact 1F1B time of re-split candidates (see the module docstring)."""
     num_pipes = problem.num_pipelines
-    for _ in range(POLISH_ROUNDS):
+    for _ in range(rounds):
         if _good_enough(exact):
             break
         counts = (members >= 0).sum(axis=1)
-        loads = ticks.sum(axis=1)
+        loads = ticks.sum(axis=2)
         proxy = proxy_rows(problem, np.arange(num_pipes), loads)
         scale = exact / np.maximum(proxy, 1e-300)
         high, low = _polish_pairs(exact)
@@ -166,26 +182,50 @@ def _polish(problem, weight, members, micro, ticks, exact):
         b = np.concatenate([b, b1], axis=1)
         rows_h, rows_l = _candidate_rows(members, high, low, a, b, b2)
         q, k = a.shape
-        inst_pipes = np.concatenate([np.repeat(high, k), np.repeat(low, k)])
-        inst_members = sort_members(problem, np.concatenate([rows_h, rows_l]), weight)
-        inst_micro, inst_ticks = split(problem, inst_pipes, inst_members)
-        inst_exact = problem.iteration_seconds(inst_pipes, inst_ticks)
-        after = np.where(a >= 0, np.maximum(inst_exact[: q * k], inst_exact[q * k :]).reshape(q, k), np.inf)
-        chosen = _choose(high, low, after, exact)
+        # The slow side of every candidate exactly; the fast side first by its current
+        # exact/proxy ratio, then exactly for the few most promising candidates of each pair.
+        slow_side = _timed(problem, np.repeat(high, k), rows_h, weight)
+        h_exact = np.where(a.ravel() >= 0, slow_side[3], np.inf).reshape(q, k)
+        l_pipes = np.repeat(low, k)
+        estimate = np.maximum(h_exact, (scale[l_pipes] * _row_proxy(problem, l_pipes, rows_l)).reshape(q, k))
+        best = np.argsort(estimate, axis=1, kind="stable")[:, :POLISH_VERIFIED]
+        promising = np.take_along_axis(estimate, best, axis=1) < exact[high][:, None]
+        flat = (np.arange(q)[:, None] * k + best)[promising]
+        if not len(flat):
+            break
+        fast_side = _timed(problem, l_pipes[flat], rows_l[flat], weight)
+        after = np.full(q * k, np.inf)
+        after[flat] = np.maximum(h_exact.ravel()[flat], fast_side[3])
+        chosen = _choose(high, low, after.reshape(q, k), exact)
         if not chosen:
             break
+        where_l = {int(f): i for i, f in enumerate(flat)}
         for pair, c in chosen:
-            for pipe, inst in ((high[pair], pair * k + c), (low[pair], q * k + pair * k + c)):
-                members[pipe], micro[pipe] = inst_members[inst], inst_micro[inst]
-                ticks[pipe], exact[pipe] = inst_ticks[inst], inst_exact[inst]
+            inst = pair * k + c
+            for pipe, state, i in ((high[pair], slow_side, inst), (low[pair], fast_side, where_l[inst])):
+                members[pipe], micro[pipe], ticks[pipe], exact[pipe] = (x[i] for x in state)
     return members, micro
 
 
+def _timed(problem: BalanceProblem, pipes: np.ndarray, rows: np.ndarray, weight: np.ndarray):
+    """(members, micro, ticks, seconds) of candidate member rows of ``pipes``, split and timed exactly."""
+    members = sort_members(problem, rows, weight)
+    micro, ticks = split(problem, pipes, members)
+    return members, micro, ticks, problem.iteration_seconds(pipes, ticks)
+
+
+def _row_proxy(problem: BalanceProblem, pipes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Proxy ticks of candidate member rows (``problem.proxy_times`` of their stage loads)."""
+    cost = problem.sample_stage_cost(np.maximum(rows, 0), pipes[:, None]) * (rows >= 0)[:, :, None]
+    loads = cost.sum(axis=1) + problem.num_microbatches[pipes][:, None] * problem.microbatch_cost[problem.stage_index[pipes]]
+    return proxy_rows(problem, pipes, loads)
+
+
 def _polish_pairs(exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The slowest pipelines above the mean, each paired with several of the fastest."""
+    """The slowest pipelines (those not yet good enough), each paired with several of the fastest."""
     ranked = np.lexsort((np.arange(len(exact)), -exact))
     limit = max(POLISH_PAIRS, len(exact) // 8)
-    num = min(int((exact > exact.mean()).sum()), len(exact) // 2, limit)
+    num = min(int((exact > (1 + GOOD_ENOUGH) * exact.mean()).sum()), len(exact) // 2, limit)
     pool = ranked[::-1][: min(len(exact) - num, max(num, POLISH_PARTNERS))]
     if not num or not len(pool):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -202,10 +242,10 @@ def _choose(high: np.ndarray, low: np.ndarray, after: np.ndarray, exact: np.ndar
     used: set[int] = set()
     chosen = []
     for pair in np.lexsort((value, -exact[high])):  # slowest high first, then its best pair
-        h, l = int(high[pair]), int(low[pair])
-        if h in used or l in used or not value[pair] < exact[h]:
+        slow, fast = int(high[pair]), int(low[pair])
+        if slow in used or fast in used or not value[pair] < exact[slow]:
             continue
-        used.update((h, l))
+        used.update((slow, fast))  # membership only: never iterated, so no order dependence
         chosen.append((int(pair), int(best[pair])))
     return chosen
 

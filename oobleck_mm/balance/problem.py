@@ -136,9 +136,13 @@ class BalanceProblem:
         )
 
     # ------------------------------------------------------------------ derived costs
+    def cost_at(self, positions: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """``cost[positions, columns]`` (broadcast) through one flat take: numpy's fast gather path."""
+        return np.take(self.cost.reshape(-1), positions * self.cost.shape[1] + columns)
+
     def sample_stage_cost(self, positions: np.ndarray, pipelines: np.ndarray) -> np.ndarray:
         """``(..., S_max)`` ticks of samples ``positions`` on the stages of ``pipelines`` (broadcast)."""
-        return self.cost[np.asarray(positions)[..., None], self.stage_index[np.asarray(pipelines)]]
+        return self.cost_at(np.asarray(positions)[..., None], self.stage_index[np.asarray(pipelines)])
 
     def total_cost(self) -> np.ndarray:
         """``(N,)`` ticks of each sample through the whole model (on pipeline 0's cut)."""
@@ -164,16 +168,16 @@ class BalanceProblem:
         return ((m - 1) * loads.max(axis=1) + loads.sum(axis=1)) / m
 
     def microbatch_ticks(self, placement: Placement) -> np.ndarray:
-        """``(P, M_max, S_max)`` ticks of every microbatch on every stage."""
+        """``(P, S_max, M_max)`` ticks of every microbatch on every stage."""
         m_max = int(self.num_microbatches.max())
         own = self.sample_stage_cost(np.arange(self.num_samples), placement.pipeline)
         key = placement.pipeline * m_max + placement.microbatch
-        out = np.zeros((self.num_pipelines * m_max, own.shape[1]))
+        out = np.zeros((own.shape[1], self.num_pipelines * m_max))
         for k in range(own.shape[1]):
-            out[:, k] = np.bincount(key, weights=own[:, k], minlength=len(out))
-        out = out.reshape(self.num_pipelines, m_max, -1)
+            out[k] = np.bincount(key, weights=own[:, k], minlength=out.shape[1])
+        out = out.reshape(-1, self.num_pipelines, m_max).transpose(1, 0, 2)
         exists = np.arange(m_max)[None, :] < self.num_microbatches[:, None]
-        return out + exists[:, :, None] * self.microbatch_cost[self.stage_index][:, None, :]
+        return out + self.microbatch_cost[self.stage_index][:, :, None] * exists[:, None, :]
 
     def predicted_times(self, placement: Placement) -> np.ndarray:
         """``(P,)`` seconds: each pipeline's exact 1F1B iteration time (``schedule_time``)."""
@@ -181,12 +185,10 @@ class BalanceProblem:
 
     def iteration_seconds(self, pipes: np.ndarray, ticks: np.ndarray) -> np.ndarray:
         """``(I,)`` exact 1F1B seconds of instances of pipelines ``pipes`` with microbatch stage
-        ticks ``(I, M_max, S_max)`` (fixed costs included; padding ignored)."""
+        ticks ``(I, S_max, M_max)`` (fixed costs included; padding ignored)."""
         seconds = ticks * self.tick_s
-        share = self.forward_share[self.stage_index[pipes]][:, None, :]
-        forward = np.swapaxes(seconds * share, 1, 2)
-        backward = np.swapaxes(seconds, 1, 2) - forward
-        return iteration_times(forward, backward, self.num_stages[pipes], self.num_microbatches[pipes])
+        forward = seconds * self.forward_share[self.stage_index[pipes]][:, :, None]
+        return iteration_times(forward, seconds - forward, self.num_stages[pipes], self.num_microbatches[pipes])
 
     def check(self, placement: Placement) -> None:
         """Raise unless every sample has a valid place and every microbatch holds a sample."""

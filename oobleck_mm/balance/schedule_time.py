@@ -23,6 +23,8 @@ Only elementwise max and + are used, so every CPU gets the same bits.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -55,20 +57,27 @@ def iteration_times(
     # cost nothing. The microbatch axis has a zero column m_max that invalid ids read.
     # Boundary p joins rows p and p + 1, so the boundaries active at a step (all of one parity)
     # are consecutive row pairs: a (boundaries, 2, pipelines) view of `ready`.
-    pairs = [len(range(parity, s_max + 1, 2)) for parity in (0, 1)]
+    pairs = (len(range(0, s_max + 1, 2)), len(range(1, s_max + 1, 2)))
     rows = max(2 * pairs[0], 1 + 2 * pairs[1])
-    f_pad = np.zeros((rows, m_max + 1, num_pipes))
-    b_pad = np.zeros((rows, m_max + 1, num_pipes))
-    f_pad[1 : s_max + 1, :m_max] = np.transpose(forward, (1, 2, 0))
-    b_pad[1 : s_max + 1, :m_max] = np.transpose(backward, (1, 2, 0))
+    block = rows * (m_max + 1)
+    f_pad = np.zeros((num_pipes, rows, m_max + 1))
+    b_pad = np.zeros((num_pipes, rows, m_max + 1))
+    f_pad[:, 1 : s_max + 1, :m_max] = forward
+    b_pad[:, 1 : s_max + 1, :m_max] = backward
     ready = np.zeros((rows, num_pipes))
     views = [ready[parity : parity + 2 * n].reshape(n, 2, num_pipes) for parity, n in zip((0, 1), pairs)]
     num_steps = int((2 * (micro + stages - 1)).max())
-    tables = [_step_tables(f_pad, b_pad, stages, micro, parity, n, num_steps) for parity, n in zip((0, 1), pairs)]
+    shapes, which = np.unique(stages * (m_max + 1) + micro, return_inverse=True)
+    offset = (np.arange(num_pipes) * block)[None, None, :]
+    steps = []
+    for parity, n in zip((0, 1), pairs):
+        local = [_shape_tables(int(u // (m_max + 1)), int(u % (m_max + 1)), parity, n, num_steps, m_max) for u in shapes]
+        gate, lower, upper = (np.stack([t[i] for t in local])[which].transpose(1, 2, 0) for i in range(3))
+        add = np.stack([np.take(b_pad.reshape(-1), lower + offset), np.take(f_pad.reshape(-1), upper + offset)], axis=2)
+        steps.append((list(gate[:, :, None, :]), list(add)))
     # Per-step operands as lists of views and preallocated scratch: each step is three ufunc calls.
     mirrored = [v[:, ::-1] for v in views]
     scratch = [np.empty_like(v) for v in views]
-    steps = [(list(gate), list(add)) for gate, add in tables]
     for t in range(num_steps):
         parity, i = t % 2, t // 2
         pair, seen = views[parity], scratch[parity]
@@ -80,28 +89,28 @@ def iteration_times(
     return ready[1 : s_max + 1].max(axis=0, initial=0.0)
 
 
-def _step_tables(f_pad, b_pad, stages, micro, parity: int, num_pairs: int, num_steps: int):
-    """For every step of one parity: gate ``(T, nb, 1, P)`` and compute ``(T, nb, 2, P)``.
+@functools.lru_cache(maxsize=512)
+def _shape_tables(num_stages: int, num_micro: int, parity: int, num_pairs: int, num_steps: int, m_max: int):
+    """For one pipeline shape, every step of one parity: (gate, lower index, upper index), each (T, nb).
 
     Boundary ``p`` joins rows ``p`` and ``p + 1``, i.e. stages ``p - 1`` (runs the
     backward of the gradient's microbatch) and ``p`` (the forward of the activation's).
+    Indices are flat into one pipeline's ``(rows, m_max + 1)`` block; an invalid
+    microbatch id reads the zero column ``m_max``. Which microbatch a step touches
+    depends only on the shape, so the tables are cached across calls.
     """
-    _, width, num_pipes = f_pad.shape
-    m_max = width - 1
-    t = np.arange(parity, num_steps, 2)[:, None, None]
-    p = np.arange(parity, parity + 2 * num_pairs, 2)[None, :, None]
-    s = stages[None, None, :]
-    m = micro[None, None, :]
-    grad_mb = (t + p) // 2 - s
+    t = np.arange(parity, num_steps, 2)[:, None]
+    p = np.arange(parity, parity + 2 * num_pairs, 2)[None, :]
+    grad_mb = (t + p) // 2 - num_stages
     act_mb = (t - p) // 2
-    has_grad = (grad_mb >= 0) & (grad_mb < m) & (p >= 1) & (p <= s)
-    has_act = (act_mb >= 0) & (act_mb < m) & (p < s)
-    gate = np.where((has_grad | has_act) & (p >= 1) & (p < s), 0.0, -np.inf)
-    pipe = np.arange(num_pipes)[None, None, :]
-    # Flat indices into (row, microbatch, pipeline); invalid ids read the zero column m_max.
-    lower = b_pad.reshape(-1)[(p * width + np.where(has_grad, grad_mb, m_max)) * num_pipes + pipe]
-    upper = f_pad.reshape(-1)[((p + 1) * width + np.where(has_act, act_mb, m_max)) * num_pipes + pipe]
-    return gate[:, :, None, :], np.stack([lower, upper], axis=2)
+    has_grad = (grad_mb >= 0) & (grad_mb < num_micro) & (p >= 1) & (p <= num_stages)
+    has_act = (act_mb >= 0) & (act_mb < num_micro) & (p < num_stages)
+    gate = np.where((has_grad | has_act) & (p >= 1) & (p < num_stages), 0.0, -np.inf)
+    lower = p * (m_max + 1) + np.where(has_grad, grad_mb, m_max)
+    upper = (p + 1) * (m_max + 1) + np.where(has_act, act_mb, m_max)
+    for table in (gate, lower, upper):
+        table.setflags(write=False)
+    return gate, lower, upper
 
 
 def _check(forward, backward, stages, micro) -> None:
