@@ -13,9 +13,10 @@ the job is over), and when an event is due:
   sockets stay open, so only the heartbeat timeout can tell.
 - ``join``: ``start_agent(name)``, the launcher's own way to start a node.
 
-Events due at the same moment are resolved first and signalled together
-(simultaneous failures), then each is recorded as an ``injected`` event
-(kind, node, step, seconds, pids, batch, source) in the same event log; one
+Events due at the same moment are resolved first, recorded as ``injected``
+events (kind, node, step, seconds, pids, batch, source) in the same event log,
+then signalled together (simultaneous failures); the record goes first so the
+failure precedes its detection in the log. One
 that cannot be carried out (unknown or already dead node) is recorded as
 ``inject_skipped`` with the reason and never stops the job.
 
@@ -189,10 +190,12 @@ class Injector:
         for target in targets:
             if target.fault.is_failure:
                 self._resolve(target)
+        # Logged before the signals: the master may log the loss within a millisecond of them,
+        # and the failure must come first in the log.
+        records = [self._record(t) for t in targets if t.fault.is_failure]
         for target in targets:  # one tight loop: simultaneous failures really are
             if target.fault.is_failure and target.error is None:
                 self._signal_target(target)
-        records = [self._record(t) for t in targets if t.fault.is_failure]
         for target in targets:
             if not target.fault.is_failure:
                 records.append(self._join(target))

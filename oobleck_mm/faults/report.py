@@ -43,7 +43,8 @@ Event = Mapping[str, Any]
 PHASE_ALIASES = {"rendezvous": "rendezvous_done", "detected": "lost", "joined": "registered"}
 """Spellings of the same phase (a worker's ``PhaseDone.phase`` vs. the master's event names)."""
 _SAME_MOMENT_S = 0.2
-"""Injections without a ``batch`` this close together are one incident."""
+"""Injections without a ``batch`` this close together are one incident; a loss this much before its
+injection is still its detection."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ def incidents(events: Sequence[Event]) -> list[_Incident]:
         out.append(_Incident("+".join(kinds), nodes, min(e["ts"] for e in group), join, True))
     hit = {(str(e.get("node")), e["ts"]) for e in injected if e.get("kind") in FAILURE_KINDS}
     for e in events:
-        if phase_name(e) == "lost" and not any(n == e.get("node") and ts <= e["ts"] for n, ts in hit):
+        if phase_name(e) == "lost" and not any(n == e.get("node") and ts - _SAME_MOMENT_S <= e["ts"] for n, ts in hit):
             out.append(_Incident("lost", (str(e.get("node")),), e["ts"], False, False))
     return sorted(out, key=lambda i: i.ts)
 
@@ -158,7 +159,8 @@ def _last_before(events: Sequence[Event], name: str, before: float) -> Event | N
 def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | None, str | None]:
     """When every node of the incident was detected (lost, or registered for a join), and why."""
     name = "registered" if incident.join else "lost"
-    found = [_first(events, name, incident.ts, node=node) for node in incident.nodes]
+    # Tolerance: a log written before the injector logged ahead of its signals can show the loss first.
+    found = [_first(events, name, incident.ts - _SAME_MOMENT_S, node=node) for node in incident.nodes]
     found = [e for e in found if e is not None]
     if not found:
         return None, None
@@ -304,26 +306,34 @@ def format_table(rows: Sequence[RecoveryRow]) -> str:
 
 
 # ---------------------------------------------------------------------- plot
-def throughput_series(events: Iterable[Event]) -> tuple[list[float], list[float], list[float]]:
-    """(seconds since the first step's start, reported samples/s, effective samples/s) per step.
+WALL_WINDOW_STEPS = 4
+"""Steps the wall-clock rate is averaged over: the master logs a step when its last rank reports,
+so two steps can land milliseconds apart and a one-step rate would spike."""
 
-    Reported: the step's own rate. Effective: its samples over the wall time since
-    the previous step was logged, so downtime shows as a dip.
+
+def throughput_series(events: Iterable[Event], window: int = WALL_WINDOW_STEPS) -> tuple[list[float], ...]:
+    """(seconds since the first step's start, reported samples/s, wall-clock samples/s) per step.
+
+    Reported: the step's own rate. Wall clock: the samples of the last ``window``
+    steps over the time since the step before them was logged, so downtime shows
+    as a dip (which lasts ``window`` steps).
     """
     steps = _steps(_sorted(events))
     if not steps:
         return [], [], []
     t0 = steps[0]["ts"] - float(steps[0].get("step_time_s", 0.0) or 0.0)
-    xs, reported, effective = [], [], []
-    previous = t0
+    ends = [t0] + [e["ts"] for e in steps]
+    samples = [0.0]  # running total, each step's samples = its rate x its time
     for e in steps:
-        rate = float(e.get("samples_per_s", 0.0) or 0.0)
-        samples = rate * float(e.get("step_time_s", 0.0) or 0.0)
+        samples.append(samples[-1] + float(e.get("samples_per_s", 0) or 0) * float(e.get("step_time_s", 0) or 0))
+    xs, reported, wall = [], [], []
+    for i, e in enumerate(steps, start=1):
+        j = max(0, i - window)
+        span = ends[i] - ends[j]
         xs.append(e["ts"] - t0)
-        reported.append(rate)
-        effective.append(samples / (e["ts"] - previous) if e["ts"] > previous else rate)
-        previous = e["ts"]
-    return xs, reported, effective
+        reported.append(float(e.get("samples_per_s", 0.0) or 0.0))
+        wall.append((samples[i] - samples[j]) / span if span > 0 else reported[-1])
+    return xs, reported, wall
 
 
 def plot_throughput(events: Iterable[Event], path: str, title: str = "") -> str:
@@ -334,13 +344,14 @@ def plot_throughput(events: Iterable[Event], path: str, title: str = "") -> str:
     import matplotlib.pyplot as plt
 
     ordered = _sorted(events)
-    xs, reported, effective = throughput_series(ordered)
+    xs, reported, wall = throughput_series(ordered)
     steps = _steps(ordered)
     t0 = steps[0]["ts"] - float(steps[0].get("step_time_s", 0.0) or 0.0) if steps else 0.0
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     # Wall clock: samples over the time since the previous step, so downtime shows; the step's own
     # rate as dots only, since a line joining the dots across a failure would hide the gap.
-    ax.step(xs, effective, where="pre", lw=1.2, color="tab:blue", label="samples/s (wall clock)")
+    ax.step(xs, wall, where="pre", lw=1.2, color="tab:blue",
+            label=f"samples/s (wall clock, {WALL_WINDOW_STEPS} steps)")  # fmt: skip
     ax.plot(xs, reported, ".", ms=4, color="black", label="samples/s (step time)")
     marked = set()
     for incident in incidents(ordered):
@@ -360,7 +371,7 @@ def plot_throughput(events: Iterable[Event], path: str, title: str = "") -> str:
     ax.set_ylabel("samples/s")
     ax.set_title(title or "throughput")
     ax.set_ylim(bottom=0)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)  # off the data
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

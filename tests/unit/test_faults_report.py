@@ -172,14 +172,25 @@ def test_a_run_without_failures_has_no_rows():
 
 def test_throughput_dips_over_downtime_and_the_plot_is_a_png(tmp_path):
     log, t = one_kill()
-    xs, reported, effective = throughput_series(log.events)
+    xs, reported, wall = throughput_series(log.events, window=1)
     assert reported == [pytest.approx(BATCH / STEP_S)] * 7
-    assert effective[:4] == [pytest.approx(BATCH / STEP_S)] * 4
+    assert wall[:4] == [pytest.approx(BATCH / STEP_S)] * 4
     gap = t["first_new"] - t["last_old"]
-    assert effective[4] == pytest.approx(BATCH / gap), "the first step after the failure carries the downtime"
+    assert wall[4] == pytest.approx(BATCH / gap), "the first step after the failure carries the downtime"
     assert xs[0] == pytest.approx(STEP_S) and xs == sorted(xs)
+    _, _, smooth = throughput_series(log.events, window=2)
+    assert smooth[4] == pytest.approx(2 * BATCH / (gap + STEP_S)), "averaged over the window"
     path = plot_throughput(log.events, str(tmp_path / "t.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_steps_logged_together_do_not_spike_the_wall_clock_rate():
+    log = Log()
+    log.steps(1, 0, 4, 100.0)
+    log.events[1]["ts"] = log.events[2]["ts"] - 0.001  # step 1's last report arrives with step 2's
+    assert max(throughput_series(log.events, window=1)[2]) > 10 * BATCH / STEP_S
+    _, _, wall = throughput_series(log.events)
+    assert max(wall) <= BATCH / STEP_S * (1 + 1e-9)
 
 
 def test_summarize_reads_a_real_event_log_file(tmp_path):
@@ -208,3 +219,12 @@ def test_the_masters_one_event_per_phase_is_read_like_per_worker_events():
         merged.append({"ts": e["ts"], "event": name, **fields})
     [row] = recovery_rows(merged)
     assert row == per_worker
+
+
+def test_a_loss_logged_just_before_its_injection_is_still_its_detection():
+    log, _ = one_kill()
+    injected = next(e for e in log.events if e["event"] == "injected")
+    lost = next(e for e in log.events if e["event"] == "lost")
+    lost["ts"] = injected["ts"] - 0.001
+    [row] = recovery_rows(log.events)
+    assert (row.kind, row.reason, row.detect_s) == ("kill", "stream_closed", 0.0)
