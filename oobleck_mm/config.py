@@ -594,6 +594,37 @@ class PlanningConfig:
         _check_optional(self, "microbatches_hint", _as_int, minimum=1)
 
 
+@dataclass(kw_only=True, slots=True)
+class BalanceConfig:
+    _PATH: ClassVar[str] = "balance"
+    enabled: bool = False
+    """Assign each global batch's samples to pipelines and microbatches by predicted cost;
+    false keeps the contiguous split (fixed-size microbatches in sampler order)."""
+    algorithm: str = "ours"
+    """One of ``oobleck_mm.balance.balancer.ALGORITHMS``: ours, ours_fast, random, orchmllm_lpt,
+    orchmllm_padded, orchmllm_quadratic, mmscale."""
+    threshold: float = 0.02
+    """Keep the contiguous split when its predicted max/mean pipeline time is within 1 + threshold."""
+    fixed_s_per_layer: float = 0.0
+    """First guess of a layer's fixed seconds per microbatch, before the online fit."""
+    fit_every: int = 10
+    """Steps between refits of the cost model from measured stage times (0: never refit)."""
+    fit_window: int = 512
+    """Most recent stage timings a fit uses."""
+    ridge: float = 1.0e-4
+    """Pull of a fit toward the previous coefficients."""
+
+    def __post_init__(self) -> None:
+        _check(self, "enabled", _as_bool)
+        _check(self, "algorithm", _as_choice,
+               ("ours", "ours_fast", "random", "orchmllm_lpt", "orchmllm_padded", "orchmllm_quadratic", "mmscale"))
+        _check(self, "threshold", _as_float, minimum=0.0)
+        _check(self, "fixed_s_per_layer", _as_float, minimum=0.0)
+        _check(self, "fit_every", _as_int, minimum=0)
+        _check(self, "fit_window", _as_int, minimum=1)
+        _check(self, "ridge", _as_float, minimum=0.0)
+
+
 # --------------------------------------------------------------------------- the job
 
 
@@ -605,6 +636,7 @@ class JobConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     planning: PlanningConfig = field(default_factory=PlanningConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
     def __post_init__(self) -> None:
         validate(self)

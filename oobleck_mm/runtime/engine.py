@@ -61,6 +61,10 @@ class StepResult:
     bytes_sent: int = 0
     microbatch_times: list[tuple[float, float]] = field(default_factory=list)
     """(forward s, backward s) of each microbatch on this stage, in order."""
+    pipeline_s: float = 0.0
+    """Seconds from the step's start to this stage's gradient all-reduce (its 1F1B part)."""
+    pipeline_times: list[float] = field(default_factory=list)
+    """Measured 1F1B seconds of every pipeline (with the balancer on)."""
 
 
 @dataclass(slots=True)
@@ -96,7 +100,7 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
 class StageEngine:
     def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
                  device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None,
-                 waiter: Waiter | None = None):
+                 waiter: Waiter | None = None, balancer=None):
         """``held``: layers this worker already holds (after a reconfiguration, with their optimizers);
         every other layer of the stage is built fresh from the seed."""
         self.job, self.plan, self.rank, self.device = job, plan, rank, torch.device(device)
@@ -110,6 +114,12 @@ class StageEngine:
             )
         self.data = data if data is not None else TrainingData(job)
         self.waiter = waiter or Waiter()
+        if balancer is None and job.balance.enabled:
+            from oobleck_mm.runtime.balancing import StepBalancer
+
+            balancer = StepBalancer(job, self.data, self.specs)
+        self.balancer = balancer
+        """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
@@ -149,9 +159,13 @@ class StageEngine:
         """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
         t0 = time.perf_counter()
         ids = self.data.global_batch(step)
+        if assignment is None and self.balancer is not None:
+            self.balancer.maybe_fit(step)
+            assignment = self.balancer.assign(step, ids, self.plan)
         if assignment is None:
             counts = [p.num_microbatches for p in self.plan.pipelines]
             assignment = contiguous_assignment(ids, counts, self.plan.microbatch_size)
+        self._t0 = t0
         self._step = step
         self._microbatches = assignment.pipelines[self.pipeline_index]
         self._loss_tokens = self.data.loss_tokens(ids)
@@ -166,6 +180,8 @@ class StageEngine:
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
                                     stage_id=self.stage_index)
         execute(schedule.steps(), self._dispatch)
+        if self.balancer is not None:
+            self.balancer.observe(self.stage, self._microbatches, self._result.microbatch_times)
         self._result.step_time_s = time.perf_counter() - t0
         return self._result
 
@@ -255,6 +271,7 @@ class StageEngine:
 
     def _reduce_grads(self, ins) -> None:
         t0 = time.perf_counter()
+        self._result.pipeline_s = t0 - self._t0  # this stage's 1F1B part of the iteration
         self.sync.all_reduce(self.layers, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
@@ -265,10 +282,21 @@ class StageEngine:
         t0 = time.perf_counter()
         norm_sq, loss = self.sync.global_grad_sq(self.layers, self.device, extra=self._loss, waiter=self.waiter)
         self._result.loss = loss
+        if self.balancer is not None:
+            self._measure_pipelines()
         self._result.comm_s += time.perf_counter() - t0
         self._result.grad_norm, self._result.lr = apply_update(
             self.layers, self.optimizers, norm_sq, self._step, self.job.training
         )
+
+    def _measure_pipelines(self) -> None:
+        """Measured 1F1B seconds of every pipeline (its slowest stage), for the balancer's metrics."""
+        times = torch.zeros(len(self.plan.pipelines), dtype=torch.float64)
+        times[self.pipeline_index] = self._result.pipeline_s
+        times = times.to(self.device)
+        self.waiter.wait(torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX, async_op=True),
+                         "pipeline time all-reduce")
+        self._result.pipeline_times = [float(t) for t in times.cpu()]
 
     def discard_iteration(self) -> None:
         """Forget a failed iteration: gradients, in-flight activations, packed microbatches."""

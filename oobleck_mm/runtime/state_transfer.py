@@ -146,5 +146,10 @@ def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], ne
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
     data = engine.data if engine is not None else None
-    engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter)
+    balancer = engine.balancer if engine is not None else None  # the cost model carries over
+    engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter,
+                         balancer=balancer)
+    if engine.balancer is not None and survivors:
+        # Joiners start with the initial cost model: every rank must use the survivors' one.
+        engine.balancer.share_from(min(survivors.values()))
     return engine, transfers, moved

@@ -139,7 +139,11 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
                     "optimizer_state_sizes": {k: len(opt.state) for k, opt in
                                               ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},
-                    "results": results, "transfers": transfers}, Path(out_dir) / f"rank{rank}.pt")
+                    "results": results, "transfers": transfers,
+                    "balancer": (None if engine.balancer is None else
+                                 {"coefficients": engine.balancer.coefficients.to_dict(),
+                                  "metrics": engine.balancer.last_metrics})},
+                   Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:

@@ -1,0 +1,93 @@
+"""The data-parallel balancer inside the engine: one assignment per step, the same on every rank.
+
+Each step every rank builds the same ``BalanceProblem`` from the sampler's
+global batch, the samples' metadata (nothing is loaded) and the current plan's
+pipelines, and runs the same deterministic algorithm, so all ranks agree on
+which pipeline and microbatch runs each sample without exchanging data.
+
+The cost model starts from the analytical profile of the config (identical on
+every rank) and is refitted every ``balance.fit_every`` steps from measured
+per-stage, per-microbatch times: rank 0 gathers every rank's recent timings,
+fits, and broadcasts the coefficients, so ranks never diverge even on
+heterogeneous hardware. The refit runs at the start of a step, before any
+gradient exists, so a peer failing during it only aborts that step.
+
+A ``StepBalancer`` is handed from engine to engine across reconfigurations:
+the coefficients and the timing window survive (timings are per layer range,
+valid for any plan), so nothing warms up again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch.distributed as dist
+
+from oobleck_mm.balance.balancer import balance, step_metrics
+from oobleck_mm.balance.cost_model import CostCoefficients, CostModel, StageTiming
+from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
+from oobleck_mm.balance.work import microbatch_features, sample_features
+from oobleck_mm.data.dataset import ModelInputs
+
+
+class StepBalancer:
+    def __init__(self, job, data, specs):
+        from oobleck_mm.profiling.analytical import profile_from_config
+
+        self.config = job.balance
+        self.data = data
+        self.dims = ModelInputs.from_model(job.model)
+        self.model = CostModel.from_profile(profile_from_config(job), specs)
+        self.coefficients = CostCoefficients.initial(self.config.fixed_s_per_layer)
+        self.window: deque[StageTiming] = deque(maxlen=self.config.fit_window)
+        self.fresh: list[StageTiming] = []
+        """This rank's timings since the last fit."""
+        self._features: dict[int, np.ndarray] = {}
+        self.last_metrics: dict[str, float] = {}
+
+    def features(self, ids) -> np.ndarray:
+        missing = [i for i in ids if i not in self._features]
+        if missing:
+            rows = sample_features(self.data.metas(missing), self.dims)
+            self._features.update(zip(missing, rows))
+        return np.stack([self._features[i] for i in ids])
+
+    def assign(self, step: int, ids, plan):
+        """The step's assignment (and predicted metrics); identical on every rank."""
+        problem = BalanceProblem.build(ids, self.features(ids), pipeline_shapes(plan), self.model,
+                                       self.coefficients, plan.microbatch_size, step)
+        result = balance(problem, self.config.algorithm, self.config.threshold)
+        self.last_metrics = step_metrics(problem, result)
+        return result.assignment
+
+    def observe(self, stage, microbatches, times) -> None:
+        """Record this stage's (forward + backward) seconds of each microbatch of the step."""
+        for ids, (fwd, bwd) in zip(microbatches, times):
+            feats = microbatch_features(self.features(list(ids)))
+            self.fresh.append(StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), fwd + bwd))
+
+    def maybe_fit(self, step: int) -> bool:
+        """Collective every ``fit_every`` steps (every rank of the group calls it at the same step)."""
+        every = self.config.fit_every
+        if not every or step == 0 or step % every:
+            return False
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.fresh)
+        self.fresh = []
+        for timings in gathered:  # rank order: the same window on every rank
+            self.window.extend(timings)
+        box = [None]
+        if dist.get_rank() == 0:
+            box[0] = self.model.fit(self.coefficients, list(self.window), self.config.ridge).to_dict()
+        dist.broadcast_object_list(box, src=0)
+        self.coefficients = CostCoefficients.from_dict(box[0])
+        return True
+
+    def share_from(self, src: int) -> None:
+        """Collective: every rank takes ``src``'s coefficients and timing window (a joiner has none)."""
+        box = [(self.coefficients.to_dict(), list(self.window)) if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        coefficients, window = box[0]
+        self.coefficients = CostCoefficients.from_dict(coefficients)
+        self.window = deque(window, maxlen=self.config.fit_window)

@@ -1,0 +1,59 @@
+"""The balancer moves samples between pipelines and microbatches but never changes the update.
+
+Float64, real gloo processes: with the balancer on, heterogeneous pipelines end
+equal to the reference trainer (and so to the balancer off); across a lost node
+the balancer keeps its fitted cost model and plans for the new pipelines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from oobleck_mm.config import config_from_dict
+from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.runtime.worker import Phase, run_local
+from test_runtime_equivalence import max_param_diff, reference
+
+pytestmark = pytest.mark.integration
+
+
+def balanced_job(steps=5):
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=steps)
+    # threshold 0: always rebalance, so the test exercises non-contiguous assignments
+    d["balance"] = {"enabled": True, "fit_every": 2, "threshold": 0.0}
+    return config_from_dict(d)
+
+
+def test_balancer_on_equals_reference(tmp_path):
+    job = balanced_job()
+    trainer, ref_losses = reference(job)  # the reference ignores placement: same as balancer off
+    plan = ExecutionPlan.even(10, [2, 1], [4, 4], job.training.microbatch_size)
+    outs = run_local(job, plan, 5, tmp_path)
+    assert max_param_diff(outs, trainer) < 1e-10
+    assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
+    metrics = outs[0]["balancer"]["metrics"]
+    assert metrics["predicted_imbalance"] >= 1.0 and "dist_text" in metrics
+    fitted = {str(o["balancer"]["coefficients"]) for o in outs}
+    assert len(fitted) == 1, "ranks disagree on the cost model"
+    assert outs[0]["balancer"]["coefficients"]["num_observations"] > 0  # refitted online
+
+
+def test_balancer_continues_across_a_lost_node(tmp_path):
+    job = balanced_job()
+    trainer, ref_losses = reference(job)
+    before = ExecutionPlan.even(10, [2, 2], [4, 4], 2)
+    after = ExecutionPlan(
+        (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
+        10, 2,
+    )
+    outs = run_local(job, before, 3, tmp_path, phases=[Phase(after, 2, {0: 0, 1: 1, 2: 2})])
+    assert max_param_diff(outs, trainer) < 1e-10
+    assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
+    coefficients = [o["balancer"]["coefficients"] for o in outs]
+    assert all(c == coefficients[0] for c in coefficients)
+    # fitted at step 2 in the old plan and again at step 4 in the new one: no fresh warm-up
+    assert coefficients[0]["num_observations"] > 0
+    assert len(outs[0]["results"][-1].pipeline_times) == 2  # measured for the new pipelines
