@@ -204,7 +204,7 @@ BAD = [
     ("data.image_size", 30, "data.image_size (30)", "multiple of model.vision.patch_size (8)"),
     ("data.mean_images_per_sample", 0, "data.mean_images_per_sample (0.0)", "model.vision is set"),
     ("data.mean_audio_seconds", 2, "data.mean_audio_seconds (2.0)", "model.audio is not set"),
-    ("data.max_seq_len", 20, "data.max_seq_len (20)", "(32 = 16 text + 16 image + 0 audio)"),
+    ("data.max_seq_len", 20, "data.max_seq_len (20)", "(25 = 16 text + 9 image + 0 audio)"),
     ("data.kind", "llava_json", "data.path:", "required when data.kind is 'llava_json'"),
     ("data.path", "/nonexistent/llava.json", "data.path:", "does not exist"),
     ("data.mean_text_tokens", "many", "data.mean_text_tokens:", "expected a finite number, got 'many' (str)"),
