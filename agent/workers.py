@@ -94,6 +94,11 @@ class Worker:
         except psutil.NoSuchProcess:
             return WorkerFault(self.local_rank, pb.WORKER_EXITED, f"pid {self.pid} is gone")
         if status == psutil.STATUS_ZOMBIE:
+            # Our own child: it just died and is not reaped yet (the pipe closes before the exit
+            # status is waitable). Reap it to report how it died; a zombie that stays is reported as one.
+            self.process.join(0.5)
+            if self.process.exitcode is not None:
+                return self.fault()
             return WorkerFault(self.local_rank, pb.WORKER_ZOMBIE, f"pid {self.pid} is a zombie")
         if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
             return WorkerFault(self.local_rank, pb.WORKER_STOPPED, f"pid {self.pid} is stopped (status {status})")

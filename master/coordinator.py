@@ -612,11 +612,11 @@ class Coordinator:
     def _stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "") -> None:
         if checkpoint is not None:
             directory, step = checkpoint
-            message = (f"cannot keep f+1 replicas: {why}. Checkpoint of step {step} written to {directory}; "
+            message = (f"cannot keep f+1 replicas: {why}.\nCheckpoint of step {step} written to {directory}\n"
                        f"resume with: {self.options.resume_command} --resume {directory}")  # fmt: skip
         elif self.options.resume_dir:
-            message = (f"cannot keep f+1 replicas: {why}. No step was completed since the resume; resume again "
-                       f"with: {self.options.resume_command} --resume {self.options.resume_dir}")  # fmt: skip
+            message = (f"cannot keep f+1 replicas: {why}.\nNo step was completed since the resume\n"
+                       f"resume with: {self.options.resume_command} --resume {self.options.resume_dir}")  # fmt: skip
         else:
             message = f"cannot keep f+1 replicas: {why}. No checkpoint to resume from{': ' + detail if detail else ''}"
         self.finish(EXIT_NO_REPLICAS, message)

@@ -54,36 +54,38 @@ class Progress:
         self.events, self.steps, self.say = events, steps, say
         self.gen: GenerationView | None = None
         self.incident: Incident | None = None
-        self._steps: dict[int, dict[int, pb.StepMetrics]] = {}
+        self._previous: GenerationView | None = None
+        self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
         self._phases: dict[str, dict[int, pb.PhaseDone]] = {}
 
     def start(self, gen: GenerationView, incident: Incident | None) -> None:
-        self.gen, self.incident = gen, incident
-        self._steps.clear()
+        # The previous generation may still finish a step (a join is applied at the next boundary).
+        self._previous, self.gen, self.incident = self.gen, gen, incident
+        keep = {g.number for g in (self._previous, self.gen) if g is not None}
+        self._steps = {key: r for key, r in self._steps.items() if key[0] in keep}
         self._phases.clear()
 
     def metrics(self, m: pb.StepMetrics) -> None:
-        gen = self.gen
-        if gen is None or m.generation != gen.number or not 0 <= m.rank < gen.layout.world_size:
+        gen = next((g for g in (self.gen, self._previous) if g is not None and g.number == m.generation), None)
+        if gen is None or not 0 <= m.rank < gen.layout.world_size:
             return  # a late report of an older generation
-        reports = self._steps.setdefault(m.step, {})
+        reports = self._steps.setdefault((m.generation, m.step), {})
         reports[m.rank] = m
         if len(reports) == gen.layout.world_size:
-            del self._steps[m.step]
-            self._print_step(m.step, list(reports.values()))
+            del self._steps[(m.generation, m.step)]
+            self._print_step(gen, m.step, list(reports.values()))
 
-    def _print_step(self, step: int, reports: list[pb.StepMetrics]) -> None:
-        assert self.gen is not None
+    def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics]) -> None:
         first = min(reports, key=lambda r: r.rank)
         slowest = max(r.step_time_s for r in reports)
         self.events.write(
-            "step", generation=self.gen.number, step=step, loss=first.loss, samples_per_s=first.samples_per_s,
+            "step", generation=gen.number, step=step, loss=first.loss, samples_per_s=first.samples_per_s,
             step_time_s=slowest, forward_s=max(r.forward_s for r in reports),
             backward_s=max(r.backward_s for r in reports), comm_s=max(r.comm_s for r in reports),
         )  # fmt: skip
         self.say(
             f"step {step + 1}/{self.steps}  loss {first.loss:.4f}  {first.samples_per_s:.1f} samples/s  "
-            f"{slowest:.3f} s/step  gen {self.gen.number}: {layout_summary(self.gen.layout)}"
+            f"{slowest:.3f} s/step  gen {gen.number}: {layout_summary(gen.layout)}"
         )
 
     def phase(self, node: str, local_rank: int, rank: int | None, p: pb.PhaseDone) -> None:

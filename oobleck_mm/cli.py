@@ -285,6 +285,8 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
 def _report_exit(code: int, message: str, logs: str) -> int:
     if code == EXIT_OK:
         print(message, flush=True)
+    elif code == EXIT_NO_REPLICAS:  # not a crash: the job saved itself and says how to go on
+        print(f"oobleck-launch: stopped: {message}\nlogs: {logs}", file=sys.stderr, flush=True)
     else:
         print(f"oobleck-launch: error: {message}; logs: {logs}", file=sys.stderr, flush=True)
     return code

@@ -1,0 +1,185 @@
+"""End to end: ``oobleck-launch local`` with real signals, against the single-process reference.
+
+Every test trains the float64 tiny model, injects a fault while it trains and
+checks what a user relies on: the job ends as it should, the final parameters
+equal a run without failures (1e-9), every replica of each layer is identical,
+the event log times the recovery, and no process the run started survives it.
+Faults at a given pipeline position are fired once the plan is known (the
+nodes' positions depend on registration order); the others use ``--inject``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from e2e_harness import (
+    SMALL_GPU,
+    Launch,
+    assert_matches_reference,
+    assert_replicas_identical,
+    position_nodes,
+    write_config,
+)
+from oobleck_mm.runtime.checkpoint import read_meta
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+def launches():
+    started: list[Launch] = []
+    yield started
+    for run in started:  # a failed test must not leave its cluster running
+        run.kill_all()
+
+
+def start(launches, tmp_path, config, *args, name="run") -> Launch:
+    run = Launch(tmp_path, config, *args, name=name)
+    launches.append(run)
+    return run
+
+
+def finish_ok(run: Launch) -> None:
+    code = run.wait()
+    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+
+
+def check_final(config: str, steps: int, final) -> None:
+    assert_matches_reference(config, steps, final)
+    assert_replicas_identical(final)
+
+
+def recovered_generation(run: Launch, victims: set[str]) -> dict:
+    """The plan that replaced the lost nodes, checked against the loss."""
+    lost = run.events("lost")
+    assert {e["node"] for e in lost} == victims and all(e["in_plan"] for e in lost)
+    last = run.events("plan_decided")[-1]
+    assert last["generation"] >= 2 and not victims & set(last["nodes"])
+    assert last["previous_generation"] >= 1  # survivors kept their states: no restart
+    resumed = run.events("resumed", generation=last["generation"])
+    assert resumed and resumed[0]["cause"] == "lost"
+    return last
+
+
+def test_a_killed_node_in_the_middle_of_a_pipeline(launches, tmp_path):
+    config = write_config(tmp_path, nodes=5, memory=SMALL_GPU)  # pipelines of 3 + 2 nodes
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final))
+    pipelines = position_nodes(run.wait_event("plan_decided", generation=1))
+    victim = max(pipelines, key=len)[1]
+    run.wait_steps(3)
+    injected = run.inject("kill", victim)
+    finish_ok(run)
+    [lost] = run.events("lost")
+    assert lost["reason"] == "stream_closed" and lost["ts"] - injected["ts"] < 1.0
+    decided = recovered_generation(run, {victim})
+    assert decided["layer_states_moved"] > 0  # the 3-node pipeline was re-cut over 2 nodes
+    [copied] = run.events("states_copied", generation=decided["generation"])
+    assert copied["bytes"] > 0
+    check_final(config, 8, final)
+
+
+def test_a_killed_worker_at_the_last_stage(launches, tmp_path):
+    config = write_config(tmp_path, nodes=5, memory=SMALL_GPU)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final))
+    pipelines = position_nodes(run.wait_event("plan_decided", generation=1))
+    victim = min(pipelines, key=len)[-1]  # the 2-node pipeline must borrow a node to go on
+    run.wait_steps(3)
+    run.inject("killworker", victim)
+    finish_ok(run)
+    [lost] = run.events("lost")
+    assert lost["reason"] == "worker_exited" and "SIGKILL" in lost["detail"]
+    decided = recovered_generation(run, {victim})
+    assert decided["layer_states_moved"] > 0
+    check_final(config, 8, final)
+
+
+def test_a_stopped_node_at_the_first_stage(launches, tmp_path):
+    config = write_config(tmp_path, nodes=5, memory=SMALL_GPU)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final))
+    pipelines = position_nodes(run.wait_event("plan_decided", generation=1))
+    victim = max(pipelines, key=len)[0]
+    run.wait_steps(3)
+    injected = run.inject("stop", victim)  # a hang: its sockets stay open, only silence tells
+    finish_ok(run)
+    [lost] = run.events("lost")
+    assert lost["reason"] == "heartbeat_timeout"
+    assert 2.0 - 0.25 <= lost["ts"] - injected["ts"] < 2.0 + 1.0  # the timeout, give or take a heartbeat
+    decided = recovered_generation(run, {victim})
+    # survivors blocked on the hung peer are released within the group timeout (heartbeat timeout + 5 s)
+    resumed = run.events("resumed", generation=decided["generation"])[0]
+    assert resumed["ts"] - injected["ts"] < 2.0 + 5.0 + 3.0
+    check_final(config, 8, final)
+
+
+def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
+    steps = 20  # the joiner's worker needs a few seconds to start: the job must still be training
+    config = write_config(tmp_path, nodes=3, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
+    finish_ok(run)
+    [joined] = run.events("injected", kind="join")
+    decided = run.events("plan_decided")[-1]
+    assert decided["cause"] == "joined" and decided["joined"] == [joined["node"]]
+    assert decided["previous_generation"] == 1 and len(decided["nodes"]) == 4
+    [sent] = run.events("assignment_sent", generation=decided["generation"], node=joined["node"])
+    assert sent["previous_rank"] == -1  # a joiner holds nothing: it receives every layer
+    [copied] = run.events("states_copied", generation=decided["generation"])
+    assert copied["bytes"] > 0
+    steps_logged = [e["step"] for e in run.events("step")]
+    assert sorted(set(steps_logged)) == list(range(steps))  # a join loses no step
+    check_final(config, steps, final)
+
+
+def test_two_nodes_killed_at_once(launches, tmp_path):
+    config = write_config(tmp_path, nodes=4)  # four one-node pipelines; 2 are enough for f + 1 = 2
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final),
+                "--inject", "kill:node1@step3,kill:node2@step3")  # fmt: skip
+    finish_ok(run)
+    decided = recovered_generation(run, {"node1", "node2"})
+    assert sorted(decided["nodes"]) == ["node0", "node3"]
+    check_final(config, 8, final)
+
+
+def test_below_threshold_checkpoint_then_resume_on_another_node_count(launches, tmp_path):
+    config = write_config(tmp_path, nodes=2)  # f = 1, n0 = 1: one node left cannot keep 2 replicas
+    run = start(launches, tmp_path, config, "--inject", "kill:node1@step3", name="first")
+    code = run.wait()
+    assert code == 3, f"exit {code}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    assert found, run.stderr
+    checkpoint = found.group(2)
+    stopped_at = read_meta(checkpoint)["step"]
+    assert 3 <= stopped_at < 8
+    [written] = run.events("checkpoint_written")
+    assert written["dir"] == checkpoint and written["step"] == stopped_at and written["layers"] == 10
+
+    final = tmp_path / "final"
+    again = start(launches, tmp_path, config, "--nodes", "3", "--resume", checkpoint, "--save-final", str(final),
+                  name="resumed")  # fmt: skip
+    finish_ok(again)
+    assert [e["step"] for e in again.events("step")] == list(range(stopped_at, 8))
+    check_final(config, 8, final)
+
+
+def test_restart_mode_redoes_the_steps_since_the_last_checkpoint(launches, tmp_path):
+    config = write_config(tmp_path, nodes=3)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
+                "--checkpoint-interval", "2", "--inject", "kill:node1@step5")  # fmt: skip
+    finish_ok(run)
+    assert run.events("restart")
+    saved = [e["step"] for e in run.events("checkpoint_saved")]
+    assert saved[:2] == [2, 4]
+    decided = run.events("plan_decided")[-1]
+    assert decided["previous_generation"] == 0 and "node1" not in decided["nodes"]
+    after = [e["step"] for e in run.events("step", generation=decided["generation"])]
+    assert after[0] == 4 and after[-1] == 7  # step 4 ran twice: restart pays for the lost work
+    check_final(config, 8, final)
