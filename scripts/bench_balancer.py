@@ -1,7 +1,7 @@
 """Benchmark of the multimodal data-parallel balancer: predicted imbalance and decision time per algorithm.
 
     python scripts/bench_balancer.py [--json OUT] [--quick]
-    python scripts/bench_balancer.py --real      (not yet: needs the runtime)
+    python scripts/bench_balancer.py --real [--json OUT]   (measured: balancer on vs off, one run)
 
 Workload: OrchMLLM's MLLM-10B (configs/mllm_10b.yaml: ViT + Whisper-style
 audio encoder + Qwen2-7B-class LLM) with a 2x2 vision token merge (Qwen2-VL),
@@ -177,12 +177,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     parser.add_argument("--repeats", type=int, default=5, help="decision timings per row (best is kept)")
-    parser.add_argument("--real", action="store_true", help="measured on-vs-off run (needs the runtime)")
+    parser.add_argument("--real", action="store_true", help="measured on-vs-off run on this machine")
     args = parser.parse_args(argv)
     if args.real:
-        # TODO(issue 6, runtime part): launch `oobleck-launch local` with skewed data, alternate the
-        # balancer on and off in one run and compare measured step times.
-        parser.error("--real is not yet implemented: it needs the runtime (oobleck-launch local)")
+        from _bench_balancer_real import run_real
+
+        return run_real(json_out=args.json)
     algorithms = list(ALGORITHMS)
     pipelines, per = ((4, 16), (16, 64)) if args.quick else (PIPELINES, SAMPLES_PER_PIPELINE)
     rows = run(pipelines, per, algorithms, args.repeats)

@@ -87,7 +87,7 @@ def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float =
         if imbalance(base_times) <= 1 + threshold:
             reason = f"kept contiguous: predicted imbalance {imbalance(base_times):.3f} <= {1 + threshold:.3f}"
             return BalanceResult(_contiguous(problem, reason), base_times, base_times, "contiguous")
-    placement = run(problem)
+    placement = fill_empty_microbatches(problem, run(problem))
     problem.check(placement)
     times = tuple(map(float, problem.predicted_times(placement)))
     if unbalanced is not None and max(times) >= max(base_times):
@@ -99,6 +99,32 @@ def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float =
     reason += _heavy_note(problem, times)
     return BalanceResult(_assignment(problem, placement, reason), times,
                          base_times if unbalanced is not None else None, algorithm)  # fmt: skip
+
+
+def fill_empty_microbatches(problem: BalanceProblem, placement: Placement) -> Placement:
+    """Give every empty microbatch one sample from the fullest microbatch (its own pipeline's first).
+
+    The schedule runs each pipeline's microbatch count, so none may be empty; an algorithm
+    that packs tightly (few samples per microbatch, one heavy sample alone) can leave one so.
+    Deterministic: donors by (most samples, pipeline, microbatch), the donor's last sample moves.
+    """
+    pipe, micro = placement.pipeline.copy(), placement.microbatch.copy()
+    counts = {(p, m): 0 for p in range(problem.num_pipelines) for m in range(int(problem.num_microbatches[p]))}
+    for p, m in zip(pipe.tolist(), micro.tolist()):
+        counts[(p, m)] += 1
+    for (p, m), n in sorted(counts.items()):
+        if n:
+            continue
+        donors = [k for k, c in counts.items() if c >= 2]
+        if not donors:
+            break  # check() reports it: fewer samples than microbatches
+        same = [k for k in donors if k[0] == p]
+        donor = max(same or donors, key=lambda k: (counts[k], -k[0], -k[1]))
+        moved = int(np.flatnonzero((pipe == donor[0]) & (micro == donor[1]))[-1])
+        pipe[moved], micro[moved] = p, m
+        counts[donor] -= 1
+        counts[(p, m)] = 1
+    return Placement(pipe, micro)
 
 
 def balance_batch(

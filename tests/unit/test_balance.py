@@ -198,3 +198,19 @@ def test_modality_dist_ratios_per_pipeline_and_weighted(mllm):
     assert ratios["audio"] == 0.0
     # Pipeline 0 is twice as fast: twice the patches is exactly its share.
     assert modality_dist_ratios(features, [0, 1, 0, 1], 2, weights=[2.0, 1.0])["vision"] == pytest.approx(0.0)
+
+
+def test_one_sample_per_microbatch_never_leaves_one_empty():
+    """As many samples as microbatches: every algorithm's placement is repaired to fill each one."""
+    from oobleck_mm.balance.balancer import fill_empty_microbatches
+    from oobleck_mm.balance.problem import Placement
+
+    pipe = np.array([0, 0, 0, 1])
+    micro = np.array([0, 0, 1, 0])  # pipeline 0 has microbatches 0..2: microbatch 2 is empty
+
+    class Shape:
+        num_pipelines = 2
+        num_microbatches = np.array([3, 1])
+
+    fixed = fill_empty_microbatches(Shape(), Placement(pipe, micro))
+    assert sorted(zip(fixed.pipeline.tolist(), fixed.microbatch.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0)]
