@@ -26,8 +26,8 @@ import yaml
 CONFIG = {
     "model": {"name": "skewed_mm", "vision": {"num_layers": 2, "hidden": 64, "num_heads": 4, "patch_size": 8},
               "projector": {"num_layers": 1}, "llm": {"num_layers": 4, "hidden": 128, "num_heads": 4, "vocab_size": 256}},
-    "data": {"kind": "synthetic", "mean_text_tokens": 64, "text_length_sigma": 1.6, "mean_images_per_sample": 1.5,
-             "max_images_per_sample": 8, "image_size": 96, "min_image_size": 16, "max_seq_len": 1024,
+    "data": {"kind": "synthetic", "mean_text_tokens": 64, "text_length_sigma": 1.6, "mean_images_per_sample": 1.0,
+             "max_images_per_sample": 8, "image_size": 128, "min_image_size": 16, "max_seq_len": 2048,
              "num_samples": 4096},
     "training": {"global_batch": 8, "microbatch_size": 1, "steps": 40, "dtype": "float32",
                  "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-3}}},
