@@ -59,6 +59,9 @@ END_OF_STREAM = None
 """Put on a node's outbox to end its Subscribe stream."""
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SETTLE_S = 0.1
+"""After a loss, wait this long for others before planning: nodes that fail together (a rack, a
+preemption wave) are seen milliseconds apart, and one plan for all beats a plan thrown away."""
 WAITING, RUNNING, CHECKPOINTING, FINISHED = "waiting", "running", "checkpointing", "finished"
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_NO_REPLICAS = 0, 1, 2, 3
 
@@ -178,6 +181,7 @@ class Coordinator:
         self._restarted_for = 0
         self._started_at = 0.0
         self._last_detect: float | None = None
+        self._settle_until = 0.0
         self._progress = Progress(events, steps, progress)
 
     # ------------------------------------------------------------------ calls from agents
@@ -378,6 +382,7 @@ class Coordinator:
         entry.closing = True
         entry.outbox.put(END_OF_STREAM)
         if self.phase == RUNNING and in_plan:
+            self._settle_until = self.clock() + SETTLE_S
             self.say(f"node {name} lost ({reason}); planning generation {self.generation + 1}")
             if self._incident is None or self._incident.cause != "lost":
                 self._incident = Incident.now("lost", [name])
@@ -409,9 +414,14 @@ class Coordinator:
         wanted, _ = plan_request(current, self._views(), self._holdings, live)
         if isinstance(wanted, Request) and not wanted.failure and self._next_step >= self.steps:
             return None  # every step is done: a node joining now has nothing left to train
+        if isinstance(wanted, Request) and wanted.base == 0 and self._next_step > self.options.resume_step:
+            # Starting afresh is right only before any step: after one, it would silently redo the job.
+            return StateLost(f"every worker that held the trained state (step {self._next_step}) is gone")
         return wanted
 
     def _maybe_plan(self) -> None:
+        if self.clock() < self._settle_until:
+            return  # other nodes of the same failure may still be on their way out
         wanted = self._wanted()
         if wanted is None:
             return
@@ -495,11 +505,12 @@ class Coordinator:
         self._send_assignments(view, base, previous)
 
     def _send_assignments(self, view: GenerationView, base: GenerationView | None, previous: list[int]) -> None:
-        resume_dir, start = self.options.resume_dir, self._next_step
-        if self.options.recovery == "restart" and self._last_checkpoint is not None:
-            resume_dir, start = self._last_checkpoint
         if base is not None:
-            resume_dir = ""  # survivors carry the state
+            resume_dir, start = "", self._next_step  # survivors carry the state (and agree on the step)
+        elif self.options.recovery == "restart" and self._last_checkpoint is not None:
+            resume_dir, start = self._last_checkpoint
+        else:  # from the job's start: the first generation, or nothing trained yet
+            resume_dir, start = self.options.resume_dir, self.options.resume_step
         for gpu, assignment in build_assignments(
             view, self.sending, start_step=start, base=base, previous_ranks=previous if base else None,
             resume_dir=resume_dir,

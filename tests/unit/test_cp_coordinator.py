@@ -214,7 +214,7 @@ def test_a_failure_during_recovery_plans_from_the_generation_the_survivors_still
     j.train(1, 0)
     gen1 = {gpu: a.rank for gpu, a in j.assigned.items()}
     j.c.stream_ended("n4", j.sessions["n4"])  # its agent died
-    j.c.tick()
+    j.advance(0.3)  # past the settle window
     j.drain_all()
     assert j.c.generation == 2
     gen2 = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
@@ -222,7 +222,7 @@ def test_a_failure_during_recovery_plans_from_the_generation_the_survivors_still
     # The copy of generation 2 is interrupted: n0 finished it, the others did not; then n3 dies too.
     j.report(("n0", 0), phase=pb.PhaseDone(generation=2, phase="states_copied", step=1))
     j.c.stream_ended("n3", j.sessions["n3"])
-    j.c.tick()
+    j.advance(0.3)  # past the settle window
     j.drain_all()
     # 3 nodes < (f+1) * n0 = 4: the survivors of generation 1 (what they all still hold) write a checkpoint.
     assert j.c.phase == CHECKPOINTING
@@ -238,7 +238,7 @@ def test_below_threshold_the_survivors_checkpoint_and_the_job_exits_3_with_the_r
     j.train(1, 1)
     rank_a = j.assigned[("a", 0)].rank
     j.c.worker_failure("b", j.sessions["b"], 0, "worker_stopped", "pid 42 is stopped (status stopped)")
-    assert j.c.tick() is None and j.c.phase == CHECKPOINTING
+    assert j.advance(0.3) is None and j.c.phase == CHECKPOINTING
     [lost] = read_events(j.events, "lost")
     assert (lost["node"], lost["reason"]) == ("b", "worker_stopped") and "pid 42" in lost["detail"]
     [command] = [e for e in j.drain("a") if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
@@ -260,19 +260,19 @@ def test_a_writer_lost_while_checkpointing_hands_its_layers_to_the_others(make):
     j.train(1, 0)
     j.c.stream_ended("c", j.sessions["c"])
     j.c.stream_ended("d", j.sessions["d"])
-    j.c.tick()
+    j.advance(0.3)  # past the settle window
     assert j.c.phase == CHECKPOINTING
     first = read_events(j.events, "checkpoint_requested")[0]
     assert first["writers"] == ["a", "b"] and len(first["surviving_ranks"]) == 2
     j.drain_all()
     j.c.stream_ended("b", j.sessions["b"])  # b held full copies: a now writes every layer
-    j.c.tick()
+    j.advance(0.3)  # past the settle window
     again = read_events(j.events, "checkpoint_requested")[-1]
     assert again["writers"] == ["a"] and again["surviving_ranks"] == [j.assigned[("a", 0)].rank]
     [command] = [e.checkpoint for e in j.drain("a") if e is not END_OF_STREAM]
     assert list(command.surviving_ranks) == again["surviving_ranks"]
     j.c.stream_ended("a", j.sessions["a"])  # the last copy is gone
-    result = j.c.tick()
+    result = j.advance(0.3)
     assert result.exit_code == 1 and "model state is gone" in result.message
 
 
@@ -301,7 +301,7 @@ def test_recovery_phases_become_one_event_each_when_the_last_rank_is_through(mak
     start(j, "a", "b", "c")
     j.train(1, 0)
     j.c.stream_ended("c", j.sessions["c"])
-    j.c.tick()
+    j.advance(0.3)  # past the settle window
     j.drain_all()
     survivors = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
     for i, gpu in enumerate(survivors):
@@ -329,7 +329,7 @@ def test_restart_mode_restarts_every_worker_from_the_last_checkpoint(make):
     j.report(("a", 0), checkpoint_done=pb.CheckpointDone(dir="/ckpt/step2", step=2, layers=10))
     j.train(1, 2)
     j.c.stream_ended("c", j.sessions["c"])
-    j.c.tick()
+    j.advance(0.3)  # past the settle window
     boxes = j.drain_all()
     for name in ("a", "b"):
         kinds = [e.WhichOneof("event") for e in boxes[name]]
@@ -353,7 +353,7 @@ def test_a_node_lost_while_waiting_only_leaves_the_waiting_set(make):
     j.join("a")
     j.join("b")
     j.c.stream_ended("b", j.sessions["b"])  # its agent died before the plan
-    assert j.c.tick() is None and j.c.phase == WAITING
+    assert j.advance(0.3) is None and j.c.phase == WAITING
     assert read_events(j.events, "lost")[0]["reason"] == "stream_closed"
     j.join("b")  # the node comes back under the same name with a new session
     j.c.tick()
@@ -372,3 +372,53 @@ def test_time_the_master_itself_was_frozen_is_not_the_nodes_silence(make):
         j.c.heartbeat("c", j.sessions["c"])
         j.advance(0.1)
     assert [(e["node"], e["reason"]) for e in read_events(j.events, "lost")] == [("b", "heartbeat_timeout")]
+
+
+def test_restart_before_any_checkpoint_starts_over_from_the_first_step(make):
+    j = make(nodes=3, steps=10, recovery="restart", checkpoint_interval=4)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    j.train(1, 1)  # no checkpoint yet
+    j.c.stream_ended("c", j.sessions["c"])
+    j.advance(0.3)  # past the settle window
+    j.drain_all()
+    new = j.assigned[("a", 0)]
+    assert (new.generation, new.previous_generation, new.resume_dir, new.start_step) == (2, 0, "", 0)
+
+
+def test_a_step_the_previous_generation_finishes_after_a_join_plan_is_still_logged(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.join("late")
+    j.c.tick()  # generation 2 is sent; the workers of 1 are in step 1 and apply it at the boundary
+    assert j.c.generation == 2
+    j.train(1, 1)
+    assert [(e["generation"], e["step"]) for e in read_events(j.events, "step")] == [(1, 0), (1, 1)]
+
+
+def test_losing_every_holder_of_trained_state_is_an_error_not_a_silent_restart(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.join("c")
+    j.c.tick()
+    j.drain_all()
+    assert j.c.generation == 2  # c joins; before its copy completes, a and b die
+    j.c.stream_ended("a", j.sessions["a"])
+    j.c.stream_ended("b", j.sessions["b"])
+    result = j.advance(0.3)
+    assert result.exit_code == 1 and "is gone" in result.message
+
+
+def test_nodes_that_fail_together_get_one_plan(make):
+    j = make(nodes=4, steps=10)
+    start(j, "a", "b", "c", "d")
+    j.train(1, 0)
+    j.c.stream_ended("b", j.sessions["b"])
+    j.advance(0.05)  # b is seen; c follows 50 ms later, inside the settle window
+    j.c.stream_ended("c", j.sessions["c"])
+    j.advance(0.3)
+    decided = read_events(j.events, "plan_decided")
+    assert [d["generation"] for d in decided] == [1, 2] and sorted(decided[-1]["lost"]) == ["b", "c"]
+    assert read_events(j.events, "plan_discarded") == []
