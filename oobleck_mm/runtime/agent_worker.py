@@ -214,6 +214,9 @@ class WorkerLoop:
             if time.monotonic() > deadline:
                 raise PeerFailure(f"generation {a.generation}: not all {a.world_size} workers arrived")
             time.sleep(0.01)
+        # Group names come from a process-global counter that a failed init leaves incremented;
+        # every rank of a generation must start from the same count or the rendezvous never matches.
+        dist.distributed_c10d._world.group_count = 0
         try:
             dist.init_process_group(self.job.cluster.resolved_backend, store=prefixed, rank=a.rank,
                                     world_size=a.world_size, timeout=self.collective_timeout)
