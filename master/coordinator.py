@@ -231,9 +231,14 @@ class Coordinator:
             self._changed.notify_all()
 
     def heartbeat(self, node: str, session: int) -> int:
-        with self._lock:
-            self._live(node, session).last_heartbeat = self.clock()
-            return self.generation
+        # Without the lock: a heartbeat must never wait for a tick (applying a plan, writing events
+        # on a busy disk). Reading the dict and setting one float are atomic under the GIL, and a
+        # node popped meanwhile only gets its heartbeat recorded on an entry nobody reads again.
+        entry = self._nodes.get(node)
+        if entry is None or entry.session != session:
+            raise Refused("NOT_FOUND", f"node {node} (session {session}) is not registered; it may have been lost")
+        entry.last_heartbeat = self.clock()
+        return self.generation
 
     def worker_report(self, node: str, session: int, local_rank: int, report: pb.WorkerReport) -> None:
         with self._lock:
