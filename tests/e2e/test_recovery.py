@@ -186,10 +186,6 @@ def test_restart_mode_redoes_the_steps_since_the_last_checkpoint(launches, tmp_p
     check_final(config, 8, final)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "worker: a failed init_process_group leaves torch's group counter incremented, so the next generation's "
-    "group names differ between ranks and its rendezvous times out (when the killed node had reached "
-    "generation 2's arrival barrier); reset distributed_c10d._world.group_count before init"))
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path):
     steps = 20
     config = write_config(tmp_path, nodes=3, steps=steps)
