@@ -56,32 +56,48 @@ class Progress:
         self.incident: Incident | None = None
         self._previous: GenerationView | None = None
         self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
+        self._views: dict[int, GenerationView] = {}
         self._phases: dict[str, dict[int, pb.PhaseDone]] = {}
 
     def start(self, gen: GenerationView, incident: Incident | None) -> None:
-        # The previous generation may still finish a step (a join is applied at the next boundary).
+        # The previous generation may still finish a step (a join is applied at the next boundary),
+        # and an older one's step may have committed on every rank although one of them died
+        # before reporting it: its reports are kept until a generation resumes past that step.
         self._previous, self.gen, self.incident = self.gen, gen, incident
-        keep = {g.number for g in (self._previous, self.gen) if g is not None}
-        self._steps = {key: r for key, r in self._steps.items() if key[0] in keep}
+        self._views[gen.number] = gen
         self._phases.clear()
 
     def metrics(self, m: pb.StepMetrics) -> None:
-        gen = next((g for g in (self.gen, self._previous) if g is not None and g.number == m.generation), None)
+        gen = self._views.get(m.generation)
         if gen is None or not 0 <= m.rank < gen.layout.world_size:
-            return  # a late report of an older generation
+            return  # a report of a generation this master never started
         reports = self._steps.setdefault((m.generation, m.step), {})
         reports[m.rank] = m
         if len(reports) == gen.layout.world_size:
             del self._steps[(m.generation, m.step)]
             self._print_step(gen, m.step, list(reports.values()))
 
-    def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics]) -> None:
+    def _settle_steps(self, generation: int, resumed_at: int) -> None:
+        """Generation ``generation`` resumed at step ``resumed_at``: every step below it committed.
+
+        A step of an older generation that some rank never reported (it died between the
+        step's last all-reduce and its report) is logged from the reports that came, marked
+        partial; older steps at or past ``resumed_at`` were abandoned and are dropped.
+        """
+        for key in sorted(k for k in self._steps if k[0] < generation):
+            reports = self._steps.pop(key)
+            if key[1] < resumed_at:
+                self._print_step(self._views[key[0]], key[1], list(reports.values()), partial=True)
+        self._views = {n: v for n, v in self._views.items() if n >= generation or n in {k[0] for k in self._steps}}
+
+    def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
         first = min(reports, key=lambda r: r.rank)
         slowest = max(r.step_time_s for r in reports)
+        extra = {"partial": True, "ranks_reported": len(reports)} if partial else {}
         self.events.write(
             "step", generation=gen.number, step=step, loss=first.loss, samples_per_s=first.samples_per_s,
             step_time_s=slowest, forward_s=max(r.forward_s for r in reports),
-            backward_s=max(r.backward_s for r in reports), comm_s=max(r.comm_s for r in reports),
+            backward_s=max(r.backward_s for r in reports), comm_s=max(r.comm_s for r in reports), **extra,
         )  # fmt: skip
         self.say(
             f"step {step + 1}/{self.steps}  loss {first.loss:.4f}  {first.samples_per_s:.1f} samples/s  "
@@ -112,6 +128,8 @@ class Progress:
         if phase == "resumed":
             fields["step"] = min(r.step for r in reports)
         self.events.write(PHASE_EVENTS[phase], **fields)
+        if phase == "resumed":
+            self._settle_steps(self.gen.number, fields["step"])
         if phase == "resumed" and self.incident is not None:
             self.say(f"generation {self.gen.number} resumed at step {fields['step'] + 1} "
                      f"{self.incident.since():.2f} s after the {self.incident.cause} of "

@@ -105,7 +105,8 @@ def test_bandwidth_bound_layers_cost_bytes_over_bandwidth():
     j = job("tiny_mm")
     specs = layer_specs(j.model, j.data)
     embed = by_name(analytical_profile(specs, "cpu", 2, "tiny"))["llm.embed"]
-    tokens = 2 * 32
+    # 16 text tokens + one mean image of 3 x 3 patches (sides of 16..32 px in 8-px patches)
+    tokens = 2 * (16 + 9)
     # A lookup: no FLOPs, reads the gathered rows and writes them (fp32 on the cpu).
     assert embed.forward_s == pytest.approx(tokens * 2 * 64 * 4 / DEVICES["cpu"].memory_bandwidth)
     assert embed.forward_s > 0
@@ -167,7 +168,8 @@ def test_later_encoder_branch_carries_the_earlier_branch_tokens():
     alone = 2 * 8 * 32 * 4  # microbatch 2 x 8 audio tokens x hidden 32 x fp32
     assert layers["audio.block0"].output_bytes == alone + vision_out
     # The LLM sequence already contains them: no double counting after the merge.
-    assert layers["llm.block0"].output_bytes == 2 * (16 + 16 + 8) * 64 * 4
+    # 16 text + 9 image (mean 3 x 3 patches) + 8 audio tokens per sample.
+    assert layers["llm.block0"].output_bytes == 2 * (16 + 9 + 8) * 64 * 4
 
 
 def test_activation_checkpointing_trades_memory_for_one_recomputed_forward():

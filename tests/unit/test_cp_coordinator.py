@@ -319,6 +319,25 @@ def test_recovery_phases_become_one_event_each_when_the_last_rank_is_through(mak
     assert any("resumed at step 2" in line for line in j.lines)
 
 
+def test_a_step_whose_last_reporter_died_is_logged_once_a_later_generation_resumes_past_it(make):
+    j = make(nodes=3, steps=10)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    # Step 1 committed on every rank (its all-reduces finished), but c died before reporting it.
+    for gpu, a in j.assigned.items():
+        if gpu[0] != "c":
+            j.report(gpu, metrics=pb.StepMetrics(generation=1, step=1, rank=a.rank, loss=2.0, step_time_s=0.1))
+    # Step 2 was under way: the survivors never reported it, so it is not logged.
+    j.c.stream_ended("c", j.sessions["c"])
+    j.advance(0.3)
+    j.drain_all()
+    assert [e["step"] for e in read_events(j.events, "step")] == [0]  # not yet known to have committed
+    j.train(2, 2)  # generation 2 resumes at step 2: step 1 committed
+    steps = sorted(read_events(j.events, "step"), key=lambda e: e["step"])  # the late one is written last
+    assert [(e["generation"], e["step"]) for e in steps] == [(1, 0), (1, 1), (2, 2)]
+    assert steps[1]["partial"] and steps[1]["ranks_reported"] == 2 and "partial" not in steps[2]
+
+
 def test_restart_mode_restarts_every_worker_from_the_last_checkpoint(make):
     j = make(nodes=3, steps=10, recovery="restart", checkpoint_interval=2)
     start(j, "a", "b", "c")
