@@ -183,6 +183,9 @@ def main(argv=None) -> int:
         from _bench_balancer_real import run_real
 
         return run_real(json_out=args.json)
+    from oobleck_mm.balance.search import warm_up
+
+    print(f"ours' compiled kernels loaded (or compiled) in {warm_up():.2f} s, once per process")
     algorithms = list(ALGORITHMS)
     pipelines, per = ((4, 16), (16, 64)) if args.quick else (PIPELINES, SAMPLES_PER_PIPELINE)
     rows = run(pipelines, per, algorithms, args.repeats)

@@ -45,6 +45,10 @@ class StepBalancer:
         """This rank's timings since the last fit."""
         self._features: dict[int, np.ndarray] = {}
         self.last_metrics: dict[str, float] = {}
+        if self.config.algorithm.startswith("ours"):
+            from oobleck_mm.balance.search import warm_up
+
+            warm_up()  # load the compiled kernels now (numba's disk cache), not inside the first step
 
     def features(self, ids) -> np.ndarray:
         missing = [i for i in ids if i not in self._features]

@@ -11,7 +11,6 @@ from oobleck_mm.balance.assignment import contiguous_assignment
 from oobleck_mm.balance.balancer import ALGORITHMS, balance, balance_batch, step_metrics
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
 from oobleck_mm.balance.metrics import dist_ratio, imbalance, modality_dist_ratios
-from oobleck_mm.balance.microbatch import sort_members, split
 from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
 from oobleck_mm.balance.work import sample_features
 from oobleck_mm.config import load_config
@@ -168,10 +167,10 @@ def test_balance_batch_runs_from_dataset_metadata_and_an_execution_plan():
 
 def test_microbatches_run_light_heavy_light(mllm):
     problem = make_problem(mllm, [4], [12], microbatch_size=3, seed=11)
-    members = sort_members(problem, np.arange(problem.num_samples)[None, :], problem.total_cost())
-    micro, ticks = split(problem, np.array([0]), members)
-    bottleneck = ticks[0].max(axis=0)
-    assert np.bincount(micro[0], minlength=12).min() >= 1
+    placement = ALGORITHMS["ours"](problem)  # one pipeline: balance() would keep the contiguous split
+    ticks = problem.microbatch_ticks(placement)[0]  # (stages, microbatches)
+    assert np.bincount(placement.microbatch, minlength=12).min() >= 1
+    bottleneck = ticks.max(axis=0)
     peak = int(np.argmax(bottleneck))
     assert (np.diff(bottleneck[: peak + 1]) >= 0).all() and (np.diff(bottleneck[peak:]) <= 0).all()
 
