@@ -296,13 +296,13 @@ class DDPTrainer:
 
 
 class StaticBatch:
-    """The shape-only parts of a fixed-shape microbatch (masks, positions, placements), built once."""
+    """The shape-only parts of a fixed-shape microbatch (attention spans, positions, placements), built once."""
 
     def __init__(self, template: PackedBatch):
         if template.vision is None or template.audio is not None:
             raise ValueError("the DeepSpeed peer runs vision-language models (model.vision set, no model.audio)")
-        template.attention_mask()  # cached in the template, shared by every microbatch built from it
-        template.vision.attention_mask()
+        template.spans()  # cached in the template, shared by every microbatch built from it
+        template.vision.spans()
         self.template = template
 
     def batch(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> PackedBatch:

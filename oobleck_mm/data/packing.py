@@ -39,12 +39,19 @@ class EncoderInput:
     llm_positions: torch.Tensor
     """int64 [tokens // merge]: where each projected token goes in the packed LLM sequence."""
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
 
     def attention_mask(self) -> torch.Tensor:
         """[tokens, tokens] bool: a token attends to every token of its own medium."""
         if self._mask is None:
             self._mask = self.segments[:, None] == self.segments[None, :]
         return self._mask
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of each medium's tokens: the diagonal blocks of ``attention_mask``."""
+        if self._spans is None:
+            self._spans = segment_spans(self.segments)
+        return self._spans
 
 
 @dataclass(slots=True)
@@ -61,6 +68,7 @@ class PackedBatch:
     vision: EncoderInput | None = None
     audio: EncoderInput | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -73,8 +81,23 @@ class PackedBatch:
             self._mask = same & torch.ones_like(same).tril_()
         return self._mask
 
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of each sample's positions: the (causal) diagonal blocks of ``attention_mask``."""
+        if self._spans is None:
+            self._spans = segment_spans(self.segments)
+        return self._spans
+
     def encoder(self, modality: str) -> EncoderInput | None:
         return self.vision if modality == "vision" else self.audio
+
+
+def segment_spans(segments: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """``(start, end)`` of each run of equal ids; packing writes every segment contiguously."""
+    if segments.numel() == 0:
+        return ()
+    cuts = (torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1).tolist()
+    bounds = [0, *cuts, segments.numel()]
+    return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def patchify(image: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:

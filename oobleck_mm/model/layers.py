@@ -61,7 +61,11 @@ class Attention(nn.Module):
         self.v = nn.Linear(hidden, kv, bias=False)
         self.o = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, spans, causal: bool, positions: torch.Tensor | None) -> torch.Tensor:
+        """Attention within each ``(start, end)`` span of the packed tokens (causal inside it when
+        ``causal``), nothing across spans: block-diagonal, so a microbatch costs the sum of its
+        spans' squares, as the balancer's cost model says (a varlen flash kernel does the same);
+        a dense mask over the packed sequence would cost the square of the sum."""
         t = x.shape[0]
         q = self.q(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
         k = self.k(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -71,12 +75,18 @@ class Attention(nn.Module):
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        if self.flash:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:  # eager: materialises the score matrix (what flash_attention: false models)
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        out = torch.cat([self._block(q[:, s:e], k[:, s:e], v[:, s:e], causal) for s, e in spans], dim=1)
         return self.o(out.transpose(0, 1).reshape(t, -1))
+
+    def _block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        if self.flash:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        # eager: materialises the score matrix (what flash_attention: false models)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        if causal:
+            n = q.shape[1]
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril_(), float("-inf"))
+        return scores.softmax(-1) @ v
 
 
 class Block(nn.Module):
@@ -99,11 +109,10 @@ class Block(nn.Module):
         if x.shape[0] == 0:  # no image/clip in this microbatch
             return acts
         if self.stream == "text":
-            mask, positions = batch.attention_mask(), batch.positions
+            spans, causal, positions = batch.spans(), True, batch.positions
         else:
-            enc = batch.encoder(self.stream)
-            mask, positions = enc.attention_mask(), None
-        x = x + self.attn(self.norm1(x), mask, positions)
+            spans, causal, positions = batch.encoder(self.stream).spans(), False, None
+        x = x + self.attn(self.norm1(x), spans, causal, positions)
         y = self.norm2(x)
         y = F.silu(self.gate(y)) * self.fc1(y) if self.gated else F.gelu(self.fc1(y))
         return (*acts[:-1], x + self.fc2(y))

@@ -63,6 +63,8 @@ class StepBalancer:
                                        self.coefficients, plan.microbatch_size, step)
         result = balance(problem, self.config.algorithm, self.config.threshold)
         self.last_metrics = step_metrics(problem, result)
+        if result.unbalanced_s is not None:
+            self.last_metrics["predicted_contiguous_max_s"] = max(result.unbalanced_s)
         return result.assignment
 
     def observe(self, stage, microbatches, times) -> None:

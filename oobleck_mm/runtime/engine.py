@@ -61,6 +61,8 @@ class StepResult:
     bytes_sent: int = 0
     microbatch_times: list[tuple[float, float]] = field(default_factory=list)
     """(forward s, backward s) of each microbatch on this stage, in order."""
+    pack_s: float = 0.0
+    """Seconds packing (rendering, decoding) microbatches on this stage."""
     pipeline_s: float = 0.0
     """Seconds from the step's start to this stage's gradient all-reduce (its 1F1B part)."""
     pipeline_times: list[float] = field(default_factory=list)
@@ -174,6 +176,7 @@ class StageEngine:
         self._outputs: dict[int, tuple] = {}
         self._grads: dict[int, tuple] = {}
         self._buffer_mb: dict[int, int] = {}
+        self._pack_s: dict[int, float] = {}
         self._next_forward = self._next_load = 0
         self._loss = torch.zeros((), dtype=torch.float64)
         self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0)
@@ -181,13 +184,19 @@ class StageEngine:
                                     stage_id=self.stage_index)
         execute(schedule.steps(), self._dispatch)
         if self.balancer is not None:
-            self.balancer.observe(self.stage, self._microbatches, self._result.microbatch_times)
+            # Packing is this stage's work for the microbatch too (it grows with images and text):
+            # the balancer's cost model is fitted to all of it.
+            times = [(f + self._pack_s.get(mb, 0.0), b) for mb, (f, b) in enumerate(self._result.microbatch_times)]
+            self.balancer.observe(self.stage, self._microbatches, times)
         self._result.step_time_s = time.perf_counter() - t0
         return self._result
 
     def _batch(self, mb: int) -> PackedBatch:
         if mb not in self._batches:
+            t0 = time.perf_counter()
             self._batches[mb] = self.data.microbatch(self._microbatches[mb])
+            self._pack_s[mb] = time.perf_counter() - t0
+            self._result.pack_s += self._pack_s[mb]
         return self._batches[mb]
 
     # ------------------------------------------------------------------ instructions

@@ -52,6 +52,29 @@ def test_masks_stay_inside_sample_and_image(data):
     assert torch.equal(vm, vs[:, None] == vs[None, :])  # bidirectional within each image
 
 
+@pytest.mark.parametrize("flash", [True, False])
+def test_block_attention_equals_attention_under_the_packed_mask(data, flash):
+    """Attention per span (what the model runs: the cost is the sum of the spans' squares) computes
+    exactly what attention over the whole packed sequence under ``attention_mask`` would."""
+    import math
+
+    from oobleck_mm.model.layers import Attention
+
+    torch.manual_seed(0)
+    batch = data.microbatch(data.global_batch(3)[:5])
+    for tokens, spans, mask, causal in ((batch.tokens, batch.spans(), batch.attention_mask(), True),
+                                        (batch.vision.segments, batch.vision.spans(), batch.vision.attention_mask(), False)):  # fmt: skip
+        assert len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == len(tokens)
+        attn = Attention(32, 4, 4, flash).double()
+        x = torch.randn(len(tokens), 32, dtype=torch.float64)
+        got = attn(x, spans, causal, None)
+        t, h, d = len(tokens), 4, 8
+        q, k, v = (proj(x).view(t, h, d).transpose(0, 1) for proj in (attn.q, attn.k, attn.v))
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~mask, float("-inf"))
+        dense = attn.o((scores.softmax(-1) @ v).transpose(0, 1).reshape(t, -1))
+        torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-12)
+
+
 def test_media_slots_equal_projected_tokens(job, data):
     ids = data.global_batch(2)
     batch = data.microbatch(ids)
