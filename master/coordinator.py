@@ -173,6 +173,8 @@ class Coordinator:
         """(node, gpu) -> (generation, last step) of its WorkerDone."""
         self._reported: dict[Gpu, int] = {}
         """(node, gpu) -> generation of its latest metrics or phase report."""
+        self._stalls: dict[str, float] = {}
+        """node -> clock reading of its workers' latest report of a stalled collective."""
         self._next_step = options.resume_step
         self._planning: tuple[Request, Future] | None = None
         self._incident: Incident | None = None
@@ -254,6 +256,9 @@ class Coordinator:
             elif kind == "done":
                 # WorkerDone names no generation: it ends the one the worker last reported from.
                 self._done[gpu] = (self._reported.get(gpu, 0), report.done.step)
+            elif kind == "stalled":
+                # Evidence for the detector: this node's worker waits on its peers (see detector.py).
+                self._stalls[node] = self.clock()
             elif kind == "failed":
                 entry.worker_failure = WORKER_FAILED
                 entry.detail = f"local rank {local_rank}: {report.failed.message}"
@@ -346,7 +351,9 @@ class Coordinator:
         now = self.clock()
         self._forgive_own_stall(now)
         health = {name: n.health() for name, n in self._nodes.items()}
-        for failure in detect_failures(now, health, self.timeout):
+        limit = self.timeout.total_seconds()
+        self._stalls = {n: at for n, at in self._stalls.items() if n in self._nodes and now - at <= limit}
+        for failure in detect_failures(now, health, self.timeout, self._stalls):
             self._declare_lost(failure.node, failure.reason, failure.detail)
 
     def _forgive_own_stall(self, now: float) -> None:

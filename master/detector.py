@@ -5,7 +5,12 @@ A node is the failure unit. It is lost when
 - its Subscribe stream ended (``stream_closed``: a dead agent's sockets are reset
   by the kernel, so this fires at once), or
 - no heartbeat arrived for longer than the timeout (``heartbeat_timeout``: the
-  hung node, e.g. a SIGSTOPped agent whose sockets stay open).
+  hung node, e.g. a SIGSTOPped agent whose sockets stay open), or
+- no heartbeat arrived for longer than half the timeout while a worker of
+  another node reported waiting on a collective since (``heartbeat_late_peers_stalled``):
+  a hung node stalls the job at once, so its peers' waits confirm its silence;
+  a healthy node keeps heartbeating from its agent whatever its workers do, and
+  a merely slow peer is waited on without its agent falling silent.
 The master feeds this function snapshots; it keeps no state and reads no clock,
 so every rule is tested by building the states by hand.
 """
@@ -18,6 +23,9 @@ from datetime import timedelta
 
 STREAM_CLOSED = "stream_closed"
 HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+HEARTBEAT_LATE_PEERS_STALLED = "heartbeat_late_peers_stalled"
+CONFIRMED_SILENCE = 0.5
+"""Fraction of the heartbeat timeout of silence that suffices once a peer reports a stall."""
 WORKER_EXITED = "worker_exited"
 WORKER_STOPPED = "worker_stopped"
 WORKER_ZOMBIE = "worker_zombie"
@@ -49,11 +57,14 @@ class Failure:
     detail: str
 
 
-def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timedelta) -> list[Failure]:
+def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timedelta,
+                    stalls: Mapping[str, float] | None = None) -> list[Failure]:  # fmt: skip
     """The lost nodes among ``nodes`` at clock ``now``, sorted by name, each with its reason.
 
-    When several signs hold, the most specific wins: a worker report says why,
-    a closed stream says the agent is gone, a silent node only that it hangs.
+    ``stalls[node]``: clock reading of the latest report that a worker of ``node`` waited on a
+    collective for longer than twice the heartbeat interval. When several signs hold, the most
+    specific wins: a worker report says why, a closed stream says the agent is gone, a silent
+    node only that it hangs.
     """
     if timeout <= timedelta(0):
         raise ValueError(f"timeout: must be positive, got {timeout}")
@@ -68,4 +79,13 @@ def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timede
         elif now - health.last_heartbeat > limit:
             silent = now - health.last_heartbeat
             out.append(Failure(name, HEARTBEAT_TIMEOUT, f"no heartbeat for {silent:.2f}s (timeout {limit:g}s)"))
+        elif now - health.last_heartbeat > CONFIRMED_SILENCE * limit:
+            # A stall reported after this node's last heartbeat, and recently: the job waits while it is silent.
+            witnesses = sorted(peer for peer, at in (stalls or {}).items()
+                               if peer != name and health.last_heartbeat < at and now - at <= limit)  # fmt: skip
+            if witnesses:
+                silent = now - health.last_heartbeat
+                out.append(Failure(name, HEARTBEAT_LATE_PEERS_STALLED,
+                                   f"no heartbeat for {silent:.2f}s while {', '.join(witnesses)} waited on a "
+                                   f"collective (timeout {limit:g}s, {CONFIRMED_SILENCE:g} of it with a stalled peer)"))  # fmt: skip
     return out

@@ -125,6 +125,7 @@ class Progress:
             fields.update(cause=self.incident.cause, since_detected_s=self.incident.since())
         if phase == "states_copied":
             fields["bytes"] = sum(r.bytes for r in reports)
+            fields["transfer_seconds"] = max(r.transfer_seconds for r in reports)
         if phase == "resumed":
             fields["step"] = min(r.step for r in reports)
         self.events.write(PHASE_EVENTS[phase], **fields)

@@ -240,7 +240,11 @@ def _chain(start: float, chain: list[tuple[str, float | None]]) -> dict[str, flo
 
 
 def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float | None]:
-    """(bytes transferred, each once; the slowest worker's copy seconds) of a generation."""
+    """(bytes transferred, each once; the slowest worker's copy seconds) of a generation.
+
+    Copy seconds are the transfers alone (``transfer_seconds``: after every rank had built the
+    layers it receives into) where the log has them, else the whole phase.
+    """
     copies = [e for e in events if phase_name(e) == "states_copied"
               and (generation is None or e.get("generation", generation) == generation)]  # fmt: skip
     if generation is None or not copies:
@@ -251,7 +255,7 @@ def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float
         # Workers count a byte where it is sent and where it is received (state_transfer's ``moved``),
         # whether one event per worker or the master's sum over them: each byte twice.
         total = sum(int(e.get("bytes", 0) or 0) for e in copies) // 2
-    seconds = max((float(e.get("seconds", 0) or 0) for e in copies), default=0.0)
+    seconds = max((float(e.get("transfer_seconds") or e.get("seconds", 0) or 0) for e in copies), default=0.0)
     return total, seconds or None
 
 

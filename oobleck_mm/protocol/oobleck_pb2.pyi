@@ -141,20 +141,22 @@ class WorkerFailed(_message.Message):
     def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class PhaseDone(_message.Message):
-    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message")
+    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message", "transfer_seconds")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     phase: str
     step: int
     seconds: float
     bytes: int
     message: str
-    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    transfer_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointDone(_message.Message):
     __slots__ = ("dir", "step", "layers")
@@ -166,19 +168,31 @@ class CheckpointDone(_message.Message):
     layers: int
     def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., layers: _Optional[int] = ...) -> None: ...
 
+class Stalled(_message.Message):
+    __slots__ = ("generation", "what", "waited_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    what: str
+    waited_s: float
+    def __init__(self, generation: _Optional[int] = ..., what: _Optional[str] = ..., waited_s: _Optional[float] = ...) -> None: ...
+
 class WorkerReport(_message.Message):
-    __slots__ = ("metrics", "done", "failed", "phase", "checkpoint_done")
+    __slots__ = ("metrics", "done", "failed", "phase", "checkpoint_done", "stalled")
     METRICS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DONE_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     metrics: StepMetrics
     done: WorkerDone
     failed: WorkerFailed
     phase: PhaseDone
     checkpoint_done: CheckpointDone
-    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., phase: _Optional[_Union[PhaseDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ...) -> None: ...
+    stalled: Stalled
+    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., phase: _Optional[_Union[PhaseDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., stalled: _Optional[_Union[Stalled, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node", "gpus", "memory_bytes", "pid")

@@ -121,16 +121,21 @@ class WorkerLoop:
         self.current: Generation | None = None
         self.next_step: int | None = None  # first step not yet applied to this worker's layers
         self.collective_timeout = job.fault_tolerance.heartbeat_timeout + timedelta(seconds=5)
-        self.waiter = Waiter(self.collective_timeout, self.commands.replanned.is_set)
+        self.waiter = Waiter(self.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
+                             stall_after=2 * job.fault_tolerance.heartbeat_interval.total_seconds())
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
         send_report(self.conn, pb.WorkerReport(**kind))
 
     def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
-              message: str = "") -> None:
+              message: str = "", transfer_seconds: float = 0.0) -> None:
         self.report(phase=pb.PhaseDone(generation=generation, phase=name, step=step, seconds=seconds,
-                                       bytes=nbytes, message=message))
+                                       bytes=nbytes, message=message, transfer_seconds=transfer_seconds))
+
+    def _stalled(self, what: str, waited: float) -> None:
+        generation = self.current.number if self.current is not None else 0
+        self.report(stalled=pb.Stalled(generation=generation, what=what, waited_s=waited))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -248,7 +253,7 @@ class WorkerLoop:
             if a.previous_generation:
                 old_plan = plan_from_proto(a.previous_plan)
                 survivors = {old: new for new, old in enumerate(a.previous_ranks) if old >= 0}
-                engine, transfers, moved = adopt_plan(self.job, old_engine, old_plan, plan,
+                engine, transfers, moved, transfer_s = adopt_plan(self.job, old_engine, old_plan, plan,
                                                       survivors, a.rank, self.device, self.waiter)
             else:
                 held = {}
@@ -257,11 +262,11 @@ class WorkerLoop:
                     held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
                             for i in plan.stage(a.rank).layers}
                 engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter)
-                transfers, moved = [], 0
+                transfers, moved, transfer_s = [], 0, 0.0
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
         self.phase(a.generation, "states_copied", step=start, seconds=time.perf_counter() - t0, nbytes=moved,
-                   message=f"{len(transfers)} layer transfers in the generation")
+                   message=f"{len(transfers)} layer transfers in the generation", transfer_seconds=transfer_s)
         self.next_step = start
         return engine, start
 
@@ -308,6 +313,9 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node}/gpu{local_rank} %(levelname)s %(message)s")
+    # torch's first optimizer imports torch._dynamo (1.5-2 s on this machine): pay it while the
+    # process starts, not inside the first generation's state copy.
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     try:
         WorkerLoop(conn, load_config(config_path), node, local_rank).run()
     except Exception:

@@ -14,6 +14,7 @@ cannot be confused.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,8 +50,10 @@ def transfer_layers(
     build: Callable[[int], HeldLayer],
     device: torch.device | str = "cpu",
     waiter: Waiter = Waiter(),
-) -> tuple[dict[int, HeldLayer], int]:
-    """Run this rank's part of ``transfers``; returns the layers received and the bytes moved here.
+) -> tuple[dict[int, HeldLayer], int, float]:
+    """Run this rank's part of ``transfers``; returns the layers received, the bytes moved here and
+    the seconds the transfers took once every rank was ready (building the receiving layers, the
+    slowest part for a joiner, comes before: a barrier separates the two).
 
     ``held``: the layers this rank holds now (sources read from it). ``build(layer)``
     makes a fresh layer to receive into. Every rank of the group calls this with
@@ -80,9 +83,14 @@ def transfer_layers(
                 ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=_tag(index, k)))
                 moved += buf.numel() * buf.element_size()
             received[t.layer] = (fresh, targets, buffers)
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            waiter.wait(request, f"layer state transfer on rank {rank}", pollable=False)
+    seconds = 0.0
+    if transfers:  # the same list on every rank: all of them reach this barrier or none
+        waiter.wait(dist.barrier(async_op=True), "ready for the layer state transfer")
+        t0 = time.perf_counter()
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                waiter.wait(request, f"layer state transfer on rank {rank}", pollable=False)
+        seconds = time.perf_counter() - t0
     out = {}
     for layer, (fresh, _, buffers) in received.items():
         names = list(fresh.module.state_dict())
@@ -92,7 +100,7 @@ def transfer_layers(
             keys = list(optimizer_state(fresh.optimizer))
             load_optimizer_state(fresh.optimizer, dict(zip(keys, buffers[len(names) :])))
         out[layer] = fresh
-    return out, moved
+    return out, moved, seconds
 
 
 def _tag(transfer_index: int, tensor_index: int) -> int:
@@ -134,15 +142,16 @@ def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], ne
     """Move a surviving worker from ``engine`` (old plan) to ``new_plan``, keeping every layer it still needs.
 
     Call after joining the new generation's process group, on every rank of it (a
-    joining worker passes ``engine=None``). Returns (new engine, transfers, bytes moved here).
+    joining worker passes ``engine=None``). Returns (new engine, transfers, bytes moved here,
+    transfer seconds).
     """
     from oobleck_mm.runtime.engine import StageEngine, fresh_layer
 
     transfers = plan_transfers(surviving_holders(old_plan, survivors), new_plan)
     held = engine.held() if engine is not None else {}
     specs = engine.specs if engine is not None else None
-    received, moved = transfer_layers(transfers, new_rank, held, lambda i: fresh_layer(job, i, specs, device),
-                                      device, waiter)
+    received, moved, seconds = transfer_layers(transfers, new_rank, held,
+                                               lambda i: fresh_layer(job, i, specs, device), device, waiter)
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
     data = engine.data if engine is not None else None
@@ -152,4 +161,4 @@ def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], ne
     if engine.balancer is not None and survivors:
         # Joiners start with the initial cost model: every rank must use the survivors' one.
         engine.balancer.share_from(min(survivors.values()))
-    return engine, transfers, moved
+    return engine, transfers, moved, seconds

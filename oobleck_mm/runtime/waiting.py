@@ -7,6 +7,10 @@ has already re-planned (a peer is lost). Gloo errors fast when a peer's process
 dies, but a hung peer (SIGSTOP, a wedged host) keeps its sockets open; the
 interrupt turns the master's heartbeat verdict into an immediate, clean abort.
 
+A wait that polls for longer than ``stall_after`` calls ``on_stall``, and again
+every ``stall_after`` after: the worker tells the master, which then needs only
+half the heartbeat timeout of silence to call a peer hung (``master/detector.py``).
+
 Point-to-point requests cannot be polled on gloo (their ``is_completed`` only
 turns true inside ``wait``, and a ``wait`` that times out closes the
 connection), so they are waited on whole, bounded by the process group's own
@@ -32,6 +36,10 @@ class Waiter:
     """Longest wait for one request; None waits as long as the backend does."""
     interrupt: Callable[[], bool] | None = None
     """Polled while waiting; True abandons the wait."""
+    on_stall: Callable[[str, float], None] | None = None
+    """Called with what is awaited and for how long, every ``stall_after`` seconds of one wait."""
+    stall_after: float = float("inf")
+    """Seconds of polling before ``on_stall``."""
 
     def wait(self, work, what: str, pollable: bool = True) -> None:
         if not pollable or (self.timeout is None and self.interrupt is None):
@@ -43,8 +51,12 @@ class Waiter:
         start = time.monotonic()
         deadline = start + self.timeout.total_seconds() if self.timeout is not None else float("inf")
         pause = 20e-6
+        next_stall = start + self.stall_after
         while not work.is_completed():
             now = time.monotonic()
+            if self.on_stall is not None and now > next_stall:
+                next_stall = now + self.stall_after  # again every stall_after: the peer may hang mid-wait
+                self.on_stall(what, now - start)
             if now > deadline:
                 raise PeerFailure(f"{what}: no answer after {now - start:.1f} s (timeout {self.timeout})")
             if self.interrupt is not None and self.interrupt():

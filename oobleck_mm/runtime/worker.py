@@ -127,7 +127,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
             old_plan, rank = plan, phase.survivors[rank]
             plan = phase.plan
             join_group(job, store, generation, rank, plan.world_size, timeout=timedelta(seconds=120))
-            engine, moves, _ = adopt_plan(job, engine, old_plan, plan, phase.survivors, rank)
+            engine, moves, _, _ = adopt_plan(job, engine, old_plan, plan, phase.survivors, rank)
             transfers.append(moves)
             for s in range(step, step + phase.steps):
                 results.append(engine.train_step(s))

@@ -158,6 +158,29 @@ def test_refusals_name_the_problem_and_are_logged(make):
     assert any("already registered" in r for r in reasons) and any("cluster.gpus_per_node = 1" in r for r in reasons)
 
 
+def test_a_peer_waiting_on_a_collective_confirms_a_silent_node_at_half_the_timeout(make):
+    j = make(nodes=3, steps=10)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    timeout = j.c.timeout.total_seconds()
+    j.advance(timeout * 0.3)
+    j.heartbeat_all()  # b's last heartbeat
+    j.advance(timeout * 0.3)
+    for name in ("a", "c"):
+        j.c.heartbeat(name, j.sessions[name])
+    j.report(("a", 0), stalled=pb.Stalled(generation=1, what="gradient all-reduce", waited_s=0.4))
+    j.advance(timeout * 0.15)  # b silent 0.45 timeouts: not yet
+    assert not read_events(j.events, "lost")
+    for name in ("a", "c"):
+        j.c.heartbeat(name, j.sessions[name])
+    j.advance(timeout * 0.1)  # 0.55 timeouts, with a's stall since b's last heartbeat
+    [lost] = read_events(j.events, "lost")
+    assert (lost["node"], lost["reason"]) == ("b", "heartbeat_late_peers_stalled")
+    j.heartbeat_all()
+    j.advance(0.3)  # past the settle window
+    assert j.c.generation == 2
+
+
 def test_a_silent_node_is_lost_and_the_survivors_get_a_new_generation_from_their_states(make):
     j = make(nodes=3, steps=10)
     start(j, "a", "b", "c")

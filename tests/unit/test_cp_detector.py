@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from master.detector import (
+    HEARTBEAT_LATE_PEERS_STALLED,
     HEARTBEAT_TIMEOUT,
     STREAM_CLOSED,
     WORKER_EXITED,
@@ -29,6 +30,33 @@ def test_silence_past_the_timeout_is_a_hung_node():
     [failure] = detect_failures(100.0, nodes, TIMEOUT)
     assert (failure.node, failure.reason) == ("b", HEARTBEAT_TIMEOUT)
     assert "3.10s" in failure.detail
+
+
+def test_half_the_timeout_of_silence_suffices_when_a_peer_stalled_since():
+    nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=98.4)}
+    # b silent 1.6 s (> 1.5 s, half the timeout); a's worker waited on a collective, reported at 99.0
+    [failure] = detect_failures(100.0, nodes, TIMEOUT, stalls={"a": 99.0})
+    assert (failure.node, failure.reason) == ("b", HEARTBEAT_LATE_PEERS_STALLED)
+    assert "a waited" in failure.detail and "1.60s" in failure.detail
+
+
+@pytest.mark.parametrize(
+    "stalls, why",
+    [
+        ({}, "nobody is waiting"),
+        ({"a": 98.0}, "the stall was reported before b's last heartbeat: b was not silent then"),
+        ({"b": 99.0}, "a node's own stall says nothing about its silence"),
+        ({"a": 96.5}, "the stall is older than the timeout"),
+    ],
+)
+def test_a_stall_only_confirms_a_silence_that_covers_it(stalls, why):
+    nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=98.4)}
+    assert detect_failures(100.0, nodes, TIMEOUT, stalls=stalls) == [], why
+
+
+def test_a_stalled_peer_never_shortens_silence_below_half_the_timeout():
+    nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=98.6)}  # silent 1.4 s
+    assert detect_failures(100.0, nodes, TIMEOUT, stalls={"a": 99.9}) == []
 
 
 def test_a_closed_stream_is_lost_at_once_even_with_a_fresh_heartbeat():

@@ -77,6 +77,17 @@ def test_one_kill_is_broken_into_its_phases():
     assert row.outcome == "resumed at step 4"
 
 
+def test_copy_rate_uses_the_transfer_time_when_the_log_has_it():
+    """Building the layers a joiner receives into is not the copy: MB/s is over the transfers alone."""
+    log, _ = one_kill()
+    for e in log.events:
+        if e["event"] == "states_copied":
+            e["transfer_seconds"] = 0.01
+    [row] = recovery_rows(log.events)
+    assert row.copy_mb_per_s == pytest.approx(2.0 / 0.01)
+    assert row.copy_s == pytest.approx(0.2), "the phase itself still counts in the timeline"
+
+
 def test_missing_phases_are_dashes_and_the_chain_skips_them():
     log, t = one_kill()
     log.events = [e for e in log.events if e["event"] not in ("rendezvous_done", "states_copied", "resumed")]
