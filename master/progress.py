@@ -54,7 +54,6 @@ class Progress:
         self.events, self.steps, self.say = events, steps, say
         self.gen: GenerationView | None = None
         self.incident: Incident | None = None
-        self._previous: GenerationView | None = None
         self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
         self._views: dict[int, GenerationView] = {}
         self._phases: dict[str, dict[int, pb.PhaseDone]] = {}
@@ -63,7 +62,7 @@ class Progress:
         # The previous generation may still finish a step (a join is applied at the next boundary),
         # and an older one's step may have committed on every rank although one of them died
         # before reporting it: its reports are kept until a generation resumes past that step.
-        self._previous, self.gen, self.incident = self.gen, gen, incident
+        self.gen, self.incident = gen, incident
         self._views[gen.number] = gen
         self._phases.clear()
 
@@ -88,7 +87,7 @@ class Progress:
             reports = self._steps.pop(key)
             if key[1] < resumed_at:
                 self._print_step(self._views[key[0]], key[1], list(reports.values()), partial=True)
-        self._views = {n: v for n, v in self._views.items() if n >= generation or n in {k[0] for k in self._steps}}
+        self._views = {n: v for n, v in self._views.items() if n >= generation}  # older ones have no reports left
 
     def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
         first = min(reports, key=lambda r: r.rank)

@@ -11,16 +11,15 @@
    to pipelines at evenly spaced ranks, each pipeline receiving a number
    proportional to its remaining capacity, so every pipeline gets a sample of
    every size stratum (and so of the batch's modality mix).
-3. The compiled search (``search.place``): microbatch splits timed exactly,
-   calibrated proxy exchanges between slow and fast pipelines, then an exact
-   polish of the slowest pipeline until it is within ``GOOD_ENOUGH`` of the
-   mean or cannot be improved. Its module docstring has the details.
+3. The compiled search (``search.place``): every pipeline split into
+   microbatches and timed exactly, then a polish of the slowest pipeline,
+   judged by exact times, until it is within ``GOOD_ENOUGH`` of the mean or
+   cannot be improved. Its module docstring has the details.
 
-The proxy assumes equal microbatches; real ones are lumpy (a few heavy
-samples), which costs each pipeline 0-25 % more depending on its exact
-samples, not only on its shape: the calibration (exact / proxy per
-pipeline) and the exact polish are what take the placement from a few per
-cent off to within half a per cent.
+An equal-microbatch proxy cannot finish the job: real microbatches are lumpy
+(a few heavy samples), which costs each pipeline 0-25 % more depending on its
+exact samples, not only on its shape. The exact polish is what takes the
+construction's few per cent to within one.
 """
 
 from __future__ import annotations

@@ -146,9 +146,7 @@ class BalanceProblem:
 
     def total_cost(self) -> np.ndarray:
         """``(N,)`` ticks of each sample through the whole model (on pipeline 0's cut)."""
-        return self.sample_stage_cost(np.arange(self.num_samples), np.zeros(self.num_samples, dtype=np.int64)).sum(
-            axis=1
-        )
+        return self.cost[:, self.stage_index[0, : self.num_stages[0]]].sum(axis=1)
 
     def stage_loads(self, pipeline: np.ndarray) -> np.ndarray:
         """``(P, S_max)`` ticks per stage of each pipeline's samples, fixed microbatch costs included."""

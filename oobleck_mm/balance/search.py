@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from oobleck_mm.balance.split import descending, ensure_min_counts, proportional_counts
+
 try:
     from numba import njit
 except ImportError:  # pragma: no cover - numba is a dependency; this keeps the code runnable without it
@@ -322,73 +324,34 @@ def _two_for_one(vh_h_a, vh_l, nl, want):
 # ---------------------------------------------------------------------- construction
 
 
-def descending_order(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Positions by weight, heaviest first; equal weights by ascending sample id.
-
-    One exact int64 key (numpy's sort is several times faster than numba's here).
-    """
-    n = len(weight)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    id_rank = np.empty(n, dtype=np.int64)
-    id_rank[np.argsort(ids)] = np.arange(n)  # ids are distinct
-    top = float(weight.max())
-    if (top + 1.0) * n < 2.0**62:
-        return np.argsort((top - weight).astype(np.int64) * n + id_rank)
-    return np.lexsort((id_rank, -weight))
-
-
 @njit(cache=CACHE)
-def _construct(weight, order, share, num_pipes, head_per_pipe):
-    """LPT for the heaviest ``head_per_pipe * P``; for the rest, slots ``(owner, spot)`` of the dealing."""
-    total = 0.0
-    for x in weight:
-        total += x
-    capacity = np.maximum(share * total, 1e-300)
+def _lpt_head(weight, order, capacity, head):
+    """Pipeline of each of the ``head`` heaviest samples by LPT (least filled first, ties by number),
+    and every pipeline's load after them."""
+    num_pipes = len(capacity)
     loads = np.zeros(num_pipes)
     pipeline = np.zeros(len(weight), dtype=np.int64)
-    head = min(head_per_pipe * num_pipes, len(order))
-    heap = [(0.0, p) for p in range(num_pipes)]  # (fill, pipeline): least filled first, ties by number
+    heap = [(0.0, p) for p in range(num_pipes)]  # (fill, pipeline)
     heapq.heapify(heap)
     for i in range(head):
         _, p = heapq.heappop(heap)
         pipeline[order[i]] = p
         loads[p] += weight[order[i]]
         heapq.heappush(heap, (loads[p] / capacity[p], p))
-    tail = len(order) - head
-    counts = proportional_counts(tail, np.maximum(capacity - loads, 0.0))
-    owner = np.empty(tail, dtype=np.int64)
-    spot = np.empty(tail)
-    k = 0
-    for p in range(num_pipes):
-        for r in range(counts[p]):
-            owner[k] = p
-            spot[k] = (r + 0.5) / counts[p]
-            k += 1
-    return pipeline, head, owner, spot
-
-
-@njit(cache=CACHE)
-def proportional_counts(total, weights):
-    """Integer counts summing to ``total``, proportional to ``weights`` (largest remainder, ties by index)."""
-    n = len(weights)
-    mass = weights.sum()
-    exact = total * weights / mass if mass > 0 else np.full(n, total / n)
-    counts = np.floor(exact).astype(np.int64)
-    rest = total - counts.sum()
-    if rest > 0:
-        order = np.argsort(-(exact - counts), kind="mergesort")
-        for i in range(rest):
-            counts[order[i]] += 1
-    return counts
+    return pipeline, loads
 
 
 def construct(weight: np.ndarray, order: np.ndarray, share: np.ndarray, num_pipes: int) -> np.ndarray:
-    """Pipeline of each sample (module docstring, 3): the LPT head, then the tail dealt at evenly spaced
-    ranks; a stable sort of the slots' spots (numpy's) deals them, ties by pipeline number."""
-    share = np.ascontiguousarray(share, dtype=float)
-    pipeline, head, owner, spot = _construct(weight, order, share, num_pipes, HEAD_PER_PIPELINE)
-    pipeline[order[head:]] = owner[np.argsort(spot, kind="stable")]
+    """Pipeline of each sample (module docstring, 3): the LPT head, then the tail dealt at evenly
+    spaced ranks, each pipeline getting a count proportional to its remaining capacity."""
+    capacity = np.maximum(np.asarray(share, dtype=float) * weight.sum(), 1e-300)
+    head = min(HEAD_PER_PIPELINE * num_pipes, len(order))
+    pipeline, loads = _lpt_head(weight, order, capacity, head)
+    counts = proportional_counts(len(order) - head, np.maximum(capacity - loads, 0.0))
+    owner = np.repeat(np.arange(num_pipes), counts)
+    rank = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    spot = (rank + 0.5) / np.repeat(np.maximum(counts, 1), counts)
+    pipeline[order[head:]] = owner[np.argsort(spot, kind="stable")]  # ties by pipeline number
     return pipeline
 
 
@@ -703,20 +666,13 @@ class SearchResult:
     """``(P, S_max)`` ticks per stage (fixed costs included), as the search kept them."""
 
 
-def whole_model_weight(problem) -> np.ndarray:
-    """Each sample's ticks through the whole model (every pipeline covers every layer; pipeline 0's cut)."""
-    return problem.cost[:, problem.stage_index[0, : problem.num_stages[0]]].sum(axis=1)
-
-
 def place(problem, share: np.ndarray, polish_steps: int, good_enough: float):
     """Construction, then up to ``polish_steps`` polish steps.
 
     ``share``: each pipeline's target fraction of the batch's work (``ours.target_shares``).
     """
-    from oobleck_mm.balance.split import ensure_min_counts
-
-    weight = np.ascontiguousarray(whole_model_weight(problem))
-    order = descending_order(weight, problem.sample_ids)
+    weight = np.ascontiguousarray(problem.total_cost())
+    order = descending(weight, problem.sample_ids)
     pipeline = construct(weight, order, share, problem.num_pipelines)
     pipeline = ensure_min_counts(problem, pipeline, weight)
     micro = np.empty(problem.num_samples, dtype=np.int64)

@@ -15,8 +15,20 @@ from oobleck_mm.balance.problem import BalanceProblem
 
 
 def descending(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Positions sorted by weight, largest first; equal weights by ascending sample id."""
-    return np.lexsort((ids, -weight))
+    """Positions sorted by weight, largest first; equal weights by ascending sample id.
+
+    Weights are integral ticks, so one exact int64 key (weight, then the id's rank) sorts in a
+    single pass, a few times faster than a two-key ``lexsort`` at thousands of samples.
+    """
+    n = len(weight)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    id_rank = np.empty(n, dtype=np.int64)
+    id_rank[np.argsort(ids)] = np.arange(n)  # ids are distinct
+    top = float(weight.max())
+    if (top + 1.0) * n < 2.0**62:
+        return np.argsort((top - weight).astype(np.int64) * n + id_rank)
+    return np.lexsort((id_rank, -weight))
 
 
 def ensure_min_counts(problem: BalanceProblem, pipeline: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from oobleck_mm.balance.metrics import imbalance
 from oobleck_mm.balance.ours import target_shares
 from oobleck_mm.balance.problem import Placement
 from oobleck_mm.balance.schedule_time import iteration_times
+from oobleck_mm.balance.split import descending
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,9 +99,9 @@ def test_ours_is_within_two_percent_with_64_samples_per_pipeline(mllm, depths, m
 def test_descending_order_breaks_ties_by_sample_id_on_either_path():
     weight = np.array([5.0, 7.0, 5.0, 7.0, 1.0])
     ids = np.array([40, 30, 20, 10, 0])
-    assert search.descending_order(weight, ids).tolist() == [3, 1, 2, 0, 4]
+    assert descending(weight, ids).tolist() == [3, 1, 2, 0, 4]
     huge = weight * 2.0**60  # past the packed int64 key: the lexsort path
-    assert search.descending_order(huge, ids).tolist() == [3, 1, 2, 0, 4]
+    assert descending(huge, ids).tolist() == [3, 1, 2, 0, 4]
 
 
 def test_without_numba_the_same_code_gives_the_same_placement(mllm, tmp_path):
