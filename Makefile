@@ -1,6 +1,6 @@
 # Two entry points, each doing all of its set-up on a fresh machine:
 #   make run   -- virtual environment + project, then the main job
-#   make test  -- the same plus the MindtPy chain, then the whole suite
+#   make test  -- the same plus the MindtPy chain, then the import contracts and the whole suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,6 +28,7 @@ run: setup
 	$(VENV)/bin/oobleck-launch local --config configs/tiny_mm.yaml --nodes 4 --steps 40
 
 test: minlp
+	$(VENV)/bin/lint-imports --no-cache   # the package graph's contracts (.importlinter)
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 bench: setup

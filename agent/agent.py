@@ -5,8 +5,9 @@ main thread, in the order the inbox delivers it:
 
 - ``stream``: the Subscribe stream -> assignments and shutdown into the inbox;
   its end without a Shutdown means the master is gone.
-- ``heartbeat``: a Heartbeat every interval; silence of the master past twice
-  the timeout (or a master that no longer knows this node) goes into the inbox.
+- ``heartbeat``: a Heartbeat every interval; silence of the master past
+  ``fault_tolerance.master_silence_limit`` (or a master that no longer knows
+  this node) goes into the inbox.
 - ``reports``: reads every worker pipe and forwards reports to the master.
 - the main thread: starts workers (one per GPU, on their first assignment),
   hands later assignments (and checkpoint commands) over their pipes, checks
@@ -14,8 +15,9 @@ main thread, in the order the inbox delivers it:
   ``RestartWorkers`` (restart-mode recovery: the next assignment starts fresh
   ones), and on any exit path kills every worker tree.
 
-Exit codes: 0 after the master's Shutdown, 1 when the master is lost, a worker
-fails or a signal arrives, 2 when the master refuses the agent (token, name).
+Exit codes (``oobleck_mm.errors.ExitCode``): 0 after the master's Shutdown, 1
+when the master is lost, a worker fails or a signal arrives, 2 when the master
+refuses the agent (token, name).
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from multiprocessing.connection import wait as wait_connections
 
 import grpc
 import psutil
+import yaml
 
 from agent.workers import DEFAULT_WORKER_TARGET, Worker, WorkerFault, stop_all
+from oobleck_mm.config import FaultToleranceConfig, section_from_dict
+from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import call_metadata
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 _REFUSALS = (
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -92,10 +96,11 @@ class Agent:
             self._work_dir = tempfile.mkdtemp(prefix=f"oobleck-agent-{self.o.node}-")
             self.config_path = _write_private(os.path.join(self._work_dir, "job.yaml"), reply.config_yaml)
             self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
-            self.interval = reply.heartbeat_interval_s
-            self.timeout = reply.heartbeat_timeout_s
-            log.info("registered as %s: %d GPUs, heartbeat %.2fs, timeout %.2fs",
-                     self.o.node, reply.gpus, self.interval, self.timeout)  # fmt: skip
+            self.timeouts = _fault_tolerance(reply.config_yaml)
+            self.interval = self.timeouts.heartbeat_interval.total_seconds()
+            log.info("registered as %s: %d GPUs, heartbeat every %.2fs, master given up after %.2fs of silence",
+                     self.o.node, reply.gpus, self.interval,
+                     self.timeouts.master_silence_limit.total_seconds())  # fmt: skip
             self._start_threads()
             return self._main_loop()
         finally:
@@ -123,9 +128,9 @@ class Agent:
         except grpc.RpcError as err:
             if err.code() in _REFUSALS:
                 log.error("the master at %s refused node %s: %s", self.o.master, self.o.node, err.details())
-                return EXIT_REFUSED
+                return ExitCode.BAD_INPUT
             log.error("cannot register with the master at %s: %s %s", self.o.master, err.code().name, err.details())
-            return EXIT_ERROR
+            return ExitCode.ERROR
 
     # ------------------------------------------------------------------ main thread
     def _main_loop(self) -> int:
@@ -141,10 +146,10 @@ class Agent:
                     return code
             elif kind == "fatal":
                 log.error("%s; stopping the node's workers", value)
-                return EXIT_ERROR
+                return ExitCode.ERROR
             elif kind == "signal":
                 log.warning("got %s; stopping the node's workers", signal.Signals(value).name)
-                return EXIT_ERROR
+                return ExitCode.ERROR
             if kind == "worker_eof" or time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.interval
                 fault = self._supervise()
@@ -158,8 +163,8 @@ class Agent:
             self._stopping.set()  # no more heartbeats or reports: the master is going away
             with self._workers_lock:
                 workers = list(self.workers.values())
-            stop_all(workers, self.timeout, event.shutdown.reason)
-            return EXIT_OK
+            stop_all(workers, self.timeouts.worker_stop_timeout.total_seconds(), event.shutdown.reason)
+            return ExitCode.OK
         if which == "assignment":
             self._assign(event.assignment.local_rank, event.assignment.assignment)
         elif which == "checkpoint":
@@ -200,10 +205,11 @@ class Agent:
             node=self.ref, local_rank=fault.local_rank, failure=fault.kind, message=fault.message
         )
         try:
-            self.stub.ReportWorkerFailure(request, metadata=self.metadata, timeout=self.timeout)
+            self.stub.ReportWorkerFailure(request, metadata=self.metadata,
+                                          timeout=self.timeouts.report_rpc_timeout.total_seconds())
         except grpc.RpcError as err:  # the master sees our stream close when we exit anyway
             log.warning("could not report the failure: %s", err.code().name)
-        return EXIT_ERROR
+        return ExitCode.ERROR
 
     def _kill_workers(self) -> None:
         with self._workers_lock:
@@ -236,11 +242,11 @@ class Agent:
     def _heartbeat_loop(self) -> None:
         last_ok = time.monotonic()
         request = pb.HeartbeatRequest(node=self.ref)
+        rpc_timeout = self.timeouts.heartbeat_rpc_timeout.total_seconds()
+        silence_limit = self.timeouts.master_silence_limit.total_seconds()
         while not self._stopping.wait(self.interval):
-            # A slow answer still counts on the master's side: give it up to half the timeout
-            # rather than cancelling it after one interval on a busy machine.
             try:
-                self.stub.Heartbeat(request, metadata=self.metadata, timeout=self.timeout / 2)
+                self.stub.Heartbeat(request, metadata=self.metadata, timeout=rpc_timeout)
                 last_ok = time.monotonic()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -248,10 +254,9 @@ class Agent:
                     return
                 silent = time.monotonic() - last_ok
                 log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)
-                # A dead master is seen at once (its sockets reset: the stream breaks); silence only
-                # means a hung or starved one. The master forgives its own stalls, so the agent waits
-                # twice the timeout before deciding for the job that the master is gone.
-                if silent > 2 * self.timeout:
+                # A dead master is seen at once (its stream breaks); see master_silence_limit for why
+                # silence is given this long.
+                if silent > silence_limit:
                     self.inbox.put(("fatal", f"the master has not answered for {silent:.1f}s ({err.code().name})"))
                     return
 
@@ -279,7 +284,8 @@ class Agent:
     def _forward(self, local_rank: int, report: pb.WorkerReport) -> None:
         request = pb.WorkerReportRequest(node=self.ref, local_rank=local_rank, report=report)
         try:
-            self.stub.ReportWorker(request, metadata=self.metadata, timeout=self.timeout)
+            self.stub.ReportWorker(request, metadata=self.metadata,
+                                   timeout=self.timeouts.report_rpc_timeout.total_seconds())
         except grpc.RpcError as err:  # the heartbeat thread decides whether the master is gone
             log.warning("could not forward a report of worker %d: %s", local_rank, err.code().name)
 
@@ -287,8 +293,14 @@ class Agent:
 def _host_of(address: str) -> str:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise ValueError(f"--master: expected HOST:PORT, got {address!r}")
+        raise UserError(f"--master: expected HOST:PORT, got {address!r}")
     return host.strip("[]")
+
+
+def _fault_tolerance(config_yaml: str) -> FaultToleranceConfig:
+    """The job's fault-tolerance section (every timeout the agent uses derives from it)."""
+    raw = yaml.safe_load(config_yaml) or {}
+    return section_from_dict(FaultToleranceConfig, raw.get("fault_tolerance"), "fault_tolerance")
 
 
 def _write_private(path: str, text: str) -> str:

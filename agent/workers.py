@@ -29,7 +29,7 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKER_TARGET = "oobleck_mm.runtime.worker:worker_main"
+DEFAULT_WORKER_TARGET = "oobleck_mm.runtime.agent_worker:worker_main"
 
 
 # ---------------------------------------------------------------------- inside the worker process

@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oobleck_mm.config import load_config  # noqa: E402
+from oobleck_mm.planning.costs import ClusterSpec  # noqa: E402
 from oobleck_mm.planning.instantiate import instantiate  # noqa: E402
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, reconfigure  # noqa: E402
 from oobleck_mm.planning.stage_mapping import build_templates  # noqa: E402
@@ -25,7 +26,7 @@ def main() -> None:
     config = sys.argv[1] if len(sys.argv) > 1 else "configs/tiny_mm.yaml"
     job = load_config(config)
     num_nodes = int(sys.argv[2]) if len(sys.argv) > 2 else job.cluster.nodes
-    f, cluster = job.fault_tolerance.f, job.cluster_spec()
+    f, cluster = job.fault_tolerance.f, ClusterSpec.from_config(job.cluster)
     batch, micro = job.training.global_batch, job.training.microbatch_size
 
     profile = profile_from_config(job)  # per-layer costs, frozen-aware

@@ -1,15 +1,17 @@
 """What the master sends each worker of a generation: one ``Assignment`` per (node, GPU).
 
 Pure: the generation, its base and the job's options in, protobuf messages
-out. Every worker of a generation gets the same plan, base plan and
-``previous_ranks``, so every rank derives the same layer-state transfers.
+out. Every worker of a generation gets the same plan, base plan,
+``previous_ranks`` and ``rank_nodes``, so every rank derives the same
+layer-state transfers (``planning.transfers.rank_transfers``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from master.recovery import Gpu, GenerationView
+from master.recovery import GenerationView
+from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
 
@@ -43,6 +45,7 @@ def build_assignments(
     when given.
     """
     plan_msg = plan_to_proto(gen.layout)
+    rank_nodes = gen.rank_nodes
     base_msg = plan_to_proto(base.layout) if base is not None else None
     out = []
     for gpu, rank in sorted(gen.ranks.items(), key=lambda kv: kv[1]):
@@ -51,6 +54,7 @@ def build_assignments(
             store_port=sending.store_port, start_step=start_step, steps=sending.steps, plan=plan_msg,
             resume_dir=resume_dir, save_final_dir=sending.save_final_dir,
             checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
+            rank_nodes=rank_nodes,
         )  # fmt: skip
         if base is not None:
             assert previous_ranks is not None and len(previous_ranks) == gen.layout.world_size

@@ -12,10 +12,11 @@ the checkpoint complete, and ``--resume DIR`` continues from it on any node coun
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
-from master.recovery import Gpu, GenerationView, orphan_layers, surviving_ranks
+from master.recovery import GenerationView, orphan_layers, surviving_ranks
+from oobleck_mm.errors import UserError
+from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 
@@ -29,9 +30,10 @@ class CheckpointRound:
     """Nodes that hold ``gen`` and write their share."""
     reason: str
     """Why the job cannot continue (the planner's words)."""
+    started: float
+    """The master's clock when the round was requested."""
     deadline: float
-    """Monotonic clock past which the round has failed."""
-    started: float = field(default_factory=time.monotonic)
+    """The master's clock past which the round has failed."""
     reports: dict[Gpu, pb.CheckpointDone] = field(default_factory=dict)
 
     @property
@@ -57,7 +59,7 @@ class CheckpointRound:
         writers = tuple(n for n in self.writers if n != node)
         if orphan_layers(self.gen.layout, surviving_ranks(self.gen, writers)):
             return None
-        return CheckpointRound(self.directory, self.gen, writers, self.reason, self.deadline)
+        return CheckpointRound(self.directory, self.gen, writers, self.reason, self.started, self.deadline)
 
     def step(self) -> tuple[int | None, str]:
         """The step every writer reported (the next one to run), or None with what is wrong."""
@@ -69,7 +71,7 @@ class CheckpointRound:
 
 def write_meta(directory: str, job, step: int) -> None:
     """``meta.json`` of a checkpoint whose layer files the workers wrote."""
-    from oobleck_mm.data.dataset import build_dataset
+    from oobleck_mm.data.loader import build_dataset
     from oobleck_mm.data.sampler import GlobalBatchSampler
     from oobleck_mm.model.layers import model_layer_specs
     from oobleck_mm.runtime.checkpoint import save_meta
@@ -95,20 +97,20 @@ def resume_step(directory: str, job) -> int:
     try:
         meta = read_meta(directory)
     except ValueError as err:
-        raise ValueError(f"--resume: {err}") from None
+        raise UserError(f"--resume: {err}") from None
     names = [s.name for s in model_layer_specs(job)]
     if meta["layer_names"] != names:
-        raise ValueError(f"--resume: {directory} holds layers {meta['layer_names']}, this job's model has {names}")
+        raise UserError(f"--resume: {directory} holds layers {meta['layer_names']}, this job's model has {names}")
     saved = meta.get("config", {}).get("training", {})
     for key in ("seed", "global_batch"):
         if key in saved and saved[key] != getattr(job.training, key):
-            raise ValueError(
+            raise UserError(
                 f"--resume: {directory} was trained with training.{key} = {saved[key]}, the config says "
                 f"{getattr(job.training, key)}; the resumed run would not continue the same training"
             )
     step = int(meta["step"])
     if step >= job.training.steps:
-        raise ValueError(
+        raise UserError(
             f"--resume: {directory} is at step {step} and the job has training.steps = {job.training.steps}; "
             f"nothing is left to run (raise --steps above {step})"
         )

@@ -8,20 +8,22 @@ Planning runs in a helper process (``master.planning``) while the control
 thread goes on detecting failures; what to plan is decided by the pure
 functions of ``master.recovery``.
 
-Phases: ``waiting`` (for ``num_nodes`` agents with open streams) -> ``running``
-(generation 1 and every later one) -> ``checkpointing`` (too few nodes left:
-the survivors write their layers) -> ``finished`` (exit code decided).
+Phases (``JobPhase``): ``waiting`` (for ``num_nodes`` agents with open
+streams) -> ``running`` (generation 1 and every later one) -> ``checkpointing``
+(too few nodes left: the survivors write their layers) -> ``finished`` (exit
+code decided).
 
 While running, whenever the live nodes differ from the current generation's
-(a node lost, a node joined), the master plans a new generation from the
-*base* the survivors hold (``recovery.plan_request``), checks that nothing
-changed while it planned, and sends every worker its ``Assignment``. Joins
-wait until the current generation completed a step. With ``recovery:
-restart`` a lost node instead restarts every worker from the last checkpoint.
+(a node lost, a node joined), the master asks its recovery policy
+(``master.policies``: live or restart) what to plan, plans it, checks that
+nothing changed while it planned, and sends every worker its ``Assignment``.
+Every reading of time goes through the injected ``clock``, so tests drive the
+whole state machine by hand.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import re
@@ -30,7 +32,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import yaml
 
@@ -38,20 +40,17 @@ from master import checkpointing
 from master.assignments import Sending, build_assignments
 from master.detector import WORKER_FAILED, NodeHealth, detect_failures
 from master.planning import InlinePlanner
+from master.policies import policy_for
 from master.progress import Incident, Progress, layout_summary
-from master.recovery import (
-    Gpu,
-    GenerationView,
-    Holdings,
-    Request,
-    StateLost,
-    plan_request,
-    previous_ranks,
-    states_to_move,
-)
+from master.recovery import GenerationView, Holdings, Request, StateLost, previous_ranks
+from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog
+from oobleck_mm.planning.layout import ExecutionPlan, Gpu
+from oobleck_mm.planning.plan import Plan
+from oobleck_mm.planning.planner import Failed, Planned
+from oobleck_mm.planning.reconfigure import CannotKeepReplicas
+from oobleck_mm.planning.transfers import missing_states, rank_transfers
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.runtime.layout import ExecutionPlan
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +61,19 @@ _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SETTLE_S = 0.1
 """After a loss, wait this long for others before planning: nodes that fail together (a rack, a
 preemption wave) are seen milliseconds apart, and one plan for all beats a plan thrown away."""
-WAITING, RUNNING, CHECKPOINTING, FINISHED = "waiting", "running", "checkpointing", "finished"
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_NO_REPLICAS = 0, 1, 2, 3
+STREAM_CHECK_S = 0.1
+"""Longest sleep between two looks at the agents' streams while waiting for them to hang up."""
+
+
+class JobPhase(enum.Enum):
+    WAITING = "waiting"
+    """For ``num_nodes`` agents with open event streams."""
+    RUNNING = "running"
+    """Generation 1 and every later one."""
+    CHECKPOINTING = "checkpointing"
+    """Too few nodes left: the survivors write their layers."""
+    FINISHED = "finished"
+    """The exit code is decided."""
 
 
 class Refused(Exception):
@@ -91,7 +101,7 @@ class RunOptions:
     checkpoint_root: str = "."
     """Where below-threshold checkpoints (and restart mode's) are written."""
     recovery: str = "live"
-    """``live`` or ``restart``."""
+    """``live`` or ``restart`` (``master.policies``)."""
     checkpoint_interval: int = 0
     """Restart mode: steps between checkpoints."""
     resume_command: str = "oobleck-launch local --config CONFIG"
@@ -121,7 +131,7 @@ class _Node:
 @dataclass(frozen=True, slots=True)
 class _Generation:
     view: GenerationView
-    plan: Any
+    plan: Plan
     """The planning ``Plan`` (the next reconfiguration starts from it)."""
     template_nodes: int
     """Node count the planner's templates were built for."""
@@ -150,41 +160,42 @@ class Coordinator:
         self.say = progress
         self.planner = planner or InlinePlanner()
         self.options = options
-        self.timeout = job.fault_tolerance.heartbeat_timeout
-        restart = options.recovery == "restart"
+        self.timeouts = job.fault_tolerance
+        self.policy = policy_for(options.recovery)
+        periodic = self.policy.periodic_checkpoints
         self.sending = Sending(
             store_host=store_host, store_port=store_port, steps=steps, save_final_dir=options.save_final_dir,
-            checkpoint_interval=options.checkpoint_interval if restart else 0,
-            checkpoint_dir=f"{options.checkpoint_root}/checkpoints" if restart else "",
+            checkpoint_interval=options.checkpoint_interval if periodic else 0,
+            checkpoint_dir=f"{options.checkpoint_root}/checkpoints" if periodic else "",
         )  # fmt: skip
         # What the workers read: the job with its overrides and absolute paths, whatever their file system.
         self.config_yaml = yaml.safe_dump(job.to_dict(), sort_keys=False)
-        self.phase = WAITING
+        self.phase = JobPhase.WAITING
         self.generation = 0
         self.plan: ExecutionPlan | None = None
         self.finish_result: Finish | None = None
+        self.holdings: dict[Gpu, Holdings] = {}
+        """(node, gpu) -> the generations its worker's states follow, as its reports say."""
+        self.next_step = options.resume_step
+        """First step no worker has reported done."""
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._nodes: dict[str, _Node] = {}  # live nodes only
         self._registrations = 0
         self._gens: dict[int, _Generation] = {}
-        self._holdings: dict[Gpu, Holdings] = {}
         self._done: dict[Gpu, tuple[int, int]] = {}
         """(node, gpu) -> (generation, last step) of its WorkerDone."""
         self._reported: dict[Gpu, int] = {}
         """(node, gpu) -> generation of its latest metrics or phase report."""
         self._stalls: dict[str, float] = {}
         """node -> clock reading of its workers' latest report of a stalled collective."""
-        self._next_step = options.resume_step
         self._planning: tuple[Request, Future] | None = None
         self._incident: Incident | None = None
         self._round: checkpointing.CheckpointRound | None = None
-        self._last_checkpoint: tuple[str, int] | None = None
-        self._restarted_for = 0
         self._started_at = 0.0
         self._last_detect: float | None = None
         self._settle_until = 0.0
-        self._progress = Progress(events, steps, progress)
+        self._progress = Progress(events, steps, progress, clock)
 
     # ------------------------------------------------------------------ calls from agents
     def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str) -> tuple[int, int]:
@@ -201,9 +212,9 @@ class Coordinator:
                 )  # fmt: skip
             if node in self._nodes:
                 self._refuse("ALREADY_EXISTS", peer, "Register", f"node name {node!r} is already registered")
-            if self.phase in (FINISHED, CHECKPOINTING):
-                self._refuse("FAILED_PRECONDITION", peer, "Register", f"the job is {self.phase}")
-            spare = self.phase != WAITING
+            if self.phase in (JobPhase.FINISHED, JobPhase.CHECKPOINTING):
+                self._refuse("FAILED_PRECONDITION", peer, "Register", f"the job is {self.phase.value}")
+            spare = self.phase is not JobPhase.WAITING
             session = secrets.randbits(62)
             self._nodes[node] = _Node(node, session, want, self._registrations, self.clock())
             self._registrations += 1
@@ -282,17 +293,17 @@ class Coordinator:
     def tick(self) -> Finish | None:
         """Detects failures, plans when membership changed, applies finished plans, says whether the job is over."""
         with self._lock:
-            if self.phase != FINISHED:
+            if self.phase is not JobPhase.FINISHED:
                 self._detect()
-            if self.phase in (WAITING, RUNNING) and self._planning is None:
+            if self.phase in (JobPhase.WAITING, JobPhase.RUNNING) and self._planning is None:
                 self._maybe_plan()
             if self._planning is not None and self._planning[1].done():
                 request, future = self._planning
                 self._planning = None
                 self._apply(request, future)
-            if self.phase == RUNNING and self._planning is None:
+            if self.phase is JobPhase.RUNNING and self._planning is None:
                 self._check_done()
-            if self.phase == CHECKPOINTING:
+            if self.phase is JobPhase.CHECKPOINTING:
                 self._check_round()
             return self.finish_result
 
@@ -309,7 +320,7 @@ class Coordinator:
         with self._lock:
             if self.finish_result is not None:
                 return
-            self.phase = FINISHED
+            self.phase = JobPhase.FINISHED
             self.finish_result = Finish(exit_code, message)
             for entry in self._nodes.values():
                 entry.closing = True
@@ -320,13 +331,13 @@ class Coordinator:
 
     def wait_streams_closed(self, timeout: float) -> bool:
         """After ``finish``: waits until the agents hung up (they got their Shutdown)."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         with self._changed:
             while any(n.stream == "open" for n in self._nodes.values()):
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     return False
-                self._changed.wait(left)
+                self._changed.wait(min(left, STREAM_CHECK_S))
         return True
 
     # ------------------------------------------------------------------ registry internals (lock held)
@@ -344,16 +355,17 @@ class Coordinator:
         """Nodes that can take part now, in registration order."""
         return [n.name for n in sorted(self._nodes.values(), key=lambda n: n.order) if n.stream == "open"]
 
-    def _send(self, node: str, event: pb.AgentEvent) -> None:
+    def send(self, node: str, event: pb.AgentEvent) -> None:
         self._nodes[node].outbox.put(event)
 
     def _detect(self) -> None:
         now = self.clock()
         self._forgive_own_stall(now)
         health = {name: n.health() for name, n in self._nodes.items()}
-        limit = self.timeout.total_seconds()
+        # A stall report older than the timeout confirms nothing (detector.py): drop it.
+        limit = self.timeouts.heartbeat_timeout.total_seconds()
         self._stalls = {n: at for n, at in self._stalls.items() if n in self._nodes and now - at <= limit}
-        for failure in detect_failures(now, health, self.timeout, self._stalls):
+        for failure in detect_failures(now, health, self.timeouts, self._stalls):
             self._declare_lost(failure.node, failure.reason, failure.detail)
 
     def _forgive_own_stall(self, now: float) -> None:
@@ -361,12 +373,11 @@ class Coordinator:
 
         Heartbeats that arrived meanwhile wait unread in its sockets; without this, a
         master descheduled for longer than the timeout would declare every node lost
-        at its next tick. The control thread ticks every ~0.1 s, so a gap of half the
-        timeout means the master, not the nodes, stopped.
+        at its next tick (``fault_tolerance.master_stall_threshold`` says why the gap).
         """
         last, self._last_detect = self._last_detect, now
         gap = 0.0 if last is None else now - last
-        if gap <= self.timeout.total_seconds() / 2:
+        if gap <= self.timeouts.master_stall_threshold.total_seconds():
             return
         for entry in self._nodes.values():
             entry.last_heartbeat = min(now, entry.last_heartbeat + gap)
@@ -378,13 +389,13 @@ class Coordinator:
         current = self._gens.get(self.generation)
         in_plan = current is not None and name in current.view.nodes
         self.events.write(
-            "lost", node=name, reason=reason, detail=detail, phase=self.phase, in_plan=in_plan,
+            "lost", node=name, reason=reason, detail=detail, phase=self.phase.value, in_plan=in_plan,
             generation=self.generation,
         )  # fmt: skip
         log.warning("node %s lost: %s (%s)", name, reason, detail)
         # Its state is gone with it; a node coming back under this name starts empty.
-        for gpu in [g for g in self._holdings if g[0] == name]:
-            del self._holdings[gpu]
+        for gpu in [g for g in self.holdings if g[0] == name]:
+            del self.holdings[gpu]
         for table in (self._done, self._reported):
             for gpu in [g for g in table if g[0] == name]:
                 del table[gpu]
@@ -393,43 +404,34 @@ class Coordinator:
         # stops its workers, which is what a node declared lost must do.
         entry.closing = True
         entry.outbox.put(END_OF_STREAM)
-        if self.phase == RUNNING and in_plan:
+        if self.phase is JobPhase.RUNNING and in_plan:
             self._settle_until = self.clock() + SETTLE_S
             self.say(f"node {name} lost ({reason}); planning generation {self.generation + 1}")
             if self._incident is None or self._incident.cause != "lost":
-                self._incident = Incident.now("lost", [name])
+                self._incident = Incident.now("lost", [name], self.clock)
             else:
-                self._incident = Incident("lost", (*self._incident.nodes, name), self._incident.detected_ts,
-                                          self._incident.detected_mono)  # fmt: skip
-        elif self.phase == CHECKPOINTING:
+                self._incident = self._incident.with_node(name)
+        elif self.phase is JobPhase.CHECKPOINTING:
             self._round_lost(name)
 
     # ------------------------------------------------------------------ deciding what to plan
-    def _views(self) -> dict[int, GenerationView]:
+    def views(self) -> dict[int, GenerationView]:
         return {number: g.view for number, g in self._gens.items()}
+
+    def forget_workers(self) -> None:
+        """Every worker restarts empty (restart recovery): no holdings, no reports to wait for."""
+        self.holdings.clear()
+        self._reported.clear()
 
     def _wanted(self) -> Request | StateLost | None:
         """What the next plan must account for now (None: nothing to plan)."""
         live = self._live_names()
-        if self.phase == WAITING:
+        if self.phase is JobPhase.WAITING:
             if len(live) < self.num_nodes:
                 return None
             names = tuple(live[: self.num_nodes])
             return Request(base=0, plan_from=0, lost=(), joined=names, live=names, failure=False)
-        current = self._gens[self.generation].view
-        if self.options.recovery == "restart":
-            gone = tuple(n for n in current.nodes if n not in live)
-            if not gone:
-                return None  # joins wait for the next restart: restarting for them would redo steps
-            new = tuple(n for n in live if n not in current.nodes)
-            return Request(base=0, plan_from=current.number, lost=gone, joined=new, live=tuple(live), failure=True)
-        wanted, _ = plan_request(current, self._views(), self._holdings, live)
-        if isinstance(wanted, Request) and not wanted.failure and self._next_step >= self.steps:
-            return None  # every step is done: a node joining now has nothing left to train
-        if isinstance(wanted, Request) and wanted.base == 0 and self._next_step > self.options.resume_step:
-            # Starting afresh is right only before any step: after one, it would silently redo the job.
-            return StateLost(f"every worker that held the trained state (step {self._next_step}) is gone")
-        return wanted
+        return self.policy.wanted(self, self._gens[self.generation].view, live)
 
     def _maybe_plan(self) -> None:
         if self.clock() < self._settle_until:
@@ -438,12 +440,12 @@ class Coordinator:
         if wanted is None:
             return
         if isinstance(wanted, StateLost):
-            self.finish(EXIT_ERROR, f"cannot recover: {wanted.reason}")
+            self.finish(ExitCode.ERROR, f"cannot recover: {wanted.reason}")
             return
-        if self.phase == RUNNING and self._incident is None:
-            self._incident = Incident.now("joined", wanted.joined)
-        if self.phase == RUNNING and self.options.recovery == "restart":
-            self._restart_workers(wanted.live)
+        if self.phase is JobPhase.RUNNING:
+            if self._incident is None:
+                self._incident = Incident.now("joined", wanted.joined, self.clock)
+            self.policy.before_planning(self, wanted)
         if wanted.plan_from == 0:
             future = self.planner.fresh(self.config_yaml, wanted.live)
         else:
@@ -453,63 +455,58 @@ class Coordinator:
         self._planning = (wanted, future)
         future.add_done_callback(lambda _: self._wake())
 
-    def _restart_workers(self, live: tuple[str, ...]) -> None:
-        """Restart mode: every surviving agent kills its workers and starts fresh ones on the next assignment."""
-        if self._restarted_for == self.generation:
-            return  # already restarted for a failure of this generation
-        self._restarted_for = self.generation
-        reason = f"restart recovery after losing {', '.join(self._incident.nodes) if self._incident else 'a node'}"
-        for node in live:
-            self._send(node, pb.AgentEvent(restart=pb.RestartWorkers(reason=reason)))
-        self._holdings.clear()
-        self._reported.clear()
-        self.events.write("restart", generation=self.generation, nodes=list(live), reason=reason)
-
     # ------------------------------------------------------------------ applying a plan
     def _apply(self, request: Request, future: Future) -> None:
-        if self.phase not in (WAITING, RUNNING):
+        if self.phase not in (JobPhase.WAITING, JobPhase.RUNNING):
             return
         try:
-            result = future.result()
-        except Exception as exc:  # the helper process died: nothing the user can fix
-            self.finish(EXIT_ERROR, f"the planner failed: {exc!r}")
+            outcome = future.result()
+        except Exception as exc:  # a bug in planning, or the helper process died: nothing the user can fix
+            log.error("the planner failed", exc_info=exc)
+            self.finish(ExitCode.ERROR, f"the planner failed: {exc!r}")
             return
         if self._wanted() != request:
             # Membership or holdings changed while planning: the next tick plans again.
             self.events.write("plan_discarded", nodes=list(request.live), reason="the job changed while planning")
             return
-        if "error" in result:
-            code = EXIT_BAD_INPUT if self.phase == WAITING else EXIT_ERROR
-            self.finish(code, f"planning {len(request.live)} nodes failed: {result['error']}")
-        elif "cannot" in result:
-            self._below_threshold(request, result)
+        if isinstance(outcome, Failed):
+            code = ExitCode.BAD_INPUT if self.phase is JobPhase.WAITING else ExitCode.ERROR
+            self.finish(code, f"planning {len(request.live)} nodes failed: {outcome.message}")
+        elif isinstance(outcome, CannotKeepReplicas):
+            self._below_threshold(request, outcome)
         else:
-            self._start_generation(request, result)
+            assert isinstance(outcome, Planned), outcome
+            self._start_generation(request, outcome)
 
-    def _start_generation(self, request: Request, result: dict) -> None:
+    def _start_generation(self, request: Request, planned: Planned) -> None:
         number = self.generation + 1
-        layout = ExecutionPlan.from_dict(result["layout"])
-        view = GenerationView(number, layout, {(node, gpu): rank for node, gpu, rank in result["ranks"]})
+        layout = planned.layout
+        view = GenerationView(number, layout, dict(planned.ranks))
         base = self._gens[request.base].view if request.base else None
         holding = [n for n in base.nodes if n not in request.lost] if base else []
         previous = previous_ranks(view.ranks, base, holding)
-        moved = states_to_move(base.layout if base else None, layout, previous)
-        self._gens[number] = _Generation(view, result["plan"], result["template_nodes"])
-        incident = self._incident if self.phase == RUNNING else None
-        self.generation, self.plan, self.phase = number, layout, RUNNING
+        if base is not None:  # the copies the workers will make: the same function, the same inputs
+            transfers = rank_transfers(base.layout, layout, previous, view.rank_nodes)
+            moved = len(transfers)
+        else:
+            transfers, moved = (), missing_states(None, layout, previous)
+        self._gens[number] = _Generation(view, planned.plan, planned.template_nodes)
+        incident = self._incident if self.phase is JobPhase.RUNNING else None
+        self.generation, self.plan, self.phase = number, layout, JobPhase.RUNNING
         if number == 1:
-            self._started_at = time.monotonic()
+            self._started_at = self.clock()
         self.events.write(
-            "plan_decided", generation=number, nodes=list(view.nodes), layout=result["layout"],
-            describe=layout.describe(), predicted_samples_per_s=result["samples_per_s"], seconds=result["seconds"],
+            "plan_decided", generation=number, nodes=list(view.nodes), layout=layout.to_dict(),
+            describe=layout.describe(), predicted_samples_per_s=planned.samples_per_s, seconds=planned.seconds,
             previous_generation=request.base, lost=list(request.lost), joined=list(request.joined),
-            layer_states_moved=moved, fresh=result.get("fresh", True), reason=result.get("reason", ""),
-            actions=result.get("actions", []), cause=incident.cause if incident else "start",
-            since_detected_s=incident.since() if incident else None,
+            layer_states_moved=moved, transfers=[[t.layer, t.src, t.dst] for t in transfers],
+            fresh=planned.fresh, reason=planned.reason, actions=list(planned.actions),
+            cause=incident.cause if incident else "start",
+            since_detected_s=self.clock() - incident.detected_at if incident else None,
         )  # fmt: skip
         self.say(
             f"generation {number}: {layout_summary(layout)} on {len(view.nodes)} nodes, planned in "
-            f"{result['seconds']:.2f} s"
+            f"{planned.seconds:.2f} s"
             + (f" ({moved} layer states to move from generation {request.base})" if request.base else "")
             + f": {layout.describe()}"
         )
@@ -518,17 +515,15 @@ class Coordinator:
 
     def _send_assignments(self, view: GenerationView, base: GenerationView | None, previous: list[int]) -> None:
         if base is not None:
-            resume_dir, start = "", self._next_step  # survivors carry the state (and agree on the step)
-        elif self.options.recovery == "restart" and self._last_checkpoint is not None:
-            resume_dir, start = self._last_checkpoint
-        else:  # from the job's start: the first generation, or nothing trained yet
-            resume_dir, start = self.options.resume_dir, self.options.resume_step
+            resume_dir, start = "", self.next_step  # survivors carry the state (and agree on the step)
+        else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
+            resume_dir, start = self.policy.fresh_start(self)
         for gpu, assignment in build_assignments(
             view, self.sending, start_step=start, base=base, previous_ranks=previous if base else None,
             resume_dir=resume_dir,
         ):  # fmt: skip
             event = pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=assignment))
-            self._send(gpu[0], event)
+            self.send(gpu[0], event)
             self.events.write("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],
                               rank=assignment.rank, previous_rank=previous[assignment.rank] if base else -1)  # fmt: skip
 
@@ -539,26 +534,24 @@ class Coordinator:
 
     def _on_metrics(self, gpu: Gpu, m: pb.StepMetrics) -> None:
         self._reported[gpu] = max(self._reported.get(gpu, 0), m.generation)
-        self._holdings[gpu] = self._holdings.get(gpu, Holdings()).completed_step(m.generation)
-        self._next_step = max(self._next_step, m.step + 1)
+        self.holdings[gpu] = self.holdings.get(gpu, Holdings()).completed_step(m.generation)
+        self.next_step = max(self.next_step, m.step + 1)
         self._progress.metrics(m)
 
     def _on_phase(self, gpu: Gpu, p: pb.PhaseDone) -> None:
         self._reported[gpu] = max(self._reported.get(gpu, 0), p.generation)
-        holdings = self._holdings.get(gpu, Holdings())
+        holdings = self.holdings.get(gpu, Holdings())
         if p.phase == "states_copied":
-            self._holdings[gpu] = holdings.adopted(p.generation)
+            self.holdings[gpu] = holdings.adopted(p.generation)
         elif p.phase == "resumed":
-            self._holdings[gpu] = holdings.completed_step(p.generation)
+            self.holdings[gpu] = holdings.completed_step(p.generation)
         self._progress.phase(gpu[0], gpu[1], self._rank(gpu, p.generation), p)
 
     def _on_checkpoint_done(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
-        if self.phase == CHECKPOINTING and self._round is not None:
+        if self.phase is JobPhase.CHECKPOINTING and self._round is not None:
             self._round.record(gpu, done)
             return
-        # Restart mode's periodic checkpoints: one report means all ranks passed the closing barrier.
-        if done.step > 0 and (self._last_checkpoint is None or done.step > self._last_checkpoint[1]):
-            self._last_checkpoint = (done.dir, done.step)
+        if self.policy.checkpoint_saved(done.dir, done.step):  # a periodic checkpoint
             self.events.write("checkpoint_saved", dir=done.dir, step=done.step, generation=self.generation)
 
     def _check_done(self) -> None:
@@ -567,32 +560,31 @@ class Coordinator:
             return  # a new generation is due: whoever finished will run it
         finished = (self.generation, self.steps - 1)
         if all(self._done.get(gpu, (0, -1)) >= finished for gpu in current.view.ranks):
-            seconds = time.monotonic() - self._started_at
+            seconds = self.clock() - self._started_at
             self.events.write("done", generation=self.generation, steps=self.steps, last_step=self.steps - 1,
                               seconds=seconds)  # fmt: skip
-            self.finish(EXIT_OK, f"done: {self.steps} steps in {seconds:.1f} s")
+            self.finish(ExitCode.OK, f"done: {self.steps} steps in {seconds:.1f} s")
 
     # ------------------------------------------------------------------ below the threshold
-    def _below_threshold(self, request: Request, result: dict) -> None:
-        why = f"{result['cannot']} (live nodes {result['live']}, need {result['needed']})"
-        self.events.write("below_threshold", live=result["live"], needed=result["needed"], reason=result["cannot"])
-        if self.phase == WAITING:
-            self.finish(EXIT_BAD_INPUT, f"planning {len(request.live)} nodes failed: {why}")
+    def _below_threshold(self, request: Request, cannot: CannotKeepReplicas) -> None:
+        why = f"{cannot.reason} (live nodes {cannot.live_nodes}, need {cannot.needed})"
+        self.events.write("below_threshold", live=cannot.live_nodes, needed=cannot.needed, reason=cannot.reason)
+        if self.phase is JobPhase.WAITING:
+            self.finish(ExitCode.BAD_INPUT, f"planning {len(request.live)} nodes failed: {why}")
             return
-        if self.options.recovery == "restart":
-            self._stop_below_threshold(why, self._last_checkpoint)
-            return
-        if request.base == 0:
-            self._stop_below_threshold(why, None, "no worker had completed a step")
-            return
+        self.policy.below_threshold(self, request, cannot, why)
+
+    def start_checkpoint_round(self, request: Request, cannot: CannotKeepReplicas, why: str) -> None:
+        """The survivors of the base generation write its layers; the job stops once they did."""
         gen = self._gens[request.base].view
         writers = tuple(n for n in gen.nodes if n not in request.lost)
         directory = checkpointing.new_checkpoint_dir(self.options.checkpoint_root, self.generation)
-        wait = 2 * self.timeout.total_seconds() + 60.0  # survivors may first wait out a hung peer
-        self._round = checkpointing.CheckpointRound(directory, gen, writers, why, time.monotonic() + wait)
-        self.phase = CHECKPOINTING
+        now = self.clock()
+        deadline = now + self.timeouts.checkpoint_round_timeout.total_seconds()
+        self._round = checkpointing.CheckpointRound(directory, gen, writers, why, now, deadline)
+        self.phase = JobPhase.CHECKPOINTING
         self._send_round()
-        self.say(f"only {result['live']} nodes left, {result['needed']} needed for f+1 replicas: "
+        self.say(f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for f+1 replicas: "
                  f"checkpointing generation {gen.number} to {directory}")  # fmt: skip
 
     def _send_round(self) -> None:
@@ -601,15 +593,15 @@ class Coordinator:
         self.events.write("checkpoint_requested", dir=r.directory, generation=r.gen.number, writers=list(r.writers),
                           surviving_ranks=r.surviving)  # fmt: skip
         for node in r.writers:
-            self._send(node, r.command())
+            self.send(node, r.command())
 
     def _round_lost(self, node: str) -> None:
         if self._round is None or node not in self._round.writers:
             return
         again = self._round.without(node)
         if again is None:
-            self.finish(EXIT_ERROR, f"node {node} was lost while checkpointing and took the last copy of some "
-                                    f"layers with it; the model state is gone")  # fmt: skip
+            self.finish(ExitCode.ERROR, f"node {node} was lost while checkpointing and took the last copy of "
+                                        f"some layers with it; the model state is gone")  # fmt: skip
             return
         self._round = again
         self._send_round()  # the remaining writers now own the lost node's layers
@@ -617,22 +609,24 @@ class Coordinator:
     def _check_round(self) -> None:
         r = self._round
         assert r is not None
+        now = self.clock()
         if not r.complete():
-            if time.monotonic() > r.deadline:
-                self.finish(EXIT_ERROR, f"the checkpoint to {r.directory} did not complete: "
-                                        f"{len(r.reports)} of {len(r.expected())} workers answered")  # fmt: skip
+            if now > r.deadline:
+                self.finish(ExitCode.ERROR, f"the checkpoint to {r.directory} did not complete: "
+                                            f"{len(r.reports)} of {len(r.expected())} workers answered")  # fmt: skip
             return
         step, problem = r.step()
         if step is None:
-            self.finish(EXIT_ERROR, f"the checkpoint to {r.directory} is inconsistent: {problem}")
+            self.finish(ExitCode.ERROR, f"the checkpoint to {r.directory} is inconsistent: {problem}")
             return
         checkpointing.write_meta(r.directory, self.job, step)
         layers = sum(d.layers for d in r.reports.values())
         self.events.write("checkpoint_written", dir=r.directory, step=step, layers=layers,
-                          seconds=time.monotonic() - r.started, generation=r.gen.number)  # fmt: skip
-        self._stop_below_threshold(r.reason, (r.directory, step))
+                          seconds=now - r.started, generation=r.gen.number)  # fmt: skip
+        self.stop_below_threshold(r.reason, (r.directory, step))
 
-    def _stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "") -> None:
+    def stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "") -> None:
+        """Ends the job with exit 3, saying how to resume (from ``checkpoint``, or the run's own resume point)."""
         if checkpoint is not None:
             directory, step = checkpoint
             message = (f"cannot keep f+1 replicas: {why}.\nCheckpoint of step {step} written to {directory}\n"
@@ -642,4 +636,4 @@ class Coordinator:
                        f"resume with: {self.options.resume_command} --resume {self.options.resume_dir}")  # fmt: skip
         else:
             message = f"cannot keep f+1 replicas: {why}. No checkpoint to resume from{': ' + detail if detail else ''}"
-        self.finish(EXIT_NO_REPLICAS, message)
+        self.finish(ExitCode.NO_REPLICAS, message)

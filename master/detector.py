@@ -6,8 +6,9 @@ A node is the failure unit. It is lost when
   by the kernel, so this fires at once), or
 - no heartbeat arrived for longer than the timeout (``heartbeat_timeout``: the
   hung node, e.g. a SIGSTOPped agent whose sockets stay open), or
-- no heartbeat arrived for longer than half the timeout while a worker of
-  another node reported waiting on a collective since (``heartbeat_late_peers_stalled``):
+- no heartbeat arrived for longer than ``confirmed_silence`` (half the
+  timeout) while a worker of another node reported waiting on a collective
+  since (``heartbeat_late_peers_stalled``):
   a hung node stalls the job at once, so its peers' waits confirm its silence;
   a healthy node keeps heartbeating from its agent whatever its workers do, and
   a merely slow peer is waited on without its agent falling silent.
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+
+from oobleck_mm.config import FaultToleranceConfig
 
 STREAM_CLOSED = "stream_closed"
 HEARTBEAT_TIMEOUT = "heartbeat_timeout"
 HEARTBEAT_LATE_PEERS_STALLED = "heartbeat_late_peers_stalled"
-CONFIRMED_SILENCE = 0.5
-"""Fraction of the heartbeat timeout of silence that suffices once a peer reports a stall."""
 WORKER_EXITED = "worker_exited"
 WORKER_STOPPED = "worker_stopped"
 WORKER_ZOMBIE = "worker_zombie"
@@ -57,18 +57,18 @@ class Failure:
     detail: str
 
 
-def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timedelta,
+def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeouts: FaultToleranceConfig,
                     stalls: Mapping[str, float] | None = None) -> list[Failure]:  # fmt: skip
     """The lost nodes among ``nodes`` at clock ``now``, sorted by name, each with its reason.
 
-    ``stalls[node]``: clock reading of the latest report that a worker of ``node`` waited on a
-    collective for longer than twice the heartbeat interval. When several signs hold, the most
-    specific wins: a worker report says why, a closed stream says the agent is gone, a silent
-    node only that it hangs.
+    ``timeouts``: the job's fault-tolerance section (``heartbeat_timeout`` and
+    ``confirmed_silence``). ``stalls[node]``: clock reading of the latest report that a worker
+    of ``node`` waited on a collective for longer than ``stall_report_after``. When several
+    signs hold, the most specific wins: a worker report says why, a closed stream says the
+    agent is gone, a silent node only that it hangs.
     """
-    if timeout <= timedelta(0):
-        raise ValueError(f"timeout: must be positive, got {timeout}")
-    limit = timeout.total_seconds()
+    limit = timeouts.heartbeat_timeout.total_seconds()
+    confirmed = timeouts.confirmed_silence.total_seconds()
     out = []
     for name in sorted(nodes):
         health = nodes[name]
@@ -79,7 +79,7 @@ def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timede
         elif now - health.last_heartbeat > limit:
             silent = now - health.last_heartbeat
             out.append(Failure(name, HEARTBEAT_TIMEOUT, f"no heartbeat for {silent:.2f}s (timeout {limit:g}s)"))
-        elif now - health.last_heartbeat > CONFIRMED_SILENCE * limit:
+        elif now - health.last_heartbeat > confirmed:
             # A stall reported after this node's last heartbeat, and recently: the job waits while it is silent.
             witnesses = sorted(peer for peer, at in (stalls or {}).items()
                                if peer != name and health.last_heartbeat < at and now - at <= limit)  # fmt: skip
@@ -87,5 +87,5 @@ def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeout: timede
                 silent = now - health.last_heartbeat
                 out.append(Failure(name, HEARTBEAT_LATE_PEERS_STALLED,
                                    f"no heartbeat for {silent:.2f}s while {', '.join(witnesses)} waited on a "
-                                   f"collective (timeout {limit:g}s, {CONFIRMED_SILENCE:g} of it with a stalled peer)"))  # fmt: skip
+                                   f"collective (timeout {limit:g}s, {confirmed:g}s with a stalled peer)"))  # fmt: skip
     return out

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import psutil
 
-from master.coordinator import WAITING
+from master.coordinator import JobPhase
 from master.server import MasterOptions, MasterServer
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class LocalCluster:
             code = self._wait()
             if self.injector is not None:
                 self.injector.stop(kill_stopped=True)  # hung nodes never exit by themselves
-            self._wait_agents(self.job.fault_tolerance.heartbeat_timeout.total_seconds() + 2.0)
+            self._wait_agents(self.job.fault_tolerance.agent_exit_timeout.total_seconds())
             return code
         finally:
             if self.injector is not None:
@@ -132,7 +132,7 @@ class LocalCluster:
                 agents = list(self.agents.items())
             for node, (proc, log_path) in agents:
                 # Before the plan a dead agent is never missed by the master: it would wait forever.
-                if proc.poll() is not None and coordinator is not None and coordinator.phase == WAITING:
+                if proc.poll() is not None and coordinator is not None and coordinator.phase is JobPhase.WAITING:
                     self.server.finish(1, f"agent {node} exited with code {proc.returncode} before the job "
                                           f"started; see {log_path}")  # fmt: skip
         return code

@@ -11,132 +11,77 @@ master and its own helper, never on the network).
 Two calls:
 
 - ``plan_nodes(config_yaml, names)``: a fresh plan (start, restart mode, or a
-  generation that starts afresh). Builds the pipeline templates for
-  ``len(names)`` nodes and keeps them in the helper.
+  generation that starts afresh; ``planning.planner.plan_fresh``). Keeps the
+  pipeline templates built for ``len(names)`` nodes in the helper.
 - ``replan_nodes(config_yaml, template_nodes, base, lost, joined)``: the
   incremental reconfiguration of ``base`` (§2.5) with the templates built
-  once for ``template_nodes`` nodes. When it cannot place the nodes (joins past
-  the node count the templates were built for) it falls back to a fresh plan on
-  the live nodes, which the workers can adopt just as well: they derive the
-  state copies from any pair of plans.
+  once for ``template_nodes`` nodes (``planning.planner.plan_reconfiguration``,
+  which falls back to a fresh plan when the nodes cannot be placed).
 
-Results are dicts: ``layout``/``ranks``/``plan``/``template_nodes``/``seconds``...
-for a plan, ``{"cannot": reason, "live": n, "needed": m}`` when the nodes cannot
-keep f+1 replicas, ``{"error": message}`` for anything else the user must fix.
+Results are ``planning.planner.PlanOutcome`` dataclasses: ``Planned``,
+``CannotKeepReplicas`` (the nodes cannot keep f+1 replicas) or ``Failed`` (a
+``UserError`` the user must fix). Any other exception is a bug: it reaches the
+master as the future's exception and ends the job with exit 1.
 """
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
-import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Sequence
 
+import yaml
+
+from oobleck_mm.config import config_from_dict
 from oobleck_mm.lifetime import die_with_parent
+from oobleck_mm.planning.planner import Planned, plan_fresh, plan_job, plan_reconfiguration
+from oobleck_mm.profiling.load import load_profile
 
 _TEMPLATES: dict[tuple[str, int], Any] = {}
 """(config YAML, node count) -> TemplateSet, in the process that plans (the helper)."""
+_PROFILES: dict[str, Any] = {}
+"""config YAML -> the job's ModelProfile (a measured one is timed once per helper)."""
 
 
-def plan_nodes(config_yaml: str, names: Sequence[str]) -> dict[str, Any]:
-    """The execution plan of the job on ``names`` from scratch; see the module docstring for the keys."""
-    from oobleck_mm.planning.planner import plan_job
-
-    start = time.perf_counter()
+def plan_nodes(config_yaml: str, names: Sequence[str]):
+    """The plan of the job on ``names`` from scratch: a ``planning.planner.PlanOutcome``."""
     job = _job(config_yaml)
-    try:
-        result = plan_job(job, list(names))
-    except ValueError as exc:  # errors travel as text: exception classes need not pickle
-        return _cannot_or_error(config_yaml, job, len(names), str(exc))
-    _TEMPLATES[(config_yaml, len(names))] = result.template_set
-    out = _result(result.plan, len(names), start)
-    out.update(fresh=True, actions=[], reason=f"instantiated on {len(names)} nodes")
-    return out
+    outcome, templates = plan_fresh(job, _profile(config_yaml, job), names)
+    if templates is not None:
+        _TEMPLATES[(config_yaml, len(names))] = templates
+    return outcome
 
 
-def replan_nodes(
-    config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str]
-) -> dict[str, Any]:
+def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str]):
     """The reconfiguration of planning ``Plan`` ``base`` after ``lost`` leave and ``joined`` arrive."""
-    from oobleck_mm.planning.reconfigure import CannotKeepReplicas, reconfigure
-
-    start = time.perf_counter()
     job = _job(config_yaml)
     templates = _template_set(config_yaml, job, template_nodes)
-    gain = job.planning.replan_gain
-    try:
-        rec = reconfigure(
-            base, lost, joined, templates, job.fault_tolerance.f, job.cluster_spec(), solver=job.planning.solver,
-            replan_gain=math.inf if gain is None else gain,
-        )  # fmt: skip
-    except ValueError as exc:
-        # Joins past the templates' node range (or a batch the new pipelines cannot split):
-        # plan the live nodes afresh; the workers copy whatever the new layout needs.
-        live = [n for n in base.nodes if n not in set(lost)] + [n for n in joined if n not in base.nodes or n in lost]
-        out = plan_nodes(config_yaml, live)
-        if "layout" in out:
-            out["reason"] = f"incremental reconfiguration impossible ({exc}); {out['reason']}"
-        return out
-    if isinstance(rec, CannotKeepReplicas):
-        return {"cannot": rec.reason, "live": rec.live_nodes, "needed": rec.needed}
-    out = _result(rec.plan, template_nodes, start)
-    out.update(fresh=False, actions=list(rec.actions), reason=rec.reason)
-    return out
+    outcome, fresh_templates = plan_reconfiguration(
+        job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
+    )
+    if fresh_templates is not None and isinstance(outcome, Planned):
+        _TEMPLATES[(config_yaml, outcome.template_nodes)] = fresh_templates
+    return outcome
 
 
 def _job(config_yaml: str):
-    import yaml
-
-    from oobleck_mm.config import config_from_dict
-
     return config_from_dict(yaml.safe_load(config_yaml))
+
+
+def _profile(config_yaml: str, job):
+    if config_yaml not in _PROFILES:
+        _PROFILES[config_yaml] = load_profile(job)
+    return _PROFILES[config_yaml]
 
 
 def _template_set(config_yaml: str, job, num_nodes: int):
     """The templates built for ``num_nodes`` nodes, built again if this helper has not got them (restarted)."""
     key = (config_yaml, num_nodes)
     if key not in _TEMPLATES:
-        from oobleck_mm.planning.planner import plan_job
-
-        _TEMPLATES[key] = plan_job(job, [f"_template{i}" for i in range(num_nodes)]).template_set
+        names = [f"_template{i}" for i in range(num_nodes)]
+        _TEMPLATES[key] = plan_job(job, _profile(config_yaml, job), names).template_set
     return _TEMPLATES[key]
-
-
-def _cannot_or_error(config_yaml: str, job, live: int, message: str) -> dict[str, Any]:
-    """Below (f+1)*n0 nodes is the job's end (exit 3); any other planning error is the user's to fix."""
-    known = [t for (yaml_text, _), t in _TEMPLATES.items() if yaml_text == config_yaml]
-    if known:
-        needed = (job.fault_tolerance.f + 1) * known[0].min_nodes
-        if live < needed:
-            return {"cannot": message, "live": live, "needed": needed}
-    return {"error": message}
-
-
-def _result(plan, template_nodes: int, start: float) -> dict[str, Any]:
-    from oobleck_mm.runtime.layout import ExecutionPlan
-
-    ranks = rank_table(plan)
-    execution = ExecutionPlan.from_plan(plan, ranks)
-    return {
-        "layout": execution.to_dict(),
-        "ranks": [[node, gpu, rank] for (node, gpu), rank in ranks.items()],
-        "plan": plan,
-        "template_nodes": template_nodes,
-        "samples_per_s": plan.samples_per_s,
-        "seconds": time.perf_counter() - start,
-    }
-
-
-def rank_table(plan) -> dict[tuple[str, int], int]:
-    """(node, local gpu) -> global rank, numbered pipeline by pipeline, stage by stage."""
-    ranks: dict[tuple[str, int], int] = {}
-    for instance in plan.pipelines:
-        for spec in instance.template.stages:
-            for gpu in spec.gpus:
-                ranks[(instance.nodes[spec.node], gpu)] = len(ranks)
-    return ranks
 
 
 class InlinePlanner:
@@ -202,5 +147,4 @@ def _init_helper(master_pid: int) -> None:
 
 
 def _warm_up() -> None:
-    import oobleck_mm.planning.planner  # noqa: F401
-    import oobleck_mm.planning.reconfigure  # noqa: F401
+    """Nothing to do: importing this module (the helper's first task) paid every import."""

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from master.recovery import GenerationView
 from oobleck_mm.events import EventLog
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.runtime.layout import ExecutionPlan
 
 # Worker phase name -> the job-level event written when every rank reported it.
 PHASE_EVENTS = {"rendezvous": "rendezvous_done", "states_copied": "states_copied", "resumed": "resumed"}
@@ -37,21 +37,23 @@ class Incident:
     nodes: tuple[str, ...]
     detected_ts: float
     """Wall clock (the event log's)."""
-    detected_mono: float
+    detected_at: float
+    """The master's clock (``Coordinator.clock``) when it was seen."""
 
     @classmethod
-    def now(cls, cause: str, nodes) -> Incident:
-        return cls(cause, tuple(nodes), time.time(), time.monotonic())
+    def now(cls, cause: str, nodes, clock: Callable[[], float]) -> Incident:
+        return cls(cause, tuple(nodes), time.time(), clock())
 
-    def since(self) -> float:
-        return time.monotonic() - self.detected_mono
+    def with_node(self, node: str) -> Incident:
+        """The same incident with one more node (nodes that fail together make one incident)."""
+        return Incident(self.cause, (*self.nodes, node), self.detected_ts, self.detected_at)
 
 
 class Progress:
     """Per-step lines and per-generation phase events for the generation being collected."""
 
-    def __init__(self, events: EventLog, steps: int, say: Callable[[str], None]) -> None:
-        self.events, self.steps, self.say = events, steps, say
+    def __init__(self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float]) -> None:
+        self.events, self.steps, self.say, self.clock = events, steps, say, clock
         self.gen: GenerationView | None = None
         self.incident: Incident | None = None
         self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
@@ -121,7 +123,7 @@ class Progress:
         assert self.gen is not None
         fields = {"generation": self.gen.number, "seconds": max(r.seconds for r in reports)}
         if self.incident is not None:
-            fields.update(cause=self.incident.cause, since_detected_s=self.incident.since())
+            fields.update(cause=self.incident.cause, since_detected_s=self.clock() - self.incident.detected_at)
         if phase == "states_copied":
             fields["bytes"] = sum(r.bytes for r in reports)
             fields["transfer_seconds"] = max(r.transfer_seconds for r in reports)
@@ -132,6 +134,6 @@ class Progress:
             self._settle_steps(self.gen.number, fields["step"])
         if phase == "resumed" and self.incident is not None:
             self.say(f"generation {self.gen.number} resumed at step {fields['step'] + 1} "
-                     f"{self.incident.since():.2f} s after the {self.incident.cause} of "
+                     f"{self.clock() - self.incident.detected_at:.2f} s after the {self.incident.cause} of "
                      f"{', '.join(self.incident.nodes)}")  # fmt: skip
             self.incident = None

@@ -34,10 +34,9 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.planning.layout import ExecutionPlan, Gpu
+from oobleck_mm.planning.report import format_ranges
 
-Gpu = tuple[str, int]
-"""(node name, node-local GPU index)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +59,14 @@ class GenerationView:
 
     def gpus_of(self, node: str) -> list[Gpu]:
         return sorted(gpu for gpu in self.ranks if gpu[0] == node)
+
+    @property
+    def rank_nodes(self) -> tuple[str, ...]:
+        """The node of each rank, in rank order (``Assignment.rank_nodes``)."""
+        out = [""] * len(self.ranks)
+        for (node, _), rank in self.ranks.items():
+            out[rank] = node
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +148,7 @@ def choose_base(
         holding = tuple(n for n in gen.nodes if n in live and _node_holds(gen, n, holdings))
         orphans = orphan_layers(gen.layout, surviving_ranks(gen, holding))
         if orphans:
-            reasons.append(f"generation {number} lost every holder of layers {_ranges(orphans)}")
+            reasons.append(f"generation {number} lost every holder of layers {format_ranges(orphans)}")
         else:
             stale = tuple(n for n in gen.nodes if n in live and n not in holding)
             usable.append(Base(number, holding, stale))
@@ -213,23 +220,3 @@ def previous_ranks(
         if base is not None and gpu[0] in holding_nodes and gpu in base.ranks:
             out[rank] = base.ranks[gpu]
     return out
-
-
-def states_to_move(base: ExecutionPlan | None, new: ExecutionPlan, previous: Sequence[int]) -> int:
-    """(layer, new rank) pairs whose worker did not hold the layer in the base: layer states to copy or load."""
-    moved = 0
-    for stage in (s for p in new.pipelines for s in p.stages):
-        old = previous[stage.rank]
-        held = base.stage(old).layers if base is not None and old >= 0 else range(0)
-        moved += sum(1 for layer in stage.layers if layer not in held)
-    return moved
-
-
-def _ranges(layers: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    parts, start = [], layers[0]
-    for prev, cur in zip(layers, [*layers[1:], None]):
-        if cur != prev + 1:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ", ".join(parts)

@@ -7,7 +7,6 @@ code once the coordinator finished, ``stop()`` releases everything.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -22,6 +21,7 @@ from master.checkpointing import resume_step
 from master.coordinator import Coordinator, RunOptions
 from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
+from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.events import EventLog
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import new_token, read_token, write_token
@@ -51,25 +51,6 @@ class MasterOptions:
     """How the user restarts this job; printed with ``--resume DIR`` when it stops below the threshold."""
 
 
-def apply_overrides(job, nodes: int | None = None, gpus_per_node: int | None = None, steps: int | None = None,
-                    recovery: str | None = None, checkpoint_interval: int | None = None):
-    """The job with command-line values in place, validated again (ConfigError names the field)."""
-    ft = job.fault_tolerance
-    if recovery is not None or checkpoint_interval is not None:
-        ft = dataclasses.replace(
-            ft, recovery=ft.recovery if recovery is None else recovery,
-            checkpoint_interval=ft.checkpoint_interval if checkpoint_interval is None else checkpoint_interval,
-        )  # fmt: skip
-        job = dataclasses.replace(job, fault_tolerance=ft)
-    if nodes is not None:
-        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, nodes=nodes))
-    if gpus_per_node is not None:
-        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=gpus_per_node))
-    if steps is not None:
-        job = dataclasses.replace(job, training=dataclasses.replace(job.training, steps=steps))
-    return job
-
-
 def default_run_dir(job_name: str) -> str:
     return os.path.join("runs", f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
@@ -80,7 +61,7 @@ def format_address(host: str, port: int) -> str:
 
 class MasterServer:
     def __init__(self, job, options: MasterOptions, progress: Callable[[str], None] = print) -> None:
-        # Command-line overrides are already in ``job`` (apply_overrides): one source of truth.
+        # Command-line overrides are already in ``job`` (config.apply_overrides): one source of truth.
         self.job, self.options, self.progress = job, options, progress
         self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
         self.run_dir = options.run_dir or default_run_dir(job.model.name)
@@ -95,7 +76,7 @@ class MasterServer:
         self._store = None
         self._planner: PlannerPool | None = None
         self._done = threading.Event()
-        self._exit_code = 1
+        self._exit_code = ExitCode.ERROR
         self.coordinator: Coordinator | None = None
 
     @property
@@ -128,7 +109,7 @@ class MasterServer:
         except RuntimeError:
             self.port = 0
         if not self.port:
-            raise ValueError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
+            raise UserError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
         self._server.start()
         self.events.write(
             "master_started", address=self.address, store_port=self._store.port, nodes=self.num_nodes,
@@ -138,18 +119,17 @@ class MasterServer:
 
     def _control_loop(self) -> None:
         assert self.coordinator is not None
-        # Detection latency of a silent node is timeout + one tick: tick well below the timeout.
-        tick = min(0.1, self.job.fault_tolerance.heartbeat_timeout.total_seconds() / 10)
+        timeouts = self.job.fault_tolerance
+        tick = timeouts.detector_tick.total_seconds()
         try:
             while (result := self.coordinator.tick()) is None:
                 self.coordinator.wait_for_change(tick)
         except Exception as exc:  # a bug: end the job loudly rather than hang it
             log.exception("control loop failed")
-            self.coordinator.finish(1, f"master control loop failed: {exc!r}")
+            self.coordinator.finish(ExitCode.ERROR, f"master control loop failed (a bug): {exc!r}")
             result = self.coordinator.finish_result
         # Let every agent read its Shutdown before the server goes away.
-        timeout = self.job.fault_tolerance.heartbeat_timeout.total_seconds()
-        self.coordinator.wait_streams_closed(timeout=max(2.0, timeout))
+        self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
         self._exit_code = result.exit_code
         self._done.set()
 

@@ -66,15 +66,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             session, gpus = self.c.register(
                 request.node, request.gpus, request.memory_bytes, request.pid, context.peer()
             )
-        ft = self.c.job.fault_tolerance
-        return pb.RegisterReply(
-            node=request.node,
-            session=session,
-            gpus=gpus,
-            heartbeat_interval_s=ft.heartbeat_interval.total_seconds(),
-            heartbeat_timeout_s=ft.heartbeat_timeout.total_seconds(),
-            config_yaml=self.c.config_yaml,
-        )
+        # The agent reads its timeouts from the config's fault_tolerance section, like everyone.
+        return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with _refusals(context):

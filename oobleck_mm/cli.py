@@ -3,9 +3,13 @@
 Subcommands: ``plan`` (templates, the best plan for N nodes and, with
 ``--fail-nodes``, the reconfiguration after losing them), ``master`` (the job's
 coordinator), ``agent`` (one per node) and ``local`` (master + N agents and
-their workers on this machine). Exit codes: 0 done, 2 bad config or arguments
-(one line on stderr naming the field), 3 the job could not keep f+1 replicas,
-1 anything else (with the log path).
+their workers on this machine). Exit codes (``oobleck_mm.errors.ExitCode``): 0
+done, 2 a ``UserError`` (bad config, flag or checkpoint: one line on stderr
+naming the field), 3 the job could not keep f+1 replicas, 1 a failed run or a
+bug (any other exception: its traceback goes to the log).
+
+The entry point is the one library module allowed to import ``master`` and
+``agent`` (see ``.importlinter``).
 """
 
 from __future__ import annotations
@@ -20,18 +24,16 @@ import sys
 import time
 from typing import Sequence
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_BAD_INPUT = 2
-EXIT_NO_REPLICAS = 3
-"""Fewer than (f+1)*n0 nodes left: the survivors wrote a checkpoint; the message says how to resume."""
+from oobleck_mm.errors import ExitCode, UserError
+
+log = logging.getLogger("oobleck_mm.cli")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one clear line, exit 2 like every bad input
         self.print_usage(sys.stderr)
         print(f"oobleck-launch: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
+        raise SystemExit(ExitCode.BAD_INPUT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,9 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_agent(args)
         if args.command == "local":
             return _cmd_local(args)
-    except ValueError as err:  # user mistakes: ConfigError, BatchSplitError, impossible requests
+    except UserError as err:  # ConfigError, InfeasiblePlan, a bad flag or checkpoint: the user's to fix
         print(f"oobleck-launch: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
+    except Exception as err:  # a bug: say so, with the traceback, never as the user's mistake
+        log.exception("internal error")
+        print(f"oobleck-launch: internal error (a bug, not your input): {err!r}; traceback above",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return ExitCode.ERROR
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -135,9 +142,9 @@ def _parse_fail_nodes(values: list[str], names: list[str]) -> list[str]:
         for item in filter(None, (v.strip() for v in value.split(","))):
             name = f"node{item}" if item.isdigit() else item
             if name not in names:
-                raise ValueError(f"--fail-nodes: unknown node {item!r}; valid nodes are {names[0]}..{names[-1]}")
+                raise UserError(f"--fail-nodes: unknown node {item!r}; valid nodes are {names[0]}..{names[-1]}")
             if name in out:
-                raise ValueError(f"--fail-nodes: node {name!r} listed twice")
+                raise UserError(f"--fail-nodes: node {name!r} listed twice")
             out.append(name)
     return out
 
@@ -145,26 +152,31 @@ def _parse_fail_nodes(values: list[str], names: list[str]) -> list[str]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from oobleck_mm.config import load_config
     from oobleck_mm.planning.planner import plan_job
+    from oobleck_mm.profiling.load import load_profile
 
     job = load_config(args.config)
     num_nodes = job.cluster.nodes if args.nodes is None else args.nodes
     if num_nodes < 1:
-        raise ValueError(f"--nodes: must be >= 1, got {num_nodes}")
+        raise UserError(f"--nodes: must be >= 1, got {num_nodes}")
     names = _node_names(num_nodes)
     lost = _parse_fail_nodes(args.fail_nodes, names)
     if args.join_nodes < 0:
-        raise ValueError(f"--join-nodes: must be >= 0, got {args.join_nodes}")
+        raise UserError(f"--join-nodes: must be >= 0, got {args.join_nodes}")
     joined = [f"node{num_nodes + i}" for i in range(args.join_nodes)]
 
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
-    result = plan_job(
-        job, names, lost=lost, joined=joined, solver=args.solver, progress=progress
-    )
+    start = time.perf_counter()
+    profile = load_profile(job, progress)
+    profile_s = time.perf_counter() - start
+    if progress is not None:
+        progress(f"profiled {profile.num_layers} layers ({profile.source}, {profile.device})")
+    result = plan_job(job, profile, names, lost=lost, joined=joined, solver=args.solver, progress=progress)
+    result.seconds = {"profile": profile_s, **result.seconds}
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.format())
-    return EXIT_OK
+    return ExitCode.OK
 
 
 # --------------------------------------------------------------------------- control plane
@@ -181,15 +193,14 @@ def _setup_logging(prefix: str, level: int = logging.INFO) -> None:
 
 
 def _load_job(args: argparse.Namespace):
-    from master.server import apply_overrides
-    from oobleck_mm.config import load_config
+    from oobleck_mm.config import apply_overrides, load_config
 
     for flag in ("nodes", "steps", "gpus_per_node"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+            raise UserError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
     if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
-        raise ValueError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
+        raise UserError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
     return apply_overrides(
         load_config(args.config), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
         steps=args.steps, recovery=args.recovery, checkpoint_interval=args.checkpoint_interval,
@@ -223,7 +234,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
               f"--token-file {server.token_file}", flush=True)  # fmt: skip
         while (code := server.wait(0.2)) is None:
             if interrupted:
-                server.finish(EXIT_ERROR, f"master interrupted by {signal.Signals(interrupted.pop()).name}")
+                server.finish(ExitCode.ERROR, f"master interrupted by {signal.Signals(interrupted.pop()).name}")
     finally:
         server.stop()
         for sig, handler in old.items():
@@ -237,7 +248,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from oobleck_mm.protocol.auth import resolve_token
 
     if args.gpus < 0:
-        raise ValueError(f"--gpus: must be >= 0, got {args.gpus}")
+        raise UserError(f"--gpus: must be >= 0, got {args.gpus}")
     token = resolve_token(args.token_file)
     node = args.node or socket.gethostname().split(".")[0]
     _setup_logging(f"agent {node}")
@@ -268,7 +279,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _faults(args: argparse.Namespace, num_nodes: int) -> list:
-    """``--inject`` and ``--trace`` as one list of ``FaultEvent`` (ValueError names the bad flag)."""
+    """``--inject`` and ``--trace`` as one list of ``FaultEvent`` (UserError names the bad flag)."""
     if not args.inject and args.trace is None:
         return []
     from oobleck_mm.faults.spec import parse_inject
@@ -277,15 +288,15 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
     faults = parse_inject(args.inject) if args.inject else []
     if args.trace is not None:
         if not os.path.exists(args.trace):
-            raise ValueError(f"--trace: no such file {args.trace!r}")
+            raise UserError(f"--trace: no such file {args.trace!r}")
         faults += load_timeline(args.trace, _node_names(num_nodes), time_scale=args.time_scale)
     return faults
 
 
 def _report_exit(code: int, message: str, logs: str) -> int:
-    if code == EXIT_OK:
+    if code == ExitCode.OK:
         print(message, flush=True)
-    elif code == EXIT_NO_REPLICAS:  # not a crash: the job saved itself and says how to go on
+    elif code == ExitCode.NO_REPLICAS:  # not a crash: the job saved itself and says how to go on
         print(f"oobleck-launch: stopped: {message}\nlogs: {logs}", file=sys.stderr, flush=True)
     else:
         print(f"oobleck-launch: error: {message}; logs: {logs}", file=sys.stderr, flush=True)

@@ -14,20 +14,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from oobleck_mm.config import ConfigError, load_config
+from oobleck_mm.config import load_config
+from oobleck_mm.errors import ExitCode, UserError
+from oobleck_mm.runtime.checkpoint import load_params, read_meta
+from oobleck_mm.runtime.reference import ReferenceTrainer
 
 
 def compare(job, steps: int, directory: str, progress=print) -> tuple[float, str]:
     """Largest |reference - saved| over all parameters after ``steps`` steps, and where it is."""
-    from oobleck_mm.model.reference import ReferenceTrainer
-    from oobleck_mm.runtime.checkpoint import load_params, read_meta
-
     meta = read_meta(directory)
     if meta["step"] != steps:
         progress(f"note: the checkpoint is at step {meta['step']}, comparing after {steps} reference steps")
     trainer = ReferenceTrainer(job)
     if meta["layer_names"] != [s.name for s in trainer.specs]:
-        raise ValueError(f"{directory}: layers {meta['layer_names']} are not this model's")
+        raise UserError(f"{directory}: layers {meta['layer_names']} are not this model's")
     for step, loss in trainer.train(steps):
         if step % 10 == 0 or step == steps - 1:
             progress(f"reference step {step}: loss {loss:.6f}")
@@ -51,15 +51,15 @@ def main(argv=None) -> int:
     try:
         job = load_config(args.config)
         if args.steps < 0:
-            raise ConfigError(f"--steps: must be >= 0, got {args.steps}")
+            raise UserError(f"--steps: must be >= 0, got {args.steps}")
         worst, where = compare(job, args.steps, args.against)
-    except (ConfigError, ValueError) as error:
+    except UserError as error:  # a bad config, flag or checkpoint; anything else is a bug and raises
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     ok = worst <= args.tolerance
     print(f"largest parameter difference {worst:.3e} at {where}: "
           f"{'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.1e}")
-    return 0 if ok else 1
+    return ExitCode.OK if ok else ExitCode.ERROR
 
 
 if __name__ == "__main__":

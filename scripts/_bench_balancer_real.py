@@ -42,13 +42,15 @@ def _entry(config: dict, rank: int, port: int, steps: int, out: str) -> None:
     from oobleck_mm.balance.assignment import contiguous_assignment
     from oobleck_mm.config import config_from_dict
     from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.planning.layout import ExecutionPlan
     from oobleck_mm.runtime.engine import StageEngine
-    from oobleck_mm.runtime.layout import ExecutionPlan
+    from oobleck_mm.runtime.group import join_generation
 
     torch.set_num_threads(1)
     job = config_from_dict(config)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    wait = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+    join_generation(store, 0, rank, 2, "gloo", collective_timeout=wait, arrival_timeout=wait)
     mbs = job.training.global_batch // job.training.microbatch_size
     plan = ExecutionPlan.even(len(model_layer_specs(job)), [1, 1], [mbs // 2, mbs - mbs // 2],
                               job.training.microbatch_size)

@@ -45,9 +45,10 @@ from oobleck_mm.balance.assignment import contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.optim import lr_at, set_lr
-from oobleck_mm.runtime.worker import free_port, join_group
+from oobleck_mm.runtime.group import join_generation
+from oobleck_mm.runtime.worker import free_port
 
 SYSTEMS = ("engine", "ddp", "deepspeed")
 TURN_TIMEOUT_S = 600.0
@@ -184,7 +185,8 @@ def _add(breakdown: dict[str, float], key: str, seconds: float) -> None:
 def _join(job, rank: int, port: int, world_size: int) -> None:
     """Join this system's group on a store its rank 0 hosts."""
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=120))
-    join_group(job, store, 0, rank, world_size, timeout=timedelta(seconds=300))
+    join_generation(store, 0, rank, world_size, job.cluster.resolved_backend,
+                    collective_timeout=timedelta(seconds=300), arrival_timeout=timedelta(seconds=300))
 
 
 # --------------------------------------------------------------------------- engine

@@ -42,7 +42,7 @@ from oobleck_mm.balance.work import sample_features  # noqa: E402
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.data.dataset import ModelInputs  # noqa: E402
 from oobleck_mm.data.sample import SampleMeta  # noqa: E402
-from oobleck_mm.model.spec import layer_specs  # noqa: E402
+from oobleck_mm.config.shape import layer_specs  # noqa: E402
 from oobleck_mm.profiling.analytical import profile_from_config  # noqa: E402
 
 PIPELINES = (4, 16, 64, 256)

@@ -22,11 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oobleck_mm.model.spec import LayerSpec  # noqa: E402
+from oobleck_mm.config.shape import LayerSpec  # noqa: E402
 from oobleck_mm.planning.costs import ClusterSpec  # noqa: E402
 from oobleck_mm.planning.instantiate import instantiate  # noqa: E402
 from oobleck_mm.planning.stage_mapping import build_templates  # noqa: E402
-from oobleck_mm.profiling.analytical import DEVICES, analytical_profile  # noqa: E402
+from oobleck_mm.config.devices import DEVICES  # noqa: E402
+from oobleck_mm.profiling.analytical import analytical_profile  # noqa: E402
 
 # Table 2.3 of the dissertation (seconds for ONE template).
 PAPER_SECONDS = {

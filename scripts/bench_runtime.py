@@ -56,7 +56,7 @@ from _bench_peers import RunSpec, launch  # noqa: E402
 from oobleck_mm.config import config_from_dict, load_config  # noqa: E402
 from oobleck_mm.data.loader import TrainingData  # noqa: E402
 from oobleck_mm.model.layers import model_layer_specs  # noqa: E402
-from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout  # noqa: E402
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout  # noqa: E402
 
 WORLD = 4
 LOSS_TOLERANCE = 1e-4

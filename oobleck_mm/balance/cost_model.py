@@ -45,7 +45,7 @@ import numpy as np
 
 from oobleck_mm.balance.nnls import robust_nnls
 from oobleck_mm.balance.work import F, LINEAR_FEATURE, NUM_FEATURES, QUADRATIC_FEATURE
-from oobleck_mm.model.spec import LayerSpec, matmul_param_count
+from oobleck_mm.config.shape import LayerSpec, matmul_param_count
 from oobleck_mm.planning.costs import MODALITIES, ModelProfile, effective_layers
 
 TERM_KINDS = ("fixed", "linear", "quadratic")
@@ -119,7 +119,7 @@ class CostModel:
 
     @classmethod
     def from_profile(cls, profile: ModelProfile, specs: Sequence[LayerSpec]) -> CostModel:
-        """``specs``: the model's layers in the profile's order (``model.spec.layer_specs``)."""
+        """``specs``: the model's layers in the profile's order (``config.shape.layer_specs``)."""
         names = tuple(layer.name for layer in profile.layers)
         if names != tuple(s.name for s in specs):
             raise ValueError(f"profile layers {names[:3]}... do not match the layer specs {[s.name for s in specs][:3]}...")

@@ -41,7 +41,7 @@ class PipelineShape:
 
 
 def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
-    """The shapes of an ``oobleck_mm.runtime.layout.ExecutionPlan``'s pipelines."""
+    """The shapes of an ``oobleck_mm.planning.layout.ExecutionPlan``'s pipelines."""
     return tuple(
         PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.stages)) for p in plan.pipelines
     )

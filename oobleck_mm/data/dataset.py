@@ -1,4 +1,4 @@
-"""The dataset protocol every data source implements, the model facts datasets need, and the factory.
+"""The dataset protocol every data source implements and the model facts datasets need.
 
 A dataset answers ``meta(index)`` cheaply (no decoding, no rendering): the
 balancer and the loss normaliser read the metadata of a whole global batch on
@@ -15,7 +15,7 @@ from oobleck_mm.data.sample import Sample, SampleMeta
 from oobleck_mm.data.tokenizer import check_vocab_size
 
 if TYPE_CHECKING:
-    from oobleck_mm.config import JobConfig, ModelConfig
+    from oobleck_mm.config import ModelConfig
 
 
 @runtime_checkable
@@ -81,17 +81,3 @@ def check_index(index: int, length: int) -> int:
     if not 0 <= index < length:
         raise IndexError(f"sample index {index} out of range for a dataset of {length} samples")
     return index
-
-
-def build_dataset(job: JobConfig) -> Dataset:
-    """The dataset ``job.data.kind`` names, shaped for ``job.model``."""
-    # Imported here: both modules import this one for ModelInputs.
-    from oobleck_mm.data.llava import LlavaJsonDataset
-    from oobleck_mm.data.synthetic import SyntheticDataset
-
-    inputs = ModelInputs.from_model(job.model)
-    if job.data.kind == "synthetic":
-        return SyntheticDataset(job.data, inputs)
-    if job.data.kind == "llava_json":
-        return LlavaJsonDataset(job.data, inputs)
-    raise ValueError(f"data.kind: must be 'synthetic' or 'llava_json', got {job.data.kind!r}")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
 from oobleck_mm.data.dataset import ModelInputs, check_index
 from oobleck_mm.data.sample import BOS, EOS, IMAGE, Sample, SampleMeta
@@ -52,7 +53,7 @@ class LlavaJsonDataset:
 
     def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
         if data.path is None:
-            raise ValueError("data.path: required when data.kind is 'llava_json'")
+            raise UserError("data.path: required when data.kind is 'llava_json'")
         self.data, self.inputs = data, inputs
         json_dir = os.path.dirname(os.path.abspath(data.path))
         self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
@@ -78,21 +79,21 @@ class LlavaJsonDataset:
 
     def _record(self, position: int, entry) -> _Record:
         if not isinstance(entry, dict):
-            raise ValueError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
+            raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
         sample_id = str(entry.get("id", f"#{position}"))
         where = f"{self.data.path}: sample {sample_id!r}"
         texts = tuple(_conversation_text(entry.get("conversations"), where).split(MARKER))
         paths = _image_paths(entry.get("image"), where)
         if len(texts) - 1 != len(paths):
-            raise ValueError(f"{where} has {len(texts) - 1} '{MARKER}' markers but {len(paths)} images")
+            raise UserError(f"{where} has {len(texts) - 1} '{MARKER}' markers but {len(paths)} images")
         if paths and not self.inputs.has_vision:
-            raise ValueError(f"{where} has {len(paths)} images but the model has no vision encoder")
+            raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
         paths = tuple(os.path.join(self.image_dir, p) for p in paths)
         sizes = tuple(self._image_size(p, where) for p in paths)
         media = sum(self.inputs.image_llm_tokens(h, w) for h, w in sizes)
         budget = self.data.max_seq_len - 2 - media  # BOS and EOS
         if budget < 0:
-            raise ValueError(
+            raise UserError(
                 f"{where}: its {len(paths)} images take {media} LLM tokens, which with BOS/EOS exceed "
                 f"data.max_seq_len ({self.data.max_seq_len}); raise it to at least {media + 2} or lower "
                 f"data.image_size ({self.data.image_size})"
@@ -104,14 +105,14 @@ class LlavaJsonDataset:
     def _image_size(self, path: str, where: str) -> tuple[int, int]:
         """(height, width) after preprocessing, from the file header only."""
         if self.inputs.in_channels not in _PIL_MODES:
-            raise ValueError(
+            raise UserError(
                 f"{where}: images need model.vision.in_channels 1 or 3, got {self.inputs.in_channels}"
             )
         try:
             with Image.open(path) as im:
                 width, height = im.size
         except (OSError, UnidentifiedImageError) as exc:
-            raise ValueError(f"{where}: cannot read image {path!r}: {exc}") from None
+            raise UserError(f"{where}: cannot read image {path!r}: {exc}") from None
         return fit_size(height, width, self.data.image_size, self.inputs.patch_size)
 
     # ------------------------------------------------------------------ loading
@@ -140,23 +141,23 @@ def _load_json(path: str) -> list:
         with open(path, encoding="utf-8") as fh:
             entries = json.load(fh)
     except OSError as exc:
-        raise ValueError(f"data.path: cannot read {path!r}: {exc.strerror}") from None
+        raise UserError(f"data.path: cannot read {path!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"data.path: {path} is not valid JSON: {exc}") from None
+        raise UserError(f"data.path: {path} is not valid JSON: {exc}") from None
     if not isinstance(entries, list):
-        raise ValueError(f"data.path: {path} must hold a JSON list of samples, got {type(entries).__name__}")
+        raise UserError(f"data.path: {path} must hold a JSON list of samples, got {type(entries).__name__}")
     if not entries:
-        raise ValueError(f"data.path: {path} holds no samples")
+        raise UserError(f"data.path: {path} holds no samples")
     return entries
 
 
 def _conversation_text(conversations, where: str) -> str:
     if not isinstance(conversations, list) or not conversations:
-        raise ValueError(f"{where}: 'conversations' must be a non-empty list of turns")
+        raise UserError(f"{where}: 'conversations' must be a non-empty list of turns")
     lines = []
     for i, turn in enumerate(conversations):
         if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
-            raise ValueError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value'")
+            raise UserError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value'")
         lines.append(f"{turn['from']}: {turn['value']}\n")
     return "".join(lines)
 
@@ -166,7 +167,7 @@ def _image_paths(image, where: str) -> tuple[str, ...]:
         return ()
     paths = [image] if isinstance(image, str) else image
     if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise ValueError(f"{where}: 'image' must be a path or a list of paths, got {image!r}")
+        raise UserError(f"{where}: 'image' must be a path or a list of paths, got {image!r}")
     return tuple(paths)
 
 

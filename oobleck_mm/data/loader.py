@@ -1,19 +1,34 @@
 """The training data of a job as the engine and the reference trainer see it.
 
-``TrainingData`` joins the dataset, the deterministic global-batch sampler and
-packing: step -> global batch ids -> (metadata, loss-token count) -> packed
-microbatches. Every rank of every pipeline builds the same one from the config.
+``build_dataset`` makes the dataset ``data.kind`` names. ``TrainingData`` joins
+the dataset, the deterministic global-batch sampler and packing: step -> global
+batch ids -> (metadata, loss-token count) -> packed microbatches. Every rank of
+every pipeline builds the same one from the config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from oobleck_mm.data.dataset import build_dataset
+from oobleck_mm.config.shape import layer_specs
+from oobleck_mm.data.dataset import Dataset, ModelInputs
+from oobleck_mm.data.llava import LlavaJsonDataset
 from oobleck_mm.data.packing import PackedBatch, PackingSpec, pack
 from oobleck_mm.data.sample import SampleMeta
 from oobleck_mm.data.sampler import GlobalBatchSampler
-from oobleck_mm.model.layers import model_layer_specs, torch_dtype
+from oobleck_mm.data.synthetic import SyntheticDataset
+from oobleck_mm.errors import UserError
+from oobleck_mm.precision import torch_dtype
+
+
+def build_dataset(job) -> Dataset:
+    """The dataset ``job.data.kind`` names, shaped for ``job.model``."""
+    inputs = ModelInputs.from_model(job.model)
+    if job.data.kind == "synthetic":
+        return SyntheticDataset(job.data, inputs)
+    if job.data.kind == "llava_json":
+        return LlavaJsonDataset(job.data, inputs)
+    raise UserError(f"data.kind: must be 'synthetic' or 'llava_json', got {job.data.kind!r}")
 
 
 class TrainingData:
@@ -23,7 +38,7 @@ class TrainingData:
         self.microbatch_size = job.training.microbatch_size
         self.spec = PackingSpec.from_model(job.model)
         self.dtype = torch_dtype(job.training.dtype)
-        widths = {s.name: s.in_features for s in model_layer_specs(job)}
+        widths = {s.name: s.in_features for s in layer_specs(job.model, job.data)}
         self.vision_in = widths.get("vision.embed", 0)
         self.audio_in = widths.get("audio.embed", 0)
 

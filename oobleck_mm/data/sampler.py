@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from oobleck_mm.errors import UserError
+
 # Separates the sampler's random stream from the datasets' (seed, index) streams,
 # so a data seed equal to the training seed does not correlate the two.
 _STREAM_TAG = 0x5A3D1E
@@ -34,7 +36,7 @@ class GlobalBatchSampler:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         if num_samples < global_batch:
-            raise ValueError(
+            raise UserError(
                 f"global_batch ({global_batch}) exceeds num_samples ({num_samples}): an epoch would hold no "
                 f"step; use at least {global_batch} samples or a global batch of at most {num_samples}"
             )

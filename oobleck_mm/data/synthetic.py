@@ -37,6 +37,7 @@ from statistics import NormalDist
 import numpy as np
 import torch
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
 from oobleck_mm.data.dataset import ModelInputs, check_index
 from oobleck_mm.data.sample import AUDIO, BOS, EOS, IMAGE, Sample, SampleMeta
@@ -128,7 +129,7 @@ class SyntheticDataset:
     def _check_fits(self) -> None:
         smallest = 2 + (self.inputs.image_llm_tokens(self._sides[0], self._sides[0]) if self._max_images else 0)
         if smallest > self.data.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"data.max_seq_len ({self.data.max_seq_len}) cannot hold even one image of the smallest size "
                 f"{self._sides[0]}x{self._sides[0]} ({smallest - 2} tokens) plus BOS/EOS; raise it to at least "
                 f"{smallest} or lower data.min_image_size"

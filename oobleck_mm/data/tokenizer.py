@@ -8,6 +8,7 @@ bytes) become ``'?'``, so every string encodes to exactly one id per UTF-8 byte
 
 from __future__ import annotations
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.data.sample import AUDIO, BOS, EOS, IMAGE, NUM_SPECIAL_TOKENS, PAD
 
 MIN_VOCAB_SIZE = NUM_SPECIAL_TOKENS + 128
@@ -20,7 +21,7 @@ _QUESTION = NUM_SPECIAL_TOKENS + ord("?")
 
 def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
+        raise UserError(
             f"vocab_size ({vocab_size}) is too small for byte-level text: it must be >= {MIN_VOCAB_SIZE} "
             f"({NUM_SPECIAL_TOKENS} special ids + 128 ASCII bytes)"
         )

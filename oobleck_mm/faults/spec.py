@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from oobleck_mm.errors import UserError
+
 KINDS = ("kill", "killworker", "stop", "join")
 FAILURE_KINDS = ("kill", "killworker", "stop")
 
@@ -62,11 +64,11 @@ class FaultEvent:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
+            raise UserError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if (self.step is None) == (self.seconds is None):
-            raise ValueError(f"fault {self.source or self.kind!r}: give exactly one of step and seconds")
+            raise UserError(f"fault {self.source or self.kind!r}: give exactly one of step and seconds")
         if self.node is None and self.kind != "join":
-            raise ValueError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
+            raise UserError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
 
     @property
     def is_failure(self) -> bool:
@@ -95,7 +97,7 @@ def parse_inject(specs: str | Iterable[str]) -> list[FaultEvent]:
         for token in value.split(","):
             token = token.strip()
             if not token:
-                raise ValueError(f"--inject {value!r}: empty event (stray comma?); valid forms: {VALID_FORMS}")
+                raise UserError(f"--inject {value!r}: empty event (stray comma?); valid forms: {VALID_FORMS}")
             events.append(parse_token(token))
     return events
 
@@ -155,4 +157,4 @@ _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
 
 def _bad(token: str, why: str) -> None:
-    raise ValueError(f"--inject: bad event {token!r}: {why}; valid forms: {VALID_FORMS}")
+    raise UserError(f"--inject: bad event {token!r}: {why}; valid forms: {VALID_FORMS}")

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
 ACTIONS = ("add", "remove")
@@ -56,7 +57,7 @@ def parse_trace(lines: Iterable[str], name: str = "trace") -> list[TraceEvent]:
             continue
         events.append(_parse_line(line, number, name))
     if not events:
-        raise ValueError(f"{name}: no events (expected lines of delta_ms,add|remove,nodeName)")
+        raise UserError(f"{name}: no events (expected lines of delta_ms,add|remove,nodeName)")
     return sorted(events, key=lambda e: e.ms)  # stable: simultaneous events keep file order
 
 
@@ -64,14 +65,14 @@ def _parse_line(line: str, number: int, name: str) -> TraceEvent:
     parts = [p.strip() for p in line.split(",")]
     where = f"{name}:{number}: {line!r}"
     if len(parts) != 3:
-        raise ValueError(f"{where}: expected delta_ms,add|remove,nodeName")
+        raise UserError(f"{where}: expected delta_ms,add|remove,nodeName")
     ms, action, node = parts
     if not ms.isdigit():
-        raise ValueError(f"{where}: delta_ms must be a non-negative integer of milliseconds, got {ms!r}")
+        raise UserError(f"{where}: delta_ms must be a non-negative integer of milliseconds, got {ms!r}")
     if action not in ACTIONS:
-        raise ValueError(f"{where}: action must be add or remove, got {action!r}")
+        raise UserError(f"{where}: action must be add or remove, got {action!r}")
     if not node:
-        raise ValueError(f"{where}: empty node name")
+        raise UserError(f"{where}: empty node name")
     return TraceEvent(int(ms), action, node, number)
 
 
@@ -89,13 +90,13 @@ def trace_timeline(
     ``start_s`` form the starting population and are not replayed.
     """
     if not time_scale > 0:
-        raise ValueError(f"--time-scale: must be > 0, got {time_scale}")
+        raise UserError(f"--time-scale: must be > 0, got {time_scale}")
     if not events:
         return []
     start_ms = events[0].ms if start_s is None else round(start_s * 1000)
     end_ms = None if end_s is None else round(end_s * 1000)
     if end_ms is not None and end_ms <= start_ms:
-        raise ValueError(f"trace window: end ({end_s} s) must come after start ({start_ms / 1000} s)")
+        raise UserError(f"trace window: end ({end_s} s) must come after start ({start_ms / 1000} s)")
     live = list(nodes)
     next_index = 1 + max((node_number(n) for n in nodes), default=-1)
     out: list[FaultEvent] = []

@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oobleck_mm.config.shape import LayerSpec, layer_specs, resolve_frozen
 from oobleck_mm.data.packing import PackedBatch
-from oobleck_mm.model.spec import LayerSpec, layer_specs, resolve_frozen
+from oobleck_mm.errors import UserError
+from oobleck_mm.precision import torch_dtype
 
 Acts = tuple[torch.Tensor, ...]
 
@@ -208,21 +210,13 @@ def model_layer_specs(job) -> tuple[LayerSpec, ...]:
     return layer_specs(job.model, job.data)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in ("float32", "float64"):
-        raise ValueError(
-            f"training.dtype: {name!r} is not run by the engine yet; valid: float32, float64 "
-            "(mixed precision for bfloat16/float16 is planned only)"
-        )
-    return getattr(torch, name)
-
 
 def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn.Module:
     """Layer ``index`` of the job's model with its deterministic initial weights, in the job's dtype."""
     specs = specs if specs is not None else model_layer_specs(job)
     spec = specs[index]
     if spec.kind == "lm_head" and spec.tied_embedding:
-        raise ValueError("model.llm.tie_embeddings: tied embeddings are not run by the engine yet; set it to false")
+        raise UserError("model.llm.tie_embeddings: tied embeddings are not run by the engine yet; set it to false")
     flash = job.training.flash_attention
     encoders = [m for m in ("vision", "audio") if getattr(job.model, m) is not None]
     # One generator per (seed, layer): any rank builds the same layer without talking to others.

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.planning.template import PipelineTemplate, TimeTable, time_table  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 SOLVERS = ("highs", "mindtpy", "python")
 
 
-class BatchSplitError(ValueError):
+class BatchSplitError(UserError):
     """The global batch cannot be split: not a multiple of ``b``, or fewer microbatches than pipelines."""
 
     def __init__(self, message: str, nearest_global_batches: tuple[int, ...]):

@@ -13,7 +13,7 @@ Pure: no torch, no torch.distributed, no grpc.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 # Modalities a layer may belong to. Encoder branches ("vision", "audio") run in
 # parallel in the model; the "text" trunk (token embedding + LLM) sits after all
@@ -190,6 +190,17 @@ class ClusterSpec:
             raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes}")
         if not 0 < self.memory_headroom <= 1:
             raise ValueError(f"memory_headroom must be in (0, 1], got {self.memory_headroom}")
+
+    @classmethod
+    def from_config(cls, cluster) -> ClusterSpec:
+        """From the job's ``cluster`` section (a ``config.ClusterConfig``)."""
+        return cls(
+            gpus_per_node=cluster.gpus_per_node,
+            device_memory_bytes=cluster.device_memory,
+            intra_node_bandwidth=cluster.intra_node_bandwidth,
+            inter_node_bandwidth=cluster.inter_node_bandwidth,
+            max_gpus_per_stage=cluster.max_gpus_per_stage,
+        )
 
     @property
     def stage_gpu_options(self) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ import numpy as np
 
 from oobleck_mm.planning.batch import min_feasible_time, split_batch, time_table, total_microbatches
 from oobleck_mm.planning.costs import ClusterSpec
+from oobleck_mm.planning.errors import InfeasiblePlan, TooFewNodes
 from oobleck_mm.planning.plan import Plan, PipelineInstance, gradient_allreduce_s
 from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
 
@@ -46,7 +47,7 @@ def instantiate(
 ) -> Plan:
     """The plan for ``node_names`` (all used, in the given order): pipelines, batch split, all-reduce time.
 
-    Larger templates take the first nodes. Raises ``ValueError`` when there are
+    Larger templates take the first nodes. Raises ``TooFewNodes`` when there are
     fewer than ``(f + 1) n0`` nodes and ``BatchSplitError`` when the global
     batch cannot give every pipeline of any feasible combination a microbatch.
     """
@@ -59,9 +60,10 @@ def instantiate(
         duplicates = sorted(n for n, c in Counter(node_names).items() if c > 1)
         raise ValueError(f"node_names must be distinct, got duplicates {duplicates}")
     if num_nodes < (f + 1) * n0:
-        raise ValueError(
+        raise TooFewNodes(
             f"{num_nodes} nodes cannot hold fault_tolerance + 1 = {f + 1} pipelines of at least "
-            f"min_nodes = {n0} nodes: need at least {(f + 1) * n0} nodes"
+            f"min_nodes = {n0} nodes: need at least {(f + 1) * n0} nodes",
+            live_nodes=num_nodes, needed=(f + 1) * n0,
         )
     # Every combination has at least this many pipelines; each needs a microbatch.
     fewest = max(f + 1, -(-num_nodes // template_set.max_nodes))
@@ -102,7 +104,7 @@ def best_template_counts(
     most = min(total, num_nodes // template_set.min_nodes)  # more pipelines than this cannot all work
     widest = -(-num_nodes // most) if most else num_nodes + 1  # even split over `most` pipelines
     if most < f + 1 or widest > template_set.max_nodes:
-        raise ValueError(
+        raise InfeasiblePlan(
             f"no combination of templates with {template_set.min_nodes}..{template_set.max_nodes} nodes "
             f"covers {num_nodes} nodes with between fault_tolerance + 1 = {f + 1} and "
             f"min(total_microbatches, {num_nodes} // {template_set.min_nodes}) = {most} pipelines"

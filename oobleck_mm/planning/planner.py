@@ -1,24 +1,39 @@
-"""The master's planning pipeline in one call: costs -> templates -> plan -> reconfiguration.
+"""The planning pipeline in one call: templates -> plan -> reconfiguration, and its typed outcomes.
 
-``plan_job`` is what ``oobleck-launch plan`` prints and what the master (a later
-issue) runs at start-up and on every membership change. It only wires the pure
-steps together and times them; every decision lives in the step's own module.
+``plan_job`` is what ``oobleck-launch plan`` prints. ``plan_fresh`` and
+``plan_reconfiguration`` are what the master's planning helper runs at start-up
+and on every membership change; they answer with one of three dataclasses,
+never an exception for a request no plan can meet:
+
+- ``Planned``: the plan, its execution layout and the rank of every GPU;
+- ``CannotKeepReplicas`` (from ``reconfigure``): fewer live nodes than f + 1
+  replicas need, or a layer lost every replica;
+- ``Failed``: a ``UserError`` the user must fix (the model fits no device...).
+
+Anything else raised here is a bug and propagates. The per-layer costs come in
+as an argument (``profiling.load.load_profile``): planning stays pure. This
+module only wires the pure steps together and times them; every decision lives
+in the step's own module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from oobleck_mm.planning.costs import ModelProfile
+from oobleck_mm.errors import UserError
+from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
+from oobleck_mm.planning.errors import TooFewNodes
 from oobleck_mm.planning.instantiate import instantiate
+from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
 from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
+from oobleck_mm.planning.report import format_plan, format_templates, plan_to_dict, template_to_dict
 from oobleck_mm.planning.stage_mapping import build_templates
 from oobleck_mm.planning.template import TemplateSet
-from oobleck_mm.report import format_plan, format_templates, plan_to_dict, template_to_dict
 
 
 @dataclass
@@ -101,36 +116,26 @@ def _reconfiguration_to_dict(result: PlanningResult) -> dict[str, Any]:
     return base
 
 
-def load_profile(job, progress: Callable[[str], None] | None = None) -> ModelProfile:
-    """Per-layer costs for the job: the analytical model, or the job's own layers timed on this machine."""
-    if job.planning.profile == "measured":
-        # Lazy: planning stays importable (and testable) without torch.
-        from oobleck_mm.profiling.measure_model import measure_job_profile
-
-        return measure_job_profile(job, progress)
-    from oobleck_mm.profiling.analytical import profile_from_config
-
-    return profile_from_config(job)
-
-
 def plan_job(
     job,
+    profile: ModelProfile,
     node_names: Sequence[str],
     lost: Sequence[str] = (),
     joined: Sequence[str] = (),
     solver: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanningResult:
+    """Templates for ``len(node_names)`` nodes, the best plan on them and, with ``lost`` or ``joined``,
+    its reconfiguration. ``profile``: the job's per-layer costs (``profiling.load.load_profile``).
+
+    Raises ``TooFewNodes`` below ``(f + 1) * n0`` nodes and other ``UserError``s when no
+    plan exists (the model fits no device, the batch cannot be split).
+    """
     solver = solver or job.planning.solver
     f = job.fault_tolerance.f
-    cluster = job.cluster_spec()
+    cluster = ClusterSpec.from_config(job.cluster)
     seconds: dict[str, float] = {}
     say = progress or (lambda line: None)
-
-    start = time.perf_counter()
-    profile = load_profile(job, progress)
-    seconds["profile"] = time.perf_counter() - start
-    say(f"profiled {profile.num_layers} layers ({profile.source}, {profile.device})")
 
     start = time.perf_counter()
     template_set = build_templates(
@@ -171,3 +176,98 @@ def plan_job(
         )
         seconds["reconfigure"] = time.perf_counter() - start
     return result
+
+
+# --------------------------------------------------------------------------- the master's outcomes
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A plan the workers can run."""
+
+    plan: Plan
+    """The planning ``Plan``: the next reconfiguration starts from it."""
+    layout: ExecutionPlan
+    ranks: dict[Gpu, int]
+    """(node, local GPU) -> rank in the new generation."""
+    template_nodes: int
+    """Node count the templates were built for (the next reconfiguration reuses them)."""
+    fresh: bool
+    """Instantiated afresh (not by the incremental steps of a reconfiguration)."""
+    actions: tuple[str, ...]
+    reason: str
+    seconds: float
+    """Planning time."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.samples_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """No plan: the user must change the config (the message names what and how)."""
+
+    message: str
+
+
+PlanOutcome = Planned | CannotKeepReplicas | Failed
+
+
+def plan_fresh(job, profile: ModelProfile, names: Sequence[str]) -> tuple[PlanOutcome, TemplateSet | None]:
+    """A plan on ``names`` from scratch, with the templates built for ``len(names)`` nodes."""
+    start = time.perf_counter()
+    try:
+        result = plan_job(job, profile, list(names))
+        planned = _planned(result.plan, len(names), True, (), f"instantiated on {len(names)} nodes", start)
+    except TooFewNodes as exc:
+        return CannotKeepReplicas(live_nodes=exc.live_nodes, needed=exc.needed, reason=str(exc)), None
+    except UserError as exc:
+        return Failed(str(exc)), None
+    return planned, result.template_set
+
+
+def plan_reconfiguration(
+    job,
+    profile: ModelProfile,
+    template_set: TemplateSet,
+    template_nodes: int,
+    base: Plan,
+    lost: Sequence[str],
+    joined: Sequence[str],
+) -> tuple[PlanOutcome, TemplateSet | None]:
+    """The reconfiguration of ``base`` (§2.5) with ``template_set``, built for ``template_nodes`` nodes;
+    a fresh plan when the incremental steps cannot place the nodes.
+
+    Joins past the node count the templates were built for (or a batch the new
+    pipelines cannot split) leave the incremental steps nothing to place; the live
+    nodes are then planned afresh, which the workers adopt just as well: they derive
+    the state copies from any pair of plans. The second value holds the new
+    templates when that happened.
+    """
+    start = time.perf_counter()
+    gain = job.planning.replan_gain
+    try:
+        rec = reconfigure(
+            base, lost, joined, template_set, job.fault_tolerance.f, ClusterSpec.from_config(job.cluster),
+            solver=job.planning.solver, replan_gain=math.inf if gain is None else gain,
+        )  # fmt: skip
+    except UserError as exc:
+        live = [n for n in base.nodes if n not in set(lost)] + [n for n in joined if n not in base.nodes or n in lost]
+        outcome, templates = plan_fresh(job, profile, live)
+        if isinstance(outcome, Planned):
+            reason = f"incremental reconfiguration impossible ({exc}); {outcome.reason}"
+            outcome = dataclasses.replace(outcome, reason=reason)
+        return outcome, templates
+    if isinstance(rec, CannotKeepReplicas):
+        return rec, None
+    return _planned(rec.plan, template_nodes, False, rec.actions, rec.reason, start), None
+
+
+def _planned(plan: Plan, template_nodes: int, fresh: bool, actions, reason: str, start: float) -> Planned:
+    ranks = rank_table(plan)
+    return Planned(
+        plan=plan, layout=ExecutionPlan.from_plan(plan, ranks), ranks=ranks, template_nodes=template_nodes,
+        fresh=fresh, actions=tuple(actions), reason=reason, seconds=time.perf_counter() - start,
+    )  # fmt: skip
+

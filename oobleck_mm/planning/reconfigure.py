@@ -37,11 +37,9 @@ node position. Inputs are sorted first, so the result never depends on the
 iteration order of ``lost`` or ``joined``. No clock, no randomness.
 
 Layer states are counted per (layer, destination GPU) whose GPU did not hold the
-layer in the old plan. Every copy names a surviving holder as its source;
-sources on the destination's own node are preferred (an NVLink copy instead of
-a network one), then the holder that has been asked to send the fewest layers
-so far, so senders are spread. Surviving GPUs keep their old states until the
-copy phase ends, so any of them may send, whatever it runs next.
+layer in the old plan. Which surviving holder sends each one is decided by
+``transfers.plan_transfers``, the same function the workers run: a holder on
+the destination's own node first, then the least-asked one.
 
 Pure: no torch, no torch.distributed, no grpc.
 """
@@ -55,26 +53,16 @@ from typing import Iterable
 
 from oobleck_mm.planning.batch import min_max_split, split_batch
 from oobleck_mm.planning.costs import ClusterSpec
+from oobleck_mm.planning.errors import InfeasiblePlan
 from oobleck_mm.planning.instantiate import best_template_counts
+from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
+from oobleck_mm.planning.report import format_ranges
 from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
+from oobleck_mm.planning.transfers import Transfer, plan_transfers
 
 # Re-plan from scratch when that is predicted this much faster than the incremental layout.
 DEFAULT_REPLAN_GAIN = 0.02
-
-Gpu = tuple[str, int]
-"""(node name, node-local GPU index)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StateMove:
-    """Copy one layer's state (parameters + optimizer state) to one GPU."""
-
-    layer: int
-    dst: Gpu
-    src: Gpu | None
-    """A GPU that held ``layer`` in the old plan and survived. ``reconfigure`` always
-    sets it; ``None`` is left for callers that restore a layer from a checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +72,9 @@ class Reconfiguration:
     """Human-readable steps in the order they were decided."""
     layer_states_moved: int
     """(layer, destination GPU) pairs whose GPU did not hold the layer in the old plan."""
-    moves: tuple[StateMove, ...]
-    """One per moved layer state, ordered by new pipeline, node position, GPU, layer."""
+    moves: tuple[Transfer, ...]
+    """One per moved layer state (``Transfer`` over (node, GPU) holders), ordered by new pipeline,
+    node position, GPU, layer: ``transfers.plan_transfers``, the rule the workers run."""
     reason: str
 
 
@@ -188,7 +177,7 @@ def reconfigure(
         return CannotKeepReplicas(
             live_nodes=live_count,
             needed=needed,
-            reason=f"layers {_ranges_text(orphans)} lost every replica: the model state is gone",
+            reason=f"layers {format_ranges(orphans)} lost every replica: the model state is gone",
         )
 
     actions: list[str] = []
@@ -271,16 +260,6 @@ def _layers_without_holder(ctx: _Context, num_layers: int) -> list[int]:
     for layers in ctx.held.values():
         held.update(layers)
     return [layer for layer in range(num_layers) if layer not in held]
-
-
-def _ranges_text(layers: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    parts, start = [], layers[0]
-    for prev, cur in zip(layers, layers[1:] + [None]):
-        if cur != prev + 1:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ", ".join(parts)
 
 
 # --- pricing candidates -----------------------------------------------------------------------
@@ -525,7 +504,7 @@ def _fresh_layout(
         sizes = _best_sizes(ctx, live)
     except ValueError as err:
         # Only reachable when joins push the cluster past the N the templates were built for.
-        raise ValueError(
+        raise InfeasiblePlan(
             f"joined: {live} live nodes cannot be laid out with templates of {ctx.templates.min_nodes}.."
             f"{ctx.templates.max_nodes} nodes ({err}); rebuild the template set for {live} nodes "
             f"(stage_mapping.build_templates) and instantiate afresh"
@@ -584,22 +563,11 @@ def _instantiation_actions(groups: list[_Group]) -> list[str]:
     return out
 
 
-def _state_moves(plan: Plan, ctx: _Context) -> tuple[StateMove, ...]:
-    holders: dict[int, list[Gpu]] = {}
-    for gpu, layers in ctx.held.items():
-        for layer in layers:
-            holders.setdefault(layer, []).append(gpu)
-    load: Counter[Gpu] = Counter()
-    moves = []
+def _state_moves(plan: Plan, ctx: _Context) -> tuple[Transfer, ...]:
+    """The copies the workers will run (the same rule), over (node, GPU) holders."""
+    needed: dict[Gpu, range] = {}
     for pipeline in plan.pipelines:
         position = {node: i for i, node in enumerate(pipeline.nodes)}
-        for dst, layers in sorted(pipeline.layers_on().items(), key=lambda kv: (position[kv[0][0]], kv[0][1])):
-            old = ctx.held.get(dst)
-            for layer in layers:
-                if old is not None and layer in old:
-                    continue
-                # Same-node holders first (intra-node copy), then the least-asked sender.
-                src = min(holders[layer], key=lambda h: (h[0] != dst[0], load[h]))
-                load[src] += 1
-                moves.append(StateMove(layer=layer, dst=dst, src=src))
-    return tuple(moves)
+        for gpu, layers in sorted(pipeline.layers_on().items(), key=lambda kv: (position[kv[0][0]], kv[0][1])):
+            needed[gpu] = layers
+    return plan_transfers(ctx.held, needed, node_of=lambda gpu: gpu[0])

@@ -76,10 +76,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
+from oobleck_mm.planning.errors import InfeasiblePlan, TooFewNodes
 from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, ModelProfile, effective_layers, stage_cost
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 
@@ -160,10 +160,11 @@ def build_templates(
     n0 = planner.min_nodes()
     f = fault_tolerance
     if num_nodes < (f + 1) * n0:
-        raise ValueError(
+        raise TooFewNodes(
             f"num_nodes ({num_nodes}) < (fault_tolerance ({f}) + 1) x min_nodes ({n0}) = {(f + 1) * n0}: "
             f"{f + 1} replica(s) of model {profile.model_name!r} need at least {(f + 1) * n0} nodes; "
-            f"use num_nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1)
+            f"use num_nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1),
+            live_nodes=num_nodes, needed=(f + 1) * n0,
         )
     budget_max = num_nodes - f * n0
     n_max = planner.last_feasible_from(n0, budget_max)
@@ -209,7 +210,7 @@ def _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, layer
         )
     else:
         fix = f"no memory-feasible mapping exists on {n_max + 1} nodes; more device memory would help"
-    raise ValueError(
+    raise InfeasiblePlan(
         f"templates for {n0}..{n_max} nodes give p = {p} node counts, but covering every node count "
         f">= (f + 1) n0 = {(f + 1) * n0} needs p > n0 - 1, i.e. at least n0 = {n0} consecutive counts: {fix}"
     )
@@ -440,7 +441,7 @@ class _Planner:
         for n in range(1, self.max_nodes_by_layers + 1):
             if math.isfinite(self.bottleneck(n)):
                 return n
-        raise ValueError(self._does_not_fit_message())
+        raise InfeasiblePlan(self._does_not_fit_message())
 
     def last_feasible_from(self, first: int, limit: int) -> int:
         n = first

@@ -13,6 +13,8 @@ import os
 import secrets
 import stat
 
+from oobleck_mm.errors import UserError
+
 TOKEN_HEADER = "x-oobleck-token"
 TOKEN_ENV = "OOBLECK_TOKEN"
 
@@ -35,13 +37,13 @@ def read_token(path: str) -> str:
         with open(path, encoding="utf-8") as fh:
             token = fh.read().strip()
     except OSError as exc:
-        raise ValueError(f"--token-file: cannot read {path!r}: {exc.strerror}") from None
+        raise UserError(f"--token-file: cannot read {path!r}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(
+        raise UserError(
             f"--token-file: {path!r} is accessible by other users (mode {oct(mode & 0o777)}); chmod 600 it"
         )
     if not token:
-        raise ValueError(f"--token-file: {path!r} is empty")
+        raise UserError(f"--token-file: {path!r} is empty")
     return token
 
 
@@ -51,7 +53,7 @@ def resolve_token(token_file: str | None) -> str:
         return read_token(token_file)
     token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
-        raise ValueError(f"agent: no job token; pass --token-file FILE (printed by the master) or set ${TOKEN_ENV}")
+        raise UserError(f"agent: no job token; pass --token-file FILE (printed by the master) or set ${TOKEN_ENV}")
     return token
 
 

@@ -7,7 +7,7 @@ format can evolve in one place.
 from __future__ import annotations
 
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 
 
 def plan_to_proto(plan: ExecutionPlan) -> pb.ExecutionPlan:

@@ -47,7 +47,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class Assignment(_message.Message):
     SAVE_FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -78,7 +79,8 @@ class Assignment(_message.Message):
     save_final_dir: str
     checkpoint_interval: int
     checkpoint_dir: str
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("dir", "generation", "surviving_ranks")
@@ -207,20 +209,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., gpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("node", "session", "gpus", "heartbeat_interval_s", "heartbeat_timeout_s", "config_yaml")
+    __slots__ = ("node", "session", "gpus", "config_yaml")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
     node: str
     session: int
     gpus: int
-    heartbeat_interval_s: float
-    heartbeat_timeout_s: float
     config_yaml: str
-    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., config_yaml: _Optional[str] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., config_yaml: _Optional[str] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("node", "session")

@@ -4,10 +4,11 @@ A worker lives for the whole job. It trains generation after generation, and
 its in-memory layer states are what makes checkpoint-free recovery possible:
 
 1. An ``Assignment`` of generation g arrives (protobuf bytes on the agent's pipe).
-2. Rendezvous: a store-based arrival barrier under the prefix ``gen{g}`` (long
-   deadline, abandoned if a newer command arrives), then a process group whose
-   collective timeout is ``heartbeat_timeout + 5 s``, so a hung peer cannot
-   hold survivors longer than that.
+2. Rendezvous (``runtime.group.join_generation``, the one join path): an
+   arrival barrier under the prefix ``gen{g}`` (``fault_tolerance.
+   rendezvous_timeout``, abandoned if a newer command arrives), then a process
+   group whose timeout is ``fault_tolerance.collective_timeout``, so a hung peer
+   cannot hold survivors longer than that.
 3. The start step: survivors agree on their next step (all-reduce max; min must
    match), a fresh job takes the assignment's, a resume the checkpoint's.
 4. State hand-over (``adopt_plan``): survivors keep what they still hold and
@@ -36,24 +37,23 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
+from oobleck_mm.config import load_config
+from oobleck_mm.config.shape import layer_specs
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
 from oobleck_mm.protocol.pipe import recv_command, send_report
 from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers
 from oobleck_mm.runtime.engine import StageEngine
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.group import connect_store, join_generation, leave_group
 from oobleck_mm.runtime.state_transfer import adopt_plan
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
 from oobleck_mm.runtime.worker import device_for, save_checkpoint, write_replica_hashes
 
 log = logging.getLogger(__name__)
-
-RENDEZVOUS_DEADLINE = timedelta(minutes=5)
 
 
 class CommandReader:
@@ -120,9 +120,9 @@ class WorkerLoop:
         self.committed: Generation | None = None  # last generation in which a step completed
         self.current: Generation | None = None
         self.next_step: int | None = None  # first step not yet applied to this worker's layers
-        self.collective_timeout = job.fault_tolerance.heartbeat_timeout + timedelta(seconds=5)
-        self.waiter = Waiter(self.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
-                             stall_after=2 * job.fault_tolerance.heartbeat_interval.total_seconds())
+        self.timeouts = job.fault_tolerance
+        self.waiter = Waiter(self.timeouts.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
+                             stall_after=self.timeouts.stall_report_after.total_seconds())  # fmt: skip
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
@@ -165,7 +165,7 @@ class WorkerLoop:
         for step in range(start, a.steps):
             pending = self.commands.poll()
             if pending is not None:
-                self._leave_group()
+                leave_group()
                 return pending  # a new plan (a join, a failure elsewhere) or a shutdown: at a boundary
             try:
                 result = engine.train_step(step)
@@ -181,52 +181,41 @@ class WorkerLoop:
                 self.committed = gen
                 self.phase(a.generation, "resumed", step=step)
             if a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0 and a.checkpoint_dir:
-                save_checkpoint(a.checkpoint_dir, engine, self.next_step)
+                try:
+                    save_checkpoint(a.checkpoint_dir, engine, self.next_step)
+                except RuntimeError as error:  # a peer died mid-save: the step stands, the checkpoint does not
+                    return self.abort(a.generation, self.next_step, f"checkpoint: {str(error).splitlines()[0]}")
                 self.report(checkpoint_done=pb.CheckpointDone(dir=a.checkpoint_dir, step=self.next_step,
                                                               layers=len(engine.layers)))
         if a.save_final_dir:
-            save_checkpoint(a.save_final_dir, engine, a.steps)
+            try:
+                save_checkpoint(a.save_final_dir, engine, a.steps)
+            except RuntimeError as error:  # the next generation (no steps left) saves it again
+                return self.abort(a.generation, a.steps, f"final save: {str(error).splitlines()[0]}")
             write_replica_hashes(a.save_final_dir, engine)
         self.report(done=pb.WorkerDone(step=a.steps - 1))
-        self._leave_group()
+        leave_group()
         return self.commands.get()
 
     def abort(self, generation: int, step: int, message: str):
         log.warning("generation %d: iteration %d abandoned: %s", generation, step, message)
-        self._leave_group()  # closes our connections: peers blocked on us fail fast instead of timing out
+        leave_group()  # closes our connections: peers blocked on us fail fast instead of timing out
         self.phase(generation, "aborted", step=step, message=message[:500])
         return self.commands.get()
-
-    def _leave_group(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # ------------------------------------------------------------------ generation set-up
     def rendezvous(self, a):
         """Join generation ``a.generation``; returns a newer command instead if one arrives while waiting."""
         t0 = time.perf_counter()
-        self._leave_group()
-        store = dist.TCPStore(a.store_host, a.store_port, is_master=False, timeout=RENDEZVOUS_DEADLINE)
-        prefixed = dist.PrefixStore(f"gen{a.generation}", store)
-        # Arrival barrier with a long deadline: survivors of a hang arrive up to a collective
-        # timeout apart, fresh workers seconds apart; only then the short-timeout group.
-        prefixed.add("arrived", 1)
-        deadline = time.monotonic() + RENDEZVOUS_DEADLINE.total_seconds()
-        while prefixed.add("arrived", 0) < a.world_size:
-            pending = self.commands.poll()
-            if pending is not None:
-                return pending  # the master re-planned while we waited (a failure during recovery)
-            if time.monotonic() > deadline:
-                raise PeerFailure(f"generation {a.generation}: not all {a.world_size} workers arrived")
-            time.sleep(0.01)
-        # Group names come from a process-global counter that a failed init leaves incremented;
-        # every rank of a generation must start from the same count or the rendezvous never matches.
-        dist.distributed_c10d._world.group_count = 0
-        try:
-            dist.init_process_group(self.job.cluster.resolved_backend, store=prefixed, rank=a.rank,
-                                    world_size=a.world_size, timeout=self.collective_timeout)
-        except RuntimeError as error:
-            raise PeerFailure(f"generation {a.generation}: rendezvous failed: {error}") from error
+        leave_group()
+        store = connect_store(a.store_host, a.store_port, timeout=self.timeouts.rendezvous_timeout)
+        pending = join_generation(
+            store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
+            collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,
+            poll=self.commands.poll,  # the master re-planned while we waited (a failure during recovery)
+        )  # fmt: skip
+        if pending is not None:
+            return pending
         self.phase(a.generation, "rendezvous", seconds=time.perf_counter() - t0)
         return None
 
@@ -252,13 +241,14 @@ class WorkerLoop:
         try:
             if a.previous_generation:
                 old_plan = plan_from_proto(a.previous_plan)
-                survivors = {old: new for new, old in enumerate(a.previous_ranks) if old >= 0}
-                engine, transfers, moved, transfer_s = adopt_plan(self.job, old_engine, old_plan, plan,
-                                                      survivors, a.rank, self.device, self.waiter)
+                engine, transfers, moved, transfer_s = adopt_plan(
+                    self.job, old_engine, old_plan, plan, list(a.previous_ranks), a.rank, list(a.rank_nodes),
+                    self.device, self.waiter,
+                )  # fmt: skip
             else:
                 held = {}
                 if a.resume_dir:
-                    specs = _specs(self.job)
+                    specs = layer_specs(self.job.model, self.job.data)
                     held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
                             for i in plan.stage(a.rank).layers}
                 engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter)
@@ -300,16 +290,8 @@ class WorkerLoop:
         self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, layers=len(owned)))
 
 
-def _specs(job):
-    from oobleck_mm.model.layers import model_layer_specs
-
-    return model_layer_specs(job)
-
-
 def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     """Entry point of a worker process started by an agent (one per GPU)."""
-    from oobleck_mm.config import load_config
-
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node}/gpu{local_rank} %(levelname)s %(message)s")

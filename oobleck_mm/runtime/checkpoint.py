@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.runtime.engine import HeldLayer, fresh_layer
 from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
 
@@ -71,10 +72,10 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
 def read_meta(directory: str | os.PathLike) -> dict:
     path = Path(directory) / "meta.json"
     if not path.exists():
-        raise ValueError(f"{directory}: not a complete checkpoint (no meta.json)")
+        raise UserError(f"{directory}: not a complete checkpoint (no meta.json)")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this version reads {FORMAT}")
+        raise UserError(f"{path}: checkpoint format {meta.get('format')!r}, this version reads {FORMAT}")
     return meta
 
 
@@ -82,13 +83,13 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
     """Layer ``index`` with its parameters and optimizer state from the checkpoint."""
     path = _layer_file(Path(directory), specs[index].name)
     if not path.exists():
-        raise ValueError(f"{directory}: checkpoint has no layer {specs[index].name!r} ({path} missing)")
+        raise UserError(f"{directory}: checkpoint has no layer {specs[index].name!r} ({path} missing)")
     payload = torch.load(path, map_location=device, weights_only=True)
     held = fresh_layer(job, index, specs, device)
     held.module.load_state_dict(payload["params"])
     if held.optimizer is not None:
         if payload["optimizer"] is None:
-            raise ValueError(f"{path}: layer {specs[index].name!r} is trainable but was saved without optimizer state")
+            raise UserError(f"{path}: layer {specs[index].name!r} is trainable but was saved without optimizer state")
         load_optimizer_state(held.optimizer, payload["optimizer"])
     return held
 

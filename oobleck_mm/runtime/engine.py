@@ -37,7 +37,7 @@ from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, trainable_mask
 from oobleck_mm.runtime.grad_sync import GradientSync
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.optim import build_layer_optimizer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.update import apply_update, trainable_params

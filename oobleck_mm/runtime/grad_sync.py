@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.waiting import Waiter
 from oobleck_mm.runtime.update import fill_missing_grads, grad_sq, trainable_params
 

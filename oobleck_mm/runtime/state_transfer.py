@@ -5,34 +5,27 @@ moments and the step). Seed Oobleck copied parameters only, so a moved layer
 restarted Adam from zero and diverged from a run without failures; here the
 receiver ends bit-identical to the sender.
 
-All transfers of a reconfiguration are posted at once as non-blocking
+Which holder sends which layer is decided by ``planning.transfers`` (the same
+rule the master logs and the planner reports: a sender on the receiver's node
+first, then the least-asked one), from the assignment alone, so every rank
+derives the same list. All transfers are posted at once as non-blocking
 sends/receives in the new generation's process group, so different senders
-copy in parallel (the master spreads the senders over surviving replicas).
-Each message gets its own tag, so several layers between the same two ranks
-cannot be confused.
+copy in parallel. Each message gets its own tag, so several layers between the
+same two ranks cannot be confused.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from oobleck_mm.runtime.engine import HeldLayer
+from oobleck_mm.planning.transfers import Transfer, rank_transfers
+from oobleck_mm.runtime.engine import HeldLayer, StageEngine, fresh_layer
 from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
 from oobleck_mm.runtime.waiting import Waiter
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Transfer:
-    layer: int
-    dst: int
-    """Rank (in the new generation) that needs the layer."""
-    src: int
-    """Rank (in the new generation) that holds it."""
 
 
 def _tensors(held: HeldLayer) -> list[torch.Tensor]:
@@ -107,47 +100,16 @@ def _tag(transfer_index: int, tensor_index: int) -> int:
     return transfer_index * 1024 + tensor_index
 
 
-def plan_transfers(old_holders: Mapping[int, Sequence[int]], new_plan) -> list[Transfer]:
-    """Transfers so every rank of ``new_plan`` holds its layers, spreading the senders.
-
-    ``old_holders[layer]``: new-generation ranks that still hold the layer. Each
-    missing (layer, rank) pair is served by the holder that has sent the least so
-    far (ties: lowest rank), so copies run in parallel from many survivors.
-    """
-    load: dict[int, int] = {}
-    out = []
-    for layer in range(new_plan.num_layers):
-        sources = sorted(old_holders.get(layer, ()))
-        for dst in new_plan.holders(layer):
-            if dst in sources:
-                continue
-            if not sources:
-                raise ValueError(f"layer {layer} has no surviving holder to copy from")
-            src = min(sources, key=lambda r: (load.get(r, 0), r))
-            load[src] = load.get(src, 0) + 1
-            out.append(Transfer(layer, dst, src))
-    return out
-
-
-def surviving_holders(old_plan, survivors: Mapping[int, int]) -> dict[int, list[int]]:
-    """layer -> new ranks that held it in ``old_plan``; ``survivors`` maps old rank -> new rank."""
-    return {
-        layer: [survivors[r] for r in old_plan.holders(layer) if r in survivors]
-        for layer in range(old_plan.num_layers)
-    }
-
-
-def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], new_rank: int,
-               device: torch.device | str = "cpu", waiter: Waiter = Waiter()):
+def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
+               rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", waiter: Waiter = Waiter()):
     """Move a surviving worker from ``engine`` (old plan) to ``new_plan``, keeping every layer it still needs.
 
     Call after joining the new generation's process group, on every rank of it (a
-    joining worker passes ``engine=None``). Returns (new engine, transfers, bytes moved here,
-    transfer seconds).
+    joining worker passes ``engine=None``). ``previous_ranks[r]``: new rank r's rank in
+    ``old_plan`` (-1: no state); ``rank_nodes[r]``: its node, for the same-node preference
+    of ``planning.transfers``. Returns (new engine, transfers, bytes moved here, transfer seconds).
     """
-    from oobleck_mm.runtime.engine import StageEngine, fresh_layer
-
-    transfers = plan_transfers(surviving_holders(old_plan, survivors), new_plan)
+    transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
     held = engine.held() if engine is not None else {}
     specs = engine.specs if engine is not None else None
     received, moved, seconds = transfer_layers(transfers, new_rank, held,
@@ -158,7 +120,8 @@ def adopt_plan(job, engine, old_plan, new_plan, survivors: Mapping[int, int], ne
     balancer = engine.balancer if engine is not None else None  # the cost model carries over
     engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter,
                          balancer=balancer)
+    survivors = [rank for rank, previous in enumerate(previous_ranks) if previous >= 0]
     if engine.balancer is not None and survivors:
         # Joiners start with the initial cost model: every rank must use the survivors' one.
-        engine.balancer.share_from(min(survivors.values()))
+        engine.balancer.share_from(min(survivors))
     return engine, transfers, moved, seconds

@@ -2,13 +2,15 @@
 
 Two ways in, one engine:
 
-- ``worker_main(conn, config_path, node, local_rank)``: what an agent starts,
-  one per GPU. It waits for ``Assignment`` messages (protobuf bytes on ``conn``),
-  rendezvouses on the master's store under the generation's prefix, trains and
-  reports ``StepMetrics`` after every step.
+- ``agent_worker.worker_main(conn, config_path, node, local_rank)``: what an
+  agent starts, one per GPU. It waits for ``Assignment`` messages (protobuf
+  bytes on ``conn``), rendezvouses on the master's store under the
+  generation's prefix, trains and reports ``StepMetrics`` after every step.
 - ``run_local(job, plan, steps, out_dir)``: starts one process per rank of an
   ``ExecutionPlan`` on this machine with a private store (tests, benchmarks),
   each saving its layers' final states and per-step losses.
+
+Both join their groups through ``runtime.group.join_generation``, the one path.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from oobleck_mm.runtime.engine import StageEngine, StepResult
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import save_layers, save_meta
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.engine import StageEngine, StepResult
+from oobleck_mm.runtime.group import connect_store, join_generation
 from oobleck_mm.runtime.optim import optimizer_state
 from oobleck_mm.runtime.state_transfer import adopt_plan
 
@@ -40,17 +43,6 @@ def device_for(job, local_rank: int) -> torch.device:
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def join_group(job, store: dist.Store, generation: int, rank: int, world_size: int,
-               timeout: timedelta | None = None) -> None:
-    """Initialise the default process group of ``generation`` on ``store`` (a prefix per generation)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    timeout = timeout or job.fault_tolerance.heartbeat_timeout * 4
-    prefixed = dist.PrefixStore(f"gen{generation}", store)
-    dist.init_process_group(job.cluster.resolved_backend, store=prefixed, rank=rank, world_size=world_size,
-                            timeout=timeout)
 
 
 def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, device: torch.device,
@@ -109,14 +101,31 @@ class Phase:
     steps: int
     survivors: Mapping[int, int]
     """Previous phase's rank -> this phase's rank; a rank left out leaves the job (its node is lost)."""
+    rank_nodes: Sequence[str] = ()
+    """Node of each rank of ``plan`` (the same-node preference of the state copy); empty: one node per rank."""
+
+    @property
+    def previous_ranks(self) -> list[int]:
+        """Per rank of ``plan``: its rank in the previous phase, -1 for a new worker."""
+        out = [-1] * self.plan.world_size
+        for old, new in self.survivors.items():
+            out[new] = old
+        return out
 
 
 def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int,
-                 phases: Sequence[Phase] = (), save_final: str | None = None) -> None:
+                 phases: Sequence[Phase] = (), save_final: str | None = None, timeout_s: float = 120.0) -> None:
     torch.set_num_threads(threads)
+    # No master watches a local run: its waits are bounded by the run's own timeout instead.
+    bound = timedelta(seconds=timeout_s)
+
+    def join(generation: int, rank: int, world_size: int) -> None:
+        join_generation(store, generation, rank, world_size, job.cluster.resolved_backend,
+                        collective_timeout=bound, arrival_timeout=bound)  # fmt: skip
+
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        join_group(job, store, 0, rank, plan.world_size, timeout=timedelta(seconds=120))
+        store = connect_store("127.0.0.1", port, timeout=bound)
+        join(0, rank, plan.world_size)
         results: list[StepResult] = []
         engine = train(job, plan, rank, 0, steps, torch.device("cpu"), results.append)
         step, transfers = steps, []
@@ -126,8 +135,9 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                 return  # this worker's node is gone
             old_plan, rank = plan, phase.survivors[rank]
             plan = phase.plan
-            join_group(job, store, generation, rank, plan.world_size, timeout=timedelta(seconds=120))
-            engine, moves, _, _ = adopt_plan(job, engine, old_plan, plan, phase.survivors, rank)
+            join(generation, rank, plan.world_size)
+            engine, moves, _, _ = adopt_plan(job, engine, old_plan, plan, phase.previous_ranks, rank,
+                                             phase.rank_nodes)  # fmt: skip
             transfers.append(moves)
             for s in range(step, step + phase.steps):
                 results.append(engine.train_step(s))
@@ -163,8 +173,8 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_local_entry, args=(job, plan, r, port, steps, str(out_dir), threads, tuple(phases), save_final),
-                         daemon=True)
+    procs = [ctx.Process(target=_local_entry, daemon=True,
+                         args=(job, plan, r, port, steps, str(out_dir), threads, tuple(phases), save_final, timeout_s))
              for r in range(plan.world_size)]
     final = phases[-1].plan if phases else plan
     try:
@@ -187,9 +197,3 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
                 p.join(5)
         del store
 
-
-def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
-    """The agent's entry point; it lives with the generation logic in ``agent_worker``."""
-    from oobleck_mm.runtime.agent_worker import worker_main as main
-
-    main(conn, config_path, node, local_rank)

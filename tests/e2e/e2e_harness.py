@@ -165,7 +165,7 @@ _REFERENCES: dict[tuple[str, int], dict[str, dict]] = {}
 
 def reference_state(config: str, steps: int) -> dict[str, dict]:
     """Layer name -> parameters after ``steps`` reference steps (cached across tests: only the cluster differs)."""
-    from oobleck_mm.model.reference import ReferenceTrainer
+    from oobleck_mm.runtime.reference import ReferenceTrainer
 
     raw = yaml.safe_load(Path(config).read_text())
     key = (json.dumps({k: raw[k] for k in ("model", "data", "training")}, sort_keys=True), steps)

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 import psutil
 import yaml
 
-from master.server import MasterOptions, MasterServer, apply_overrides
+from master.server import MasterOptions, MasterServer
+from oobleck_mm.config import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import read_events
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from oobleck_mm.config import config_from_dict
-from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 from oobleck_mm.runtime.worker import Phase, run_local
 from test_runtime_equivalence import max_param_diff, reference
 

@@ -13,8 +13,8 @@ import yaml
 
 from oobleck_mm.config import config_from_dict
 from oobleck_mm.model.layers import build_layer, model_layer_specs
-from oobleck_mm.model.reference import ReferenceTrainer
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.runtime.reference import ReferenceTrainer
+from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.worker import run_local
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 from oobleck_mm.runtime.worker import Phase, run_local
 from test_runtime_equivalence import max_param_diff, reference, tiny_job
 
@@ -58,3 +58,23 @@ def test_first_stage_lost_and_survivors_renumbered(tmp_path):
     assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
     moved = outs[0]["transfers"][0]
     assert {t.layer for t in moved} == {4}  # old rank 2 held 0-4, now keeps 0-3 and rank 2 needs 4
+
+
+def test_a_layer_is_copied_from_the_receivers_own_node(tmp_path):
+    """Two holders of layers 5-9 survive; the one on the receiver's node sends them all (planning.transfers)."""
+    job = tiny_job()
+    trainer, ref_losses = reference(job)
+    before = ExecutionPlan.even(10, [2, 2, 2], [3, 3, 2], 2)  # ranks 0,1 | 2,3 | 4,5
+    # rank 5 is lost: rank 4 runs a whole 1-stage pipeline and needs layers 5-9, held by ranks 1 and 3
+    after = ExecutionPlan(
+        (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 3),
+         PipelineLayout((StageLayout(2, 0, 5), StageLayout(3, 5, 10)), 3), PipelineLayout((StageLayout(4, 0, 10),), 2)),
+        10, 2,
+    )  # fmt: skip
+    nodes = ("nodeA", "nodeA", "nodeB", "nodeC", "nodeC")  # ranks 3 and 4 share a node
+    outs = run_local(job, before, 2, tmp_path, phases=[Phase(after, 3, {r: r for r in range(5)}, nodes)])
+    assert max_param_diff(outs, trainer) < 1e-10
+    assert outs[4]["losses"] == pytest.approx(ref_losses, abs=1e-12)
+    moved = {(t.layer, t.src, t.dst) for t in outs[4]["transfers"][0]}
+    # without the node names the copies alternate between ranks 1 and 3
+    assert moved == {(layer, 3, 4) for layer in range(5, 10)}

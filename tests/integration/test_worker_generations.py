@@ -20,8 +20,9 @@ import yaml
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
 from oobleck_mm.protocol.pipe import recv_report, send_command
-from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
-from oobleck_mm.runtime.worker import free_port, worker_main
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.runtime.agent_worker import worker_main
+from oobleck_mm.runtime.worker import free_port
 from oobleck_mm.verify import compare
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oobleck_mm.config import load_config
-from oobleck_mm.model.spec import LayerSpec, layer_specs, matmul_param_count, param_count
+from oobleck_mm.config.shape import LayerSpec, layer_specs, matmul_param_count, param_count
 from oobleck_mm.planning.costs import effective_layers
-from oobleck_mm.profiling.analytical import DEVICES, DeviceSpec, analytical_profile, get_device, profile_from_config
+from oobleck_mm.config.devices import DEVICES, DeviceSpec, get_device
+from oobleck_mm.profiling.analytical import analytical_profile, profile_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

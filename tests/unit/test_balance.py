@@ -14,11 +14,12 @@ from oobleck_mm.balance.metrics import dist_ratio, imbalance, modality_dist_rati
 from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
 from oobleck_mm.balance.work import sample_features
 from oobleck_mm.config import load_config
-from oobleck_mm.data.dataset import ModelInputs, build_dataset
+from oobleck_mm.data.dataset import ModelInputs
+from oobleck_mm.data.loader import build_dataset
 from oobleck_mm.data.sample import SampleMeta
-from oobleck_mm.model.spec import layer_specs
+from oobleck_mm.config.shape import layer_specs
 from oobleck_mm.profiling.analytical import profile_from_config
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.planning.layout import ExecutionPlan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

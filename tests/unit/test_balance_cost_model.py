@@ -14,7 +14,7 @@ from oobleck_mm.balance.work import F, NUM_FEATURES, microbatch_features, sample
 from oobleck_mm.config import load_config
 from oobleck_mm.data.dataset import ModelInputs
 from oobleck_mm.data.sample import SampleMeta
-from oobleck_mm.model.spec import layer_specs
+from oobleck_mm.config.shape import layer_specs
 from oobleck_mm.planning.costs import effective_layers
 from oobleck_mm.profiling.analytical import profile_from_config
 

@@ -117,7 +117,7 @@ def test_without_numba_the_same_code_gives_the_same_placement(mllm, tmp_path):
         "from oobleck_mm.balance.cost_model import CostCoefficients, CostModel\n"
         "from oobleck_mm.config import load_config\n"
         "from oobleck_mm.data.dataset import ModelInputs\n"
-        "from oobleck_mm.model.spec import layer_specs\n"
+        "from oobleck_mm.config.shape import layer_specs\n"
         "from oobleck_mm.profiling.analytical import profile_from_config\n"
         "job = load_config(CONFIGS / 'mllm_10b.yaml')\n"
         "model = CostModel.from_profile(profile_from_config(job), layer_specs(job.model, job.data))\n"

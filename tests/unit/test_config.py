@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from oobleck_mm.config import ConfigError, JobConfig, config_from_dict, load_config
-from oobleck_mm.profiling.analytical import DEVICES
+from oobleck_mm.config.devices import DEVICES
+from oobleck_mm.planning.costs import ClusterSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -122,12 +123,12 @@ def test_sizes_parse(text, num_bytes):
 def test_bandwidths_parse(text, rate):
     job = config_from_dict(with_value(MINIMAL, "cluster", {"inter_node_bandwidth": text}))
     assert job.cluster.inter_node_bandwidth == pytest.approx(rate)
-    assert job.cluster_spec().inter_node_bandwidth == pytest.approx(rate)
+    assert ClusterSpec.from_config(job.cluster).inter_node_bandwidth == pytest.approx(rate)
 
 
 def test_cluster_spec_carries_the_cluster_section():
     job = load_config(os.path.join(ROOT, "configs", "mllm_10b.yaml"))
-    spec = job.cluster_spec()
+    spec = ClusterSpec.from_config(job.cluster)
     assert spec.gpus_per_node == 8 and spec.max_gpus_per_stage == 8
     assert spec.device_memory_bytes == 80 * 10**9
     assert spec.intra_node_bandwidth == 450e9 and spec.inter_node_bandwidth == 3200e9 / 8

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from master.coordinator import CHECKPOINTING, END_OF_STREAM, RUNNING, WAITING, Coordinator, Refused, RunOptions
-from master.server import apply_overrides
+from master.coordinator import END_OF_STREAM, Coordinator, JobPhase, Refused, RunOptions
+from oobleck_mm.config import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -116,17 +116,17 @@ def start(j: Job, *names: str) -> None:
         j.join(name)
     j.c.tick()
     j.drain_all()
-    assert j.c.phase == RUNNING
+    assert j.c.phase == JobPhase.RUNNING
 
 
 def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_rank(make):
     j = make(nodes=2, gpus=2)
     j.join("a")
     j.join("b", stream=False)
-    assert j.c.tick() is None and j.c.phase == WAITING  # b registered but cannot be told anything yet
+    assert j.c.tick() is None and j.c.phase == JobPhase.WAITING  # b registered but cannot be told anything yet
     j.boxes["b"] = j.c.open_stream("b", j.sessions["b"])
     j.c.tick()
-    assert j.c.phase == RUNNING and j.c.generation == 1
+    assert j.c.phase == JobPhase.RUNNING and j.c.generation == 1
     j.drain_all()
     sent = j.assigned
     assert set(sent) == {("a", 0), ("a", 1), ("b", 0), ("b", 1)}  # one worker per GPU of each node
@@ -162,7 +162,7 @@ def test_a_peer_waiting_on_a_collective_confirms_a_silent_node_at_half_the_timeo
     j = make(nodes=3, steps=10)
     start(j, "a", "b", "c")
     j.train(1, 0)
-    timeout = j.c.timeout.total_seconds()
+    timeout = j.c.timeouts.heartbeat_timeout.total_seconds()
     j.advance(timeout * 0.3)
     j.heartbeat_all()  # b's last heartbeat
     j.advance(timeout * 0.3)
@@ -186,7 +186,7 @@ def test_a_silent_node_is_lost_and_the_survivors_get_a_new_generation_from_their
     start(j, "a", "b", "c")
     old = {gpu: a.rank for gpu, a in j.assigned.items()}
     j.train(1, 0)
-    timeout = j.c.timeout.total_seconds()
+    timeout = j.c.timeouts.heartbeat_timeout.total_seconds()
     j.advance(timeout * 0.75)
     j.c.heartbeat("a", j.sessions["a"])
     j.c.heartbeat("c", j.sessions["c"])
@@ -248,7 +248,7 @@ def test_a_failure_during_recovery_plans_from_the_generation_the_survivors_still
     j.advance(0.3)  # past the settle window
     j.drain_all()
     # 3 nodes < (f+1) * n0 = 4: the survivors of generation 1 (what they all still hold) write a checkpoint.
-    assert j.c.phase == CHECKPOINTING
+    assert j.c.phase == JobPhase.CHECKPOINTING
     [request] = read_events(j.events, "checkpoint_requested")
     assert request["generation"] == 1 and sorted(request["writers"]) == ["n0", "n1", "n2"]
     assert request["surviving_ranks"] == sorted(gen1[(n, 0)] for n in ("n0", "n1", "n2"))
@@ -261,7 +261,7 @@ def test_below_threshold_the_survivors_checkpoint_and_the_job_exits_3_with_the_r
     j.train(1, 1)
     rank_a = j.assigned[("a", 0)].rank
     j.c.worker_failure("b", j.sessions["b"], 0, "worker_stopped", "pid 42 is stopped (status stopped)")
-    assert j.advance(0.3) is None and j.c.phase == CHECKPOINTING
+    assert j.advance(0.3) is None and j.c.phase == JobPhase.CHECKPOINTING
     [lost] = read_events(j.events, "lost")
     assert (lost["node"], lost["reason"]) == ("b", "worker_stopped") and "pid 42" in lost["detail"]
     [command] = [e for e in j.drain("a") if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
@@ -284,7 +284,7 @@ def test_a_writer_lost_while_checkpointing_hands_its_layers_to_the_others(make):
     j.c.stream_ended("c", j.sessions["c"])
     j.c.stream_ended("d", j.sessions["d"])
     j.advance(0.3)  # past the settle window
-    assert j.c.phase == CHECKPOINTING
+    assert j.c.phase == JobPhase.CHECKPOINTING
     first = read_events(j.events, "checkpoint_requested")[0]
     assert first["writers"] == ["a", "b"] and len(first["surviving_ranks"]) == 2
     j.drain_all()
@@ -395,17 +395,17 @@ def test_a_node_lost_while_waiting_only_leaves_the_waiting_set(make):
     j.join("a")
     j.join("b")
     j.c.stream_ended("b", j.sessions["b"])  # its agent died before the plan
-    assert j.advance(0.3) is None and j.c.phase == WAITING
+    assert j.advance(0.3) is None and j.c.phase == JobPhase.WAITING
     assert read_events(j.events, "lost")[0]["reason"] == "stream_closed"
     j.join("b")  # the node comes back under the same name with a new session
     j.c.tick()
-    assert j.c.phase == RUNNING and read_events(j.events, "plan_decided")[0]["nodes"] == ["a", "b"]
+    assert j.c.phase == JobPhase.RUNNING and read_events(j.events, "plan_decided")[0]["nodes"] == ["a", "b"]
 
 
 def test_time_the_master_itself_was_frozen_is_not_the_nodes_silence(make):
     j = make(nodes=3)
     start(j, "a", "b", "c")
-    timeout = j.c.timeout.total_seconds()
+    timeout = j.c.timeouts.heartbeat_timeout.total_seconds()
     j.clock.now += 3 * timeout  # the master was descheduled: nobody could be heard
     j.c.tick()
     assert read_events(j.events, "lost") == [] and read_events(j.events, "master_stalled")[0]["seconds"] == 3 * timeout

@@ -16,8 +16,9 @@ from master.detector import (
     NodeHealth,
     detect_failures,
 )
+from oobleck_mm.config import FaultToleranceConfig
 
-TIMEOUT = timedelta(seconds=3)
+TIMEOUT = FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3))
 
 
 def test_fresh_heartbeats_are_healthy_up_to_the_timeout_itself():
@@ -87,5 +88,5 @@ def test_every_lost_node_is_reported_once_in_name_order():
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="worker_failure"):
         NodeHealth(last_heartbeat=0.0, worker_failure="tired")
-    with pytest.raises(ValueError, match="timeout"):
-        detect_failures(0.0, {}, timedelta(0))
+    with pytest.raises(ValueError, match="timeout"):  # the detector's timeouts come from a checked config
+        FaultToleranceConfig(heartbeat_timeout=timedelta(0))

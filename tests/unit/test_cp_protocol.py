@@ -13,7 +13,7 @@ from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.auth import read_token, resolve_token, token_matches, write_token
 from oobleck_mm.protocol.convert import plan_from_proto, plan_to_proto
-from oobleck_mm.runtime.layout import ExecutionPlan
+from oobleck_mm.planning.layout import ExecutionPlan
 
 
 @settings(max_examples=40, deadline=None)

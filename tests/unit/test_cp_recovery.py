@@ -15,9 +15,8 @@ from master.recovery import (
     orphan_layers,
     plan_request,
     previous_ranks,
-    states_to_move,
 )
-from oobleck_mm.runtime.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 
 
 def view(number: int, layout: ExecutionPlan, nodes: list[str]) -> GenerationView:
@@ -123,13 +122,6 @@ def test_previous_ranks_name_each_survivors_old_rank_and_minus_one_for_the_rest(
     assert previous_ranks(new, GEN1, holding_nodes=["a", "b", "c"]) == [2, 0, -1, 1]
     assert previous_ranks(new, GEN1, holding_nodes=["a", "b"]) == [-1, 0, -1, 1]  # c is stale
     assert previous_ranks(new, None, holding_nodes=[]) == [-1, -1, -1, -1]
-
-
-def test_states_to_move_counts_layers_a_rank_did_not_hold():
-    # gen 1 -> gen 2: c (old rank 2, layers 0-4) now holds 0-9: 5 layers to receive
-    assert states_to_move(GEN1.layout, GEN2.layout, [0, 1, 2]) == 5
-    assert states_to_move(GEN1.layout, GEN2.layout, [0, 1, -1]) == 10  # c as a joiner
-    assert states_to_move(None, GEN2.layout, [-1, -1, -1]) == 20  # a fresh start: every layer
 
 
 @settings(max_examples=200, deadline=None)

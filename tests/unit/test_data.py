@@ -18,7 +18,8 @@ import yaml
 from PIL import Image
 
 from oobleck_mm.config import config_from_dict
-from oobleck_mm.data.dataset import Dataset, ModelInputs, build_dataset
+from oobleck_mm.data.dataset import Dataset, ModelInputs
+from oobleck_mm.data.loader import build_dataset
 from oobleck_mm.data.llava import LlavaJsonDataset
 from oobleck_mm.data.sample import AUDIO, BOS, EOS, IMAGE, NUM_SPECIAL_TOKENS, PAD
 from oobleck_mm.data.synthetic import COLOURS, NOTES, SyntheticDataset

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from oobleck_mm.config import load_config
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.model.layers import build_layer, model_layer_specs
-from oobleck_mm.model.spec import param_count
+from oobleck_mm.config.shape import param_count
 
 
 def job_with(path="configs/tiny_mm.yaml", **training):
@@ -63,10 +64,12 @@ def test_packed_samples_do_not_see_each_other():
 def test_activation_checkpointing_gives_the_same_gradients(tmp_path):
     import torch.distributed as dist
 
+    from oobleck_mm.planning.layout import ExecutionPlan
     from oobleck_mm.runtime.engine import StageEngine
-    from oobleck_mm.runtime.layout import ExecutionPlan
+    from oobleck_mm.runtime.group import join_generation
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
+    wait = timedelta(seconds=60)
+    join_generation(dist.FileStore(str(tmp_path / "s"), 1), 0, 0, 1, "gloo", collective_timeout=wait, arrival_timeout=wait)
     try:
         states = []
         for ckpt in (False, True):

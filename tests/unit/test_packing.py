@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 from deepspeed.runtime.pipe import schedule as ds
@@ -12,7 +14,9 @@ from oobleck_mm.data.packing import IGNORE, fold_frames, patchify
 from oobleck_mm.data.sample import IMAGE
 from oobleck_mm.model.layers import build_layer, model_layer_specs
 from oobleck_mm.runtime.engine import execute
-from oobleck_mm.runtime.layout import ExecutionPlan
+
+
+WAIT = timedelta(seconds=60)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +133,10 @@ def test_single_rank_engine_handles_every_instruction_and_equals_reference(tmp_p
 
     import torch.distributed as dist
 
-    from oobleck_mm.model.reference import ReferenceTrainer
+    from oobleck_mm.planning.layout import ExecutionPlan
     from oobleck_mm.runtime.engine import StageEngine
-    from oobleck_mm.runtime.layout import ExecutionPlan
+    from oobleck_mm.runtime.group import join_generation
+    from oobleck_mm.runtime.reference import ReferenceTrainer
 
     job = load_config("configs/tiny_mm.yaml")
     job = dataclasses.replace(job, training=dataclasses.replace(job.training, dtype="float64"))
@@ -141,7 +146,7 @@ def test_single_rank_engine_handles_every_instruction_and_equals_reference(tmp_p
             for step in ds.TrainSchedule(micro_batches=5, stages=stages, stage_id=stage).steps():
                 kinds |= {type(i) for i in step}
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    join_generation(store, 0, 0, 1, "gloo", collective_timeout=WAIT, arrival_timeout=WAIT)
     try:
         specs = model_layer_specs(job)
         engine = StageEngine(job, ExecutionPlan.even(len(specs), [1], [8], 2), 0)
@@ -154,18 +159,3 @@ def test_single_rank_engine_handles_every_instruction_and_equals_reference(tmp_p
                 assert (v - ref.layer_state(i)[k]).abs().max() < 1e-12
     finally:
         dist.destroy_process_group()
-
-
-def test_transfers_spread_over_surviving_holders():
-    from oobleck_mm.runtime.state_transfer import Transfer, plan_transfers
-
-    new = ExecutionPlan.even(4, [1, 2, 1], [1, 1, 1], 1)  # ranks 0 | 1,2 | 3
-    holders = {0: [1], 1: [1], 2: [2], 3: [2]}  # only pipeline 1 survived with its layers
-    transfers = plan_transfers(holders, new)
-    assert len(transfers) == 8  # ranks 0 and 3 need all 4 layers
-    senders = [t.src for t in transfers]
-    assert senders.count(1) == senders.count(2) == 4
-    assert all(t.src in holders[t.layer] for t in transfers)
-    with pytest.raises(ValueError, match="layer 2 has no surviving holder"):
-        plan_transfers({0: [1], 1: [1], 3: [2]}, new)
-    assert Transfer(0, 1, 2) < Transfer(1, 0, 2)

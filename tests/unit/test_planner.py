@@ -13,9 +13,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from oobleck_mm.config import config_from_dict
+from oobleck_mm.planning.costs import ClusterSpec
 from oobleck_mm.planning.planner import plan_job
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration
 from oobleck_mm.planning.stage_mapping import map_stages
+from oobleck_mm.profiling.load import load_profile
 
 
 @st.composite
@@ -56,13 +58,13 @@ def test_random_jobs_plan_and_reconfigure_with_every_invariant(job, data):
     nodes = [f"node{i}" for i in range(job.cluster.nodes)]
     f = job.fault_tolerance.f
     try:
-        result = plan_job(job, nodes)
+        result = plan_job(job, load_profile(job), nodes)
     except ValueError as err:  # a job that cannot be planned must say why in numbers
         assert any(ch.isdigit() for ch in str(err)), err
         event("cannot be planned")
         return
     event(f"planned, n0 = {min(result.template_set.min_nodes, 3)}{'+' if result.template_set.min_nodes >= 3 else ''}")
-    ts, cluster = result.template_set, job.cluster_spec()
+    ts, cluster = result.template_set, ClusterSpec.from_config(job.cluster)
     num_layers = result.profile.num_layers
     # Templates: consecutive from n0, every GPU used once, layers covered in order, memory respected.
     assert ts.node_counts == tuple(range(ts.min_nodes, ts.min_nodes + len(ts.templates)))
@@ -81,7 +83,7 @@ def test_random_jobs_plan_and_reconfigure_with_every_invariant(job, data):
     live = [n for n in nodes if n not in lost] + joined
     if len(live) > job.cluster.nodes:
         joined, live = [], [n for n in nodes if n not in lost]
-    again = plan_job(job, nodes, lost=lost, joined=joined).reconfiguration
+    again = plan_job(job, load_profile(job), nodes, lost=lost, joined=joined).reconfiguration
     if not lost and not joined:
         assert again is None
     elif len(live) < (f + 1) * ts.min_nodes:

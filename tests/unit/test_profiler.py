@@ -314,7 +314,7 @@ def test_measured_profile_of_the_runtime_model(tmp_path):
 
     from oobleck_mm.config import load_config
     from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.planning.planner import load_profile
+    from oobleck_mm.profiling.load import load_profile
 
     job = load_config("configs/tiny_mm.yaml")
     model = dataclasses.replace(job.model, frozen=("vision",))

@@ -405,6 +405,24 @@ def test_copies_of_a_new_pipeline_are_spread_over_every_holder():
     assert max(sends.values()) - min(sends.values()) <= 1
 
 
+def test_a_copy_comes_from_the_destinations_own_node_when_a_gpu_there_holds_the_layer():
+    """2 GPUs per node: a reinstantiated pipeline shifts layers between a node's own GPUs, an NVLink copy."""
+    template_set = make_set(2, 8, 1, gpus=2)  # templates 2..6 nodes, 25 layers
+    plan = make_plan(template_set, [3, 3, 2])
+    lost = [plan.pipelines[0].nodes[2]]
+    result = run(plan, lost, [], template_set, 1)
+    check_reconfiguration(result, plan, lost, [], template_set, 1)
+    held = held_by_survivors(plan, lost)
+    local = 0
+    for m in result.moves:
+        on_node = [gpu for gpu, layers in held.items() if gpu[0] == m.dst[0] and m.layer in layers]
+        if on_node:
+            assert m.src in on_node, (m, "a holder on the destination's node was passed over")
+            local += 1
+    # the 3 -> 2 node pipeline's first node takes layers its own second GPU held (and more)
+    assert local >= 2, [(m.layer, m.dst, m.src) for m in result.moves]
+
+
 def test_the_milp_batch_split_changes_only_the_microbatches():
     template_set = make_set(2, 8, 1, gpus=2)
     plan = make_plan(template_set, [2, 3, 3])

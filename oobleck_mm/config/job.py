@@ -1,27 +1,19 @@
-"""Job configuration: YAML -> validated dataclasses, the one place user settings are checked.
+"""The job's sections as validated dataclasses, the cross-field rules, and YAML/dict parsing.
 
-A job file has six sections (``model``, ``data``, ``training``,
-``fault_tolerance``, ``cluster``, ``planning``); only ``model`` is required.
-Each section is a ``@dataclass(kw_only=True, slots=True)`` whose
+A job file has seven sections (``model``, ``data``, ``training``,
+``fault_tolerance``, ``cluster``, ``planning``, ``balance``); only ``model`` is
+required. Each section is a ``@dataclass(kw_only=True, slots=True)`` whose
 ``__post_init__`` checks (and normalises) its own fields; rules that relate
 fields to each other live in one function, ``validate(job)``, which
 ``JobConfig`` runs on construction. Every mistake raises ``ConfigError`` whose
 message starts with the dotted path of the field and carries the bad value and
 what would be valid, so the CLI can print it as one line.
-
-Units: durations are ``"500ms"``, ``"3s"``, ``"2m"``, ``"1h"`` or a number of
-seconds (-> ``timedelta``); memory sizes are ``"40GiB"``, ``"80GB"`` or bytes
-(GB = 1e9, GiB = 2**30); bandwidths are ``"100Gbps"``/``"200Gb/s"`` (bits) or
-``"25GB/s"``/``"25GBps"`` (bytes) or a number of bytes/s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import re
 import types
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
@@ -30,154 +22,24 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from oobleck_mm.model.spec import layer_specs, resolve_frozen, sequence_tokens
-from oobleck_mm.planning.costs import ClusterSpec
-from oobleck_mm.profiling.analytical import DEVICES
-
-
-class ConfigError(ValueError):
-    """A mistake in the job configuration; the message starts with the dotted field path."""
-
-
-# --------------------------------------------------------------------------- value checks
-# Each takes the dotted path and the raw value and returns the normalised value,
-# so section checks and the free-form scheduler params share one implementation.
-
-
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _as_int(path: str, value: Any, *, minimum: int | None = None) -> int:
-    # bool is an int subclass in Python; "true" for a batch size is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
-    return value
-
-
-def _as_float(
-    path: str,
-    value: Any,
-    *,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    positive: bool = False,
-    below: float | None = None,
-) -> float:
-    number = value
-    # PyYAML follows YAML 1.1, which reads `1e-4` (no dot) as a string.
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
-        raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}")
-    number = float(number)
-    if positive and number <= 0:
-        raise ConfigError(f"{path}: must be > 0, got {number}")
-    if minimum is not None and number < minimum:
-        raise ConfigError(f"{path}: must be >= {minimum}, got {number}")
-    if maximum is not None and number > maximum:
-        raise ConfigError(f"{path}: must be <= {maximum}, got {number}")
-    if below is not None and number >= below:
-        raise ConfigError(f"{path}: must be < {below}, got {number}")
-    return number
-
-
-def _as_bool(path: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
-    return value
-
-
-def _as_str(path: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{path}: expected a non-empty string, got {_describe(value)}")
-    return value
-
-
-def _as_choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        valid = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{path}: must be one of {valid}, got {_describe(value)}")
-    return value
-
-
-_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
-_DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_RE = re.compile(rf"^\s*{_NUMBER}\s*(us|ms|s|m|h)?\s*$")
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*([a-zA-Z]*)\s*$")
-_PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-# Case matters for bandwidths: "Gb" is gigabits, "GB" gigabytes.
-_BANDWIDTH_RE = re.compile(rf"^\s*{_NUMBER}\s*(K|M|G|T|Ki|Mi|Gi|Ti)?(b|B)(ps|/s)\s*$")
-
-
-def _as_duration(path: str, value: Any) -> timedelta:
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
-    else:
-        raise ConfigError(
-            f"{path}: expected a duration like '500ms', '3s', '2m' or a number of seconds, got {_describe(value)}"
-        )
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{path}: must be a positive duration, got {_describe(value)}")
-    return timedelta(seconds=seconds)
-
-
-def _as_size(path: str, value: Any) -> int:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        num_bytes = float(value)
-    elif isinstance(value, str) and (match := _SIZE_RE.match(value)) and match.group(2).lower() in _SIZE_UNITS:
-        num_bytes = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    else:
-        raise ConfigError(f"{path}: expected a size like '40GiB', '80GB' or a number of bytes, got {_describe(value)}")
-    if not (math.isfinite(num_bytes) and num_bytes >= 1):
-        raise ConfigError(f"{path}: must be a positive size, got {_describe(value)}")
-    return int(num_bytes)
-
-
-def _as_bandwidth(path: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    elif isinstance(value, str) and (match := _BANDWIDTH_RE.match(value)):
-        bits = match.group(3) == "b"
-        rate = float(match.group(1)) * _PREFIX[match.group(2) or ""] / (8 if bits else 1)
-    else:
-        raise ConfigError(
-            f"{path}: expected a bandwidth like '100Gbps', '25GB/s' or a number of bytes/s, got {_describe(value)}"
-        )
-    if not (math.isfinite(rate) and rate > 0):
-        raise ConfigError(f"{path}: must be a positive bandwidth, got {_describe(value)}")
-    return rate
-
-
-def _as_str_tuple(path: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{path}: expected a list of names, got {_describe(value)}")
-    names = tuple(_as_str(f"{path}[{i}]", v) for i, v in enumerate(value))
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{path}: names must be unique, got {list(names)}")
-    return names
-
-
-def _check(obj: Any, name: str, convert, *args, **kwargs) -> None:
-    """Checks field ``name`` of a section with ``convert`` and stores the normalised value."""
-    value = getattr(obj, name)
-    setattr(obj, name, convert(f"{type(obj)._PATH}.{name}", value, *args, **kwargs))
-
-
-def _check_optional(obj: Any, name: str, convert, *args, **kwargs) -> None:
-    if getattr(obj, name) is not None:
-        _check(obj, name, convert, *args, **kwargs)
+from oobleck_mm.config.devices import DEVICES
+from oobleck_mm.config.shape import layer_specs, resolve_frozen, sequence_tokens
+from oobleck_mm.config.values import (
+    ConfigError,
+    as_bandwidth,
+    as_bool,
+    as_choice,
+    as_duration,
+    as_float,
+    as_int,
+    as_size,
+    as_str,
+    as_str_tuple,
+    check,
+    check_optional,
+    describe,
+    reject_unknown,
+)
 
 
 # --------------------------------------------------------------------------- model
@@ -205,11 +67,11 @@ class LLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "vocab_size"):
-            _check(self, name, _as_int, minimum=1)
-        _check_optional(self, "num_kv_heads", _as_int, minimum=1)
-        _check_optional(self, "ffn_hidden", _as_int, minimum=1)
-        _check(self, "gated_ffn", _as_bool)
-        _check(self, "tie_embeddings", _as_bool)
+            check(self, name, as_int, minimum=1)
+        check_optional(self, "num_kv_heads", as_int, minimum=1)
+        check_optional(self, "ffn_hidden", as_int, minimum=1)
+        check(self, "gated_ffn", as_bool)
+        check(self, "tie_embeddings", as_bool)
         self.num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
         self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
 
@@ -232,8 +94,8 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "patch_size", "in_channels", "token_merge"):
-            _check(self, name, _as_int, minimum=1)
-        _check_optional(self, "ffn_hidden", _as_int, minimum=1)
+            check(self, name, as_int, minimum=1)
+        check_optional(self, "ffn_hidden", as_int, minimum=1)
         self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
 
 
@@ -255,8 +117,8 @@ class AudioConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "mel_bins", "downsample", "token_merge"):
-            _check(self, name, _as_int, minimum=1)
-        _check_optional(self, "ffn_hidden", _as_int, minimum=1)
+            check(self, name, as_int, minimum=1)
+        check_optional(self, "ffn_hidden", as_int, minimum=1)
         self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
 
 
@@ -267,7 +129,7 @@ class ProjectorConfig:
     """Linear layers of each encoder's MLP projector into the LLM width (1 or 2)."""
 
     def __post_init__(self) -> None:
-        _check(self, "num_layers", _as_int, minimum=1)
+        check(self, "num_layers", as_int, minimum=1)
         if self.num_layers > 2:
             raise ConfigError(f"model.projector.num_layers: must be 1 or 2, got {self.num_layers}")
 
@@ -293,8 +155,8 @@ class ModelConfig:
     layer names (``llm.block0``; ``vision.projector`` covers ``vision.projector0/1``)."""
 
     def __post_init__(self) -> None:
-        _check(self, "name", _as_str)
-        _check(self, "frozen", _as_str_tuple)
+        check(self, "name", as_str)
+        check(self, "frozen", as_str_tuple)
 
 
 # --------------------------------------------------------------------------- data
@@ -336,38 +198,38 @@ class DataConfig:
     """Longest LLM sequence (text + projected image/audio tokens) a sample may have."""
 
     def __post_init__(self) -> None:
-        _check(self, "kind", _as_choice, ("synthetic", "llava_json"))
-        _check_optional(self, "path", _as_str)
+        check(self, "kind", as_choice, ("synthetic", "llava_json"))
+        check_optional(self, "path", as_str)
         if self.path is not None:
             self.path = os.path.expanduser(self.path)
             if not os.path.exists(self.path):
                 raise ConfigError(f"data.path: file {self.path!r} does not exist")
-        _check_optional(self, "image_dir", _as_str)
+        check_optional(self, "image_dir", as_str)
         if self.image_dir is not None:
             self.image_dir = os.path.expanduser(self.image_dir)
             self._check_image_dir()
-        _check(self, "seed", _as_int, minimum=0)
-        _check(self, "num_samples", _as_int, minimum=1)
-        _check(self, "mean_text_tokens", _as_float, positive=True)
-        _check(self, "text_length_sigma", _as_float, minimum=0.0)
-        _check(self, "mean_images_per_sample", _as_float, minimum=0.0)
-        _check(self, "max_images_per_sample", _as_int, minimum=0)
+        check(self, "seed", as_int, minimum=0)
+        check(self, "num_samples", as_int, minimum=1)
+        check(self, "mean_text_tokens", as_float, positive=True)
+        check(self, "text_length_sigma", as_float, minimum=0.0)
+        check(self, "mean_images_per_sample", as_float, minimum=0.0)
+        check(self, "max_images_per_sample", as_int, minimum=0)
         if self.mean_images_per_sample > 0 and self.max_images_per_sample < max(1.0, self.mean_images_per_sample):
             raise ConfigError(
                 f"data.max_images_per_sample ({self.max_images_per_sample}) must be >= 1 and >= "
                 f"data.mean_images_per_sample ({self.mean_images_per_sample})"
             )
-        _check(self, "image_size", _as_int, minimum=1)
+        check(self, "image_size", as_int, minimum=1)
         if self.min_image_size is None:
             self.min_image_size = self.image_size
-        _check(self, "min_image_size", _as_int, minimum=1)
+        check(self, "min_image_size", as_int, minimum=1)
         if self.min_image_size > self.image_size:
             raise ConfigError(
                 f"data.min_image_size ({self.min_image_size}) must be <= data.image_size ({self.image_size})"
             )
-        _check(self, "mean_audio_seconds", _as_float, minimum=0.0)
-        _check(self, "audio_frames_per_second", _as_float, positive=True)
-        _check(self, "max_seq_len", _as_int, minimum=1)
+        check(self, "mean_audio_seconds", as_float, minimum=0.0)
+        check(self, "audio_frames_per_second", as_float, positive=True)
+        check(self, "max_seq_len", as_int, minimum=1)
 
     def _check_image_dir(self) -> None:
         # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.
@@ -390,14 +252,14 @@ class OptimizerParams:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(self, "lr", _as_float, positive=True)
+        check(self, "lr", as_float, positive=True)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
-            raise ConfigError(f"{self._PATH}.betas: expected two numbers [beta1, beta2], got {_describe(self.betas)}")
+            raise ConfigError(f"{self._PATH}.betas: expected two numbers [beta1, beta2], got {describe(self.betas)}")
         self.betas = tuple(
-            _as_float(f"{self._PATH}.betas[{i}]", b, minimum=0.0, below=1.0) for i, b in enumerate(self.betas)
+            as_float(f"{self._PATH}.betas[{i}]", b, minimum=0.0, below=1.0) for i, b in enumerate(self.betas)
         )
-        _check(self, "eps", _as_float, positive=True)
-        _check(self, "weight_decay", _as_float, minimum=0.0)
+        check(self, "eps", as_float, positive=True)
+        check(self, "weight_decay", as_float, minimum=0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -408,33 +270,33 @@ class OptimizerConfig:
     params: OptimizerParams = field(default_factory=OptimizerParams)
 
     def __post_init__(self) -> None:
-        _check(self, "type", _as_choice, ("AdamW", "Adam"))
+        check(self, "type", as_choice, ("AdamW", "Adam"))
 
 
 def _warmup_type(path: str, value: Any) -> str:
-    return _as_choice(path, value, ("log", "linear"))
+    return as_choice(path, value, ("log", "linear"))
 
 
 # DeepSpeed's runtime/lr_schedules.py argument names and meanings, per scheduler.
 _SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
     "WarmupLR": {
-        "warmup_min_lr": lambda p, v: _as_float(p, v, minimum=0.0),
-        "warmup_max_lr": lambda p, v: _as_float(p, v, positive=True),
-        "warmup_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "warmup_min_lr": lambda p, v: as_float(p, v, minimum=0.0),
+        "warmup_max_lr": lambda p, v: as_float(p, v, positive=True),
+        "warmup_num_steps": lambda p, v: as_int(p, v, minimum=1),
         "warmup_type": _warmup_type,
     },
     "WarmupDecayLR": {
-        "total_num_steps": lambda p, v: _as_int(p, v, minimum=1),
-        "warmup_min_lr": lambda p, v: _as_float(p, v, minimum=0.0),
-        "warmup_max_lr": lambda p, v: _as_float(p, v, positive=True),
-        "warmup_num_steps": lambda p, v: _as_int(p, v, minimum=1),
+        "total_num_steps": lambda p, v: as_int(p, v, minimum=1),
+        "warmup_min_lr": lambda p, v: as_float(p, v, minimum=0.0),
+        "warmup_max_lr": lambda p, v: as_float(p, v, positive=True),
+        "warmup_num_steps": lambda p, v: as_int(p, v, minimum=1),
         "warmup_type": _warmup_type,
     },
     "WarmupCosineLR": {
-        "total_num_steps": lambda p, v: _as_int(p, v, minimum=1),
-        "warmup_min_ratio": lambda p, v: _as_float(p, v, minimum=0.0, maximum=1.0),
-        "warmup_num_steps": lambda p, v: _as_int(p, v, minimum=1),
-        "cos_min_ratio": lambda p, v: _as_float(p, v, minimum=0.0, maximum=1.0),
+        "total_num_steps": lambda p, v: as_int(p, v, minimum=1),
+        "warmup_min_ratio": lambda p, v: as_float(p, v, minimum=0.0, maximum=1.0),
+        "warmup_num_steps": lambda p, v: as_int(p, v, minimum=1),
+        "cos_min_ratio": lambda p, v: as_float(p, v, minimum=0.0, maximum=1.0),
         "warmup_type": _warmup_type,
     },
 }
@@ -453,13 +315,13 @@ class SchedulerConfig:
     (log|linear), total_num_steps (defaults to training.steps), warmup_min_ratio, cos_min_ratio."""
 
     def __post_init__(self) -> None:
-        _check(self, "type", _as_choice, tuple(_SCHEDULER_PARAMS))
+        check(self, "type", as_choice, tuple(_SCHEDULER_PARAMS))
         if self.params is None:
             self.params = {}
         if not isinstance(self.params, Mapping):
-            raise ConfigError(f"training.scheduler.params: expected a mapping, got {_describe(self.params)}")
+            raise ConfigError(f"training.scheduler.params: expected a mapping, got {describe(self.params)}")
         allowed = _SCHEDULER_PARAMS[self.type]
-        _reject_unknown(self.params, tuple(allowed), "training.scheduler.params", f" for {self.type}")
+        reject_unknown(self.params, tuple(allowed), "training.scheduler.params", f" for {self.type}")
         self.params = {k: allowed[k](f"training.scheduler.params.{k}", v) for k, v in self.params.items()}
 
     @property
@@ -492,12 +354,12 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "microbatch_size", "steps"):
-            _check(self, name, _as_int, minimum=1)
-        _check(self, "seed", _as_int, minimum=0)
-        _check(self, "dtype", _as_choice, ("float32", "float64", "bfloat16", "float16"))
-        _check(self, "gradient_clipping", _as_float, minimum=0.0)
-        _check(self, "activation_checkpointing", _as_bool)
-        _check(self, "flash_attention", _as_bool)
+            check(self, name, as_int, minimum=1)
+        check(self, "seed", as_int, minimum=0)
+        check(self, "dtype", as_choice, ("float32", "float64", "bfloat16", "float16"))
+        check(self, "gradient_clipping", as_float, minimum=0.0)
+        check(self, "activation_checkpointing", as_bool)
+        check(self, "flash_attention", as_bool)
         if self.scheduler is not None and self.scheduler.needs_total_steps:
             self.scheduler.params.setdefault("total_num_steps", self.steps)
 
@@ -507,6 +369,14 @@ class TrainingConfig:
 
 @dataclass(kw_only=True, slots=True)
 class FaultToleranceConfig:
+    """Failure detection and recovery settings, and every timeout derived from them.
+
+    Two settings, ``heartbeat_interval`` and ``heartbeat_timeout``, drive every wait
+    of the job. The waits that follow from them are the properties below, each
+    saying what it bounds and why its formula; code elsewhere reads a property,
+    never multiplies a setting.
+    """
+
     _PATH: ClassVar[str] = "fault_tolerance"
     f: int = 1
     """Simultaneous node failures the job must survive (f + 1 pipelines are kept)."""
@@ -515,17 +385,110 @@ class FaultToleranceConfig:
     heartbeat_timeout: timedelta = timedelta(seconds=3)
     """Silence after which a node is declared failed (a hung node whose sockets stay open); longer
     than the interval. A dead agent is detected sooner, by its closed event stream."""
+    rendezvous_timeout: timedelta = timedelta(minutes=5)
+    """Longest wait for every worker of a new generation to arrive at its rendezvous. Long on
+    purpose: survivors of a hang arrive up to a ``collective_timeout`` apart and a joining node's
+    workers start from nothing (imports, model build); raise it for very slow node start-up."""
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100
     """Steps between checkpoints; 0 never checkpoints."""
 
     def __post_init__(self) -> None:
-        _check(self, "f", _as_int, minimum=0)
-        _check(self, "heartbeat_interval", _as_duration)
-        _check(self, "heartbeat_timeout", _as_duration)
-        _check(self, "recovery", _as_choice, ("live", "restart"))
-        _check(self, "checkpoint_interval", _as_int, minimum=0)
+        check(self, "f", as_int, minimum=0)
+        check(self, "heartbeat_interval", as_duration)
+        check(self, "heartbeat_timeout", as_duration)
+        check(self, "rendezvous_timeout", as_duration)
+        check(self, "recovery", as_choice, ("live", "restart"))
+        check(self, "checkpoint_interval", as_int, minimum=0)
+
+    # ------------------------------------------------------------------ workers
+    @property
+    def collective_timeout(self) -> timedelta:
+        """Longest wait of a worker on one collective or point-to-point transfer (the process
+        group's timeout): ``heartbeat_timeout + 5 s``. The master declares a hung peer lost after
+        ``heartbeat_timeout`` and its new plan interrupts the wait; the 5 s cover the plan's way to
+        the worker, so this bound only fires when the master cannot help (gloo's point-to-point
+        waits, which cannot be interrupted)."""
+        return self.heartbeat_timeout + COLLECTIVE_TIMEOUT_MARGIN
+
+    @property
+    def stall_report_after(self) -> timedelta:
+        """A worker waiting this long on a collective tells the master (``Stalled``), and again
+        every as long: ``2 * heartbeat_interval``, so a healthy step's jitter never reports, and a
+        report still reaches the master well inside ``heartbeat_timeout``."""
+        return 2 * self.heartbeat_interval
+
+    # ------------------------------------------------------------------ the master
+    @property
+    def confirmed_silence(self) -> timedelta:
+        """Silence that declares a node lost once a worker of another node reported a stall after
+        the node's last heartbeat: ``heartbeat_timeout / 2``. A hung node stalls its peers at once,
+        so their reports confirm its silence; a healthy agent heartbeats whatever its workers do."""
+        return self.heartbeat_timeout / 2
+
+    @property
+    def master_stall_threshold(self) -> timedelta:
+        """A gap this long between two detection ticks means the master itself did not run (starved
+        of CPU, paused), and the gap is forgiven to every node: ``heartbeat_timeout / 2``. The
+        master ticks every ``detector_tick``, so a gap this long is the master's, not the nodes'."""
+        return self.heartbeat_timeout / 2
+
+    @property
+    def detector_tick(self) -> timedelta:
+        """Longest pause of the master's control loop between two detections: ``min(0.1 s,
+        heartbeat_timeout / 10)``. A silent node is declared lost at most one tick late."""
+        return min(timedelta(milliseconds=100), self.heartbeat_timeout / 10)
+
+    @property
+    def shutdown_grace(self) -> timedelta:
+        """How long the master waits for the agents to read their Shutdown and hang up before it
+        stops serving: ``max(2 s, heartbeat_timeout)``, the time an agent may take to notice."""
+        return max(timedelta(seconds=2), self.heartbeat_timeout)
+
+    @property
+    def checkpoint_round_timeout(self) -> timedelta:
+        """Longest wait for the survivors' below-threshold checkpoint: ``2 * heartbeat_timeout +
+        60 s``. Survivors may first wait out a hung peer's collective (``collective_timeout``), then
+        write their layers; the 60 s are for the disk."""
+        return 2 * self.heartbeat_timeout + timedelta(seconds=60)
+
+    # ------------------------------------------------------------------ agents
+    @property
+    def heartbeat_rpc_timeout(self) -> timedelta:
+        """Deadline of one Heartbeat call: ``heartbeat_timeout / 2``. A slow answer still counts on
+        the master's side, so the agent gives a busy master more than one interval."""
+        return self.heartbeat_timeout / 2
+
+    @property
+    def report_rpc_timeout(self) -> timedelta:
+        """Deadline of forwarding one worker report or failure to the master: ``heartbeat_timeout``."""
+        return self.heartbeat_timeout
+
+    @property
+    def master_silence_limit(self) -> timedelta:
+        """An agent whose heartbeats go unanswered this long gives the master up and stops its
+        workers: ``2 * heartbeat_timeout``. A dead master is seen at once (its sockets reset);
+        silence only means a hung or starved one, and the master forgives its own stalls
+        (``master_stall_threshold``), so the agent waits longer than the master would."""
+        return 2 * self.heartbeat_timeout
+
+    @property
+    def worker_stop_timeout(self) -> timedelta:
+        """How long an agent lets its workers exit after a Shutdown before killing them:
+        ``heartbeat_timeout``."""
+        return self.heartbeat_timeout
+
+    @property
+    def agent_exit_timeout(self) -> timedelta:
+        """How long ``oobleck-launch local`` waits for its agents to exit after the job finished:
+        ``heartbeat_timeout + 2 s`` (an agent that missed the Shutdown notices the master is gone
+        within ``heartbeat_timeout``; 2 s to stop its workers)."""
+        return self.heartbeat_timeout + timedelta(seconds=2)
+
+
+COLLECTIVE_TIMEOUT_MARGIN = timedelta(seconds=5)
+"""``collective_timeout`` minus ``heartbeat_timeout``: the master's verdict's way to a waiting worker."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -535,7 +498,7 @@ class ClusterConfig:
     """Nodes the job starts with."""
     gpus_per_node: int = 1
     device: str = "cpu"
-    """Device kind, a key of ``oobleck_mm.profiling.analytical.DEVICES``."""
+    """Device kind, a key of ``oobleck_mm.config.devices.DEVICES``."""
     device_memory: int | None = None
     """Bytes of memory per device; default: the device kind's."""
     max_gpus_per_stage: int = 1
@@ -548,18 +511,18 @@ class ClusterConfig:
     """torch.distributed backend: ``auto`` (nccl on GPUs, gloo on cpu), ``gloo`` or ``nccl``."""
 
     def __post_init__(self) -> None:
-        _check(self, "nodes", _as_int, minimum=1)
-        _check(self, "gpus_per_node", _as_int, minimum=1)
-        _check(self, "device", _as_choice, tuple(DEVICES))
+        check(self, "nodes", as_int, minimum=1)
+        check(self, "gpus_per_node", as_int, minimum=1)
+        check(self, "device", as_choice, tuple(DEVICES))
         if self.device_memory is None:
             self.device_memory = DEVICES[self.device].memory_bytes
-        _check(self, "device_memory", _as_size)
-        _check(self, "max_gpus_per_stage", _as_int, minimum=1)
+        check(self, "device_memory", as_size)
+        check(self, "max_gpus_per_stage", as_int, minimum=1)
         if self.max_gpus_per_stage not in (1, 2, 4, 8):
             raise ConfigError(f"cluster.max_gpus_per_stage: must be 1, 2, 4 or 8, got {self.max_gpus_per_stage}")
-        _check(self, "intra_node_bandwidth", _as_bandwidth)
-        _check(self, "inter_node_bandwidth", _as_bandwidth)
-        _check(self, "backend", _as_choice, ("auto", "gloo", "nccl"))
+        check(self, "intra_node_bandwidth", as_bandwidth)
+        check(self, "inter_node_bandwidth", as_bandwidth)
+        check(self, "backend", as_choice, ("auto", "gloo", "nccl"))
 
     @property
     def resolved_backend(self) -> str:
@@ -586,12 +549,12 @@ class PlanningConfig:
     predicted this much faster than the seed's incremental steps; ``null``: never."""
 
     def __post_init__(self) -> None:
-        _check_optional(self, "replan_gain", _as_float, minimum=0.0)
-        _check(self, "profile", _as_choice, ("analytical", "measured"))
-        _check(self, "solver", _as_choice, ("highs", "mindtpy", "python"))
-        _check(self, "profile_cache_dir", _as_str)
+        check_optional(self, "replan_gain", as_float, minimum=0.0)
+        check(self, "profile", as_choice, ("analytical", "measured"))
+        check(self, "solver", as_choice, ("highs", "mindtpy", "python"))
+        check(self, "profile_cache_dir", as_str)
         self.profile_cache_dir = os.path.expanduser(self.profile_cache_dir)
-        _check_optional(self, "microbatches_hint", _as_int, minimum=1)
+        check_optional(self, "microbatches_hint", as_int, minimum=1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -615,14 +578,14 @@ class BalanceConfig:
     """Pull of a fit toward the previous coefficients."""
 
     def __post_init__(self) -> None:
-        _check(self, "enabled", _as_bool)
-        _check(self, "algorithm", _as_choice,
+        check(self, "enabled", as_bool)
+        check(self, "algorithm", as_choice,
                ("ours", "ours_fast", "random", "orchmllm_lpt", "orchmllm_padded", "orchmllm_quadratic", "mmscale"))
-        _check(self, "threshold", _as_float, minimum=0.0)
-        _check(self, "fixed_s_per_layer", _as_float, minimum=0.0)
-        _check(self, "fit_every", _as_int, minimum=0)
-        _check(self, "fit_window", _as_int, minimum=1)
-        _check(self, "ridge", _as_float, minimum=0.0)
+        check(self, "threshold", as_float, minimum=0.0)
+        check(self, "fixed_s_per_layer", as_float, minimum=0.0)
+        check(self, "fit_every", as_int, minimum=0)
+        check(self, "fit_window", as_int, minimum=1)
+        check(self, "ridge", as_float, minimum=0.0)
 
 
 # --------------------------------------------------------------------------- the job
@@ -645,15 +608,6 @@ class JobConfig:
         """Plain YAML-able dict; ``config_from_dict(job.to_dict())`` gives an equal job."""
         return _to_plain(self)
 
-    def cluster_spec(self) -> ClusterSpec:
-        c = self.cluster
-        return ClusterSpec(
-            gpus_per_node=c.gpus_per_node,
-            device_memory_bytes=c.device_memory,
-            intra_node_bandwidth=c.intra_node_bandwidth,
-            inter_node_bandwidth=c.inter_node_bandwidth,
-            max_gpus_per_stage=c.max_gpus_per_stage,
-        )
 
 
 def validate(job: JobConfig) -> None:
@@ -756,15 +710,6 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
 # --------------------------------------------------------------------------- parsing
 
 
-def _reject_unknown(raw: Mapping, valid: tuple[str, ...], path: str, where: str = "") -> None:
-    for key in raw:
-        if key not in valid:
-            dotted = f"{path}.{key}" if path else str(key)
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown key '{dotted}'{hint}; valid keys{where}: {', '.join(valid)}")
-
-
 def _section_class(hint: Any) -> tuple[type | None, bool]:
     """(section dataclass, optional?) for a field annotation, or (None, False) for a plain value."""
     if dataclasses.is_dataclass(hint):
@@ -780,9 +725,9 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path or '<root>'}: expected a mapping of settings, got {_describe(raw)}")
+        raise ConfigError(f"{path or '<root>'}: expected a mapping of settings, got {describe(raw)}")
     fields = dataclasses.fields(cls)
-    _reject_unknown(raw, tuple(f.name for f in fields), path)
+    reject_unknown(raw, tuple(f.name for f in fields), path)
     hints = get_type_hints(cls)
     kwargs = {}
     for f in fields:
@@ -814,7 +759,7 @@ def _to_plain(value: Any) -> Any:
 def config_from_dict(d: Any, source: str = "<dict>") -> JobConfig:
     """Builds and validates a job from a plain dict (e.g. parsed YAML)."""
     if not isinstance(d, Mapping):
-        raise ConfigError(f"<root>: {source} must hold a mapping of sections, got {_describe(d)}")
+        raise ConfigError(f"<root>: {source} must hold a mapping of sections, got {describe(d)}")
     return _build(JobConfig, d, "")
 
 
@@ -841,3 +786,36 @@ def load_config(path: str | os.PathLike) -> JobConfig:
         data_path = os.path.expanduser(raw["data"]["path"])
         raw["data"]["path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data_path)
     return config_from_dict(raw, source=path)
+
+
+def section_from_dict(cls: type, raw: Any, path: str) -> Any:
+    """One section (e.g. ``FaultToleranceConfig``) from its plain dict, checked like in a whole job."""
+    return _build(cls, raw, path)
+
+
+# --------------------------------------------------------------------------- command-line overrides
+
+
+def apply_overrides(
+    job: JobConfig,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    steps: int | None = None,
+    recovery: str | None = None,
+    checkpoint_interval: int | None = None,
+) -> JobConfig:
+    """The job with command-line values in place, validated again (ConfigError names the field)."""
+    ft = job.fault_tolerance
+    if recovery is not None or checkpoint_interval is not None:
+        ft = dataclasses.replace(
+            ft, recovery=ft.recovery if recovery is None else recovery,
+            checkpoint_interval=ft.checkpoint_interval if checkpoint_interval is None else checkpoint_interval,
+        )  # fmt: skip
+        job = dataclasses.replace(job, fault_tolerance=ft)
+    if nodes is not None:
+        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, nodes=nodes))
+    if gpus_per_node is not None:
+        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=gpus_per_node))
+    if steps is not None:
+        job = dataclasses.replace(job, training=dataclasses.replace(job.training, steps=steps))
+    return job

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from oobleck_mm.config import DataConfig, LLMConfig, ModelConfig, ProjectorConfig, VisionConfig, load_config
-from oobleck_mm.model.spec import layer_specs, model_param_count, param_count, resolve_frozen, sequence_tokens
+from oobleck_mm.config.shape import layer_specs, model_param_count, param_count, resolve_frozen, sequence_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

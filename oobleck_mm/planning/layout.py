@@ -1,8 +1,9 @@
 """Execution plans: which global rank runs which layers of which pipeline, with how many microbatches.
 
-This is what a worker needs from a planning ``Plan`` once nodes have ranks. It
-is plain data (JSON-able through ``to_dict``/``from_dict``) so the master can
-ship it over the control plane and tests can write one by hand.
+This is what a worker needs from a planning ``Plan`` once nodes have ranks
+(``rank_table``). It is plain data (JSON-able through ``to_dict``/``from_dict``,
+protobuf through ``protocol.convert``) so the master can ship it over the
+control plane and tests can write one by hand.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from oobleck_mm.errors import UserError
+
+Gpu = tuple[str, int]
+"""(node name, node-local GPU index)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +128,7 @@ class ExecutionPlan:
         return cls(tuple(pipelines), num_layers, microbatch_size)
 
     @classmethod
-    def from_plan(cls, plan, ranks: Mapping[tuple[str, int], int]) -> ExecutionPlan:
+    def from_plan(cls, plan, ranks: Mapping[Gpu, int]) -> ExecutionPlan:
         """From a planning ``Plan``; ``ranks`` maps (node name, local gpu) to a global rank.
 
         Stages spanning several GPUs (tensor parallelism inside a stage) are not run by
@@ -133,7 +139,7 @@ class ExecutionPlan:
             stages = []
             for spec in instance.template.stages:
                 if len(spec.gpus) != 1:
-                    raise ValueError(
+                    raise UserError(
                         f"stage over layers {spec.layer_start}..{spec.layer_end} uses {len(spec.gpus)} GPUs; "
                         "the runtime runs one GPU per stage (cluster.max_gpus_per_stage: 1)"
                     )
@@ -167,3 +173,13 @@ class ExecutionPlan:
             stages = "|".join(f"r{s.rank}:{s.layer_start}-{s.layer_end - 1}" for s in p.stages)
             parts.append(f"[{stages}]x{p.num_microbatches}mb")
         return " ".join(parts)
+
+
+def rank_table(plan) -> dict[Gpu, int]:
+    """(node, local GPU) -> global rank for a planning ``Plan``: pipeline by pipeline, stage by stage."""
+    ranks: dict[Gpu, int] = {}
+    for instance in plan.pipelines:
+        for spec in instance.template.stages:
+            for gpu in spec.gpus:
+                ranks[(instance.nodes[spec.node], gpu)] = len(ranks)
+    return ranks

@@ -2,9 +2,13 @@
 
 ``LayerSpec`` describes one pipeline-cuttable layer by its dimensions and the
 work it does per sample; the analytical cost model turns it into a
-``LayerCost``, and the runtime (a later issue) builds the torch module with the
+``LayerCost``, and ``oobleck_mm.model.layers`` builds the torch module with the
 same name. Order: vision encoder (+ projector), audio encoder (+ projector),
 then the LLM (token embedding, blocks, head).
+
+It lives in the config package because it is a pure function of the config's
+sections and the config's own checks need it (``model.frozen`` names layers, a
+sample's mean LLM tokens must fit ``data.max_seq_len``). No torch.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # spec.py is imported by config.py; only the type names are needed here
-    from oobleck_mm.config import DataConfig, ModelConfig
+if TYPE_CHECKING:
+    from oobleck_mm.config.job import DataConfig, ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,3 +104,13 @@ def format_plan(plan: Plan, layer_names: list[str], title: str) -> str:
                 f"mem {s.memory_bytes / 2**30:.2f} GiB"
             )
     return "\n".join(lines)
+
+
+def format_ranges(indices: list[int]) -> str:
+    """Sorted layer (or node) indices as ranges: [1, 2, 3, 7] -> '1-3, 7'."""
+    parts, start = [], indices[0]
+    for prev, cur in zip(indices, [*indices[1:], None]):
+        if cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)

@@ -1,0 +1,47 @@
+"""Job configuration: YAML -> validated dataclasses, the one place user settings are checked.
+
+The leaf of the import graph: nothing here imports another project module but
+``oobleck_mm.errors`` (an import-linter contract in ``.importlinter`` keeps it so).
+
+- ``job``: the sections, the cross-field rules, parsing, command-line overrides,
+  and the named timeouts (``FaultToleranceConfig``'s properties);
+- ``values``: field checks and units (durations, sizes, bandwidths), ``ConfigError``;
+- ``devices``: the accelerator catalogue ``cluster.device`` names;
+- ``shape``: the model the sections describe as ordered, pipeline-cuttable layers
+  (``LayerSpec``), the workload's token counts and ``model.frozen``'s names.
+"""
+
+from oobleck_mm.config.job import (
+    FROZEN_MODULES,
+    SCHEDULER_DEFAULT_WARMUP_STEPS,
+    WARMUP_DECAY_DEFAULT_MAX_LR,
+    AudioConfig,
+    BalanceConfig,
+    ClusterConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    JobConfig,
+    LLMConfig,
+    ModelConfig,
+    OptimizerConfig,
+    OptimizerParams,
+    PlanningConfig,
+    ProjectorConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    VisionConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    section_from_dict,
+    validate,
+)
+from oobleck_mm.config.values import ConfigError
+
+__all__ = [
+    "FROZEN_MODULES", "SCHEDULER_DEFAULT_WARMUP_STEPS", "WARMUP_DECAY_DEFAULT_MAX_LR", "AudioConfig",
+    "BalanceConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
+    "LLMConfig", "ModelConfig", "OptimizerConfig", "OptimizerParams", "PlanningConfig", "ProjectorConfig",
+    "SchedulerConfig", "TrainingConfig", "VisionConfig", "apply_overrides", "config_from_dict", "load_config",
+    "section_from_dict", "validate",
+]  # fmt: skip

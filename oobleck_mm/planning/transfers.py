@@ -1,0 +1,116 @@
+"""Which layer states move where after a reconfiguration (§2.5): one decision, made in one place.
+
+A layer state is a layer's parameters and optimizer state, and it moves as one
+unit. After a reconfiguration every holder (a worker, a GPU) must hold the
+layers its stage runs in the new plan; whatever it did not hold before is
+copied from a surviving holder. ``plan_transfers`` is the only function that
+decides those copies, and every party calls it on the same inputs:
+
+- each worker (``runtime.state_transfer``), over ranks, to post its sends and
+  receives: every rank derives the same list, so no message has to agree on it;
+- the master (``master.coordinator``), to log and count the copies of a generation;
+- the planner (``planning.reconfigure``), over (node, GPU) pairs, for its report.
+
+The rule: destinations are served in the new plan's order (pipeline by
+pipeline, stage by stage, layers ascending); each missing (layer, destination)
+takes, among the holders of the layer, one on the destination's own node
+first (an NVLink copy instead of a network one), then the one that has been
+asked to send the fewest layers so far (so copies run in parallel from many
+survivors), then the lowest key. Survivors keep their old states until the
+copy phase ends, so any of them may send, whatever it runs next.
+
+Pure: no torch, no torch.distributed, no grpc.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.planning.report import format_ranges
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Transfer:
+    """Copy the state of ``layer`` from holder ``src`` to holder ``dst``.
+
+    Holders are ranks of the new generation for the runtime and the master, and
+    (node, local GPU) pairs for the planner.
+    """
+
+    layer: int
+    dst: Any
+    src: Any
+
+
+def plan_transfers(
+    held: Mapping[Any, Collection[int]],
+    needed: Mapping[Any, Iterable[int]],
+    node_of: Callable[[Any], Hashable] | None = None,
+) -> tuple[Transfer, ...]:
+    """The copies that give every holder of ``needed`` its layers; see the module docstring for the rule.
+
+    ``held``: surviving holder -> layers whose state it holds now. ``needed``: holder ->
+    layers it must hold next, in the order destinations are served. ``node_of``: a holder's
+    node (default: every holder on a node of its own). Raises ``ValueError`` naming the
+    layers no survivor holds: the model state is gone and no plan can help.
+    """
+    node_of = node_of or (lambda holder: holder)
+    holders: dict[int, list[Any]] = {}
+    for holder, layers in held.items():
+        for layer in layers:
+            holders.setdefault(layer, []).append(holder)
+    orphans = sorted({layer for dst, layers in needed.items() for layer in layers if layer not in holders})
+    if orphans:
+        raise ValueError(f"layers {format_ranges(orphans)} have no surviving holder to copy from")
+    sent: Counter = Counter()
+    out = []
+    for dst, layers in needed.items():
+        kept = held.get(dst, ())
+        for layer in sorted(layers):
+            if layer in kept:
+                continue
+            src = min(holders[layer], key=lambda h: (node_of(h) != node_of(dst), sent[h], h))
+            sent[src] += 1
+            out.append(Transfer(layer, dst, src))
+    return tuple(out)
+
+
+def rank_transfers(
+    old: ExecutionPlan | None,
+    new: ExecutionPlan,
+    previous_ranks: Sequence[int],
+    rank_nodes: Sequence[str] = (),
+) -> tuple[Transfer, ...]:
+    """``plan_transfers`` between two execution plans, over the new generation's ranks.
+
+    ``previous_ranks[r]``: new rank ``r``'s rank in ``old``, or -1 for a worker without
+    state (a joiner, or every worker when ``old`` is None). ``rank_nodes[r]``: the node
+    of new rank ``r`` (empty: the same-node preference is off).
+    """
+    if len(previous_ranks) != new.world_size:
+        raise ValueError(f"previous_ranks has {len(previous_ranks)} entries for {new.world_size} ranks")
+    held = {
+        rank: old.stage(previous).layers
+        for rank, previous in enumerate(previous_ranks)
+        if previous >= 0 and old is not None
+    }
+    needed = {stage.rank: stage.layers for p in new.pipelines for stage in p.stages}
+    node_of = (lambda rank: rank_nodes[rank]) if rank_nodes else None
+    return plan_transfers(held, needed, node_of)
+
+
+def missing_states(
+    old: ExecutionPlan | None, new: ExecutionPlan, previous_ranks: Sequence[int]
+) -> int:
+    """(layer, new rank) pairs whose worker does not hold the layer yet: states to copy, load or create."""
+    count = 0
+    for stage in (s for p in new.pipelines for s in p.stages):
+        previous = previous_ranks[stage.rank]
+        held = old.stage(previous).layers if old is not None and previous >= 0 else range(0)
+        count += sum(1 for layer in stage.layers if layer not in held)
+    return count
+

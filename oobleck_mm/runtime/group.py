@@ -1,0 +1,88 @@
+"""Joining a generation's process group: the one way every worker gets one, tests and benchmarks included.
+
+Every generation of the job has its own default process group, rendezvoused on
+the master's TCPStore under the prefix ``gen{g}``, so a generation never meets
+a stale key of an earlier one. ``join_generation`` does it in three steps:
+
+1. Leave the previous generation's group (closing its connections unblocks
+   peers that still wait on this worker).
+2. Arrival barrier: a counter under the prefix, waited on for at most
+   ``arrival_timeout`` (``fault_tolerance.rendezvous_timeout`` in a job). Long on
+   purpose: survivors of a hang arrive up to a collective timeout apart and a
+   joiner's worker starts from nothing. While waiting, ``poll`` is asked for a
+   newer command: the master may re-plan meanwhile (a failure during recovery),
+   and the wait is then abandoned.
+3. ``init_process_group`` with ``collective_timeout`` (``fault_tolerance.
+   collective_timeout``): every collective and point-to-point wait of the
+   generation is bounded by it.
+
+torch names groups from a process-global counter that a failed init leaves
+incremented; every rank of a generation must start from the same count, or the
+rendezvous never matches, so the counter is reset before each init (torch has
+no public way to do it; torchft's ``ProcessGroup.configure`` re-creates its
+groups the same way, from scratch per quorum).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from oobleck_mm.runtime.waiting import PeerFailure
+
+ARRIVAL_POLL_S = 0.01
+"""Pause between two reads of the arrival counter."""
+
+
+def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of the master's TCPStore; ``timeout`` bounds each of its operations."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def join_generation(
+    store: dist.Store,
+    generation: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    *,
+    collective_timeout: timedelta,
+    arrival_timeout: timedelta,
+    poll: Callable[[], Any] | None = None,
+) -> Any:
+    """Join generation ``generation``'s default process group as ``rank`` of ``world_size``.
+
+    Returns None once joined, or whatever ``poll`` returned (not None) while this
+    worker waited for the others: then no group was joined. Raises ``PeerFailure``
+    when not every worker arrived within ``arrival_timeout`` or the group could not
+    be formed.
+    """
+    leave_group()
+    prefixed = dist.PrefixStore(f"gen{generation}", store)
+    prefixed.add("arrived", 1)
+    deadline = time.monotonic() + arrival_timeout.total_seconds()
+    while prefixed.add("arrived", 0) < world_size:
+        if poll is not None and (pending := poll()) is not None:
+            return pending
+        if time.monotonic() > deadline:
+            raise PeerFailure(
+                f"generation {generation}: not all {world_size} workers arrived within {arrival_timeout}"
+            )
+        time.sleep(ARRIVAL_POLL_S)
+    dist.distributed_c10d._world.group_count = 0  # see the module docstring
+    try:
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                                timeout=collective_timeout)  # fmt: skip
+    except RuntimeError as error:
+        raise PeerFailure(f"generation {generation}: rendezvous failed: {error}") from error
+    return None
+
+
+def leave_group() -> None:
+    """Destroy this process's default group, if any: its peers' waits on this worker fail fast."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
