@@ -26,23 +26,22 @@ from __future__ import annotations
 import enum
 import logging
 import queue
-import re
-import secrets
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import yaml
 
 from master import checkpointing
 from master.assignments import Sending, build_assignments
-from master.detector import WORKER_FAILED, NodeHealth, detect_failures
+from master.detector import WORKER_FAILED, detect_failures, recent_stalls
 from master.planning import InlinePlanner
 from master.policies import policy_for
 from master.progress import Incident, Progress, layout_summary
 from master.recovery import GenerationView, Holdings, Request, StateLost, previous_ranks
+from master.registry import Refused, Registry
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu
@@ -54,10 +53,6 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-END_OF_STREAM = None
-"""Put on a node's outbox to end its Subscribe stream."""
-
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SETTLE_S = 0.1
 """After a loss, wait this long for others before planning: nodes that fail together (a rack, a
 preemption wave) are seen milliseconds apart, and one plan for all beats a plan thrown away."""
@@ -74,14 +69,6 @@ class JobPhase(enum.Enum):
     """Too few nodes left: the survivors write their layers."""
     FINISHED = "finished"
     """The exit code is decided."""
-
-
-class Refused(Exception):
-    """A call the master rejects; ``code`` names the gRPC status (``INVALID_ARGUMENT``, ``NOT_FOUND``...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,26 +93,6 @@ class RunOptions:
     """Restart mode: steps between checkpoints."""
     resume_command: str = "oobleck-launch local --config CONFIG"
     """Printed, followed by ``--resume DIR``, when the job stops below the threshold."""
-
-
-@dataclass(slots=True)
-class _Node:
-    name: str
-    session: int
-    gpus: int
-    order: int
-    last_heartbeat: float
-    outbox: queue.Queue = field(default_factory=queue.Queue)
-    stream: str = "pending"
-    """pending (not subscribed yet) | open | closed."""
-    closing: bool = False
-    """The master ended the stream itself (shutdown, declared lost): its end is no failure."""
-    worker_failure: str | None = None
-    detail: str = ""
-
-    def health(self) -> NodeHealth:
-        closed = self.stream == "closed" and not self.closing
-        return NodeHealth(self.last_heartbeat, closed, self.worker_failure, self.detail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +147,7 @@ class Coordinator:
         """First step no worker has reported done."""
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._nodes: dict[str, _Node] = {}  # live nodes only
-        self._registrations = 0
+        self.registry = Registry()
         self._gens: dict[int, _Generation] = {}
         self._done: dict[Gpu, tuple[int, int]] = {}
         """(node, gpu) -> (generation, last step) of its WorkerDone."""
@@ -202,22 +168,15 @@ class Coordinator:
         """(session, gpus to run) for a new agent; raises Refused."""
         want = self.job.cluster.gpus_per_node
         with self._lock:
-            if not _NODE_NAME.match(node):
-                reason = f"node name {node!r} must match {_NODE_NAME.pattern}"
-                self._refuse("INVALID_ARGUMENT", peer, "Register", reason)
-            if gpus not in (0, want):
-                self._refuse(
-                    "INVALID_ARGUMENT", peer, "Register",
-                    f"node {node} offers {gpus} GPUs; this job runs cluster.gpus_per_node = {want} per node",
-                )  # fmt: skip
-            if node in self._nodes:
-                self._refuse("ALREADY_EXISTS", peer, "Register", f"node name {node!r} is already registered")
-            if self.phase in (JobPhase.FINISHED, JobPhase.CHECKPOINTING):
-                self._refuse("FAILED_PRECONDITION", peer, "Register", f"the job is {self.phase.value}")
+            try:
+                self.registry.check_new(node, gpus, want)
+                if self.phase in (JobPhase.FINISHED, JobPhase.CHECKPOINTING):
+                    raise Refused("FAILED_PRECONDITION", f"the job is {self.phase.value}")
+            except Refused as refusal:
+                self.refused(peer, "Register", str(refusal))
+                raise
             spare = self.phase is not JobPhase.WAITING
-            session = secrets.randbits(62)
-            self._nodes[node] = _Node(node, session, want, self._registrations, self.clock())
-            self._registrations += 1
+            session = self.registry.add(node, want, self.clock()).session
             self.events.write(
                 "registered", node=node, gpus=want, memory_bytes=memory_bytes, pid=pid, peer=peer, spare=spare
             )
@@ -228,7 +187,7 @@ class Coordinator:
     def open_stream(self, node: str, session: int) -> queue.Queue:
         """The outbox the node's Subscribe stream drains; raises Refused for an unknown session."""
         with self._lock:
-            entry = self._live(node, session)
+            entry = self.registry.live(node, session)
             if entry.stream != "pending":
                 raise Refused("FAILED_PRECONDITION", f"node {node} already has an event stream")
             entry.stream = "open"
@@ -238,7 +197,7 @@ class Coordinator:
 
     def stream_ended(self, node: str, session: int) -> None:
         with self._lock:
-            entry = self._nodes.get(node)
+            entry = self.registry.nodes.get(node)
             if entry is not None and entry.session == session:
                 entry.stream = "closed"
             self._changed.notify_all()
@@ -247,15 +206,12 @@ class Coordinator:
         # Without the lock: a heartbeat must never wait for a tick (applying a plan, writing events
         # on a busy disk). Reading the dict and setting one float are atomic under the GIL, and a
         # node popped meanwhile only gets its heartbeat recorded on an entry nobody reads again.
-        entry = self._nodes.get(node)
-        if entry is None or entry.session != session:
-            raise Refused("NOT_FOUND", f"node {node} (session {session}) is not registered; it may have been lost")
-        entry.last_heartbeat = self.clock()
+        self.registry.live(node, session).last_heartbeat = self.clock()
         return self.generation
 
     def worker_report(self, node: str, session: int, local_rank: int, report: pb.WorkerReport) -> None:
         with self._lock:
-            entry = self._live(node, session)
+            entry = self.registry.live(node, session)
             gpu = (node, local_rank)
             kind = report.WhichOneof("report")
             if kind == "metrics":
@@ -278,7 +234,7 @@ class Coordinator:
 
     def worker_failure(self, node: str, session: int, local_rank: int, reason: str, message: str) -> None:
         with self._lock:
-            entry = self._live(node, session)
+            entry = self.registry.live(node, session)
             if entry.worker_failure is None:
                 entry.worker_failure = reason
                 entry.detail = f"local rank {local_rank}: {message}"
@@ -322,10 +278,9 @@ class Coordinator:
                 return
             self.phase = JobPhase.FINISHED
             self.finish_result = Finish(exit_code, message)
-            for entry in self._nodes.values():
-                entry.closing = True
+            for entry in self.registry.nodes.values():
                 entry.outbox.put(pb.AgentEvent(shutdown=pb.Shutdown(reason=message)))
-                entry.outbox.put(END_OF_STREAM)
+                entry.end_stream()
             self.events.write("shutdown", exit_code=exit_code, reason=message)
             self._changed.notify_all()
 
@@ -333,38 +288,22 @@ class Coordinator:
         """After ``finish``: waits until the agents hung up (they got their Shutdown)."""
         deadline = self.clock() + timeout
         with self._changed:
-            while any(n.stream == "open" for n in self._nodes.values()):
+            while self.registry.any_stream_open():
                 left = deadline - self.clock()
                 if left <= 0:
                     return False
                 self._changed.wait(min(left, STREAM_CHECK_S))
         return True
 
-    # ------------------------------------------------------------------ registry internals (lock held)
-    def _live(self, node: str, session: int) -> _Node:
-        entry = self._nodes.get(node)
-        if entry is None or entry.session != session:
-            raise Refused("NOT_FOUND", f"node {node} (session {session}) is not registered; it may have been lost")
-        return entry
-
-    def _refuse(self, code: str, peer: str, method: str, reason: str) -> None:
-        self.refused(peer, method, reason)
-        raise Refused(code, reason)
-
-    def _live_names(self) -> list[str]:
-        """Nodes that can take part now, in registration order."""
-        return [n.name for n in sorted(self._nodes.values(), key=lambda n: n.order) if n.stream == "open"]
-
+    # ------------------------------------------------------------------ detection (lock held)
     def send(self, node: str, event: pb.AgentEvent) -> None:
-        self._nodes[node].outbox.put(event)
+        self.registry.nodes[node].outbox.put(event)
 
     def _detect(self) -> None:
         now = self.clock()
         self._forgive_own_stall(now)
-        health = {name: n.health() for name, n in self._nodes.items()}
-        # A stall report older than the timeout confirms nothing (detector.py): drop it.
-        limit = self.timeouts.heartbeat_timeout.total_seconds()
-        self._stalls = {n: at for n, at in self._stalls.items() if n in self._nodes and now - at <= limit}
+        health = self.registry.health()
+        self._stalls = recent_stalls(now, self._stalls, self.registry.nodes, self.timeouts)
         for failure in detect_failures(now, health, self.timeouts, self._stalls):
             self._declare_lost(failure.node, failure.reason, failure.detail)
 
@@ -379,13 +318,12 @@ class Coordinator:
         gap = 0.0 if last is None else now - last
         if gap <= self.timeouts.master_stall_threshold.total_seconds():
             return
-        for entry in self._nodes.values():
-            entry.last_heartbeat = min(now, entry.last_heartbeat + gap)
+        self.registry.forgive(gap, now)
         self.events.write("master_stalled", seconds=gap)
         log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 
     def _declare_lost(self, name: str, reason: str, detail: str) -> None:
-        entry = self._nodes.pop(name)
+        entry = self.registry.pop(name)
         current = self._gens.get(self.generation)
         in_plan = current is not None and name in current.view.nodes
         self.events.write(
@@ -402,8 +340,7 @@ class Coordinator:
         # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
         # the stream frees the handler thread; a live agent reads the end as "master gone" and
         # stops its workers, which is what a node declared lost must do.
-        entry.closing = True
-        entry.outbox.put(END_OF_STREAM)
+        entry.end_stream()
         if self.phase is JobPhase.RUNNING and in_plan:
             self._settle_until = self.clock() + SETTLE_S
             self.say(f"node {name} lost ({reason}); planning generation {self.generation + 1}")
@@ -425,7 +362,7 @@ class Coordinator:
 
     def _wanted(self) -> Request | StateLost | None:
         """What the next plan must account for now (None: nothing to plan)."""
-        live = self._live_names()
+        live = self.registry.names()
         if self.phase is JobPhase.WAITING:
             if len(live) < self.num_nodes:
                 return None

@@ -18,7 +18,7 @@ so every rule is tested by building the states by hand.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from oobleck_mm.config import FaultToleranceConfig
@@ -89,3 +89,10 @@ def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeouts: Fault
                                    f"no heartbeat for {silent:.2f}s while {', '.join(witnesses)} waited on a "
                                    f"collective (timeout {limit:g}s, {confirmed:g}s with a stalled peer)"))  # fmt: skip
     return out
+
+
+def recent_stalls(now: float, stalls: Mapping[str, float], nodes: Collection[str],
+                  timeouts: FaultToleranceConfig) -> dict[str, float]:  # fmt: skip
+    """The stall reports ``detect_failures`` may still use: of live ``nodes``, no older than the timeout."""
+    limit = timeouts.heartbeat_timeout.total_seconds()
+    return {node: at for node, at in stalls.items() if node in nodes and now - at <= limit}

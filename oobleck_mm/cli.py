@@ -22,11 +22,10 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from typing import Sequence
 
 from oobleck_mm.errors import ExitCode, UserError
-
-log = logging.getLogger("oobleck_mm.cli")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -125,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"oobleck-launch: error: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     except Exception as err:  # a bug: say so, with the traceback, never as the user's mistake
-        log.exception("internal error")
+        traceback.print_exc(file=sys.stderr)
         print(f"oobleck-launch: internal error (a bug, not your input): {err!r}; traceback above",
               file=sys.stderr, flush=True)  # fmt: skip
         return ExitCode.ERROR

@@ -92,3 +92,17 @@ def test_bad_config_exits_2_naming_the_field(tmp_path):
 def test_missing_config_file_exits_2(capsys, tmp_path):
     assert main(["plan", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_a_bug_exits_1_with_its_traceback_never_as_bad_input(capsys, monkeypatch):
+    """Only a UserError is the user's mistake (exit 2); any other exception is a bug: exit 1, traceback."""
+    import oobleck_mm.planning.planner as planner
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal invariant failed")  # a plain ValueError is not a UserError
+
+    monkeypatch.setattr(planner, "plan_job", broken)
+    assert main(["plan", "--config", TINY]) == 1
+    err = capsys.readouterr().err
+    assert "internal error (a bug, not your input)" in err and "an internal invariant failed" in err
+    assert "Traceback (most recent call last)" in err and "in broken" in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -259,3 +261,38 @@ def test_sections_validate_when_built_in_code():
     with pytest.raises(ConfigError, match=r"^training.global_batch \(15\)"):
         JobConfig(model=job.model, data=job.data, training=type(job.training)(global_batch=15, microbatch_size=4,
                                                                               steps=1), cluster=job.cluster)  # fmt: skip
+
+
+def test_every_timeout_derives_from_the_two_heartbeat_settings_by_its_documented_formula():
+    ft = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "250ms",
+                                                                   "heartbeat_timeout": "4s"})).fault_tolerance
+    seconds = {name: getattr(ft, name).total_seconds() for name in (
+        "collective_timeout", "stall_report_after", "confirmed_silence", "master_stall_threshold", "detector_tick",
+        "shutdown_grace", "checkpoint_round_timeout", "heartbeat_rpc_timeout", "report_rpc_timeout",
+        "master_silence_limit", "worker_stop_timeout", "agent_exit_timeout", "rendezvous_timeout")}  # fmt: skip
+    assert seconds == {
+        "collective_timeout": 9.0, "stall_report_after": 0.5, "confirmed_silence": 2.0,
+        "master_stall_threshold": 2.0, "detector_tick": 0.1, "shutdown_grace": 4.0,
+        "checkpoint_round_timeout": 68.0, "heartbeat_rpc_timeout": 2.0, "report_rpc_timeout": 4.0,
+        "master_silence_limit": 8.0, "worker_stop_timeout": 4.0, "agent_exit_timeout": 6.0,
+        "rendezvous_timeout": 300.0,
+    }  # fmt: skip
+    short = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "100ms",
+                                                                      "heartbeat_timeout": "500ms"})).fault_tolerance
+    assert short.detector_tick.total_seconds() == pytest.approx(0.05) and short.shutdown_grace.total_seconds() == 2.0
+
+
+def test_the_rendezvous_timeout_is_a_setting_a_user_may_raise():
+    job = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"rendezvous_timeout": "15m"}))
+    assert job.fault_tolerance.rendezvous_timeout.total_seconds() == 900.0
+    with pytest.raises(ConfigError, match="fault_tolerance.rendezvous_timeout: must be a positive duration"):
+        config_from_dict(with_value(MINIMAL, "fault_tolerance", {"rendezvous_timeout": "0s"}))
+
+
+def test_config_imports_no_other_project_module():
+    """The leaf of the import graph, checked here as in `make test`'s lint-imports run."""
+    code = ("import sys, oobleck_mm.config; "
+            "print(sorted(m for m in sys.modules if m.startswith(('oobleck_mm', 'master', 'agent'))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == str(["oobleck_mm", "oobleck_mm.config", "oobleck_mm.config.devices", "oobleck_mm.config.job",
+                               "oobleck_mm.config.shape", "oobleck_mm.config.values", "oobleck_mm.errors"])  # fmt: skip

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from master.coordinator import END_OF_STREAM, Coordinator, JobPhase, Refused, RunOptions
+from master.coordinator import Coordinator, JobPhase, RunOptions
+from master.registry import END_OF_STREAM, Refused
 from oobleck_mm.config import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import EventLog, read_events
@@ -135,6 +136,10 @@ def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_ran
     for a in sent.values():
         assert (a.generation, a.world_size, a.store_host, a.store_port, a.steps) == (1, 4, "10.0.0.1", 4321, 3)
         assert plan_from_proto(a.plan) == plan and a.previous_generation == 0 and not a.resume_dir
+    # every worker knows each rank's node (the same-node preference of the state copy)
+    for (node, _), a in sent.items():
+        assert len(a.rank_nodes) == 4 and a.rank_nodes[a.rank] == node
+        assert sorted(a.rank_nodes) == ["a", "a", "b", "b"]
     decided = read_events(j.events, "plan_decided")
     assert decided[0]["nodes"] == ["a", "b"] and decided[0]["layout"] == plan.to_dict()
     assert len(read_events(j.events, "assignment_sent")) == 4 and "generation 1" in j.lines[0]
@@ -227,6 +232,10 @@ def test_a_joining_node_waits_for_a_completed_step_then_gets_every_layer(make):
     assert sorted(r for r in joiner.previous_ranks if r >= 0) == [0, 1]
     decided = read_events(j.events, "plan_decided")[-1]
     assert decided["cause"] == "joined" and decided["joined"] == ["late"] and decided["layer_states_moved"] == 10
+    # the master logs the copies the workers derive: the joiner receives all ten layers from survivors
+    assert sorted(t[0] for t in decided["transfers"]) == list(range(10))
+    assert all(t[2] == joiner.rank and t[1] != joiner.rank and joiner.previous_ranks[t[1]] >= 0
+               for t in decided["transfers"])  # fmt: skip
 
 
 def test_a_failure_during_recovery_plans_from_the_generation_the_survivors_still_hold(make):

@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from oobleck_mm.config import config_from_dict
+from oobleck_mm.errors import UserError
 from oobleck_mm.planning.costs import ClusterSpec
-from oobleck_mm.planning.planner import plan_job
+from oobleck_mm.planning.planner import Failed, Planned, plan_fresh, plan_job, plan_reconfiguration
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration
 from oobleck_mm.planning.stage_mapping import map_stages
 from oobleck_mm.profiling.load import load_profile
@@ -59,7 +60,7 @@ def test_random_jobs_plan_and_reconfigure_with_every_invariant(job, data):
     f = job.fault_tolerance.f
     try:
         result = plan_job(job, load_profile(job), nodes)
-    except ValueError as err:  # a job that cannot be planned must say why in numbers
+    except UserError as err:  # a job that cannot be planned is the user's to fix, and says why in numbers
         assert any(ch.isdigit() for ch in str(err)), err
         event("cannot be planned")
         return
@@ -93,3 +94,34 @@ def test_random_jobs_plan_and_reconfigure_with_every_invariant(job, data):
         assert all(m.src is not None and m.src[0] not in lost for m in again.moves)
     else:
         assert "lost every replica" in again.reason
+
+
+def tiny(**cluster) -> object:
+    with open("configs/tiny_mm.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw["cluster"].update(cluster)
+    raw["planning"]["solver"] = "python"
+    return config_from_dict(raw)
+
+
+def test_the_masters_planning_answers_with_one_of_three_typed_outcomes():
+    job = tiny()
+    nodes = ["a", "b", "c"]
+    planned, templates = plan_fresh(job, load_profile(job), nodes)
+    assert isinstance(planned, Planned) and templates is not None
+    # the layout is the plan's, rank by rank
+    assert sorted(planned.ranks.values()) == list(range(planned.layout.world_size))
+    for instance, layout in zip(planned.plan.pipelines, planned.layout.pipelines):
+        assert [planned.ranks[(instance.nodes[s.node], s.gpus[0])] for s in instance.template.stages] == list(layout.ranks)
+    # below (f + 1) * n0 nodes: the job cannot keep its replicas (exit 3 territory, not a bad config)
+    cannot, none = plan_fresh(job, load_profile(job), ["a"])
+    assert isinstance(cannot, CannotKeepReplicas) and (cannot.live_nodes, cannot.needed) == (1, 2) and none is None
+    # a model that fits no device: the user must change the config
+    small = tiny(device_memory="1KiB")
+    failed, _ = plan_fresh(small, load_profile(small), nodes)
+    assert isinstance(failed, Failed) and "does not fit" in failed.message and "device_memory_bytes=1024" in failed.message
+    # a reconfiguration, and losing too many: typed too
+    again, _ = plan_reconfiguration(job, load_profile(job), templates, 3, planned.plan, ["c"], [])
+    assert isinstance(again, Planned) and not again.fresh and sorted(again.plan.nodes) == ["a", "b"]
+    gone, _ = plan_reconfiguration(job, load_profile(job), templates, 3, planned.plan, ["b", "c"], [])
+    assert isinstance(gone, CannotKeepReplicas)

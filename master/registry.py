@@ -1,0 +1,109 @@
+"""The master's node registry: who is registered, under which session, and what each node's agent said.
+
+The coordinator owns the decisions (who is lost, what to plan); this module
+only keeps the facts it decides on: a node's session, its event-stream state,
+its last heartbeat and a reported worker failure, and the outbox its Subscribe
+stream drains. Calls that name an unknown node or a stale session are refused
+(``Refused`` carries the gRPC status name), so a node declared lost cannot act
+under its old registration. Not thread-safe by itself: the coordinator calls it
+under its lock (heartbeats aside, see ``Coordinator.heartbeat``).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from master.detector import NodeHealth
+
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+END_OF_STREAM = None
+"""Put on a node's outbox to end its Subscribe stream."""
+
+
+class Refused(Exception):
+    """A call the master rejects; ``code`` names the gRPC status (``INVALID_ARGUMENT``, ``NOT_FOUND``...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    session: int
+    gpus: int
+    order: int
+    """Registration order: live nodes are planned in it."""
+    last_heartbeat: float
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    stream: str = "pending"
+    """pending (not subscribed yet) | open | closed."""
+    closing: bool = False
+    """The master ended the stream itself (shutdown, declared lost): its end is no failure."""
+    worker_failure: str | None = None
+    detail: str = ""
+
+    def health(self) -> NodeHealth:
+        closed = self.stream == "closed" and not self.closing
+        return NodeHealth(self.last_heartbeat, closed, self.worker_failure, self.detail)
+
+    def end_stream(self) -> None:
+        """The master hangs up on this node (a shutdown, or the node was declared lost)."""
+        self.closing = True
+        self.outbox.put(END_OF_STREAM)
+
+
+class Registry:
+    """Live nodes by name; a node leaves it when it is declared lost."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self._registrations = 0
+
+    def check_new(self, node: str, gpus: int, gpus_per_node: int) -> None:
+        """Raises ``Refused`` if ``node`` cannot register (a bad name, a GPU count the job does not run, taken)."""
+        if not NODE_NAME.match(node):
+            raise Refused("INVALID_ARGUMENT", f"node name {node!r} must match {NODE_NAME.pattern}")
+        if gpus not in (0, gpus_per_node):
+            raise Refused(
+                "INVALID_ARGUMENT",
+                f"node {node} offers {gpus} GPUs; this job runs cluster.gpus_per_node = {gpus_per_node} per node",
+            )
+        if node in self.nodes:
+            raise Refused("ALREADY_EXISTS", f"node name {node!r} is already registered")
+
+    def add(self, node: str, gpus: int, now: float) -> Node:
+        entry = Node(node, secrets.randbits(62), gpus, self._registrations, now)
+        self._registrations += 1
+        self.nodes[node] = entry
+        return entry
+
+    def live(self, node: str, session: int) -> Node:
+        """The node's entry if ``session`` is its current registration; else ``Refused(NOT_FOUND)``."""
+        entry = self.nodes.get(node)
+        if entry is None or entry.session != session:
+            raise Refused("NOT_FOUND", f"node {node} (session {session}) is not registered; it may have been lost")
+        return entry
+
+    def names(self) -> list[str]:
+        """Nodes that can take part now (stream open), in registration order."""
+        return [n.name for n in sorted(self.nodes.values(), key=lambda n: n.order) if n.stream == "open"]
+
+    def health(self) -> dict[str, NodeHealth]:
+        return {name: n.health() for name, n in self.nodes.items()}
+
+    def forgive(self, gap: float, now: float) -> None:
+        """Move every heartbeat ``gap`` seconds later (never past ``now``): the master, not the nodes, was silent."""
+        for entry in self.nodes.values():
+            entry.last_heartbeat = min(now, entry.last_heartbeat + gap)
+
+    def pop(self, node: str) -> Node:
+        return self.nodes.pop(node)
+
+    def any_stream_open(self) -> bool:
+        return any(n.stream == "open" for n in self.nodes.values())
