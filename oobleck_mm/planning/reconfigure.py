@@ -55,7 +55,7 @@ from oobleck_mm.planning.batch import min_max_split, split_batch
 from oobleck_mm.planning.costs import ClusterSpec
 from oobleck_mm.planning.errors import InfeasiblePlan
 from oobleck_mm.planning.instantiate import best_template_counts
-from oobleck_mm.planning.layout import Gpu
+from oobleck_mm.planning.layout import Gpu, rank_table
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
 from oobleck_mm.planning.report import format_ranges
 from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
@@ -570,4 +570,5 @@ def _state_moves(plan: Plan, ctx: _Context) -> tuple[Transfer, ...]:
         position = {node: i for i, node in enumerate(pipeline.nodes)}
         for gpu, layers in sorted(pipeline.layers_on().items(), key=lambda kv: (position[kv[0][0]], kv[0][1])):
             needed[gpu] = layers
-    return plan_transfers(ctx.held, needed, node_of=lambda gpu: gpu[0])
+    ranks = rank_table(plan)  # the workers' holders are these ranks: the same ties break the same way
+    return plan_transfers(ctx.held, needed, node_of=lambda gpu: gpu[0], rank_of=ranks.__getitem__)

@@ -16,7 +16,7 @@ pipeline, stage by stage, layers ascending); each missing (layer, destination)
 takes, among the holders of the layer, one on the destination's own node
 first (an NVLink copy instead of a network one), then the one that has been
 asked to send the fewest layers so far (so copies run in parallel from many
-survivors), then the lowest key. Survivors keep their old states until the
+survivors), then the lowest rank in the new generation. Survivors keep their old states until the
 copy phase ends, so any of them may send, whatever it runs next.
 
 Pure: no torch, no torch.distributed, no grpc.
@@ -50,15 +50,19 @@ def plan_transfers(
     held: Mapping[Any, Collection[int]],
     needed: Mapping[Any, Iterable[int]],
     node_of: Callable[[Any], Hashable] | None = None,
+    rank_of: Callable[[Any], int] | None = None,
 ) -> tuple[Transfer, ...]:
     """The copies that give every holder of ``needed`` its layers; see the module docstring for the rule.
 
     ``held``: surviving holder -> layers whose state it holds now. ``needed``: holder ->
     layers it must hold next, in the order destinations are served. ``node_of``: a holder's
-    node (default: every holder on a node of its own). Raises ``ValueError`` naming the
-    layers no survivor holds: the model state is gone and no plan can help.
+    node (default: every holder on a node of its own). ``rank_of``: a holder's rank in the
+    new generation, the last tie-break (default: the holder itself, when holders are ranks),
+    so the planner's (node, GPU) answer is the workers' answer over ranks. Raises
+    ``ValueError`` naming the layers no survivor holds: the model state is gone.
     """
     node_of = node_of or (lambda holder: holder)
+    rank_of = rank_of or (lambda holder: holder)
     holders: dict[int, list[Any]] = {}
     for holder, layers in held.items():
         for layer in layers:
@@ -73,7 +77,7 @@ def plan_transfers(
         for layer in sorted(layers):
             if layer in kept:
                 continue
-            src = min(holders[layer], key=lambda h: (node_of(h) != node_of(dst), sent[h], h))
+            src = min(holders[layer], key=lambda h: (node_of(h) != node_of(dst), sent[h], rank_of(h)))
             sent[src] += 1
             out.append(Transfer(layer, dst, src))
     return tuple(out)

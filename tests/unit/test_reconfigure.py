@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 from oobleck_mm.planning.batch import split_batch
 from oobleck_mm.planning.costs import ClusterSpec
 from oobleck_mm.planning.instantiate import best_template_counts, enumerate_template_counts
+from oobleck_mm.planning.layout import ExecutionPlan, rank_table
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
 from oobleck_mm.planning.reconfigure import DEFAULT_REPLAN_GAIN, CannotKeepReplicas, Reconfiguration, reconfigure
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
+from oobleck_mm.planning.transfers import rank_transfers
 
 CLUSTER = ClusterSpec(gpus_per_node=2, device_memory_bytes=80 * 2**30)
 MICROBATCH = 2
@@ -150,6 +152,20 @@ def check_reconfiguration(result, old: Plan, lost, joined, template_set: Templat
     for m in result.moves:
         assert m.src is not None and m.src[0] not in set(lost)
         assert m.layer in held[m.src], (m, "source must hold the layer in the old plan")
+    assert_moves_are_what_the_workers_run(result, old, lost)
+
+
+def assert_moves_are_what_the_workers_run(result, old: Plan, lost) -> None:
+    """The planner's moves, read as ranks, are exactly the copies every worker derives from its assignment."""
+    old_ranks, new_ranks = rank_table(old), rank_table(result.plan)
+    old_layout, new_layout = ExecutionPlan.from_plan(old, old_ranks), ExecutionPlan.from_plan(result.plan, new_ranks)
+    previous, nodes = [-1] * new_layout.world_size, [""] * new_layout.world_size
+    for gpu, rank in new_ranks.items():
+        nodes[rank] = gpu[0]
+        if gpu in old_ranks and gpu[0] not in set(lost):
+            previous[rank] = old_ranks[gpu]
+    workers = [(t.layer, t.dst, t.src) for t in rank_transfers(old_layout, new_layout, previous, nodes)]
+    assert [(m.layer, new_ranks[m.dst], new_ranks[m.src]) for m in result.moves] == workers
 
 
 # --- strategies -------------------------------------------------------------------------------
