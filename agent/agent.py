@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 from multiprocessing.connection import wait as wait_connections
 
 import grpc
@@ -93,7 +94,8 @@ class Agent:
             if isinstance(reply, int):
                 return reply
             old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-            self._work_dir = tempfile.mkdtemp(prefix=f"oobleck-agent-{self.o.node}-")
+            remove_stale_work_dirs(tempfile.gettempdir(), psutil.pid_exists)  # left by SIGKILLed agents
+            self._work_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{self.o.node}-{os.getpid()}-")
             self.config_path = _write_private(os.path.join(self._work_dir, "job.yaml"), reply.config_yaml)
             self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
             self.timeouts = _fault_tolerance(reply.config_yaml)
@@ -301,6 +303,22 @@ def _fault_tolerance(config_yaml: str) -> FaultToleranceConfig:
     """The job's fault-tolerance section (every timeout the agent uses derives from it)."""
     raw = yaml.safe_load(config_yaml) or {}
     return section_from_dict(FaultToleranceConfig, raw.get("fault_tolerance"), "fault_tolerance")
+
+
+WORK_DIR_PREFIX = "oobleck-agent-"
+"""An agent's private folder (the job config its workers read): ``oobleck-agent-NODE-PID-XXXX``."""
+
+
+def remove_stale_work_dirs(root: str, pid_alive: Callable[[int], bool]) -> list[str]:
+    """Removes the folders under ``root`` of agents that are gone (a SIGKILLed agent cannot clean up)."""
+    removed = []
+    for name in os.listdir(root):
+        parts = name[len(WORK_DIR_PREFIX):].rsplit("-", 2) if name.startswith(WORK_DIR_PREFIX) else []
+        if len(parts) == 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _write_private(path: str, text: str) -> str:

@@ -41,7 +41,7 @@ from master.planning import InlinePlanner
 from master.policies import policy_for
 from master.progress import Incident, Progress, layout_summary
 from master.recovery import GenerationView, Holdings, Request, StateLost, previous_ranks
-from master.registry import Refused, Registry
+from master.registry import RefusalCounter, Refused, Registry
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu
@@ -148,6 +148,7 @@ class Coordinator:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self.registry = Registry()
+        self._refusals = RefusalCounter()
         self._gens: dict[int, _Generation] = {}
         self._done: dict[Gpu, tuple[int, int]] = {}
         """(node, gpu) -> (generation, last step) of its WorkerDone."""
@@ -227,9 +228,14 @@ class Coordinator:
                 # Evidence for the detector: this node's worker waits on its peers (see detector.py).
                 self._stalls[node] = self.clock()
             elif kind == "failed":
-                entry.worker_failure = WORKER_FAILED
-                entry.detail = f"local rank {local_rank}: {report.failed.message}"
-                self.events.write("worker_failed", node=node, local_rank=local_rank, message=report.failed.message)
+                failed = report.failed
+                self.events.write("worker_failed", node=node, local_rank=local_rank, message=failed.message,
+                                  user_error=failed.user_error)  # fmt: skip
+                if failed.user_error:  # the same on every replica: stop once, naming the cause
+                    self.finish(ExitCode.BAD_INPUT, f"{node}/gpu{local_rank}: {failed.message}")
+                else:
+                    entry.worker_failure = WORKER_FAILED
+                    entry.detail = f"local rank {local_rank}: {failed.message}"
             self._changed.notify_all()
 
     def worker_failure(self, node: str, session: int, local_rank: int, reason: str, message: str) -> None:
@@ -241,9 +247,12 @@ class Coordinator:
             self._changed.notify_all()
 
     def refused(self, peer: str, method: str, reason: str) -> None:
-        """Records a call refused before it reached the coordinator (the token check)."""
-        self.events.write("refused", peer=peer, method=method, reason=reason)
-        log.warning("refused %s from %s: %s", method, peer, reason)
+        """Records a refused call: the first few per peer host, then only every 10th, 100th... one."""
+        count, logged = self._refusals.count(peer)
+        if not logged:
+            return
+        self.events.write("refused", peer=peer, method=method, reason=reason, count=count)
+        log.warning("refused %s from %s: %s (%d refusals from this host)", method, peer, reason, count)
 
     # ------------------------------------------------------------------ the control thread
     def tick(self) -> Finish | None:

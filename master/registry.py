@@ -14,6 +14,8 @@ from __future__ import annotations
 import queue
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from master.detector import NodeHealth
@@ -107,3 +109,39 @@ class Registry:
 
     def any_stream_open(self) -> bool:
         return any(n.stream == "open" for n in self.nodes.values())
+
+
+REFUSALS_LOGGED_PER_PEER = 5
+"""Refused calls of one peer host that are logged one by one; later ones only at powers of ten."""
+PEERS_REMEMBERED = 1024
+"""Peer hosts whose refusal counts are kept (least recently refused forgotten first)."""
+
+
+class RefusalCounter:
+    """Decides which refused calls reach the log: a client retrying a wrong token must not fill the disk."""
+
+    def __init__(self) -> None:
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()  # the token check calls it from gRPC's handler threads
+
+    def count(self, peer: str) -> tuple[int, bool]:
+        """(refusals of ``peer``'s host so far, whether to log this one)."""
+        host = peer_host(peer)
+        with self._lock:
+            n = self._counts.pop(host, 0) + 1
+            self._counts[host] = n
+            while len(self._counts) > PEERS_REMEMBERED:
+                self._counts.popitem(last=False)
+        return n, n <= REFUSALS_LOGGED_PER_PEER or _power_of_ten(n)
+
+
+def peer_host(peer: str) -> str:
+    """gRPC's ``ipv4:10.0.0.1:53412`` -> ``ipv4:10.0.0.1`` (a reconnecting client gets a new port)."""
+    head, sep, port = peer.rpartition(":")
+    return head if sep and port.isdigit() else peer
+
+
+def _power_of_ten(n: int) -> bool:
+    while n % 10 == 0 and n > 1:
+        n //= 10
+    return n == 1

@@ -66,7 +66,7 @@ class MasterServer:
         self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
         self.run_dir = options.run_dir or default_run_dir(job.model.name)
         self.run_options = _run_options(job, options, self.run_dir)  # checks --resume before creating anything
-        os.makedirs(self.run_dir, exist_ok=True)
+        _make_run_dir(self.run_dir)
         self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
         self.token_file = options.token_file or os.path.join(self.run_dir, "token")
         self.token = _load_or_create_token(self.token_file)
@@ -173,6 +173,15 @@ def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
         checkpoint_interval=ft.checkpoint_interval,
         resume_command=options.resume_command,
     )
+
+
+def _make_run_dir(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--run-dir: {path!r} is a file; give a folder (created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--run-dir: cannot create {path!r}: {exc.strerror}") from None
 
 
 def _load_or_create_token(path: str) -> str:

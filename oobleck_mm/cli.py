@@ -281,14 +281,16 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
     """``--inject`` and ``--trace`` as one list of ``FaultEvent`` (UserError names the bad flag)."""
     if not args.inject and args.trace is None:
         return []
-    from oobleck_mm.faults.spec import parse_inject
+    from oobleck_mm.faults.spec import check_targets, parse_inject
     from oobleck_mm.faults.trace import load_timeline
 
     faults = parse_inject(args.inject) if args.inject else []
     if args.trace is not None:
-        if not os.path.exists(args.trace):
-            raise UserError(f"--trace: no such file {args.trace!r}")
+        if not os.path.isfile(args.trace):
+            what = "a folder, not a file" if os.path.isdir(args.trace) else "no such file"
+            raise UserError(f"--trace: {args.trace!r} is {what}; give a trace file (delta_ms,add|remove,node lines)")
         faults += load_timeline(args.trace, _node_names(num_nodes), time_scale=args.time_scale)
+    check_targets(faults, _node_names(num_nodes))
     return faults
 
 

@@ -147,6 +147,29 @@ def _parse_target(token: str, kind: str, parts: list[str]) -> tuple[str | None, 
     return node, local_rank
 
 
+def check_targets(faults: Iterable[FaultEvent], nodes: Iterable[str]) -> None:
+    """Raises ``UserError`` naming a fault whose node this run will never have.
+
+    A run has its starting ``nodes`` and the nodes its joins add (a join's own name, or
+    the launcher's next ``node<K>``); a failure aimed at any other name would be skipped
+    silently at run time, leaving the user to wonder why nothing happened.
+    """
+    faults = list(faults)
+    known = list(nodes)
+    named = [f.node for f in faults if f.kind == "join" and f.node is not None]
+    following = 1 + max((node_number(n) for n in [*known, *named]), default=-1)
+    unnamed = sum(1 for f in faults if f.kind == "join" and f.node is None)
+    joined = named + [f"node{following + i}" for i in range(unnamed)]
+    valid = set(known) | set(joined)
+    for fault in faults:
+        if fault.is_failure and fault.node not in valid:
+            joins = f"; joins add {', '.join(joined)}" if joined else ""
+            raise UserError(
+                f"--inject {fault.source or fault.describe()}: node {fault.node!r} is not in this run "
+                f"(nodes {', '.join(known)}{joins})"
+            )
+
+
 def node_number(node: str) -> int:
     """The trailing number of a node name (``node12`` -> 12), -1 without one: launchers name nodes node<K>."""
     m = _TRAILING_DIGITS.search(node)

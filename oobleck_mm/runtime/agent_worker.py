@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from oobleck_mm.config import load_config
 from oobleck_mm.config.shape import layer_specs
+from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
@@ -300,11 +301,19 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     try:
         WorkerLoop(conn, load_config(config_path), node, local_rank).run()
+    except UserError as error:  # deterministic: every replica would fail alike, recovery cannot help
+        log.error("worker stopped by the job's input: %s", error)
+        _report_failure(conn, str(error), user_error=True)
+        raise SystemExit(ExitCode.BAD_INPUT) from None
     except Exception:
         message = traceback.format_exc()
         log.error("worker failed:\n%s", message)
-        try:
-            send_report(conn, pb.WorkerReport(failed=pb.WorkerFailed(message=message)))
-        except (OSError, EOFError):
-            pass
-        raise SystemExit(1)
+        _report_failure(conn, message, user_error=False)
+        raise SystemExit(ExitCode.ERROR) from None
+
+
+def _report_failure(conn, message: str, user_error: bool) -> None:
+    try:
+        send_report(conn, pb.WorkerReport(failed=pb.WorkerFailed(message=message, user_error=user_error)))
+    except (OSError, EOFError):
+        pass  # the agent is gone: its supervision (or the master's detector) says why

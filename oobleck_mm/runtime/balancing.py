@@ -15,6 +15,10 @@ gradient exists, so a peer failing during it only aborts that step.
 A ``StepBalancer`` is handed from engine to engine across reconfigurations:
 the coefficients and the timing window survive (timings are per layer range,
 valid for any plan), so nothing warms up again.
+
+Nothing is pickled between processes: timings travel as float64 tensors (one
+row per timing: layer range, seconds, features) and coefficients as one float64
+vector, so a peer (or anyone who reaches the store) can send data, never code.
 """
 
 from __future__ import annotations
@@ -22,19 +26,27 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from oobleck_mm.balance.balancer import balance, step_metrics
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel, StageTiming
 from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
-from oobleck_mm.balance.work import microbatch_features, sample_features
+from oobleck_mm.balance.cost_model import NUM_TERMS
+from oobleck_mm.balance.work import NUM_FEATURES, microbatch_features, sample_features
 from oobleck_mm.data.dataset import ModelInputs
 
 
+TIMING_COLUMNS = 3 + NUM_FEATURES
+"""A timing as a tensor row: layer_start, layer_end, seconds, then the microbatch's features."""
+
+
 class StepBalancer:
-    def __init__(self, job, data, specs):
+    def __init__(self, job, data, specs, device: torch.device | str = "cpu"):
         from oobleck_mm.profiling.analytical import profile_from_config
 
+        self.device = torch.device(device)
+        """Where exchanged tensors live: the process group's device (NCCL needs CUDA tensors)."""
         self.config = job.balance
         self.data = data
         self.dims = ModelInputs.from_model(job.model)
@@ -78,22 +90,54 @@ class StepBalancer:
         every = self.config.fit_every
         if not every or step == 0 or step % every:
             return False
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.fresh)
+        gathered = self._all_gather_timings(self.fresh)
         self.fresh = []
         for timings in gathered:  # rank order: the same window on every rank
             self.window.extend(timings)
-        box = [None]
+        fitted = self.coefficients
         if dist.get_rank() == 0:
-            box[0] = self.model.fit(self.coefficients, list(self.window), self.config.ridge).to_dict()
-        dist.broadcast_object_list(box, src=0)
-        self.coefficients = CostCoefficients.from_dict(box[0])
+            fitted = self.model.fit(self.coefficients, list(self.window), self.config.ridge)
+        self.coefficients = self._broadcast_coefficients(fitted, src=0)
         return True
 
     def share_from(self, src: int) -> None:
         """Collective: every rank takes ``src``'s coefficients and timing window (a joiner has none)."""
-        box = [(self.coefficients.to_dict(), list(self.window)) if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)
-        coefficients, window = box[0]
-        self.coefficients = CostCoefficients.from_dict(coefficients)
-        self.window = deque(window, maxlen=self.config.fit_window)
+        self.coefficients = self._broadcast_coefficients(self.coefficients, src)
+        rows = torch.tensor(_timing_rows(self.window) if dist.get_rank() == src else np.zeros((0, TIMING_COLUMNS)),
+                            dtype=torch.float64, device=self.device)  # fmt: skip
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
+        dist.broadcast(count, src=src)
+        if dist.get_rank() != src:
+            rows = torch.empty((int(count.item()), TIMING_COLUMNS), dtype=torch.float64, device=self.device)
+        if rows.numel():
+            dist.broadcast(rows, src=src)
+        self.window = deque(_timings(rows.cpu().numpy()), maxlen=self.config.fit_window)
+
+    # ------------------------------------------------------------------ tensor exchange
+    def _all_gather_timings(self, timings) -> list[list[StageTiming]]:
+        """Every rank's ``timings``, in rank order (counts first: all_gather needs equal shapes)."""
+        mine = torch.tensor(_timing_rows(timings), dtype=torch.float64, device=self.device)
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, torch.tensor([mine.shape[0]], dtype=torch.int64, device=self.device))
+        longest = max(int(c.item()) for c in counts)
+        padded = torch.zeros((longest, TIMING_COLUMNS), dtype=torch.float64, device=self.device)
+        padded[: mine.shape[0]] = mine
+        rows = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(rows, padded)
+        return [_timings(r[: int(c.item())].cpu().numpy()) for r, c in zip(rows, counts)]
+
+    def _broadcast_coefficients(self, coefficients: CostCoefficients, src: int) -> CostCoefficients:
+        vector = torch.tensor([coefficients.num_observations, *coefficients.scales], dtype=torch.float64,
+                              device=self.device)  # fmt: skip
+        dist.broadcast(vector, src=src)
+        values = vector.cpu().tolist()
+        return CostCoefficients(tuple(values[1 : 1 + NUM_TERMS]), int(values[0]))
+
+
+def _timing_rows(timings) -> np.ndarray:
+    rows = [(t.layer_start, t.layer_end, t.seconds, *t.features) for t in timings]
+    return np.array(rows, dtype=np.float64).reshape(len(rows), TIMING_COLUMNS)
+
+
+def _timings(rows: np.ndarray) -> list[StageTiming]:
+    return [StageTiming(int(r[0]), int(r[1]), tuple(float(x) for x in r[3:]), float(r[2])) for r in rows]

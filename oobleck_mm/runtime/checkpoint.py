@@ -69,13 +69,24 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
     os.replace(tmp, directory / "meta.json")
 
 
+META_KEYS = ("format", "step", "num_layers", "layer_names")
+"""What ``meta.json`` must hold for a resume or ``verify``."""
+
+
 def read_meta(directory: str | os.PathLike) -> dict:
     path = Path(directory) / "meta.json"
     if not path.exists():
         raise UserError(f"{directory}: not a complete checkpoint (no meta.json)")
-    meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{path}: checkpoint format {meta.get('format')!r}, this version reads {FORMAT}")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: unreadable checkpoint metadata ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise UserError(f"{path}: checkpoint format {found!r}, this version reads {FORMAT}")
+    missing = [key for key in META_KEYS if key not in meta]
+    if missing:
+        raise UserError(f"{path}: checkpoint metadata lacks {', '.join(missing)} (needs {', '.join(META_KEYS)})")
     return meta
 
 
@@ -84,7 +95,7 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
     path = _layer_file(Path(directory), specs[index].name)
     if not path.exists():
         raise UserError(f"{directory}: checkpoint has no layer {specs[index].name!r} ({path} missing)")
-    payload = torch.load(path, map_location=device, weights_only=True)
+    payload = _load_shard(path, device)
     held = fresh_layer(job, index, specs, device)
     held.module.load_state_dict(payload["params"])
     if held.optimizer is not None:
@@ -95,7 +106,20 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
 
 
 def load_params(directory: str | os.PathLike, name: str) -> dict[str, torch.Tensor]:
-    return torch.load(_layer_file(Path(directory), name), map_location="cpu", weights_only=True)["params"]
+    return _load_shard(_layer_file(Path(directory), name), "cpu")["params"]
+
+
+def _load_shard(path: Path, device) -> dict:
+    """One layer file; a missing, truncated or foreign file is the user's checkpoint problem, named."""
+    if not path.exists():
+        raise UserError(f"{path.parent.parent}: checkpoint has no layer file {path.name}")
+    try:
+        payload = torch.load(path, map_location=device, weights_only=True)
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:  # torch's zip reader raises RuntimeError
+        raise UserError(f"{path}: unreadable checkpoint shard ({str(exc).splitlines()[0]})") from None
+    if not isinstance(payload, dict) or "params" not in payload:
+        raise UserError(f"{path}: not a layer shard of this project (no 'params')")
+    return payload
 
 
 def _jsonable(value):

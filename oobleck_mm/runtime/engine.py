@@ -36,6 +36,7 @@ from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, trainable_mask
+from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.runtime.grad_sync import GradientSync
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.optim import build_layer_optimizer
@@ -117,9 +118,7 @@ class StageEngine:
         self.data = data if data is not None else TrainingData(job)
         self.waiter = waiter or Waiter()
         if balancer is None and job.balance.enabled:
-            from oobleck_mm.runtime.balancing import StepBalancer
-
-            balancer = StepBalancer(job, self.data, self.specs)
+            balancer = StepBalancer(job, self.data, self.specs, self.device)
         self.balancer = balancer
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""

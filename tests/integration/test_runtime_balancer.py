@@ -57,3 +57,36 @@ def test_balancer_continues_across_a_lost_node(tmp_path):
     # fitted at step 2 in the old plan and again at step 4 in the new one: no fresh warm-up
     assert coefficients[0]["num_observations"] > 0
     assert len(outs[0]["results"][-1].pipeline_times) == 2  # measured for the new pipelines
+
+
+def test_the_balancers_exchange_is_tensors_and_loses_nothing(tmp_path):
+    """Timings and coefficients cross processes as float64 tensors (no pickle) and come back exactly."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from oobleck_mm.balance.cost_model import CostCoefficients, StageTiming
+    from oobleck_mm.balance.work import NUM_FEATURES
+    from oobleck_mm.config.shape import layer_specs
+    from oobleck_mm.data.loader import TrainingData
+    from oobleck_mm.runtime.balancing import StepBalancer
+    from oobleck_mm.runtime.group import join_generation, leave_group
+
+    job = balanced_job()
+    wait = timedelta(seconds=60)
+    join_generation(dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, "gloo", collective_timeout=wait,
+                    arrival_timeout=wait)  # fmt: skip
+    try:
+        balancer = StepBalancer(job, TrainingData(job), layer_specs(job.model, job.data))
+        timings = [StageTiming(i, i + 3, tuple(0.1 * k + i / 7 for k in range(NUM_FEATURES)), 1 / (i + 3))
+                   for i in range(5)]  # fmt: skip
+        assert balancer._all_gather_timings(timings) == [timings]
+        assert balancer._all_gather_timings([]) == [[]]
+        coefficients = CostCoefficients(tuple(0.5 + k / 3 for k in range(len(balancer.coefficients.scales))), 41)
+        assert balancer._broadcast_coefficients(coefficients, src=0) == coefficients
+        balancer.window.extend(timings)
+        balancer.coefficients = coefficients
+        balancer.share_from(0)
+        assert list(balancer.window) == timings and balancer.coefficients == coefficients
+    finally:
+        leave_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,42 @@ def test_a_bug_exits_1_with_its_traceback_never_as_bad_input(capsys, monkeypatch
     err = capsys.readouterr().err
     assert "internal error (a bug, not your input)" in err and "an internal invariant failed" in err
     assert "Traceback (most recent call last)" in err and "in broken" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--inject", "kill:node9@step2"], "--inject kill:node9@step2: node 'node9' is not in this run (nodes node0, "
+                                           "node1, node2)"),
+        (["--inject", "join@step1,kill:node4@step2"], "node 'node4' is not in this run (nodes node0, node1, node2; "
+                                                      "joins add node3)"),
+        (["--trace", "TMP"], "is a folder, not a file"),
+        (["--run-dir", "TMP/file"], "--run-dir: 'TMP/file' is a file; give a folder"),
+    ],
+)  # fmt: skip
+def test_local_refuses_bad_flags_before_starting_anything(capsys, tmp_path, args, message):
+    (tmp_path / "file").write_text("not a folder")
+    args = [a.replace("TMP", str(tmp_path)) for a in args]
+    assert main(["local", "--config", TINY, "--nodes", "3", "--steps", "2", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message.replace("TMP", str(tmp_path)) in err, err
+    assert not list(Path(".").glob("runs/*-" + str(os.getpid())))  # no run dir was created
+
+
+def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
+    import json
+
+    from oobleck_mm.config import load_config
+    from oobleck_mm.config.shape import layer_specs
+    from oobleck_mm.verify import main as verify
+
+    names = [s.name for s in layer_specs(load_config(TINY).model, load_config(TINY).data)]
+    (tmp_path / "layers").mkdir()
+    (tmp_path / "layers" / f"{names[0]}.pt").write_bytes(b"PK\x03\x04 truncated")
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0, "num_layers": len(names),
+                                                    "layer_names": names}))  # fmt: skip
+    assert verify(["--config", TINY, "--steps", "0", "--against", str(tmp_path)]) == 2
+    assert "unreadable checkpoint shard" in capsys.readouterr().err
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0}))
+    assert verify(["--config", TINY, "--steps", "0", "--against", str(tmp_path)]) == 2
+    assert "lacks num_layers, layer_names" in capsys.readouterr().err

@@ -473,3 +473,14 @@ def test_nodes_that_fail_together_get_one_plan(make):
     decided = read_events(j.events, "plan_decided")
     assert [d["generation"] for d in decided] == [1, 2] and sorted(decided[-1]["lost"]) == ["b", "c"]
     assert read_events(j.events, "plan_discarded") == []
+
+
+def test_a_client_retrying_a_wrong_token_cannot_fill_the_disk(make):
+    """The first refusals of a peer host are logged, then only the 10th, 100th...: bounded log growth."""
+    j = make()
+    for port in range(1000):  # a retrying client reconnects from a new port each time
+        j.c.refused(f"ipv4:10.1.2.3:{40000 + port}", "Register", "wrong token")
+    j.c.refused("ipv6:[::1]:5000", "Heartbeat", "missing token")
+    logged = read_events(j.events, "refused")
+    assert [e["count"] for e in logged if "10.1.2.3" in e["peer"]] == [1, 2, 3, 4, 5, 10, 100, 1000]
+    assert [(e["peer"], e["count"]) for e in logged if "::1" in e["peer"]] == [("ipv6:[::1]:5000", 1)]

@@ -120,3 +120,15 @@ def test_workers_die_with_a_killed_agent():
                 p.kill()
         agent.kill()
         agent.wait()
+
+
+def test_an_agent_removes_the_folders_of_agents_that_are_gone(tmp_path):
+    from agent.agent import remove_stale_work_dirs
+
+    for name in ("oobleck-agent-node1-111-abc", "oobleck-agent-my-node-222-def", "oobleck-agent-node2-333-ghi",
+                 "oobleck-agent-odd", "other-111-xyz"):  # fmt: skip
+        (tmp_path / name).mkdir()
+    removed = remove_stale_work_dirs(str(tmp_path), pid_alive=lambda pid: pid == 333)
+    assert sorted(os.path.basename(p) for p in removed) == ["oobleck-agent-my-node-222-def", "oobleck-agent-node1-111-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["oobleck-agent-node2-333-ghi", "oobleck-agent-odd",
+                                                           "other-111-xyz"]  # fmt: skip
