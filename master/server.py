@@ -121,6 +121,7 @@ class MasterServer:
         assert self.coordinator is not None
         timeouts = self.job.fault_tolerance
         tick = timeouts.detector_tick.total_seconds()
+        result = None
         try:
             while (result := self.coordinator.tick()) is None:
                 self.coordinator.wait_for_change(tick)
@@ -128,10 +129,13 @@ class MasterServer:
             log.exception("control loop failed")
             self.coordinator.finish(ExitCode.ERROR, f"master control loop failed (a bug): {exc!r}")
             result = self.coordinator.finish_result
-        # Let every agent read its Shutdown before the server goes away.
-        self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
-        self._exit_code = result.exit_code
-        self._done.set()
+        finally:  # whatever failed above, the master exits: wait() must return
+            try:
+                # Let every agent read its Shutdown before the server goes away.
+                self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
+            finally:
+                self._exit_code = result.exit_code if result is not None else ExitCode.ERROR
+                self._done.set()
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once the job finished, or None if ``timeout`` passed first."""

@@ -5,15 +5,23 @@ done, resumed, ...) are written here so recovery time can be broken down after
 the fact (``read_events`` + differences of ``ts``). Several threads of one
 process may write; each line is written and flushed whole under a lock.
 Processes other than the master (workers) open their own file.
+
+The log records the job; it is not the job's state. A write that fails (a full
+disk, a vanished mount) is reported once on the process's log, with the path
+and the system's words, and the job goes on; the next writes keep trying, and
+the first that succeeds says how many events were dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class EventLog:
@@ -23,6 +31,8 @@ class EventLog:
         self.path = None if path is None else os.fspath(path)
         self._lock = threading.Lock()
         self._fh = None
+        self.dropped = 0
+        """Events lost to failed writes since the last one that succeeded."""
         if self.path is not None:
             folder = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(folder, exist_ok=True)
@@ -37,13 +47,31 @@ class EventLog:
         line = json.dumps(record, separators=(",", ":"), default=_jsonable)
         with self._lock:
             if self._fh is not None:
-                self._fh.write(line + "\n")
+                self._append(line)
         return record
+
+    def _append(self, line: str) -> None:
+        try:
+            if self.dropped:
+                self._fh.write(json.dumps({"ts": time.time(), "event": "events_dropped", "count": self.dropped}) + "\n")
+            self._fh.write(line + "\n")
+            self._fh.flush()
+        except OSError as exc:
+            if not self.dropped:
+                log.error("event log %s: cannot write (%s); events are dropped until it can", self.path, exc.strerror)
+            self.dropped += 1
+            return
+        if self.dropped:
+            log.warning("event log %s: writing again; %d events were dropped", self.path, self.dropped)
+            self.dropped = 0
 
     def close(self) -> None:
         with self._lock:
             if self._fh is not None:
-                self._fh.close()
+                try:
+                    self._fh.close()
+                except OSError:  # the last buffered bytes could not be written: already reported
+                    pass
                 self._fh = None
 
     def __enter__(self) -> EventLog:

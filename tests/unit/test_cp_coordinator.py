@@ -484,3 +484,21 @@ def test_a_client_retrying_a_wrong_token_cannot_fill_the_disk(make):
     logged = read_events(j.events, "refused")
     assert [e["count"] for e in logged if "10.1.2.3" in e["peer"]] == [1, 2, 3, 4, 5, 10, 100, 1000]
     assert [(e["peer"], e["count"]) for e in logged if "::1" in e["peer"]] == [("ipv6:[::1]:5000", 1)]
+
+
+def test_a_full_disk_under_the_event_log_neither_stops_nor_hangs_the_master(tmp_path, caplog):
+    """/dev/full answers every write with ENOSPC: the events are dropped (and said so), the job goes on."""
+    job = apply_overrides(load_config(TINY), nodes=2, steps=3)
+    full = EventLog("/dev/full")
+    c = Coordinator(job, num_nodes=2, steps=3, store_host="h", store_port=1, events=full, clock=Clock(),
+                    progress=lambda line: None,
+                    options=RunOptions(checkpoint_root=str(tmp_path)))  # fmt: skip
+    for name in ("a", "b"):
+        session, _ = c.register(name, 1, 0, 1, "peer")
+        c.open_stream(name, session)
+    c.tick()
+    assert c.phase == JobPhase.RUNNING and full.dropped > 0
+    assert "cannot write (No space left on device)" in caplog.text and "/dev/full" in caplog.text
+    c.finish(1, "stopped")
+    assert c.tick() == c.finish_result and c.finish_result.exit_code == 1
+    full.close()
