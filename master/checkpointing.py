@@ -90,17 +90,29 @@ def new_checkpoint_dir(root: str, generation: int) -> str:
 
 
 def resume_step(directory: str, job) -> int:
-    """The step a checkpoint resumes at; ValueError naming ``--resume`` if it does not fit the job."""
+    """The step a checkpoint resumes at; ``UserError`` naming ``--resume`` if it does not fit the job.
+
+    Checked before any worker starts: the metadata, the layer names, every layer file
+    (present, the recorded size, readable), the model's shape sections and the
+    training settings the data order depends on.
+    """
     from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint import check_layer_files, read_meta
 
     try:
         meta = read_meta(directory)
-    except ValueError as err:
+    except UserError as err:
         raise UserError(f"--resume: {err}") from None
     names = [s.name for s in model_layer_specs(job)]
     if meta["layer_names"] != names:
         raise UserError(f"--resume: {directory} holds layers {meta['layer_names']}, this job's model has {names}")
+    try:
+        check_layer_files(directory, meta)  # before any worker loads a shard
+    except UserError as err:
+        raise UserError(f"--resume: {err}") from None
+    shape_changes = _model_shape_changes(meta.get("config", {}).get("model", {}), job)
+    if shape_changes:
+        raise UserError(f"--resume: {directory} was trained with another model shape: {'; '.join(shape_changes)}")
     saved = meta.get("config", {}).get("training", {})
     for key in ("seed", "global_batch"):
         if key in saved and saved[key] != getattr(job.training, key):
@@ -115,3 +127,29 @@ def resume_step(directory: str, job) -> int:
             f"nothing is left to run (raise --steps above {step})"
         )
     return step
+
+
+SHAPE_SECTIONS = ("llm", "vision", "audio", "projector")
+"""``model`` sections whose fields decide tensor shapes: a checkpoint only loads into equal ones."""
+
+
+def _model_shape_changes(saved: dict, job) -> list[str]:
+    """``model.llm.hidden: 64 in the checkpoint, 96 in the config`` for every shape field that differs."""
+    import dataclasses
+
+    changes = []
+    for section in SHAPE_SECTIONS:
+        if section not in saved:
+            continue  # a checkpoint of an older version: the layer files' own shapes are the last check
+        ours = getattr(job.model, section)
+        ours = dataclasses.asdict(ours) if ours is not None else None
+        theirs = saved[section]
+        if (ours is None) != (theirs is None):
+            changes.append(f"model.{section}: {'absent' if theirs is None else 'set'} in the checkpoint, "
+                           f"{'absent' if ours is None else 'set'} in the config")  # fmt: skip
+            continue
+        for key in sorted(set(ours or {}) | set(theirs or {})):
+            if (ours or {}).get(key) != (theirs or {}).get(key):
+                changes.append(f"model.{section}.{key}: {theirs.get(key)!r} in the checkpoint, "
+                               f"{ours.get(key)!r} in the config")  # fmt: skip
+    return changes

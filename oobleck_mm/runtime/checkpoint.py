@@ -2,8 +2,12 @@
 
 Layout of a checkpoint directory::
 
-    meta.json            {"format", "step", "num_layers", "layer_names", "config", "sampler": {...}}
+    meta.json            {"format", "step", "num_layers", "layer_names", "layer_bytes", "config", "sampler": {...}}
     layers/<name>.pt     {"params": state_dict, "optimizer": flat optimizer state or None}
+
+``layer_bytes`` (each layer file's size, read when meta.json is written last)
+lets ``check_layer_files`` find a missing or truncated shard before any worker
+loads one.
 
 ``step`` is the next global step to run; the sampler is stateless in the step,
 so it is the whole data position. Every rank writes the layers it owns (the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -60,6 +65,7 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
         "step": step,
         "num_layers": len(specs),
         "layer_names": [s.name for s in specs],
+        "layer_bytes": {s.name: _size(_layer_file(directory, s.name)) for s in specs},
         "config": _jsonable(asdict(job)),
         "sampler": ({"epoch": sampler.epoch_of(step), "steps_per_epoch": sampler.steps_per_epoch}
                     if sampler is not None else None),
@@ -90,6 +96,33 @@ def read_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
+def check_layer_files(directory: str | os.PathLike, meta: Mapping) -> None:
+    """Raises ``UserError`` naming the first layer file that is missing, not the recorded size, or no zip archive.
+
+    Cheap (a stat and a zip directory read per layer, no tensor loaded), so the master
+    runs it before any worker starts loading. ``layer_bytes`` is absent from checkpoints
+    of older versions: then only presence and readability are checked.
+    """
+    recorded = meta.get("layer_bytes") or {}
+    for name in meta["layer_names"]:
+        path = _layer_file(Path(directory), name)
+        size = _size(path)
+        if size < 0:
+            raise UserError(f"{directory}: checkpoint has no layer file layers/{path.name}")
+        if name in recorded and recorded[name] != size:
+            raise UserError(f"{path}: {size} bytes, the checkpoint recorded {recorded[name]} (truncated or replaced)")
+        if not zipfile.is_zipfile(path):
+            raise UserError(f"{path}: not a readable layer shard (torch.save's zip archive is damaged)")
+
+
+def _size(path: Path) -> int:
+    """Bytes of ``path``, -1 if it does not exist."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
 def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu") -> HeldLayer:
     """Layer ``index`` with its parameters and optimizer state from the checkpoint."""
     path = _layer_file(Path(directory), specs[index].name)
@@ -97,7 +130,11 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
         raise UserError(f"{directory}: checkpoint has no layer {specs[index].name!r} ({path} missing)")
     payload = _load_shard(path, device)
     held = fresh_layer(job, index, specs, device)
-    held.module.load_state_dict(payload["params"])
+    try:
+        held.module.load_state_dict(payload["params"])
+    except RuntimeError as exc:  # shapes or names differ: a checkpoint of another model, not a peer failure
+        raise UserError(f"{path}: does not fit layer {specs[index].name!r} of this model: "
+                        f"{str(exc).splitlines()[-1].strip()}") from None
     if held.optimizer is not None:
         if payload["optimizer"] is None:
             raise UserError(f"{path}: layer {specs[index].name!r} is trainable but was saved without optimizer state")

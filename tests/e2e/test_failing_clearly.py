@@ -7,13 +7,18 @@ and the worker's message, instead of recovering from it node by node.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
-from e2e_harness import Launch, write_config
+import yaml
+from e2e_harness import ROOT, Launch, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+FIXTURE = ROOT / "tests" / "fixtures" / "llava"
 BOUND_S = 90.0
 """Start-up (planning, workers importing torch) plus the failure; the old behaviour never ended."""
 
@@ -26,7 +31,7 @@ def launches():
         run.kill_all()
 
 
-def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file(launches, tmp_path):
+def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_worker_starts(launches, tmp_path):
     config = write_config(tmp_path, nodes=2, steps=3)
     final = tmp_path / "final"
     first = Launch(tmp_path, config, "--save-final", str(final), name="first")
@@ -39,11 +44,33 @@ def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file(launches, tmp_p
     launches.append(resumed)
     code = resumed.wait(timeout=BOUND_S)
     assert code == 2, f"exit {code}\n{resumed.stderr[-3000:]}"
-    error = [line for line in resumed.stderr.splitlines() if line.startswith("oobleck-launch: error:")]
-    assert len(error) == 1 and str(shard) in error[0] and "unreadable checkpoint shard" in error[0], resumed.stderr
-    failed = resumed.events("worker_failed")
+    [error] = [line for line in resumed.stderr.splitlines() if "error:" in line]
+    assert error.startswith("oobleck-launch: error: --resume:") and str(shard) in error and "truncated" in error
+    assert not resumed.events("plan_decided"), "the checkpoint is checked before any worker loads it"
+    assert len(resumed.seen) <= 1, "nothing was started under the launcher: no agent, no worker, no planner"
+
+
+def test_a_missing_image_stops_the_job_once_with_exit_2_naming_the_file(launches, tmp_path):
+    """Every replica would fail on the same sample: the first report ends the job, no node is 'lost'."""
+    images = tmp_path / "images"
+    shutil.copytree(FIXTURE / "images", images)
+    entries = json.loads((FIXTURE / "llava.json").read_text())
+    samples = [dict(entry, id=f"{entry['id']}-{k}") for k in range(8) for entry in entries]
+    samples[3]["image"] = "images/missing.png"
+    (tmp_path / "data.json").write_text(json.dumps(samples))
+    config = write_config(tmp_path, nodes=2, steps=3)
+    raw = yaml.safe_load(open(config))
+    raw["data"].update(kind="llava_json", path=str(tmp_path / "data.json"))
+    Path(config).write_text(yaml.safe_dump(raw))
+
+    run = Launch(tmp_path, config, name="bad-data")
+    launches.append(run)
+    code = run.wait(timeout=BOUND_S)
+    assert code == 2, f"exit {code}\n{run.stderr[-3000:]}"
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("oobleck-launch: error:")]
+    assert "missing.png" in error and samples[3]["id"] in error, run.stderr[-3000:]
+    failed = run.events("worker_failed")
     assert failed and all(e["user_error"] for e in failed)
-    assert not resumed.events("plan_decided", generation=2), "a user error is not a node failure to recover from"
-    [shutdown] = resumed.events("shutdown")
-    assert shutdown["exit_code"] == 2
-    resumed.assert_all_gone()
+    assert not run.events("plan_decided", generation=2), "a user error is not a node failure to recover from"
+    assert [e["exit_code"] for e in run.events("shutdown")] == [2]
+    run.assert_all_gone()

@@ -502,3 +502,38 @@ def test_a_full_disk_under_the_event_log_neither_stops_nor_hangs_the_master(tmp_
     c.finish(1, "stopped")
     assert c.tick() == c.finish_result and c.finish_result.exit_code == 1
     full.close()
+
+
+def test_a_checkpoint_that_cannot_resume_this_job_is_refused_before_any_worker_starts(tmp_path):
+    """``--resume`` checks: every layer file present and of its recorded size, and the same model shape."""
+    import dataclasses as dc
+    import os
+    import zipfile
+
+    from master.checkpointing import resume_step
+    from oobleck_mm.errors import UserError
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.checkpoint import save_meta
+
+    job = load_config(TINY)
+    specs = model_layer_specs(job)
+    (tmp_path / "layers").mkdir()
+    for spec in specs:  # zip archives like torch.save's (the check reads no tensor)
+        with zipfile.ZipFile(tmp_path / "layers" / f"{spec.name}.pt", "w") as archive:
+            archive.writestr("data.pkl", spec.name * 50)
+    save_meta(tmp_path, job, 4, specs)
+    assert resume_step(str(tmp_path), job) == 4
+    llm = dc.replace(job.model.llm, ffn_hidden=2 * job.model.llm.ffn_hidden)
+    with pytest.raises(UserError, match=r"another model shape: model.llm.ffn_hidden: \d+ in the checkpoint, \d+ in"):
+        resume_step(str(tmp_path), dc.replace(job, model=dc.replace(job.model, llm=llm)))
+    os.truncate(tmp_path / "layers" / "llm.head.pt", 5)
+    with pytest.raises(UserError, match=r"llm.head.pt: 5 bytes, the checkpoint recorded \d+ \(truncated or replaced\)"):
+        resume_step(str(tmp_path), job)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["layer_bytes"]  # a checkpoint of an older version: presence and readability still checked
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="llm.head.pt: not a readable layer shard"):
+        resume_step(str(tmp_path), job)
+    os.remove(tmp_path / "layers" / "llm.head.pt")
+    with pytest.raises(UserError, match="--resume: .* has no layer file layers/llm.head.pt"):
+        resume_step(str(tmp_path), job)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from deepspeed.runtime import lr_schedules  # a dependency: without it this module must fail, not skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,6 @@ from oobleck_mm.runtime.optim import (
     set_lr,
 )
 
-lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
 
 
 def training(lr: float = 1e-3, scheduler: SchedulerConfig | None = None, steps: int = 10, **opt) -> TrainingConfig:
