@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -86,10 +87,12 @@ class MasterServer:
     def start(self) -> None:
         import torch.distributed as dist  # only the master process needs torch for the store
 
-        # The store has no authentication and listens on every interface (docs/control_plane.md).
-        self._store = dist.TCPStore(
-            self.options.host or "0.0.0.0", self.options.store_port, is_master=True, wait_for_workers=False
-        )
+        # The store has no authentication: it listens only where the gRPC server does (--host), on a
+        # socket we bind ourselves (torch's own bind would take every interface; docs/control_plane.md).
+        listener = _listening_socket(self.options.host or "0.0.0.0", self.options.store_port, "--store-port")
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(self.options.host.strip("[]") or "0.0.0.0", port, is_master=True,
+                                    wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns it
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
         # Started from this (the main) thread: the helper's parent-death signal follows it.
@@ -158,7 +161,7 @@ class MasterServer:
             self._server.stop(grace=0.5).wait()
         if self._planner is not None:
             self._planner.close()
-        self._store = None
+        self._store = None  # closes its listening socket
         self.events.close()
 
 
@@ -177,6 +180,20 @@ def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
         checkpoint_interval=ft.checkpoint_interval,
         resume_command=options.resume_command,
     )
+
+
+def _listening_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: any free port) and listening."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        raise UserError(f"{flag}: cannot listen on {format_address(host, port)}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _make_run_dir(path: str) -> None:

@@ -233,3 +233,12 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_the_workers_store_listens_only_where_the_master_does(tmp_path):
+    """--host 127.0.0.1 (the default): the unauthenticated TCPStore is not reachable from other machines."""
+    with master_in_process(write_config(tmp_path, nodes=2), tmp_path) as master:
+        port = read_events(master.event_log_path, "master_started")[0]["store_port"]
+        listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]  # fmt: skip
+        assert listening and all(address.ip == "127.0.0.1" for address in listening), listening
