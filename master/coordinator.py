@@ -162,6 +162,8 @@ class Coordinator:
         self._started_at = 0.0
         self._last_detect: float | None = None
         self._settle_until = 0.0
+        self._last_progress = clock()
+        """Clock of the last step, recovery phase or plan: ``fault_tolerance.stall_timeout`` counts from it."""
         self._progress = Progress(events, steps, progress, clock)
 
     # ------------------------------------------------------------------ calls from agents
@@ -230,9 +232,12 @@ class Coordinator:
             elif kind == "failed":
                 failed = report.failed
                 self.events.write("worker_failed", node=node, local_rank=local_rank, message=failed.message,
-                                  user_error=failed.user_error)  # fmt: skip
+                                  user_error=failed.user_error, bug=failed.bug)  # fmt: skip
                 if failed.user_error:  # the same on every replica: stop once, naming the cause
                     self.finish(ExitCode.BAD_INPUT, f"{node}/gpu{local_rank}: {failed.message}")
+                elif failed.bug:  # every replica would meet it again: recovering would only repeat it
+                    self.finish(ExitCode.ERROR, f"{node}/gpu{local_rank} stopped the job: "
+                                                f"{failed.message.splitlines()[0]} (traceback in {node}'s log)")  # fmt: skip
                 else:
                     entry.worker_failure = WORKER_FAILED
                     entry.detail = f"local rank {local_rank}: {failed.message}"
@@ -268,6 +273,8 @@ class Coordinator:
                 self._apply(request, future)
             if self.phase is JobPhase.RUNNING and self._planning is None:
                 self._check_done()
+            if self.phase is JobPhase.RUNNING and self._planning is None:
+                self._check_stall()
             if self.phase is JobPhase.CHECKPOINTING:
                 self._check_round()
             return self.finish_result
@@ -328,6 +335,7 @@ class Coordinator:
         if gap <= self.timeouts.master_stall_threshold.total_seconds():
             return
         self.registry.forgive(gap, now)
+        self._last_progress = min(now, self._last_progress + gap)
         self.events.write("master_stalled", seconds=gap)
         log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 
@@ -439,6 +447,7 @@ class Coordinator:
         self._gens[number] = _Generation(view, planned.plan, planned.template_nodes)
         incident = self._incident if self.phase is JobPhase.RUNNING else None
         self.generation, self.plan, self.phase = number, layout, JobPhase.RUNNING
+        self._last_progress = self.clock()
         if number == 1:
             self._started_at = self.clock()
         self.events.write(
@@ -478,13 +487,23 @@ class Coordinator:
         gen = self._gens.get(generation)
         return None if gen is None else gen.view.ranks.get(gpu)
 
+    def _check_stall(self) -> None:
+        """The last resort against a hang nothing else bounds: no progress for ``stall_timeout``."""
+        silent = self.clock() - self._last_progress
+        if silent > self.timeouts.stall_timeout.total_seconds():
+            self.finish(ExitCode.ERROR, f"no progress for {silent:.0f} s (fault_tolerance.stall_timeout "
+                                        f"{self.timeouts.stall_timeout.total_seconds():g} s): generation "
+                                        f"{self.generation}, next step {self.next_step}; see the agents' logs")  # fmt: skip
+
     def _on_metrics(self, gpu: Gpu, m: pb.StepMetrics) -> None:
+        self._last_progress = self.clock()
         self._reported[gpu] = max(self._reported.get(gpu, 0), m.generation)
         self.holdings[gpu] = self.holdings.get(gpu, Holdings()).completed_step(m.generation)
         self.next_step = max(self.next_step, m.step + 1)
         self._progress.metrics(m)
 
     def _on_phase(self, gpu: Gpu, p: pb.PhaseDone) -> None:
+        self._last_progress = self.clock()
         self._reported[gpu] = max(self._reported.get(gpu, 0), p.generation)
         holdings = self.holdings.get(gpu, Holdings())
         if p.phase == "states_copied":

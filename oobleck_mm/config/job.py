@@ -389,6 +389,10 @@ class FaultToleranceConfig:
     """Longest wait for every worker of a new generation to arrive at its rendezvous. Long on
     purpose: survivors of a hang arrive up to a ``collective_timeout`` apart and a joining node's
     workers start from nothing (imports, model build); raise it for very slow node start-up."""
+    stall_timeout: timedelta = timedelta(minutes=30)
+    """The master ends a running job that made no progress (no step, no recovery phase, no new
+    plan) for this long, saying where it stopped: a last resort against a hang that no other bound
+    catches. Longer than any step or state copy of the job should take."""
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100
@@ -399,6 +403,7 @@ class FaultToleranceConfig:
         check(self, "heartbeat_interval", as_duration)
         check(self, "heartbeat_timeout", as_duration)
         check(self, "rendezvous_timeout", as_duration)
+        check(self, "stall_timeout", as_duration)
         check(self, "recovery", as_choice, ("live", "restart"))
         check(self, "checkpoint_interval", as_int, minimum=0)
 

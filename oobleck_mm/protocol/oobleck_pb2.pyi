@@ -137,12 +137,14 @@ class WorkerDone(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class WorkerFailed(_message.Message):
-    __slots__ = ("message", "user_error")
+    __slots__ = ("message", "user_error", "bug")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     USER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BUG_FIELD_NUMBER: _ClassVar[int]
     message: str
     user_error: bool
-    def __init__(self, message: _Optional[str] = ..., user_error: _Optional[bool] = ...) -> None: ...
+    bug: bool
+    def __init__(self, message: _Optional[str] = ..., user_error: _Optional[bool] = ..., bug: _Optional[bool] = ...) -> None: ...
 
 class PhaseDone(_message.Message):
     __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message", "transfer_seconds")

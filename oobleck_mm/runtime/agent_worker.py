@@ -170,7 +170,10 @@ class WorkerLoop:
                 return pending  # a new plan (a join, a failure elsewhere) or a shutdown: at a boundary
             try:
                 result = engine.train_step(step)
-            except RuntimeError as error:  # gloo/NCCL: a peer died, hung past the timeout, or left
+            except RuntimeError as error:
+                if is_out_of_memory(error):  # this stage does not fit: the same after any recovery
+                    raise OutOfMemory(self.node, self.local_rank, step, error) from error
+                # gloo/NCCL: a peer died, hung past the timeout, or left
                 engine.discard_iteration()
                 return self.abort(a.generation, step, str(error).splitlines()[0])
             self.next_step = step + 1
@@ -301,19 +304,39 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     try:
         WorkerLoop(conn, load_config(config_path), node, local_rank).run()
-    except UserError as error:  # deterministic: every replica would fail alike, recovery cannot help
+    except (UserError, MemoryError) as error:  # deterministic: every replica fails alike, recovery cannot help
         log.error("worker stopped by the job's input: %s", error)
-        _report_failure(conn, str(error), user_error=True)
+        _report_failure(conn, pb.WorkerFailed(message=str(error) or "out of host memory", user_error=True))
         raise SystemExit(ExitCode.BAD_INPUT) from None
-    except Exception:
+    except Exception as error:  # neither a peer's failure (those end an iteration) nor the user's: a bug
         message = traceback.format_exc()
-        log.error("worker failed:\n%s", message)
-        _report_failure(conn, message, user_error=False)
+        log.error("worker failed (a bug):\n%s", message)
+        summary = f"{type(error).__name__}: {error}"
+        _report_failure(conn, pb.WorkerFailed(message=f"{summary}\n{message}", bug=True))
         raise SystemExit(ExitCode.ERROR) from None
 
 
-def _report_failure(conn, message: str, user_error: bool) -> None:
+class OutOfMemory(UserError):
+    """A stage ran out of device (or host) memory: the plan's memory model and the job disagree."""
+
+    def __init__(self, node: str, local_rank: int, step: int, error: BaseException) -> None:
+        super().__init__(
+            f"out of memory on {node}/gpu{local_rank} in step {step} ({str(error).splitlines()[0]}); lower "
+            f"training.microbatch_size or cluster.device_memory (the planner then uses more, smaller stages), "
+            f"or turn on training.activation_checkpointing"
+        )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA), or the CPU allocator's own words for it."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def _report_failure(conn, failed: pb.WorkerFailed) -> None:
     try:
-        send_report(conn, pb.WorkerReport(failed=pb.WorkerFailed(message=message, user_error=user_error)))
+        send_report(conn, pb.WorkerReport(failed=failed))
     except (OSError, EOFError):
         pass  # the agent is gone: its supervision (or the master's detector) says why

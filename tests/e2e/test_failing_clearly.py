@@ -74,3 +74,25 @@ def test_a_missing_image_stops_the_job_once_with_exit_2_naming_the_file(launches
     assert not run.events("plan_decided", generation=2), "a user error is not a node failure to recover from"
     assert [e["exit_code"] for e in run.events("shutdown")] == [2]
     run.assert_all_gone()
+
+
+@pytest.mark.parametrize(
+    "target, code, words",
+    [
+        ("bug", 1, ["stopped the job: KeyError: 'a missing key in the engine'", "traceback in node0's log"]),
+        ("out_of_memory", 2, ["out of memory on node0/gpu0 in step 2", "lower training.microbatch_size"]),
+    ],
+)
+def test_a_bug_or_an_out_of_memory_stops_the_job_once_instead_of_recovering_from_it(launches, tmp_path, target,
+                                                                                      code, words):
+    """Recovery would meet it again on the next replica: the job ends at once, with the cause."""
+    config = write_config(tmp_path, nodes=2, steps=5)
+    run = Launch(tmp_path, config, "--worker-target", f"tests.e2e.broken_worker:{target}", name=target)
+    launches.append(run)
+    assert run.wait(timeout=BOUND_S) == code, run.stderr[-3000:]
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("oobleck-launch: error:")]
+    assert all(w in error for w in words), error
+    [failed] = run.events("worker_failed")
+    assert failed["node"] == "node0" and failed["bug" if code == 1 else "user_error"]
+    assert not run.events("lost") and not run.events("plan_decided", generation=2)
+    run.assert_all_gone()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -91,13 +92,17 @@ def make(tmp_path):
     made = []
 
     def build(nodes: int = 2, gpus: int = 1, steps: int = 3, options: RunOptions | None = None, memory=None,
-              recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None) -> Job:  # fmt: skip
+              recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None,
+              stall_s: float | None = None) -> Job:  # fmt: skip
         job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps, recovery=recovery,
                               checkpoint_interval=checkpoint_interval)  # fmt: skip
         if memory is not None:  # a smaller GPU: the model needs n0 = 2 nodes, so pipelines span nodes
             job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device_memory=memory))
         if f is not None:
             job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, f=f))
+        if stall_s is not None:
+            ft = dataclasses.replace(job.fault_tolerance, stall_timeout=timedelta(seconds=stall_s))
+            job = dataclasses.replace(job, fault_tolerance=ft)
         options = options or RunOptions(checkpoint_root=str(tmp_path), recovery=job.fault_tolerance.recovery,
                                         checkpoint_interval=job.fault_tolerance.checkpoint_interval)  # fmt: skip
         clock, lines = Clock(), []
@@ -537,3 +542,25 @@ def test_a_checkpoint_that_cannot_resume_this_job_is_refused_before_any_worker_s
     os.remove(tmp_path / "layers" / "llm.head.pt")
     with pytest.raises(UserError, match="--resume: .* has no layer file layers/llm.head.pt"):
         resume_step(str(tmp_path), job)
+
+
+def test_a_job_that_stops_making_progress_is_ended_with_where_it_stopped(make):
+    j = make(nodes=2, steps=10, stall_s=20.0)
+    start(j, "a", "b")
+
+    def alive_for(seconds: float):  # heartbeats keep coming: the nodes are alive, the job is not moving
+        result = None
+        for _ in range(round(seconds / 0.5)):
+            j.clock.now += 0.5
+            j.heartbeat_all()
+            result = j.c.tick()
+        return result
+
+    j.train(1, 0)
+    assert alive_for(19.5) is None
+    j.train(1, 1)  # a step: the clock of progress starts again
+    assert alive_for(19.5) is None
+    result = alive_for(1.0)
+    assert result is not None and result.exit_code == 1
+    assert "no progress for" in result.message and "stall_timeout 20 s" in result.message
+    assert "next step 2" in result.message
