@@ -67,6 +67,7 @@ class MasterServer:
         self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
         self.run_dir = options.run_dir or default_run_dir(job.model.name)
         self.run_options = _run_options(job, options, self.run_dir)  # checks --resume before creating anything
+        _check_data(job, progress)  # every sample's files, once, before any worker reads them
         _make_run_dir(self.run_dir)
         self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
         self.token_file = options.token_file or os.path.join(self.run_dir, "token")
@@ -180,6 +181,17 @@ def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
         checkpoint_interval=ft.checkpoint_interval,
         resume_command=options.resume_command,
     )
+
+
+def _check_data(job, progress: Callable[[str], None]) -> None:
+    """Builds the dataset once in the master: a sample that cannot be read (a missing or broken image,
+    a record the model cannot take) is a ``UserError`` naming it, before any worker starts."""
+    from oobleck_mm.data.loader import build_dataset  # torch: the master imports it for the store anyway
+
+    start = time.perf_counter()
+    dataset = build_dataset(job)
+    if job.data.kind != "synthetic":  # synthetic samples are generated, nothing to read
+        progress(f"data: {len(dataset)} samples of {job.data.path} checked in {time.perf_counter() - start:.1f} s")
 
 
 def _listening_socket(host: str, port: int, flag: str) -> socket.socket:

@@ -71,8 +71,13 @@ class LlavaJsonDataset:
 
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
-        images = [_load_image(p, size, self.inputs.in_channels)
-                  for p, size in zip(record.image_paths, record.meta.image_sizes)]  # fmt: skip
+        images = []
+        for path, size in zip(record.image_paths, record.meta.image_sizes):
+            try:
+                images.append(_load_image(path, size, self.inputs.in_channels))
+            except (OSError, UnidentifiedImageError) as exc:  # a header that read fine, a body that does not
+                raise UserError(f"{self.data.path}: sample {record.sample_id!r}: cannot decode image "
+                                f"{path!r}: {exc}") from None  # fmt: skip
         return Sample(meta=record.meta, tokens=self._tokens(record), images=images)
 
     # ------------------------------------------------------------------ construction

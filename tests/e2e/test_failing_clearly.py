@@ -50,25 +50,46 @@ def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_work
     assert len(resumed.seen) <= 1, "nothing was started under the launcher: no agent, no worker, no planner"
 
 
-def test_a_missing_image_stops_the_job_once_with_exit_2_naming_the_file(launches, tmp_path):
-    """Every replica would fail on the same sample: the first report ends the job, no node is 'lost'."""
+def bad_llava_config(tmp_path, break_image) -> tuple[str, str]:
+    """A LLaVA-style dataset of 24 samples; ``break_image(images_dir)`` spoils one sample's image."""
     images = tmp_path / "images"
     shutil.copytree(FIXTURE / "images", images)
     entries = json.loads((FIXTURE / "llava.json").read_text())
     samples = [dict(entry, id=f"{entry['id']}-{k}") for k in range(8) for entry in entries]
-    samples[3]["image"] = "images/missing.png"
+    samples[3]["image"] = break_image(images)  # shape-1-1: a one-image sample
     (tmp_path / "data.json").write_text(json.dumps(samples))
     config = write_config(tmp_path, nodes=2, steps=3)
     raw = yaml.safe_load(open(config))
     raw["data"].update(kind="llava_json", path=str(tmp_path / "data.json"))
     Path(config).write_text(yaml.safe_dump(raw))
+    return config, samples[3]["id"]
 
-    run = Launch(tmp_path, config, name="bad-data")
+
+def test_a_missing_image_is_refused_before_any_worker_starts(launches, tmp_path):
+    config, sample = bad_llava_config(tmp_path, lambda images: "images/missing.png")
+    run = Launch(tmp_path, config, name="missing")
+    launches.append(run)
+    assert run.wait(timeout=BOUND_S) == 2, run.stderr[-3000:]
+    [error] = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert "missing.png" in error and sample in error, run.stderr[-3000:]
+    assert len(run.seen) <= 1, "the master checks the data before starting agents and workers"
+
+
+def test_an_image_that_breaks_mid_file_stops_the_job_once_with_exit_2_naming_it(launches, tmp_path):
+    """Its header reads (the master's check passes); decoding fails in a worker, as it would on every replica."""
+
+    def truncate(images: Path) -> str:
+        data = (images / "red_square.png").read_bytes()
+        (images / "broken.png").write_bytes(data[: len(data) // 2])
+        return "images/broken.png"
+
+    config, sample = bad_llava_config(tmp_path, truncate)
+    run = Launch(tmp_path, config, name="broken")
     launches.append(run)
     code = run.wait(timeout=BOUND_S)
     assert code == 2, f"exit {code}\n{run.stderr[-3000:]}"
     [error] = [line for line in run.stderr.splitlines() if line.startswith("oobleck-launch: error:")]
-    assert "missing.png" in error and samples[3]["id"] in error, run.stderr[-3000:]
+    assert "broken.png" in error and sample in error and "cannot decode image" in error, run.stderr[-3000:]
     failed = run.events("worker_failed")
     assert failed and all(e["user_error"] for e in failed)
     assert not run.events("plan_decided", generation=2), "a user error is not a node failure to recover from"
