@@ -56,7 +56,7 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
     with open("configs/tiny_mm.yaml") as f:
         d = yaml.safe_load(f)
     d["training"].update(dtype="float64", steps=STEPS)
-    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="1s")
+    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="3s")  # as the e2e tests
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(d))
     port = free_port()
