@@ -50,6 +50,7 @@ from oobleck_mm.protocol.pipe import recv_command, send_report
 from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group
+from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.state_transfer import adopt_plan
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
 from oobleck_mm.runtime.worker import device_for, save_checkpoint, write_replica_hashes
@@ -185,6 +186,7 @@ class WorkerLoop:
                 self.committed = gen
                 self.phase(a.generation, "resumed", step=step)
             if a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0 and a.checkpoint_dir:
+                hold("checkpoint", self.node)
                 try:
                     save_checkpoint(a.checkpoint_dir, engine, self.next_step)
                 except RuntimeError as error:  # a peer died mid-save: the step stands, the checkpoint does not
@@ -244,6 +246,7 @@ class WorkerLoop:
         start = self.agree_on_start(a, self.next_step if survivor else None)
         try:
             if a.previous_generation:
+                hold("copy", self.node)
                 old_plan = plan_from_proto(a.previous_plan)
                 engine, transfers, moved, transfer_s = adopt_plan(
                     self.job, old_engine, old_plan, plan, list(a.previous_ranks), a.rank, list(a.rank_nodes),

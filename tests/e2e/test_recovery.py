@@ -191,6 +191,25 @@ def test_restart_mode_redoes_the_steps_since_the_last_checkpoint(launches, tmp_p
     check_final(config, 8, final)
 
 
+def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_path, monkeypatch):
+    """Deterministic: node1's worker holds 3 s before each checkpoint (runtime/hold.py), so the kill fired
+    by step 4 lands while the survivors wait for it in the barrier of the checkpoint of step 4."""
+    monkeypatch.setenv("OOBLECK_HOLD_AT", "checkpoint@node1:3")
+    config = write_config(tmp_path, nodes=3)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
+                "--checkpoint-interval", "2", "--inject", "kill:node1@step4")  # fmt: skip
+    finish_ok(run)
+    aborted = run.events("aborted")
+    assert aborted and all("checkpoint" in e["message"] for e in aborted), aborted
+    assert not run.events("worker_failed"), "a peer lost mid-checkpoint is a recovery, not a worker's failure"
+    assert [e["step"] for e in run.events("checkpoint_saved")][:2] == [2, 4]  # the one at 4 was redone
+    decided = run.events("plan_decided")[-1]
+    assert decided["previous_generation"] == 0 and "node1" not in decided["nodes"]
+    assert [e["step"] for e in run.events("step", generation=decided["generation"])][0] == 2
+    check_final(config, 8, final)
+
+
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path):
     steps = 20
     config = write_config(tmp_path, nodes=3, steps=steps)

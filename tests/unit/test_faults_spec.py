@@ -139,3 +139,14 @@ def test_every_shared_trace_parses_and_replays_in_time_order():
         assert times == sorted(times), path.name
         later = [e for e in events if e.ms > events[0].ms]
         assert len(timeline) <= len(later), path.name
+
+
+def test_hold_points_parse_per_node_and_refuse_unknown_points():
+    from oobleck_mm.runtime.hold import holds
+
+    assert holds("checkpoint@node1:3, copy:0.5") == {("checkpoint", "node1"): 3.0, ("copy", None): 0.5}
+    assert holds("") == {}
+    with pytest.raises(ValueError, match="the point must be one of checkpoint, copy"):
+        holds("rendezvous:1")
+    with pytest.raises(ValueError, match="expected point\\[@node\\]:seconds"):
+        holds("checkpoint@node1")

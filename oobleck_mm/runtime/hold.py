@@ -1,0 +1,54 @@
+"""Hold points: named moments where a worker can be made to pause, so a fault lands exactly there.
+
+Some failures matter only at one moment (a peer dying inside a checkpoint's
+barrier, or between a generation's rendezvous and its state copy), and a test
+that waits for that moment by timing alone passes or fails by luck. With
+``OOBLECK_HOLD_AT=checkpoint@node1:2`` in its environment the worker of node1
+sleeps 2 s as it starts a periodic checkpoint, so its peers wait for it in the
+checkpoint's barrier, and the fault injector's kill of node1, fired by the step
+that precedes the checkpoint, lands while they wait. Entries are
+``point[@node]:seconds``, comma-separated; without ``@node`` every worker holds.
+Points:
+
+- ``checkpoint``: before a periodic checkpoint is written;
+- ``copy``: a new generation joined, before its layer states are copied.
+
+Unset (every real run), a hold point costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+ENV = "OOBLECK_HOLD_AT"
+POINTS = ("checkpoint", "copy")
+
+
+def hold(point: str, node: str) -> None:
+    """Sleep here if ``OOBLECK_HOLD_AT`` names ``point`` for every node or for ``node``."""
+    assert point in POINTS, point
+    table = holds()
+    seconds = table.get((point, node), table.get((point, None)))
+    if seconds:
+        log.warning("holding %.1f s at %s (%s)", seconds, point, ENV)
+        time.sleep(seconds)
+
+
+def holds(value: str | None = None) -> dict[tuple[str, str | None], float]:
+    """``OOBLECK_HOLD_AT`` parsed: (point, node or None) -> seconds; ``ValueError`` naming a bad entry."""
+    value = os.environ.get(ENV, "") if value is None else value
+    out: dict[tuple[str, str | None], float] = {}
+    for entry in filter(None, (e.strip() for e in value.split(","))):
+        where, _, seconds = entry.rpartition(":")
+        point, _, node = where.partition("@")
+        try:
+            out[(point, node or None)] = float(seconds)
+        except ValueError:
+            raise ValueError(f"{ENV}: expected point[@node]:seconds, got {entry!r}") from None
+        if point not in POINTS or out[(point, node or None)] < 0:
+            raise ValueError(f"{ENV}: {entry!r}: the point must be one of {', '.join(POINTS)}, seconds >= 0")
+    return out
