@@ -210,13 +210,16 @@ def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_pat
     check_final(config, 8, final)
 
 
-def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path):
+def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path, monkeypatch):
     steps = 20
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
+    # Every worker holds 3 s before a new generation's state copy (runtime/hold.py): generation 2,
+    # which takes the joiner in, cannot complete a step before the kill below lands, however fast
+    # the joiner's worker starts.
+    monkeypatch.setenv("OOBLECK_HOLD_AT", "copy:3")
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
-    # Generation 2 takes the joiner in; its worker needs seconds to start, so the survivors wait
-    # in generation 2's rendezvous. A survivor dies right then: generation 2 never completes a step.
+    # A survivor dies during generation 2's rendezvous or copy: generation 2 never completes a step.
     joining = run.wait_event("plan_decided", generation=2)
     victim = next(n for n in joining["nodes"] if n not in joining["joined"])
     run.inject("kill", victim)
