@@ -18,6 +18,8 @@ next restart; below the threshold the job stops at that checkpoint.
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import TYPE_CHECKING, Protocol
 
 from master.recovery import GenerationView, Request, StateLost, plan_request
@@ -114,9 +116,14 @@ class RestartRecovery:
         c.stop_below_threshold(why, self.last_checkpoint)
 
     def checkpoint_saved(self, directory: str, step: int) -> bool:
-        """A periodic checkpoint finished (one report means every rank passed its closing barrier)."""
+        """A periodic checkpoint finished (one report means every rank passed its closing barrier).
+
+        The one before it is then removed: a restart only ever loads the newest complete one.
+        Directories of saves cut short by a failure (no meta.json) are removed with it.
+        """
         if step > 0 and (self.last_checkpoint is None or step > self.last_checkpoint[1]):
             self.last_checkpoint = (directory, step)
+            _remove_older_checkpoints(directory, step)
             return True
         return False
 
@@ -124,3 +131,11 @@ class RestartRecovery:
 def policy_for(recovery: str) -> LiveRecovery | RestartRecovery:
     """The policy of ``fault_tolerance.recovery``."""
     return RestartRecovery() if recovery == "restart" else LiveRecovery()
+
+
+def _remove_older_checkpoints(directory: str, step: int) -> None:
+    """Periodic checkpoints of steps below ``step`` beside ``directory`` (``runtime.checkpoint`` names them)."""
+    parent = os.path.dirname(directory)
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < step:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)

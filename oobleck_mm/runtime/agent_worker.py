@@ -47,7 +47,7 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
 from oobleck_mm.protocol.pipe import recv_command, send_report
-from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers
+from oobleck_mm.runtime.checkpoint import load_layer, periodic_checkpoint_dir, read_meta, save_layers
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group
 from oobleck_mm.runtime.hold import hold
@@ -186,12 +186,14 @@ class WorkerLoop:
                 self.committed = gen
                 self.phase(a.generation, "resumed", step=step)
             if a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0 and a.checkpoint_dir:
-                hold("checkpoint", self.node)
+                # A directory per step: a save cut short by a lost peer leaves a directory without
+                # meta.json next to the last complete checkpoint, never a mix of two steps in one.
+                directory = periodic_checkpoint_dir(a.checkpoint_dir, self.next_step)
                 try:
-                    save_checkpoint(a.checkpoint_dir, engine, self.next_step)
+                    save_checkpoint(directory, engine, self.next_step, self.node)
                 except RuntimeError as error:  # a peer died mid-save: the step stands, the checkpoint does not
                     return self.abort(a.generation, self.next_step, f"checkpoint: {str(error).splitlines()[0]}")
-                self.report(checkpoint_done=pb.CheckpointDone(dir=a.checkpoint_dir, step=self.next_step,
+                self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
                                                               layers=len(engine.layers)))
         if a.save_final_dir:
             try:

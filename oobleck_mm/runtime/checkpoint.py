@@ -39,6 +39,11 @@ def _layer_file(directory: Path, name: str) -> Path:
     return directory / "layers" / f"{name}.pt"
 
 
+def periodic_checkpoint_dir(root: str | os.PathLike, step: int) -> str:
+    """Where the periodic checkpoint of ``step`` goes under ``root``: one directory per step."""
+    return os.path.join(os.fspath(root), f"step{step:08d}")
+
+
 def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], layers: Iterable[int], specs) -> None:
     """Write ``layers`` (indices into ``held``) atomically, one file each."""
     directory = Path(directory)

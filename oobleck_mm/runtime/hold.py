@@ -4,13 +4,13 @@ Some failures matter only at one moment (a peer dying inside a checkpoint's
 barrier, or between a generation's rendezvous and its state copy), and a test
 that waits for that moment by timing alone passes or fails by luck. With
 ``OOBLECK_HOLD_AT=checkpoint@node1:2`` in its environment the worker of node1
-sleeps 2 s as it starts a periodic checkpoint, so its peers wait for it in the
-checkpoint's barrier, and the fault injector's kill of node1, fired by the step
-that precedes the checkpoint, lands while they wait. Entries are
+sleeps 2 s in a checkpoint, its layer files written, so its peers wait for it in
+the checkpoint's barrier, and the fault injector's kill of node1, fired by the
+step that precedes the checkpoint, lands while they wait. Entries are
 ``point[@node]:seconds``, comma-separated; without ``@node`` every worker holds.
 Points:
 
-- ``checkpoint``: before a periodic checkpoint is written;
+- ``checkpoint``: in a checkpoint, after this rank's layer files, before the barrier;
 - ``copy``: a new generation joined, before its layer states are copied.
 
 Unset (every real run), a hold point costs one dictionary lookup.

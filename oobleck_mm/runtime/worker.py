@@ -32,6 +32,7 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import save_layers, save_meta
 from oobleck_mm.runtime.engine import StageEngine, StepResult
 from oobleck_mm.runtime.group import connect_store, join_generation
+from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.optim import optimizer_state
 from oobleck_mm.runtime.state_transfer import adopt_plan
 
@@ -56,11 +57,16 @@ def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, devi
     return engine
 
 
-def save_checkpoint(directory: str, engine: StageEngine, step: int) -> None:
-    """Collective: every rank writes the layers it owns (first holder), then rank 0 writes meta.json."""
+def save_checkpoint(directory: str, engine: StageEngine, step: int, node: str = "") -> None:
+    """Collective: every rank writes the layers it owns (first holder), then rank 0 writes meta.json.
+
+    ``node``: this worker's node, for the ``checkpoint`` hold point (``runtime/hold.py``), which
+    sits between its layer files and the barrier.
+    """
     plan, rank = engine.plan, engine.rank
     owned = [i for i in engine.layers if plan.holders(i)[0] == rank]
     save_layers(directory, engine.held(), owned, engine.specs)
+    hold("checkpoint", node)
     dist.barrier()
     if rank == 0:
         save_meta(directory, engine.job, step, engine.specs, engine.data.sampler)

@@ -192,8 +192,9 @@ def test_restart_mode_redoes_the_steps_since_the_last_checkpoint(launches, tmp_p
 
 
 def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_path, monkeypatch):
-    """Deterministic: node1's worker holds 3 s before each checkpoint (runtime/hold.py), so the kill fired
-    by step 4 lands while the survivors wait for it in the barrier of the checkpoint of step 4."""
+    """Deterministic: node1's worker holds 3 s in each checkpoint (runtime/hold.py), so the kill fired by
+    step 4 lands while the survivors wait for it in the barrier of the checkpoint of step 4, its layer
+    files already written: the restart must load the complete checkpoint of step 2, not a mix."""
     monkeypatch.setenv("OOBLECK_HOLD_AT", "checkpoint@node1:3")
     config = write_config(tmp_path, nodes=3)
     final = tmp_path / "final"

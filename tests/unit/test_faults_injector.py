@@ -118,8 +118,8 @@ def test_events_fire_when_due_with_real_signals_and_are_logged(cluster, tmp_path
     for pid in cluster.workers["node0"]:
         eventually(lambda: dead(pid))
     assert set(cluster.workers["node1"]) <= set(stop["pids"]) and stop["pids"][0] == cluster.procs["node1"].pid
-    for pid in stop["pids"]:
-        assert status(pid) == psutil.STATUS_STOPPED
+    for pid in stop["pids"]:  # SIGSTOP takes effect asynchronously: a busy machine shows it late
+        eventually(lambda: status(pid) == psutil.STATUS_STOPPED)
     assert skipped["event"] == "inject_skipped" and "unknown node 'node7'" in skipped["reason"]
 
     log.write("step", generation=1, step=2)
