@@ -24,8 +24,11 @@ $(VENV)/.installed: pyproject.toml
 minlp: setup
 	bash scripts/install_minlp.sh $(PY)
 
+# The main job: pipelines of different depths, the balancer on, a node killed and one joining.
+RUN_ARGS := local --config configs/mission.yaml --inject kill:node4@step20,join@step35
+
 run: setup
-	$(VENV)/bin/oobleck-launch local --config configs/tiny_mm.yaml --nodes 4 --steps 40
+	$(VENV)/bin/oobleck-launch $(RUN_ARGS)
 
 test: minlp
 	$(VENV)/bin/lint-imports --no-cache   # the package graph's contracts (.importlinter)

@@ -446,6 +446,9 @@ class Coordinator:
             transfers, moved = (), missing_states(None, layout, previous)
         self._gens[number] = _Generation(view, planned.plan, planned.template_nodes)
         incident = self._incident if self.phase is JobPhase.RUNNING else None
+        # This plan answers the incident: the next loss or join is a new one, timed from itself.
+        # (Nodes lost while this generation recovers start a new incident too.)
+        self._incident = None
         self.generation, self.plan, self.phase = number, layout, JobPhase.RUNNING
         self._last_progress = self.clock()
         if number == 1:

@@ -564,3 +564,22 @@ def test_a_job_that_stops_making_progress_is_ended_with_where_it_stopped(make):
     assert result is not None and result.exit_code == 1
     assert "no progress for" in result.message and "stall_timeout 20 s" in result.message
     assert "next step 2" in result.message
+
+
+def test_each_incident_is_timed_from_itself_not_from_the_first_loss(make):
+    j = make(nodes=3, steps=50)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    j.c.stream_ended("c", j.sessions["c"])  # c's agent died
+    j.advance(0.3)
+    j.drain_all()
+    assert j.c.generation == 2
+    j.train(2, 1)
+    j.clock.now += 100.0  # much later, a node joins
+    j.heartbeat_all()
+    j.join("d")
+    j.c.tick()
+    assert j.c.generation == 3
+    lost_plan, join_plan = read_events(j.events, "plan_decided")[1:]
+    assert lost_plan["cause"] == "lost" and lost_plan["since_detected_s"] < 1.0
+    assert join_plan["cause"] == "joined" and join_plan["since_detected_s"] < 1.0, join_plan
