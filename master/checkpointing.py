@@ -11,6 +11,7 @@ the checkpoint complete, and ``--resume DIR`` continues from it on any node coun
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -135,8 +136,6 @@ SHAPE_SECTIONS = ("llm", "vision", "audio", "projector")
 
 def _model_shape_changes(saved: dict, job) -> list[str]:
     """``model.llm.hidden: 64 in the checkpoint, 96 in the config`` for every shape field that differs."""
-    import dataclasses
-
     changes = []
     for section in SHAPE_SECTIONS:
         if section not in saved:

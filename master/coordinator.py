@@ -273,7 +273,6 @@ class Coordinator:
                 self._apply(request, future)
             if self.phase is JobPhase.RUNNING and self._planning is None:
                 self._check_done()
-            if self.phase is JobPhase.RUNNING and self._planning is None:
                 self._check_stall()
             if self.phase is JobPhase.CHECKPOINTING:
                 self._check_round()

@@ -23,14 +23,6 @@ BOUND_S = 90.0
 """Start-up (planning, workers importing torch) plus the failure; the old behaviour never ended."""
 
 
-@pytest.fixture
-def launches():
-    started: list[Launch] = []
-    yield started
-    for run in started:  # a failed test must not leave its cluster running
-        run.kill_all()
-
-
 def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_worker_starts(launches, tmp_path):
     config = write_config(tmp_path, nodes=2, steps=3)
     final = tmp_path / "final"

@@ -28,14 +28,6 @@ from oobleck_mm.runtime.checkpoint import read_meta
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture
-def launches():
-    started: list[Launch] = []
-    yield started
-    for run in started:  # a failed test must not leave its cluster running
-        run.kill_all()
-
-
 def start(launches, tmp_path, config, *args, name="run") -> Launch:
     run = Launch(tmp_path, config, *args, name=name)
     launches.append(run)
