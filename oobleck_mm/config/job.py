@@ -13,6 +13,7 @@ what would be valid, so the CLI can print it as one line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from oobleck_mm.config.devices import DEVICES
+from oobleck_mm.config.huggingface import HFModelShape, hf_model_shape
 from oobleck_mm.config.shape import layer_specs, resolve_frozen, sequence_tokens
 from oobleck_mm.config.values import (
     ConfigError,
@@ -141,9 +143,14 @@ FROZEN_MODULES = ("vision", "audio", "projector", "llm")
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     _PATH: ClassVar[str] = "model"
-    name: str
-    """Model name, used for profile caching and logs."""
-    llm: LLMConfig
+    name: str = ""
+    """Model name, used for profile caching and logs; default: the ``huggingface`` folder's name."""
+    huggingface: str | None = None
+    """A local ``transformers`` model directory (config.json, optionally safetensors weights and
+    tokenizer files); its config.json gives the model's shape, so ``llm``, ``vision``, ``audio`` and
+    ``projector`` are not set with it. See docs/models.md for the supported architectures."""
+    llm: LLMConfig | None = None
+    """The built-in language model; required unless ``huggingface`` is set."""
     vision: VisionConfig | None = None
     """Image encoder; absent for a text-only model."""
     audio: AudioConfig | None = None
@@ -155,8 +162,42 @@ class ModelConfig:
     layer names (``llm.block0``; ``vision.projector`` covers ``vision.projector0/1``)."""
 
     def __post_init__(self) -> None:
-        check(self, "name", as_str)
+        if self.name != "":
+            check(self, "name", as_str)
         check(self, "frozen", as_str_tuple)
+        check_optional(self, "huggingface", as_str)
+        if self.huggingface is None:
+            if self.llm is None:
+                raise ConfigError("model.llm: required but missing (or set model.huggingface to a local "
+                                  "transformers model directory)")
+            if not self.name:
+                raise ConfigError("model.name: required but missing")
+            return
+        self.huggingface = os.path.abspath(os.path.expanduser(self.huggingface))
+        shape = hf_shape(self.huggingface)
+        derived = shape.sections()
+        llm = LLMConfig(**derived["llm"])
+        vision = VisionConfig(**derived["vision"]) if "vision" in derived else None
+        projector = ProjectorConfig(**derived.get("projector", {}))
+        # A section equal to the derived one is what to_dict/asdict round trips carry; any other is a conflict.
+        given = {"llm": (self.llm, llm), "vision": (self.vision, vision), "audio": (self.audio, None)}
+        for key, (mine, theirs) in given.items():
+            if mine is not None and mine != theirs:
+                raise ConfigError(f"model.{key}: cannot be set together with model.huggingface (the directory's "
+                                  "config.json gives the model's shape); remove one of them")
+        self.llm, self.vision, self.projector = llm, vision, projector
+        self.name = self.name or os.path.basename(self.huggingface.rstrip(os.sep))
+
+    @property
+    def hf(self) -> HFModelShape | None:
+        """The ``huggingface`` directory's model, or None for a built-in model."""
+        return hf_shape(self.huggingface) if self.huggingface is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def hf_shape(directory: str) -> HFModelShape:
+    """config.json read once per process (every layer build asks for it)."""
+    return hf_model_shape(directory)
 
 
 # --------------------------------------------------------------------------- data
@@ -700,6 +741,8 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
         raise ConfigError(
             f"data.image_size ({d.image_size}) must be a multiple of model.vision.patch_size ({m.vision.patch_size})"
         )
+    if m.hf is not None:
+        _validate_hf_workload(m.hf, d)
     tokens = sequence_tokens(m, d)
     if tokens.llm > d.max_seq_len:
         raise ConfigError(
@@ -710,6 +753,22 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
         resolve_frozen(m.frozen, layer_specs(m, d))
     except ValueError as exc:
         raise ConfigError(f"model.frozen: {exc}") from None
+
+
+def _validate_hf_workload(hf: HFModelShape, d: DataConfig) -> None:
+    if hf.vision is not None:
+        side = hf.vision["image_size"]
+        # The towers' position embeddings have one row per patch of this square image.
+        if d.image_size != side or d.min_image_size != side:
+            raise ConfigError(
+                f"data.image_size ({d.image_size}) and data.min_image_size ({d.min_image_size}) must both be "
+                f"{side}: the {hf.vision_type} tower of model.huggingface takes {side}x{side} images"
+            )
+    if hf.sliding_window is not None and d.max_seq_len > hf.sliding_window:
+        raise ConfigError(
+            f"data.max_seq_len ({d.max_seq_len}) exceeds the model's sliding_window ({hf.sliding_window}); "
+            "sliding-window attention is not run by the engine yet, so keep samples within the window"
+        )
 
 
 # --------------------------------------------------------------------------- parsing
@@ -750,6 +809,10 @@ def _build(cls: type, raw: Any, path: str) -> Any:
 
 
 def _to_plain(value: Any) -> Any:
+    if isinstance(value, ModelConfig) and value.huggingface is not None:
+        # The shape sections are derived from the directory; writing them back would conflict.
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.name not in ("llm", "vision", "audio", "projector")}
     if dataclasses.is_dataclass(value):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, timedelta):
@@ -790,6 +853,10 @@ def load_config(path: str | os.PathLike) -> JobConfig:
     if isinstance(raw, dict) and isinstance(raw.get("data"), dict) and isinstance(raw["data"].get("path"), str):
         data_path = os.path.expanduser(raw["data"]["path"])
         raw["data"]["path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data_path)
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if isinstance(model, dict) and isinstance(model.get("huggingface"), str):
+        model["huggingface"] = os.path.join(os.path.dirname(os.path.abspath(path)),
+                                            os.path.expanduser(model["huggingface"]))
     return config_from_dict(raw, source=path)
 
 

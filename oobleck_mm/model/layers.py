@@ -32,6 +32,8 @@ from torch import nn
 from oobleck_mm.config.shape import LayerSpec, layer_specs, resolve_frozen
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.errors import UserError
+from oobleck_mm.model.hf_weights import load_hf_weights
+from oobleck_mm.model.huggingface import build_hf_layer
 from oobleck_mm.precision import torch_dtype
 
 Acts = tuple[torch.Tensor, ...]
@@ -222,7 +224,10 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
     # One generator per (seed, layer): any rank builds the same layer without talking to others.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.training.seed * 1_000_003 + index)
-        if spec.kind in ("patch_embed", "frame_embed"):
+        if job.model.hf is not None:
+            layer = build_hf_layer(job.model.hf, specs, index, torch_dtype(job.training.dtype))
+            load_hf_weights(layer, job.model.huggingface)
+        elif spec.kind in ("patch_embed", "frame_embed"):
             layer = EncoderEmbed(spec)
         elif spec.kind == "block":
             layer = Block(spec, spec.modality, flash)

@@ -1,0 +1,296 @@
+"""HuggingFace models as the engine's layer list, made of ``transformers``' own modules.
+
+The math is ``transformers``': each layer wraps the module classes the HF model
+itself is made of (``LlamaDecoderLayer``, ``CLIPEncoderLayer``,
+``SiglipVisionEmbeddings``, the LLaVA projector's two ``Linear`` layers...), built
+from the directory's config. What is written here is only the plumbing between
+layers, with the engine's call shape ``layer(acts, batch) -> acts``:
+
+- vision: the packed patches of a microbatch are put back into images (a LLaVA
+  tower takes square images of one size) and run as a batch ``[images, tokens,
+  hidden]``; the first projector layer drops CLIP's CLS token and flattens the
+  images into the packed token list;
+- text: the packed sequence of every sample is one row ``[1, T, hidden]``; each
+  decoder layer gets rotary tables from the model's own rotary class at each
+  token's position *inside its sample*, and attention is restricted to each
+  sample's span (``packed_attention``, registered in transformers'
+  ``AttentionInterface``), so a packed microbatch computes exactly what the HF
+  model computes on each sample alone.
+
+Every layer knows the names its tensors have in the HF checkpoint
+(``HFLayer.hf_names``), so a worker reads only its own stage's tensors from the
+safetensors files (``oobleck_mm.model.hf_weights``) and export writes them back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from oobleck_mm.config.huggingface import HFModelShape
+from oobleck_mm.config.shape import LayerSpec
+from oobleck_mm.data.packing import PackedBatch
+
+Acts = tuple[torch.Tensor, ...]
+
+PACKED_ATTENTION = "oobleck_packed"
+"""The attention implementation the text layers run: SDPA inside each sample's span."""
+
+# model_type -> (module of transformers.models, class-name prefix)
+_MODELING = {
+    "llama": ("llama.modeling_llama", "Llama"),
+    "mistral": ("mistral.modeling_mistral", "Mistral"),
+    "qwen2": ("qwen2.modeling_qwen2", "Qwen2"),
+    "clip_vision_model": ("clip.modeling_clip", "CLIP"),
+    "siglip_vision_model": ("siglip.modeling_siglip", "Siglip"),
+}
+_CONFIGS = {
+    "llama": ("llama.configuration_llama", "LlamaConfig"),
+    "mistral": ("mistral.configuration_mistral", "MistralConfig"),
+    "qwen2": ("qwen2.configuration_qwen2", "Qwen2Config"),
+    "clip_vision_model": ("clip.configuration_clip", "CLIPVisionConfig"),
+    "siglip_vision_model": ("siglip.configuration_siglip", "SiglipVisionConfig"),
+}
+
+
+def _hf_class(model_type: str, suffix: str):
+    module, prefix = _MODELING[model_type]
+    return getattr(importlib.import_module(f"transformers.models.{module}"), prefix + suffix)
+
+
+def hf_config(model_type: str, values: dict, dtype: torch.dtype, attention: str):
+    """The transformers config object of one part of the model (text or vision)."""
+    module, name = _CONFIGS[model_type]
+    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    cfg = cls.from_dict({k: v for k, v in values.items() if k not in ("architectures", "auto_map")})
+    cfg._attn_implementation = attention
+    cfg.dtype = dtype
+    return cfg
+
+
+# --------------------------------------------------------------------------- packed attention
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     packed_spans=None, **kwargs):
+    """SDPA over each ``(start, end)`` span of the packed sequence separately (causal inside it).
+
+    Per span, not one masked pass: a microbatch then costs the sum of its samples' squares, as the
+    balancer's cost model says (a varlen flash kernel does the same), and each span computes what
+    transformers' own SDPA path computes on that sample alone. ``query`` is ``[1, heads, T, d]``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_spans is None:
+        raise RuntimeError(f"{PACKED_ATTENTION} attention needs packed_spans (the engine's text layers pass them)")
+    kwargs.pop("sliding_window", None)  # validate() keeps samples within Mistral's window
+    outs = [
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
+                               dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+        for s, e in packed_spans
+    ]  # fmt: skip
+    return torch.cat(outs, dim=1), None
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class HFLayer(nn.Module):
+    """A layer made of HF modules; ``hf_names`` maps its state-dict names to the checkpoint's."""
+
+    hf_parts: tuple[tuple[str, str, str], ...] = ()
+    """(local prefix, component, prefix inside the component) for each part; components are
+    ``text``, ``head``, ``vision`` and ``projector`` (``oobleck_mm.model.hf_weights`` finds where
+    each sits in a checkpoint)."""
+
+    def hf_names(self) -> dict[str, tuple[str, str]]:
+        """state-dict name -> (component, name inside the component)."""
+        out = {}
+        for name in self.state_dict():
+            for local, component, inside in self.hf_parts:
+                if name.startswith(local):
+                    out[name] = (component, inside + name[len(local):])
+                    break
+            else:
+                raise KeyError(f"{type(self).__name__}: parameter {name!r} has no checkpoint name")
+        return out
+
+
+class VisionEmbed(HFLayer):
+    def __init__(self, shape: HFModelShape, cfg):
+        super().__init__()
+        self.embeddings = _hf_class(shape.vision_type, "VisionEmbeddings")(cfg)
+        self.side, self.patch, self.channels = cfg.image_size, cfg.patch_size, cfg.num_channels
+        parts = [("embeddings.", "vision", "embeddings.")]
+        if shape.vision_type == "clip_vision_model":  # CLIPVisionModel's own pre-encoder norm
+            self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+            parts.append(("pre_layrnorm.", "vision", "pre_layrnorm."))
+        else:
+            self.pre_layrnorm = None
+        self.hf_parts = tuple(parts)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        feats = batch.vision.features  # [images * patches, C*p*p], row-major patches, (c, py, px) each
+        n_side, p, c = self.side // self.patch, self.patch, self.channels
+        images = feats.shape[0] // (n_side * n_side)
+        pixels = (feats.reshape(images, n_side, n_side, c, p, p).permute(0, 3, 1, 4, 2, 5)
+                  .reshape(images, c, self.side, self.side))  # fmt: skip
+        x = self.embeddings(pixels)
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
+        return (*acts, x)
+
+
+class VisionBlock(HFLayer):
+    def __init__(self, shape: HFModelShape, cfg, index: int):
+        super().__init__()
+        self.layer = _hf_class(shape.vision_type, "EncoderLayer")(cfg)
+        self.hf_parts = (("layer.", "vision", f"encoder.layers.{index}."),)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = acts[-1]
+        if x.shape[0] == 0:  # no image in this microbatch
+            return acts
+        out = self.layer(x, None)  # every image has the tower's size: no mask
+        return (*acts[:-1], out[0] if isinstance(out, tuple) else out)
+
+
+class ProjectorIn(HFLayer):
+    """LLaVA projector's ``linear_1`` on every image's tokens, flattened into the packed token list."""
+
+    def __init__(self, shape: HFModelShape, vision_hidden: int, text_hidden: int):
+        super().__init__()
+        self.drop_cls = shape.drop_cls
+        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=shape.projector_bias)
+        self.hf_parts = (("linear_1.", "projector", "linear_1."),)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = acts[-1]
+        if self.drop_cls:  # vision_feature_select_strategy "default"
+            x = x[:, 1:]
+        return (*acts[:-1], self.linear_1(x.reshape(-1, x.shape[-1])))
+
+
+class ProjectorOut(HFLayer):
+    """LLaVA projector's activation and ``linear_2``."""
+
+    def __init__(self, shape: HFModelShape, text_hidden: int):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[shape.projector_act]
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=shape.projector_bias)
+        self.hf_parts = (("linear_2.", "projector", "linear_2."),)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        return (*acts[:-1], self.linear_2(self.act(acts[-1])))
+
+
+class TokenEmbed(HFLayer):
+    """The text model's ``embed_tokens`` with the projected image tokens put at their positions."""
+
+    hf_parts = (("embed_tokens.", "text", "embed_tokens."),)
+
+    def __init__(self, cfg, encoders: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+        self.encoders = encoders
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = self.embed_tokens(batch.tokens)
+        if self.encoders and acts[0].shape[0]:
+            x = x.index_put((batch.vision.llm_positions,), acts[0].to(x.dtype))
+        return (x,)
+
+
+class DecoderBlock(HFLayer):
+    def __init__(self, shape: HFModelShape, cfg, index: int):
+        super().__init__()
+        self.layer = _hf_class(shape.text_type, "DecoderLayer")(cfg, index)
+        # Buffers only (inv_freq), not persistent: nothing to load, and the same on every rank.
+        self.rotary = _hf_class(shape.text_type, "RotaryEmbedding")(config=cfg)
+        self.hf_parts = (("layer.", "text", f"layers.{index}."),)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = acts[-1].unsqueeze(0)
+        positions = batch.positions.unsqueeze(0)
+        cos_sin = self.rotary(x, positions)
+        out = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
+                         packed_spans=batch.spans())
+        out = out[0] if isinstance(out, tuple) else out
+        return (out.squeeze(0),)
+
+
+class Head(HFLayer):
+    hf_parts = (("norm.", "text", "norm."), ("lm_head.", "head", ""))
+
+    def __init__(self, shape: HFModelShape, cfg):
+        super().__init__()
+        self.norm = _hf_class(shape.text_type, "RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        return (self.lm_head(self.norm(acts[-1])),)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_hf_layer(shape: HFModelShape, specs: Sequence[LayerSpec], index: int, dtype: torch.dtype) -> HFLayer:
+    """Layer ``index`` of the HF model, initialised as transformers initialises that model.
+
+    The caller seeds the generator per layer (any rank builds any layer identically);
+    ``oobleck_mm.model.hf_weights`` overwrites the values when the directory has weights.
+    """
+    _register_packed_attention()
+    spec = specs[index]
+    text_cfg = hf_config(shape.text_type, shape.text, dtype, PACKED_ATTENTION)
+    vision_cfg = hf_config(shape.vision_type, shape.vision, dtype, "sdpa") if shape.vision is not None else None
+    number = _layer_number(spec.name)
+    if spec.name == "vision.embed":
+        layer, cfg, kind = VisionEmbed(shape, vision_cfg), vision_cfg, shape.vision_type
+    elif spec.name.startswith("vision.block"):
+        layer, cfg, kind = VisionBlock(shape, vision_cfg, number), vision_cfg, shape.vision_type
+    elif spec.name == "vision.projector0":
+        layer, cfg, kind = ProjectorIn(shape, vision_cfg.hidden_size, text_cfg.hidden_size), text_cfg, shape.text_type
+    elif spec.name == "vision.projector1":
+        layer, cfg, kind = ProjectorOut(shape, text_cfg.hidden_size), text_cfg, shape.text_type
+    elif spec.name == "llm.embed":
+        layer, cfg, kind = TokenEmbed(text_cfg, int(shape.is_multimodal)), text_cfg, shape.text_type
+    elif spec.name.startswith("llm.block"):
+        layer, cfg, kind = DecoderBlock(shape, text_cfg, number), text_cfg, shape.text_type
+    elif spec.name == "llm.head":
+        layer, cfg, kind = Head(shape, text_cfg), text_cfg, shape.text_type
+    else:
+        raise ValueError(f"layer {spec.name!r} is not a layer of an HF {shape.architecture}")
+    _init_like_transformers(layer, kind, cfg)
+    return layer.to(dtype)
+
+
+def _layer_number(name: str) -> int:
+    digits = name[len(name.rstrip("0123456789")):]
+    return int(digits) if digits else 0
+
+
+def _init_like_transformers(layer: nn.Module, model_type: str, cfg) -> None:
+    """Applies the model's own ``PreTrainedModel._init_weights`` to every submodule.
+
+    ``_init_weights`` is an instance method reading ``self.config``: an instance made without
+    ``__init__`` (no weights allocated) carries the config, which is all it reads.
+    """
+    pretrained = _hf_class(model_type, "PreTrainedModel")
+    owner = pretrained.__new__(pretrained)
+    nn.Module.__init__(owner)
+    owner.config = cfg
+    with torch.no_grad():
+        for module in layer.modules():
+            owner._init_weights(module)

@@ -1,0 +1,65 @@
+"""Small random HuggingFace models saved with ``save_pretrained``: the examples' and the tests' models.
+
+Nothing is downloaded: each model is made from a ``transformers`` config with
+random weights and written as config.json + safetensors, exactly the directory
+layout a user's pretrained model has. ``examples/make_tiny_llava.py`` is the
+command-line front end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TEXT_KINDS = ("llama", "mistral", "qwen2")
+VISION_KINDS = ("clip", "siglip")
+
+
+def tiny_text_config(kind: str, tie: bool = False, vocab_size: int = 320):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size, tie_word_embeddings=tie,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    if kind == "llama":
+        return LlamaConfig(**common)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if kind == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(f"text model {kind!r}: choose one of {', '.join(TEXT_KINDS)}")
+
+
+def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8):
+    from transformers import CLIPVisionConfig, SiglipVisionConfig
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  image_size=image_size, patch_size=patch_size)  # fmt: skip
+    if kind == "clip":
+        return CLIPVisionConfig(**common)
+    if kind == "siglip":
+        return SiglipVisionConfig(**common)
+    raise ValueError(f"vision tower {kind!r}: choose one of {', '.join(VISION_KINDS)}")
+
+
+def make_tiny_model(out: str | os.PathLike, text: str = "llama", vision: str | None = "clip", tie: bool = False,
+                    seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> str:
+    """Writes a random LLaVA (``vision`` set) or text-only causal LM to ``out``; returns ``out``."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    text_cfg = tiny_text_config(text, tie)
+    if vision is None:
+        cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[text]
+        model = cls(text_cfg)
+    else:
+        cfg = LlavaConfig(vision_config=tiny_vision_config(vision), text_config=text_cfg,
+                          image_token_id=text_cfg.vocab_size - 1, tie_word_embeddings=tie,
+                          vision_feature_select_strategy="default" if vision == "clip" else "full")  # fmt: skip
+        model = LlavaForConditionalGeneration(cfg)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(os.fspath(out), **kwargs)
+    return os.fspath(out)

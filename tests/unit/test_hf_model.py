@@ -1,0 +1,202 @@
+"""HuggingFace models split into the engine's layers equal the unsplit transformers model.
+
+Real ``transformers`` models with random weights, written with ``save_pretrained``
+into a temporary directory and read back by the engine from their safetensors
+files. The unsplit model runs each sample of a packed microbatch alone (its own
+forward, no padding); the engine runs the packed microbatch through its layer
+list. Float64, same SDPA kernels: logits, loss and every gradient agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from oobleck_mm.config import ConfigError, config_from_dict  # noqa: E402
+from oobleck_mm.data.loader import TrainingData  # noqa: E402
+from oobleck_mm.data.sample import IMAGE  # noqa: E402
+from oobleck_mm.errors import UserError  # noqa: E402
+from oobleck_mm.model.hf_weights import hf_name  # noqa: E402
+from oobleck_mm.model.layers import build_layer, model_layer_specs  # noqa: E402
+from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
+
+CASES = [("llama", "clip"), ("qwen2", "siglip"), ("mistral", "clip"), ("llama", None), ("qwen2", None),
+         ("mistral", None)]  # fmt: skip
+
+
+def hf_job(directory, **training):
+    with open(os.path.join(directory, "config.json")) as fh:
+        multimodal = "vision_config" in json.load(fh)
+    data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 64}
+    if multimodal:
+        data.update(mean_images_per_sample=1, max_images_per_sample=2, image_size=32)
+    training = {"global_batch": 4, "microbatch_size": 4, "dtype": "float64", **training}
+    return config_from_dict({"model": {"huggingface": str(directory)}, "data": data, "training": training})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {case: make_tiny_model(root / f"{case[0]}-{case[1]}", text=case[0], vision=case[1]) for case in CASES}
+
+
+def unsplit(directory):
+    model = transformers.AutoModelForImageTextToText if "vision" in open(f"{directory}/config.json").read() \
+        else transformers.AutoModelForCausalLM
+    return model.from_pretrained(directory, dtype=torch.float64, attn_implementation="sdpa").eval()
+
+
+def sample_inputs(sample, image_token_id, tokens_per_image):
+    ids = []
+    for t in sample.tokens.tolist():
+        ids += [image_token_id] * tokens_per_image if t == IMAGE else [t]
+    pixels = torch.stack(list(sample.images)).double() if len(sample.images) else None
+    return torch.tensor([ids]), pixels
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1] or 'text'}")
+def test_split_model_equals_unsplit_transformers_model(models, case):
+    directory = models[case]
+    job = hf_job(directory)
+    specs = model_layer_specs(job)
+    layers = [build_layer(job, i, specs) for i in range(len(specs))]
+    data = TrainingData(job)
+    ids = data.global_batch(0)
+    batch = data.microbatch(ids)
+    tokens = int((batch.labels != -100).sum())
+    acts = ()
+    for layer in layers:
+        acts = layer(acts, batch)
+    loss = F.cross_entropy(acts[0], batch.labels, ignore_index=-100, reduction="sum") / tokens
+    loss.backward()
+
+    hf = unsplit(directory)
+    image_token = getattr(hf.config, "image_token_id", None)
+    per_image = (32 // 8) ** 2
+    hf_loss = 0.0
+    for seg, (start, end) in enumerate(batch.spans()):
+        input_ids, pixels = sample_inputs(data.dataset[ids[seg]], image_token, per_image)
+        kwargs = {"pixel_values": pixels} if pixels is not None else {}
+        logits = hf(input_ids=input_ids, **kwargs).logits[0]
+        assert (logits - acts[0][start:end]).abs().max().item() <= 1e-10, f"sample {seg}: logits differ"
+        seg_loss = F.cross_entropy(logits, batch.labels[start:end], ignore_index=-100, reduction="sum") / tokens
+        seg_loss.backward()
+        hf_loss += seg_loss.item()
+    assert abs(loss.item() - hf_loss) <= 1e-10
+
+    hf_params = dict(hf.named_parameters())
+    checked = 0
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            component, inside = layer.hf_names()[name]
+            theirs = hf_params[hf_name(hf_params, component, inside)]
+            assert theirs.grad is not None, name
+            assert (param.grad - theirs.grad).abs().max().item() <= 1e-10, f"{name}: gradients differ"
+            checked += 1
+    # Every parameter the unsplit model trains is one of the engine's (CLIP's unused last block and
+    # post-layernorm get no gradient there and are not layers of the engine).
+    trained = [n for n, p in hf_params.items() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert checked >= len(trained), (checked, len(trained))
+
+
+def test_every_rank_builds_the_same_random_init_without_weight_files(tmp_path):
+    directory = make_tiny_model(tmp_path / "m", "llama", "clip")
+    for f in os.listdir(directory):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(directory, f))
+    job = hf_job(directory)
+    specs = model_layer_specs(job)
+    a = [build_layer(job, i, specs).state_dict() for i in range(len(specs))]
+    b = [build_layer(job, i, specs).state_dict() for i in range(len(specs))]
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+    # transformers' own init: normal(0, initializer_range) weights, not torch's default uniform
+    block = a[[s.name for s in specs].index("llm.block0")]
+    assert abs(block["layer.mlp.up_proj.weight"].std().item() - 0.02) < 0.005
+
+
+def test_weights_come_from_the_safetensors_files(models):
+    from safetensors.torch import load_file
+
+    directory = models[("llama", "clip")]
+    job = hf_job(directory)
+    specs = model_layer_specs(job)
+    files = load_file(os.path.join(directory, "model.safetensors"))
+    for i, spec in enumerate(specs):
+        layer = build_layer(job, i, specs)
+        for name, (component, inside) in layer.hf_names().items():
+            key = hf_name(files, component, inside)
+            assert torch.equal(layer.state_dict()[name], files[key].double()), key
+
+
+def test_sharded_checkpoint_reads_each_tensor_from_its_shard(tmp_path, models):
+    sharded = make_tiny_model(tmp_path / "sharded", "llama", "clip", max_shard_size="100KB")
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    job, ref = hf_job(sharded), hf_job(models[("llama", "clip")])
+    specs = model_layer_specs(job)
+    for i in range(len(specs)):
+        mine, theirs = build_layer(job, i, specs).state_dict(), build_layer(ref, i, specs).state_dict()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel.*LlavaForConditionalGeneration.*Qwen2ForCausalLM"):
+        config_from_dict({"model": {"huggingface": str(tmp_path)}})
+
+
+def test_huggingface_and_builtin_sections_are_exclusive(models):
+    with pytest.raises(ConfigError, match=r"model\.llm: cannot be set together with model\.huggingface"):
+        config_from_dict({"model": {"huggingface": models[("llama", None)],
+                                    "llm": {"num_layers": 1, "hidden": 8, "num_heads": 1, "vocab_size": 16}}})
+
+
+def test_image_size_must_be_the_towers(models):
+    with pytest.raises(ConfigError, match=r"data\.image_size \(224\).*must both be 32"):
+        config_from_dict({"model": {"huggingface": models[("llama", "clip")]},
+                          "data": {"mean_images_per_sample": 1, "max_seq_len": 96}})
+
+
+def test_job_round_trips_through_to_dict(models):
+    job = hf_job(models[("qwen2", "siglip")])
+    assert config_from_dict(job.to_dict()).model == job.model
+    assert job.model.llm.num_layers == 4 and job.model.vision.num_layers == 2  # feature layer -2 of 3
+
+
+def test_truncated_shard_is_a_user_error_naming_the_file(tmp_path):
+    directory = make_tiny_model(tmp_path / "m", "llama", None)
+    path = os.path.join(directory, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) // 2)
+    job = hf_job(directory)
+    with pytest.raises(UserError, match=r"model\.safetensors: unreadable safetensors file"):
+        build_layer(job, 1)
+
+
+def test_missing_shard_is_a_user_error_naming_it(tmp_path):
+    directory = make_tiny_model(tmp_path / "m", "llama", None, max_shard_size="100KB")
+    shard = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(directory, shard))
+    job = hf_job(directory)
+    with pytest.raises(UserError, match=shard):
+        build_layer(job, 0)
+
+
+def test_tensor_of_the_wrong_shape_is_a_user_error_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = make_tiny_model(tmp_path / "m", "llama", None)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    job = hf_job(directory)
+    with pytest.raises(UserError, match=r"model\.layers\.0\.mlp\.up_proj\.weight' has shape \[3, 3\].*\[128, 64\]"):
+        build_layer(job, 1)
