@@ -81,6 +81,13 @@ def _add_control_plane_parsers(sub) -> None:
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
     agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
 
+    export = sub.add_parser("export", help="write a checkpoint as a HuggingFace model directory (from_pretrained)")
+    export.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint the engine wrote")
+    export.add_argument("--to", required=True, metavar="OUT", help="new directory to write")
+    export.add_argument("--dtype", default=None, choices=("float32", "float64", "bfloat16", "float16"),
+                        help="weights' dtype (default: the source model's weights' dtype)")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+
     local = sub.add_parser("local", help="master, N agents and their workers on this machine")
     local.add_argument("--config", required=True, help="job config YAML (see configs/)")
     local.add_argument("--nodes", "--nnodes", type=int, default=None, help="simulated nodes (default cluster.nodes)")
@@ -120,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_agent(args)
         if args.command == "local":
             return _cmd_local(args)
+        if args.command == "export":
+            return _cmd_export(args)
     except UserError as err:  # ConfigError, InfeasiblePlan, a bad flag or checkpoint: the user's to fix
         print(f"oobleck-launch: error: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -175,6 +184,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.format())
+    return ExitCode.OK
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from oobleck_mm.export import export_checkpoint
+
+    print(f"exporting {args.checkpoint} to {args.to}", file=sys.stderr, flush=True)
+    export_checkpoint(args.checkpoint, args.to, args.dtype, args.max_shard_size,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
     return ExitCode.OK
 
 

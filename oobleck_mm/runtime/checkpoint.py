@@ -23,7 +23,6 @@ import json
 import os
 import zipfile
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -71,7 +70,7 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
         "num_layers": len(specs),
         "layer_names": [s.name for s in specs],
         "layer_bytes": {s.name: _size(_layer_file(directory, s.name)) for s in specs},
-        "config": _jsonable(asdict(job)),
+        "config": job.to_dict(),  # config_from_dict reads it back (export does)
         "sampler": ({"epoch": sampler.epoch_of(step), "steps_per_epoch": sampler.steps_per_epoch}
                     if sampler is not None else None),
     }
@@ -162,13 +161,3 @@ def _load_shard(path: Path, device) -> dict:
     if not isinstance(payload, dict) or "params" not in payload:
         raise UserError(f"{path}: not a layer shard of this project (no 'params')")
     return payload
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return str(value)

@@ -1,0 +1,94 @@
+"""End to end with a real HuggingFace LLaVA: heterogeneous pipelines, a killed node, verify, export.
+
+A tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama) is saved with
+``save_pretrained``; ``oobleck-launch local`` trains it on 5 simulated nodes whose
+small "GPUs" give a 3-stage and a 2-stage pipeline, a node of the deeper one is
+killed mid-run, and the final parameters must equal the single-process reference
+(float64, 1e-9) with the balancer off and on. The trained run is then exported
+and loaded with ``from_pretrained``: its logits equal the engine's layers'.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+transformers = pytest.importorskip("transformers")
+
+from e2e_harness import ROOT, INTERVAL, TIMEOUT, Launch, assert_matches_reference, assert_replicas_identical  # noqa: E402
+from oobleck_mm.config import load_config  # noqa: E402
+from oobleck_mm.data.loader import TrainingData  # noqa: E402
+from oobleck_mm.data.sample import IMAGE  # noqa: E402
+from oobleck_mm.model.layers import build_layer, model_layer_specs  # noqa: E402
+from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
+from oobleck_mm.runtime.checkpoint import load_params  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+STEPS = 8
+
+
+def llava_config(tmp_path, balance: bool) -> str:
+    raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
+    raw["model"]["huggingface"] = make_tiny_model(tmp_path / "tiny_llava", "llama", "clip")
+    raw["training"].update(dtype="float64", steps=STEPS)
+    raw["fault_tolerance"].update(heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT)
+    raw["cluster"]["device_memory"] = "8MB"  # float64: pipelines of 3 + 2 nodes
+    raw["balance"]["enabled"] = balance
+    path = tmp_path / "llava.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("balance", [False, True], ids=["balancer-off", "balancer-on"])
+def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_path, balance):
+    config = llava_config(tmp_path, balance)
+    final = tmp_path / "final"
+    run = Launch(tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@step4")
+    launches.append(run)
+    code = run.wait(timeout=150)
+    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+    assert "generation 1: 2 pipelines (stages 3,2;" in run.stdout, run.stdout[:2000]
+    assert [e["node"] for e in run.events("lost")] == ["node1"]
+    assert_matches_reference(config, STEPS, final)
+    assert_replicas_identical(final)
+    verify = subprocess.run([sys.executable, "-m", "oobleck_mm.verify", "--config", config, "--steps", str(STEPS),
+                             "--against", str(final)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    if balance:
+        check_export(config, final, tmp_path / "exported")
+
+
+def check_export(config: str, final, out) -> None:
+    """The exported directory loads with from_pretrained; its logits are the trained layers'."""
+    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "export", "--checkpoint", str(final), "--to",
+                           str(out), "--dtype", "float64"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    job = load_config(config)
+    specs = model_layer_specs(job)
+    layers = []
+    for i, spec in enumerate(specs):
+        layer = build_layer(job, i, specs)
+        layer.load_state_dict(load_params(final, spec.name))
+        layers.append(layer)
+    data = TrainingData(job)
+    ids = data.global_batch(STEPS)
+    batch = data.microbatch(ids[:4])
+    with torch.no_grad():
+        acts = ()
+        for layer in layers:
+            acts = layer(acts, batch)
+        model = transformers.LlavaForConditionalGeneration.from_pretrained(out, attn_implementation="sdpa").eval()
+        assert model.dtype == torch.float64
+        for seg, (start, end) in enumerate(batch.spans()):
+            sample = data.dataset[ids[seg]]
+            tokens = []
+            for t in sample.tokens.tolist():
+                tokens += [model.config.image_token_id] * 16 if t == IMAGE else [t]
+            kwargs = {"pixel_values": torch.stack(list(sample.images)).double()} if len(sample.images) else {}
+            logits = model(input_ids=torch.tensor([tokens]), **kwargs).logits[0]
+            assert (logits - acts[0][start:end]).abs().max().item() <= 1e-10, f"sample {seg}"
