@@ -749,10 +749,15 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
             f"data.max_seq_len ({d.max_seq_len}) is below the mean LLM tokens per sample ({tokens.llm:g} = "
             f"{tokens.text:g} text + {tokens.vision_llm:g} image + {tokens.audio_llm:g} audio)"
         )
+    specs = layer_specs(m, d)
     try:
-        resolve_frozen(m.frozen, layer_specs(m, d))
+        frozen = resolve_frozen(m.frozen, specs)
     except ValueError as exc:
         raise ConfigError(f"model.frozen: {exc}") from None
+    if m.llm.tie_embeddings and ("llm.embed" in frozen) != ("llm.head" in frozen):
+        which = "llm.embed" if "llm.embed" in frozen else "llm.head"
+        raise ConfigError(f"model.frozen: freezes {which} but not its tied partner; the token embedding and the "
+                          "LM head are one matrix (tied embeddings): freeze both or neither")
 
 
 def _validate_hf_workload(hf: HFModelShape, d: DataConfig) -> None:

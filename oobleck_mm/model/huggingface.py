@@ -205,6 +205,10 @@ class TokenEmbed(HFLayer):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
         self.encoders = encoders
 
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        return self.embed_tokens.weight
+
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = self.embed_tokens(batch.tokens)
         if self.encoders and acts[0].shape[0]:
@@ -231,12 +235,20 @@ class DecoderBlock(HFLayer):
 
 
 class Head(HFLayer):
-    hf_parts = (("norm.", "text", "norm."), ("lm_head.", "head", ""))
-
     def __init__(self, shape: HFModelShape, cfg):
         super().__init__()
         self.norm = _hf_class(shape.text_type, "RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied checkpoints store the matrix once, as the embedding.
+        head = ("lm_head.weight", "text", "embed_tokens.weight") if shape.tie_word_embeddings else ("lm_head.", "head", "")
+        self.hf_parts = (("norm.", "text", "norm."), head)
+
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        return self.lm_head.weight
+
+    def tie_to(self, weight: nn.Parameter) -> None:
+        self.lm_head.weight = weight
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         return (self.lm_head(self.norm(acts[-1])),)

@@ -31,7 +31,6 @@ from torch import nn
 
 from oobleck_mm.config.shape import LayerSpec, layer_specs, resolve_frozen
 from oobleck_mm.data.packing import PackedBatch
-from oobleck_mm.errors import UserError
 from oobleck_mm.model.hf_weights import load_hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
 from oobleck_mm.precision import torch_dtype
@@ -176,6 +175,10 @@ class TokenEmbed(nn.Module):
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
         nn.init.normal_(self.embed.weight, std=0.02)
 
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        return self.embed.weight
+
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = self.embed(batch.tokens)
         for modality, feats in zip(self.encoders, acts, strict=True):
@@ -190,6 +193,13 @@ class LMHead(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(spec.hidden, bias=False)
         self.out = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        return self.out.weight
+
+    def tie_to(self, weight: nn.Parameter) -> None:
+        self.out.weight = weight
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         return (self.out(self.norm(acts[-1])),)
@@ -217,8 +227,6 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
     """Layer ``index`` of the job's model with its deterministic initial weights, in the job's dtype."""
     specs = specs if specs is not None else model_layer_specs(job)
     spec = specs[index]
-    if spec.kind == "lm_head" and spec.tied_embedding:
-        raise UserError("model.llm.tie_embeddings: tied embeddings are not run by the engine yet; set it to false")
     flash = job.training.flash_attention
     encoders = [m for m in ("vision", "audio") if getattr(job.model, m) is not None]
     # One generator per (seed, layer): any rank builds the same layer without talking to others.
@@ -242,9 +250,26 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
         else:
             raise ValueError(f"layer {spec.name!r}: unknown kind {spec.kind!r}")
     layer = layer.to(torch_dtype(job.training.dtype))
+    pair = tied_pair(specs)
+    if pair is not None and index == pair[1]:
+        # The head holds a copy of the token embedding (Megatron's pipeline-split tying): it starts
+        # as the embedding's value, the engine sums the two gradients each step (GradientSync),
+        # so both copies take the same updates and stay equal.
+        with torch.no_grad():
+            layer.tied_weight.copy_(build_layer(job, pair[0], specs).tied_weight)
+        layer.tied_copy = True  # its copy is the embedding's parameter: the gradient norm counts it once
     if spec.name in frozen_layers(job, specs):
         layer.requires_grad_(False)
     return layer
+
+
+def tied_pair(specs: Sequence[LayerSpec]) -> tuple[int, int] | None:
+    """(token embedding, LM head) layer indices when the head's matrix is the embedding's."""
+    heads = [i for i, s in enumerate(specs) if s.kind == "lm_head" and s.tied_embedding]
+    if not heads:
+        return None
+    embeds = [i for i, s in enumerate(specs) if s.kind == "token_embed"]
+    return embeds[0], heads[0]
 
 
 def frozen_layers(job, specs: Sequence[LayerSpec] | None = None) -> frozenset[str]:

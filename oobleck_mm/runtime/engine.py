@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
-from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, trainable_mask
+from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.runtime.grad_sync import GradientSync
 from oobleck_mm.planning.layout import ExecutionPlan
@@ -141,7 +141,7 @@ class StageEngine:
                 held[i] = fresh_layer(job, i, self.specs, self.device)
         self.layers = {i: held[i].module for i in self.stage.layers}
         self.optimizers = {i: held[i].optimizer for i in self.stage.layers if held[i].optimizer is not None}
-        self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout)
+        self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs))
         self._dispatch: dict[type, Callable] = {
             ds.LoadMicroBatch: self._load_microbatch,
             ds.RecvActivation: self._recv_activation,
@@ -275,7 +275,7 @@ class StageEngine:
         self._result.comm_s += time.perf_counter() - t0
 
     def _reduce_tied_grads(self, ins) -> None:
-        pass  # build_layer refuses tied embeddings, so no layer is tied across stages
+        pass  # done after the per-layer sums, in GradientSync.all_reduce (see its docstring)
 
     def _reduce_grads(self, ins) -> None:
         t0 = time.perf_counter()

@@ -11,6 +11,12 @@ the global number of loss tokens.
 
 Gradient-norm clipping counts each layer once: the first holder of a layer
 (its owner) contributes that layer's squared norm.
+
+Tied embeddings (the LM head's matrix is the token embedding's) follow
+Megatron's pipeline-split tying: the head holds a copy, and after the per-layer
+sums the embedding's owner and the head's owner contribute their sums to one
+all-reduce over every holder of either, whose result is both copies' gradient.
+Copies that start equal and take the same gradient and optimizer steps stay equal.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ def buckets(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> list[Bucket]:
 
 
 class GradientSync:
-    def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None):
+    def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
+                 tied: tuple[int, int] | None = None):
+        """``tied``: (token embedding, LM head) layer indices whose weights are one parameter."""
         self.rank = rank
         self.plan = plan
         self.buckets = buckets(plan, trainable)
@@ -58,6 +66,14 @@ class GradientSync:
                 if rank in b.holders:
                     self.groups[b.holders] = group
         self.owned = {layer for layer in range(plan.num_layers) if plan.holders(layer)[0] == rank}
+        self.tied = tied if tied is not None and trainable[tied[0]] and trainable[tied[1]] else None
+        self.tied_group = None
+        if self.tied is not None:
+            self.tied_holders = tuple(sorted(set(plan.holders(self.tied[0])) | set(plan.holders(self.tied[1]))))
+            if len(self.tied_holders) > 1:
+                group = dist.new_group(list(self.tied_holders), timeout=timeout)
+                if rank in self.tied_holders:
+                    self.tied_group = group
 
     def all_reduce(self, layers: Mapping[int, nn.Module], waiter: Waiter = Waiter()) -> int:
         """Sum every held layer's gradients over its holders; returns bytes reduced."""
@@ -79,7 +95,24 @@ class GradientSync:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             total += flat.numel() * flat.element_size()
-        return total
+        return total + self._reduce_tied(layers, waiter)
+
+    def _reduce_tied(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
+        """Both copies of a tied embedding get (embedding's gradient sum) + (head's gradient sum)."""
+        if self.tied is None or self.rank not in self.tied_holders:
+            return 0
+        embed, head = self.tied
+        mine = [layers[i].tied_weight for i in self.tied if i in layers]
+        total = torch.zeros_like(mine[0])
+        for i in self.tied:  # only the owners contribute: the other holders have the same sums
+            if i in layers and self.plan.holders(i)[0] == self.rank:
+                total += layers[i].tied_weight.grad
+        if self.tied_group is not None:
+            waiter.wait(dist.all_reduce(total, group=self.tied_group, async_op=True),
+                        f"tied-embedding all-reduce over ranks {self.tied_holders}")
+        for weight in mine:
+            weight.grad.copy_(total)
+        return total.numel() * total.element_size() if self.tied_group is not None else 0
 
     def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extra: torch.Tensor | None = None,
                        waiter: Waiter = Waiter()):

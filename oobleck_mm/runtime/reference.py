@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from oobleck_mm.data.loader import TrainingData
-from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs
+from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair
 from oobleck_mm.runtime.optim import build_layer_optimizer
 from oobleck_mm.runtime.update import apply_update, grad_sq, trainable_params
 
@@ -26,11 +26,16 @@ class ReferenceTrainer:
         self.specs = model_layer_specs(job)
         self.data = data if data is not None else TrainingData(job)
         self.layers = nn.ModuleList(build_layer(job, i, self.specs) for i in range(len(self.specs)))
-        self.optimizers = {
-            i: build_layer_optimizer(trainable_params(layer), job.training)
-            for i, layer in enumerate(self.layers)
-            if trainable_params(layer)
-        }
+        pair = tied_pair(self.specs)
+        if pair is not None:  # one parameter, as in the unsplit model: autograd sums both uses
+            self.layers[pair[1]].tie_to(self.layers[pair[0]].tied_weight)
+        seen: set[int] = set()
+        self.optimizers = {}
+        for i, layer in enumerate(self.layers):
+            params = [p for p in trainable_params(layer) if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            if params:
+                self.optimizers[i] = build_layer_optimizer(params, job.training)
 
     def train_step(self, step: int) -> float:
         """One iteration at 0-based global step ``step``; returns the global batch's mean token loss."""

@@ -33,10 +33,12 @@ def fill_missing_grads(layer: nn.Module) -> None:
 
 
 def grad_sq(layer: nn.Module) -> torch.Tensor:
-    """Sum of squared gradients of one layer (float64 scalar)."""
+    """Sum of squared gradients of one layer (float64 scalar); a tied LM head's copy of the
+    embedding is the embedding's parameter, counted with it."""
     total = torch.zeros((), dtype=torch.float64)
+    skip = layer.tied_weight if getattr(layer, "tied_copy", False) else None
     for p in trainable_params(layer):
-        if p.grad is not None:
+        if p.grad is not None and p is not skip:
             total += p.grad.detach().double().pow(2).sum()
     return total
 
@@ -52,12 +54,15 @@ def apply_update(
     norm = math.sqrt(total_grad_sq)
     coef = clip_coefficient(norm, training.gradient_clipping)
     lr = lr_at(training, step)
+    clipped: set[int] = set()  # the reference trainer's tied embedding is one parameter in two layers
     for index in sorted(optimizers):
         layer = layers[index]
         fill_missing_grads(layer)
         if coef < 1.0:
             for p in trainable_params(layer):
-                p.grad.mul_(coef)
+                if id(p) not in clipped:
+                    clipped.add(id(p))
+                    p.grad.mul_(coef)
         set_lr(optimizers[index], lr)
         optimizers[index].step()
         optimizers[index].zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """End to end with a real HuggingFace LLaVA: heterogeneous pipelines, a killed node, verify, export.
 
-A tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama) is saved with
+A tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama; SigLIP + Qwen2 with tied embeddings) is saved with
 ``save_pretrained``; ``oobleck-launch local`` trains it on 5 simulated nodes whose
 small "GPUs" give a 3-stage and a 2-stage pipeline, a node of the deeper one is
 killed mid-run, and the final parameters must equal the single-process reference
@@ -31,9 +31,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 8
 
 
-def llava_config(tmp_path, balance: bool) -> str:
+def llava_config(tmp_path, balance: bool, text: str, vision: str, tie: bool) -> str:
     raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
-    raw["model"]["huggingface"] = make_tiny_model(tmp_path / "tiny_llava", "llama", "clip")
+    raw["model"]["huggingface"] = make_tiny_model(tmp_path / "tiny_llava", text, vision, tie=tie)
     raw["training"].update(dtype="float64", steps=STEPS)
     raw["fault_tolerance"].update(heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT)
     raw["cluster"]["device_memory"] = "8MB"  # float64: pipelines of 3 + 2 nodes
@@ -43,9 +43,10 @@ def llava_config(tmp_path, balance: bool) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["balancer-off", "balancer-on"])
-def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_path, balance):
-    config = llava_config(tmp_path, balance)
+@pytest.mark.parametrize("balance,text,vision,tie", [(False, "llama", "clip", False), (True, "qwen2", "siglip", True)],
+                         ids=["clip-llama", "siglip-qwen2-tied-balancer"])
+def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_path, balance, text, vision, tie):
+    config = llava_config(tmp_path, balance, text, vision, tie)
     final = tmp_path / "final"
     run = Launch(tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@step4")
     launches.append(run)
@@ -59,6 +60,9 @@ def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_
     verify = subprocess.run([sys.executable, "-m", "oobleck_mm.verify", "--config", config, "--steps", str(STEPS),
                              "--against", str(final)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    if tie:  # the head's copy of the embedding took every update the embedding took, recovery included
+        assert torch.equal(load_params(final, "llm.embed")["embed_tokens.weight"],
+                           load_params(final, "llm.head")["lm_head.weight"])
     if balance:
         check_export(config, final, tmp_path / "exported")
 

@@ -26,8 +26,8 @@ from oobleck_mm.model.hf_weights import hf_name  # noqa: E402
 from oobleck_mm.model.layers import build_layer, model_layer_specs  # noqa: E402
 from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
 
-CASES = [("llama", "clip"), ("qwen2", "siglip"), ("mistral", "clip"), ("llama", None), ("qwen2", None),
-         ("mistral", None)]  # fmt: skip
+CASES = [("llama", "clip", False), ("qwen2", "siglip", False), ("mistral", "clip", False), ("llama", None, False),
+         ("qwen2", None, False), ("mistral", None, False), ("qwen2", None, True), ("llama", "siglip", True)]  # fmt: skip
 
 
 def hf_job(directory, **training):
@@ -43,7 +43,8 @@ def hf_job(directory, **training):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {case: make_tiny_model(root / f"{case[0]}-{case[1]}", text=case[0], vision=case[1]) for case in CASES}
+    return {case: make_tiny_model(root / "-".join(map(str, case)), text=case[0], vision=case[1], tie=case[2])
+            for case in CASES}
 
 
 def unsplit(directory):
@@ -60,7 +61,7 @@ def sample_inputs(sample, image_token_id, tokens_per_image):
     return torch.tensor([ids]), pixels
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1] or 'text'}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1] or 'text'}{'-tied' if c[2] else ''}")
 def test_split_model_equals_unsplit_transformers_model(models, case):
     directory = models[case]
     job = hf_job(directory)
@@ -91,18 +92,22 @@ def test_split_model_equals_unsplit_transformers_model(models, case):
     assert abs(loss.item() - hf_loss) <= 1e-10
 
     hf_params = dict(hf.named_parameters())
-    checked = 0
+    mine: dict[str, torch.Tensor] = {}  # a tied embedding's gradient is its two uses' sum
     for layer in layers:
         for name, param in layer.named_parameters():
-            component, inside = layer.hf_names()[name]
-            theirs = hf_params[hf_name(hf_params, component, inside)]
-            assert theirs.grad is not None, name
-            assert (param.grad - theirs.grad).abs().max().item() <= 1e-10, f"{name}: gradients differ"
-            checked += 1
+            key = hf_name(hf_params, *layer.hf_names()[name])
+            mine[key] = mine[key] + param.grad if key in mine else param.grad
+    for key, grad in mine.items():
+        assert hf_params[key].grad is not None, key
+        assert (grad - hf_params[key].grad).abs().max().item() <= 1e-10, f"{key}: gradients differ"
     # Every parameter the unsplit model trains is one of the engine's (CLIP's unused last block and
     # post-layernorm get no gradient there and are not layers of the engine).
-    trained = [n for n, p in hf_params.items() if p.grad is not None and p.grad.abs().sum() > 0]
-    assert checked >= len(trained), (checked, len(trained))
+    trained = {n for n, p in hf_params.items() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert trained <= set(mine), trained - set(mine)
+    if case[2]:
+        specs_by_name = {s.name: i for i, s in enumerate(specs)}
+        embed, head = layers[specs_by_name["llm.embed"]], layers[specs_by_name["llm.head"]]
+        assert torch.equal(embed.tied_weight, head.tied_weight)  # the copy starts as the embedding
 
 
 def test_every_rank_builds_the_same_random_init_without_weight_files(tmp_path):
@@ -123,7 +128,7 @@ def test_every_rank_builds_the_same_random_init_without_weight_files(tmp_path):
 def test_weights_come_from_the_safetensors_files(models):
     from safetensors.torch import load_file
 
-    directory = models[("llama", "clip")]
+    directory = models[("llama", "clip", False)]
     job = hf_job(directory)
     specs = model_layer_specs(job)
     files = load_file(os.path.join(directory, "model.safetensors"))
@@ -137,7 +142,7 @@ def test_weights_come_from_the_safetensors_files(models):
 def test_sharded_checkpoint_reads_each_tensor_from_its_shard(tmp_path, models):
     sharded = make_tiny_model(tmp_path / "sharded", "llama", "clip", max_shard_size="100KB")
     assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
-    job, ref = hf_job(sharded), hf_job(models[("llama", "clip")])
+    job, ref = hf_job(sharded), hf_job(models[("llama", "clip", False)])
     specs = model_layer_specs(job)
     for i in range(len(specs)):
         mine, theirs = build_layer(job, i, specs).state_dict(), build_layer(ref, i, specs).state_dict()
@@ -155,18 +160,18 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
 
 def test_huggingface_and_builtin_sections_are_exclusive(models):
     with pytest.raises(ConfigError, match=r"model\.llm: cannot be set together with model\.huggingface"):
-        config_from_dict({"model": {"huggingface": models[("llama", None)],
+        config_from_dict({"model": {"huggingface": models[("llama", None, False)],
                                     "llm": {"num_layers": 1, "hidden": 8, "num_heads": 1, "vocab_size": 16}}})
 
 
 def test_image_size_must_be_the_towers(models):
     with pytest.raises(ConfigError, match=r"data\.image_size \(224\).*must both be 32"):
-        config_from_dict({"model": {"huggingface": models[("llama", "clip")]},
+        config_from_dict({"model": {"huggingface": models[("llama", "clip", False)]},
                           "data": {"mean_images_per_sample": 1, "max_seq_len": 96}})
 
 
 def test_job_round_trips_through_to_dict(models):
-    job = hf_job(models[("qwen2", "siglip")])
+    job = hf_job(models[("qwen2", "siglip", False)])
     assert config_from_dict(job.to_dict()).model == job.model
     assert job.model.llm.num_layers == 4 and job.model.vision.num_layers == 2  # feature layer -2 of 3
 
@@ -200,3 +205,47 @@ def test_tensor_of_the_wrong_shape_is_a_user_error_naming_it(tmp_path):
     job = hf_job(directory)
     with pytest.raises(UserError, match=r"model\.layers\.0\.mlp\.up_proj\.weight' has shape \[3, 3\].*\[128, 64\]"):
         build_layer(job, 1)
+
+
+# --------------------------------------------------------------------------- a real-size config
+
+
+def test_a_config_only_llava_7b_plans_with_the_real_models_sizes():
+    """configs/llava_1.5_7b.yaml: config.json only (no weights); the planner's parameter count is the
+    transformers model's (built on the meta device: no memory) less the tower's unused last block."""
+    from oobleck_mm.config import load_config
+    from oobleck_mm.config.shape import model_param_count
+    from oobleck_mm.planning.planner import plan_job
+    from oobleck_mm.profiling.load import load_profile
+
+    job = load_config("configs/llava_1.5_7b.yaml")
+    specs = model_layer_specs(job)
+    config = transformers.AutoConfig.from_pretrained("configs/hf/llava-1.5-7b")
+    with torch.device("meta"):
+        model = transformers.LlavaForConditionalGeneration(config)
+    unused = sum(p.numel() for n, p in model.named_parameters()
+                 if ".encoder.layers.23." in n or "post_layernorm" in n)  # fmt: skip
+    real = sum(p.numel() for p in model.parameters()) - unused
+    assert 7.0e9 < real < 7.1e9
+    assert abs(model_param_count(specs) - real) / real < 0.001  # biases of CLIP: the planner omits them
+    result = plan_job(job, load_profile(job), [f"node{i}" for i in range(8)])
+    assert len(result.plan.pipelines) >= 2
+
+
+def test_freezing_one_half_of_a_tied_embedding_is_refused(models):
+    with pytest.raises(ConfigError, match=r"model\.frozen: freezes llm\.head but not its tied partner"):
+        config_from_dict({"model": {"huggingface": models[("qwen2", None, True)], "frozen": ["llm.head"]},
+                          "data": {"mean_text_tokens": 16, "max_seq_len": 96}})
+
+
+def test_frozen_modules_of_an_hf_model(models):
+    job = config_from_dict({"model": {"huggingface": models[("llama", "clip", False)], "frozen": ["vision"]},
+                            "data": {"mean_text_tokens": 16, "max_seq_len": 96, "mean_images_per_sample": 1,
+                                     "image_size": 32}})
+    specs = model_layer_specs(job)
+    trainable = {s.name: any(p.requires_grad for p in build_layer(job, i, specs).parameters())
+                 for i, s in enumerate(specs)}
+    assert trainable == {"vision.embed": False, "vision.block0": False, "vision.block1": False,
+                         "vision.projector0": True, "vision.projector1": True, "llm.embed": True,
+                         "llm.block0": True, "llm.block1": True, "llm.block2": True, "llm.block3": True,
+                         "llm.head": True}  # fmt: skip
