@@ -9,6 +9,10 @@ by the global number of loss tokens, the same clipping and AdamW settings):
 - ``ddp``: the whole model under torch ``DistributedDataParallel`` (gloo); rank
   p runs the microbatches the engine's pipeline p runs, ``no_sync`` for all but
   the last, then global-norm clipping and one AdamW over the whole model;
+- ``hf_ddp``: a ``model.huggingface`` job's model as plain ``transformers`` runs it
+  (``from_pretrained``, SDPA attention) under ``DistributedDataParallel``: each
+  microbatch's samples right-padded into one batch with an attention mask, image
+  placeholders expanded to the tower's image tokens, the same loss normalisation;
 - ``deepspeed``: DeepSpeed's own ``PipelineEngine`` over a ``PipelineModule`` of
   the same layers, for fixed-shape data only (it caches activation shapes after
   the first microbatch). Stages exchange ``(tokens, *hidden states)`` tuples;
@@ -50,7 +54,7 @@ from oobleck_mm.runtime.optim import lr_at, set_lr
 from oobleck_mm.runtime.group import join_generation
 from oobleck_mm.runtime.worker import free_port
 
-SYSTEMS = ("engine", "ddp", "deepspeed")
+SYSTEMS = ("engine", "ddp", "deepspeed", "hf_ddp")
 TURN_TIMEOUT_S = 600.0
 """Longest wait for the other systems' step (a step takes seconds; a dead worker is caught by the parent)."""
 
@@ -422,4 +426,63 @@ class DeepSpeedTrainer:
         return loss
 
 
-TRAINERS = {"engine": EngineTrainer, "ddp": DDPTrainer, "deepspeed": DeepSpeedTrainer}
+# --------------------------------------------------------------------------- plain transformers under DDP
+
+
+class HFModel(nn.Module):
+    """The unsplit transformers model on a right-padded microbatch: ``PackedBatch -> packed logits``.
+
+    The logits of each sample's real positions are concatenated in the packed order, so the
+    engine's ``microbatch_loss`` (and its labels) apply unchanged."""
+
+    def __init__(self, job):
+        super().__init__()
+        import transformers
+
+        from oobleck_mm.data.sample import IMAGE
+
+        hf = job.model.hf
+        auto = transformers.AutoModelForImageTextToText if hf.is_multimodal else transformers.AutoModelForCausalLM
+        self.model = auto.from_pretrained(job.model.huggingface, attn_implementation="sdpa", dtype=torch.float32)
+        self.image_token, self.image = hf.image_token_id, IMAGE
+        if hf.is_multimodal:
+            self.side, self.patch, self.channels = hf.vision["image_size"], hf.vision["patch_size"], hf.vision["num_channels"]
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        # The packed microbatch already holds each sample's sequence with its image slots expanded.
+        rows = [batch.tokens[s:e] for s, e in batch.spans()]
+        width = max(len(r) for r in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for k, r in enumerate(rows):
+            input_ids[k, : len(r)] = torch.where(r == self.image, self.image_token, r)
+            mask[k, : len(r)] = 1
+        kwargs = {}
+        if batch.vision is not None and batch.vision.features.shape[0]:
+            n, p, c = self.side // self.patch, self.patch, self.channels
+            feats = batch.vision.features
+            kwargs["pixel_values"] = (feats.reshape(-1, n, n, c, p, p).permute(0, 3, 1, 4, 2, 5)
+                                      .reshape(-1, c, self.side, self.side))  # fmt: skip
+        logits = self.model(input_ids=input_ids, attention_mask=mask, **kwargs).logits
+        return torch.cat([logits[k, : len(r)] for k, r in enumerate(rows)])
+
+
+class HFDDPTrainer(DDPTrainer):
+    def __init__(self, spec: RunSpec, rank: int, port: int):
+        from torch.nn.parallel import DistributedDataParallel
+
+        if spec.job.model.huggingface is None:
+            raise ValueError("hf_ddp runs model.huggingface jobs")
+        _join(spec.job, rank, port, spec.plan.world_size)
+        self.job, self.plan, self.rank = spec.job, spec.plan, rank
+        self.data = TrainingData(spec.job)
+        model = HFModel(spec.job)
+        self.model = DistributedDataParallel(model, find_unused_parameters=True)
+        hp = spec.job.training.optimizer.params
+        # The parameters the engine trains (CLIP's unused tail gets no gradient and AdamW skips it).
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
+                                           weight_decay=hp.weight_decay)
+        self.breakdown: dict[str, float] = {}
+
+
+TRAINERS = {"engine": EngineTrainer, "ddp": DDPTrainer, "deepspeed": DeepSpeedTrainer, "hf_ddp": HFDDPTrainer}

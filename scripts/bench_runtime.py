@@ -2,13 +2,16 @@
 """Runtime benchmark (issue 3): the engine against DDP and against DeepSpeed's PipelineEngine.
 
     python scripts/bench_runtime.py [--json OUT] [--steps N] [--warmup N] [--rounds N]
-                                    [--cases ab] [--config FILE]
+                                    [--cases abc] [--config FILE]
 
 Same model, same global batch, 4 processes per system on this machine, one torch
 thread each:
 
   (a) the engine as 4 pipelines x 1 stage   vs torch DistributedDataParallel (gloo),
       on the skewed synthetic data (0..2 images of varying size, lognormal text);
+  (c) a small HuggingFace LLaVA (CLIP + Llama, made with transformers and save_pretrained):
+      the engine as 4 pipelines x 1 stage vs the plain transformers model under DDP (gloo),
+      each microbatch right-padded with an attention mask, on the same skewed samples;
   (b) the engine as 1 pipeline x 4 stages   vs DeepSpeed's PipelineEngine (gloo, CPU accelerator),
       on fixed-shape data (one image of one size, one text length per sample), because
       DeepSpeed caches activation shapes after the first microbatch. Both cut the
@@ -26,7 +29,7 @@ proves the same weights and batch, close afterwards the same update.
 
 Without ``--config`` the model is configs/tiny_mm.yaml scaled up by BENCH_OVERRIDES
 (the tiny model is all overhead); ``--config FILE`` uses that job file as it is.
-Target: engine/peer >= 0.9 in both cases. Exit status 1 if the losses disagree.
+Target: engine/peer >= 0.9 in every case. Exit status 1 if the losses disagree.
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ BENCH_OVERRIDES = {
              "mean_text_tokens": 32, "max_seq_len": 256},
     "training": {"global_batch": 32, "microbatch_size": 2, "dtype": "float32"},
 }
+HF_TEXT = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4,
+           "num_key_value_heads": 4}
+HF_VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "image_size": 48, "patch_size": 8}
+"""Case (c)'s LLaVA: the size of case (a)'s model (the CLIP tower runs 2 of its 3 blocks)."""
+
+
+def hf_job_dict(raw: dict, directory: str) -> dict:
+    """Case (a)'s data and training on a HuggingFace LLaVA saved in ``directory``."""
+    data = {**raw["data"], "min_image_size": HF_VISION["image_size"], "image_size": HF_VISION["image_size"]}
+    return {**{k: v for k, v in raw.items() if k != "model"}, "model": {"huggingface": directory}, "data": data}
 
 
 # --------------------------------------------------------------------------- jobs and plans
@@ -228,7 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs per case, fresh processes each, turn order flipped each round (default 2)")
-    ap.add_argument("--cases", default="ab", help="which cases to run: a, b or ab (default ab)")
+    ap.add_argument("--cases", default="abc", help="which cases to run: letters of abc (default abc)")
     ap.add_argument("--config", help="job YAML used as is (default: configs/tiny_mm.yaml + BENCH_OVERRIDES)")
     args = ap.parse_args(argv)
     for name in ("steps", "rounds"):
@@ -236,8 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name} must be >= 1")
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (step 0 is the loss check and pays one-off costs)")
-    if not args.cases or set(args.cases) - {"a", "b"}:
-        ap.error(f"--cases must be a, b or ab, got {args.cases!r}")
+    if not args.cases or set(args.cases) - {"a", "b", "c"}:
+        ap.error(f"--cases must be letters of abc, got {args.cases!r}")
     return args
 
 
@@ -270,12 +284,20 @@ def main(argv: list[str] | None = None) -> int:
           "thread", flush=True)
 
     steps = {"warmup": args.warmup, "timed": args.steps}
-    selected = [c for c in (("a", "(a) 4 pipelines x 1 stage", job, plan_a, "ddp"),
-                            ("b", "(b) 1 pipeline x 4 stages", fixed_job, plan_b, "deepspeed")) if c[0] in args.cases]
     cases = []
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
         work = Path(tmp)
+        selected = [c for c in (("a", "(a) 4 pipelines x 1 stage", job, plan_a, "ddp"),
+                                ("b", "(b) 1 pipeline x 4 stages", fixed_job, plan_b, "deepspeed")) if c[0] in args.cases]
+        if "c" in args.cases:
+            from oobleck_mm.model.tiny_hf import make_tiny_model
+
+            directory = make_tiny_model(work / "llava", "llama", "clip", text_sizes=HF_TEXT, vision_sizes=HF_VISION)
+            hf_job = config_from_dict(hf_job_dict(raw, directory))
+            hf_plan, _ = plans(hf_job)
+            print(f"(c) HuggingFace LLaVA: {len(model_layer_specs(hf_job))} layers, {hf_plan.describe()}", flush=True)
+            selected.append(("c", "(c) HF LLaVA 4 x 1 stage", hf_job, hf_plan, "hf_ddp"))
         for key, name, case_job, plan, peer in selected:
             cases.append(run_case(key, name, RunSpec("engine", case_job, plan, **steps),
                                   RunSpec(peer, case_job, plan, **steps), args.rounds, work))

@@ -16,12 +16,13 @@ TEXT_KINDS = ("llama", "mistral", "qwen2")
 VISION_KINDS = ("clip", "siglip")
 
 
-def tiny_text_config(kind: str, tie: bool = False, vocab_size: int = 320):
+def tiny_text_config(kind: str, tie: bool = False, vocab_size: int = 320, **sizes):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab_size, tie_word_embeddings=tie,
                   max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    common.update(sizes)
     if kind == "llama":
         return LlamaConfig(**common)
     if kind == "mistral":
@@ -31,11 +32,12 @@ def tiny_text_config(kind: str, tie: bool = False, vocab_size: int = 320):
     raise ValueError(f"text model {kind!r}: choose one of {', '.join(TEXT_KINDS)}")
 
 
-def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8):
+def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8, **sizes):
     from transformers import CLIPVisionConfig, SiglipVisionConfig
 
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                   image_size=image_size, patch_size=patch_size)  # fmt: skip
+    common.update(sizes)
     if kind == "clip":
         return CLIPVisionConfig(**common)
     if kind == "siglip":
@@ -44,18 +46,22 @@ def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8):
 
 
 def make_tiny_model(out: str | os.PathLike, text: str = "llama", vision: str | None = "clip", tie: bool = False,
-                    seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> str:
-    """Writes a random LLaVA (``vision`` set) or text-only causal LM to ``out``; returns ``out``."""
+                    seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                    text_sizes: dict | None = None, vision_sizes: dict | None = None) -> str:
+    """Writes a random LLaVA (``vision`` set) or text-only causal LM to ``out``; returns ``out``.
+
+    ``text_sizes`` / ``vision_sizes`` override the tiny defaults (``hidden_size``, ``num_hidden_layers``,
+    ``image_size`` ...): the benchmarks make larger ones."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    text_cfg = tiny_text_config(text, tie)
+    text_cfg = tiny_text_config(text, tie, **(text_sizes or {}))
     if vision is None:
         cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[text]
         model = cls(text_cfg)
     else:
-        cfg = LlavaConfig(vision_config=tiny_vision_config(vision), text_config=text_cfg,
+        cfg = LlavaConfig(vision_config=tiny_vision_config(vision, **(vision_sizes or {})), text_config=text_cfg,
                           image_token_id=text_cfg.vocab_size - 1, tie_word_embeddings=tie,
                           vision_feature_select_strategy="default" if vision == "clip" else "full")  # fmt: skip
         model = LlavaForConditionalGeneration(cfg)
