@@ -5,7 +5,8 @@
     python examples/make_tiny_llava.py OUT --vision siglip --text qwen2       # LLaVA: SigLIP + Qwen2
     python examples/make_tiny_llava.py OUT --vision none --text mistral       # text-only Mistral
 
-The directory is what ``save_pretrained`` writes (config.json, model.safetensors),
+The directory is what ``save_pretrained`` writes (config.json, model.safetensors,
+a small BPE tokenizer with Vicuna's chat template, the tower's image processor),
 the same layout as a pretrained model on disk; ``configs/llava_tiny.yaml`` trains
 the first one. Pass ``--shard 100KB`` for a sharded checkpoint with an index.
 """

@@ -237,6 +237,9 @@ class DataConfig:
     """Mel frames per second of audio (10 ms hop)."""
     max_seq_len: int = 2048
     """Longest LLM sequence (text + projected image/audio tokens) a sample may have."""
+    loss_on: str = "assistant"
+    """``llava_json``: which text the loss covers: ``assistant`` (the answers, LLaVA's recipe) or
+    ``all`` (every text token). Synthetic samples are trained on all their text."""
 
     def __post_init__(self) -> None:
         check(self, "kind", as_choice, ("synthetic", "llava_json"))
@@ -271,6 +274,7 @@ class DataConfig:
         check(self, "mean_audio_seconds", as_float, minimum=0.0)
         check(self, "audio_frames_per_second", as_float, positive=True)
         check(self, "max_seq_len", as_int, minimum=1)
+        check(self, "loss_on", as_choice, ("assistant", "all"))
 
     def _check_image_dir(self) -> None:
         # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.

@@ -44,6 +44,11 @@ class ModelInputs:
     audio_downsample: int = 1
     """Clip frames are multiples of ``audio_downsample * audio_merge`` (whole LLM tokens)."""
     audio_merge: int = 1
+    huggingface: str | None = None
+    """The model's HuggingFace directory: ``llava_json`` uses its tokenizer and image processor."""
+    image_token_id: int | None = None
+    image_side: int = 0
+    """A HuggingFace tower's fixed square image side."""
 
     @classmethod
     def from_model(cls, model: ModelConfig) -> ModelInputs:
@@ -57,6 +62,10 @@ class ModelInputs:
             a = model.audio
             kwargs.update(has_audio=True, mel_bins=a.mel_bins, audio_downsample=a.downsample,
                           audio_merge=a.token_merge)  # fmt: skip
+        if model.huggingface is not None:
+            hf = model.hf
+            kwargs.update(huggingface=model.huggingface, image_token_id=hf.image_token_id,
+                          image_side=hf.vision["image_size"] if hf.vision else 0)  # fmt: skip
         return cls(**kwargs)
 
     @property

@@ -8,7 +8,11 @@ The file is a list of records::
 
 The text is every turn as ``"<from>: <value>\\n"``, concatenated; each ``<image>``
 marker becomes an ``IMAGE`` placeholder, and the markers must match the images
-in number. Image paths are relative to ``data.image_dir`` (itself relative to
+in number. With ``data.loss_on: assistant`` (the default) the loss covers the
+assistant's turns only (``from`` is ``gpt`` or ``assistant``: their value and
+newline, and the final EOS after an assistant turn); ``all`` trains on every
+text token. A model from ``model.huggingface`` reads the same files with its
+own tokenizer and image processor (``oobleck_mm.data.hf_llava``). Image paths are relative to ``data.image_dir`` (itself relative to
 the JSON's folder; default: that folder).
 
 All metadata is computed at construction from the JSON and the image *headers*
@@ -39,6 +43,10 @@ MARKER = "<image>"
 _PIL_MODES = {1: "L", 3: "RGB"}
 
 
+ASSISTANT_ROLES = ("gpt", "assistant")
+"""``from`` values of the turns ``data.loss_on: assistant`` trains on."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Record:
     sample_id: str
@@ -46,6 +54,9 @@ class _Record:
     """Text around the image markers: one more than there are images."""
     image_paths: tuple[str, ...]
     meta: SampleMeta
+    targets: tuple[np.ndarray, ...] | None = None
+    """Per text piece, per byte (= token): is it a loss target; None: all are."""
+    eos_target: bool = True
 
 
 class LlavaJsonDataset:
@@ -78,7 +89,17 @@ class LlavaJsonDataset:
             except (OSError, UnidentifiedImageError) as exc:  # a header that read fine, a body that does not
                 raise UserError(f"{self.data.path}: sample {record.sample_id!r}: cannot decode image "
                                 f"{path!r}: {exc}") from None  # fmt: skip
-        return Sample(meta=record.meta, tokens=self._tokens(record), images=images)
+        tokens = self._tokens(record)
+        targets = None
+        if record.targets is not None:
+            parts = [np.zeros(1, dtype=bool)]  # BOS
+            for i, mask in enumerate(record.targets):
+                if i:
+                    parts.append(np.zeros(1, dtype=bool))  # the image placeholder
+                parts.append(mask)
+            parts.append(np.array([record.eos_target]))
+            targets = torch.from_numpy(np.concatenate(parts))
+        return Sample(meta=record.meta, tokens=tokens, images=images, targets=targets)
 
     # ------------------------------------------------------------------ construction
 
@@ -87,7 +108,10 @@ class LlavaJsonDataset:
             raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
         sample_id = str(entry.get("id", f"#{position}"))
         where = f"{self.data.path}: sample {sample_id!r}"
-        texts = tuple(_conversation_text(entry.get("conversations"), where).split(MARKER))
+        turns = conversation_turns(entry.get("conversations"), where)
+        text, mask = _conversation_bytes(turns)
+        pieces = text.split(MARKER.encode())
+        texts = tuple(p.decode("utf-8") for p in pieces)
         paths = _image_paths(entry.get("image"), where)
         if len(texts) - 1 != len(paths):
             raise UserError(f"{where} has {len(texts) - 1} '{MARKER}' markers but {len(paths)} images")
@@ -104,8 +128,21 @@ class LlavaJsonDataset:
                 f"data.image_size ({self.data.image_size})"
             )
         text = min(budget, sum(num_tokens(t) for t in texts))
-        meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes)
-        return _Record(sample_id=sample_id, texts=texts, image_paths=paths, meta=meta)
+        if self.data.loss_on == "all":
+            meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes)
+            return _Record(sample_id=sample_id, texts=texts, image_paths=paths, meta=meta)
+        targets, start, left = [], 0, text
+        for piece in pieces:  # the byte mask cut like the text: each piece, then what fits of it
+            targets.append(mask[start : start + len(piece)][: max(0, left)])
+            left -= len(targets[-1])
+            start += len(piece) + len(MARKER)
+        # The EOS ends the answer only when nothing was cut off before it.
+        eos = turns[-1][0] in ASSISTANT_ROLES and text == sum(len(p) for p in pieces)
+        # A sample whose answer is cut off entirely trains on nothing (as LLaVA's own training masks it).
+        count = int(sum(t.sum() for t in targets)) + int(eos)
+        meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes, target_tokens=count)
+        return _Record(sample_id=sample_id, texts=texts, image_paths=paths, meta=meta, targets=tuple(targets),
+                       eos_target=eos)
 
     def _image_size(self, path: str, where: str) -> tuple[int, int]:
         """(height, width) after preprocessing, from the file header only."""
@@ -156,15 +193,27 @@ def _load_json(path: str) -> list:
     return entries
 
 
-def _conversation_text(conversations, where: str) -> str:
+def conversation_turns(conversations, where: str) -> list[tuple[str, str]]:
+    """``(from, value)`` of each turn, checked."""
     if not isinstance(conversations, list) or not conversations:
         raise UserError(f"{where}: 'conversations' must be a non-empty list of turns")
-    lines = []
+    turns = []
     for i, turn in enumerate(conversations):
         if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
             raise UserError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value'")
-        lines.append(f"{turn['from']}: {turn['value']}\n")
-    return "".join(lines)
+        turns.append((turn["from"], turn["value"]))
+    return turns
+
+
+def _conversation_bytes(turns: list[tuple[str, str]]) -> tuple[bytes, np.ndarray]:
+    """The byte-level text (``"<from>: <value>\\n"`` per turn) and, per byte, whether it is an
+    assistant's value or closing newline."""
+    text, mask = [], []
+    for role, value in turns:
+        head, body = f"{role}: ".encode(), f"{value}\n".encode()
+        text += [head, body]
+        mask += [np.zeros(len(head), dtype=bool), np.full(len(body), role in ASSISTANT_ROLES)]
+    return b"".join(text), np.concatenate(mask)
 
 
 def _image_paths(image, where: str) -> tuple[str, ...]:

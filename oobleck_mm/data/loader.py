@@ -27,6 +27,10 @@ def build_dataset(job) -> Dataset:
     if job.data.kind == "synthetic":
         return SyntheticDataset(job.data, inputs)
     if job.data.kind == "llava_json":
+        if job.model.huggingface is not None:  # the model's own tokenizer and image processor
+            from oobleck_mm.data.hf_llava import HFLlavaJsonDataset
+
+            return HFLlavaJsonDataset(job.data, inputs)
         return LlavaJsonDataset(job.data, inputs)
     raise UserError(f"data.kind: must be 'synthetic' or 'llava_json', got {job.data.kind!r}")
 

@@ -184,25 +184,24 @@ def pack(samples: Sequence[Sample], spec: PackingSpec, dtype: torch.dtype = torc
     for seg, sample in enumerate(samples):
         images, clips = iter(sample.images), iter(sample.audio)
         seq: list[torch.Tensor] = []
-        is_text: list[torch.Tensor] = []
-        for piece in _split_at_media(sample.tokens):
+        is_target: list[torch.Tensor] = []
+        for piece, media, targets in _split_at_media(sample, spec):
             pos = offset + sum(len(s) for s in seq)
-            if piece.numel() == 1 and int(piece) in (IMAGE, AUDIO) and _is_media(piece, spec):
-                if int(piece) == IMAGE:
-                    feats, grid = patchify(next(images), spec.patch_size)
-                    n = vision.add(feats, grid, pos, spec.image_merge)
-                else:
+            if media:
+                if int(piece) == AUDIO and sample.media is None:
                     feats, grid = fold_frames(next(clips), spec.audio_downsample)
                     n = audio.add(feats, grid, pos, spec.audio_merge)
+                else:
+                    feats, grid = patchify(next(images), spec.patch_size)
+                    n = vision.add(feats, grid, pos, spec.image_merge)
                 seq.append(torch.full((n,), int(piece), dtype=torch.long))
-                is_text.append(torch.zeros(n, dtype=torch.bool))
+                is_target.append(torch.zeros(n, dtype=torch.bool))
             else:
                 seq.append(piece)
-                is_text.append(torch.ones(len(piece), dtype=torch.bool))
-        toks, text = torch.cat(seq), torch.cat(is_text)
-        # Position j-1 predicts text token j (j >= 1): BOS and media slots are never targets.
+                is_target.append(targets)
+        toks, target = torch.cat(seq), torch.cat(is_target)
+        # Position j-1 predicts token j when token j is a target (text; BOS and media slots never).
         lab = torch.full_like(toks, IGNORE)
-        target = text.clone()
         target[0] = False
         lab[:-1] = torch.where(target[1:], toks[1:], IGNORE)
         tokens.append(toks)
@@ -221,19 +220,22 @@ def pack(samples: Sequence[Sample], spec: PackingSpec, dtype: torch.dtype = torc
     )
 
 
-def _is_media(piece: torch.Tensor, spec: PackingSpec) -> bool:
-    return (int(piece) == IMAGE and spec.has_vision) or (int(piece) == AUDIO and spec.has_audio)
-
-
-def _split_at_media(tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Text runs and single placeholder tokens, in order."""
-    media = ((tokens == IMAGE) | (tokens == AUDIO)).nonzero().flatten().tolist()
+def _split_at_media(sample: Sample, spec: PackingSpec) -> list[tuple[torch.Tensor, bool, torch.Tensor | None]]:
+    """(piece, is it a medium's placeholder, its tokens' target flags) in order: text runs and
+    single placeholders. A sample's ``media`` mask says where its placeholders are; without one
+    the ``IMAGE``/``AUDIO`` ids are (the byte-level tokenizer never produces them for text)."""
+    tokens = sample.tokens
+    if sample.media is not None:
+        media = sample.media
+    else:
+        media = ((tokens == IMAGE) & spec.has_vision) | ((tokens == AUDIO) & spec.has_audio)
+    targets = sample.targets if sample.targets is not None else torch.ones_like(tokens, dtype=torch.bool)
     pieces, start = [], 0
-    for m in media:
+    for m in media.nonzero().flatten().tolist():
         if m > start:
-            pieces.append(tokens[start:m])
-        pieces.append(tokens[m : m + 1])
+            pieces.append((tokens[start:m], False, targets[start:m]))
+        pieces.append((tokens[m : m + 1], True, None))
         start = m + 1
     if start < len(tokens):
-        pieces.append(tokens[start:])
+        pieces.append((tokens[start:], False, targets[start:]))
     return pieces

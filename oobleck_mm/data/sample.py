@@ -34,6 +34,9 @@ class SampleMeta:
     """(height, width) in pixels of each image, after preprocessing (multiples of the patch size)."""
     audio_frames: tuple[int, ...] = ()
     """Mel frames of each audio clip, before the encoder's frame downsampling (a multiple of it)."""
+    target_tokens: int | None = None
+    """Loss targets when only some text is trained on (``data.loss_on: assistant``, see
+    ``Sample.targets``); None: every text token but the leading BOS."""
 
     @property
     def num_images(self) -> int:
@@ -46,6 +49,8 @@ class SampleMeta:
     @property
     def loss_tokens(self) -> int:
         """Text targets this sample contributes to the loss."""
+        if self.target_tokens is not None:
+            return self.target_tokens
         return self.text_tokens - 1 - self.num_images - self.num_audio
 
     def image_patches(self, patch_size: int) -> tuple[int, ...]:
@@ -69,3 +74,9 @@ class Sample:
     """float32 [channels, height, width] per image, values in [0, 1], sizes as in ``meta``."""
     audio: list[torch.Tensor] = field(default_factory=list)
     """float32 [frames, mel_bins] per clip, frames as in ``meta``."""
+    media: torch.Tensor | None = None
+    """bool [text_tokens]: where the image placeholders are, for tokenizers whose ids may equal
+    ``IMAGE`` (a HuggingFace tokenizer); None: the ``IMAGE``/``AUDIO`` ids mark them."""
+    targets: torch.Tensor | None = None
+    """bool [text_tokens]: which text tokens are loss targets (``meta.target_tokens`` of them, the
+    leading token never); None: every text token but the first."""

@@ -45,6 +45,40 @@ def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8, **s
     raise ValueError(f"vision tower {kind!r}: choose one of {', '.join(VISION_KINDS)}")
 
 
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}ASSISTANT: "
+                 "{{ m['content'] }}{{ eos_token }}{% else %}USER: {{ m['content'] }} {% endif %}{% endfor %}")
+"""Vicuna's (LLaVA-1.5's) turn format."""
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained here (no download) on English-ish text, ``<image>`` as an added
+    token, ids 0-2 ``<pad>``, ``<s>``, ``</s>`` as the tiny configs say, Vicuna's chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is in the picture? A red square, a blue circle and a green triangle. Name both shapes. "
+              "What is 2 + 2? 4. The quick brown fox jumps over the lazy dog. USER: ASSISTANT:"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)  # fmt: skip
+    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    return fast
+
+
+def tiny_image_processor(kind: str, side: int):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    if kind == "clip":
+        return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    return SiglipImageProcessorPil(size={"height": side, "width": side})
+
+
 def make_tiny_model(out: str | os.PathLike, text: str = "llama", vision: str | None = "clip", tie: bool = False,
                     seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
                     text_sizes: dict | None = None, vision_sizes: dict | None = None) -> str:
@@ -57,15 +91,19 @@ def make_tiny_model(out: str | os.PathLike, text: str = "llama", vision: str | N
 
     torch.manual_seed(seed)
     text_cfg = tiny_text_config(text, tie, **(text_sizes or {}))
+    tokenizer = tiny_tokenizer(min(text_cfg.vocab_size, 320))
     if vision is None:
         cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[text]
         model = cls(text_cfg)
     else:
-        cfg = LlavaConfig(vision_config=tiny_vision_config(vision, **(vision_sizes or {})), text_config=text_cfg,
-                          image_token_id=text_cfg.vocab_size - 1, tie_word_embeddings=tie,
+        vision_cfg = tiny_vision_config(vision, **(vision_sizes or {}))
+        cfg = LlavaConfig(vision_config=vision_cfg, text_config=text_cfg,
+                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=tie,
                           vision_feature_select_strategy="default" if vision == "clip" else "full")  # fmt: skip
         model = LlavaForConditionalGeneration(cfg)
+        tiny_image_processor(vision, vision_cfg.image_size).save_pretrained(os.fspath(out))
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(os.fspath(out), **kwargs)
+    tokenizer.save_pretrained(os.fspath(out))
     return os.fspath(out)

@@ -48,7 +48,7 @@ def check_sample_matches_meta(ds, index: int) -> None:
     assert tokens.dtype == torch.int64 and tokens.shape == (meta.text_tokens,)
     assert tokens[0] == BOS and tokens[-1] == EOS and not (tokens == PAD).any()
     assert int((tokens == IMAGE).sum()) == meta.num_images and int((tokens == AUDIO).sum()) == meta.num_audio
-    assert int(tokens.max()) < inputs.vocab_size and meta.loss_tokens >= 1
+    assert int(tokens.max()) < inputs.vocab_size and meta.loss_tokens >= (1 if ds.data.loss_on == "all" else 0)
     assert [tuple(im.shape) for im in sample.images] == [(inputs.in_channels, h, w) for h, w in meta.image_sizes]
     assert all(h % inputs.patch_size == 0 and w % inputs.patch_size == 0 for h, w in meta.image_sizes)
     assert all(im.dtype == torch.float32 and 0 <= im.min() and im.max() <= 1 for im in sample.images)
@@ -293,3 +293,28 @@ def test_data_config_errors_name_the_field(field, value, message):
         raw["data"].update(kind="llava_json", path=os.path.join(FIXTURE, "llava.json"))
     with pytest.raises(ValueError, match=message):
         config_from_dict(raw)
+
+
+def test_llava_loss_covers_the_assistants_answers_by_default():
+    from oobleck_mm.data.packing import PackingSpec, pack
+
+    ds, everything = llava(), llava(loss_on="all")
+    spec = PackingSpec(patch_size=8, has_vision=True)
+    # "gpt: A red square.\n<eos>": the answer, its newline and the EOS after it
+    assert ds.meta(0).loss_tokens == len("A red square.\n") + 1
+    assert everything.meta(0).loss_tokens == everything.meta(0).text_tokens - 1 - 1
+    for d in (ds, everything):
+        for i in range(len(d)):
+            batch = pack([d[i]], spec, vision_in=3 * 8 * 8)
+            assert batch.num_loss_tokens == d.meta(i).loss_tokens  # the normaliser counts what is trained
+    batch = pack([ds[0]], spec, vision_in=3 * 8 * 8)
+    targets = batch.labels[batch.labels != -100].tolist()
+    assert decode(targets) == "A red square.\n<eos>"
+
+
+def test_llava_answer_cut_off_by_max_seq_len_trains_on_nothing(tmp_path):
+    turns = [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "late"}]
+    ok = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    path = write_samples(tmp_path, [{"id": "long", "conversations": turns}, {"id": "ok", "conversations": ok}])
+    ds = llava(path, max_seq_len=32, mean_images_per_sample=0.1)
+    assert ds.meta(0).loss_tokens == 0 and ds.meta(1).loss_tokens == 3  # "a\n" and the EOS

@@ -249,3 +249,69 @@ def test_frozen_modules_of_an_hf_model(models):
                          "vision.projector0": True, "vision.projector1": True, "llm.embed": True,
                          "llm.block0": True, "llm.block1": True, "llm.block2": True, "llm.block3": True,
                          "llm.head": True}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- llava_json with the model's tokenizer
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "llava", "llava.json")
+
+
+def llava_json_job(directory, path=FIXTURE, **data):
+    return config_from_dict({"model": {"huggingface": str(directory)},
+                             "data": {"kind": "llava_json", "path": str(path), "mean_images_per_sample": 1,
+                                      "image_size": 32, "max_seq_len": 128, **data},
+                             "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"}})
+
+
+def test_llava_json_uses_the_models_tokenizer_template_and_image_processor(models):
+    from PIL import Image
+
+    directory = models[("llama", "clip", False)]
+    data = TrainingData(llava_json_job(directory))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    sample = data.dataset[0]
+    messages = [{"role": "user", "content": "<image>\nWhat is in the picture?"},
+                {"role": "assistant", "content": "A red square."}]
+    assert sample.tokens.tolist() == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert tokenizer.decode(sample.tokens[sample.targets]) == " A red square.</s>"  # the answer and its end
+    assert data.dataset.meta(0).loss_tokens == int(sample.targets.sum())
+    processor = transformers.AutoImageProcessor.from_pretrained(directory, backend="pil")
+    image = Image.open(os.path.join(os.path.dirname(FIXTURE), "images", "red_square.png")).convert("RGB")
+    assert torch.equal(sample.images[0], processor(image, return_tensors="pt")["pixel_values"][0])
+    batch = data.microbatch([0, 1, 2])
+    assert batch.num_loss_tokens == sum(data.dataset.meta(i).loss_tokens for i in range(3))
+    assert batch.vision.features.shape[0] == 3 * 16  # three images of 4x4 patches, expanded in the sequence
+
+
+def test_llava_json_batch_through_the_split_model_equals_transformers(models):
+    directory = models[("llama", "clip", False)]
+    job = llava_json_job(directory)
+    specs = model_layer_specs(job)
+    layers = [build_layer(job, i, specs) for i in range(len(specs))]
+    data = TrainingData(job)
+    batch = data.microbatch([0, 1, 2])
+    acts = ()
+    for layer in layers:
+        acts = layer(acts, batch)
+    hf = unsplit(directory)
+    for seg, (start, end) in enumerate(batch.spans()):
+        sample = data.dataset[seg]
+        ids = []
+        for t, is_image in zip(sample.tokens.tolist(), sample.media.tolist()):
+            ids += [t] * 16 if is_image else [t]
+        kwargs = {"pixel_values": torch.stack(sample.images).double()} if sample.images else {}
+        logits = hf(input_ids=torch.tensor([ids]), **kwargs).logits[0]
+        assert (logits - acts[0][start:end]).abs().max().item() <= 1e-10
+
+
+def test_llava_json_bad_input_names_the_file_or_sample(tmp_path, models):
+    import shutil
+
+    directory = tmp_path / "no_tokenizer"
+    shutil.copytree(models[("llama", "clip", False)], directory)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(directory / f)
+    with pytest.raises(UserError, match=r"no_tokenizer has no tokenizer files .*model's own tokenizer"):
+        TrainingData(llava_json_job(directory))
+    with pytest.raises(UserError, match=r"sample 'shape-pair': its 2 images take 32 LLM tokens.*max_seq_len \(30\)"):
+        TrainingData(llava_json_job(models[("llama", "clip", False)], max_seq_len=30, mean_text_tokens=8))

@@ -1,0 +1,220 @@
+"""LLaVA-style JSON samples for a ``model.huggingface`` model: its own tokenizer, chat template and image processor.
+
+Same records as ``oobleck_mm.data.llava`` (``id``, ``image``, ``conversations``
+of ``{"from", "value"}`` turns). What differs is that the model's directory
+decides the text and the pixels:
+
+- the conversation is rendered with the tokenizer's chat template (``human`` /
+  ``user`` -> ``user``, ``gpt`` / ``assistant`` -> ``assistant``, ``system``
+  kept); a tokenizer without one renders ``"<from>: <value>\\n"`` per turn after
+  its BOS, as the byte-level reader does;
+- the text is tokenized by the model's own fast tokenizer (``tokenizers``); every
+  ``<image>`` must become the model's ``image_token_id``, and packing expands it
+  into the tower's image tokens (``Sample.media`` marks them, since real token
+  ids may equal the engine's own placeholder ids);
+- ``data.loss_on: assistant`` trains on the tokens of the assistant's answers
+  (found through the tokenizer's character offsets) and the end-of-turn token
+  right after each; ``all`` on every token but the first;
+- images go through the model's image processor (resize, crop, normalise) to
+  the tower's square size.
+
+Metadata needs the token count of every sample, so the dataset tokenizes every
+conversation once, at construction (a fast tokenizer does ~10k LLaVA records a
+second); pixels are decoded only when a sample is loaded. Bad input is a
+``UserError`` naming the file, the sample and what to change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from oobleck_mm.config import DataConfig
+from oobleck_mm.data.dataset import ModelInputs, check_index
+from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, _image_paths, _load_json, conversation_turns
+from oobleck_mm.data.sample import Sample, SampleMeta
+from oobleck_mm.errors import UserError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    sample_id: str
+    tokens: np.ndarray
+    media: np.ndarray
+    targets: np.ndarray | None
+    image_paths: tuple[str, ...]
+    meta: SampleMeta
+
+
+class HFLlavaJsonDataset:
+    """The samples of ``data.path`` tokenized and processed as the HF model in ``inputs.huggingface`` expects."""
+
+    def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
+        if data.path is None:
+            raise UserError("data.path: required when data.kind is 'llava_json'")
+        self.data, self.inputs = data, inputs
+        self.tokenizer = load_tokenizer(inputs.huggingface)
+        self.image_processor = load_image_processor(inputs.huggingface) if inputs.has_vision else None
+        json_dir = os.path.dirname(os.path.abspath(data.path))
+        self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
+        self.image_tokens = (inputs.image_side // inputs.patch_size) ** 2 // inputs.image_merge
+        entries = _load_json(data.path)
+        self._records = tuple(self._record(position, entry) for position, entry in enumerate(entries))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def meta(self, index: int) -> SampleMeta:
+        return self._records[check_index(index, len(self))].meta
+
+    def sample_id(self, index: int) -> str:
+        return self._records[check_index(index, len(self))].sample_id
+
+    def __getitem__(self, index: int) -> Sample:
+        record = self._records[check_index(index, len(self))]
+        images = [self._pixels(path, record.sample_id) for path in record.image_paths]
+        return Sample(
+            meta=record.meta, tokens=torch.from_numpy(record.tokens), images=images,
+            media=torch.from_numpy(record.media),
+            targets=torch.from_numpy(record.targets) if record.targets is not None else None,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ construction
+
+    def _record(self, position: int, entry) -> _Record:
+        if not isinstance(entry, dict):
+            raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
+        sample_id = str(entry.get("id", f"#{position}"))
+        where = f"{self.data.path}: sample {sample_id!r}"
+        turns = conversation_turns(entry.get("conversations"), where)
+        paths = _image_paths(entry.get("image"), where)
+        markers = sum(value.count(MARKER) for _, value in turns)
+        if markers != len(paths):
+            raise UserError(f"{where} has {markers} '{MARKER}' markers but {len(paths)} images")
+        if paths and not self.inputs.has_vision:
+            raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
+        paths = tuple(os.path.join(self.image_dir, p) for p in paths)
+        for path in paths:
+            if not os.path.isfile(path):
+                raise UserError(f"{where}: cannot read image {path!r}: no such file")
+        text, answers = self._render(turns, where)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+        media = ids == self.inputs.image_token_id if paths else np.zeros(len(ids), dtype=bool)
+        if int(media.sum()) != len(paths):
+            raise UserError(
+                f"{where}: the tokenizer of {self.inputs.huggingface} turned {len(paths)} '{MARKER}' markers into "
+                f"{int(media.sum())} image tokens (id {self.inputs.image_token_id}, the model's image_token_id); "
+                "its tokenizer must hold '<image>' as one added token"
+            )
+        targets = self._targets(encoded["offset_mapping"], ids, answers) if self.data.loss_on == "assistant" else None
+        ids, media, targets = self._fit(ids, media, targets, where)
+        if targets is None:
+            targets_count = None
+        else:
+            targets[0] = False
+            targets_count = int(targets.sum())
+        meta = SampleMeta(index=position, text_tokens=len(ids),
+                          image_sizes=((self.inputs.image_side,) * 2,) * len(paths),
+                          target_tokens=targets_count)  # fmt: skip
+        return _Record(sample_id, ids, media, targets, paths, meta)
+
+    def _render(self, turns: list[tuple[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the character span of each assistant answer in it."""
+        if self.tokenizer.chat_template:
+            messages = []
+            for role, value in turns:
+                if role not in ROLES:
+                    raise UserError(f"{where}: turn from {role!r}; the chat template takes {', '.join(ROLES)}")
+                messages.append({"role": ROLES[role], "content": value})
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        else:
+            messages = [{"role": ROLES.get(r, r), "content": v} for r, v in turns]
+            text = (self.tokenizer.bos_token or "") + "".join(f"{r}: {v}\n" for r, v in turns)
+        spans, cursor = [], 0
+        for message in messages:
+            start = text.find(message["content"], cursor)
+            if start < 0:
+                raise UserError(f"{where}: the chat template's text does not contain a turn's text as written; "
+                                "use data.loss_on: all with this template")
+            cursor = start + len(message["content"])
+            if message["role"] == "assistant" or message["role"] in ASSISTANT_ROLES:
+                spans.append((start, cursor))
+        return text, spans
+
+    def _targets(self, offsets, ids: np.ndarray, answers: list[tuple[int, int]]) -> np.ndarray:
+        """Tokens inside an answer, and the (special) end-of-turn token right after it."""
+        targets = np.zeros(len(ids), dtype=bool)
+        special = set(self.tokenizer.all_special_ids)
+        for start, end in answers:
+            last = -1
+            for j, (a, b) in enumerate(offsets):
+                if a < end and b > start and b > a:
+                    targets[j], last = True, j
+            if last >= 0 and last + 1 < len(ids) and int(ids[last + 1]) in special:
+                targets[last + 1] = True
+        return targets
+
+    def _fit(self, ids, media, targets, where: str):
+        """Cut text at the end so the LLM sequence fits ``data.max_seq_len``; images are never cut."""
+        expand = self.image_tokens - 1
+        length = len(ids) + expand * int(media.sum())
+        limit = self.data.max_seq_len
+        if length <= limit:
+            return ids, media, targets
+        images = int(media.sum())
+        keep = len(ids) - (length - limit)
+        if keep < 2 or int(media[:keep].sum()) != images:
+            raise UserError(
+                f"{where}: its {images} images take {images * self.image_tokens} LLM tokens, which with its text "
+                f"before them exceed data.max_seq_len ({limit}); raise data.max_seq_len"
+            )
+        return ids[:keep], media[:keep], (targets[:keep] if targets is not None else None)
+
+    # ------------------------------------------------------------------ loading
+
+    def _pixels(self, path: str, sample_id: str) -> torch.Tensor:
+        try:
+            with Image.open(path) as im:
+                image = im.convert("RGB")
+        except (OSError, UnidentifiedImageError) as exc:
+            raise UserError(f"{self.data.path}: sample {sample_id!r}: cannot decode image {path!r}: {exc}") from None
+        pixels = self.image_processor(image, return_tensors="pt")["pixel_values"][0]
+        side = self.inputs.image_side
+        if tuple(pixels.shape) != (self.inputs.in_channels, side, side):
+            raise UserError(f"{self.inputs.huggingface}: its image processor makes {list(pixels.shape)} images, the "
+                            f"vision tower takes [{self.inputs.in_channels}, {side}, {side}]")
+        return pixels.float()
+
+
+def load_tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    if not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
+        raise UserError(f"model.huggingface: {directory} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                        "data.kind llava_json tokenizes with the model's own tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.huggingface: cannot load the tokenizer of {directory}: {exc}") from None
+    if not tokenizer.is_fast:
+        raise UserError(f"model.huggingface: the tokenizer of {directory} is not a fast (tokenizers) tokenizer; "
+                        "loss masks need its character offsets (save it with a tokenizer.json)")
+    return tokenizer
+
+
+def load_image_processor(directory: str):
+    from transformers import AutoImageProcessor
+
+    if not os.path.exists(os.path.join(directory, "preprocessor_config.json")):
+        raise UserError(f"model.huggingface: {directory} has no preprocessor_config.json; data.kind llava_json "
+                        "prepares images with the model's own image processor")
+    # PIL: what transformers itself prefers for CLIP/SigLIP (same outputs as the slow processors), no torchvision.
+    return AutoImageProcessor.from_pretrained(directory, local_files_only=True, backend="pil")
