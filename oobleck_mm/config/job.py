@@ -149,6 +149,10 @@ class ModelConfig:
     """A local ``transformers`` model directory (config.json, optionally safetensors weights and
     tokenizer files); its config.json gives the model's shape, so ``llm``, ``vision``, ``audio`` and
     ``projector`` are not set with it. See docs/models.md for the supported architectures."""
+    builder: str | None = None
+    """Your own model: ``package.module:function`` or ``path/to/file.py:function`` returning its
+    layers (``oobleck_mm.config.shape.CustomLayer``, contract in docs/models.md). The ``llm`` (and
+    ``vision``/``audio``) sections still describe the inputs the data pipeline makes."""
     llm: LLMConfig | None = None
     """The built-in language model; required unless ``huggingface`` is set."""
     vision: VisionConfig | None = None
@@ -166,6 +170,9 @@ class ModelConfig:
             check(self, "name", as_str)
         check(self, "frozen", as_str_tuple)
         check_optional(self, "huggingface", as_str)
+        check_optional(self, "builder", as_str)
+        if self.builder is not None and self.huggingface is not None:
+            raise ConfigError("model.builder: cannot be set together with model.huggingface; choose one")
         if self.huggingface is None:
             if self.llm is None:
                 raise ConfigError("model.llm: required but missing (or set model.huggingface to a local "
@@ -863,9 +870,13 @@ def load_config(path: str | os.PathLike) -> JobConfig:
         data_path = os.path.expanduser(raw["data"]["path"])
         raw["data"]["path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data_path)
     model = raw.get("model") if isinstance(raw, dict) else None
+    here = os.path.dirname(os.path.abspath(path))
     if isinstance(model, dict) and isinstance(model.get("huggingface"), str):
-        model["huggingface"] = os.path.join(os.path.dirname(os.path.abspath(path)),
-                                            os.path.expanduser(model["huggingface"]))
+        model["huggingface"] = os.path.join(here, os.path.expanduser(model["huggingface"]))
+    if isinstance(model, dict) and isinstance(model.get("builder"), str):
+        module, sep, function = model["builder"].rpartition(":")
+        if sep and module.endswith(".py"):  # a file path: absolute, so every worker finds it
+            model["builder"] = os.path.join(here, os.path.expanduser(module)) + ":" + function
     return config_from_dict(raw, source=path)
 
 

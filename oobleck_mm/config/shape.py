@@ -13,10 +13,15 @@ sample's mean LLM tokens must fit ``data.max_seq_len``). No torch.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from oobleck_mm.errors import UserError
 
 if TYPE_CHECKING:
     from oobleck_mm.config.job import DataConfig, ModelConfig
@@ -149,6 +154,69 @@ def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
     )
 
 
+# --------------------------------------------------------------------------- your own model (model.builder)
+
+
+@dataclass(frozen=True, slots=True)
+class CustomLayer:
+    """One layer of a ``model.builder`` model: what the planner costs, and how to make the module.
+
+    ``build()`` is called only on the ranks that hold the layer (and in the reference trainer),
+    under a generator seeded by (training.seed, layer index), so every rank makes the same
+    initial weights; it returns an ``nn.Module`` called as ``layer(acts, batch) -> acts``
+    (see docs/models.md). The builder function itself is called often: keep it cheap and
+    create modules only in ``build``.
+    """
+
+    spec: LayerSpec
+    build: Callable[[], Any]
+
+
+def load_builder(reference: str) -> Callable:
+    """The function ``model.builder`` names: ``package.module:function`` or ``path/to/file.py:function``."""
+    module_name, sep, function = reference.rpartition(":")
+    if not sep or not module_name or not function.isidentifier():
+        raise UserError(f"model.builder: {reference!r} must be 'package.module:function' or 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(f"oobleck_builder_{abs(hash(module_name))}", module_name)
+            if spec is None or not os.path.isfile(module_name):
+                raise UserError(f"model.builder: file {module_name!r} does not exist")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"model.builder: cannot import {module_name!r} ({exc}); it must be importable by every "
+                        "worker (installed, on PYTHONPATH, or given as a .py file path)") from None
+    builder = getattr(module, function, None)
+    if not callable(builder):
+        raise UserError(f"model.builder: {module_name!r} has no function {function!r}")
+    return builder
+
+
+def custom_layers(model: ModelConfig, data: DataConfig) -> tuple[CustomLayer, ...]:
+    """The ``model.builder`` function's layers, checked against the contract."""
+    builder = load_builder(model.builder)
+    try:
+        result = builder(model, data)
+    except TypeError as exc:  # most often the signature: a bug in the builder gets its traceback below
+        if "positional argument" not in str(exc) and "required" not in str(exc):
+            raise
+        raise UserError(f"model.builder: {model.builder} is called as function(model, data) and failed: {exc}") \
+            from None
+    layers = tuple(result) if isinstance(result, (list, tuple)) else ()
+    if not layers or not all(isinstance(x, CustomLayer) for x in layers):
+        raise UserError(f"model.builder: {model.builder} must return a non-empty list of CustomLayer "
+                        f"(oobleck_mm.config.shape.CustomLayer), got {type(result).__name__}")
+    names = [x.spec.name for x in layers]
+    if len(set(names)) != len(names):
+        raise UserError(f"model.builder: {model.builder} returned layers with the same name: {names}")
+    if layers[-1].spec.kind != "lm_head":
+        raise UserError(f"model.builder: the last layer ({names[-1]!r}) must be kind 'lm_head' (it returns logits)")
+    return layers
+
+
 def layer_specs(model: ModelConfig, data: DataConfig) -> tuple[LayerSpec, ...]:
     """The model as pipeline-cuttable layers, in execution order, sized by the data's mean sample.
 
@@ -156,7 +224,10 @@ def layer_specs(model: ModelConfig, data: DataConfig) -> tuple[LayerSpec, ...]:
     audio.projector[0/1], llm.embed, llm.block*, llm.head. The LLM's sequence holds the text
     and every projected image/audio token; its attention is causal over the whole sample.
     The quadratic terms use the mean length, i.e. mean(L)^2, not mean(L^2).
+    A ``model.builder`` model's layers are what its function says.
     """
+    if model.builder is not None:
+        return tuple(x.spec for x in custom_layers(model, data))
     tokens = sequence_tokens(model, data)
     llm = model.llm
     num_proj = model.projector.num_layers

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oobleck_mm.config.shape import LayerSpec, layer_specs, resolve_frozen
+from oobleck_mm.config.shape import LayerSpec, custom_layers, layer_specs, resolve_frozen
 from oobleck_mm.data.packing import PackedBatch
+from oobleck_mm.errors import UserError
 from oobleck_mm.model.hf_weights import load_hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
 from oobleck_mm.precision import torch_dtype
@@ -235,6 +236,11 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
         if job.model.hf is not None:
             layer = build_hf_layer(job.model.hf, specs, index, torch_dtype(job.training.dtype))
             load_hf_weights(layer, job.model.huggingface)
+        elif job.model.builder is not None:
+            layer = custom_layers(job.model, job.data)[index].build()
+            if not isinstance(layer, nn.Module):
+                raise UserError(f"model.builder: layer {spec.name!r}'s build() returned {type(layer).__name__}, "
+                                "not a torch.nn.Module")
         elif spec.kind in ("patch_embed", "frame_embed"):
             layer = EncoderEmbed(spec)
         elif spec.kind == "block":

@@ -77,3 +77,36 @@ def test_built_in_model_with_tied_embeddings_equals_reference(tmp_path):
     copies = [state[key] for out in outs for name, state in out["states"].items()
               for key in state if (name, key) in {("llm.embed", "embed.weight"), ("llm.head", "out.weight")}]
     assert len(copies) == 4 and all(torch.equal(c, copies[0]) for c in copies)
+
+
+# --------------------------------------------------------------------------- model.builder
+
+
+def builder_job(builder="examples/custom_model.py:build"):
+    return config_from_dict({"model": {"name": "conv_lm", "builder": builder,
+                                       "llm": {"num_layers": 4, "hidden": 32, "num_heads": 1, "vocab_size": 256}},
+                             "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256},
+                             "training": {"global_batch": 8, "microbatch_size": 2, "dtype": "float64",
+                                          "steps": STEPS}})  # fmt: skip
+
+
+def test_your_own_model_from_model_builder_equals_reference(tmp_path):
+    """examples/custom_model.py (an attention-free conv LM) on pipelines of different depths."""
+    job = builder_job()
+    assert [s.name for s in model_layer_specs(job)][:2] == ["llm.embed", "llm.block0"]
+    compare(job, [2, 3], tmp_path / "run")
+
+
+@pytest.mark.parametrize("builder,message", [
+    ("examples/custom_model.py", "must be 'package.module:function'"),
+    ("examples/nope.py:build", "file 'examples/nope.py' does not exist"),
+    ("no_such_package.mod:build", "cannot import 'no_such_package.mod'"),
+    ("examples/custom_model.py:missing", "has no function 'missing'"),
+    ("json:dumps", r"is called as function\(model, data\) and failed"),
+    ("operator:eq", "must return a non-empty list of CustomLayer.*got bool"),
+])
+def test_model_builder_mistakes_are_named(builder, message):
+    from oobleck_mm.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError, TypeError), match=message):
+        builder_job(builder)
