@@ -100,7 +100,8 @@ class HFModelShape:
 def read_config_json(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
-        raise ConfigError(f"model.huggingface: {directory!r} is not a directory")
+        raise ConfigError(f"model.huggingface: {directory!r} is not a directory (a transformers model directory "
+                          "on disk; `python examples/make_tiny_llava.py DIR` writes a small random one)")
     try:
         with open(path, encoding="utf-8") as fh:
             raw = json.load(fh)

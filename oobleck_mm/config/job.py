@@ -392,7 +392,16 @@ class TrainingConfig:
     """Iterations to train."""
     seed: int = 0
     dtype: str = "float32"
-    """``float32``, ``float64``, ``bfloat16`` or ``float16`` (mixed precision for the half types)."""
+    """Compute dtype of the layers: ``float32``, ``float64``, ``bfloat16`` or ``float16``. When it
+    differs from ``master_dtype`` the run is mixed precision: layers compute in this type, every
+    trainable layer keeps master weights and Adam moments in ``master_dtype``."""
+    master_dtype: str | None = None
+    """Dtype of the master weights, Adam moments and gradient accumulation: ``float32`` or
+    ``float64``; default ``float32`` for the half types, else ``dtype`` itself. float32 compute
+    with float64 masters is the mixed-precision path in a mode exact enough to test (1e-9)."""
+    grad_reduce_dtype: str = "float32"
+    """Dtype gradients are all-reduced in under mixed precision (``float32`` or ``bfloat16``,
+    which halves the bytes); they are accumulated, clipped and applied in ``master_dtype``."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig | None = None
     """Learning-rate schedule; absent keeps the optimizer's lr constant."""
@@ -409,6 +418,13 @@ class TrainingConfig:
             check(self, name, as_int, minimum=1)
         check(self, "seed", as_int, minimum=0)
         check(self, "dtype", as_choice, ("float32", "float64", "bfloat16", "float16"))
+        # Left None when unset (oobleck_mm.precision.master_dtype resolves it), so a job copied with
+        # another dtype (dataclasses.replace) keeps a consistent default.
+        check_optional(self, "master_dtype", as_choice, ("float32", "float64"))
+        if self.dtype == "float64" and self.master_dtype == "float32":
+            raise ConfigError("training.master_dtype: must be float64 when training.dtype is float64 "
+                              f"(masters at least as precise as the compute), got {self.master_dtype!r}")
+        check(self, "grad_reduce_dtype", as_choice, ("float32", "bfloat16"))
         check(self, "gradient_clipping", as_float, minimum=0.0)
         check(self, "activation_checkpointing", as_bool)
         check(self, "flash_attention", as_bool)

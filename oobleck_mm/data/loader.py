@@ -18,7 +18,7 @@ from oobleck_mm.data.sample import SampleMeta
 from oobleck_mm.data.sampler import GlobalBatchSampler
 from oobleck_mm.data.synthetic import SyntheticDataset
 from oobleck_mm.errors import UserError
-from oobleck_mm.precision import torch_dtype
+from oobleck_mm.precision import compute_dtype
 
 
 def build_dataset(job) -> Dataset:
@@ -41,7 +41,7 @@ class TrainingData:
         self.sampler = GlobalBatchSampler(len(self.dataset), job.training.global_batch, job.training.seed)
         self.microbatch_size = job.training.microbatch_size
         self.spec = PackingSpec.from_model(job.model)
-        self.dtype = torch_dtype(job.training.dtype)
+        self.dtype = compute_dtype(job.training)
         widths = {s.name: s.in_features for s in layer_specs(job.model, job.data)}
         self.vision_in = widths.get("vision.embed", 0)
         self.audio_in = widths.get("audio.embed", 0)

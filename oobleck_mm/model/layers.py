@@ -34,7 +34,7 @@ from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.errors import UserError
 from oobleck_mm.model.hf_weights import load_hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
-from oobleck_mm.precision import torch_dtype
+from oobleck_mm.precision import master_dtype
 
 Acts = tuple[torch.Tensor, ...]
 
@@ -213,6 +213,8 @@ def microbatch_loss(logits: torch.Tensor, batch: PackedBatch, global_loss_tokens
     loss of the global batch, whatever the split: the normalisation the
     reference trainer and the engine share.
     """
+    # Half-precision logits are scored in float32 (the softmax over a vocabulary needs the range).
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, batch.labels, ignore_index=-100, reduction="sum") / global_loss_tokens
 
 
@@ -225,7 +227,8 @@ def model_layer_specs(job) -> tuple[LayerSpec, ...]:
 
 
 def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn.Module:
-    """Layer ``index`` of the job's model with its deterministic initial weights, in the job's dtype."""
+    """Layer ``index`` of the job's model with its deterministic initial weights, in the master dtype
+    (``training.master_dtype``: what the optimizer updates and checkpoints hold)."""
     specs = specs if specs is not None else model_layer_specs(job)
     spec = specs[index]
     flash = job.training.flash_attention
@@ -234,7 +237,7 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.training.seed * 1_000_003 + index)
         if job.model.hf is not None:
-            layer = build_hf_layer(job.model.hf, specs, index, torch_dtype(job.training.dtype))
+            layer = build_hf_layer(job.model.hf, specs, index, master_dtype(job.training))
             load_hf_weights(layer, job.model.huggingface)
         elif job.model.builder is not None:
             layer = custom_layers(job.model, job.data)[index].build()
@@ -255,7 +258,7 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
             layer = LMHead(spec)
         else:
             raise ValueError(f"layer {spec.name!r}: unknown kind {spec.kind!r}")
-    layer = layer.to(torch_dtype(job.training.dtype))
+    layer = layer.to(master_dtype(job.training))  # what is trained; compute copies: oobleck_mm.runtime.mixed
     pair = tied_pair(specs)
     if pair is not None and index == pair[1]:
         # The head holds a copy of the token embedding (Megatron's pipeline-split tying): it starts

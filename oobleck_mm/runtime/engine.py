@@ -39,6 +39,8 @@ from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_sp
 from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.runtime.grad_sync import GradientSync
 from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.precision import compute_dtype, is_mixed, reduce_dtype
+from oobleck_mm.runtime.mixed import ComputeCopies
 from oobleck_mm.runtime.optim import build_layer_optimizer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.update import apply_update, trainable_params
@@ -68,6 +70,9 @@ class StepResult:
     """Seconds from the step's start to this stage's gradient all-reduce (its 1F1B part)."""
     pipeline_times: list[float] = field(default_factory=list)
     """Measured 1F1B seconds of every pipeline (with the balancer on)."""
+    microbatches: tuple[tuple[int, ...], ...] = ()
+    """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
+    them: float32 compute rounds differently for another microbatch composition)."""
 
 
 @dataclass(slots=True)
@@ -140,8 +145,13 @@ class StageEngine:
             if i not in held:
                 held[i] = fresh_layer(job, i, self.specs, self.device)
         self.layers = {i: held[i].module for i in self.stage.layers}
+        """The master layers: what the optimizer updates and what moves, checkpoints and verifies."""
         self.optimizers = {i: held[i].optimizer for i in self.stage.layers if held[i].optimizer is not None}
-        self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs))
+        self.mixed = ComputeCopies(self.layers, compute_dtype(job.training)) if is_mixed(job.training) else None
+        self.compute = self.mixed.compute if self.mixed is not None else self.layers
+        """What forward and backward run: the masters, or their compute-dtype copies."""
+        self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs),
+                                 reduce_dtype(job.training))
         self._dispatch: dict[type, Callable] = {
             ds.LoadMicroBatch: self._load_microbatch,
             ds.RecvActivation: self._recv_activation,
@@ -178,7 +188,8 @@ class StageEngine:
         self._pack_s: dict[int, float] = {}
         self._next_forward = self._next_load = 0
         self._loss = torch.zeros((), dtype=torch.float64)
-        self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0)
+        self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0,
+                                  microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p))
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
                                     stage_id=self.stage_index)
         execute(schedule.steps(), self._dispatch)
@@ -223,9 +234,9 @@ class StageEngine:
         with torch.set_grad_enabled(self.needs_backward):
             for i in self.stage.layers:
                 if ckpt:
-                    acts = torch.utils.checkpoint.checkpoint(self.layers[i], acts, batch, use_reentrant=False)
+                    acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, batch, use_reentrant=False)
                 else:
-                    acts = self.layers[i](acts, batch)
+                    acts = self.compute[i](acts, batch)
             if self.next_rank is None:
                 loss = microbatch_loss(acts[0], batch, self._loss_tokens)
                 self._loss += loss.detach().double().cpu()
@@ -296,6 +307,8 @@ class StageEngine:
         self._result.grad_norm, self._result.lr = apply_update(
             self.layers, self.optimizers, norm_sq, self._step, self.job.training
         )
+        if self.mixed is not None:
+            self.mixed.sync()
 
     def _measure_pipelines(self) -> None:
         """Measured 1F1B seconds of every pipeline (its slowest stage), for the balancer's metrics."""

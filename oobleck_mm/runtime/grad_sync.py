@@ -52,9 +52,11 @@ def buckets(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> list[Bucket]:
 
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
-                 tied: tuple[int, int] | None = None):
-        """``tied``: (token embedding, LM head) layer indices whose weights are one parameter."""
+                 tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None):
+        """``tied``: (token embedding, LM head) layer indices whose weights are one parameter.
+        ``reduce_dtype``: the all-reduce's dtype when it differs from the gradients' (bf16 reduction)."""
         self.rank = rank
+        self.reduce_dtype = reduce_dtype
         self.plan = plan
         self.buckets = buckets(plan, trainable)
         # new_group is collective over the default group: every rank, same order.
@@ -88,6 +90,8 @@ class GradientSync:
                 continue
             grads = [p.grad for m in mods for p in trainable_params(m)]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
+                flat = flat.to(self.reduce_dtype)
             waiter.wait(dist.all_reduce(flat, group=self.groups[b.holders], async_op=True),
                         f"gradient all-reduce over ranks {b.holders}")
             offset = 0

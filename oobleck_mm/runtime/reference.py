@@ -16,8 +16,14 @@ from torch import nn
 
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair
+from oobleck_mm.precision import compute_dtype, is_mixed
+from oobleck_mm.runtime.mixed import ComputeCopies
 from oobleck_mm.runtime.optim import build_layer_optimizer
 from oobleck_mm.runtime.update import apply_update, grad_sq, trainable_params
+
+
+WORKER_THREADS = 1
+"""Torch threads per worker process (the launcher's OMP_NUM_THREADS default)."""
 
 
 class ReferenceTrainer:
@@ -36,23 +42,46 @@ class ReferenceTrainer:
             seen.update(id(p) for p in params)
             if params:
                 self.optimizers[i] = build_layer_optimizer(params, job.training)
+        # The layers above are the masters; mixed precision computes on copies (as the engine does).
+        self.mixed = ComputeCopies(dict(enumerate(self.layers)), compute_dtype(job.training)) \
+            if is_mixed(job.training) else None
+        self.compute = self.mixed.compute if self.mixed is not None else dict(enumerate(self.layers))
 
-    def train_step(self, step: int) -> float:
-        """One iteration at 0-based global step ``step``; returns the global batch's mean token loss."""
+    def train_step(self, step: int, microbatches=None) -> float:
+        """One iteration at 0-based global step ``step``; returns the global batch's mean token loss.
+
+        ``microbatches``: the sample ids of each microbatch, when replaying an engine step whose
+        balancer composed them (default: the global batch in ``microbatch_size`` chunks)."""
+        threads = torch.get_num_threads()
+        # The workers' thread count (OMP_NUM_THREADS=1 by default): a CPU kernel's float32 sums depend
+        # on how it splits work over threads, and float32 compute must round as the workers' does.
+        torch.set_num_threads(WORKER_THREADS)
+        try:
+            return self._train_step(step, microbatches)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _train_step(self, step: int, microbatches=None) -> float:
         ids = self.data.global_batch(step)
         loss_tokens = self.data.loss_tokens(ids)
         total = 0.0
         mbs = self.job.training.microbatch_size
-        for start in range(0, len(ids), mbs):
-            batch = self.data.microbatch(ids[start : start + mbs])
+        if microbatches is None:
+            microbatches = [ids[start : start + mbs] for start in range(0, len(ids), mbs)]
+        elif sorted(i for mb in microbatches for i in mb) != sorted(ids):
+            raise ValueError(f"step {step}: the microbatches do not hold the global batch's samples")
+        for chunk in microbatches:
+            batch = self.data.microbatch(chunk)
             acts: tuple[torch.Tensor, ...] = ()
-            for layer in self.layers:
-                acts = layer(acts, batch)
+            for i in range(len(self.layers)):
+                acts = self.compute[i](acts, batch)
             loss = microbatch_loss(acts[0], batch, loss_tokens)
             loss.backward()
             total += loss.item()
         norm_sq = float(sum(grad_sq(layer) for layer in self.layers))
         apply_update(dict(enumerate(self.layers)), self.optimizers, norm_sq, step, self.job.training)
+        if self.mixed is not None:
+            self.mixed.sync()
         return total
 
     def train(self, steps: int, start_step: int = 0) -> Iterator[tuple[int, float]]:

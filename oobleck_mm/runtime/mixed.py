@@ -1,0 +1,66 @@
+"""Mixed precision: compute-dtype copies of the master layers, gradients accumulated into the masters.
+
+The layers a worker holds (``StageEngine.layers``, what the optimizer updates,
+what state transfer, checkpoints, ``verify`` and export read) are the masters,
+in ``training.master_dtype``. Under mixed precision each gets a copy whose
+parameters are cast to ``training.dtype``; forward and backward run on the
+copies, and a post-accumulate-grad hook on every trainable copy parameter adds
+its gradient, cast to the master dtype, into the master's ``.grad`` and frees
+it. So gradients accumulate across microbatches in the master dtype (a bf16
+accumulation would round every microbatch's contribution), the all-reduce,
+clipping and the AdamW step run on the masters as in full precision, and
+``sync`` casts the updated masters back into the copies.
+
+Buffers are not cast: rotary frequencies and position tables keep the precision
+the model built them in, as transformers keeps them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+
+class ComputeCopies:
+    """``compute[i]``: layer ``i`` in the compute dtype, its gradients flowing into ``masters[i]``."""
+
+    def __init__(self, masters: Mapping[int, nn.Module], dtype: torch.dtype):
+        self.masters = masters
+        self.dtype = dtype
+        self.compute: dict[int, nn.Module] = {}
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for index, master in masters.items():
+            self.compute[index] = self._copy(master)
+
+    def _copy(self, master: nn.Module) -> nn.Module:
+        mine = copy.deepcopy(master)
+        # remove_duplicate=False: a parameter shared inside a layer is paired once per use.
+        pairs = zip(mine.named_parameters(remove_duplicate=False), master.named_parameters(remove_duplicate=False),
+                    strict=True)
+        for (_, p), (_, q) in pairs:
+            p.data = q.detach().to(self.dtype)
+            self._pairs.append((p, q))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_into(q))
+        return mine
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Cast every master parameter into its copy (after an optimizer step or a state load)."""
+        for p, q in self._pairs:
+            p.copy_(q)
+
+
+def _into(master: nn.Parameter):
+    def hook(p: torch.Tensor) -> None:
+        grad = p.grad.to(master.dtype)
+        if master.grad is None:
+            master.grad = grad
+        else:
+            master.grad.add_(grad)
+        p.grad = None
+
+    return hook

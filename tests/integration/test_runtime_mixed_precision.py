@@ -1,0 +1,96 @@
+"""Mixed precision equals the reference trainer running the same mode (real gloo processes).
+
+The machinery (compute copies, gradients accumulated into the masters, the
+update on the masters, the copies refreshed) is tested tightly with float32
+compute and float64 masters: pipelines of different depths with the balancer on
+must equal the reference to 1e-9. The reference replays the engine's
+microbatches (the balancer composes them from its online cost model) and runs
+with the workers' one thread: float32 kernels round differently for other
+shapes or thread counts, and AdamW turns such 1e-8 noise in near-zero
+gradients into 1e-6 differences. bfloat16 compute with float32 masters is
+checked at bf16's precision. Every layer a worker hands back (what state
+transfer and checkpoints read) holds masters in the master dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from oobleck_mm.config import ConfigError, config_from_dict
+from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.runtime.reference import ReferenceTrainer
+from oobleck_mm.runtime.worker import run_local
+
+pytestmark = pytest.mark.integration
+STEPS = 4
+
+
+def job(dtype: str, master: str | None = None, balance: bool = True, reduce: str = "float32"):
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype=dtype, steps=STEPS, grad_reduce_dtype=reduce)
+    if master is not None:
+        d["training"]["master_dtype"] = master
+    d["balance"] = {"enabled": balance}
+    return config_from_dict(d)
+
+
+def run(j, tmp_path):
+    """The engine on pipelines of 2 and 3 stages, then the reference replaying its microbatches."""
+    trainer = ReferenceTrainer(j)
+    plan = ExecutionPlan.even(len(trainer.specs), [2, 3], [4, 4], j.training.microbatch_size)
+    outs = run_local(j, plan, STEPS, tmp_path)
+    # With the balancer on, the engine's microbatches are its own composition; float32 compute rounds
+    # per microbatch, so the oracle replays exactly those (the sum they make is the same either way).
+    ref_losses = [trainer.train_step(r.step, r.microbatches) for r in outs[0]["results"]]
+    names = [s.name for s in trainer.specs]
+    worst, dtypes = 0.0, set()
+    for out in outs:
+        for name, state in out["states"].items():
+            ref = trainer.layer_state(names.index(name))
+            for key, value in state.items():
+                dtypes.add(value.dtype)
+                worst = max(worst, (value.double() - ref[key].double()).abs().max().item())
+    return worst, dtypes, outs[0]["losses"], ref_losses
+
+
+def test_float32_compute_with_float64_masters_equals_reference(tmp_path):
+    worst, dtypes, losses, ref_losses = run(job("float32", "float64"), tmp_path)  # balancer on
+    assert dtypes == {torch.float64}  # the masters are what a worker holds and hands on
+    assert worst <= 1e-9, worst
+    assert losses == pytest.approx(ref_losses, abs=1e-9)
+    assert ref_losses[-1] < ref_losses[0]
+
+
+def test_mixed_precision_differs_from_plain_float32(tmp_path):
+    """The copies really compute in float32 while the masters accumulate in float64."""
+    mixed = ReferenceTrainer(job("float32", "float64", balance=False))
+    plain = ReferenceTrainer(job("float64", balance=False))
+    a = [loss for _, loss in mixed.train(2)]
+    b = [loss for _, loss in plain.train(2)]
+    assert a != b and a == pytest.approx(b, abs=1e-5)
+
+
+def test_bfloat16_compute_is_within_bf16_precision_of_the_bf16_reference(tmp_path):
+    worst, dtypes, losses, ref_losses = run(job("bfloat16"), tmp_path)
+    assert dtypes == {torch.float32}  # fp32 masters, never bf16 weights in a checkpoint
+    assert worst <= 1e-3, worst
+    assert losses == pytest.approx(ref_losses, abs=2e-2)
+    assert losses[-1] < losses[0]
+
+
+def test_bfloat16_gradient_reduction_rounds_the_all_reduce_only(tmp_path):
+    """grad_reduce_dtype: bfloat16 sends half the bytes; its rounding of the summed gradients is the
+    only difference from the reference (which reduces nothing), so it stays within bf16's 3 digits."""
+    worst, dtypes, losses, ref_losses = run(job("bfloat16", reduce="bfloat16"), tmp_path / "bf16")
+    exact, _, _, _ = run(job("bfloat16"), tmp_path / "fp32")
+    assert dtypes == {torch.float32}
+    assert worst != exact and worst <= 1e-2, (worst, exact)
+    assert losses == pytest.approx(ref_losses, abs=2e-2)
+
+
+def test_master_dtype_below_the_compute_dtype_is_refused():
+    with pytest.raises(ConfigError, match="training.master_dtype: must be float64 when training.dtype is float64"):
+        job("float64", "float32")
