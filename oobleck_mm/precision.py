@@ -14,6 +14,9 @@ so they can never disagree:
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
+
 import torch
 
 from oobleck_mm.errors import UserError
@@ -48,3 +51,73 @@ def reduce_dtype(training) -> torch.dtype:
     if training.grad_reduce_dtype == "bfloat16" and is_mixed(training):
         return torch.bfloat16
     return master_dtype(training)
+
+
+# --------------------------------------------------------------------------- float16 loss scaling
+
+
+@dataclass(slots=True)
+class LossScaler:
+    """DeepSpeed's ``DynamicLossScaler`` semantics (``runtime/fp16/loss_scaler.py``) as plain state.
+
+    Written here rather than reused because DeepSpeed's class logs through ``deepspeed.comm``
+    (it needs an initialised process group, which the single-process reference trainer has
+    not) and keeps its state in attributes with no state dict; a unit test runs both over the
+    same overflow sequence and requires the same scales. One deviation: at ``min_loss_scale``
+    an overflow skips the step and keeps the scale instead of raising. Every rank holds the
+    same state (overflow is decided from the all-reduced gradient norm), and it travels with
+    recovery and checkpoints (``state_dict``).
+    """
+
+    scale: float
+    window: int = 1000
+    min_scale: float = 1.0
+    delayed_shift: int = 2
+    consecutive_hysteresis: bool = False
+    dynamic: bool = True
+    iteration: int = 0
+    last_overflow: int = -1
+    hysteresis: int = 2
+
+    @classmethod
+    def for_training(cls, training) -> LossScaler | None:
+        """The scaler ``training.dtype: float16`` needs, else None."""
+        if training.dtype != "float16":
+            return None
+        c = training.fp16
+        if c.loss_scale > 0:
+            return cls(scale=c.loss_scale, dynamic=False)
+        return cls(scale=2.0**c.initial_scale_power, window=c.loss_scale_window, min_scale=c.min_loss_scale,
+                   delayed_shift=c.hysteresis, consecutive_hysteresis=c.consecutive_hysteresis,
+                   hysteresis=c.hysteresis)  # fmt: skip
+
+    @staticmethod
+    def overflowed(grad_norm_sq: float) -> bool:
+        return not math.isfinite(grad_norm_sq)
+
+    def update(self, overflow: bool) -> None:
+        """After a step (skipped when ``overflow``): DeepSpeed's ``update_scale``."""
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.delayed_shift == 1 or self.hysteresis == 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self.hysteresis -= 1
+            self.last_overflow = self.iteration
+        else:
+            if self.consecutive_hysteresis:
+                self.hysteresis = self.delayed_shift
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.hysteresis = self.delayed_shift
+                self.scale *= 2.0
+        self.iteration += 1
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)

@@ -382,6 +382,33 @@ class SchedulerConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LossScaleConfig:
+    """float16's loss scaling, with DeepSpeed's ``fp16`` keys and meanings."""
+
+    _PATH: ClassVar[str] = "training.fp16"
+    loss_scale: float = 0.0
+    """0: dynamic loss scaling; a positive value: that static scale."""
+    initial_scale_power: int = 16
+    """The dynamic scale starts at 2 ** this."""
+    loss_scale_window: int = 1000
+    """Steps without an overflow before the scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated (each skipping its step) before the scale halves."""
+    consecutive_hysteresis: bool = False
+    """Restore the hysteresis after every step without an overflow (DeepSpeed's option)."""
+    min_loss_scale: float = 1.0
+    """The scale never drops below it (the step is still skipped on an overflow)."""
+
+    def __post_init__(self) -> None:
+        check(self, "loss_scale", as_float, minimum=0.0)
+        check(self, "initial_scale_power", as_int, minimum=0)
+        check(self, "loss_scale_window", as_int, minimum=1)
+        check(self, "hysteresis", as_int, minimum=1)
+        check(self, "consecutive_hysteresis", as_bool)
+        check(self, "min_loss_scale", as_float, positive=True)
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainingConfig:
     _PATH: ClassVar[str] = "training"
     global_batch: int = 16
@@ -412,6 +439,9 @@ class TrainingConfig:
     flash_attention: bool = True
     """Attention that never materialises the score matrix (FlashAttention / torch SDPA): the
     cost model then keeps no quadratic activation memory. false models eager attention."""
+    fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Loss scaling of ``dtype: float16`` (ignored otherwise): an overflow on any rank skips the
+    step on every rank and lowers the scale."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "microbatch_size", "steps"):

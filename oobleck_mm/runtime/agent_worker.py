@@ -47,7 +47,13 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
 from oobleck_mm.protocol.pipe import recv_command, send_report
-from oobleck_mm.runtime.checkpoint import load_layer, periodic_checkpoint_dir, read_meta, save_layers
+from oobleck_mm.runtime.checkpoint import (
+    load_layer,
+    periodic_checkpoint_dir,
+    read_loss_scaler,
+    read_meta,
+    save_layers,
+)
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group
 from oobleck_mm.runtime.hold import hold
@@ -261,6 +267,10 @@ class WorkerLoop:
                     held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
                             for i in plan.stage(a.rank).layers}
                 engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter)
+                if a.resume_dir and engine.scaler is not None and held:
+                    state = read_loss_scaler(a.resume_dir, specs[min(held)].name)
+                    if state is not None:  # float16's scale goes on where the checkpoint left it
+                        engine.scaler.load_state_dict(state)
                 transfers, moved, transfer_s = [], 0, 0.0
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
@@ -295,7 +305,7 @@ class WorkerLoop:
             return
         alive = set(c.surviving_ranks)
         owned = [i for i in gen.engine.layers if min(r for r in gen.plan.holders(i) if r in alive) == gen.rank]
-        save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs)
+        save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs, gen.engine.scaler_state())
         self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, layers=len(owned)))
 
 

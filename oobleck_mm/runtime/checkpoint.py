@@ -43,8 +43,12 @@ def periodic_checkpoint_dir(root: str | os.PathLike, step: int) -> str:
     return os.path.join(os.fspath(root), f"step{step:08d}")
 
 
-def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], layers: Iterable[int], specs) -> None:
-    """Write ``layers`` (indices into ``held``) atomically, one file each."""
+def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], layers: Iterable[int], specs,
+                loss_scaler: dict | None = None) -> None:
+    """Write ``layers`` (indices into ``held``) atomically, one file each.
+
+    ``loss_scaler``: float16's loss-scaler state, the same on every rank, so every shard carries
+    it and a resume reads it from whichever shard a worker loads (``read_loss_scaler``)."""
     directory = Path(directory)
     (directory / "layers").mkdir(parents=True, exist_ok=True)
     for i in layers:
@@ -53,6 +57,7 @@ def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], lay
             "params": {k: v.detach().cpu() for k, v in h.module.state_dict().items()},
             "optimizer": ({k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
                           if h.optimizer is not None else None),
+            "loss_scaler": loss_scaler,
         }
         path = _layer_file(directory, specs[i].name)
         tmp = path.with_suffix(".tmp")
@@ -144,6 +149,11 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
             raise UserError(f"{path}: layer {specs[index].name!r} is trainable but was saved without optimizer state")
         load_optimizer_state(held.optimizer, payload["optimizer"])
     return held
+
+
+def read_loss_scaler(directory: str | os.PathLike, name: str) -> dict | None:
+    """The loss-scaler state layer ``name``'s shard carries (None: not a float16 run)."""
+    return _load_shard(_layer_file(Path(directory), name), "cpu").get("loss_scaler")
 
 
 def load_params(directory: str | os.PathLike, name: str) -> dict[str, torch.Tensor]:

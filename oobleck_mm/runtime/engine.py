@@ -19,6 +19,7 @@ with a frozen vision encoder at the front nothing flows back into it at all.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,9 +40,9 @@ from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_sp
 from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.runtime.grad_sync import GradientSync
 from oobleck_mm.planning.layout import ExecutionPlan
-from oobleck_mm.precision import compute_dtype, is_mixed, reduce_dtype
-from oobleck_mm.runtime.mixed import ComputeCopies
-from oobleck_mm.runtime.optim import build_layer_optimizer
+from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
+from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
+from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.update import apply_update, trainable_params
 from oobleck_mm.runtime.waiting import Waiter
@@ -70,6 +71,10 @@ class StepResult:
     """Seconds from the step's start to this stage's gradient all-reduce (its 1F1B part)."""
     pipeline_times: list[float] = field(default_factory=list)
     """Measured 1F1B seconds of every pipeline (with the balancer on)."""
+    skipped: bool = False
+    """float16: the gradients overflowed on some rank, so no rank updated anything this step."""
+    loss_scale: float = 0.0
+    """float16: the loss scale of the step (0 otherwise)."""
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
@@ -108,7 +113,7 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
 class StageEngine:
     def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
                  device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None,
-                 waiter: Waiter | None = None, balancer=None):
+                 waiter: Waiter | None = None, balancer=None, scaler: LossScaler | None = None):
         """``held``: layers this worker already holds (after a reconfiguration, with their optimizers);
         every other layer of the stage is built fresh from the seed."""
         self.job, self.plan, self.rank, self.device = job, plan, rank, torch.device(device)
@@ -125,6 +130,8 @@ class StageEngine:
         if balancer is None and job.balance.enabled:
             balancer = StepBalancer(job, self.data, self.specs, self.device)
         self.balancer = balancer
+        self.scaler = scaler if scaler is not None else LossScaler.for_training(job.training)
+        """float16's loss scaler (None otherwise); handed on across plans like the balancer."""
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
         self.pipeline_index, self.stage_index = plan.position(rank)
@@ -240,7 +247,7 @@ class StageEngine:
             if self.next_rank is None:
                 loss = microbatch_loss(acts[0], batch, self._loss_tokens)
                 self._loss += loss.detach().double().cpu()
-                acts = (loss,)
+                acts = (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
         self._outputs[ins.buffer_id] = acts
         dt = time.perf_counter() - t0
         self._result.forward_s += dt
@@ -291,6 +298,8 @@ class StageEngine:
     def _reduce_grads(self, ins) -> None:
         t0 = time.perf_counter()
         self._result.pipeline_s = t0 - self._t0  # this stage's 1F1B part of the iteration
+        if overflow_injected(self._step, self.rank):
+            poison_gradients(self.layers)
         self.sync.all_reduce(self.layers, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
@@ -304,8 +313,22 @@ class StageEngine:
         if self.balancer is not None:
             self._measure_pipelines()
         self._result.comm_s += time.perf_counter() - t0
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            self._result.loss_scale = scale
+            # Every rank sees the same all-reduced norm, so every rank skips the same step.
+            overflow = LossScaler.overflowed(norm_sq)
+            self.scaler.update(overflow)
+            if overflow:
+                for optimizer in self.optimizers.values():
+                    optimizer.zero_grad(set_to_none=True)
+                self._result.skipped, self._result.grad_norm = True, math.inf
+                self._result.lr = lr_at(self.job.training, self._step)
+                log.warning("step %d: float16 gradients overflowed at loss scale %g; step skipped on every "
+                            "rank, scale now %g", self._step, scale, self.scaler.scale)
+                return
         self._result.grad_norm, self._result.lr = apply_update(
-            self.layers, self.optimizers, norm_sq, self._step, self.job.training
+            self.layers, self.optimizers, norm_sq, self._step, self.job.training, grad_scale=scale
         )
         if self.mixed is not None:
             self.mixed.sync()
@@ -328,6 +351,9 @@ class StageEngine:
                 getattr(self, name).clear()
 
     # ------------------------------------------------------------------ state
+    def scaler_state(self) -> dict | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
     def held(self) -> dict[int, HeldLayer]:
         return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
 

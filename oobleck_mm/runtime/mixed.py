@@ -18,6 +18,8 @@ the model built them in, as transformers keeps them.
 from __future__ import annotations
 
 import copy
+import math
+import os
 from collections.abc import Mapping
 
 import torch
@@ -64,3 +66,31 @@ def _into(master: nn.Parameter):
         p.grad = None
 
     return hook
+
+
+# --------------------------------------------------------------------------- float16 overflow injection
+
+OVERFLOW_ENV = "OOBLECK_INJECT_OVERFLOW"
+"""Fault injection for float16 runs: ``"STEP[@RANK],..."`` puts an inf into a gradient of that rank
+(every rank without ``@RANK``; the reference trainer ignores the rank) before the all-reduce of that
+step, as a real overflow would. Every rank must then skip that step."""
+
+
+def overflow_injected(step: int, rank: int | None = None) -> bool:
+    for item in filter(None, (x.strip() for x in os.environ.get(OVERFLOW_ENV, "").split(","))):
+        at, _, who = item.partition("@")
+        if int(at) == step and (not who or rank is None or int(who) == rank):
+            return True
+    return False
+
+
+@torch.no_grad()
+def poison_gradients(layers: Mapping[int, nn.Module]) -> None:
+    """An inf in the first trainable gradient this rank holds."""
+    for index in sorted(layers):
+        for p in layers[index].parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.view(-1)[0] = math.inf
+                return

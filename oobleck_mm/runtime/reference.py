@@ -16,8 +16,8 @@ from torch import nn
 
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair
-from oobleck_mm.precision import compute_dtype, is_mixed
-from oobleck_mm.runtime.mixed import ComputeCopies
+from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed
+from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
 from oobleck_mm.runtime.optim import build_layer_optimizer
 from oobleck_mm.runtime.update import apply_update, grad_sq, trainable_params
 
@@ -46,6 +46,7 @@ class ReferenceTrainer:
         self.mixed = ComputeCopies(dict(enumerate(self.layers)), compute_dtype(job.training)) \
             if is_mixed(job.training) else None
         self.compute = self.mixed.compute if self.mixed is not None else dict(enumerate(self.layers))
+        self.scaler = LossScaler.for_training(job.training)
 
     def train_step(self, step: int, microbatches=None) -> float:
         """One iteration at 0-based global step ``step``; returns the global batch's mean token loss.
@@ -76,10 +77,21 @@ class ReferenceTrainer:
             for i in range(len(self.layers)):
                 acts = self.compute[i](acts, batch)
             loss = microbatch_loss(acts[0], batch, loss_tokens)
-            loss.backward()
+            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
             total += loss.item()
+        if overflow_injected(step):
+            poison_gradients(dict(enumerate(self.layers)))
         norm_sq = float(sum(grad_sq(layer) for layer in self.layers))
-        apply_update(dict(enumerate(self.layers)), self.optimizers, norm_sq, step, self.job.training)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            overflow = LossScaler.overflowed(norm_sq)
+            self.scaler.update(overflow)
+            if overflow:  # skipped, as the engine skips it on every rank
+                for optimizer in self.optimizers.values():
+                    optimizer.zero_grad(set_to_none=True)
+                return total
+        apply_update(dict(enumerate(self.layers)), self.optimizers, norm_sq, step, self.job.training,
+                     grad_scale=scale)
         if self.mixed is not None:
             self.mixed.sync()
         return total

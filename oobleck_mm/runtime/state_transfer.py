@@ -96,6 +96,15 @@ def transfer_layers(
     return out, moved, seconds
 
 
+def share_loss_scaler(scaler, src: int, device) -> None:
+    """Collective: every rank takes rank ``src``'s loss-scaler state (a joiner starts from the config's)."""
+    keys = sorted(k for k, v in scaler.state_dict().items() if not isinstance(v, bool))
+    state = scaler.state_dict()
+    values = torch.tensor([float(state[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.broadcast(values, src=src)
+    scaler.load_state_dict({k: type(state[k])(v) for k, v in zip(keys, values.tolist())})
+
+
 def _tag(transfer_index: int, tensor_index: int) -> int:
     return transfer_index * 1024 + tensor_index
 
@@ -118,10 +127,13 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
     keep.update(received)
     data = engine.data if engine is not None else None
     balancer = engine.balancer if engine is not None else None  # the cost model carries over
+    scaler = engine.scaler if engine is not None else None  # so does float16's loss scale
     engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter,
-                         balancer=balancer)
+                         balancer=balancer, scaler=scaler)
     survivors = [rank for rank, previous in enumerate(previous_ranks) if previous >= 0]
     if engine.balancer is not None and survivors:
         # Joiners start with the initial cost model: every rank must use the survivors' one.
         engine.balancer.share_from(min(survivors))
+    if engine.scaler is not None and survivors:
+        share_loss_scaler(engine.scaler, min(survivors), device)
     return engine, transfers, moved, seconds

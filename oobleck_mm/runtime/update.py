@@ -49,16 +49,20 @@ def apply_update(
     total_grad_sq: float,
     step: int,
     training,
+    grad_scale: float = 1.0,
 ) -> tuple[float, float]:
-    """Clip by the global norm, set the step's LR, step every layer's optimizer; returns (grad norm, lr)."""
-    norm = math.sqrt(total_grad_sq)
-    coef = clip_coefficient(norm, training.gradient_clipping)
+    """Clip by the global norm, set the step's LR, step every layer's optimizer; returns (grad norm, lr).
+
+    ``grad_scale``: the float16 loss scale the gradients (and ``total_grad_sq``, squared) still
+    carry; they are divided by it with the clipping, in one multiply."""
+    norm = math.sqrt(total_grad_sq) / grad_scale
+    coef = clip_coefficient(norm, training.gradient_clipping) / grad_scale
     lr = lr_at(training, step)
     clipped: set[int] = set()  # the reference trainer's tied embedding is one parameter in two layers
     for index in sorted(optimizers):
         layer = layers[index]
         fill_missing_grads(layer)
-        if coef < 1.0:
+        if coef != 1.0:
             for p in trainable_params(layer):
                 if id(p) not in clipped:
                     clipped.add(id(p))

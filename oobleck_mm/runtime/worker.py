@@ -65,7 +65,7 @@ def save_checkpoint(directory: str, engine: StageEngine, step: int, node: str = 
     """
     plan, rank = engine.plan, engine.rank
     owned = [i for i in engine.layers if plan.holders(i)[0] == rank]
-    save_layers(directory, engine.held(), owned, engine.specs)
+    save_layers(directory, engine.held(), owned, engine.specs, engine.scaler_state())
     hold("checkpoint", node)
     dist.barrier()
     if rank == 0:
@@ -155,7 +155,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
                     "optimizer_state_sizes": {k: len(opt.state) for k, opt in
                                               ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},
-                    "results": results, "transfers": transfers,
+                    "results": results, "transfers": transfers, "loss_scaler": engine.scaler_state(),
                     "balancer": (None if engine.balancer is None else
                                  {"coefficients": engine.balancer.coefficients.to_dict(),
                                   "metrics": engine.balancer.last_metrics})},

@@ -94,3 +94,47 @@ def test_bfloat16_gradient_reduction_rounds_the_all_reduce_only(tmp_path):
 def test_master_dtype_below_the_compute_dtype_is_refused():
     with pytest.raises(ConfigError, match="training.master_dtype: must be float64 when training.dtype is float64"):
         job("float64", "float32")
+
+
+# --------------------------------------------------------------------------- float16 loss scaling
+
+
+def fp16_job(**fp16):
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float16", steps=STEPS, fp16={"initial_scale_power": 6, "hysteresis": 1, **fp16})
+    return config_from_dict(d)
+
+
+def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(tmp_path, monkeypatch):
+    from oobleck_mm.runtime.mixed import OVERFLOW_ENV
+
+    monkeypatch.setenv(OVERFLOW_ENV, "2@1")  # an inf in a gradient of rank 1 at step 2
+    j = fp16_job()
+    worst, dtypes, losses, ref_losses = run(j, tmp_path)
+    outs = run_local(j, ExecutionPlan.even(10, [2, 3], [4, 4], 2), STEPS, tmp_path / "again")
+    for out in outs:
+        assert [r.skipped for r in out["results"]] == [False, False, True, False]
+        assert [r.loss_scale for r in out["results"]] == [64.0, 64.0, 64.0, 32.0]  # halved after the overflow
+        assert out["loss_scaler"]["scale"] == 32.0
+    assert dtypes == {torch.float32}  # fp32 masters
+    assert worst <= 1e-3, worst  # the fp16 reference skipped the same step
+    assert losses == pytest.approx(ref_losses, abs=2e-2)
+
+
+def test_loss_scaler_state_survives_a_reconfiguration(tmp_path, monkeypatch):
+    from oobleck_mm.runtime.mixed import OVERFLOW_ENV
+    from oobleck_mm.runtime.worker import Phase
+
+    monkeypatch.setenv(OVERFLOW_ENV, "1")
+    j = fp16_job()
+    first = ExecutionPlan.even(10, [2, 3], [4, 4], 2)
+    after = ExecutionPlan.even(10, [2, 2], [4, 4], 2)
+    phase = Phase(plan=after, steps=2, survivors={0: 0, 1: 1, 2: 2, 3: 3})  # rank 4 is lost
+    outs = run_local(j, first, 2, tmp_path, phases=[phase])
+    trainer = ReferenceTrainer(j)
+    for step in range(4):
+        trainer.train_step(step)
+    for out in outs:
+        assert out["loss_scaler"] == trainer.scaler.state_dict()
+        assert [r.skipped for r in out["results"]] == [False, True, False, False]
