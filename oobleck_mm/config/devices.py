@@ -25,9 +25,12 @@ class DeviceSpec:
     efficiency: float = 0.45
     """Fraction of peak FLOP/s real kernels achieve."""
     bytes_per_param: int = 2
-    """Bytes of a weight, its gradient and an activation element at the training dtype."""
+    """Bytes of a weight and an activation element at the compute dtype."""
     optimizer_bytes_per_param: int = 12
     """Adam state per parameter: fp32 master copy + two moments for mixed precision (12), two moments in fp32 (8)."""
+    grad_bytes_per_param: int | None = None
+    """Bytes of a gradient: the master dtype's (mixed precision accumulates into the masters); None:
+    ``bytes_per_param``."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bytes", "memory_bandwidth", "bytes_per_param"):
@@ -40,11 +43,22 @@ class DeviceSpec:
                 f"device {self.name!r}: optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param}"
             )
 
-    def with_dtype(self, dtype: str) -> DeviceSpec:
-        """The same device training in ``dtype``: byte widths change, peak FLOP/s is kept."""
+    @property
+    def grad_bytes(self) -> int:
+        return self.grad_bytes_per_param if self.grad_bytes_per_param is not None else self.bytes_per_param
+
+    def with_dtype(self, dtype: str, master_dtype: str | None = None) -> DeviceSpec:
+        """The same device computing in ``dtype`` and training ``master_dtype`` masters (default: fp32
+        for the half types, else ``dtype``): byte widths change, peak FLOP/s is kept.
+
+        Mixed precision (the two differ) holds per parameter the compute copy, the master, its
+        gradient in the master dtype and two Adam moments in the master dtype."""
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {dtype!r}")
-        return replace(self, bytes_per_param=DTYPE_BYTES[dtype][0], optimizer_bytes_per_param=DTYPE_BYTES[dtype][1])
+        compute = DTYPE_BYTES[dtype][0]
+        master = DTYPE_BYTES[master_dtype or ("float32" if compute == 2 else dtype)][0]
+        optimizer = 2 * master + (master if master != compute else 0)
+        return replace(self, bytes_per_param=compute, grad_bytes_per_param=master, optimizer_bytes_per_param=optimizer)
 
 
 # dtype -> (bytes per weight/grad/activation, Adam bytes per parameter). Half types train

@@ -14,8 +14,9 @@ produces. Per layer and microbatch of ``b`` samples (``s`` = b * tokens per samp
 * Time of each pass: ``max(FLOPs / (peak * efficiency), bytes moved / memory
   bandwidth)``; bytes moved = weights read once + the layer's input and output
   activations. Embedding lookups and small layers are bandwidth-bound this way.
-* Memory: params and grads at ``bytes_per_param``; optimizer state at
-  ``optimizer_bytes_per_param``. Activations kept for backward per microbatch
+* Memory: params at ``bytes_per_param`` (the compute dtype), grads at the master
+  dtype's width, optimizer state at ``optimizer_bytes_per_param`` (mixed precision:
+  the master copy and two moments). Activations kept for backward per microbatch
   follow Korthikanti et al. 2022 ("Reducing activation recomputation"): a
   transformer block keeps ``s*(9h + 2*ffn)`` elements (``3*ffn`` for a gated FFN;
   both give the paper's ``34*s*h`` bytes at 2 bytes and ffn = 4h) plus
@@ -126,7 +127,7 @@ def _layer_cost(
         backward_weight_s=b_weight,
         backward_input_s=b_input,
         param_bytes=params * dev.bytes_per_param,
-        grad_bytes=params * dev.bytes_per_param,
+        grad_bytes=params * dev.grad_bytes,
         optimizer_bytes=params * dev.optimizer_bytes_per_param,
         activation_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, checkpointing, flash)),
         output_bytes=math.ceil(tokens * _out_width(spec) * dev.bytes_per_param),
@@ -170,7 +171,7 @@ def profile_from_config(job: JobConfig) -> ModelProfile:
     """The analytical profile of a job: model and workload shape, dtype, device, attention and
     checkpointing choices, frozen modules."""
     specs = layer_specs(job.model, job.data)
-    device = get_device(job.cluster.device).with_dtype(job.training.dtype)
+    device = get_device(job.cluster.device).with_dtype(job.training.dtype, job.training.master_dtype)
     t = job.training
     profile = analytical_profile(
         specs,

@@ -344,7 +344,7 @@ class StageEngine:
 
     def discard_iteration(self) -> None:
         """Forget a failed iteration: gradients, in-flight activations, packed microbatches."""
-        for module in self.layers.values():
+        for module in (*self.layers.values(), *self.compute.values()):
             module.zero_grad(set_to_none=True)
         for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb"):
             if hasattr(self, name):

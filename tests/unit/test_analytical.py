@@ -140,15 +140,17 @@ def test_profile_from_config_applies_checkpointing_and_attention_choices():
 
 
 def test_state_bytes_follow_parameter_counts_and_dtype():
-    j = job("gpt3_2.7b")  # float16: 2-byte weights and grads, 12-byte Adam state
+    j = job("gpt3_2.7b")  # float16: 2-byte weights, fp32 grads (the masters'), fp32 master + moments
     specs = {s.name: s for s in layer_specs(j.model, j.data)}
     for layer in profile_from_config(j).layers:
         params = param_count(specs[layer.name])
-        assert (layer.param_bytes, layer.grad_bytes, layer.optimizer_bytes) == (2 * params, 2 * params, 12 * params)
+        assert (layer.param_bytes, layer.grad_bytes, layer.optimizer_bytes) == (2 * params, 4 * params, 12 * params)
     tiny = job("tiny_mm")  # float32 on the cpu: 4 + 4 + 8
     head = by_name(profile_from_config(tiny))["llm.head"]
     assert (head.param_bytes, head.optimizer_bytes) == (4 * (64 * 256 + 64), 8 * (64 * 256 + 64))
     assert DEVICES["h100"].with_dtype("float32").bytes_per_param == 4
+    exact = DEVICES["cpu"].with_dtype("float32", "float64")  # the exact-test mode: 4 + 8 + (8 + 16)
+    assert (exact.bytes_per_param, exact.grad_bytes, exact.optimizer_bytes_per_param) == (4, 8, 24)
     with pytest.raises(ValueError, match="dtype"):
         DEVICES["h100"].with_dtype("int8")
 
