@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print pipeline templates, the best plan and a reconfiguration plan")
     plan.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    plan.add_argument("--deepspeed", default=None, metavar="FILE",
+                       help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
     plan.add_argument("--nodes", type=int, default=None, help="number of nodes (default: cluster.nodes)")
     plan.add_argument(
         "--fail-nodes",
@@ -60,6 +62,8 @@ def _add_control_plane_parsers(sub) -> None:
     # Flags follow torchrun where they overlap; its spellings are accepted as aliases.
     master = sub.add_parser("master", help="run the job's master (one per job)")
     master.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    master.add_argument("--deepspeed", default=None, metavar="FILE",
+                       help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
     master.add_argument("--host", "--master-addr", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
@@ -90,6 +94,8 @@ def _add_control_plane_parsers(sub) -> None:
 
     local = sub.add_parser("local", help="master, N agents and their workers on this machine")
     local.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    local.add_argument("--deepspeed", default=None, metavar="FILE",
+                       help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
     local.add_argument("--nodes", "--nnodes", type=int, default=None, help="simulated nodes (default cluster.nodes)")
     local.add_argument("--gpus-per-node", "--nproc-per-node", type=int, default=None,
                        help="CPU worker processes per node (default cluster.gpus_per_node)")
@@ -162,7 +168,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from oobleck_mm.planning.planner import plan_job
     from oobleck_mm.profiling.load import load_profile
 
-    job = load_config(args.config)
+    job = load_config(args.config, args.deepspeed)
     num_nodes = job.cluster.nodes if args.nodes is None else args.nodes
     if num_nodes < 1:
         raise UserError(f"--nodes: must be >= 1, got {num_nodes}")
@@ -219,14 +225,15 @@ def _load_job(args: argparse.Namespace):
     if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
         raise UserError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
     return apply_overrides(
-        load_config(args.config), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
+        load_config(args.config, args.deepspeed), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
         steps=args.steps, recovery=args.recovery, checkpoint_interval=args.checkpoint_interval,
     )  # fmt: skip
 
 
 def _resume_command(command: str, args: argparse.Namespace) -> str:
     """How to start this job again (``--resume DIR`` is appended where it is printed)."""
-    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}"
+    ds = f" --deepspeed {os.path.abspath(args.deepspeed)}" if getattr(args, "deepspeed", None) else ""
+    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}{ds}"
 
 
 def _cmd_master(args: argparse.Namespace) -> int:

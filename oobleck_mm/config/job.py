@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import types
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from oobleck_mm.config.deepspeed import apply_deepspeed
 from oobleck_mm.config.devices import DEVICES
 from oobleck_mm.config.huggingface import HFModelShape, hf_model_shape
 from oobleck_mm.config.shape import layer_specs, resolve_frozen, sequence_tokens
@@ -893,12 +895,18 @@ def config_from_dict(d: Any, source: str = "<dict>") -> JobConfig:
     return _build(JobConfig, d, "")
 
 
+log = logging.getLogger(__name__)
+
 # libyaml's loader when built in: same results, many times faster.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def load_config(path: str | os.PathLike) -> JobConfig:
-    """Reads a YAML job file; a relative ``data.path`` is taken relative to the file."""
+def load_config(path: str | os.PathLike, deepspeed: str | None = None) -> JobConfig:
+    """Reads a YAML job file; a relative ``data.path`` is taken relative to the file.
+
+    ``deepspeed`` (or a top-level ``deepspeed: FILE`` in the YAML, relative to it): a DeepSpeed
+    JSON config mapped onto the training section (``oobleck_mm.config.deepspeed``); its notes
+    (keys accepted without effect) are logged as warnings."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -917,6 +925,17 @@ def load_config(path: str | os.PathLike) -> JobConfig:
         raw["data"]["path"] = os.path.join(os.path.dirname(os.path.abspath(path)), data_path)
     model = raw.get("model") if isinstance(raw, dict) else None
     here = os.path.dirname(os.path.abspath(path))
+    if isinstance(raw, dict) and ("deepspeed" in raw or deepspeed is not None):
+        in_file = raw.pop("deepspeed", None)
+        if in_file is not None and deepspeed is not None:
+            raise ConfigError(f"deepspeed: given twice, {in_file!r} in {path} and {deepspeed!r} on the command line")
+        ds_path = deepspeed if deepspeed is not None else os.path.join(here, os.path.expanduser(str(in_file)))
+        cluster = raw.get("cluster") if isinstance(raw.get("cluster"), dict) else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(ClusterConfig)}
+        sizes = [cluster.get(k, defaults[k]) for k in ("nodes", "gpus_per_node")]
+        world = sizes[0] * sizes[1] if all(isinstance(x, int) for x in sizes) else 1
+        for note in apply_deepspeed(raw, ds_path, world):
+            log.warning("note: %s", note)
     if isinstance(model, dict) and isinstance(model.get("huggingface"), str):
         model["huggingface"] = os.path.join(here, os.path.expanduser(model["huggingface"]))
     if isinstance(model, dict) and isinstance(model.get("builder"), str):

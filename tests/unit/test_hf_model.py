@@ -30,6 +30,17 @@ CASES = [("llama", "clip", False), ("qwen2", "siglip", False), ("mistral", "clip
          ("qwen2", None, False), ("mistral", None, False), ("qwen2", None, True), ("llama", "siglip", True)]  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """transformers' RMSNorm rounds activations to float32 even in a float64 model, which turns a 1e-16
+    difference into 1e-8; with several threads MKL may split a sum differently from call to call (it
+    picks the thread count by the machine's load), so the comparisons run on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def hf_job(directory, **training):
     with open(os.path.join(directory, "config.json")) as fh:
         multimodal = "vision_config" in json.load(fh)
