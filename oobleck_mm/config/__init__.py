@@ -6,7 +6,7 @@ The leaf of the import graph: nothing here imports another project module but
 - ``job``: the sections, the cross-field rules, parsing, command-line overrides,
   and the named timeouts (``FaultToleranceConfig``'s properties);
 - ``values``: field checks and units (durations, sizes, bandwidths), ``ConfigError``;
-- ``devices``: the accelerator catalogue ``cluster.device`` names;
+- ``devices``: the accelerator catalogue ``cluster.accelerator`` names;
 - ``shape``: the model the sections describe as ordered, pipeline-cuttable layers
   (``LayerSpec``), the workload's token counts and ``model.frozen``'s names.
 """

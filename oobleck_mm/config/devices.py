@@ -1,6 +1,6 @@
-"""The accelerator catalogue: what ``cluster.device`` may name and what each kind can do.
+"""The accelerator catalogue: what ``cluster.accelerator`` may name and what each kind can do.
 
-The config checks ``cluster.device`` against it and takes a device's memory as
+The config checks ``cluster.accelerator`` against it and takes a device's memory as
 the default ``cluster.device_memory``; the analytical cost model turns its
 FLOP/s and bandwidth into layer times. Pure data, no project imports.
 """

@@ -596,6 +596,10 @@ COLLECTIVE_TIMEOUT_MARGIN = timedelta(seconds=5)
 """``collective_timeout`` minus ``heartbeat_timeout``: the master's verdict's way to a waiting worker."""
 
 
+RUN_DEVICES = ("cpu", "cuda")
+"""What ``cluster.device`` may be: where the workers run."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     _PATH: ClassVar[str] = "cluster"
@@ -603,9 +607,14 @@ class ClusterConfig:
     """Nodes the job starts with."""
     gpus_per_node: int = 1
     device: str = "cpu"
-    """Device kind, a key of ``oobleck_mm.config.devices.DEVICES``."""
+    """What the workers run on: ``cpu`` (one process per simulated GPU, gloo) or ``cuda`` (one
+    process per GPU, NCCL)."""
+    accelerator: str | None = None
+    """The accelerator the cost model assumes, a key of ``oobleck_mm.config.devices.DEVICES``
+    (``a40``, ``a100-40gb``, ``a100-80gb``, ``h100``, ``cpu`` ...); default ``cpu`` on the cpu,
+    required with ``device: cuda``."""
     device_memory: int | None = None
-    """Bytes of memory per device; default: the device kind's."""
+    """Bytes of memory per device; default: the accelerator's."""
     max_gpus_per_stage: int = 1
     """Largest GPU count of one pipeline stage: 1, 2, 4 or 8, at most gpus_per_node."""
     intra_node_bandwidth: float = 150e9
@@ -618,9 +627,21 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         check(self, "nodes", as_int, minimum=1)
         check(self, "gpus_per_node", as_int, minimum=1)
-        check(self, "device", as_choice, tuple(DEVICES))
+        if self.device in DEVICES and self.device != "cpu":  # a config of before the split
+            raise ConfigError(
+                f"cluster.device: {self.device!r} is an accelerator kind, which is now cluster.accelerator (what the "
+                f"cost model assumes); cluster.device says what runs: 'cpu' or 'cuda'. Write "
+                f"`device: cuda` and `accelerator: {self.device}`"
+            )
+        check(self, "device", as_choice, RUN_DEVICES)
+        if self.accelerator is None:
+            if self.device == "cuda":
+                raise ConfigError("cluster.accelerator: required with cluster.device 'cuda' (the cost model's GPU); "
+                                  f"one of {', '.join(repr(d) for d in DEVICES)}")
+            self.accelerator = "cpu"
+        check(self, "accelerator", as_choice, tuple(DEVICES))
         if self.device_memory is None:
-            self.device_memory = DEVICES[self.device].memory_bytes
+            self.device_memory = DEVICES[self.accelerator].memory_bytes
         check(self, "device_memory", as_size)
         check(self, "max_gpus_per_stage", as_int, minimum=1)
         if self.max_gpus_per_stage not in (1, 2, 4, 8):
@@ -633,7 +654,7 @@ class ClusterConfig:
     def resolved_backend(self) -> str:
         if self.backend != "auto":
             return self.backend
-        return "gloo" if self.device == "cpu" else "nccl"
+        return "nccl" if self.device == "cuda" else "gloo"
 
 
 @dataclass(kw_only=True, slots=True)

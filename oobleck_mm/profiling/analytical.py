@@ -171,7 +171,7 @@ def profile_from_config(job: JobConfig) -> ModelProfile:
     """The analytical profile of a job: model and workload shape, dtype, device, attention and
     checkpointing choices, frozen modules."""
     specs = layer_specs(job.model, job.data)
-    device = get_device(job.cluster.device).with_dtype(job.training.dtype, job.training.master_dtype)
+    device = get_device(job.cluster.accelerator).with_dtype(job.training.dtype, job.training.master_dtype)
     t = job.training
     profile = analytical_profile(
         specs,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import save_layers, save_meta
 from oobleck_mm.runtime.engine import StageEngine, StepResult
@@ -40,8 +41,13 @@ log = logging.getLogger(__name__)
 
 
 def device_for(job, local_rank: int) -> torch.device:
+    """This worker's device: the cpu, or GPU ``local_rank`` made the process's current CUDA device (so
+    NCCL and every tensor created without a device land on it)."""
     if job.cluster.device == "cpu":
         return torch.device("cpu")
+    if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+        raise UserError(f"cluster.device: 'cuda', but this machine's torch sees {torch.cuda.device_count()} GPU(s) "
+                        f"and worker {local_rank} needs GPU {local_rank} (set cluster.device: cpu to run on the cpu)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -60,10 +60,11 @@ def test_every_shipped_config_loads_and_round_trips():
 def test_shipped_paper_configs_match_their_setups():
     gpt = load_config(os.path.join(ROOT, "configs", "gpt3_2.7b.yaml"))
     assert (gpt.training.global_batch, gpt.training.microbatch_size, gpt.data.max_seq_len) == (1024, 2, 2048)
-    assert (gpt.cluster.nodes, gpt.cluster.gpus_per_node, gpt.cluster.device) == (30, 1, "a40")
+    assert (gpt.cluster.nodes, gpt.cluster.gpus_per_node, gpt.cluster.device, gpt.cluster.accelerator) == (
+        30, 1, "cuda", "a40")
     assert gpt.cluster.device_memory == 40 * 10**9 and gpt.fault_tolerance.f == 1
     orch = load_config(os.path.join(ROOT, "configs", "mllm_84b.yaml"))
-    assert (orch.cluster.device, orch.cluster.gpus_per_node, orch.model.llm.num_layers) == ("h100", 8, 80)
+    assert (orch.cluster.accelerator, orch.cluster.gpus_per_node, orch.model.llm.num_layers) == ("h100", 8, 80)
     corn = load_config(os.path.join(ROOT, "configs", "cornstarch_mllm_sss.yaml"))
     assert set(corn.model.frozen) == {"vision", "audio", "llm"}
     assert (corn.training.global_batch, corn.training.microbatch_size, corn.cluster.nodes) == (48, 4, 6)
@@ -95,10 +96,20 @@ def test_defaults_fill_a_minimal_config():
     assert config_from_dict({**MINIMAL, "data": None, "cluster": {}}) == job
 
 
-def test_device_memory_defaults_to_the_device_kind():
-    job = config_from_dict(with_value(MINIMAL, "cluster", {"device": "h100", "nodes": 2}))
+def test_device_memory_defaults_to_the_accelerator_kind():
+    job = config_from_dict(with_value(MINIMAL, "cluster", {"device": "cuda", "accelerator": "h100", "nodes": 2}))
     assert job.cluster.device_memory == DEVICES["h100"].memory_bytes
     assert job.cluster.resolved_backend == "nccl"
+    planned = config_from_dict(with_value(MINIMAL, "cluster", {"accelerator": "a40", "nodes": 2}))  # costs of an
+    assert (planned.cluster.device, planned.cluster.resolved_backend) == ("cpu", "gloo")  # A40, run on the cpu
+
+
+def test_an_old_device_kind_says_how_to_migrate():
+    with pytest.raises(ConfigError, match=r"cluster.device: 'h100' is an accelerator kind.*`device: cuda` and "
+                                          r"`accelerator: h100`"):
+        config_from_dict(with_value(MINIMAL, "cluster", {"device": "h100"}))
+    with pytest.raises(ConfigError, match=r"cluster.accelerator: required with cluster.device 'cuda'.*'a40'"):
+        config_from_dict(with_value(MINIMAL, "cluster", {"device": "cuda"}))
 
 
 @pytest.mark.parametrize(
@@ -192,7 +203,8 @@ BAD = [
     ("fault_tolerance.heartbeat_timeout", "0s", "fault_tolerance.heartbeat_timeout:", "positive duration"),
     ("fault_tolerance.recovery", "pray", "fault_tolerance.recovery:", "'live', 'restart'"),
     ("cluster.nodes", 0, "cluster.nodes:", "must be >= 1, got 0"),
-    ("cluster.device", "tpu", "cluster.device:", "'cpu', 'a40'"),
+    ("cluster.device", "tpu", "cluster.device:", "'cpu', 'cuda'"),
+    ("cluster.accelerator", "tpu", "cluster.accelerator:", "'cpu', 'a40'"),
     ("cluster.device_memory", "40 bananas", "cluster.device_memory:", "'40GiB'"),
     ("cluster.max_gpus_per_stage", 3, "cluster.max_gpus_per_stage:", "1, 2, 4 or 8, got 3"),
     ("cluster.max_gpus_per_stage", 2, "cluster.max_gpus_per_stage (2)", "exceeds cluster.gpus_per_node (1)"),

@@ -70,7 +70,7 @@ def dead(pid: int) -> bool:
     return status(pid) in ("gone", psutil.STATUS_ZOMBIE)
 
 
-def eventually(predicate, timeout: float = 5.0) -> None:
+def eventually(predicate, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -114,7 +114,7 @@ def test_events_fire_when_due_with_real_signals_and_are_logged(cluster, tmp_path
     kill, stop, skipped = injector.poll(time.time())
     assert kill["batch"] == stop["batch"] == skipped["batch"] == worker_kill["batch"] + 1, "one simultaneous batch"
     assert kill["step"] == 2 and kill["event"] == "injected" and stop["kind"] == "stop"
-    assert cluster.procs["node0"].wait(5) == -9
+    assert cluster.procs["node0"].wait(15) == -9  # generous: CI may run this beside other load
     for pid in cluster.workers["node0"]:
         eventually(lambda: dead(pid))
     assert set(cluster.workers["node1"]) <= set(stop["pids"]) and stop["pids"][0] == cluster.procs["node1"].pid
@@ -147,7 +147,7 @@ def test_the_thread_fires_time_events_after_the_first_step_and_ends_with_the_job
         assert not dead(cluster.procs["node0"].pid), "no time passes before the first step"
         log.write("step", generation=1, step=0)
         started = time.time()
-        assert cluster.procs["node0"].wait(5) == -9
+        assert cluster.procs["node0"].wait(15) == -9  # generous: CI may run this beside other load
         assert 0.3 <= time.time() - started < 2.0
         [record] = [e for e in read_events(path) if e["event"] == "injected"]
         assert record["seconds"] >= 0.3
