@@ -41,6 +41,11 @@ class EncoderInput:
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> EncoderInput:
+        spans = self.spans()  # on the host: no device sync for it later
+        return EncoderInput(*(_move(t, device, non_blocking) for t in
+                              (self.features, self.grid, self.segments, self.llm_positions)), _spans=spans)
+
     def attention_mask(self) -> torch.Tensor:
         """[tokens, tokens] bool: a token attends to every token of its own medium."""
         if self._mask is None:
@@ -89,6 +94,30 @@ class PackedBatch:
 
     def encoder(self, modality: str) -> EncoderInput | None:
         return self.vision if modality == "vision" else self.audio
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """The microbatch on ``device``. Spans are computed on the host first (they are Python
+        tuples the layers loop over): on a GPU nothing in a layer then waits for the device.
+        ``non_blocking`` copies from pinned host memory, so the copy overlaps running work."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        spans = self.spans()
+        return PackedBatch(
+            sample_ids=self.sample_ids,
+            tokens=_move(self.tokens, device, non_blocking), labels=_move(self.labels, device, non_blocking),
+            positions=_move(self.positions, device, non_blocking),
+            segments=_move(self.segments, device, non_blocking),
+            vision=self.vision.to(device, non_blocking) if self.vision is not None else None,
+            audio=self.audio.to(device, non_blocking) if self.audio is not None else None,
+            _spans=spans,
+        )  # fmt: skip
+
+
+def _move(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    if non_blocking and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
 
 
 def segment_spans(segments: torch.Tensor) -> tuple[tuple[int, int], ...]:

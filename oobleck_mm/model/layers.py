@@ -45,7 +45,7 @@ Acts = tuple[torch.Tensor, ...]
 def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding over the last dim of [heads, T, d]."""
     d = x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=x.dtype) / d))
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d))
     ang = positions.to(x.dtype)[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
     x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -126,7 +126,7 @@ class Block(nn.Module):
 
 
 def _sinusoid(pos: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=dtype, device=pos.device) / dim))
     ang = pos.to(dtype)[:, None] * inv[None, :]
     return torch.cat([ang.sin(), ang.cos()], -1)[:, :dim]
 

@@ -194,7 +194,7 @@ class StageEngine:
         self._buffer_mb: dict[int, int] = {}
         self._pack_s: dict[int, float] = {}
         self._next_forward = self._next_load = 0
-        self._loss = torch.zeros((), dtype=torch.float64)
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0,
                                   microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p))
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
@@ -211,7 +211,8 @@ class StageEngine:
     def _batch(self, mb: int) -> PackedBatch:
         if mb not in self._batches:
             t0 = time.perf_counter()
-            self._batches[mb] = self.data.microbatch(self._microbatches[mb])
+            # Built on the host, then copied to the stage's device (pinned, asynchronous on a GPU).
+            self._batches[mb] = self.data.microbatch(self._microbatches[mb]).to(self.device, non_blocking=True)
             self._pack_s[mb] = time.perf_counter() - t0
             self._result.pack_s += self._pack_s[mb]
         return self._batches[mb]
@@ -246,7 +247,7 @@ class StageEngine:
                     acts = self.compute[i](acts, batch)
             if self.next_rank is None:
                 loss = microbatch_loss(acts[0], batch, self._loss_tokens)
-                self._loss += loss.detach().double().cpu()
+                self._loss += loss.detach().double()  # stays on the device: no sync per microbatch
                 acts = (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
         self._outputs[ins.buffer_id] = acts
         dt = time.perf_counter() - t0

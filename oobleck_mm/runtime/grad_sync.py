@@ -125,12 +125,11 @@ class GradientSync:
         With ``extra`` (a scalar), it is summed over all ranks in the same collective and
         returned too: ``(norm_sq, extra_sum)``.
         """
-        local = torch.zeros(2, dtype=torch.float64)
+        local = torch.zeros(2, dtype=torch.float64, device=device)  # built on the device: one sync, at the end
         for i in sorted(self.owned & layers.keys()):
-            local[0] += grad_sq(layers[i])
+            local[0] += grad_sq(layers[i]).to(device)
         if extra is not None:
             local[1] = extra.double()
-        local = local.to(device)
         waiter.wait(dist.all_reduce(local, async_op=True), "gradient-norm all-reduce")
         if extra is None:
             return float(local[0])

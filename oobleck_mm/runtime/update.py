@@ -35,7 +35,8 @@ def fill_missing_grads(layer: nn.Module) -> None:
 def grad_sq(layer: nn.Module) -> torch.Tensor:
     """Sum of squared gradients of one layer (float64 scalar); a tied LM head's copy of the
     embedding is the embedding's parameter, counted with it."""
-    total = torch.zeros((), dtype=torch.float64)
+    params = trainable_params(layer)
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
     skip = layer.tied_weight if getattr(layer, "tied_copy", False) else None
     for p in trainable_params(layer):
         if p.grad is not None and p is not skip:

@@ -136,10 +136,11 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                         collective_timeout=bound, arrival_timeout=bound)  # fmt: skip
 
     try:
+        device = device_for(job, rank)  # before the group: NCCL binds to the current CUDA device
         store = connect_store("127.0.0.1", port, timeout=bound)
         join(0, rank, plan.world_size)
         results: list[StepResult] = []
-        engine = train(job, plan, rank, 0, steps, torch.device("cpu"), results.append)
+        engine = train(job, plan, rank, 0, steps, device, results.append)
         step, transfers = steps, []
         for generation, phase in enumerate(phases, start=1):
             if rank not in phase.survivors:
@@ -149,7 +150,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
             plan = phase.plan
             join(generation, rank, plan.world_size)
             engine, moves, _, _ = adopt_plan(job, engine, old_plan, plan, phase.previous_ranks, rank,
-                                             phase.rank_nodes)  # fmt: skip
+                                             phase.rank_nodes, device)  # fmt: skip
             transfers.append(moves)
             for s in range(step, step + phase.steps):
                 results.append(engine.train_step(s))
