@@ -238,8 +238,10 @@ def _resume_command(command: str, args: argparse.Namespace) -> str:
 
 def _cmd_master(args: argparse.Namespace) -> int:
     from master.server import MasterOptions, MasterServer
+    from oobleck_mm.runtime.limits import check_runnable
 
     job = _load_job(args)
+    check_runnable(job, workers_here=False)
     _setup_logging("master")
     options = MasterOptions(
         host=args.host, port=args.port, store_port=args.store_port, run_dir=args.run_dir,
@@ -288,7 +290,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_local(args: argparse.Namespace) -> int:
     from master.local import LocalCluster, LocalOptions
 
+    from oobleck_mm.runtime.limits import check_runnable
+
     job = _load_job(args)
+    check_runnable(job, workers_here=True)
     faults = _faults(args, job.cluster.nodes)
     _setup_logging("local", logging.WARNING)  # the console shows progress; details are in the event log
     options = LocalOptions(

@@ -146,3 +146,18 @@ def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
     (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0}))
     assert verify(["--config", TINY, "--steps", "0", "--against", str(tmp_path)]) == 2
     assert "lacks num_layers, layer_names" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,message", [
+    ("configs/mllm_10b.yaml", "cluster.max_gpus_per_stage: 8, but the runtime runs one GPU per pipeline stage"),
+    ("configs/gpt3_2.7b.yaml", "cluster.device: 'cuda' with cluster.gpus_per_node 1, but this machine's torch sees"),
+])
+def test_local_refuses_what_the_workers_could_not_run_before_starting_anything(capsys, config, message):
+    if "gpt3" in config:
+        import torch
+
+        if torch.cuda.device_count() >= 1:
+            pytest.skip("this machine has a GPU")
+    assert main(["local", "--config", config]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["plan", "--config", config]) == 0  # planning it is fine
