@@ -25,7 +25,7 @@ NO_EFFECT = ("wall_clock_breakdown", "steps_per_print", "tensorboard", "wandb", 
              "flops_profiler", "comms_logger", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
              "gradient_predivide_factor", "prescale_gradients", "sparse_gradients")  # fmt: skip
 """Keys that change how DeepSpeed logs or profiles, not what is trained."""
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 
 
 def read_deepspeed(path: str) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def _scheduler(section: Any, name: str) -> dict[tuple[str, ...], Any]:
         raise ConfigError(f"deepspeed: {name}: scheduler must be an object with a type")
     if section["type"] not in SCHEDULERS:
         raise ConfigError(f"deepspeed: {name}: scheduler.type {section['type']!r} is not supported; supported: "
-                          + ", ".join(SCHEDULERS) + " (OneCycle also cycles Adam's momentum, not run yet)")
+                          + ", ".join(SCHEDULERS))
     params = dict(section.get("params") or {})
     params.pop("last_batch_iteration", None)  # -1: where DeepSpeed starts, which lr_at models
     return {("scheduler",): {"type": section["type"], "params": params}}

@@ -353,6 +353,21 @@ _SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
         "cos_min_ratio": lambda p, v: as_float(p, v, minimum=0.0, maximum=1.0),
         "warmup_type": _warmup_type,
     },
+    # DeepSpeed's OneCycle: lr up then down over two half cycles, then decay; Adam's beta1 cycled inversely.
+    "OneCycle": {
+        "cycle_min_lr": lambda p, v: as_float(p, v, minimum=0.0),
+        "cycle_max_lr": lambda p, v: as_float(p, v, positive=True),
+        "decay_lr_rate": lambda p, v: as_float(p, v, minimum=0.0),
+        "cycle_first_step_size": lambda p, v: as_int(p, v, minimum=1),
+        "cycle_second_step_size": lambda p, v: as_int(p, v, minimum=0),
+        "cycle_first_stair_count": lambda p, v: as_int(p, v, minimum=0),
+        "cycle_second_stair_count": lambda p, v: as_int(p, v, minimum=0),
+        "decay_step_size": lambda p, v: as_int(p, v, minimum=0),
+        "cycle_momentum": lambda p, v: as_bool(p, v),
+        "cycle_min_mom": lambda p, v: as_float(p, v, minimum=0.0, below=1.0),
+        "cycle_max_mom": lambda p, v: as_float(p, v, minimum=0.0, below=1.0),
+        "decay_mom_rate": lambda p, v: as_float(p, v, minimum=0.0),
+    },
 }
 # DeepSpeed's own defaults, used by the cross-field checks on what it will run.
 SCHEDULER_DEFAULT_WARMUP_STEPS = 1000
@@ -363,7 +378,7 @@ WARMUP_DECAY_DEFAULT_MAX_LR = 0.001
 class SchedulerConfig:
     _PATH: ClassVar[str] = "training.scheduler"
     type: str = "WarmupLR"
-    """``WarmupLR``, ``WarmupDecayLR`` or ``WarmupCosineLR`` (DeepSpeed semantics)."""
+    """``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` or ``OneCycle`` (DeepSpeed semantics)."""
     params: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed's argument names: warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type
     (log|linear), total_num_steps (defaults to training.steps), warmup_min_ratio, cos_min_ratio."""
@@ -777,6 +792,12 @@ def _validate_scheduler(t: TrainingConfig) -> None:
         return
     params = t.scheduler.params
     path = "training.scheduler.params"
+    if t.scheduler.type == "OneCycle":
+        missing = [k for k in ("cycle_min_lr", "cycle_max_lr") if k not in params]
+        if missing:
+            raise ConfigError(f"{path}.{missing[0]}: required by OneCycle (its lr cycles between cycle_min_lr "
+                              "and cycle_max_lr)")
+        return
     warmup = params.get("warmup_num_steps", SCHEDULER_DEFAULT_WARMUP_STEPS)
     if "total_num_steps" in params and params["total_num_steps"] < warmup:
         raise ConfigError(

@@ -53,6 +53,8 @@ def lr_at(training: TrainingConfig, step: int) -> float:
     warmup_steps = max(2, p.get("warmup_num_steps", SCHEDULER_DEFAULT_WARMUP_STEPS))  # DeepSpeed's max(2, n)
     warmup_type = p.get("warmup_type", _DEFAULT_WARMUP_TYPE)
     total_steps = p.get("total_num_steps", training.steps)
+    if scheduler.type == "OneCycle":
+        return _one_cycle(training, step)[0]
     if scheduler.type == "WarmupCosineLR":
         return _warmup_cosine_lr(base_lr, iteration, warmup_steps, warmup_type, total_steps, p)
     min_lr = p.get("warmup_min_lr", _DEFAULT_WARMUP_MIN_LR)
@@ -96,6 +98,38 @@ def _warmup_cosine_lr(base_lr: float, iteration: int, warmup_steps: int, warmup_
         progress = min(1.0, (iteration - warmup_steps + 1) / max(1, total_steps - warmup_steps))
         ratio = max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * ((1 + math.cos(math.pi * progress)) / 2))
     return base_lr * ratio
+
+
+def betas_at(training: TrainingConfig, step: int) -> tuple[float, float] | None:
+    """Adam's betas in optimizer step ``step`` when the schedule sets them (OneCycle's momentum
+    cycling, which DeepSpeed applies as ``(momentum, 0.99)``), else None: the configured betas stay."""
+    if training.scheduler is None or training.scheduler.type != "OneCycle":
+        return None
+    return _one_cycle(training, step)[1]
+
+
+def _one_cycle(training: TrainingConfig, step: int) -> tuple[float, tuple[float, float] | None]:
+    """DeepSpeed's own OneCycle evaluated at the iteration optimizer step ``step`` runs with.
+
+    The schedule is asked, not re-implemented: a OneCycle over a one-parameter optimizer built
+    at ``last_batch_iteration = step - 1`` (step 0: the values its constructor writes), the same
+    off-by-one as ``lr_at`` documents for the warm-up schedules.
+    """
+    from deepspeed.runtime.lr_schedules import OneCycle
+
+    probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=training.optimizer.params.lr,
+                              betas=training.optimizer.params.betas)  # fmt: skip
+    schedule = OneCycle(probe, last_batch_iteration=-1 if step == 0 else step - 1, **training.scheduler.params)
+    if step == 0:
+        group = probe.param_groups[0]
+        return group["lr"], (tuple(group["betas"]) if schedule.cycle_momentum else None)
+    betas = tuple(schedule.get_mom()[0]) if schedule.cycle_momentum else None
+    return schedule.get_lr()[0], betas
+
+
+def set_betas(optimizer: torch.optim.Optimizer, betas: tuple[float, float]) -> None:
+    for group in optimizer.param_groups:
+        group["betas"] = betas
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from oobleck_mm.runtime.optim import clip_coefficient, lr_at, set_lr
+from oobleck_mm.runtime.optim import betas_at, clip_coefficient, lr_at, set_betas, set_lr
 
 
 def trainable_params(layer: nn.Module) -> list[nn.Parameter]:
@@ -59,6 +59,7 @@ def apply_update(
     norm = math.sqrt(total_grad_sq) / grad_scale
     coef = clip_coefficient(norm, training.gradient_clipping) / grad_scale
     lr = lr_at(training, step)
+    betas = betas_at(training, step)
     clipped: set[int] = set()  # the reference trainer's tied embedding is one parameter in two layers
     for index in sorted(optimizers):
         layer = layers[index]
@@ -69,6 +70,8 @@ def apply_update(
                     clipped.add(id(p))
                     p.grad.mul_(coef)
         set_lr(optimizers[index], lr)
+        if betas is not None:
+            set_betas(optimizers[index], betas)
         optimizers[index].step()
         optimizers[index].zero_grad(set_to_none=True)
     return norm, lr

@@ -143,3 +143,20 @@ def test_saved_run_verifies_against_the_reference(tmp_path, capsys):
     # a different number of steps is a different model: verification must fail
     assert verify.main(["--config", str(config), "--steps", "2", "--against", str(tmp_path / "final")]) == 1
     assert verify.main(["--config", str(tmp_path / "nope.yaml"), "--steps", "2", "--against", "x"]) == 2
+
+
+def test_one_cycle_schedule_with_momentum_cycling_equals_reference(tmp_path):
+    """OneCycle sets lr and Adam's betas every step (DeepSpeed's class): the engine's layers on every
+    rank take the same ones as the reference."""
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=STEPS, scheduler={"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 2, "cycle_min_mom": 0.8,
+        "cycle_max_mom": 0.95}})
+    job = config_from_dict(d)
+    trainer, ref_losses = reference(job)
+    plan = ExecutionPlan.even(len(trainer.specs), [2, 3], [4, 4], job.training.microbatch_size)
+    outs = run_local(job, plan, STEPS, tmp_path)
+    assert max_param_diff(outs, trainer) < 1e-10
+    assert [r.lr for r in outs[0]["results"]] == pytest.approx([1e-4, 1e-4 + 0.5 * 2.9e-3, 3e-3,
+                                                                 1e-4 + 0.5 * 2.9e-3, 1e-4], rel=1e-9)

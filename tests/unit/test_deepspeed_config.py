@@ -52,7 +52,8 @@ def test_fp16_keys_adam_mode_reduction_dtype_and_deepspeeds_batch_rule(tmp_path)
 
 @pytest.mark.parametrize("ds,message", [
     ({"zero_optimization": {"stage": 2}}, r"zero_optimization.stage 2 is not supported \(only 0\)"),
-    ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler.type 'OneCycle' is not supported"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler.params.cycle_min_lr: required by OneCycle"),
+    ({"scheduler": {"type": "Noam", "params": {}}}, r"scheduler.type 'Noam' is not supported"),
     ({"amp": {"enabled": True}}, r"key 'amp' is not supported; supported keys:"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
      r"train_batch_size \(10\) is not train_micro_batch_size_per_gpu \(2\) x gradient_accumulation_steps \(2\)"),

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from oobleck_mm.config import OptimizerConfig, OptimizerParams, SchedulerConfig, TrainingConfig
 from oobleck_mm.runtime.optim import (
+    betas_at,
     build_layer_optimizer,
     clip_coefficient,
     load_optimizer_state,
@@ -79,6 +80,29 @@ def test_deepspeed_defaults_when_params_are_absent(kind):
     t = training(lr=0.01, scheduler=SchedulerConfig(type=kind), steps=1200)
     expected = deepspeed_lrs(t, 1210)
     assert [lr_at(t, s) for s in range(1210)] == pytest.approx(expected, rel=1e-13, abs=1e-16)
+
+
+@pytest.mark.parametrize("params", [
+    {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 5},
+    {"cycle_min_lr": 0.0, "cycle_max_lr": 3e-3, "cycle_first_step_size": 6, "cycle_second_step_size": 3,
+     "cycle_first_stair_count": 2, "decay_step_size": 2, "decay_lr_rate": 0.1, "cycle_min_mom": 0.85,
+     "cycle_max_mom": 0.95, "decay_mom_rate": 0.05},
+    {"cycle_min_lr": 1e-3, "cycle_max_lr": 2e-3, "cycle_first_step_size": 4, "cycle_momentum": False},
+])
+def test_one_cycle_lr_and_momentum_are_deepspeeds(params):
+    """OneCycle driven like DeepSpeed's engine (stepped after each optimizer step) on AdamW."""
+    t = training(lr=1e-3, scheduler=SchedulerConfig(type="OneCycle", params=params), betas=(0.9, 0.999))
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(0.9, 0.999))
+    sched = lr_schedules.OneCycle(opt, **params)
+    for step in range(30):
+        group = opt.param_groups[0]
+        assert lr_at(t, step) == pytest.approx(group["lr"], rel=1e-13, abs=1e-16), step
+        betas = betas_at(t, step)
+        if params.get("cycle_momentum", True):
+            assert betas == pytest.approx(tuple(group["betas"]), rel=1e-13), step
+        else:
+            assert betas is None and tuple(group["betas"]) == (0.9, 0.999)
+        sched.step()
 
 
 def test_first_steps_follow_deepspeed_step_order():
