@@ -213,7 +213,7 @@ class WorkerLoop:
 
     def abort(self, generation: int, step: int, message: str):
         log.warning("generation %d: iteration %d abandoned: %s", generation, step, message)
-        leave_group()  # closes our connections: peers blocked on us fail fast instead of timing out
+        leave_group(abort=True)  # closes our connections: peers blocked on us fail fast instead of timing out
         self.phase(generation, "aborted", step=step, message=message[:500])
         return self.commands.get()
 

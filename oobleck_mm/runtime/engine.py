@@ -44,6 +44,7 @@ from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dty
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
 from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
+from oobleck_mm.runtime.timing import Stopwatch
 from oobleck_mm.runtime.update import apply_update, trainable_params
 from oobleck_mm.runtime.waiting import Waiter
 
@@ -134,6 +135,7 @@ class StageEngine:
         """float16's loss scaler (None otherwise); handed on across plans like the balancer."""
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
+        self.clock = Stopwatch(self.device)
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
@@ -194,12 +196,17 @@ class StageEngine:
         self._buffer_mb: dict[int, int] = {}
         self._pack_s: dict[int, float] = {}
         self._next_forward = self._next_load = 0
+        self._intervals: list[list] = []  # per microbatch: [forward, backward] intervals of self.clock
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0,
                                   microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p))
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
                                     stage_id=self.stage_index)
         execute(schedule.steps(), self._dispatch)
+        # The microbatches' times, read once the step's work is done (CUDA events: one sync here).
+        self._result.microbatch_times = [(self.clock.seconds(f), self.clock.seconds(b)) for f, b in self._intervals]
+        self._result.forward_s = sum(f for f, _ in self._result.microbatch_times)
+        self._result.backward_s = sum(b for _, b in self._result.microbatch_times)
         if self.balancer is not None:
             # Packing is this stage's work for the microbatch too (it grows with images and text):
             # the balancer's cost model is fitted to all of it.
@@ -232,7 +239,7 @@ class StageEngine:
         self._result.comm_s += time.perf_counter() - t0
 
     def _forward(self, ins) -> None:
-        t0 = time.perf_counter()
+        mark = self.clock.start()
         mb = self._next_forward
         self._next_forward += 1
         self._buffer_mb[ins.buffer_id] = mb
@@ -250,9 +257,7 @@ class StageEngine:
                 self._loss += loss.detach().double()  # stays on the device: no sync per microbatch
                 acts = (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
         self._outputs[ins.buffer_id] = acts
-        dt = time.perf_counter() - t0
-        self._result.forward_s += dt
-        self._result.microbatch_times.append((dt, 0.0))
+        self._intervals.append([self.clock.stop(mark), None])
 
     def _send_activation(self, ins) -> None:
         t0 = time.perf_counter()
@@ -267,7 +272,7 @@ class StageEngine:
         self._result.comm_s += time.perf_counter() - t0
 
     def _backward(self, ins) -> None:
-        t0 = time.perf_counter()
+        mark = self.clock.start()
         outputs = self._outputs.pop(ins.buffer_id)
         grads = self._grads.pop(ins.buffer_id, None)
         if self.needs_backward:
@@ -279,10 +284,7 @@ class StageEngine:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         mb = self._buffer_mb.pop(ins.buffer_id)
         self._batches.pop(mb, None)
-        dt = time.perf_counter() - t0
-        self._result.backward_s += dt
-        fwd, _ = self._result.microbatch_times[mb]
-        self._result.microbatch_times[mb] = (fwd, dt)
+        self._intervals[mb][1] = self.clock.stop(mark)
 
     def _send_grad(self, ins) -> None:
         inputs = self._inputs.pop(ins.buffer_id)

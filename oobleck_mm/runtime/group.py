@@ -25,6 +25,8 @@ groups the same way, from scratch per quorum).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +35,8 @@ from typing import Any
 import torch.distributed as dist
 
 from oobleck_mm.runtime.waiting import PeerFailure
+
+log = logging.getLogger(__name__)
 
 ARRIVAL_POLL_S = 0.01
 """Pause between two reads of the arrival counter."""
@@ -82,7 +86,31 @@ def join_generation(
     return None
 
 
-def leave_group() -> None:
-    """Destroy this process's default group, if any: its peers' waits on this worker fail fast."""
-    if dist.is_initialized():
+NCCL_ABORT_WAIT = timedelta(seconds=10)
+"""Longest wait for NCCL's communicators to abort after a failure before the worker goes on without."""
+
+
+def leave_group(abort: bool = False) -> None:
+    """Destroy this process's default group, if any: its peers' waits on this worker fail fast.
+
+    ``abort`` (after a failure): NCCL communicators with a collective in flight to a dead peer can
+    hang ``destroy_process_group``; aborting them first (torch's ``_abort_process_group``, in a
+    thread bounded by ``NCCL_ABORT_WAIT``) frees the device. gloo needs nothing more than destroy.
+    """
+    if not dist.is_initialized():
+        return
+    if abort and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        worker = threading.Thread(target=_abort_process_group, name="nccl-abort", daemon=True)
+        worker.start()
+        worker.join(NCCL_ABORT_WAIT.total_seconds())
+        if worker.is_alive():
+            log.warning("NCCL abort still running after %.0f s; leaving the group without it",
+                        NCCL_ABORT_WAIT.total_seconds())
+        if not dist.is_initialized():
+            return
+    try:
         dist.destroy_process_group()
+    except (RuntimeError, ValueError) as error:  # an aborted group may already be gone
+        log.warning("leaving the process group: %s", error)

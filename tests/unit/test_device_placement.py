@@ -76,3 +76,26 @@ def test_a_packed_batch_moves_whole_with_its_spans_computed_on_the_host():
     # spans are host tuples (a meta tensor has no values: computing them there would fail)
     assert moved.spans() == batch.spans() and moved.vision.spans() == batch.vision.spans()
     assert batch.to("cpu") is batch
+
+
+def test_stopwatch_measures_work_and_reads_it_later():
+    import time
+
+    from oobleck_mm.runtime.timing import Stopwatch
+
+    clock = Stopwatch(torch.device("cpu"))
+    mark = clock.start()
+    time.sleep(0.02)
+    assert 0.015 < clock.seconds(clock.stop(mark)) < 1.0 and clock.seconds(None) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_stopwatch_times_kernels_with_cuda_events():
+    from oobleck_mm.runtime.timing import Stopwatch
+
+    clock = Stopwatch(torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+    mark = clock.start()
+    for _ in range(10):
+        x = x @ x / 2048
+    assert clock.seconds(clock.stop(mark)) > 0.0

@@ -1,0 +1,44 @@
+"""Seconds of work on the stage's device, read once per step.
+
+On the CPU work is done when the call returns: ``perf_counter`` around it is its
+time. On a GPU a call only queues kernels, so a host clock measures launches;
+CUDA events recorded on the stream around the work measure the kernels, and
+reading them needs the events to have completed, which the engine does once at
+the end of a step (one synchronisation, not one per microbatch). The balancer's
+cost model is fitted to these per-microbatch times.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Stopwatch:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start):
+        """An interval to read later with ``seconds``."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return start, end
+        return time.perf_counter() - start
+
+    def seconds(self, interval) -> float:
+        if interval is None:
+            return 0.0
+        if self.cuda:
+            start, end = interval
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return interval
