@@ -77,7 +77,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
         say(f"  {spec.name}: {len(params)} tensors")
     if weights:  # what the engine does not run stays as it came (see the module docstring)
         untouched = sorted(set(weights.file_of) - set(tensors))
-        tensors.update(_read_source(weights, untouched))
+        tensors.update(weights.tensors(untouched))
     target = torch_dtype(dtype) if dtype else None
     source_dtypes = _source_dtypes(weights) if weights else {}
     for name, value in tensors.items():
@@ -106,19 +106,6 @@ _DEFAULT_PREFIXES = {
 
 def _default_name(job, component: str, inside: str) -> str:
     return _DEFAULT_PREFIXES[job.model.hf.is_multimodal][component] + inside
-
-
-def _read_source(weights, names: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(weights.file_of[name], []).append(name)
-    for file, keys in by_file.items():
-        with safe_open(os.path.join(weights.directory, file), framework="pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in keys})
-    return out
 
 
 def _source_dtypes(weights) -> dict[str, torch.dtype]:

@@ -13,6 +13,7 @@ sample's mean LLM tokens must fit ``data.max_seq_len``). No torch.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -172,6 +173,7 @@ class CustomLayer:
     build: Callable[[], Any]
 
 
+@functools.lru_cache(maxsize=8)
 def load_builder(reference: str) -> Callable:
     """The function ``model.builder`` names: ``package.module:function`` or ``path/to/file.py:function``."""
     module_name, sep, function = reference.rpartition(":")

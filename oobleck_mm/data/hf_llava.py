@@ -35,7 +35,7 @@ from PIL import Image, UnidentifiedImageError
 
 from oobleck_mm.config import DataConfig
 from oobleck_mm.data.dataset import ModelInputs, check_index
-from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, _image_paths, _load_json, conversation_turns
+from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, JsonRecords
 from oobleck_mm.data.sample import Sample, SampleMeta
 from oobleck_mm.errors import UserError
 
@@ -53,29 +53,14 @@ class _Record:
     meta: SampleMeta
 
 
-class HFLlavaJsonDataset:
+class HFLlavaJsonDataset(JsonRecords):
     """The samples of ``data.path`` tokenized and processed as the HF model in ``inputs.huggingface`` expects."""
 
     def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
-        if data.path is None:
-            raise UserError("data.path: required when data.kind is 'llava_json'")
-        self.data, self.inputs = data, inputs
         self.tokenizer = load_tokenizer(inputs.huggingface)
         self.image_processor = load_image_processor(inputs.huggingface) if inputs.has_vision else None
-        json_dir = os.path.dirname(os.path.abspath(data.path))
-        self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
         self.image_tokens = (inputs.image_side // inputs.patch_size) ** 2 // inputs.image_merge
-        entries = _load_json(data.path)
-        self._records = tuple(self._record(position, entry) for position, entry in enumerate(entries))
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def meta(self, index: int) -> SampleMeta:
-        return self._records[check_index(index, len(self))].meta
-
-    def sample_id(self, index: int) -> str:
-        return self._records[check_index(index, len(self))].sample_id
+        super().__init__(data, inputs)
 
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
@@ -89,18 +74,7 @@ class HFLlavaJsonDataset:
     # ------------------------------------------------------------------ construction
 
     def _record(self, position: int, entry) -> _Record:
-        if not isinstance(entry, dict):
-            raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
-        sample_id = str(entry.get("id", f"#{position}"))
-        where = f"{self.data.path}: sample {sample_id!r}"
-        turns = conversation_turns(entry.get("conversations"), where)
-        paths = _image_paths(entry.get("image"), where)
-        markers = sum(value.count(MARKER) for _, value in turns)
-        if markers != len(paths):
-            raise UserError(f"{where} has {markers} '{MARKER}' markers but {len(paths)} images")
-        if paths and not self.inputs.has_vision:
-            raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
-        paths = tuple(os.path.join(self.image_dir, p) for p in paths)
+        sample_id, where, turns, paths = self._entry(position, entry)
         for path in paths:
             if not os.path.isfile(path):
                 raise UserError(f"{where}: cannot read image {path!r}: no such file")

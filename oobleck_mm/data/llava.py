@@ -59,8 +59,9 @@ class _Record:
     eos_target: bool = True
 
 
-class LlavaJsonDataset:
-    """The samples of ``data.path``, shaped for the model in ``inputs``."""
+class JsonRecords:
+    """The records of a LLaVA-style JSON file: what both readers (byte-level, a model's own tokenizer)
+    share. A subclass sets up what ``_record(position, entry)`` needs, then calls ``__init__``."""
 
     def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
         if data.path is None:
@@ -79,6 +80,25 @@ class LlavaJsonDataset:
 
     def sample_id(self, index: int) -> str:
         return self._records[check_index(index, len(self))].sample_id
+
+    def _entry(self, position: int, entry) -> tuple[str, str, list[tuple[str, str]], tuple[str, ...]]:
+        """(sample id, where, turns, image paths under ``image_dir``) of a record, its common parts checked."""
+        if not isinstance(entry, dict):
+            raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
+        sample_id = str(entry.get("id", f"#{position}"))
+        where = f"{self.data.path}: sample {sample_id!r}"
+        turns = conversation_turns(entry.get("conversations"), where)
+        paths = _image_paths(entry.get("image"), where)
+        markers = sum(value.count(MARKER) for _, value in turns)
+        if markers != len(paths):
+            raise UserError(f"{where} has {markers} '{MARKER}' markers but {len(paths)} images")
+        if paths and not self.inputs.has_vision:
+            raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
+        return sample_id, where, turns, tuple(os.path.join(self.image_dir, p) for p in paths)
+
+
+class LlavaJsonDataset(JsonRecords):
+    """The samples of ``data.path``, shaped for the model in ``inputs`` (byte-level text)."""
 
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
@@ -104,20 +124,10 @@ class LlavaJsonDataset:
     # ------------------------------------------------------------------ construction
 
     def _record(self, position: int, entry) -> _Record:
-        if not isinstance(entry, dict):
-            raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
-        sample_id = str(entry.get("id", f"#{position}"))
-        where = f"{self.data.path}: sample {sample_id!r}"
-        turns = conversation_turns(entry.get("conversations"), where)
+        sample_id, where, turns, paths = self._entry(position, entry)
         text, mask = _conversation_bytes(turns)
         pieces = text.split(MARKER.encode())
         texts = tuple(p.decode("utf-8") for p in pieces)
-        paths = _image_paths(entry.get("image"), where)
-        if len(texts) - 1 != len(paths):
-            raise UserError(f"{where} has {len(texts) - 1} '{MARKER}' markers but {len(paths)} images")
-        if paths and not self.inputs.has_vision:
-            raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
-        paths = tuple(os.path.join(self.image_dir, p) for p in paths)
         sizes = tuple(self._image_size(p, where) for p in paths)
         media = sum(self.inputs.image_llm_tokens(h, w) for h, w in sizes)
         budget = self.data.max_seq_len - 2 - media  # BOS and EOS

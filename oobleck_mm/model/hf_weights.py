@@ -56,30 +56,40 @@ class HFWeights:
 
     def read(self, names: Mapping[str, tuple[str, str]], expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{local name: tensor}`` for ``names`` (local -> (component, inside)), checked against ``expected``'s shapes."""
-        from safetensors import SafetensorError, safe_open
-
-        wanted: dict[str, dict[str, str]] = {}
+        keys = {}
         for local, (component, inside) in names.items():
             key = self.name(component, inside)
             if key not in self.file_of:
                 raise UserError(f"{self.directory}: no tensor {key!r} in the safetensors files (needed for {local!r})")
-            wanted.setdefault(self.file_of[key], {})[key] = local
+            keys[key] = local
+        tensors = self.tensors(keys)
+        out = {}
+        for key, local in keys.items():
+            want = tuple(expected[local].shape)
+            if tuple(tensors[key].shape) != want:
+                path = os.path.join(self.directory, self.file_of[key])
+                raise UserError(f"{path}: tensor {key!r} has shape {list(tensors[key].shape)}, the model's "
+                                f"config.json makes it {list(want)}")
+            out[local] = tensors[key]
+        return out
+
+    def tensors(self, keys) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` of the files' tensors ``keys``, each file opened once, only those bytes read."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.file_of[key], []).append(key)
         out: dict[str, torch.Tensor] = {}
-        for file, keys in wanted.items():
+        for file, names in by_file.items():
             path = os.path.join(self.directory, file)
             try:
                 with safe_open(path, framework="pt") as fh:
-                    for key, local in keys.items():
-                        out[local] = fh.get_tensor(key)
+                    out.update({key: fh.get_tensor(key) for key in names})
             except FileNotFoundError:
                 raise UserError(f"{path}: safetensors shard missing (listed in {INDEX_FILE})") from None
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise UserError(f"{path}: unreadable safetensors file, truncated or damaged ({exc})") from None
-            for key, local in keys.items():
-                want = tuple(expected[local].shape)
-                if tuple(out[local].shape) != want:
-                    raise UserError(f"{path}: tensor {key!r} has shape {list(out[local].shape)}, the model's "
-                                    f"config.json makes it {list(want)}")
         return out
 
 

@@ -159,6 +159,20 @@ def position_nodes(plan_event: dict[str, Any]) -> list[list[str]]:
     return [[nodes[rank] for rank, _, _ in p["stages"]] for p in plan_event["layout"]["pipelines"]]
 
 
+def kill_node1_of_the_deeper_pipeline(launches: list, tmp_path: Path, config: str, final: Path) -> Launch:
+    """``local`` on a 3+2-stage plan with node1 killed at step 4, saving the final states; checks it
+    ended well, left no process, lost exactly node1, and kept every replica identical."""
+    run = Launch(tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@step4")
+    launches.append(run)
+    code = run.wait(timeout=150)
+    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+    assert "generation 1: 2 pipelines (stages 3,2;" in run.stdout, run.stdout[:2000]
+    assert [e["node"] for e in run.events("lost")] == ["node1"]
+    assert_replicas_identical(final)
+    return run
+
+
 # ---------------------------------------------------------------------- the oracle
 _REFERENCES: dict[tuple[str, int], dict[str, dict]] = {}
 

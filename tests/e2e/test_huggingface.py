@@ -19,7 +19,7 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from e2e_harness import ROOT, INTERVAL, TIMEOUT, Launch, assert_matches_reference, assert_replicas_identical  # noqa: E402
+from e2e_harness import ROOT, INTERVAL, TIMEOUT, assert_matches_reference, kill_node1_of_the_deeper_pipeline  # noqa: E402
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.data.loader import TrainingData  # noqa: E402
 from oobleck_mm.data.sample import IMAGE  # noqa: E402
@@ -48,15 +48,8 @@ def llava_config(tmp_path, balance: bool, text: str, vision: str, tie: bool) -> 
 def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_path, balance, text, vision, tie):
     config = llava_config(tmp_path, balance, text, vision, tie)
     final = tmp_path / "final"
-    run = Launch(tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@step4")
-    launches.append(run)
-    code = run.wait(timeout=150)
-    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    run.assert_all_gone()
-    assert "generation 1: 2 pipelines (stages 3,2;" in run.stdout, run.stdout[:2000]
-    assert [e["node"] for e in run.events("lost")] == ["node1"]
+    kill_node1_of_the_deeper_pipeline(launches, tmp_path, config, final)
     assert_matches_reference(config, STEPS, final)
-    assert_replicas_identical(final)
     verify = subprocess.run([sys.executable, "-m", "oobleck_mm.verify", "--config", config, "--steps", str(STEPS),
                              "--against", str(final)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e_harness import Launch, assert_matches_reference, assert_replicas_identical, write_config
+from e2e_harness import assert_matches_reference, kill_node1_of_the_deeper_pipeline, write_config
 from oobleck_mm.runtime.checkpoint import load_params
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_mixed_precision_recovers_from_a_killed_node(launches, tmp_path, dtype, master, memory, tolerance):
     config = write_config(tmp_path, nodes=5, memory=memory, training={"dtype": dtype, "master_dtype": master})
     final = tmp_path / "final"
-    run = Launch(tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@step4")
-    launches.append(run)
-    code = run.wait(timeout=150)
-    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    run.assert_all_gone()
-    assert "generation 1: 2 pipelines (stages 3,2;" in run.stdout, run.stdout[:2000]
-    assert [e["node"] for e in run.events("lost")] == ["node1"]
+    kill_node1_of_the_deeper_pipeline(launches, tmp_path, config, final)
     assert_matches_reference(config, 8, final, tolerance)
-    assert_replicas_identical(final)
     assert load_params(final, "llm.head")["out.weight"].dtype == getattr(torch, master)
