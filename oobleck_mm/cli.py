@@ -54,8 +54,35 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--join-nodes", type=int, default=0, metavar="K", help="nodes that join after the failures")
     plan.add_argument("--solver", choices=("highs", "mindtpy", "python"), default=None, help="override planning.solver")
     plan.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    _add_simulate_parser(sub)
     _add_control_plane_parsers(sub)
     return parser
+
+
+def _add_simulate_parser(sub) -> None:
+    sim = sub.add_parser("simulate", help="what-if: the job over hours of node churn, per system (docs/simulator.md)")
+    sim.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    sim.add_argument("--deepspeed", default=None, metavar="FILE", help="a DeepSpeed JSON config (docs/runtime.md)")
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", default=None, metavar="FILE", help="node-availability trace (data/traces/)")
+    source.add_argument("--failure-interval", default=None, metavar="DURATION",
+                        help="remove one node every DURATION (10m, 1h, 6h) until --until-nodes remain")
+    sim.add_argument("--until-nodes", type=int, default=None, metavar="N",
+                     help="with --failure-interval: stop when N nodes remain (default half)")
+    sim.add_argument("--nodes", type=int, default=None, metavar="N",
+                     help="nodes at the start (--failure-interval; default cluster.nodes) or, with --trace, "
+                          "the trace scaled up to about N nodes at its peak (each node becomes k that come and go together)")
+    sim.add_argument("--system", nargs="+", default=["oobleck", "varuna", "bamboo", "restart"],
+                     metavar="NAME", help="oobleck, varuna, varuna-no-ckpt, bamboo, restart (default: all but varuna-no-ckpt)")
+    sim.add_argument("--hours", type=float, default=None, help="simulate only the first H hours")
+    sim.add_argument("--notice", action="store_true", help="preemption notices: the cloud warns before a removal")
+    sim.add_argument("--grace", default="30s", metavar="DURATION", help="preemption notice lead time (default 30s)")
+    sim.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="a simulator parameter (docs/simulator.md), e.g. --param rendezvous_s=5; repeatable")
+    sim.add_argument("--sweep", default=None, metavar="KNOB=V1,V2",
+                     help="repeat for each value of a knob: f, a simulator parameter or a dotted config path")
+    sim.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT (- for stdout)")
+    sim.add_argument("--plot", default=None, metavar="OUT.png", help="throughput over time per system")
 
 
 def _add_control_plane_parsers(sub) -> None:
@@ -135,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_local(args)
         if args.command == "export":
             return _cmd_export(args)
+        if args.command == "simulate":
+            return _cmd_simulate(args)
     except UserError as err:  # ConfigError, InfeasiblePlan, a bad flag or checkpoint: the user's to fix
         print(f"oobleck-launch: error: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -190,6 +219,59 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.format())
+    return ExitCode.OK
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from oobleck_mm.config import load_config
+    from oobleck_mm.faults.trace import read_trace
+    from oobleck_mm.simulator import availability as av
+    from oobleck_mm.simulator.params import SimParams
+    from oobleck_mm.simulator.run import (
+        apply_knob, format_results, parse_sweep, plot_results, results_to_json, simulate,
+    )  # fmt: skip
+
+    job = load_config(args.config, args.deepspeed)
+    if args.trace:
+        events = read_trace(args.trace)
+        name = os.path.basename(args.trace)
+        peak = av.from_trace(events, name).peak_nodes
+        replicas = 1 if args.nodes is None else max(1, round(args.nodes / peak))
+        availability = av.from_trace(events, name, replicas)
+    else:
+        nodes = job.cluster.nodes if args.nodes is None else args.nodes
+        availability = av.periodic(nodes, av.parse_duration(args.failure_interval), args.until_nodes)
+    availability = availability.clipped(args.hours)
+    params = SimParams(preemption_notice=args.notice, preempt_grace_s=av.parse_duration(args.grace))
+    for item in args.param:
+        key, _, value = item.partition("=")
+        if not value:
+            raise UserError(f"--param: expected NAME=VALUE, got {item!r}")
+        job, params = apply_knob(job, params, key.strip(), value.strip())
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    runs = [("", job, params)]
+    if args.sweep:
+        key, values = parse_sweep(args.sweep)
+        runs = [(f"{key}={v}", *apply_knob(job, params, key, v)) for v in values]
+    documents, last = [], []
+    for label, run_job, run_params in runs:
+        if label:
+            print(f"\n## {label}")
+        results = simulate(run_job, availability, args.system, run_params, progress=say)
+        print(format_results(results, availability))
+        documents += results_to_json(results, availability, {"sweep": label} if label else None)
+        last = results
+    if args.json:
+        text = json.dumps(documents, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+            say(f"wrote {args.json}")
+    if args.plot:
+        plot_results(last, availability, args.plot, f"{job.model.name}: {availability.source}")
+        say(f"wrote {args.plot}")
     return ExitCode.OK
 
 

@@ -630,6 +630,9 @@ class ClusterConfig:
     required with ``device: cuda``."""
     device_memory: int | None = None
     """Bytes of memory per device; default: the accelerator's."""
+    compute_efficiency: float | None = None
+    """Fraction of the accelerator's peak FLOP/s real kernels reach, in (0, 1]; default: the
+    catalogue's (0.45). Calibrate the analytical cost model to a measured cluster with it."""
     max_gpus_per_stage: int = 1
     """Largest GPU count of one pipeline stage: 1, 2, 4 or 8, at most gpus_per_node."""
     intra_node_bandwidth: float = 150e9
@@ -658,6 +661,9 @@ class ClusterConfig:
         if self.device_memory is None:
             self.device_memory = DEVICES[self.accelerator].memory_bytes
         check(self, "device_memory", as_size)
+        check_optional(self, "compute_efficiency", as_float, minimum=0.0)
+        if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
+            raise ConfigError(f"cluster.compute_efficiency: must be in (0, 1], got {self.compute_efficiency}")
         check(self, "max_gpus_per_stage", as_int, minimum=1)
         if self.max_gpus_per_stage not in (1, 2, 4, 8):
             raise ConfigError(f"cluster.max_gpus_per_stage: must be 1, 2, 4 or 8, got {self.max_gpus_per_stage}")

@@ -1,4 +1,4 @@
-"""Spot-instance availability traces (``tests/fixtures/traces/``) turned into a timeline of injections.
+"""Spot-instance availability traces (``data/traces/``) turned into a timeline of injections.
 
 Pure: a trace file and a time scale in, ``FaultEvent`` values with ``seconds``
 out. Trace format (its README): no header, one event per line,

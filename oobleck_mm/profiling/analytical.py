@@ -14,6 +14,18 @@ produces. Per layer and microbatch of ``b`` samples (``s`` = b * tokens per samp
 * Time of each pass: ``max(FLOPs / (peak * efficiency), bytes moved / memory
   bandwidth)``; bytes moved = weights read once + the layer's input and output
   activations. Embedding lookups and small layers are bandwidth-bound this way.
+* Eager attention (no ``flash_attention``) also runs memory-bound kernels over the
+  ``a*s*L`` score matrix one after the other, added to the pass's time. Forward,
+  about 16 element passes, counted kernel by kernel in transformers' eager attention
+  (what Oobleck ran, §2.6): QK^T writes the scores (1); the scaling (2), the causal
+  ``where`` (2) and the padding-mask add (2) each read and write them; softmax reads
+  twice and writes (3); dropout writes its mask, reads both and writes (4); AV reads
+  them (1); plus the masks' own reads. Backward twice that: every one of those ops
+  reads the incoming gradient and a saved tensor and writes one. All of it is
+  input-gradient work. At 2,048 tokens and d_model 1,024 this traffic costs more than
+  the block's matmuls: with it, the catalogue's efficiency reproduces the
+  dissertation's Table 2.2 for models from 340M to 6.7B parameters within 7%, where
+  matmuls alone overestimate GPT-3 Medium 2.7x (docs/simulator.md).
 * Memory: params at ``bytes_per_param`` (the compute dtype), grads at the master
   dtype's width, optimizer state at ``optimizer_bytes_per_param`` (mixed precision:
   the master copy and two moments). Activations kept for backward per microbatch
@@ -54,15 +66,23 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- per-layer model
 
 
+# Element passes over the eager attention score matrix (see the module docstring).
+EAGER_SCORE_PASSES_FORWARD = 16
+EAGER_SCORE_PASSES_BACKWARD = 32
+
+
 @dataclass(frozen=True, slots=True)
 class _Work:
     """FLOPs and bytes moved of one pass over one microbatch."""
 
     flops: float
     bytes_moved: float
+    elementwise_bytes: float = 0.0
+    """Bytes of memory-bound kernels that run after the matmuls, not overlapped with them."""
 
     def seconds(self, dev: DeviceSpec) -> float:
-        return max(self.flops / (dev.peak_flops * dev.efficiency), self.bytes_moved / dev.memory_bandwidth)
+        matmuls = max(self.flops / (dev.peak_flops * dev.efficiency), self.bytes_moved / dev.memory_bandwidth)
+        return matmuls + self.elementwise_bytes / dev.memory_bandwidth
 
 
 def _in_width(spec: LayerSpec) -> int:
@@ -74,18 +94,24 @@ def _out_width(spec: LayerSpec) -> int:
     return spec.vocab_size if spec.kind == "lm_head" else spec.hidden
 
 
-def _passes(spec: LayerSpec, tokens: float, dev: DeviceSpec) -> tuple[_Work, _Work, _Work]:
+def _passes(spec: LayerSpec, tokens: float, dev: DeviceSpec, flash: bool = False) -> tuple[_Work, _Work, _Work]:
     """(forward, backward weight-grad, backward input-grad) work of one microbatch."""
     matmul = 2.0 * matmul_param_count(spec) * tokens
     attention = 4.0 * tokens * spec.attention_len * spec.hidden * (0.5 if spec.causal else 1.0)
     # A lookup reads the rows it gathers, not the whole table.
     weights = 0.0 if spec.kind == "token_embed" else param_count(spec) * dev.bytes_per_param
     io = tokens * (_in_width(spec) + _out_width(spec)) * dev.bytes_per_param
-    forward = _Work(matmul + attention, weights + io)
+    # Eager attention materialises the full score matrix, masked or not.
+    scores = 0.0 if flash else spec.num_heads * tokens * spec.attention_len * dev.bytes_per_param
+    forward = _Work(matmul + attention, weights + io, EAGER_SCORE_PASSES_FORWARD * scores)
     backward_weight = _Work(matmul, weights + io)
     # The embedding's input is integer ids: no input gradient beyond passing the merged
     # encoder tokens' gradients through, a copy.
-    backward_input = _Work(0.0, io) if spec.kind == "token_embed" else _Work(matmul + 2 * attention, weights + io)
+    backward_input = (
+        _Work(0.0, io)
+        if spec.kind == "token_embed"
+        else _Work(matmul + 2 * attention, weights + io, EAGER_SCORE_PASSES_BACKWARD * scores)
+    )
     return forward, backward_weight, backward_input
 
 
@@ -113,7 +139,7 @@ def _layer_cost(
     spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool
 ) -> LayerCost:
     tokens = spec.tokens_per_sample * microbatch_size
-    forward, b_weight, b_input = (w.seconds(dev) for w in _passes(spec, tokens, dev))
+    forward, b_weight, b_input = (w.seconds(dev) for w in _passes(spec, tokens, dev, flash))
     if checkpointing and b_weight + b_input > 0:
         # Recompute runs once before either half; charge it in proportion so that a layer
         # running both halves pays exactly one forward.
@@ -172,6 +198,8 @@ def profile_from_config(job: JobConfig) -> ModelProfile:
     checkpointing choices, frozen modules."""
     specs = layer_specs(job.model, job.data)
     device = get_device(job.cluster.accelerator).with_dtype(job.training.dtype, job.training.master_dtype)
+    if job.cluster.compute_efficiency is not None:
+        device = replace(device, efficiency=job.cluster.compute_efficiency)
     t = job.training
     profile = analytical_profile(
         specs,

@@ -9,10 +9,8 @@ import pytest
 from oobleck_mm.faults.spec import FaultEvent, parse_inject, parse_token
 from oobleck_mm.faults.trace import load_timeline, parse_trace, read_trace, trace_timeline
 
-SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-# Copies of two of ../shared/traces (public spot-availability traces), so CI replays real ones
-# even on a machine without the shared folder; every shared trace is checked where it exists.
-TRACES = SHARED_TRACES if SHARED_TRACES.is_dir() else Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+# The public spot-availability traces the repository ships (data/traces/README.md).
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 NODES4 = [f"node{i}" for i in range(4)]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
@@ -95,3 +95,38 @@ def test_every_missing_state_is_copied_once_from_a_survivor_that_holds_it(old_si
                      if p >= 0 and nodes[r] == nodes[t.dst] and t.layer in old.stage(p).layers]  # fmt: skip
         if same_node:
             assert nodes[t.src] == nodes[t.dst], (t, "a holder on the destination's node was passed over")
+
+
+def _reference_transfers(held, needed, node_of, rank_of):
+    # The rule as the docstring states it, by brute force: the min over every holder per copy.
+    holders = {}
+    for holder, layers in held.items():
+        for layer in layers:
+            holders.setdefault(layer, []).append(holder)
+    sent, out = {}, []
+    for dst, layers in needed.items():
+        for layer in sorted(layers):
+            if layer in held.get(dst, ()):
+                continue
+            src = min(holders[layer], key=lambda h: (node_of(h) != node_of(dst), sent.get(h, 0), rank_of(h)))
+            sent[src] = sent.get(src, 0) + 1
+            out.append(Transfer(layer, dst, src))
+    return tuple(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nodes=st.integers(1, 6),
+    gpus=st.integers(1, 3),
+    layers=st.integers(1, 8),
+    data=st.data(),
+)
+def test_plan_transfers_equals_the_brute_force_rule(nodes, gpus, layers, data):
+    everyone = [(n, g) for n in range(nodes) for g in range(gpus)]
+    held = {gpu: data.draw(st.sets(st.integers(0, layers - 1), min_size=1)) for gpu in everyone
+            if data.draw(st.booleans())}  # fmt: skip
+    assume(set().union(*held.values()) == set(range(layers)) if held else False)
+    needed = {gpu: data.draw(st.sets(st.integers(0, layers - 1))) for gpu in everyone}
+    node_of = lambda gpu: gpu[0]  # noqa: E731
+    assert plan_transfers(held, needed, node_of) == _reference_transfers(held, needed, node_of, lambda h: h)
+    assert plan_transfers(held, needed) == _reference_transfers(held, needed, lambda h: h, lambda h: h)

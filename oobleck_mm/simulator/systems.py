@@ -1,0 +1,427 @@
+"""The four systems a simulation compares, each a ``timeline.SystemModel`` over the engine's planner.
+
+- ``oobleck``: this engine in live mode. Start: ``planner.plan_fresh``; every
+  change: ``planner.plan_reconfiguration`` (templates reused, §2.5), whose layer
+  copies come from ``transfers.plan_transfers``, the rule the workers run. More
+  losses than the replicas cover (``CannotKeepReplicas``) end the run; live mode
+  has no checkpoint today (issue 13), so the restart (at once when the live nodes
+  can hold a plan, else when enough come back) begins from scratch.
+- ``restart``: this engine's ``--recovery restart``: a checkpoint every k steps
+  (synchronous), every loss restarts every worker from it on a fresh plan; joined
+  nodes wait for the next restart.
+- ``varuna`` (Athlur et al., EuroSys '22): one pipeline depth for all replicas (a
+  P x D grid, the rest of the nodes idle), a synchronous checkpoint every 10
+  iterations, and a full restart ("job morphing": re-plan, reload the checkpoint)
+  on every change, joins included.
+- ``bamboo`` (Thorpe et al., NSDI '23): redundant computation: every stage also
+  holds its successor's model state (x2 memory, no activation checkpointing, so
+  a smaller microbatch or OOM) and computes its forward, at a slowdown the
+  dissertation measured (``SimParams.bamboo_rc_slowdown``); a loss fails over to
+  the backup (lose the iteration in flight, re-form, copy a stage); two adjacent
+  stages lost together force a full restart.
+
+Varuna's and Bamboo's grids are chosen with this repository's planner too
+(``stage_mapping.build_templates`` for f = 0, then the best P x D), on costs
+from the same analytical model: only their policies differ, not their cost
+arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from oobleck_mm.errors import UserError
+from oobleck_mm.faults.spec import node_number
+from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
+from oobleck_mm.planning.plan import Plan, gradient_allreduce_s
+from oobleck_mm.planning.planner import Planned, plan_fresh, plan_reconfiguration
+from oobleck_mm.planning.stage_mapping import build_templates
+from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
+from oobleck_mm.planning.transfers import plan_transfers
+from oobleck_mm.simulator.params import SimParams
+from oobleck_mm.simulator.timeline import Down, Layout, Response
+
+
+def node_order(nodes: Sequence[str]) -> list[str]:
+    return sorted(nodes, key=lambda n: (node_number(n), n))
+
+
+def checkpoint_bytes(profile: ModelProfile) -> int:
+    """What a checkpoint holds: every layer's parameters and optimizer state (no gradients)."""
+    return sum(layer.param_bytes + layer.optimizer_bytes for layer in profile.layers)
+
+
+def checkpoint_io_s(profile: ModelProfile, stage_bytes: float, cluster: ClusterSpec, bandwidth: float) -> float:
+    """Seconds to save (or load) one replica's state: the store's bandwidth, or the busiest
+    stage's link when one stage holds more than its share."""
+    return max(checkpoint_bytes(profile) / bandwidth, stage_bytes / cluster.inter_node_bandwidth)
+
+
+def largest_stage_bytes(profile: ModelProfile, templates: Sequence[PipelineTemplate]) -> float:
+    out = 0.0
+    for template in templates:
+        for stage in template.stages:
+            out = max(out, sum(profile.layers[i].param_bytes + profile.layers[i].optimizer_bytes for i in stage.layers))
+    return out
+
+
+def copy_seconds(old: Plan, new: Plan, live: Sequence[str], profile: ModelProfile, cluster: ClusterSpec) -> tuple[float, int]:
+    """Seconds and bytes of the layer-state copies from ``old`` to ``new``: ``plan_transfers``
+    decides who sends what (the workers' rule); each GPU sends and receives at once (full
+    duplex), NVLink inside a node, the node's link across nodes; copies run in parallel, so
+    the busiest GPU bounds the phase."""
+    alive = set(live)
+    held = {gpu: layers for p in old.pipelines for gpu, layers in p.layers_on().items() if gpu[0] in alive}
+    needed = {gpu: layers for p in new.pipelines for gpu, layers in p.layers_on().items()}
+    moves = plan_transfers(held, needed, node_of=lambda gpu: gpu[0])
+    traffic: dict[tuple[Any, bool], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    total = 0
+    for move in moves:
+        size = profile.layers[move.layer].state_bytes
+        cross = move.src[0] != move.dst[0]
+        traffic[(move.src, cross)][0] += size
+        traffic[(move.dst, cross)][1] += size
+        total += size
+    per_gpu: dict[Any, float] = defaultdict(float)
+    for (gpu, cross), (sent, received) in traffic.items():
+        per_gpu[gpu] += cluster.transfer_s(max(sent, received), cross)
+    return max(per_gpu.values(), default=0.0), total
+
+
+class _Timed:
+    """Planner calls timed on this machine (``SimParams.planning_s`` None), or a fixed figure."""
+
+    def __init__(self, params: SimParams):
+        self.fixed = params.planning_s
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        out = fn(*args)
+        elapsed = time.perf_counter() - start
+        return out, (self.fixed if self.fixed is not None else elapsed)
+
+
+def _detection(params: SimParams, job) -> float:
+    if params.detection_s is not None:
+        return params.detection_s
+    return job.fault_tolerance.heartbeat_timeout.total_seconds()
+
+
+def _plan_label(plan: Plan) -> str:
+    sizes = Counter(p.template.num_nodes for p in plan.pipelines)
+    shape = " + ".join(f"{count}x{n}" if count > 1 else f"{n}" for n, count in sorted(sizes.items(), reverse=True))
+    return f"{plan.num_pipelines} pipelines ({shape} nodes), {plan.iteration_time_s:.2f} s/iteration"
+
+
+# --------------------------------------------------------------------------- oobleck (live)
+
+
+class OobleckSystem:
+    name = "oobleck"
+    checkpoint_every = 0
+    checkpoint_save_s = 0.0
+    recovers_from_checkpoint = False
+    joins_at_boundary = True
+    saves_on_signal = False
+
+    def __init__(self, job, profile: ModelProfile, params: SimParams):
+        self.job, self.profile, self.params = job, profile, params
+        self.cluster = ClusterSpec.from_config(job.cluster)
+        self.timed = _Timed(params)
+        self.plan: Plan | None = None
+        self.templates: TemplateSet | None = None
+        self.template_nodes = 0
+        self.note = ""
+        self.planner_calls = 0
+
+    def _layout(self, planned: Planned) -> Layout:
+        plan = planned.plan
+        return Layout(plan.iteration_time_s, plan.global_batch, frozenset(plan.nodes), _plan_label(plan), plan)
+
+    def _fresh(self, live: list[str]) -> tuple[Any, float]:
+        self.planner_calls += 1
+        (outcome, templates), seconds = self.timed(plan_fresh, self.job, self.profile, node_order(live))
+        if isinstance(outcome, Planned):
+            self.plan, self.templates, self.template_nodes = outcome.plan, templates, len(live)
+        return outcome, seconds
+
+    def start(self, live: list[str]) -> Response:
+        outcome, _ = self._fresh(live)
+        if isinstance(outcome, Planned):
+            return Response(self._layout(outcome))
+        self.plan = None
+        return Response(Down(_reason(outcome)))
+
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        stall = self.params.worker_start_s if joined and self.params.joiner_start_stalls else 0.0
+        if self.plan is None:
+            # The run ended (no replica of some layer, or too few nodes); live mode keeps no
+            # checkpoint, so a new start trains from step 0.
+            outcome, seconds = self._fresh(live)
+            if not isinstance(outcome, Planned):
+                return Response(Down(_reason(outcome)), detect)
+            start = self.params.worker_start_s + seconds + self.params.rendezvous_s
+            return Response(self._layout(outcome), detect + (("restart", start),), restart_from_scratch=True,
+                            note="started again from scratch")  # fmt: skip
+        old = self.plan
+        self.planner_calls += 1
+        (outcome, templates), seconds = self.timed(
+            plan_reconfiguration, self.job, self.profile, self.templates, self.template_nodes, old,
+            node_order(lost), node_order(joined),
+        )  # fmt: skip
+        if not isinstance(outcome, Planned):
+            # The run ends (exit 3). With no checkpoint in live mode, the best a supervisor can
+            # do is start it again at once, from scratch, when the live nodes can hold a plan.
+            self.plan = None
+            lost_run = self.change(live, [], [], True)
+            if isinstance(lost_run.next, Layout):
+                return dataclasses.replace(lost_run, pause=detect + lost_run.pause)
+            return Response(Down(_reason(outcome)), detect, note="run lost")
+        if templates is not None:
+            self.templates, self.template_nodes = templates, len(live)
+        self.plan = outcome.plan
+        copy_s, _ = copy_seconds(old, outcome.plan, live, self.profile, self.cluster)
+        pause = detect + (("reconfiguration", seconds + self.params.rendezvous_s + stall), ("state_copy", copy_s))
+        return Response(self._layout(outcome), pause)
+
+
+def _reason(outcome: Any) -> str:
+    return getattr(outcome, "reason", None) or getattr(outcome, "message", None) or str(outcome)
+
+
+# --------------------------------------------------------------------------- restart mode
+
+
+class RestartSystem(OobleckSystem):
+    name = "restart"
+    recovers_from_checkpoint = True
+    joins_at_boundary = False
+
+    def __init__(self, job, profile: ModelProfile, params: SimParams):
+        super().__init__(job, profile, params)
+        every = params.restart_checkpoint_every or job.fault_tolerance.checkpoint_interval or params.varuna_checkpoint_every
+        self.checkpoint_every = every
+        self.save_s = 0.0
+        self.load_s = 0.0
+
+    def start(self, live: list[str]) -> Response:
+        response = super().start(live)
+        self._io()
+        return response
+
+    def _io(self) -> None:
+        if self.plan is not None:
+            stage = largest_stage_bytes(self.profile, [p.template for p in self.plan.pipelines])
+            self.checkpoint_save_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_write_bandwidth)
+            self.load_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_read_bandwidth)
+
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        outcome, seconds = self._fresh(live)
+        if not isinstance(outcome, Planned):
+            self.plan = None
+            return Response(Down(_reason(outcome)), detect, rollback=True)
+        self._io()
+        restart = self.params.worker_start_s + seconds + self.params.rendezvous_s + self.load_s
+        return Response(self._layout(outcome), detect + (("restart", restart),), rollback=True)
+
+
+# --------------------------------------------------------------------------- P x D grids (Varuna, Bamboo)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grid:
+    template: PipelineTemplate
+    replicas: int
+    nodes: tuple[tuple[str, ...], ...]
+    """Node names of each pipeline, in stage order."""
+    iteration_s: float
+
+
+class _GridPlanner:
+    """The best single pipeline depth replicated D times on N nodes (Varuna's and Bamboo's layout),
+    from this repository's templates built for f = 0 on the system's own profile."""
+
+    def __init__(self, job, profile: ModelProfile, cluster: ClusterSpec, max_nodes: int):
+        self.job, self.profile, self.cluster = job, profile, cluster
+        t = job.training
+        self.total_microbatches = t.global_batch // profile.microbatch_size
+        self.templates = build_templates(
+            profile, cluster, max_nodes, 0, total_microbatches=self.total_microbatches
+        ).templates
+
+    def best(self, live: Sequence[str]) -> Grid | None:
+        nodes = node_order(live)
+        best: Grid | None = None
+        for template in self.templates:
+            d = len(nodes) // template.num_nodes
+            if d < 1:
+                continue
+            d = min(d, self.total_microbatches)
+            per_pipeline = -(-self.total_microbatches // d)
+            seconds = template.iteration_time(per_pipeline) + gradient_allreduce_s([template] * d, self.cluster)
+            if best is None or seconds < best.iteration_s - 1e-12:
+                n = template.num_nodes
+                groups = tuple(tuple(nodes[i * n : (i + 1) * n]) for i in range(d))
+                best = Grid(template, d, groups, seconds)
+        return best
+
+
+def _grid_layout(grid: Grid, global_batch: int) -> Layout:
+    used = frozenset(n for group in grid.nodes for n in group)
+    label = f"{grid.replicas} x {grid.template.num_nodes}-stage pipelines, {grid.iteration_s:.2f} s/iteration"
+    return Layout(grid.iteration_s, global_batch, used, label, grid)
+
+
+class VarunaSystem:
+    name = "varuna"
+    recovers_from_checkpoint = True
+    joins_at_boundary = True
+
+    def __init__(self, job, profile: ModelProfile, params: SimParams, max_nodes: int):
+        self.job, self.profile, self.params = job, profile, params
+        self.saves_on_signal = params.varuna_saves_on_signal
+        self.cluster = ClusterSpec.from_config(job.cluster)
+        self.timed = _Timed(params)
+        self.note = ""
+        self.grid: Grid | None = None
+        try:
+            self.planner, _ = self.timed(_GridPlanner, job, profile, self.cluster, max_nodes)
+        except UserError as exc:
+            self.planner, self.note = None, f"cannot run: {exc}"
+        free = params.varuna_no_checkpoint_cost
+        self.checkpoint_every = 2 if free else params.varuna_checkpoint_every
+        self.checkpoint_save_s = 0.0
+        self.load_s = 0.0
+        if free:
+            self.name = "varuna-no-ckpt"
+
+    def _plan(self, live: Sequence[str]) -> tuple[Grid | None, float]:
+        if self.planner is None:
+            return None, 0.0
+        grid, seconds = self.timed(self.planner.best, live)
+        if grid is not None:
+            stage = largest_stage_bytes(self.profile, [grid.template])
+            save = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_write_bandwidth)
+            self.checkpoint_save_s = 0.0 if self.params.varuna_no_checkpoint_cost else save
+            self.load_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_read_bandwidth)
+        return grid, seconds
+
+    def _down(self, live: Sequence[str]) -> Down:
+        return Down(self.note or f"no pipeline fits {len(live)} nodes")
+
+    def start(self, live: list[str]) -> Response:
+        self.grid, _ = self._plan(live)
+        return Response(_grid_layout(self.grid, self.job.training.global_batch) if self.grid else self._down(live))
+
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        old = self.grid
+        grid, seconds = self._plan(live)
+        if grid is None:
+            self.grid = None
+            return Response(self._down(live), detect, rollback=bool(lost))
+        if not lost and old is not None and (grid.template, grid.replicas) == (old.template, old.replicas):
+            return Response(_grid_layout(old, self.job.training.global_batch))  # the join changes nothing
+        self.grid = grid
+        restart = self.params.worker_start_s + seconds + self.params.rendezvous_s + self.load_s
+        layout = _grid_layout(grid, self.job.training.global_batch)
+        if lost:
+            return Response(layout, detect + (("restart", restart),), rollback=True)
+        # A join: morph at the iteration boundary; save first so no work is lost.
+        return Response(layout, (("checkpoint_save", self.checkpoint_save_s), ("restart", restart)), commit=True)
+
+
+def bamboo_profile(job, params: SimParams, max_nodes: int) -> tuple[ModelProfile | None, str]:
+    """Bamboo's costs: no activation checkpointing, the largest microbatch (power of two up to the
+    config's) whose doubled model state fits, every pass ``bamboo_rc_slowdown`` times longer.
+    None and the reason when even a microbatch of 1 does not fit (OOM)."""
+    from oobleck_mm.profiling.analytical import profile_from_config
+
+    cluster = ClusterSpec.from_config(job.cluster)
+    t = job.training
+    sizes = [params.bamboo_microbatch] if params.bamboo_microbatch else _powers_of_two_down(t.microbatch_size)
+    for size in sizes:
+        if t.global_batch % size:
+            continue
+        training = dataclasses.replace(t, microbatch_size=size, activation_checkpointing=False)
+        base = profile_from_config(dataclasses.replace(job, training=training))
+        factor, slow = params.bamboo_memory_factor, params.bamboo_rc_slowdown
+        layers = tuple(
+            dataclasses.replace(
+                layer,
+                forward_s=layer.forward_s * slow,
+                backward_weight_s=layer.backward_weight_s * slow,
+                backward_input_s=layer.backward_input_s * slow,
+                param_bytes=math.ceil(layer.param_bytes * factor),
+                grad_bytes=math.ceil(layer.grad_bytes * factor),
+                optimizer_bytes=math.ceil(layer.optimizer_bytes * factor),
+            )
+            for layer in base.layers
+        )
+        profile = dataclasses.replace(base, layers=layers)
+        try:
+            build_templates(profile, cluster, max_nodes, 0, total_microbatches=t.global_batch // size)
+        except UserError:
+            continue
+        return profile, f"microbatch {size}"
+    return None, f"OOM: model state x{params.bamboo_memory_factor:g} without activation checkpointing fits no pipeline of up to {max_nodes} nodes even at microbatch 1"
+
+
+def _powers_of_two_down(limit: int) -> list[int]:
+    out, size = [], 1
+    while size <= limit:
+        out.append(size)
+        size *= 2
+    return out[::-1]
+
+
+class BambooSystem(VarunaSystem):
+    name = "bamboo"
+    recovers_from_checkpoint = False
+    saves_on_signal = False
+
+    def __init__(self, job, profile: ModelProfile | None, params: SimParams, max_nodes: int, note: str):
+        self.job, self.params = job, params
+        self.saves_on_signal = False
+        self.cluster = ClusterSpec.from_config(job.cluster)
+        self.timed = _Timed(params)
+        self.checkpoint_every, self.checkpoint_save_s, self.load_s = 0, 0.0, 0.0
+        self.grid = None
+        self.profile = profile
+        self.note = note
+        self.planner = None
+        if profile is not None:
+            self.planner, _ = self.timed(_GridPlanner, job, profile, self.cluster, max_nodes)
+
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        old = self.grid
+        adjacent = old is not None and _adjacent_lost(old, set(lost))
+        grid, seconds = self._plan(live)
+        self.grid = grid
+        if grid is None:
+            return Response(self._down(live), detect)
+        layout = _grid_layout(grid, self.job.training.global_batch)
+        if adjacent:
+            # A stage and its backup lost together: Bamboo restarts from a checkpoint. Its
+            # checkpoint frequency is not modelled: the benefit of the doubt, no work rolled back.
+            restart = self.params.worker_start_s + seconds + self.params.rendezvous_s + self.load_s
+            return Response(layout, detect + (("restart", restart),))
+        stage = largest_stage_bytes(self.profile, [grid.template]) / self.params.bamboo_memory_factor
+        copy = self.cluster.transfer_s(stage, cross_node=True)
+        return Response(layout, detect + (("reconfiguration", seconds + self.params.rendezvous_s), ("state_copy", copy)))
+
+
+def _adjacent_lost(grid: Grid, lost: set[str]) -> bool:
+    for group in grid.nodes:
+        for a, b in zip(group, group[1:]):
+            if a in lost and b in lost:
+                return True
+    return False

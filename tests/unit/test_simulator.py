@@ -1,0 +1,304 @@
+"""The trace-driven simulator (``oobleck_mm.simulator``): invariants, hand-computed cases per system,
+and the engine's own planner doing the planning."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from oobleck_mm.cli import main
+from oobleck_mm.config import load_config
+from oobleck_mm.faults.trace import parse_trace
+from oobleck_mm.profiling.analytical import profile_from_config
+from oobleck_mm.simulator import systems as systems_module
+from oobleck_mm.simulator.availability import Availability, Change, from_trace, parse_duration, periodic
+from oobleck_mm.simulator.params import SimParams
+from oobleck_mm.simulator.run import simulate
+from oobleck_mm.simulator.systems import BambooSystem, OobleckSystem, RestartSystem, VarunaSystem, bamboo_profile
+from oobleck_mm.simulator.timeline import KINDS, Layout, simulate_system
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT2 = ROOT / "configs" / "paper" / "gpt2.yaml"  # n0 = 1 on an A40: small plans, fast planning
+TRACES = ROOT / "data" / "traces"
+FIXED = SimParams(planning_s=0.0, detection_s=1.0, rendezvous_s=2.0, worker_start_s=10.0, varuna_saves_on_signal=False)
+NODES8 = [f"node{i + 1}" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def job():
+    return load_config(GPT2)
+
+
+@pytest.fixture(scope="module")
+def profile(job):
+    return profile_from_config(job)
+
+
+def check_invariants(result, global_batch: int) -> None:
+    """Time monotonic and covered once; breakdown sums to wall time; samples only from whole iterations."""
+    t = 0.0
+    for seg in result.segments:
+        assert seg.start == pytest.approx(t, abs=1e-6) and seg.end > seg.start, (seg, t)
+        assert seg.kind in KINDS
+        assert seg.samples == 0 or seg.kind == "compute"
+        assert seg.samples % global_batch == 0
+        t = seg.end
+    assert t == pytest.approx(result.wall_s)
+    assert sum(result.breakdown.values()) == pytest.approx(result.wall_s)
+    assert result.samples == sum(s.samples for s in result.segments)
+    assert result.samples % global_batch == 0 and result.samples >= 0
+
+
+# --------------------------------------------------------------------------- availability
+
+
+def test_a_trace_groups_simultaneous_events_and_starts_with_the_first_timestamp():
+    events = parse_trace(["5000,add,a", "5000,add,b", "5000,add,c", "65000,remove,b", "65000,remove,c",
+                          "125000,add,d", "125000,remove,zzz", "185000,remove,a"])  # fmt: skip
+    av = from_trace(events, "t")
+    assert av.initial == ("a", "b", "c")
+    assert [(c.seconds, c.added, c.removed) for c in av.changes] == [
+        (60.0, (), ("b", "c")), (120.0, ("d",), ()), (180.0, (), ("a",)),
+    ]  # the removal of an absent node is dropped
+    assert av.end_s == 180.0 and av.peak_nodes == 3
+    scaled = from_trace(events, "t", replicas=3)
+    assert len(scaled.initial) == 9 and scaled.changes[0].removed == ("b.0", "b.1", "b.2", "c.0", "c.1", "c.2")
+
+
+def test_the_papers_controlled_failures_remove_one_node_per_interval_until_half_remain():
+    av = periodic(30, 600.0)
+    assert len(av.initial) == 30 and len(av.changes) == 15 and av.end_s == 15 * 600
+    assert av.changes[0].removed == ("node30",) and av.nodes_at(av.end_s) == 15
+    shipped = from_trace(parse_trace((TRACES / "10m.csv").read_text().splitlines()), "10m.csv")
+    assert [c.seconds for c in shipped.changes] == pytest.approx([c.seconds for c in av.changes], rel=0.01)
+    assert parse_duration("10m") == 600 and parse_duration("6h") == 21600 and parse_duration("90") == 90
+
+
+# --------------------------------------------------------------------------- hand-computed cases
+
+
+def two_losses() -> Availability:
+    return periodic(8, 1000.0, until_nodes=6)  # node8 lost at 1000 s; the run ends at the second loss, 2000 s
+
+
+def test_oobleck_by_hand(job, profile):
+    system = OobleckSystem(job, profile, FIXED)
+    result = simulate_system(system, two_losses())
+    check_invariants(result, 8192)
+    before = system_iteration(job, profile, NODES8)
+    after = system_iteration(job, profile, NODES8[:7])
+    done_before = math.floor(1000 / before)  # whole iterations; the one in flight is lost
+    pause = 1.0 + 2.0  # detection + (planning 0 + rendezvous 2); 1-node pipelines: nothing to copy
+    done_after = math.floor((1000 - pause) / after)
+    assert result.samples == (done_before + done_after) * 8192
+    b = result.breakdown
+    assert b["compute"] == pytest.approx(done_before * before + done_after * after)
+    assert b["detection"] == 1.0 and b["reconfiguration"] == 2.0 and b["state_copy"] == 0.0
+    assert b["fallback"] == pytest.approx(2000 - pause - b["compute"])
+    assert result.samples_per_s == pytest.approx(result.samples / 2000)
+
+
+def system_iteration(job, profile, nodes) -> float:
+    layout = OobleckSystem(job, profile, FIXED).start(list(nodes)).next
+    assert isinstance(layout, Layout)
+    return layout.iteration_s
+
+
+@pytest.mark.parametrize("name", ["restart", "varuna"])
+def test_checkpoint_restart_systems_by_hand(job, profile, name):
+    params = SimParams(**{**_fields(FIXED), "restart_checkpoint_every": 3, "varuna_checkpoint_every": 3})
+
+    def make():
+        return RestartSystem(job, profile, params) if name == "restart" else VarunaSystem(job, profile, params, 8)
+
+    system = make()
+    step = system.start(NODES8).next.iteration_s
+    save, load = system.checkpoint_save_s, system.load_s
+    step_after = make().start(NODES8[:7]).next.iteration_s
+    assert save > 0 and load > 0
+    # 8 nodes: three iterations, a save, a fourth iteration; the loss at 1000 s throws away the
+    # fourth and the one in flight.
+    assert 4 * step + save <= 1000 < 5 * step + save
+    restart = 10.0 + 0.0 + 2.0 + load  # worker start, planning, rendezvous, checkpoint load
+    t, trained = 1000 + 1.0 + restart, 0  # after detection and the restart
+    while True:
+        if trained and trained % 3 == 0:
+            t += save
+        if t + step_after > 2000:
+            break
+        t += step_after
+        trained += 1
+    result = simulate_system(system, two_losses())
+    check_invariants(result, 8192)
+    assert result.samples == (3 + trained) * 8192
+    b = result.breakdown
+    assert b["restart"] == pytest.approx(restart) and b["detection"] == 1.0
+    assert b["checkpoint_save"] == pytest.approx(save * (1 + trained // 3))
+    assert result.incidents[0].rollback_s == pytest.approx(1000 - 3 * step - save)  # iteration 4 + the one in flight
+    assert b["fallback"] == pytest.approx(1000 - 3 * step - save + (2000 - t))
+
+
+def _fields(params: SimParams) -> dict:
+    return {name: getattr(params, name) for name in params.__slots__}
+
+
+def test_bamboo_by_hand(job):
+    profile, note = bamboo_profile(job, FIXED, 8)
+    assert profile is not None and note.startswith("microbatch")
+    system = BambooSystem(job, profile, FIXED, 8, note)
+    before = system.start(NODES8).next.iteration_s
+    response = BambooSystem(job, profile, FIXED, 8, note)
+    response.start(NODES8)
+    pause = response.change(NODES8[:7], ["node8"], [], False)
+    assert [kind for kind, _ in pause.pause] == ["detection", "reconfiguration", "state_copy"]
+    after, pause_s = pause.next.iteration_s, sum(s for _, s in pause.pause)
+    result = simulate_system(system, two_losses())
+    check_invariants(result, 8192)
+    assert result.samples == (math.floor(1000 / before) + math.floor((1000 - pause_s) / after)) * 8192
+    # Redundant computation: Bamboo's iteration is slower than the same layout's without it.
+    assert before > system_iteration(job, profile_from_config(job), NODES8)
+
+
+def test_bamboo_is_out_of_memory_where_the_doubled_state_fits_no_pipeline():
+    job = load_config(ROOT / "configs" / "paper" / "gpt3_6.7b.yaml")
+    profile, note = bamboo_profile(job, SimParams(), 30)
+    assert profile is None and note.startswith("OOM")
+    result = simulate(job, periodic(30, 3600.0), ["bamboo"], SimParams(planning_s=0.0))[0]
+    assert result.samples == 0 and result.breakdown["down"] == pytest.approx(result.wall_s)
+
+
+def test_a_join_waits_for_the_iteration_boundary_and_loses_no_work(job, profile):
+    av = Availability(tuple(NODES8), (Change(100.0, ("node9",), ()),), 1000.0, "join")
+    system = OobleckSystem(job, profile, FIXED)
+    result = simulate_system(system, av)
+    check_invariants(result, 8192)
+    first = result.incidents[0]
+    step = system_iteration(job, profile, NODES8)
+    assert first.seconds == pytest.approx(step) and first.rollback_s == 0.0  # at the boundary, nothing thrown
+    assert result.breakdown["reconfiguration"] == pytest.approx(2.0 + 10.0)  # rendezvous + the joiner's start
+    assert result.breakdown["state_copy"] > 0  # the new node receives every layer
+    compute_before = [s for s in result.segments if s.kind == "compute" and s.end <= step + 1e-9]
+    assert sum(s.samples for s in compute_before) == 8192
+
+
+def test_varuna_saves_on_a_notice_and_keeps_its_work_when_the_save_fits_the_grace(job, profile):
+    params = SimParams(**{**_fields(FIXED), "varuna_saves_on_signal": True, "preempt_grace_s": 3600.0})
+    result = simulate_system(VarunaSystem(job, profile, params, 8), two_losses(), False, params.preempt_grace_s)
+    check_invariants(result, 8192)
+    assert result.incidents[0].rollback_s < system_iteration(job, profile, NODES8)  # only the iteration in flight
+    tight = SimParams(**{**_fields(params), "preempt_grace_s": 0.001})
+    lost = simulate_system(VarunaSystem(job, profile, tight, 8), two_losses(), False, tight.preempt_grace_s)
+    assert lost.incidents[0].rollback_s > result.incidents[0].rollback_s  # back to the periodic checkpoint
+    assert lost.samples < result.samples
+
+
+def test_losing_every_replica_ends_the_run_and_a_later_start_begins_from_scratch(job, profile):
+    three = ("node1", "node2", "node3")
+    av = Availability(three, (Change(1000.0, (), ("node2", "node3")), Change(2000.0, ("node4", "node5"), ())),
+                      3000.0, "zone loss")  # fmt: skip
+    system = OobleckSystem(job, profile, FIXED)
+    result = simulate_system(system, av)
+    check_invariants(result, 8192)
+    assert result.incidents[0].outcome.startswith("down:")
+    b = result.breakdown
+    assert b["down"] == pytest.approx(1000 - 1.0)  # after detection, until the nodes come back
+    assert b["restart"] == pytest.approx(10.0 + 0.0 + 2.0)
+    restarted = 2000 + 12.0
+    assert all(s.kind != "compute" for s in result.segments if s.end <= restarted)  # the first hour is gone
+    assert result.samples > 0
+
+
+# --------------------------------------------------------------------------- the planner is the engine's
+
+
+class RecordingOobleck(OobleckSystem):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.adopted = []
+
+    def change(self, live, lost, joined, noticed):
+        response = super().change(live, lost, joined, noticed)
+        self.adopted.append((sorted(live), self.plan))
+        return response
+
+
+def test_every_plan_comes_from_the_engines_planner_and_keeps_the_batch_and_every_layer(job, profile, monkeypatch):
+    calls = []
+
+    def spy(real):
+        def call(*args):
+            outcome = real(*args)
+            calls.append(outcome)
+            return outcome
+
+        return call
+
+    for name in ("plan_fresh", "plan_reconfiguration"):
+        monkeypatch.setattr(systems_module, name, spy(getattr(systems_module, name)))
+    av = from_trace(parse_trace((TRACES / "g4dn-trace.csv").read_text().splitlines()), "g4dn")
+    system = RecordingOobleck(job, profile, SimParams(planning_s=0.0))
+    result = simulate_system(system, av)
+    check_invariants(result, 8192)
+    assert len(calls) == 1 + len(result.incidents) == 1 + len(system.adopted)  # one planner call per change
+    assert sum(plan is not None for _, plan in system.adopted) > 50
+    for (live, plan), (outcome, _) in zip(system.adopted, calls[1:]):
+        if plan is None:
+            continue
+        assert plan is outcome.plan  # adopted as the planner returned it
+        assert sorted(plan.nodes) == live  # every live node used
+        assert sum(p.num_microbatches for p in plan.pipelines) * plan.microbatch_size == 8192
+        for p in plan.pipelines:
+            assert p.template.stages[0].layer_start == 0 and p.template.num_layers == profile.num_layers
+
+
+@pytest.mark.parametrize("system", ["oobleck", "varuna", "bamboo", "restart", "varuna-no-ckpt"])
+def test_invariants_on_a_spot_trace(job, system):
+    av = from_trace(parse_trace((TRACES / "g4dn-trace.csv").read_text().splitlines()), "g4dn").clipped(4)
+    result = simulate(job, av, [system], SimParams(planning_s=0.0))[0]
+    check_invariants(result, 8192)
+    assert result.samples > 0
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_simulate_command_prints_the_table_and_writes_json_and_a_plot(tmp_path, capsys):
+    out, plot = tmp_path / "sim.json", tmp_path / "sim.png"
+    code = main(["simulate", "--config", str(GPT2), "--failure-interval", "1h", "--nodes", "8",
+                 "--system", "oobleck", "varuna", "--param", "planning_s=0", "--json", str(out), "--plot", str(plot)])  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| oobleck |" in text and "| varuna |" in text
+    doc = json.loads(out.read_text())
+    assert [d["system"] for d in doc] == ["oobleck", "varuna"]
+    for d in doc:
+        assert set(d["breakdown"]) == set(KINDS)
+        assert sum(d["breakdown"].values()) == pytest.approx(d["wall_s"]) and d["samples_per_s"] > 0
+    assert plot.stat().st_size > 10_000
+
+
+def test_a_sweep_over_f_repeats_the_simulation_per_value(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["simulate", "--config", str(GPT2), "--failure-interval", "1h", "--nodes", "8", "--system", "oobleck",
+                 "--sweep", "f=0,2", "--param", "planning_s=0", "--json", str(out)]) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert [d["sweep"] for d in doc] == ["f=0", "f=2"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--system", "horovod"], "unknown system 'horovod'; valid: oobleck, varuna"),
+        (["--param", "rendezvous_s=-1"], "rendezvous_s must be >= 0"),
+        (["--param", "warp=9"], "unknown knob 'warp'"),
+        (["--sweep", "training.global_batch"], "expected KNOB=v1,v2"),
+        (["--until-nodes", "9"], "--until-nodes: must be in [0, 7]"),
+    ],
+)
+def test_bad_input_is_exit_2_naming_the_value(capsys, args, message):
+    base = ["simulate", "--config", str(GPT2), "--failure-interval", "1h", "--nodes", "8", "--system", "oobleck"]
+    assert main(base + args) == 2
+    assert message in capsys.readouterr().err
