@@ -233,6 +233,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     job = load_config(args.config, args.deepspeed)
     if args.trace:
+        if not os.path.isfile(args.trace):
+            what = "a folder, not a file" if os.path.isdir(args.trace) else "no such file"
+            raise UserError(f"--trace: {args.trace!r} is {what}; give a trace file (data/traces/, delta_ms,add|remove,node lines)")
         events = read_trace(args.trace)
         name = os.path.basename(args.trace)
         peak = av.from_trace(events, name).peak_nodes

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oobleck_mm.errors import UserError
+from oobleck_mm.faults.spec import FaultEvent
 from oobleck_mm.faults.trace import TraceEvent
 
 
@@ -116,6 +117,22 @@ def from_trace(events: Sequence[TraceEvent], name: str, replicas: int = 1) -> Av
     end_s = (events[-1].ms - start_ms) / 1000
     label = name if replicas == 1 else f"{name} x{replicas}"
     return Availability(tuple(initial), tuple(c for c in changes if c.added or c.removed), end_s, label)
+
+
+def from_faults(nodes: Sequence[str], faults: Sequence[FaultEvent], end_s: float, source: str) -> Availability:
+    """The membership a local replay produces: ``nodes`` at time 0, then each timed ``kill`` removes
+    and each ``join`` adds its node (``faults.trace.trace_timeline`` picks them, as ``oobleck-launch
+    local --trace`` does), so the simulation sees exactly the cluster the run saw."""
+    changes: list[Change] = []
+    for fault in sorted((f for f in faults if f.seconds is not None), key=lambda f: f.seconds):
+        if fault.seconds >= end_s or fault.kind not in ("kill", "join"):
+            continue
+        added, removed = ((fault.node,), ()) if fault.kind == "join" else ((), (fault.node,))
+        if changes and changes[-1].seconds == fault.seconds:
+            last = changes.pop()
+            added, removed = last.added + added, last.removed + removed
+        changes.append(Change(fault.seconds, added, removed))
+    return Availability(tuple(nodes), tuple(changes), end_s, source)
 
 
 def periodic(nodes: int, interval_s: float, until_nodes: int | None = None) -> Availability:

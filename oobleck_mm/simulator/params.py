@@ -56,7 +56,8 @@ class SimParams:
     (the next stage's forward on every stage, the deeper pipelines its doubled state needs,
     stages imbalanced to balance memory), hence 2.0, a lower bound."""
     bamboo_memory_factor: float = 2.0
-    """Model state Bamboo holds per GPU relative to one replica (its own stage + its successor's)."""
+    """Memory Bamboo holds per GPU relative to one replica, model state and activations alike (its
+    own stage + its successor's, whose forward it also runs and keeps for a fast failover)."""
     bamboo_microbatch: int | None = None
     """Bamboo's microbatch size. None: the largest power of two up to the config's that fits,
     as the dissertation's Table 2.1 chose (Bamboo runs without activation checkpointing)."""

@@ -21,11 +21,13 @@ from oobleck_mm.simulator.systems import BambooSystem, OobleckSystem, RestartSys
 from oobleck_mm.simulator.timeline import KINDS, SimResult, simulate_system
 
 
-def make_system(name: str, job, profile, params: SimParams, max_nodes: int):
+def make_system(name: str, job, profile, params: SimParams, max_nodes: int, iteration_of=None):
     if name == "oobleck":
-        return OobleckSystem(job, profile, params)
+        return OobleckSystem(job, profile, params, iteration_of)
     if name == "restart":
-        return RestartSystem(job, profile, params)
+        return RestartSystem(job, profile, params, iteration_of)
+    if iteration_of is not None:
+        raise UserError(f"measured iteration times are for this engine's systems (oobleck, restart), not {name!r}")
     if name == "varuna":
         return VarunaSystem(job, profile, params, max_nodes)
     if name == "varuna-no-ckpt":
@@ -42,15 +44,18 @@ def simulate(
     systems: Sequence[str],
     params: SimParams,
     progress: Callable[[str], None] | None = None,
+    profile=None,
+    iteration_of=None,
 ) -> list[SimResult]:
-    """One ``SimResult`` per system, in the order given."""
+    """One ``SimResult`` per system, in the order given. ``profile``: the job's layer costs (default:
+    the analytical model); ``iteration_of(plan)``: measured seconds per iteration (a calibrated cluster)."""
     say = progress or (lambda line: None)
-    profile = profile_from_config(job)
+    profile = profile or profile_from_config(job)
     peak = availability.peak_nodes
     out = []
     for name in systems:
         start = time.perf_counter()
-        system = make_system(name, job, profile, params, peak)
+        system = make_system(name, job, profile, params, peak, iteration_of)
         result = simulate_system(system, availability, params.preemption_notice, params.preempt_grace_s)
         say(f"{result.system}: {result.samples_per_s:.3f} samples/s over {result.wall_s / 3600:.2f} h, "
             f"{len(result.incidents)} changes acted on, simulated in {time.perf_counter() - start:.2f} s")  # fmt: skip
@@ -72,7 +77,8 @@ def format_results(results: Sequence[SimResult], availability: Availability) -> 
         lines.append(f"| {r.system} | {r.samples_per_s:.3f} | {cells} |")
     lines.append("")
     for r in results:
-        lines.append(f"{r.system}: starts on {r.start_layout}" + (f" ({r.note})" if r.note else ""))
+        note = f" ({r.note})" if r.note and r.note not in r.start_layout else ""
+        lines.append(f"{r.system}: starts on {r.start_layout}{note}")
     return "\n".join(lines)
 
 

@@ -129,8 +129,11 @@ class OobleckSystem:
     joins_at_boundary = True
     saves_on_signal = False
 
-    def __init__(self, job, profile: ModelProfile, params: SimParams):
+    def __init__(self, job, profile: ModelProfile, params: SimParams,
+                 iteration_of: Callable[[Plan], float] | None = None):  # fmt: skip
         self.job, self.profile, self.params = job, profile, params
+        self.iteration_of = iteration_of
+        """Measured seconds per iteration of a plan (a calibrated cluster); None: the planner's prediction."""
         self.cluster = ClusterSpec.from_config(job.cluster)
         self.timed = _Timed(params)
         self.plan: Plan | None = None
@@ -141,7 +144,8 @@ class OobleckSystem:
 
     def _layout(self, planned: Planned) -> Layout:
         plan = planned.plan
-        return Layout(plan.iteration_time_s, plan.global_batch, frozenset(plan.nodes), _plan_label(plan), plan)
+        seconds = plan.iteration_time_s if self.iteration_of is None else self.iteration_of(plan)
+        return Layout(seconds, plan.global_batch, frozenset(plan.nodes), _plan_label(plan), plan)
 
     def _fresh(self, live: list[str]) -> tuple[Any, float]:
         self.planner_calls += 1
@@ -203,8 +207,9 @@ class RestartSystem(OobleckSystem):
     recovers_from_checkpoint = True
     joins_at_boundary = False
 
-    def __init__(self, job, profile: ModelProfile, params: SimParams):
-        super().__init__(job, profile, params)
+    def __init__(self, job, profile: ModelProfile, params: SimParams,
+                 iteration_of: Callable[[Plan], float] | None = None):  # fmt: skip
+        super().__init__(job, profile, params, iteration_of)
         every = params.restart_checkpoint_every or job.fault_tolerance.checkpoint_interval or params.varuna_checkpoint_every
         self.checkpoint_every = every
         self.save_s = 0.0
@@ -340,7 +345,8 @@ class VarunaSystem:
 
 def bamboo_profile(job, params: SimParams, max_nodes: int) -> tuple[ModelProfile | None, str]:
     """Bamboo's costs: no activation checkpointing, the largest microbatch (power of two up to the
-    config's) whose doubled model state fits, every pass ``bamboo_rc_slowdown`` times longer.
+    config's) whose doubled model state and activations fit (each stage keeps its successor's
+    forward for a fast failover), every pass ``bamboo_rc_slowdown`` times longer.
     None and the reason when even a microbatch of 1 does not fit (OOM)."""
     from oobleck_mm.profiling.analytical import profile_from_config
 
@@ -362,6 +368,7 @@ def bamboo_profile(job, params: SimParams, max_nodes: int) -> tuple[ModelProfile
                 param_bytes=math.ceil(layer.param_bytes * factor),
                 grad_bytes=math.ceil(layer.grad_bytes * factor),
                 optimizer_bytes=math.ceil(layer.optimizer_bytes * factor),
+                activation_bytes=math.ceil(layer.activation_bytes * factor),
             )
             for layer in base.layers
         )
@@ -371,7 +378,8 @@ def bamboo_profile(job, params: SimParams, max_nodes: int) -> tuple[ModelProfile
         except UserError:
             continue
         return profile, f"microbatch {size}"
-    return None, f"OOM: model state x{params.bamboo_memory_factor:g} without activation checkpointing fits no pipeline of up to {max_nodes} nodes even at microbatch 1"
+    return None, (f"OOM: model state and activations x{params.bamboo_memory_factor:g}, without activation checkpointing, "
+                  f"fit no pipeline of up to {max_nodes} nodes even at microbatch 1")
 
 
 def _powers_of_two_down(limit: int) -> list[int]:

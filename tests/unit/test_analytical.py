@@ -232,3 +232,13 @@ def test_frozen_layer_names_in_config_are_exact():
     j.model.frozen = ("llm.block1",)
     frozen = {l.name for l in profile_from_config(j).layers if not l.trainable}
     assert frozen == {"llm.block1"}  # llm.block10..19 stay trainable
+
+
+def test_compute_efficiency_scales_the_compute_bound_time_only():
+    j = job("gpt3_2.7b")
+    j.training.flash_attention = True  # no memory-bound score kernels: blocks are compute-bound on an A40
+    base = by_name(profile_from_config(j))["llm.block0"]
+    j.cluster.compute_efficiency = DEVICES["a40"].efficiency / 2
+    slow = by_name(profile_from_config(j))["llm.block0"]
+    assert slow.forward_s == pytest.approx(2 * base.forward_s) and slow.backward_s == pytest.approx(2 * base.backward_s)
+    assert slow.state_bytes == base.state_bytes

@@ -16,7 +16,7 @@ from oobleck_mm.config.devices import DEVICES
 from oobleck_mm.planning.costs import ClusterSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml")))
 TINY = os.path.join(ROOT, "configs", "tiny_mm.yaml")
 DELETE = object()
 
@@ -68,6 +68,20 @@ def test_shipped_paper_configs_match_their_setups():
     corn = load_config(os.path.join(ROOT, "configs", "cornstarch_mllm_sss.yaml"))
     assert set(corn.model.frozen) == {"vision", "audio", "llm"}
     assert (corn.training.global_batch, corn.training.microbatch_size, corn.cluster.nodes) == (48, 4, 6)
+
+
+@pytest.mark.parametrize(
+    "name, layers, hidden, seq, batch, microbatch",
+    [("bert_large", 24, 1024, 512, 8192, 32), ("gpt2", 24, 1024, 1024, 8192, 32),
+     ("gpt3_medium", 24, 1024, 2048, 8192, 16), ("gpt3_2.7b", 32, 2560, 2048, 1024, 2),
+     ("gpt3_6.7b", 32, 4096, 2048, 1024, 2)],
+)  # fmt: skip
+def test_the_simulators_paper_configs_are_table_2_1(name, layers, hidden, seq, batch, microbatch):
+    job = load_config(os.path.join(ROOT, "configs", "paper", f"{name}.yaml"))
+    assert (job.model.llm.num_layers, job.model.llm.hidden, job.data.max_seq_len) == (layers, hidden, seq)
+    assert (job.training.global_batch, job.training.microbatch_size) == (batch, microbatch)
+    assert job.training.dtype == "float32" and job.training.activation_checkpointing  # TF32, as §2.7.1 ran
+    assert (job.cluster.nodes, job.cluster.accelerator, job.cluster.compute_efficiency) == (30, "a40", None)
 
 
 def test_tiny_config_is_the_described_model():
@@ -208,6 +222,8 @@ BAD = [
     ("cluster.accelerator", "tpu", "cluster.accelerator:", "'cpu', 'a40'"),
     ("cluster.device_memory", "40 bananas", "cluster.device_memory:", "'40GiB'"),
     ("cluster.max_gpus_per_stage", 3, "cluster.max_gpus_per_stage:", "1, 2, 4 or 8, got 3"),
+    ("cluster.compute_efficiency", 1.5, "cluster.compute_efficiency:", "(0, 1], got 1.5"),
+    ("cluster.compute_efficiency", 0, "cluster.compute_efficiency:", "(0, 1], got 0"),
     ("cluster.max_gpus_per_stage", 2, "cluster.max_gpus_per_stage (2)", "exceeds cluster.gpus_per_node (1)"),
     ("cluster.inter_node_bandwidth", "fast", "cluster.inter_node_bandwidth:", "'100Gbps'"),
     ("cluster.backend", "nccl", "cluster.backend:", "needs a GPU device"),
