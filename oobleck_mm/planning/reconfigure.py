@@ -282,6 +282,15 @@ def _layout_moves(ctx: _Context, nodes: list[str]) -> int | None:
     return moved
 
 
+def _signature(ctx: _Context, group: _Group) -> tuple:
+    """Everything a candidate's price reads from ``group``: whether it changed and the layers each
+    of its GPUs holds, position by position. Groups with equal signatures give candidates equal in
+    all but their index, and the lowest index wins every tie, so the steps price one of each:
+    at 1,000 nodes most pipelines are untouched copies of a few templates."""
+    gpus = range(ctx.cluster.gpus_per_node)
+    return group.changed, tuple(tuple(ctx.held.get((node, g)) for g in gpus) for node in group.nodes)
+
+
 def _overlap(a: range, b: range | None) -> int:
     if b is None:
         return 0
@@ -392,10 +401,14 @@ def _borrow(groups: list[_Group], ctx: _Context, actions: list[str]) -> None:
     """Top up pipelines below n0 with nodes of pipelines that keep a template without them."""
     for group in groups:
         while len(group.nodes) < ctx.n0:
-            candidates = []
+            candidates, priced = [], set()
             for d, donor in enumerate(groups):
                 if donor is group or len(donor.nodes) - 1 < ctx.n0:
                     continue
+                signature = _signature(ctx, donor)
+                if signature in priced:
+                    continue
+                priced.add(signature)
                 before = _current_moves(ctx, donor)
                 for j, node in enumerate(donor.nodes):
                     after = _layout_moves(ctx, donor.nodes[:j] + donor.nodes[j + 1 :])
@@ -424,10 +437,14 @@ def _merge(groups: list[_Group], ctx: _Context, actions: list[str]) -> bool:
     """Merge pipelines still below n0 with the smallest partner; False if none fits a template."""
     while (group := _deficient(groups, ctx.n0)) is not None:
         a = groups.index(group)
-        candidates = []
+        candidates, priced = [], set()
         for b, partner in enumerate(groups):
             if b == a:
                 continue
+            signature = _signature(ctx, partner)
+            if signature in priced:
+                continue
+            priced.add(signature)
             before = _current_moves(ctx, partner)
             for order, nodes in enumerate((group.nodes + partner.nodes, partner.nodes + group.nodes)):
                 moves = _layout_moves(ctx, nodes)
@@ -470,10 +487,14 @@ def _place_joined(groups: list[_Group], pool: list[str], ctx: _Context, actions:
         groups.append(_Group(origins=(), nodes=nodes, old_size=0, changed=True))
         actions.append(f"joined {', '.join(nodes)} -> new pipeline ({ctx.n0} nodes)")
     for node in pool:
-        candidates = []
+        candidates, priced = [], set()
         for i, group in enumerate(groups):
             if ctx.templates.for_nodes(len(group.nodes) + 1) is None:
                 continue
+            signature = _signature(ctx, group)
+            if signature in priced:
+                continue
+            priced.add(signature)
             moves, position = _best_insertion(ctx, group.nodes, node)
             candidates.append((len(group.nodes), moves - _current_moves(ctx, group), i, position))
         choice = _pick(candidates, ctx, lambda c: _sizes_after(groups, {c[2]: 1}))
