@@ -254,10 +254,12 @@ def test_every_plan_comes_from_the_engines_planner_and_keeps_the_batch_and_every
             assert p.template.stages[0].layer_start == 0 and p.template.num_layers == profile.num_layers
 
 
+@pytest.mark.parametrize("notice", [False, True], ids=["no-notice", "notice"])
+@pytest.mark.parametrize("trace", ["g4dn-trace.csv", "scale_p3-trace.csv"])
 @pytest.mark.parametrize("system", ["oobleck", "varuna", "bamboo", "restart", "varuna-no-ckpt"])
-def test_invariants_on_a_spot_trace(job, system):
-    av = from_trace(parse_trace((TRACES / "g4dn-trace.csv").read_text().splitlines()), "g4dn").clipped(4)
-    result = simulate(job, av, [system], SimParams(planning_s=0.0))[0]
+def test_invariants_on_spot_traces(job, system, trace, notice):
+    av = from_trace(parse_trace((TRACES / trace).read_text().splitlines()), trace).clipped(3)
+    result = simulate(job, av, [system], SimParams(planning_s=0.0, preemption_notice=notice))[0]
     check_invariants(result, 8192)
     assert result.samples > 0
 
@@ -307,3 +309,14 @@ def test_bad_input_is_exit_2_naming_the_value(capsys, args, message):
         base += ["--failure-interval", "1h"]
     assert main(base + args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_oobleck_with_a_notice_finishes_the_iteration_in_flight_when_it_ends_inside_the_grace(job, profile):
+    step = system_iteration(job, profile, NODES8)
+    result = simulate_system(OobleckSystem(job, profile, FIXED), two_losses(), True, 3600.0)
+    check_invariants(result, 8192)
+    first = result.incidents[0]
+    assert first.rollback_s == 0.0 and first.seconds == pytest.approx(math.ceil(1000 / step) * step)
+    assert result.breakdown["detection"] == 0.0  # the notice named the node: nothing to detect
+    short = simulate_system(OobleckSystem(job, profile, FIXED), two_losses(), True, 1.0)
+    assert short.incidents[0].seconds == 1000.0 and short.incidents[0].rollback_s > 0  # the boundary is too far
