@@ -5,9 +5,10 @@
         [--trace data/traces/10m.csv] [--time-scale 0.02] [--steps 200] [--json OUT]
 
 1. Calibration: failure-free ``oobleck-launch local`` runs on each node count the
-   replay will pass through; the median seconds between steps is the local
-   cluster's measured cost of that layout (the cost model cannot know that six
-   CPU "nodes" share two cores).
+   replay will pass through, before and after the replay (the machine is shared:
+   the two say how much its load drifted); the mean of their median seconds
+   between steps is the local cluster's measured cost of that layout (the cost
+   model cannot know that six CPU "nodes" share two cores).
 2. The replay: ``oobleck-launch local --trace`` on the same config; its average
    samples/s from its first step to its last.
 3. The simulation of that replay: the same kills and joins
@@ -67,6 +68,7 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=0.02)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--calibration-steps", type=int, default=40)
+    parser.add_argument("--min-nodes", type=int, default=2, help="calibrate node counts from here up")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     say = lambda line: print(line, flush=True)  # noqa: E731
@@ -75,22 +77,39 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="oobleck-simcheck-") as tmp:
         say(f"replay: {args.trace} at time scale {args.time_scale} on {args.nodes} local nodes, {args.steps} steps")
-        events = launch(args.config, args.nodes, args.steps, Path(tmp) / "replay",
-                        ["--trace", args.trace, "--time-scale", str(args.time_scale)])  # fmt: skip
+        # The kills the launcher will fire, and the node counts the replay passes through (with
+        # the steps' time span unknown yet, every count the trace reaches is calibrated).
+        faults = load_timeline(ROOT / args.trace, names, time_scale=args.time_scale)
+        everything = from_faults(names, faults, float("inf"), "all")
+        counts = sorted({everything.nodes_at(0)} | {everything.nodes_at(c.seconds) for c in everything.changes})
+        counts = [n for n in counts if n >= args.min_nodes]
+        # Calibrate before and after the replay, so a change in the machine's load during the
+        # replay shows up as a spread instead of a silent bias (the machine is shared).
+        runs: dict[int, list[float]] = {n: [] for n in counts}
+        for rounds, when in enumerate(("before", "after")):
+            for n in counts:
+                stamps_n = step_times(launch(args.config, n, args.calibration_steps, Path(tmp) / f"cal{n}-{when}", []))
+                gaps = [b - a for a, b in zip(stamps_n[5:], stamps_n[6:])]  # past the first steps' warm-up
+                runs[n].append(statistics.median(gaps))
+            if rounds == 0:
+                say("replay (between the two calibrations)")
+                events = launch(args.config, args.nodes, args.steps, Path(tmp) / "replay",
+                                ["--trace", args.trace, "--time-scale", str(args.time_scale)])  # fmt: skip
+        seconds_by_nodes = {n: statistics.mean(v) for n, v in runs.items()}
+        for n, (before, after) in runs.items():
+            say(f"calibration: {n} nodes, {before:.3f} s per step before the replay, {after:.3f} after")
         stamps = step_times(events)
         measured_s = stamps[-1] - stamps[0]
         real = (len(stamps) - 1) * job.training.global_batch / measured_s
-        faults = load_timeline(ROOT / args.trace, names, time_scale=args.time_scale)
         availability = from_faults(names, faults, measured_s, f"{os.path.basename(args.trace)} x{args.time_scale}")
-        counts = sorted({availability.nodes_at(0)} | {availability.nodes_at(c.seconds) for c in availability.changes})
-        say(f"replay: {len(stamps)} steps in {measured_s:.1f} s = {real:.2f} samples/s; node counts {counts}")
-
-        seconds_by_nodes: dict[int, float] = {}
-        for n in counts:
-            stamps_n = step_times(launch(args.config, n, args.calibration_steps, Path(tmp) / f"cal{n}", []))
-            gaps = [b - a for a, b in zip(stamps_n[5:], stamps_n[6:])]  # past the first steps' warm-up
-            seconds_by_nodes[n] = statistics.median(gaps)
-            say(f"calibration: {n} nodes, {seconds_by_nodes[n]:.3f} s per step (median of {len(gaps)})")
+        say(f"replay: {len(stamps)} steps in {measured_s:.1f} s = {real:.2f} samples/s")
+        by_generation: dict[int, list[float]] = {}
+        steps = sorted((float(e["ts"]), e["generation"]) for e in events if e.get("event") == "step")
+        for (a, g1), (b, g2) in zip(steps, steps[1:]):
+            if g1 == g2:
+                by_generation.setdefault(g1, []).append(b - a)
+        for g, gaps in sorted(by_generation.items()):
+            say(f"replay generation {g}: median {statistics.median(gaps):.3f} s per step over {len(gaps)} steps")
 
     def iteration_of(plan) -> float:
         return seconds_by_nodes[len(plan.nodes)]
@@ -104,7 +123,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "config": args.config, "trace": args.trace, "time_scale": args.time_scale, "nodes": args.nodes,
             "measured_samples_per_s": real, "simulated_samples_per_s": result.samples_per_s, "ratio": ratio,
-            "seconds_per_step_by_nodes": seconds_by_nodes, "wall_s": measured_s,
+            "seconds_per_step_by_nodes": seconds_by_nodes, "calibrations": runs, "wall_s": measured_s,
             "breakdown": result.breakdown,
         }, indent=2) + "\n")  # fmt: skip
     return 0 if abs(ratio - 1) <= 0.2 else 1

@@ -71,7 +71,9 @@ DEVICES: dict[str, DeviceSpec] = {
         # A desktop CPU core pool in fp32; what the tiny test models run on.
         DeviceSpec(name="cpu", peak_flops=1e11, memory_bytes=24 * GiB, memory_bandwidth=20e9,
                    efficiency=0.5, bytes_per_param=4, optimizer_bytes_per_param=8),
-        # A40: 149.7 TFLOPS bf16 is with 2:4 sparsity; dense is half of it. 48 GB GDDR6.
+        # A40: 74.8 TFLOPS is its dense TF32 tensor peak (what the dissertation's runs used, §2.7.1);
+        # its dense fp16/bf16 peak is 149.7 (299.4 with 2:4 sparsity). One peak per kind today, so
+        # half-precision jobs on an A40 are priced at the TF32 rate. 48 GB GDDR6.
         DeviceSpec(name="a40", peak_flops=74.8e12, memory_bytes=48 * GiB, memory_bandwidth=696e9),
         DeviceSpec(name="a100-40gb", peak_flops=312e12, memory_bytes=40 * GiB, memory_bandwidth=1555e9),
         DeviceSpec(name="a100-80gb", peak_flops=312e12, memory_bytes=80 * GiB, memory_bandwidth=2039e9),

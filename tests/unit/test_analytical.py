@@ -42,7 +42,7 @@ def seconds_of(spec: LayerSpec, microbatch_size: int = 1):
 
 
 def test_device_catalogue_uses_dense_peaks():
-    assert DEVICES["a40"].peak_flops == pytest.approx(74.8e12)  # 149.7 is with sparsity
+    assert DEVICES["a40"].peak_flops == pytest.approx(74.8e12)  # dense TF32 (the paper's precision); not 149.7
     assert DEVICES["a100-40gb"].peak_flops == DEVICES["a100-80gb"].peak_flops == pytest.approx(312e12)
     assert DEVICES["h100"].peak_flops == pytest.approx(989e12)
     assert DEVICES["h100"].memory_bytes == 80 * 2**30 and DEVICES["a100-40gb"].memory_bytes == 40 * 2**30
