@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help="job config YAML (see configs/)")
     plan.add_argument("--deepspeed", default=None, metavar="FILE",
                        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
+    _add_set(plan)
     plan.add_argument("--nodes", type=int, default=None, help="number of nodes (default: cluster.nodes)")
     plan.add_argument(
         "--fail-nodes",
@@ -59,10 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_set(parser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override one config field, e.g. --set training.global_batch=64 (repeatable; "
+                             "the value is read as YAML and checked like the file)")
+
+
 def _add_simulate_parser(sub) -> None:
     sim = sub.add_parser("simulate", help="what-if: the job over hours of node churn, per system (docs/simulator.md)")
     sim.add_argument("--config", required=True, help="job config YAML (see configs/)")
     sim.add_argument("--deepspeed", default=None, metavar="FILE", help="a DeepSpeed JSON config (docs/runtime.md)")
+    _add_set(sim)
     source = sim.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", default=None, metavar="FILE", help="node-availability trace (data/traces/)")
     source.add_argument("--failure-interval", default=None, metavar="DURATION",
@@ -91,6 +100,7 @@ def _add_control_plane_parsers(sub) -> None:
     master.add_argument("--config", required=True, help="job config YAML (see configs/)")
     master.add_argument("--deepspeed", default=None, metavar="FILE",
                        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
+    _add_set(master)
     master.add_argument("--host", "--master-addr", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
@@ -123,6 +133,7 @@ def _add_control_plane_parsers(sub) -> None:
     local.add_argument("--config", required=True, help="job config YAML (see configs/)")
     local.add_argument("--deepspeed", default=None, metavar="FILE",
                        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
+    _add_set(local)
     local.add_argument("--nodes", "--nnodes", type=int, default=None, help="simulated nodes (default cluster.nodes)")
     local.add_argument("--gpus-per-node", "--nproc-per-node", type=int, default=None,
                        help="CPU worker processes per node (default cluster.gpus_per_node)")
@@ -197,7 +208,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from oobleck_mm.planning.planner import plan_job
     from oobleck_mm.profiling.load import load_profile
 
-    job = load_config(args.config, args.deepspeed)
+    job = load_config(args.config, args.deepspeed, args.overrides)
     num_nodes = job.cluster.nodes if args.nodes is None else args.nodes
     if num_nodes < 1:
         raise UserError(f"--nodes: must be >= 1, got {num_nodes}")
@@ -231,7 +242,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         apply_knob, format_results, parse_sweep, plot_results, results_to_json, simulate,
     )  # fmt: skip
 
-    job = load_config(args.config, args.deepspeed)
+    job = load_config(args.config, args.deepspeed, args.overrides)
     if args.trace:
         if not os.path.isfile(args.trace):
             what = "a folder, not a file" if os.path.isdir(args.trace) else "no such file"
@@ -310,7 +321,7 @@ def _load_job(args: argparse.Namespace):
     if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
         raise UserError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
     return apply_overrides(
-        load_config(args.config, args.deepspeed), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
+        load_config(args.config, args.deepspeed, args.overrides), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
         steps=args.steps, recovery=args.recovery, checkpoint_interval=args.checkpoint_interval,
     )  # fmt: skip
 
@@ -318,7 +329,8 @@ def _load_job(args: argparse.Namespace):
 def _resume_command(command: str, args: argparse.Namespace) -> str:
     """How to start this job again (``--resume DIR`` is appended where it is printed)."""
     ds = f" --deepspeed {os.path.abspath(args.deepspeed)}" if getattr(args, "deepspeed", None) else ""
-    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}{ds}"
+    sets = "".join(f" --set {shlex.quote(item)}" for item in getattr(args, "overrides", []))
+    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}{ds}{sets}"
 
 
 def _cmd_master(args: argparse.Namespace) -> int:

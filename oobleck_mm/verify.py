@@ -45,12 +45,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oobleck_mm.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--deepspeed", default=None, metavar="FILE", help="the run's DeepSpeed JSON config, if any")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="the run's --set overrides, if any")
     parser.add_argument("--steps", type=int, required=True, help="global steps the run trained")
     parser.add_argument("--against", required=True, help="checkpoint directory of the run")
     parser.add_argument("--tolerance", type=float, default=1e-9)
     args = parser.parse_args(argv)
     try:
-        job = load_config(args.config, args.deepspeed)
+        job = load_config(args.config, args.deepspeed, args.overrides)
         if args.steps < 0:
             raise UserError(f"--steps: must be >= 0, got {args.steps}")
         worst, where = compare(job, args.steps, args.against)

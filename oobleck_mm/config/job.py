@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
@@ -949,12 +949,13 @@ log = logging.getLogger(__name__)
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def load_config(path: str | os.PathLike, deepspeed: str | None = None) -> JobConfig:
+def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Reads a YAML job file; a relative ``data.path`` is taken relative to the file.
 
     ``deepspeed`` (or a top-level ``deepspeed: FILE`` in the YAML, relative to it): a DeepSpeed
     JSON config mapped onto the training section (``oobleck_mm.config.deepspeed``); its notes
-    (keys accepted without effect) are logged as warnings."""
+    (keys accepted without effect) are logged as warnings. ``overrides``: ``--set KEY=VALUE``
+    items (``apply_set``), applied last, checked like the file."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -990,7 +991,42 @@ def load_config(path: str | os.PathLike, deepspeed: str | None = None) -> JobCon
         module, sep, function = model["builder"].rpartition(":")
         if sep and module.endswith(".py"):  # a file path: absolute, so every worker finds it
             model["builder"] = os.path.join(here, os.path.expanduser(module)) + ":" + function
+    if overrides and isinstance(raw, dict):
+        apply_set(raw, overrides)
     return config_from_dict(raw, source=path)
+
+
+# Paths given on the command line are relative to where the command runs, not to the YAML file.
+_PATH_KEYS = ("data.path", "model.huggingface")
+
+
+def apply_set(raw: dict, overrides: Sequence[str]) -> None:
+    """``--set training.global_batch=64``: each dotted key set in the raw config before it is
+    checked, so a bad key or value gets the YAML's own message naming it. Values are read as
+    YAML (``64``, ``true``, ``null``, ``[0.9, 0.95]``, ``{type: AdamW}``). A dotted key may create
+    a section the file lacks (``balance.enabled=true``)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set: expected KEY=VALUE with a dotted key (training.global_batch=64), got {item!r}")
+        try:
+            value = yaml.load(text, Loader=_YAML_LOADER)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {key}: {text!r} is not a YAML value") from None
+        if key in _PATH_KEYS and isinstance(value, str):
+            value = os.path.abspath(os.path.expanduser(value))
+        node = raw
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"--set {key}: {where} is {child!r}, not a section with fields")
+            node = child
+        node[parts[-1]] = value
 
 
 def section_from_dict(cls: type, raw: Any, path: str) -> Any:

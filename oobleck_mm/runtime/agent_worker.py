@@ -55,7 +55,7 @@ from oobleck_mm.runtime.checkpoint import (
     save_layers,
 )
 from oobleck_mm.runtime.engine import StageEngine
-from oobleck_mm.runtime.group import connect_store, join_generation, leave_group
+from oobleck_mm.runtime.group import connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.state_transfer import adopt_plan
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
@@ -222,6 +222,9 @@ class WorkerLoop:
         """Join generation ``a.generation``; returns a newer command instead if one arrives while waiting."""
         t0 = time.perf_counter()
         leave_group()
+        os.environ.update(torchrun_environment(
+            a.rank, a.world_size, self.local_rank, self.node, list(a.rank_nodes), a.store_host, a.store_port,
+        ))  # fmt: skip
         store = connect_store(a.store_host, a.store_port, timeout=self.timeouts.rendezvous_timeout)
         pending = join_generation(
             store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,21 @@ log = logging.getLogger(__name__)
 
 ARRIVAL_POLL_S = 0.01
 """Pause between two reads of the arrival counter."""
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun gives every worker; ours are set for the current generation (``torchrun_environment``)."""
+
+
+def torchrun_environment(rank: int, world_size: int, local_rank: int, node: str, rank_nodes: Sequence[str],
+                         store_host: str, store_port: int) -> dict[str, str]:  # fmt: skip
+    """torchrun's variables for one worker in one generation, so user code that reads them (a
+    model builder, a data pipeline, a logger) sees the generation it runs in. ``MASTER_ADDR`` and
+    ``MASTER_PORT`` name the generation's rendezvous store, as torchrun's do; ``LOCAL_WORLD_SIZE``
+    counts this node's ranks in the generation (``rank_nodes``: the node of every rank)."""
+    local_world = sum(1 for n in rank_nodes if n == node) if rank_nodes else 1
+    values = (rank, local_rank, world_size, max(local_world, 1), store_host, store_port)
+    return {name: str(value) for name, value in zip(TORCHRUN_VARIABLES, values)}
 
 
 def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:

@@ -23,3 +23,74 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     assert re.search(r"^1\s+kill\s+node4\s+20\s.*resumed at step", out, re.M), out[-2000:]
     assert re.search(r"^2\s+join\s+node5\s.*resumed at step", out, re.M), out[-2000:]
     assert "throughput plot:" in out and re.search(r"done: 60 steps in", out)
+
+
+def test_set_overrides_reach_the_master_and_the_workers(tmp_path, launches):
+    from e2e_harness import Launch
+
+    run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nodes", "2",
+                 "--set", "training.global_batch=32", "--set", "training.steps=3")  # fmt: skip
+    launches.append(run)
+    assert run.wait(timeout=120) == 0, run.stderr[-3000:]
+    [plan] = run.events("plan_decided")
+    layout = plan["layout"]
+    assert sum(p["num_microbatches"] for p in layout["pipelines"]) * layout["microbatch_size"] == 32
+    assert sorted(e["step"] for e in run.events("step")) == [0, 1, 2]  # training.steps=3, not the file's 20
+
+
+RECORDING_BUILDER = '''
+import importlib.util, json, os
+from oobleck_mm.config.shape import CustomLayer
+
+_spec = importlib.util.spec_from_file_location("custom_model_example", {example!r})
+base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(base)
+NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class Recording(base.Embed):
+    """User code reading torchrun's variables while it trains."""
+
+    def forward(self, acts, batch):
+        path = os.path.join({out!r}, "rank%s-pid%d.json" % (os.environ.get("RANK"), os.getpid()))
+        with open(path, "w") as fh:
+            json.dump({{name: os.environ.get(name) for name in NAMES}}, fh)
+        return super().forward(acts, batch)
+
+
+def build(model, data):
+    layers = base.build(model, data)
+    llm = model.llm
+    return [CustomLayer(layers[0].spec, lambda: Recording(llm.vocab_size, llm.hidden))] + layers[1:]
+'''
+
+
+def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches):
+    import json
+
+    import yaml
+    from e2e_harness import Launch
+
+    out = tmp_path / "env"
+    out.mkdir()
+    builder = tmp_path / "recording_model.py"
+    builder.write_text(RECORDING_BUILDER.format(example=str(ROOT / "examples" / "custom_model.py"), out=str(out)))
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"name": "conv_lm", "builder": f"{builder}:build",
+                  "llm": {"num_layers": 2, "hidden": 32, "num_heads": 1, "vocab_size": 256}},
+        "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256},
+        "training": {"global_batch": 8, "microbatch_size": 2, "steps": 2},
+        "cluster": {"nodes": 2},
+    }))  # fmt: skip
+    run = Launch(tmp_path, str(config))
+    launches.append(run)
+    assert run.wait(timeout=120) == 0, run.stderr[-3000:]
+    [started] = run.events("master_started")
+    [plan] = run.events("plan_decided")
+    seen = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    first_stage_ranks = {p["stages"][0][0] for p in plan["layout"]["pipelines"]}
+    assert {int(env["RANK"]) for env in seen} == first_stage_ranks  # every worker holding the embedding
+    for env in seen:
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == str(started["store_port"])

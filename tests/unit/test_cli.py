@@ -161,3 +161,28 @@ def test_local_refuses_what_the_workers_could_not_run_before_starting_anything(c
     assert main(["local", "--config", config]) == 2
     assert message in capsys.readouterr().err
     assert main(["plan", "--config", config]) == 0  # planning it is fine
+
+
+def test_set_overrides_a_field_and_is_checked_like_the_yaml(capsys):
+    doc = run_json(capsys, "--set", "training.global_batch=32", "--set", "balance.enabled=true")
+    assert doc["plan"]["global_batch"] == 32
+    cases = [
+        ("training.global_bach=32", "unknown key 'training.global_bach' (did you mean 'global_batch'?)"),
+        ("training.global_batch=-3", "training.global_batch: must be >= 1, got -3"),
+        ("training.global_batch.x=3", "--set training.global_batch.x: training.global_batch is 16, not a section"),
+        ("training", "--set: expected KEY=VALUE"),
+        ("training.dtype=[unclosed", "--set training.dtype: '[unclosed' is not a YAML value"),
+    ]
+    for item, message in cases:
+        assert main(["plan", "--config", TINY, "--set", item]) == 2
+        err = capsys.readouterr().err
+        assert message in err, (item, err)
+
+
+def test_the_resume_command_repeats_the_set_overrides():
+    from oobleck_mm.cli import _resume_command, build_parser
+
+    args = build_parser().parse_args(["local", "--config", TINY, "--set", "training.global_batch=32",
+                                      "--set", "data.path=my data.json"])  # fmt: skip
+    command = _resume_command("local", args)
+    assert command.endswith("--set training.global_batch=32 --set 'data.path=my data.json'")

@@ -132,3 +132,12 @@ def test_an_agent_removes_the_folders_of_agents_that_are_gone(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == ["oobleck-agent-my-node-222-def", "oobleck-agent-node1-111-abc"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["oobleck-agent-node2-333-ghi", "oobleck-agent-odd",
                                                            "other-111-xyz"]  # fmt: skip
+
+
+def test_torchrun_environment_names_the_generation_a_worker_runs_in():
+    from oobleck_mm.runtime.group import TORCHRUN_VARIABLES, torchrun_environment
+
+    env = torchrun_environment(5, 8, 1, "nodeB", ["nodeA"] * 4 + ["nodeB"] * 3 + ["nodeC"], "10.0.0.1", 29500)
+    assert tuple(env) == TORCHRUN_VARIABLES
+    assert env == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "3",
+                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
