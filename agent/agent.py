@@ -52,6 +52,7 @@ _REFUSALS = (
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # the job has cluster.max_nodes nodes already
 )
 
 

@@ -175,6 +175,10 @@ class Coordinator:
                 self.registry.check_new(node, gpus, want)
                 if self.phase in (JobPhase.FINISHED, JobPhase.CHECKPOINTING):
                     raise Refused("FAILED_PRECONDITION", f"the job is {self.phase.value}")
+                most = self.job.cluster.max_nodes
+                if most is not None and len(self.registry.nodes) >= most:  # registered, streams open or not
+                    raise Refused("RESOURCE_EXHAUSTED", f"the job already runs on {most} nodes, its maximum "
+                                                        f"(cluster.max_nodes, --nodes MIN:MAX); node {node} is not needed")
             except Refused as refusal:
                 self.refused(peer, "Register", str(refusal))
                 raise

@@ -61,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_range(text: str) -> tuple[int, int | None]:
+    """``N`` or torchrun's ``MIN:MAX``."""
+    low, sep, high = text.partition(":")
+    try:
+        first, most = int(low), (int(high) if sep else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX (e.g. 4 or 2:8), got {text!r}") from None
+    if first < 1 or (most is not None and most < first):
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return first, most
+
+
 def _add_set(parser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override one config field, e.g. --set training.global_batch=64 (repeatable; "
@@ -105,8 +117,9 @@ def _add_control_plane_parsers(sub) -> None:
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
     master.add_argument("--store-port", type=int, default=0, help="TCPStore port for the workers (0: any free port)")
-    master.add_argument("--nodes", "--nnodes", type=int, default=None,
-                        help="agents to wait for (default cluster.nodes)")
+    master.add_argument("--nodes", "--nnodes", type=_node_range, default=None, metavar="N|MIN:MAX",
+                        help="agents to wait for before planning (default cluster.nodes); MIN:MAX also refuses "
+                             "agents beyond MAX (cluster.max_nodes)")
     master.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
     master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
@@ -134,7 +147,9 @@ def _add_control_plane_parsers(sub) -> None:
     local.add_argument("--deepspeed", default=None, metavar="FILE",
                        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
     _add_set(local)
-    local.add_argument("--nodes", "--nnodes", type=int, default=None, help="simulated nodes (default cluster.nodes)")
+    local.add_argument("--nodes", "--nnodes", type=_node_range, default=None, metavar="N|MIN:MAX",
+                       help="simulated nodes to start (default cluster.nodes); MIN:MAX starts MIN and accepts "
+                            "joins up to MAX (cluster.max_nodes)")
     local.add_argument("--gpus-per-node", "--nproc-per-node", type=int, default=None,
                        help="CPU worker processes per node (default cluster.gpus_per_node)")
     local.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
@@ -314,15 +329,17 @@ def _setup_logging(prefix: str, level: int = logging.INFO) -> None:
 def _load_job(args: argparse.Namespace):
     from oobleck_mm.config import apply_overrides, load_config
 
-    for flag in ("nodes", "steps", "gpus_per_node"):
+    for flag in ("steps", "gpus_per_node"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
     if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
         raise UserError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
+    nodes, most = args.nodes if args.nodes is not None else (None, None)
     return apply_overrides(
-        load_config(args.config, args.deepspeed, args.overrides), nodes=args.nodes, gpus_per_node=getattr(args, "gpus_per_node", None),
-        steps=args.steps, recovery=args.recovery, checkpoint_interval=args.checkpoint_interval,
+        load_config(args.config, args.deepspeed, args.overrides), nodes=nodes, max_nodes=most,
+        gpus_per_node=getattr(args, "gpus_per_node", None), steps=args.steps, recovery=args.recovery,
+        checkpoint_interval=args.checkpoint_interval,
     )  # fmt: skip
 
 

@@ -620,6 +620,9 @@ class ClusterConfig:
     _PATH: ClassVar[str] = "cluster"
     nodes: int = 2
     """Nodes the job starts with."""
+    max_nodes: int | None = None
+    """Most nodes the job runs on: an agent registering beyond it is refused (exit 2, the reason in
+    its log). None: no limit. ``--nodes MIN:MAX`` sets both, as torchrun's ``--nnodes``."""
     gpus_per_node: int = 1
     device: str = "cpu"
     """What the workers run on: ``cpu`` (one process per simulated GPU, gloo) or ``cuda`` (one
@@ -644,6 +647,10 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check(self, "nodes", as_int, minimum=1)
+        check_optional(self, "max_nodes", as_int, minimum=1)
+        if self.max_nodes is not None and self.max_nodes < self.nodes:
+            raise ConfigError(f"cluster.max_nodes ({self.max_nodes}) must be >= cluster.nodes ({self.nodes}), the nodes "
+                              "the job starts with")
         check(self, "gpus_per_node", as_int, minimum=1)
         if self.device in DEVICES and self.device != "cpu":  # a config of before the split
             raise ConfigError(
@@ -1044,6 +1051,7 @@ def apply_overrides(
     steps: int | None = None,
     recovery: str | None = None,
     checkpoint_interval: int | None = None,
+    max_nodes: int | None = None,
 ) -> JobConfig:
     """The job with command-line values in place, validated again (ConfigError names the field)."""
     ft = job.fault_tolerance
@@ -1053,8 +1061,12 @@ def apply_overrides(
             checkpoint_interval=ft.checkpoint_interval if checkpoint_interval is None else checkpoint_interval,
         )  # fmt: skip
         job = dataclasses.replace(job, fault_tolerance=ft)
-    if nodes is not None:
-        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, nodes=nodes))
+    if nodes is not None or max_nodes is not None:
+        cluster = job.cluster
+        job = dataclasses.replace(job, cluster=dataclasses.replace(
+            cluster, nodes=cluster.nodes if nodes is None else nodes,
+            max_nodes=cluster.max_nodes if max_nodes is None else max_nodes,
+        ))  # fmt: skip
     if gpus_per_node is not None:
         job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=gpus_per_node))
     if steps is not None:

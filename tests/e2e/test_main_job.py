@@ -94,3 +94,17 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
     for env in seen:
         assert env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == str(started["store_port"])
+
+
+def test_nnodes_min_max_starts_min_and_accepts_joins_up_to_max(tmp_path, launches):
+    from e2e_harness import Launch
+
+    run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nnodes", "2:3", "--steps", "14",
+                 "--inject", "join@step3", "--inject", "join@step7")  # fmt: skip
+    launches.append(run)
+    assert run.wait(timeout=180) == 0, run.stderr[-3000:]
+    plans = run.events("plan_decided")
+    assert len(plans[0]["nodes"]) == 2  # started at MIN
+    assert max(len(p["nodes"]) for p in plans) == 3  # one join taken, up to MAX
+    refused = run.events("refused")
+    assert len(refused) == 1 and "already runs on 3 nodes, its maximum" in refused[0]["reason"]

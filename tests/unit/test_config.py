@@ -222,6 +222,7 @@ BAD = [
     ("cluster.accelerator", "tpu", "cluster.accelerator:", "'cpu', 'a40'"),
     ("cluster.device_memory", "40 bananas", "cluster.device_memory:", "'40GiB'"),
     ("cluster.max_gpus_per_stage", 3, "cluster.max_gpus_per_stage:", "1, 2, 4 or 8, got 3"),
+    ("cluster.max_nodes", 1, "cluster.max_nodes (1)", "must be >= cluster.nodes (4)"),
     ("cluster.compute_efficiency", 1.5, "cluster.compute_efficiency:", "(0, 1], got 1.5"),
     ("cluster.compute_efficiency", 0, "cluster.compute_efficiency:", "(0, 1], got 0"),
     ("cluster.max_gpus_per_stage", 2, "cluster.max_gpus_per_stage (2)", "exceeds cluster.gpus_per_node (1)"),

@@ -93,9 +93,9 @@ def make(tmp_path):
 
     def build(nodes: int = 2, gpus: int = 1, steps: int = 3, options: RunOptions | None = None, memory=None,
               recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None,
-              stall_s: float | None = None) -> Job:  # fmt: skip
+              stall_s: float | None = None, max_nodes: int | None = None) -> Job:  # fmt: skip
         job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps, recovery=recovery,
-                              checkpoint_interval=checkpoint_interval)  # fmt: skip
+                              checkpoint_interval=checkpoint_interval, max_nodes=max_nodes)  # fmt: skip
         if memory is not None:  # a smaller GPU: the model needs n0 = 2 nodes, so pipelines span nodes
             job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device_memory=memory))
         if f is not None:
@@ -583,3 +583,13 @@ def test_each_incident_is_timed_from_itself_not_from_the_first_loss(make):
     lost_plan, join_plan = read_events(j.events, "plan_decided")[1:]
     assert lost_plan["cause"] == "lost" and lost_plan["since_detected_s"] < 1.0
     assert join_plan["cause"] == "joined" and join_plan["since_detected_s"] < 1.0, join_plan
+
+
+def test_agents_beyond_max_nodes_are_refused_naming_the_limit(make):
+    j = make(nodes=2, max_nodes=3)
+    start(j, "a", "b")
+    j.join("c")  # a join up to the maximum is welcome
+    with pytest.raises(Refused) as err:
+        j.c.register("d", 0, 0, 1, "peer")
+    assert err.value.code == "RESOURCE_EXHAUSTED" and "already runs on 3 nodes, its maximum" in str(err.value)
+    assert any("cluster.max_nodes" in e["reason"] for e in read_events(j.events, "refused"))
