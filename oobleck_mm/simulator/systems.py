@@ -106,10 +106,13 @@ class _Timed:
         return out, (self.fixed if self.fixed is not None else elapsed)
 
 
-def _detection(params: SimParams, job) -> float:
-    if params.detection_s is not None:
-        return params.detection_s
-    return job.fault_tolerance.heartbeat_timeout.total_seconds()
+def _detection_phase(params: SimParams, job, lost: Sequence[str], noticed: bool) -> tuple[tuple[str, float], ...]:
+    """The detection phase a loss costs: none for a join or a noticed removal (the notice names the
+    node), else ``detection_s`` or the config's heartbeat timeout."""
+    if not lost or noticed:
+        return ()
+    seconds = params.detection_s
+    return (("detection", job.fault_tolerance.heartbeat_timeout.total_seconds() if seconds is None else seconds),)
 
 
 def _plan_label(plan: Plan) -> str:
@@ -162,7 +165,7 @@ class OobleckSystem:
         return Response(Down(_reason(outcome)))
 
     def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
-        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        detect = _detection_phase(self.params, self.job, lost, noticed)
         stall = self.params.worker_start_s if joined and self.params.joiner_start_stalls else 0.0
         if self.plan is None:
             # The run ended (no replica of some layer, or too few nodes); live mode keeps no
@@ -227,7 +230,7 @@ class RestartSystem(OobleckSystem):
             self.load_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_read_bandwidth)
 
     def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
-        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        detect = _detection_phase(self.params, self.job, lost, noticed)
         outcome, seconds = self._fresh(live)
         if not isinstance(outcome, Planned):
             self.plan = None
@@ -296,10 +299,12 @@ class VarunaSystem:
         self.timed = _Timed(params)
         self.note = ""
         self.grid: Grid | None = None
+        self.planner: _GridPlanner | None = None
         try:
-            self.planner, _ = self.timed(_GridPlanner, job, profile, self.cluster, max_nodes)
+            if profile is not None:  # None: no microbatch fits (Bamboo out of memory)
+                self.planner, _ = self.timed(_GridPlanner, job, profile, self.cluster, max_nodes)
         except UserError as exc:
-            self.planner, self.note = None, f"cannot run: {exc}"
+            self.note = f"cannot run: {exc}"
         free = params.varuna_no_checkpoint_cost
         self.checkpoint_every = 2 if free else params.varuna_checkpoint_every
         self.checkpoint_save_s = 0.0
@@ -326,7 +331,7 @@ class VarunaSystem:
         return Response(_grid_layout(self.grid, self.job.training.global_batch) if self.grid else self._down(live))
 
     def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
-        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        detect = _detection_phase(self.params, self.job, lost, noticed)
         old = self.grid
         grid, seconds = self._plan(live)
         if grid is None:
@@ -396,20 +401,14 @@ class BambooSystem(VarunaSystem):
     saves_on_signal = False
 
     def __init__(self, job, profile: ModelProfile | None, params: SimParams, max_nodes: int, note: str):
-        self.job, self.params = job, params
+        super().__init__(job, profile, params, max_nodes)
+        self.name = BambooSystem.name  # never Varuna's no-checkpoint variant
         self.saves_on_signal = False
-        self.cluster = ClusterSpec.from_config(job.cluster)
-        self.timed = _Timed(params)
-        self.checkpoint_every, self.checkpoint_save_s, self.load_s = 0, 0.0, 0.0
-        self.grid = None
-        self.profile = profile
-        self.note = note
-        self.planner = None
-        if profile is not None:
-            self.planner, _ = self.timed(_GridPlanner, job, profile, self.cluster, max_nodes)
+        self.checkpoint_every, self.checkpoint_save_s = 0, 0.0
+        self.note = f"{note}; {self.note}" if self.note else note
 
     def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
-        detect = () if (not lost or noticed) else (("detection", _detection(self.params, self.job)),)
+        detect = _detection_phase(self.params, self.job, lost, noticed)
         old = self.grid
         adjacent = old is not None and _adjacent_lost(old, set(lost))
         grid, seconds = self._plan(live)

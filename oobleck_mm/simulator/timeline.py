@@ -264,8 +264,6 @@ class _Run:
         if self.inflight_start is not None:
             self.add("fallback", self.inflight_start, at)
             lost = at - self.inflight_start
-        elif self.t < at:  # a cut-short save or an idle stretch already recorded up to at
-            pass
         self.inflight_start = None
         self.t = max(self.t, at)
         return lost
