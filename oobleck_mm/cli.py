@@ -259,10 +259,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     job = load_config(args.config, args.deepspeed, args.overrides)
     if args.trace:
-        if not os.path.isfile(args.trace):
-            what = "a folder, not a file" if os.path.isdir(args.trace) else "no such file"
-            raise UserError(f"--trace: {args.trace!r} is {what}; give a trace file (data/traces/, delta_ms,add|remove,node lines)")
-        events = read_trace(args.trace)
+        events = read_trace(_trace_file(args.trace))
         name = os.path.basename(args.trace)
         peak = av.from_trace(events, name).peak_nodes
         replicas = 1 if args.nodes is None else max(1, round(args.nodes / peak))
@@ -421,6 +418,14 @@ def _cmd_local(args: argparse.Namespace) -> int:
     return _report_exit(code, cluster.server.message, logs)
 
 
+def _trace_file(path: str) -> str:
+    """``--trace``'s file, or a UserError saying what is there instead."""
+    if not os.path.isfile(path):
+        what = "a folder, not a file" if os.path.isdir(path) else "no such file"
+        raise UserError(f"--trace: {path!r} is {what}; give a trace file (data/traces/, delta_ms,add|remove,node lines)")
+    return path
+
+
 def _faults(args: argparse.Namespace, num_nodes: int) -> list:
     """``--inject`` and ``--trace`` as one list of ``FaultEvent`` (UserError names the bad flag)."""
     if not args.inject and args.trace is None:
@@ -430,10 +435,7 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
 
     faults = parse_inject(args.inject) if args.inject else []
     if args.trace is not None:
-        if not os.path.isfile(args.trace):
-            what = "a folder, not a file" if os.path.isdir(args.trace) else "no such file"
-            raise UserError(f"--trace: {args.trace!r} is {what}; give a trace file (delta_ms,add|remove,node lines)")
-        faults += load_timeline(args.trace, _node_names(num_nodes), time_scale=args.time_scale)
+        faults += load_timeline(_trace_file(args.trace), _node_names(num_nodes), time_scale=args.time_scale)
     check_targets(faults, _node_names(num_nodes))
     return faults
 
