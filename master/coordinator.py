@@ -39,7 +39,7 @@ from master.assignments import Sending, build_assignments
 from master.detector import WORKER_FAILED, detect_failures, recent_stalls
 from master.planning import InlinePlanner
 from master.policies import policy_for
-from master.progress import Incident, Progress, layout_summary
+from master.progress import Incident, Progress, StepFacts, layout_summary
 from master.recovery import GenerationView, Holdings, Request, StateLost, previous_ranks
 from master.registry import RefusalCounter, Refused, Registry
 from oobleck_mm.errors import ExitCode
@@ -93,6 +93,8 @@ class RunOptions:
     """Restart mode: steps between checkpoints."""
     resume_command: str = "oobleck-launch local --config CONFIG"
     """Printed, followed by ``--resume DIR``, when the job stops below the threshold."""
+    log_every: int = 1
+    """Console lines every N steps (``--log-every``); the event log and metrics get every step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +166,7 @@ class Coordinator:
         self._settle_until = 0.0
         self._last_progress = clock()
         """Clock of the last step, recovery phase or plan: ``fault_tolerance.stall_timeout`` counts from it."""
-        self._progress = Progress(events, steps, progress, clock)
+        self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
 
     # ------------------------------------------------------------------ calls from agents
     def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str) -> tuple[int, int]:
@@ -188,6 +190,11 @@ class Coordinator:
                 "registered", node=node, gpus=want, memory_bytes=memory_bytes, pid=pid, peer=peer, spare=spare
             )
             log.info("registered %s (%d GPUs) from %s%s", node, want, peer, " (joins the job)" if spare else "")
+            count = len(self.registry.nodes)
+            if spare:
+                self.say(f"node {node} registered: it joins at the next step boundary")
+            elif self.num_nodes <= 16 or count % max(1, self.num_nodes // 10) == 0 or count >= self.num_nodes:
+                self.say(f"agent {node} registered ({count}/{self.num_nodes})")  # start-up progress, no silent gap
             self._changed.notify_all()
             return session, want
 
@@ -404,6 +411,8 @@ class Coordinator:
                 self._incident = Incident.now("joined", wanted.joined, self.clock)
             self.policy.before_planning(self, wanted)
         if wanted.plan_from == 0:
+            if self.phase is JobPhase.WAITING:
+                self.say(f"planning pipelines for {len(wanted.live)} nodes")
             future = self.planner.fresh(self.config_yaml, wanted.live)
         else:
             source = self._gens[wanted.plan_from]
@@ -473,6 +482,9 @@ class Coordinator:
         )
         self._progress.start(view, incident)
         self._send_assignments(view, base, previous)
+        if number == 1:
+            self.say(f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
+                     "(the first step follows)")  # fmt: skip
 
     def _send_assignments(self, view: GenerationView, base: GenerationView | None, previous: list[int]) -> None:
         if base is not None:

@@ -6,7 +6,7 @@ an agent here is killing a node. Faults are injected with real signals by
 ``oobleck_mm.faults`` (``--inject``, ``--trace``), which finds processes and
 starts joining nodes through ``agent_pids`` and ``start_agent``. Every child is
 killed on the way out, including on Ctrl-C or when the launcher itself fails,
-and at the end the run's recovery table is printed and its throughput plotted.
+and at the end the run's recovery table is printed and its figure drawn (``run.png``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class LocalOptions:
     faults: Sequence = ()
     """``oobleck_mm.faults.FaultEvent`` values to inject (``--inject``, ``--trace``)."""
     report: bool = True
-    """Print the recovery table and write ``throughput.png`` in the run dir at the end."""
+    """Print the recovery table and write ``run.png`` in the run dir at the end."""
+    log_every: int = 1
+    tensorboard: bool = True
+    log_level: str = "info"
+    """The agents' (and their workers') log level."""
 
 
 class LocalCluster:
@@ -51,7 +55,7 @@ class LocalCluster:
         master = MasterOptions(
             host="127.0.0.1", port=0, run_dir=options.run_dir, event_log=options.event_log,
             resume_dir=options.resume_dir, save_final_dir=options.save_final_dir,
-            resume_command=options.resume_command,
+            resume_command=options.resume_command, log_every=options.log_every, tensorboard=options.tensorboard,
         )  # fmt: skip
         self.server = MasterServer(job, master, progress=progress)
         self.agents: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -90,7 +94,8 @@ class LocalCluster:
         # One torch thread per simulated GPU unless the user chose otherwise: N workers share this CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "oobleck_mm.cli", "agent", "--master", self.server.address, "--node", node,
-               "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.server.token_file]  # fmt: skip
+               "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.server.token_file,
+               "--log-level", self.options.log_level]  # fmt: skip
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
         log_path = os.path.join(self.server.run_dir, f"agent-{node}.log")
@@ -159,16 +164,31 @@ class LocalCluster:
         if not self.options.report or not os.path.exists(self.server.event_log_path):
             return
         try:
-            from oobleck_mm.faults.report import summarize
+            from oobleck_mm.events import read_events
+            from oobleck_mm.faults.report import format_table, plot_run, recovery_rows
 
-            plot = os.path.join(self.server.run_dir, "throughput.png")
-            self.summary = summarize(self.server.event_log_path, plot=plot)
+            events = read_events(self.server.event_log_path)
+            self.summary = format_table(recovery_rows(events))
             print(self.summary, flush=True)
+            plot_run(events, os.path.join(self.server.run_dir, "run.png"), f"{self.job.model.name}: {self.server.run_dir}")
         except Exception as exc:  # the report is a courtesy: never turn a finished job into a failure
             log.warning("could not summarise %s: %r", self.server.event_log_path, exc)
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signal = signum
+
+
+def where_things_are(server: MasterServer) -> str:
+    """The closing lines of a run: where its figure, metrics and logs are, and how to look at them."""
+    figure = os.path.join(server.run_dir, "run.png")
+    lines = [f"figure:      {figure}"] if os.path.exists(figure) else []
+    lines.append(f"metrics:     {server.metrics.csv_path} (one row per step)")
+    if server.metrics.tensorboard_dir is not None:
+        lines.append(f"tensorboard: tensorboard --logdir {server.metrics.tensorboard_dir}")
+    lines.append(f"event log:   {server.event_log_path}")
+    if any(name.startswith("agent-") for name in os.listdir(server.run_dir)):
+        lines.append(f"agent logs:  {os.path.join(server.run_dir, 'agent-*.log')}")
+    return "\n".join(lines)
 
 
 def _stop_tree(proc: subprocess.Popen, grace_s: float = 2.0) -> None:

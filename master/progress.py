@@ -19,6 +19,8 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 # Worker phase name -> the job-level event written when every rank reported it.
+CAUSE_WORDS = {"lost": "loss", "joined": "join"}
+"""An incident's cause as a noun, for the console."""
 PHASE_EVENTS = {"rendezvous": "rendezvous_done", "states_copied": "states_copied", "resumed": "resumed"}
 
 
@@ -49,22 +51,113 @@ class Incident:
         return Incident(self.cause, (*self.nodes, node), self.detected_ts, self.detected_at)
 
 
+@dataclass(frozen=True, slots=True)
+class StepFacts:
+    """What turning ranks' reports into a step's row needs to know about the job."""
+
+    global_batch: int
+    flops_per_sample: float = 0.0
+    """Model FLOPs of one sample's forward and backward (``profiling.analytical``): MFU's numerator."""
+    peak_flops: float = 0.0
+    """One accelerator's peak FLOP/s: MFU's denominator, times the generation's GPUs."""
+    balancer: bool = False
+    log_every: int = 1
+    """Console lines every N steps (and the first, the last, and the first of each generation)."""
+    eta_window: int = 20
+    """Steps the ETA's recent pace is averaged over (the current layout's speed, not the run's)."""
+
+    @classmethod
+    def of(cls, job, log_every: int = 1) -> StepFacts:
+        from oobleck_mm.profiling.analytical import model_flops_per_sample, peak_flops
+
+        return cls(job.training.global_batch, model_flops_per_sample(job), peak_flops(job),
+                   job.balance.enabled, log_every)  # fmt: skip
+
+
+def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], facts: StepFacts) -> dict:
+    """One step's metrics from its ranks' reports: the ``step`` event's fields, ``metrics.csv``'s row.
+
+    The step lasts as long as its slowest rank; a pipeline's 1F1B time is its slowest stage's.
+    """
+    first = min(reports, key=lambda r: r.rank)
+    step_time = max(r.step_time_s for r in reports)
+    gpus = gen.layout.world_size
+    by_pipeline: dict[int, float] = {}
+    pipeline_of = {s.rank: i for i, p in enumerate(gen.layout.pipelines) for s in p.stages}
+    for r in reports:
+        i = pipeline_of.get(r.rank)
+        if i is not None:
+            by_pipeline[i] = max(by_pipeline.get(i, 0.0), r.pipeline_s)
+    measured = list(by_pipeline.values())
+    samples_per_s = facts.global_batch / step_time if step_time > 0 else 0.0
+    peak_total = facts.peak_flops * gpus
+    row = {
+        "generation": gen.number, "step": step, "loss": first.loss, "lr": first.lr, "grad_norm": first.grad_norm,
+        "samples_per_s": samples_per_s, "tokens_per_s": first.tokens / step_time if step_time > 0 else 0.0,
+        "step_time_s": step_time, "forward_s": max(r.forward_s for r in reports),
+        "backward_s": max(r.backward_s for r in reports), "comm_s": max(r.comm_s for r in reports),
+        "live_nodes": len(gen.nodes), "gpus": gpus, "pipelines": len(gen.layout.pipelines),
+        "mfu": facts.flops_per_sample * samples_per_s / peak_total if peak_total > 0 else None,
+        "peak_memory_mb": max(r.peak_memory_bytes for r in reports) / 2**20, "balancer": facts.balancer,
+        "measured_max_s": max(measured) if measured else None,
+        "measured_mean_s": sum(measured) / len(measured) if measured else None,
+        "skipped": first.skipped, "loss_scale": first.loss_scale or None,
+    }  # fmt: skip
+    if facts.balancer:
+        row.update(predicted_max_s=first.predicted_max_s, predicted_mean_s=first.predicted_mean_s,
+                   predicted_contiguous_max_s=first.predicted_contiguous_max_s or None)  # fmt: skip
+    return row
+
+
+def format_step(row: dict, steps: int, elapsed_s: float, eta_s: float | None) -> str:
+    """The console's line for a step: compact, no layout (printed when it changes)."""
+    norm = "overflow" if row["skipped"] else f"{row['grad_norm']:.3g}"
+    mfu = f"  mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+    eta = f", eta {format_duration(eta_s)}" if eta_s is not None else ""
+    return (f"step {row['step'] + 1}/{steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  gnorm {norm}  "
+            f"{row['samples_per_s']:.1f} samples/s  {_si(row['tokens_per_s'])} tok/s  {row['step_time_s']:.3f} s/step"
+            f"{mfu}  [{format_duration(elapsed_s)}{eta}]")  # fmt: skip
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss`` (``m:ss`` under an hour)."""
+    total = max(0, round(seconds))
+    h, rest = divmod(total, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
 class Progress:
     """Per-step lines and per-generation phase events for the generation being collected."""
 
-    def __init__(self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float]) -> None:
+    def __init__(self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float],
+                 facts: StepFacts | None = None) -> None:  # fmt: skip
         self.events, self.steps, self.say, self.clock = events, steps, say, clock
+        self.facts = facts or StepFacts(global_batch=0)
+        self.started = clock()
         self.gen: GenerationView | None = None
         self.incident: Incident | None = None
         self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
         self._views: dict[int, GenerationView] = {}
         self._phases: dict[str, dict[int, pb.PhaseDone]] = {}
+        self._recent: list[tuple[int, float]] = []
+        """(step, clock) of the latest steps logged: the ETA's pace."""
+        self._printed_generation = 0
+        self._gen_started = self.started
 
     def start(self, gen: GenerationView, incident: Incident | None) -> None:
         # The previous generation may still finish a step (a join is applied at the next boundary),
         # and an older one's step may have committed on every rank although one of them died
         # before reporting it: its reports are kept until a generation resumes past that step.
         self.gen, self.incident = gen, incident
+        self._gen_started = self.clock()
         self._views[gen.number] = gen
         self._phases.clear()
 
@@ -92,18 +185,24 @@ class Progress:
         self._views = {n: v for n, v in self._views.items() if n >= generation}  # older ones have no reports left
 
     def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
-        first = min(reports, key=lambda r: r.rank)
-        slowest = max(r.step_time_s for r in reports)
+        row = step_row(gen, step, reports, self.facts)
+        if not self.facts.global_batch:  # no job facts (unit tests): the first rank's own rate
+            row["samples_per_s"] = min(reports, key=lambda r: r.rank).samples_per_s
+        now = self.clock()
+        elapsed = now - self.started
+        row["elapsed_s"] = elapsed
+        row["wall_time"] = time.time()
         extra = {"partial": True, "ranks_reported": len(reports)} if partial else {}
-        self.events.write(
-            "step", generation=gen.number, step=step, loss=first.loss, samples_per_s=first.samples_per_s,
-            step_time_s=slowest, forward_s=max(r.forward_s for r in reports),
-            backward_s=max(r.backward_s for r in reports), comm_s=max(r.comm_s for r in reports), **extra,
-        )  # fmt: skip
-        self.say(
-            f"step {step + 1}/{self.steps}  loss {first.loss:.4f}  {first.samples_per_s:.1f} samples/s  "
-            f"{slowest:.3f} s/step  gen {gen.number}: {layout_summary(gen.layout)}"
-        )
+        self.events.write("step", **row, **extra)
+        self._recent = [*self._recent[-(self.facts.eta_window - 1):], (step, now)] if self.facts.eta_window > 1 else []
+        eta = None
+        if len(self._recent) >= 2 and self._recent[-1][0] > self._recent[0][0]:
+            pace = (self._recent[-1][1] - self._recent[0][1]) / (self._recent[-1][0] - self._recent[0][0])
+            eta = pace * max(0, self.steps - 1 - step)
+        every = max(1, self.facts.log_every)
+        if (step + 1) % every == 0 or step == 0 or step == self.steps - 1 or gen.number != self._printed_generation:
+            self._printed_generation = gen.number
+            self.say(format_step(row, self.steps, elapsed, eta))
 
     def phase(self, node: str, local_rank: int, rank: int | None, p: pb.PhaseDone) -> None:
         """Records one worker's phase; writes the job-level event when the generation's last rank is through."""
@@ -130,10 +229,14 @@ class Progress:
         if phase == "resumed":
             fields["step"] = min(r.step for r in reports)
         self.events.write(PHASE_EVENTS[phase], **fields)
+        if phase == "rendezvous" and self.gen.number == 1:
+            self.say(f"all {self.gen.layout.world_size} workers ready {self.clock() - self._gen_started:.1f} s "
+                     "after their assignments; training")  # fmt: skip
         if phase == "resumed":
             self._settle_steps(self.gen.number, fields["step"])
         if phase == "resumed" and self.incident is not None:
             self.say(f"generation {self.gen.number} resumed at step {fields['step'] + 1} "
-                     f"{self.clock() - self.incident.detected_at:.2f} s after the {self.incident.cause} of "
+                     f"{self.clock() - self.incident.detected_at:.2f} s after the "
+                     f"{CAUSE_WORDS.get(self.incident.cause, self.incident.cause)} of "
                      f"{', '.join(self.incident.nodes)}")  # fmt: skip
             self.incident = None

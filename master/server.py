@@ -20,6 +20,7 @@ import grpc
 
 from master.checkpointing import resume_step
 from master.coordinator import Coordinator, RunOptions
+from master.metrics import MetricsSink
 from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
 from oobleck_mm.errors import ExitCode, UserError
@@ -50,6 +51,10 @@ class MasterOptions:
     """Where the workers write the final model and optimizer states (``--save-final``)."""
     resume_command: str = "oobleck-launch master --config CONFIG"
     """How the user restarts this job; printed with ``--resume DIR`` when it stops below the threshold."""
+    log_every: int = 1
+    """Console lines every N steps (``--log-every``)."""
+    tensorboard: bool = True
+    """TensorBoard event files in ``<run dir>/tensorboard`` next to ``metrics.csv``."""
 
 
 def default_run_dir(job_name: str) -> str:
@@ -73,6 +78,8 @@ class MasterServer:
         self.token_file = options.token_file or os.path.join(self.run_dir, "token")
         self.token = _load_or_create_token(self.token_file)
         self.events = EventLog(self.event_log_path)
+        self.metrics = MetricsSink(self.run_dir, tensorboard=options.tensorboard)
+        self.events.subscribe(self.metrics)  # metrics.csv and TensorBoard: views of the event log
         self.port = 0
         self._server: grpc.Server | None = None
         self._store = None
@@ -164,6 +171,7 @@ class MasterServer:
             self._planner.close()
         self._store = None  # closes its listening socket
         self.events.close()
+        self.metrics.close()
 
 
 def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
@@ -180,6 +188,7 @@ def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
         recovery=ft.recovery,
         checkpoint_interval=ft.checkpoint_interval,
         resume_command=options.resume_command,
+        log_every=options.log_every,
     )
 
 

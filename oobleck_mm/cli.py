@@ -29,6 +29,9 @@ from typing import Sequence
 from oobleck_mm.errors import ExitCode, UserError
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one clear line, exit 2 like every bad input
         self.print_usage(sys.stderr)
@@ -125,6 +128,7 @@ def _add_control_plane_parsers(sub) -> None:
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
     master.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
     _add_run_flags(master)
+    _add_log_level(master, "info")
 
     agent = sub.add_parser("agent", help="run a node agent (one per node)")
     agent.add_argument("--master", "--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the master's address")
@@ -134,6 +138,7 @@ def _add_control_plane_parsers(sub) -> None:
     agent.add_argument("--token-file", default=None, help="job token file (default: $OOBLECK_TOKEN)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
     agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
+    _add_log_level(agent, "info")
 
     export = sub.add_parser("export", help="write a checkpoint as a HuggingFace model directory (from_pretrained)")
     export.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint the engine wrote")
@@ -156,6 +161,9 @@ def _add_control_plane_parsers(sub) -> None:
     local.add_argument("--run-dir", default="", help="logs folder (default runs/<model>-<time>-<pid>)")
     local.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
     _add_run_flags(local)
+    local.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                       help="log detail of the console and the agents' logs (default: warning on the console, "
+                            "info in agent-*.log)")
     local.add_argument("--inject", action="append", default=[], metavar="SPEC",
                        help="faults to inject, e.g. kill:node1@step4,stop:node2@t10s,join@step6 (repeatable)")
     local.add_argument("--trace", default=None, metavar="FILE", help="replay a spot-instance trace (kills, joins)")
@@ -163,7 +171,17 @@ def _add_control_plane_parsers(sub) -> None:
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
 
 
+def _add_log_level(parser, default: str) -> None:
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=default,
+                        help=f"log detail of this process (and its agents' in local) (default {default})")
+
+
 def _add_run_flags(parser) -> None:
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="a console line every N steps (default 1); metrics.csv, TensorBoard and the event "
+                             "log get every step")
+    parser.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                        help="no TensorBoard files (metrics.csv is always written in the run dir)")
     parser.add_argument("--resume", default=None, metavar="DIR",
                         help="continue from this checkpoint (any node count; the same results as never stopping)")
     parser.add_argument("--save-final", default=None, metavar="DIR",
@@ -323,6 +341,10 @@ def _setup_logging(prefix: str, level: int = logging.INFO) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def _level(name: str) -> int:
+    return getattr(logging, name.upper())
+
+
 def _load_job(args: argparse.Namespace):
     from oobleck_mm.config import apply_overrides, load_config
 
@@ -330,6 +352,8 @@ def _load_job(args: argparse.Namespace):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    if args.log_every < 1:
+        raise UserError(f"--log-every: must be >= 1, got {args.log_every}")
     if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
         raise UserError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
     nodes, most = args.nodes if args.nodes is not None else (None, None)
@@ -348,16 +372,18 @@ def _resume_command(command: str, args: argparse.Namespace) -> str:
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
+    from master.local import where_things_are
     from master.server import MasterOptions, MasterServer
     from oobleck_mm.runtime.limits import check_runnable
 
     job = _load_job(args)
     check_runnable(job, workers_here=False)
-    _setup_logging("master")
+    _setup_logging("master", _level(args.log_level))
     options = MasterOptions(
         host=args.host, port=args.port, store_port=args.store_port, run_dir=args.run_dir,
         token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
         save_final_dir=args.save_final or "", resume_command=_resume_command("master", args),
+        log_every=args.log_every, tensorboard=args.tensorboard,
     )  # fmt: skip
     server = MasterServer(job, options)
     interrupted: list[int] = []
@@ -376,7 +402,9 @@ def _cmd_master(args: argparse.Namespace) -> int:
         server.stop()
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    return _report_exit(code, server.message, server.event_log_path)
+    code = _report_exit(code, server.message, server.event_log_path)
+    print(where_things_are(server), flush=True)
+    return code
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -388,7 +416,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         raise UserError(f"--gpus: must be >= 0, got {args.gpus}")
     token = resolve_token(args.token_file)
     node = args.node or socket.gethostname().split(".")[0]
-    _setup_logging(f"agent {node}")
+    _setup_logging(f"agent {node}", _level(args.log_level))
+    os.environ["OOBLECK_LOG_LEVEL"] = args.log_level  # its workers log at the same level
     # Workers inherit this: one torch thread each unless the user chose (torchrun does the same).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     options = AgentOptions(
@@ -399,23 +428,27 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from master.local import LocalCluster, LocalOptions
+    from master.local import LocalCluster, LocalOptions, where_things_are
 
     from oobleck_mm.runtime.limits import check_runnable
 
     job = _load_job(args)
     check_runnable(job, workers_here=True)
     faults = _faults(args, job.cluster.nodes)
-    _setup_logging("local", logging.WARNING)  # the console shows progress; details are in the event log
+    # Warnings by default: the console shows progress; details are in the event log.
+    _setup_logging("local", _level(args.log_level or "warning"))
     options = LocalOptions(
         run_dir=args.run_dir, event_log=args.event_log, worker_target=args.worker_target,
         resume_dir=args.resume or "", save_final_dir=args.save_final or "",
-        resume_command=_resume_command("local", args), faults=faults,
+        resume_command=_resume_command("local", args), faults=faults, log_every=args.log_every,
+        tensorboard=args.tensorboard, log_level=args.log_level or "info",
     )  # fmt: skip
     cluster = LocalCluster(job, options)
     code = cluster.run()
     logs = ", ".join([cluster.server.event_log_path, *cluster.log_paths()])
-    return _report_exit(code, cluster.server.message, logs)
+    code = _report_exit(code, cluster.server.message, logs)
+    print(where_things_are(cluster.server), flush=True)
+    return code
 
 
 def _trace_file(path: str) -> str:

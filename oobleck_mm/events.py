@@ -10,6 +10,9 @@ The log records the job; it is not the job's state. A write that fails (a full
 disk, a vanished mount) is reported once on the process's log, with the path
 and the system's words, and the job goes on; the next writes keep trying, and
 the first that succeeds says how many events were dropped.
+
+Subscribers (``subscribe``) see every record as it is written: the master's
+``metrics.csv`` and TensorBoard files are views of this log made that way.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ class EventLog:
         self._fh = None
         self.dropped = 0
         """Events lost to failed writes since the last one that succeeded."""
+        self._subscribers: list[Callable[[dict[str, Any]], None]] = []
         if self.path is not None:
             folder = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(folder, exist_ok=True)
@@ -48,7 +52,13 @@ class EventLog:
         with self._lock:
             if self._fh is not None:
                 self._append(line)
+        for subscriber in self._subscribers:
+            subscriber(record)
         return record
+
+    def subscribe(self, subscriber: Callable[[dict[str, Any]], None]) -> None:
+        """Calls ``subscriber(record)`` after each write, in the writing thread (it must not raise)."""
+        self._subscribers.append(subscriber)
 
     def _append(self, line: str) -> None:
         try:

@@ -50,7 +50,7 @@ import yaml  # noqa: E402
 
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.events import read_events  # noqa: E402
-from oobleck_mm.faults.report import RecoveryRow, format_table, plot_throughput, recovery_rows  # noqa: E402
+from oobleck_mm.faults.report import RecoveryRow, format_table, plot_run, recovery_rows  # noqa: E402
 
 NODES = 4
 RUN_TIMEOUT_S = 420.0
@@ -138,7 +138,7 @@ def measure(mode: str, run_dir: Path, code: int, wall_s: float) -> dict:
     events = read_events(run_dir / "events.jsonl")
     rows = recovery_rows(events)
     if events:
-        plot_throughput(events, str(run_dir / "throughput.png"), title=f"tiny_mm on {NODES} nodes, recovery {mode}")
+        plot_run(events, str(run_dir / "run.png"), title=f"tiny_mm on {NODES} nodes, recovery {mode}")
     return {
         "mode": mode, "exit_code": code, "wall_s": wall_s, "run_dir": str(run_dir),
         "rows": [r.to_dict() for r in rows], "table": format_table(rows),

@@ -41,6 +41,7 @@ class TrainingData:
         self.sampler = GlobalBatchSampler(len(self.dataset), job.training.global_batch, job.training.seed)
         self.microbatch_size = job.training.microbatch_size
         self.spec = PackingSpec.from_model(job.model)
+        self.inputs = ModelInputs.from_model(job.model)
         self.dtype = compute_dtype(job.training)
         widths = {s.name: s.in_features for s in layer_specs(job.model, job.data)}
         self.vision_in = widths.get("vision.embed", 0)
@@ -58,6 +59,10 @@ class TrainingData:
         if total <= 0:
             raise ValueError(f"global batch {list(ids)[:8]}... has no text targets to train on")
         return total
+
+    def llm_tokens(self, ids: Sequence[int]) -> int:
+        """Tokens the LLM runs over for these samples (text plus every medium's tokens): tokens/s."""
+        return sum(self.inputs.llm_tokens(m) for m in self.metas(ids))
 
     def microbatch(self, ids: Sequence[int]) -> PackedBatch:
         samples = [self.dataset[i] for i in ids]

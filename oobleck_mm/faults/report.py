@@ -1,4 +1,4 @@
-"""Recovery breakdown from an event log: a per-failure table of phases and a samples/s plot.
+"""Recovery breakdown from an event log: a per-failure table of phases and the run's figure.
 
 Pure over a list of events (``oobleck_mm.events.read_events``); missing phases
 are ``None`` (printed ``-``), never an error, so the same code reads a run with
@@ -340,8 +340,27 @@ def throughput_series(events: Iterable[Event], window: int = WALL_WINDOW_STEPS) 
     return xs, reported, wall
 
 
-def plot_throughput(events: Iterable[Event], path: str, title: str = "") -> str:
-    """Saves a PNG of samples/s over time with failures (red), detections (purple) and joins (green)."""
+PHASE_SPANS = (("detect", "detection", "tab:purple"), ("decide", "planning", "tab:orange"),
+               ("rendezvous", "rendezvous", "gold"), ("copy", "state copy", "tab:cyan"),
+               ("resume", "first step", "tab:gray"))  # fmt: skip
+"""RecoveryRow durations shaded on the run's figure: (field, legend, colour), in the order they happen."""
+
+
+def recovery_spans(row: RecoveryRow) -> list[tuple[str, str, float, float]]:
+    """(legend, colour, start ts, end ts) of each recovery phase of one incident that happened."""
+    spans, at = [], row.at_ts
+    for field, label, color in PHASE_SPANS:
+        seconds = getattr(row, f"{field}_s")
+        if seconds is None:
+            continue
+        spans.append((label, color, at, at + seconds))
+        at += seconds
+    return spans
+
+
+def plot_run(events: Iterable[Event], path: str, title: str = "") -> str:
+    """Saves the run's figure: loss and samples/s against wall time, one above the other, with
+    failures (red), detections (purple, dotted), joins (green) and each recovery phase shaded."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: runs and CI have none
@@ -351,31 +370,41 @@ def plot_throughput(events: Iterable[Event], path: str, title: str = "") -> str:
     xs, reported, wall = throughput_series(ordered)
     steps = _steps(ordered)
     t0 = steps[0]["ts"] - float(steps[0].get("step_time_s", 0.0) or 0.0) if steps else 0.0
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [1, 1]})
+    top.plot(xs, [float(e.get("loss", float("nan"))) for e in steps], lw=1.2, color="tab:red", label="loss")
+    top.set_ylabel("loss")
     # Wall clock: samples over the time since the previous step, so downtime shows; the step's own
     # rate as dots only, since a line joining the dots across a failure would hide the gap.
-    ax.step(xs, wall, where="pre", lw=1.2, color="tab:blue",
-            label=f"samples/s (wall clock, {WALL_WINDOW_STEPS} steps)")  # fmt: skip
-    ax.plot(xs, reported, ".", ms=4, color="black", label="samples/s (step time)")
-    marked = set()
-    for incident in incidents(ordered):
-        color = "green" if incident.join else "red"
-        label = "join" if incident.join else "failure"
-        ax.axvline(incident.ts - t0, color=color, lw=1.2, label=None if label in marked else label)
-        ax.annotate(f"{incident.kind}:{','.join(incident.nodes)}", (incident.ts - t0, 1),
-                    xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
-                    color=color)  # fmt: skip
+    bottom.step(xs, wall, where="pre", lw=1.2, color="tab:blue",
+                label=f"samples/s (wall clock, {WALL_WINDOW_STEPS} steps)")  # fmt: skip
+    bottom.plot(xs, reported, ".", ms=4, color="black", label="samples/s (step time)")
+    bottom.set_ylabel("samples/s")
+    bottom.set_ylim(bottom=0)
+    marked: set[str] = set()
+
+    def once(label: str) -> str | None:
+        first = label not in marked
         marked.add(label)
+        return label if first else None
+
+    for row in recovery_rows(ordered):
+        for label, color, start, end in recovery_spans(row):
+            for ax in (top, bottom):
+                ax.axvspan(start - t0, end - t0, color=color, alpha=0.25, lw=0, label=once(label) if ax is bottom else None)
+    for incident in incidents(ordered):
+        color, label = ("green", "join") if incident.join else ("red", "failure")
+        for ax in (top, bottom):
+            ax.axvline(incident.ts - t0, color=color, lw=1.2, label=once(label) if ax is bottom else None)
+        top.annotate(f"{incident.kind}:{','.join(incident.nodes)}", (incident.ts - t0, 1),
+                     xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
+                     color=color)  # fmt: skip
     for e in ordered:
         if phase_name(e) == "lost":
-            ax.axvline(e["ts"] - t0, color="tab:purple", ls=":", lw=1,
-                       label=None if "detected" in marked else "detected")  # fmt: skip
-            marked.add("detected")
-    ax.set_xlabel("seconds since training started")
-    ax.set_ylabel("samples/s")
-    ax.set_title(title or "throughput")
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)  # off the data
+            for ax in (top, bottom):
+                ax.axvline(e["ts"] - t0, color="tab:purple", ls=":", lw=1, label=once("detected") if ax is bottom else None)
+    bottom.set_xlabel("seconds since training started")
+    top.set_title(title or "training run")
+    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=8, frameon=False)  # off the data
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -388,22 +417,22 @@ def summarize(event_log: str, plot: str | None = None) -> str:
     events = read_events(event_log)
     text = format_table(recovery_rows(events))
     if plot:
-        plot_throughput(events, plot)
-        text += f"\nthroughput plot: {plot}"
+        plot_run(events, plot)
+        text += f"\nrun figure (loss, samples/s, incidents): {plot}"
     return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oobleck_mm.faults.report", description=__doc__.splitlines()[0])
     parser.add_argument("event_log", help="a run's events.jsonl")
-    parser.add_argument("--plot", default=None, help="write a PNG of samples/s over time here")
+    parser.add_argument("--plot", default=None, help="write the run's figure (loss and samples/s over time, incidents marked) here")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     if args.json:
         rows = recovery_rows(read_events(args.event_log))
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         if args.plot:
-            plot_throughput(read_events(args.event_log), args.plot)
+            plot_run(read_events(args.event_log), args.plot)
     else:
         print(summarize(args.event_log, args.plot))
     return 0

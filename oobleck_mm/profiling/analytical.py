@@ -213,3 +213,22 @@ def profile_from_config(job: JobConfig) -> ModelProfile:
     frozen = resolve_frozen(job.model.frozen, specs)
     layers = tuple(replace(layer, trainable=layer.name not in frozen) for layer in profile.layers)
     return replace(profile, layers=layers)
+
+
+def model_flops_per_sample(job: JobConfig) -> float:
+    """Model FLOPs of one sample's forward and backward at the config's sample shape: the numerator
+    of MFU (PaLM's convention: activation recomputation is not counted, a frozen layer pays its
+    input gradients only; the first layer's input gradients are counted, a rounding error)."""
+    specs = layer_specs(job.model, job.data)
+    frozen = resolve_frozen(job.model.frozen, specs)
+    dev = get_device(job.cluster.accelerator)  # FLOPs do not depend on it; _passes wants one
+    total = 0.0
+    for spec in specs:
+        forward, weight, inputs = _passes(spec, spec.tokens_per_sample, dev, job.training.flash_attention)
+        total += forward.flops + inputs.flops + (0.0 if spec.name in frozen else weight.flops)
+    return total
+
+
+def peak_flops(job: JobConfig) -> float:
+    """Peak FLOP/s of one of the job's accelerators (the catalogue's one peak per kind): MFU's denominator."""
+    return get_device(job.cluster.accelerator).peak_flops

@@ -58,6 +58,7 @@ from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.state_transfer import adopt_plan
+from oobleck_mm.runtime.timing import peak_memory_bytes
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
 from oobleck_mm.runtime.worker import device_for, save_checkpoint, write_replica_hashes
 
@@ -184,10 +185,7 @@ class WorkerLoop:
                 engine.discard_iteration()
                 return self.abort(a.generation, step, str(error).splitlines()[0])
             self.next_step = step + 1
-            self.report(metrics=pb.StepMetrics(
-                generation=a.generation, step=step, rank=a.rank, loss=result.loss,
-                samples_per_s=plan.global_batch / result.step_time_s, step_time_s=result.step_time_s,
-                forward_s=result.forward_s, backward_s=result.backward_s, comm_s=result.comm_s))
+            self.report(metrics=step_metrics(a, plan, engine, result))
             if self.committed is not gen:
                 self.committed = gen
                 self.phase(a.generation, "resumed", step=step)
@@ -316,7 +314,8 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     """Entry point of a worker process started by an agent (one per GPU)."""
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node}/gpu{local_rank} %(levelname)s %(message)s")
+    level = getattr(logging, os.environ.get("OOBLECK_LOG_LEVEL", "info").upper(), logging.INFO)  # the agent's
+    logging.basicConfig(level=level, format=f"%(asctime)s {node}/gpu{local_rank} %(levelname)s %(message)s")
     # torch's first optimizer imports torch._dynamo (1.5-2 s on this machine): pay it while the
     # process starts, not inside the first generation's state copy.
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
@@ -358,3 +357,18 @@ def _report_failure(conn, failed: pb.WorkerFailed) -> None:
         send_report(conn, pb.WorkerReport(failed=failed))
     except (OSError, EOFError):
         pass  # the agent is gone: its supervision (or the master's detector) says why
+
+
+def step_metrics(a, plan: ExecutionPlan, engine: StageEngine, result) -> pb.StepMetrics:
+    """What the master logs of one step on this rank (metrics.csv, TensorBoard, the console)."""
+    predicted = engine.balancer.last_metrics if engine.balancer is not None else {}
+    return pb.StepMetrics(
+        generation=a.generation, step=result.step, rank=a.rank, loss=result.loss,
+        samples_per_s=plan.global_batch / result.step_time_s, step_time_s=result.step_time_s,
+        forward_s=result.forward_s, backward_s=result.backward_s, comm_s=result.comm_s, lr=result.lr,
+        grad_norm=result.grad_norm, tokens=result.tokens, peak_memory_bytes=peak_memory_bytes(engine.device),
+        pipeline_s=result.pipeline_s, skipped=result.skipped, loss_scale=result.loss_scale,
+        predicted_max_s=predicted.get("predicted_max_s", 0.0),
+        predicted_mean_s=predicted.get("predicted_mean_s", 0.0),
+        predicted_contiguous_max_s=predicted.get("predicted_contiguous_max_s", 0.0),
+    )  # fmt: skip

@@ -76,6 +76,8 @@ class StepResult:
     """float16: the gradients overflowed on some rank, so no rank updated anything this step."""
     loss_scale: float = 0.0
     """float16: the loss scale of the step (0 otherwise)."""
+    tokens: int = 0
+    """LLM tokens of the whole global batch (text and media tokens), for tokens/s."""
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
@@ -198,7 +200,7 @@ class StageEngine:
         self._next_forward = self._next_load = 0
         self._intervals: list[list] = []  # per microbatch: [forward, backward] intervals of self.clock
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0,
+        self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0, tokens=self.data.llm_tokens(ids),
                                   microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p))
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
                                     stage_id=self.stage_index)

@@ -1,4 +1,4 @@
-"""Seconds of work on the stage's device, read once per step.
+"""Seconds of work on the stage's device, read once per step; the worker's peak memory.
 
 On the CPU work is done when the call returns: ``perf_counter`` around it is its
 time. On a GPU a call only queues kernels, so a host clock measures launches;
@@ -42,3 +42,13 @@ class Stopwatch:
             end.synchronize()
             return start.elapsed_time(end) / 1000.0
         return interval
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This worker's memory high-water mark: the CUDA caching allocator's peak on a GPU (what a
+    stage's plan must fit), the process's peak resident set on the CPU (``ru_maxrss``, KiB on Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

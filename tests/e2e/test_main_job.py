@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import re
 import shlex
 import subprocess
@@ -22,7 +23,25 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     assert "generation 1: 2 pipelines (stages 3,2;" in out, out[:2000]  # heterogeneous depths
     assert re.search(r"^1\s+kill\s+node4\s+20\s.*resumed at step", out, re.M), out[-2000:]
     assert re.search(r"^2\s+join\s+node5\s.*resumed at step", out, re.M), out[-2000:]
-    assert "throughput plot:" in out and re.search(r"done: 60 steps in", out)
+    assert re.search(r"done: 60 steps in", out)
+    # Start-up says what it waits for; the layout is printed when it changes, not on every step.
+    for line in ("agent node0 registered", "planning pipelines for 5 nodes", "starting 5 workers", "workers ready"):
+        assert line in out, out[:2000]
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 60 and not any("pipelines" in line for line in step_lines)
+    assert all(re.search(r"loss \S+  lr \S+  gnorm \S+ .* tok/s .*, eta \d+:\d\d\]$", line) for line in step_lines[1:])
+    # It ends by saying where the figure, the metrics and the logs are.
+    run = tmp_path / "run"
+    tail = out.splitlines()[-5:]
+    assert tail[0] == f"figure:      {run / 'run.png'}" and (run / "run.png").stat().st_size > 10_000
+    assert tail[2] == f"tensorboard: tensorboard --logdir {run / 'tensorboard'}"
+    with open(run / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["step"]) for r in rows] == list(range(1, 61))  # one row per step, none twice after the kill
+    nodes = [int(r["live_nodes"]) for r in rows]
+    assert nodes[0] == 5 and nodes[20] == 4 and nodes[-1] == 5  # the kill at step 20, the join after step 35
+    assert all(float(r["measured_max_s"]) >= float(r["measured_mean_s"]) > 0 for r in rows)
+    assert all(float(r["predicted_max_s"]) > 0 and 0 < float(r["mfu"]) < 1 for r in rows)  # the balancer is on
 
 
 def test_set_overrides_reach_the_master_and_the_workers(tmp_path, launches):

@@ -186,3 +186,15 @@ def test_the_resume_command_repeats_the_set_overrides():
                                       "--set", "data.path=my data.json"])  # fmt: skip
     command = _resume_command("local", args)
     assert command.endswith("--set training.global_batch=32 --set 'data.path=my data.json'")
+
+
+@pytest.mark.parametrize("command", ["local", "master"])
+def test_log_every_below_one_exits_2_naming_the_flag(capsys, command, tmp_path):
+    assert main([command, "--config", TINY, "--log-every", "0", "--run-dir", str(tmp_path)]) == 2
+    assert "--log-every: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_log_level_is_one_of_the_named_levels(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["local", "--config", TINY, "--log-level", "chatty"])
+    assert exit_.value.code == 2 and "invalid choice: 'chatty'" in capsys.readouterr().err

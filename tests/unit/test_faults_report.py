@@ -7,7 +7,9 @@ import json
 import pytest
 
 from oobleck_mm.events import read_events
-from oobleck_mm.faults.report import format_table, plot_throughput, recovery_rows, summarize, throughput_series
+from oobleck_mm.faults.report import (
+    format_table, plot_run, recovery_rows, recovery_spans, summarize, throughput_series,
+)  # fmt: skip
 
 STEP_S = 0.25
 BATCH = 16
@@ -191,8 +193,15 @@ def test_throughput_dips_over_downtime_and_the_plot_is_a_png(tmp_path):
     assert xs[0] == pytest.approx(STEP_S) and xs == sorted(xs)
     _, _, smooth = throughput_series(log.events, window=2)
     assert smooth[4] == pytest.approx(2 * BATCH / (gap + STEP_S)), "averaged over the window"
-    path = plot_throughput(log.events, str(tmp_path / "t.png"))
+    path = plot_run(log.events, str(tmp_path / "t.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # The figure shades each phase from where the previous one ended up to the first step after it.
+    [row] = recovery_rows(log.events)
+    spans = recovery_spans(row)
+    assert [s[0] for s in spans] == ["detection", "planning", "rendezvous", "state copy", "first step"]
+    assert spans[0][2] == row.at_ts and all(a[3] == pytest.approx(b[2]) for a, b in zip(spans, spans[1:]))
+    assert spans[-1][3] == pytest.approx(row.at_ts + sum(getattr(row, f"{k}_s") for k in ("detect", "decide",
+                                         "rendezvous", "copy", "resume")))  # fmt: skip
 
 
 def test_steps_logged_together_do_not_spike_the_wall_clock_rate():

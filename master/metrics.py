@@ -1,0 +1,135 @@
+"""The run's metrics for people: ``metrics.csv`` (one row per step) and TensorBoard event files.
+
+Both are written from the master's event log as it is written (``EventLog.subscribe``):
+the ``step`` event already is the row (``master/progress.py`` builds it from every
+rank's report), and the recovery events (a node lost or joining, a plan, the
+workers' rendezvous, state copy and resume, checkpoints) go to TensorBoard as
+text and scalars at the step they happened, so a loss curve and its incidents
+line up. ``events.jsonl`` stays the complete record; these are views of it.
+
+    tensorboard --logdir RUN_DIR/tensorboard
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import threading
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+COLUMNS = (
+    "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s", "generation",
+    "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
+    "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "skipped",
+    "loss_scale", "elapsed_s", "wall_time",
+)  # fmt: skip
+"""``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
+``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
+slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off."""
+
+SCALARS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "samples_per_s": "throughput/samples_per_s",
+    "tokens_per_s": "throughput/tokens_per_s", "step_time_s": "throughput/step_time_s", "mfu": "throughput/mfu",
+    "live_nodes": "cluster/live_nodes", "gpus": "cluster/gpus", "generation": "cluster/generation",
+    "peak_memory_mb": "memory/peak_mb", "predicted_max_s": "balance/predicted_max_s",
+    "predicted_mean_s": "balance/predicted_mean_s", "predicted_contiguous_max_s": "balance/predicted_contiguous_max_s",
+    "measured_max_s": "balance/measured_max_s", "measured_mean_s": "balance/measured_mean_s",
+    "loss_scale": "train/loss_scale",
+}  # fmt: skip
+"""Row column -> TensorBoard tag (empty values are not written)."""
+
+RECOVERY_EVENTS = {
+    "lost": ("node", "reason"), "registered": ("node", "spare"), "injected": ("kind", "nodes"),
+    "plan_decided": ("generation", "cause", "describe", "seconds", "layer_states_moved"),
+    "rendezvous_done": ("generation", "seconds", "since_detected_s"),
+    "states_copied": ("generation", "seconds", "bytes", "since_detected_s"),
+    "resumed": ("generation", "step", "since_detected_s"), "checkpoint_saved": ("dir", "step"),
+    "aborted": ("generation", "node", "message"),
+}  # fmt: skip
+"""Events shown in TensorBoard's text tab (with these fields) at the step they happened."""
+
+PHASE_SCALARS = {"plan_decided": "seconds", "rendezvous_done": "since_detected_s",
+                 "states_copied": "since_detected_s", "resumed": "since_detected_s"}  # fmt: skip
+"""Recovery phase -> the field plotted as ``recovery/<phase>_s`` (seconds since the incident was seen)."""
+
+
+class MetricsSink:
+    """Writes ``metrics.csv`` and TensorBoard files under ``run_dir`` from event-log records."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True) -> None:
+        self.csv_path = os.path.join(run_dir, "metrics.csv")
+        self.tensorboard_dir = os.path.join(run_dir, "tensorboard") if tensorboard else None
+        self._lock = threading.Lock()
+        self._last_step = 0
+        self._broken: set[str] = set()
+        new = not os.path.exists(self.csv_path) or os.path.getsize(self.csv_path) == 0
+        self._csv_file = open(self.csv_path, "a", encoding="utf-8", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            self._csv.writeheader()
+        self._tb = None
+        if self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Flushed every few seconds: a user watching a live run sees it, a crash loses little.
+            self._tb = SummaryWriter(self.tensorboard_dir, flush_secs=5)
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        """An ``EventLog`` subscriber: never raises (metrics must not stop training)."""
+        name = record.get("event")
+        try:
+            with self._lock:
+                if name == "step":
+                    self._step(record)
+                elif name in RECOVERY_EVENTS:
+                    self._recovery(name, record)
+        except OSError as exc:  # a full disk: said once per kind, the job goes on
+            self._report_once("write", f"metrics in {os.path.dirname(self.csv_path)}: cannot write ({exc.strerror})")
+
+    def _step(self, record: Mapping[str, Any]) -> None:
+        row = {c: _cell(record.get(c), c) for c in COLUMNS}
+        row["step"] = int(record["step"]) + 1
+        self._last_step = row["step"]
+        self._csv.writerow(row)
+        self._csv_file.flush()
+        if self._tb is not None:
+            for column, tag in SCALARS.items():
+                value = record.get(column)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(tag, value, row["step"], walltime=record.get("ts"))
+
+    def _recovery(self, name: str, record: Mapping[str, Any]) -> None:
+        if self._tb is None:
+            return
+        fields = ", ".join(f"{k}={record[k]}" for k in RECOVERY_EVENTS[name] if record.get(k) not in (None, ""))
+        self._tb.add_text("recovery", f"{name}: {fields}", self._last_step, walltime=record.get("ts"))
+        field = PHASE_SCALARS.get(name)
+        if field is not None and isinstance(record.get(field), (int, float)):
+            self._tb.add_scalar(f"recovery/{name}_s", record[field], self._last_step, walltime=record.get("ts"))
+
+    def _report_once(self, kind: str, message: str) -> None:
+        if kind not in self._broken:
+            self._broken.add(kind)
+            log.error("%s", message)
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._csv_file.close()
+                if self._tb is not None:
+                    self._tb.close()
+            except OSError as exc:
+                self._report_once("close", f"metrics: cannot finish writing ({exc.strerror})")
+
+
+def _cell(value: Any, column: str = "") -> Any:
+    if value is None:
+        return ""
+    if column in ("elapsed_s", "wall_time") and isinstance(value, float):
+        return f"{value:.3f}"  # seconds, unix time: fixed point, not 1.79553e+09
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value

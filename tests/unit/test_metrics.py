@@ -1,0 +1,133 @@
+"""Metrics people read: the step row built from ranks' reports, the console line and its ETA,
+metrics.csv and TensorBoard files (read back with tensorboard's own event reader)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from master.metrics import COLUMNS, MetricsSink
+from master.progress import Progress, StepFacts, format_duration, format_step, step_row
+from master.recovery import GenerationView
+from oobleck_mm.config import load_config
+from oobleck_mm.config.shape import layer_specs, matmul_param_count
+from oobleck_mm.events import EventLog, read_events
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.profiling.analytical import model_flops_per_sample
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# Two pipelines of different depths: ranks 0,1,2 (3 stages) and 3,4 (2 stages), on 5 nodes.
+LAYOUT = ExecutionPlan(
+    pipelines=(
+        PipelineLayout((StageLayout(0, 0, 4), StageLayout(1, 4, 7), StageLayout(2, 7, 10)), 4),
+        PipelineLayout((StageLayout(3, 0, 6), StageLayout(4, 6, 10)), 4),
+    ),
+    num_layers=10,
+    microbatch_size=2,
+)
+GEN = GenerationView(2, LAYOUT, {(f"node{r}", 0): r for r in range(5)})
+FACTS = StepFacts(global_batch=16, flops_per_sample=1e9, peak_flops=1e11, balancer=True)
+
+
+def reports(step: int = 4) -> list[pb.StepMetrics]:
+    pipeline_s = [0.30, 0.25, 0.20, 0.10, 0.40]  # pipeline 0's slowest stage 0.30, pipeline 1's 0.40
+    return [
+        pb.StepMetrics(generation=2, step=step, rank=r, loss=2.5, lr=3e-4, grad_norm=1.25, tokens=4000,
+                       step_time_s=0.5 + 0.1 * (r == 3), pipeline_s=pipeline_s[r], peak_memory_bytes=(r + 1) * 2**20,
+                       predicted_max_s=0.35, predicted_mean_s=0.33, predicted_contiguous_max_s=0.45)
+        for r in range(5)
+    ]  # fmt: skip
+
+
+def test_step_row_takes_the_slowest_rank_and_each_pipelines_slowest_stage():
+    row = step_row(GEN, 4, reports(), FACTS)
+    assert row["step_time_s"] == pytest.approx(0.6)  # rank 3 was slowest: the step lasted that long
+    assert row["samples_per_s"] == pytest.approx(16 / 0.6)
+    assert row["tokens_per_s"] == pytest.approx(4000 / 0.6)
+    assert row["measured_max_s"] == pytest.approx(0.40) and row["measured_mean_s"] == pytest.approx(0.35)
+    assert row["mfu"] == pytest.approx(1e9 * 16 / 0.6 / (1e11 * 5))  # every GPU of the generation
+    assert (row["live_nodes"], row["gpus"], row["pipelines"], row["generation"]) == (5, 5, 2, 2)
+    assert row["peak_memory_mb"] == pytest.approx(5.0)  # the largest worker's
+    assert (row["loss"], row["lr"], row["grad_norm"]) == (2.5, 3e-4, 1.25)
+    assert (row["predicted_max_s"], row["predicted_contiguous_max_s"]) == (0.35, 0.45)
+
+
+def test_predictions_are_absent_with_the_balancer_off_but_measured_times_are_not():
+    row = step_row(GEN, 4, reports(), StepFacts(global_batch=16))
+    assert "predicted_max_s" not in row and row["measured_max_s"] == pytest.approx(0.40)
+    assert row["mfu"] is None  # no peak FLOP/s known: no MFU, not a zero
+
+
+def test_console_line_is_compact_with_elapsed_and_eta_and_no_layout():
+    row = step_row(GEN, 4, reports(), FACTS)
+    line = format_step(row, 100, elapsed_s=75, eta_s=3725)
+    assert line.startswith("step 5/100  loss 2.5000  lr 3.00e-04  gnorm 1.25  26.7 samples/s  6.7k tok/s")
+    assert line.endswith("[1:15, eta 1:02:05]") and "pipelines" not in line
+    row["skipped"] = True
+    assert "gnorm overflow" in format_step(row, 100, 0, None)
+    assert format_duration(59.6) == "1:00" and format_duration(3600) == "1:00:00"
+
+
+def test_eta_follows_the_recent_pace_and_lines_follow_log_every(tmp_path):
+    now = [0.0]
+    lines: list[str] = []
+    facts = StepFacts(global_batch=16, log_every=3, eta_window=4)
+    progress = Progress(EventLog(tmp_path / "e.jsonl"), 10, lines.append, lambda: now[0], facts)
+    progress.start(GEN, None)
+    for step in range(10):
+        now[0] += 2.0  # two seconds a step
+        for m in reports(step):
+            progress.metrics(m)
+    steps = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert steps == [1, 3, 6, 9, 10]  # the first, every 3rd, the last
+    assert lines[1].endswith("[0:06, eta 0:14]")  # 7 steps left at 2 s each
+    assert len(read_events(tmp_path / "e.jsonl", "step")) == 10  # the log gets every step
+
+
+def test_metrics_csv_and_tensorboard_hold_every_step_and_the_recovery_at_its_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventLog(tmp_path / "events.jsonl")
+    sink = MetricsSink(str(tmp_path))
+    events.subscribe(sink)
+    for step in range(3):
+        events.write("step", **step_row(GEN, step, reports(step), FACTS), elapsed_s=1.0 + step, wall_time=1.8e9)
+    events.write("lost", node="node4", reason="stream_closed")
+    events.write("resumed", generation=3, step=3, since_detected_s=0.42, seconds=0.1)
+    events.write("step", **step_row(GEN, 3, reports(3), FACTS), elapsed_s=5.0, wall_time=1.8e9 + 5)
+    events.close()
+    sink.close()
+
+    with open(tmp_path / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert tuple(rows[0]) == COLUMNS
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]  # steps done, as the console counts
+    assert float(rows[0]["tokens_per_s"]) == pytest.approx(4000 / 0.6, rel=1e-5)
+    assert rows[0]["wall_time"] == "1800000000.000" and rows[0]["loss_scale"] == ""
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4] and all(math.isclose(e.value, 2.5) for e in loss)
+    assert [e.step for e in acc.Scalars("balance/measured_max_s")] == [1, 2, 3, 4]
+    assert [(e.step, round(e.value, 2)) for e in acc.Scalars("recovery/resumed_s")] == [(3, 0.42)]
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("recovery/text_summary")]
+    assert texts[0] == (3, "lost: node=node4, reason=stream_closed")  # after step 3, where it happened
+
+
+def test_model_flops_count_forward_and_both_backward_halves_once():
+    job = load_config(str(CONFIGS / "tiny_mm.yaml"))
+    flops = model_flops_per_sample(job)
+    expected = 0.0
+    for spec in layer_specs(job.model, job.data):
+        tokens = spec.tokens_per_sample
+        attention = 4.0 * tokens * spec.attention_len * spec.hidden * (0.5 if spec.causal else 1.0)
+        matmul = 2.0 * matmul_param_count(spec) * tokens
+        # forward (matmul + attention) + weight grads (matmul) + input grads (matmul + 2 attention);
+        # the token embedding has no input gradient to speak of
+        expected += 3 * matmul + (3 * attention if spec.kind != "token_embed" else attention)
+    assert flops == pytest.approx(expected, rel=1e-12)
