@@ -2,8 +2,10 @@
 
 Subcommands: ``plan`` (templates, the best plan for N nodes and, with
 ``--fail-nodes``, the reconfiguration after losing them), ``master`` (the job's
-coordinator), ``agent`` (one per node) and ``local`` (master + N agents and
-their workers on this machine). Exit codes (``oobleck_mm.errors.ExitCode``): 0
+coordinator), ``agent`` (one per node), ``local`` (master + N agents and
+their workers on this machine), ``verify`` (a run against the reference
+trainer), ``export`` (a checkpoint as a HuggingFace directory) and
+``simulate`` (hours of node churn, per system). Exit codes (``oobleck_mm.errors.ExitCode``): 0
 done, 2 a ``UserError`` (bad config, flag or checkpoint: one line on stderr
 naming the field), 3 the job could not keep f+1 replicas, 1 a failed run or a
 bug (any other exception: its traceback goes to the log).
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     _add_simulate_parser(sub)
     _add_control_plane_parsers(sub)
+    from oobleck_mm.verify import build_parser as verify_parser
+
+    verify_parser(sub.add_parser("verify", help="replay a run on the single-process reference trainer and compare "
+                                                "its parameters (tolerance from the run's dtype)"))  # fmt: skip
     return parser
 
 
@@ -208,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_export(args)
         if args.command == "simulate":
             return _cmd_simulate(args)
+        if args.command == "verify":
+            from oobleck_mm.verify import main as verify
+
+            return verify(args=args)
     except UserError as err:  # ConfigError, InfeasiblePlan, a bad flag or checkpoint: the user's to fix
         print(f"oobleck-launch: error: {err}", file=sys.stderr)
         return ExitCode.BAD_INPUT

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from oobleck_mm.data.loader import TrainingData
+from oobleck_mm.errors import UserError
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
@@ -27,8 +28,13 @@ WORKER_THREADS = 1
 
 
 class ReferenceTrainer:
-    def __init__(self, job, data: TrainingData | None = None):
+    def __init__(self, job, data: TrainingData | None = None, reverse_microbatches: bool = False):
         self.job = job
+        self.reverse_microbatches = reverse_microbatches
+        """Accumulate each step's microbatches last to first: the same sum in another rounding
+        (``verify`` measures a float32 run's reordering drift with it)."""
+        self.start_step = 0
+        """The first step to train: 0, or a loaded checkpoint's step."""
         self.specs = model_layer_specs(job)
         self.data = data if data is not None else TrainingData(job)
         self.layers = nn.ModuleList(build_layer(job, i, self.specs) for i in range(len(self.specs)))
@@ -69,6 +75,8 @@ class ReferenceTrainer:
         mbs = self.job.training.microbatch_size
         if microbatches is None:
             microbatches = [ids[start : start + mbs] for start in range(0, len(ids), mbs)]
+            if self.reverse_microbatches:
+                microbatches.reverse()
         elif sorted(i for mb in microbatches for i in mb) != sorted(ids):
             raise ValueError(f"step {step}: the microbatches do not hold the global batch's samples")
         for chunk in microbatches:
@@ -99,6 +107,39 @@ class ReferenceTrainer:
     def train(self, steps: int, start_step: int = 0) -> Iterator[tuple[int, float]]:
         for step in range(start_step, start_step + steps):
             yield step, self.train_step(step)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Continue from an engine checkpoint: parameters, Adam moments, loss scale; returns its step.
+
+        Optimizer state is matched parameter by parameter (``trainable_params`` order), so a tied LM
+        head, whose weight the reference holds once (in the embedding's optimizer), takes the rest
+        of its state from its shard.
+        """
+        from oobleck_mm.runtime.checkpoint import load_layer, read_loss_scaler, read_meta
+
+        meta = read_meta(directory)
+        names = [s.name for s in self.specs]
+        if meta["layer_names"] != names:
+            raise UserError(f"{directory}: layers {meta['layer_names']} are not this model's {names}")
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                held = load_layer(directory, self.job, i, self.specs)
+                for mine, saved in zip(layer.state_dict().values(), held.module.state_dict().values()):
+                    mine.copy_(saved)
+                if i not in self.optimizers or held.optimizer is None:
+                    continue
+                owned = {id(p) for group in self.optimizers[i].param_groups for p in group["params"]}
+                for mine, saved in zip(trainable_params(layer), trainable_params(held.module)):
+                    if id(mine) in owned and saved in held.optimizer.state:
+                        self.optimizers[i].state[mine] = {k: v.clone() for k, v in held.optimizer.state[saved].items()}
+        if self.scaler is not None:
+            state = read_loss_scaler(directory, names[0])
+            if state is not None:
+                self.scaler.load_state_dict(state)
+        if self.mixed is not None:
+            self.mixed.sync()
+        self.start_step = int(meta["step"])
+        return self.start_step
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.layers[index].state_dict().items()}

@@ -160,3 +160,26 @@ def test_one_cycle_schedule_with_momentum_cycling_equals_reference(tmp_path):
     assert max_param_diff(outs, trainer) < 1e-10
     assert [r.lr for r in outs[0]["results"]] == pytest.approx([1e-4, 1e-4 + 0.5 * 2.9e-3, 3e-3,
                                                                  1e-4 + 0.5 * 2.9e-3, 1e-4], rel=1e-9)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_reference_continues_from_an_engine_checkpoint_as_if_never_stopped(tmp_path, tied):
+    """verify --from: the reference loads a run's checkpoint (parameters and Adam moments, a tied head's
+    weight held once) and two more steps equal five from the start."""
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=3)
+    d["model"]["llm"]["tie_embeddings"] = tied
+    job = config_from_dict(d)
+    plan = ExecutionPlan.even(10, [2, 3], [4, 4], job.training.microbatch_size)
+    run_local(job, plan, 3, tmp_path / "out", save_final=str(tmp_path / "at3"))
+    resumed = ReferenceTrainer(job)
+    assert resumed.load_checkpoint(str(tmp_path / "at3")) == 3
+    for step in (3, 4):
+        resumed.train_step(step)
+    straight = ReferenceTrainer(job)
+    for step in range(5):
+        straight.train_step(step)
+    for i in range(len(straight.specs)):
+        for key, value in straight.layer_state(i).items():
+            assert torch.allclose(resumed.layer_state(i)[key], value, rtol=0, atol=1e-12), (straight.specs[i].name, key)

@@ -109,8 +109,8 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
         assert [p.exitcode for p in procs[:3]] == [0, 0, 0]
         from oobleck_mm.config import load_config
 
-        worst, where = compare(load_config(config), STEPS, str(final), progress=lambda line: None)
-        assert worst < 1e-9, where
+        verdict = compare(load_config(config), STEPS, str(final), progress=lambda line: None)
+        assert verdict.worst.abs_diff < 1e-9 and verdict.ok and verdict.tolerance == 1e-9, verdict.format()
         hashes = [yaml.safe_load((final / "replicas" / f"rank{r}.json").read_text()) for r in range(3)]
         for layer in hashes[2]:  # rank 2 holds every layer; each replica must be identical
             assert all(h[layer] == hashes[2][layer] for h in hashes if layer in h)
