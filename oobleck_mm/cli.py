@@ -403,7 +403,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         server.start()
         print(f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} steps\n"
               f"  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
-              f"  start each node with: oobleck-launch agent --master {server.address} "
+              f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
               f"--token-file {server.token_file}", flush=True)  # fmt: skip
         while (code := server.wait(0.2)) is None:
             if interrupted:
@@ -415,6 +415,15 @@ def _cmd_master(args: argparse.Namespace) -> int:
     code = _report_exit(code, server.message, server.event_log_path)
     print(where_things_are(server), flush=True)
     return code
+
+
+def _dial_address(server) -> str:
+    """Where agents reach the master: its address, or this host's name when it listens on every interface."""
+    from master.server import format_address
+
+    if server.options.host in ("", "0.0.0.0", "::", "[::]"):
+        return format_address(socket.getfqdn(), server.port)
+    return server.address
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:

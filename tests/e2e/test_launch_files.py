@@ -1,0 +1,148 @@
+"""The launch files users copy (examples/launch/) run a real job.
+
+ssh and SLURM are not on this machine: the scripts run unchanged with ``ssh``,
+``srun`` and ``scontrol`` replaced by small local stand-ins (the stand-ins are
+the fake part; the master, the agents, the token handling and the exit codes
+are the scripts' own). The Kubernetes manifest is checked against the CLI it
+drives: every command parses, the ports and the token source agree.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+
+import psutil
+import pytest
+import yaml
+from e2e_harness import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+LAUNCH = ROOT / "examples" / "launch"
+TINY = str(ROOT / "configs" / "tiny_mm.yaml")
+
+FAKE_SSH = """#!/usr/bin/env bash
+# ssh HOST COMMAND: run COMMAND here (stdin passes through, as ssh's does)
+shift
+exec bash -c "$*"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol show hostnames LIST: one name per line
+[ "$1 $2" = "show hostnames" ] && tr ',' '\\n' <<< "$3"
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun [options] COMMAND...: COMMAND once per node of --nodes, each with its SLURMD_NODENAME
+nodes=1; names=($(tr ',' ' ' <<< "$SLURM_JOB_NODELIST")); only=""
+while [[ $# -gt 0 && $1 == -* ]]; do
+  case $1 in
+    --nodes=*) nodes=${1#--nodes=} ;;
+    -w) only=$2; shift ;;
+  esac
+  shift
+done
+pids=()
+for ((i = 0; i < nodes; i++)); do
+  SLURMD_NODENAME=${only:-${names[$i]}} "$@" &
+  pids+=($!)
+done
+code=0
+for p in "${pids[@]}"; do wait "$p" || code=$?; done
+exit $code
+"""
+
+
+def _shims(tmp_path, **scripts: str) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in scripts.items():
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:  # everything the script started, even on a timeout
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            child.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ssh_script_runs_a_job_on_its_hosts(tmp_path):
+    env = _shims(tmp_path, ssh=FAKE_SSH)
+    run = tmp_path / "run"
+    env.update(RUN=str(run), PORT=str(_free_port()), MASTER_HOST="127.0.0.1", EXTRA="--steps 3")
+    proc = _run([str(LAUNCH / "ssh.sh"), TINY, "hostA", "hostB"], env, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "done: 3 steps" in proc.stdout
+    events = (run / "events.jsonl").read_text()
+    for host in ("hostA", "hostB"):  # named after their hosts, each given the token over stdin
+        assert f'"event":"registered","node":"{host}"' in events and (run / f"agent-{host}.log").exists()
+    assert oct((run / "token").stat().st_mode & 0o777) == "0o600"
+
+
+def test_slurm_script_runs_a_job_on_its_allocation(tmp_path):
+    env = _shims(tmp_path, srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
+    run = tmp_path / "run"
+    env.update(RUN=str(run), PORT=str(_free_port()), SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_ID="42", REPO=str(ROOT), MASTER_ADDR="127.0.0.1")  # nodeA does not resolve here  # fmt: skip
+    proc = _run(["bash", str(LAUNCH / "slurm.sbatch"), TINY, "--steps", "3"], env, timeout=150)
+    master_log = (run / "master.log").read_text() if (run / "master.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + master_log[-3000:]
+    assert "done: 3 steps" in master_log
+    events = (run / "events.jsonl").read_text()
+    assert '"node":"nodeA"' in events and '"node":"nodeB"' in events  # one agent per node, named after it
+
+
+def test_a_script_given_a_bad_config_exits_2_without_waiting_for_agents(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "configs" / "tiny_mm.yaml").read_text().replace("global_batch: 16", "global_batch: -1"))
+    env = _shims(tmp_path, ssh=FAKE_SSH)
+    env.update(RUN=str(tmp_path / "run"), PORT=str(_free_port()))
+    proc = _run([str(LAUNCH / "ssh.sh"), str(bad), "hostA", "hostB"], env, timeout=120)
+    assert proc.returncode == 2 and "training.global_batch" in proc.stdout
+
+
+def test_kubernetes_manifest_commands_parse_and_its_ports_and_token_agree():
+    from oobleck_mm.cli import build_parser
+
+    docs = list(yaml.safe_load_all((LAUNCH / "kubernetes.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "Service")
+    master_job, agents_job = (next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == n)
+                              for n in ("oobleck-master", "oobleck-agents"))  # fmt: skip
+    [master] = master_job["spec"]["template"]["spec"]["containers"]
+    [agent] = agents_job["spec"]["template"]["spec"]["containers"]
+    assert master["command"][0] == agent["command"][0] == "oobleck-launch"
+    m = build_parser().parse_args(master["command"][1:])
+    a = build_parser().parse_args([c.replace("$(POD_NAME)", "pod-x") for c in agent["command"][1:]])
+    # The Service selects the master pod and carries both ports the master listens on.
+    assert service["spec"]["selector"].items() <= master_job["spec"]["template"]["metadata"]["labels"].items()
+    assert {p["port"] for p in service["spec"]["ports"]} == {m.port, m.store_port}
+    assert a.master == f"{service['metadata']['name']}:{m.port}" and a.node == "pod-x"
+    # The master reads the token the agents get, from the same Secret.
+    secret = next(v["secret"]["secretName"] for v in master_job["spec"]["template"]["spec"]["volumes"] if "secret" in v)
+    mount = next(v["mountPath"] for v in master["volumeMounts"] if v["name"] == "token")
+    assert m.token_file.startswith(mount + "/")
+    token_env = next(e for e in agent["env"] if e["name"] == "OOBLECK_TOKEN")
+    assert token_env["valueFrom"]["secretKeyRef"] == {"name": secret, "key": os.path.basename(m.token_file)}
+    assert {e["name"] for e in agent["env"]} >= {"POD_NAME", "OOBLECK_TOKEN"}
+    # As many agent pods as the master waits for.
+    assert agents_job["spec"]["parallelism"] == agents_job["spec"]["completions"] == m.nodes[0]
+    assert shlex.join(master["command"])  # plain strings, no YAML numbers in the command
+    assert all(isinstance(c, str) for c in master["command"] + agent["command"])
