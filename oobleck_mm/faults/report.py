@@ -178,6 +178,8 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     wanted = 0 if last_old is None else last_old["step"] + 1
     after = since if plan is None else plan["ts"]
     first_new = next((e for e in _steps(events) if e["ts"] > after and e["step"] >= wanted), None)
+    if incident.join and plan is None:
+        first_new = None  # the node never made it into a plan (the job ended first): nothing resumed
     generation = None if plan is None else plan.get("generation")
     phases = _phase_times(events, generation, plan)
     durations = _chain(incident.ts, [
@@ -189,7 +191,7 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     copy_window = copy_seconds or durations["copy"]
     return RecoveryRow(
         kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts,
-        step=first_new["step"] if incident.join and first_new is not None else (wanted if last_old else None),
+        step=(first_new["step"] if first_new is not None else None) if incident.join else (wanted if last_old else None),
         reason=reason, generation=generation if first_new is not None else None,
         detect_s=durations["detect"], decide_s=durations["decide"], rendezvous_s=durations["rendezvous"],
         copy_s=durations["copy"], copy_bytes=copy_bytes,

@@ -248,3 +248,15 @@ def test_a_loss_logged_just_before_its_injection_is_still_its_detection():
     lost["ts"] = injected["ts"] - 0.001
     [row] = recovery_rows(log.events)
     assert (row.kind, row.reason, row.detect_s) == ("kill", "stream_closed", 0.0)
+
+
+def test_a_join_the_job_ended_before_is_not_reported_as_resumed():
+    """The joiner's agent was still starting when training finished: no plan took it in."""
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1"])
+    end = log.steps(1, 0, 3, 100.0)
+    log.at(end - 0.2, "injected", kind="join", node="node2", batch=1)
+    log.at(end + 0.01, "shutdown", exit_code=0, reason="done: 3 steps")
+    [join] = recovery_rows(log.events)
+    assert join.kind == "join" and join.generation is None and join.lost_s is None
+    assert join.outcome == "job ended (exit 0)" and join.step is None
