@@ -36,14 +36,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
-import yaml
+from typing import TYPE_CHECKING
 
-from oobleck_mm.config import load_config
 from oobleck_mm.errors import ExitCode, UserError
-from oobleck_mm.precision import compute_dtype, master_dtype
-from oobleck_mm.runtime.checkpoint import load_params, read_meta
-from oobleck_mm.runtime.reference import ReferenceTrainer
+
+if TYPE_CHECKING:
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
+# torch and the runtime are imported where they are used: `oobleck-launch` builds this command's
+# parser on every start, and an agent must not pay seconds of imports to read its flags.
 
 FLOAT64_TOLERANCE = 1e-9
 """A float64 run's bound: reduction order moves float64 results by ~1e-15 here; a logic error by far more."""
@@ -103,6 +104,11 @@ class Verdict:
 def compare(job, steps: int, directory: str, progress=print, start_dir: str | None = None,
             tolerance: float | None = None) -> Verdict:  # fmt: skip
     """The run's checkpoint ``directory`` against the reference after ``steps`` global steps."""
+    import torch
+
+    from oobleck_mm.precision import compute_dtype, master_dtype
+    from oobleck_mm.runtime.checkpoint import load_params, read_meta
+
     meta = read_meta(directory)
     if meta["step"] != steps:
         progress(f"note: the checkpoint is at step {meta['step']}, comparing after {steps} reference steps")
@@ -148,6 +154,9 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
 
 
 def _reference(job, directory: str, start_dir: str | None, reverse: bool = False) -> ReferenceTrainer:
+    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
     trainer = ReferenceTrainer(job, reverse_microbatches=reverse)
     names = [s.name for s in trainer.specs]
     if read_meta(directory)["layer_names"] != names:
@@ -161,6 +170,8 @@ class _NoiseReference:
     """The reversed-order reference in a child process (the two share the machine's cores)."""
 
     def __init__(self, job, steps: int, start_dir: str | None) -> None:
+        import yaml
+
         self._tmp = tempfile.TemporaryDirectory(prefix="oobleck-verify-")
         config = os.path.join(self._tmp.name, "job.yaml")
         with open(config, "w", encoding="utf-8") as fh:
@@ -170,7 +181,9 @@ class _NoiseReference:
         self._proc = ctx.Process(target=_noise_main, args=(config, steps, start_dir, self._out), daemon=True)
         self._proc.start()
 
-    def result(self) -> dict[str, dict[str, torch.Tensor]]:
+    def result(self) -> dict:
+        import torch
+
         self._proc.join()
         if self._proc.exitcode != 0 or not os.path.exists(self._out):
             raise RuntimeError(f"the reversed-order reference failed (exit code {self._proc.exitcode})")
@@ -184,6 +197,11 @@ class _NoiseReference:
 
 
 def _noise_main(config: str, steps: int, start_dir: str | None, out: str) -> None:
+    import torch
+
+    from oobleck_mm.config import load_config
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
     job = load_config(config)
     trainer = ReferenceTrainer(job, reverse_microbatches=True)
     if start_dir:
@@ -214,6 +232,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args if args is not None else build_parser().parse_args(argv)
+    from oobleck_mm.config import load_config
+    from oobleck_mm.runtime.checkpoint import read_meta
+
     start = time.perf_counter()
     try:
         job = load_config(args.config, args.deepspeed, args.overrides)

@@ -198,3 +198,12 @@ def test_log_level_is_one_of_the_named_levels(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["local", "--config", TINY, "--log-level", "chatty"])
     assert exit_.value.code == 2 and "invalid choice: 'chatty'" in capsys.readouterr().err
+
+
+def test_reading_the_command_line_imports_no_torch():
+    """Every agent, including a joining node's, parses its flags first: seconds of torch imports there
+    delay every join (a join that misses the end of training never happens)."""
+    code = ("import sys; from oobleck_mm.cli import build_parser; build_parser().parse_args(['agent', '--master', "
+            "'h:1']); heavy = sorted(m for m in ('torch', 'numpy', 'grpc') if m in sys.modules); print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
