@@ -78,6 +78,8 @@ class Verdict:
     tolerance: float
     basis: str
     """Where the tolerance comes from, in words."""
+    warning: str = ""
+    """Said after the verdict when the tolerance is too wide to see one lost update."""
 
     @property
     def worst(self) -> LayerDiff:
@@ -98,6 +100,8 @@ class Verdict:
         w = self.worst
         lines.append(f"largest parameter difference {w.abs_diff:.3e} at {w.name}.{w.worst_tensor}: "
                      f"{'within' if self.ok else 'OUTSIDE'} tolerance {self.tolerance:.1e} ({self.basis})")  # fmt: skip
+        if self.warning:
+            lines.append(self.warning)
         return "\n".join(lines)
 
 
@@ -150,7 +154,21 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
     floor = FLOOR_ULPS * torch.finfo(compute_dtype(job.training)).eps * max(d.ref_max for d in layers)
     basis = (f"{job.training.dtype}: {NOISE_FACTOR:g} x the reference's own drift under a reversed summation "
              f"order, {measured:.1e}" + (f"; at least {FLOOR_ULPS} ulps, {floor:.1e}" if floor > NOISE_FACTOR * measured else ""))  # fmt: skip
-    return Verdict(tuple(layers), max(NOISE_FACTOR * measured, floor), basis)
+    tolerance = max(NOISE_FACTOR * measured, floor)
+    return Verdict(tuple(layers), tolerance, basis, _blind_spot(job, steps, tolerance))
+
+
+def _blind_spot(job, steps: int, tolerance: float) -> str:
+    """A warning when one Adam update (about the learning rate per weight) fits inside the tolerance:
+    chaotic float32 drift over a long run can be as large as a lost or repeated step."""
+    from oobleck_mm.runtime.optim import lr_at
+
+    lr = lr_at(job.training, max(0, steps - 1))
+    if steps == 0 or tolerance < lr:
+        return ""
+    return (f"note: the tolerance is wider than one update at the last step's learning rate ({lr:.1e}): over "
+            f"{steps} {job.training.dtype} steps a run one update off would pass too. Check a window of the run "
+            "with --from CHECKPOINT, or rerun it in float64 (--set training.dtype=float64)")
 
 
 def _reference(job, directory: str, start_dir: str | None, reverse: bool = False) -> ReferenceTrainer:

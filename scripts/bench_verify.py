@@ -14,8 +14,11 @@ checkpoint:
 - ``verify --from`` a checkpoint ``--window`` steps before the end (the run is
   resumed from it), the way to check the last steps of a long run.
 
-Printed: wall seconds of each, the largest difference, the tolerance chosen, and
-the verdict. A fault-free run must be within its tolerance; one step fewer must not.
+Then one step fewer, over the whole run and over the window. Printed: wall
+seconds of each, the largest difference, the tolerance chosen, and the verdict.
+A fault-free run must be within its tolerance both ways and one step fewer must
+be outside it over the window. Over the whole float32 run the drift may be as
+large as one update (verify then says so): that case is printed, not required.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ def _cli(*args: str) -> tuple[float, subprocess.CompletedProcess]:
 
 
 def _verdict(proc: subprocess.CompletedProcess) -> dict:
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("largest parameter difference")]
+    last = lines[-1] if lines else proc.stderr[-500:]
     found = re.search(r"difference (\S+) at (\S+): (within|OUTSIDE) tolerance (\S+)", last)
     if not found:
         raise SystemExit(f"verify printed no verdict (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return {"exit": proc.returncode, "largest_difference": float(found.group(1)), "at": found.group(2),
-            "within": found.group(3) == "within", "tolerance": float(found.group(4)), "line": last}  # fmt: skip
+            "within": found.group(3) == "within", "tolerance": float(found.group(4)), "line": last,
+            "warned_blind": "note: the tolerance is wider than one update" in proc.stdout}  # fmt: skip
 
 
 def main() -> int:
@@ -71,16 +76,20 @@ def main() -> int:
             "default (reference + reversed-order reference in parallel)": common + ("--steps", str(args.steps)),
             "--tolerance 1e-2 (reference alone)": common + ("--steps", str(args.steps), "--tolerance", "1e-2"),
             f"--from step {first} (the last {args.window} steps)": common + ("--steps", str(args.steps), "--from", mid),
-            "one step fewer (must be OUTSIDE)": common + ("--steps", str(args.steps - 1)),
+            "one step fewer, whole run (float32 drift may hide it)": common + ("--steps", str(args.steps - 1)),
+            f"one step fewer, --from step {first} (must be OUTSIDE)":
+                common + ("--steps", str(args.steps - 1), "--from", mid),
         }
         results = {}
         for name, cmd in cases.items():
             seconds, proc = _cli(*cmd)
             results[name] = {"seconds": seconds, **_verdict(proc)}
             r = results[name]
-            print(f"{name:<62} {seconds:7.1f} s  diff {r['largest_difference']:.2e}  tol {r['tolerance']:.1e}  "
+            print(f"{name:<58} {seconds:7.1f} s  diff {r['largest_difference']:.2e}  tol {r['tolerance']:.1e}  "
                   f"{'within' if r['within'] else 'OUTSIDE'}", flush=True)  # fmt: skip
-    ok = results[next(iter(cases))]["within"] and not results["one step fewer (must be OUTSIDE)"]["within"]
+    # A fault-free run passes both ways; a step off is caught by the window check.
+    ok = (results[next(iter(cases))]["within"] and results[f"--from step {first} (the last {args.window} steps)"]["within"]
+          and not results[f"one step fewer, --from step {first} (must be OUTSIDE)"]["within"])
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": args.steps, "window": args.window, "cases": results,
                                                "ok": ok}, indent=2) + "\n")  # fmt: skip
