@@ -25,8 +25,10 @@ class Sending:
     steps: int
     save_final_dir: str = ""
     checkpoint_interval: int = 0
-    """Restart mode: a full checkpoint every K steps (0: never)."""
+    """A periodic checkpoint every K steps (0: never)."""
     checkpoint_dir: str = ""
+    checkpoint_async: bool = False
+    """Live mode: workers snapshot and write in the background; restart mode: at a barrier."""
 
 
 def build_assignments(
@@ -54,7 +56,7 @@ def build_assignments(
             store_port=sending.store_port, start_step=start_step, steps=sending.steps, plan=plan_msg,
             resume_dir=resume_dir, save_final_dir=sending.save_final_dir,
             checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
-            rank_nodes=rank_nodes,
+            checkpoint_async=sending.checkpoint_async, rank_nodes=rank_nodes,
         )  # fmt: skip
         if base is not None:
             assert previous_ranks is not None and len(previous_ranks) == gen.layout.world_size

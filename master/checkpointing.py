@@ -70,15 +70,18 @@ class CheckpointRound:
         return steps.pop(), ""
 
 
-def write_meta(directory: str, job, step: int) -> None:
-    """``meta.json`` of a checkpoint whose layer files the workers wrote."""
+def write_meta(directory: str, job, step: int, sampler=None):
+    """``meta.json`` of a checkpoint whose layer files the workers wrote; returns the sampler it used
+    (pass it back next time: building it reads the whole dataset)."""
     from oobleck_mm.data.loader import build_dataset
     from oobleck_mm.data.sampler import GlobalBatchSampler
     from oobleck_mm.model.layers import model_layer_specs
     from oobleck_mm.runtime.checkpoint import save_meta
 
-    sampler = GlobalBatchSampler(len(build_dataset(job)), job.training.global_batch, job.training.seed)
+    if sampler is None:
+        sampler = GlobalBatchSampler(len(build_dataset(job)), job.training.global_batch, job.training.seed)
     save_meta(directory, job, step, model_layer_specs(job), sampler)
+    return sampler
 
 
 def new_checkpoint_dir(root: str, generation: int) -> str:

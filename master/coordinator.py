@@ -136,6 +136,7 @@ class Coordinator:
             store_host=store_host, store_port=store_port, steps=steps, save_final_dir=options.save_final_dir,
             checkpoint_interval=options.checkpoint_interval if periodic else 0,
             checkpoint_dir=f"{options.checkpoint_root}/checkpoints" if periodic else "",
+            checkpoint_async=self.policy.asynchronous_checkpoints,
         )  # fmt: skip
         # What the workers read: the job with its overrides and absolute paths, whatever their file system.
         self.config_yaml = yaml.safe_dump(job.to_dict(), sort_keys=False)
@@ -404,7 +405,11 @@ class Coordinator:
         if wanted is None:
             return
         if isinstance(wanted, StateLost):
-            self.finish(ExitCode.ERROR, f"cannot recover: {wanted.reason}")
+            checkpoint = getattr(self.policy, "last_checkpoint", None)
+            if checkpoint is not None:  # more nodes lost at once than replicas: go on from the newest checkpoint
+                self.stop_below_threshold(wanted.reason, checkpoint)
+            else:
+                self.finish(ExitCode.ERROR, f"cannot recover: {wanted.reason}")
             return
         if self.phase is JobPhase.RUNNING:
             if self._incident is None:
@@ -534,8 +539,10 @@ class Coordinator:
         if self.phase is JobPhase.CHECKPOINTING and self._round is not None:
             self._round.record(gpu, done)
             return
-        if self.policy.checkpoint_saved(done.dir, done.step):  # a periodic checkpoint
-            self.events.write("checkpoint_saved", dir=done.dir, step=done.step, generation=self.generation)
+        saved = self.policy.checkpoint_done(self, gpu, done)  # a periodic checkpoint
+        if saved is not None:
+            self.events.write("checkpoint_saved", dir=saved[0], step=saved[1], generation=self.generation,
+                              **self.policy.last_timing)  # fmt: skip
 
     def _check_done(self) -> None:
         current = self._gens.get(self.generation)
@@ -583,8 +590,12 @@ class Coordinator:
             return
         again = self._round.without(node)
         if again is None:
-            self.finish(ExitCode.ERROR, f"node {node} was lost while checkpointing and took the last copy of "
-                                        f"some layers with it; the model state is gone")  # fmt: skip
+            why = f"node {node} was lost while checkpointing and took the last copy of some layers with it"
+            checkpoint = getattr(self.policy, "last_checkpoint", None)
+            if checkpoint is not None:  # never exit 1 while a checkpoint exists
+                self.stop_below_threshold(why, checkpoint)
+            else:
+                self.finish(ExitCode.ERROR, f"{why}; the model state is gone")
             return
         self._round = again
         self._send_round()  # the remaining writers now own the lost node's layers

@@ -196,7 +196,8 @@ def _add_run_flags(parser) -> None:
                         help="on a failure: reconfigure the survivors (live) or restart from the last checkpoint "
                              "(default fault_tolerance.recovery)")
     parser.add_argument("--checkpoint-interval", type=int, default=None, metavar="K",
-                        help="restart mode: checkpoint every K steps (default fault_tolerance.checkpoint_interval)")
+                        help="a periodic checkpoint every K steps, 0 for none (live mode writes it in the "
+                             "background; default fault_tolerance.checkpoint_interval)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -511,7 +511,9 @@ class FaultToleranceConfig:
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100
-    """Steps between checkpoints; 0 never checkpoints."""
+    """Steps between periodic checkpoints (``<run dir>/checkpoints/stepN``); 0 never checkpoints. Live
+    mode snapshots each layer once to host memory and writes it in the background, keeping the last
+    two; it is where the job stops (exit 3) when a loss takes every copy of some layer."""
 
     def __post_init__(self) -> None:
         check(self, "f", as_int, minimum=0)

@@ -93,6 +93,12 @@ class ExecutionPlan:
         """Ranks holding ``layer``, one per pipeline, in pipeline order."""
         return tuple(s.rank for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
 
+    def checkpoint_owner(self, layer: int) -> int:
+        """The one rank that writes ``layer`` in a periodic checkpoint: its replicas take turns by layer
+        index, so every rank copies and writes a share instead of the first pipeline all of them."""
+        holders = self.holders(layer)
+        return holders[layer % len(holders)]
+
     def microbatch_offsets(self) -> tuple[int, ...]:
         """Index of each pipeline's first microbatch in the step's global list of microbatches."""
         out, total = [], 0

@@ -47,7 +47,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class Assignment(_message.Message):
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ASYNC_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -80,7 +81,8 @@ class Assignment(_message.Message):
     checkpoint_interval: int
     checkpoint_dir: str
     rank_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    checkpoint_async: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("dir", "generation", "surviving_ranks")
@@ -185,14 +187,20 @@ class PhaseDone(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointDone(_message.Message):
-    __slots__ = ("dir", "step", "layers")
+    __slots__ = ("dir", "step", "layers", "generation", "seconds", "snapshot_seconds")
     DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     dir: str
     step: int
     layers: int
-    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., layers: _Optional[int] = ...) -> None: ...
+    generation: int
+    seconds: float
+    snapshot_seconds: float
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., layers: _Optional[int] = ..., generation: _Optional[int] = ..., seconds: _Optional[float] = ..., snapshot_seconds: _Optional[float] = ...) -> None: ...
 
 class Stalled(_message.Message):
     __slots__ = ("generation", "what", "waited_s")

@@ -47,6 +47,7 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
 from oobleck_mm.protocol.pipe import recv_command, send_report
+from oobleck_mm.runtime.async_checkpoint import AsyncCheckpointer
 from oobleck_mm.runtime.checkpoint import (
     load_layer,
     periodic_checkpoint_dir,
@@ -132,10 +133,18 @@ class WorkerLoop:
         self.timeouts = job.fault_tolerance
         self.waiter = Waiter(self.timeouts.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
                              stall_after=self.timeouts.stall_report_after.total_seconds())  # fmt: skip
+        self._send_lock = threading.Lock()  # the checkpoint writer reports from its own thread
+        self.checkpointer = AsyncCheckpointer(self._checkpoint_written)
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
-        send_report(self.conn, pb.WorkerReport(**kind))
+        with self._send_lock:
+            send_report(self.conn, pb.WorkerReport(**kind))
+
+    def _checkpoint_written(self, directory: str, step: int, layers: int, generation: int, seconds: float) -> None:
+        self.report(checkpoint_done=pb.CheckpointDone(
+            dir=directory, step=step, layers=layers, generation=generation, seconds=seconds,
+            snapshot_seconds=self.checkpointer.snapshot_s))  # fmt: skip
 
     def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
               message: str = "", transfer_seconds: float = 0.0) -> None:
@@ -193,6 +202,11 @@ class WorkerLoop:
                 # A directory per step: a save cut short by a lost peer leaves a directory without
                 # meta.json next to the last complete checkpoint, never a mix of two steps in one.
                 directory = periodic_checkpoint_dir(a.checkpoint_dir, self.next_step)
+                if a.checkpoint_async:  # live mode: each layer by one holder, written in the background
+                    owned = [i for i in engine.layers if plan.checkpoint_owner(i) == a.rank]
+                    self.checkpointer.save(directory, engine.held(), owned, engine.specs, self.next_step,
+                                           a.generation, engine.scaler_state())  # fmt: skip
+                    continue
                 try:
                     save_checkpoint(directory, engine, self.next_step, self.node)
                 except RuntimeError as error:  # a peer died mid-save: the step stands, the checkpoint does not

@@ -49,20 +49,32 @@ def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], lay
 
     ``loss_scaler``: float16's loss-scaler state, the same on every rank, so every shard carries
     it and a resume reads it from whichever shard a worker loads (``read_loss_scaler``)."""
-    directory = Path(directory)
-    (directory / "layers").mkdir(parents=True, exist_ok=True)
     for i in layers:
-        h = held[i]
-        payload = {
-            "params": {k: v.detach().cpu() for k, v in h.module.state_dict().items()},
-            "optimizer": ({k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
-                          if h.optimizer is not None else None),
-            "loss_scaler": loss_scaler,
-        }
-        path = _layer_file(directory, specs[i].name)
-        tmp = path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        write_layer_file(Path(directory), specs[i].name, layer_payload(held[i], loss_scaler))
+
+
+def layer_payload(h: HeldLayer, loss_scaler: dict | None = None, copy: bool = False) -> dict:
+    """One layer file's contents on the host. ``copy``: a snapshot that training may overwrite
+    while it is written (an asynchronous checkpoint), not views of the live tensors."""
+    take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach().cpu())
+    return {
+        "params": {k: take(v) for k, v in h.module.state_dict().items()},
+        "optimizer": ({k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
+                      if h.optimizer is not None else None),
+        "loss_scaler": loss_scaler,
+    }
+
+
+def write_layer_file(directory: Path, name: str, payload: dict) -> None:
+    """Atomically: a temporary file, flushed to disk, then renamed over the layer's file."""
+    path = _layer_file(directory, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(payload, fh)
+        fh.flush()
+        os.fsync(fh.fileno())  # a crash after the rename must not leave a file of zeros behind the name
+    os.replace(tmp, path)
 
 
 def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None) -> None:

@@ -594,3 +594,32 @@ def test_agents_beyond_max_nodes_are_refused_naming_the_limit(make):
         j.c.register("d", 0, 0, 1, "peer")
     assert err.value.code == "RESOURCE_EXHAUSTED" and "already runs on 3 nodes, its maximum" in str(err.value)
     assert any("cluster.max_nodes" in e["reason"] for e in read_events(j.events, "refused"))
+
+
+def test_live_mode_completes_periodic_checkpoints_and_stops_at_the_newest_when_every_copy_is_lost(make, tmp_path):
+    # n0 = 2: 5 nodes run a 3-stage and a 2-stage pipeline; losing both first stages takes every copy
+    # of the first layers.
+    j = make(nodes=5, steps=10, memory=4e6, checkpoint_interval=2)
+    start(j, "n0", "n1", "n2", "n3", "n4")
+    assert all(a.checkpoint_async and a.checkpoint_interval == 2 for a in j.assigned.values())
+    layout = read_events(j.events, "plan_decided")[0]["layout"]
+    assert sorted(len(p["stages"]) for p in layout["pipelines"]) == [2, 3]
+    j.train(1, 0)
+    j.train(1, 1)
+    directory = str(tmp_path / "checkpoints" / "step00000002")
+    shares = sorted(j.assigned.items(), key=lambda kv: kv[1].rank)
+    for gpu, a in shares[:-1]:  # every rank but one wrote its share: not a checkpoint yet
+        j.report(gpu, checkpoint_done=pb.CheckpointDone(dir=directory, step=2, layers=1, generation=1))
+    assert not read_events(j.events, "checkpoint_saved") and not (tmp_path / "checkpoints").exists()
+    j.report(shares[-1][0], checkpoint_done=pb.CheckpointDone(dir=directory, step=2, layers=1, generation=1))
+    [saved] = read_events(j.events, "checkpoint_saved")
+    assert (saved["dir"], saved["step"]) == (directory, 2)
+    assert json.loads((Path(directory) / "meta.json").read_text())["step"] == 2  # the master completed it
+    j.train(1, 2)
+    first_stages = {stage[0] for p in layout["pipelines"] for stage in p["stages"][:1]}
+    for gpu, a in j.assigned.items():
+        if a.rank in first_stages:
+            j.c.stream_ended(gpu[0], j.sessions[gpu[0]])
+    result = j.advance(0.3)
+    assert result.exit_code == 3, result.message  # not 1: a checkpoint exists
+    assert f"--resume {directory}" in result.message and "step 2" in result.message
