@@ -405,11 +405,7 @@ class Coordinator:
         if wanted is None:
             return
         if isinstance(wanted, StateLost):
-            checkpoint = getattr(self.policy, "last_checkpoint", None)
-            if checkpoint is not None:  # more nodes lost at once than replicas: go on from the newest checkpoint
-                self.stop_below_threshold(wanted.reason, checkpoint)
-            else:
-                self.finish(ExitCode.ERROR, f"cannot recover: {wanted.reason}")
+            self._state_lost(wanted.reason, f"cannot recover: {wanted.reason}")
             return
         if self.phase is JobPhase.RUNNING:
             if self._incident is None:
@@ -591,11 +587,7 @@ class Coordinator:
         again = self._round.without(node)
         if again is None:
             why = f"node {node} was lost while checkpointing and took the last copy of some layers with it"
-            checkpoint = getattr(self.policy, "last_checkpoint", None)
-            if checkpoint is not None:  # never exit 1 while a checkpoint exists
-                self.stop_below_threshold(why, checkpoint)
-            else:
-                self.finish(ExitCode.ERROR, f"{why}; the model state is gone")
+            self._state_lost(why, f"{why}; the model state is gone")
             return
         self._round = again
         self._send_round()  # the remaining writers now own the lost node's layers
@@ -618,6 +610,14 @@ class Coordinator:
         self.events.write("checkpoint_written", dir=r.directory, step=step, layers=layers,
                           seconds=now - r.started, generation=r.gen.number)  # fmt: skip
         self.stop_below_threshold(r.reason, (r.directory, step))
+
+    def _state_lost(self, why: str, without_checkpoint: str) -> None:
+        """Some layer has no copy left: stop at the newest periodic checkpoint (exit 3, never 1 while one
+        exists), else end the job as failed."""
+        if self.policy.last_checkpoint is not None:
+            self.stop_below_threshold(why, self.policy.last_checkpoint)
+        else:
+            self.finish(ExitCode.ERROR, without_checkpoint)
 
     def stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "") -> None:
         """Ends the job with exit 3, saying how to resume (from ``checkpoint``, or the run's own resume point)."""

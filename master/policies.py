@@ -13,7 +13,7 @@ Live recovery (§2.5): survivors keep their states, the new generation is
 planned from the base they hold, joins are admitted at an iteration boundary,
 and below the threshold the survivors write a checkpoint of what they hold.
 Every ``checkpoint_interval`` steps each worker snapshots the layers it owns
-(first holder) and writes them in the background (``runtime/async_checkpoint.py``);
+(one replica per layer, ``ExecutionPlan.checkpoint_owner``) and writes them in the background (``runtime/async_checkpoint.py``);
 the master completes the checkpoint (``meta.json``) once every rank of that
 generation reported, keeps the last ``KEEP_CHECKPOINTS``, and when a loss takes
 every copy of some layer the job stops at the newest one (exit 3, the resume
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 class RecoveryPolicy(Protocol):
     name: str
     periodic_checkpoints: bool
+    last_checkpoint: tuple[str, int] | None
+    """(directory, step) of the newest complete periodic checkpoint: where the job stops when state is lost."""
     """Workers checkpoint every ``fault_tolerance.checkpoint_interval`` steps."""
 
     def wanted(self, c: Coordinator, current: GenerationView, live: list[str]) -> Request | StateLost | None:

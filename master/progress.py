@@ -138,9 +138,9 @@ class Progress:
     """Per-step lines and per-generation phase events for the generation being collected."""
 
     def __init__(self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float],
-                 facts: StepFacts | None = None) -> None:  # fmt: skip
+                 facts: StepFacts) -> None:  # fmt: skip
         self.events, self.steps, self.say, self.clock = events, steps, say, clock
-        self.facts = facts or StepFacts(global_batch=0)
+        self.facts = facts
         self.started = clock()
         self.gen: GenerationView | None = None
         self.incident: Incident | None = None
@@ -186,8 +186,6 @@ class Progress:
 
     def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
         row = step_row(gen, step, reports, self.facts)
-        if not self.facts.global_batch:  # no job facts (unit tests): the first rank's own rate
-            row["samples_per_s"] = min(reports, key=lambda r: r.rank).samples_per_s
         now = self.clock()
         elapsed = now - self.started
         row["elapsed_s"] = elapsed
