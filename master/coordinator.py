@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 SETTLE_S = 0.1
 """After a loss, wait this long for others before planning: nodes that fail together (a rack, a
 preemption wave) are seen milliseconds apart, and one plan for all beats a plan thrown away."""
+MAX_REFORMS = 3
+"""Re-forms of the same nodes in a row without a completed step before the job gives up: a
+collective that times out again and again with every node alive is not the load of a moment
+but a bug (collectives out of order) or a network that cannot carry the job."""
 STREAM_CHECK_S = 0.1
 """Longest sleep between two looks at the agents' streams while waiting for them to hang up."""
 
@@ -165,6 +169,11 @@ class Coordinator:
         self._started_at = 0.0
         self._last_detect: float | None = None
         self._settle_until = 0.0
+        self._abandoned: tuple[float, str] | None = None
+        """(clock, message) of the first report that a worker abandoned an iteration of the current
+        generation; a re-form follows once ``reform_after`` passed with no node lost."""
+        self._reforms = 0
+        """Re-forms since the last completed step (``MAX_REFORMS``)."""
         self._last_progress = clock()
         """Clock of the last step, recovery phase or plan: ``fault_tolerance.stall_timeout`` counts from it."""
         self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
@@ -398,6 +407,12 @@ class Coordinator:
             return Request(base=0, plan_from=0, lost=(), joined=names, live=names, failure=False)
         return self.policy.wanted(self, self._gens[self.generation].view, live)
 
+    def abandoned(self) -> bool:
+        """A worker of the current generation abandoned an iteration, and ``reform_after`` passed
+        with no node lost: the generation cannot go on, and no loss will make the master plan."""
+        return (self._abandoned is not None
+                and self.clock() - self._abandoned[0] >= self.timeouts.reform_after.total_seconds())  # fmt: skip
+
     def _maybe_plan(self) -> None:
         if self.clock() < self._settle_until:
             return  # other nodes of the same failure may still be on their way out
@@ -407,11 +422,21 @@ class Coordinator:
         if isinstance(wanted, StateLost):
             self._state_lost(wanted.reason, f"cannot recover: {wanted.reason}")
             return
+        if wanted.reform and not self._may_reform():
+            return
         if self.phase is JobPhase.RUNNING:
             if self._incident is None:
-                self._incident = Incident.now("joined", wanted.joined, self.clock)
+                cause = "abandoned" if wanted.reform else "joined"
+                self._incident = Incident.now(cause, wanted.joined or wanted.live, self.clock)
             self.policy.before_planning(self, wanted)
-        if wanted.plan_from == 0:
+        if wanted.reform:  # the same nodes, the same plan: only a new generation (group, store prefix)
+            future: Future = Future()
+            source = self._gens[wanted.plan_from]
+            future.set_result(Planned(source.plan, source.view.layout, dict(source.view.ranks), source.template_nodes,
+                                      fresh=False, actions=("re-form",), seconds=0.0,
+                                      reason=f"generation {self.generation} abandoned step {self.next_step} with no "
+                                             f"node lost: the same nodes and plan again"))  # fmt: skip
+        elif wanted.plan_from == 0:
             if self.phase is JobPhase.WAITING:
                 self.say(f"planning pipelines for {len(wanted.live)} nodes")
             future = self.planner.fresh(self.config_yaml, wanted.live)
@@ -421,6 +446,21 @@ class Coordinator:
                                               wanted.joined)  # fmt: skip
         self._planning = (wanted, future)
         future.add_done_callback(lambda _: self._wake())
+
+    def _may_reform(self) -> bool:
+        """Counts a re-form; ends the job (exit 1) when ``MAX_REFORMS`` in a row completed no step."""
+        assert self._abandoned is not None
+        if self._reforms >= MAX_REFORMS:
+            self.finish(ExitCode.ERROR, f"step {self.next_step} was abandoned in {self._reforms + 1} generations in "
+                                        f"a row with every node alive (the last: {self._abandoned[1]}); see the "
+                                        "agents' logs")  # fmt: skip
+            return False
+        self._reforms += 1
+        self.events.write("reform", generation=self.generation, step=self.next_step, attempt=self._reforms,
+                          message=self._abandoned[1])  # fmt: skip
+        self.say(f"generation {self.generation} abandoned step {self.next_step + 1} with every node alive "
+                 f"({self._abandoned[1]}); the same nodes re-form")  # fmt: skip
+        return True
 
     # ------------------------------------------------------------------ applying a plan
     def _apply(self, request: Request, future: Future) -> None:
@@ -462,6 +502,7 @@ class Coordinator:
         # This plan answers the incident: the next loss or join is a new one, timed from itself.
         # (Nodes lost while this generation recovers start a new incident too.)
         self._incident = None
+        self._abandoned = None
         self.generation, self.plan, self.phase = number, layout, JobPhase.RUNNING
         self._last_progress = self.clock()
         if number == 1:
@@ -516,6 +557,7 @@ class Coordinator:
 
     def _on_metrics(self, gpu: Gpu, m: pb.StepMetrics) -> None:
         self._last_progress = self.clock()
+        self._reforms = 0
         self._reported[gpu] = max(self._reported.get(gpu, 0), m.generation)
         self.holdings[gpu] = self.holdings.get(gpu, Holdings()).completed_step(m.generation)
         self.next_step = max(self.next_step, m.step + 1)
@@ -523,6 +565,8 @@ class Coordinator:
 
     def _on_phase(self, gpu: Gpu, p: pb.PhaseDone) -> None:
         self._last_progress = self.clock()
+        if p.phase == "aborted" and p.generation == self.generation and self._abandoned is None:
+            self._abandoned = (self.clock(), p.message.splitlines()[0] if p.message else "no message")
         self._reported[gpu] = max(self._reported.get(gpu, 0), p.generation)
         holdings = self.holdings.get(gpu, Holdings())
         if p.phase == "states_copied":

@@ -3,7 +3,8 @@
 The coordinator runs the job's state machine; at the four points where the two
 recovery modes differ it asks its policy (``fault_tolerance.recovery``):
 
-- ``wanted``: what the next plan must account for, given the live nodes;
+- ``wanted``: what the next plan must account for, given the live nodes (and whether the
+  current generation abandoned an iteration with no node lost: ``Coordinator.abandoned``);
 - ``before_planning``: what happens to the running workers when a plan is due;
 - ``fresh_start``: where workers that inherit no state start (checkpoint, step);
 - ``below_threshold``: what to do when the live nodes cannot keep f + 1 replicas;
@@ -74,7 +75,7 @@ class LiveRecovery:
         self._sampler = None
 
     def wanted(self, c: Coordinator, current: GenerationView, live: list[str]) -> Request | StateLost | None:
-        wanted, _ = plan_request(current, c.views(), c.holdings, live)
+        wanted, _ = plan_request(current, c.views(), c.holdings, live, c.abandoned())
         if isinstance(wanted, Request) and not wanted.failure and c.next_step >= c.steps:
             return None  # every step is done: a node joining now has nothing left to train
         if isinstance(wanted, Request) and wanted.base == 0 and c.next_step > c.options.resume_step:
@@ -133,7 +134,7 @@ class RestartRecovery:
 
     def wanted(self, c: Coordinator, current: GenerationView, live: list[str]) -> Request | StateLost | None:
         gone = tuple(n for n in current.nodes if n not in live)
-        if not gone:
+        if not gone and not c.abandoned():
             return None  # joins wait for the next restart: restarting for them would redo steps
         new = tuple(n for n in live if n not in current.nodes)
         return Request(base=0, plan_from=current.number, lost=gone, joined=new, live=tuple(live), failure=True)
@@ -143,7 +144,8 @@ class RestartRecovery:
         if self._restarted_for == c.generation:
             return  # already restarted for a failure of this generation
         self._restarted_for = c.generation
-        reason = f"restart recovery after losing {', '.join(request.lost) or 'a node'}"
+        reason = (f"restart recovery after losing {', '.join(request.lost)}" if request.lost
+                  else "restart recovery after an iteration abandoned with no node lost")
         for node in request.live:
             c.send(node, pb.AgentEvent(restart=pb.RestartWorkers(reason=reason)))
         c.forget_workers()

@@ -115,7 +115,12 @@ class Request:
     live: tuple[str, ...]
     """Every node of the new plan, in registration order."""
     failure: bool
-    """Some node of the current generation is gone (as opposed to joins only)."""
+    """Some node of the current generation is gone, or its iteration was abandoned (not joins only)."""
+
+    @property
+    def reform(self) -> bool:
+        """The same nodes again as a new generation of ``plan_from``'s plan: nothing to plan."""
+        return self.failure and not self.lost and not self.joined and self.plan_from > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,19 +189,24 @@ def plan_request(
     generations: Mapping[int, GenerationView],
     holdings: Mapping[Gpu, Holdings],
     live: Sequence[str],
+    abandoned: bool = False,
 ) -> tuple[Request | StateLost | None, str]:
     """What the next plan must account for, or None (nothing changed, or joins that must wait).
 
     ``live``: the nodes that can take part now (registered, stream open), in
     registration order. Joins wait until the current generation is committed:
     a join is applied at an iteration boundary, and planning it from a
-    generation still being copied would abandon that copy.
+    generation still being copied would abandon that copy. ``abandoned``: the
+    current generation's workers gave up an iteration and no node was lost
+    for ``fault_tolerance.reform_after``: it cannot go on, so even unchanged
+    membership is planned again (a *re-form*: ``lost`` and ``joined`` empty,
+    the same nodes as a new generation from the base they hold).
     """
     gone = [n for n in current.nodes if n not in live]
     new = [n for n in live if n not in current.nodes]
-    if not gone and not new:
+    if not gone and not new and not abandoned:
         return None, "membership unchanged"
-    if not gone and not committed(current, holdings):
+    if not gone and not abandoned and not committed(current, holdings):
         return None, f"joins of {', '.join(new)} wait until generation {current.number} completed a step"
     base, why = choose_base(generations, holdings, live)
     if base is None:
@@ -204,11 +214,12 @@ def plan_request(
     if base.generation == 0:
         # Nobody holds trained state: plan from the current layout all the same (the templates
         # built for the starting node count stay valid), only the workers start afresh.
-        return Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone)), why
+        return Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone) or abandoned), why
     base_nodes = generations[base.generation].nodes
     lost = tuple(n for n in base_nodes if n not in base.holding_nodes)
     joined = tuple(n for n in live if n not in base_nodes or n in base.stale_nodes)
-    return Request(base.generation, base.generation, lost, joined, tuple(live), failure=bool(gone)), why
+    request = Request(base.generation, base.generation, lost, joined, tuple(live), failure=bool(gone) or abandoned)
+    return request, why + ("; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else "")
 
 
 def previous_ranks(

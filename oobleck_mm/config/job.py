@@ -550,6 +550,15 @@ class FaultToleranceConfig:
         return self.heartbeat_timeout / 2
 
     @property
+    def reform_after(self) -> timedelta:
+        """After a worker abandoned an iteration (its collective failed) and no node was lost for
+        this long, the same nodes re-form as a new generation: ``heartbeat_timeout``. A peer that
+        died is detected within that bound (at once when its sockets reset); past it, the failed
+        collective had no lost node behind it (a peer starved of CPU past ``collective_timeout``),
+        and waiting longer would only wait for a plan that never comes."""
+        return self.heartbeat_timeout
+
+    @property
     def master_stall_threshold(self) -> timedelta:
         """A gap this long between two detection ticks means the master itself did not run (starved
         of CPU, paused), and the gap is forgiven to every node: ``heartbeat_timeout / 2``. The

@@ -57,7 +57,7 @@ from oobleck_mm.runtime.checkpoint import (
 )
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group, torchrun_environment
-from oobleck_mm.runtime.hold import hold
+from oobleck_mm.runtime.hold import hold, hold_step
 from oobleck_mm.runtime.state_transfer import adopt_plan
 from oobleck_mm.runtime.timing import peak_memory_bytes
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
@@ -105,13 +105,17 @@ class CommandReader:
 
 
 def _drops_peers(command) -> bool:
-    """A shutdown, a checkpoint, or a plan whose previous generation lost ranks: not a mere join."""
+    """A shutdown, a checkpoint, a plan whose previous generation lost ranks, or a re-form of the same
+    ranks (the current generation was abandoned): anything but a join, which the current one outlives."""
     kind = command.WhichOneof("command")
     if kind != "assignment":
         return True
     a = command.assignment
+    if not a.previous_generation:
+        return False
     old_world = sum(len(p.stages) for p in a.previous_plan.pipelines)
-    return bool(a.previous_generation) and len({r for r in a.previous_ranks if r >= 0}) < old_world
+    kept = len({r for r in a.previous_ranks if r >= 0})
+    return kept < old_world or a.world_size == old_world
 
 
 @dataclass(slots=True)
@@ -185,6 +189,7 @@ class WorkerLoop:
             if pending is not None:
                 leave_group()
                 return pending  # a new plan (a join, a failure elsewhere) or a shutdown: at a boundary
+            hold_step(step, self.node)
             try:
                 result = engine.train_step(step)
             except RuntimeError as error:

@@ -11,7 +11,10 @@ step that precedes the checkpoint, lands while they wait. Entries are
 Points:
 
 - ``checkpoint``: in a checkpoint, after this rank's layer files, before the barrier;
-- ``copy``: a new generation joined, before its layer states are copied.
+- ``copy``: a new generation joined, before its layer states are copied;
+- ``stepN``: before this worker's step N, once per worker process (a rerun of step N in a later
+  generation does not hold again): a worker silent past ``collective_timeout`` while its agent
+  heartbeats, so every peer's collective times out with no node lost.
 
 Unset (every real run), a hold point costs one dictionary lookup.
 """
@@ -25,17 +28,30 @@ import time
 log = logging.getLogger(__name__)
 
 ENV = "OOBLECK_HOLD_AT"
-POINTS = ("checkpoint", "copy")
+POINTS = ("checkpoint", "copy", "stepN")
+_held_steps: set[int] = set()
+"""Steps this process already held before (``stepN`` holds once)."""
 
 
 def hold(point: str, node: str) -> None:
     """Sleep here if ``OOBLECK_HOLD_AT`` names ``point`` for every node or for ``node``."""
-    assert point in POINTS, point
+    assert point in POINTS or _is_step(point), point
     table = holds()
     seconds = table.get((point, node), table.get((point, None)))
     if seconds:
         log.warning("holding %.1f s at %s (%s)", seconds, point, ENV)
         time.sleep(seconds)
+
+
+def hold_step(step: int, node: str) -> None:
+    """The ``stepN`` point: before step ``step``, the first time this process reaches it."""
+    if step not in _held_steps:
+        _held_steps.add(step)
+        hold(f"step{step}", node)
+
+
+def _is_step(point: str) -> bool:
+    return point.startswith("step") and point[4:].isdigit()
 
 
 def holds(value: str | None = None) -> dict[tuple[str, str | None], float]:
@@ -49,6 +65,7 @@ def holds(value: str | None = None) -> dict[tuple[str, str | None], float]:
             out[(point, node or None)] = float(seconds)
         except ValueError:
             raise ValueError(f"{ENV}: expected point[@node]:seconds, got {entry!r}") from None
-        if point not in POINTS or out[(point, node or None)] < 0:
-            raise ValueError(f"{ENV}: {entry!r}: the point must be one of {', '.join(POINTS)}, seconds >= 0")
+        if not (point in POINTS[:-1] or _is_step(point)) or out[(point, node or None)] < 0:
+            raise ValueError(f"{ENV}: {entry!r}: the point must be one of {', '.join(POINTS)} (N a step), "
+                             "seconds >= 0")
     return out

@@ -227,6 +227,33 @@ def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_ho
     check_final(config, steps, final)
 
 
+def test_an_iteration_every_worker_abandons_with_no_node_lost_is_rerun_by_the_same_nodes(launches, tmp_path,
+                                                                                      monkeypatch):  # fmt: skip
+    """node1's worker stops before step 3 for longer than the collective timeout while its agent
+    heartbeats (runtime/hold.py): every peer's collective times out, every worker abandons step 3, and
+    no node is lost. The same nodes re-form (no wait for a plan that never comes) and the run equals
+    the reference: an abandoned iteration changed no parameter."""
+    collective_s = TIMEOUT_S + 5.0  # fault_tolerance.collective_timeout
+    monkeypatch.setenv("OOBLECK_HOLD_AT", f"step3@node1:{collective_s + 2}")
+    config = write_config(tmp_path, nodes=3)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final))
+    finish_ok(run)
+    assert not run.events("lost")
+    aborted = run.events("aborted")
+    assert {e["node"] for e in aborted} == {"node0", "node1", "node2"} and {e["step"] for e in aborted} == {3}
+    [reform] = run.events("reform")
+    assert reform["step"] == 3 and reform["attempt"] == 1
+    [_, decided] = run.events("plan_decided")
+    assert decided["cause"] == "abandoned" and decided["actions"] == ["re-form"]
+    assert decided["previous_generation"] == 1 and decided["layer_states_moved"] == 0
+    # The re-form follows the first abort by reform_after (the heartbeat timeout), not by a stall_timeout.
+    assert decided["ts"] - min(e["ts"] for e in aborted) < TIMEOUT_S + 3.0
+    assert [e["step"] for e in run.events("step", generation=2)] == list(range(3, 8))
+    assert "re-form" in run.stdout
+    check_final(config, 8, final)
+
+
 def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equals_the_reference(launches, tmp_path):
     """4 of 5 nodes at once in live mode, periodic checkpoints every 4 steps: exit 3 at the newest one
     (never 1 while a checkpoint exists); the resumed run equals the reference for the steps it reran."""

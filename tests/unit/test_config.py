@@ -304,13 +304,14 @@ def test_every_timeout_derives_from_the_two_heartbeat_settings_by_its_documented
     seconds = {name: getattr(ft, name).total_seconds() for name in (
         "collective_timeout", "stall_report_after", "confirmed_silence", "master_stall_threshold", "detector_tick",
         "shutdown_grace", "checkpoint_round_timeout", "heartbeat_rpc_timeout", "report_rpc_timeout",
-        "master_silence_limit", "worker_stop_timeout", "agent_exit_timeout", "rendezvous_timeout")}  # fmt: skip
+        "master_silence_limit", "worker_stop_timeout", "agent_exit_timeout", "rendezvous_timeout",
+        "reform_after")}  # fmt: skip
     assert seconds == {
         "collective_timeout": 9.0, "stall_report_after": 0.5, "confirmed_silence": 2.0,
         "master_stall_threshold": 2.0, "detector_tick": 0.1, "shutdown_grace": 4.0,
         "checkpoint_round_timeout": 68.0, "heartbeat_rpc_timeout": 2.0, "report_rpc_timeout": 4.0,
         "master_silence_limit": 8.0, "worker_stop_timeout": 4.0, "agent_exit_timeout": 6.0,
-        "rendezvous_timeout": 300.0,
+        "rendezvous_timeout": 300.0, "reform_after": 4.0,
     }  # fmt: skip
     short = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "100ms",
                                                                       "heartbeat_timeout": "500ms"})).fault_tolerance

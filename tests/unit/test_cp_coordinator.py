@@ -623,3 +623,107 @@ def test_live_mode_completes_periodic_checkpoints_and_stops_at_the_newest_when_e
     result = j.advance(0.3)
     assert result.exit_code == 3, result.message  # not 1: a checkpoint exists
     assert f"--resume {directory}" in result.message and "step 2" in result.message
+
+
+def _alive_for(j: Job, seconds: float):
+    """Every node heartbeats while the clock moves: nobody is lost, whatever the workers do."""
+    result = None
+    for _ in range(round(seconds / 0.05)):
+        j.clock.now += 0.05
+        j.heartbeat_all()
+        result = j.c.tick()
+    return result
+
+
+def _abandon(j: Job, generation: int, step: int) -> None:
+    for gpu, a in j.assigned.items():
+        if a.generation == generation:
+            j.report(gpu, phase=pb.PhaseDone(generation=generation, phase="aborted", step=step,
+                                             message="Connection closed by peer [127.0.0.1]:1234"))  # fmt: skip
+
+
+def test_an_iteration_abandoned_with_every_node_alive_reforms_the_same_nodes_after_reform_after(make):
+    """Every worker gave up step 2 (a peer starved past the collective timeout) and no node is lost:
+    without a re-form they would wait for a plan that never comes."""
+    j = make(nodes=3, steps=10)
+    start(j, "a", "b", "c")
+    old = {gpu: a.rank for gpu, a in j.assigned.items()}
+    j.train(1, 0)
+    j.train(1, 1)
+    _abandon(j, 1, 2)
+    grace = j.c.timeouts.reform_after.total_seconds()
+    assert _alive_for(j, grace - 0.2) is None and j.c.generation == 1  # a lost peer would be seen by now
+    assert _alive_for(j, 0.4) is None and j.c.generation == 2
+    j.drain_all()
+    new = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert set(new) == set(old)
+    for gpu, a in new.items():  # the same plan, every worker keeps its states, nothing moves
+        assert a.previous_generation == 1 and a.start_step == 2 and a.rank == old[gpu]
+        assert list(a.previous_ranks) == list(range(3))
+    [decided] = read_events(j.events, "plan_decided")[1:]
+    assert decided["cause"] == "abandoned" and decided["lost"] == [] and decided["joined"] == []
+    assert decided["actions"] == ["re-form"] and decided["layer_states_moved"] == 0
+    [reform] = read_events(j.events, "reform")
+    assert reform["step"] == 2 and "Connection closed" in reform["message"]
+    assert any("re-form" in line for line in j.lines)
+    j.train(2, 2)  # the re-formed generation trains on
+    assert j.c.finish_result is None
+
+
+def test_a_loss_behind_the_abandoned_iteration_is_a_recovery_not_a_reform(make):
+    j = make(nodes=3, steps=10)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    _abandon(j, 1, 1)
+    j.c.stream_ended("b", j.sessions["b"])  # the peer the workers gave up on is dead
+    _alive_for(j, j.c.timeouts.reform_after.total_seconds() + 0.5)
+    decided = read_events(j.events, "plan_decided")
+    assert [d["generation"] for d in decided] == [1, 2] and decided[1]["lost"] == ["b"]
+    assert not read_events(j.events, "reform")
+
+
+def test_an_iteration_abandoned_again_and_again_ends_the_job_naming_the_step(make):
+    from master.coordinator import MAX_REFORMS
+
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    grace = j.c.timeouts.reform_after.total_seconds()
+    for generation in range(1, MAX_REFORMS + 2):
+        _abandon(j, generation, 1)
+        result = _alive_for(j, grace + 0.2)
+        j.drain_all()
+    assert j.c.generation == MAX_REFORMS + 1
+    assert result is not None and result.exit_code == 1
+    assert f"step 1 was abandoned in {MAX_REFORMS + 1} generations in a row" in result.message
+    assert "Connection closed by peer" in result.message
+
+
+def test_a_completed_step_resets_the_reform_count(make):
+    from master.coordinator import MAX_REFORMS
+
+    j = make(nodes=2, steps=20)
+    start(j, "a", "b")
+    j.train(1, 0)
+    grace = j.c.timeouts.reform_after.total_seconds()
+    for generation in range(1, MAX_REFORMS + 3):  # each re-formed generation completes one step
+        _abandon(j, generation, generation)
+        assert _alive_for(j, grace + 0.2) is None
+        j.drain_all()
+        j.train(generation + 1, generation)
+    assert j.c.generation == MAX_REFORMS + 3 and j.c.finish_result is None
+
+
+def test_restart_mode_restarts_the_workers_of_an_abandoned_iteration(make):
+    j = make(nodes=3, steps=10, recovery="restart", checkpoint_interval=2)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    j.train(1, 1)
+    j.report(("a", 0), checkpoint_done=pb.CheckpointDone(dir="/ckpt/step2", step=2, layers=10))
+    _abandon(j, 1, 2)
+    _alive_for(j, j.c.timeouts.reform_after.total_seconds() + 0.2)
+    boxes = j.drain_all()
+    for name in ("a", "b", "c"):
+        assert [e.WhichOneof("event") for e in boxes[name]] == ["restart", "assignment"]
+    new = j.assigned[("a", 0)]
+    assert (new.generation, new.previous_generation, new.resume_dir, new.start_step) == (2, 0, "/ckpt/step2", 2)

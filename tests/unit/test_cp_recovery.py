@@ -117,6 +117,23 @@ def test_joins_wait_for_a_committed_generation_then_join_the_base():
     assert plan_request(GEN1, GENS, h, ["a", "b", "c", "d"])[0] is None  # nothing changed
 
 
+def test_an_abandoned_generation_is_planned_again_with_the_same_nodes_or_with_a_waiting_joiner():
+    nodes = ["a", "b", "c", "d"]
+    h = holds(a=(1, 1), b=(1, 1), c=(1, 1), d=(1, 1))
+    request, why = plan_request(GEN1, GENS, h, nodes, abandoned=True)
+    assert request == Request(base=1, plan_from=1, lost=(), joined=(), live=tuple(nodes), failure=True)
+    assert request.reform and "re-form" in why
+    # Abandoned before its first step: the joiner that was waiting for a committed generation comes along.
+    h = holds(a=(1, 0), b=(1, 0), c=(1, 0), d=(1, 0))
+    request, _ = plan_request(GEN1, GENS, h, [*nodes, "e"], abandoned=True)
+    assert request.joined == ("e",) and not request.reform
+    # Generation 2 (after d's loss) abandoned during its copy: the survivors re-form from generation 1.
+    h = holds(a=(2, 1), b=(1, 1), c=(1, 1))
+    request, _ = plan_request(GEN2, GENS, h, ["a", "b", "c"], abandoned=True)
+    assert (request.base, request.lost, request.joined) == (1, ("d",), ())
+    assert not request.reform  # a plan from generation 1 without d: the planner's work
+
+
 def test_previous_ranks_name_each_survivors_old_rank_and_minus_one_for_the_rest():
     new = {("c", 0): 0, ("a", 0): 1, ("e", 0): 2, ("b", 0): 3}
     assert previous_ranks(new, GEN1, holding_nodes=["a", "b", "c"]) == [2, 0, -1, 1]
