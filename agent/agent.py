@@ -15,9 +15,17 @@ main thread, in the order the inbox delivers it:
   ``RestartWorkers`` (restart-mode recovery: the next assignment starts fresh
   ones), and on any exit path kills every worker tree.
 
-Exit codes (``oobleck_mm.errors.ExitCode``): 0 after the master's Shutdown, 1
-when the master is lost, a worker fails or a signal arrives, 2 when the master
-refuses the agent (token, name).
+A SIGTERM is a preemption notice (what spot providers send before reclaiming a
+node): the agent asks the master to plan its node out (``Leave``) and goes on
+training until the master's Shutdown, which its workers obey at the next
+iteration boundary, so the kill that follows loses nothing. Past
+``fault_tolerance.preempt_grace`` without that Shutdown, or on a second signal,
+it stops like on any other signal.
+
+Exit codes (``oobleck_mm.errors.ExitCode``): 0 after the master's Shutdown
+(the end of the job, or its node planned out after a notice), 1 when the
+master is lost, a worker fails, a signal arrives (a SIGTERM not honoured within
+``preempt_grace``), 2 when the master refuses the agent (token, name).
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class Agent:
         self._stream = None
         self._reports_thread: threading.Thread | None = None
         self._work_dir = ""
+        self._leave_by: float | None = None
+        """Monotonic deadline of a preemption notice (``preempt_grace`` after the SIGTERM)."""
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -151,7 +161,13 @@ class Agent:
                 log.error("%s; stopping the node's workers", value)
                 return ExitCode.ERROR
             elif kind == "signal":
+                if value == signal.SIGTERM and self._leave_by is None and self._ask_to_leave():
+                    continue
                 log.warning("got %s; stopping the node's workers", signal.Signals(value).name)
+                return ExitCode.ERROR
+            if self._leave_by is not None and time.monotonic() > self._leave_by:
+                log.error("not planned out within fault_tolerance.preempt_grace (%.0f s) of the preemption "
+                          "notice; stopping the node's workers", self.timeouts.preempt_grace.total_seconds())  # fmt: skip
                 return ExitCode.ERROR
             if kind == "worker_eof" or time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.interval
@@ -163,10 +179,16 @@ class Agent:
         which = event.WhichOneof("event")
         if which == "shutdown":
             log.info("shutdown from the master: %s", event.shutdown.reason)
-            self._stopping.set()  # no more heartbeats or reports: the master is going away
+            grace = self.timeouts.worker_stop_timeout.total_seconds()
+            if event.shutdown.at_boundary:  # planned out after our notice: the iteration in flight ends first
+                left = (self._leave_by or 0.0) - time.monotonic()
+                grace = max(grace, left)
+            else:
+                self._stopping.set()  # no more heartbeats or reports: the master is going away
             with self._workers_lock:
                 workers = list(self.workers.values())
-            stop_all(workers, self.timeouts.worker_stop_timeout.total_seconds(), event.shutdown.reason)
+            stop_all(workers, grace, event.shutdown)
+            self._stopping.set()
             return ExitCode.OK
         if which == "assignment":
             self._assign(event.assignment.local_rank, event.assignment.assignment)
@@ -194,6 +216,20 @@ class Agent:
         log.info("generation %d: local rank %d is rank %d of %d",
                  assignment.generation, local_rank, assignment.rank, assignment.world_size)  # fmt: skip
         worker.send(pb.WorkerCommand(assignment=assignment))  # a dead worker is caught by supervision
+
+    def _ask_to_leave(self) -> bool:
+        """The preemption notice: the master plans this node out at the next iteration boundary."""
+        grace = self.timeouts.preempt_grace.total_seconds()
+        try:
+            self.stub.Leave(pb.LeaveRequest(node=self.ref, reason="preemption notice (SIGTERM to its agent)"),
+                            metadata=self.metadata, timeout=self.timeouts.report_rpc_timeout.total_seconds())  # fmt: skip
+        except grpc.RpcError as err:
+            log.error("preemption notice: the master did not take it (%s)", err.code().name)
+            return False
+        self._leave_by = time.monotonic() + grace
+        log.warning("preemption notice (SIGTERM): leaving the job at the next step boundary; the workers stop "
+                    "in %.0f s at the latest (fault_tolerance.preempt_grace); another signal stops them now", grace)
+        return True
 
     def _supervise(self) -> WorkerFault | None:
         for worker in list(self.workers.values()):

@@ -123,13 +123,14 @@ class Worker:
         self.conn.close()
 
 
-def stop_all(workers: list[Worker], grace_s: float, reason: str) -> None:
-    """Sends every worker Shutdown, gives them ``grace_s`` in all to exit, then kills what is left.
+def stop_all(workers: list[Worker], grace_s: float, shutdown: pb.Shutdown) -> None:
+    """Sends every worker ``shutdown``, gives them ``grace_s`` in all to exit, then kills what is left.
 
-    A worker busy in a step reads its pipe only between assignments, so the
-    grace is a courtesy; the kill is what guarantees the end.
+    A worker busy in a step reads its pipe at the next iteration boundary (at once when the
+    Shutdown is not ``at_boundary``: its waits give up), so the grace is a courtesy; the kill is
+    what guarantees the end.
     """
-    command = pb.WorkerCommand(shutdown=pb.Shutdown(reason=reason))
+    command = pb.WorkerCommand(shutdown=shutdown)
     for worker in workers:
         worker.send(command)
     deadline = time.monotonic() + grace_s

@@ -39,12 +39,14 @@ def build_assignments(
     base: GenerationView | None = None,
     previous_ranks: list[int] | None = None,
     resume_dir: str = "",
+    at_boundary: bool = False,
 ) -> list[tuple[Gpu, pb.Assignment]]:
     """(node, gpu) -> Assignment of ``gen``, in rank order.
 
     ``base`` and ``previous_ranks`` make it a reconfiguration (survivors keep
     their states); without them the workers start afresh, from ``resume_dir``
-    when given.
+    when given. ``at_boundary``: the ranks it drops left on notice and finish the
+    iteration in flight, so the workers switch at the boundary.
     """
     plan_msg = plan_to_proto(gen.layout)
     rank_nodes = gen.rank_nodes
@@ -63,5 +65,6 @@ def build_assignments(
             a.previous_generation = base.number
             a.previous_plan.CopyFrom(base_msg)
             a.previous_ranks.extend(previous_ranks)
+            a.at_boundary = at_boundary
         out.append((gpu, a))
     return out

@@ -40,7 +40,7 @@ from master.detector import WORKER_FAILED, detect_failures, recent_stalls
 from master.planning import InlinePlanner
 from master.policies import policy_for
 from master.progress import Incident, Progress, StepFacts, layout_summary
-from master.recovery import GenerationView, Holdings, Request, StateLost, previous_ranks
+from master.recovery import GenerationView, Holdings, Request, StateLost, choose_base, previous_ranks
 from master.registry import RefusalCounter, Refused, Registry
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog
@@ -224,6 +224,9 @@ class Coordinator:
             entry = self.registry.nodes.get(node)
             if entry is not None and entry.session == session:
                 entry.stream = "closed"
+                if entry.dismissed:  # it left on notice and hung up: gone, and nothing was lost
+                    self.registry.pop(node)
+                    self._forget(node)
             self._changed.notify_all()
 
     def heartbeat(self, node: str, session: int) -> int:
@@ -271,6 +274,42 @@ class Coordinator:
                 entry.worker_failure = reason
                 entry.detail = f"local rank {local_rank}: {message}"
             self._changed.notify_all()
+
+    def leave(self, node: str, session: int, reason: str) -> None:
+        """A preemption notice: plan the node out at the next iteration boundary while it still holds
+        its state (its layers are copied off it if it has the last copies), then dismiss it."""
+        with self._lock:
+            entry = self.registry.live(node, session)
+            if entry.leaving:
+                return
+            entry.leaving = reason or "preemption notice"
+            current = self._gens.get(self.generation)
+            in_plan = self.phase is JobPhase.RUNNING and current is not None and node in current.view.nodes
+            self.events.write("leaving", node=node, reason=entry.leaving, phase=self.phase.value, in_plan=in_plan,
+                              generation=self.generation)  # fmt: skip
+            log.warning("node %s leaves: %s", node, entry.leaving)
+            if self.phase is JobPhase.CHECKPOINTING:
+                pass  # it may be a writer of the round: the round decides, and the job ends with it
+            elif not in_plan:  # waiting, or a spare not planned yet: nothing of the job's is on it
+                self._dismiss(node, "left before it was planned in")
+            else:
+                self._settle_until = self.clock() + SETTLE_S  # a zone's notices come together
+                self.say(f"node {node} leaves ({entry.leaving}): planning generation {self.generation + 1} "
+                         "without it, at the next step boundary")  # fmt: skip
+                if self._incident is None or self._incident.cause != "left":
+                    self._incident = Incident.now("left", [node], self.clock)
+                else:
+                    self._incident = self._incident.with_node(node)
+            self._changed.notify_all()
+
+    def _dismiss(self, node: str, why: str) -> None:
+        """Tells a leaving node it may go (its workers finish the iteration in flight first)."""
+        entry = self.registry.nodes[node]
+        entry.dismissed = True
+        # The stream stays open until the agent hangs up: its workers' reports of the iteration in
+        # flight still count. Its hang-up then removes it (``stream_ended``).
+        entry.outbox.put(pb.AgentEvent(shutdown=pb.Shutdown(reason=f"node {node} {why}", at_boundary=True)))
+        self.events.write("left", node=node, reason=entry.leaving, why=why, generation=self.generation)
 
     def refused(self, peer: str, method: str, reason: str) -> None:
         """Records a refused call: the first few per peer host, then only every 10th, 100th... one."""
@@ -359,6 +398,12 @@ class Coordinator:
         self.events.write("master_stalled", seconds=gap)
         log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 
+    def _forget(self, name: str) -> None:
+        """Its state is gone with it; a node coming back under this name starts empty."""
+        for table in (self.holdings, self._done, self._reported):
+            for gpu in [g for g in table if g[0] == name]:
+                del table[gpu]
+
     def _declare_lost(self, name: str, reason: str, detail: str) -> None:
         entry = self.registry.pop(name)
         current = self._gens.get(self.generation)
@@ -368,12 +413,7 @@ class Coordinator:
             generation=self.generation,
         )  # fmt: skip
         log.warning("node %s lost: %s (%s)", name, reason, detail)
-        # Its state is gone with it; a node coming back under this name starts empty.
-        for gpu in [g for g in self.holdings if g[0] == name]:
-            del self.holdings[gpu]
-        for table in (self._done, self._reported):
-            for gpu in [g for g in table if g[0] == name]:
-                del table[gpu]
+        self._forget(name)
         # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
         # the stream frees the handler thread; a live agent reads the end as "master gone" and
         # stops its workers, which is what a node declared lost must do.
@@ -420,7 +460,8 @@ class Coordinator:
         if wanted is None:
             return
         if isinstance(wanted, StateLost):
-            self._state_lost(wanted.reason, f"cannot recover: {wanted.reason}")
+            if not self._checkpoint_before_leaving(wanted.reason):
+                self._state_lost(wanted.reason, f"cannot recover: {wanted.reason}")
             return
         if wanted.reform and not self._may_reform():
             return
@@ -446,6 +487,21 @@ class Coordinator:
                                               wanted.joined)  # fmt: skip
         self._planning = (wanted, future)
         future.add_done_callback(lambda _: self._wake())
+
+    def _checkpoint_before_leaving(self, why: str) -> bool:
+        """Nodes on notice hold the last copies of some layers: they and the others write a checkpoint of
+        the step they are at while they still can, and the job stops there (exit 3, nothing lost)."""
+        leaving = self.registry.leaving()
+        if not leaving or self.phase is not JobPhase.RUNNING:
+            return False
+        base, _ = choose_base(self.views(), self.holdings, [*self.registry.names(), *leaving])
+        if base is None or base.generation == 0:
+            return False
+        detail = why.removeprefix("the model state is gone: ")
+        reason = f"{', '.join(leaving)} leave on notice with the last copies of some layers ({detail})"
+        self._start_round(self._gens[base.generation].view, base.holding_nodes, reason,
+                          f"{', '.join(leaving)} leave on notice holding the last copies of some layers")  # fmt: skip
+        return True
 
     def _may_reform(self) -> bool:
         """Counts a re-form; ends the job (exit 1) when ``MAX_REFORMS`` in a row completed no step."""
@@ -523,19 +579,26 @@ class Coordinator:
             + f": {layout.describe()}"
         )
         self._progress.start(view, incident)
-        self._send_assignments(view, base, previous)
+        # Only nodes that left on notice (alive until the iteration in flight ends) are dropped: the
+        # workers switch at the boundary instead of abandoning that iteration.
+        leaving = set(self.registry.leaving())
+        at_boundary = base is not None and request.base == self.generation - 1 and set(request.lost) <= leaving
+        self._send_assignments(view, base, previous, at_boundary)
+        for name in leaving - set(view.nodes):
+            self._dismiss(name, "was planned out after its notice")
         if number == 1:
             self.say(f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
                      "(the first step follows)")  # fmt: skip
 
-    def _send_assignments(self, view: GenerationView, base: GenerationView | None, previous: list[int]) -> None:
+    def _send_assignments(self, view: GenerationView, base: GenerationView | None, previous: list[int],
+                          at_boundary: bool = False) -> None:  # fmt: skip
         if base is not None:
             resume_dir, start = "", self.next_step  # survivors carry the state (and agree on the step)
         else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
             resume_dir, start = self.policy.fresh_start(self)
         for gpu, assignment in build_assignments(
             view, self.sending, start_step=start, base=base, previous_ranks=previous if base else None,
-            resume_dir=resume_dir,
+            resume_dir=resume_dir, at_boundary=at_boundary,
         ):  # fmt: skip
             event = pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=assignment))
             self.send(gpu[0], event)
@@ -608,14 +671,17 @@ class Coordinator:
         """The survivors of the base generation write its layers; the job stops once they did."""
         gen = self._gens[request.base].view
         writers = tuple(n for n in gen.nodes if n not in request.lost)
+        self._start_round(gen, writers, why, f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for "
+                                             "f+1 replicas")  # fmt: skip
+
+    def _start_round(self, gen: GenerationView, writers: tuple[str, ...], why: str, headline: str) -> None:
         directory = checkpointing.new_checkpoint_dir(self.options.checkpoint_root, self.generation)
         now = self.clock()
         deadline = now + self.timeouts.checkpoint_round_timeout.total_seconds()
         self._round = checkpointing.CheckpointRound(directory, gen, writers, why, now, deadline)
         self.phase = JobPhase.CHECKPOINTING
         self._send_round()
-        self.say(f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for f+1 replicas: "
-                 f"checkpointing generation {gen.number} to {directory}")  # fmt: skip
+        self.say(f"{headline}: checkpointing generation {gen.number} to {directory}")
 
     def _send_round(self) -> None:
         assert self._round is not None

@@ -19,7 +19,7 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 # Worker phase name -> the job-level event written when every rank reported it.
-CAUSE_WORDS = {"lost": "loss", "joined": "join", "abandoned": "abandoned iteration"}
+CAUSE_WORDS = {"lost": "loss", "joined": "join", "abandoned": "abandoned iteration", "left": "notice to leave"}
 """An incident's cause as a noun, for the console."""
 PHASE_EVENTS = {"rendezvous": "rendezvous_done", "states_copied": "states_copied", "resumed": "resumed"}
 
@@ -35,7 +35,8 @@ class Incident:
     """What made the master plan a new generation, and when it was seen."""
 
     cause: str
-    """``lost`` | ``joined`` | ``restart`` | ``abandoned`` (an iteration given up with no node lost)."""
+    """``lost`` | ``joined`` | ``left`` (a preemption notice) | ``restart`` | ``abandoned`` (an iteration
+    given up with no node lost)."""
     nodes: tuple[str, ...]
     detected_ts: float
     """Wall clock (the event log's)."""

@@ -49,6 +49,10 @@ class Node:
     """The master ended the stream itself (shutdown, declared lost): its end is no failure."""
     worker_failure: str | None = None
     detail: str = ""
+    leaving: str = ""
+    """Why the node leaves on notice (a preemption): planned out while it still holds its state."""
+    dismissed: bool = False
+    """Planned out after its notice and sent its Shutdown: its silence and hang-up are no failure."""
 
     def health(self) -> NodeHealth:
         closed = self.stream == "closed" and not self.closing
@@ -93,11 +97,18 @@ class Registry:
         return entry
 
     def names(self) -> list[str]:
-        """Nodes that can take part now (stream open), in registration order."""
-        return [n.name for n in sorted(self.nodes.values(), key=lambda n: n.order) if n.stream == "open"]
+        """Nodes that can take part in the next plan (stream open, no notice to leave), in registration order."""
+        return [n.name for n in sorted(self.nodes.values(), key=lambda n: n.order)
+                if n.stream == "open" and not n.leaving]  # fmt: skip
+
+    def leaving(self) -> list[str]:
+        """Nodes that gave notice, are not dismissed yet and can still hand over their state."""
+        return [n.name for n in sorted(self.nodes.values(), key=lambda n: n.order)
+                if n.stream == "open" and n.leaving and not n.dismissed]  # fmt: skip
 
     def health(self) -> dict[str, NodeHealth]:
-        return {name: n.health() for name, n in self.nodes.items()}
+        """Every node the detector watches: a dismissed one owes the job nothing."""
+        return {name: n.health() for name, n in self.nodes.items() if not n.dismissed}
 
     def forgive(self, gap: float, now: float) -> None:
         """Move every heartbeat ``gap`` seconds later (never past ``now``): the master, not the nodes, was silent."""

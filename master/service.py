@@ -105,6 +105,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         return pb.Ack()
 
+    def Leave(self, request: pb.LeaveRequest, context) -> pb.Ack:
+        with _refusals(context):
+            self.c.leave(request.node.node, request.node.session, request.reason)
+        return pb.Ack()
+
 
 class _refusals:
     """Turns ``Refused`` into the gRPC status it names."""

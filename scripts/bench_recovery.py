@@ -2,15 +2,22 @@
 """Recovery benchmark (issue 5): live reconfiguration against checkpoint-restart, on 4 simulated nodes.
 
     python scripts/bench_recovery.py [--json OUT] [--config FILE] [--steps N] [--kill-step N]
-                                     [--stop-step N] [--checkpoint-interval K] [--modes live,restart]
+                                     [--preempt-step N] [--stop-step N] [--join-step N]
+                                     [--checkpoint-interval K] [--modes live,restart]
 
 One ``oobleck-launch local`` run per recovery mode on the same job (tiny_mm,
 float32, heartbeats of configs/tiny_mm.yaml: 200 ms interval, 2 s timeout), each
-with the same two failures injected by the harness:
+with the same events injected by the harness:
 
-    kill:node1@step<kill-step>   a crashed node (SIGKILL of its agent and workers)
-    join@step<join-step>         a new node (node4), which receives every layer's full state
-    stop:node2@step<stop-step>   a hung node (SIGSTOP: only the heartbeat timeout can tell)
+    kill:node1@step<kill-step>        a crashed node (SIGKILL of its agent and workers)
+    join@step<join-step>              a new node (node4), which receives every layer's full state
+    preempt:node3@step<preempt-step>  a spot notice (SIGTERM to the agent), the kill 30 s later
+    stop:node2@step<stop-step>        a hung node (SIGSTOP: only the heartbeat timeout can tell)
+
+The join's stall is the survivors' longest step around it (the gap between the
+completions of the last step before it and the first after) over the run's
+median step: the joiner starts its workers when it registers and is admitted
+once they are ready, so the survivors pause only for the rendezvous and copy.
 
 On 4 nodes tiny_mm is planned as 4 one-node pipelines, each a full replica: a
 lost node leaves nothing to copy (0 MB), so the join is what measures the state
@@ -58,17 +65,21 @@ TARGET_CRASH_DETECT_S = 1.0
 TARGET_HANG_MARGIN_S = 1.0
 TARGET_RECONFIGURE_S = 3.0
 TARGET_RATIO = 5.0
+TARGET_JOIN_STALL = 1.5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--config", default=str(ROOT / "configs/tiny_mm.yaml"), help="job config (default tiny_mm)")
-    p.add_argument("--steps", type=int, default=24)
+    # Steps of ~0.1 s: the joiner's workers take ~3 s to start, so the run leaves it 30+ steps to get in.
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=8, help="SIGKILL node1 once this many steps are done")
-    # Both failures 3 steps after restart mode's last checkpoint (5 and 15 with --checkpoint-interval 5):
+    # Every failure 3 steps after restart mode's last checkpoint (5, 30, 45 with --checkpoint-interval 5):
     # restart mode redoes the same work for each, mid-interval, its expected case.
-    p.add_argument("--stop-step", type=int, default=18, help="SIGSTOP node2 once this many steps are done")
+    p.add_argument("--preempt-step", type=int, default=33,
+                   help="SIGTERM node3's agent once this many steps are done, SIGKILL 30 s later (0: none)")
+    p.add_argument("--stop-step", type=int, default=48, help="SIGSTOP node2 once this many steps are done")
     p.add_argument("--join-step", type=int, default=12, help="start node4 once this many steps are done (0: none)")
     p.add_argument("--checkpoint-interval", type=int, default=5, help="restart mode: steps between checkpoints")
     p.add_argument("--modes", default="live,restart", help="comma-separated recovery modes to run")
@@ -76,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.kill_step < args.stop_step < args.steps:
         p.error(f"need 0 < --kill-step ({args.kill_step}) < --stop-step ({args.stop_step}) < --steps ({args.steps})")
+    if args.preempt_step and not args.kill_step < args.preempt_step < args.stop_step:
+        p.error(f"--preempt-step: must be between --kill-step and --stop-step (0: none), got {args.preempt_step}")
     if not 0 <= args.join_step < args.steps:
         p.error(f"--join-step: must be in 0..{args.steps - 1} (0: no join), got {args.join_step}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -106,7 +119,8 @@ def launch_command(args: argparse.Namespace, config: Path, mode: str, run_dir: P
         sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(config), "--nodes", str(NODES),
         "--steps", str(args.steps), "--run-dir", str(run_dir), "--recovery", mode,
         "--inject", f"kill:node1@step{args.kill_step}", "--inject", f"stop:node2@step{args.stop_step}",
-    ] + (["--inject", f"join:node{NODES}@step{args.join_step}"] if args.join_step else [])  # fmt: skip
+    ] + (["--inject", f"join:node{NODES}@step{args.join_step}"] if args.join_step else []) + (
+        ["--inject", f"preempt:node3@step{args.preempt_step}+30s"] if args.preempt_step else [])  # fmt: skip
 
 
 def run_once(command: list[str], run_dir: Path) -> tuple[int, float]:
@@ -131,7 +145,21 @@ def run_once(command: list[str], run_dir: Path) -> tuple[int, float]:
 # --------------------------------------------------------------------------- results
 def failure_rows(rows: list[RecoveryRow]) -> dict[str, RecoveryRow]:
     """The injected crash and hang of a run, by kind."""
-    return {row.kind: row for row in rows if row.kind in ("kill", "stop", "join")}
+    return {row.kind: row for row in rows if row.kind in KINDS}
+
+
+KINDS = ("kill", "preempt", "stop", "join")
+
+
+def join_stall(events: list[dict], row: RecoveryRow | None) -> dict:
+    """The survivors' longest step around a join (completion to completion) against the run's median step."""
+    steps = sorted((e["step"], e["ts"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int))
+    gaps = {b[0]: b[1] - a[1] for a, b in zip(steps, steps[1:]) if b[0] == a[0] + 1}
+    if row is None or row.step is None or row.step not in gaps or not gaps:
+        return {"stall_s": None, "median_step_s": None, "stall_ratio": None}
+    ordered = sorted(gaps.values())
+    median = ordered[len(ordered) // 2]
+    return {"stall_s": gaps[row.step], "median_step_s": median, "stall_ratio": gaps[row.step] / median}
 
 
 def measure(mode: str, run_dir: Path, code: int, wall_s: float) -> dict:
@@ -143,6 +171,7 @@ def measure(mode: str, run_dir: Path, code: int, wall_s: float) -> dict:
         "mode": mode, "exit_code": code, "wall_s": wall_s, "run_dir": str(run_dir),
         "rows": [r.to_dict() for r in rows], "table": format_table(rows),
         "failures": {kind: row.to_dict() for kind, row in failure_rows(rows).items()},
+        "join_stall": join_stall(events, failure_rows(rows).get("join")),
     }  # fmt: skip
 
 
@@ -156,8 +185,8 @@ def compare(results: dict[str, dict], heartbeat_timeout_s: float) -> dict:
     """Live phases per event; time lost live vs restart per failure (a join is no failure: live only)."""
     live, restart = results.get("live"), results.get("restart")
     out: dict = {"per_event": {}}
-    for kind in ("kill", "stop", "join"):
-        if kind == "join" and (live is None or "join" not in live["failures"]):
+    for kind in KINDS:
+        if kind != "kill" and kind != "stop" and (live is None or kind not in live["failures"]):
             continue
         live_lost = _get(live, kind, "lost_s")
         restart_lost = _get(restart, kind, "lost_s") if kind != "join" else None
@@ -168,9 +197,14 @@ def compare(results: dict[str, dict], heartbeat_timeout_s: float) -> dict:
             "reconfigure_s": _get(live, kind, "reconfigure_s"), "live_lost_s": live_lost,
             "restart_lost_s": restart_lost,
             "restart_over_live": restart_lost / live_lost if live_lost and restart_lost else None,
+            "abandoned_s": _get(live, kind, "abandoned_s"),
         }  # fmt: skip
-    failures = {k: v for k, v in out["per_event"].items() if k != "join"}
+    if "join" in out["per_event"] and live is not None:
+        out["per_event"]["join"].update(live["join_stall"])
+    failures = {k: v for k, v in out["per_event"].items() if k in ("kill", "stop")}
     ratios = [v["restart_over_live"] for v in failures.values()]
+    join = out["per_event"].get("join", {})
+    preempt = out["per_event"].get("preempt")
     hang_limit = heartbeat_timeout_s + TARGET_HANG_MARGIN_S
     out["targets"] = {
         "crash_detect_s<=1": _meets(failures["kill"]["detect_s"], TARGET_CRASH_DETECT_S),
@@ -178,6 +212,10 @@ def compare(results: dict[str, dict], heartbeat_timeout_s: float) -> dict:
         "reconfigure_excl_copy_s<=3": all(_meets(v["reconfigure_s"], TARGET_RECONFIGURE_S) for v in failures.values()),
         "restart/live>=5": all(r is not None and r >= TARGET_RATIO for r in ratios),
     }  # fmt: skip
+    if join:
+        out["targets"][f"join_stall<={TARGET_JOIN_STALL:g}x"] = _meets(join.get("stall_ratio"), TARGET_JOIN_STALL)
+    if preempt is not None:
+        out["targets"]["preempt_abandoned_s==0"] = preempt["abandoned_s"] == 0.0
     return out
 
 
@@ -202,6 +240,14 @@ def print_summary(results: dict[str, dict], comparison: dict) -> None:
                  _fmt(mb), _fmt(v["copy_mb_per_s"], 1), _fmt(v["live_lost_s"]), _fmt(v["restart_lost_s"]),
                  _fmt(v["restart_over_live"], 1))  # fmt: skip
         print("  ".join(f"{c:>12}" for c in cells))
+    join = comparison["per_event"].get("join")
+    if join and join.get("stall_ratio") is not None:
+        print(f"join stall: survivors' longest step {join['stall_s']:.2f} s = {join['stall_ratio']:.1f}x the median "
+              f"step ({join['median_step_s']:.3f} s)")  # fmt: skip
+    preempt = comparison["per_event"].get("preempt")
+    if preempt:
+        print(f"preemption: iteration abandoned {_fmt(preempt['abandoned_s'])} s, time lost live "
+              f"{_fmt(preempt['live_lost_s'])} s vs restart {_fmt(preempt['restart_lost_s'])} s")  # fmt: skip
     print("targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in comparison["targets"].items()))
 
 
@@ -219,7 +265,8 @@ def main(argv=None) -> int:
         print(f"running: {' '.join(command)}", flush=True)
         code, wall = run_once(command, run_dir)
         results[mode] = measure(mode, run_dir, code, wall)
-        wanted = ("kill", "stop", "join") if mode == "live" and args.join_step else ("kill", "stop")
+        wanted = ["kill", "stop"] + (["preempt"] if args.preempt_step else []) + (
+            ["join"] if mode == "live" and args.join_step else [])
         missing = [k for k in wanted if k not in results[mode]["failures"]]
         if code != 0 or missing:
             ok = False
@@ -230,7 +277,8 @@ def main(argv=None) -> int:
     if args.json:
         document = {
             "nodes": NODES, "config": args.config, "steps": args.steps, "kill_step": args.kill_step,
-            "stop_step": args.stop_step, "join_step": args.join_step, "checkpoint_interval": args.checkpoint_interval,
+            "stop_step": args.stop_step, "join_step": args.join_step, "preempt_step": args.preempt_step,
+            "checkpoint_interval": args.checkpoint_interval,
             "heartbeat_timeout_s": timeout_s, "results": results, "comparison": comparison,
         }  # fmt: skip
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

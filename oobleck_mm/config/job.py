@@ -508,6 +508,10 @@ class FaultToleranceConfig:
     """The master ends a running job that made no progress (no step, no recovery phase, no new
     plan) for this long, saying where it stopped: a last resort against a hang that no other bound
     catches. Longer than any step or state copy of the job should take."""
+    preempt_grace: timedelta = timedelta(seconds=25)
+    """How long an agent keeps its node in the job after a preemption notice (a SIGTERM) while the
+    master plans it out at the next iteration boundary; past it the agent stops its workers as if
+    the node failed. Keep it below the provider's notice (30 s on GCP, 2 min on AWS) minus one step."""
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100
@@ -521,6 +525,7 @@ class FaultToleranceConfig:
         check(self, "heartbeat_timeout", as_duration)
         check(self, "rendezvous_timeout", as_duration)
         check(self, "stall_timeout", as_duration)
+        check(self, "preempt_grace", as_duration)
         check(self, "recovery", as_choice, ("live", "restart"))
         check(self, "checkpoint_interval", as_int, minimum=0)
 

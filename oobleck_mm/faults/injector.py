@@ -11,6 +11,9 @@ the job is over), and when an event is due:
   and is the one to notice.
 - ``stop``: SIGSTOP the agent, then everything under it: a hung machine whose
   sockets stay open, so only the heartbeat timeout can tell.
+- ``preempt``: SIGTERM to the agent (a spot provider's notice; the agent asks the
+  master to plan its node out), then, ``notice_s`` later, SIGKILL of whatever of
+  the node is still there (the provider reclaims it), logged as ``preempt_kill``.
 - ``join``: ``start_agent(name)``, the launcher's own way to start a node.
 
 Events due at the same moment are resolved first, recorded as ``injected``
@@ -132,6 +135,8 @@ class Injector:
         """The ``injected`` / ``inject_skipped`` records written, in order."""
         self._tail = EventTail(event_log_path)
         self._stopped_pids: list[psutil.Process] = []
+        self._reclaims: list[tuple[float, FaultEvent, list[psutil.Process]]] = []
+        """(wall time, fault, processes) of preempted nodes still to be killed."""
         self._joined: list[str] = []
         self._batch = 0
         self._halt = threading.Event()
@@ -153,11 +158,12 @@ class Injector:
             for proc in self._stopped_pids:
                 _signal(proc, signal.SIGKILL)  # SIGKILL ends a stopped process without SIGCONT
             self._stopped_pids.clear()
+        self._reclaim(float("inf"))  # the job is over: the provider takes its preempted nodes now
 
     @property
     def done(self) -> bool:
-        """Every event fired (or skipped), or the job is over."""
-        return not self.pending or self.progress.finished
+        """Every event fired (or skipped) and every preempted node reclaimed, or the job is over."""
+        return (not self.pending and not self._reclaims) or self.progress.finished
 
     def _run(self) -> None:
         while not self._halt.is_set():
@@ -176,12 +182,24 @@ class Injector:
             self.progress.update(event)
         if self.progress.finished:
             return []
+        records = self._reclaim(now)
         elapsed = self.progress.elapsed(now)
         due = [f for f in self.pending if f.due(self.progress.steps_done, elapsed)]
         if not due:
-            return []
+            return records
         self.pending = [f for f in self.pending if f not in due]
-        return self.fire(due)
+        return records + self.fire(due)
+
+    def _reclaim(self, now: float) -> list[dict[str, Any]]:
+        """SIGKILLs preempted nodes whose notice ran out (what of them is still there)."""
+        due = [r for r in self._reclaims if r[0] <= now]
+        self._reclaims = [r for r in self._reclaims if r[0] > now]
+        records = []
+        for _, fault, procs in due:
+            alive = [p for p in procs if _signal(p, signal.SIGKILL)]
+            records.append(self._write("preempt_kill", node=fault.node, pids=[p.pid for p in alive],
+                                       after_s=fault.notice_s, source=fault.source))  # fmt: skip
+        return records
 
     def fire(self, faults: Sequence[FaultEvent]) -> list[dict[str, Any]]:
         """Carries out ``faults`` together: every failure's processes are found first, then signalled."""
@@ -223,6 +241,10 @@ class Injector:
             target.procs = [agent, *_children(agent)]
 
     def _signal_target(self, target: _Target) -> None:
+        if target.fault.kind == "preempt":  # the notice now, the kill once it ran out
+            _signal(target.procs[0], signal.SIGTERM)
+            self._reclaims.append((time.time() + target.fault.notice_s, target.fault, target.procs))
+            return
         sig = signal.SIGSTOP if target.fault.kind == "stop" else signal.SIGKILL
         for proc in target.procs:
             if _signal(proc, sig) and sig == signal.SIGSTOP:

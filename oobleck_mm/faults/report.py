@@ -50,7 +50,8 @@ injection is still its detection."""
 @dataclass(frozen=True, slots=True)
 class RecoveryRow:
     kind: str
-    """``kill`` | ``killworker`` | ``stop`` | ``join`` (injected, ``+``-joined when mixed) or ``lost``."""
+    """``kill`` | ``killworker`` | ``stop`` | ``preempt`` | ``join`` (injected, ``+``-joined when mixed) or
+    ``lost``."""
     nodes: tuple[str, ...]
     at_ts: float
     """When it happened: the injection, or the detection for a failure nobody injected."""
@@ -158,13 +159,16 @@ def _last_before(events: Sequence[Event], name: str, before: float) -> Event | N
 
 def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | None, str | None]:
     """When every node of the incident was detected (lost, or registered for a join), and why."""
-    name = "registered" if incident.join else "lost"
+    names = ("registered",) if incident.join else ("lost", "leaving")  # leaving: a preemption notice taken
     # Tolerance: a log written before the injector logged ahead of its signals can show the loss first.
-    found = [_first(events, name, incident.ts - _SAME_MOMENT_S, node=node) for node in incident.nodes]
+    found = [min((e for e in (_first(events, name, incident.ts - _SAME_MOMENT_S, node=node) for name in names)
+                  if e is not None), key=lambda e: e["ts"], default=None)
+             for node in incident.nodes]  # fmt: skip
     found = [e for e in found if e is not None]
     if not found:
         return None, None
-    reasons = sorted({str(e.get("reason", name)) for e in found})
+    reasons = sorted({"registered" if incident.join else "notice" if phase_name(e) == "leaving" else str(e.get("reason"))
+                      for e in found})  # fmt: skip
     return max(e["ts"] for e in found), "+".join(reasons)
 
 
@@ -172,14 +176,15 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     detect_ts, reason = _detection(events, incident)
     since = detect_ts if detect_ts is not None else incident.ts
     plan = _recovery_plan(events, since)
-    # A join changes nothing until its plan is decided; a failure interrupts at once.
-    boundary = plan["ts"] if incident.join and plan is not None else since
+    # A join or a notice to leave changes nothing until its plan is decided; a failure interrupts at once.
+    planned_change = incident.join or incident.kind == "preempt"
+    boundary = plan["ts"] if planned_change and plan is not None else since
     last_old = _last_before(_steps(events), "step", boundary)
     wanted = 0 if last_old is None else last_old["step"] + 1
     after = since if plan is None else plan["ts"]
     first_new = next((e for e in _steps(events) if e["ts"] > after and e["step"] >= wanted), None)
-    if incident.join and plan is None:
-        first_new = None  # the node never made it into a plan (the job ended first): nothing resumed
+    if planned_change and plan is None:
+        first_new = None  # never planned (the job ended, or stopped at a checkpoint, first): nothing resumed
     generation = None if plan is None else plan.get("generation")
     phases = _phase_times(events, generation, plan)
     durations = _chain(incident.ts, [
@@ -197,9 +202,19 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
         copy_s=durations["copy"], copy_bytes=copy_bytes,
         copy_mb_per_s=(copy_bytes / 1e6 / copy_window) if copy_bytes and copy_window else None,
         resume_s=durations["resume"],
-        abandoned_s=None if incident.join or last_old is None else max(0.0, incident.ts - last_old["ts"]),
+        abandoned_s=None if incident.join or last_old is None else _abandoned(events, incident, last_old, plan),
         lost_s=_time_lost(last_old, first_new), outcome=_outcome(events, incident, first_new),
     )  # fmt: skip
+
+
+def _abandoned(events: Sequence[Event], incident: _Incident, last_old: Event, plan: Event | None) -> float:
+    """Work of the iteration in flight thrown away. A node that left on notice (a preemption)
+    is planned out at the iteration boundary: nothing, unless some worker gave that iteration up."""
+    if incident.kind == "preempt":
+        until = plan["ts"] if plan is not None else float("inf")
+        if not any(phase_name(e) == "aborted" and incident.ts <= e["ts"] <= until + 1.0 for e in events):
+            return 0.0
+    return max(0.0, incident.ts - last_old["ts"])
 
 
 def _recovery_plan(events: Sequence[Event], since: float) -> Event | None:

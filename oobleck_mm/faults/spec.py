@@ -10,6 +10,9 @@ Forms (one token each; tokens are comma-separated, flags may repeat):
     killworker:NODE@WHEN      SIGKILL one worker of the node (local rank 0)
     killworker:NODE:gpuK@WHEN SIGKILL the worker of local rank K
     stop:NODE@WHEN            SIGSTOP the agent and all its workers (a hung node)
+    preempt:NODE@WHEN[+Ts]    a spot preemption: SIGTERM to the agent (the provider's notice),
+                              then SIGKILL of the agent and its workers T seconds later
+                              (default 30, GCP's notice) if they are still there
     join@WHEN                 start a new agent (named by the launcher)
     join:NODE@WHEN            start a new agent named NODE
 
@@ -29,20 +32,23 @@ from typing import Iterable
 
 from oobleck_mm.errors import UserError
 
-KINDS = ("kill", "killworker", "stop", "join")
-FAILURE_KINDS = ("kill", "killworker", "stop")
+KINDS = ("kill", "killworker", "stop", "preempt", "join")
+FAILURE_KINDS = ("kill", "killworker", "stop", "preempt")
+DEFAULT_NOTICE_S = 30.0
+"""``preempt`` without ``+Ts``: seconds from the notice to the kill (GCP's spot notice)."""
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """The master's rule for node names (``master/coordinator.py``)."""
 
 VALID_FORMS = (
-    "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, join[:NODE]@stepN "
-    "(or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s)"
+    "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "
+    "join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s)"
 )
 
 _STEP = re.compile(r"^step(\d+)$")
 _TIME = re.compile(r"^t(\d+(?:\.\d*)?|\.\d+)s$")
 _GPU = re.compile(r"^gpu(\d+)$")
+_NOTICE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)s$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,8 @@ class FaultEvent:
     """Fire this many seconds after the first step completed."""
     local_rank: int = 0
     """``killworker`` only: which worker of the node."""
+    notice_s: float = DEFAULT_NOTICE_S
+    """``preempt`` only: seconds from the notice (SIGTERM) to the kill."""
     source: str = ""
     """Where it came from (the spec token, or the trace line), for the event log."""
 
@@ -86,6 +94,8 @@ class FaultEvent:
         if self.kind == "killworker":
             target += f":gpu{self.local_rank}"
         when = f"step{self.step}" if self.step is not None else f"t{self.seconds:g}s"
+        if self.kind == "preempt":
+            when += f"+{self.notice_s:g}s"
         return f"{self.kind}{':' if target else ''}{target}@{when}"
 
 
@@ -107,12 +117,21 @@ def parse_token(token: str) -> FaultEvent:
     what, at, when = token.partition("@")
     if not at or not when:
         _bad(token, "missing '@stepN' or '@tXs'")
+    when, plus, notice = when.partition("+")
     step, seconds = _parse_when(token, when)
     kind, *parts = what.split(":")
     if kind not in KINDS:
         _bad(token, f"unknown kind {kind!r}")
+    if plus and kind != "preempt":
+        _bad(token, f"'+{notice}' (the kill after a notice) is for preempt only")
+    notice_s = DEFAULT_NOTICE_S
+    if plus:
+        if not (m := _NOTICE.match(notice)):
+            _bad(token, f"bad notice {notice!r}: expected Ts (T seconds >= 0), e.g. +10s")
+        notice_s = float(m.group(1))
     node, local_rank = _parse_target(token, kind, parts)
-    return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, local_rank=local_rank, source=token)
+    return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, local_rank=local_rank, notice_s=notice_s,
+                      source=token)  # fmt: skip
 
 
 def _parse_when(token: str, when: str) -> tuple[int | None, float | None]:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\roobleck.proto\x12\x07oobleck\"=\n\x05Stage\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\"D\n\x08Pipeline\x12\x18\n\x10num_microbatches\x18\x01 \x01(\x05\x12\x1e\n\x06stages\x18\x02 \x03(\x0b\x32\x0e.oobleck.Stage\"b\n\rExecutionPlan\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x17\n\x0fmicrobatch_size\x18\x02 \x01(\x05\x12$\n\tpipelines\x18\x03 \x03(\x0b\x32\x11.oobleck.Pipeline\"\xa6\x03\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nstore_host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\x05\x12\x12\n\nstart_step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12$\n\x04plan\x18\x08 \x01(\x0b\x32\x16.oobleck.ExecutionPlan\x12\x1b\n\x13previous_generation\x18\t \x01(\x03\x12-\n\rprevious_plan\x18\n \x01(\x0b\x32\x16.oobleck.ExecutionPlan\x12\x16\n\x0eprevious_ranks\x18\x0b \x03(\x05\x12\x12\n\nresume_dir\x18\x0c \x01(\t\x12\x16\n\x0esave_final_dir\x18\r \x01(\t\x12\x1b\n\x13\x63heckpoint_interval\x18\x0e \x01(\x03\x12\x16\n\x0e\x63heckpoint_dir\x18\x0f \x01(\t\x12\x12\n\nrank_nodes\x18\x10 \x03(\t\x12\x18\n\x10\x63heckpoint_async\x18\x11 \x01(\x08\"F\n\nCheckpoint\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x17\n\x0fsurviving_ranks\x18\x03 \x03(\x05\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x97\x01\n\rWorkerCommand\x12)\n\nassignment\x18\x01 \x01(\x0b\x32\x13.oobleck.AssignmentH\x00\x12%\n\x08shutdown\x18\x02 \x01(\x0b\x32\x11.oobleck.ShutdownH\x00\x12)\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x13.oobleck.CheckpointH\x00\x42\t\n\x07\x63ommand\"\x88\x03\n\x0bStepMetrics\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x06 \x01(\x01\x12\x11\n\tforward_s\x18\x07 \x01(\x01\x12\x12\n\nbackward_s\x18\x08 \x01(\x01\x12\x0e\n\x06\x63omm_s\x18\t \x01(\x01\x12\n\n\x02lr\x18\n \x01(\x01\x12\x11\n\tgrad_norm\x18\x0b \x01(\x01\x12\x0e\n\x06tokens\x18\x0c \x01(\x03\x12\x19\n\x11peak_memory_bytes\x18\r \x01(\x03\x12\x12\n\npipeline_s\x18\x0e \x01(\x01\x12\x0f\n\x07skipped\x18\x0f \x01(\x08\x12\x12\n\nloss_scale\x18\x10 \x01(\x01\x12\x17\n\x0fpredicted_max_s\x18\x11 \x01(\x01\x12\x18\n\x10predicted_mean_s\x18\x12 \x01(\x01\x12\"\n\x1apredicted_contiguous_max_s\x18\x13 \x01(\x01\"\x1a\n\nWorkerDone\x12\x0c\n\x04step\x18\x01 \x01(\x03\"@\n\x0cWorkerFailed\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x12\n\nuser_error\x18\x02 \x01(\x08\x12\x0b\n\x03\x62ug\x18\x03 \x01(\x08\"\x87\x01\n\tPhaseDone\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\"z\n\x0e\x43heckpointDone\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06layers\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x18\n\x10snapshot_seconds\x18\x06 \x01(\x01\"=\n\x07Stalled\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04what\x18\x02 \x01(\t\x12\x10\n\x08waited_s\x18\x03 \x01(\x01\"\x8d\x02\n\x0cWorkerReport\x12\'\n\x07metrics\x18\x01 \x01(\x0b\x32\x14.oobleck.StepMetricsH\x00\x12#\n\x04\x64one\x18\x02 \x01(\x0b\x32\x13.oobleck.WorkerDoneH\x00\x12\'\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x15.oobleck.WorkerFailedH\x00\x12#\n\x05phase\x18\x04 \x01(\x0b\x32\x12.oobleck.PhaseDoneH\x00\x12\x32\n\x0f\x63heckpoint_done\x18\x05 \x01(\x0b\x32\x17.oobleck.CheckpointDoneH\x00\x12#\n\x07stalled\x18\x06 \x01(\x0b\x32\x10.oobleck.StalledH\x00\x42\x08\n\x06report\"P\n\x0fRegisterRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"]\n\rRegisterReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x03\x12\x0c\n\x04gpus\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onfig_yaml\x18\x06 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"(\n\x07NodeRef\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x03\"2\n\x10HeartbeatRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\"$\n\x0eHeartbeatReply\x12\x12\n\ngeneration\x18\x01 \x01(\x03\"\xc4\x01\n\nAgentEvent\x12/\n\nassignment\x18\x01 \x01(\x0b\x32\x19.oobleck.WorkerAssignmentH\x00\x12%\n\x08shutdown\x18\x02 \x01(\x0b\x32\x11.oobleck.ShutdownH\x00\x12)\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x13.oobleck.CheckpointH\x00\x12*\n\x07restart\x18\x04 \x01(\x0b\x32\x17.oobleck.RestartWorkersH\x00\x42\x07\n\x05\x65vent\" \n\x0eRestartWorkers\x12\x0e\n\x06reason\x18\x01 \x01(\t\"O\n\x10WorkerAssignment\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\'\n\nassignment\x18\x02 \x01(\x0b\x32\x13.oobleck.Assignment\"p\n\x13WorkerReportRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12%\n\x06report\x18\x03 \x01(\x0b\x32\x15.oobleck.WorkerReport\"\x84\x01\n\x14WorkerFailureRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\'\n\x07\x66\x61ilure\x18\x03 \x01(\x0e\x32\x16.oobleck.WorkerFailure\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x05\n\x03\x41\x63k*i\n\rWorkerFailure\x12\x1e\n\x1aWORKER_FAILURE_UNSPECIFIED\x10\x00\x12\x11\n\rWORKER_EXITED\x10\x01\x12\x11\n\rWORKER_ZOMBIE\x10\x02\x12\x12\n\x0eWORKER_STOPPED\x10\x03\x32\xc2\x02\n\x0b\x43oordinator\x12<\n\x08Register\x12\x18.oobleck.RegisterRequest\x1a\x16.oobleck.RegisterReply\x12?\n\tHeartbeat\x12\x19.oobleck.HeartbeatRequest\x1a\x17.oobleck.HeartbeatReply\x12\x34\n\tSubscribe\x12\x10.oobleck.NodeRef\x1a\x13.oobleck.AgentEvent0\x01\x12:\n\x0cReportWorker\x12\x1c.oobleck.WorkerReportRequest\x1a\x0c.oobleck.Ack\x12\x42\n\x13ReportWorkerFailure\x12\x1d.oobleck.WorkerFailureRequest\x1a\x0c.oobleck.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\roobleck.proto\x12\x07oobleck\"=\n\x05Stage\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\"D\n\x08Pipeline\x12\x18\n\x10num_microbatches\x18\x01 \x01(\x05\x12\x1e\n\x06stages\x18\x02 \x03(\x0b\x32\x0e.oobleck.Stage\"b\n\rExecutionPlan\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x17\n\x0fmicrobatch_size\x18\x02 \x01(\x05\x12$\n\tpipelines\x18\x03 \x03(\x0b\x32\x11.oobleck.Pipeline\"\xbb\x03\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nstore_host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\x05\x12\x12\n\nstart_step\x18\x06 \x01(\x03\x12\r\n\x05steps\x18\x07 \x01(\x03\x12$\n\x04plan\x18\x08 \x01(\x0b\x32\x16.oobleck.ExecutionPlan\x12\x1b\n\x13previous_generation\x18\t \x01(\x03\x12-\n\rprevious_plan\x18\n \x01(\x0b\x32\x16.oobleck.ExecutionPlan\x12\x16\n\x0eprevious_ranks\x18\x0b \x03(\x05\x12\x12\n\nresume_dir\x18\x0c \x01(\t\x12\x16\n\x0esave_final_dir\x18\r \x01(\t\x12\x1b\n\x13\x63heckpoint_interval\x18\x0e \x01(\x03\x12\x16\n\x0e\x63heckpoint_dir\x18\x0f \x01(\t\x12\x12\n\nrank_nodes\x18\x10 \x03(\t\x12\x18\n\x10\x63heckpoint_async\x18\x11 \x01(\x08\x12\x13\n\x0b\x61t_boundary\x18\x12 \x01(\x08\"F\n\nCheckpoint\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x17\n\x0fsurviving_ranks\x18\x03 \x03(\x05\"/\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x13\n\x0b\x61t_boundary\x18\x02 \x01(\x08\"\x97\x01\n\rWorkerCommand\x12)\n\nassignment\x18\x01 \x01(\x0b\x32\x13.oobleck.AssignmentH\x00\x12%\n\x08shutdown\x18\x02 \x01(\x0b\x32\x11.oobleck.ShutdownH\x00\x12)\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x13.oobleck.CheckpointH\x00\x42\t\n\x07\x63ommand\"\x88\x03\n\x0bStepMetrics\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rsamples_per_s\x18\x05 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x06 \x01(\x01\x12\x11\n\tforward_s\x18\x07 \x01(\x01\x12\x12\n\nbackward_s\x18\x08 \x01(\x01\x12\x0e\n\x06\x63omm_s\x18\t \x01(\x01\x12\n\n\x02lr\x18\n \x01(\x01\x12\x11\n\tgrad_norm\x18\x0b \x01(\x01\x12\x0e\n\x06tokens\x18\x0c \x01(\x03\x12\x19\n\x11peak_memory_bytes\x18\r \x01(\x03\x12\x12\n\npipeline_s\x18\x0e \x01(\x01\x12\x0f\n\x07skipped\x18\x0f \x01(\x08\x12\x12\n\nloss_scale\x18\x10 \x01(\x01\x12\x17\n\x0fpredicted_max_s\x18\x11 \x01(\x01\x12\x18\n\x10predicted_mean_s\x18\x12 \x01(\x01\x12\"\n\x1apredicted_contiguous_max_s\x18\x13 \x01(\x01\"\x1a\n\nWorkerDone\x12\x0c\n\x04step\x18\x01 \x01(\x03\"@\n\x0cWorkerFailed\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x12\n\nuser_error\x18\x02 \x01(\x08\x12\x0b\n\x03\x62ug\x18\x03 \x01(\x08\"\x87\x01\n\tPhaseDone\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\"z\n\x0e\x43heckpointDone\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06layers\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x18\n\x10snapshot_seconds\x18\x06 \x01(\x01\"=\n\x07Stalled\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04what\x18\x02 \x01(\t\x12\x10\n\x08waited_s\x18\x03 \x01(\x01\"\x8d\x02\n\x0cWorkerReport\x12\'\n\x07metrics\x18\x01 \x01(\x0b\x32\x14.oobleck.StepMetricsH\x00\x12#\n\x04\x64one\x18\x02 \x01(\x0b\x32\x13.oobleck.WorkerDoneH\x00\x12\'\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x15.oobleck.WorkerFailedH\x00\x12#\n\x05phase\x18\x04 \x01(\x0b\x32\x12.oobleck.PhaseDoneH\x00\x12\x32\n\x0f\x63heckpoint_done\x18\x05 \x01(\x0b\x32\x17.oobleck.CheckpointDoneH\x00\x12#\n\x07stalled\x18\x06 \x01(\x0b\x32\x10.oobleck.StalledH\x00\x42\x08\n\x06report\"P\n\x0fRegisterRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"]\n\rRegisterReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x03\x12\x0c\n\x04gpus\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onfig_yaml\x18\x06 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"(\n\x07NodeRef\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x03\"2\n\x10HeartbeatRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\"$\n\x0eHeartbeatReply\x12\x12\n\ngeneration\x18\x01 \x01(\x03\"\xc4\x01\n\nAgentEvent\x12/\n\nassignment\x18\x01 \x01(\x0b\x32\x19.oobleck.WorkerAssignmentH\x00\x12%\n\x08shutdown\x18\x02 \x01(\x0b\x32\x11.oobleck.ShutdownH\x00\x12)\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x13.oobleck.CheckpointH\x00\x12*\n\x07restart\x18\x04 \x01(\x0b\x32\x17.oobleck.RestartWorkersH\x00\x42\x07\n\x05\x65vent\" \n\x0eRestartWorkers\x12\x0e\n\x06reason\x18\x01 \x01(\t\"O\n\x10WorkerAssignment\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\'\n\nassignment\x18\x02 \x01(\x0b\x32\x13.oobleck.Assignment\"p\n\x13WorkerReportRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12%\n\x06report\x18\x03 \x01(\x0b\x32\x15.oobleck.WorkerReport\"\x84\x01\n\x14WorkerFailureRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\'\n\x07\x66\x61ilure\x18\x03 \x01(\x0e\x32\x16.oobleck.WorkerFailure\x12\x0f\n\x07message\x18\x04 \x01(\t\">\n\x0cLeaveRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.oobleck.NodeRef\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x05\n\x03\x41\x63k*i\n\rWorkerFailure\x12\x1e\n\x1aWORKER_FAILURE_UNSPECIFIED\x10\x00\x12\x11\n\rWORKER_EXITED\x10\x01\x12\x11\n\rWORKER_ZOMBIE\x10\x02\x12\x12\n\x0eWORKER_STOPPED\x10\x03\x32\xf0\x02\n\x0b\x43oordinator\x12<\n\x08Register\x12\x18.oobleck.RegisterRequest\x1a\x16.oobleck.RegisterReply\x12?\n\tHeartbeat\x12\x19.oobleck.HeartbeatRequest\x1a\x17.oobleck.HeartbeatReply\x12\x34\n\tSubscribe\x12\x10.oobleck.NodeRef\x1a\x13.oobleck.AgentEvent0\x01\x12:\n\x0cReportWorker\x12\x1c.oobleck.WorkerReportRequest\x1a\x0c.oobleck.Ack\x12\x42\n\x13ReportWorkerFailure\x12\x1d.oobleck.WorkerFailureRequest\x1a\x0c.oobleck.Ack\x12,\n\x05Leave\x12\x15.oobleck.LeaveRequest\x1a\x0c.oobleck.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'oobleck_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERFAILURE']._serialized_start=2903
-  _globals['_WORKERFAILURE']._serialized_end=3008
+  _globals['_WORKERFAILURE']._serialized_start=3009
+  _globals['_WORKERFAILURE']._serialized_end=3114
   _globals['_STAGE']._serialized_start=26
   _globals['_STAGE']._serialized_end=87
   _globals['_PIPELINE']._serialized_start=89
@@ -40,49 +40,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTIONPLAN']._serialized_start=159
   _globals['_EXECUTIONPLAN']._serialized_end=257
   _globals['_ASSIGNMENT']._serialized_start=260
-  _globals['_ASSIGNMENT']._serialized_end=682
-  _globals['_CHECKPOINT']._serialized_start=684
-  _globals['_CHECKPOINT']._serialized_end=754
-  _globals['_SHUTDOWN']._serialized_start=756
-  _globals['_SHUTDOWN']._serialized_end=782
-  _globals['_WORKERCOMMAND']._serialized_start=785
-  _globals['_WORKERCOMMAND']._serialized_end=936
-  _globals['_STEPMETRICS']._serialized_start=939
-  _globals['_STEPMETRICS']._serialized_end=1331
-  _globals['_WORKERDONE']._serialized_start=1333
-  _globals['_WORKERDONE']._serialized_end=1359
-  _globals['_WORKERFAILED']._serialized_start=1361
-  _globals['_WORKERFAILED']._serialized_end=1425
-  _globals['_PHASEDONE']._serialized_start=1428
-  _globals['_PHASEDONE']._serialized_end=1563
-  _globals['_CHECKPOINTDONE']._serialized_start=1565
-  _globals['_CHECKPOINTDONE']._serialized_end=1687
-  _globals['_STALLED']._serialized_start=1689
-  _globals['_STALLED']._serialized_end=1750
-  _globals['_WORKERREPORT']._serialized_start=1753
-  _globals['_WORKERREPORT']._serialized_end=2022
-  _globals['_REGISTERREQUEST']._serialized_start=2024
-  _globals['_REGISTERREQUEST']._serialized_end=2104
-  _globals['_REGISTERREPLY']._serialized_start=2106
-  _globals['_REGISTERREPLY']._serialized_end=2199
-  _globals['_NODEREF']._serialized_start=2201
-  _globals['_NODEREF']._serialized_end=2241
-  _globals['_HEARTBEATREQUEST']._serialized_start=2243
-  _globals['_HEARTBEATREQUEST']._serialized_end=2293
-  _globals['_HEARTBEATREPLY']._serialized_start=2295
-  _globals['_HEARTBEATREPLY']._serialized_end=2331
-  _globals['_AGENTEVENT']._serialized_start=2334
-  _globals['_AGENTEVENT']._serialized_end=2530
-  _globals['_RESTARTWORKERS']._serialized_start=2532
-  _globals['_RESTARTWORKERS']._serialized_end=2564
-  _globals['_WORKERASSIGNMENT']._serialized_start=2566
-  _globals['_WORKERASSIGNMENT']._serialized_end=2645
-  _globals['_WORKERREPORTREQUEST']._serialized_start=2647
-  _globals['_WORKERREPORTREQUEST']._serialized_end=2759
-  _globals['_WORKERFAILUREREQUEST']._serialized_start=2762
-  _globals['_WORKERFAILUREREQUEST']._serialized_end=2894
-  _globals['_ACK']._serialized_start=2896
-  _globals['_ACK']._serialized_end=2901
-  _globals['_COORDINATOR']._serialized_start=3011
-  _globals['_COORDINATOR']._serialized_end=3333
+  _globals['_ASSIGNMENT']._serialized_end=703
+  _globals['_CHECKPOINT']._serialized_start=705
+  _globals['_CHECKPOINT']._serialized_end=775
+  _globals['_SHUTDOWN']._serialized_start=777
+  _globals['_SHUTDOWN']._serialized_end=824
+  _globals['_WORKERCOMMAND']._serialized_start=827
+  _globals['_WORKERCOMMAND']._serialized_end=978
+  _globals['_STEPMETRICS']._serialized_start=981
+  _globals['_STEPMETRICS']._serialized_end=1373
+  _globals['_WORKERDONE']._serialized_start=1375
+  _globals['_WORKERDONE']._serialized_end=1401
+  _globals['_WORKERFAILED']._serialized_start=1403
+  _globals['_WORKERFAILED']._serialized_end=1467
+  _globals['_PHASEDONE']._serialized_start=1470
+  _globals['_PHASEDONE']._serialized_end=1605
+  _globals['_CHECKPOINTDONE']._serialized_start=1607
+  _globals['_CHECKPOINTDONE']._serialized_end=1729
+  _globals['_STALLED']._serialized_start=1731
+  _globals['_STALLED']._serialized_end=1792
+  _globals['_WORKERREPORT']._serialized_start=1795
+  _globals['_WORKERREPORT']._serialized_end=2064
+  _globals['_REGISTERREQUEST']._serialized_start=2066
+  _globals['_REGISTERREQUEST']._serialized_end=2146
+  _globals['_REGISTERREPLY']._serialized_start=2148
+  _globals['_REGISTERREPLY']._serialized_end=2241
+  _globals['_NODEREF']._serialized_start=2243
+  _globals['_NODEREF']._serialized_end=2283
+  _globals['_HEARTBEATREQUEST']._serialized_start=2285
+  _globals['_HEARTBEATREQUEST']._serialized_end=2335
+  _globals['_HEARTBEATREPLY']._serialized_start=2337
+  _globals['_HEARTBEATREPLY']._serialized_end=2373
+  _globals['_AGENTEVENT']._serialized_start=2376
+  _globals['_AGENTEVENT']._serialized_end=2572
+  _globals['_RESTARTWORKERS']._serialized_start=2574
+  _globals['_RESTARTWORKERS']._serialized_end=2606
+  _globals['_WORKERASSIGNMENT']._serialized_start=2608
+  _globals['_WORKERASSIGNMENT']._serialized_end=2687
+  _globals['_WORKERREPORTREQUEST']._serialized_start=2689
+  _globals['_WORKERREPORTREQUEST']._serialized_end=2801
+  _globals['_WORKERFAILUREREQUEST']._serialized_start=2804
+  _globals['_WORKERFAILUREREQUEST']._serialized_end=2936
+  _globals['_LEAVEREQUEST']._serialized_start=2938
+  _globals['_LEAVEREQUEST']._serialized_end=3000
+  _globals['_ACK']._serialized_start=3002
+  _globals['_ACK']._serialized_end=3007
+  _globals['_COORDINATOR']._serialized_start=3117
+  _globals['_COORDINATOR']._serialized_end=3485
 # @@protoc_insertion_point(module_scope)

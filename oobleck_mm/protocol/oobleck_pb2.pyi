@@ -47,7 +47,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class Assignment(_message.Message):
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ASYNC_FIELD_NUMBER: _ClassVar[int]
+    AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -82,7 +83,8 @@ class Assignment(_message.Message):
     checkpoint_dir: str
     rank_nodes: _containers.RepeatedScalarFieldContainer[str]
     checkpoint_async: bool
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ...) -> None: ...
+    at_boundary: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("dir", "generation", "surviving_ranks")
@@ -95,10 +97,12 @@ class Checkpoint(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., generation: _Optional[int] = ..., surviving_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "at_boundary")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    at_boundary: bool
+    def __init__(self, reason: _Optional[str] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
     __slots__ = ("assignment", "shutdown", "checkpoint")
@@ -319,6 +323,14 @@ class WorkerFailureRequest(_message.Message):
     failure: WorkerFailure
     message: str
     def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ..., local_rank: _Optional[int] = ..., failure: _Optional[_Union[WorkerFailure, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: NodeRef
+    reason: str
+    def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

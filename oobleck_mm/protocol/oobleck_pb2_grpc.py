@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=oobleck__pb2.WorkerFailureRequest.SerializeToString,
                 response_deserializer=oobleck__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/oobleck.Coordinator/Leave',
+                request_serializer=oobleck__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=oobleck__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -97,6 +102,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """A preemption notice: the node leaves at the next iteration boundary, losing nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +135,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ReportWorkerFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportWorkerFailure,
                     request_deserializer=oobleck__pb2.WorkerFailureRequest.FromString,
+                    response_serializer=oobleck__pb2.Ack.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=oobleck__pb2.LeaveRequest.FromString,
                     response_serializer=oobleck__pb2.Ack.SerializeToString,
             ),
     }
@@ -260,6 +277,33 @@ class Coordinator:
             target,
             '/oobleck.Coordinator/ReportWorkerFailure',
             oobleck__pb2.WorkerFailureRequest.SerializeToString,
+            oobleck__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oobleck.Coordinator/Leave',
+            oobleck__pb2.LeaveRequest.SerializeToString,
             oobleck__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -106,12 +106,15 @@ class CommandReader:
 
 def _drops_peers(command) -> bool:
     """A shutdown, a checkpoint, a plan whose previous generation lost ranks, or a re-form of the same
-    ranks (the current generation was abandoned): anything but a join, which the current one outlives."""
+    ranks (the current generation was abandoned): anything but a join, which the current one outlives,
+    or the leave of a node on notice (``at_boundary``), which finishes the iteration in flight."""
     kind = command.WhichOneof("command")
+    if kind == "shutdown" and command.shutdown.at_boundary:
+        return False  # this node leaves on notice: its peers need it until the iteration ends
     if kind != "assignment":
         return True
     a = command.assignment
-    if not a.previous_generation:
+    if not a.previous_generation or a.at_boundary:
         return False
     old_world = sum(len(p.stages) for p in a.previous_plan.pipelines)
     kept = len({r for r in a.previous_ranks if r >= 0})

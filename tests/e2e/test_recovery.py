@@ -23,6 +23,7 @@ from e2e_harness import (
     position_nodes,
     write_config,
 )
+from oobleck_mm.faults.report import recovery_rows
 from oobleck_mm.runtime.checkpoint import read_meta
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -252,6 +253,62 @@ def test_an_iteration_every_worker_abandons_with_no_node_lost_is_rerun_by_the_sa
     assert [e["step"] for e in run.events("step", generation=2)] == list(range(3, 8))
     assert "re-form" in run.stdout
     check_final(config, 8, final)
+
+
+def test_a_preempted_node_leaves_at_a_step_boundary_and_nothing_is_lost(launches, tmp_path):
+    """A spot notice (SIGTERM to node1's agent, the kill 30 s later): the master plans node1 out at the
+    next iteration boundary while it still holds its layers; no iteration is abandoned, no node is
+    lost, node1's agent exits by itself before the kill, and the run equals the reference."""
+    steps = 30
+    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU)  # pipelines of 3 + 2 nodes
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "preempt:node1@step4+30s")
+    finish_ok(run)
+    assert not run.events("lost")
+    [leaving] = run.events("leaving")
+    [left] = run.events("left")
+    assert leaving["node"] == left["node"] == "node1" and leaving["in_plan"]
+    decided = run.events("plan_decided")[-1]
+    assert decided["generation"] == 2 and decided["cause"] == "left" and "node1" not in decided["nodes"]
+    assert decided["previous_generation"] == 1 and decided["layer_states_moved"] > 0
+    assert all(e["node"] == "node1" for e in run.events("aborted")), run.events("aborted")  # survivors: none
+    # Every step ran once: the leave waited for the iteration in flight instead of abandoning it.
+    assert sorted(e["step"] for e in run.events("step")) == list(range(steps))
+    [row] = recovery_rows(run.events())
+    assert row.kind == "preempt" and row.reason == "notice" and row.abandoned_s == 0.0
+    agent = run.seen[run.agent_pids()["node1"]]
+    assert not agent.is_running() or agent.status() == "zombie"
+    assert not [e for e in run.events("preempt_kill") if e["ts"] < run.events("done")[0]["ts"]]
+    check_final(config, steps, final)
+
+
+def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at(launches, tmp_path):
+    """Notices to 4 of 5 nodes at once, no periodic checkpoint: one node cannot hold the model, so
+    everyone, the leaving nodes too, writes the step they are at before leaving (exit 3); the resumed
+    run loses no step and equals the reference."""
+    steps = 30
+    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,
+                          fault_tolerance={"checkpoint_interval": 0})  # fmt: skip
+    run = start(launches, tmp_path, config, "--inject", ",".join(f"preempt:node{i}@step6+30s" for i in range(1, 5)),
+                name="first")  # fmt: skip
+    code = run.wait(timeout=240)
+    assert code == 3, f"exit {code}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+    assert not run.events("lost")
+    [written] = run.events("checkpoint_written")
+    last_step = max(e["step"] for e in run.events("step"))
+    assert written["step"] == last_step + 1  # the step they were at: nothing lost
+    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    assert found and found.group(2) == written["dir"], run.stderr[-3000:]
+    assert "leave on notice with the last copies of some layers" in run.stderr
+
+    final = tmp_path / "final"
+    again = start(launches, tmp_path, config, "--nodes", "5", "--resume", written["dir"], "--save-final",
+                  str(final), name="resumed")  # fmt: skip
+    assert again.wait(timeout=240) == 0, again.stderr[-3000:]
+    again.assert_all_gone()
+    assert [e["step"] for e in again.events("step")] == list(range(written["step"], steps))
+    check_final(config, steps, final)
 
 
 def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equals_the_reference(launches, tmp_path):

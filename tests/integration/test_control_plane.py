@@ -138,13 +138,31 @@ def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
         assert_all_gone(started, 5)
 
 
-def test_a_terminated_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
+def test_a_terminated_agent_is_a_notice_its_node_leaves_and_nothing_is_lost(tmp_path, procs):
+    """SIGTERM is a spot provider's notice: node0 asks to leave; one node cannot keep f+1 replicas, so the
+    job stops with a checkpoint (exit 3) while node0 is still there, and node0 is never declared lost."""
+    with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
+        agents = start_agents(procs, master, "node0", "node1")
+        worker_pid(agents["node0"][1])
+        started = procs.remember(agents["node0"][0].pid)
+        wait_event(master.event_log_path, "step", timeout=60)
+        noticed_at = send(agents["node0"][0], signal.SIGTERM)
+        leaving = wait_event(master.event_log_path, "leaving", node="node0", timeout=5)
+        assert leaving["in_plan"] and leaving["ts"] - noticed_at < 2
+        assert master.wait(30) == 3  # below f+1 replicas, with the checkpoint of the step they were at
+        assert agents["node0"][0].wait(10) == 0  # told to shut down: it left, it did not fail
+        assert_all_gone(started, 5)
+        assert not read_events(master.event_log_path, "lost")
+        assert read_events(master.event_log_path, "checkpoint_written")
+
+
+def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
         agents = start_agents(procs, master, "node0", "node1")
         worker_pid(agents["node0"][1])
         started = procs.remember(agents["node0"][0].pid)
         assert len(started) >= 2  # the agent and its worker
-        stopped_at = send(agents["node0"][0], signal.SIGTERM)
+        stopped_at = send(agents["node0"][0], signal.SIGINT)
         assert agents["node0"][0].wait(5) == 1
         assert_all_gone(started, 5)
         lost = wait_event(master.event_log_path, "lost", node="node0", timeout=5)

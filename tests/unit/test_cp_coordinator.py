@@ -727,3 +727,54 @@ def test_restart_mode_restarts_the_workers_of_an_abandoned_iteration(make):
         assert [e.WhichOneof("event") for e in boxes[name]] == ["restart", "assignment"]
     new = j.assigned[("a", 0)]
     assert (new.generation, new.previous_generation, new.resume_dir, new.start_step) == (2, 0, "/ckpt/step2", 2)
+
+
+def test_a_node_on_notice_is_planned_out_at_a_boundary_and_dismissed_never_lost(make):
+    j = make(nodes=5, steps=10, memory=4e6)  # pipelines of 3 + 2 nodes: leaving moves layer states
+    names = ["n0", "n1", "n2", "n3", "n4"]
+    start(j, *names)
+    j.train(1, 0)
+    j.c.leave("n1", j.sessions["n1"], "preemption notice")
+    assert j.c.generation == 1  # the settle window: a zone's other notices may follow
+    _alive_for(j, 0.3)
+    boxes = j.drain_all()
+    assert j.c.generation == 2
+    new = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert ("n1", 0) not in new and len(new) == 4
+    assert all(a.at_boundary and a.previous_generation == 1 for a in new.values())  # finish the iteration first
+    [shutdown] = [e for e in boxes["n1"] if e is not END_OF_STREAM]
+    assert shutdown.shutdown.at_boundary and "planned out" in shutdown.shutdown.reason
+    assert END_OF_STREAM not in boxes["n1"]  # its workers' last reports still count
+    decided = read_events(j.events, "plan_decided")[-1]
+    assert decided["cause"] == "left" and decided["layer_states_moved"] > 0
+    j.report(("n1", 0), metrics=pb.StepMetrics(generation=1, step=1, rank=1, loss=1.0))  # still accepted
+    _alive_for(j, 2 * j.c.timeouts.heartbeat_timeout.total_seconds())  # and then silent: no loss
+    j.c.stream_ended("n1", j.sessions["n1"])  # its agent hangs up
+    _alive_for(j, 0.3)
+    assert "n1" not in j.c.registry.nodes and not read_events(j.events, "lost") and j.c.generation == 2
+    [left] = read_events(j.events, "left")
+    assert left["node"] == "n1"
+
+
+def test_a_notice_to_a_node_outside_the_plan_dismisses_it_at_once(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.join("spare")
+    j.c.leave("spare", j.sessions["spare"], "preemption notice")
+    [shutdown] = j.drain("spare")
+    assert shutdown.shutdown.at_boundary and read_events(j.events, "left")[0]["why"] == "left before it was planned in"
+
+
+def test_nodes_on_notice_with_the_last_copies_write_them_before_leaving(make):
+    j = make(nodes=5, steps=10, memory=4e6)
+    names = ["n0", "n1", "n2", "n3", "n4"]
+    start(j, *names)
+    j.train(1, 0)
+    for name in names[1:]:  # a zone reclaimed: n0 alone cannot hold every layer
+        j.c.leave(name, j.sessions[name], "preemption notice")
+    _alive_for(j, 0.3)
+    j.drain_all()
+    assert j.c.phase == JobPhase.CHECKPOINTING
+    [request] = read_events(j.events, "checkpoint_requested")
+    assert request["generation"] == 1 and sorted(request["writers"]) == names  # the leaving ones too
+    assert any("leave on notice holding the last copies" in line for line in j.lines)

@@ -86,7 +86,7 @@ def test_shutdown_ends_a_worker_and_kill_takes_its_children(worker):
     w = worker()
     w.conn.poll(20)
     w.conn.recv_bytes()
-    stop_all([w], grace_s=10, reason="done")
+    stop_all([w], grace_s=10, shutdown=pb.Shutdown(reason="done"))
     assert w.process.exitcode == 0  # it obeyed the Shutdown: no kill needed
     w2 = worker(f"{__name__}:idle_with_child")
     assert w2.conn.poll(20)

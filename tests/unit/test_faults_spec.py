@@ -29,13 +29,22 @@ def test_every_form_parses_to_its_kind_target_and_time():
     assert [e.is_failure for e in events] == [True, True, True, True, False, False]
 
 
+def test_a_preemption_is_a_notice_then_a_kill_after_its_seconds():
+    a, b = parse_inject("preempt:node1@step4+12.5s,preempt:node2@t3s")
+    assert (a.kind, a.node, a.step, a.notice_s, a.is_failure) == ("preempt", "node1", 4, 12.5, True)
+    assert (b.seconds, b.notice_s) == (3.0, 30.0)  # GCP's 30 s notice unless told
+    for bad, names in (("kill:node1@step4+5s", "for preempt only"), ("preempt:node1@step4+5", "bad notice '5'")):
+        with pytest.raises(ValueError, match=names):
+            parse_token(bad)
+
+
 def test_describe_round_trips():
     for token in ("kill:node1@step4", "killworker:node2:gpu1@step6", "stop:n-3.a@t12.5s", "join@step0",
-                  "join:node7@t3s"):  # fmt: skip
+                  "join:node7@t3s", "preempt:node3@step2+7.5s"):  # fmt: skip
         event = parse_token(token)
         assert parse_token(event.describe()) == FaultEvent(
             kind=event.kind, node=event.node, step=event.step, seconds=event.seconds,
-            local_rank=event.local_rank, source=event.describe(),
+            local_rank=event.local_rank, notice_s=event.notice_s, source=event.describe(),
         )  # fmt: skip
 
 
