@@ -9,7 +9,8 @@ main thread, in the order the inbox delivers it:
   ``fault_tolerance.master_silence_limit`` (or a master that no longer knows
   this node) goes into the inbox.
 - ``reports``: reads every worker pipe and forwards reports to the master.
-- the main thread: starts workers (one per GPU, on their first assignment),
+- the main thread: starts workers (one per GPU, once registered; they report
+  ``ready`` once imported and warmed up, and a joining node is admitted then),
   hands later assignments (and checkpoint commands) over their pipes, checks
   them with psutil every heartbeat interval, kills and forgets them all on
   ``RestartWorkers`` (restart-mode recovery: the next assignment starts fresh
@@ -115,6 +116,10 @@ class Agent:
                      self.o.node, reply.gpus, self.interval,
                      self.timeouts.master_silence_limit.total_seconds())  # fmt: skip
             self._start_threads()
+            # The workers start now, not on the first assignment: they import and warm up while the
+            # job plans (or, joining a running job, before the master admits this node).
+            for local_rank in range(reply.gpus):
+                self._start_worker(local_rank)
             return self._main_loop()
         finally:
             self._stopping.set()
@@ -206,13 +211,7 @@ class Agent:
     def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:
         if not assignment.store_host:  # a master bound to all interfaces: its store is where we found it
             assignment.store_host = self.master_host
-        worker = self.workers.get(local_rank)
-        if worker is None:
-            # Started here, on the main thread, once: PR_SET_PDEATHSIG follows the spawning thread.
-            worker = Worker(self.o.worker_target, self.config_path, self.o.node, local_rank)
-            with self._workers_lock:
-                self.workers[local_rank] = worker
-            log.info("started worker %d (pid %d)", local_rank, worker.pid)
+        worker = self.workers.get(local_rank) or self._start_worker(local_rank)  # restart mode killed it
         log.info("generation %d: local rank %d is rank %d of %d",
                  assignment.generation, local_rank, assignment.rank, assignment.world_size)  # fmt: skip
         worker.send(pb.WorkerCommand(assignment=assignment))  # a dead worker is caught by supervision
@@ -230,6 +229,14 @@ class Agent:
         log.warning("preemption notice (SIGTERM): leaving the job at the next step boundary; the workers stop "
                     "in %.0f s at the latest (fault_tolerance.preempt_grace); another signal stops them now", grace)
         return True
+
+    def _start_worker(self, local_rank: int) -> Worker:
+        # On the main thread: PR_SET_PDEATHSIG follows the spawning thread.
+        worker = Worker(self.o.worker_target, self.config_path, self.o.node, local_rank)
+        with self._workers_lock:
+            self.workers[local_rank] = worker
+        log.info("started worker %d (pid %d)", local_rank, worker.pid)
+        return worker
 
     def _supervise(self) -> WorkerFault | None:
         for worker in list(self.workers.values()):

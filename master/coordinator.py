@@ -202,7 +202,7 @@ class Coordinator:
             log.info("registered %s (%d GPUs) from %s%s", node, want, peer, " (joins the job)" if spare else "")
             count = len(self.registry.nodes)
             if spare:
-                self.say(f"node {node} registered: it joins at the next step boundary")
+                self.say(f"node {node} registered: it joins once its workers are ready")
             elif self.num_nodes <= 16 or count % max(1, self.num_nodes // 10) == 0 or count >= self.num_nodes:
                 self.say(f"agent {node} registered ({count}/{self.num_nodes})")  # start-up progress, no silent gap
             self._changed.notify_all()
@@ -250,6 +250,8 @@ class Coordinator:
             elif kind == "done":
                 # WorkerDone names no generation: it ends the one the worker last reported from.
                 self._done[gpu] = (self._reported.get(gpu, 0), report.done.step)
+            elif kind == "ready":
+                self._on_ready(entry, local_rank, report.ready)
             elif kind == "stalled":
                 # Evidence for the detector: this node's worker waits on its peers (see detector.py).
                 self._stalls[node] = self.clock()
@@ -266,6 +268,19 @@ class Coordinator:
                     entry.worker_failure = WORKER_FAILED
                     entry.detail = f"local rank {local_rank}: {failed.message}"
             self._changed.notify_all()
+
+    def _on_ready(self, entry, local_rank: int, ready: pb.WorkerReady) -> None:
+        if local_rank in entry.ready:
+            return
+        entry.ready.add(local_rank)
+        if not entry.all_ready:
+            return
+        current = self._gens.get(self.generation)
+        joining = self.phase is JobPhase.RUNNING and (current is None or entry.name not in current.view.nodes)
+        self.events.write("node_ready", node=entry.name, startup_s=ready.startup_s, joining=joining)
+        if joining:
+            self.say(f"node {entry.name} ready (its workers started in {ready.startup_s:.1f} s): it joins at the "
+                     "next step boundary")  # fmt: skip
 
     def worker_failure(self, node: str, session: int, local_rank: int, reason: str, message: str) -> None:
         with self._lock:
@@ -445,7 +460,11 @@ class Coordinator:
                 return None
             names = tuple(live[: self.num_nodes])
             return Request(base=0, plan_from=0, lost=(), joined=names, live=names, failure=False)
-        return self.policy.wanted(self, self._gens[self.generation].view, live)
+        current = self._gens[self.generation].view
+        # A node joins once its workers are up: admitting it earlier would hold the survivors at the
+        # rendezvous for its start-up (imports, warm-up: seconds) instead of only for the state copy.
+        live = [n for n in live if n in current.nodes or self.registry.nodes[n].all_ready]
+        return self.policy.wanted(self, current, live)
 
     def abandoned(self) -> bool:
         """A worker of the current generation abandoned an iteration, and ``reform_after`` passed

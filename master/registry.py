@@ -53,6 +53,13 @@ class Node:
     """Why the node leaves on notice (a preemption): planned out while it still holds its state."""
     dismissed: bool = False
     """Planned out after its notice and sent its Shutdown: its silence and hang-up are no failure."""
+    ready: set[int] = field(default_factory=set)
+    """Local ranks whose worker reported ``WorkerReady`` (started, imported, warmed up)."""
+
+    @property
+    def all_ready(self) -> bool:
+        """Every worker of the node can join a generation at once: a joining node is admitted then."""
+        return len(self.ready) >= self.gpus
 
     def health(self) -> NodeHealth:
         closed = self.stream == "closed" and not self.closing

@@ -72,15 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--config", default=str(ROOT / "configs/tiny_mm.yaml"), help="job config (default tiny_mm)")
-    # Steps of ~0.1 s: the joiner's workers take ~3 s to start, so the run leaves it 30+ steps to get in.
-    p.add_argument("--steps", type=int, default=60)
+    # Steps of ~0.1 s: the joiner's workers take seconds to start (it is admitted then), so it joins at
+    # step 2 and gets until the preemption to get in.
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--kill-step", type=int, default=8, help="SIGKILL node1 once this many steps are done")
-    # Every failure 3 steps after restart mode's last checkpoint (5, 30, 45 with --checkpoint-interval 5):
+    # Every failure 3 steps after restart mode's last checkpoint (5, 65, 85 with --checkpoint-interval 5):
     # restart mode redoes the same work for each, mid-interval, its expected case.
-    p.add_argument("--preempt-step", type=int, default=33,
+    p.add_argument("--preempt-step", type=int, default=68,
                    help="SIGTERM node3's agent once this many steps are done, SIGKILL 30 s later (0: none)")
-    p.add_argument("--stop-step", type=int, default=48, help="SIGSTOP node2 once this many steps are done")
-    p.add_argument("--join-step", type=int, default=12, help="start node4 once this many steps are done (0: none)")
+    p.add_argument("--stop-step", type=int, default=88, help="SIGSTOP node2 once this many steps are done")
+    p.add_argument("--join-step", type=int, default=2, help="start node4 once this many steps are done (0: none)")
     p.add_argument("--checkpoint-interval", type=int, default=5, help="restart mode: steps between checkpoints")
     p.add_argument("--modes", default="live,restart", help="comma-separated recovery modes to run")
     p.add_argument("--runs-dir", default=None, help="where the runs go (default runs/bench-recovery-<time>)")

@@ -56,7 +56,7 @@ class RecoveryRow:
     at_ts: float
     """When it happened: the injection, or the detection for a failure nobody injected."""
     step: int | None
-    """The step interrupted (for a join: the first step of the new generation)."""
+    """The step interrupted (for a join or a notice to leave: the first step of the new generation)."""
     reason: str | None = None
     """How it was detected (``lost`` reasons), or ``registered`` for a join."""
     generation: int | None = None
@@ -175,14 +175,18 @@ def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | No
 def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     detect_ts, reason = _detection(events, incident)
     since = detect_ts if detect_ts is not None else incident.ts
-    plan = _recovery_plan(events, since)
+    plan = _recovery_plan(events, since, incident.nodes)
     # A join or a notice to leave changes nothing until its plan is decided; a failure interrupts at once.
     planned_change = incident.join or incident.kind == "preempt"
     boundary = plan["ts"] if planned_change and plan is not None else since
     last_old = _last_before(_steps(events), "step", boundary)
     wanted = 0 if last_old is None else last_old["step"] + 1
     after = since if plan is None else plan["ts"]
-    first_new = next((e for e in _steps(events) if e["ts"] > after and e["step"] >= wanted), None)
+    # A step of the old generation can still complete just after the plan (a join or a notice is
+    # applied at the boundary after it): the resumed step is the new generation's first.
+    newer = (plan or {}).get("generation")
+    first_new = next((e for e in _steps(events) if e["ts"] > after and e["step"] >= wanted
+                      and (newer is None or e.get("generation", newer) >= newer)), None)  # fmt: skip
     if planned_change and plan is None:
         first_new = None  # never planned (the job ended, or stopped at a checkpoint, first): nothing resumed
     generation = None if plan is None else plan.get("generation")
@@ -196,7 +200,7 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     copy_window = copy_seconds or durations["copy"]
     return RecoveryRow(
         kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts,
-        step=(first_new["step"] if first_new is not None else None) if incident.join else (wanted if last_old else None),
+        step=(first_new["step"] if first_new is not None else None) if planned_change else (wanted if last_old else None),
         reason=reason, generation=generation if first_new is not None else None,
         detect_s=durations["detect"], decide_s=durations["decide"], rendezvous_s=durations["rendezvous"],
         copy_s=durations["copy"], copy_bytes=copy_bytes,
@@ -217,13 +221,17 @@ def _abandoned(events: Sequence[Event], incident: _Incident, last_old: Event, pl
     return max(0.0, incident.ts - last_old["ts"])
 
 
-def _recovery_plan(events: Sequence[Event], since: float) -> Event | None:
+def _recovery_plan(events: Sequence[Event], since: float, nodes: Sequence[str] = ()) -> Event | None:
     """The plan of the generation that resumed training after ``since``.
 
-    Usually the first plan after it; when a failure during recovery forced
-    another plan, the last one before the first step of the new generation.
+    Usually the first plan after it that names one of ``nodes`` as lost or joined (a joiner is
+    admitted once its workers are ready, after plans for other incidents may have come and gone);
+    when a failure during recovery forced another plan, the last one before the first step of the
+    new generation.
     """
-    first_plan = _first(events, "plan_decided", since)
+    plans = [e for e in events if e["ts"] >= since and phase_name(e) == "plan_decided"]
+    named = [e for e in plans if set(nodes) & {*e.get("lost", ()), *e.get("joined", ())}]
+    first_plan = named[0] if named else (plans[0] if plans else None)
     if first_plan is None:
         return None
     resumed = next((e for e in _steps(events) if e["ts"] > first_plan["ts"]), None)

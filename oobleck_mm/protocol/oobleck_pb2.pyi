@@ -216,21 +216,29 @@ class Stalled(_message.Message):
     waited_s: float
     def __init__(self, generation: _Optional[int] = ..., what: _Optional[str] = ..., waited_s: _Optional[float] = ...) -> None: ...
 
+class WorkerReady(_message.Message):
+    __slots__ = ("startup_s",)
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    startup_s: float
+    def __init__(self, startup_s: _Optional[float] = ...) -> None: ...
+
 class WorkerReport(_message.Message):
-    __slots__ = ("metrics", "done", "failed", "phase", "checkpoint_done", "stalled")
+    __slots__ = ("metrics", "done", "failed", "phase", "checkpoint_done", "stalled", "ready")
     METRICS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DONE_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     metrics: StepMetrics
     done: WorkerDone
     failed: WorkerFailed
     phase: PhaseDone
     checkpoint_done: CheckpointDone
     stalled: Stalled
-    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., phase: _Optional[_Union[PhaseDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., stalled: _Optional[_Union[Stalled, _Mapping]] = ...) -> None: ...
+    ready: WorkerReady
+    def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., phase: _Optional[_Union[PhaseDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., stalled: _Optional[_Union[Stalled, _Mapping]] = ..., ready: _Optional[_Union[WorkerReady, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node", "gpus", "memory_bytes", "pid")

@@ -15,7 +15,11 @@ its in-memory layer states are what makes checkpoint-free recovery possible:
    copy what they now need (params + Adam state) from surviving replicas;
    joiners receive everything; a resume loads its stage from the checkpoint.
 5. Steps. A command that arrives meanwhile is applied at the next iteration
-   boundary. A failed collective (a peer died or hung) aborts the iteration: its
+   boundary, the same one on every rank: each step's last collective carries
+   whether any rank holds a command, and if one does every rank takes its own
+   after that step (a rank that polled alone could start a step its peers left
+   and wait out the group timeout). A command that means a peer is gone
+   interrupts the step instead. A failed collective (a peer died or hung) aborts the iteration: its
    gradients are discarded, the process group is destroyed (which unblocks
    peers still waiting on this worker), "aborted" is reported and the worker
    waits for the master's next plan. No parameter has changed in an aborted
@@ -103,6 +107,24 @@ class CommandReader:
             self.replanned.clear()
         return command
 
+    def waiting(self) -> bool:
+        """A command (or the agent's end) is queued."""
+        return not self.queue.empty()
+
+    def get_within(self, seconds: float):
+        """The next command, or ``NOT_ARRIVED`` after ``seconds``."""
+        try:
+            command = self.queue.get(timeout=seconds)
+        except queue.Empty:
+            return NOT_ARRIVED
+        if self.queue.empty():
+            self.replanned.clear()
+        return command
+
+
+NOT_ARRIVED = object()
+"""``CommandReader.get_within`` timed out."""
+
 
 def _drops_peers(command) -> bool:
     """A shutdown, a checkpoint, a plan whose previous generation lost ranks, or a re-form of the same
@@ -187,11 +209,14 @@ class WorkerLoop:
             return self.abort(a.generation, self.next_step or a.start_step, str(error))
         gen = Generation(a.generation, plan, a.rank, engine)
         self.current = gen
+        engine.command_waiting = self.commands.waiting
+        switch = False
         for step in range(start, a.steps):
-            pending = self.commands.poll()
-            if pending is not None:
-                leave_group()
-                return pending  # a new plan (a join, a failure elsewhere) or a shutdown: at a boundary
+            if switch:  # every rank: some rank held a command when the last step ended (StepResult.switch)
+                pending = self.commands.get_within(self.timeouts.collective_timeout.total_seconds())
+                if pending is not NOT_ARRIVED:  # (else the master sent us nothing: a peer's step will fail)
+                    leave_group()
+                    return pending  # a new plan (a join, a leave, a failure elsewhere) or a shutdown
             hold_step(step, self.node)
             try:
                 result = engine.train_step(step)
@@ -202,6 +227,7 @@ class WorkerLoop:
                 engine.discard_iteration()
                 return self.abort(a.generation, step, str(error).splitlines()[0])
             self.next_step = step + 1
+            switch = result.switch
             self.report(metrics=step_metrics(a, plan, engine, result))
             if self.committed is not gen:
                 self.committed = gen
@@ -342,7 +368,11 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     # process starts, not inside the first generation's state copy.
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     try:
-        WorkerLoop(conn, load_config(config_path), node, local_rank).run()
+        loop = WorkerLoop(conn, load_config(config_path), node, local_rank)
+        # Ready to join a generation at once: a joining node is admitted only now, so the
+        # survivors never wait for a new worker's start-up (imports, warm-up).
+        loop.report(ready=pb.WorkerReady(startup_s=time.time() - _process_start()))
+        loop.run()
     except (UserError, MemoryError) as error:  # deterministic: every replica fails alike, recovery cannot help
         log.error("worker stopped by the job's input: %s", error)
         _report_failure(conn, pb.WorkerFailed(message=str(error) or "out of host memory", user_error=True))
@@ -353,6 +383,13 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
         summary = f"{type(error).__name__}: {error}"
         _report_failure(conn, pb.WorkerFailed(message=f"{summary}\n{message}", bug=True))
         raise SystemExit(ExitCode.ERROR) from None
+
+
+def _process_start() -> float:
+    """This process's start (wall clock), from the kernel: imports included."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 class OutOfMemory(UserError):

@@ -78,6 +78,9 @@ class StepResult:
     """float16: the loss scale of the step (0 otherwise)."""
     tokens: int = 0
     """LLM tokens of the whole global batch (text and media tokens), for tokens/s."""
+    switch: bool = False
+    """Some rank held a command when the step's last collective ran: every rank applies it after
+    this step (one boundary for all, whoever received the command first)."""
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
@@ -138,6 +141,9 @@ class StageEngine:
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
         self.clock = Stopwatch(self.device)
+        self.command_waiting: Callable[[], bool] = lambda: False
+        """Whether this worker holds a command to apply at an iteration boundary (the worker sets it):
+        the step's last collective tells every rank whether any rank does, so all switch together."""
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
@@ -313,8 +319,11 @@ class StageEngine:
         # loss, *before* any parameter changes: if a peer fails, no rank has updated anything
         # and the iteration can be discarded and rerun after reconfiguration.
         t0 = time.perf_counter()
-        norm_sq, loss = self.sync.global_grad_sq(self.layers, self.device, extra=self._loss, waiter=self.waiter)
+        norm_sq, (loss, waiting) = self.sync.global_grad_sq(
+            self.layers, self.device, extras=(self._loss, 1.0 if self.command_waiting() else 0.0), waiter=self.waiter
+        )  # fmt: skip
         self._result.loss = loss
+        self._result.switch = waiting > 0
         if self.balancer is not None:
             self._measure_pipelines()
         self._result.comm_s += time.perf_counter() - t0

@@ -21,7 +21,7 @@ Copies that start equal and take the same gradient and optimizer steps stay equa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -118,19 +118,15 @@ class GradientSync:
             weight.grad.copy_(total)
         return total.numel() * total.element_size() if self.tied_group is not None else 0
 
-    def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extra: torch.Tensor | None = None,
-                       waiter: Waiter = Waiter()):
-        """Squared global gradient norm, each layer counted once (by its owner).
-
-        With ``extra`` (a scalar), it is summed over all ranks in the same collective and
-        returned too: ``(norm_sq, extra_sum)``.
-        """
-        local = torch.zeros(2, dtype=torch.float64, device=device)  # built on the device: one sync, at the end
+    def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extras: Sequence[torch.Tensor | float] = (),
+                       waiter: Waiter = Waiter()) -> tuple[float, list[float]]:  # fmt: skip
+        """Squared global gradient norm, each layer counted once (by its owner), and the sum over
+        all ranks of each of ``extras`` (scalars), in the same collective: ``(norm_sq, sums)``."""
+        local = torch.zeros(1 + len(extras), dtype=torch.float64, device=device)  # on the device: one sync
         for i in sorted(self.owned & layers.keys()):
             local[0] += grad_sq(layers[i]).to(device)
-        if extra is not None:
-            local[1] = extra.double()
+        for k, value in enumerate(extras, start=1):
+            local[k] = value.double() if isinstance(value, torch.Tensor) else float(value)
         waiter.wait(dist.all_reduce(local, async_op=True), "gradient-norm all-reduce")
-        if extra is None:
-            return float(local[0])
-        return float(local[0]), float(local[1])
+        values = local.cpu().tolist()
+        return values[0], values[1:]

@@ -117,7 +117,9 @@ def test_a_stopped_node_at_the_first_stage(launches, tmp_path):
 
 
 def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
-    steps = 20  # the joiner's worker needs a few seconds to start: the job must still be training
+    # The joiner is admitted once its worker has started (seconds: imports), while the others train on:
+    # the job must still be training then, on a loaded machine too.
+    steps = 200
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
@@ -132,6 +134,11 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
     assert copied["bytes"] > 0
     steps_logged = [e["step"] for e in run.events("step")]
     assert sorted(set(steps_logged)) == list(range(steps))  # a join loses no step
+    [ready] = run.events("node_ready", node=joined["node"])
+    assert ready["joining"] and ready["ts"] <= decided["ts"]  # admitted once its worker was up
+    # The survivors paused only for the rendezvous and the copy, not for the joiner's start-up.
+    [row] = [r for r in recovery_rows(run.events()) if r.kind == "join"]
+    assert row.lost_s is not None and row.lost_s < ready["startup_s"], (row.lost_s, ready["startup_s"])
     check_final(config, steps, final)
 
 
@@ -205,7 +212,7 @@ def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_pat
 
 
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path, monkeypatch):
-    steps = 20
+    steps = 200  # the job still trains when the joiner's worker is ready, on a loaded machine too
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
     # Every worker holds 3 s before a new generation's state copy (runtime/hold.py): generation 2,

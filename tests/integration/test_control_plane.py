@@ -125,6 +125,7 @@ def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
         pid = worker_pid(agents["node0"][1])
         wait_for(lambda: len(tree(agents["node1"][0].pid)) > 1, 10, "node1's worker")
         started = procs.remember(agents["node0"][0].pid) + procs.remember(agents["node1"][0].pid)
+        wait_event(master.event_log_path, "plan_decided", timeout=30)  # workers start before it: a job is running
         killed_at = time.time()
         [p for p in started if p.pid == pid][0].kill()
         lost = wait_event(master.event_log_path, "lost", node="node0", timeout=5)
@@ -162,6 +163,7 @@ def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, p
         worker_pid(agents["node0"][1])
         started = procs.remember(agents["node0"][0].pid)
         assert len(started) >= 2  # the agent and its worker
+        wait_event(master.event_log_path, "plan_decided", timeout=30)
         stopped_at = send(agents["node0"][0], signal.SIGINT)
         assert agents["node0"][0].wait(5) == 1
         assert_all_gone(started, 5)

@@ -43,10 +43,16 @@ class Job:
         self.boxes: dict[str, queue.Queue] = {}
         self.assigned: dict[tuple[str, int], pb.Assignment] = {}  # latest per worker
 
-    def join(self, name: str, stream: bool = True) -> None:
-        self.sessions[name], _ = self.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1")
+    def join(self, name: str, stream: bool = True, ready: bool = True) -> None:
+        self.sessions[name], gpus = self.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1")
         if stream:
             self.boxes[name] = self.c.open_stream(name, self.sessions[name])
+        if stream and ready:  # its workers started, imported and warmed up
+            self.ready(name, gpus)
+
+    def ready(self, name: str, gpus: int = 1) -> None:
+        for local_rank in range(gpus):
+            self.report((name, local_rank), ready=pb.WorkerReady(startup_s=2.5))
 
     def drain(self, name: str) -> list:
         out, box = [], self.boxes[name]
@@ -778,3 +784,22 @@ def test_nodes_on_notice_with_the_last_copies_write_them_before_leaving(make):
     [request] = read_events(j.events, "checkpoint_requested")
     assert request["generation"] == 1 and sorted(request["writers"]) == names  # the leaving ones too
     assert any("leave on notice holding the last copies" in line for line in j.lines)
+
+
+def test_a_joining_node_is_admitted_only_once_its_workers_are_ready(make):
+    j = make(nodes=2, steps=10, gpus=2)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.join("late", ready=False)
+    j.advance(1.0)
+    j.heartbeat_all()
+    assert j.c.generation == 1 and j.drain("late") == []  # its workers still import: the job trains on
+    j.report(("late", 0), ready=pb.WorkerReady(startup_s=2.5))
+    j.c.tick()
+    assert j.c.generation == 1  # one of its two workers is not ready yet
+    j.report(("late", 1), ready=pb.WorkerReady(startup_s=2.7))
+    j.c.tick()
+    assert j.c.generation == 2 and "late" in read_events(j.events, "plan_decided")[-1]["joined"]
+    [ready] = read_events(j.events, "node_ready")[-1:]
+    assert ready["node"] == "late" and ready["joining"] and ready["startup_s"] == 2.7
+    assert any("node late ready" in line for line in j.lines)
