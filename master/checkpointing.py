@@ -36,6 +36,8 @@ class CheckpointRound:
     deadline: float
     """The master's clock past which the round has failed."""
     reports: dict[Gpu, pb.CheckpointDone] = field(default_factory=dict)
+    requested: bool = False
+    """A graceful stop (SIGTERM to the master) rather than too few nodes."""
 
     @property
     def surviving(self) -> list[int]:
@@ -60,7 +62,8 @@ class CheckpointRound:
         writers = tuple(n for n in self.writers if n != node)
         if orphan_layers(self.gen.layout, surviving_ranks(self.gen, writers)):
             return None
-        return CheckpointRound(self.directory, self.gen, writers, self.reason, self.started, self.deadline)
+        return CheckpointRound(self.directory, self.gen, writers, self.reason, self.started, self.deadline,
+                               requested=self.requested)  # fmt: skip
 
     def step(self) -> tuple[int | None, str]:
         """The step every writer reported (the next one to run), or None with what is wrong."""

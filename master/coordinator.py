@@ -693,11 +693,12 @@ class Coordinator:
         self._start_round(gen, writers, why, f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for "
                                              "f+1 replicas")  # fmt: skip
 
-    def _start_round(self, gen: GenerationView, writers: tuple[str, ...], why: str, headline: str) -> None:
+    def _start_round(self, gen: GenerationView, writers: tuple[str, ...], why: str, headline: str,
+                     requested: bool = False) -> None:  # fmt: skip
         directory = checkpointing.new_checkpoint_dir(self.options.checkpoint_root, self.generation)
         now = self.clock()
         deadline = now + self.timeouts.checkpoint_round_timeout.total_seconds()
-        self._round = checkpointing.CheckpointRound(directory, gen, writers, why, now, deadline)
+        self._round = checkpointing.CheckpointRound(directory, gen, writers, why, now, deadline, requested=requested)
         self.phase = JobPhase.CHECKPOINTING
         self._send_round()
         self.say(f"{headline}: checkpointing generation {gen.number} to {directory}")
@@ -738,7 +739,8 @@ class Coordinator:
         layers = sum(d.layers for d in r.reports.values())
         self.events.write("checkpoint_written", dir=r.directory, step=step, layers=layers,
                           seconds=now - r.started, generation=r.gen.number)  # fmt: skip
-        self.stop_below_threshold(r.reason, (r.directory, step))
+        headline = r.reason if r.requested else None
+        self.stop_below_threshold(r.reason, (r.directory, step), headline=headline)
 
     def _state_lost(self, why: str, without_checkpoint: str) -> None:
         """Some layer has no copy left: stop at the newest periodic checkpoint (exit 3, never 1 while one
@@ -748,15 +750,39 @@ class Coordinator:
         else:
             self.finish(ExitCode.ERROR, without_checkpoint)
 
-    def stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "") -> None:
+    def stop_below_threshold(self, why: str, checkpoint: tuple[str, int] | None, detail: str = "",
+                             headline: str | None = None) -> None:  # fmt: skip
         """Ends the job with exit 3, saying how to resume (from ``checkpoint``, or the run's own resume point)."""
+        headline = headline or f"cannot keep f+1 replicas: {why}"
         if checkpoint is not None:
             directory, step = checkpoint
-            message = (f"cannot keep f+1 replicas: {why}.\nCheckpoint of step {step} written to {directory}\n"
+            message = (f"{headline}.\nCheckpoint of step {step} written to {directory}\n"
                        f"resume with: {self.options.resume_command} --resume {directory}")  # fmt: skip
         elif self.options.resume_dir:
-            message = (f"cannot keep f+1 replicas: {why}.\nNo step was completed since the resume\n"
+            message = (f"{headline}.\nNo step was completed since the resume\n"
                        f"resume with: {self.options.resume_command} --resume {self.options.resume_dir}")  # fmt: skip
         else:
-            message = f"cannot keep f+1 replicas: {why}. No checkpoint to resume from{': ' + detail if detail else ''}"
+            message = f"{headline}. No checkpoint to resume from{': ' + detail if detail else ''}"
         self.finish(ExitCode.NO_REPLICAS, message)
+
+    def request_stop(self, reason: str) -> None:
+        """A graceful stop (SIGTERM to the master or to ``local``): the workers write the step they are at
+        and the job ends with exit 3 and the resume command (exit 0 would tell a scheduler the run is done).
+        Before any step there is nothing to write: the job ends at once."""
+        with self._lock:
+            if self.finish_result is not None or self.phase is JobPhase.CHECKPOINTING:
+                return
+            self.events.write("stop_requested", reason=reason, phase=self.phase.value, next_step=self.next_step)
+            base = None
+            if self.phase is JobPhase.RUNNING:
+                base, _ = choose_base(self.views(), self.holdings, [*self.registry.names(), *self.registry.leaving()])
+            if base is None or base.generation == 0:
+                if self.options.resume_dir:  # nothing trained since the resume: it still resumes from there
+                    self.stop_below_threshold(reason, None, headline=f"stopped on request ({reason})")
+                else:
+                    self.finish(ExitCode.ERROR, f"stopped on request ({reason}) before any step: nothing to save")
+                return
+            headline = f"stopped on request ({reason})"
+            self._start_round(self._gens[base.generation].view, base.holding_nodes, headline, headline,
+                              requested=True)  # fmt: skip
+            self._changed.notify_all()

@@ -61,6 +61,7 @@ class LocalCluster:
         self.agents: dict[str, tuple[subprocess.Popen, str]] = {}
         self._agents_lock = threading.Lock()  # the injector thread starts joining nodes
         self._signal: int | None = None
+        self._stop_requested = False
         self.injector = None
         self.summary = ""
 
@@ -130,7 +131,15 @@ class LocalCluster:
     def _wait(self) -> int:
         while (code := self.server.wait(0.2)) is None:
             if self._signal is not None:
-                self.server.finish(1, f"interrupted by {signal.Signals(self._signal).name}")
+                name = signal.Signals(self._signal).name
+                if self._signal == signal.SIGTERM and not self._stop_requested:
+                    # A scheduler's stop (Slurm, Kubernetes): write the step, exit 3 with the resume command.
+                    self._stop_requested = True
+                    print(f"{name}: stopping after a checkpoint of the current step ({name} again: at once)",
+                          flush=True)  # fmt: skip
+                    self.server.request_stop(name)
+                else:
+                    self.server.finish(1, f"interrupted by {name}")
                 self._signal = None
             coordinator = self.server.coordinator
             with self._agents_lock:

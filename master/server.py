@@ -152,6 +152,13 @@ class MasterServer:
         """The exit code once the job finished, or None if ``timeout`` passed first."""
         return self._exit_code if self._done.wait(timeout) else None
 
+    def request_stop(self, reason: str) -> None:
+        """A graceful stop from outside (a first SIGTERM or SIGINT): checkpoint the step, then exit 3."""
+        if self.coordinator is not None:
+            self.coordinator.request_stop(reason)
+        else:
+            self.finish(ExitCode.ERROR, f"stopped on request ({reason}) before the job started")
+
     def finish(self, exit_code: int, message: str) -> None:
         """Ends the job from outside (a signal, the local launcher)."""
         if self.coordinator is not None:

@@ -406,9 +406,18 @@ def _cmd_master(args: argparse.Namespace) -> int:
               f"  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
               f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
               f"--token-file {server.token_file}", flush=True)  # fmt: skip
+        stop_requested = False
         while (code := server.wait(0.2)) is None:
             if interrupted:
-                server.finish(ExitCode.ERROR, f"master interrupted by {signal.Signals(interrupted.pop()).name}")
+                signum = interrupted.pop()
+                name = signal.Signals(signum).name
+                if signum == signal.SIGTERM and not stop_requested:  # a scheduler's stop: checkpoint, exit 3
+                    stop_requested = True
+                    print(f"{name}: stopping after a checkpoint of the current step ({name} again: at once)",
+                          flush=True)  # fmt: skip
+                    server.request_stop(name)
+                else:
+                    server.finish(ExitCode.ERROR, f"master interrupted by {name}")
     finally:
         server.stop()
         for sig, handler in old.items():

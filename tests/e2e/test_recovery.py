@@ -11,6 +11,7 @@ nodes' positions depend on registration order); the others use ``--inject``.
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 
@@ -312,6 +313,31 @@ def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at
     final = tmp_path / "final"
     again = start(launches, tmp_path, config, "--nodes", "5", "--resume", written["dir"], "--save-final",
                   str(final), name="resumed")  # fmt: skip
+    assert again.wait(timeout=240) == 0, again.stderr[-3000:]
+    again.assert_all_gone()
+    assert [e["step"] for e in again.events("step")] == list(range(written["step"], steps))
+    check_final(config, steps, final)
+
+
+def test_sigterm_to_local_checkpoints_the_current_step_and_the_resume_equals_the_reference(launches, tmp_path):
+    """A scheduler stopping the job (SIGTERM to the launcher): the workers write the step they are at,
+    exit 3 with the resume command; the resumed run reruns no step and equals the reference."""
+    steps = 30
+    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,
+                          fault_tolerance={"checkpoint_interval": 0})  # fmt: skip
+    run = start(launches, tmp_path, config, name="first")
+    run.wait_steps(4)
+    run.proc.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=120)
+    assert code == 3, f"exit {code}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+    [written] = run.events("checkpoint_written")
+    assert written["step"] == max(e["step"] for e in run.events("step")) + 1  # nothing trained is lost
+    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    assert found and found.group(2) == written["dir"] and "stopped on request (SIGTERM)" in run.stderr
+
+    final = tmp_path / "final"
+    again = start(launches, tmp_path, config, "--resume", written["dir"], "--save-final", str(final), name="resumed")
     assert again.wait(timeout=240) == 0, again.stderr[-3000:]
     again.assert_all_gone()
     assert [e["step"] for e in again.events("step")] == list(range(written["step"], steps))

@@ -803,3 +803,30 @@ def test_a_joining_node_is_admitted_only_once_its_workers_are_ready(make):
     [ready] = read_events(j.events, "node_ready")[-1:]
     assert ready["node"] == "late" and ready["joining"] and ready["startup_s"] == 2.7
     assert any("node late ready" in line for line in j.lines)
+
+
+def test_a_requested_stop_writes_the_current_step_and_exits_3_with_the_resume_command(make, tmp_path):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.train(1, 1)
+    j.c.request_stop("SIGTERM")
+    assert j.c.phase == JobPhase.CHECKPOINTING
+    [request] = read_events(j.events, "checkpoint_requested")
+    assert sorted(request["writers"]) == ["a", "b"]  # every node writes what it owns: one replica each
+    boxes = j.drain_all()
+    for name in ("a", "b"):
+        [command] = [e for e in boxes[name] if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
+        j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir=command.checkpoint.dir, step=2, layers=5))
+    result = j.c.tick()
+    assert result.exit_code == 3 and result.message.startswith("stopped on request (SIGTERM).")
+    assert "Checkpoint of step 2" in result.message and f"--resume {command.checkpoint.dir}" in result.message
+    assert json.loads((Path(command.checkpoint.dir) / "meta.json").read_text())["step"] == 2
+
+
+def test_a_stop_requested_before_any_step_ends_the_job_at_once(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.c.request_stop("SIGTERM")
+    result = j.c.tick()
+    assert result.exit_code == 1 and "before any step: nothing to save" in result.message
