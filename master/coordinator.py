@@ -174,6 +174,8 @@ class Coordinator:
         generation; a re-form follows once ``reform_after`` passed with no node lost."""
         self._reforms = 0
         """Re-forms since the last completed step (``MAX_REFORMS``)."""
+        self._failed_checkpoints: set[str] = set()
+        """Periodic checkpoint directories some worker could not write (said once each)."""
         self._last_progress = clock()
         """Clock of the last step, recovery phase or plan: ``fault_tolerance.stall_timeout`` counts from it."""
         self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
@@ -658,6 +660,9 @@ class Coordinator:
         self._progress.phase(gpu[0], gpu[1], self._rank(gpu, p.generation), p)
 
     def _on_checkpoint_done(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
+        if done.error:
+            self._checkpoint_failed(gpu, done)
+            return
         if self.phase is JobPhase.CHECKPOINTING and self._round is not None:
             self._round.record(gpu, done)
             return
@@ -665,6 +670,23 @@ class Coordinator:
         if saved is not None:
             self.events.write("checkpoint_saved", dir=saved[0], step=saved[1], generation=self.generation,
                               **self.policy.last_timing)  # fmt: skip
+
+    def _checkpoint_failed(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
+        """A worker could not write its share (a full disk): said as such, never taken for a lost node."""
+        self.events.write("checkpoint_failed", dir=done.dir, step=done.step, node=gpu[0], local_rank=gpu[1],
+                          error=done.error)  # fmt: skip
+        where = f"{gpu[0]}/gpu{gpu[1]}"
+        r = self._round
+        if self.phase is JobPhase.CHECKPOINTING and r is not None and done.dir == r.directory:
+            self.finish(ExitCode.ERROR, f"the checkpoint to {r.directory} could not be written on {where}: "
+                                        f"{done.error}")  # fmt: skip
+            return
+        if done.dir in self._failed_checkpoints:
+            return  # said once per checkpoint, not once per worker
+        self._failed_checkpoints.add(done.dir)
+        last = self.policy.last_checkpoint
+        self.say(f"checkpoint of step {done.step} could not be written on {where}: {done.error}; training goes on"
+                 f" (the last complete checkpoint: {f'step {last[1]} in {last[0]}' if last else 'none'})")
 
     def _check_done(self) -> None:
         current = self._gens.get(self.generation)

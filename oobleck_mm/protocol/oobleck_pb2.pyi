@@ -191,20 +191,22 @@ class PhaseDone(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointDone(_message.Message):
-    __slots__ = ("dir", "step", "layers", "generation", "seconds", "snapshot_seconds")
+    __slots__ = ("dir", "step", "layers", "generation", "seconds", "snapshot_seconds", "error")
     DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     dir: str
     step: int
     layers: int
     generation: int
     seconds: float
     snapshot_seconds: float
-    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., layers: _Optional[int] = ..., generation: _Optional[int] = ..., seconds: _Optional[float] = ..., snapshot_seconds: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., layers: _Optional[int] = ..., generation: _Optional[int] = ..., seconds: _Optional[float] = ..., snapshot_seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Stalled(_message.Message):
     __slots__ = ("generation", "what", "waited_s")

@@ -163,7 +163,7 @@ class WorkerLoop:
         self.waiter = Waiter(self.timeouts.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
                              stall_after=self.timeouts.stall_report_after.total_seconds())  # fmt: skip
         self._send_lock = threading.Lock()  # the checkpoint writer reports from its own thread
-        self.checkpointer = AsyncCheckpointer(self._checkpoint_written)
+        self.checkpointer = AsyncCheckpointer(self._checkpoint_written, self._checkpoint_failed)
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
@@ -174,6 +174,9 @@ class WorkerLoop:
         self.report(checkpoint_done=pb.CheckpointDone(
             dir=directory, step=step, layers=layers, generation=generation, seconds=seconds,
             snapshot_seconds=self.checkpointer.snapshot_s))  # fmt: skip
+
+    def _checkpoint_failed(self, directory: str, step: int, generation: int, error: str) -> None:
+        self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=step, generation=generation, error=error))
 
     def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
               message: str = "", transfer_seconds: float = 0.0) -> None:
@@ -354,7 +357,12 @@ class WorkerLoop:
             return
         alive = set(c.surviving_ranks)
         owned = [i for i in gen.engine.layers if min(r for r in gen.plan.holders(i) if r in alive) == gen.rank]
-        save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs, gen.engine.scaler_state())
+        try:
+            save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs, gen.engine.scaler_state())
+        except OSError as exc:  # a full disk is what it is, not a lost node or a bug
+            error = f"{exc.strerror or exc}: {exc.filename or c.dir}"
+            self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, error=error))
+            return
         self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, layers=len(owned)))
 
 

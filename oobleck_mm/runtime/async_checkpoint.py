@@ -35,9 +35,12 @@ log = logging.getLogger(__name__)
 class AsyncCheckpointer:
     """One background writer per worker; a snapshot while the previous write runs is skipped."""
 
-    def __init__(self, on_written: Callable[[str, int, int, int, float], None]) -> None:
+    def __init__(self, on_written: Callable[[str, int, int, int, float], None],
+                 on_failed: Callable[[str, int, int, str], None] | None = None) -> None:  # fmt: skip
         self.on_written = on_written
         """``(directory, step, layers, generation, write seconds)`` once this worker's files are on disk."""
+        self.on_failed = on_failed
+        """``(directory, step, generation, error)`` when a write failed (a full disk): the master says so."""
         self._thread: threading.Thread | None = None
         self.snapshot_s = 0.0
         """Seconds the latest snapshot held the training thread."""
@@ -65,9 +68,12 @@ class AsyncCheckpointer:
         try:
             for name, payload in payloads.items():
                 write_layer_file(Path(directory), name, payload)
-        except OSError as exc:  # a full disk: this checkpoint is lost, training goes on
-            log.error("checkpoint of step %d: cannot write in %s (%s); training continues without it",
-                      step, directory, exc.strerror)  # fmt: skip
+        except (OSError, RuntimeError) as exc:  # a full disk (torch's writer may wrap it): this checkpoint is lost
+            error = (f"{exc.strerror or exc}: {exc.filename or directory}" if isinstance(exc, OSError)
+                     else f"{str(exc).splitlines()[0]}: {directory}")  # fmt: skip
+            log.error("checkpoint of step %d: %s; training continues without it", step, error)
+            if self.on_failed is not None:
+                self.on_failed(directory, step, generation, error)
             return
         self.on_written(directory, step, len(payloads), generation, time.perf_counter() - start)
 

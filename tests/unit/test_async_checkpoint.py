@@ -62,3 +62,21 @@ def test_every_layer_has_one_checkpoint_owner_and_replicas_share_the_work():
     counts = {r: owners.count(r) for r in range(plan.world_size)}
     assert all(counts[r] > 0 for r in range(plan.world_size)), counts  # nobody idles, nobody writes it all
     assert max(counts.values()) <= 4
+
+
+def test_a_write_that_fails_is_reported_with_the_reason_and_the_path(tmp_path):
+    """A full disk: the layer's temporary file is /dev/full, which answers every write with ENOSPC.
+    The checkpoint is lost and said to be, with the reason and the path; nothing else happens."""
+    from oobleck_mm.runtime.checkpoint import _layer_file
+
+    directory = tmp_path / "step00000004"
+    tmp = _layer_file(directory, "a").with_suffix(".tmp")
+    tmp.parent.mkdir(parents=True)
+    tmp.symlink_to("/dev/full")
+    failed, written = [], []
+    saver = AsyncCheckpointer(lambda *args: written.append(args), lambda *args: failed.append(args))
+    assert saver.save(str(directory), {0: _held(1.0)}, [0], [_Spec("a")], step=4, generation=2)
+    assert saver.wait(10)
+    [(where, step, generation, error)] = failed
+    assert (where, step, generation) == (str(directory), 4, 2) and not written
+    assert error.startswith("No space left on device: ") and str(directory) in error, error

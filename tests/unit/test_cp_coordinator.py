@@ -830,3 +830,32 @@ def test_a_stop_requested_before_any_step_ends_the_job_at_once(make):
     j.c.request_stop("SIGTERM")
     result = j.c.tick()
     assert result.exit_code == 1 and "before any step: nothing to save" in result.message
+
+
+def test_a_checkpoint_the_disk_refused_is_reported_once_and_training_goes_on(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    for name in ("a", "b"):
+        j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir="/ckpt/step00000002", step=2, generation=1,
+                                                               error="No space left on device: /ckpt/step00000002/a.pt"))
+    failed = read_events(j.events, "checkpoint_failed")
+    assert [e["node"] for e in failed] == ["a", "b"] and "No space left" in failed[0]["error"]
+    said = [line for line in j.lines if "could not be written" in line]
+    assert len(said) == 1 and "No space left on device" in said[0] and "training goes on" in said[0]
+    assert not read_events(j.events, "lost") and not read_events(j.events, "checkpoint_saved")
+    assert j.c.tick() is None and j.c.phase == JobPhase.RUNNING
+
+
+def test_a_below_threshold_checkpoint_the_disk_refused_ends_the_job_naming_the_disk(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.c.stream_ended("b", j.sessions["b"])
+    j.advance(0.3)
+    assert j.c.phase == JobPhase.CHECKPOINTING
+    [command] = [e for e in j.drain("a") if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
+    j.report(("a", 0), checkpoint_done=pb.CheckpointDone(dir=command.checkpoint.dir, step=1,
+                                                         error=f"No space left on device: {command.checkpoint.dir}"))
+    result = j.c.tick()
+    assert result.exit_code == 1 and "could not be written on a/gpu0: No space left on device" in result.message
