@@ -25,7 +25,7 @@ minlp: setup
 	bash scripts/install_minlp.sh $(PY)
 
 # The main job: pipelines of different depths, the balancer on, a node killed and one joining.
-RUN_ARGS := local --config configs/mission.yaml --inject kill:node4@step20,join@step30
+RUN_ARGS := local --config configs/mission.yaml --inject kill:node4@step10,join@step12
 
 run: setup
 	$(VENV)/bin/oobleck-launch $(RUN_ARGS)

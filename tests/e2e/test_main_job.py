@@ -21,7 +21,7 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generation 1: 2 pipelines (stages 3,2;" in out, out[:2000]  # heterogeneous depths
-    assert re.search(r"^1\s+kill\s+node4\s+20\s.*resumed at step", out, re.M), out[-2000:]
+    assert re.search(r"^1\s+kill\s+node4\s+1\d\s.*resumed at step", out, re.M), out[-2000:]  # step 10 or after
     assert re.search(r"^2\s+join\s+node5\s.*resumed at step", out, re.M), out[-2000:]
     assert re.search(r"done: 80 steps in", out)
     # Start-up says what it waits for; the layout is printed when it changes, not on every step.
@@ -39,7 +39,8 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
         rows = list(csv.DictReader(fh))
     assert [int(r["step"]) for r in rows] == list(range(1, 81))  # one row per step, none twice after the kill
     nodes = [int(r["live_nodes"]) for r in rows]
-    assert nodes[0] == 5 and nodes[20] == 4 and nodes[-1] == 5  # the kill at step 20, the join after step 30
+    # The kill once 10 steps are done (a busy machine may fire it a step late), the join once node5 is up.
+    assert nodes[0] == 5 and 10 <= nodes.index(4) <= 12 and nodes[-1] == 5, nodes
     assert all(float(r["measured_max_s"]) >= float(r["measured_mean_s"]) > 0 for r in rows)
     assert all(float(r["predicted_max_s"]) > 0 and 0 < float(r["mfu"]) < 1 for r in rows)  # the balancer is on
 
