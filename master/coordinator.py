@@ -313,10 +313,7 @@ class Coordinator:
                 self._settle_until = self.clock() + SETTLE_S  # a zone's notices come together
                 self.say(f"node {node} leaves ({entry.leaving}): planning generation {self.generation + 1} "
                          "without it, at the next step boundary")  # fmt: skip
-                if self._incident is None or self._incident.cause != "left":
-                    self._incident = Incident.now("left", [node], self.clock)
-                else:
-                    self._incident = self._incident.with_node(node)
+                self._add_to_incident("left", node)
             self._changed.notify_all()
 
     def _dismiss(self, node: str, why: str) -> None:
@@ -415,6 +412,13 @@ class Coordinator:
         self.events.write("master_stalled", seconds=gap)
         log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 
+    def _add_to_incident(self, cause: str, node: str) -> None:
+        """Nodes lost (or leaving) together make one incident, timed from the first."""
+        if self._incident is None or self._incident.cause != cause:
+            self._incident = Incident.now(cause, [node], self.clock)
+        else:
+            self._incident = self._incident.with_node(node)
+
     def _forget(self, name: str) -> None:
         """Its state is gone with it; a node coming back under this name starts empty."""
         for table in (self.holdings, self._done, self._reported):
@@ -438,10 +442,7 @@ class Coordinator:
         if self.phase is JobPhase.RUNNING and in_plan:
             self._settle_until = self.clock() + SETTLE_S
             self.say(f"node {name} lost ({reason}); planning generation {self.generation + 1}")
-            if self._incident is None or self._incident.cause != "lost":
-                self._incident = Incident.now("lost", [name], self.clock)
-            else:
-                self._incident = self._incident.with_node(name)
+            self._add_to_incident("lost", name)
         elif self.phase is JobPhase.CHECKPOINTING:
             self._round_lost(name)
 
@@ -515,7 +516,7 @@ class Coordinator:
         leaving = self.registry.leaving()
         if not leaving or self.phase is not JobPhase.RUNNING:
             return False
-        base, _ = choose_base(self.views(), self.holdings, [*self.registry.names(), *leaving])
+        base = self._base_held_by_everyone_alive()
         if base is None or base.generation == 0:
             return False
         detail = why.removeprefix("the model state is gone: ")
@@ -523,6 +524,10 @@ class Coordinator:
         self._start_round(self._gens[base.generation].view, base.holding_nodes, reason,
                           f"{', '.join(leaving)} leave on notice holding the last copies of some layers")  # fmt: skip
         return True
+
+    def _base_held_by_everyone_alive(self):
+        """The generation the live nodes hold, nodes on notice included (they can still write it)."""
+        return choose_base(self.views(), self.holdings, [*self.registry.names(), *self.registry.leaving()])[0]
 
     def _may_reform(self) -> bool:
         """Counts a re-form; ends the job (exit 1) when ``MAX_REFORMS`` in a row completed no step."""
@@ -797,7 +802,7 @@ class Coordinator:
             self.events.write("stop_requested", reason=reason, phase=self.phase.value, next_step=self.next_step)
             base = None
             if self.phase is JobPhase.RUNNING:
-                base, _ = choose_base(self.views(), self.holdings, [*self.registry.names(), *self.registry.leaving()])
+                base = self._base_held_by_everyone_alive()
             if base is None or base.generation == 0:
                 if self.options.resume_dir:  # nothing trained since the resume: it still resumes from there
                     self.stop_below_threshold(reason, None, headline=f"stopped on request ({reason})")

@@ -58,6 +58,7 @@ from oobleck_mm.runtime.checkpoint import (
     read_loss_scaler,
     read_meta,
     save_layers,
+    write_error,
 )
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group, torchrun_environment
@@ -360,7 +361,7 @@ class WorkerLoop:
         try:
             save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs, gen.engine.scaler_state())
         except OSError as exc:  # a full disk is what it is, not a lost node or a bug
-            error = f"{exc.strerror or exc}: {exc.filename or c.dir}"
+            error = write_error(exc, c.dir)
             self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, error=error))
             return
         self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, layers=len(owned)))

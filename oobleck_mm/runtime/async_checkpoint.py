@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from oobleck_mm.runtime.checkpoint import layer_payload, write_layer_file
+from oobleck_mm.runtime.checkpoint import layer_payload, write_error, write_layer_file
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ class AsyncCheckpointer:
             for name, payload in payloads.items():
                 write_layer_file(Path(directory), name, payload)
         except (OSError, RuntimeError) as exc:  # a full disk (torch's writer may wrap it): this checkpoint is lost
-            error = (f"{exc.strerror or exc}: {exc.filename or directory}" if isinstance(exc, OSError)
-                     else f"{str(exc).splitlines()[0]}: {directory}")  # fmt: skip
+            error = write_error(exc, directory)
             log.error("checkpoint of step %d: %s; training continues without it", step, error)
             if self.on_failed is not None:
                 self.on_failed(directory, step, generation, error)

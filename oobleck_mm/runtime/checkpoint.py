@@ -65,6 +65,13 @@ def layer_payload(h: HeldLayer, loss_scaler: dict | None = None, copy: bool = Fa
     }
 
 
+def write_error(exc: BaseException, directory: str) -> str:
+    """A failed checkpoint write in words: the reason and the path ("No space left on device: PATH")."""
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}: {exc.filename or directory}"
+    return f"{str(exc).splitlines()[0]}: {directory}"  # torch's writer wrapping the disk's error
+
+
 def write_layer_file(directory: Path, name: str, payload: dict) -> None:
     """Atomically: a temporary file, flushed to disk, then renamed over the layer's file."""
     path = _layer_file(directory, name)

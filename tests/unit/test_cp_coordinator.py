@@ -131,6 +131,16 @@ def start(j: Job, *names: str) -> None:
     assert j.c.phase == JobPhase.RUNNING
 
 
+def _alive_for(j: Job, seconds: float, tick: float = 0.05):
+    """Every node heartbeats while the clock moves by ``tick``: nobody is lost, whatever the workers do."""
+    result = None
+    for _ in range(round(seconds / tick)):
+        j.clock.now += tick
+        j.heartbeat_all()
+        result = j.c.tick()
+    return result
+
+
 def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_rank(make):
     j = make(nodes=2, gpus=2)
     j.join("a")
@@ -555,19 +565,12 @@ def test_a_job_that_stops_making_progress_is_ended_with_where_it_stopped(make):
     j = make(nodes=2, steps=10, stall_s=20.0)
     start(j, "a", "b")
 
-    def alive_for(seconds: float):  # heartbeats keep coming: the nodes are alive, the job is not moving
-        result = None
-        for _ in range(round(seconds / 0.5)):
-            j.clock.now += 0.5
-            j.heartbeat_all()
-            result = j.c.tick()
-        return result
-
+    # Heartbeats keep coming: the nodes are alive, the job is not moving.
     j.train(1, 0)
-    assert alive_for(19.5) is None
+    assert _alive_for(j, 19.5, tick=0.5) is None
     j.train(1, 1)  # a step: the clock of progress starts again
-    assert alive_for(19.5) is None
-    result = alive_for(1.0)
+    assert _alive_for(j, 19.5, tick=0.5) is None
+    result = _alive_for(j, 1.0, tick=0.5)
     assert result is not None and result.exit_code == 1
     assert "no progress for" in result.message and "stall_timeout 20 s" in result.message
     assert "next step 2" in result.message
@@ -629,16 +632,6 @@ def test_live_mode_completes_periodic_checkpoints_and_stops_at_the_newest_when_e
     result = j.advance(0.3)
     assert result.exit_code == 3, result.message  # not 1: a checkpoint exists
     assert f"--resume {directory}" in result.message and "step 2" in result.message
-
-
-def _alive_for(j: Job, seconds: float):
-    """Every node heartbeats while the clock moves: nobody is lost, whatever the workers do."""
-    result = None
-    for _ in range(round(seconds / 0.05)):
-        j.clock.now += 0.05
-        j.heartbeat_all()
-        result = j.c.tick()
-    return result
 
 
 def _abandon(j: Job, generation: int, step: int) -> None:
