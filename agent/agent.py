@@ -82,7 +82,7 @@ class AgentOptions:
 class Agent:
     def __init__(self, options: AgentOptions) -> None:
         self.o = options
-        self.master_host = _host_of(options.master)
+        self.master_host, self.master_port = _split_address(options.master)
         self.metadata = call_metadata(options.token)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
         self.workers: dict[int, Worker] = {}
@@ -209,8 +209,10 @@ class Agent:
         return None
 
     def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:
-        if not assignment.store_host:  # a master bound to all interfaces: its store is where we found it
-            assignment.store_host = self.master_host
+        # The rendezvous store is the master's RendezvousStore service, where this agent reaches the
+        # master; the token goes to the worker on the local pipe only.
+        assignment.store_host, assignment.store_port = self.master_host, self.master_port
+        assignment.store_token = self.o.token
         worker = self.workers.get(local_rank) or self._start_worker(local_rank)  # restart mode killed it
         log.info("generation %d: local rank %d is rank %d of %d",
                  assignment.generation, local_rank, assignment.rank, assignment.world_size)  # fmt: skip
@@ -336,11 +338,11 @@ class Agent:
             log.warning("could not forward a report of worker %d: %s", local_rank, err.code().name)
 
 
-def _host_of(address: str) -> str:
+def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise UserError(f"--master: expected HOST:PORT, got {address!r}")
-    return host.strip("[]")
+    return host.strip("[]"), int(port)
 
 
 def _fault_tolerance(config_yaml: str) -> FaultToleranceConfig:

@@ -1,4 +1,4 @@
-"""The master process wiring: run dir, token, event log, TCPStore, gRPC server and the control thread.
+"""The master process wiring: run dir, token, event log, gRPC server (coordinator and rendezvous store), control thread.
 
 ``MasterServer`` is what ``oobleck-launch master`` runs and what ``oobleck-launch
 local`` embeds: ``start()`` binds (printing where), ``wait()`` returns the exit
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from concurrent import futures
@@ -23,6 +22,7 @@ from master.coordinator import Coordinator, RunOptions
 from master.metrics import MetricsSink
 from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
+from master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.events import EventLog
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
@@ -38,8 +38,6 @@ class MasterOptions:
     host: str = "127.0.0.1"
     port: int = 29400
     """gRPC port; 0 picks a free one."""
-    store_port: int = 0
-    """TCPStore port for the workers' rendezvous; 0 picks a free one."""
     run_dir: str = ""
     """Where the token and the event log go by default; created if missing."""
     token_file: str | None = None
@@ -93,40 +91,44 @@ class MasterServer:
         return format_address(self.options.host, self.port)
 
     def start(self) -> None:
-        import torch.distributed as dist  # only the master process needs torch for the store
-
-        # The store has no authentication: it listens only where the gRPC server does (--host), on a
-        # socket we bind ourselves (torch's own bind would take every interface; docs/control_plane.md).
-        listener = _listening_socket(self.options.host or "0.0.0.0", self.options.store_port, "--store-port")
-        port = listener.getsockname()[1]
-        self._store = dist.TCPStore(self.options.host.strip("[]") or "0.0.0.0", port, is_master=True,
-                                    wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns it
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
-        # Started from this (the main) thread: the helper's parent-death signal follows it.
-        self._planner = PlannerPool()
-        self.coordinator = Coordinator(
-            self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised,
-            store_port=self._store.port, events=self.events, progress=self.progress, planner=self._planner,
-            options=self.run_options,
-        )  # fmt: skip
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(32, 2 * self.num_nodes + 16), thread_name_prefix="grpc"),
-            interceptors=[TokenInterceptor(self.token, self.coordinator.refused)],
+            interceptors=[TokenInterceptor(self.token, self._refused)],
         )
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
         try:
             self.port = self._server.add_insecure_port(format_address(host or "0.0.0.0", self.options.port))
         except RuntimeError:
             self.port = 0
         if not self.port:
             raise UserError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
+        # The workers' rendezvous keys: served here, behind the token, instead of by torch's TCPStore
+        # (which answers anyone who reaches its port; master/store.py).
+        self._store = KeyValueStore()
+        self.events.subscribe(self._forget_old_rendezvous)
+        # Started from this (the main) thread: the helper's parent-death signal follows it.
+        self._planner = PlannerPool()
+        self.coordinator = Coordinator(
+            self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised, store_port=self.port,
+            events=self.events, progress=self.progress, planner=self._planner, options=self.run_options,
+        )  # fmt: skip
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
+        pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store), self._server)
         self._server.start()
         self.events.write(
-            "master_started", address=self.address, store_port=self._store.port, nodes=self.num_nodes,
-            steps=self.steps, pid=os.getpid(),
+            "master_started", address=self.address, nodes=self.num_nodes, steps=self.steps, pid=os.getpid(),
         )  # fmt: skip
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+
+    def _refused(self, peer: str, method: str, reason: str) -> None:
+        if self.coordinator is not None:
+            self.coordinator.refused(peer, method, reason)
+
+    def _forget_old_rendezvous(self, record) -> None:
+        """Once generation g is decided, no worker rendezvouses in one before g-1 any more."""
+        if record.get("event") == "plan_decided" and self._store is not None:
+            self._store.forget_generations_before(int(record["generation"]) - 1)
 
     def _control_loop(self) -> None:
         assert self.coordinator is not None
@@ -176,7 +178,6 @@ class MasterServer:
             self._server.stop(grace=0.5).wait()
         if self._planner is not None:
             self._planner.close()
-        self._store = None  # closes its listening socket
         self.events.close()
         self.metrics.close()
 
@@ -208,20 +209,6 @@ def _check_data(job, progress: Callable[[str], None]) -> None:
     dataset = build_dataset(job)
     if job.data.kind != "synthetic":  # synthetic samples are generated, nothing to read
         progress(f"data: {len(dataset)} samples of {job.data.path} checked in {time.perf_counter() - start:.1f} s")
-
-
-def _listening_socket(host: str, port: int, flag: str) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (0: any free port) and listening."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
-    except OSError as exc:
-        raise UserError(f"{flag}: cannot listen on {format_address(host, port)}: {exc.strerror or exc}") from None
-    return sock
 
 
 def _make_run_dir(path: str) -> None:

@@ -125,7 +125,6 @@ def _add_control_plane_parsers(sub) -> None:
     master.add_argument("--host", "--master-addr", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
-    master.add_argument("--store-port", type=int, default=0, help="TCPStore port for the workers (0: any free port)")
     master.add_argument("--nodes", "--nnodes", type=_node_range, default=None, metavar="N|MIN:MAX",
                         help="agents to wait for before planning (default cluster.nodes); MIN:MAX also refuses "
                              "agents beyond MAX (cluster.max_nodes)")
@@ -391,7 +390,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
     check_runnable(job, workers_here=False)
     _setup_logging("master", _level(args.log_level))
     options = MasterOptions(
-        host=args.host, port=args.port, store_port=args.store_port, run_dir=args.run_dir,
+        host=args.host, port=args.port, run_dir=args.run_dir,
         token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
         save_final_dir=args.save_final or "", resume_command=_resume_command("master", args),
         log_every=args.log_every, tensorboard=args.tensorboard,

@@ -13,10 +13,29 @@ class WorkerFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_EXITED: _ClassVar[WorkerFailure]
     WORKER_ZOMBIE: _ClassVar[WorkerFailure]
     WORKER_STOPPED: _ClassVar[WorkerFailure]
+
+class StoreOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORE_OP_UNSPECIFIED: _ClassVar[StoreOp]
+    STORE_SET: _ClassVar[StoreOp]
+    STORE_GET: _ClassVar[StoreOp]
+    STORE_ADD: _ClassVar[StoreOp]
+    STORE_COMPARE_SET: _ClassVar[StoreOp]
+    STORE_CHECK: _ClassVar[StoreOp]
+    STORE_DELETE: _ClassVar[StoreOp]
+    STORE_NUM_KEYS: _ClassVar[StoreOp]
 WORKER_FAILURE_UNSPECIFIED: WorkerFailure
 WORKER_EXITED: WorkerFailure
 WORKER_ZOMBIE: WorkerFailure
 WORKER_STOPPED: WorkerFailure
+STORE_OP_UNSPECIFIED: StoreOp
+STORE_SET: StoreOp
+STORE_GET: StoreOp
+STORE_ADD: StoreOp
+STORE_COMPARE_SET: StoreOp
+STORE_CHECK: StoreOp
+STORE_DELETE: StoreOp
+STORE_NUM_KEYS: StoreOp
 
 class Stage(_message.Message):
     __slots__ = ("rank", "layer_start", "layer_end")
@@ -47,7 +66,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary", "store_token")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +85,7 @@ class Assignment(_message.Message):
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ASYNC_FIELD_NUMBER: _ClassVar[int]
     AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    STORE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -84,7 +104,8 @@ class Assignment(_message.Message):
     rank_nodes: _containers.RepeatedScalarFieldContainer[str]
     checkpoint_async: bool
     at_boundary: bool
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
+    store_token: str
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ..., store_token: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("dir", "generation", "surviving_ranks")
@@ -345,3 +366,29 @@ class LeaveRequest(_message.Message):
 class Ack(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("op", "key", "value", "expected", "amount", "keys")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    op: StoreOp
+    key: str
+    value: bytes
+    expected: bytes
+    amount: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("found", "value", "number")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    number: int
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ...) -> None: ...

@@ -25,6 +25,78 @@ if _version_not_supported:
     )
 
 
+class RendezvousStoreStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Call = channel.unary_unary(
+                '/oobleck.RendezvousStore/Call',
+                request_serializer=oobleck__pb2.StoreRequest.SerializeToString,
+                response_deserializer=oobleck__pb2.StoreReply.FromString,
+                _registered_method=True)
+
+
+class RendezvousStoreServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Call(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RendezvousStoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Call': grpc.unary_unary_rpc_method_handler(
+                    servicer.Call,
+                    request_deserializer=oobleck__pb2.StoreRequest.FromString,
+                    response_serializer=oobleck__pb2.StoreReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'oobleck.RendezvousStore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('oobleck.RendezvousStore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RendezvousStore:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Call(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oobleck.RendezvousStore/Call',
+            oobleck__pb2.StoreRequest.SerializeToString,
+            oobleck__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class CoordinatorStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -275,7 +275,7 @@ class WorkerLoop:
         os.environ.update(torchrun_environment(
             a.rank, a.world_size, self.local_rank, self.node, list(a.rank_nodes), a.store_host, a.store_port,
         ))  # fmt: skip
-        store = connect_store(a.store_host, a.store_port, timeout=self.timeouts.rendezvous_timeout)
+        store = connect_store(a.store_host, a.store_port, a.store_token, timeout=self.timeouts.rendezvous_timeout)
         pending = join_generation(
             store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
             collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,

@@ -1,7 +1,7 @@
 """Joining a generation's process group: the one way every worker gets one, tests and benchmarks included.
 
 Every generation of the job has its own default process group, rendezvoused on
-the master's TCPStore under the prefix ``gen{g}``, so a generation never meets
+the master's rendezvous store (``runtime/store.py``) under the prefix ``gen{g}``, so a generation never meets
 a stale key of an earlier one. ``join_generation`` does it in three steps:
 
 1. Leave the previous generation's group (closing its connections unblocks
@@ -57,9 +57,11 @@ def torchrun_environment(rank: int, world_size: int, local_rank: int, node: str,
     return {name: str(value) for name, value in zip(TORCHRUN_VARIABLES, values)}
 
 
-def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    """A client of the master's TCPStore; ``timeout`` bounds each of its operations."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+def connect_store(host: str, port: int, token: str, timeout: timedelta) -> dist.Store:
+    """A client of the master's rendezvous store at ``host:port``; ``timeout`` bounds each of its operations."""
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    return ControlPlaneStore(host, port, token, timeout)
 
 
 def join_generation(
@@ -98,7 +100,16 @@ def join_generation(
                                 timeout=collective_timeout)  # fmt: skip
     except RuntimeError as error:
         raise PeerFailure(f"generation {generation}: rendezvous failed: {error}") from error
+    global _store_in_use
+    # A store written in Python (the master's, runtime/store.py) must outlive the group: torch keeps
+    # only its C++ half, and once the Python object is collected every later use of the store (the
+    # subgroups new_group forms) fails with "Not implemented".
+    _store_in_use = store
     return None
+
+
+_store_in_use: dist.Store | None = None
+"""The store the current default group was formed on (see the end of ``join_generation``)."""
 
 
 NCCL_ABORT_WAIT = timedelta(seconds=10)

@@ -32,7 +32,7 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import save_layers, save_meta
 from oobleck_mm.runtime.engine import StageEngine, StepResult
-from oobleck_mm.runtime.group import connect_store, join_generation
+from oobleck_mm.runtime.group import join_generation
 from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.optim import optimizer_state
 from oobleck_mm.runtime.state_transfer import adopt_plan
@@ -137,7 +137,8 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
 
     try:
         device = device_for(job, rank)  # before the group: NCCL binds to the current CUDA device
-        store = connect_store("127.0.0.1", port, timeout=bound)
+        # A private store on loopback for this test/benchmark harness (no master, no network).
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound)
         join(0, rank, plan.world_size)
         results: list[StepResult] = []
         engine = train(job, plan, rank, 0, steps, device, results.append)

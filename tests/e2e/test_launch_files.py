@@ -131,9 +131,10 @@ def test_kubernetes_manifest_commands_parse_and_its_ports_and_token_agree():
     assert master["command"][0] == agent["command"][0] == "oobleck-launch"
     m = build_parser().parse_args(master["command"][1:])
     a = build_parser().parse_args([c.replace("$(POD_NAME)", "pod-x") for c in agent["command"][1:]])
-    # The Service selects the master pod and carries both ports the master listens on.
+    # The Service selects the master pod and carries the one port the master listens on (gRPC: the
+    # control plane and the workers' rendezvous store).
     assert service["spec"]["selector"].items() <= master_job["spec"]["template"]["metadata"]["labels"].items()
-    assert {p["port"] for p in service["spec"]["ports"]} == {m.port, m.store_port}
+    assert {p["port"] for p in service["spec"]["ports"]} == {m.port}
     assert a.master == f"{service['metadata']['name']}:{m.port}" and a.node == "pod-x"
     # The master reads the token the agents get, from the same Secret.
     secret = next(v["secret"]["secretName"] for v in master_job["spec"]["template"]["spec"]["volumes"] if "secret" in v)

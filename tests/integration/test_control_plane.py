@@ -14,10 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import grpc
 import psutil
 import pytest
+import torch
 
 from cp_harness import (
     INTERVAL_S,
@@ -255,10 +257,44 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_the_workers_store_listens_only_where_the_master_does(tmp_path):
-    """--host 127.0.0.1 (the default): the unauthenticated TCPStore is not reachable from other machines."""
+def _listening_ports() -> set[tuple[str, int]]:
+    # gRPC may listen on an IPv6 socket for an IPv4 address (::ffff:127.0.0.1): the same thing.
+    return {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}  # fmt: skip
+
+
+def test_the_workers_rendezvous_store_is_behind_the_job_token_on_the_masters_one_port(tmp_path):
+    """No unauthenticated TCPStore: the master opens one port (gRPC, on --host), and its rendezvous store
+    answers only callers with the job token."""
+    import torch.distributed as dist
+
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    before = _listening_ports()
     with master_in_process(write_config(tmp_path, nodes=2), tmp_path) as master:
-        port = read_events(master.event_log_path, "master_started")[0]["store_port"]
-        listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]  # fmt: skip
-        assert listening and all(address.ip == "127.0.0.1" for address in listening), listening
+        assert _listening_ports() - before == {("127.0.0.1", master.port)}
+        wrong = ControlPlaneStore("127.0.0.1", master.port, "0" * 64, timeout=timedelta(seconds=5))
+        for attempt in (lambda: wrong.set("gen1/x", b"1"), lambda: wrong.get("gen1/x"), lambda: wrong.num_keys()):
+            with pytest.raises(dist.DistStoreError, match="UNAUTHENTICATED"):
+                attempt()
+        store = ControlPlaneStore("127.0.0.1", master.port, master.token, timeout=timedelta(seconds=5))
+        store.set("gen1/x", b"abc")
+        assert store.get("gen1/x") == b"abc" and store.check(["gen1/x"]) and not store.check(["gen1/x", "gen1/y"])
+        assert store.add("gen1/n", 2) == 2 and store.add("gen1/n", 3) == 5
+        assert store.compare_set("gen1/c", b"", b"v1") == b"v1" and store.compare_set("gen1/c", b"no", b"v2") == b"v1"
+        assert store.delete_key("gen1/x") and not store.delete_key("gen1/x")
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="timed out"):
+            store.wait(["gen1/never"], timedelta(seconds=0.5))
+        assert time.monotonic() - started < 5
+        # torch forms a real group through it (the workers' path: PrefixStore, gloo's rendezvous).
+        dist.init_process_group("gloo", store=dist.PrefixStore("gen7", store), rank=0, world_size=1,
+                                timeout=timedelta(seconds=10))  # fmt: skip
+        try:
+            x = torch.ones(2)
+            dist.all_reduce(x)
+            assert x.tolist() == [1.0, 1.0]
+        finally:
+            dist.destroy_process_group()
+        refused = read_events(master.event_log_path, "refused")
+        assert refused and all(r["reason"] == "wrong token" for r in refused)

@@ -11,27 +11,28 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 import yaml
 
+from master.store import serve_store_only
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
 from oobleck_mm.protocol.pipe import recv_report, send_command
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 from oobleck_mm.runtime.agent_worker import worker_main
-from oobleck_mm.runtime.worker import free_port
 from oobleck_mm.verify import compare
 
 pytestmark = pytest.mark.integration
 STEPS = 5
 
 
+TOKEN = "test-token"
+
+
 def assignment(gen, rank, plan, port, previous=None, previous_ranks=(), save_final="", steps=STEPS):
     a = pb.Assignment(generation=gen, rank=rank, world_size=plan.world_size, store_host="127.0.0.1",
-                      store_port=port, start_step=0, steps=steps, plan=plan_to_proto(plan),
+                      store_port=port, store_token=TOKEN, start_step=0, steps=steps, plan=plan_to_proto(plan),
                       save_final_dir=save_final)
     if previous is not None:
         a.previous_generation = gen - 1
@@ -59,8 +60,7 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
     d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="3s")  # as the e2e tests
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(d))
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store, port = serve_store_only(TOKEN)  # the master's rendezvous store, alone: the test plays the master
     ctx = mp.get_context("spawn")
     gen1 = ExecutionPlan.even(10, [2, 2], [4, 4], 2)  # ranks 0,1 | 2,3
     pipes, procs = [], []
@@ -119,4 +119,4 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
             if p.is_alive():
                 p.kill()
             p.join(5)
-        del store
+        store.stop(grace=0)
