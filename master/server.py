@@ -201,14 +201,12 @@ def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
 
 
 def _check_data(job, progress: Callable[[str], None]) -> None:
-    """Builds the dataset once in the master: a sample that cannot be read (a missing or broken image,
-    a record the model cannot take) is a ``UserError`` naming it, before any worker starts."""
-    from oobleck_mm.data.loader import build_dataset  # torch: the master imports it for the store anyway
+    """Every sample checked once in the master, before any worker reads one (``data/check.py``): a bad
+    one is a ``UserError`` naming it, or, with ``data.skip_bad_samples``, left out of the config the
+    workers get (``data.excluded_samples``)."""
+    from oobleck_mm.data.check import check_samples  # torch: the master's planning imports it anyway
 
-    start = time.perf_counter()
-    dataset = build_dataset(job)
-    if job.data.kind != "synthetic":  # synthetic samples are generated, nothing to read
-        progress(f"data: {len(dataset)} samples of {job.data.path} checked in {time.perf_counter() - start:.1f} s")
+    check_samples(job, progress)
 
 
 def _make_run_dir(path: str) -> None:

@@ -86,6 +86,9 @@ def _add_set(parser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override one config field, e.g. --set training.global_batch=64 (repeatable; "
                              "the value is read as YAML and checked like the file)")
+    parser.add_argument("--skip-bad-samples", action="append_const", const="data.skip_bad_samples=true",
+                        dest="overrides", help="log and leave out samples whose record or files are bad instead "
+                                               "of stopping (= --set data.skip_bad_samples=true)")
 
 
 def _add_simulate_parser(sub) -> None:

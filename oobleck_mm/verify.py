@@ -256,6 +256,10 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     start = time.perf_counter()
     try:
         job = load_config(args.config, args.deepspeed, args.overrides)
+        # The samples the run left out (the master's check, data.skip_bad_samples) are left out here too.
+        recorded = (read_meta(args.against).get("config") or {}).get("data") or {}
+        if recorded.get("excluded_samples"):
+            job.data.excluded_samples = tuple(recorded["excluded_samples"])
         if args.steps < 0:
             raise UserError(f"--steps: must be >= 0, got {args.steps}")
         if args.tolerance is not None and not args.tolerance >= 0:

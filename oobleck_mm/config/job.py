@@ -249,6 +249,18 @@ class DataConfig:
     loss_on: str = "assistant"
     """``llava_json``: which text the loss covers: ``assistant`` (the answers, LLaVA's recipe) or
     ``all`` (every text token). Synthetic samples are trained on all their text."""
+    check_images: str = "decode"
+    """``llava_json``: how the master checks every image before the first step: ``decode`` (each
+    image decoded once, a few ms each, with progress: a truncated file is found before training) or
+    ``header`` (sizes only, for very large datasets; a body that does not decode then stops the job
+    with exit 2 when its sample is first loaded)."""
+    skip_bad_samples: bool = False
+    """``llava_json``: a sample whose record or files are bad is logged and left out instead of
+    stopping the job (exit 2 naming it). The global batch keeps its size (``--skip-bad-samples``)."""
+    excluded_samples: tuple[int, ...] = ()
+    """``llava_json``: positions in the JSON file of the samples every rank leaves out. The master
+    writes the bad ones it found here (with ``skip_bad_samples``) into the config its workers get, so
+    every rank and every resume leaves out the same ones; may also be set by hand."""
 
     def __post_init__(self) -> None:
         check(self, "kind", as_choice, ("synthetic", "llava_json"))
@@ -284,6 +296,13 @@ class DataConfig:
         check(self, "audio_frames_per_second", as_float, positive=True)
         check(self, "max_seq_len", as_int, minimum=1)
         check(self, "loss_on", as_choice, ("assistant", "all"))
+        check(self, "check_images", as_choice, ("decode", "header"))
+        check(self, "skip_bad_samples", as_bool)
+        if not isinstance(self.excluded_samples, (list, tuple)):
+            raise ConfigError(f"data.excluded_samples: expected a list of sample positions, got "
+                              f"{self.excluded_samples!r}")  # fmt: skip
+        self.excluded_samples = tuple(sorted({as_int(f"data.excluded_samples[{i}]", v, minimum=0)
+                                              for i, v in enumerate(self.excluded_samples)}))  # fmt: skip
 
     def _check_image_dir(self) -> None:
         # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.

@@ -20,7 +20,9 @@ All metadata is computed at construction from the JSON and the image *headers*
 ``data.image_size``, then each side is rounded down to whole patches (at least
 one). Text that would take the sample past ``data.max_seq_len`` is cut at the
 end (placeholders are kept); a sample whose images alone do not fit is an
-error naming it. Every bad record raises ValueError naming the sample id.
+error naming it. Every bad record raises ``UserError`` naming the sample id; with
+``data.skip_bad_samples`` it is left out instead (``skipped``), and positions in
+``data.excluded_samples`` are left out unread (``oobleck_mm.data.check``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from PIL import Image, UnidentifiedImageError
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
+from oobleck_mm.data.check import BadSample
 from oobleck_mm.data.dataset import ModelInputs, check_index
 from oobleck_mm.data.sample import BOS, EOS, IMAGE, Sample, SampleMeta
 from oobleck_mm.data.tokenizer import encode, num_tokens
@@ -70,7 +73,26 @@ class JsonRecords:
         json_dir = os.path.dirname(os.path.abspath(data.path))
         self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
         entries = _load_json(data.path)
-        self._records = tuple(self._record(position, entry) for position, entry in enumerate(entries))
+        excluded = set(data.excluded_samples)
+        if excluded and max(excluded) >= len(entries):
+            raise UserError(f"data.excluded_samples: position {max(excluded)} is past the end of {data.path} "
+                            f"({len(entries)} samples, positions 0..{len(entries) - 1})")  # fmt: skip
+        self.skipped: list = []
+        """Bad records left out under ``data.skip_bad_samples`` (``check.BadSample``)."""
+        records = []
+        for position, entry in enumerate(entries):
+            if position in excluded:
+                continue
+            try:
+                records.append(self._record(position, entry))
+            except UserError as error:
+                if not data.skip_bad_samples:
+                    raise UserError(f"{error} (data.skip_bad_samples: true leaves such samples out)") from None
+                self.skipped.append(BadSample(position, str(error)))
+        if not records:
+            raise UserError(f"data.path: no sample of {data.path} is usable ({len(excluded)} excluded, "
+                            f"{len(self.skipped)} bad)")  # fmt: skip
+        self._records = tuple(records)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -80,6 +102,18 @@ class JsonRecords:
 
     def sample_id(self, index: int) -> str:
         return self._records[check_index(index, len(self))].sample_id
+
+    def decode_images(self, index: int) -> None:
+        """Decodes every image of sample ``index`` once (pixels, not just the header); ``UserError``
+        naming the sample and the file when one does not decode."""
+        record = self._records[check_index(index, len(self))]
+        for path in record.image_paths:
+            try:
+                with Image.open(path) as im:
+                    im.load()
+            except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # PIL's decoders raise these
+                raise UserError(f"{self.data.path}: sample {record.sample_id!r}: cannot decode image "
+                                f"{path!r}: {exc}") from None  # fmt: skip
 
     def _entry(self, position: int, entry) -> tuple[str, str, list[tuple[str, str]], tuple[str, ...]]:
         """(sample id, where, turns, image paths under ``image_dir``) of a record, its common parts checked."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,40 +44,77 @@ def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_work
     assert len(resumed.seen) <= 1, "nothing was started under the launcher: no agent, no worker, no planner"
 
 
-def bad_llava_config(tmp_path, break_image) -> tuple[str, str]:
-    """A LLaVA-style dataset of 24 samples; ``break_image(images_dir)`` spoils one sample's image."""
+def bad_llava_config(tmp_path, break_image, at=(3,), **data) -> tuple[str, list[str]]:
+    """A LLaVA-style dataset of 24 samples; ``break_image(images_dir)`` spoils the image of the samples at
+    positions ``at``; ``data``: more fields of the config's data section. Returns (config, their ids)."""
     images = tmp_path / "images"
     shutil.copytree(FIXTURE / "images", images)
     entries = json.loads((FIXTURE / "llava.json").read_text())
     samples = [dict(entry, id=f"{entry['id']}-{k}") for k in range(8) for entry in entries]
-    samples[3]["image"] = break_image(images)  # shape-1-1: a one-image sample
+    for position in at:
+        assert "image" in samples[position], "a sample with one image"
+        samples[position]["image"] = break_image(images)
     (tmp_path / "data.json").write_text(json.dumps(samples))
     config = write_config(tmp_path, nodes=2, steps=3)
     raw = yaml.safe_load(open(config))
-    raw["data"].update(kind="llava_json", path=str(tmp_path / "data.json"))
+    raw["data"].update(kind="llava_json", path=str(tmp_path / "data.json"), **data)
     Path(config).write_text(yaml.safe_dump(raw))
-    return config, samples[3]["id"]
+    return config, [samples[p]["id"] for p in at]
+
+
+def truncated_image(images: Path) -> str:
+    """A PNG cut in half: its header reads, its pixels do not decode."""
+    data = (images / "red_square.png").read_bytes()
+    (images / "broken.png").write_bytes(data[: len(data) // 2])
+    return "images/broken.png"
 
 
 def test_a_missing_image_is_refused_before_any_worker_starts(launches, tmp_path):
-    config, sample = bad_llava_config(tmp_path, lambda images: "images/missing.png")
+    config, [sample] = bad_llava_config(tmp_path, lambda images: "images/missing.png")
     run = Launch(tmp_path, config, name="missing")
     launches.append(run)
     assert run.wait(timeout=BOUND_S) == 2, run.stderr[-3000:]
     [error] = [line for line in run.stderr.splitlines() if "error:" in line]
-    assert "missing.png" in error and sample in error, run.stderr[-3000:]
+    assert "missing.png" in error and sample in error and "data.skip_bad_samples" in error, run.stderr[-3000:]
     assert len(run.seen) <= 1, "the master checks the data before starting agents and workers"
 
 
+def test_an_image_that_does_not_decode_is_refused_before_any_worker_starts(launches, tmp_path):
+    """Its header reads; the master's decode pass (data.check_images: decode, the default) finds it."""
+    config, [sample] = bad_llava_config(tmp_path, truncated_image)
+    run = Launch(tmp_path, config, name="undecodable")
+    launches.append(run)
+    assert run.wait(timeout=BOUND_S) == 2, run.stderr[-3000:]
+    [error] = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert "broken.png" in error and sample in error and "cannot decode image" in error, run.stderr[-3000:]
+    assert len(run.seen) <= 1, "the master checks the data before starting agents and workers"
+
+
+def test_skip_bad_samples_leaves_them_out_on_every_rank_and_the_run_equals_the_reference(launches, tmp_path):
+    """--skip-bad-samples: a missing and an undecodable image are left out by the master, every worker and
+    verify's reference alike (data.excluded_samples in the config they get); the global batch keeps its size."""
+    config, _ = bad_llava_config(tmp_path, truncated_image, at=(3,))
+    raw = json.loads((tmp_path / "data.json").read_text())
+    raw[6]["image"] = "images/missing.png"
+    (tmp_path / "data.json").write_text(json.dumps(raw))
+    final = tmp_path / "final"
+    run = Launch(tmp_path, config, "--skip-bad-samples", "--save-final", str(final), name="skipping")
+    launches.append(run)
+    assert run.wait(timeout=BOUND_S) == 0, run.stderr[-3000:]
+    said = run.stdout + run.stderr
+    assert "left out sample #3" in said and "left out sample #6" in said and "broken.png" in said, said[-3000:]
+    meta = json.loads((final / "meta.json").read_text())
+    assert meta["config"]["data"]["excluded_samples"] == [3, 6] and meta["step"] == 3
+    done = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", config, "--steps", "3",
+                           "--against", str(final)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    run.assert_all_gone()
+
+
 def test_an_image_that_breaks_mid_file_stops_the_job_once_with_exit_2_naming_it(launches, tmp_path):
-    """Its header reads (the master's check passes); decoding fails in a worker, as it would on every replica."""
-
-    def truncate(images: Path) -> str:
-        data = (images / "red_square.png").read_bytes()
-        (images / "broken.png").write_bytes(data[: len(data) // 2])
-        return "images/broken.png"
-
-    config, sample = bad_llava_config(tmp_path, truncate)
+    """With data.check_images: header the master reads headers only: decoding fails in a worker, as it would
+    on every replica, and that is a user error, not a node failure."""
+    config, [sample] = bad_llava_config(tmp_path, truncated_image, check_images="header")
     run = Launch(tmp_path, config, name="broken")
     launches.append(run)
     code = run.wait(timeout=BOUND_S)

@@ -263,6 +263,53 @@ def test_bad_llava_records_name_the_sample(tmp_path, sample, message):
         llava(path, image_size=64, max_seq_len=32, mean_images_per_sample=0.1)
 
 
+def test_bad_llava_samples_are_left_out_with_skip_bad_samples_and_the_batches_never_draw_them(tmp_path):
+    from oobleck_mm.data.check import check_samples
+    from oobleck_mm.data.loader import TrainingData
+
+    shutil.copytree(os.path.join(FIXTURE, "images"), tmp_path / "images")
+    data = (tmp_path / "images" / "red_square.png").read_bytes()
+    (tmp_path / "images" / "cut.png").write_bytes(data[: len(data) // 2])  # its header reads, its pixels do not
+    good = [{"id": f"ok{k}", "image": "images/red_square.png", "conversations": GOOD_TURNS} for k in range(10)]
+    samples = good[:2] + [{"id": "gone", "image": "missing.png", "conversations": GOOD_TURNS}] + good[2:5] + [
+        {"id": "cut", "image": "images/cut.png", "conversations": GOOD_TURNS}] + good[5:]
+    path = write_samples(tmp_path, samples)
+    raw = job_dict(kind="llava_json", path=path, image_size=64, max_seq_len=64, mean_images_per_sample=1)
+    raw["training"].update(global_batch=4, microbatch_size=2)
+    with pytest.raises(ValueError, match=r"sample 'gone': cannot read image.*data.skip_bad_samples: true"):
+        check_samples(config_from_dict(raw), progress=lambda line: None)
+    raw["data"]["excluded_samples"] = [2]
+    with pytest.raises(ValueError, match=r"sample 'cut': cannot decode image .*cut.png.*data.skip_bad_samples"):
+        check_samples(config_from_dict(raw), progress=lambda line: None)
+    raw["data"].update(excluded_samples=[], skip_bad_samples=True)
+    job, lines = config_from_dict(raw), []
+    bad = check_samples(job, progress=lines.append)
+    assert [b.position for b in bad] == [2, 6] and job.data.excluded_samples == (2, 6)
+    assert any("left out sample #6" in line and "cut.png" in line for line in lines), lines
+    # What the workers build from the master's config: the same 10 good samples, every batch full.
+    training = TrainingData(config_from_dict(job.to_dict()))
+    assert len(training.dataset) == 10
+    for step in range(training.sampler.steps_per_epoch * 3):
+        ids = training.global_batch(step)
+        assert len(ids) == 4 and {training.dataset.meta(i).index for i in ids}.isdisjoint({2, 6})
+    raw["data"]["excluded_samples"] = [12]
+    with pytest.raises(ValueError, match=r"data.excluded_samples: position 12 is past the end .*0..11"):
+        build_dataset(config_from_dict(raw))
+
+
+def test_too_few_good_samples_for_a_global_batch_are_refused(tmp_path):
+    from oobleck_mm.data.check import check_samples
+
+    shutil.copytree(os.path.join(FIXTURE, "images"), tmp_path / "images")
+    samples = [{"id": f"s{k}", "image": "images/red_square.png" if k < 3 else "missing.png",
+                "conversations": GOOD_TURNS} for k in range(6)]  # fmt: skip
+    raw = job_dict(kind="llava_json", path=write_samples(tmp_path, samples), image_size=64, max_seq_len=64,
+                   mean_images_per_sample=1, skip_bad_samples=True)  # fmt: skip
+    raw["training"].update(global_batch=4, microbatch_size=2)
+    with pytest.raises(ValueError, match=r"3 good samples left, fewer than training.global_batch \(4\)"):
+        check_samples(config_from_dict(raw), progress=lambda line: None)
+
+
 def test_llava_images_need_a_vision_model(tmp_path):
     raw = job_dict(kind="llava_json", path=os.path.join(FIXTURE, "llava.json"), mean_images_per_sample=0)
     del raw["model"]["vision"]

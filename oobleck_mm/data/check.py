@@ -1,0 +1,84 @@
+"""Every sample checked once before the first step, and the bad ones left out when the user says so.
+
+The master runs ``check_samples`` before any worker starts (``verify`` does too,
+so its reference run leaves out the same samples). Building the dataset reads
+every record and every image's header; with ``data.check_images: decode`` (the
+default) every image is then decoded once as well, so a truncated or corrupt
+file is found here and not by a worker mid-run. Without ``data.skip_bad_samples``
+the first bad sample is a ``UserError`` naming its file and record (exit 2).
+With it, bad samples are logged and their positions in the JSON file become
+``data.excluded_samples``, which the job's config carries to every worker: all
+ranks, and any later resume, leave out exactly the same samples. The global
+batch keeps its size: the sampler draws from the samples that remain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from oobleck_mm.errors import UserError
+
+PROGRESS_EVERY_S = 5.0
+"""A progress line at most this often while images are decoded."""
+SHOWN = 5
+"""Bad samples named one by one before the rest are counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class BadSample:
+    position: int
+    """The record's position in the JSON file (what ``data.excluded_samples`` lists)."""
+    reason: str
+
+
+def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSample]:
+    """Checks every sample of ``job.data``; returns the bad ones left out (sets ``data.excluded_samples``).
+
+    Raises ``UserError`` for the first bad sample unless ``data.skip_bad_samples``, and when
+    too few samples remain for one global batch.
+    """
+    from oobleck_mm.data.loader import build_dataset
+
+    start = time.perf_counter()
+    dataset = build_dataset(job)
+    if job.data.kind == "synthetic":  # generated samples: nothing to read
+        return []
+    bad = list(dataset.skipped)  # records and headers: already left out of ``dataset``
+    decoded_bad = _decode_every_image(dataset, job.data.skip_bad_samples, progress) \
+        if job.data.check_images == "decode" else []
+    bad += decoded_bad
+    if bad:
+        job.data.excluded_samples = tuple(sorted(set(job.data.excluded_samples) | {b.position for b in bad}))
+        for b in bad[:SHOWN]:
+            progress(f"data: left out sample #{b.position}: {b.reason}")
+        if len(bad) > SHOWN:
+            progress(f"data: ... and {len(bad) - SHOWN} more")
+    kept = len(dataset) - len(decoded_bad)
+    if kept < job.training.global_batch:
+        raise UserError(f"{job.data.path}: {kept} good samples left, fewer than training.global_batch "
+                        f"({job.training.global_batch})")  # fmt: skip
+    left_out = f", {len(job.data.excluded_samples)} left out (data.excluded_samples)" if job.data.excluded_samples else ""
+    progress(f"data: {kept} samples of {job.data.path} checked in {time.perf_counter() - start:.1f} s{left_out}")
+    return bad
+
+
+def _decode_every_image(dataset, skip: bool, progress: Callable[[str], None]) -> list[BadSample]:
+    bad: list[BadSample] = []
+    total = len(dataset)
+    started = last = time.perf_counter()
+    for index in range(total):
+        try:
+            dataset.decode_images(index)
+        except UserError as error:
+            if not skip:
+                raise UserError(f"{error} (data.skip_bad_samples: true leaves such samples out)") from None
+            bad.append(BadSample(dataset.meta(index).index, str(error)))
+        now = time.perf_counter()
+        if now - last >= PROGRESS_EVERY_S:
+            rate = (index + 1) / (now - started)
+            progress(f"data: decoded the images of {index + 1}/{total} samples ({rate:.0f}/s, "
+                     f"{(total - index - 1) / rate:.0f} s left)")  # fmt: skip
+            last = now
+    return bad
