@@ -49,6 +49,15 @@ from oobleck_mm.config.values import (
 # --------------------------------------------------------------------------- model
 
 
+MAX_GPUS_PER_NODE = 256
+MAX_NODES = 4096
+_NODES_WHY = "the planner makes a template for every node count up to it"
+MAX_TOWER_LAYERS = 1024
+"""Most blocks one tower may have: the largest published models have under 200, and the planner's
+tables grow with the square of the layer count (1024 plans in about a second, 4096 takes 1.2 GB)."""
+_LAYERS_WHY = "the planner's tables grow with the square of the layer count"
+
+
 @dataclass(kw_only=True, slots=True)
 class LLMConfig:
     _PATH: ClassVar[str] = "model.llm"
@@ -70,7 +79,8 @@ class LLMConfig:
     """LM head shares the token-embedding matrix (counted once in the model's parameters)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "vocab_size"):
+        check(self, "num_layers", as_int, minimum=1, maximum=MAX_TOWER_LAYERS, why=_LAYERS_WHY)
+        for name in ("hidden", "num_heads", "vocab_size"):
             check(self, name, as_int, minimum=1)
         check_optional(self, "num_kv_heads", as_int, minimum=1)
         check_optional(self, "ffn_hidden", as_int, minimum=1)
@@ -97,7 +107,8 @@ class VisionConfig:
     OrchMLLM's "downsample before the connector"). The LLM sees patches / token_merge tokens."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "patch_size", "in_channels", "token_merge"):
+        check(self, "num_layers", as_int, minimum=1, maximum=MAX_TOWER_LAYERS, why=_LAYERS_WHY)
+        for name in ("hidden", "num_heads", "patch_size", "in_channels", "token_merge"):
             check(self, name, as_int, minimum=1)
         check_optional(self, "ffn_hidden", as_int, minimum=1)
         self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
@@ -120,7 +131,8 @@ class AudioConfig:
     """Encoder tokens concatenated into one before the projector (the LLM sees frames / token_merge)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "mel_bins", "downsample", "token_merge"):
+        check(self, "num_layers", as_int, minimum=1, maximum=MAX_TOWER_LAYERS, why=_LAYERS_WHY)
+        for name in ("hidden", "num_heads", "mel_bins", "downsample", "token_merge"):
             check(self, name, as_int, minimum=1)
         check_optional(self, "ffn_hidden", as_int, minimum=1)
         self.ffn_hidden = 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
@@ -681,13 +693,14 @@ class ClusterConfig:
     """torch.distributed backend: ``auto`` (nccl on GPUs, gloo on cpu), ``gloo`` or ``nccl``."""
 
     def __post_init__(self) -> None:
-        check(self, "nodes", as_int, minimum=1)
-        check_optional(self, "max_nodes", as_int, minimum=1)
+        check(self, "nodes", as_int, minimum=1, maximum=MAX_NODES, why=_NODES_WHY)
+        check_optional(self, "max_nodes", as_int, minimum=1, maximum=MAX_NODES, why=_NODES_WHY)
         if self.max_nodes is not None and self.max_nodes < self.nodes:
             raise ConfigError(f"cluster.max_nodes ({self.max_nodes}) must be >= cluster.nodes ({self.nodes}), the nodes "
                               "the job starts with")
-        check(self, "gpus_per_node", as_int, minimum=1)
-        if self.device in DEVICES and self.device != "cpu":  # a config of before the split
+        check(self, "gpus_per_node", as_int, minimum=1, maximum=MAX_GPUS_PER_NODE,
+              why="the most GPUs one machine or NVLink domain has, with room to spare")
+        if isinstance(self.device, str) and self.device in DEVICES and self.device != "cpu":  # before the split
             raise ConfigError(
                 f"cluster.device: {self.device!r} is an accelerator kind, which is now cluster.accelerator (what the "
                 f"cost model assumes); cluster.device says what runs: 'cpu' or 'cuda'. Write "

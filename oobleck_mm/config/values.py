@@ -27,12 +27,15 @@ def describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def as_int(path: str, value: Any, *, minimum: int | None = None) -> int:
+def as_int(path: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+           why: str = "") -> int:
     # bool is an int subclass in Python; "true" for a batch size is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{path}: expected an integer, got {describe(value)}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{path}: must be <= {maximum}{f' ({why})' if why else ''}, got {value}")
     return value
 
 
@@ -109,7 +112,13 @@ def as_duration(path: str, value: Any) -> timedelta:
         )
     if not (math.isfinite(seconds) and seconds > 0):
         raise ConfigError(f"{path}: must be a positive duration, got {describe(value)}")
+    if seconds > MAX_DURATION_S:
+        raise ConfigError(f"{path}: at most a year ({MAX_DURATION_S:.0f} s), got {describe(value)}")
     return timedelta(seconds=seconds)
+
+
+MAX_DURATION_S = 365 * 86400.0
+"""Longest duration a field may hold: any timeout beyond it is a typo (and overflows timedelta soon after)."""
 
 
 def as_size(path: str, value: Any) -> int:

@@ -163,7 +163,7 @@ def build_templates(
         raise TooFewNodes(
             f"num_nodes ({num_nodes}) < (fault_tolerance ({f}) + 1) x min_nodes ({n0}) = {(f + 1) * n0}: "
             f"{f + 1} replica(s) of model {profile.model_name!r} need at least {(f + 1) * n0} nodes; "
-            f"use num_nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1),
+            f"use cluster.nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1),
             live_nodes=num_nodes, needed=(f + 1) * n0,
         )
     budget_max = num_nodes - f * n0
@@ -199,7 +199,7 @@ def _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, layer
         return
     if n_max == budget_max:
         fix = (
-            f"N - f n0 must reach 2 n0 - 1 = {2 * n0 - 1}: use num_nodes >= {(f + 2) * n0 - 1}"
+            f"N - f n0 must reach 2 n0 - 1 = {2 * n0 - 1}: use cluster.nodes >= {(f + 2) * n0 - 1}"
             + _or_fault_tolerance((num_nodes - 2 * n0 + 1) // n0)
         )
     elif n_max == layer_max:
@@ -217,7 +217,7 @@ def _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, layer
 
 
 def _or_fault_tolerance(largest: int) -> str:
-    return f" or fault_tolerance <= {largest}" if largest >= 0 else ""
+    return f" or fault_tolerance.f <= {largest}" if largest >= 0 else ""
 
 
 def _describe(template: PipelineTemplate) -> str:
@@ -438,6 +438,15 @@ class _Planner:
         return self.bottleneck_chain.best(num_nodes)
 
     def min_nodes(self) -> int:
+        if self.max_nodes_by_layers == 0:  # not a memory question: a node's GPUs need more stages than layers
+            c = self.cluster
+            stages = _min_stages_per_node(c.gpus_per_node, self.tables.options)
+            raise InfeasiblePlan(
+                f"model {self.profile.model_name!r} has {self.profile.num_layers} layers, but a node of "
+                f"cluster.gpus_per_node={c.gpus_per_node} GPUs needs at least {stages} stages of at least one layer "
+                f"each (cluster.max_gpus_per_stage={c.max_gpus_per_stage}); use fewer GPUs per node or raise "
+                "cluster.max_gpus_per_stage"
+            )
         for n in range(1, self.max_nodes_by_layers + 1):
             if math.isfinite(self.bottleneck(n)):
                 return n
@@ -550,8 +559,8 @@ class _Planner:
         c = self.cluster
         return (
             f"model {self.profile.model_name!r} does not fit: even the best mapping on 1..{n_max} nodes "
-            f"of {c.gpus_per_node} GPUs (max_gpus_per_stage={c.max_gpus_per_stage}, 1F1B in-flight "
+            f"of {c.gpus_per_node} GPUs (cluster.max_gpus_per_stage={c.max_gpus_per_stage}, 1F1B in-flight "
             f"activations counted) needs {worst / _GiB:.3f} GiB ({worst:.0f} bytes) on its worst stage, "
-            f"but a GPU offers {c.usable_memory_bytes / _GiB:.3f} GiB (device_memory_bytes="
-            f"{c.device_memory_bytes} x memory_headroom={c.memory_headroom})"
+            f"but a GPU offers {c.usable_memory_bytes / _GiB:.3f} GiB (cluster.device_memory "
+            f"{c.device_memory_bytes} bytes x cluster.memory_headroom {c.memory_headroom})"
         )

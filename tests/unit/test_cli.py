@@ -69,7 +69,7 @@ def test_text_output_names_templates_plan_and_reconfiguration(capsys):
         (["--fail-nodes", "node9"], "--fail-nodes: unknown node 'node9'; valid nodes are node0..node3"),
         (["--fail-nodes", "node1", "1"], "--fail-nodes: node 'node1' listed twice"),
         (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
-        (["--nodes", "1"], "need at least 2 nodes; use num_nodes >= 2 or fault_tolerance <= 0"),
+        (["--nodes", "1"], "need at least 2 nodes; use cluster.nodes >= 2 or fault_tolerance.f <= 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):

@@ -119,7 +119,7 @@ def test_the_masters_planning_answers_with_one_of_three_typed_outcomes():
     # a model that fits no device: the user must change the config
     small = tiny(device_memory="1KiB")
     failed, _ = plan_fresh(small, load_profile(small), nodes)
-    assert isinstance(failed, Failed) and "does not fit" in failed.message and "device_memory_bytes=1024" in failed.message
+    assert isinstance(failed, Failed) and "does not fit" in failed.message and "cluster.device_memory 1024 bytes" in failed.message
     # a reconfiguration, and losing too many: typed too
     again, _ = plan_reconfiguration(job, load_profile(job), templates, 3, planned.plan, ["c"], [])
     assert isinstance(again, Planned) and not again.fresh and sorted(again.plan.nodes) == ["a", "b"]

@@ -307,7 +307,15 @@ def test_templates_stop_where_more_stages_overflow_memory():
 def test_model_that_never_fits_names_model_bytes_and_memory():
     profile = profile_of([layer(f"l{i}", state=GB) for i in range(4)], name="huge-llm")
     cluster = ClusterSpec(gpus_per_node=2, device_memory_bytes=2 * GB)
-    with pytest.raises(ValueError, match=r"'huge-llm'.*4\.000 GiB.*1\.800 GiB.*device_memory_bytes=2147483648"):
+    with pytest.raises(ValueError, match=r"'huge-llm'.*4\.000 GiB.*1\.800 GiB.*cluster.device_memory 2147483648 bytes"):
+        min_nodes(profile, cluster)
+
+
+def test_a_node_with_more_gpus_than_the_model_has_layers_says_so_not_infinite_memory():
+    profile = profile_of([layer(f"l{i}", state=GB // 8) for i in range(3)], name="short")
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=80 * GB)
+    with pytest.raises(ValueError, match=r"'short' has 3 layers, but a node of cluster.gpus_per_node=4 GPUs needs at "
+                                         r"least 4 stages .*cluster.max_gpus_per_stage=1"):  # fmt: skip
         min_nodes(profile, cluster)
 
 
@@ -323,7 +331,7 @@ def test_too_few_nodes_for_the_replicas():
 def test_too_short_template_range_for_frobenius_coverage():
     profile = profile_of([layer(f"l{i}", state=GB // 8) for i in range(8)])
     cluster = ClusterSpec(gpus_per_node=1, device_memory_bytes=2 * GB)  # n0 = 3
-    with pytest.raises(ValueError, match=r"3\.\.4 nodes give p = 2.*n0 = 3.*num_nodes >= 5"):
+    with pytest.raises(ValueError, match=r"3\.\.4 nodes give p = 2.*n0 = 3.*cluster.nodes >= 5"):
         build_templates(profile, cluster, num_nodes=4, fault_tolerance=0)
     assert build_templates(profile, cluster, num_nodes=5, fault_tolerance=0).node_counts == (3, 4, 5)
 
