@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from oobleck_mm.data.dataset import BadSample
+from oobleck_mm.data.loader import build_dataset
 from oobleck_mm.errors import UserError
 
 PROGRESS_EVERY_S = 5.0
@@ -26,21 +27,12 @@ SHOWN = 5
 """Bad samples named one by one before the rest are counted."""
 
 
-@dataclass(frozen=True, slots=True)
-class BadSample:
-    position: int
-    """The record's position in the JSON file (what ``data.excluded_samples`` lists)."""
-    reason: str
-
-
 def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSample]:
     """Checks every sample of ``job.data``; returns the bad ones left out (sets ``data.excluded_samples``).
 
     Raises ``UserError`` for the first bad sample unless ``data.skip_bad_samples``, and when
     too few samples remain for one global batch.
     """
-    from oobleck_mm.data.loader import build_dataset
-
     start = time.perf_counter()
     dataset = build_dataset(job)
     if job.data.kind == "synthetic":  # generated samples: nothing to read

@@ -83,6 +83,15 @@ class ModelInputs:
         return meta.llm_tokens(self.patch_size, self.image_merge, self.audio_downsample, self.audio_merge)
 
 
+@dataclass(frozen=True, slots=True)
+class BadSample:
+    """A record left out under ``data.skip_bad_samples`` (``oobleck_mm.data.check``)."""
+
+    position: int
+    """The record's position in the JSON file (what ``data.excluded_samples`` lists)."""
+    reason: str
+
+
 def check_index(index: int, length: int) -> int:
     if isinstance(index, bool) or not hasattr(index, "__index__"):
         raise TypeError(f"sample index must be an integer, got {index!r}")

@@ -37,8 +37,7 @@ from PIL import Image, UnidentifiedImageError
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
-from oobleck_mm.data.check import BadSample
-from oobleck_mm.data.dataset import ModelInputs, check_index
+from oobleck_mm.data.dataset import BadSample, ModelInputs, check_index
 from oobleck_mm.data.sample import BOS, EOS, IMAGE, Sample, SampleMeta
 from oobleck_mm.data.tokenizer import encode, num_tokens
 
