@@ -246,17 +246,24 @@ class WorkerLoop:
                                            a.generation, engine.scaler_state())  # fmt: skip
                     continue
                 try:
-                    save_checkpoint(directory, engine, self.next_step, self.node)
+                    saved = save_checkpoint(directory, engine, self.next_step, self.node)
                 except RuntimeError as error:  # a peer died mid-save: the step stands, the checkpoint does not
                     return self.abort(a.generation, self.next_step, f"checkpoint: {str(error).splitlines()[0]}")
-                self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
-                                                              layers=len(engine.layers)))
+                if saved.error:  # the disk refused this rank's share: said as such, training goes on
+                    self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
+                                                                  error=saved.error))  # fmt: skip
+                elif saved.complete:
+                    self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
+                                                                  layers=len(engine.layers)))  # fmt: skip
         if a.save_final_dir:
             try:
-                save_checkpoint(a.save_final_dir, engine, a.steps)
+                saved = save_checkpoint(a.save_final_dir, engine, a.steps)
             except RuntimeError as error:  # the next generation (no steps left) saves it again
                 return self.abort(a.generation, a.steps, f"final save: {str(error).splitlines()[0]}")
-            write_replica_hashes(a.save_final_dir, engine)
+            if saved.error:  # every step trained; the disk refused the model: the user's to fix, named
+                raise UserError(f"--save-final: could not write the final checkpoint: {saved.error}")
+            if saved.complete:
+                write_replica_hashes(a.save_final_dir, engine)
         self.report(done=pb.WorkerDone(step=a.steps - 1))
         leave_group()
         return self.commands.get()

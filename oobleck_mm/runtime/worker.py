@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
-from oobleck_mm.runtime.checkpoint import save_layers, save_meta
+from oobleck_mm.runtime.checkpoint import save_layers, save_meta, write_error
 from oobleck_mm.runtime.engine import StageEngine, StepResult
 from oobleck_mm.runtime.group import join_generation
 from oobleck_mm.runtime.hold import hold
@@ -63,20 +63,47 @@ def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, devi
     return engine
 
 
-def save_checkpoint(directory: str, engine: StageEngine, step: int, node: str = "") -> None:
+@dataclass(frozen=True, slots=True)
+class SaveOutcome:
+    """How a collective checkpoint went: complete (meta.json written) or not, and this rank's own disk error."""
+
+    complete: bool
+    error: str = ""
+    """This rank's write that failed ("No space left on device: PATH"); empty when its share was written."""
+
+
+def save_checkpoint(directory: str, engine: StageEngine, step: int, node: str = "") -> SaveOutcome:
     """Collective: every rank writes the layers it owns (first holder), then rank 0 writes meta.json.
 
-    ``node``: this worker's node, for the ``checkpoint`` hold point (``runtime/hold.py``), which
-    sits between its layer files and the barrier.
+    A write the disk refuses (a full disk, a read-only mount) is not a failure of the run: every
+    rank learns of it in the agreement that replaces the first barrier, no meta.json is written (a
+    restart never loads a partial checkpoint) and the rank whose write failed returns the reason;
+    training state stays in memory. ``node``: this worker's node, for the ``checkpoint`` hold point
+    (``runtime/hold.py``), which sits between its layer files and the agreement.
     """
     plan, rank = engine.plan, engine.rank
     owned = [i for i in engine.layers if plan.holders(i)[0] == rank]
-    save_layers(directory, engine.held(), owned, engine.specs, engine.scaler_state())
+    error = ""
+    try:
+        save_layers(directory, engine.held(), owned, engine.specs, engine.scaler_state())
+    except OSError as exc:
+        error = write_error(exc, directory)
     hold("checkpoint", node)
-    dist.barrier()
+    if not _all_wrote(not error, engine.device):
+        return SaveOutcome(False, error)
     if rank == 0:
-        save_meta(directory, engine.job, step, engine.specs, engine.data.sampler)
-    dist.barrier()
+        try:
+            save_meta(directory, engine.job, step, engine.specs, engine.data.sampler)
+        except OSError as exc:
+            error = write_error(exc, directory)
+    return SaveOutcome(_all_wrote(not error, engine.device), error)
+
+
+def _all_wrote(wrote: bool, device: torch.device) -> bool:
+    """Collective: did every rank write its part? (A MIN all-reduce doubling as the barrier.)"""
+    flag = torch.tensor([1.0 if wrote else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def write_replica_hashes(directory: str, engine: StageEngine) -> None:
@@ -157,7 +184,8 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                 results.append(engine.train_step(s))
             step += phase.steps
         if save_final is not None:
-            save_checkpoint(save_final, engine, step)
+            if not (saved := save_checkpoint(save_final, engine, step)).complete:
+                raise OSError(saved.error or f"another rank could not write its share of {save_final}")
         states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
         optim = {engine.specs[i].name: optimizer_state(opt) for i, opt in engine.optimizers.items()}
         torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,

@@ -212,6 +212,28 @@ def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_pat
     check_final(config, 8, final)
 
 
+def test_restart_mode_a_checkpoint_the_disk_refuses_is_said_as_such_and_training_goes_on(launches, tmp_path):
+    """The periodic checkpoint of step 2 cannot be written (its layer file's temporary name is /dev/full,
+    which answers every write with ENOSPC): no rank crashes, no node is taken for lost, no meta.json makes
+    the partial checkpoint loadable, and the one of step 4 is written as usual."""
+    config = write_config(tmp_path, nodes=3, steps=6)
+    step2 = tmp_path / "run" / "checkpoints" / "step00000002" / "layers"
+    step2.mkdir(parents=True)
+    (step2 / "llm.block0.tmp").symlink_to("/dev/full")
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
+                "--checkpoint-interval", "2")  # fmt: skip
+    finish_ok(run)
+    [failed] = run.events("checkpoint_failed")
+    assert failed["step"] == 2 and failed["error"].startswith("No space left on device: ") and str(step2.parent) \
+        in failed["error"], failed
+    assert [e["step"] for e in run.events("checkpoint_saved")] == [4, 6]
+    assert not (step2.parent / "meta.json").exists()
+    assert not run.events("worker_failed") and not run.events("lost") and not run.events("aborted")
+    assert "checkpoint of step 2 could not be written" in run.stdout + run.stderr
+    check_final(config, 6, final)
+
+
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path, monkeypatch):
     steps = 200  # the job still trains when the joiner's worker is ready, on a loaded machine too
     config = write_config(tmp_path, nodes=3, steps=steps)
