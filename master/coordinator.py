@@ -653,6 +653,10 @@ class Coordinator:
         self._progress.metrics(m)
 
     def _on_phase(self, gpu: Gpu, p: pb.PhaseDone) -> None:
+        if p.phase == "holding":  # a hold point (tests, --inject @phase:P): what the injector fires on
+            self.events.write("holding", node=gpu[0], local_rank=gpu[1], generation=p.generation, point=p.message,
+                              seconds=p.seconds)  # fmt: skip
+            return
         self._last_progress = self.clock()
         if p.phase == "aborted" and p.generation == self.generation and self._abandoned is None:
             self._abandoned = (self.clock(), p.message.splitlines()[0] if p.message else "no message")

@@ -25,6 +25,8 @@ import psutil
 
 from master.coordinator import JobPhase
 from master.server import MasterOptions, MasterServer
+from oobleck_mm.faults.spec import hold_points
+from oobleck_mm.runtime.hold import ENV as HOLD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class LocalCluster:
         env = dict(os.environ)
         # One torch thread per simulated GPU unless the user chose otherwise: N workers share this CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
+        if holds := hold_points(self.options.faults):  # --inject kill:NODE@phase:copy: NODE's worker waits there
+            env[HOLD_ENV] = ",".join(filter(None, (env.get(HOLD_ENV, ""), holds)))
         cmd = [sys.executable, "-m", "oobleck_mm.cli", "agent", "--master", self.server.address, "--node", node,
                "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.server.token_file,
                "--log-level", self.options.log_level]  # fmt: skip

@@ -178,11 +178,16 @@ class Injector:
     # ------------------------------------------------------------------ one poll (also called by tests)
     def poll(self, now: float) -> list[dict[str, Any]]:
         """Reads new progress and fires what is due at wall time ``now``; returns the records written."""
+        reached: list[FaultEvent] = []
         for event in self._tail.poll():
             self.progress.update(event)
+            reached += [f for f in self.pending if f.reached(event) and f not in reached]
         if self.progress.finished:
             return []
         records = self._reclaim(now)
+        if reached:  # @phase:P: the node is there now (its worker holds until the fault lands)
+            self.pending = [f for f in self.pending if f not in reached]
+            records += self.fire(reached)
         elapsed = self.progress.elapsed(now)
         due = [f for f in self.pending if f.due(self.progress.steps_done, elapsed)]
         if not due:
@@ -254,6 +259,8 @@ class Injector:
         fault = target.fault
         common = dict(kind=fault.kind, node=fault.node, step=self.progress.steps_done,
                       seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        if fault.phase is not None:
+            common["phase"] = fault.phase
         if fault.kind == "killworker":
             common["local_rank"] = fault.local_rank
         if target.error is not None:
@@ -267,6 +274,8 @@ class Injector:
         name = fault.node or self._next_name()
         common = dict(kind="join", node=name, step=self.progress.steps_done,
                       seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        if fault.phase is not None:
+            common["phase"] = fault.phase
         if name in self.agents() and _live_process(self.agents()[name]) is not None:
             return self._write("inject_skipped", reason=f"node {name} is already running", **common)
         try:

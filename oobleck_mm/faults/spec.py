@@ -20,6 +20,16 @@ Forms (one token each; tokens are comma-separated, flags may repeat):
                    the failure hits step N while it runs; step0 = as soon as the
                    first plan is decided
          | tXs     X seconds (a decimal) after the first step completed
+         | phase:P the node's worker is inside phase P (failures only), so a failure lands
+                   there on purpose instead of by timing luck:
+                     copy        a re-formed generation's state copy (after its rendezvous)
+                     rendezvous  joining a re-formed generation (before its arrival)
+                     checkpoint  a collective checkpoint, its layer files written, before
+                                 the agreement (restart mode, --save-final)
+                     registered  the node has just registered (a joiner, before admission)
+                   For copy, rendezvous and checkpoint the launcher makes the node's worker
+                   hold there (``runtime/hold.py``, ``PHASE_HOLD_S``) and report it; the
+                   fault fires on that report.
 
 Several events at the same step fire together: simultaneous failures.
 """
@@ -42,13 +52,21 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 VALID_FORMS = (
     "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "
-    "join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s)"
+    "join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
+    "@phase:P, P one of copy, rendezvous, checkpoint, registered)"
 )
 
 _STEP = re.compile(r"^step(\d+)$")
 _TIME = re.compile(r"^t(\d+(?:\.\d*)?|\.\d+)s$")
 _GPU = re.compile(r"^gpu(\d+)$")
 _NOTICE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)s$")
+PHASES = ("copy", "rendezvous", "checkpoint", "registered")
+"""Phases a failure can be aimed at (``@phase:P``)."""
+HELD_PHASES = PHASES[:3]
+"""Phases the target's worker holds in until the fault lands (the rest are events of the master)."""
+PHASE_HOLD_S = 20.0
+"""How long the target's worker holds in its phase: the fault lands within milliseconds of the
+report; the bound only matters if it never comes (the job ended first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,8 @@ class FaultEvent:
     """Fire once this many steps are complete."""
     seconds: float | None = None
     """Fire this many seconds after the first step completed."""
+    phase: str | None = None
+    """Fire once the node is in this phase (``PHASES``)."""
     local_rank: int = 0
     """``killworker`` only: which worker of the node."""
     notice_s: float = DEFAULT_NOTICE_S
@@ -73,8 +93,11 @@ class FaultEvent:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise UserError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if (self.step is None) == (self.seconds is None):
-            raise UserError(f"fault {self.source or self.kind!r}: give exactly one of step and seconds")
+        if sum(x is not None for x in (self.step, self.seconds, self.phase)) != 1:
+            raise UserError(f"fault {self.source or self.kind!r}: give exactly one of step, seconds and phase")
+        if self.phase is not None and (self.phase not in PHASES or self.kind not in FAILURE_KINDS):
+            raise UserError(f"fault {self.source or self.kind!r}: @phase:P is for failures, P one of "
+                            f"{', '.join(PHASES)}")  # fmt: skip
         if self.node is None and self.kind != "join":
             raise UserError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
 
@@ -85,15 +108,26 @@ class FaultEvent:
     def due(self, steps_done: int | None, elapsed_s: float | None) -> bool:
         """Whether to fire now. ``steps_done``: completed steps (0 once a plan exists, None before);
         ``elapsed_s``: seconds since the first step completed (None before)."""
+        if self.phase is not None:
+            return False  # fired by the event that says the node is there (``reached``)
         if self.step is not None:
             return steps_done is not None and steps_done >= self.step
         return elapsed_s is not None and elapsed_s >= self.seconds
+
+    def reached(self, event: dict) -> bool:
+        """Whether the master's ``event`` says this fault's node is in its phase."""
+        if self.phase is None or event.get("node") != self.node:
+            return False
+        if self.phase == "registered":
+            return event.get("event") == "registered"
+        return event.get("event") == "holding" and event.get("point") == self.phase
 
     def describe(self) -> str:
         target = self.node or ""
         if self.kind == "killworker":
             target += f":gpu{self.local_rank}"
-        when = f"step{self.step}" if self.step is not None else f"t{self.seconds:g}s"
+        when = (f"step{self.step}" if self.step is not None else f"phase:{self.phase}" if self.phase is not None
+                else f"t{self.seconds:g}s")
         if self.kind == "preempt":
             when += f"+{self.notice_s:g}s"
         return f"{self.kind}{':' if target else ''}{target}@{when}"
@@ -116,9 +150,9 @@ def parse_token(token: str) -> FaultEvent:
     """One event, e.g. ``killworker:node2:gpu1@step6``; ValueError naming the token otherwise."""
     what, at, when = token.partition("@")
     if not at or not when:
-        _bad(token, "missing '@stepN' or '@tXs'")
+        _bad(token, "missing '@stepN', '@tXs' or '@phase:P'")
     when, plus, notice = when.partition("+")
-    step, seconds = _parse_when(token, when)
+    step, seconds, phase = _parse_when(token, when)
     kind, *parts = what.split(":")
     if kind not in KINDS:
         _bad(token, f"unknown kind {kind!r}")
@@ -130,16 +164,22 @@ def parse_token(token: str) -> FaultEvent:
             _bad(token, f"bad notice {notice!r}: expected Ts (T seconds >= 0), e.g. +10s")
         notice_s = float(m.group(1))
     node, local_rank = _parse_target(token, kind, parts)
-    return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, local_rank=local_rank, notice_s=notice_s,
-                      source=token)  # fmt: skip
+    if phase is not None and kind not in FAILURE_KINDS:
+        _bad(token, "@phase:P is for failures (kill, killworker, stop, preempt)")
+    return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, phase=phase, local_rank=local_rank,
+                      notice_s=notice_s, source=token)  # fmt: skip
 
 
-def _parse_when(token: str, when: str) -> tuple[int | None, float | None]:
+def _parse_when(token: str, when: str) -> tuple[int | None, float | None, str | None]:
     if m := _STEP.match(when):
-        return int(m.group(1)), None
+        return int(m.group(1)), None, None
     if m := _TIME.match(when):
-        return None, float(m.group(1))
-    _bad(token, f"bad time {when!r}: expected stepN (N >= 0) or tXs (X seconds >= 0)")
+        return None, float(m.group(1)), None
+    if when.startswith("phase:"):
+        if when[6:] not in PHASES:
+            _bad(token, f"unknown phase {when[6:]!r}: one of {', '.join(PHASES)}")
+        return None, None, when[6:]
+    _bad(token, f"bad time {when!r}: expected stepN (N >= 0), tXs (X seconds >= 0) or phase:P")
     raise AssertionError  # unreachable: _bad raises
 
 
@@ -187,6 +227,11 @@ def check_targets(faults: Iterable[FaultEvent], nodes: Iterable[str]) -> None:
                 f"--inject {fault.source or fault.describe()}: node {fault.node!r} is not in this run "
                 f"(nodes {', '.join(known)}{joins})"
             )
+
+
+def hold_points(faults: Iterable[FaultEvent]) -> str:
+    """``OOBLECK_HOLD_AT`` entries that make each ``@phase:P`` target's worker wait in P for its fault."""
+    return ",".join(f"{f.phase}@{f.node}:{PHASE_HOLD_S:g}" for f in faults if f.phase in HELD_PHASES)
 
 
 def node_number(node: str) -> int:

@@ -62,7 +62,7 @@ from oobleck_mm.runtime.checkpoint import (
 )
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.group import connect_store, join_generation, leave_group, torchrun_environment
-from oobleck_mm.runtime.hold import hold, hold_step
+from oobleck_mm.runtime.hold import hold, hold_step, set_announcer
 from oobleck_mm.runtime.state_transfer import adopt_plan
 from oobleck_mm.runtime.timing import peak_memory_bytes
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
@@ -165,6 +165,11 @@ class WorkerLoop:
                              stall_after=self.timeouts.stall_report_after.total_seconds())  # fmt: skip
         self._send_lock = threading.Lock()  # the checkpoint writer reports from its own thread
         self.checkpointer = AsyncCheckpointer(self._checkpoint_written, self._checkpoint_failed)
+        self.assigned_generation = 0
+        """The generation of the assignment in hand (from its rendezvous on)."""
+        # A hold point (runtime/hold.py, tests and --inject @phase:P) is reported before it holds.
+        set_announcer(lambda point, seconds: self.phase(self.assigned_generation, "holding", seconds=seconds,
+                                                        message=point))  # fmt: skip
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
@@ -278,7 +283,10 @@ class WorkerLoop:
     def rendezvous(self, a):
         """Join generation ``a.generation``; returns a newer command instead if one arrives while waiting."""
         t0 = time.perf_counter()
+        self.assigned_generation = a.generation
         leave_group()
+        if a.previous_generation:
+            hold("rendezvous", self.node)
         os.environ.update(torchrun_environment(
             a.rank, a.world_size, self.local_rank, self.node, list(a.rank_nodes), a.store_host, a.store_port,
         ))  # fmt: skip

@@ -11,10 +11,16 @@ step that precedes the checkpoint, lands while they wait. Entries are
 Points:
 
 - ``checkpoint``: in a checkpoint, after this rank's layer files, before the barrier;
+- ``rendezvous``: before joining a re-formed generation (generation > 1), so its peers wait for it
+  at the arrival;
 - ``copy``: a new generation joined, before its layer states are copied;
 - ``stepN``: before this worker's step N, once per worker process (a rerun of step N in a later
   generation does not hold again): a worker silent past ``collective_timeout`` while its agent
   heartbeats, so every peer's collective times out with no node lost.
+
+A worker that holds says so first (``set_announcer``: the agent's worker reports it to the master,
+which logs ``holding``): ``--inject kill:NODE@phase:copy`` fires on that report, so the kill lands
+while the worker is inside the phase.
 
 Unset (every real run), a hold point costs one dictionary lookup.
 """
@@ -24,13 +30,21 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 ENV = "OOBLECK_HOLD_AT"
-POINTS = ("checkpoint", "copy", "stepN")
+POINTS = ("checkpoint", "copy", "rendezvous", "stepN")
 _held_steps: set[int] = set()
 """Steps this process already held before (``stepN`` holds once)."""
+_announce: Callable[[str, float], None] | None = None
+
+
+def set_announcer(announce: Callable[[str, float], None] | None) -> None:
+    """``announce(point, seconds)`` is called before each hold (the worker reports it to the master)."""
+    global _announce
+    _announce = announce
 
 
 def hold(point: str, node: str) -> None:
@@ -40,6 +54,8 @@ def hold(point: str, node: str) -> None:
     seconds = table.get((point, node), table.get((point, None)))
     if seconds:
         log.warning("holding %.1f s at %s (%s)", seconds, point, ENV)
+        if _announce is not None:
+            _announce(point, seconds)
         time.sleep(seconds)
 
 

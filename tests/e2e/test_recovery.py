@@ -234,6 +234,46 @@ def test_restart_mode_a_checkpoint_the_disk_refuses_is_said_as_such_and_training
     check_final(config, 6, final)
 
 
+def test_a_peer_killed_inside_the_state_copy_on_purpose_is_a_second_recovery(launches, tmp_path):
+    """--inject kill:node1@phase:copy: node1's worker holds in generation 2's state copy (after its
+    rendezvous) and says so; the kill lands there, not by timing luck. Generation 2 never completes a
+    step; generation 3 is planned from what everyone still holds (generation 1) and the run equals the
+    reference."""
+    steps = 10
+    config = write_config(tmp_path, nodes=4, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
+                "--inject", "kill:node1@phase:copy")  # fmt: skip
+    finish_ok(run)
+    [holding] = run.events("holding", node="node1")
+    assert holding["point"] == "copy" and holding["generation"] == 2
+    [phase_kill] = run.events("injected", node="node1")
+    assert phase_kill["phase"] == "copy" and phase_kill["ts"] >= holding["ts"]
+    assert not run.events("resumed", generation=2), "generation 2 lost node1 inside its copy"
+    last = run.events("plan_decided")[-1]
+    assert last["generation"] == 3 and last["previous_generation"] == 1 and "node1" not in last["nodes"]
+    assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
+    check_final(config, steps, final)
+
+
+def test_a_joiner_killed_right_after_it_registered_costs_the_survivors_nothing(launches, tmp_path):
+    """--inject join:node3@step2 and kill:node3@phase:registered: the joiner dies before it is admitted;
+    the job never plans it in, no survivor aborts an iteration."""
+    steps = 12
+    config = write_config(tmp_path, nodes=3, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join:node3@step2",
+                "--inject", "kill:node3@phase:registered")  # fmt: skip
+    finish_ok(run)
+    [registered] = run.events("registered", node="node3")
+    [killed] = run.events("injected", node="node3", kind="kill")
+    assert killed["phase"] == "registered" and killed["ts"] >= registered["ts"]
+    assert all("node3" not in e["nodes"] for e in run.events("plan_decided"))
+    assert not run.events("aborted")
+    assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
+    check_final(config, steps, final)
+
+
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path, monkeypatch):
     steps = 200  # the job still trains when the joiner's worker is ready, on a loaded machine too
     config = write_config(tmp_path, nodes=3, steps=steps)

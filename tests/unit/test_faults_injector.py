@@ -169,3 +169,25 @@ def test_the_tail_returns_whole_lines_only(tmp_path):
         fh.write(': 1}\nnot json\n')
         fh.flush()
         assert tail.poll() == [{"event": "b", "x": 1}]
+
+
+def test_phase_events_fire_when_the_master_logs_the_node_there(cluster, tmp_path):
+    """@phase:P: the kill lands when the event log says the node's worker holds in P (or registered)."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    injector = Injector(parse_inject("kill:node1@phase:copy,kill:node3@phase:registered,join:node3@step1"),
+                        event_log_path=path, events=log, agents=cluster.agents,
+                        start_agent=cluster.start_agent)  # fmt: skip
+    log.write("plan_decided", generation=1)
+    log.write("holding", node="node2", local_rank=0, generation=2, point="copy")  # another node
+    log.write("holding", node="node1", local_rank=0, generation=2, point="checkpoint")  # another phase
+    assert injector.poll(time.time()) == []
+    log.write("step", generation=1, step=0)
+    [join] = injector.poll(time.time())
+    assert join["node"] == "node3"
+    log.write("registered", node="node3")
+    log.write("holding", node="node1", local_rank=0, generation=2, point="copy")
+    fired = injector.poll(time.time())
+    assert sorted(r["node"] for r in fired) == ["node1", "node3"] and all(r["event"] == "injected" for r in fired)
+    assert cluster.procs["node1"].wait(15) == -9 and cluster.procs["node3"].wait(15) == -9
+    assert injector.pending == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 
 from oobleck_mm.faults.spec import FaultEvent, parse_inject, parse_token
@@ -153,7 +155,39 @@ def test_hold_points_parse_per_node_and_refuse_unknown_points():
 
     assert holds("checkpoint@node1:3, copy:0.5") == {("checkpoint", "node1"): 3.0, ("copy", None): 0.5}
     assert holds("") == {}
-    with pytest.raises(ValueError, match="the point must be one of checkpoint, copy"):
-        holds("rendezvous:1")
+    with pytest.raises(ValueError, match="the point must be one of checkpoint, copy, rendezvous"):
+        holds("barrier:1")
     with pytest.raises(ValueError, match="expected point\\[@node\\]:seconds"):
         holds("checkpoint@node1")
+
+
+def test_phase_triggers_parse_for_failures_and_say_which_workers_hold():
+    from oobleck_mm.faults.spec import PHASE_HOLD_S, hold_points
+    from oobleck_mm.runtime.hold import holds
+
+    faults = parse_inject("kill:node1@phase:copy,stop:node2@phase:rendezvous,kill:node3@phase:registered,"
+                          "preempt:node0@phase:checkpoint+5s")  # fmt: skip
+    assert [(f.kind, f.node, f.phase) for f in faults] == [
+        ("kill", "node1", "copy"), ("stop", "node2", "rendezvous"), ("kill", "node3", "registered"),
+        ("preempt", "node0", "checkpoint")]  # fmt: skip
+    assert [f.describe() for f in faults][:3] == ["kill:node1@phase:copy", "stop:node2@phase:rendezvous",
+                                                  "kill:node3@phase:registered"]  # fmt: skip
+    assert not any(f.due(100, 100.0) for f in faults), "never by steps or time"
+    # The node's worker holds in its phase (registered is the master's event: nothing to hold).
+    assert holds(hold_points(faults)) == {("copy", "node1"): PHASE_HOLD_S, ("rendezvous", "node2"): PHASE_HOLD_S,
+                                          ("checkpoint", "node0"): PHASE_HOLD_S}  # fmt: skip
+    copy, _, registered, _ = faults
+    assert copy.reached({"event": "holding", "node": "node1", "point": "copy"})
+    assert not copy.reached({"event": "holding", "node": "node2", "point": "copy"})
+    assert not copy.reached({"event": "holding", "node": "node1", "point": "checkpoint"})
+    assert registered.reached({"event": "registered", "node": "node3"})
+
+
+@pytest.mark.parametrize("token, words", [
+    ("join:node4@phase:copy", "@phase:P is for failures"),
+    ("kill:node1@phase:barrier", "unknown phase 'barrier': one of copy, rendezvous, checkpoint, registered"),
+    ("kill:node1@phase:", "unknown phase ''"),
+])  # fmt: skip
+def test_bad_phase_triggers_name_the_token(token, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        parse_inject(token)
