@@ -2,12 +2,15 @@
 
 Layout of a checkpoint directory::
 
-    meta.json            {"format", "step", "num_layers", "layer_names", "layer_bytes", "config", "sampler": {...}}
+    meta.json            {"format", "step", "num_layers", "layer_names", "layer_bytes", "layer_sha256",
+                          "config", "sampler": {...}}
     layers/<name>.pt     {"params": state_dict, "optimizer": flat optimizer state or None}
+    layers/<name>.sha256 the shard's sha256, computed by its writer as it wrote it (no second read)
 
 ``layer_bytes`` (each layer file's size, read when meta.json is written last)
-lets ``check_layer_files`` find a missing or truncated shard before any worker
-loads one.
+and ``layer_sha256`` (the writers' digests, gathered then) let
+``check_layer_files`` find a missing, truncated or corrupted shard before any
+worker loads one.
 
 ``step`` is the next global step to run; the sampler is stateless in the step,
 so it is the whole data position. Every rank writes the layers it owns (the
@@ -19,6 +22,7 @@ and what ``python -m oobleck_mm.verify`` compares against.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zipfile
@@ -72,16 +76,37 @@ def write_error(exc: BaseException, directory: str) -> str:
     return f"{str(exc).splitlines()[0]}: {directory}"  # torch's writer wrapping the disk's error
 
 
-def write_layer_file(directory: Path, name: str, payload: dict) -> None:
-    """Atomically: a temporary file, flushed to disk, then renamed over the layer's file."""
+def write_layer_file(directory: Path, name: str, payload: dict) -> str:
+    """Atomically: a temporary file, flushed to disk, then renamed over the layer's file; then its
+    sha256 (hashed from the bytes as they were written) next to it. Returns the digest."""
     path = _layer_file(directory, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as fh:
-        torch.save(payload, fh)
+        hashing = _HashingWriter(fh)
+        torch.save(payload, hashing)
         fh.flush()
         os.fsync(fh.fileno())  # a crash after the rename must not leave a file of zeros behind the name
     os.replace(tmp, path)
+    digest = hashing.sha256.hexdigest()
+    sidecar = path.with_suffix(".sha256")
+    sidecar.with_suffix(".sha256.tmp").write_text(digest + "\n")
+    os.replace(sidecar.with_suffix(".sha256.tmp"), sidecar)
+    return digest
+
+
+class _HashingWriter:
+    """A file that hashes what goes through it (torch.save writes its zip archive sequentially)."""
+
+    def __init__(self, fh) -> None:
+        self.fh, self.sha256 = fh, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
 
 
 def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None) -> None:
@@ -94,6 +119,7 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
         "num_layers": len(specs),
         "layer_names": [s.name for s in specs],
         "layer_bytes": {s.name: _size(_layer_file(directory, s.name)) for s in specs},
+        "layer_sha256": {s.name: digest for s in specs if (digest := _recorded_digest(directory, s.name))},
         "config": job.to_dict(),  # config_from_dict reads it back (export does)
         "sampler": ({"epoch": sampler.epoch_of(step), "steps_per_epoch": sampler.steps_per_epoch}
                     if sampler is not None else None),
@@ -125,13 +151,15 @@ def read_meta(directory: str | os.PathLike) -> dict:
 
 
 def check_layer_files(directory: str | os.PathLike, meta: Mapping) -> None:
-    """Raises ``UserError`` naming the first layer file that is missing, not the recorded size, or no zip archive.
+    """Raises ``UserError`` naming the first layer file that is missing, not the recorded size, no zip
+    archive, or not the recorded sha256.
 
-    Cheap (a stat and a zip directory read per layer, no tensor loaded), so the master
-    runs it before any worker starts loading. ``layer_bytes`` is absent from checkpoints
-    of older versions: then only presence and readability are checked.
+    The master runs it before any worker starts loading: a stat, a zip directory read and one
+    sequential read per layer (for the digest), no tensor loaded. ``layer_bytes`` and
+    ``layer_sha256`` are absent from checkpoints of older versions: then less is checked.
     """
     recorded = meta.get("layer_bytes") or {}
+    digests = meta.get("layer_sha256") or {}
     for name in meta["layer_names"]:
         path = _layer_file(Path(directory), name)
         size = _size(path)
@@ -141,6 +169,24 @@ def check_layer_files(directory: str | os.PathLike, meta: Mapping) -> None:
             raise UserError(f"{path}: {size} bytes, the checkpoint recorded {recorded[name]} (truncated or replaced)")
         if not zipfile.is_zipfile(path):
             raise UserError(f"{path}: not a readable layer shard (torch.save's zip archive is damaged)")
+        if name in digests and _file_digest(path) != digests[name]:
+            raise UserError(f"{path}: its sha256 is not the one the checkpoint recorded (corrupted or replaced)")
+
+
+def _recorded_digest(directory: Path, name: str) -> str:
+    """The sha256 the layer's writer recorded next to it ("" when absent: an older checkpoint)."""
+    try:
+        return _layer_file(directory, name).with_suffix(".sha256").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _size(path: Path) -> int:

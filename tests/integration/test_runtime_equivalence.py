@@ -137,7 +137,7 @@ def test_saved_run_verifies_against_the_reference(tmp_path, capsys):
     config.write_text(yaml.safe_dump(d))
     run_local(config_from_dict(d), plan, 3, tmp_path / "out", save_final=str(tmp_path / "final"))
     meta = read_meta(tmp_path / "final")
-    assert meta["step"] == 3 and len(list((tmp_path / "final" / "layers").iterdir())) == 10
+    assert meta["step"] == 3 and len(list((tmp_path / "final" / "layers").glob("*.pt"))) == 10
     assert verify.main(["--config", str(config), "--steps", "3", "--against", str(tmp_path / "final")]) == 0
     assert "within tolerance" in capsys.readouterr().out
     # a different number of steps is a different model: verification must fail

@@ -852,3 +852,31 @@ def test_a_below_threshold_checkpoint_the_disk_refused_ends_the_job_naming_the_d
                                                          error=f"No space left on device: {command.checkpoint.dir}"))
     result = j.c.tick()
     assert result.exit_code == 1 and "could not be written on a/gpu0: No space left on device" in result.message
+
+
+def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path):
+    """Same size, a valid zip archive, one flipped byte in a tensor: only the digest its writer recorded
+    (hashed as it wrote, layers/<name>.sha256, gathered into meta.json) tells."""
+    import torch
+
+    from master.checkpointing import resume_step
+    from oobleck_mm.errors import UserError
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.checkpoint import save_meta, write_layer_file
+
+    job = load_config(TINY)
+    specs = model_layer_specs(job)
+    for spec in specs:
+        digest = write_layer_file(tmp_path, spec.name, {"params": {"w": torch.arange(4096, dtype=torch.float32)},
+                                                        "optimizer": None})  # fmt: skip
+        assert (tmp_path / "layers" / f"{spec.name}.sha256").read_text().strip() == digest
+    save_meta(tmp_path, job, 4, specs)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert set(meta["layer_sha256"]) == {s.name for s in specs}
+    assert resume_step(str(tmp_path), job) == 4
+    shard = tmp_path / "layers" / "llm.head.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"llm.head.pt: its sha256 is not the one the checkpoint recorded"):
+        resume_step(str(tmp_path), job)

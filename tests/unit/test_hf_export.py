@@ -17,7 +17,7 @@ from oobleck_mm.config import config_from_dict  # noqa: E402
 from oobleck_mm.export import export_checkpoint  # noqa: E402
 from oobleck_mm.model.layers import model_layer_specs  # noqa: E402
 from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
-from oobleck_mm.runtime.checkpoint import save_layers, save_meta  # noqa: E402
+from oobleck_mm.runtime.checkpoint import save_layers, save_meta, write_layer_file  # noqa: E402
 from oobleck_mm.runtime.engine import fresh_layer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,11 +70,11 @@ def test_export_loads_with_from_pretrained_and_holds_the_checkpoints_values(tmp_
     job = job_of(source, dtype="float64")
     ckpt = checkpoint_without_training(job, tmp_path / "ckpt")
     # change every checkpointed value, as training would
-    for f in os.listdir(ckpt / "layers"):
-        payload = torch.load(ckpt / "layers" / f, weights_only=True)
+    for f in sorted((ckpt / "layers").glob("*.pt")):
+        payload = torch.load(f, weights_only=True)
         payload["params"] = {k: v + 0.25 for k, v in payload["params"].items()}
-        torch.save(payload, ckpt / "layers" / f)
-    save_meta(ckpt, job, 0, model_layer_specs(job))  # record the new sizes
+        write_layer_file(ckpt, f.stem, payload)
+    save_meta(ckpt, job, 0, model_layer_specs(job))  # record the new sizes and digests
     export_checkpoint(ckpt, tmp_path / "out", dtype="float64")
     model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "out")
     original = transformers.LlavaForConditionalGeneration.from_pretrained(source)
