@@ -27,9 +27,9 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import call_metadata
 
-FIRST_POLL_S = 0.002
+FIRST_POLL_S = 0.001
 """First pause between two reads of a key not yet set."""
-LONGEST_POLL_S = 0.05
+LONGEST_POLL_S = 0.01
 """Pauses double up to this."""
 CALL_TIMEOUT_S = 10.0
 """Longest one store call may take (a master that stopped answering)."""
