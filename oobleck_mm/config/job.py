@@ -546,9 +546,13 @@ class FaultToleranceConfig:
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100
-    """Steps between periodic checkpoints (``<run dir>/checkpoints/stepN``); 0 never checkpoints. Live
+    """Steps between periodic checkpoints (``<run dir>/checkpoints/stepN``); 0: no step-based ones. Live
     mode snapshots each layer once to host memory and writes it in the background, keeping the last
     two; it is where the job stops (exit 3) when a loss takes every copy of some layer."""
+    checkpoint_every: timedelta | None = timedelta(minutes=30)
+    """Also checkpoint once this much time passed since the last checkpoint (whichever of the two
+    comes first); null: by steps only. Every rank's clock is asked in the step's last collective, so
+    all checkpoint after the same step."""
 
     def __post_init__(self) -> None:
         check(self, "f", as_int, minimum=0)
@@ -559,6 +563,7 @@ class FaultToleranceConfig:
         check(self, "preempt_grace", as_duration)
         check(self, "recovery", as_choice, ("live", "restart"))
         check(self, "checkpoint_interval", as_int, minimum=0)
+        check_optional(self, "checkpoint_every", as_duration)
 
     # ------------------------------------------------------------------ workers
     @property

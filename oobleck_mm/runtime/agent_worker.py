@@ -219,6 +219,10 @@ class WorkerLoop:
         gen = Generation(a.generation, plan, a.rank, engine)
         self.current = gen
         engine.command_waiting = self.commands.waiting
+        every = self.timeouts.checkpoint_every.total_seconds() if self.timeouts.checkpoint_every else 0.0
+        if every and a.checkpoint_dir:  # time-based periodic checkpoints: this worker's clock, agreed by all
+            last_checkpoint = time.monotonic()
+            engine.checkpoint_due = lambda: time.monotonic() - last_checkpoint >= every
         switch = False
         for step in range(start, a.steps):
             if switch:  # every rank: some rank held a command when the last step ended (StepResult.switch)
@@ -241,7 +245,10 @@ class WorkerLoop:
             if self.committed is not gen:
                 self.committed = gen
                 self.phase(a.generation, "resumed", step=step)
-            if a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0 and a.checkpoint_dir:
+            by_steps = a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0
+            if (by_steps or result.checkpoint_due) and a.checkpoint_dir:
+                if every:
+                    last_checkpoint = time.monotonic()
                 # A directory per step: a save cut short by a lost peer leaves a directory without
                 # meta.json next to the last complete checkpoint, never a mix of two steps in one.
                 directory = periodic_checkpoint_dir(a.checkpoint_dir, self.next_step)

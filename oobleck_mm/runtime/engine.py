@@ -81,6 +81,9 @@ class StepResult:
     switch: bool = False
     """Some rank held a command when the step's last collective ran: every rank applies it after
     this step (one boundary for all, whoever received the command first)."""
+    checkpoint_due: bool = False
+    """Some rank's clock said a periodic checkpoint is due (``fault_tolerance.checkpoint_every``):
+    every rank checkpoints after this step, the same step everywhere."""
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
@@ -144,6 +147,8 @@ class StageEngine:
         self.command_waiting: Callable[[], bool] = lambda: False
         """Whether this worker holds a command to apply at an iteration boundary (the worker sets it):
         the step's last collective tells every rank whether any rank does, so all switch together."""
+        self.checkpoint_due: Callable[[], bool] = lambda: False
+        """Whether this worker's clock says a periodic checkpoint is due; agreed in the same collective."""
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
@@ -319,11 +324,13 @@ class StageEngine:
         # loss, *before* any parameter changes: if a peer fails, no rank has updated anything
         # and the iteration can be discarded and rerun after reconfiguration.
         t0 = time.perf_counter()
-        norm_sq, (loss, waiting) = self.sync.global_grad_sq(
-            self.layers, self.device, extras=(self._loss, 1.0 if self.command_waiting() else 0.0), waiter=self.waiter
+        norm_sq, (loss, waiting, due) = self.sync.global_grad_sq(
+            self.layers, self.device, waiter=self.waiter,
+            extras=(self._loss, 1.0 if self.command_waiting() else 0.0, 1.0 if self.checkpoint_due() else 0.0),
         )  # fmt: skip
         self._result.loss = loss
         self._result.switch = waiting > 0
+        self._result.checkpoint_due = due > 0
         if self.balancer is not None:
             self._measure_pipelines()
         self._result.comm_s += time.perf_counter() - t0

@@ -436,3 +436,25 @@ def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equa
     again.assert_all_gone()
     assert [e["step"] for e in again.events("step")] == list(range(saved[-1], 40))
     check_final(config, 40, final)
+
+
+def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equals_the_reference(launches, tmp_path):
+    """fault_tolerance.checkpoint_every (no step interval): each worker's clock is asked in the step's
+    last collective, so every owner snapshots after the same step and the checkpoints complete."""
+    steps = 60
+    config = write_config(tmp_path, nodes=3, steps=steps,
+                          fault_tolerance={"checkpoint_interval": 0, "checkpoint_every": "1s"})  # fmt: skip
+    run = start(launches, tmp_path, config, name="timed")
+    finish_ok(run)
+    saved = [e["step"] for e in run.events("checkpoint_saved")]
+    assert len(saved) >= 1 and saved == sorted(set(saved)), saved
+    step_ts = {e["step"]: e["ts"] for e in run.events("step")}
+    gaps = [step_ts[b - 1] - step_ts[a - 1] for a, b in zip(saved, saved[1:])]
+    assert all(gap >= 0.5 for gap in gaps), gaps  # about every second (the master logs steps late), not every step
+    last = run.run_dir / "checkpoints" / f"step{saved[-1]:08d}"
+    assert read_meta(last)["step"] == saved[-1]
+    final = tmp_path / "final"
+    again = start(launches, tmp_path, config, "--resume", str(last), "--save-final", str(final), name="resumed")
+    finish_ok(again)
+    assert [e["step"] for e in again.events("step")] == list(range(saved[-1], steps))
+    check_final(config, steps, final)
