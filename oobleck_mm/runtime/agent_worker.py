@@ -55,7 +55,7 @@ from oobleck_mm.runtime.async_checkpoint import AsyncCheckpointer
 from oobleck_mm.runtime.checkpoint import (
     load_layer,
     periodic_checkpoint_dir,
-    read_loss_scaler,
+    read_shared_state,
     read_meta,
     save_layers,
     write_error,
@@ -255,7 +255,7 @@ class WorkerLoop:
                 if a.checkpoint_async:  # live mode: each layer by one holder, written in the background
                     owned = [i for i in engine.layers if plan.checkpoint_owner(i) == a.rank]
                     self.checkpointer.save(directory, engine.held(), owned, engine.specs, self.next_step,
-                                           a.generation, engine.scaler_state())  # fmt: skip
+                                           a.generation, engine.shared_state())  # fmt: skip
                     continue
                 try:
                     saved = save_checkpoint(directory, engine, self.next_step, self.node)
@@ -342,10 +342,8 @@ class WorkerLoop:
                     held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
                             for i in plan.stage(a.rank).layers}
                 engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter)
-                if a.resume_dir and engine.scaler is not None and held:
-                    state = read_loss_scaler(a.resume_dir, specs[min(held)].name)
-                    if state is not None:  # float16's scale goes on where the checkpoint left it
-                        engine.scaler.load_state_dict(state)
+                if a.resume_dir and held:  # float16's scale and the balancer's model go on from the checkpoint
+                    engine.load_shared_state(read_shared_state(a.resume_dir, specs[min(held)].name))
                 transfers, moved, transfer_s = [], 0, 0.0
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
@@ -381,7 +379,7 @@ class WorkerLoop:
         alive = set(c.surviving_ranks)
         owned = [i for i in gen.engine.layers if min(r for r in gen.plan.holders(i) if r in alive) == gen.rank]
         try:
-            save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs, gen.engine.scaler_state())
+            save_layers(c.dir, gen.engine.held(), owned, gen.engine.specs, gen.engine.shared_state())
         except OSError as exc:  # a full disk is what it is, not a lost node or a bug
             error = write_error(exc, c.dir)
             self.report(checkpoint_done=pb.CheckpointDone(dir=c.dir, step=self.next_step, error=error))

@@ -50,13 +50,13 @@ class AsyncCheckpointer:
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, directory: str, held: Mapping, owned: list[int], specs, step: int, generation: int,
-             loss_scaler: dict | None = None) -> bool:  # fmt: skip
+             shared: dict | None = None) -> bool:  # fmt: skip
         """Snapshot ``owned`` layers now and write them in the background; False if still writing the last."""
         if self.busy:
             log.warning("checkpoint of step %d skipped: the previous one is still being written", step)
             return False
         start = time.perf_counter()
-        payloads = {specs[i].name: layer_payload(held[i], loss_scaler, copy=True) for i in owned}
+        payloads = {specs[i].name: layer_payload(held[i], shared, copy=True) for i in owned}
         self.snapshot_s = time.perf_counter() - start
         self._thread = threading.Thread(target=self._write, args=(directory, payloads, step, generation),
                                         name=f"checkpoint-{step}", daemon=True)  # fmt: skip

@@ -62,6 +62,21 @@ class StepBalancer:
 
             warm_up()  # load the compiled kernels now (numba's disk cache), not inside the first step
 
+    def state_dict(self) -> dict:
+        """The fitted cost model and the timings it was fitted to (plain numbers: checkpoints load
+        them with ``weights_only``)."""
+        coefficients = self.coefficients.to_dict()
+        coefficients = {"scales": {k: float(v) for k, v in coefficients["scales"].items()},
+                        "num_observations": int(coefficients["num_observations"])}  # fmt: skip
+        return {"coefficients": coefficients,
+                "window": [[t.layer_start, t.layer_end, [float(x) for x in t.features], float(t.seconds)]
+                           for t in self.window]}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coefficients = CostCoefficients.from_dict(state["coefficients"])
+        self.window.clear()
+        self.window.extend(StageTiming(int(a), int(b), tuple(f), float(s)) for a, b, f, s in state["window"])
+
     def features(self, ids) -> np.ndarray:
         missing = [i for i in ids if i not in self._features]
         if missing:

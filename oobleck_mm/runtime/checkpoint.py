@@ -47,17 +47,20 @@ def periodic_checkpoint_dir(root: str | os.PathLike, step: int) -> str:
     return os.path.join(os.fspath(root), f"step{step:08d}")
 
 
+SHARED_KEYS = ("loss_scaler", "balancer")
+"""State the same on every rank that every shard carries (``StageEngine.shared_state``): float16's
+loss scaler and the balancer's fitted cost model, so a resume goes on with both from whichever
+shard a worker loads (``read_shared_state``) instead of starting them cold."""
+
+
 def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], layers: Iterable[int], specs,
-                loss_scaler: dict | None = None) -> None:
-    """Write ``layers`` (indices into ``held``) atomically, one file each.
-
-    ``loss_scaler``: float16's loss-scaler state, the same on every rank, so every shard carries
-    it and a resume reads it from whichever shard a worker loads (``read_loss_scaler``)."""
+                shared: Mapping | None = None) -> None:
+    """Write ``layers`` (indices into ``held``) atomically, one file each, each with ``shared``."""
     for i in layers:
-        write_layer_file(Path(directory), specs[i].name, layer_payload(held[i], loss_scaler))
+        write_layer_file(Path(directory), specs[i].name, layer_payload(held[i], shared))
 
 
-def layer_payload(h: HeldLayer, loss_scaler: dict | None = None, copy: bool = False) -> dict:
+def layer_payload(h: HeldLayer, shared: Mapping | None = None, copy: bool = False) -> dict:
     """One layer file's contents on the host. ``copy``: a snapshot that training may overwrite
     while it is written (an asynchronous checkpoint), not views of the live tensors."""
     take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach().cpu())
@@ -65,7 +68,7 @@ def layer_payload(h: HeldLayer, loss_scaler: dict | None = None, copy: bool = Fa
         "params": {k: take(v) for k, v in h.module.state_dict().items()},
         "optimizer": ({k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
                       if h.optimizer is not None else None),
-        "loss_scaler": loss_scaler,
+        **{key: (shared or {}).get(key) for key in SHARED_KEYS},
     }
 
 
@@ -218,7 +221,13 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
 
 def read_loss_scaler(directory: str | os.PathLike, name: str) -> dict | None:
     """The loss-scaler state layer ``name``'s shard carries (None: not a float16 run)."""
-    return _load_shard(_layer_file(Path(directory), name), "cpu").get("loss_scaler")
+    return read_shared_state(directory, name)["loss_scaler"]
+
+
+def read_shared_state(directory: str | os.PathLike, name: str) -> dict:
+    """``SHARED_KEYS`` -> the state layer ``name``'s shard carries (None: absent, or an older checkpoint)."""
+    payload = _load_shard(_layer_file(Path(directory), name), "cpu")
+    return {key: payload.get(key) for key in SHARED_KEYS}
 
 
 def load_params(directory: str | os.PathLike, name: str) -> dict[str, torch.Tensor]:

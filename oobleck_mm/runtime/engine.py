@@ -375,6 +375,18 @@ class StageEngine:
     def scaler_state(self) -> dict | None:
         return self.scaler.state_dict() if self.scaler is not None else None
 
+    def shared_state(self) -> dict:
+        """What every checkpoint shard carries besides its layer (``checkpoint.SHARED_KEYS``)."""
+        return {"loss_scaler": self.scaler_state(),
+                "balancer": self.balancer.state_dict() if self.balancer is not None else None}  # fmt: skip
+
+    def load_shared_state(self, state: dict) -> None:
+        """A checkpoint's ``shared_state``: training goes on with its loss scale and fitted cost model."""
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if self.balancer is not None and state.get("balancer") is not None:
+            self.balancer.load_state_dict(state["balancer"])
+
     def held(self) -> dict[int, HeldLayer]:
         return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
 

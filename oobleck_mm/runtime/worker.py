@@ -85,7 +85,7 @@ def save_checkpoint(directory: str, engine: StageEngine, step: int, node: str = 
     owned = [i for i in engine.layers if plan.holders(i)[0] == rank]
     error = ""
     try:
-        save_layers(directory, engine.held(), owned, engine.specs, engine.scaler_state())
+        save_layers(directory, engine.held(), owned, engine.specs, engine.shared_state())
     except OSError as exc:
         error = write_error(exc, directory)
     hold("checkpoint", node)

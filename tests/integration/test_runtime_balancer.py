@@ -90,3 +90,27 @@ def test_the_balancers_exchange_is_tensors_and_loses_nothing(tmp_path):
         assert list(balancer.window) == timings and balancer.coefficients == coefficients
     finally:
         leave_group()
+
+
+def test_checkpoints_carry_the_fitted_cost_model_and_a_resume_goes_on_with_it(tmp_path):
+    """Every shard holds the balancer's coefficients and timing window (``checkpoint.SHARED_KEYS``); an
+    engine resumed from it starts from them instead of the profile's guess."""
+    from oobleck_mm.data.loader import TrainingData
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.balancing import StepBalancer
+    from oobleck_mm.config.shape import layer_specs
+    from oobleck_mm.runtime.checkpoint import read_shared_state
+
+    job = balanced_job()
+    plan = ExecutionPlan.even(10, [2, 1], [4, 4], job.training.microbatch_size)
+    final = tmp_path / "final"
+    outs = run_local(job, plan, 5, tmp_path / "out", save_final=str(final))
+    fitted = outs[0]["balancer"]["coefficients"]
+    assert fitted["num_observations"] > 0
+    states = [read_shared_state(final, spec.name)["balancer"] for spec in model_layer_specs(job)]
+    assert all(s is not None and s["coefficients"] == states[0]["coefficients"] for s in states)
+    assert states[0]["coefficients"]["scales"] == fitted["scales"] and states[0]["window"]
+    fresh = StepBalancer(job, TrainingData(job), layer_specs(job.model, job.data))
+    assert fresh.coefficients.to_dict() != states[0]["coefficients"]  # a cold start: the profile's guess
+    fresh.load_state_dict(states[0])
+    assert fresh.state_dict() == states[0] and len(fresh.window) == len(states[0]["window"])
