@@ -23,10 +23,17 @@ iteration boundary, so the kill that follows loses nothing. Past
 ``fault_tolerance.preempt_grace`` without that Shutdown, or on a second signal,
 it stops like on any other signal.
 
+When the master is lost (its stream breaks, or it is silent past
+``master_silence_limit``) the workers are told ``MasterLost``: they finish the
+iteration in flight and write that step together, and the agent logs the
+resume command.
+
 Exit codes (``oobleck_mm.errors.ExitCode``): 0 after the master's Shutdown
-(the end of the job, or its node planned out after a notice), 1 when the
-master is lost, a worker fails, a signal arrives (a SIGTERM not honoured within
-``preempt_grace``), 2 when the master refuses the agent (token, name).
+(the end of the job, or its node planned out after a notice), 3 when the
+master is lost and the workers wrote the step they were at, 1 when the master
+is lost with nothing written, a worker fails, a signal arrives (a SIGTERM not
+honoured within ``preempt_grace``), 2 when the master refuses the agent
+(token, name).
 """
 
 from __future__ import annotations
@@ -94,6 +101,11 @@ class Agent:
         self._work_dir = ""
         self._leave_by: float | None = None
         """Monotonic deadline of a preemption notice (``preempt_grace`` after the SIGTERM)."""
+        self._assigned = False
+        """Some work reached this node's workers (there is a step to write if the master is lost)."""
+        self._master_lost = False
+        """The master is gone: the workers' CheckpointDone reports stay here (``_checkpoint_without_master``)."""
+        self.resume_command = "oobleck-launch master --config CONFIG"
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -109,6 +121,7 @@ class Agent:
             remove_stale_work_dirs(tempfile.gettempdir(), psutil.pid_exists)  # left by SIGKILLed agents
             self._work_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{self.o.node}-{os.getpid()}-")
             self.config_path = _write_private(os.path.join(self._work_dir, "job.yaml"), reply.config_yaml)
+            self.resume_command = reply.resume_command or "oobleck-launch master --config CONFIG"
             self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
             self.timeouts = _fault_tolerance(reply.config_yaml)
             self.interval = self.timeouts.heartbeat_interval.total_seconds()
@@ -165,6 +178,8 @@ class Agent:
             elif kind == "fatal":
                 log.error("%s; stopping the node's workers", value)
                 return ExitCode.ERROR
+            elif kind == "master_lost":
+                return self._checkpoint_without_master(value)
             elif kind == "signal":
                 if value == signal.SIGTERM and self._leave_by is None and self._ask_to_leave():
                     continue
@@ -209,6 +224,7 @@ class Agent:
         return None
 
     def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:
+        self._assigned = True
         # The rendezvous store is the master's RendezvousStore service, where this agent reaches the
         # master; the token goes to the worker on the local pipe only.
         assignment.store_host, assignment.store_port = self.master_host, self.master_port
@@ -282,10 +298,10 @@ class Agent:
                 self.inbox.put(("event", event))
                 if event.WhichOneof("event") == "shutdown":
                     return
-            self.inbox.put(("fatal", "the master ended the event stream without a shutdown"))
+            self.inbox.put(("master_lost", "the master ended the event stream without a shutdown"))
         except grpc.RpcError as err:
             if not self._stopping.is_set():
-                self.inbox.put(("fatal", f"lost the event stream to the master: {err.code().name}"))
+                self.inbox.put(("master_lost", f"lost the event stream to the master: {err.code().name}"))
 
     def _heartbeat_loop(self) -> None:
         last_ok = time.monotonic()
@@ -305,7 +321,8 @@ class Agent:
                 # A dead master is seen at once (its stream breaks); see master_silence_limit for why
                 # silence is given this long.
                 if silent > silence_limit:
-                    self.inbox.put(("fatal", f"the master has not answered for {silent:.1f}s ({err.code().name})"))
+                    self.inbox.put(("master_lost", f"the master has not answered for {silent:.1f}s "
+                                                   f"({err.code().name})"))  # fmt: skip
                     return
 
     def _reports_loop(self) -> None:
@@ -329,7 +346,45 @@ class Agent:
                     continue
                 self._forward(worker.local_rank, report)
 
+    def _checkpoint_without_master(self, why: str) -> int:
+        """The master is gone: the workers finish the iteration in flight and write the step they are at
+        together (``MasterLost``), so the run resumes from it instead of from nothing. Exit 3 with the
+        resume command once this node's workers wrote their share, 1 when there is nothing to write."""
+        if not self._assigned:
+            log.error("%s before any work was assigned; stopping the node's workers", why)
+            return ExitCode.ERROR
+        log.error("%s; the workers write the step they are at, then stop", why)
+        self._master_lost = True  # their CheckpointDone reports come to us now (_forward)
+        with self._workers_lock:
+            workers = list(self.workers.values())
+        for worker in workers:
+            worker.send(pb.WorkerCommand(master_lost=pb.MasterLost(reason=why)))
+        deadline = time.monotonic() + (self.timeouts.checkpoint_round_timeout
+                                       + self.timeouts.collective_timeout).total_seconds()  # fmt: skip
+        saved: dict[int, pb.CheckpointDone] = {}
+        while len(saved) < len(workers) and time.monotonic() < deadline:
+            try:
+                kind, value = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "saved":
+                saved[value[0]] = value[1]
+            elif kind == "signal":
+                break
+        done = list(saved.values())
+        if len(done) == len(workers) and all(not d.error and d.step >= 0 for d in done):
+            where, step = done[0].dir, done[0].step
+            log.error("the master is lost; the workers wrote the checkpoint of step %d to %s; resume with: %s "
+                      "--resume %s", step, where, self.resume_command, where)  # fmt: skip
+            return ExitCode.NO_REPLICAS
+        errors = "; ".join(d.error for d in done if d.error) or "no answer from every worker in time"
+        log.error("the master is lost and the workers could not write a checkpoint (%s)", errors)
+        return ExitCode.ERROR
+
     def _forward(self, local_rank: int, report: pb.WorkerReport) -> None:
+        if self._master_lost and report.WhichOneof("report") == "checkpoint_done":
+            self.inbox.put(("saved", (local_rank, report.checkpoint_done)))
+            return
         request = pb.WorkerReportRequest(node=self.ref, local_rank=local_rank, report=report)
         try:
             self.stub.ReportWorker(request, metadata=self.metadata,

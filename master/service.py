@@ -68,7 +68,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 request.node, request.gpus, request.memory_bytes, request.pid, context.peer()
             )
         # The agent reads its timeouts from the config's fault_tolerance section, like everyone.
-        return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml)
+        return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml,
+                                resume_command=self.c.options.resume_command)  # fmt: skip
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with _refusals(context):

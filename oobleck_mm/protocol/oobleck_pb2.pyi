@@ -125,15 +125,23 @@ class Shutdown(_message.Message):
     at_boundary: bool
     def __init__(self, reason: _Optional[str] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
+class MasterLost(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class WorkerCommand(_message.Message):
-    __slots__ = ("assignment", "shutdown", "checkpoint")
+    __slots__ = ("assignment", "shutdown", "checkpoint", "master_lost")
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MASTER_LOST_FIELD_NUMBER: _ClassVar[int]
     assignment: Assignment
     shutdown: Shutdown
     checkpoint: Checkpoint
-    def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+    master_lost: MasterLost
+    def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., master_lost: _Optional[_Union[MasterLost, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s", "lr", "grad_norm", "tokens", "peak_memory_bytes", "pipeline_s", "skipped", "loss_scale", "predicted_max_s", "predicted_mean_s", "predicted_contiguous_max_s")
@@ -276,16 +284,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., gpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("node", "session", "gpus", "config_yaml")
+    __slots__ = ("node", "session", "gpus", "config_yaml", "resume_command")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    RESUME_COMMAND_FIELD_NUMBER: _ClassVar[int]
     node: str
     session: int
     gpus: int
     config_yaml: str
-    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., config_yaml: _Optional[str] = ...) -> None: ...
+    resume_command: str
+    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., config_yaml: _Optional[str] = ..., resume_command: _Optional[str] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("node", "session")

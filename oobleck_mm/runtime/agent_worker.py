@@ -66,7 +66,7 @@ from oobleck_mm.runtime.hold import hold, hold_step, set_announcer
 from oobleck_mm.runtime.state_transfer import adopt_plan
 from oobleck_mm.runtime.timing import peak_memory_bytes
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
-from oobleck_mm.runtime.worker import device_for, save_checkpoint, write_replica_hashes
+from oobleck_mm.runtime.worker import SaveOutcome, device_for, save_checkpoint, write_replica_hashes
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,8 @@ def _drops_peers(command) -> bool:
     kind = command.WhichOneof("command")
     if kind == "shutdown" and command.shutdown.at_boundary:
         return False  # this node leaves on notice: its peers need it until the iteration ends
+    if kind == "master_lost":
+        return False  # every peer is still there: the iteration in flight ends, then all checkpoint it
     if kind != "assignment":
         return True
     a = command.assignment
@@ -203,6 +205,9 @@ class WorkerLoop:
             if kind == "checkpoint":
                 self.checkpoint(command.checkpoint)
                 command = self.commands.get()
+            elif kind == "master_lost":  # between generations: no step every rank agreed on to write
+                self.report(checkpoint_done=pb.CheckpointDone(step=-1, error="not inside a generation"))
+                return
             else:
                 command = self.run_generation(command.assignment)
 
@@ -227,6 +232,8 @@ class WorkerLoop:
         for step in range(start, a.steps):
             if switch:  # every rank: some rank held a command when the last step ended (StepResult.switch)
                 pending = self.commands.get_within(self.timeouts.collective_timeout.total_seconds())
+                if pending is not NOT_ARRIVED and pending is not None and pending.WhichOneof("command") == "master_lost":
+                    return self.checkpoint_without_master(a, engine)
                 if pending is not NOT_ARRIVED:  # (else the master sent us nothing: a peer's step will fail)
                     leave_group()
                     return pending  # a new plan (a join, a leave, a failure elsewhere) or a shutdown
@@ -279,6 +286,26 @@ class WorkerLoop:
         self.report(done=pb.WorkerDone(step=a.steps - 1))
         leave_group()
         return self.commands.get()
+
+    def checkpoint_without_master(self, a, engine: StageEngine):
+        """The master is gone and every rank of this generation stopped after the same step (the switch):
+        together they write that step, meta.json included, where the job's periodic checkpoints go, so
+        ``--resume`` loses nothing. Reports the result to the agent (which prints the resume command)
+        and stops."""
+        self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds())  # one writer at a time
+        directory = periodic_checkpoint_dir(a.checkpoint_dir, self.next_step)
+        try:
+            saved = save_checkpoint(directory, engine, self.next_step, self.node)
+        except RuntimeError as error:  # a peer died too: nothing complete to offer
+            saved = SaveOutcome(False, f"a peer failed during the checkpoint: {str(error).splitlines()[0]}")
+        if saved.complete:
+            self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step, layers=len(engine.layers),
+                                                          generation=a.generation))  # fmt: skip
+        else:
+            self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step, generation=a.generation,
+                                                          error=saved.error or "another rank could not write"))  # fmt: skip
+        leave_group()
+        return pb.WorkerCommand(shutdown=pb.Shutdown(reason="the master is lost"))
 
     def abort(self, generation: int, step: int, message: str):
         log.warning("generation %d: iteration %d abandoned: %s", generation, step, message)
