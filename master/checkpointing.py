@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from master.recovery import GenerationView, orphan_layers, surviving_ranks
@@ -96,7 +97,7 @@ def new_checkpoint_dir(root: str, generation: int) -> str:
     return candidate
 
 
-def resume_step(directory: str, job) -> int:
+def resume_step(directory: str, job, progress: Callable[[str], None] | None = None) -> int:
     """The step a checkpoint resumes at; ``UserError`` naming ``--resume`` if it does not fit the job.
 
     Checked before any worker starts: the metadata, the layer names, every layer file
@@ -114,7 +115,7 @@ def resume_step(directory: str, job) -> int:
     if meta["layer_names"] != names:
         raise UserError(f"--resume: {directory} holds layers {meta['layer_names']}, this job's model has {names}")
     try:
-        check_layer_files(directory, meta)  # before any worker loads a shard
+        check_layer_files(directory, meta, progress)  # before any worker loads a shard
     except UserError as err:
         raise UserError(f"--resume: {err}") from None
     shape_changes = _model_shape_changes(meta.get("config", {}).get("model", {}), job)

@@ -69,7 +69,7 @@ class MasterServer:
         self.job, self.options, self.progress = job, options, progress
         self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
         self.run_dir = options.run_dir or default_run_dir(job.model.name)
-        self.run_options = _run_options(job, options, self.run_dir)  # checks --resume before creating anything
+        self.run_options = _run_options(job, options, self.run_dir, progress)  # checks --resume before creating anything
         _check_data(job, progress)  # every sample's files, once, before any worker reads them
         _make_run_dir(self.run_dir)
         self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
@@ -182,7 +182,7 @@ class MasterServer:
         self.metrics.close()
 
 
-def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
+def _run_options(job, options: MasterOptions, run_dir: str, progress: Callable[[str], None]) -> RunOptions:
     """The coordinator's options; raises ValueError naming the flag when a checkpoint does not fit the job."""
     ft = job.fault_tolerance
     if ft.recovery == "restart" and ft.checkpoint_interval == 0:
@@ -190,7 +190,7 @@ def _run_options(job, options: MasterOptions, run_dir: str) -> RunOptions:
     resume_dir = os.path.abspath(options.resume_dir) if options.resume_dir else ""
     return RunOptions(
         resume_dir=resume_dir,
-        resume_step=resume_step(resume_dir, job) if resume_dir else 0,
+        resume_step=resume_step(resume_dir, job, progress) if resume_dir else 0,
         save_final_dir=os.path.abspath(options.save_final_dir) if options.save_final_dir else "",
         checkpoint_root=os.path.abspath(run_dir),
         recovery=ft.recovery,

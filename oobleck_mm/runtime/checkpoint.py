@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -153,7 +154,12 @@ def read_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
-def check_layer_files(directory: str | os.PathLike, meta: Mapping) -> None:
+PROGRESS_EVERY_S = 5.0
+"""``check_layer_files`` says how far it got at most this often (reading a large checkpoint takes a while)."""
+
+
+def check_layer_files(directory: str | os.PathLike, meta: Mapping,
+                      progress: Callable[[str], None] | None = None) -> None:
     """Raises ``UserError`` naming the first layer file that is missing, not the recorded size, no zip
     archive, or not the recorded sha256.
 
@@ -163,7 +169,11 @@ def check_layer_files(directory: str | os.PathLike, meta: Mapping) -> None:
     """
     recorded = meta.get("layer_bytes") or {}
     digests = meta.get("layer_sha256") or {}
-    for name in meta["layer_names"]:
+    names = list(meta["layer_names"])
+    total = sum(recorded.get(n, 0) for n in names)
+    started = last = time.monotonic()
+    done = 0
+    for k, name in enumerate(names, start=1):
         path = _layer_file(Path(directory), name)
         size = _size(path)
         if size < 0:
@@ -174,6 +184,12 @@ def check_layer_files(directory: str | os.PathLike, meta: Mapping) -> None:
             raise UserError(f"{path}: not a readable layer shard (torch.save's zip archive is damaged)")
         if name in digests and _file_digest(path) != digests[name]:
             raise UserError(f"{path}: its sha256 is not the one the checkpoint recorded (corrupted or replaced)")
+        done += size
+        if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            of = f" of {total / 2**30:.2f}" if total else ""
+            progress(f"checkpoint {directory}: checked {k}/{len(names)} shards ({done / 2**30:.2f}{of} GiB, "
+                     f"{done / 2**20 / max(last - started, 1e-9):.0f} MiB/s)")  # fmt: skip
 
 
 def _recorded_digest(directory: Path, name: str) -> str:

@@ -854,7 +854,7 @@ def test_a_below_threshold_checkpoint_the_disk_refused_ends_the_job_naming_the_d
     assert result.exit_code == 1 and "could not be written on a/gpu0: No space left on device" in result.message
 
 
-def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path):
+def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path, monkeypatch):
     """Same size, a valid zip archive, one flipped byte in a tensor: only the digest its writer recorded
     (hashed as it wrote, layers/<name>.sha256, gathered into meta.json) tells."""
     import torch
@@ -862,6 +862,7 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path)
     from master.checkpointing import resume_step
     from oobleck_mm.errors import UserError
     from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime import checkpoint
     from oobleck_mm.runtime.checkpoint import save_meta, write_layer_file
 
     job = load_config(TINY)
@@ -873,7 +874,10 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path)
     save_meta(tmp_path, job, 4, specs)
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert set(meta["layer_sha256"]) == {s.name for s in specs}
-    assert resume_step(str(tmp_path), job) == 4
+    lines = []
+    monkeypatch.setattr(checkpoint, "PROGRESS_EVERY_S", 0.0)  # a large checkpoint: progress while it is read
+    assert resume_step(str(tmp_path), job, lines.append) == 4
+    assert len(lines) == len(specs) and f"checked {len(specs)}/{len(specs)} shards" in lines[-1], lines
     shard = tmp_path / "layers" / "llm.head.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
