@@ -45,7 +45,8 @@ class CheckpointRound:
         return surviving_ranks(self.gen, self.writers)
 
     def command(self) -> pb.AgentEvent:
-        c = pb.Checkpoint(dir=self.directory, generation=self.gen.number, surviving_ranks=self.surviving)
+        c = pb.Checkpoint(dir=self.directory, generation=self.gen.number, surviving_ranks=self.surviving,
+                          at_boundary=len(self.surviving) == len(self.gen.ranks))  # nobody lost: every rank steps on
         return pb.AgentEvent(checkpoint=c)
 
     def expected(self) -> set[Gpu]:

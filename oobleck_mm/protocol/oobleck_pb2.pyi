@@ -108,14 +108,16 @@ class Assignment(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ..., store_token: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("dir", "generation", "surviving_ranks")
+    __slots__ = ("dir", "generation", "surviving_ranks", "at_boundary")
     DIR_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SURVIVING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     dir: str
     generation: int
     surviving_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dir: _Optional[str] = ..., generation: _Optional[int] = ..., surviving_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    at_boundary: bool
+    def __init__(self, dir: _Optional[str] = ..., generation: _Optional[int] = ..., surviving_ranks: _Optional[_Iterable[int]] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "at_boundary")

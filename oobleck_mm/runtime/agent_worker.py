@@ -134,7 +134,7 @@ def _drops_peers(command) -> bool:
     kind = command.WhichOneof("command")
     if kind == "shutdown" and command.shutdown.at_boundary:
         return False  # this node leaves on notice: its peers need it until the iteration ends
-    if kind == "master_lost":
+    if kind == "master_lost" or (kind == "checkpoint" and command.checkpoint.at_boundary):
         return False  # every peer is still there: the iteration in flight ends, then all checkpoint it
     if kind != "assignment":
         return True

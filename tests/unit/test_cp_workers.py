@@ -141,3 +141,14 @@ def test_torchrun_environment_names_the_generation_a_worker_runs_in():
     assert tuple(env) == TORCHRUN_VARIABLES
     assert env == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "3",
                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+
+
+def test_only_commands_that_mean_a_peer_is_gone_interrupt_the_iteration_in_flight():
+    """A checkpoint with every rank alive (a stop on request, nodes leaving on notice) and MasterLost wait for
+    the boundary every rank reaches together; interrupting would leave ranks on either side of the update."""
+    from oobleck_mm.runtime.agent_worker import _drops_peers
+
+    assert _drops_peers(pb.WorkerCommand(checkpoint=pb.Checkpoint(dir="d", generation=2, surviving_ranks=[0])))
+    assert not _drops_peers(pb.WorkerCommand(checkpoint=pb.Checkpoint(dir="d", generation=2, at_boundary=True)))
+    assert not _drops_peers(pb.WorkerCommand(master_lost=pb.MasterLost(reason="gone")))
+    assert _drops_peers(pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")))
