@@ -448,9 +448,10 @@ def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equal
     finish_ok(run)
     saved = [e["step"] for e in run.events("checkpoint_saved")]
     assert len(saved) >= 1 and saved == sorted(set(saved)), saved
-    step_ts = {e["step"]: e["ts"] for e in run.events("step")}
-    gaps = [step_ts[b - 1] - step_ts[a - 1] for a, b in zip(saved, saved[1:])]
-    assert all(gap >= 0.5 for gap in gaps), gaps  # about every second (the master logs steps late), not every step
+    # About one a second, not one a step: bounded by the run's length (the master's step timestamps come
+    # late under load, so single gaps between them say little).
+    step_ts = [e["ts"] for e in run.events("step")]
+    assert len(saved) <= (step_ts[-1] - step_ts[0]) / 1.0 + 2 < steps, (saved, step_ts[-1] - step_ts[0])
     last = run.run_dir / "checkpoints" / f"step{saved[-1]:08d}"
     assert read_meta(last)["step"] == saved[-1]
     final = tmp_path / "final"
