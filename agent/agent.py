@@ -24,8 +24,14 @@ iteration boundary, so the kill that follows loses nothing. Past
 it stops like on any other signal.
 
 When the master is lost (its stream breaks, or it is silent past
-``master_silence_limit``) the workers are told ``MasterLost``: they finish the
-iteration in flight and write that step together, and the agent logs the
+``master_silence_limit``) the workers train on: nothing of a running
+generation needs the master. The agent keeps their reports (``agent.reports``)
+and tries every heartbeat interval to reach the master again: the same one
+(it was only paused: heartbeats answer again) or one restarted with
+``--resume-master`` (a new registration naming the generation the workers
+run; the kept reports are replayed). Past ``fault_tolerance.master_timeout``
+(or on a SIGTERM meanwhile) the workers are told ``MasterLost``: they finish
+the iteration in flight and write that step together, and the agent logs the
 resume command.
 
 Exit codes (``oobleck_mm.errors.ExitCode``): 0 after the master's Shutdown
@@ -54,6 +60,7 @@ import grpc
 import psutil
 import yaml
 
+from agent.reports import ReportLog
 from agent.workers import DEFAULT_WORKER_TARGET, Worker, WorkerFault, stop_all
 from oobleck_mm.config import FaultToleranceConfig, section_from_dict
 from oobleck_mm.errors import ExitCode, UserError
@@ -70,6 +77,12 @@ _REFUSALS = (
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # the job has cluster.max_nodes nodes already
 )
+
+
+RECONNECT_BACKOFF_MS = (100, 1000)
+"""gRPC's reconnect backoff to the master, first and longest (its defaults: 1 s growing to 120 s). A
+restarted master must find every agent back within ``fault_tolerance.adopt_window``, not after the
+backoff a long outage grew."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +118,25 @@ class Agent:
         """Some work reached this node's workers (there is a step to write if the master is lost)."""
         self._master_lost = False
         """The master is gone: the workers' CheckpointDone reports stay here (``_checkpoint_without_master``)."""
+        self._generation = 0
+        """The newest generation this node's workers were assigned (``RegisterRequest.adopt_generation``)."""
+        self._link = 0
+        """Counts registrations: the stream and heartbeat threads of an older one say nothing any more."""
+        self._orphaned_at: float | None = None
+        """Monotonic time the master was lost while the workers train on; None: a master listens."""
+        self._next_try = 0.0
+        self._reports = ReportLog()
+        self._reports_lock = threading.Lock()
+        """Orders forwarding (the reports thread) against replaying to a new master (the main thread)."""
         self.resume_command = "oobleck-launch master --config CONFIG"
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
-        self._channel = grpc.insecure_channel(self.o.master)
+        first, longest = RECONNECT_BACKOFF_MS
+        self._channel = grpc.insecure_channel(self.o.master, options=[
+            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
+            ("grpc.max_reconnect_backoff_ms", longest),
+        ])  # fmt: skip
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         old_handlers = {}
         try:
@@ -128,6 +155,8 @@ class Agent:
             log.info("registered as %s: %d GPUs, heartbeat every %.2fs, master given up after %.2fs of silence",
                      self.o.node, reply.gpus, self.interval,
                      self.timeouts.master_silence_limit.total_seconds())  # fmt: skip
+            self._reports_thread = threading.Thread(target=self._reports_loop, name="reports", daemon=True)
+            self._reports_thread.start()
             self._start_threads()
             # The workers start now, not on the first assignment: they import and warm up while the
             # job plans (or, joining a running job, before the master admits this node).
@@ -149,7 +178,7 @@ class Agent:
 
     def _register(self) -> pb.RegisterReply | int:
         request = pb.RegisterRequest(
-            node=self.o.node, gpus=self.o.gpus, memory_bytes=psutil.virtual_memory().total, pid=os.getpid()
+            node=self.o.node, gpus=self.o.gpus, memory_bytes=psutil.virtual_memory().total, pid=os.getpid(),
         )
         try:
             # wait_for_ready: an agent may start before its master listens.
@@ -171,6 +200,10 @@ class Agent:
                 kind, value = self.inbox.get(timeout=min(0.1, self.interval))
             except queue.Empty:
                 kind, value = "tick", None
+            if kind in ("fatal", "master_lost"):
+                link, value = value
+                if link != self._link or self._orphaned_at is not None:
+                    kind = "tick"  # a thread of an earlier registration, or the loss is known already
             if kind == "event":
                 code = self._on_event(value)
                 if code is not None:
@@ -179,12 +212,20 @@ class Agent:
                 log.error("%s; stopping the node's workers", value)
                 return ExitCode.ERROR
             elif kind == "master_lost":
-                return self._checkpoint_without_master(value)
+                if self.timeouts.master_timeout is None or not self._assigned:
+                    return self._checkpoint_without_master(value)
+                self._orphan(value)
             elif kind == "signal":
+                if value == signal.SIGTERM and self._orphaned_at is not None:  # a notice, and no master to plan
+                    return self._checkpoint_without_master("a preemption notice (SIGTERM) while the master is away")
                 if value == signal.SIGTERM and self._leave_by is None and self._ask_to_leave():
                     continue
                 log.warning("got %s; stopping the node's workers", signal.Signals(value).name)
                 return ExitCode.ERROR
+            if self._orphaned_at is not None:
+                code = self._wait_for_master()
+                if code is not None:
+                    return code
             if self._leave_by is not None and time.monotonic() > self._leave_by:
                 log.error("not planned out within fault_tolerance.preempt_grace (%.0f s) of the preemption "
                           "notice; stopping the node's workers", self.timeouts.preempt_grace.total_seconds())  # fmt: skip
@@ -225,6 +266,7 @@ class Agent:
 
     def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:
         self._assigned = True
+        self._generation = max(self._generation, assignment.generation)
         # The rendezvous store is the master's RendezvousStore service, where this agent reaches the
         # master; the token goes to the worker on the local pipe only.
         assignment.store_host, assignment.store_port = self.master_host, self.master_port
@@ -285,44 +327,46 @@ class Agent:
         self.inbox.put(("signal", signum))
 
     # ------------------------------------------------------------------ observer threads
-    def _start_threads(self) -> None:
-        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._stream_loop, "stream")):
-            threading.Thread(target=target, name=name, daemon=True).start()
-        self._reports_thread = threading.Thread(target=self._reports_loop, name="reports", daemon=True)
-        self._reports_thread.start()
+    def _start_threads(self, stream: bool = True) -> None:
+        """The threads that talk to the master under the current registration (``_link``)."""
+        targets = [(self._heartbeat_loop, "heartbeat")] + ([(self._stream_loop, "stream")] if stream else [])
+        for target, name in targets:
+            threading.Thread(target=target, args=(self._link, self.ref), name=name, daemon=True).start()
 
-    def _stream_loop(self) -> None:
-        self._stream = self.stub.Subscribe(self.ref, metadata=self.metadata)
+    def _stream_loop(self, link: int, ref: pb.NodeRef) -> None:
+        stream = self._stream = self.stub.Subscribe(ref, metadata=self.metadata)
         try:
-            for event in self._stream:
+            for event in stream:
                 self.inbox.put(("event", event))
                 if event.WhichOneof("event") == "shutdown":
                     return
-            self.inbox.put(("master_lost", "the master ended the event stream without a shutdown"))
+            self.inbox.put(("master_lost", (link, "the master ended the event stream without a shutdown")))
         except grpc.RpcError as err:
             if not self._stopping.is_set():
-                self.inbox.put(("master_lost", f"lost the event stream to the master: {err.code().name}"))
+                self.inbox.put(("master_lost", (link, f"lost the event stream to the master: {err.code().name}")))
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, link: int, ref: pb.NodeRef) -> None:
         last_ok = time.monotonic()
-        request = pb.HeartbeatRequest(node=self.ref)
+        request = pb.HeartbeatRequest(node=ref)
         rpc_timeout = self.timeouts.heartbeat_rpc_timeout.total_seconds()
         silence_limit = self.timeouts.master_silence_limit.total_seconds()
         while not self._stopping.wait(self.interval):
+            if link != self._link or self._orphaned_at is not None:
+                return  # the main thread took over (``_wait_for_master``), or a newer registration did
             try:
                 self.stub.Heartbeat(request, metadata=self.metadata, timeout=rpc_timeout)
                 last_ok = time.monotonic()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    self.inbox.put(("fatal", f"the master no longer knows this node: {err.details()}"))
+                    self.inbox.put(("fatal", (link, f"the master no longer knows this node: {err.details()}")))
                     return
                 silent = time.monotonic() - last_ok
                 log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)
                 # A dead master is seen at once (its stream breaks); see master_silence_limit for why
                 # silence is given this long.
                 if silent > silence_limit:
-                    self.inbox.put(("master_lost", f"the master has not answered for {silent:.1f}s "
-                                                   f"({err.code().name})"))  # fmt: skip
+                    self.inbox.put(("master_lost", (link, f"the master has not answered for {silent:.1f}s "
+                                                          f"({err.code().name})")))  # fmt: skip
                     return
 
     def _reports_loop(self) -> None:
@@ -385,12 +429,82 @@ class Agent:
         if self._master_lost and report.WhichOneof("report") == "checkpoint_done":
             self.inbox.put(("saved", (local_rank, report.checkpoint_done)))
             return
-        request = pb.WorkerReportRequest(node=self.ref, local_rank=local_rank, report=report)
-        try:
-            self.stub.ReportWorker(request, metadata=self.metadata,
-                                   timeout=self.timeouts.report_rpc_timeout.total_seconds())
-        except grpc.RpcError as err:  # the heartbeat thread decides whether the master is gone
-            log.warning("could not forward a report of worker %d: %s", local_rank, err.code().name)
+        with self._reports_lock:  # in order with a replay to a restarted master (``_rejoin``)
+            seq = self._reports.record(local_rank, report)
+            if self._orphaned_at is not None:
+                self._reports.hold(seq, local_rank, report)
+                return
+            request = pb.WorkerReportRequest(node=self.ref, local_rank=local_rank, report=report)
+            try:
+                self.stub.ReportWorker(request, metadata=self.metadata,
+                                       timeout=self.timeouts.report_rpc_timeout.total_seconds())
+            except grpc.RpcError as err:  # the heartbeat thread decides whether the master is gone
+                log.warning("could not forward a report of worker %d: %s", local_rank, err.code().name)
+                self._reports.hold(seq, local_rank, report)  # a restarted master gets it
+
+    # ------------------------------------------------------------------ without a master
+    def _orphan(self, why: str) -> None:
+        """The master is lost: the workers train on while this agent waits for it (``_wait_for_master``)."""
+        with self._reports_lock:
+            self._orphaned_at = time.monotonic()
+        self._next_try = 0.0
+        wait = self.timeouts.master_timeout.total_seconds()
+        log.error("%s; the workers train on while this agent waits up to %.0f s (fault_tolerance.master_timeout) "
+                  "for the master, or one restarted with: oobleck-launch master --resume-master RUN_DIR; then "
+                  "they write the step they are at", why, wait)  # fmt: skip
+
+    def _wait_for_master(self) -> int | None:
+        """One try per heartbeat interval to reach a master again; past ``master_timeout`` the workers write
+        the step they are at (the exit code of that), else None."""
+        now = time.monotonic()
+        assert self._orphaned_at is not None and self.timeouts.master_timeout is not None
+        waited = now - self._orphaned_at
+        if waited > self.timeouts.master_timeout.total_seconds():
+            return self._checkpoint_without_master(f"no master came back within {waited:.0f} s "
+                                                   "(fault_tolerance.master_timeout)")  # fmt: skip
+        if now < self._next_try:
+            return None
+        self._next_try = now + self.interval
+        rpc_timeout = self.timeouts.heartbeat_rpc_timeout.total_seconds()
+        try:  # the same master, only paused or cut off for a while: it still knows this registration
+            self.stub.Heartbeat(pb.HeartbeatRequest(node=self.ref), metadata=self.metadata, timeout=rpc_timeout)
+            self._rejoin(None, waited)
+            return None
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                return None  # nobody answers yet
+        request = pb.RegisterRequest(node=self.o.node, gpus=self.o.gpus, memory_bytes=psutil.virtual_memory().total,
+                                     pid=os.getpid(), adopt_generation=self._generation)  # fmt: skip
+        try:  # a restarted master: it answers NOT_FOUND to the lost one's registration
+            reply = self.stub.Register(request, metadata=self.metadata, timeout=rpc_timeout)
+        except grpc.RpcError as err:
+            log.warning("registering again with the master failed: %s %s", err.code().name, err.details())
+            return None
+        self._rejoin(reply, waited)
+        return None
+
+    def _rejoin(self, reply: pb.RegisterReply | None, waited: float) -> None:
+        """A master answers again: replay what it missed, then talk to it as before (``reply``: a new
+        registration with a restarted master; None: the same master, which still knows this one)."""
+        with self._reports_lock:
+            self._link += 1
+            if reply is not None:
+                self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
+            pending = self._reports.replay(latest=reply is not None)  # the same master saw those
+            for p in pending:
+                request = pb.WorkerReportRequest(node=self.ref, local_rank=p.local_rank, report=p.report,
+                                                 replayed=p.replayed)  # fmt: skip
+                try:
+                    self.stub.ReportWorker(request, metadata=self.metadata,
+                                           timeout=self.timeouts.report_rpc_timeout.total_seconds())
+                except grpc.RpcError as err:  # it went away again: the next loss is seen as usual
+                    log.warning("could not replay a report of worker %d: %s", p.local_rank, err.code().name)
+            self._orphaned_at = None
+        # Reports first, the stream after: once its stream is open the master counts the node back.
+        self._start_threads(stream=reply is not None)
+        log.warning("%s after %.1f s without it (%d reports sent again); the workers kept training",
+                    "re-adopted by a restarted master" if reply is not None else "the master answers again",
+                    waited, len(pending))  # fmt: skip
 
 
 def _split_address(address: str) -> tuple[str, int]:

@@ -9,7 +9,8 @@ thread goes on detecting failures; what to plan is decided by the pure
 functions of ``master.recovery``.
 
 Phases (``JobPhase``): ``waiting`` (for ``num_nodes`` agents with open
-streams) -> ``running`` (generation 1 and every later one) -> ``checkpointing``
+streams), or ``adopting`` (a restarted master waits for the nodes of its
+journal: ``master.journal``) -> ``running`` (generation 1 and every later one) -> ``checkpointing``
 (too few nodes left: the survivors write their layers) -> ``finished`` (exit
 code decided).
 
@@ -29,7 +30,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import yaml
@@ -37,6 +38,7 @@ import yaml
 from master import checkpointing
 from master.assignments import Sending, build_assignments
 from master.detector import WORKER_FAILED, detect_failures, recent_stalls
+from master.journal import KEEP_GENERATIONS, Journal
 from master.planning import InlinePlanner
 from master.policies import policy_for
 from master.progress import Incident, Progress, StepFacts, layout_summary
@@ -69,6 +71,9 @@ class JobPhase(enum.Enum):
     """For ``num_nodes`` agents with open event streams."""
     RUNNING = "running"
     """Generation 1 and every later one."""
+    ADOPTING = "adopting"
+    """A master restarted with ``--resume-master``: waiting for the journal's nodes to register again
+    (their workers train on meanwhile), at most ``fault_tolerance.adopt_window``."""
     CHECKPOINTING = "checkpointing"
     """Too few nodes left: the survivors write their layers."""
     FINISHED = "finished"
@@ -104,8 +109,9 @@ class RunOptions:
 @dataclass(frozen=True, slots=True)
 class _Generation:
     view: GenerationView
-    plan: Plan
-    """The planning ``Plan`` (the next reconfiguration starts from it)."""
+    plan: Plan | None
+    """The planning ``Plan`` (the next reconfiguration starts from it); None for the older generations
+    a restarted master read from its journal (a plan from one of them is planned afresh)."""
     template_nodes: int
     """Node count the planner's templates were built for."""
 
@@ -179,10 +185,17 @@ class Coordinator:
         self._last_progress = clock()
         """Clock of the last step, recovery phase or plan: ``fault_tolerance.stall_timeout`` counts from it."""
         self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
+        self.journal_to: Callable[[Journal], None] | None = None
+        """Writes the journal (``master.journal``) before every generation's assignments go out; the
+        server sets it once it knows its address. None: no journal (tests)."""
+        self._adopting: tuple[float, float] | None = None
+        """(clock when adoption began, its deadline) while ``ADOPTING``."""
 
     # ------------------------------------------------------------------ calls from agents
-    def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str) -> tuple[int, int]:
-        """(session, gpus to run) for a new agent; raises Refused."""
+    def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str,
+                 adopt_generation: int = 0) -> tuple[int, int]:  # fmt: skip
+        """(session, gpus to run) for a new agent (or one coming back to a restarted master with its workers
+        running ``adopt_generation``); raises Refused."""
         want = self.job.cluster.gpus_per_node
         with self._lock:
             try:
@@ -196,14 +209,21 @@ class Coordinator:
             except Refused as refusal:
                 self.refused(peer, "Register", str(refusal))
                 raise
-            spare = self.phase is not JobPhase.WAITING
-            session = self.registry.add(node, want, self.clock()).session
+            current = self._gens.get(self.generation)
+            adopted = self.phase is JobPhase.ADOPTING and current is not None and node in current.view.nodes
+            spare = self.phase is not JobPhase.WAITING and not adopted
+            added = self.registry.add(node, want, self.clock())
+            added.adopt_generation = adopt_generation
+            session = added.session
             self.events.write(
-                "registered", node=node, gpus=want, memory_bytes=memory_bytes, pid=pid, peer=peer, spare=spare
+                "registered", node=node, gpus=want, memory_bytes=memory_bytes, pid=pid, peer=peer, spare=spare,
+                adopt_generation=adopt_generation,
             )
             log.info("registered %s (%d GPUs) from %s%s", node, want, peer, " (joins the job)" if spare else "")
             count = len(self.registry.nodes)
-            if spare:
+            if adopted:
+                self.say(f"node {node} is back (its workers run generation {adopt_generation})")
+            elif spare:
                 self.say(f"node {node} registered: it joins once its workers are ready")
             elif self.num_nodes <= 16 or count % max(1, self.num_nodes // 10) == 0 or count >= self.num_nodes:
                 self.say(f"agent {node} registered ({count}/{self.num_nodes})")  # start-up progress, no silent gap
@@ -238,15 +258,16 @@ class Coordinator:
         self.registry.live(node, session).last_heartbeat = self.clock()
         return self.generation
 
-    def worker_report(self, node: str, session: int, local_rank: int, report: pb.WorkerReport) -> None:
+    def worker_report(self, node: str, session: int, local_rank: int, report: pb.WorkerReport,
+                      replayed: bool = False) -> None:  # fmt: skip
         with self._lock:
             entry = self.registry.live(node, session)
             gpu = (node, local_rank)
             kind = report.WhichOneof("report")
             if kind == "metrics":
-                self._on_metrics(gpu, report.metrics)
+                self._on_metrics(gpu, report.metrics, replayed)
             elif kind == "phase":
-                self._on_phase(gpu, report.phase)
+                self._on_phase(gpu, report.phase, replayed)
             elif kind == "checkpoint_done":
                 self._on_checkpoint_done(gpu, report.checkpoint_done)
             elif kind == "done":
@@ -350,6 +371,8 @@ class Coordinator:
                 self._check_stall()
             if self.phase is JobPhase.CHECKPOINTING:
                 self._check_round()
+            if self.phase is JobPhase.ADOPTING:
+                self._check_adopted()
             return self.finish_result
 
     def _wake(self) -> None:
@@ -492,7 +515,8 @@ class Coordinator:
                 cause = "abandoned" if wanted.reform else "joined"
                 self._incident = Incident.now(cause, wanted.joined or wanted.live, self.clock)
             self.policy.before_planning(self, wanted)
-        if wanted.reform:  # the same nodes, the same plan: only a new generation (group, store prefix)
+        if wanted.reform and self._gens[wanted.plan_from].plan is not None:
+            # The same nodes, the same plan: only a new generation (group, store prefix).
             future: Future = Future()
             source = self._gens[wanted.plan_from]
             future.set_result(Planned(source.plan, source.view.layout, dict(source.view.ranks), source.template_nodes,
@@ -502,6 +526,8 @@ class Coordinator:
         elif wanted.plan_from == 0:
             if self.phase is JobPhase.WAITING:
                 self.say(f"planning pipelines for {len(wanted.live)} nodes")
+            future = self.planner.fresh(self.config_yaml, wanted.live)
+        elif self._gens[wanted.plan_from].plan is None:  # journaled without its plan: planned afresh
             future = self.planner.fresh(self.config_yaml, wanted.live)
         else:
             source = self._gens[wanted.plan_from]
@@ -605,6 +631,7 @@ class Coordinator:
             + f": {layout.describe()}"
         )
         self._progress.start(view, incident)
+        self._write_journal()  # before any worker may run the generation: a restarted master knows it
         # Only nodes that left on notice (alive until the iteration in flight ends) are dropped: the
         # workers switch at the boundary instead of abandoning that iteration.
         leaving = set(self.registry.leaving())
@@ -631,6 +658,72 @@ class Coordinator:
             self.events.write("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],
                               rank=assignment.rank, previous_rank=previous[assignment.rank] if base else -1)  # fmt: skip
 
+    # ------------------------------------------------------------------ the journal, a restarted master
+    def _write_journal(self) -> None:
+        if self.journal_to is None or self.generation == 0:
+            return
+        current = self._gens[self.generation]
+        views = tuple(self._gens[n].view for n in sorted(self._gens) if n > self.generation - KEEP_GENERATIONS)
+        journal = Journal(config_yaml=self.config_yaml, host="", port=0, options=asdict(self.options),
+                          generation=self.generation, template_nodes=current.template_nodes, views=views,
+                          plan=current.plan, last_checkpoint=self.policy.last_checkpoint)  # fmt: skip
+        try:
+            self.journal_to(journal)
+        except OSError as exc:  # a full disk: the job goes on; only a restarted master could not re-adopt it
+            self.events.write("journal_failed", generation=self.generation, error=str(exc))
+            log.warning("cannot write the master's journal (generation %d): %s; a restarted master could not "
+                        "re-adopt the running workers", self.generation, exc)  # fmt: skip
+
+    def adopt(self, journal: Journal) -> None:
+        """A restarted master (``--resume-master``): the journal's generations, as if this master had sent
+        them; the nodes' agents register again and their workers train on (``ADOPTING``)."""
+        with self._lock:
+            assert self.phase is JobPhase.WAITING and self.generation == 0
+            for view in journal.views:
+                plan = journal.plan if view.number == journal.generation else None
+                self._gens[view.number] = _Generation(view, plan, journal.template_nodes)
+                self._progress.start(view, None)
+            self.generation, self.plan = journal.generation, journal.current.layout
+            self.policy.last_checkpoint = journal.last_checkpoint
+            now = self.clock()
+            self._adopting = (now, now + self.timeouts.adopt_window.total_seconds())
+            self._started_at = self._last_progress = now
+            self.phase = JobPhase.ADOPTING
+            nodes = list(journal.current.nodes)
+            self.events.write("adopting", generation=journal.generation, nodes=nodes,
+                              window_s=self.timeouts.adopt_window.total_seconds())  # fmt: skip
+            self.say(f"re-adopting generation {journal.generation} on {len(nodes)} nodes ({', '.join(nodes)}): "
+                     f"waiting up to {self.timeouts.adopt_window.total_seconds():.0f} s for their agents")
+
+    def _check_adopted(self) -> None:
+        """Every node of the journal's generation is back, or the window passed: running again. Nodes not
+        back are lost (the usual recovery follows); nodes back with workers of another generation (the
+        lost master died while sending it) make the generation re-form, from the states they hold."""
+        assert self._adopting is not None
+        began, deadline = self._adopting
+        current = self._gens[self.generation].view
+        back = [n for n in current.nodes if n in self.registry.nodes and self.registry.nodes[n].stream == "open"]
+        now = self.clock()
+        if len(back) < len(current.nodes) and now < deadline:
+            return
+        missing = [n for n in current.nodes if n not in back]
+        other = [n for n in back if self.registry.nodes[n].adopt_generation != self.generation]
+        self._adopting = None
+        self.phase = JobPhase.RUNNING
+        self._last_progress = now
+        self.events.write("adopted", generation=self.generation, nodes=back, missing=missing, other_generation=other,
+                          next_step=self.next_step, seconds=now - began)  # fmt: skip
+        self.say(f"re-adopted generation {self.generation} on {len(back)} of {len(current.nodes)} nodes in "
+                 f"{now - began:.2f} s: training goes on at step {self.next_step + 1}"
+                 + (f"; not back: {', '.join(missing)}" if missing else ""))  # fmt: skip
+        for name in missing:
+            self._add_to_incident("lost", name)
+        if missing:
+            self._settle_until = now + SETTLE_S
+        if other:
+            self._abandoned = (now - self.timeouts.reform_after.total_seconds(),
+                               f"{', '.join(other)} came back running another generation than {self.generation}")
+
     # ------------------------------------------------------------------ reports
     def _rank(self, gpu: Gpu, generation: int) -> int | None:
         gen = self._gens.get(generation)
@@ -644,15 +737,16 @@ class Coordinator:
                                         f"{self.timeouts.stall_timeout.total_seconds():g} s): generation "
                                         f"{self.generation}, next step {self.next_step}; see the agents' logs")  # fmt: skip
 
-    def _on_metrics(self, gpu: Gpu, m: pb.StepMetrics) -> None:
+    def _on_metrics(self, gpu: Gpu, m: pb.StepMetrics, replayed: bool = False) -> None:
         self._last_progress = self.clock()
         self._reforms = 0
         self._reported[gpu] = max(self._reported.get(gpu, 0), m.generation)
         self.holdings[gpu] = self.holdings.get(gpu, Holdings()).completed_step(m.generation)
         self.next_step = max(self.next_step, m.step + 1)
-        self._progress.metrics(m)
+        if not replayed:  # the lost master logged that step already
+            self._progress.metrics(m)
 
-    def _on_phase(self, gpu: Gpu, p: pb.PhaseDone) -> None:
+    def _on_phase(self, gpu: Gpu, p: pb.PhaseDone, replayed: bool = False) -> None:
         if p.phase == "holding":  # a hold point (tests, --inject @phase:P): what the injector fires on
             self.events.write("holding", node=gpu[0], local_rank=gpu[1], generation=p.generation, point=p.message,
                               seconds=p.seconds)  # fmt: skip
@@ -666,7 +760,8 @@ class Coordinator:
             self.holdings[gpu] = holdings.adopted(p.generation)
         elif p.phase == "resumed":
             self.holdings[gpu] = holdings.completed_step(p.generation)
-        self._progress.phase(gpu[0], gpu[1], self._rank(gpu, p.generation), p)
+        if not replayed:  # the lost master logged that phase already
+            self._progress.phase(gpu[0], gpu[1], self._rank(gpu, p.generation), p)
 
     def _on_checkpoint_done(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
         if done.error:
@@ -679,6 +774,7 @@ class Coordinator:
         if saved is not None:
             self.events.write("checkpoint_saved", dir=saved[0], step=saved[1], generation=self.generation,
                               **self.policy.last_timing)  # fmt: skip
+            self._write_journal()
 
     def _checkpoint_failed(self, gpu: Gpu, done: pb.CheckpointDone) -> None:
         """A worker could not write its share (a full disk): said as such, never taken for a lost node."""

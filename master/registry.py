@@ -53,6 +53,8 @@ class Node:
     """Why the node leaves on notice (a preemption): planned out while it still holds its state."""
     dismissed: bool = False
     """Planned out after its notice and sent its Shutdown: its silence and hang-up are no failure."""
+    adopt_generation: int = 0
+    """The generation its workers ran when it registered again with a restarted master (0: a new agent)."""
     ready: set[int] = field(default_factory=set)
     """Local ranks whose worker reported ``WorkerReady`` (started, imported, warmed up)."""
 

@@ -12,13 +12,14 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import grpc
 
 from master.checkpointing import resume_step
 from master.coordinator import Coordinator, RunOptions
+from master.journal import Journal, write_journal
 from master.metrics import MetricsSink
 from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
@@ -64,13 +65,20 @@ def format_address(host: str, port: int) -> str:
 
 
 class MasterServer:
-    def __init__(self, job, options: MasterOptions, progress: Callable[[str], None] = print) -> None:
+    def __init__(self, job, options: MasterOptions, progress: Callable[[str], None] = print,
+                 journal: Journal | None = None) -> None:  # fmt: skip
+        """``journal``: a restarted master (``--resume-master``) re-adopts the job it describes; ``job``
+        is then the journal's and ``options.run_dir`` the run dir it was read from."""
         # Command-line overrides are already in ``job`` (config.apply_overrides): one source of truth.
         self.job, self.options, self.progress = job, options, progress
+        self.journal = journal
         self.num_nodes, self.steps = job.cluster.nodes, job.training.steps
         self.run_dir = options.run_dir or default_run_dir(job.model.name)
-        self.run_options = _run_options(job, options, self.run_dir, progress)  # checks --resume before creating anything
-        _check_data(job, progress)  # every sample's files, once, before any worker reads them
+        if journal is not None:  # the first master checked the data and the checkpoint
+            self.run_options = RunOptions(**journal.options)
+        else:
+            self.run_options = _run_options(job, options, self.run_dir, progress)  # checks --resume first
+            _check_data(job, progress)  # every sample's files, once, before any worker reads them
         _make_run_dir(self.run_dir)
         self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
         self.token_file = options.token_file or os.path.join(self.run_dir, "token")
@@ -113,6 +121,9 @@ class MasterServer:
             self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised, store_port=self.port,
             events=self.events, progress=self.progress, planner=self._planner, options=self.run_options,
         )  # fmt: skip
+        self.coordinator.journal_to = self._write_journal
+        if self.journal is not None:
+            self.coordinator.adopt(self.journal)
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
         pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store), self._server)
         self._server.start()
@@ -120,6 +131,9 @@ class MasterServer:
             "master_started", address=self.address, nodes=self.num_nodes, steps=self.steps, pid=os.getpid(),
         )  # fmt: skip
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+
+    def _write_journal(self, journal: Journal) -> None:
+        write_journal(self.run_dir, replace(journal, host=self.options.host, port=self.port))
 
     def _refused(self, peer: str, method: str, reason: str) -> None:
         if self.coordinator is not None:

@@ -65,7 +65,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
         with _refusals(context):
             session, gpus = self.c.register(
-                request.node, request.gpus, request.memory_bytes, request.pid, context.peer()
+                request.node, request.gpus, request.memory_bytes, request.pid, context.peer(), request.adopt_generation
             )
         # The agent reads its timeouts from the config's fault_tolerance section, like everyone.
         return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml,
@@ -93,7 +93,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def ReportWorker(self, request: pb.WorkerReportRequest, context) -> pb.Ack:
         with _refusals(context):
-            self.c.worker_report(request.node.node, request.node.session, request.local_rank, request.report)
+            self.c.worker_report(request.node.node, request.node.session, request.local_rank, request.report,
+                                 request.replayed)
         return pb.Ack()
 
     def ReportWorkerFailure(self, request: pb.WorkerFailureRequest, context) -> pb.Ack:

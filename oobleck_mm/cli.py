@@ -121,13 +121,19 @@ def _add_simulate_parser(sub) -> None:
 def _add_control_plane_parsers(sub) -> None:
     # Flags follow torchrun where they overlap; its spellings are accepted as aliases.
     master = sub.add_parser("master", help="run the job's master (one per job)")
-    master.add_argument("--config", required=True, help="job config YAML (see configs/)")
+    master.add_argument("--config", default=None, help="job config YAML (see configs/); required unless "
+                                                          "--resume-master")
+    master.add_argument("--resume-master", default=None, metavar="RUN_DIR",
+                        help="restart a master that died: re-adopt the agents and workers still running its job, "
+                             "from the journal in its run dir (same config, token, address; docs/recovery.md)")
     master.add_argument("--deepspeed", default=None, metavar="FILE",
                        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
     _add_set(master)
-    master.add_argument("--host", "--master-addr", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    master.add_argument("--port", "--master-port", type=int, default=29400, help="gRPC port (0: any free port)")
+    master.add_argument("--host", "--master-addr", default=None,
+                        help="address to listen on (default 127.0.0.1, or the journal's with --resume-master; "
+                             "0.0.0.0 for every interface)")
+    master.add_argument("--port", "--master-port", type=int, default=None,
+                        help="gRPC port (default 29400, or the journal's with --resume-master; 0: any free port)")
     master.add_argument("--nodes", "--nnodes", type=_node_range, default=None, metavar="N|MIN:MAX",
                         help="agents to wait for before planning (default cluster.nodes); MIN:MAX also refuses "
                              "agents beyond MAX (cluster.max_nodes)")
@@ -389,16 +395,25 @@ def _cmd_master(args: argparse.Namespace) -> int:
     from master.server import MasterOptions, MasterServer
     from oobleck_mm.runtime.limits import check_runnable
 
-    job = _load_job(args)
+    journal = None
+    if args.resume_master:
+        job, journal = _journaled_job(args)
+    elif not args.config:
+        raise UserError("master: --config FILE is required (or --resume-master RUN_DIR to restart a master)")
+    else:
+        job = _load_job(args)
     check_runnable(job, workers_here=False)
     _setup_logging("master", _level(args.log_level))
+    host = args.host if args.host is not None else journal.host if journal else "127.0.0.1"
+    port = args.port if args.port is not None else journal.port if journal else 29400
+    resume_command = journal.options["resume_command"] if journal else _resume_command("master", args)
     options = MasterOptions(
-        host=args.host, port=args.port, run_dir=args.run_dir,
+        host=host, port=port, run_dir=args.resume_master or args.run_dir,
         token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
-        save_final_dir=args.save_final or "", resume_command=_resume_command("master", args),
+        save_final_dir=args.save_final or "", resume_command=resume_command,
         log_every=args.log_every, tensorboard=args.tensorboard,
     )  # fmt: skip
-    server = MasterServer(job, options)
+    server = MasterServer(job, options, journal=journal)
     interrupted: list[int] = []
     # The handler only records the signal: the main loop ends the job (never from inside a handler).
     old = {s: signal.signal(s, lambda signum, _: interrupted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -427,6 +442,24 @@ def _cmd_master(args: argparse.Namespace) -> int:
     code = _report_exit(code, server.message, server.event_log_path)
     print(where_things_are(server), flush=True)
     return code
+
+
+def _journaled_job(args: argparse.Namespace):
+    """(job, journal) of ``--resume-master RUN_DIR``: the job exactly as the lost master ran it."""
+    import yaml
+
+    from master.journal import read_journal
+    from oobleck_mm.config import config_from_dict
+
+    given = [flag for flag, value in (("--config", args.config), ("--resume", args.resume), ("--steps", args.steps),
+                                      ("--nodes", args.nodes), ("--set", args.overrides), ("--run-dir", args.run_dir),
+                                      ("--save-final", args.save_final), ("--deepspeed", args.deepspeed))
+             if value]  # fmt: skip
+    if given:
+        raise UserError(f"--resume-master: {', '.join(given)} cannot change the job it re-adopts; the journal in "
+                        f"{args.resume_master} has its config and options")
+    journal = read_journal(args.resume_master)
+    return config_from_dict(yaml.safe_load(journal.config_yaml)), journal
 
 
 def _dial_address(server) -> str:

@@ -543,6 +543,11 @@ class FaultToleranceConfig:
     """How long an agent keeps its node in the job after a preemption notice (a SIGTERM) while the
     master plans it out at the next iteration boundary; past it the agent stops its workers as if
     the node failed. Keep it below the provider's notice (30 s on GCP, 2 min on AWS) minus one step."""
+    master_timeout: timedelta | None = timedelta(minutes=5)
+    """How long agents keep their workers training without a master (it died, or cannot be reached)
+    while they wait for it, or for one restarted with ``oobleck-launch master --resume-master RUN_DIR``,
+    to re-adopt them; past it the workers write the step they are at and the agents exit 3 with the
+    resume command. null: write that checkpoint at once. Generous: restarting a master takes minutes."""
     recovery: str = "live"
     """``live`` (reconfigure the surviving pipelines in place) or ``restart`` (from checkpoint)."""
     checkpoint_interval: int = 100
@@ -561,6 +566,7 @@ class FaultToleranceConfig:
         check(self, "rendezvous_timeout", as_duration)
         check(self, "stall_timeout", as_duration)
         check(self, "preempt_grace", as_duration)
+        check_optional(self, "master_timeout", as_duration)
         check(self, "recovery", as_choice, ("live", "restart"))
         check(self, "checkpoint_interval", as_int, minimum=0)
         check_optional(self, "checkpoint_every", as_duration)
@@ -636,6 +642,14 @@ class FaultToleranceConfig:
     def report_rpc_timeout(self) -> timedelta:
         """Deadline of forwarding one worker report or failure to the master: ``heartbeat_timeout``."""
         return self.heartbeat_timeout
+
+    @property
+    def adopt_window(self) -> timedelta:
+        """How long a master restarted with ``--resume-master`` waits for the nodes of its journal to
+        register again before it counts the missing ones lost: ``master_silence_limit``. The agents
+        retry every ``heartbeat_interval`` once they miss the master; a node not back by then went
+        down with it."""
+        return self.master_silence_limit
 
     @property
     def master_silence_limit(self) -> timedelta:

@@ -274,16 +274,18 @@ class WorkerReport(_message.Message):
     def __init__(self, metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., phase: _Optional[_Union[PhaseDone, _Mapping]] = ..., checkpoint_done: _Optional[_Union[CheckpointDone, _Mapping]] = ..., stalled: _Optional[_Union[Stalled, _Mapping]] = ..., ready: _Optional[_Union[WorkerReady, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node", "gpus", "memory_bytes", "pid")
+    __slots__ = ("node", "gpus", "memory_bytes", "pid", "adopt_generation")
     NODE_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_GENERATION_FIELD_NUMBER: _ClassVar[int]
     node: str
     gpus: int
     memory_bytes: int
     pid: int
-    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    adopt_generation: int
+    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., adopt_generation: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("node", "session", "gpus", "config_yaml", "resume_command")
@@ -346,14 +348,16 @@ class WorkerAssignment(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class WorkerReportRequest(_message.Message):
-    __slots__ = ("node", "local_rank", "report")
+    __slots__ = ("node", "local_rank", "report", "replayed")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     node: NodeRef
     local_rank: int
     report: WorkerReport
-    def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ..., local_rank: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, node: _Optional[_Union[NodeRef, _Mapping]] = ..., local_rank: _Optional[int] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class WorkerFailureRequest(_message.Message):
     __slots__ = ("node", "local_rank", "failure", "message")

@@ -155,10 +155,10 @@ def master_in_process(config: str, tmp_path: Path, **overrides: int) -> Iterator
         server.stop()
 
 
-def start_master_process(procs: Procs, config: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path, str]:
+def start_master_process(procs: Procs, config: str, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, Path, str]:
     """``oobleck-launch master`` as a subprocess: (process, address, event log, token file)."""
     run_dir = tmp_path / "run"
-    proc, log_path = procs.spawn(["master", "--config", config, "--port", "0", "--run-dir", str(run_dir)],
+    proc, log_path = procs.spawn(["master", "--config", config, "--port", "0", "--run-dir", str(run_dir), *extra],
                                  "master.log")  # fmt: skip
     found = wait_for(lambda: re.search(r"master listening on (\S+) ", log_path.read_text()), 20, "the master")
     return proc, found.group(1), run_dir / "events.jsonl", str(run_dir / "token")

@@ -176,14 +176,16 @@ def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, p
 
 def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_resume_equals_the_reference(
         tmp_path, procs):
-    """SIGKILL of the master mid-run: every agent sees its stream break, its workers finish the iteration
-    in flight and write that step together (a complete checkpoint without a master: issue 13), the agents
+    """SIGKILL of the master mid-run, and none restarted: every agent sees its stream break, its workers
+    train on for ``master_timeout``, then finish the iteration in flight and write that step together (a complete checkpoint without a master: issue 13), the agents
     exit 3 naming the resume command, nothing is left running, and the resumed run equals the reference."""
     from oobleck_mm.config import load_config
     from oobleck_mm.runtime.checkpoint import read_meta
     from oobleck_mm.verify import compare
 
-    config = write_config(tmp_path, nodes=2, steps=1000, training={"dtype": "float64"})
+    # No master comes back within master_timeout: the workers train on until then, and write that step.
+    config = write_config(tmp_path, nodes=2, steps=1000, training={"dtype": "float64"},
+                          fault_tolerance={"master_timeout": "2s"})  # fmt: skip
     master, address, events, token = start_master_process(procs, config, tmp_path)
     agents = [procs.agent(address, node, token) for node in ("node0", "node1")]
     workers = [worker_pid(log) for _, log in agents]
@@ -207,6 +209,82 @@ def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_res
                    "--save-final", str(final), "--run-dir", str(tmp_path / "resumed"), timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     verdict = compare(load_config(config), step + 2, str(final), progress=lambda line: None)
+    assert verdict.ok and verdict.worst.abs_diff < 1e-9, verdict.format()
+
+
+RESTART_STEPS = 24
+
+
+def test_a_restarted_master_re_adopts_the_running_workers_and_the_run_equals_the_reference(tmp_path, procs):
+    """SIGKILL of the master mid-run: the workers train on; ``oobleck-launch master --resume-master RUN_DIR``
+    (its journal: config, address, generation, plan) re-adopts the same worker processes, which never
+    restarted nor reloaded anything, and the run finishes equal to the reference: no step lost or repeated."""
+    from oobleck_mm.config import load_config
+    from oobleck_mm.verify import compare
+
+    final = tmp_path / "final"
+    config = write_config(tmp_path, nodes=2, steps=RESTART_STEPS, training={"dtype": "float64"},
+                          fault_tolerance={"master_timeout": "5m"})  # fmt: skip
+    master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
+    agents = [procs.agent(address, node, token) for node in ("node0", "node1")]
+    workers = [worker_pid(log) for _, log in agents]
+    started = [p for agent, _ in agents for p in procs.remember(agent.pid)]
+    wait_event(events, "step", step=2, timeout=120)
+    send(master, signal.SIGKILL)
+    assert master.wait(10) == -signal.SIGKILL
+    killed_at_step = max(e["step"] for e in read_events(events, "step"))
+    for _, log in agents:  # they wait for a master, and their workers go on
+        wait_for(lambda: "the workers train on" in log.read_text(), 20, "the agent waiting for its master")
+    time.sleep(1.0)
+    assert all(agent.poll() is None for agent, _ in agents)
+    run_dir = tmp_path / "run"
+    again, again_log = procs.spawn(["master", "--resume-master", str(run_dir)], "master-again.log")
+    assert again.wait(180) == 0, again_log.read_text()[-3000:]
+    for agent, _ in agents:
+        assert agent.wait(30) == 0
+    assert_all_gone(started, 5)
+    adopted = read_events(events, "adopted")
+    assert len(adopted) == 1 and sorted(adopted[0]["nodes"]) == ["node0", "node1"] and not adopted[0]["missing"]
+    assert adopted[0]["next_step"] > killed_at_step  # what they trained without a master is known
+    for (agent, log), pid in zip(agents, workers):  # the same worker, never restarted, never reloaded
+        text = log.read_text()
+        assert re.findall(r"started worker 0 \(pid (\d+)\)", text) == [str(pid)]
+        assert "re-adopted by a restarted master" in text
+    assert len(read_events(events, "plan_decided")) == 1  # one plan, sent by the first master
+    steps = [e["step"] for e in read_events(events, "step")]
+    assert sorted(set(steps)) == list(range(RESTART_STEPS))
+    verdict = compare(load_config(config), RESTART_STEPS, str(final), progress=lambda line: None)
+    assert verdict.ok and verdict.worst.abs_diff < 1e-9, verdict.format()
+
+
+def test_a_master_paused_past_the_agents_patience_finds_the_same_workers_training(tmp_path, procs):
+    """SIGSTOP of the master for longer than ``master_silence_limit``: the agents give it up but keep their
+    workers training, its heartbeats answer again after SIGCONT, and the run finishes equal to the reference
+    with the same worker processes (before issue 13 every agent killed its workers: the state was gone)."""
+    from oobleck_mm.config import load_config
+    from oobleck_mm.verify import compare
+
+    final = tmp_path / "final"
+    steps = 40
+    config = write_config(tmp_path, nodes=2, steps=steps, training={"dtype": "float64"})
+    master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
+    agents = [procs.agent(address, node, token) for node in ("node0", "node1")]
+    workers = [worker_pid(log) for _, log in agents]
+    wait_event(events, "step", step=2, timeout=120)
+    send(master, signal.SIGSTOP)
+    try:
+        for _, log in agents:  # past master_silence_limit (2 * heartbeat_timeout)
+            wait_for(lambda: "has not answered" in log.read_text(), 4 * TIMEOUT_S + 20, "the agent giving up")
+    finally:
+        send(master, signal.SIGCONT)
+    assert master.wait(120) == 0
+    for (agent, log), pid in zip(agents, workers):
+        assert agent.wait(30) == 0
+        text = log.read_text()
+        assert re.findall(r"started worker 0 \(pid (\d+)\)", text) == [str(pid)]
+        assert "the master answers again" in text
+    assert not read_events(events, "lost")
+    verdict = compare(load_config(config), steps, str(final), progress=lambda line: None)
     assert verdict.ok and verdict.worst.abs_diff < 1e-9, verdict.format()
 
 

@@ -884,3 +884,98 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path,
     shard.write_bytes(bytes(data))
     with pytest.raises(UserError, match=r"llm.head.pt: its sha256 is not the one the checkpoint recorded"):
         resume_step(str(tmp_path), job)
+
+
+# ---------------------------------------------------------------------- a restarted master
+
+
+def _come_back(j: Job, name: str, generation: int, step: int, rank: int) -> None:
+    """An agent registering again with a restarted master: its worker's latest reports, then its stream."""
+    j.sessions[name], _ = j.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1", adopt_generation=generation)
+    metrics = pb.StepMetrics(generation=generation, step=step, rank=rank, loss=1.0, samples_per_s=10.0,
+                             step_time_s=0.1)  # fmt: skip
+    j.c.worker_report(name, j.sessions[name], 0, pb.WorkerReport(metrics=metrics), replayed=True)
+    j.boxes[name] = j.c.open_stream(name, j.sessions[name])
+
+
+def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_anything(make, tmp_path):
+    from master.journal import read_journal, write_journal
+
+    first = make(nodes=2, steps=10)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b")
+    assert [jn.generation for jn in journals] == [1]  # written before the assignments went out
+    for step in range(3):
+        first.train(1, step)
+    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    write_journal(str(tmp_path), dataclasses.replace(journals[-1], host="127.0.0.1", port=4321))
+    journal = read_journal(str(tmp_path))
+    assert (journal.generation, journal.port, journal.current.ranks) == (1, 4321, ranks)
+    assert journal.current.layout == first.c.plan and journal.plan == journals[-1].plan
+
+    j = make(nodes=2, steps=10)  # the restarted master: its workers trained steps 3..5 meanwhile
+    j.c.adopt(journal)
+    assert j.c.phase == JobPhase.ADOPTING
+    _come_back(j, "a", 1, 5, ranks[("a", 0)])
+    j.advance(0.2)
+    assert j.c.phase == JobPhase.ADOPTING  # b is not back yet
+    _come_back(j, "b", 1, 5, ranks[("b", 0)])
+    j.c.tick()
+    assert j.c.phase == JobPhase.RUNNING and j.c.generation == 1 and j.c.next_step == 6
+    assert all(not box for box in j.drain_all().values())  # nothing to send: they train on
+    [adopted] = read_events(j.events, "adopted")
+    assert adopted["nodes"] == ["a", "b"] and adopted["missing"] == [] and adopted["next_step"] == 6
+    assert not read_events(j.events, "step")  # replayed steps were logged by the lost master
+    j.assigned = dict(first.assigned)
+    for step in range(6, 10):  # reports as usual from here
+        _alive_for(j, 0.1)
+        j.train(1, step)
+    for gpu in j.assigned:
+        j.report(gpu, done=pb.WorkerDone(step=9))
+    assert [e["step"] for e in read_events(j.events, "step")] == [6, 7, 8, 9]
+    assert j.c.tick() is not None and j.c.finish_result.exit_code == 0
+
+
+def test_a_node_that_does_not_come_back_to_a_restarted_master_is_recovered_from_like_a_loss(make, tmp_path):
+    first = make(nodes=3, steps=20)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b", "c")
+    first.train(1, 0)
+    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+
+    j = make(nodes=3, steps=20)
+    j.c.adopt(journals[-1])
+    for name in ("a", "b"):
+        _come_back(j, name, 1, 2, ranks[(name, 0)])
+    window = j.c.timeouts.adopt_window.total_seconds()
+    _alive_for(j, window - 0.2)
+    assert j.c.phase == JobPhase.ADOPTING
+    _alive_for(j, 0.5)  # c went down with the master: past the window it is lost
+    [adopted] = read_events(j.events, "adopted")
+    assert adopted["missing"] == ["c"] and sorted(adopted["nodes"]) == ["a", "b"]
+    _alive_for(j, 0.5)
+    assert j.c.generation == 2
+    j.drain_all()
+    for name in ("a", "b"):  # the survivors keep their states: generation 2 takes them from generation 1
+        a = j.assigned[(name, 0)]
+        assert a.generation == 2 and a.previous_generation == 1 and a.start_step == 3
+    [decided] = read_events(j.events, "plan_decided")
+    assert decided["lost"] == ["c"] and decided["cause"] == "lost"
+
+
+def test_agents_back_with_another_generation_than_the_journal_make_the_nodes_re_form(make):
+    first = make(nodes=2, steps=20)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b")
+    first.train(1, 0)
+    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    j = make(nodes=2, steps=20)
+    j.c.adopt(journals[-1])
+    _come_back(j, "a", 1, 0, ranks[("a", 0)])
+    _come_back(j, "b", 0, 0, ranks[("b", 0)])  # b's agent never passed generation 1 on
+    _alive_for(j, 0.3)
+    assert read_events(j.events, "adopted")[0]["other_generation"] == ["b"]
+    assert j.c.generation == 2  # a new generation at once, not a hang at the next collective

@@ -1,0 +1,131 @@
+"""The master's journal: what a restarted master needs to re-adopt the running job (``--resume-master``).
+
+The workers hold the job's state (layers, optimizer, sampler position) and train
+on without a master: only the generation's plan lives in the master alone. So
+the master writes, before it sends a generation's assignments (write-ahead: no
+worker ever runs a generation the journal does not name), the job config it
+resolved, its run options and address, the generations whose states workers
+may still hold, and the planning ``Plan`` the next reconfiguration starts
+from. ``oobleck-launch master --resume-master RUN_DIR`` reads it back, listens
+on the same address, and the agents, which keep retrying, register again
+naming the generation they run (``RegisterRequest.adopt_generation``).
+
+The step is not journaled: the agents replay their workers' latest reports
+(``WorkerReportRequest.replayed``), which say it, and every step trained while
+no master ran.
+
+Two files in the run dir: ``master-journal.json`` (readable, written last) and
+the pickled planning ``Plan`` it names. The pickle is the same one the master
+already sends its own planning helper; it is read only by this project's
+master from its own run dir, next to the job token, so whoever could forge
+it could as well read the token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from master.recovery import GenerationView
+from oobleck_mm.errors import UserError
+from oobleck_mm.planning.layout import ExecutionPlan
+
+JOURNAL_FILE = "master-journal.json"
+VERSION = 1
+KEEP_GENERATIONS = 3
+"""Generations journaled: the current one and the two before it (a worker may still hold the one it
+came from while a recovery is under way: ``master.recovery``'s *base*)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Journal:
+    config_yaml: str
+    """The job as the first master resolved it (overrides applied, absolute paths)."""
+    host: str
+    port: int
+    options: dict[str, Any]
+    """``master.coordinator.RunOptions`` as a dict."""
+    generation: int
+    template_nodes: int
+    views: tuple[GenerationView, ...]
+    """The journaled generations, oldest first; the last is ``generation``."""
+    plan: Any
+    """The planning ``Plan`` of ``generation`` (the next reconfiguration starts from it)."""
+    last_checkpoint: tuple[str, int] | None = None
+    """(directory, step) of the newest complete periodic checkpoint."""
+
+    @property
+    def current(self) -> GenerationView:
+        return self.views[-1]
+
+
+def write_journal(run_dir: str, journal: Journal) -> None:
+    """Atomically (temp file, fsync, rename): a master killed while writing leaves the previous journal."""
+    plan_name = f"master-plan-g{journal.generation}.pickle"
+    _write_atomically(os.path.join(run_dir, plan_name), pickle.dumps(journal.plan))
+    record = {
+        "version": VERSION, "config_yaml": journal.config_yaml, "host": journal.host, "port": journal.port,
+        "options": journal.options, "generation": journal.generation, "template_nodes": journal.template_nodes,
+        "views": [_view_to_dict(v) for v in journal.views[-KEEP_GENERATIONS:]], "plan_file": plan_name,
+        "last_checkpoint": list(journal.last_checkpoint) if journal.last_checkpoint else None,
+    }  # fmt: skip
+    _write_atomically(os.path.join(run_dir, JOURNAL_FILE), json.dumps(record, indent=1).encode())
+    for name in os.listdir(run_dir):  # plans of older generations: the journal names only the newest
+        if name.startswith("master-plan-g") and name.endswith(".pickle") and name != plan_name:
+            try:
+                os.remove(os.path.join(run_dir, name))
+            except OSError:
+                pass
+
+
+def read_journal(run_dir: str) -> Journal:
+    """The journal of the master that ran in ``run_dir``; ``UserError`` naming what is missing or wrong."""
+    path = os.path.join(run_dir, JOURNAL_FILE)
+    if not os.path.isdir(run_dir):
+        raise UserError(f"--resume-master: {run_dir!r} is not a folder; give the run dir of the master to resume")
+    if not os.path.exists(path):
+        raise UserError(f"--resume-master: no {JOURNAL_FILE} in {run_dir!r}: its master never sent a plan "
+                        "(nothing runs to re-adopt; start the job again, with --resume DIR if it checkpointed)")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+        if record.get("version") != VERSION:
+            raise ValueError(f"version {record.get('version')!r}, this master reads {VERSION}")
+        with open(os.path.join(run_dir, record["plan_file"]), "rb") as fh:
+            plan = pickle.load(fh)
+        views = tuple(_view_from_dict(v) for v in record["views"])
+        checkpoint = record.get("last_checkpoint")
+        return Journal(
+            config_yaml=record["config_yaml"], host=record["host"], port=int(record["port"]),
+            options=dict(record["options"]), generation=int(record["generation"]),
+            template_nodes=int(record["template_nodes"]), views=views, plan=plan,
+            last_checkpoint=(checkpoint[0], int(checkpoint[1])) if checkpoint else None,
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
+        raise UserError(f"--resume-master: cannot read the journal {path}: {exc}") from None
+
+
+def options_dict(options) -> dict[str, Any]:
+    return asdict(options)
+
+
+def _view_to_dict(view: GenerationView) -> dict[str, Any]:
+    return {"number": view.number, "layout": view.layout.to_dict(),
+            "ranks": [[node, gpu, rank] for (node, gpu), rank in sorted(view.ranks.items(), key=lambda kv: kv[1])]}
+
+
+def _view_from_dict(d: dict[str, Any]) -> GenerationView:
+    ranks = {(str(node), int(gpu)): int(rank) for node, gpu, rank in d["ranks"]}
+    return GenerationView(int(d["number"]), ExecutionPlan.from_dict(d["layout"]), ranks)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
