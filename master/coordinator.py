@@ -173,6 +173,7 @@ class Coordinator:
         self._incident: Incident | None = None
         self._round: checkpointing.CheckpointRound | None = None
         self._started_at = 0.0
+        self._started_wall = 0.0
         self._last_detect: float | None = None
         self._settle_until = 0.0
         self._abandoned: tuple[float, str] | None = None
@@ -614,7 +615,7 @@ class Coordinator:
         self.generation, self.plan, self.phase = number, layout, JobPhase.RUNNING
         self._last_progress = self.clock()
         if number == 1:
-            self._started_at = self.clock()
+            self._started_at, self._started_wall = self.clock(), time.time()
         self.events.write(
             "plan_decided", generation=number, nodes=list(view.nodes), layout=layout.to_dict(),
             describe=layout.describe(), predicted_samples_per_s=planned.samples_per_s, seconds=planned.seconds,
@@ -666,7 +667,8 @@ class Coordinator:
         views = tuple(self._gens[n].view for n in sorted(self._gens) if n > self.generation - KEEP_GENERATIONS)
         journal = Journal(config_yaml=self.config_yaml, host="", port=0, options=asdict(self.options),
                           generation=self.generation, template_nodes=current.template_nodes, views=views,
-                          plan=current.plan, last_checkpoint=self.policy.last_checkpoint)  # fmt: skip
+                          plan=current.plan, last_checkpoint=self.policy.last_checkpoint,
+                          started_wall=self._started_wall)  # fmt: skip
         try:
             self.journal_to(journal)
         except OSError as exc:  # a full disk: the job goes on; only a restarted master could not re-adopt it
@@ -687,7 +689,10 @@ class Coordinator:
             self.policy.last_checkpoint = journal.last_checkpoint
             now = self.clock()
             self._adopting = (now, now + self.timeouts.adopt_window.total_seconds())
-            self._started_at = self._last_progress = now
+            self._last_progress = now
+            # The run is timed from its first plan, by the lost master (wall clocks: another process).
+            self._started_wall = journal.started_wall or time.time()
+            self._started_at = now - max(0.0, time.time() - self._started_wall)
             self.phase = JobPhase.ADOPTING
             nodes = list(journal.current.nodes)
             self.events.write("adopting", generation=journal.generation, nodes=nodes,

@@ -56,6 +56,8 @@ class Journal:
     """The planning ``Plan`` of ``generation`` (the next reconfiguration starts from it)."""
     last_checkpoint: tuple[str, int] | None = None
     """(directory, step) of the newest complete periodic checkpoint."""
+    started_wall: float = 0.0
+    """Unix time the first generation was planned: a restarted master times the run from it."""
 
     @property
     def current(self) -> GenerationView:
@@ -71,6 +73,7 @@ def write_journal(run_dir: str, journal: Journal) -> None:
         "options": journal.options, "generation": journal.generation, "template_nodes": journal.template_nodes,
         "views": [_view_to_dict(v) for v in journal.views[-KEEP_GENERATIONS:]], "plan_file": plan_name,
         "last_checkpoint": list(journal.last_checkpoint) if journal.last_checkpoint else None,
+        "started_wall": journal.started_wall,
     }  # fmt: skip
     _write_atomically(os.path.join(run_dir, JOURNAL_FILE), json.dumps(record, indent=1).encode())
     for name in os.listdir(run_dir):  # plans of older generations: the journal names only the newest
@@ -103,6 +106,7 @@ def read_journal(run_dir: str) -> Journal:
             options=dict(record["options"]), generation=int(record["generation"]),
             template_nodes=int(record["template_nodes"]), views=views, plan=plan,
             last_checkpoint=(checkpoint[0], int(checkpoint[1])) if checkpoint else None,
+            started_wall=float(record.get("started_wall") or 0.0),
         )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
         raise UserError(f"--resume-master: cannot read the journal {path}: {exc}") from None

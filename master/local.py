@@ -1,12 +1,17 @@
-"""``oobleck-launch local``: the master in this process, N agent subprocesses, their workers on this machine.
+"""``oobleck-launch local``: a master process, N agent processes and their workers on this machine, supervised.
 
-The same code as a real cluster, only on loopback: each agent is a separate
-process with its own workers (one CPU process per simulated GPU), so killing
-an agent here is killing a node. Faults are injected with real signals by
+The same code as a real cluster, only on loopback: the master is
+``oobleck-launch master`` in its own process and each agent a separate process
+with its own workers (one CPU process per simulated GPU), so killing an agent
+here is killing a node and killing the master is killing the master. When the
+master dies (a signal, not an exit), this launcher restarts it with
+``--resume-master``: it re-adopts the agents, whose workers trained on
+meanwhile (``docs/recovery.md``). Faults are injected with real signals by
 ``oobleck_mm.faults`` (``--inject``, ``--trace``), which finds processes and
-starts joining nodes through ``agent_pids`` and ``start_agent``. Every child is
-killed on the way out, including on Ctrl-C or when the launcher itself fails,
-and at the end the run's recovery table is printed and its figure drawn (``run.png``).
+starts joining nodes through ``agent_pids``, ``master_pid`` and
+``start_agent``. Every child is killed on the way out, including on Ctrl-C or
+when the launcher itself fails, and at the end the run's recovery table is
+printed and its figure drawn (``run.png``).
 """
 
 from __future__ import annotations
@@ -22,13 +27,22 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import psutil
+import yaml
 
-from master.coordinator import JobPhase
-from master.server import MasterOptions, MasterServer
+from master.journal import JOURNAL_FILE
+from master.server import default_run_dir, make_run_dir
+from oobleck_mm.errors import ExitCode
+from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
 
 log = logging.getLogger(__name__)
+
+MASTER_START_TIMEOUT_S = 120.0
+"""Longest wait for the master process to listen (it checks every sample's files first: large
+datasets take a while, and it says how far it got meanwhile)."""
+MAX_MASTER_RESTARTS = 5
+"""Master deaths in one run after which the launcher gives up (a master that keeps dying has a bug)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,31 +62,43 @@ class LocalOptions:
     tensorboard: bool = True
     log_level: str = "info"
     """The agents' (and their workers') log level."""
+    master_log_level: str = "warning"
+    """The master's: the console shows its progress lines; details are in the event log."""
 
 
 class LocalCluster:
     def __init__(self, job, options: LocalOptions, progress=print) -> None:
         self.job = job
         self.options = options
-        master = MasterOptions(
-            host="127.0.0.1", port=0, run_dir=options.run_dir, event_log=options.event_log,
-            resume_dir=options.resume_dir, save_final_dir=options.save_final_dir,
-            resume_command=options.resume_command, log_every=options.log_every, tensorboard=options.tensorboard,
-        )  # fmt: skip
-        self.server = MasterServer(job, master, progress=progress)
+        self.run_dir = options.run_dir or default_run_dir(job.model.name)
+        make_run_dir(self.run_dir)
+        self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
+        self.token_file = os.path.join(self.run_dir, "token")
+        # The job as resolved here (overrides applied, paths absolute): the master reads exactly it.
+        self.job_file = os.path.join(self.run_dir, "job.yaml")
+        with open(self.job_file, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(job.to_dict(), fh, sort_keys=False)
+        self.address = ""
+        self.master: subprocess.Popen | None = None
+        self._master_lock = threading.Lock()  # the injector reads the master's pid
+        self.master_restarts = 0
         self.agents: dict[str, tuple[subprocess.Popen, str]] = {}
         self._agents_lock = threading.Lock()  # the injector thread starts joining nodes
         self._signal: int | None = None
         self._stop_requested = False
         self.injector = None
         self.summary = ""
+        self.message = ""
+        """Why the launcher itself ended the run ("" when the master's exit says it)."""
 
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.server.start()
-            print(f"master on {self.server.address}; run dir {self.server.run_dir}; "
-                  f"event log {self.server.event_log_path}", flush=True)  # fmt: skip
+            code = self._start_master(self._master_command())
+            if code is not None:
+                return code
+            print(f"master on {self.address} (pid {self.master.pid}); run dir {self.run_dir}; "
+                  f"event log {self.event_log_path}", flush=True)  # fmt: skip
             for i in range(self.job.cluster.nodes):
                 self.start_agent(f"node{i}")
             self._start_injector()
@@ -85,10 +111,77 @@ class LocalCluster:
             if self.injector is not None:
                 self.injector.stop(kill_stopped=True)
             self._kill_agents()
-            self.server.stop()
+            self._kill_master()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             self._report()
+
+    # ------------------------------------------------------------------ the master process
+    def _master_command(self) -> list[str]:
+        o = self.options
+        cmd = [sys.executable, "-m", "oobleck_mm.cli", "master", "--config", self.job_file, "--host", "127.0.0.1",
+               "--port", "0", "--run-dir", self.run_dir, "--event-log", self.event_log_path,
+               "--log-every", str(o.log_every), "--log-level", o.master_log_level, "--launched-by", o.resume_command]
+        cmd += ["--resume", o.resume_dir] if o.resume_dir else []
+        cmd += ["--save-final", o.save_final_dir] if o.save_final_dir else []
+        return cmd + ([] if o.tensorboard else ["--no-tensorboard"])
+
+    def _restart_command(self) -> list[str]:
+        port = self.address.rpartition(":")[2]
+        return [sys.executable, "-m", "oobleck_mm.cli", "master", "--resume-master", self.run_dir, "--port", port,
+                "--event-log", self.event_log_path, "--log-every", str(self.options.log_every),
+                "--log-level", self.options.master_log_level, "--launched-by", self.options.resume_command]
+
+    def _start_master(self, cmd: list[str]) -> int | None:
+        """Starts the master and waits until it listens (its ``master_started`` event); its exit code if
+        it exits first (a bad input it names on stderr)."""
+        seen = len(read_events(self.event_log_path, "master_started")) if os.path.exists(self.event_log_path) else 0
+        # Its stdout and stderr are this launcher's: the step lines and the final message are its.
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        with self._master_lock:
+            self.master = proc
+        deadline = time.monotonic() + MASTER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return proc.returncode if proc.returncode > 0 else ExitCode.ERROR
+            if self._signal is not None:
+                return self._interrupted_before_start()
+            started = read_events(self.event_log_path, "master_started") if os.path.exists(self.event_log_path) else []
+            if len(started) > seen:
+                self.address = started[-1]["address"]
+                return None
+            time.sleep(0.05)
+        self.message = f"the master did not start listening within {MASTER_START_TIMEOUT_S:.0f} s"
+        return ExitCode.ERROR
+
+    def _interrupted_before_start(self) -> int:
+        name = signal.Signals(self._signal).name
+        self.message = f"interrupted by {name} before the job started"
+        return ExitCode.ERROR
+
+    def master_pid(self) -> int | None:
+        with self._master_lock:
+            return None if self.master is None else self.master.pid
+
+    def _master_died(self, returncode: int) -> int | None:
+        """The master was killed (a signal): restart it to re-adopt the running job; None once it runs."""
+        name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(returncode)
+        if not os.path.exists(os.path.join(self.run_dir, JOURNAL_FILE)):
+            self.message = f"the master died ({name}) before it planned the job: nothing runs to re-adopt"
+            return ExitCode.ERROR
+        if self.master_restarts >= MAX_MASTER_RESTARTS:
+            self.message = f"the master died ({name}) for the {self.master_restarts + 1}th time; giving up"
+            return ExitCode.ERROR
+        self.master_restarts += 1
+        print(f"the master died ({name}); restarting it: it re-adopts the running agents, whose workers train on",
+              flush=True)  # fmt: skip
+        return self._start_master(self._restart_command())
+
+    def _kill_master(self) -> None:
+        proc = self.master
+        if proc is not None and proc.poll() is None:
+            log.warning("master still running; stopping it")
+            _stop_tree(proc, grace_s=self.job.fault_tolerance.shutdown_grace.total_seconds() + 2.0)
 
     # ------------------------------------------------------------------ what the fault injector uses
     def start_agent(self, node: str) -> None:
@@ -98,12 +191,12 @@ class LocalCluster:
         env.setdefault("OMP_NUM_THREADS", "1")
         if holds := hold_points(self.options.faults):  # --inject kill:NODE@phase:copy: NODE's worker waits there
             env[HOLD_ENV] = ",".join(filter(None, (env.get(HOLD_ENV, ""), holds)))
-        cmd = [sys.executable, "-m", "oobleck_mm.cli", "agent", "--master", self.server.address, "--node", node,
-               "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.server.token_file,
+        cmd = [sys.executable, "-m", "oobleck_mm.cli", "agent", "--master", self.address, "--node", node,
+               "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.token_file,
                "--log-level", self.options.log_level]  # fmt: skip
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
-        log_path = os.path.join(self.server.run_dir, f"agent-{node}.log")
+        log_path = os.path.join(self.run_dir, f"agent-{node}.log")
         with self._agents_lock:
             if node in self.agents and self.agents[node][0].poll() is None:
                 raise ValueError(f"node {node} is already running")
@@ -126,34 +219,54 @@ class LocalCluster:
             return
         from oobleck_mm.faults.injector import Injector
 
+        # Its own writer on the master's event log: each record is one line appended in one write.
+        self._injector_events = EventLog(self.event_log_path)
         self.injector = Injector(
-            list(self.options.faults), event_log_path=self.server.event_log_path, events=self.server.events,
-            agents=self.agent_pids, start_agent=self.start_agent,
+            list(self.options.faults), event_log_path=self.event_log_path, events=self._injector_events,
+            agents=self.agent_pids, start_agent=self.start_agent, master=self.master_pid,
         )  # fmt: skip
         self.injector.start()
 
     def _wait(self) -> int:
-        while (code := self.server.wait(0.2)) is None:
+        """The master's exit code (restarting it each time it is killed)."""
+        planned = False
+        while True:
+            assert self.master is not None
+            try:
+                code = self.master.wait(0.2)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                if code >= 0:
+                    return code
+                restarted = self._master_died(code)
+                if restarted is not None:
+                    return restarted
+                continue
             if self._signal is not None:
-                name = signal.Signals(self._signal).name
-                if self._signal == signal.SIGTERM and not self._stop_requested:
-                    # A scheduler's stop (Slurm, Kubernetes): write the step, exit 3 with the resume command.
-                    self._stop_requested = True
-                    print(f"{name}: stopping after a checkpoint of the current step ({name} again: at once)",
-                          flush=True)  # fmt: skip
-                    self.server.request_stop(name)
-                else:
-                    self.server.finish(1, f"interrupted by {name}")
-                self._signal = None
-            coordinator = self.server.coordinator
-            with self._agents_lock:
-                agents = list(self.agents.items())
-            for node, (proc, log_path) in agents:
-                # Before the plan a dead agent is never missed by the master: it would wait forever.
-                if proc.poll() is not None and coordinator is not None and coordinator.phase is JobPhase.WAITING:
-                    self.server.finish(1, f"agent {node} exited with code {proc.returncode} before the job "
-                                          f"started; see {log_path}")  # fmt: skip
-        return code
+                self._forward_signal()
+            if not planned:
+                planned = bool(read_events(self.event_log_path, "plan_decided"))
+            if not planned:
+                with self._agents_lock:
+                    agents = list(self.agents.items())
+                for node, (proc, log_path) in agents:
+                    # Before the plan a dead agent is never missed by the master: it would wait forever.
+                    if proc.poll() is not None:
+                        self.message = (f"agent {node} exited with code {proc.returncode} before the job started; "
+                                        f"see {log_path}")  # fmt: skip
+                        self.master.send_signal(signal.SIGINT)
+                        self.master.wait()
+                        return ExitCode.ERROR
+
+    def _forward_signal(self) -> None:
+        """SIGTERM (a scheduler's stop): the master writes the step and exits 3; again, or SIGINT: at once."""
+        signum, self._signal = self._signal, None
+        name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and not self._stop_requested:
+            self._stop_requested = True
+            print(f"{name}: stopping after a checkpoint of the current step ({name} again: at once)", flush=True)
+        self.master.send_signal(signum)
 
     def _wait_agents(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -174,33 +287,32 @@ class LocalCluster:
                 _stop_tree(proc)
 
     def _report(self) -> None:
-        if not self.options.report or not os.path.exists(self.server.event_log_path):
+        if not self.options.report or not os.path.exists(self.event_log_path):
             return
         try:
-            from oobleck_mm.events import read_events
             from oobleck_mm.faults.report import format_table, plot_run, recovery_rows
 
-            events = read_events(self.server.event_log_path)
+            events = read_events(self.event_log_path)
             self.summary = format_table(recovery_rows(events))
             print(self.summary, flush=True)
-            plot_run(events, os.path.join(self.server.run_dir, "run.png"), f"{self.job.model.name}: {self.server.run_dir}")
+            plot_run(events, os.path.join(self.run_dir, "run.png"), f"{self.job.model.name}: {self.run_dir}")
         except Exception as exc:  # the report is a courtesy: never turn a finished job into a failure
-            log.warning("could not summarise %s: %r", self.server.event_log_path, exc)
+            log.warning("could not summarise %s: %r", self.event_log_path, exc)
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signal = signum
 
 
-def where_things_are(server: MasterServer) -> str:
+def where_things_are(run_dir: str, event_log_path: str, tensorboard: bool) -> str:
     """The closing lines of a run: where its figure, metrics and logs are, and how to look at them."""
-    figure = os.path.join(server.run_dir, "run.png")
+    figure = os.path.join(run_dir, "run.png")
     lines = [f"figure:      {figure}"] if os.path.exists(figure) else []
-    lines.append(f"metrics:     {server.metrics.csv_path} (one row per step)")
-    if server.metrics.tensorboard_dir is not None:
-        lines.append(f"tensorboard: tensorboard --logdir {server.metrics.tensorboard_dir}")
-    lines.append(f"event log:   {server.event_log_path}")
-    if any(name.startswith("agent-") for name in os.listdir(server.run_dir)):
-        lines.append(f"agent logs:  {os.path.join(server.run_dir, 'agent-*.log')}")
+    lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.csv')} (one row per step)")
+    if tensorboard:
+        lines.append(f"tensorboard: tensorboard --logdir {os.path.join(run_dir, 'tensorboard')}")
+    lines.append(f"event log:   {event_log_path}")
+    if any(name.startswith("agent-") for name in os.listdir(run_dir)):
+        lines.append(f"agent logs:  {os.path.join(run_dir, 'agent-*.log')}")
     return "\n".join(lines)
 
 

@@ -103,6 +103,7 @@ def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], fact
         "measured_max_s": max(measured) if measured else None,
         "measured_mean_s": sum(measured) / len(measured) if measured else None,
         "skipped": first.skipped, "loss_scale": first.loss_scale or None,
+        "finished_at": max(r.finished_at for r in reports) or None,
     }  # fmt: skip
     if facts.balancer:
         row.update(predicted_max_s=first.predicted_max_s, predicted_mean_s=first.predicted_mean_s,

@@ -79,7 +79,7 @@ class MasterServer:
         else:
             self.run_options = _run_options(job, options, self.run_dir, progress)  # checks --resume first
             _check_data(job, progress)  # every sample's files, once, before any worker reads them
-        _make_run_dir(self.run_dir)
+        make_run_dir(self.run_dir)
         self.event_log_path = options.event_log or os.path.join(self.run_dir, "events.jsonl")
         self.token_file = options.token_file or os.path.join(self.run_dir, "token")
         self.token = _load_or_create_token(self.token_file)
@@ -223,7 +223,7 @@ def _check_data(job, progress: Callable[[str], None]) -> None:
     check_samples(job, progress)
 
 
-def _make_run_dir(path: str) -> None:
+def make_run_dir(path: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"--run-dir: {path!r} is a file; give a folder (created if missing)")
     try:

@@ -17,6 +17,7 @@ The entry point is the one library module allowed to import ``master`` and
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -141,6 +142,9 @@ def _add_control_plane_parsers(sub) -> None:
     master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
     master.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
+    # Set by ``oobleck-launch local`` for the master it runs: its resume command, and no banner or
+    # closing lines (the launcher prints them).
+    master.add_argument("--launched-by", default=None, help=argparse.SUPPRESS)
     _add_run_flags(master)
     _add_log_level(master, "info")
 
@@ -406,7 +410,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
     _setup_logging("master", _level(args.log_level))
     host = args.host if args.host is not None else journal.host if journal else "127.0.0.1"
     port = args.port if args.port is not None else journal.port if journal else 29400
-    resume_command = journal.options["resume_command"] if journal else _resume_command("master", args)
+    resume_command = (journal.options["resume_command"] if journal
+                      else args.launched_by or _resume_command("master", args))  # fmt: skip
     options = MasterOptions(
         host=host, port=port, run_dir=args.resume_master or args.run_dir,
         token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
@@ -419,10 +424,11 @@ def _cmd_master(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, lambda signum, _: interrupted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
-        print(f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} steps\n"
-              f"  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
-              f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
-              f"--token-file {server.token_file}", flush=True)  # fmt: skip
+        if not args.launched_by:
+            print(f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} "
+                  f"steps\n  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
+                  f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
+                  f"--token-file {server.token_file}", flush=True)  # fmt: skip
         stop_requested = False
         while (code := server.wait(0.2)) is None:
             if interrupted:
@@ -439,8 +445,11 @@ def _cmd_master(args: argparse.Namespace) -> int:
         server.stop()
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    code = _report_exit(code, server.message, server.event_log_path)
-    print(where_things_are(server), flush=True)
+    agent_logs = os.path.join(server.run_dir, "agent-*.log")
+    logs = server.event_log_path + (f", {agent_logs}" if glob.glob(agent_logs) else "")
+    code = _report_exit(code, server.message, logs)
+    if not args.launched_by:
+        print(where_things_are(server.run_dir, server.event_log_path, server.options.tensorboard), flush=True)
     return code
 
 
@@ -506,12 +515,13 @@ def _cmd_local(args: argparse.Namespace) -> int:
         resume_dir=args.resume or "", save_final_dir=args.save_final or "",
         resume_command=_resume_command("local", args), faults=faults, log_every=args.log_every,
         tensorboard=args.tensorboard, log_level=args.log_level or "info",
+        master_log_level=args.log_level or "warning",
     )  # fmt: skip
     cluster = LocalCluster(job, options)
     code = cluster.run()
-    logs = ", ".join([cluster.server.event_log_path, *cluster.log_paths()])
-    code = _report_exit(code, cluster.server.message, logs)
-    print(where_things_are(cluster.server), flush=True)
+    if cluster.message:  # the launcher ended the run; otherwise its master said why, on this console
+        _report_exit(code, cluster.message, ", ".join([cluster.event_log_path, *cluster.log_paths()]))
+    print(where_things_are(cluster.run_dir, cluster.event_log_path, args.tensorboard), flush=True)
     return code
 
 

@@ -2,7 +2,7 @@
 """Recovery benchmark (issue 5): live reconfiguration against checkpoint-restart, on 4 simulated nodes.
 
     python scripts/bench_recovery.py [--json OUT] [--config FILE] [--steps N] [--kill-step N]
-                                     [--preempt-step N] [--stop-step N] [--join-step N]
+                                     [--preempt-step N] [--stop-step N] [--join-step N] [--master-kill-step N]
                                      [--checkpoint-interval K] [--modes live,restart]
 
 One ``oobleck-launch local`` run per recovery mode on the same job (tiny_mm,
@@ -13,6 +13,11 @@ with the same events injected by the harness:
     join@step<join-step>              a new node (node4), which receives every layer's full state
     preempt:node3@step<preempt-step>  a spot notice (SIGTERM to the agent), the kill 30 s later
     stop:node2@step<stop-step>        a hung node (SIGSTOP: only the heartbeat timeout can tell)
+    killmaster@step<master-kill-step> SIGKILL of the master process: the launcher restarts it with
+                                      --resume-master and it re-adopts the workers, which trained on
+
+The master loss is timed from the workers' own step clocks (``finished_at``):
+the steps they trained while no master ran reach the restarted master later.
 
 The join's stall is the survivors' longest step around it (the gap between the
 completions of the last step before it and the first after) over the run's
@@ -66,6 +71,8 @@ TARGET_HANG_MARGIN_S = 1.0
 TARGET_RECONFIGURE_S = 3.0
 TARGET_RATIO = 5.0
 TARGET_JOIN_STALL = 1.5
+TARGET_MASTER_LOSS_S = 1.0
+"""Seconds the workers may lose to a SIGKILLed master (they train on while it restarts: about 0)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SIGTERM node3's agent once this many steps are done, SIGKILL 30 s later (0: none)")
     p.add_argument("--stop-step", type=int, default=88, help="SIGSTOP node2 once this many steps are done")
     p.add_argument("--join-step", type=int, default=2, help="start node4 once this many steps are done (0: none)")
+    p.add_argument("--master-kill-step", type=int, default=38,
+                   help="SIGKILL the master process once this many steps are done (0: none)")
     p.add_argument("--checkpoint-interval", type=int, default=5, help="restart mode: steps between checkpoints")
     p.add_argument("--modes", default="live,restart", help="comma-separated recovery modes to run")
     p.add_argument("--runs-dir", default=None, help="where the runs go (default runs/bench-recovery-<time>)")
@@ -90,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"need 0 < --kill-step ({args.kill_step}) < --stop-step ({args.stop_step}) < --steps ({args.steps})")
     if args.preempt_step and not args.kill_step < args.preempt_step < args.stop_step:
         p.error(f"--preempt-step: must be between --kill-step and --stop-step (0: none), got {args.preempt_step}")
+    if args.master_kill_step and not 0 < args.master_kill_step < args.steps:
+        p.error(f"--master-kill-step: must be in 1..{args.steps - 1} (0: none), got {args.master_kill_step}")
     if not 0 <= args.join_step < args.steps:
         p.error(f"--join-step: must be in 0..{args.steps - 1} (0: no join), got {args.join_step}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -121,7 +132,8 @@ def launch_command(args: argparse.Namespace, config: Path, mode: str, run_dir: P
         "--steps", str(args.steps), "--run-dir", str(run_dir), "--recovery", mode,
         "--inject", f"kill:node1@step{args.kill_step}", "--inject", f"stop:node2@step{args.stop_step}",
     ] + (["--inject", f"join:node{NODES}@step{args.join_step}"] if args.join_step else []) + (
-        ["--inject", f"preempt:node3@step{args.preempt_step}+30s"] if args.preempt_step else [])  # fmt: skip
+        ["--inject", f"preempt:node3@step{args.preempt_step}+30s"] if args.preempt_step else []) + (
+        ["--inject", f"killmaster@step{args.master_kill_step}"] if args.master_kill_step else [])  # fmt: skip
 
 
 def run_once(command: list[str], run_dir: Path) -> tuple[int, float]:
@@ -149,12 +161,13 @@ def failure_rows(rows: list[RecoveryRow]) -> dict[str, RecoveryRow]:
     return {row.kind: row for row in rows if row.kind in KINDS}
 
 
-KINDS = ("kill", "preempt", "stop", "join")
+KINDS = ("kill", "preempt", "stop", "join", "killmaster")
 
 
 def join_stall(events: list[dict], row: RecoveryRow | None) -> dict:
     """The survivors' longest step around a join (completion to completion) against the run's median step."""
-    steps = sorted((e["step"], e["ts"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int))
+    steps = sorted((e["step"], e.get("finished_at") or e["ts"]) for e in events
+                   if e.get("event") == "step" and isinstance(e.get("step"), int))  # fmt: skip
     gaps = {b[0]: b[1] - a[1] for a, b in zip(steps, steps[1:]) if b[0] == a[0] + 1}
     if row is None or row.step is None or row.step not in gaps or not gaps:
         return {"stall_s": None, "median_step_s": None, "stall_ratio": None}
@@ -217,6 +230,10 @@ def compare(results: dict[str, dict], heartbeat_timeout_s: float) -> dict:
         out["targets"][f"join_stall<={TARGET_JOIN_STALL:g}x"] = _meets(join.get("stall_ratio"), TARGET_JOIN_STALL)
     if preempt is not None:
         out["targets"]["preempt_abandoned_s==0"] = preempt["abandoned_s"] == 0.0
+    master = out["per_event"].get("killmaster")
+    if master is not None:
+        out["targets"][f"master_loss_lost_s<={TARGET_MASTER_LOSS_S:g}"] = _meets(master["live_lost_s"],
+                                                                                 TARGET_MASTER_LOSS_S)
     return out
 
 
@@ -249,6 +266,11 @@ def print_summary(results: dict[str, dict], comparison: dict) -> None:
     if preempt:
         print(f"preemption: iteration abandoned {_fmt(preempt['abandoned_s'])} s, time lost live "
               f"{_fmt(preempt['live_lost_s'])} s vs restart {_fmt(preempt['restart_lost_s'])} s")  # fmt: skip
+    master = comparison["per_event"].get("killmaster")
+    if master:
+        print(f"master loss: the restarted master had every node back after {_fmt(master['detect_s'])} s; the "
+              f"workers lost {_fmt(master['live_lost_s'])} s live, {_fmt(master['restart_lost_s'])} s in restart "
+              "mode (they trained on meanwhile)")  # fmt: skip
     print("targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in comparison["targets"].items()))
 
 
@@ -267,7 +289,7 @@ def main(argv=None) -> int:
         code, wall = run_once(command, run_dir)
         results[mode] = measure(mode, run_dir, code, wall)
         wanted = ["kill", "stop"] + (["preempt"] if args.preempt_step else []) + (
-            ["join"] if mode == "live" and args.join_step else [])
+            ["join"] if mode == "live" and args.join_step else []) + (["killmaster"] if args.master_kill_step else [])
         missing = [k for k in wanted if k not in results[mode]["failures"]]
         if code != 0 or missing:
             ok = False
@@ -279,6 +301,7 @@ def main(argv=None) -> int:
         document = {
             "nodes": NODES, "config": args.config, "steps": args.steps, "kill_step": args.kill_step,
             "stop_step": args.stop_step, "join_step": args.join_step, "preempt_step": args.preempt_step,
+            "master_kill_step": args.master_kill_step,
             "checkpoint_interval": args.checkpoint_interval,
             "heartbeat_timeout_s": timeout_s, "results": results, "comparison": comparison,
         }  # fmt: skip

@@ -14,6 +14,8 @@ the job is over), and when an event is due:
 - ``preempt``: SIGTERM to the agent (a spot provider's notice; the agent asks the
   master to plan its node out), then, ``notice_s`` later, SIGKILL of whatever of
   the node is still there (the provider reclaims it), logged as ``preempt_kill``.
+- ``killmaster``: SIGKILL the master process and its planning helper; the
+  launcher restarts it (``--resume-master``) and it re-adopts the running job.
 - ``join``: ``start_agent(name)``, the launcher's own way to start a node.
 
 Events due at the same moment are resolved first, recorded as ``injected``
@@ -50,6 +52,8 @@ AgentPids = Callable[[], Mapping[str, int]]
 """node name -> agent pid, for every agent the launcher started (dead ones included)."""
 StartAgent = Callable[[str], None]
 """Starts an agent with this node name (the launcher's ``_start_agent``)."""
+MasterPid = Callable[[], "int | None"]
+"""The master process's pid now (the launcher restarts it when it dies)."""
 
 
 class EventTail:
@@ -123,9 +127,11 @@ class Injector:
         events: EventLog,
         agents: AgentPids,
         start_agent: StartAgent,
+        master: MasterPid | None = None,
         poll_s: float = 0.05,
     ) -> None:
         self.pending = list(faults)
+        self.master = master
         self.events = events
         self.agents = agents
         self.start_agent = start_agent
@@ -227,6 +233,14 @@ class Injector:
     # ------------------------------------------------------------------ internals
     def _resolve(self, target: _Target) -> None:
         fault = target.fault
+        if fault.kind == "killmaster":
+            pid = self.master() if self.master is not None else None
+            master = _live_process(pid) if pid is not None else None
+            if master is None:
+                target.error = "no master process to kill (this launcher runs none, or it is gone)"
+                return
+            target.procs = [master, *_children(master)]
+            return
         pids = dict(self.agents())
         if fault.node not in pids:
             target.error = f"unknown node {fault.node!r}; the launcher started {sorted(pids)}"

@@ -159,6 +159,9 @@ def _last_before(events: Sequence[Event], name: str, before: float) -> Event | N
 
 def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | None, str | None]:
     """When every node of the incident was detected (lost, or registered for a join), and why."""
+    if incident.kind == "killmaster":  # "detected": the restarted master has its nodes back
+        adopted = _first(events, "adopted", incident.ts)
+        return (None, None) if adopted is None else (adopted["ts"], "re-adopted")
     names = ("registered",) if incident.join else ("lost", "leaving")  # leaving: a preemption notice taken
     # Tolerance: a log written before the injector logged ahead of its signals can show the loss first.
     found = [min((e for e in (_first(events, name, incident.ts - _SAME_MOMENT_S, node=node) for name in names)
@@ -175,13 +178,18 @@ def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | No
 def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     detect_ts, reason = _detection(events, incident)
     since = detect_ts if detect_ts is not None else incident.ts
-    plan = _recovery_plan(events, since, incident.nodes)
+    # A restarted master plans nothing: the workers never stopped (a later plan answers another incident).
+    plan = None if incident.kind == "killmaster" else _recovery_plan(events, since, incident.nodes)
     # A join or a notice to leave changes nothing until its plan is decided; a failure interrupts at once.
     planned_change = incident.join or incident.kind == "preempt"
     boundary = plan["ts"] if planned_change and plan is not None else since
+    if incident.kind == "killmaster":  # the workers went on at once: their next step is the one that counts
+        boundary = incident.ts
     last_old = _last_before(_steps(events), "step", boundary)
     wanted = 0 if last_old is None else last_old["step"] + 1
     after = since if plan is None else plan["ts"]
+    if incident.kind == "killmaster":
+        after = incident.ts
     # A step of the old generation can still complete just after the plan (a join or a notice is
     # applied at the boundary after it): the resumed step is the new generation's first.
     newer = (plan or {}).get("generation")
@@ -214,8 +222,10 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
 def _abandoned(events: Sequence[Event], incident: _Incident, last_old: Event, plan: Event | None) -> float:
     """Work of the iteration in flight thrown away. A node that left on notice (a preemption)
     is planned out at the iteration boundary: nothing, unless some worker gave that iteration up."""
-    if incident.kind == "preempt":
+    if incident.kind in ("preempt", "killmaster"):  # the workers train on without a master
         until = plan["ts"] if plan is not None else float("inf")
+        if incident.kind == "killmaster":  # aborted iterations after its nodes were back are another story
+            until = (_first(events, "adopted", incident.ts) or {"ts": until})["ts"]
         if not any(phase_name(e) == "aborted" and incident.ts <= e["ts"] <= until + 1.0 for e in events):
             return 0.0
     return max(0.0, incident.ts - last_old["ts"])
@@ -287,8 +297,14 @@ def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float
 def _time_lost(last_old: Event | None, first_new: Event | None) -> float | None:
     if last_old is None or first_new is None:
         return None
-    started = first_new["ts"] - float(first_new.get("step_time_s", 0.0) or 0.0)
-    return max(0.0, started - last_old["ts"])
+    started = _finished_at(first_new) - float(first_new.get("step_time_s", 0.0) or 0.0)
+    return max(0.0, started - _finished_at(last_old))
+
+
+def _finished_at(step: Event) -> float:
+    """When the workers finished the step: their own clock where the event has it (a step trained while no
+    master listened is logged when a restarted master hears of it), else when the master logged it."""
+    return float(step.get("finished_at") or step["ts"])
 
 
 def _outcome(events: Sequence[Event], incident: _Incident, first_new: Event | None) -> str:

@@ -13,6 +13,8 @@ Forms (one token each; tokens are comma-separated, flags may repeat):
     preempt:NODE@WHEN[+Ts]    a spot preemption: SIGTERM to the agent (the provider's notice),
                               then SIGKILL of the agent and its workers T seconds later
                               (default 30, GCP's notice) if they are still there
+    killmaster@WHEN           SIGKILL the master process (and its planning helper); the launcher
+                              restarts it with --resume-master and it re-adopts the running job
     join@WHEN                 start a new agent (named by the launcher)
     join:NODE@WHEN            start a new agent named NODE
 
@@ -42,8 +44,10 @@ from typing import Iterable
 
 from oobleck_mm.errors import UserError
 
-KINDS = ("kill", "killworker", "stop", "preempt", "join")
-FAILURE_KINDS = ("kill", "killworker", "stop", "preempt")
+KINDS = ("kill", "killworker", "stop", "preempt", "killmaster", "join")
+FAILURE_KINDS = ("kill", "killworker", "stop", "preempt", "killmaster")
+MASTER = "master"
+"""The ``node`` of a ``killmaster`` event (in the event log and the recovery table)."""
 DEFAULT_NOTICE_S = 30.0
 """``preempt`` without ``+Ts``: seconds from the notice to the kill (GCP's spot notice)."""
 
@@ -52,7 +56,7 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 VALID_FORMS = (
     "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "
-    "join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
+    "killmaster@stepN, join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
     "@phase:P, P one of copy, rendezvous, checkpoint, registered)"
 )
 
@@ -98,6 +102,8 @@ class FaultEvent:
         if self.phase is not None and (self.phase not in PHASES or self.kind not in FAILURE_KINDS):
             raise UserError(f"fault {self.source or self.kind!r}: @phase:P is for failures, P one of "
                             f"{', '.join(PHASES)}")  # fmt: skip
+        if self.kind == "killmaster" and (self.node != MASTER or self.phase is not None):
+            raise UserError(f"fault {self.source or self.kind!r}: killmaster takes no node and no @phase")
         if self.node is None and self.kind != "join":
             raise UserError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
 
@@ -123,7 +129,7 @@ class FaultEvent:
         return event.get("event") == "holding" and event.get("point") == self.phase
 
     def describe(self) -> str:
-        target = self.node or ""
+        target = "" if self.kind == "killmaster" else self.node or ""
         if self.kind == "killworker":
             target += f":gpu{self.local_rank}"
         when = (f"step{self.step}" if self.step is not None else f"phase:{self.phase}" if self.phase is not None
@@ -188,6 +194,10 @@ def _parse_target(token: str, kind: str, parts: list[str]) -> tuple[str | None, 
         if len(parts) > 1:
             _bad(token, "join takes at most a node name")
         node = parts[0] if parts else None
+    elif kind == "killmaster":
+        if parts:
+            _bad(token, "killmaster takes no node")
+        return MASTER, 0
     elif kind == "killworker":
         if len(parts) not in (1, 2):
             _bad(token, "killworker takes NODE or NODE:gpuK")
@@ -221,7 +231,7 @@ def check_targets(faults: Iterable[FaultEvent], nodes: Iterable[str]) -> None:
     joined = named + [f"node{following + i}" for i in range(unnamed)]
     valid = set(known) | set(joined)
     for fault in faults:
-        if fault.is_failure and fault.node not in valid:
+        if fault.is_failure and fault.kind != "killmaster" and fault.node not in valid:
             joins = f"; joins add {', '.join(joined)}" if joined else ""
             raise UserError(
                 f"--inject {fault.source or fault.describe()}: node {fault.node!r} is not in this run "

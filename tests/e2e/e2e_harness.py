@@ -88,6 +88,8 @@ class Launch:
                *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen: dict[int, psutil.Process] = {}
+        self.commands: dict[int, list[str]] = {}
+        """pid -> command line, read when the watcher first saw it (it may be gone when asked)."""
         self.stdout = self.stderr = ""
         self._watch = threading.Thread(target=self._watch_tree, daemon=True)
         self._watch.start()
@@ -95,7 +97,10 @@ class Launch:
     def _watch_tree(self) -> None:
         while self.proc.poll() is None:
             for p in _tree(self.proc.pid):
-                self.seen.setdefault(p.pid, p)
+                if p.pid not in self.seen:
+                    self.seen[p.pid] = p
+                    with contextlib.suppress(psutil.Error):
+                        self.commands[p.pid] = p.cmdline()
             time.sleep(0.05)
 
     def wait(self, timeout: float = 80.0) -> int:
@@ -113,6 +118,14 @@ class Launch:
 
     def wait_event(self, name: str, timeout: float = 60.0, **match: Any) -> dict[str, Any]:
         return wait_for(lambda: next(iter(self.events(name, **match)), None), timeout, f"event {name} {match}")
+
+    def started_below_the_master(self) -> list[str]:
+        """Command lines of what the run started besides the launcher and its master process (agents,
+        workers, the master's planning helper): empty when the master refused the job at once."""
+        # A child caught between fork and exec still shows the launcher's command line: not a start.
+        return [" ".join(cmd)[:120] for pid, cmd in self.commands.items()
+                if pid != self.proc.pid and cmd[1:3] == ["-m", "oobleck_mm.cli"] and cmd[3:4] != ["master"]
+                and cmd[3:4] != ["local"] or "spawn_main" in " ".join(cmd)]  # fmt: skip
 
     def kill_all(self) -> None:
         for p in [*_tree(self.proc.pid), *self.seen.values()]:

@@ -41,7 +41,7 @@ def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_work
     [error] = [line for line in resumed.stderr.splitlines() if "error:" in line]
     assert error.startswith("oobleck-launch: error: --resume:") and str(shard) in error and "truncated" in error
     assert not resumed.events("plan_decided"), "the checkpoint is checked before any worker loads it"
-    assert len(resumed.seen) <= 1, "nothing was started under the launcher: no agent, no worker, no planner"
+    assert not resumed.started_below_the_master(), "no agent, no worker, no planner: the master refused at once"
 
 
 def bad_llava_config(tmp_path, break_image, at=(3,), **data) -> tuple[str, list[str]]:
@@ -76,7 +76,7 @@ def test_a_missing_image_is_refused_before_any_worker_starts(launches, tmp_path)
     assert run.wait(timeout=BOUND_S) == 2, run.stderr[-3000:]
     [error] = [line for line in run.stderr.splitlines() if "error:" in line]
     assert "missing.png" in error and sample in error and "data.skip_bad_samples" in error, run.stderr[-3000:]
-    assert len(run.seen) <= 1, "the master checks the data before starting agents and workers"
+    assert not run.started_below_the_master(), "the master checks the data before starting agents and workers"
 
 
 def test_an_image_that_does_not_decode_is_refused_before_any_worker_starts(launches, tmp_path):
@@ -87,7 +87,7 @@ def test_an_image_that_does_not_decode_is_refused_before_any_worker_starts(launc
     assert run.wait(timeout=BOUND_S) == 2, run.stderr[-3000:]
     [error] = [line for line in run.stderr.splitlines() if "error:" in line]
     assert "broken.png" in error and sample in error and "cannot decode image" in error, run.stderr[-3000:]
-    assert len(run.seen) <= 1, "the master checks the data before starting agents and workers"
+    assert not run.started_below_the_master(), "the master checks the data before starting agents and workers"
 
 
 def test_skip_bad_samples_leaves_them_out_on_every_rank_and_the_run_equals_the_reference(launches, tmp_path):

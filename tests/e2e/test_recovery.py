@@ -381,6 +381,31 @@ def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at
     check_final(config, steps, final)
 
 
+def test_a_killed_master_is_restarted_by_local_and_re_adopts_the_workers_that_trained_on(launches, tmp_path):
+    """SIGKILL of the master process (``--inject killmaster@step3``): the workers train on, ``local`` restarts
+    the master with ``--resume-master``, it re-adopts every node; the same worker processes finish, no step is
+    lost or run twice, the workers lost less time than the master was away, and the run equals the reference."""
+    steps = 30
+    config = write_config(tmp_path, nodes=3, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "killmaster@step3")
+    finish_ok(run)
+    assert "the master died (SIGKILL); restarting it" in run.stdout, run.stdout[-3000:]
+    [injected] = run.events("injected")
+    assert injected["kind"] == "killmaster" and len(run.events("master_started")) == 2
+    [adopted] = run.events("adopted")
+    assert sorted(adopted["nodes"]) == ["node0", "node1", "node2"] and not adopted["missing"]
+    assert len(run.events("plan_decided")) == 1  # nothing was re-planned: the workers never stopped
+    assert sorted(e["step"] for e in run.events("step")) == list(range(steps))
+    for node in ("node0", "node1", "node2"):  # one worker process per node for the whole run
+        text = (run.run_dir / f"agent-{node}.log").read_text()
+        assert len(re.findall(r"started worker 0 \(pid \d+\)", text)) == 1 and "re-adopted" in text
+    [row] = recovery_rows(run.events())
+    assert row.kind == "killmaster" and row.reason == "re-adopted" and row.abandoned_s == 0.0
+    assert row.lost_s is not None and row.lost_s < row.detect_s, row  # they trained while it was away
+    check_final(config, steps, final)
+
+
 def test_sigterm_to_local_checkpoints_the_current_step_and_the_resume_equals_the_reference(launches, tmp_path):
     """A scheduler stopping the job (SIGTERM to the launcher): the workers write the step they are at,
     exit 3 with the resume command; the resumed run reruns no step and equals the reference."""

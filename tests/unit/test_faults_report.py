@@ -260,3 +260,22 @@ def test_a_join_the_job_ended_before_is_not_reported_as_resumed():
     [join] = recovery_rows(log.events)
     assert join.kind == "join" and join.generation is None and join.lost_s is None
     assert join.outcome == "job ended (exit 0)" and join.step is None
+
+
+def test_a_killed_master_costs_what_the_workers_clocks_say_not_when_a_restarted_master_logged_their_steps():
+    """The workers train on without a master; a restarted master logs those steps late (at the replay): the
+    row counts the gap in the workers' own step completions (``finished_at``), and no abandoned work."""
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1"])
+    end = log.steps(1, 0, 4, 100.0)  # steps 0..3 done at 101.0
+    log.at(end + 0.1, "injected", kind="killmaster", node="master", step=4, pids=[7], batch=1)
+    replay_t = end + 3.0
+    for step in range(4, 10):  # trained at the usual pace while no master ran, logged at the replay
+        log.at(replay_t, "step", generation=1, step=step, loss=1.0, step_time_s=STEP_S,
+               finished_at=end + STEP_S * (step - 3))  # fmt: skip
+    log.at(replay_t + 0.1, "adopted", generation=1, nodes=["node0", "node1"], missing=[], next_step=10)
+    log.steps(1, 10, 2, replay_t + 0.1)
+    [row] = recovery_rows(log.events)
+    assert (row.kind, row.nodes, row.step, row.reason) == ("killmaster", ("master",), 4, "re-adopted")
+    assert row.detect_s == pytest.approx(3.0) and row.lost_s == pytest.approx(0.0) and row.abandoned_s == 0.0
+    assert row.outcome == "resumed at step 4"

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from oobleck_mm.faults.spec import FaultEvent, parse_inject, parse_token
+from oobleck_mm.errors import UserError
+from oobleck_mm.faults.spec import FaultEvent, check_targets, parse_inject, parse_token
 from oobleck_mm.faults.trace import load_timeline, parse_trace, read_trace, trace_timeline
 
 # The public spot-availability traces the repository ships (data/traces/README.md).
@@ -191,3 +192,13 @@ def test_phase_triggers_parse_for_failures_and_say_which_workers_hold():
 def test_bad_phase_triggers_name_the_token(token, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         parse_inject(token)
+
+
+def test_killmaster_takes_no_node_and_is_never_checked_against_the_nodes():
+    [fault] = parse_inject("killmaster@step5")
+    assert (fault.kind, fault.node, fault.step, fault.is_failure) == ("killmaster", "master", 5, True)
+    assert fault.describe() == "killmaster@step5"
+    check_targets([fault], ["node0", "node1"])
+    for bad, why in [("killmaster:node1@step2", "takes no node"), ("killmaster@phase:copy", "no @phase")]:
+        with pytest.raises(UserError, match=why):
+            parse_inject(bad)
