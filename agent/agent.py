@@ -212,8 +212,9 @@ class Agent:
                 log.error("%s; stopping the node's workers", value)
                 return ExitCode.ERROR
             elif kind == "master_lost":
-                if self.timeouts.master_timeout is None or not self._assigned:
+                if self.timeouts.master_timeout is None:
                     return self._checkpoint_without_master(value)
+                # Assigned or not (a joiner not admitted yet): a restarted master takes it as it was.
                 self._orphan(value)
             elif kind == "signal":
                 if value == signal.SIGTERM and self._orphaned_at is not None:  # a notice, and no master to plan

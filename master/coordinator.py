@@ -80,6 +80,11 @@ class JobPhase(enum.Enum):
     """The exit code is decided."""
 
 
+_TRAINING = (JobPhase.RUNNING, JobPhase.ADOPTING)
+"""The workers train: a node leaving, lost or a stop request is handled as in a running job (a restarted
+master only waits for its nodes before it plans)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Finish:
     exit_code: int
@@ -300,7 +305,7 @@ class Coordinator:
         if not entry.all_ready:
             return
         current = self._gens.get(self.generation)
-        joining = self.phase is JobPhase.RUNNING and (current is None or entry.name not in current.view.nodes)
+        joining = self.phase in _TRAINING and (current is None or entry.name not in current.view.nodes)
         self.events.write("node_ready", node=entry.name, startup_s=ready.startup_s, joining=joining)
         if joining:
             self.say(f"node {entry.name} ready (its workers started in {ready.startup_s:.1f} s): it joins at the "
@@ -323,7 +328,7 @@ class Coordinator:
                 return
             entry.leaving = reason or "preemption notice"
             current = self._gens.get(self.generation)
-            in_plan = self.phase is JobPhase.RUNNING and current is not None and node in current.view.nodes
+            in_plan = self.phase in _TRAINING and current is not None and node in current.view.nodes
             self.events.write("leaving", node=node, reason=entry.leaving, phase=self.phase.value, in_plan=in_plan,
                               generation=self.generation)  # fmt: skip
             log.warning("node %s leaves: %s", node, entry.leaving)
@@ -463,7 +468,7 @@ class Coordinator:
         # the stream frees the handler thread; a live agent reads the end as "master gone" and
         # stops its workers, which is what a node declared lost must do.
         entry.end_stream()
-        if self.phase is JobPhase.RUNNING and in_plan:
+        if self.phase in _TRAINING and in_plan:
             self._settle_until = self.clock() + SETTLE_S
             self.say(f"node {name} lost ({reason}); planning generation {self.generation + 1}")
             self._add_to_incident("lost", name)
@@ -906,7 +911,7 @@ class Coordinator:
                 return
             self.events.write("stop_requested", reason=reason, phase=self.phase.value, next_step=self.next_step)
             base = None
-            if self.phase is JobPhase.RUNNING:
+            if self.phase in _TRAINING:
                 base = self._base_held_by_everyone_alive()
             if base is None or base.generation == 0:
                 if self.options.resume_dir:  # nothing trained since the resume: it still resumes from there

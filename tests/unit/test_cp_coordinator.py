@@ -979,3 +979,23 @@ def test_agents_back_with_another_generation_than_the_journal_make_the_nodes_re_
     _alive_for(j, 0.3)
     assert read_events(j.events, "adopted")[0]["other_generation"] == ["b"]
     assert j.c.generation == 2  # a new generation at once, not a hang at the next collective
+
+
+def test_a_notice_while_a_restarted_master_adopts_plans_the_node_out_like_in_a_running_job(make):
+    first = make(nodes=3, steps=20)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b", "c")
+    first.train(1, 0)
+    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    j = make(nodes=3, steps=20)
+    j.c.adopt(journals[-1])
+    for name in ("a", "b", "c"):
+        _come_back(j, name, 1, 1, ranks[(name, 0)])
+    j.c.leave("c", j.sessions["c"], "preemption notice")  # before the control thread saw them all back
+    [leaving] = read_events(j.events, "leaving")
+    assert leaving["in_plan"] and not read_events(j.events, "left")  # not dismissed as a spare
+    _alive_for(j, 0.5)
+    [decided] = read_events(j.events, "plan_decided")
+    assert decided["generation"] == 2 and decided["cause"] == "left" and "c" not in decided["nodes"]
+    assert decided["previous_generation"] == 1
