@@ -121,7 +121,7 @@ class Agent:
         self._generation = 0
         """The newest generation this node's workers were assigned (``RegisterRequest.adopt_generation``)."""
         self._link = 0
-        """Counts registrations: the stream and heartbeat threads of an older one say nothing any more."""
+        """Counts (re)connections: a heartbeat thread of an older one stops."""
         self._orphaned_at: float | None = None
         """Monotonic time the master was lost while the workers train on; None: a master listens."""
         self._next_try = 0.0
@@ -201,8 +201,8 @@ class Agent:
             except queue.Empty:
                 kind, value = "tick", None
             if kind in ("fatal", "master_lost"):
-                link, value = value
-                if link != self._link or self._orphaned_at is not None:
+                session, value = value
+                if session != self.ref.session or self._orphaned_at is not None:
                     kind = "tick"  # a thread of an earlier registration, or the loss is known already
             if kind == "event":
                 code = self._on_event(value)
@@ -341,10 +341,10 @@ class Agent:
                 self.inbox.put(("event", event))
                 if event.WhichOneof("event") == "shutdown":
                     return
-            self.inbox.put(("master_lost", (link, "the master ended the event stream without a shutdown")))
+            self.inbox.put(("master_lost", (ref.session, "the master ended the event stream without a shutdown")))
         except grpc.RpcError as err:
             if not self._stopping.is_set():
-                self.inbox.put(("master_lost", (link, f"lost the event stream to the master: {err.code().name}")))
+                self.inbox.put(("master_lost", (ref.session, f"lost the event stream to the master: {err.code().name}")))
 
     def _heartbeat_loop(self, link: int, ref: pb.NodeRef) -> None:
         last_ok = time.monotonic()
@@ -359,15 +359,15 @@ class Agent:
                 last_ok = time.monotonic()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    self.inbox.put(("fatal", (link, f"the master no longer knows this node: {err.details()}")))
+                    self.inbox.put(("fatal", (ref.session, f"the master no longer knows this node: {err.details()}")))
                     return
                 silent = time.monotonic() - last_ok
                 log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)
                 # A dead master is seen at once (its stream breaks); see master_silence_limit for why
                 # silence is given this long.
                 if silent > silence_limit:
-                    self.inbox.put(("master_lost", (link, f"the master has not answered for {silent:.1f}s "
-                                                          f"({err.code().name})")))  # fmt: skip
+                    self.inbox.put(("master_lost", (ref.session, f"the master has not answered for {silent:.1f}s "
+                                                                 f"({err.code().name})")))  # fmt: skip
                     return
 
     def _reports_loop(self) -> None:
