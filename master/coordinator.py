@@ -723,6 +723,12 @@ class Coordinator:
         self._last_progress = now
         self.events.write("adopted", generation=self.generation, nodes=back, missing=missing, other_generation=other,
                           next_step=self.next_step, seconds=now - began)  # fmt: skip
+        if not back:  # the job ended, or its agents gave up waiting (master_timeout) and wrote a checkpoint
+            why = (f"none of generation {self.generation}'s nodes came back within "
+                   f"{self.timeouts.adopt_window.total_seconds():g} s (fault_tolerance.adopt_window)")
+            self._state_lost(why, f"{why}: nothing runs to re-adopt (the job ended, or its agents stopped: "
+                                  "their logs name the checkpoint their workers wrote)")  # fmt: skip
+            return
         self.say(f"re-adopted generation {self.generation} on {len(back)} of {len(current.nodes)} nodes in "
                  f"{now - began:.2f} s: training goes on at step {self.next_step + 1}"
                  + (f"; not back: {', '.join(missing)}" if missing else ""))  # fmt: skip

@@ -999,3 +999,15 @@ def test_a_notice_while_a_restarted_master_adopts_plans_the_node_out_like_in_a_r
     [decided] = read_events(j.events, "plan_decided")
     assert decided["generation"] == 2 and decided["cause"] == "left" and "c" not in decided["nodes"]
     assert decided["previous_generation"] == 1
+
+
+def test_a_restarted_master_that_finds_no_node_back_says_so_instead_of_planning_nobody(make):
+    first = make(nodes=2, steps=20)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b")
+    j = make(nodes=2, steps=20)
+    j.c.adopt(journals[-1])
+    result = j.advance(j.c.timeouts.adopt_window.total_seconds() + 0.2)
+    assert result is not None and result.exit_code == 1 and "none of generation 1's nodes came back" in result.message
+    assert not read_events(j.events, "plan_decided")
