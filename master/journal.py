@@ -84,6 +84,29 @@ def write_journal(run_dir: str, journal: Journal) -> None:
                 pass
 
 
+def end_journal(run_dir: str, exit_code: int) -> None:
+    """Marks the journal of a job that ended (its agents were told): nothing runs to re-adopt any more, and
+    the same ``oobleck-launch master`` command started again begins a new job instead of waiting for one."""
+    path = os.path.join(run_dir, JOURNAL_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+        record["ended"] = int(exit_code)
+        _write_atomically(path, json.dumps(record, indent=1).encode())
+    except (OSError, ValueError):
+        pass  # no journal (the job never planned), or a disk that refuses: nothing to mark
+
+
+def running_job(run_dir: str) -> int | None:
+    """The generation of the job a master ran in ``run_dir`` and never ended (it died), else None."""
+    try:
+        with open(os.path.join(run_dir, JOURNAL_FILE), encoding="utf-8") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return None if "ended" in record else int(record.get("generation", 0)) or None
+
+
 def read_journal(run_dir: str) -> Journal:
     """The journal of the master that ran in ``run_dir``; ``UserError`` naming what is missing or wrong."""
     path = os.path.join(run_dir, JOURNAL_FILE)
@@ -97,6 +120,9 @@ def read_journal(run_dir: str) -> Journal:
             record = json.load(fh)
         if record.get("version") != VERSION:
             raise ValueError(f"version {record.get('version')!r}, this master reads {VERSION}")
+        if "ended" in record:
+            raise UserError(f"--resume-master: the job in {run_dir!r} ended (exit {record['ended']}): nothing runs "
+                            "to re-adopt; a checkpoint it wrote resumes with --resume DIR")
         with open(os.path.join(run_dir, record["plan_file"]), "rb") as fh:
             plan = pickle.load(fh)
         views = tuple(_view_from_dict(v) for v in record["views"])

@@ -29,7 +29,7 @@ from typing import Sequence
 import psutil
 import yaml
 
-from master.journal import JOURNAL_FILE
+from master.journal import running_job
 from master.server import default_run_dir, make_run_dir
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
@@ -166,7 +166,7 @@ class LocalCluster:
     def _master_died(self, returncode: int) -> int | None:
         """The master was killed (a signal): restart it to re-adopt the running job; None once it runs."""
         name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(returncode)
-        if not os.path.exists(os.path.join(self.run_dir, JOURNAL_FILE)):
+        if running_job(self.run_dir) is None:
             self.message = f"the master died ({name}) before it planned the job: nothing runs to re-adopt"
             return ExitCode.ERROR
         if self.master_restarts >= MAX_MASTER_RESTARTS:

@@ -19,7 +19,7 @@ import grpc
 
 from master.checkpointing import resume_step
 from master.coordinator import Coordinator, RunOptions
-from master.journal import Journal, write_journal
+from master.journal import Journal, end_journal, write_journal
 from master.metrics import MetricsSink
 from master.planning import PlannerPool
 from master.service import CoordinatorService, TokenInterceptor
@@ -162,6 +162,7 @@ class MasterServer:
                 self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
             finally:
                 self._exit_code = result.exit_code if result is not None else ExitCode.ERROR
+                end_journal(self.run_dir, self._exit_code)  # its agents were told: nothing left to re-adopt
                 self._done.set()
 
     def wait(self, timeout: float | None = None) -> int | None:

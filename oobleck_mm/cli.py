@@ -400,6 +400,18 @@ def _cmd_master(args: argparse.Namespace) -> int:
     from oobleck_mm.runtime.limits import check_runnable
 
     journal = None
+    if not args.resume_master and args.run_dir and not args.launched_by:
+        from master.journal import running_job
+
+        if (generation := running_job(args.run_dir)) is not None:
+            # The same command started again (a scheduler restarting a master that died): starting a new
+            # job would train the agents that wait for it from step 0.
+            print(f"{args.run_dir} has the journal of a job its master never ended (generation {generation}): "
+                  f"re-adopting it as with --resume-master {args.run_dir}, with the journal's config; give "
+                  "another --run-dir for a new job", flush=True)  # fmt: skip
+            args.resume_master, args.config, args.run_dir, args.steps, args.nodes = args.run_dir, None, "", None, None
+            args.overrides, args.resume, args.save_final, args.deepspeed = [], None, None, None
+            args.port = args.port or None  # "any free port" would hide it from the agents: the journal's
     if args.resume_master:
         job, journal = _journaled_job(args)
     elif not args.config:

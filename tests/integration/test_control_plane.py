@@ -215,10 +215,12 @@ def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_res
 RESTART_STEPS = 24
 
 
-def test_a_restarted_master_re_adopts_the_running_workers_and_the_run_equals_the_reference(tmp_path, procs):
+@pytest.mark.parametrize("restart", ["--resume-master", "the same command"])
+def test_a_restarted_master_re_adopts_the_running_workers_and_the_run_equals_the_reference(tmp_path, procs, restart):
     """SIGKILL of the master mid-run: the workers train on; ``oobleck-launch master --resume-master RUN_DIR``
-    (its journal: config, address, generation, plan) re-adopts the same worker processes, which never
-    restarted nor reloaded anything, and the run finishes equal to the reference: no step lost or repeated."""
+    (its journal: config, address, generation, plan), or the first command again (what a scheduler that
+    restarts a dead master runs), re-adopts the same worker processes, which never restarted nor
+    reloaded anything, and the run finishes equal to the reference: no step lost or repeated."""
     from oobleck_mm.config import load_config
     from oobleck_mm.verify import compare
 
@@ -238,8 +240,11 @@ def test_a_restarted_master_re_adopts_the_running_workers_and_the_run_equals_the
     time.sleep(1.0)
     assert all(agent.poll() is None for agent, _ in agents)
     run_dir = tmp_path / "run"
-    again, again_log = procs.spawn(["master", "--resume-master", str(run_dir)], "master-again.log")
+    command = (["--resume-master", str(run_dir)] if restart == "--resume-master" else
+               ["--config", config, "--port", "0", "--run-dir", str(run_dir), "--save-final", str(final)])
+    again, again_log = procs.spawn(["master", *command], "master-again.log")
     assert again.wait(180) == 0, again_log.read_text()[-3000:]
+    assert ("re-adopting it as with --resume-master" in again_log.read_text()) == (restart == "the same command")
     for agent, _ in agents:
         assert agent.wait(30) == 0
     assert_all_gone(started, 5)

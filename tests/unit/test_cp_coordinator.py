@@ -1011,3 +1011,20 @@ def test_a_restarted_master_that_finds_no_node_back_says_so_instead_of_planning_
     result = j.advance(j.c.timeouts.adopt_window.total_seconds() + 0.2)
     assert result is not None and result.exit_code == 1 and "none of generation 1's nodes came back" in result.message
     assert not read_events(j.events, "plan_decided")
+
+
+def test_a_journal_of_an_ended_job_is_never_re_adopted_and_the_same_command_starts_a_new_job(make, tmp_path):
+    from master.journal import end_journal, read_journal, running_job, write_journal
+    from oobleck_mm.errors import UserError
+
+    first = make(nodes=2, steps=10)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b")
+    assert running_job(str(tmp_path)) is None  # nothing journaled here yet
+    write_journal(str(tmp_path), journals[-1])
+    assert running_job(str(tmp_path)) == 1  # a master that died: the same command re-adopts it
+    end_journal(str(tmp_path), 0)
+    assert running_job(str(tmp_path)) is None
+    with pytest.raises(UserError, match=r"ended \(exit 0\): nothing runs to re-adopt"):
+        read_journal(str(tmp_path))
