@@ -423,6 +423,10 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     # torch's first optimizer imports torch._dynamo (1.5-2 s on this machine): pay it while the
     # process starts, not inside the first generation's state copy.
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    # The rendezvous store's client (its module pulls gRPC's stubs): imported on a worker's first
+    # rendezvous it made a joiner's 0.11-0.15 s against the survivors' 0.06 s, and the survivors wait
+    # for the last to arrive (4 ranks, one run each: 0.05-0.065 s with the import paid here).
+    import oobleck_mm.runtime.store  # noqa: F401
     try:
         loop = WorkerLoop(conn, load_config(config_path), node, local_rank)
         # Ready to join a generation at once: a joining node is admitted only now, so the
