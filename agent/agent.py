@@ -330,11 +330,11 @@ class Agent:
     # ------------------------------------------------------------------ observer threads
     def _start_threads(self, stream: bool = True) -> None:
         """The threads that talk to the master under the current registration (``_link``)."""
-        targets = [(self._heartbeat_loop, "heartbeat")] + ([(self._stream_loop, "stream")] if stream else [])
-        for target, name in targets:
-            threading.Thread(target=target, args=(self._link, self.ref), name=name, daemon=True).start()
+        threading.Thread(target=self._heartbeat_loop, args=(self._link, self.ref), name="heartbeat", daemon=True).start()
+        if stream:
+            threading.Thread(target=self._stream_loop, args=(self.ref,), name="stream", daemon=True).start()
 
-    def _stream_loop(self, link: int, ref: pb.NodeRef) -> None:
+    def _stream_loop(self, ref: pb.NodeRef) -> None:
         stream = self._stream = self.stub.Subscribe(ref, metadata=self.metadata)
         try:
             for event in stream:

@@ -889,6 +889,17 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path,
 # ---------------------------------------------------------------------- a restarted master
 
 
+def _lost_master(make, nodes: int, steps: int, trained: int = 1):
+    """A job whose master journaled generation 1 and saw ``trained`` steps, then died: (journal, ranks)."""
+    first = make(nodes=nodes, steps=steps)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, *"abc"[:nodes])
+    for step in range(trained):
+        first.train(1, step)
+    return journals[-1], {gpu: a.rank for gpu, a in first.assigned.items()}
+
+
 def _come_back(j: Job, name: str, generation: int, step: int, rank: int) -> None:
     """An agent registering again with a restarted master: its worker's latest reports, then its stream."""
     j.sessions[name], _ = j.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1", adopt_generation=generation)
@@ -938,15 +949,10 @@ def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_a
 
 
 def test_a_node_that_does_not_come_back_to_a_restarted_master_is_recovered_from_like_a_loss(make, tmp_path):
-    first = make(nodes=3, steps=20)
-    journals = []
-    first.c.journal_to = journals.append
-    start(first, "a", "b", "c")
-    first.train(1, 0)
-    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    journal, ranks = _lost_master(make, nodes=3, steps=20)
 
     j = make(nodes=3, steps=20)
-    j.c.adopt(journals[-1])
+    j.c.adopt(journal)
     for name in ("a", "b"):
         _come_back(j, name, 1, 2, ranks[(name, 0)])
     window = j.c.timeouts.adopt_window.total_seconds()
@@ -966,14 +972,9 @@ def test_a_node_that_does_not_come_back_to_a_restarted_master_is_recovered_from_
 
 
 def test_agents_back_with_another_generation_than_the_journal_make_the_nodes_re_form(make):
-    first = make(nodes=2, steps=20)
-    journals = []
-    first.c.journal_to = journals.append
-    start(first, "a", "b")
-    first.train(1, 0)
-    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    journal, ranks = _lost_master(make, nodes=2, steps=20)
     j = make(nodes=2, steps=20)
-    j.c.adopt(journals[-1])
+    j.c.adopt(journal)
     _come_back(j, "a", 1, 0, ranks[("a", 0)])
     _come_back(j, "b", 0, 0, ranks[("b", 0)])  # b's agent never passed generation 1 on
     _alive_for(j, 0.3)
@@ -982,14 +983,9 @@ def test_agents_back_with_another_generation_than_the_journal_make_the_nodes_re_
 
 
 def test_a_notice_while_a_restarted_master_adopts_plans_the_node_out_like_in_a_running_job(make):
-    first = make(nodes=3, steps=20)
-    journals = []
-    first.c.journal_to = journals.append
-    start(first, "a", "b", "c")
-    first.train(1, 0)
-    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    journal, ranks = _lost_master(make, nodes=3, steps=20)
     j = make(nodes=3, steps=20)
-    j.c.adopt(journals[-1])
+    j.c.adopt(journal)
     for name in ("a", "b", "c"):
         _come_back(j, name, 1, 1, ranks[(name, 0)])
     j.c.leave("c", j.sessions["c"], "preemption notice")  # before the control thread saw them all back
@@ -1002,12 +998,9 @@ def test_a_notice_while_a_restarted_master_adopts_plans_the_node_out_like_in_a_r
 
 
 def test_a_restarted_master_that_finds_no_node_back_says_so_instead_of_planning_nobody(make):
-    first = make(nodes=2, steps=20)
-    journals = []
-    first.c.journal_to = journals.append
-    start(first, "a", "b")
+    journal, _ = _lost_master(make, nodes=2, steps=20, trained=0)
     j = make(nodes=2, steps=20)
-    j.c.adopt(journals[-1])
+    j.c.adopt(journal)
     result = j.advance(j.c.timeouts.adopt_window.total_seconds() + 0.2)
     assert result is not None and result.exit_code == 1 and "none of generation 1's nodes came back" in result.message
     assert not read_events(j.events, "plan_decided")
@@ -1017,12 +1010,9 @@ def test_a_journal_of_an_ended_job_is_never_re_adopted_and_the_same_command_star
     from master.journal import end_journal, read_journal, running_job, write_journal
     from oobleck_mm.errors import UserError
 
-    first = make(nodes=2, steps=10)
-    journals = []
-    first.c.journal_to = journals.append
-    start(first, "a", "b")
+    journal, _ = _lost_master(make, nodes=2, steps=10, trained=0)
     assert running_job(str(tmp_path)) is None  # nothing journaled here yet
-    write_journal(str(tmp_path), journals[-1])
+    write_journal(str(tmp_path), journal)
     assert running_job(str(tmp_path)) == 1  # a master that died: the same command re-adopts it
     end_journal(str(tmp_path), 0)
     assert running_job(str(tmp_path)) is None
