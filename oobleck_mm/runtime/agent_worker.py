@@ -40,7 +40,10 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -60,10 +63,12 @@ from oobleck_mm.runtime.checkpoint import (
     save_layers,
     write_error,
 )
+from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.engine import StageEngine
-from oobleck_mm.runtime.group import connect_store, join_generation, leave_group, torchrun_environment
+from oobleck_mm.runtime.grad_sync import subgroup_ranks
+from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold, hold_step, set_announcer
-from oobleck_mm.runtime.state_transfer import adopt_plan
+from oobleck_mm.runtime.state_transfer import Arrival, adopt_plan, prepare_arrival
 from oobleck_mm.runtime.timing import peak_memory_bytes
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
 from oobleck_mm.runtime.worker import SaveOutcome, device_for, save_checkpoint, write_replica_hashes
@@ -74,8 +79,14 @@ log = logging.getLogger(__name__)
 class CommandReader:
     """Reads the agent's pipe in a thread so training can poll for commands between iterations."""
 
-    def __init__(self, conn):
+    def __init__(self, conn, on_arrival: Callable[[Any], Any] | None = None):
+        """``on_arrival(command)``: called as each command arrives (before it is queued); what it
+        returns for a command, if not None, is something being prepared for it in the background
+        (``PreparedGroup``): until it is ready the command does not count as ``waiting``."""
         self.conn = conn
+        self.on_arrival = on_arrival
+        self.preparing: dict[int, Any] = {}
+        """id(command) -> what ``on_arrival`` prepares for it."""
         self.queue: queue.Queue = queue.Queue()
         self.replanned = threading.Event()
         """Set when a queued command means a peer is gone: waits on collectives give up at once."""
@@ -89,6 +100,8 @@ class CommandReader:
                 self.queue.put(None)  # the agent is gone
                 self.replanned.set()
                 return
+            if self.on_arrival is not None and (prepared := self.on_arrival(command)) is not None:
+                self.preparing[id(command)] = prepared
             self.queue.put(command)  # before the flag: get() clears it only once the queue is empty
             if _drops_peers(command):
                 self.replanned.set()
@@ -109,8 +122,19 @@ class CommandReader:
         return command
 
     def waiting(self) -> bool:
-        """A command (or the agent's end) is queued."""
-        return not self.queue.empty()
+        """A command (or the agent's end) is queued, and ready to act on: a plan whose group is still
+        being formed in the background waits for it (the old generation trains on meanwhile), unless
+        another command came after it."""
+        with self.queue.mutex:
+            queued = list(self.queue.queue)
+        if len(queued) != 1 or queued[0] is None:
+            return bool(queued)
+        prepared = self.preparing.get(id(queued[0]))
+        return prepared is None or prepared.ready()
+
+    def prepared_for(self, command):
+        """What ``on_arrival`` prepared for ``command`` (None: nothing), handed over once."""
+        return self.preparing.pop(id(command), None)
 
     def get_within(self, seconds: float):
         """The next command, or ``NOT_ARRIVED`` after ``seconds``."""
@@ -157,7 +181,7 @@ class Generation:
 class WorkerLoop:
     def __init__(self, conn, job, node: str, local_rank: int):
         self.conn, self.job, self.node, self.local_rank = conn, job, node, local_rank
-        self.commands = CommandReader(conn)
+        self.commands = CommandReader(conn, on_arrival=self._prepare_group)
         self.device = device_for(job, local_rank)
         self.committed: Generation | None = None  # last generation in which a step completed
         self.current: Generation | None = None
@@ -209,16 +233,19 @@ class WorkerLoop:
                 self.report(checkpoint_done=pb.CheckpointDone(step=-1, error="not inside a generation"))
                 return
             else:
-                command = self.run_generation(command.assignment)
+                command = self.run_generation(command)
 
-    def run_generation(self, a):
-        """Train generation ``a``; returns the next command to act on (None: the agent is gone)."""
+    def run_generation(self, command):
+        """Train generation ``command.assignment``; returns the next command to act on (None: the agent is gone)."""
+        a = command.assignment
+        prepared = self.commands.prepared_for(command)
         plan = plan_from_proto(a.plan)
+        arrival = self.prepare(a, plan)
         try:
-            pending = self.rendezvous(a)
+            pending = self.rendezvous(a, prepared)
             if pending is not None:
                 return pending
-            engine, start = self.adopt(a, plan)
+            engine, start = self.adopt(a, plan, arrival)
         except PeerFailure as error:
             return self.abort(a.generation, self.next_step or a.start_step, str(error))
         gen = Generation(a.generation, plan, a.rank, engine)
@@ -314,7 +341,23 @@ class WorkerLoop:
         return self.commands.get()
 
     # ------------------------------------------------------------------ generation set-up
-    def rendezvous(self, a):
+    def _prepare_group(self, command) -> PreparedGroup | None:
+        """(The command reader's thread.) A plan that every old rank outlives (a join, a leave on notice)
+        is switched to at an iteration boundary: its gloo group is formed now, in the background."""
+        if command is None or command.WhichOneof("command") != "assignment":
+            return None
+        a = command.assignment
+        if not (a.previous_generation and a.at_boundary) or self.job.cluster.resolved_backend != "gloo":
+            return None
+        timeouts, specs = self.timeouts, model_layer_specs(self.job)
+        return PreparedGroup(
+            lambda: connect_store(a.store_host, a.store_port, a.store_token, timeout=timeouts.rendezvous_timeout),
+            a.generation, a.rank, a.world_size, collective_timeout=timeouts.collective_timeout,
+            arrival_timeout=timeouts.rendezvous_timeout,
+            subgroups=subgroup_ranks(plan_from_proto(a.plan), trainable_mask(self.job, specs), tied_pair(specs)),
+        )  # fmt: skip
+
+    def rendezvous(self, a, prepared: PreparedGroup | None = None):
         """Join generation ``a.generation``; returns a newer command instead if one arrives while waiting."""
         t0 = time.perf_counter()
         self.assigned_generation = a.generation
@@ -324,11 +367,13 @@ class WorkerLoop:
         os.environ.update(torchrun_environment(
             a.rank, a.world_size, self.local_rank, self.node, list(a.rank_nodes), a.store_host, a.store_port,
         ))  # fmt: skip
-        store = connect_store(a.store_host, a.store_port, a.store_token, timeout=self.timeouts.rendezvous_timeout)
+        store = None if prepared is not None else connect_store(a.store_host, a.store_port, a.store_token,
+                                                                 timeout=self.timeouts.rendezvous_timeout)  # fmt: skip
         pending = join_generation(
             store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
             collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,
             poll=self.commands.poll,  # the master re-planned while we waited (a failure during recovery)
+            prepared=prepared,
         )  # fmt: skip
         if pending is not None:
             return pending
@@ -344,7 +389,24 @@ class WorkerLoop:
     def _held_generations(self) -> list[int]:
         return sorted({g.number for g in (self.current, self.committed) if g is not None})
 
-    def adopt(self, a, plan: ExecutionPlan) -> tuple[StageEngine, int]:
+    def prepare(self, a, plan: ExecutionPlan) -> Arrival | None:
+        """Before the rendezvous, build what this rank alone needs for a new plan (``prepare_arrival``):
+        a joiner does it while the survivors finish their iteration instead of while they wait."""
+        if not a.previous_generation:
+            return None
+        survivor = a.previous_ranks[a.rank] >= 0
+        engine = self._survivor_engine(a.previous_generation) if survivor else None
+        if survivor and engine is None:
+            return None  # adopt says what is wrong
+        try:
+            return prepare_arrival(self.job, engine, plan_from_proto(a.previous_plan), plan, list(a.previous_ranks),
+                                   a.rank, list(a.rank_nodes), self.device)  # fmt: skip
+        except RuntimeError as error:
+            if is_out_of_memory(error):
+                raise OutOfMemory(self.node, self.local_rank, a.start_step, error) from error
+            raise
+
+    def adopt(self, a, plan: ExecutionPlan, arrival: Arrival | None = None) -> tuple[StageEngine, int]:
         t0 = time.perf_counter()
         survivor = bool(a.previous_generation) and a.previous_ranks[a.rank] >= 0
         old_engine = self._survivor_engine(a.previous_generation) if survivor else None
@@ -360,7 +422,7 @@ class WorkerLoop:
                 old_plan = plan_from_proto(a.previous_plan)
                 engine, transfers, moved, transfer_s = adopt_plan(
                     self.job, old_engine, old_plan, plan, list(a.previous_ranks), a.rank, list(a.rank_nodes),
-                    self.device, self.waiter,
+                    self.device, self.waiter, arrival,
                 )  # fmt: skip
             else:
                 held = {}

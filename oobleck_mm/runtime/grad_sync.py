@@ -50,6 +50,29 @@ def buckets(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> list[Bucket]:
     return sorted(out, key=lambda b: b.layers[0])
 
 
+def tied_holders(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None) -> tuple[int, ...]:
+    """Every holder of either tied layer (empty when nothing is tied or either is frozen)."""
+    if tied is None or not (trainable[tied[0]] and trainable[tied[1]]):
+        return ()
+    return tuple(sorted(set(plan.holders(tied[0])) | set(plan.holders(tied[1]))))
+
+
+def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None = None,
+                   ) -> list[tuple[int, ...]]:  # fmt: skip
+    """The ranks of every process group ``GradientSync`` forms, in the order it forms them (pure):
+    ``runtime.group.PreparedGroup`` forms the same ones ahead of a switch.
+
+    A bucket over every rank gets a group of its own too, not the default group: a gradient
+    all-reduce abandoned on a hung peer keeps its group busy until the group's timeout, and the
+    default group must close at once when the iteration is abandoned (``leave_group(abort=True)``).
+    """
+    out = [b.holders for b in buckets(plan, trainable) if len(b.holders) > 1]
+    tied_ranks = tied_holders(plan, trainable, tied)
+    if len(tied_ranks) > 1:
+        out.append(tied_ranks)
+    return out
+
+
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
                  tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None):
@@ -59,23 +82,18 @@ class GradientSync:
         self.reduce_dtype = reduce_dtype
         self.plan = plan
         self.buckets = buckets(plan, trainable)
-        # new_group is collective over the default group: every rank, same order.
-        self.groups = {}
-        for b in self.buckets:
-            if len(b.holders) > 1:
-                # Without an explicit timeout a subgroup waits 30 min on a hung peer, whatever the world's.
-                group = dist.new_group(list(b.holders), timeout=timeout)
-                if rank in b.holders:
-                    self.groups[b.holders] = group
         self.owned = {layer for layer in range(plan.num_layers) if plan.holders(layer)[0] == rank}
         self.tied = tied if tied is not None and trainable[tied[0]] and trainable[tied[1]] else None
+        self.tied_holders = tied_holders(plan, trainable, tied)
+        # new_group is collective over the default group: every rank, same order.
+        # Without an explicit timeout a subgroup waits 30 min on a hung peer, whatever the world's.
+        every = subgroup_ranks(plan, trainable, tied)
+        formed = [dist.new_group(list(ranks), timeout=timeout) for ranks in every]
         self.tied_group = None
-        if self.tied is not None:
-            self.tied_holders = tuple(sorted(set(plan.holders(self.tied[0])) | set(plan.holders(self.tied[1]))))
-            if len(self.tied_holders) > 1:
-                group = dist.new_group(list(self.tied_holders), timeout=timeout)
-                if rank in self.tied_holders:
-                    self.tied_group = group
+        if len(self.tied_holders) > 1:  # the last one (the same ranks as a bucket's get a group of their own)
+            tied_group, every = formed.pop(), every[:-1]
+            self.tied_group = tied_group if rank in self.tied_holders else None
+        self.groups = {ranks: group for ranks, group in zip(every, formed) if rank in ranks}
 
     def all_reduce(self, layers: Mapping[int, nn.Module], waiter: Waiter = Waiter()) -> int:
         """Sum every held layer's gradients over its holders; returns bytes reduced."""

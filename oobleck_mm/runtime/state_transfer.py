@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from oobleck_mm.planning.transfers import Transfer, rank_transfers
+from oobleck_mm.data.loader import TrainingData
+from oobleck_mm.runtime.balancing import StepBalancer
+from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.runtime.engine import HeldLayer, StageEngine, fresh_layer
 from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
 from oobleck_mm.runtime.waiting import Waiter
@@ -40,7 +44,7 @@ def transfer_layers(
     transfers: Sequence[Transfer],
     rank: int,
     held: Mapping[int, HeldLayer],
-    build: Callable[[int], HeldLayer],
+    build: Callable[[int], Receiver],
     device: torch.device | str = "cpu",
     waiter: Waiter = Waiter(),
 ) -> tuple[dict[int, HeldLayer], int, float]:
@@ -49,12 +53,12 @@ def transfer_layers(
     slowest part for a joiner, comes before: a barrier separates the two).
 
     ``held``: the layers this rank holds now (sources read from it). ``build(layer)``
-    makes a fresh layer to receive into. Every rank of the group calls this with
+    gives the ``Receiver`` of a layer this rank receives (``prepare_arrival`` builds them ahead). Every rank of the group calls this with
     the same ``transfers``.
     """
     transfers = sorted(transfers)
     ops: list[dist.P2POp] = []
-    received: dict[int, tuple[HeldLayer, list[torch.Tensor], list[torch.Tensor]]] = {}
+    received: dict[int, Receiver] = {}
     moved = 0
     for index, t in enumerate(transfers):
         if t.src == t.dst:
@@ -62,20 +66,16 @@ def transfer_layers(
         if t.src == rank:
             if t.layer not in held:
                 raise ValueError(f"rank {rank} is asked to send layer {t.layer} it does not hold ({sorted(held)})")
-            for k, tensor in enumerate(_tensors(held[t.layer])):
-                tensor = tensor.to(device).contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, t.dst, tag=_tag(index, k)))
-                moved += tensor.numel() * tensor.element_size()
+            packed = pack(_tensors(held[t.layer]), device)
+            ops.append(dist.P2POp(dist.isend, packed, t.dst, tag=_tag(index)))
+            moved += packed.numel()
         if t.dst == rank:
             if t.layer in received:
                 raise ValueError(f"rank {rank} would receive layer {t.layer} twice")
-            fresh = build(t.layer)
-            targets = _tensors(fresh)
-            buffers = [torch.empty_like(x, device=device) for x in targets]
-            for k, buf in enumerate(buffers):
-                ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=_tag(index, k)))
-                moved += buf.numel() * buf.element_size()
-            received[t.layer] = (fresh, targets, buffers)
+            receiver = build(t.layer)
+            ops.append(dist.P2POp(dist.irecv, receiver.buffer, t.src, tag=_tag(index)))
+            moved += receiver.buffer.numel()
+            received[t.layer] = receiver
     seconds = 0.0
     if transfers:  # the same list on every rank: all of them reach this barrier or none
         waiter.wait(dist.barrier(async_op=True), "ready for the layer state transfer")
@@ -84,15 +84,7 @@ def transfer_layers(
             for request in dist.batch_isend_irecv(ops):
                 waiter.wait(request, f"layer state transfer on rank {rank}", pollable=False)
         seconds = time.perf_counter() - t0
-    out = {}
-    for layer, (fresh, _, buffers) in received.items():
-        names = list(fresh.module.state_dict())
-        params = dict(zip(names, buffers[: len(names)]))
-        fresh.module.load_state_dict(params)
-        if fresh.optimizer is not None:
-            keys = list(optimizer_state(fresh.optimizer))
-            load_optimizer_state(fresh.optimizer, dict(zip(keys, buffers[len(names) :])))
-        out[layer] = fresh
+    out = {layer: receiver.load() for layer, receiver in received.items()}
     return out, moved, seconds
 
 
@@ -105,28 +97,122 @@ def share_loss_scaler(scaler, src: int, device) -> None:
     scaler.load_state_dict({k: type(state[k])(v) for k, v in zip(keys, values.tolist())})
 
 
-def _tag(transfer_index: int, tensor_index: int) -> int:
-    return transfer_index * 1024 + tensor_index
+def _tag(transfer_index: int) -> int:
+    return transfer_index
+
+
+ALIGN_BYTES = 16
+"""Each tensor starts this aligned in a packed layer, so it can be viewed back in any dtype."""
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """The tensor's bytes in a packed layer, padding included."""
+    return -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The tensors' bytes, one after the other (each ``ALIGN_BYTES``-aligned), as one uint8 tensor on ``device``.
+
+    A layer travels as one message: its parameters and Adam state are dozens of small tensors,
+    and a message each made a joiner's receive of 10 small layers take ~40 ms (gloo handles one
+    pair's messages one by one).
+    """
+    out = torch.zeros(sum(_nbytes(t) for t in tensors), dtype=torch.uint8, device=device)
+    offset = 0
+    for t in tensors:
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        out[offset : offset + raw.numel()].copy_(raw)
+        offset += _nbytes(t)
+    return out
+
+
+def unpack(buffer: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``buffer`` (from ``pack``) with the dtypes and shapes of ``like``, in order."""
+    expected = sum(_nbytes(t) for t in like)
+    if expected != buffer.numel():
+        raise ValueError(f"a layer's state of {buffer.numel()} bytes does not match its shapes ({expected} bytes)")
+    out, offset = [], 0
+    for t in like:
+        raw = buffer[offset : offset + t.numel() * t.element_size()]
+        out.append(raw.view(t.dtype).view(t.shape))
+        offset += _nbytes(t)
+    return out
+
+
+@dataclass(slots=True)
+class Receiver:
+    """A fresh layer, what its state is (``_tensors``), and the buffer its packed state arrives in."""
+
+    layer: HeldLayer
+    targets: list[torch.Tensor]
+    buffer: torch.Tensor
+
+    @classmethod
+    def for_layer(cls, fresh: HeldLayer, device: torch.device | str) -> Receiver:
+        targets = _tensors(fresh)
+        return cls(fresh, targets, torch.empty(sum(_nbytes(x) for x in targets), dtype=torch.uint8, device=device))
+
+    def load(self) -> HeldLayer:
+        """The layer, holding the state that arrived."""
+        values = unpack(self.buffer, self.targets)
+        module, optimizer = self.layer.module, self.layer.optimizer
+        names = list(module.state_dict())
+        module.load_state_dict(dict(zip(names, values[: len(names)])))
+        if optimizer is not None:
+            keys = list(optimizer_state(optimizer))
+            load_optimizer_state(optimizer, dict(zip(keys, values[len(names) :])))
+        return self.layer
+
+
+@dataclass(slots=True)
+class Arrival:
+    """What a worker builds for a new plan before its rendezvous (``prepare_arrival``): the layers it
+    will receive into and, for a joiner, its data and balancer. Built while the survivors still
+    train (a join) or wait for the slowest arrival (a failure), not while every rank waits on it."""
+
+    receive: dict[int, Receiver] = field(default_factory=dict)
+    data: TrainingData | None = None
+    balancer: object = None
+
+
+def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
+                    rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu") -> Arrival:
+    """Build what ``adopt_plan`` will need on this rank that no peer is involved in (no collective)."""
+    transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
+    specs = engine.specs if engine is not None else model_layer_specs(job)
+    receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device), device)
+               for t in transfers if t.dst == new_rank}  # fmt: skip
+    if engine is not None:
+        return Arrival(receive)
+    data = TrainingData(job)
+    balancer = StepBalancer(job, data, specs, torch.device(device)) if job.balance.enabled else None
+    return Arrival(receive, data, balancer)
 
 
 def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
-               rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", waiter: Waiter = Waiter()):
+               rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", waiter: Waiter = Waiter(),
+               arrival: Arrival | None = None):
     """Move a surviving worker from ``engine`` (old plan) to ``new_plan``, keeping every layer it still needs.
 
     Call after joining the new generation's process group, on every rank of it (a
     joining worker passes ``engine=None``). ``previous_ranks[r]``: new rank r's rank in
     ``old_plan`` (-1: no state); ``rank_nodes[r]``: its node, for the same-node preference
-    of ``planning.transfers``. Returns (new engine, transfers, bytes moved here, transfer seconds).
+    of ``planning.transfers``. ``arrival``: what ``prepare_arrival`` built before the rendezvous
+    (else it is built here). Returns (new engine, transfers, bytes moved here, transfer seconds).
     """
+    if arrival is None:
+        arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device)
     transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
     held = engine.held() if engine is not None else {}
     specs = engine.specs if engine is not None else None
     received, moved, seconds = transfer_layers(transfers, new_rank, held,
-                                               lambda i: fresh_layer(job, i, specs, device), device, waiter)
+                                               lambda i: arrival.receive.pop(i, None) or
+                                               Receiver.for_layer(fresh_layer(job, i, specs, device), device),
+                                               device, waiter)  # fmt: skip
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
-    data = engine.data if engine is not None else None
-    balancer = engine.balancer if engine is not None else None  # the cost model carries over
+    data = engine.data if engine is not None else arrival.data
+    balancer = engine.balancer if engine is not None else arrival.balancer  # the cost model carries over
     scaler = engine.scaler if engine is not None else None  # so does float16's loss scale
     engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter,
                          balancer=balancer, scaler=scaler)
@@ -136,4 +222,10 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
         engine.balancer.share_from(min(survivors))
     if engine.scaler is not None and survivors:
         share_loss_scaler(engine.scaler, min(survivors), device)
+    if transfers:  # the same list on every rank
+        # The first step starts when the receivers have loaded what they received: a sender that
+        # started computing at once would only wait for them in the step's first collective, and
+        # where ranks share CPU cores it slows their loading down (5 ranks on 2 cores: a joiner's
+        # 3 MB took ~40 ms to arrive and load instead of ~10).
+        waiter.wait(dist.barrier(async_op=True), "every rank holds its layers for the new plan")
     return engine, transfers, moved, seconds

@@ -32,7 +32,9 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import save_layers, save_meta, write_error
 from oobleck_mm.runtime.engine import StageEngine, StepResult
-from oobleck_mm.runtime.group import join_generation
+from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
+from oobleck_mm.runtime.grad_sync import subgroup_ranks
+from oobleck_mm.runtime.group import PreparedGroup, join_generation
 from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.optim import optimizer_state
 from oobleck_mm.runtime.state_transfer import adopt_plan
@@ -142,6 +144,9 @@ class Phase:
     """Previous phase's rank -> this phase's rank; a rank left out leaves the job (its node is lost)."""
     rank_nodes: Sequence[str] = ()
     """Node of each rank of ``plan`` (the same-node preference of the state copy); empty: one node per rank."""
+    prepared: bool = False
+    """Its groups are formed in the background while the previous phase trains (``runtime.group.
+    PreparedGroup``), as a worker does for a join or a leave on notice."""
 
     @property
     def previous_ranks(self) -> list[int]:
@@ -158,9 +163,22 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
     # No master watches a local run: its waits are bounded by the run's own timeout instead.
     bound = timedelta(seconds=timeout_s)
 
-    def join(generation: int, rank: int, world_size: int) -> None:
+    def join(generation: int, rank: int, world_size: int, prepared: PreparedGroup | None = None) -> None:
         join_generation(store, generation, rank, world_size, job.cluster.resolved_backend,
-                        collective_timeout=bound, arrival_timeout=bound)  # fmt: skip
+                        collective_timeout=bound, arrival_timeout=bound, prepared=prepared)  # fmt: skip
+        backends.append(dist.get_backend())
+
+    def prepare(generation: int) -> PreparedGroup | None:
+        """The groups of phase ``generation``, formed now if it says so, while this generation trains."""
+        if generation > len(phases) or not phases[generation - 1].prepared or rank not in phases[generation - 1].survivors:
+            return None
+        phase, specs = phases[generation - 1], model_layer_specs(job)
+        return PreparedGroup(lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound), generation,
+                             phase.survivors[rank], phase.plan.world_size, collective_timeout=bound,
+                             arrival_timeout=bound, subgroups=subgroup_ranks(phase.plan, trainable_mask(job, specs),
+                                                                             tied_pair(specs)))  # fmt: skip
+
+    backends: list[str] = []
 
     try:
         device = device_for(job, rank)  # before the group: NCCL binds to the current CUDA device
@@ -168,6 +186,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound)
         join(0, rank, plan.world_size)
         results: list[StepResult] = []
+        prepared = prepare(1)
         engine = train(job, plan, rank, 0, steps, device, results.append)
         step, transfers = steps, []
         for generation, phase in enumerate(phases, start=1):
@@ -176,7 +195,8 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                 return  # this worker's node is gone
             old_plan, rank = plan, phase.survivors[rank]
             plan = phase.plan
-            join(generation, rank, plan.world_size)
+            join(generation, rank, plan.world_size, prepared)
+            prepared = prepare(generation + 1)
             engine, moves, _, _ = adopt_plan(job, engine, old_plan, plan, phase.previous_ranks, rank,
                                              phase.rank_nodes, device)  # fmt: skip
             transfers.append(moves)
@@ -192,6 +212,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                     "optimizer_state_sizes": {k: len(opt.state) for k, opt in
                                               ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},
                     "results": results, "transfers": transfers, "loss_scaler": engine.scaler_state(),
+                    "backends": backends,
                     "balancer": (None if engine.balancer is None else
                                  {"coefficients": engine.balancer.coefficients.to_dict(),
                                   "metrics": engine.balancer.last_metrics})},

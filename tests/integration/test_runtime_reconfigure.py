@@ -19,7 +19,10 @@ from test_runtime_equivalence import max_param_diff, reference, tiny_job
 pytestmark = pytest.mark.integration
 
 
-def test_lose_a_node_mid_pipeline_then_continue(tmp_path):
+@pytest.mark.parametrize("prepared", [False, True], ids=["formed-at-the-switch", "formed-in-the-background"])
+def test_lose_a_node_mid_pipeline_then_continue(tmp_path, prepared):
+    """``prepared``: the new generation's groups (the default one and both subgroups: layers 0-4 on
+    ranks 0 and 2, 5-9 on 1 and 2) are formed while the old one trains, as for a leave on notice."""
     job = tiny_job()
     trainer, ref_losses = reference(job)  # 5 steps without failure
     # generation 0: two 2-stage pipelines (ranks 0,1 | 2,3)
@@ -30,10 +33,11 @@ def test_lose_a_node_mid_pipeline_then_continue(tmp_path):
         (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
         10, 2,
     )
-    outs = run_local(job, before, 2, tmp_path, phases=[Phase(after, 3, {0: 0, 1: 1, 2: 2})])
+    outs = run_local(job, before, 2, tmp_path, phases=[Phase(after, 3, {0: 0, 1: 1, 2: 2}, prepared=prepared)])
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+        assert out["backends"] == ["gloo", "gloo_prepared" if prepared else "gloo"]
     moved = {(t.layer, t.src, t.dst) for t in outs[2]["transfers"][0]}
     assert moved == {(layer, 1, 2) for layer in range(5, 10)}
     # the moved layers' Adam state equals the sender's (moments and step), not a fresh one

@@ -130,3 +130,34 @@ def test_plan_transfers_equals_the_brute_force_rule(nodes, gpus, layers, data):
     node_of = lambda gpu: gpu[0]  # noqa: E731
     assert plan_transfers(held, needed, node_of) == _reference_transfers(held, needed, node_of, lambda h: h)
     assert plan_transfers(held, needed) == _reference_transfers(held, needed, lambda h: h, lambda h: h)
+
+
+def test_a_packed_layer_unpacks_to_the_same_tensors_whatever_their_dtypes_and_layouts():
+    """A layer's state travels as one uint8 message; every tensor comes back bit-identical, aligned for its dtype."""
+    import torch
+
+    from oobleck_mm.runtime.state_transfer import ALIGN_BYTES, pack, unpack
+
+    tensors = [torch.randn(3, 5, dtype=torch.bfloat16), torch.tensor(7.0), torch.arange(5, dtype=torch.int64),
+               torch.randn(4, 4, dtype=torch.float64).t(), torch.randn(3, dtype=torch.float16)]  # fmt: skip
+    packed = pack(tensors, "cpu")
+    assert packed.dtype == torch.uint8 and packed.numel() % ALIGN_BYTES == 0
+    out = unpack(packed, tensors)
+    for sent, got in zip(tensors, out):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
+    with pytest.raises(ValueError, match="does not match its shapes"):
+        unpack(packed[:-ALIGN_BYTES], tensors)
+
+
+def test_subgroups_are_every_multi_holder_bucket_then_the_tied_pair_in_order():
+    """What a background-formed generation prepares is what GradientSync forms, in the same order."""
+    from oobleck_mm.runtime.grad_sync import subgroup_ranks
+
+    plan = ExecutionPlan(
+        (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
+        10, 2,
+    )
+    trainable = (True,) * 10
+    assert subgroup_ranks(plan, trainable) == [(0, 2), (1, 2)]
+    assert subgroup_ranks(plan, trainable, tied=(1, 9)) == [(0, 2), (1, 2), (0, 1, 2)]
+    assert subgroup_ranks(plan, (False,) * 5 + (True,) * 5, tied=(1, 9)) == [(1, 2)]  # a frozen side: no tie
