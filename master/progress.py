@@ -223,6 +223,8 @@ class Progress:
         fields = {"generation": self.gen.number, "seconds": max(r.seconds for r in reports)}
         if self.incident is not None:
             fields.update(cause=self.incident.cause, since_detected_s=self.clock() - self.incident.detected_at)
+        if phase == "rendezvous":
+            fields["formed_ahead"] = sum(r.formed_ahead for r in reports)  # ranks whose groups were ready before
         if phase == "states_copied":
             fields["bytes"] = sum(r.bytes for r in reports)
             fields["transfer_seconds"] = max(r.transfer_seconds for r in reports)

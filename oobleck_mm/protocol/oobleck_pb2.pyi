@@ -206,7 +206,7 @@ class WorkerFailed(_message.Message):
     def __init__(self, message: _Optional[str] = ..., user_error: _Optional[bool] = ..., bug: _Optional[bool] = ...) -> None: ...
 
 class PhaseDone(_message.Message):
-    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message", "transfer_seconds")
+    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message", "transfer_seconds", "formed_ahead")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class PhaseDone(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORMED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     generation: int
     phase: str
     step: int
@@ -221,7 +222,8 @@ class PhaseDone(_message.Message):
     bytes: int
     message: str
     transfer_seconds: float
-    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    formed_ahead: bool
+    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., formed_ahead: _Optional[bool] = ...) -> None: ...
 
 class CheckpointDone(_message.Message):
     __slots__ = ("dir", "step", "layers", "generation", "seconds", "snapshot_seconds", "error")

@@ -86,7 +86,9 @@ class CommandReader:
         self.conn = conn
         self.on_arrival = on_arrival
         self.preparing: dict[int, Any] = {}
-        """id(command) -> what ``on_arrival`` prepares for it."""
+        """id(command) -> what ``on_arrival`` prepares for it, while the command is queued."""
+        self._handed: tuple[Any, Any] = (None, None)
+        """The command taken last from the queue and what was prepared for it (``prepared_for``)."""
         self.queue: queue.Queue = queue.Queue()
         self.replanned = threading.Event()
         """Set when a queued command means a peer is gone: waits on collectives give up at once."""
@@ -100,8 +102,14 @@ class CommandReader:
                 self.queue.put(None)  # the agent is gone
                 self.replanned.set()
                 return
-            if self.on_arrival is not None and (prepared := self.on_arrival(command)) is not None:
-                self.preparing[id(command)] = prepared
+            if self.on_arrival is not None:
+                try:
+                    prepared = self.on_arrival(command)
+                except Exception:  # noqa: BLE001 - only an optimisation: the switch forms the groups then
+                    log.exception("could not start forming the next generation's groups ahead")
+                    prepared = None
+                if prepared is not None:
+                    self.preparing[id(command)] = prepared
             self.queue.put(command)  # before the flag: get() clears it only once the queue is empty
             if _drops_peers(command):
                 self.replanned.set()
@@ -110,7 +118,7 @@ class CommandReader:
         command = self.queue.get()
         if self.queue.empty():
             self.replanned.clear()
-        return command
+        return self._taken(command)
 
     def poll(self):
         try:
@@ -119,6 +127,11 @@ class CommandReader:
             return None
         if self.queue.empty():
             self.replanned.clear()
+        return self._taken(command)
+
+    def _taken(self, command):
+        # Out of ``preparing`` as it leaves the queue: an id is unique only among live objects.
+        self._handed = (command, self.preparing.pop(id(command), None))
         return command
 
     def waiting(self) -> bool:
@@ -133,8 +146,12 @@ class CommandReader:
         return prepared is None or prepared.ready()
 
     def prepared_for(self, command):
-        """What ``on_arrival`` prepared for ``command`` (None: nothing), handed over once."""
-        return self.preparing.pop(id(command), None)
+        """What ``on_arrival`` prepared for ``command``, the command taken last (None: nothing), handed over once."""
+        taken, prepared = self._handed
+        if taken is not command:
+            return None
+        self._handed = (None, None)
+        return prepared
 
     def get_within(self, seconds: float):
         """The next command, or ``NOT_ARRIVED`` after ``seconds``."""
@@ -144,7 +161,7 @@ class CommandReader:
             return NOT_ARRIVED
         if self.queue.empty():
             self.replanned.clear()
-        return command
+        return self._taken(command)
 
 
 NOT_ARRIVED = object()
@@ -211,9 +228,10 @@ class WorkerLoop:
         self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=step, generation=generation, error=error))
 
     def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
-              message: str = "", transfer_seconds: float = 0.0) -> None:
+              message: str = "", transfer_seconds: float = 0.0, formed_ahead: bool = False) -> None:
         self.report(phase=pb.PhaseDone(generation=generation, phase=name, step=step, seconds=seconds,
-                                       bytes=nbytes, message=message, transfer_seconds=transfer_seconds))
+                                       bytes=nbytes, message=message, transfer_seconds=transfer_seconds,
+                                       formed_ahead=formed_ahead))  # fmt: skip
 
     def _stalled(self, what: str, waited: float) -> None:
         generation = self.current.number if self.current is not None else 0
@@ -377,7 +395,7 @@ class WorkerLoop:
         )  # fmt: skip
         if pending is not None:
             return pending
-        self.phase(a.generation, "rendezvous", seconds=time.perf_counter() - t0)
+        self.phase(a.generation, "rendezvous", seconds=time.perf_counter() - t0, formed_ahead=prepared is not None)
         return None
 
     def _survivor_engine(self, previous_generation: int) -> StageEngine | None:

@@ -133,6 +133,10 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
     assert sent["previous_rank"] == -1  # a joiner holds nothing: it receives every layer
     [copied] = run.events("states_copied", generation=decided["generation"])
     assert copied["bytes"] > 0
+    # Every rank's groups of the join generation were formed while the old one trained (PreparedGroup):
+    # the switch only installed them.
+    [met] = run.events("rendezvous_done", generation=decided["generation"])
+    assert met["formed_ahead"] == len(decided["nodes"]), met
     steps_logged = [e["step"] for e in run.events("step")]
     assert sorted(set(steps_logged)) == list(range(steps))  # a join loses no step
     [ready] = run.events("node_ready", node=joined["node"])

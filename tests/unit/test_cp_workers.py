@@ -152,3 +152,55 @@ def test_only_commands_that_mean_a_peer_is_gone_interrupt_the_iteration_in_fligh
     assert not _drops_peers(pb.WorkerCommand(checkpoint=pb.Checkpoint(dir="d", generation=2, at_boundary=True)))
     assert not _drops_peers(pb.WorkerCommand(master_lost=pb.MasterLost(reason="gone")))
     assert _drops_peers(pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")))
+
+
+def test_a_plan_whose_groups_form_in_the_background_is_not_switched_to_before_they_are_ready():
+    """The step's "I hold a command" waits for the next generation's groups (the old one trains on), unless
+    another command came after it; what was prepared is handed over once; a failing preparation only costs
+    the optimisation, never the command."""
+    import multiprocessing as mp
+    import threading
+    import time
+
+    from oobleck_mm.protocol.pipe import send_command
+    from oobleck_mm.runtime.agent_worker import CommandReader
+
+    class Forming:  # stands for runtime.group.PreparedGroup, formed by peers in the real runs
+        def __init__(self):
+            self.done = threading.Event()
+
+        def ready(self):
+            return self.done.is_set()
+
+    forming = Forming()
+
+    def on_arrival(command):
+        if command.assignment.generation == 3:
+            raise RuntimeError("no plan to prepare")
+        return forming if command.assignment.at_boundary else None
+
+    ours, agents = mp.Pipe()
+    reader = CommandReader(ours, on_arrival=on_arrival)
+
+    def arrive(command, expect_queued: int):
+        send_command(agents, command)
+        deadline = time.monotonic() + 10
+        while reader.queue.qsize() < expect_queued and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    join = pb.WorkerCommand(assignment=pb.Assignment(generation=2, previous_generation=1, at_boundary=True))
+    arrive(join, 1)
+    assert not reader.waiting()  # its groups are still forming: the old generation steps on
+    forming.done.set()
+    assert reader.waiting()
+    taken = reader.get()
+    assert reader.prepared_for(taken) is forming and reader.prepared_for(taken) is None
+    forming.done.clear()
+    arrive(pb.WorkerCommand(assignment=pb.Assignment(generation=4, previous_generation=3, at_boundary=True)), 1)
+    assert not reader.waiting()
+    arrive(pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")), 2)
+    assert reader.waiting()  # a later command is not held back by the forming groups
+    reader.get(), reader.get()
+    arrive(pb.WorkerCommand(assignment=pb.Assignment(generation=3, previous_generation=2, at_boundary=True)), 1)
+    assert reader.waiting() and reader.prepared_for(reader.get()) is None  # on_arrival raised: a plain switch
+    agents.close()
