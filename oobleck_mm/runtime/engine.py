@@ -144,6 +144,9 @@ class StageEngine:
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
         self.clock = Stopwatch(self.device)
+        self.prefetch = self.device.type == "cuda"
+        """Pack the next microbatch as soon as this one's forward is queued: on a GPU the host packs
+        (and copies, pinned and asynchronous) while the device computes; on the CPU nothing overlaps."""
         self.command_waiting: Callable[[], bool] = lambda: False
         """Whether this worker holds a command to apply at an iteration boundary (the worker sets it):
         the step's last collective tells every rank whether any rank does, so all switch together."""
@@ -191,6 +194,7 @@ class StageEngine:
     def train_step(self, step: int, assignment: Assignment | None = None) -> StepResult:
         """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
         t0 = time.perf_counter()
+        self._pipeline_mark = self.clock.start()
         ids = self.data.global_batch(step)
         if assignment is None and self.balancer is not None:
             self.balancer.maybe_fit(step)
@@ -198,7 +202,6 @@ class StageEngine:
         if assignment is None:
             counts = [p.num_microbatches for p in self.plan.pipelines]
             assignment = contiguous_assignment(ids, counts, self.plan.microbatch_size)
-        self._t0 = t0
         self._step = step
         self._microbatches = assignment.pipelines[self.pipeline_index]
         self._loss_tokens = self.data.loss_tokens(ids)
@@ -218,6 +221,8 @@ class StageEngine:
         execute(schedule.steps(), self._dispatch)
         # The microbatches' times, read once the step's work is done (CUDA events: one sync here).
         self._result.microbatch_times = [(self.clock.seconds(f), self.clock.seconds(b)) for f, b in self._intervals]
+        if self.balancer is None:  # (with a balancer, _measure_pipelines read it for the exchange)
+            self._result.pipeline_s = self.clock.seconds(self._pipeline_interval)
         self._result.forward_s = sum(f for f, _ in self._result.microbatch_times)
         self._result.backward_s = sum(b for _, b in self._result.microbatch_times)
         if self.balancer is not None:
@@ -271,6 +276,8 @@ class StageEngine:
                 acts = (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
         self._outputs[ins.buffer_id] = acts
         self._intervals.append([self.clock.stop(mark), None])
+        if self.prefetch and mb + 1 < len(self._microbatches):
+            self._batch(mb + 1)
 
     def _send_activation(self, ins) -> None:
         t0 = time.perf_counter()
@@ -313,7 +320,9 @@ class StageEngine:
 
     def _reduce_grads(self, ins) -> None:
         t0 = time.perf_counter()
-        self._result.pipeline_s = t0 - self._t0  # this stage's 1F1B part of the iteration
+        # This stage's 1F1B part of the iteration, on the device's clock (read at the step's end:
+        # a GPU's host reaches here while kernels still run).
+        self._pipeline_interval = self.clock.stop(self._pipeline_mark)
         if overflow_injected(self._step, self.rank):
             poison_gradients(self.layers)
         self.sync.all_reduce(self.layers, self.waiter)
@@ -357,6 +366,7 @@ class StageEngine:
     def _measure_pipelines(self) -> None:
         """Measured 1F1B seconds of every pipeline (its slowest stage), for the balancer's metrics."""
         times = torch.zeros(len(self.plan.pipelines), dtype=torch.float64)
+        self._result.pipeline_s = self.clock.seconds(self._pipeline_interval)  # the step's one sync, a bit early
         times[self.pipeline_index] = self._result.pipeline_s
         times = times.to(self.device)
         self.waiter.wait(torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX, async_op=True),
