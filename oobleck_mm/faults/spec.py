@@ -28,8 +28,10 @@ Forms (one token each; tokens are comma-separated, flags may repeat):
                      rendezvous  joining a re-formed generation (before its arrival)
                      checkpoint  a collective checkpoint, its layer files written, before
                                  the agreement (restart mode, --save-final)
+                     forming     forming a join's (or a leave's) groups in the background,
+                                 before its arrival, while the old generation trains on
                      registered  the node has just registered (a joiner, before admission)
-                   For copy, rendezvous and checkpoint the launcher makes the node's worker
+                   For copy, rendezvous, checkpoint and forming the launcher makes the node's worker
                    hold there (``runtime/hold.py``, ``PHASE_HOLD_S``) and report it; the
                    fault fires on that report.
 
@@ -57,16 +59,16 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 VALID_FORMS = (
     "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "
     "killmaster@stepN, join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
-    "@phase:P, P one of copy, rendezvous, checkpoint, registered)"
+    "@phase:P, P one of copy, rendezvous, checkpoint, forming, registered)"
 )
 
 _STEP = re.compile(r"^step(\d+)$")
 _TIME = re.compile(r"^t(\d+(?:\.\d*)?|\.\d+)s$")
 _GPU = re.compile(r"^gpu(\d+)$")
 _NOTICE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)s$")
-PHASES = ("copy", "rendezvous", "checkpoint", "registered")
+PHASES = ("copy", "rendezvous", "checkpoint", "forming", "registered")
 """Phases a failure can be aimed at (``@phase:P``)."""
-HELD_PHASES = PHASES[:3]
+HELD_PHASES = PHASES[:4]
 """Phases the target's worker holds in until the fault lands (the rest are events of the master)."""
 PHASE_HOLD_S = 20.0
 """How long the target's worker holds in its phase: the fault lands within milliseconds of the

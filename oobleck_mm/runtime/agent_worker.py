@@ -373,6 +373,7 @@ class WorkerLoop:
             a.generation, a.rank, a.world_size, collective_timeout=timeouts.collective_timeout,
             arrival_timeout=timeouts.rendezvous_timeout,
             subgroups=subgroup_ranks(plan_from_proto(a.plan), trainable_mask(self.job, specs), tied_pair(specs)),
+            before=lambda: hold("forming", self.node),
         )  # fmt: skip
 
     def rendezvous(self, a, prepared: PreparedGroup | None = None):

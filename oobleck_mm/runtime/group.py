@@ -174,9 +174,11 @@ class PreparedGroup:
 
     def __init__(self, connect: Callable[[], dist.Store], generation: int, rank: int, world_size: int, *,
                  collective_timeout: timedelta, arrival_timeout: timedelta,
-                 subgroups: Sequence[Sequence[int]] = ()) -> None:  # fmt: skip
+                 subgroups: Sequence[Sequence[int]] = (), before: Callable[[], None] | None = None) -> None:  # fmt: skip
         """``subgroups``: the ranks of each subgroup the generation will form after its default group,
-        in order (``runtime.grad_sync.subgroup_ranks``); those this rank is in are formed here too."""
+        in order (``runtime.grad_sync.subgroup_ranks``); those this rank is in are formed here too.
+        ``before``: called first, in the background thread (the ``forming`` hold point)."""
+        self.before = before
         self.generation, self.rank, self.world_size = generation, rank, world_size
         self.subgroups = [list(ranks) for ranks in subgroups]
         self.collective_timeout, self.arrival_timeout = collective_timeout, arrival_timeout
@@ -190,6 +192,8 @@ class PreparedGroup:
 
     def _form(self, connect: Callable[[], dist.Store]) -> None:
         try:
+            if self.before is not None:
+                self.before()
             self.store = connect()
             prefixed = dist.PrefixStore(f"gen{self.generation}", self.store)
             _await_arrivals(prefixed, self.generation, self.world_size, self.arrival_timeout, None)

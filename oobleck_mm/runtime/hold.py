@@ -14,6 +14,8 @@ Points:
 - ``rendezvous``: before joining a re-formed generation (generation > 1), so its peers wait for it
   at the arrival;
 - ``copy``: a new generation joined, before its layer states are copied;
+- ``forming``: in the background thread that forms a join's (or a leave's) groups ahead
+  (``runtime.group.PreparedGroup``), before its arrival: the old generation trains on meanwhile;
 - ``stepN``: before this worker's step N, once per worker process (a rerun of step N in a later
   generation does not hold again): a worker silent past ``collective_timeout`` while its agent
   heartbeats, so every peer's collective times out with no node lost.
@@ -35,7 +37,7 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 ENV = "OOBLECK_HOLD_AT"
-POINTS = ("checkpoint", "copy", "rendezvous", "stepN")
+POINTS = ("checkpoint", "copy", "rendezvous", "forming", "stepN")
 _held_steps: set[int] = set()
 """Steps this process already held before (``stepN`` holds once)."""
 _announce: Callable[[str, float], None] | None = None

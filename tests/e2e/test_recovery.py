@@ -260,6 +260,30 @@ def test_a_peer_killed_inside_the_state_copy_on_purpose_is_a_second_recovery(lau
     check_final(config, steps, final)
 
 
+def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches, tmp_path):
+    """--inject join@step2 and kill:node1@phase:forming: node1's thread that forms the join generation's
+    groups ahead holds there (its training thread steps on), the kill lands, and the join generation,
+    never switched to, is dropped for one planned from what everyone holds; nobody waits for it."""
+    steps = 200  # the job still trains when the joiner's worker is ready, on a loaded machine too
+    config = write_config(tmp_path, nodes=3, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2",
+                "--inject", "kill:node1@phase:forming")  # fmt: skip
+    finish_ok(run)
+    [holding] = run.events("holding", node="node1")
+    assert holding["point"] == "forming"
+    [killed] = run.events("injected", node="node1")
+    assert killed["phase"] == "forming" and killed["ts"] >= holding["ts"]
+    joining = run.events("plan_decided", generation=2)[0]
+    assert joining["joined"] and "node1" in joining["nodes"]
+    assert not run.events("resumed", generation=2), "generation 2 lost node1 before the switch"
+    last = run.events("plan_decided")[-1]
+    assert last["previous_generation"] == 1 and "node1" in last["lost"] and "node1" not in last["nodes"]
+    assert set(joining["joined"]) <= set(last["nodes"])  # the joiner is still taken in
+    assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
+    check_final(config, steps, final)
+
+
 def test_a_joiner_killed_right_after_it_registered_costs_the_survivors_nothing(launches, tmp_path):
     """--inject join:node3@step2 and kill:node3@phase:registered: the joiner dies before it is admitted;
     the job never plans it in, no survivor aborts an iteration."""
