@@ -15,7 +15,12 @@ step by step (the machine is shared and noisy; compare the ratios):
   same job;
 - step time: median seconds per step;
 - update: median seconds of the optimizer part of a step (clip, AdamW on the
-  masters, refreshing the compute copies) per parameter byte.
+  masters, refreshing the compute copies) per parameter byte;
+- activations: the bytes autograd keeps for the backward of a microbatch
+  (``torch.autograd.graph.saved_tensors_hooks`` sees every tensor saved; storages
+  counted once, weights excluded), over every microbatch of one global batch,
+  against the cost model's ``activation_bytes`` for as many microbatches. This is
+  what a device allocator would show as activation memory, measured without one.
 """
 
 from __future__ import annotations
@@ -62,6 +67,36 @@ def held_bytes(trainer: ReferenceTrainer) -> dict[str, int]:
                              for v in state.values() if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
     out["total"] = sum(out.values())
     return out
+
+
+def activation_bytes(trainer: ReferenceTrainer, step: int = 0) -> tuple[int, int, dict[str, int]]:
+    """(bytes saved for backward over every microbatch of ``step``'s global batch, microbatches, bytes by dtype)."""
+    weights = {p.untyped_storage().data_ptr() for layer in trainer.layers for p in layer.parameters()}
+    weights |= {p.untyped_storage().data_ptr() for m in trainer.compute.values() for p in m.parameters()}
+    ids = trainer.data.global_batch(step)
+    size = trainer.job.training.microbatch_size
+    total, count, by_dtype = 0, 0, {}
+    for start in range(0, len(ids), size):
+        batch = trainer.data.microbatch(ids[start : start + size])
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                nonlocal_total[0] += storage.nbytes()
+                key = str(t.dtype).removeprefix("torch.")
+                by_dtype[key] = by_dtype.get(key, 0) + storage.nbytes()
+            return t
+
+        nonlocal_total = [0]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            acts: tuple[torch.Tensor, ...] = ()
+            for i in range(len(trainer.layers)):
+                acts = trainer.compute[i](acts, batch)
+        del acts  # the graph (and what it saved) goes with it: no backward needed to count it
+        total, count = total + nonlocal_total[0], count + 1
+    return total, count, by_dtype
 
 
 CURRENT: list[ReferenceTrainer] = []
@@ -135,7 +170,12 @@ def main(argv=None) -> int:
         predicted = sum(l.param_bytes + l.grad_bytes + l.optimizer_bytes for l in profile.layers)
         # The cost model counts the compute copy as the parameters: in fp32 that is the master itself.
         param_bytes = sum(p.numel() * p.element_size() for layer in trainer.layers for p in layer.parameters())
+        saved, microbatches, saved_by_dtype = activation_bytes(trainer)
+        predicted_acts = microbatches * sum(l.activation_bytes for l in profile.layers)
         rows.append({"mode": mode, "held_bytes": held, "predicted_state_bytes": predicted,
+                     "activation_bytes": saved, "predicted_activation_bytes": predicted_acts,
+                     "activation_bytes_by_dtype": saved_by_dtype,
+                     "activations_over_predicted": round(saved / predicted_acts, 3),
                      "held_over_predicted": round(held["total"] / predicted, 3),
                      "median_step_s": round(statistics.median(times[mode][1:]), 4),
                      "median_update_s": round(statistics.median(updates[mode][1:]), 5),
@@ -148,7 +188,15 @@ def main(argv=None) -> int:
               f"{r['held_over_predicted']:9.3f} {r['median_step_s']:8.4f} {r['median_update_s']:9.5f} "
               f"{r['update_ns_per_master_byte']:11.3f}")
         print("          held by kind (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in r["held_bytes"].items()))
+    print(f"{'mode':<9} {'activations MiB':>15} {'predicted MiB':>13} {'measured/pred':>13}   (one global batch, "
+          "saved for backward)")
+    for r in rows:
+        print(f"{r['mode']:<9} {r['activation_bytes'] / 2**20:15.2f} {r['predicted_activation_bytes'] / 2**20:13.2f} "
+              f"{r['activations_over_predicted']:13.3f}   by dtype (MiB): "
+              + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(r["activation_bytes_by_dtype"].items())))
     for r in rows[1:]:
+        print(f"{r['mode']} / {base['mode']}: activations {r['activation_bytes'] / base['activation_bytes']:.2f}x "
+              f"(predicted {r['predicted_activation_bytes'] / base['predicted_activation_bytes']:.2f}x)")
         print(f"{r['mode']} / {base['mode']}: memory {r['held_bytes']['total'] / base['held_bytes']['total']:.2f}x, "
               f"step time {r['median_step_s'] / base['median_step_s']:.2f}x, "
               f"update time {r['median_update_s'] / base['median_update_s']:.2f}x")
