@@ -276,10 +276,6 @@ class RetiredGroups:
                 atexit.register(self.close)
         self._wake.set()
 
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._groups)
-
     def close(self) -> None:
         """Destroy every retired group now, in this thread; later ones are destroyed as they come."""
         with self._destroying:

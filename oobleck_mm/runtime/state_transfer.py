@@ -53,8 +53,8 @@ def transfer_layers(
     slowest part for a joiner, comes before: a barrier separates the two).
 
     ``held``: the layers this rank holds now (sources read from it). ``build(layer)``
-    gives the ``Receiver`` of a layer this rank receives (``prepare_arrival`` builds them ahead). Every rank of the group calls this with
-    the same ``transfers``.
+    gives the ``Receiver`` of a layer this rank receives (``prepare_arrival`` builds them
+    ahead). Every rank of the group calls this with the same ``transfers``.
     """
     transfers = sorted(transfers)
     ops: list[dist.P2POp] = []
@@ -67,13 +67,13 @@ def transfer_layers(
             if t.layer not in held:
                 raise ValueError(f"rank {rank} is asked to send layer {t.layer} it does not hold ({sorted(held)})")
             packed = pack(_tensors(held[t.layer]), device)
-            ops.append(dist.P2POp(dist.isend, packed, t.dst, tag=_tag(index)))
+            ops.append(dist.P2POp(dist.isend, packed, t.dst, tag=index))  # one message per transfer
             moved += packed.numel()
         if t.dst == rank:
             if t.layer in received:
                 raise ValueError(f"rank {rank} would receive layer {t.layer} twice")
             receiver = build(t.layer)
-            ops.append(dist.P2POp(dist.irecv, receiver.buffer, t.src, tag=_tag(index)))
+            ops.append(dist.P2POp(dist.irecv, receiver.buffer, t.src, tag=index))
             moved += receiver.buffer.numel()
             received[t.layer] = receiver
     seconds = 0.0
@@ -95,10 +95,6 @@ def share_loss_scaler(scaler, src: int, device) -> None:
     values = torch.tensor([float(state[k]) for k in keys], dtype=torch.float64, device=device)
     dist.broadcast(values, src=src)
     scaler.load_state_dict({k: type(state[k])(v) for k, v in zip(keys, values.tolist())})
-
-
-def _tag(transfer_index: int) -> int:
-    return transfer_index
 
 
 ALIGN_BYTES = 16
@@ -170,7 +166,10 @@ class Arrival:
     will receive into and, for a joiner, its data and balancer. Built while the survivors still
     train (a join) or wait for the slowest arrival (a failure), not while every rank waits on it."""
 
+    transfers: list[Transfer]
+    """Every rank's copies for the plan (``planning.transfers.rank_transfers``)."""
     receive: dict[int, Receiver] = field(default_factory=dict)
+    """This rank's, by layer."""
     data: TrainingData | None = None
     balancer: object = None
 
@@ -183,10 +182,10 @@ def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[in
     receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device), device)
                for t in transfers if t.dst == new_rank}  # fmt: skip
     if engine is not None:
-        return Arrival(receive)
+        return Arrival(transfers, receive)
     data = TrainingData(job)
     balancer = StepBalancer(job, data, specs, torch.device(device)) if job.balance.enabled else None
-    return Arrival(receive, data, balancer)
+    return Arrival(transfers, receive, data, balancer)
 
 
 def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
@@ -202,13 +201,9 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
     """
     if arrival is None:
         arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device)
-    transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
+    transfers = arrival.transfers
     held = engine.held() if engine is not None else {}
-    specs = engine.specs if engine is not None else None
-    received, moved, seconds = transfer_layers(transfers, new_rank, held,
-                                               lambda i: arrival.receive.pop(i, None) or
-                                               Receiver.for_layer(fresh_layer(job, i, specs, device), device),
-                                               device, waiter)  # fmt: skip
+    received, moved, seconds = transfer_layers(transfers, new_rank, held, arrival.receive.pop, device, waiter)
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
     data = engine.data if engine is not None else arrival.data

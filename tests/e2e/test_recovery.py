@@ -238,6 +238,16 @@ def test_restart_mode_a_checkpoint_the_disk_refuses_is_said_as_such_and_training
     check_final(config, 6, final)
 
 
+def assert_killed_in_phase(run, node: str, phase: str) -> dict:
+    """``node``'s worker said it held in ``phase`` and the injected kill came after: it landed there.
+    Returns the ``holding`` event."""
+    [holding] = run.events("holding", node=node)
+    assert holding["point"] == phase
+    [killed] = run.events("injected", node=node)
+    assert killed["phase"] == phase and killed["ts"] >= holding["ts"]
+    return holding
+
+
 def test_a_peer_killed_inside_the_state_copy_on_purpose_is_a_second_recovery(launches, tmp_path):
     """--inject kill:node1@phase:copy: node1's worker holds in generation 2's state copy (after its
     rendezvous) and says so; the kill lands there, not by timing luck. Generation 2 never completes a
@@ -249,10 +259,8 @@ def test_a_peer_killed_inside_the_state_copy_on_purpose_is_a_second_recovery(lau
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
                 "--inject", "kill:node1@phase:copy")  # fmt: skip
     finish_ok(run)
-    [holding] = run.events("holding", node="node1")
-    assert holding["point"] == "copy" and holding["generation"] == 2
-    [phase_kill] = run.events("injected", node="node1")
-    assert phase_kill["phase"] == "copy" and phase_kill["ts"] >= holding["ts"]
+    holding = assert_killed_in_phase(run, "node1", "copy")
+    assert holding["generation"] == 2
     assert not run.events("resumed", generation=2), "generation 2 lost node1 inside its copy"
     last = run.events("plan_decided")[-1]
     assert last["generation"] == 3 and last["previous_generation"] == 1 and "node1" not in last["nodes"]
@@ -270,10 +278,7 @@ def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches,
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2",
                 "--inject", "kill:node1@phase:forming")  # fmt: skip
     finish_ok(run)
-    [holding] = run.events("holding", node="node1")
-    assert holding["point"] == "forming"
-    [killed] = run.events("injected", node="node1")
-    assert killed["phase"] == "forming" and killed["ts"] >= holding["ts"]
+    assert_killed_in_phase(run, "node1", "forming")
     joining = run.events("plan_decided", generation=2)[0]
     assert joining["joined"] and "node1" in joining["nodes"]
     assert not run.events("resumed", generation=2), "generation 2 lost node1 before the switch"
