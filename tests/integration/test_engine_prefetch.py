@@ -1,16 +1,27 @@
-"""On a GPU the engine packs the next microbatch while the device runs this one (``StageEngine.prefetch``).
+"""What the engine does on a GPU for speed, checked without one, in one real gloo process.
 
-No GPU here: the same code path is forced on the CPU, in one real gloo process, and must change
-nothing but when a microbatch is packed (float64, the same losses and parameters bit for bit).
+- It packs the next microbatch while the device runs this one (``StageEngine.prefetch``). No GPU
+  here: the same code path is forced on the CPU and must change nothing but when a microbatch is
+  packed (float64, the same losses and parameters bit for bit).
+- It waits for the device (``.item()``, ``.cpu()``, ``.tolist()``, ``bool(tensor)``) a fixed number
+  of times a step, never once per microbatch: counted on the CPU, where every such call is visible
+  to a ``TorchFunctionMode``, and compared between 4 and 16 microbatches.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import os
+import sys
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+import oobleck_mm
 
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.engine import StageEngine
@@ -42,17 +53,21 @@ def run(job, prefetch: bool, steps: int = 3):
     return losses, params, order
 
 
-def test_prefetching_the_next_microbatch_changes_when_it_is_packed_and_nothing_else(tmp_path):
+@pytest.fixture
+def one_rank(tmp_path):
+    """A real one-rank gloo group (what a one-stage, one-pipeline plan trains in)."""
     wait = timedelta(seconds=60)
     join_generation(dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, "gloo", collective_timeout=wait,
                     arrival_timeout=wait)  # fmt: skip
-    try:
-        job = tiny_job()
-        assert not StageEngine(job, ExecutionPlan.even(10, [1], [8], 2), 0).prefetch  # CPU: off by default
-        plain_losses, plain_params, plain_order = run(job, prefetch=False)
-        losses, params, order = run(job, prefetch=True)
-    finally:
-        leave_group()
+    yield
+    leave_group()
+
+
+def test_prefetching_the_next_microbatch_changes_when_it_is_packed_and_nothing_else(one_rank):
+    job = tiny_job()
+    assert not StageEngine(job, ExecutionPlan.even(10, [1], [8], 2), 0).prefetch  # CPU: off by default
+    plain_losses, plain_params, plain_order = run(job, prefetch=False)
+    losses, params, order = run(job, prefetch=True)
     assert losses == plain_losses
     for i in plain_params:
         assert all(torch.equal(a, b) for a, b in zip(params[i], plain_params[i])), i
@@ -62,3 +77,49 @@ def test_prefetching_the_next_microbatch_changes_when_it_is_packed_and_nothing_e
     for k in range(7):
         assert plain_order.index(("pack", k + 1)) > plain_order.index(("forward done", k)), plain_order
         assert first.index(("pack", k + 1)) < first.index(("forward done", k)), first
+
+
+# Calls that make the host wait for a device tensor's value (on a GPU: a stream synchronisation).
+HOST_WAITS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+              torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}  # fmt: skip
+PACKAGE = os.path.dirname(oobleck_mm.__file__) + os.sep
+# Where the device's tensors are used: the runtime and the model. (``data/`` works on the host by
+# design: it packs microbatches, and their spans, before one asynchronous copy to the device.)
+DEVICE_CODE = tuple(PACKAGE + d + os.sep for d in ("runtime", "model"))
+
+
+class HostWaits(TorchFunctionMode):
+    """Counts host waits by the package's line that asked (file, line, call): the innermost frame of
+    ``oobleck_mm`` (torch's own frames, e.g. the optimizer's, count for the line that called them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_WAITS:
+            frame = sys._getframe(1)
+            while frame is not None and not frame.f_code.co_filename.startswith(PACKAGE):
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.startswith(DEVICE_CODE):
+                self.sites[(os.path.basename(frame.f_code.co_filename), frame.f_lineno, func.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_engine_waits_for_the_device_per_step_not_per_microbatch(one_rank, dtype):
+    """The same global batch as 4 microbatches of 4 and as 16 of 1: the same host waits, at the same lines.
+
+    float16 adds the loss scaler's overflow check (it must ride on the step's one norm all-reduce)."""
+    job = tiny_job(dtype)
+    waits = {}
+    for count, size in ((4, 4), (16, 1)):
+        sized = dataclasses.replace(job, training=dataclasses.replace(job.training, microbatch_size=size))
+        engine = StageEngine(sized, ExecutionPlan.even(10, [1], [count], size), 0)
+        engine.train_step(0)  # the optimizers' state is created in the first step
+        with HostWaits() as counter:
+            engine.train_step(1)
+        waits[count] = counter.sites
+    assert waits[16] == waits[4], f"host waits that grow with the microbatches: {waits[16] - waits[4]}"
+    # Guard the guard: the counter sees the step's one read of the all-reduced norm and loss.
+    assert any(site[0] == "grad_sync.py" for site in waits[4]), waits[4]
