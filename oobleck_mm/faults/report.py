@@ -56,7 +56,8 @@ class RecoveryRow:
     at_ts: float
     """When it happened: the injection, or the detection for a failure nobody injected."""
     step: int | None
-    """The step interrupted (for a join or a notice to leave: the first step of the new generation)."""
+    """The step interrupted (for a join or a notice to leave: the first step of the new generation),
+    0-based as in the event log; the table and ``outcome`` number it as the console does (``+ 1``)."""
     reason: str | None = None
     """How it was detected (``lost`` reasons), or ``registered`` for a join."""
     generation: int | None = None
@@ -309,7 +310,7 @@ def _finished_at(step: Event) -> float:
 
 def _outcome(events: Sequence[Event], incident: _Incident, first_new: Event | None) -> str:
     if first_new is not None:
-        return f"resumed at step {first_new['step']}"
+        return f"resumed at step {first_new['step'] + 1}"  # the console's numbering (step 1 is the first)
     end = _first(events, "shutdown", incident.ts)
     if end is None:
         return "not resumed"
@@ -333,6 +334,8 @@ def _cell(field: str | None, row: RecoveryRow, index: int) -> str:
         return "-"
     if field == "nodes":
         return ",".join(value)
+    if field == "step":
+        return str(value + 1)  # the console's numbering: "step 5/60" is the step logged as 4
     if field == "copy_bytes":
         return f"{value / 1e6:.2f}"
     if isinstance(value, float):
@@ -341,7 +344,10 @@ def _cell(field: str | None, row: RecoveryRow, index: int) -> str:
 
 
 def format_table(rows: Sequence[RecoveryRow]) -> str:
-    """The recovery table as aligned text (``-`` for a phase that did not happen or was not logged)."""
+    """The recovery table as aligned text (``-`` for a phase that did not happen or was not logged).
+
+    Steps are numbered as on the console (1-based): ``kill:node1@step4`` fires once 4 steps are
+    complete and interrupts step 5, the table's "step 5"."""
     if not rows:
         return "no failures or joins in the event log"
     cells = [[title for title, _ in COLUMNS]]

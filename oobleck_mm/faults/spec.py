@@ -18,9 +18,9 @@ Forms (one token each; tokens are comma-separated, flags may repeat):
     join@WHEN                 start a new agent (named by the launcher)
     join:NODE@WHEN            start a new agent named NODE
 
-    WHEN = stepN   once N steps are complete (the master logged step N-1, 0-based):
-                   the failure hits step N while it runs; step0 = as soon as the
-                   first plan is decided
+    WHEN = stepN   once N steps are complete (the console printed "step N/..."): the
+                   failure hits the next step, which the console and the recovery
+                   table call step N+1; step0 = as soon as the first plan is decided
          | tXs     X seconds (a decimal) after the first step completed
          | phase:P the node's worker is inside phase P (failures only), so a failure lands
                    there on purpose instead of by timing luck:

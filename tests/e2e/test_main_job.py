@@ -21,7 +21,7 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generation 1: 2 pipelines (stages 3,2;" in out, out[:2000]  # heterogeneous depths
-    assert re.search(r"^1\s+kill\s+node4\s+1\d\s.*resumed at step", out, re.M), out[-2000:]  # step 10 or after
+    assert re.search(r"^1\s+kill\s+node4\s+1\d\s.*resumed at step", out, re.M), out[-2000:]  # step 11 or after (1-based)
     assert re.search(r"^2\s+join\s+node5\s.*resumed at step", out, re.M), out[-2000:]
     assert re.search(r"done: 80 steps in", out)
     # Start-up says what it waits for; the layout is printed when it changes, not on every step.

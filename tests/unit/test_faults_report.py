@@ -76,7 +76,7 @@ def test_one_kill_is_broken_into_its_phases():
     # from the end of step 3 to the start of the rerun of step 4
     assert row.lost_s == pytest.approx(t["first_new"] - STEP_S - t["last_old"])
     assert row.reconfigure_s == pytest.approx(row.decide_s + row.rendezvous_s)
-    assert row.outcome == "resumed at step 4"
+    assert row.outcome == "resumed at step 5", "the console's numbering: step 4 of the log is its 'step 5/N'"
 
 
 def test_copy_rate_uses_the_transfer_time_when_the_log_has_it():
@@ -99,7 +99,7 @@ def test_missing_phases_are_dashes_and_the_chain_skips_them():
     table = format_table([row])
     header, line = table.splitlines()
     assert "rdv s" in header and "MB/s" in header
-    assert line.split()[:4] == ["1", "kill", "node1", "4"]
+    assert line.split()[:4] == ["1", "kill", "node1", "5"], "the console's numbering (the log's step 4)"
     assert line.count(" - ") >= 3
 
 
@@ -149,7 +149,7 @@ def test_checkpoint_restart_counts_the_redone_steps_as_lost():
     [row] = recovery_rows(log.events)
     assert row.step == 6
     assert row.lost_s == pytest.approx(8.0 + 2 * STEP_S), "restart, then steps 4 and 5 again"
-    assert row.outcome == "resumed at step 6"
+    assert row.outcome == "resumed at step 7"
 
 
 def test_losses_nobody_injected_joins_and_a_job_that_ended_below_threshold():
@@ -278,4 +278,4 @@ def test_a_killed_master_costs_what_the_workers_clocks_say_not_when_a_restarted_
     [row] = recovery_rows(log.events)
     assert (row.kind, row.nodes, row.step, row.reason) == ("killmaster", ("master",), 4, "re-adopted")
     assert row.detect_s == pytest.approx(3.0) and row.lost_s == pytest.approx(0.0) and row.abandoned_s == 0.0
-    assert row.outcome == "resumed at step 4"
+    assert row.outcome == "resumed at step 5"
