@@ -163,17 +163,34 @@ def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | No
     if incident.kind == "killmaster":  # "detected": the restarted master has its nodes back
         adopted = _first(events, "adopted", incident.ts)
         return (None, None) if adopted is None else (adopted["ts"], "re-adopted")
-    names = ("registered",) if incident.join else ("lost", "leaving")  # leaving: a preemption notice taken
+    if incident.join:
+        return _join_ready(events, incident)
     # Tolerance: a log written before the injector logged ahead of its signals can show the loss first.
-    found = [min((e for e in (_first(events, name, incident.ts - _SAME_MOMENT_S, node=node) for name in names)
+    found = [min((e for e in (_first(events, name, incident.ts - _SAME_MOMENT_S, node=node)
+                              for name in ("lost", "leaving"))  # leaving: a preemption notice taken
                   if e is not None), key=lambda e: e["ts"], default=None)
              for node in incident.nodes]  # fmt: skip
     found = [e for e in found if e is not None]
     if not found:
         return None, None
-    reasons = sorted({"registered" if incident.join else "notice" if phase_name(e) == "leaving" else str(e.get("reason"))
-                      for e in found})  # fmt: skip
+    reasons = sorted({"notice" if phase_name(e) == "leaving" else str(e.get("reason")) for e in found})
     return max(e["ts"] for e in found), "+".join(reasons)
+
+
+def _join_ready(events: Sequence[Event], incident: _Incident) -> tuple[float | None, str | None]:
+    """When every joiner could be used: its workers built their layers (``node_ready``, joining), reason
+    ``ready``. The survivors train on meanwhile, so that start-up is not charged to planning. A log
+    without ``node_ready`` (an older master) falls back to registration, reason ``registered``."""
+    found = []
+    for node in incident.nodes:
+        registered = _first(events, "registered", incident.ts - _SAME_MOMENT_S, node=node)
+        if registered is None:
+            continue
+        ready = _first(events, "node_ready", registered["ts"], node=node, joining=True)
+        found.append(("ready", ready) if ready is not None else ("registered", registered))
+    if not found:
+        return None, None
+    return max(e["ts"] for _, e in found), "+".join(sorted({reason for reason, _ in found}))
 
 
 def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:

@@ -165,7 +165,7 @@ def test_losses_nobody_injected_joins_and_a_job_that_ended_below_threshold():
     log.at(end2 + 0.4, "lost", node="node1", reason="worker_exited", generation=2)
     log.at(end2 + 1.0, "shutdown", exit_code=3, reason="below threshold; checkpoint in runs/x/ckpt")
     join, lost0, lost1 = recovery_rows(log.events)
-    assert (join.kind, join.nodes, join.reason) == ("join", ("node2",), "registered")
+    assert (join.kind, join.nodes, join.reason) == ("join", ("node2",), "registered"), "a log without node_ready"
     assert join.detect_s == pytest.approx(1.9) and join.decide_s == pytest.approx(0.3)
     assert join.copy_bytes == 5_000_000 and join.step == 2
     assert join.lost_s == pytest.approx(end + 3.0 - end), "from the last old step to the new generation's start"
@@ -279,3 +279,21 @@ def test_a_killed_master_costs_what_the_workers_clocks_say_not_when_a_restarted_
     assert (row.kind, row.nodes, row.step, row.reason) == ("killmaster", ("master",), 4, "re-adopted")
     assert row.detect_s == pytest.approx(3.0) and row.lost_s == pytest.approx(0.0) and row.abandoned_s == 0.0
     assert row.outcome == "resumed at step 5"
+
+
+def test_a_join_is_usable_once_its_workers_are_ready_and_planning_is_timed_from_then():
+    """The joiner's start-up (its workers building their layers) runs while the others train: it is the
+    join's detection, not planning (the mission printed "plan s 4.89" for a plan made in 0.02 s)."""
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1"])
+    end = log.steps(1, 0, 2, 100.0)
+    log.at(end + 0.1, "injected", kind="join", node="node2", batch=1)
+    log.at(end + 0.4, "registered", node="node2", spare=True)
+    log.at(end + 0.5, "node_ready", node="node0", joining=False)  # another node's: not this join's
+    log.at(end + 5.4, "node_ready", node="node2", startup_s=5.0, joining=True)
+    log.at(end + 5.45, "plan_decided", generation=2, nodes=["node0", "node1", "node2"])
+    log.steps(2, 2, 2, end + 5.6)
+    [join] = recovery_rows(log.events)
+    assert (join.kind, join.reason) == ("join", "ready")
+    assert join.detect_s == pytest.approx(5.3) and join.decide_s == pytest.approx(0.05)
+    assert format_table([join]).splitlines()[1].split()[4:6] == ["5.30", "ready"]
