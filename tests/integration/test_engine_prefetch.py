@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import os
 import sys
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -53,14 +54,22 @@ def run(job, prefetch: bool, steps: int = 3):
     return losses, params, order
 
 
+def join_one_rank(tmp_path, backend: str) -> None:
+    wait = timedelta(seconds=60)
+    join_generation(dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, backend, collective_timeout=wait,
+                    arrival_timeout=wait)  # fmt: skip
+
+
 @pytest.fixture
 def one_rank(tmp_path):
     """A real one-rank gloo group (what a one-stage, one-pipeline plan trains in)."""
-    wait = timedelta(seconds=60)
-    join_generation(dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, "gloo", collective_timeout=wait,
-                    arrival_timeout=wait)  # fmt: skip
+    join_one_rank(tmp_path, "gloo")
     yield
     leave_group()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU suite checks "
+                                                                       "the same with prefetch forced on the CPU)")
 
 
 def test_prefetching_the_next_microbatch_changes_when_it_is_packed_and_nothing_else(one_rank):
@@ -123,3 +132,45 @@ def test_the_engine_waits_for_the_device_per_step_not_per_microbatch(one_rank, d
     assert waits[16] == waits[4], f"host waits that grow with the microbatches: {waits[16] - waits[4]}"
     # Guard the guard: the counter sees the step's one read of the all-reduced norm and loss.
     assert any(site[0] == "grad_sync.py" for site in waits[4]), waits[4]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_one_gpu_the_engine_synchronises_per_step_not_per_microbatch(tmp_path, dtype):
+    """One GPU, NCCL: the same check with the device's own word for it (``torch.cuda.set_sync_debug_mode``
+    warns at every operation that waits for the GPU), prefetch on, and the same loss as the CPU.
+
+        .venv/bin/python -m pytest tests/integration/test_engine_prefetch.py   # on a machine with a GPU
+    """
+    from oobleck_mm.runtime.worker import device_for
+
+    job = tiny_job(dtype)
+    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cuda", accelerator="h100",
+                                                               backend="auto"))  # fmt: skip
+    device = device_for(job, 0)  # torch.cuda.set_device(0), before NCCL binds to it
+    join_one_rank(tmp_path, job.cluster.resolved_backend)
+    try:
+        waits, losses = {}, {}
+        for count, size in ((4, 4), (16, 1)):
+            sized = dataclasses.replace(job, training=dataclasses.replace(job.training, microbatch_size=size))
+            engine = StageEngine(sized, ExecutionPlan.even(10, [1], [count], size), 0, device=device)
+            assert engine.prefetch and all(p.device == device for m in engine.layers.values() for p in m.parameters())
+            losses[count] = [engine.train_step(0).loss]
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    losses[count].append(engine.train_step(1).loss)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            waits[count] = collections.Counter((w.filename, w.lineno) for w in caught
+                                               if "synchroniz" in str(w.message))  # fmt: skip
+    finally:
+        leave_group()
+    assert waits[16] == waits[4], f"synchronisations that grow with the microbatches: {waits[16] - waits[4]}"
+    cpu = tiny_job(dtype)  # the reference on the CPU, with the GPU run's microbatches of 4
+    cpu = dataclasses.replace(cpu, training=dataclasses.replace(cpu.training, microbatch_size=4))
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
+    reference = [loss for _, loss in ReferenceTrainer(cpu).train(2)]
+    assert losses[4] == pytest.approx(reference, abs=1e-3 if dtype == "bfloat16" else 1e-4)
