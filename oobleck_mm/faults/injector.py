@@ -312,14 +312,30 @@ class Injector:
 
 
 # ---------------------------------------------------------------------- processes
+EXEC_SETTLE_S = 1.0
+"""How long a child with an empty command line is given to finish its exec. multiprocessing's
+``Process.start()`` returns once it forked, before the child's exec (``util.spawnv_passfds``
+does not wait for it): a worker started a moment ago can show no command line yet, and was
+then not counted (a ``killworker`` right after a start found "1 workers" under load)."""
+
+
 def worker_processes(agent: psutil.Process) -> list[psutil.Process]:
     """The agent's worker processes in local-rank order (the order it started them)."""
     workers = []
     for child in _safe(agent.children, []):
-        cmdline = " ".join(_safe(child.cmdline, []))
-        if "spawn_main" in cmdline:  # not the resource tracker, also a multiprocessing child
+        if "spawn_main" in " ".join(_exec_cmdline(child)):  # not the resource tracker, also a multiprocessing child
             workers.append(child)
     return sorted(workers, key=lambda p: (_safe(p.create_time, 0.0), p.pid))
+
+
+def _exec_cmdline(proc: psutil.Process, settle_s: float = EXEC_SETTLE_S) -> list[str]:
+    """``proc``'s command line once it is exec'd (waiting up to ``settle_s``); [] if it is gone."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        cmdline = _safe(proc.cmdline, None)
+        if cmdline is None or cmdline or time.monotonic() >= deadline:
+            return cmdline or []
+        time.sleep(0.005)
 
 
 def _live_process(pid: int) -> psutil.Process | None:

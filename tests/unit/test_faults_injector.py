@@ -106,6 +106,7 @@ def test_events_fire_when_due_with_real_signals_and_are_logged(cluster, tmp_path
     log.write("step", generation=1, step=0)
     [worker_kill] = injector.poll(time.time())
     victim, spared = cluster.workers["node2"][1], cluster.workers["node2"][0]
+    assert worker_kill["event"] == "injected", worker_kill
     assert worker_kill["pids"] == [victim] and worker_kill["local_rank"] == 1
     eventually(lambda: dead(victim))
     assert not dead(spared) and not dead(cluster.procs["node2"].pid), "one worker, not the node"
