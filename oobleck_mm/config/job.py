@@ -477,6 +477,11 @@ class TrainingConfig:
     grad_reduce_dtype: str = "float32"
     """Dtype gradients are all-reduced in under mixed precision (``float32`` or ``bfloat16``,
     which halves the bytes); they are accumulated, clipped and applied in ``master_dtype``."""
+    tf32: bool = False
+    """``dtype: float32`` only: matmuls and convolutions on a GPU's TF32 tensor cores (Ampere and
+    later; 10-bit mantissa inputs, fp32 accumulation). The workers set torch's ``allow_tf32``
+    switches and the cost model prices float32 at the TF32 rate. false is torch's default: full
+    FP32 matmuls (an A100 does 19.5 TFLOP/s of them, 156 in TF32)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig | None = None
     """Learning-rate schedule; absent keeps the optimizer's lr constant."""
@@ -503,6 +508,10 @@ class TrainingConfig:
             raise ConfigError("training.master_dtype: must be float64 when training.dtype is float64 "
                               f"(masters at least as precise as the compute), got {self.master_dtype!r}")
         check(self, "grad_reduce_dtype", as_choice, ("float32", "bfloat16"))
+        check(self, "tf32", as_bool)
+        if self.tf32 and self.dtype != "float32":
+            raise ConfigError(f"training.tf32: true applies to training.dtype float32 (its matmuls run in TF32), "
+                              f"got dtype {self.dtype!r}; remove tf32 or set dtype: float32")
         check(self, "gradient_clipping", as_float, minimum=0.0)
         check(self, "activation_checkpointing", as_bool)
         check(self, "flash_attention", as_bool)

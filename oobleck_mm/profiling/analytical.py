@@ -197,7 +197,7 @@ def profile_from_config(job: JobConfig) -> ModelProfile:
     """The analytical profile of a job: model and workload shape, dtype, device, attention and
     checkpointing choices, frozen modules."""
     specs = layer_specs(job.model, job.data)
-    device = get_device(job.cluster.accelerator).with_dtype(job.training.dtype, job.training.master_dtype)
+    device = compute_device(job)
     if job.cluster.compute_efficiency is not None:
         device = replace(device, efficiency=job.cluster.compute_efficiency)
     t = job.training
@@ -229,6 +229,13 @@ def model_flops_per_sample(job: JobConfig) -> float:
     return total
 
 
+def compute_device(job: JobConfig) -> DeviceSpec:
+    """The job's accelerator as its training computes: byte widths of its dtypes, FLOP/s of its
+    compute dtype (TF32 for float32 with ``training.tf32``)."""
+    t = job.training
+    return get_device(job.cluster.accelerator).with_dtype(t.dtype, t.master_dtype, tf32=t.tf32)
+
+
 def peak_flops(job: JobConfig) -> float:
-    """Peak FLOP/s of one of the job's accelerators (the catalogue's one peak per kind): MFU's denominator."""
-    return get_device(job.cluster.accelerator).peak_flops
+    """Peak FLOP/s of one of the job's accelerators at the job's compute dtype: MFU's denominator."""
+    return compute_device(job).peak_flops

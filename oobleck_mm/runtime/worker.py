@@ -51,7 +51,17 @@ def device_for(job, local_rank: int) -> torch.device:
         raise UserError(f"cluster.device: 'cuda', but this machine's torch sees {torch.cuda.device_count()} GPU(s) "
                         f"and worker {local_rank} needs GPU {local_rank} (set cluster.device: cpu to run on the cpu)")
     torch.cuda.set_device(local_rank)
+    set_float32_precision(job)
     return torch.device("cuda", local_rank)
+
+
+def set_float32_precision(job) -> None:
+    """float32 matmuls and convolutions on a GPU: TF32 tensor cores with ``training.tf32``, else full
+    FP32 ("ieee"), as the cost model priced them (``compute_device``). Both set, so cuDNN's own
+    default (TF32 convolutions) cannot make the run differ from the plan."""
+    precision = "tf32" if job.training.tf32 else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.fp32_precision = precision
 
 
 def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, device: torch.device,

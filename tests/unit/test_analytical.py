@@ -6,6 +6,7 @@ import os
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from oobleck_mm.config import load_config
 from oobleck_mm.config.shape import LayerSpec, layer_specs, matmul_param_count, param_count
 from oobleck_mm.planning.costs import effective_layers
 from oobleck_mm.config.devices import DEVICES, DeviceSpec, get_device
-from oobleck_mm.profiling.analytical import analytical_profile, profile_from_config
+from oobleck_mm.profiling.analytical import analytical_profile, peak_flops, profile_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +43,7 @@ def seconds_of(spec: LayerSpec, microbatch_size: int = 1):
 
 
 def test_device_catalogue_uses_dense_peaks():
-    assert DEVICES["a40"].peak_flops == pytest.approx(74.8e12)  # dense TF32 (the paper's precision); not 149.7
+    assert DEVICES["a40"].peak_flops == pytest.approx(149.7e12)  # dense bf16/fp16; TF32 (the paper's) is 74.8
     assert DEVICES["a100-40gb"].peak_flops == DEVICES["a100-80gb"].peak_flops == pytest.approx(312e12)
     assert DEVICES["h100"].peak_flops == pytest.approx(989e12)
     assert DEVICES["h100"].memory_bytes == 80 * 2**30 and DEVICES["a100-40gb"].memory_bytes == 40 * 2**30
@@ -159,6 +160,51 @@ def test_state_bytes_follow_parameter_counts_and_dtype():
     assert (exact.bytes_per_param, exact.grad_bytes, exact.optimizer_bytes_per_param) == (4, 8, 24)
     with pytest.raises(ValueError, match="dtype"):
         DEVICES["h100"].with_dtype("int8")
+
+
+def test_each_compute_dtype_is_priced_at_its_own_rate():
+    """torch multiplies float32 without TF32 by default: an A100 gives 19.5 TFLOP/s, 156 with
+    ``training.tf32``, 312 in bf16."""
+    rates = {"a100-80gb": (312e12, 156e12, 19.5e12, 19.5e12), "h100": (989e12, 494.7e12, 67e12, 67e12),
+             "a40": (149.7e12, 74.8e12, 37.4e12, 0.585e12)}  # fmt: skip
+    for name, (half, tf32, fp32, fp64) in rates.items():
+        device = DEVICES[name]
+        assert device.with_dtype("bfloat16").peak_flops == device.with_dtype("float16").peak_flops == pytest.approx(half)
+        assert device.with_dtype("float32", tf32=True).peak_flops == pytest.approx(tf32)
+        assert device.with_dtype("float32").peak_flops == pytest.approx(fp32)
+        assert device.with_dtype("float64").peak_flops == pytest.approx(fp64)
+        assert device.with_dtype("float32", "float64").peak_flops == pytest.approx(fp32), "the compute dtype's rate"
+    assert DEVICES["cpu"].with_dtype("float64").peak_flops == DEVICES["cpu"].peak_flops
+    with pytest.raises(ValueError, match="float32_flops must be > 0 or None, got 0"):
+        DeviceSpec(name="x", peak_flops=1.0, memory_bytes=1, memory_bandwidth=1.0, float32_flops=0)
+
+
+def test_the_planner_and_mfu_see_the_jobs_compute_rate():
+    half = job("mllm_10b")  # bfloat16 on H100s
+    full = replace(half, training=replace(half.training, dtype="float32"))
+    tf32 = replace(half, training=replace(half.training, dtype="float32", tf32=True))
+    assert (peak_flops(half), peak_flops(tf32), peak_flops(full)) == pytest.approx((989e12, 494.7e12, 67e12))
+    fwd = lambda j: sum(layer.forward_s for layer in profile_from_config(j).layers)  # noqa: E731
+    assert fwd(full) > 4 * fwd(tf32) > 4 * fwd(half), "compute-bound layers slow down with the rate"
+    paper = job("paper/gpt2")  # float32 with TF32 on A40s, as the dissertation ran it (§2.7.1)
+    assert paper.training.tf32 and peak_flops(paper) == pytest.approx(74.8e12)
+
+
+def test_tf32_is_a_float32_switch_and_sets_torchs_float32_precision():
+    from oobleck_mm.config import ConfigError
+    from oobleck_mm.runtime.worker import set_float32_precision
+
+    with pytest.raises(ConfigError, match="training.tf32: true applies to training.dtype float32.*got dtype 'bfloat16'"):
+        replace(job("mllm_10b").training, tf32=True)
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
+    try:
+        tf32 = job("paper/gpt2")
+        set_float32_precision(tf32)  # what a worker does after torch.cuda.set_device (flags only: no GPU needed)
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.fp32_precision == "tf32"
+        set_float32_precision(replace(tf32, training=replace(tf32.training, tf32=False)))
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.fp32_precision == "ieee"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = before
 
 
 def test_profile_from_config_uses_the_job_shape():
