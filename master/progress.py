@@ -153,6 +153,11 @@ class Progress:
         """(step, clock) of the latest steps logged: the ETA's pace."""
         self._printed_generation = 0
         self._gen_started = self.started
+        self._logged: dict[int, int] = {}
+        """Per generation, the last step logged. A generation's steps are logged in order (a step
+        needs every rank's report, and each agent reports in order), so a report at or below it is
+        one seen twice: an RPC whose answer was lost while this master was paused, which the
+        agent then sent again."""
 
     def start(self, gen: GenerationView, incident: Incident | None) -> None:
         # The previous generation may still finish a step (a join is applied at the next boundary),
@@ -167,6 +172,8 @@ class Progress:
         gen = self._views.get(m.generation)
         if gen is None or not 0 <= m.rank < gen.layout.world_size:
             return  # a report of a generation this master never started
+        if m.step <= self._logged.get(m.generation, -1):
+            return  # that step is logged already: a report delivered twice
         reports = self._steps.setdefault((m.generation, m.step), {})
         reports[m.rank] = m
         if len(reports) == gen.layout.world_size:
@@ -185,9 +192,11 @@ class Progress:
             if key[1] < resumed_at:
                 self._print_step(self._views[key[0]], key[1], list(reports.values()), partial=True)
         self._views = {n: v for n, v in self._views.items() if n >= generation}  # older ones have no reports left
+        self._logged = {n: step for n, step in self._logged.items() if n >= generation}
 
     def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
         row = step_row(gen, step, reports, self.facts)
+        self._logged[gen.number] = max(step, self._logged.get(gen.number, -1))
         now = self.clock()
         elapsed = now - self.started
         row["elapsed_s"] = elapsed

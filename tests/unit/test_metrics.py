@@ -88,6 +88,23 @@ def test_eta_follows_the_recent_pace_and_lines_follow_log_every(tmp_path):
     assert len(read_events(tmp_path / "e.jsonl", "step")) == 10  # the log gets every step
 
 
+def test_a_step_reported_twice_is_logged_once(tmp_path):
+    """A master paused past the agents' RPC deadline took their reports, but its answers were
+    lost: every agent sends them again once it answers. The step is one step, not two."""
+    lines: list[str] = []
+    progress = Progress(EventLog(tmp_path / "e.jsonl"), 10, lines.append, lambda: 0.0, FACTS)
+    progress.start(GEN, None)
+    for step in (4, 5):
+        for m in reports(step):
+            progress.metrics(m)
+    for m in reports(4) + reports(5):  # the whole of both steps again, every rank
+        progress.metrics(m)
+    for m in reports(6):
+        progress.metrics(m)
+    assert [e["step"] for e in read_events(tmp_path / "e.jsonl", "step")] == [4, 5, 6]
+    assert len(lines) == 3
+
+
 def test_metrics_csv_and_tensorboard_hold_every_step_and_the_recovery_at_its_step(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
