@@ -18,11 +18,14 @@ import torch
 class Stopwatch:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self._latest = None
+        """The latest event recorded: once it completed, every earlier one on the stream has."""
 
     def start(self):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
+            self._latest = event
             return event
         return time.perf_counter()
 
@@ -31,6 +34,7 @@ class Stopwatch:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
+            self._latest = end
             return start, end
         return time.perf_counter() - start
 
@@ -39,7 +43,8 @@ class Stopwatch:
             return 0.0
         if self.cuda:
             start, end = interval
-            end.synchronize()
+            if not end.query():  # not done yet: wait once for everything recorded so far, so the
+                self._latest.synchronize()  # step's other intervals read without another wait
             return start.elapsed_time(end) / 1000.0
         return interval
 
