@@ -386,8 +386,11 @@ class Coordinator:
             self._changed.notify_all()
 
     def wait_for_change(self, timeout: float) -> None:
+        """Until something changed, ``timeout`` passed, or a loss's ``SETTLE_S`` ran out (so its plan
+        starts then, not up to a detector tick later: the tick is 100 ms, a loss's plan ~10 ms)."""
         with self._changed:
-            self._changed.wait(timeout)
+            settled_in = self._settle_until - self.clock()
+            self._changed.wait(min(timeout, settled_in) if settled_in > 0 else timeout)
 
     def finish(self, exit_code: int, message: str) -> None:
         """Ends the job: every live agent gets Shutdown and its stream ends."""

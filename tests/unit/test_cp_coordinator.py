@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -495,6 +496,27 @@ def test_nodes_that_fail_together_get_one_plan(make):
     decided = read_events(j.events, "plan_decided")
     assert [d["generation"] for d in decided] == [1, 2] and sorted(decided[-1]["lost"]) == ["b", "c"]
     assert read_events(j.events, "plan_discarded") == []
+
+
+def test_the_control_loop_wakes_when_a_loss_has_settled_not_a_tick_later(make):
+    """The master's loop sleeps up to a detector tick (100 ms) between looks; a loss's plan waits
+    ``SETTLE_S`` for others of the same failure, then must start at once: a failure's plan is ~10 ms."""
+    from master.coordinator import SETTLE_S
+
+    j = make(nodes=4, steps=10)
+    start(j, "a", "b", "c", "d")
+    j.train(1, 0)
+    j.c.stream_ended("b", j.sessions["b"])
+    j.c.tick()  # b is seen lost: the settle window opens
+    settle_left = j.c._settle_until - j.clock()
+    assert settle_left == pytest.approx(SETTLE_S)
+    j.clock.now += settle_left / 2  # the wait begins halfway through the settle window
+    began = time.monotonic()
+    j.c.wait_for_change(10.0)  # nothing else happens: only the settle deadline can end the wait
+    assert time.monotonic() - began < 5.0, "the loop slept past the settle deadline"
+    j.clock.now += settle_left / 2
+    j.advance(0.3)
+    assert [d["generation"] for d in read_events(j.events, "plan_decided")] == [1, 2]
 
 
 def test_a_client_retrying_a_wrong_token_cannot_fill_the_disk(make):
