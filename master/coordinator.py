@@ -702,6 +702,9 @@ class Coordinator:
             self._started_wall = journal.started_wall or time.time()
             self._started_at = now - max(0.0, time.time() - self._started_wall)
             self.phase = JobPhase.ADOPTING
+            # This master's planning helper is new: it builds the templates while the agents come
+            # back, so the first failure after the restart is planned as fast as any other.
+            self.planner.warm(self.config_yaml, journal.template_nodes)
             nodes = list(journal.current.nodes)
             self.events.write("adopting", generation=journal.generation, nodes=nodes,
                               window_s=self.timeouts.adopt_window.total_seconds())  # fmt: skip

@@ -65,6 +65,12 @@ def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str
     return outcome
 
 
+def warm_templates(config_yaml: str, template_nodes: int) -> None:
+    """Build the templates for ``template_nodes`` nodes now, in a helper that has none (a restarted
+    master's): its first reconfiguration then takes milliseconds, not the ~0.2 s of building them."""
+    _template_set(config_yaml, _job(config_yaml), template_nodes)
+
+
 def _job(config_yaml: str):
     return config_from_dict(yaml.safe_load(config_yaml))
 
@@ -92,6 +98,9 @@ class InlinePlanner:
 
     def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined) -> Future:
         return _done(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined))
+
+    def warm(self, config_yaml: str, template_nodes: int) -> Future:
+        return _done(warm_templates, config_yaml, template_nodes)
 
     def close(self) -> None:
         pass
@@ -124,6 +133,10 @@ class PlannerPool:
 
     def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined) -> Future:
         return self._submit(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined))
+
+    def warm(self, config_yaml: str, template_nodes: int) -> Future:
+        """Build the templates a reconfiguration will need, ahead of it (``warm_templates``)."""
+        return self._submit(warm_templates, config_yaml, template_nodes)
 
     def _submit(self, fn, *args) -> Future:
         future = self._pool.submit(fn, *args)

@@ -948,8 +948,13 @@ def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_a
     assert journal.current.layout == first.c.plan and journal.plan == journals[-1].plan
 
     j = make(nodes=2, steps=10)  # the restarted master: its workers trained steps 3..5 meanwhile
+    from master import planning
+
+    planning._TEMPLATES.clear()  # a new master's helper holds no templates
     j.c.adopt(journal)
     assert j.c.phase == JobPhase.ADOPTING
+    # ...and builds them while the agents come back, for the first failure after the restart
+    assert (j.c.config_yaml, journal.template_nodes) in planning._TEMPLATES
     _come_back(j, "a", 1, 5, ranks[("a", 0)])
     j.advance(0.2)
     assert j.c.phase == JobPhase.ADOPTING  # b is not back yet
