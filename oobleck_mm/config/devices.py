@@ -35,8 +35,8 @@ class DeviceSpec:
     tf32_flops: float | None = None
     """Dense TF32 tensor-core FLOP/s, for ``dtype: float32`` with ``training.tf32``; None: ``float32_flops``."""
     float32_flops: float | None = None
-    """Dense FP32 FLOP/s without TF32 (torch's default: ``torch.backends.cuda.matmul.allow_tf32``
-    is False), for ``dtype: float32``; None: ``peak_flops``."""
+    """Dense FP32 FLOP/s without TF32 (torch's default for matmuls: ``torch.backends.cuda.matmul.
+    fp32_precision`` is ``ieee``), for ``dtype: float32``; None: ``peak_flops``."""
     float64_flops: float | None = None
     """Dense FP64 FLOP/s (tensor cores where the GPU has them), for ``dtype: float64``; None: ``peak_flops``."""
 

@@ -479,9 +479,9 @@ class TrainingConfig:
     which halves the bytes); they are accumulated, clipped and applied in ``master_dtype``."""
     tf32: bool = False
     """``dtype: float32`` only: matmuls and convolutions on a GPU's TF32 tensor cores (Ampere and
-    later; 10-bit mantissa inputs, fp32 accumulation). The workers set torch's ``allow_tf32``
-    switches and the cost model prices float32 at the TF32 rate. false is torch's default: full
-    FP32 matmuls (an A100 does 19.5 TFLOP/s of them, 156 in TF32)."""
+    later; 10-bit mantissa inputs, fp32 accumulation). The workers set torch's ``fp32_precision``
+    (matmul and cuDNN) to ``tf32`` and the cost model prices float32 at the TF32 rate. false: full
+    FP32 (``ieee``, torch's default for matmuls; an A100 does 19.5 TFLOP/s of them, 156 in TF32)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig | None = None
     """Learning-rate schedule; absent keeps the optimizer's lr constant."""

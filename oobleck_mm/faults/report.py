@@ -59,7 +59,8 @@ class RecoveryRow:
     """The step interrupted (for a join or a notice to leave: the first step of the new generation),
     0-based as in the event log; the table and ``outcome`` number it as the console does (``+ 1``)."""
     reason: str | None = None
-    """How it was detected (``lost`` reasons), or ``registered`` for a join."""
+    """How it was detected (``lost`` reasons), ``ready`` for a join whose workers are up (``registered``
+    in a log without ``node_ready``)."""
     generation: int | None = None
     """The generation that resumed training (None: it never did)."""
     detect_s: float | None = None
