@@ -2,6 +2,7 @@
 """Loading a HuggingFace model's weights per stage (issue 11): peak RSS and load time per worker.
 
     python scripts/bench_hf_load.py [--json OUT] [--stages 4] [--hidden 1024] [--layers 8] [--repeats 3]
+                                    [--compare-init]
 
 Writes a random LLaVA (CLIP + Llama) with ``save_pretrained`` into a temporary
 directory, then, in a fresh process per measurement (so ``ru_maxrss`` is that
@@ -14,6 +15,11 @@ Printed per case: the parameter bytes held, the peak RSS, the peak minus the
 process's RSS after importing torch and transformers (the interpreter's
 overhead), and the load time. Target: a stage's worker peaks at its share of
 the model plus the overhead, not at the whole model.
+
+``--compare-init`` measures each case a second way, in turns with the first:
+the layer built with its random initialisation (from a copy of the directory
+without its safetensors files), then its tensors read in (``load_hf_weights``),
+as every load did before ``oobleck_mm.model.skip_init``; it prints the ratio.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+DATA = {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 256}
 
 
 def _rss_mb() -> float:
@@ -56,15 +66,14 @@ def _make_model(directory: str, text: dict) -> None:
     make_tiny_model(directory, "llama", "clip", text_sizes=text)
 
 
-def _worker(directory: str, layers: list[int], out) -> None:
+def _worker(directory: str, layers: list[int], out, init_first: str | None = None) -> None:
     import torch  # noqa: F401  (the interpreter's overhead is measured after the imports a worker has)
     import transformers  # noqa: F401
 
     from oobleck_mm.config import config_from_dict
     from oobleck_mm.model.layers import build_layer, model_layer_specs
 
-    job = config_from_dict({"model": {"huggingface": directory},
-                            "data": {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 256}})
+    job = config_from_dict({"model": {"huggingface": directory}, "data": DATA})
     specs = model_layer_specs(job)
     for name in ("vision.block0", "llm.block0"):  # import transformers' modeling modules (small layers' work only)
         with torch.device("meta"):
@@ -72,17 +81,25 @@ def _worker(directory: str, layers: list[int], out) -> None:
     base = _rss_mb()
     _reset_peak()
     t0 = time.perf_counter()
-    held = [build_layer(job, i, specs) for i in layers]
+    if init_first is None:
+        held = [build_layer(job, i, specs) for i in layers]
+    else:  # the random init, then the read: what skip_init saves
+        from oobleck_mm.model.hf_weights import load_hf_weights
+
+        random_job = config_from_dict({"model": {"huggingface": init_first}, "data": DATA})
+        held = [build_layer(random_job, i, specs) for i in layers]
+        for layer in held:
+            load_hf_weights(layer, directory)
     seconds = time.perf_counter() - t0
     nbytes = sum(p.numel() * p.element_size() for m in held for p in m.parameters())
     out.send({"layers": [specs[i].name for i in layers], "param_mb": nbytes / 2**20, "base_rss_mb": base,
               "peak_rss_mb": _peak_rss_mb(), "load_s": seconds})
 
 
-def measure(directory: str, layers: list[int]) -> dict:
+def measure(directory: str, layers: list[int], init_first: str | None = None) -> dict:
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_worker, args=(directory, layers, send))
+    p = ctx.Process(target=_worker, args=(directory, layers, send, init_first))
     p.start()
     try:
         result = recv.recv()
@@ -100,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024, help="text model width (default 1024)")
     ap.add_argument("--layers", type=int, default=8, help="text model blocks (default 8)")
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per case; the median is reported")
+    ap.add_argument("--compare-init", action="store_true",
+                    help="also measure each case with the random init run before the read (the earlier path)")
     args = ap.parse_args(argv)
 
     from oobleck_mm.config import config_from_dict
@@ -112,8 +131,9 @@ def main(argv=None) -> int:
         maker.start()
         maker.join()
         size_mb = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors")) / 2**20
-        job = config_from_dict({"model": {"huggingface": directory},
-                                "data": {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 256}})
+        config_only = str(Path(tmp) / "config-only")
+        shutil.copytree(directory, config_only, ignore=shutil.ignore_patterns("*.safetensors*"))
+        job = config_from_dict({"model": {"huggingface": directory}, "data": DATA})
         n = len(model_layer_specs(job))
         cut = [round(i * n / args.stages) for i in range(args.stages + 1)]
         cases = {"whole model": list(range(n))}
@@ -122,16 +142,29 @@ def main(argv=None) -> int:
         print(f"model: {n} layers, safetensors {size_mb:.1f} MiB; {args.repeats} fresh processes per case", flush=True)
         rows = []
         for name, layers in cases.items():
-            runs = sorted((measure(directory, layers) for _ in range(args.repeats)), key=lambda r: r["peak_rss_mb"])
-            r = runs[len(runs) // 2]
-            row = {"case": name, "layers": f"{r['layers'][0]}..{r['layers'][-1]}", "param_mb": round(r["param_mb"], 1),
-                   "peak_rss_mb": round(r["peak_rss_mb"], 1), "base_rss_mb": round(r["base_rss_mb"], 1),
-                   "peak_minus_base_mb": round(r["peak_rss_mb"] - r["base_rss_mb"], 1),
-                   "load_s": round(sorted(x["load_s"] for x in runs)[len(runs) // 2], 3)}
+            ways = {"load": None, "init+load": config_only} if args.compare_init else {"load": None}
+            runs = {way: [] for way in ways}
+            for _ in range(args.repeats):  # the ways take turns: the machine's load hits both alike
+                for way, init_first in ways.items():
+                    runs[way].append(measure(directory, layers, init_first))
+            row = {"case": name}
+            for way, results in runs.items():
+                r = sorted(results, key=lambda x: x["peak_rss_mb"])[len(results) // 2]
+                suffix = "" if way == "load" else "_init_first"
+                row.update({"layers": f"{r['layers'][0]}..{r['layers'][-1]}", "param_mb": round(r["param_mb"], 1),
+                            f"peak_rss_mb{suffix}": round(r["peak_rss_mb"], 1),
+                            f"base_rss_mb{suffix}": round(r["base_rss_mb"], 1),
+                            f"peak_minus_base_mb{suffix}": round(r["peak_rss_mb"] - r["base_rss_mb"], 1),
+                            f"load_s{suffix}": round(sorted(x["load_s"] for x in results)[len(results) // 2], 3)})
             rows.append(row)
             print(f"  {name:<14} {row['layers']:<34} params {row['param_mb']:7.1f} MiB  peak RSS {row['peak_rss_mb']:7.1f} "
                   f"MiB  (+{row['peak_minus_base_mb']:.1f} over {row['base_rss_mb']:.0f} after imports)  "
                   f"load {row['load_s']:.3f} s", flush=True)
+            if args.compare_init:
+                row["init_first_over_load"] = round(row["load_s_init_first"] / max(row["load_s"], 1e-9), 2)
+                print(f"  {'':<14} {'random init first (earlier path)':<34} {'':20} peak RSS "
+                      f"{row['peak_rss_mb_init_first']:7.1f} MiB  (+{row['peak_minus_base_mb_init_first']:.1f})  "
+                      f"load {row['load_s_init_first']:.3f} s  = {row['init_first_over_load']:.2f}x", flush=True)
     whole = rows[0]
     largest = max(rows[1:], key=lambda r: r["peak_minus_base_mb"])
     print(f"largest stage: +{largest['peak_minus_base_mb']:.1f} MiB for {largest['param_mb']:.1f} MiB of parameters "

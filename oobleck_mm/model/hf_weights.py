@@ -114,7 +114,12 @@ def hf_weights(directory: str) -> HFWeights:
 
 
 def load_hf_weights(layer, directory: str) -> bool:
-    """Copies the layer's tensors from the directory's weights; False when it has none (random init stays)."""
+    """Copies the layer's tensors from the directory's weights; False when it has none (random init stays).
+
+    Copied, not assigned (``load_state_dict(assign=True)``): ``get_tensor`` returns a view of the
+    file's private mapping, so an assigned parameter would keep the user's file mapped for the whole
+    run (each page read at its first use, a replaced or truncated file a SIGBUS mid-training). The
+    mapping's pages are freed with the view once the copy is done."""
     weights = hf_weights(directory)
     if not weights:
         return False

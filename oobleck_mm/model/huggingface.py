@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from torch import nn
 from oobleck_mm.config.huggingface import HFModelShape
 from oobleck_mm.config.shape import LayerSpec
 from oobleck_mm.data.packing import PackedBatch
+from oobleck_mm.model.skip_init import marked_as_loaded
 
 Acts = tuple[torch.Tensor, ...]
 
@@ -257,11 +259,15 @@ class Head(HFLayer):
 # --------------------------------------------------------------------------- building
 
 
-def build_hf_layer(shape: HFModelShape, specs: Sequence[LayerSpec], index: int, dtype: torch.dtype) -> HFLayer:
+def build_hf_layer(shape: HFModelShape, specs: Sequence[LayerSpec], index: int, dtype: torch.dtype,
+                   initialize: bool = True) -> HFLayer:
     """Layer ``index`` of the HF model, initialised as transformers initialises that model.
 
     The caller seeds the generator per layer (any rank builds any layer identically);
     ``oobleck_mm.model.hf_weights`` overwrites the values when the directory has weights.
+    ``initialize=False``: the caller writes every parameter and persistent buffer next, so
+    ``_init_weights`` skips them (``skip_init.marked_as_loaded``); the caller also wraps the
+    constructors in ``skip_init.skipping_random_init``.
     """
     _register_packed_attention()
     spec = specs[index]
@@ -284,7 +290,8 @@ def build_hf_layer(shape: HFModelShape, specs: Sequence[LayerSpec], index: int, 
         layer, cfg, kind = Head(shape, text_cfg), text_cfg, shape.text_type
     else:
         raise ValueError(f"layer {spec.name!r} is not a layer of an HF {shape.architecture}")
-    _init_like_transformers(layer, kind, cfg)
+    with nullcontext() if initialize else marked_as_loaded(layer):
+        _init_like_transformers(layer, kind, cfg)
     return layer.to(dtype)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,9 @@ from torch import nn
 from oobleck_mm.config.shape import LayerSpec, custom_layers, layer_specs, resolve_frozen
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.errors import UserError
-from oobleck_mm.model.hf_weights import load_hf_weights
+from oobleck_mm.model.hf_weights import hf_weights, load_hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
+from oobleck_mm.model.skip_init import skipping_random_init
 from oobleck_mm.precision import master_dtype
 
 Acts = tuple[torch.Tensor, ...]
@@ -226,18 +228,26 @@ def model_layer_specs(job) -> tuple[LayerSpec, ...]:
 
 
 
-def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn.Module:
+def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initialize: bool = True) -> nn.Module:
     """Layer ``index`` of the job's model with its deterministic initial weights, in the master dtype
-    (``training.master_dtype``: what the optimizer updates and checkpoints hold)."""
+    (``training.master_dtype``: what the optimizer updates and checkpoints hold).
+
+    ``initialize=False``: the caller writes every parameter and persistent buffer right after (a
+    checkpoint load, a state copy), so their random initialisation is skipped (``skip_init``); their
+    values are unspecified until then. An HF layer whose directory has weights skips it always, its
+    load writing every value. A ``model.builder`` layer is always initialised: its constructor is
+    the user's, and could fill a buffer no load restores."""
     specs = specs if specs is not None else model_layer_specs(job)
     spec = specs[index]
     flash = job.training.flash_attention
     encoders = [m for m in ("vision", "audio") if getattr(job.model, m) is not None]
+    loaded = job.model.hf is not None and bool(hf_weights(job.model.huggingface))
+    skip = (loaded or not initialize) and job.model.builder is None
     # One generator per (seed, layer): any rank builds the same layer without talking to others.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), (skipping_random_init() if skip else nullcontext()):
         torch.manual_seed(job.training.seed * 1_000_003 + index)
         if job.model.hf is not None:
-            layer = build_hf_layer(job.model.hf, specs, index, master_dtype(job.training))
+            layer = build_hf_layer(job.model.hf, specs, index, master_dtype(job.training), initialize=not skip)
             load_hf_weights(layer, job.model.huggingface)
         elif job.model.builder is not None:
             layer = custom_layers(job.model, job.data)[index].build()
@@ -264,8 +274,9 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None) -> nn
         # The head holds a copy of the token embedding (Megatron's pipeline-split tying): it starts
         # as the embedding's value, the engine sums the two gradients each step (GradientSync),
         # so both copies take the same updates and stay equal.
-        with torch.no_grad():
-            layer.tied_weight.copy_(build_layer(job, pair[0], specs).tied_weight)
+        if initialize and not loaded:  # loaded: the head read the embedding's tensor from the files itself
+            with torch.no_grad():
+                layer.tied_weight.copy_(build_layer(job, pair[0], specs).tied_weight)
         layer.tied_copy = True  # its copy is the embedding's parameter: the gradient norm counts it once
     if spec.name in frozen_layers(job, specs):
         layer.requires_grad_(False)

@@ -222,7 +222,7 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
     if not path.exists():
         raise UserError(f"{directory}: checkpoint has no layer {specs[index].name!r} ({path} missing)")
     payload = _load_shard(path, device)
-    held = fresh_layer(job, index, specs, device)
+    held = fresh_layer(job, index, specs, device, initialize=False)  # load_state_dict (strict) writes every value
     try:
         held.module.load_state_dict(payload["params"])
     except RuntimeError as exc:  # shapes or names differ: a checkpoint of another model, not a peer failure

@@ -97,8 +97,10 @@ class HeldLayer:
     optimizer: torch.optim.Optimizer | None
 
 
-def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu") -> HeldLayer:
-    module = build_layer(job, index, specs).to(device)
+def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu", initialize: bool = True) -> HeldLayer:
+    """Layer ``index`` and its optimizer on ``device``; ``initialize=False`` when the caller writes
+    every value next (``build_layer``)."""
+    module = build_layer(job, index, specs, initialize).to(device)
     params = trainable_params(module)
     return HeldLayer(module, build_layer_optimizer(params, job.training) if params else None)
 

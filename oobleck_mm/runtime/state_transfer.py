@@ -179,7 +179,8 @@ def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[in
     """Build what ``adopt_plan`` will need on this rank that no peer is involved in (no collective)."""
     transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
     specs = engine.specs if engine is not None else model_layer_specs(job)
-    receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device), device)
+    # What arrives is the whole state (every value of the layer and its optimizer): no random init.
+    receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device, initialize=False), device)
                for t in transfers if t.dst == new_rank}  # fmt: skip
     if engine is not None:
         return Arrival(transfers, receive)
