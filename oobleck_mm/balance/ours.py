@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 
 from oobleck_mm.balance.problem import BalanceProblem, Placement
-from oobleck_mm.balance.search import place
 
 POLISH_STEPS_PER_PIPELINE = 1
 POLISH_STEPS_EXTRA = 64
@@ -40,6 +39,10 @@ GOOD_ENOUGH = 0.01
 
 def ours(problem: BalanceProblem, *, polish: bool = True) -> Placement:
     """The default placement; ``ours_fast`` is the construction alone."""
+    # Imported on first use: the search's kernels bring numba (~0.4 s of a worker's 2.5 s start-up),
+    # which a job without the balancer never needs; a worker with it loads them at start (warm_up).
+    from oobleck_mm.balance.search import place
+
     steps = POLISH_STEPS_PER_PIPELINE * problem.num_pipelines + POLISH_STEPS_EXTRA if polish else 0
     result = place(problem, target_shares(problem), steps, GOOD_ENOUGH)
     return Placement(result.pipeline, result.microbatch)

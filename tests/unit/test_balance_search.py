@@ -130,3 +130,17 @@ def test_without_numba_the_same_code_gives_the_same_placement(mllm, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     pipeline, microbatch = json.loads(out.stdout.strip().splitlines()[-1])
     assert pipeline == compiled.pipeline.tolist() and microbatch == compiled.microbatch.tolist()
+
+
+def test_a_worker_imports_numba_only_when_its_balancer_runs_ours():
+    """numba is ~0.23 s of a worker's ~2.3 s start-up (scripts/bench_startup.py): a job without the
+    balancer must not pay it, and one with it must still get the kernels (warm_up at its start)."""
+    code = ("import sys, oobleck_mm.runtime.agent_worker, oobleck_mm.runtime.engine\n"
+            "assert 'numba' not in sys.modules, 'the worker imported numba'\n"
+            "from oobleck_mm.balance.balancer import balance\n"
+            "assert 'numba' not in sys.modules, 'the balancer module imported numba'\n"
+            "from oobleck_mm.balance import search\n"
+            "print(search.njit.__module__)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("numba"), "the search's kernels are not numba's"
