@@ -74,7 +74,7 @@ def skipping_random_init() -> TorchFunctionMode:
 def marked_as_loaded(module: nn.Module) -> Iterator[None]:
     """transformers' ``initialization`` functions skip the module's parameters and persistent
     buffers (what a load writes) while active; the marks are removed after."""
-    tensors = [p for p in module.parameters()] + [
+    tensors = list(module.parameters()) + [
         b for sub in module.modules()
         for name, b in sub.named_buffers(recurse=False)
         if b is not None and name not in sub._non_persistent_buffers_set

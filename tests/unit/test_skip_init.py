@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import sys
 import threading
 
 import pytest
@@ -18,11 +19,14 @@ import torch
 import torch.nn.init as init
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oobleck_mm.config import config_from_dict, load_config
+from oobleck_mm.config import load_config
 from oobleck_mm.model.hf_weights import hf_weights
 from oobleck_mm.model.layers import build_layer, model_layer_specs
 from oobleck_mm.model.skip_init import skipping_random_init
 from oobleck_mm.model.tiny_hf import make_tiny_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hf_model import hf_job  # noqa: E402  (the HF tests' job for a model directory)
 
 aten = torch.ops.aten
 RANDOM_FILLS = {aten.normal_, aten.uniform_, aten.random_, aten.bernoulli_, aten.exponential_}
@@ -55,13 +59,6 @@ def build_counting(job, index, specs, **kwargs):
 def builtin_job(path):
     job = load_config(path)
     return dataclasses.replace(job, training=dataclasses.replace(job.training, dtype="float64"))
-
-
-def hf_job(directory, dtype="float64"):
-    data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 64, "mean_images_per_sample": 1,
-            "max_images_per_sample": 2, "image_size": 32}  # fmt: skip
-    return config_from_dict({"model": {"huggingface": str(directory)}, "data": data,
-                             "training": {"global_batch": 4, "microbatch_size": 4, "dtype": dtype}})
 
 
 @pytest.fixture(scope="module")
