@@ -1,4 +1,10 @@
-"""The master's side of checkpoints: the below-threshold round, meta.json, and ``--resume`` checks.
+"""The master's side of checkpoints: periodic ones, the round before a stop, meta.json, ``--resume`` checks.
+
+One owner for checkpoint decisions, answering in values: ``CheckpointBook``
+records the workers' shares of periodic checkpoints and says when one is
+complete; ``CheckpointRound`` and ``round_verdict`` decide a stop's round. The
+machine (``master.machine``) turns their answers into effects; the I/O
+(``write_meta``, ``prune_checkpoints``, ``resume_step``) runs in the shell.
 
 Below (f+1)*n0 nodes the job cannot keep training, but its state is still in
 the survivors' memory. The master sends ``Checkpoint{dir, generation,
@@ -13,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from master.recovery import GenerationView, orphan_layers, surviving_ranks
@@ -75,6 +82,111 @@ class CheckpointRound:
         return steps.pop(), ""
 
 
+@dataclass(frozen=True, slots=True)
+class RoundPending:
+    """Some writer has not answered and the deadline has not passed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundFailed:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoundWritten:
+    step: int
+    layers: int
+    seconds: float
+
+
+def round_verdict(r: CheckpointRound, now: float) -> RoundPending | RoundFailed | RoundWritten:
+    """Where a round stands at clock ``now``."""
+    if not r.complete():
+        if now > r.deadline:
+            return RoundFailed(f"the checkpoint to {r.directory} did not complete: "
+                               f"{len(r.reports)} of {len(r.expected())} workers answered")  # fmt: skip
+        return RoundPending()
+    step, problem = r.step()
+    if step is None:
+        return RoundFailed(f"the checkpoint to {r.directory} is inconsistent: {problem}")
+    return RoundWritten(step, sum(d.layers for d in r.reports.values()), now - r.started)
+
+
+def round_directory(root: str, generation: int, step: int, avoid: str = "") -> str:
+    """Where a round writes: named by the generation and the step, so a pure function can choose it.
+
+    Two rounds of one run dir get the same name only for the same generation number and step; the
+    only such pair that can hold different files is a job resumed from that very checkpoint and
+    stopped before its first step, which ``avoid`` (the ``--resume`` directory) steers clear of.
+    """
+    path = os.path.join(root, f"checkpoint-g{generation}-step{step:08d}")
+    candidate, k = path, 1
+    while avoid and os.path.normpath(candidate) == os.path.normpath(avoid):
+        candidate, k = f"{path}-{k}", k + 1
+    return candidate
+
+
+@dataclass(slots=True)
+class CheckpointBook:
+    """Periodic checkpoints: the newest complete one, and the shares of those still being written."""
+
+    last: tuple[str, int] | None = None
+    """(directory, step) of the newest complete periodic checkpoint: where the job stops when state is lost."""
+    shares: dict[str, dict[Gpu, pb.CheckpointDone]] = field(default_factory=dict)
+    """Checkpoint directory -> (node, gpu) -> its worker's CheckpointDone (live mode)."""
+    last_timing: dict[str, float] = field(default_factory=dict)
+    """Snapshot and write seconds of the newest complete one (the slowest worker's)."""
+
+    def record_share(self, gens: Mapping[int, GenerationView], gpu: Gpu, done: pb.CheckpointDone) -> bool:
+        """Live mode: one worker's share; True when it completed its checkpoint (every rank of the
+        generation that took the snapshot wrote its share).
+
+        A generation that changed before that (a failure, a join) never completes it: its
+        directory stays without meta.json and goes with the next complete one.
+        """
+        gen = gens.get(done.generation)
+        if gen is None or gpu not in gen.ranks:
+            return False
+        shares = self.shares.setdefault(done.dir, {})
+        shares[gpu] = done
+        if set(shares) != set(gen.ranks):
+            return False
+        del self.shares[done.dir]
+        self.last_timing = {"snapshot_seconds": max(d.snapshot_seconds for d in shares.values()),
+                            "write_seconds": max(d.seconds for d in shares.values())}  # fmt: skip
+        if self.last is None or done.step > self.last[1]:
+            self.last = (done.dir, done.step)
+        self.shares = {d: s for d, s in self.shares.items() if step_of(d) > done.step}  # older: abandoned
+        return True
+
+    def record_barrier_checkpoint(self, done: pb.CheckpointDone) -> bool:
+        """Restart mode: one report means every rank passed the checkpoint's closing barrier."""
+        if done.step > 0 and (self.last is None or done.step > self.last[1]):
+            self.last = (done.dir, done.step)
+            self.last_timing = {}
+            return True
+        return False
+
+
+def step_of(directory: str) -> int:
+    """The step of a periodic checkpoint directory (``runtime.checkpoint`` names them ``stepNNNNNNNN``)."""
+    name = os.path.basename(directory)
+    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else -1
+
+
+def prune_checkpoints(directory: str, keep: int) -> None:
+    """Keeps the ``keep`` newest complete periodic checkpoints beside ``directory`` and removes older
+    ones, complete or cut short (no meta.json)."""
+    parent = os.path.dirname(directory)
+    steps = sorted((s for s in map(step_of, (os.path.join(parent, n) for n in os.listdir(parent))) if s >= 0),
+                   reverse=True) if os.path.isdir(parent) else []  # fmt: skip
+    complete = [s for s in steps if os.path.exists(os.path.join(parent, f"step{s:08d}", "meta.json"))]
+    oldest_kept = complete[keep - 1] if len(complete) >= keep else (complete[-1] if complete else 0)
+    for s in steps:
+        if s < oldest_kept:
+            shutil.rmtree(os.path.join(parent, f"step{s:08d}"), ignore_errors=True)
+
+
 def write_meta(directory: str, job, step: int, sampler=None):
     """``meta.json`` of a checkpoint whose layer files the workers wrote; returns the sampler it used
     (pass it back next time: building it reads the whole dataset)."""
@@ -87,15 +199,6 @@ def write_meta(directory: str, job, step: int, sampler=None):
         sampler = GlobalBatchSampler(len(build_dataset(job)), job.training.global_batch, job.training.seed)
     save_meta(directory, job, step, model_layer_specs(job), sampler)
     return sampler
-
-
-def new_checkpoint_dir(root: str, generation: int) -> str:
-    """A directory under ``root`` that does not exist yet (a resumed job may share the run dir)."""
-    path = os.path.abspath(os.path.join(root, f"checkpoint-g{generation}"))
-    candidate, k = path, 1
-    while os.path.exists(candidate):
-        candidate, k = f"{path}-{k}", k + 1
-    return candidate
 
 
 def resume_step(directory: str, job, progress: Callable[[str], None] | None = None) -> int:

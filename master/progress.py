@@ -38,18 +38,12 @@ class Incident:
     """``lost`` | ``joined`` | ``left`` (a preemption notice) | ``restart`` | ``abandoned`` (an iteration
     given up with no node lost)."""
     nodes: tuple[str, ...]
-    detected_ts: float
-    """Wall clock (the event log's)."""
     detected_at: float
     """The master's clock (``Coordinator.clock``) when it was seen."""
 
-    @classmethod
-    def now(cls, cause: str, nodes, clock: Callable[[], float]) -> Incident:
-        return cls(cause, tuple(nodes), time.time(), clock())
-
     def with_node(self, node: str) -> Incident:
         """The same incident with one more node (nodes that fail together make one incident)."""
-        return Incident(self.cause, (*self.nodes, node), self.detected_ts, self.detected_at)
+        return Incident(self.cause, (*self.nodes, node), self.detected_at)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,19 +1,18 @@
 """The master's node registry: who is registered, under which session, and what each node's agent said.
 
-The coordinator owns the decisions (who is lost, what to plan); this module
-only keeps the facts it decides on: a node's session, its event-stream state,
-its last heartbeat and a reported worker failure, and the outbox its Subscribe
-stream drains. Calls that name an unknown node or a stale session are refused
-(``Refused`` carries the gRPC status name), so a node declared lost cannot act
-under its old registration. Not thread-safe by itself: the coordinator calls it
-under its lock (heartbeats aside, see ``Coordinator.heartbeat``).
+Part of the job's state (``master.state``): the machine (``master.machine``)
+owns the decisions (who is lost, what to plan); this module only keeps the
+facts it decides on: a node's session, its event-stream state, its last
+heartbeat and a reported worker failure. Plain data, no I/O: the outboxes the
+Subscribe streams drain live in the shell (``master.coordinator``), and the
+session number comes in with the registration event. Calls that name an
+unknown node or a stale session are refused (``Refused`` carries the gRPC
+status name), so a node declared lost cannot act under its old registration.
 """
 
 from __future__ import annotations
 
-import queue
 import re
-import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,10 +20,6 @@ from dataclasses import dataclass, field
 from master.detector import NodeHealth
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-END_OF_STREAM = None
-"""Put on a node's outbox to end its Subscribe stream."""
-
 
 class Refused(Exception):
     """A call the master rejects; ``code`` names the gRPC status (``INVALID_ARGUMENT``, ``NOT_FOUND``...)."""
@@ -42,7 +37,6 @@ class Node:
     order: int
     """Registration order: live nodes are planned in it."""
     last_heartbeat: float
-    outbox: queue.Queue = field(default_factory=queue.Queue)
     stream: str = "pending"
     """pending (not subscribed yet) | open | closed."""
     closing: bool = False
@@ -68,9 +62,8 @@ class Node:
         return NodeHealth(self.last_heartbeat, closed, self.worker_failure, self.detail)
 
     def end_stream(self) -> None:
-        """The master hangs up on this node (a shutdown, or the node was declared lost)."""
+        """The master hangs up on this node (a shutdown, or the node was declared lost): its end is no failure."""
         self.closing = True
-        self.outbox.put(END_OF_STREAM)
 
 
 class Registry:
@@ -92,8 +85,8 @@ class Registry:
         if node in self.nodes:
             raise Refused("ALREADY_EXISTS", f"node name {node!r} is already registered")
 
-    def add(self, node: str, gpus: int, now: float) -> Node:
-        entry = Node(node, secrets.randbits(62), gpus, self._registrations, now)
+    def add(self, node: str, session: int, gpus: int, now: float) -> Node:
+        entry = Node(node, session, gpus, self._registrations, now)
         self._registrations += 1
         self.nodes[node] = entry
         return entry

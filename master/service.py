@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from master.coordinator import Coordinator
-from master.registry import END_OF_STREAM, Refused
+from master.coordinator import END_OF_STREAM, Coordinator
+from master.registry import Refused
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import TOKEN_HEADER, token_matches

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from master.coordinator import Coordinator, JobPhase, RunOptions
-from master.registry import END_OF_STREAM, Refused
+from master.coordinator import END_OF_STREAM
+from master.registry import Refused
 from oobleck_mm.config import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import EventLog, read_events
@@ -508,7 +509,7 @@ def test_the_control_loop_wakes_when_a_loss_has_settled_not_a_tick_later(make):
     j.train(1, 0)
     j.c.stream_ended("b", j.sessions["b"])
     j.c.tick()  # b is seen lost: the settle window opens
-    settle_left = j.c._settle_until - j.clock()
+    settle_left = j.c.state.settle_until - j.clock()
     assert settle_left == pytest.approx(SETTLE_S)
     j.clock.now += settle_left / 2  # the wait begins halfway through the settle window
     began = time.monotonic()

@@ -1,0 +1,128 @@
+"""What the machine (``master.machine``) asks the shell to do: every side effect of a decision, as plain data.
+
+``master.coordinator`` carries them out in order: messages into the agents'
+outboxes, calls to the planning helper, the journal, checkpoint files, the
+event log and the console. A test reads them instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from master.progress import Incident
+from master.recovery import GenerationView
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Put ``event`` on ``node``'s event stream (ignored if the node has none any more)."""
+
+    node: str
+    event: pb.AgentEvent
+
+
+@dataclass(frozen=True, slots=True)
+class EndStream:
+    """Hang up ``node``'s event stream (after what was sent to it)."""
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One line of the structured event log."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Say:
+    """One console line."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AskPlanner:
+    """Plan: ``fresh`` on ``names``, or ``reconfigure`` ``base`` (templates for ``template_nodes``)."""
+
+    id: int
+    call: str
+    names: tuple[str, ...] = ()
+    template_nodes: int = 0
+    base: Any = None
+    lost: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CancelPlan:
+    """Call ``id`` answers a membership that changed since: drop it if it has not started."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPlanner:
+    """Build the templates for ``template_nodes`` nodes ahead of the first reconfiguration."""
+
+    template_nodes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJournal:
+    """Write ``journal`` (a ``master.journal.Journal``; the shell adds its address) before any assignment."""
+
+    journal: Any
+
+
+@dataclass(frozen=True, slots=True)
+class WriteMeta:
+    """Complete the checkpoint in ``directory``: its ``meta.json`` (the step, the sampler, the config)."""
+
+    directory: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class PruneCheckpoints:
+    """Keep the ``keep`` newest complete periodic checkpoints beside ``directory``."""
+
+    directory: str
+    keep: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartProgress:
+    """Progress lines and phase events follow generation ``view`` (``master.progress``)."""
+
+    view: GenerationView
+    incident: Incident | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressMetrics:
+    metrics: pb.StepMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressPhase:
+    node: str
+    local_rank: int
+    rank: int | None
+    phase: pb.PhaseDone
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The job is over with this exit code and message (every stream was told and ended first)."""
+
+    exit_code: int
+    message: str
+
+
+Effect = (Send | EndStream | Record | Say | AskPlanner | CancelPlan | WarmPlanner | WriteJournal | WriteMeta
+          | PruneCheckpoints | StartProgress | ProgressMetrics | ProgressPhase | Finished)  # fmt: skip

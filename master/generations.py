@@ -1,0 +1,338 @@
+"""Part of the machine (``master.machine``): deciding what to plan, applying plans, the journal, re-adoption.
+
+While waiting or running, whenever the live nodes differ from the current
+generation's (a node lost, a node joined), the machine asks its recovery
+policy (``master.policies``) what to plan and asks the planner (an
+``AskPlanner`` effect). A plan the membership has overtaken while it was
+computed is superseded at once: the latest membership is asked for, the old
+call cancelled if it has not started, and its answer dropped when it comes
+(``plan_superseded``). An answer that still fits becomes the next generation:
+journaled first, then every worker gets its ``Assignment``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from master.assignments import build_assignments
+from master import stopping
+from master.context import Context, add_to_incident, finish, write_journal
+from master.effects import AskPlanner, CancelPlan, StartProgress, WarmPlanner
+from master.inputs import PlanAnswered
+from master.journal import Journal
+from master.progress import Incident, layout_summary
+from master.recovery import GenerationView, Request, StateLost, previous_ranks
+from master.state import Generation, JobPhase, PendingPlan
+from oobleck_mm.errors import ExitCode
+from oobleck_mm.planning.planner import Failed, Planned
+from oobleck_mm.planning.reconfigure import CannotKeepReplicas
+from oobleck_mm.planning.transfers import missing_states, rank_transfers
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_REFORMS = 3
+"""Re-forms of the same nodes in a row without a completed step before the job gives up: a
+collective that times out again and again with every node alive is not the load of a moment
+but a bug (collectives out of order) or a network that cannot carry the job."""
+SETTLE_S = 0.1
+"""After a loss, wait this long for others before planning: nodes that fail together (a rack, a
+preemption wave) are seen milliseconds apart, and one plan for all beats a plan thrown away."""
+
+
+# ---------------------------------------------------------------------- what to plan
+def abandoned(ctx: Context) -> bool:
+    """A worker of the current generation abandoned an iteration, and ``reform_after`` passed
+    with no node lost: the generation cannot go on, and no loss will make the master plan."""
+    a = ctx.s.abandoned
+    return a is not None and ctx.now - a[0] >= ctx.cfg.timeouts.reform_after.total_seconds()
+
+
+def wanted(ctx: Context) -> Request | StateLost | None:
+    """What the next plan must account for now (None: nothing to plan)."""
+    s = ctx.s
+    live = s.registry.names()
+    if s.phase is JobPhase.WAITING:
+        if len(live) < ctx.cfg.num_nodes:
+            return None
+        names = tuple(live[: ctx.cfg.num_nodes])
+        return Request(base=0, plan_from=0, lost=(), joined=names, live=names, failure=False)
+    current = s.current_view()
+    if current is None:
+        return None  # running with no generation: no event order leads here, and there is nothing to plan from
+    # A node joins once its workers are up: admitting it earlier would hold the survivors at the
+    # rendezvous for its start-up (imports, warm-up: seconds) instead of only for the state copy.
+    live = [n for n in live if n in current.nodes or s.registry.nodes[n].all_ready]
+    return ctx.policy.wanted(ctx.facts(abandoned(ctx)), current, live)
+
+
+def maybe_plan(ctx: Context) -> None:
+    s = ctx.s
+    if ctx.now < s.settle_until:
+        return  # other nodes of the same failure may still be on their way out
+    want = wanted(ctx)
+    pending = s.planning
+    if pending is not None:
+        if want == pending.request:
+            return  # still the right question: wait for its answer
+        # The membership (or the survivors' states) changed while it was planned: its answer could
+        # only be thrown away. Ask for the latest one now instead of after it.
+        ctx.effects.append(CancelPlan(pending.id))
+        ctx.record("plan_superseded", id=pending.id, nodes=list(pending.request.live),
+                   asked_s=ctx.now - pending.asked_at, reason="the job changed while planning")  # fmt: skip
+        ctx.because(f"plan {pending.id} superseded")
+        s.planning = None
+    if want is None:
+        return
+    if isinstance(want, StateLost):
+        if not stopping.checkpoint_before_leaving(ctx, want.reason):
+            stopping.state_lost(ctx, want.reason, f"cannot recover: {want.reason}")
+        return
+    current = s.current_view()
+    lost_now = current is not None and any(n not in want.live for n in current.nodes)
+    counted = want.reform and not lost_now and s.abandoned is not None
+    if counted and not _may_reform(ctx):
+        return
+    if s.phase is JobPhase.RUNNING:
+        if s.incident is None:
+            cause = "abandoned" if counted else ("lost" if lost_now else "joined")
+            s.incident = Incident(cause, want.joined or want.live, ctx.now)
+        if ctx.policy.restarts_workers:
+            _restart_workers(ctx, want)
+    s.plans_asked += 1
+    pending = PendingPlan(s.plans_asked, want, ctx.now)
+    s.planning = pending
+    source = s.gens.get(want.plan_from)
+    if want.reform and source is not None and source.plan is not None:
+        # The same nodes, the same plan: only a new generation (group, store prefix). Answered here.
+        why = (f"generation {s.generation} abandoned step {s.next_step} with no node lost: the same nodes and "
+               "plan again") if counted else (f"the nodes that joined generation {s.generation} are gone: the "
+                                              f"nodes of generation {want.plan_from} again, with its plan")  # fmt: skip
+        answer = Planned(source.plan, source.view.layout, dict(source.view.ranks), source.template_nodes,
+                         fresh=False, actions=("re-form",), seconds=0.0, reason=why)  # fmt: skip
+        apply(ctx, PlanAnswered(pending.id, answer))
+        return
+    if want.plan_from == 0 or source is None or source.plan is None:  # start, or journaled without its plan
+        if s.phase is JobPhase.WAITING:
+            ctx.say(f"planning pipelines for {len(want.live)} nodes")
+        ctx.effects.append(AskPlanner(pending.id, "fresh", names=want.live))
+    else:
+        ctx.effects.append(AskPlanner(pending.id, "reconfigure", template_nodes=source.template_nodes,
+                                      base=source.plan, lost=want.lost, joined=want.joined))  # fmt: skip
+    ctx.because(f"plan {pending.id} asked for {len(want.live)} nodes")
+
+
+def _restart_workers(ctx: Context, request: Request) -> None:
+    """Restart mode: every surviving agent kills its workers; fresh ones start on the next assignment."""
+    s = ctx.s
+    if s.restarted_for == s.generation:
+        return  # already restarted for a failure of this generation
+    s.restarted_for = s.generation
+    reason = (f"restart recovery after losing {', '.join(request.lost)}" if request.lost
+              else "restart recovery after an iteration abandoned with no node lost")  # fmt: skip
+    for node in request.live:
+        ctx.send(node, pb.AgentEvent(restart=pb.RestartWorkers(reason=reason)))
+    s.holdings.clear()  # every worker restarts empty: no holdings, no reports to wait for
+    s.reported.clear()
+    ctx.record("restart", generation=s.generation, nodes=list(request.live), reason=reason)
+
+
+def _may_reform(ctx: Context) -> bool:
+    """Counts a re-form; ends the job (exit 1) when ``MAX_REFORMS`` in a row completed no step."""
+    s = ctx.s
+    message = s.abandoned[1] if s.abandoned is not None else "no message"
+    if s.reforms >= MAX_REFORMS:
+        finish(ctx, ExitCode.ERROR, f"step {s.next_step} was abandoned in {s.reforms + 1} generations in a row "
+                                    f"with every node alive (the last: {message}); see the agents' logs")  # fmt: skip
+        return False
+    s.reforms += 1
+    ctx.record("reform", generation=s.generation, step=s.next_step, attempt=s.reforms, message=message)
+    ctx.say(f"generation {s.generation} abandoned step {s.next_step + 1} with every node alive ({message}); "
+            "the same nodes re-form")  # fmt: skip
+    return True
+
+
+# ---------------------------------------------------------------------- applying a plan
+def apply(ctx: Context, ev: PlanAnswered) -> None:
+    s = ctx.s
+    pending = s.planning
+    if pending is None or pending.id != ev.id:
+        ctx.because(f"the answer to plan {ev.id} comes after it was superseded or the job ended: dropped")
+        return
+    s.planning = None
+    if s.phase not in (JobPhase.WAITING, JobPhase.RUNNING):
+        ctx.because(f"plan {ev.id} answered while {s.phase.value}: dropped")
+        return
+    if ev.error:  # a bug in planning, or the helper process died: nothing the user can fix
+        finish(ctx, ExitCode.ERROR, f"the planner failed: {ev.error}")
+        return
+    request = pending.request
+    if wanted(ctx) != request:  # holdings changed while planning: the next tick plans again
+        ctx.record("plan_discarded", nodes=list(request.live), reason="the job changed while planning")
+        return
+    outcome = ev.outcome
+    if isinstance(outcome, Failed):
+        code = ExitCode.BAD_INPUT if s.phase is JobPhase.WAITING else ExitCode.ERROR
+        finish(ctx, code, f"planning {len(request.live)} nodes failed: {outcome.message}")
+    elif isinstance(outcome, CannotKeepReplicas):
+        stopping.below_threshold(ctx, request, outcome)
+    elif isinstance(outcome, Planned):
+        _start_generation(ctx, request, outcome)
+    else:
+        finish(ctx, ExitCode.ERROR, f"the planner answered {type(outcome).__name__}, not a plan (a bug)")
+
+
+def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
+    s = ctx.s
+    number = s.generation + 1
+    layout = planned.layout
+    view = GenerationView(number, layout, dict(planned.ranks))
+    base_gen = s.gens.get(request.base) if request.base else None
+    base = base_gen.view if base_gen is not None else None
+    holding = [n for n in base.nodes if n not in request.lost] if base else []
+    previous = previous_ranks(view.ranks, base, holding)
+    if base is not None:  # the copies the workers will make: the same function, the same inputs
+        transfers = rank_transfers(base.layout, layout, previous, view.rank_nodes)
+        moved = len(transfers)
+    else:
+        transfers, moved = (), missing_states(None, layout, previous)
+    s.gens[number] = Generation(view, planned.plan, planned.template_nodes)
+    incident = s.incident if s.phase is JobPhase.RUNNING else None
+    # This plan answers the incident: the next loss or join is a new one, timed from itself.
+    s.incident = None
+    s.abandoned = None
+    s.generation, s.phase = number, JobPhase.RUNNING
+    s.last_progress = ctx.now
+    if number == 1:
+        s.started_at = ctx.now
+    ctx.record(
+        "plan_decided", generation=number, nodes=list(view.nodes), layout=layout.to_dict(),
+        describe=layout.describe(), predicted_samples_per_s=planned.samples_per_s, seconds=planned.seconds,
+        previous_generation=request.base, lost=list(request.lost), joined=list(request.joined),
+        layer_states_moved=moved, transfers=[[t.layer, t.src, t.dst] for t in transfers],
+        fresh=planned.fresh, reason=planned.reason, actions=list(planned.actions),
+        cause=incident.cause if incident else "start",
+        since_detected_s=ctx.now - incident.detected_at if incident else None,
+    )  # fmt: skip
+    ctx.say(f"generation {number}: {layout_summary(layout)} on {len(view.nodes)} nodes, planned in "
+            f"{planned.seconds:.2f} s"
+            + (f" ({moved} layer states to move from generation {request.base})" if base else "")
+            + f": {layout.describe()}")  # fmt: skip
+    ctx.effects.append(StartProgress(view, incident))
+    write_journal(ctx)  # before any worker may run the generation: a restarted master knows it
+    # Only nodes that left on notice (alive until the iteration in flight ends) are dropped: the
+    # workers switch at the boundary instead of abandoning that iteration.
+    leaving = set(s.registry.leaving())
+    at_boundary = base is not None and request.base == number - 1 and set(request.lost) <= leaving
+    _send_assignments(ctx, view, base, previous, at_boundary)
+    for name in sorted(leaving - set(view.nodes)):
+        dismiss(ctx, name, "was planned out after its notice")
+    if number == 1:
+        ctx.say(f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
+                "(the first step follows)")  # fmt: skip
+    ctx.because(f"generation {number} started on {len(view.nodes)} nodes")
+
+
+def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView | None, previous: list[int],
+                      at_boundary: bool) -> None:  # fmt: skip
+    if base is not None:
+        resume_dir, start = "", ctx.s.next_step  # survivors carry the state (and agree on the step)
+    else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
+        resume_dir, start = ctx.policy.fresh_start(ctx.facts())
+    for gpu, assignment in build_assignments(
+        view, ctx.cfg.sending, start_step=start, base=base, previous_ranks=previous if base else None,
+        resume_dir=resume_dir, at_boundary=at_boundary,
+    ):  # fmt: skip
+        ctx.send(gpu[0], pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=assignment)))
+        ctx.record("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],
+                   rank=assignment.rank, previous_rank=previous[assignment.rank] if base else -1)  # fmt: skip
+
+
+def dismiss(ctx: Context, node: str, why: str) -> None:
+    """Tells a leaving node it may go (its workers finish the iteration in flight first)."""
+    entry = ctx.s.registry.nodes[node]
+    entry.dismissed = True
+    # The stream stays open until the agent hangs up: its workers' reports of the iteration in
+    # flight still count. Its hang-up then removes it (``StreamEnded``).
+    ctx.send(node, pb.AgentEvent(shutdown=pb.Shutdown(reason=f"node {node} {why}", at_boundary=True)))
+    ctx.record("left", node=node, reason=entry.leaving, why=why, generation=ctx.s.generation)
+
+
+def check_done(ctx: Context) -> None:
+    s = ctx.s
+    current = s.current_view()
+    if current is None or wanted(ctx) is not None:
+        return  # a new generation is due: whoever finished will run it
+    finished = (s.generation, ctx.cfg.steps - 1)
+    if all(s.done.get(gpu, (0, -1)) >= finished for gpu in current.ranks):
+        seconds = ctx.now - s.started_at
+        ctx.record("done", generation=s.generation, steps=ctx.cfg.steps, last_step=ctx.cfg.steps - 1,
+                   seconds=seconds)  # fmt: skip
+        finish(ctx, ExitCode.OK, f"done: {ctx.cfg.steps} steps in {seconds:.1f} s")
+
+
+# ---------------------------------------------------------------------- the journal, a restarted master
+def adopt(ctx: Context, journal: Journal, seconds_since_start: float) -> None:
+    """A restarted master (``--resume-master``): the journal's generations, as if this master had sent
+    them; the nodes' agents register again and their workers train on (``ADOPTING``)."""
+    s = ctx.s
+    if s.phase is not JobPhase.WAITING or s.generation != 0:
+        ctx.record("adopt_refused", phase=s.phase.value, generation=s.generation)
+        ctx.because("a journal is adopted only by a master that has planned nothing")
+        return
+    for view in journal.views:
+        plan = journal.plan if view.number == journal.generation else None
+        s.gens[view.number] = Generation(view, plan, journal.template_nodes)
+        ctx.effects.append(StartProgress(view, None))
+    s.generation = journal.generation
+    s.checkpoints.last = journal.last_checkpoint
+    s.adopting = (ctx.now, ctx.now + ctx.cfg.timeouts.adopt_window.total_seconds())
+    s.last_progress = ctx.now
+    s.started_at = ctx.now - max(0.0, seconds_since_start)  # the run is timed from the lost master's first plan
+    s.phase = JobPhase.ADOPTING
+    # This master's planning helper is new: it builds the templates while the agents come
+    # back, so the first failure after the restart is planned as fast as any other.
+    ctx.effects.append(WarmPlanner(journal.template_nodes))
+    nodes = list(journal.current.nodes)
+    window = ctx.cfg.timeouts.adopt_window.total_seconds()
+    ctx.record("adopting", generation=journal.generation, nodes=nodes, window_s=window)
+    ctx.say(f"re-adopting generation {journal.generation} on {len(nodes)} nodes ({', '.join(nodes)}): "
+            f"waiting up to {window:.0f} s for their agents")
+
+
+def check_adopted(ctx: Context) -> None:
+    """Every node of the journal's generation is back, or the window passed: running again. Nodes not
+    back are lost (the usual recovery follows); nodes back with workers of another generation (the
+    lost master died while sending it) make the generation re-form, from the states they hold."""
+    s, now = ctx.s, ctx.now
+    current = s.current_view()
+    began, deadline = s.adopting or (now, now)
+    if current is None:  # no event order leads here: adopt() sets both
+        s.phase, s.adopting = JobPhase.RUNNING, None
+        return
+    back = [n for n in current.nodes if n in s.registry.nodes and s.registry.nodes[n].stream == "open"]
+    if len(back) < len(current.nodes) and now < deadline:
+        return
+    missing = [n for n in current.nodes if n not in back]
+    other = [n for n in back if s.registry.nodes[n].adopt_generation != s.generation]
+    s.adopting = None
+    s.phase = JobPhase.RUNNING
+    s.last_progress = now
+    ctx.record("adopted", generation=s.generation, nodes=back, missing=missing, other_generation=other,
+               next_step=s.next_step, seconds=now - began)  # fmt: skip
+    window = ctx.cfg.timeouts.adopt_window.total_seconds()
+    if not back:  # the job ended, or its agents gave up waiting (master_timeout) and wrote a checkpoint
+        why = f"none of generation {s.generation}'s nodes came back within {window:g} s (fault_tolerance.adopt_window)"
+        stopping.state_lost(ctx, why, f"{why}: nothing runs to re-adopt (the job ended, or its agents stopped: "
+                                      "their logs name the checkpoint their workers wrote)")  # fmt: skip
+        return
+    ctx.say(f"re-adopted generation {s.generation} on {len(back)} of {len(current.nodes)} nodes in "
+            f"{now - began:.2f} s: training goes on at step {s.next_step + 1}"
+            + (f"; not back: {', '.join(missing)}" if missing else ""))  # fmt: skip
+    for name in missing:
+        add_to_incident(ctx, "lost", name)
+    if missing:
+        s.settle_until = now + SETTLE_S
+    if other:
+        s.abandoned = (now - ctx.cfg.timeouts.reform_after.total_seconds(),
+                       f"{', '.join(other)} came back running another generation than {s.generation}")

@@ -1,0 +1,334 @@
+"""The master's decisions as one pure state machine: ``step(state, event, now) -> Transition``.
+
+Like torchft's lighthouse (``quorum_compute(now, state, opts)`` decides,
+``_quorum_tick`` applies), every decision of the master is taken here, from
+the job's state (``master.state``), one event (``master.inputs``) and the
+clock reading it is given; what must happen outside (messages, planning
+calls, the journal, files, log lines) comes back as effects
+(``master.effects``) for the shell (``master.coordinator``) to carry out. No
+locks, threads, clocks or I/O: the same event order always gives the same
+state and effects, which is what ``tests/unit/test_cp_machine.py`` relies on
+to explore thousands of orders.
+
+An event that does not fit the state (a report of a generation long gone, a
+planner answer that the membership has overtaken, a stream of a node already
+lost) is logged or ignored with a reason, never a crash: ``assert`` is kept for
+what no event order can reach.
+
+Planning, adoption and the journal live in ``master.generations``; stops and
+checkpoint rounds in ``master.stopping``; both are parts of this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from master import generations, stopping
+from master.generations import SETTLE_S
+from master.context import Context, Transition, add_to_incident, finish
+from master.detector import WORKER_FAILED, detect_failures, recent_stalls
+from master.effects import EndStream, ProgressMetrics, ProgressPhase
+from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
+                           Report, StopRequested, StreamEnded, Tick, WorkerFailure)  # fmt: skip
+from master.recovery import Holdings
+from master.registry import Refused
+from master.state import TRAINING, JobPhase, JobState, Settings
+from oobleck_mm.errors import ExitCode
+from oobleck_mm.planning.layout import Gpu
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+
+def step(state: JobState, event: Event, now: float, settings: Settings) -> Transition:
+    """Applies ``event`` seen at clock ``now`` to ``state`` (changed in place and returned, so that a
+    heartbeat of a thousand-node job costs no copy); the effects to carry out, in order, and why."""
+    ctx = Context(state, settings, now)
+    handler = _HANDLERS.get(type(event))
+    if handler is None:  # a programming error in the shell, not an event order
+        raise TypeError(f"the master's machine has no handler for {type(event).__name__}")
+    try:
+        handler(ctx, event)
+    except Refused as refusal:
+        ctx.refused = refusal
+        ctx.because(f"refused: {refusal}")
+    return ctx.transition()
+
+
+# ---------------------------------------------------------------------- calls from agents
+def _register(ctx: Context, ev: Register) -> None:
+    s, job = ctx.s, ctx.cfg.job
+    want = job.cluster.gpus_per_node
+    s.registry.check_new(ev.node, ev.gpus, want)
+    if s.phase in (JobPhase.FINISHED, JobPhase.CHECKPOINTING):
+        raise Refused("FAILED_PRECONDITION", f"the job is {s.phase.value}")
+    most = job.cluster.max_nodes
+    if most is not None and len(s.registry.nodes) >= most:  # registered, streams open or not
+        raise Refused("RESOURCE_EXHAUSTED", f"the job already runs on {most} nodes, its maximum "
+                                            f"(cluster.max_nodes, --nodes MIN:MAX); node {ev.node} is not needed")
+    current = s.current_view()
+    adopted = s.phase is JobPhase.ADOPTING and current is not None and ev.node in current.nodes
+    spare = s.phase is not JobPhase.WAITING and not adopted
+    added = s.registry.add(ev.node, ev.session, want, ctx.now)
+    added.adopt_generation = ev.adopt_generation
+    ctx.record("registered", node=ev.node, gpus=want, memory_bytes=ev.memory_bytes, pid=ev.pid, peer=ev.peer,
+               spare=spare, adopt_generation=ev.adopt_generation)  # fmt: skip
+    count, num_nodes = len(s.registry.nodes), ctx.cfg.num_nodes
+    if adopted:
+        ctx.say(f"node {ev.node} is back (its workers run generation {ev.adopt_generation})")
+    elif spare:
+        ctx.say(f"node {ev.node} registered: it joins once its workers are ready")
+    elif num_nodes <= 16 or count % max(1, num_nodes // 10) == 0 or count >= num_nodes:
+        ctx.say(f"agent {ev.node} registered ({count}/{num_nodes})")  # start-up progress, no silent gap
+    ctx.answer = (ev.session, want)
+    ctx.because(f"{ev.node} registered" + (" as a spare" if spare else ""))
+
+
+def _open_stream(ctx: Context, ev: OpenStream) -> None:
+    entry = ctx.s.registry.live(ev.node, ev.session)
+    if entry.stream != "pending":
+        raise Refused("FAILED_PRECONDITION", f"node {ev.node} already has an event stream")
+    entry.stream = "open"
+    ctx.record("subscribed", node=ev.node)
+
+
+def _stream_ended(ctx: Context, ev: StreamEnded) -> None:
+    s = ctx.s
+    entry = s.registry.nodes.get(ev.node)
+    if entry is None or entry.session != ev.session:
+        ctx.because(f"the stream of a registration of {ev.node} that is gone: nothing to do")
+        return
+    entry.stream = "closed"
+    if entry.dismissed:  # it left on notice and hung up: gone, and nothing was lost
+        s.registry.pop(ev.node)
+        s.forget(ev.node)
+        ctx.because(f"{ev.node} left on notice and hung up")
+    else:
+        ctx.because(f"{ev.node}'s stream ended: the next tick declares it lost unless the master hung up")
+
+
+def _heartbeat(ctx: Context, ev: Heartbeat) -> None:
+    entry = ctx.s.registry.nodes.get(ev.node)
+    if entry is None or entry.session != ev.session:
+        return  # answered NOT_FOUND when it arrived; a beat of a node lost since is no news
+    entry.last_heartbeat = max(entry.last_heartbeat, ev.at)
+
+
+def _report(ctx: Context, ev: Report) -> None:
+    s = ctx.s
+    entry = s.registry.live(ev.node, ev.session)
+    gpu = (ev.node, ev.local_rank)
+    report = ev.report
+    kind = report.WhichOneof("report")
+    if kind == "metrics":
+        _on_metrics(ctx, gpu, report.metrics, ev.replayed)
+    elif kind == "phase":
+        _on_phase(ctx, gpu, report.phase, ev.replayed)
+    elif kind == "checkpoint_done":
+        stopping.on_checkpoint_done(ctx, gpu, report.checkpoint_done)
+    elif kind == "done":
+        # WorkerDone names no generation: it ends the one the worker last reported from.
+        s.done[gpu] = (s.reported.get(gpu, 0), report.done.step)
+    elif kind == "ready":
+        _on_ready(ctx, entry, ev.local_rank, report.ready)
+    elif kind == "stalled":
+        s.stalls[ev.node] = ctx.now  # evidence for the detector: this node's worker waits on its peers
+    elif kind == "failed":
+        failed = report.failed
+        ctx.record("worker_failed", node=ev.node, local_rank=ev.local_rank, message=failed.message,
+                   user_error=failed.user_error, bug=failed.bug)  # fmt: skip
+        if failed.user_error:  # the same on every replica: stop once, naming the cause
+            finish(ctx, ExitCode.BAD_INPUT, f"{ev.node}/gpu{ev.local_rank}: {failed.message}")
+        elif failed.bug:  # every replica would meet it again: recovering would only repeat it
+            finish(ctx, ExitCode.ERROR, f"{ev.node}/gpu{ev.local_rank} stopped the job: "
+                                        f"{failed.message.splitlines()[0] if failed.message else 'no message'} "
+                                        f"(traceback in {ev.node}'s log)")  # fmt: skip
+        elif entry.worker_failure is None:
+            entry.worker_failure = WORKER_FAILED
+            entry.detail = f"local rank {ev.local_rank}: {failed.message}"
+    else:
+        ctx.because(f"an empty report from {ev.node}/gpu{ev.local_rank}: ignored")
+
+
+def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> None:
+    s = ctx.s
+    s.last_progress = ctx.now
+    s.reforms = 0
+    s.reported[gpu] = max(s.reported.get(gpu, 0), m.generation)
+    s.holdings[gpu] = s.holdings.get(gpu, Holdings()).completed_step(m.generation)
+    s.next_step = max(s.next_step, m.step + 1)
+    if not replayed:  # the lost master logged that step already
+        ctx.effects.append(ProgressMetrics(m))
+
+
+def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
+    s = ctx.s
+    if p.phase == "holding":  # a hold point (tests, --inject @phase:P): what the injector fires on
+        ctx.record("holding", node=gpu[0], local_rank=gpu[1], generation=p.generation, point=p.message,
+                   seconds=p.seconds)  # fmt: skip
+        return
+    s.last_progress = ctx.now
+    if p.phase == "aborted" and p.generation == s.generation and s.abandoned is None:
+        s.abandoned = (ctx.now, p.message.splitlines()[0] if p.message else "no message")
+    s.reported[gpu] = max(s.reported.get(gpu, 0), p.generation)
+    holdings = s.holdings.get(gpu, Holdings())
+    if p.phase == "states_copied":
+        s.holdings[gpu] = holdings.adopted(p.generation)
+    elif p.phase == "resumed":
+        s.holdings[gpu] = holdings.completed_step(p.generation)
+    if not replayed:  # the lost master logged that phase already
+        gen = s.gens.get(p.generation)
+        rank = None if gen is None else gen.view.ranks.get(gpu)
+        ctx.effects.append(ProgressPhase(gpu[0], gpu[1], rank, p))
+
+
+def _on_ready(ctx: Context, entry, local_rank: int, ready: pb.WorkerReady) -> None:
+    if local_rank in entry.ready:
+        return
+    entry.ready.add(local_rank)
+    if not entry.all_ready:
+        return
+    joining = ctx.s.phase in TRAINING and not ctx.s.in_plan(entry.name)
+    ctx.record("node_ready", node=entry.name, startup_s=ready.startup_s, joining=joining)
+    if joining:
+        ctx.say(f"node {entry.name} ready (its workers started in {ready.startup_s:.1f} s): it joins at the "
+                "next step boundary")  # fmt: skip
+
+
+def _worker_failure(ctx: Context, ev: WorkerFailure) -> None:
+    entry = ctx.s.registry.live(ev.node, ev.session)
+    if entry.worker_failure is None:
+        entry.worker_failure = ev.reason
+        entry.detail = f"local rank {ev.local_rank}: {ev.message}"
+
+
+def _leave(ctx: Context, ev: Leave) -> None:
+    """A preemption notice: plan the node out at the next iteration boundary while it still holds
+    its state (its layers are copied off it if it has the last copies), then dismiss it."""
+    s = ctx.s
+    entry = s.registry.live(ev.node, ev.session)
+    if entry.leaving:
+        ctx.because(f"{ev.node} already gave notice")
+        return
+    entry.leaving = ev.reason or "preemption notice"
+    in_plan = s.phase in TRAINING and s.in_plan(ev.node)
+    ctx.record("leaving", node=ev.node, reason=entry.leaving, phase=s.phase.value, in_plan=in_plan,
+               generation=s.generation)  # fmt: skip
+    log.warning("node %s leaves: %s", ev.node, entry.leaving)
+    if s.phase is JobPhase.CHECKPOINTING:
+        ctx.because("a checkpoint round runs: it decides, and the job ends with it")
+    elif s.phase is JobPhase.FINISHED:
+        ctx.because("the job is over")
+    elif not in_plan:  # waiting, or a spare not planned yet: nothing of the job's is on it
+        generations.dismiss(ctx, ev.node, "left before it was planned in")
+    else:
+        s.settle_until = ctx.now + SETTLE_S  # a zone's notices come together
+        ctx.say(f"node {ev.node} leaves ({entry.leaving}): planning generation {s.generation + 1} "
+                "without it, at the next step boundary")  # fmt: skip
+        add_to_incident(ctx, "left", ev.node)
+
+
+def _stop_requested(ctx: Context, ev: StopRequested) -> None:
+    stopping.request_stop(ctx, ev.reason)
+
+
+def _finish_requested(ctx: Context, ev: FinishRequested) -> None:
+    finish(ctx, ev.exit_code, ev.message)
+
+
+def _plan_answered(ctx: Context, ev: PlanAnswered) -> None:
+    generations.apply(ctx, ev)
+    _advance(ctx)
+
+
+def _adopt(ctx: Context, ev: Adopt) -> None:
+    generations.adopt(ctx, ev.journal, ev.seconds_since_start)
+
+
+# ---------------------------------------------------------------------- the clock
+def _tick(ctx: Context, ev: Tick) -> None:
+    """Detects failures, plans when membership changed, checks rounds, adoption, the end."""
+    if ctx.s.phase is not JobPhase.FINISHED:
+        _detect(ctx)
+    _advance(ctx)
+
+
+def _advance(ctx: Context) -> None:
+    """Everything that may be due after any change: a plan, the end, a stall, a round, adoption."""
+    s = ctx.s
+    if s.phase in (JobPhase.WAITING, JobPhase.RUNNING):
+        generations.maybe_plan(ctx)
+    if s.phase is JobPhase.RUNNING and s.planning is None:
+        generations.check_done(ctx)
+        _check_stall(ctx)
+    if s.phase is JobPhase.CHECKPOINTING:
+        stopping.check_round(ctx)
+    if s.phase is JobPhase.ADOPTING:
+        generations.check_adopted(ctx)
+
+
+def _check_stall(ctx: Context) -> None:
+    """The last resort against a hang nothing else bounds: no progress for ``stall_timeout``."""
+    s, limit = ctx.s, ctx.cfg.timeouts.stall_timeout.total_seconds()
+    silent = ctx.now - s.last_progress
+    if silent > limit:
+        finish(ctx, ExitCode.ERROR, f"no progress for {silent:.0f} s (fault_tolerance.stall_timeout {limit:g} s): "
+                                    f"generation {s.generation}, next step {s.next_step}; see the agents' logs")
+
+
+def _detect(ctx: Context) -> None:
+    s, timeouts = ctx.s, ctx.cfg.timeouts
+    _forgive_own_stall(ctx)
+    s.stalls = recent_stalls(ctx.now, s.stalls, s.registry.nodes, timeouts)
+    for failure in detect_failures(ctx.now, s.registry.health(), timeouts, s.stalls):
+        declare_lost(ctx, failure.node, failure.reason, failure.detail)
+
+
+def _forgive_own_stall(ctx: Context) -> None:
+    """Time the master itself was frozen (starved of CPU, paused) is nobody's silence.
+
+    Heartbeats that arrived meanwhile wait unread in its sockets; without this, a
+    master descheduled for longer than the timeout would declare every node lost
+    at its next tick (``fault_tolerance.master_stall_threshold`` says why the gap).
+    """
+    s, now = ctx.s, ctx.now
+    last, s.last_detect = s.last_detect, now
+    gap = 0.0 if last is None else now - last
+    if gap <= ctx.cfg.timeouts.master_stall_threshold.total_seconds():
+        return
+    s.registry.forgive(gap, now)
+    s.last_progress = min(now, s.last_progress + gap)
+    ctx.record("master_stalled", seconds=gap)
+    log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
+
+
+def declare_lost(ctx: Context, name: str, reason: str, detail: str) -> None:
+    s = ctx.s
+    s.registry.pop(name)
+    in_plan = s.in_plan(name)
+    ctx.record("lost", node=name, reason=reason, detail=detail, phase=s.phase.value, in_plan=in_plan,
+               generation=s.generation)  # fmt: skip
+    log.warning("node %s lost: %s (%s)", name, reason, detail)
+    s.forget(name)
+    # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
+    # the stream frees the handler thread; a live agent reads the end as "master gone" and
+    # stops its workers, which is what a node declared lost must do.
+    ctx.effects.append(EndStream(name))
+    if s.phase in TRAINING and in_plan:
+        s.settle_until = ctx.now + SETTLE_S
+        ctx.say(f"node {name} lost ({reason}); planning generation {s.generation + 1}")
+        add_to_incident(ctx, "lost", name)
+    elif s.phase is JobPhase.CHECKPOINTING:
+        stopping.round_lost(ctx, name)
+
+
+_HANDLERS: dict[type, Callable[[Context, object], None]] = {
+    Register: _register, OpenStream: _open_stream, StreamEnded: _stream_ended, Heartbeat: _heartbeat,
+    Report: _report, WorkerFailure: _worker_failure, Leave: _leave, StopRequested: _stop_requested,
+    FinishRequested: _finish_requested, PlanAnswered: _plan_answered, Tick: _tick, Adopt: _adopt,
+}  # fmt: skip
+"""One handler per event type (a dispatch table, like DeepSpeed's pipeline executor)."""
+
+__all__ = ["SETTLE_S", "Transition", "step"]

@@ -1,0 +1,194 @@
+"""The master's whole state as plain data: what ``master.machine.step`` reads and changes, and nothing else.
+
+No locks, queues, clocks, files or sockets here: the shell (``master.coordinator``)
+owns those and feeds the machine events. A test (``tests/unit/test_cp_machine.py``)
+builds a ``JobState``, drives it with thousands of event orders and reads it back.
+
+Phases (``JobPhase``): ``waiting`` (for ``num_nodes`` agents with open
+streams), or ``adopting`` (a restarted master waits for the nodes of its
+journal: ``master.journal``) -> ``running`` (generation 1 and every later one)
+-> ``checkpointing`` (a round of ``master.checkpointing``: the survivors write
+their layers, then the job stops) -> ``finished`` (exit code decided).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from master.assignments import Sending
+from master.checkpointing import CheckpointBook, CheckpointRound
+from master.progress import Incident
+from master.recovery import GenerationView, Holdings, Request
+from master.registry import Registry
+from oobleck_mm.planning.layout import ExecutionPlan, Gpu
+
+
+class JobPhase(enum.Enum):
+    WAITING = "waiting"
+    """For ``num_nodes`` agents with open event streams."""
+    RUNNING = "running"
+    """Generation 1 and every later one."""
+    ADOPTING = "adopting"
+    """A master restarted with ``--resume-master``: waiting for the journal's nodes to register again
+    (their workers train on meanwhile), at most ``fault_tolerance.adopt_window``."""
+    CHECKPOINTING = "checkpointing"
+    """A checkpoint round before the job stops (too few nodes, a stop request, notices with the last copies)."""
+    FINISHED = "finished"
+    """The exit code is decided."""
+
+
+TRAINING = (JobPhase.RUNNING, JobPhase.ADOPTING)
+"""The workers train: a node leaving, lost or a stop request is handled as in a running job (a restarted
+master only waits for its nodes before it plans)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    exit_code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How this run starts, saves and recovers (``oobleck-launch master|local`` flags)."""
+
+    resume_dir: str = ""
+    """Absolute checkpoint directory the first generation loads (``--resume``)."""
+    resume_step: int = 0
+    save_final_dir: str = ""
+    checkpoint_root: str = "."
+    """Where below-threshold checkpoints (and restart mode's) are written."""
+    recovery: str = "live"
+    """``live`` or ``restart`` (``master.policies``)."""
+    checkpoint_interval: int = 0
+    """Steps between periodic checkpoints."""
+    resume_command: str = "oobleck-launch local --config CONFIG"
+    """Printed, followed by ``--resume DIR``, when the job stops below the threshold."""
+    log_every: int = 1
+    """Console lines every N steps (``--log-every``); the event log and metrics get every step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the machine knows of the job and never changes while it runs."""
+
+    job: Any
+    """The validated ``JobConfig`` (overrides applied)."""
+    num_nodes: int
+    steps: int
+    options: RunOptions
+    sending: Sending
+    config_yaml: str
+    """The job as the workers and the planner read it (absolute paths, overrides applied)."""
+
+    @classmethod
+    def of(cls, job, *, num_nodes: int, steps: int, store_host: str, store_port: int,
+           options: RunOptions) -> Settings:  # fmt: skip
+        from master.policies import policy_for
+
+        policy = policy_for(options.recovery)
+        periodic = policy.periodic_checkpoints
+        sending = Sending(
+            store_host=store_host, store_port=store_port, steps=steps, save_final_dir=options.save_final_dir,
+            checkpoint_interval=options.checkpoint_interval if periodic else 0,
+            checkpoint_dir=f"{options.checkpoint_root}/checkpoints" if periodic else "",
+            checkpoint_async=policy.asynchronous_checkpoints,
+        )  # fmt: skip
+        # What the workers read: the job with its overrides and absolute paths, whatever their file system.
+        config_yaml = yaml.safe_dump(job.to_dict(), sort_keys=False)
+        return cls(job, num_nodes, steps, options, sending, config_yaml)
+
+    @property
+    def timeouts(self):
+        return self.job.fault_tolerance
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    view: GenerationView
+    plan: Any
+    """The planning ``Plan`` (the next reconfiguration starts from it); None for the older generations
+    a restarted master read from its journal (a plan from one of them is planned afresh)."""
+    template_nodes: int
+    """Node count the planner's templates were built for."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPlan:
+    """A planning call on its way: its answer is applied only while it still answers ``request``."""
+
+    id: int
+    request: Request
+    asked_at: float
+
+
+@dataclass(slots=True)
+class JobState:
+    """Everything the master's decisions depend on. Changed only by ``master.machine.step``."""
+
+    phase: JobPhase = JobPhase.WAITING
+    generation: int = 0
+    gens: dict[int, Generation] = field(default_factory=dict)
+    finish: Finish | None = None
+    registry: Registry = field(default_factory=Registry)
+    holdings: dict[Gpu, Holdings] = field(default_factory=dict)
+    """(node, gpu) -> the generations its worker's states follow, as its reports say."""
+    next_step: int = 0
+    """First step no worker has reported done."""
+    done: dict[Gpu, tuple[int, int]] = field(default_factory=dict)
+    """(node, gpu) -> (generation, last step) of its WorkerDone."""
+    reported: dict[Gpu, int] = field(default_factory=dict)
+    """(node, gpu) -> generation of its latest metrics or phase report."""
+    stalls: dict[str, float] = field(default_factory=dict)
+    """node -> clock reading of its workers' latest report of a stalled collective."""
+    planning: PendingPlan | None = None
+    plans_asked: int = 0
+    """Planning calls made: the next one's id."""
+    incident: Incident | None = None
+    round: CheckpointRound | None = None
+    """The checkpoint round while ``CHECKPOINTING``."""
+    checkpoints: CheckpointBook = field(default_factory=CheckpointBook)
+    restarted_for: int = 0
+    """Restart mode: the generation whose workers were last restarted (once per failure)."""
+    started_at: float = 0.0
+    """Clock when generation 1 was planned (a restarted master: when the lost master planned it)."""
+    last_detect: float | None = None
+    settle_until: float = 0.0
+    abandoned: tuple[float, str] | None = None
+    """(clock, message) of the first report that a worker abandoned an iteration of the current
+    generation; a re-form follows once ``reform_after`` passed with no node lost."""
+    reforms: int = 0
+    """Re-forms since the last completed step (``machine.MAX_REFORMS``)."""
+    failed_checkpoints: set[str] = field(default_factory=set)
+    """Periodic checkpoint directories some worker could not write (said once each)."""
+    last_progress: float = 0.0
+    """Clock of the last step, recovery phase or plan: ``fault_tolerance.stall_timeout`` counts from it."""
+    adopting: tuple[float, float] | None = None
+    """(clock when adoption began, its deadline) while ``ADOPTING``."""
+
+    @property
+    def plan(self) -> ExecutionPlan | None:
+        """The current generation's layout."""
+        current = self.gens.get(self.generation)
+        return current.view.layout if current is not None else None
+
+    def views(self) -> dict[int, GenerationView]:
+        return {number: g.view for number, g in self.gens.items()}
+
+    def current_view(self) -> GenerationView | None:
+        current = self.gens.get(self.generation)
+        return current.view if current is not None else None
+
+    def in_plan(self, node: str) -> bool:
+        current = self.current_view()
+        return current is not None and node in current.nodes
+
+    def forget(self, name: str) -> None:
+        """Its state is gone with it; a node coming back under this name starts empty."""
+        for table in (self.holdings, self.done, self.reported):
+            for gpu in [g for g in table if g[0] == name]:
+                del table[gpu]

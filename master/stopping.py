@@ -1,0 +1,195 @@
+"""Part of the machine (``master.machine``): how the job stops with nothing lost, and periodic checkpoints.
+
+A job that cannot go on (too few nodes for f+1 replicas, a stop request,
+nodes on notice holding the last copies) stops at a checkpoint: a *round*
+(``checkpointing.CheckpointRound``) in which the nodes that hold the state
+write it, or the newest complete periodic checkpoint, or, with neither, a
+message that says so. Exit 3 and the resume command in every case with a
+checkpoint. The decisions about checkpoints are ``master.checkpointing``'s,
+answered in values; this module turns them into effects.
+"""
+
+from __future__ import annotations
+
+from master.checkpointing import (CheckpointRound, RoundFailed, RoundPending, RoundWritten, round_directory,
+                                  round_verdict)  # fmt: skip
+from master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
+from master.effects import PruneCheckpoints, WriteMeta
+from master.policies import ROUND
+from master.recovery import GenerationView, Request
+from master.state import TRAINING, JobPhase
+from oobleck_mm.errors import ExitCode
+from oobleck_mm.planning.layout import Gpu
+from oobleck_mm.planning.reconfigure import CannotKeepReplicas
+from oobleck_mm.protocol import oobleck_pb2 as pb
+
+
+def request_stop(ctx: Context, reason: str) -> None:
+    """A graceful stop (SIGTERM to the master or to ``local``): the workers write the step they are at
+    and the job ends with exit 3 and the resume command (exit 0 would tell a scheduler the run is done).
+    Before any step there is nothing to write: the job ends at once."""
+    s = ctx.s
+    if s.finish is not None or s.phase is JobPhase.CHECKPOINTING:
+        ctx.because(f"a stop request while {s.phase.value}: already stopping")
+        return
+    ctx.record("stop_requested", reason=reason, phase=s.phase.value, next_step=s.next_step)
+    base = base_held_by_everyone_alive(ctx) if s.phase in TRAINING else None
+    headline = f"stopped on request ({reason})"
+    if base is None or base.generation == 0:
+        if ctx.cfg.options.resume_dir:  # nothing trained since the resume: it still resumes from there
+            stop_below_threshold(ctx, reason, None, headline=headline)
+        else:
+            finish(ctx, ExitCode.ERROR, f"{headline} before any step: nothing to save")
+        return
+    _start_round(ctx, s.gens[base.generation].view, base.holding_nodes, headline, headline, requested=True)
+
+
+def below_threshold(ctx: Context, request: Request, cannot: CannotKeepReplicas) -> None:
+    s = ctx.s
+    why = f"{cannot.reason} (live nodes {cannot.live_nodes}, need {cannot.needed})"
+    ctx.record("below_threshold", live=cannot.live_nodes, needed=cannot.needed, reason=cannot.reason)
+    if s.phase is JobPhase.WAITING:
+        finish(ctx, ExitCode.BAD_INPUT, f"planning {len(request.live)} nodes failed: {why}")
+        return
+    base = s.gens.get(request.base)
+    if ctx.policy.below_threshold(request) == ROUND and base is not None:
+        writers = tuple(n for n in base.view.nodes if n not in request.lost and n in s.registry.nodes)
+        _start_round(ctx, base.view, writers, why,
+                     f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for f+1 replicas")
+    else:
+        stop_below_threshold(ctx, why, s.checkpoints.last, "no worker had completed a step")
+
+
+def checkpoint_before_leaving(ctx: Context, why: str) -> bool:
+    """Nodes on notice hold the last copies of some layers: they and the others write a checkpoint of
+    the step they are at while they still can, and the job stops there (exit 3, nothing lost)."""
+    s = ctx.s
+    leaving = s.registry.leaving()
+    if not leaving or s.phase is not JobPhase.RUNNING:
+        return False
+    base = base_held_by_everyone_alive(ctx)
+    if base is None or base.generation == 0:
+        return False
+    detail = why.removeprefix("the model state is gone: ")
+    reason = f"{', '.join(leaving)} leave on notice with the last copies of some layers ({detail})"
+    _start_round(ctx, s.gens[base.generation].view, base.holding_nodes, reason,
+                 f"{', '.join(leaving)} leave on notice holding the last copies of some layers")  # fmt: skip
+    return True
+
+
+def _start_round(ctx: Context, gen: GenerationView, writers: tuple[str, ...], why: str, headline: str,
+                 requested: bool = False) -> None:  # fmt: skip
+    s = ctx.s
+    if s.planning is not None:  # no plan is applied while the round runs; the job ends with it
+        cancel_planning(ctx)
+    directory = round_directory(ctx.cfg.options.checkpoint_root, s.generation, s.next_step,
+                                avoid=ctx.cfg.options.resume_dir)  # fmt: skip
+    deadline = ctx.now + ctx.cfg.timeouts.checkpoint_round_timeout.total_seconds()
+    s.round = CheckpointRound(directory, gen, writers, why, ctx.now, deadline, requested=requested)
+    s.phase = JobPhase.CHECKPOINTING
+    _send_round(ctx, s.round)
+    held = f" (held as generation {gen.number})" if gen.number != s.generation else ""
+    ctx.say(f"{headline}: checkpointing step {s.next_step}'s state{held} to {directory}")
+
+
+def _send_round(ctx: Context, r: CheckpointRound) -> None:
+    ctx.record("checkpoint_requested", dir=r.directory, generation=r.gen.number, writers=list(r.writers),
+               surviving_ranks=r.surviving)  # fmt: skip
+    for node in r.writers:
+        ctx.send(node, r.command())
+
+
+def round_lost(ctx: Context, node: str) -> None:
+    s = ctx.s
+    if s.round is None or node not in s.round.writers:
+        return
+    again = s.round.without(node)
+    if again is None:
+        why = f"node {node} was lost while checkpointing and took the last copy of some layers with it"
+        s.round = None
+        state_lost(ctx, why, f"{why}; the model state is gone")
+        return
+    s.round = again
+    _send_round(ctx, again)  # the remaining writers now own the lost node's layers
+
+
+def check_round(ctx: Context) -> None:
+    s = ctx.s
+    r = s.round
+    if r is None:  # no event order leads here (a round and the phase are set together): nothing to wait for
+        finish(ctx, ExitCode.ERROR, "checkpointing with no checkpoint round (a bug)")
+        return
+    verdict = round_verdict(r, ctx.now)
+    if isinstance(verdict, RoundPending):
+        return
+    if isinstance(verdict, RoundFailed):
+        finish(ctx, ExitCode.ERROR, verdict.message)
+        return
+    assert isinstance(verdict, RoundWritten)
+    ctx.effects.append(WriteMeta(r.directory, verdict.step))
+    ctx.record("checkpoint_written", dir=r.directory, step=verdict.step, layers=verdict.layers,
+               seconds=verdict.seconds, generation=r.gen.number)  # fmt: skip
+    stop_below_threshold(ctx, r.reason, (r.directory, verdict.step), headline=r.reason if r.requested else None)
+
+
+def state_lost(ctx: Context, why: str, without_checkpoint: str) -> None:
+    """Some layer has no copy left: stop at the newest periodic checkpoint (exit 3, never 1 while one
+    exists), else end the job as failed."""
+    if ctx.s.checkpoints.last is not None:
+        stop_below_threshold(ctx, why, ctx.s.checkpoints.last)
+    else:
+        finish(ctx, ExitCode.ERROR, without_checkpoint)
+
+
+def stop_below_threshold(ctx: Context, why: str, checkpoint: tuple[str, int] | None, detail: str = "",
+                         headline: str | None = None) -> None:  # fmt: skip
+    """Ends the job with exit 3, saying how to resume (from ``checkpoint``, or the run's own resume point)."""
+    options = ctx.cfg.options
+    headline = headline or f"cannot keep f+1 replicas: {why}"
+    if checkpoint is not None:
+        directory, step = checkpoint
+        message = (f"{headline}.\nCheckpoint of step {step} written to {directory}\n"
+                   f"resume with: {options.resume_command} --resume {directory}")  # fmt: skip
+    elif options.resume_dir:
+        message = (f"{headline}.\nNo step was completed since the resume\n"
+                   f"resume with: {options.resume_command} --resume {options.resume_dir}")  # fmt: skip
+    else:
+        message = f"{headline}. No checkpoint to resume from{': ' + detail if detail else ''}"
+    finish(ctx, ExitCode.NO_REPLICAS, message)
+
+
+# ---------------------------------------------------------------------- checkpoint reports
+def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
+    s = ctx.s
+    if done.error:
+        _checkpoint_failed(ctx, gpu, done)
+        return
+    if s.phase is JobPhase.CHECKPOINTING and s.round is not None and done.dir == s.round.directory:
+        s.round.record(gpu, done)
+        return
+    if not done.dir:
+        ctx.because(f"a checkpoint report from {gpu[0]}/gpu{gpu[1]} naming no directory: ignored")
+        return
+    if ctx.policy.complete_checkpoint(s.checkpoints, s.views(), gpu, done):  # a periodic checkpoint completed
+        ctx.effects.append(WriteMeta(done.dir, done.step))
+        ctx.effects.append(PruneCheckpoints(done.dir, ctx.policy.keep_checkpoints))
+        ctx.record("checkpoint_saved", dir=done.dir, step=done.step, generation=s.generation,
+                   **s.checkpoints.last_timing)  # fmt: skip
+        write_journal(ctx)
+
+
+def _checkpoint_failed(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
+    """A worker could not write its share (a full disk): said as such, never taken for a lost node."""
+    s = ctx.s
+    ctx.record("checkpoint_failed", dir=done.dir, step=done.step, node=gpu[0], local_rank=gpu[1], error=done.error)
+    where = f"{gpu[0]}/gpu{gpu[1]}"
+    r = s.round
+    if s.phase is JobPhase.CHECKPOINTING and r is not None and done.dir == r.directory:
+        finish(ctx, ExitCode.ERROR, f"the checkpoint to {r.directory} could not be written on {where}: {done.error}")
+        return
+    if done.dir in s.failed_checkpoints:
+        return  # said once per checkpoint, not once per worker
+    s.failed_checkpoints.add(done.dir)
+    last = s.checkpoints.last
+    ctx.say(f"checkpoint of step {done.step} could not be written on {where}: {done.error}; training goes on"
+            f" (the last complete checkpoint: {f'step {last[1]} in {last[0]}' if last else 'none'})")
