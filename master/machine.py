@@ -27,7 +27,7 @@ from collections.abc import Callable
 from master import generations, stopping
 from master.generations import SETTLE_S
 from master.context import Context, Transition, add_to_incident, finish
-from master.detector import WORKER_FAILED, detect_failures, recent_stalls
+from master.detector import WORKER_FAILED, Failure, detect_failures, recent_stalls
 from master.effects import EndStream, ProgressMetrics, ProgressPhase
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, StreamEnded, Tick, WorkerFailure)  # fmt: skip
@@ -282,8 +282,7 @@ def _detect(ctx: Context) -> None:
     s, timeouts = ctx.s, ctx.cfg.timeouts
     _forgive_own_stall(ctx)
     s.stalls = recent_stalls(ctx.now, s.stalls, s.registry.nodes, timeouts)
-    for failure in detect_failures(ctx.now, s.registry.health(), timeouts, s.stalls):
-        declare_lost(ctx, failure.node, failure.reason, failure.detail)
+    declare_lost(ctx, detect_failures(ctx.now, s.registry.health(), timeouts, s.stalls))
 
 
 def _forgive_own_stall(ctx: Context) -> None:
@@ -304,24 +303,31 @@ def _forgive_own_stall(ctx: Context) -> None:
     log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 
 
-def declare_lost(ctx: Context, name: str, reason: str, detail: str) -> None:
+def declare_lost(ctx: Context, failures: list[Failure]) -> None:
+    """Every node of ``failures`` leaves the registry first, then the consequences follow: nothing is
+    sent to a node declared lost in the same tick (a round handed on, a plan)."""
     s = ctx.s
-    s.registry.pop(name)
-    in_plan = s.in_plan(name)
-    ctx.record("lost", node=name, reason=reason, detail=detail, phase=s.phase.value, in_plan=in_plan,
-               generation=s.generation)  # fmt: skip
-    log.warning("node %s lost: %s (%s)", name, reason, detail)
-    s.forget(name)
-    # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
-    # the stream frees the handler thread; a live agent reads the end as "master gone" and
-    # stops its workers, which is what a node declared lost must do.
-    ctx.effects.append(EndStream(name))
-    if s.phase in TRAINING and in_plan:
-        s.settle_until = ctx.now + SETTLE_S
-        ctx.say(f"node {name} lost ({reason}); planning generation {s.generation + 1}")
-        add_to_incident(ctx, "lost", name)
-    elif s.phase is JobPhase.CHECKPOINTING:
-        stopping.round_lost(ctx, name)
+    in_plan = {}
+    for failure in failures:
+        name = failure.node
+        s.registry.pop(name)
+        in_plan[name] = s.in_plan(name)
+        ctx.record("lost", node=name, reason=failure.reason, detail=failure.detail, phase=s.phase.value,
+                   in_plan=in_plan[name], generation=s.generation)  # fmt: skip
+        log.warning("node %s lost: %s (%s)", name, failure.reason, failure.detail)
+        s.forget(name)
+        # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
+        # the stream frees the handler thread; a live agent reads the end as "master gone" and
+        # stops its workers, which is what a node declared lost must do.
+        ctx.effects.append(EndStream(name))
+    for name, planned in in_plan.items():
+        if s.phase in TRAINING and planned:
+            s.settle_until = ctx.now + SETTLE_S
+            ctx.say(f"node {name} lost ({dict((f.node, f.reason) for f in failures)[name]}); "
+                    f"planning generation {s.generation + 1}")
+            add_to_incident(ctx, "lost", name)
+    if s.phase is JobPhase.CHECKPOINTING and in_plan:
+        stopping.round_lost(ctx, list(in_plan))
 
 
 _HANDLERS: dict[type, Callable[[Context, object], None]] = {

@@ -99,18 +99,22 @@ def _send_round(ctx: Context, r: CheckpointRound) -> None:
         ctx.send(node, r.command())
 
 
-def round_lost(ctx: Context, node: str) -> None:
+def round_lost(ctx: Context, nodes: list[str]) -> None:
+    """Writers of the round were lost: the others take over their layers, or the state is gone."""
     s = ctx.s
-    if s.round is None or node not in s.round.writers:
+    r = s.round
+    if r is None or not set(nodes) & set(r.writers):
         return
-    again = s.round.without(node)
-    if again is None:
-        why = f"node {node} was lost while checkpointing and took the last copy of some layers with it"
-        s.round = None
-        state_lost(ctx, why, f"{why}; the model state is gone")
-        return
-    s.round = again
-    _send_round(ctx, again)  # the remaining writers now own the lost node's layers
+    for node in nodes:
+        again = r.without(node)
+        if again is None:
+            why = f"node {node} was lost while checkpointing and took the last copy of some layers with it"
+            s.round = None
+            state_lost(ctx, why, f"{why}; the model state is gone")
+            return
+        r = again
+    s.round = r
+    _send_round(ctx, r)  # the remaining writers now own the lost nodes' layers
 
 
 def check_round(ctx: Context) -> None:

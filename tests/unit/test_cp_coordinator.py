@@ -262,6 +262,29 @@ def test_a_joining_node_waits_for_a_completed_step_then_gets_every_layer(make):
                for t in decided["transfers"])  # fmt: skip
 
 
+def test_a_joiner_lost_after_its_generation_was_planned_takes_the_survivors_back_to_their_own_plan(make):
+    """The crash of issue 27 (``assert self._abandoned is not None``): ``join@step2,kill:node4@phase:forming``."""
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.join("late")
+    j.c.tick()
+    assert j.c.generation == 2  # the joiner's generation went out...
+    j.drain_all()
+    j.c.stream_ended("late", j.sessions["late"])  # ...and it died before anyone copied a layer to it
+    assert j.advance(0.3) is None  # no crash, no finish
+    assert j.c.generation == 3 and j.c.phase == JobPhase.RUNNING
+    j.drain_all()
+    gen3 = {gpu: a for gpu, a in j.assigned.items() if a.generation == 3}
+    assert set(gen3) == {("a", 0), ("b", 0)}
+    assert all(a.previous_generation == 1 for a in gen3.values())  # from the states they hold
+    decided = read_events(j.events, "plan_decided")[-1]
+    assert decided["actions"] == ["re-form"] and decided["cause"] == "lost" and decided["layer_states_moved"] == 0
+    assert not read_events(j.events, "reform")  # a loss, not an abandoned iteration: no re-form counted
+    j.train(3, 1)
+    assert j.c.tick() is None and j.c.generation == 3
+
+
 def test_a_failure_during_recovery_plans_from_the_generation_the_survivors_still_hold(make):
     # n0 = 2 nodes: 5 nodes run pipelines of 3 + 2 nodes, so losing one moves layer states.
     j = make(nodes=5, steps=10, memory=4e6)

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The master's state machine under random event orders, at depth, and what its invariants catch.
+
+    python scripts/bench_machine.py                       # 20,000 random sequences (tests/unit/test_cp_machine.py)
+    python scripts/bench_machine.py --examples 2000 --mutants   # and each mutant of the machine must be caught
+
+The suite runs the same model shallowly (``OOBLECK_MACHINE_EXAMPLES``, 150 by
+default). ``--mutants`` copies ``master/`` to a temporary folder, breaks one
+guard at a time (each named below with the invariant that should catch it),
+and runs the model against the broken copy: a mutant the model does not catch
+is printed as ``SURVIVED`` and fails the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST = "tests/unit/test_cp_machine.py::TestMachine"
+
+MUTANTS = [
+    # (name, file, text, replacement, the invariant that should fail)
+    ("apply a plan the membership overtook", "master/generations.py",
+     "    if wanted(ctx) != request:  # holdings changed", "    if False:  # holdings changed",
+     "no plan uses a node that is not live"),
+    ("supersede nothing", "master/generations.py",
+     "        if want == pending.request:\n            return", "        if True:\n            return",
+     "no plan uses a node that is not live / settles with every live node"),
+    ("hand a round on before popping every lost node", "master/machine.py",
+     "    for name, planned in in_plan.items():", "    for name, planned in []:",
+     "every live node in the plan once settled"),
+    ("admit joiners before their workers are ready", "master/generations.py",
+     "n in current.nodes or s.registry.nodes[n].all_ready]", "n in current.nodes or True]",
+     "no plan uses a node that is not live (a joiner whose stream is not open)"),
+    ("finish when any worker is done", "master/generations.py",
+     "    if all(s.done.get(gpu, (0, -1)) >= finished for gpu in current.ranks):",
+     "    if any(s.done.get(gpu, (0, -1)) >= (s.generation, 0) for gpu in current.ranks):",
+     "exit 0 only after the last step"),
+    ("forget to end a lost node's stream", "master/machine.py",
+     "        ctx.effects.append(EndStream(name))\n    for name", "        pass\n    for name",
+     "sends only to registered nodes (the lost node's agent keeps its old orders)"),
+    ("stop without the resume command", "master/stopping.py",
+     'f"resume with: {options.resume_command} --resume {directory}")',
+     'f"")', "exit 3 says how to resume"),
+    ("let the generation number go back on re-adoption", "master/generations.py",
+     "    s.generation = journal.generation\n", "    s.generation = max(0, journal.generation - 1)\n",
+     "generations only grow"),
+]
+
+
+def run_model(examples: int, root: Path, env_extra: dict | None = None, timeout: float = 3600) -> tuple[bool, float, str]:
+    env = {**os.environ, "OOBLECK_MACHINE_EXAMPLES": str(examples), "PYTHONPATH": str(root), **(env_extra or {})}
+    began = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", TEST, "-x", "-q", "-p", "no:cacheprovider",
+                           "--hypothesis-show-statistics", "--rootdir", str(root)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return proc.returncode == 0, time.perf_counter() - began, proc.stdout + proc.stderr
+
+
+def mutant_tree(file: str, text: str, replacement: str) -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix="oobleck-mutant-"))
+    for part in ("master", "tests/unit", "configs", "data"):
+        shutil.copytree(ROOT / part, tmp / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml",):
+        shutil.copy(ROOT / name, tmp / name)
+    target = tmp / file
+    source = target.read_text()
+    if text not in source:
+        raise SystemExit(f"mutant: {text!r} is not in {file} any more; update scripts/bench_machine.py")
+    target.write_text(source.replace(text, replacement, 1))
+    return tmp
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=20_000, help="random sequences for the model (default 20000)")
+    parser.add_argument("--mutants", action="store_true", help="also check that each mutant of the machine is caught")
+    parser.add_argument("--mutant-examples", type=int, default=3000, help="sequences per mutant (default 3000)")
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+
+    print(f"running {args.examples} random event sequences through master.machine ...", flush=True)
+    ok, seconds, out = run_model(args.examples, ROOT)
+    stats = re.findall(r"^\s+- ([\d.]+% .*)$|^\s+\* ([\d.]+%, .*)$", out, re.M)
+    result = {"examples": args.examples, "passed": ok, "seconds": round(seconds, 1),
+              "sequences_per_s": round(args.examples / seconds, 1),
+              "outcomes": [a or b for a, b in stats][:40]}  # fmt: skip
+    print(f"{'passed' if ok else 'FAILED'}: {args.examples} sequences in {seconds:.0f} s "
+          f"({args.examples / seconds:.0f}/s)")
+    for line in result["outcomes"]:
+        print("   ", line)
+    if not ok:
+        print(out[-6000:])
+    if args.mutants:
+        result["mutants"] = []
+        for name, file, text, replacement, guard in MUTANTS:
+            tree = mutant_tree(file, text, replacement)
+            try:
+                passed, took, mout = run_model(args.mutant_examples, tree)
+            finally:
+                shutil.rmtree(tree, ignore_errors=True)
+            caught = not passed
+            failure = next((line.strip() for line in mout.splitlines() if line.strip().startswith("E ")), "")
+            print(f"{'caught  ' if caught else 'SURVIVED'} {name} ({file}; {took:.0f} s): expected: {guard}; "
+                  f"got: {failure[:160]}")
+            result["mutants"].append({"name": name, "file": file, "caught": caught, "seconds": round(took, 1),
+                                      "expected": guard, "failure": failure[:300]})  # fmt: skip
+            ok = ok and caught
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
