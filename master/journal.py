@@ -14,27 +14,29 @@ The step is not journaled: the agents replay their workers' latest reports
 (``WorkerReportRequest.replayed``), which say it, and every step trained while
 no master ran.
 
-Two files in the run dir: ``master-journal.json`` (readable, written last) and
-the pickled planning ``Plan`` it names. The pickle is the same one the master
-already sends its own planning helper; it is read only by this project's
-master from its own run dir, next to the job token, so whoever could forge
-it could as well read the token.
+One file in the run dir, ``master-journal.json``, owner-only (0600): data, never
+code. Run dirs live on shared storage (NFS, a ReadWriteMany volume), so the
+journal is JSON all through, the planning ``Plan`` included
+(``planning.plan.plan_to_dict``): a file planted there can at worst be refused
+(exit 2 naming it), never run. Version 1 journals named a pickled plan beside
+them; this master refuses them rather than unpickle.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from master.recovery import GenerationView
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.planning.plan import plan_from_dict, plan_to_dict
 
 JOURNAL_FILE = "master-journal.json"
-VERSION = 1
+VERSION = 2
+"""2: the plan inside the JSON (1 named a pickle beside it: refused, never unpickled)."""
 KEEP_GENERATIONS = 3
 """Generations journaled: the current one and the two before it (a worker may still hold the one it
 came from while a recovery is under way: ``master.recovery``'s *base*)."""
@@ -66,22 +68,15 @@ class Journal:
 
 def write_journal(run_dir: str, journal: Journal) -> None:
     """Atomically (temp file, fsync, rename): a master killed while writing leaves the previous journal."""
-    plan_name = f"master-plan-g{journal.generation}.pickle"
-    _write_atomically(os.path.join(run_dir, plan_name), pickle.dumps(journal.plan))
     record = {
         "version": VERSION, "config_yaml": journal.config_yaml, "host": journal.host, "port": journal.port,
         "options": journal.options, "generation": journal.generation, "template_nodes": journal.template_nodes,
-        "views": [_view_to_dict(v) for v in journal.views[-KEEP_GENERATIONS:]], "plan_file": plan_name,
+        "views": [_view_to_dict(v) for v in journal.views[-KEEP_GENERATIONS:]],
+        "plan": plan_to_dict(journal.plan) if journal.plan is not None else None,
         "last_checkpoint": list(journal.last_checkpoint) if journal.last_checkpoint else None,
         "started_wall": journal.started_wall,
     }  # fmt: skip
     _write_atomically(os.path.join(run_dir, JOURNAL_FILE), json.dumps(record, indent=1).encode())
-    for name in os.listdir(run_dir):  # plans of older generations: the journal names only the newest
-        if name.startswith("master-plan-g") and name.endswith(".pickle") and name != plan_name:
-            try:
-                os.remove(os.path.join(run_dir, name))
-            except OSError:
-                pass
 
 
 def end_journal(run_dir: str, exit_code: int) -> None:
@@ -118,13 +113,15 @@ def read_journal(run_dir: str) -> Journal:
     try:
         with open(path, encoding="utf-8") as fh:
             record = json.load(fh)
-        if record.get("version") != VERSION:
-            raise ValueError(f"version {record.get('version')!r}, this master reads {VERSION}")
+        if not isinstance(record, dict) or record.get("version") != VERSION:
+            version = record.get("version") if isinstance(record, dict) else None
+            raise ValueError(f"version {version!r}, this master reads {VERSION}"
+                             + (" (version 1 kept the plan in a pickle, which this master never loads)"
+                                if version == 1 else ""))  # fmt: skip
         if "ended" in record:
             raise UserError(f"--resume-master: the job in {run_dir!r} ended (exit {record['ended']}): nothing runs "
                             "to re-adopt; a checkpoint it wrote resumes with --resume DIR")
-        with open(os.path.join(run_dir, record["plan_file"]), "rb") as fh:
-            plan = pickle.load(fh)
+        plan = plan_from_dict(record["plan"]) if record.get("plan") is not None else None
         views = tuple(_view_from_dict(v) for v in record["views"])
         checkpoint = record.get("last_checkpoint")
         return Journal(
@@ -134,7 +131,7 @@ def read_journal(run_dir: str) -> Journal:
             last_checkpoint=(checkpoint[0], int(checkpoint[1])) if checkpoint else None,
             started_wall=float(record.get("started_wall") or 0.0),
         )  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise UserError(f"--resume-master: cannot read the journal {path}: {exc}") from None
 
 
@@ -153,8 +150,9 @@ def _view_from_dict(d: dict[str, Any]) -> GenerationView:
 
 
 def _write_atomically(path: str, data: bytes) -> None:
+    """Owner-only (0600): the journal names the job's nodes, paths and config."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oobleck_mm.planning.template import PipelineTemplate
+from oobleck_mm.planning.template import PipelineTemplate, StageSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +62,39 @@ def gradient_allreduce_s(templates: list[PipelineTemplate] | tuple[PipelineTempl
     replicas = len(templates)
     worst = max(s.grad_bytes for t in templates for s in t.stages)
     return cluster.allreduce_s(worst, replicas, cross_node=True)
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """``plan`` as JSON-ready data (the master's journal holds data, never pickles: ``master.journal``)."""
+    return {
+        "global_batch": plan.global_batch, "microbatch_size": plan.microbatch_size, "allreduce_s": plan.allreduce_s,
+        "pipelines": [{
+            "nodes": list(p.nodes), "num_microbatches": p.num_microbatches,
+            "template": {
+                "num_nodes": p.template.num_nodes, "gpus_per_node": p.template.gpus_per_node,
+                "send_activation_s": list(p.template.send_activation_s), "send_grad_s": list(p.template.send_grad_s),
+                "stages": [[s.layer_start, s.layer_end, s.node, list(s.gpus), s.forward_s, s.backward_s,
+                            s.memory_bytes, s.grad_bytes] for s in p.template.stages],
+            },
+        } for p in plan.pipelines],
+    }  # fmt: skip
+
+
+def plan_from_dict(d: dict) -> Plan:
+    """The ``Plan`` ``plan_to_dict`` wrote; ``KeyError``/``TypeError``/``ValueError`` when ``d`` is not one."""
+    pipelines = []
+    for p in d["pipelines"]:
+        t = p["template"]
+        stages = tuple(StageSpec(int(a), int(b), int(node), tuple(int(g) for g in gpus), float(f), float(bw),
+                                 float(mem), float(grad))
+                       for a, b, node, gpus, f, bw, mem, grad in t["stages"])  # fmt: skip
+        if not stages or len(t["send_activation_s"]) != len(stages) - 1 or len(t["send_grad_s"]) != len(stages) - 1:
+            raise ValueError(f"a template of {len(stages)} stages needs {max(0, len(stages) - 1)} send times each")
+        template = PipelineTemplate(int(t["num_nodes"]), int(t["gpus_per_node"]), stages,
+                                    tuple(float(x) for x in t["send_activation_s"]),
+                                    tuple(float(x) for x in t["send_grad_s"]))  # fmt: skip
+        nodes = tuple(str(n) for n in p["nodes"])
+        if len(nodes) != template.num_nodes:
+            raise ValueError(f"a pipeline names {len(nodes)} nodes, its template has {template.num_nodes}")
+        pipelines.append(PipelineInstance(template, nodes, int(p["num_microbatches"])))
+    return Plan(tuple(pipelines), int(d["global_batch"]), int(d["microbatch_size"]), float(d["allreduce_s"]))

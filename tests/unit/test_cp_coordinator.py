@@ -1069,3 +1069,40 @@ def test_a_journal_of_an_ended_job_is_never_re_adopted_and_the_same_command_star
     assert running_job(str(tmp_path)) is None
     with pytest.raises(UserError, match=r"ended \(exit 0\): nothing runs to re-adopt"):
         read_journal(str(tmp_path))
+
+
+def test_the_journal_is_owner_only_json_and_a_planted_or_broken_file_is_refused_never_run(make, tmp_path):
+    """Issue 27 item 6: run dirs live on shared storage; the journal must hold data, not code."""
+    import os
+    import pickle
+    import stat
+
+    from master.journal import JOURNAL_FILE, read_journal, write_journal
+    from oobleck_mm.errors import UserError
+
+    journal, _ = _lost_master(make, nodes=2, steps=10)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_journal(str(run), journal)
+    path = run / JOURNAL_FILE
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [p.name for p in run.iterdir()] == [JOURNAL_FILE]  # no pickle beside it
+    back = read_journal(str(run))
+    assert back.plan == journal.plan and back.current == journal.current  # the planning Plan, exactly, from JSON
+
+    class Planted:  # what a crafted pickle does: run code when loaded
+        def __reduce__(self):
+            return (os.mkdir, (str(tmp_path / "pwned"),))
+
+    record = json.loads(path.read_text())
+    (run / "master-plan-g1.pickle").write_bytes(pickle.dumps(Planted()))
+    path.write_text(json.dumps({**record, "version": 1, "plan_file": "master-plan-g1.pickle"}))
+    with pytest.raises(UserError, match=rf"cannot read the journal {path}: version 1.*never loads"):
+        read_journal(str(run))
+    assert not (tmp_path / "pwned").exists()
+    path.write_text(json.dumps({**record, "plan": {"pipelines": [{"nodes": ["a"]}]}}))
+    with pytest.raises(UserError, match=rf"cannot read the journal {path}"):
+        read_journal(str(run))
+    path.write_text("{not json")
+    with pytest.raises(UserError, match=rf"cannot read the journal {path}"):
+        read_journal(str(run))
