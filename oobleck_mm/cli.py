@@ -186,6 +186,9 @@ def _add_control_plane_parsers(sub) -> None:
                        help="faults to inject, e.g. kill:node1@step4,stop:node2@t10s,join@step6 (repeatable)")
     local.add_argument("--trace", default=None, metavar="FILE", help="replay a spot-instance trace (kills, joins)")
     local.add_argument("--time-scale", type=float, default=1.0, help="trace seconds -> run seconds (default 1)")
+    local.add_argument("--churn", default=None, metavar="SPEC",
+                       help="synthetic bursty spot churn, RATE[,burst=K,min=N,max=M,seed=S,spread=S,preempt=SHARE,"
+                            "notice=S,duration=S,start=S] (RATE: bursts per minute of run time; oobleck_mm.faults.churn)")
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
 
 
@@ -546,15 +549,29 @@ def _trace_file(path: str) -> str:
 
 
 def _faults(args: argparse.Namespace, num_nodes: int) -> list:
-    """``--inject`` and ``--trace`` as one list of ``FaultEvent`` (UserError names the bad flag)."""
-    if not args.inject and args.trace is None:
+    """``--inject``, ``--trace`` and ``--churn`` as one list of ``FaultEvent`` (UserError names the bad flag)."""
+    churn = getattr(args, "churn", None)
+    if not args.inject and args.trace is None and churn is None:
         return []
+    from oobleck_mm.faults.churn import churn_timeline, parse_churn
     from oobleck_mm.faults.spec import check_targets, parse_inject
-    from oobleck_mm.faults.trace import load_timeline
+    from oobleck_mm.faults.trace import load_timeline, read_trace, starting_nodes
 
     faults = parse_inject(args.inject) if args.inject else []
     if args.trace is not None:
+        start = len(starting_nodes(read_trace(_trace_file(args.trace))))
+        if start != num_nodes:
+            print(f"--trace: the trace starts with {start} nodes and this run with {num_nodes} (--nodes / "
+                  f"cluster.nodes): its later adds and removes are replayed one for one on top of {num_nodes}",
+                  file=sys.stderr, flush=True)  # fmt: skip
         faults += load_timeline(_trace_file(args.trace), _node_names(num_nodes), time_scale=args.time_scale)
+    if churn is not None:
+        timeline = churn_timeline(parse_churn(churn), _node_names(num_nodes))
+        bursts = len({f.source.split(" event")[0] for f in timeline})
+        print(f"--churn: {len(timeline)} events in {bursts} bursts over "
+              f"{max((f.seconds or 0.0) for f in timeline) if timeline else 0.0:.0f} s after the first step "
+              f"({sum(f.kind == 'join' for f in timeline)} joins)", file=sys.stderr, flush=True)  # fmt: skip
+        faults += timeline
     check_targets(faults, _node_names(num_nodes))
     return faults
 

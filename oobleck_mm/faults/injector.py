@@ -216,17 +216,22 @@ class Injector:
         """Carries out ``faults`` together: every failure's processes are found first, then signalled."""
         self._batch += 1
         targets = [_Target(f) for f in faults]
+        # A trace or a churn burst may join a node and take it away in the same moment: the join
+        # comes first, so the failure hits the node the timeline means instead of "unknown node".
+        hit = {t.fault.node for t in targets if t.fault.is_failure}
+        first = [t for t in targets if not t.fault.is_failure and t.fault.node in hit]
+        records = [self._join(t) for t in first]
         for target in targets:
             if target.fault.is_failure:
                 self._resolve(target)
         # Logged before the signals: the master may log the loss within a millisecond of them,
         # and the failure must come first in the log.
-        records = [self._record(t) for t in targets if t.fault.is_failure]
+        records += [self._record(t) for t in targets if t.fault.is_failure]
         for target in targets:  # one tight loop: simultaneous failures really are
             if target.fault.is_failure and target.error is None:
                 self._signal_target(target)
         for target in targets:
-            if not target.fault.is_failure:
+            if not target.fault.is_failure and all(target is not f for f in first):
                 records.append(self._join(target))
         return records
 

@@ -129,6 +129,23 @@ def load_timeline(
 
 
 
+def starting_nodes(events: Sequence[TraceEvent], start_s: float | None = None) -> list[str]:
+    """The trace's nodes present at its start (every add at or before ``start_s``, default its first
+    timestamp, less the removes): the population the replay maps onto the local ``--nodes``."""
+    if not events:
+        return []
+    start_ms = events[0].ms if start_s is None else round(start_s * 1000)
+    live: list[str] = []
+    for event in events:
+        if event.ms > start_ms:
+            break
+        if event.action == "add" and event.node not in live:
+            live.append(event.node)
+        elif event.action == "remove" and event.node in live:
+            live.remove(event.node)
+    return live
+
+
 def _order_key(node: str) -> tuple[int, str]:
     # node10 after node9: by the trailing number, then by name for names without one.
     return node_number(node), node

@@ -192,3 +192,20 @@ def test_phase_events_fire_when_the_master_logs_the_node_there(cluster, tmp_path
     assert sorted(r["node"] for r in fired) == ["node1", "node3"] and all(r["event"] == "injected" for r in fired)
     assert cluster.procs["node1"].wait(15) == -9 and cluster.procs["node3"].wait(15) == -9
     assert injector.pending == []
+
+
+def test_a_node_joined_and_killed_in_one_batch_is_started_then_killed_not_unknown(cluster, tmp_path):
+    """A trace or a churn burst may take a node away in the moment it joins: the failure hits it."""
+    from oobleck_mm.faults.spec import FaultEvent
+
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    faults = [FaultEvent("join", "node3", seconds=1.0, source="t"), FaultEvent("kill", "node3", seconds=1.0, source="t")]
+    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents,
+                        start_agent=cluster.start_agent)  # fmt: skip
+    log.write("plan_decided", generation=1)
+    log.write("step", generation=1, step=0)
+    records = injector.poll(time.time() + 5)
+    assert [(r["event"], r["kind"], r["node"]) for r in records] == [("injected", "join", "node3"),
+                                                                     ("injected", "kill", "node3")]
+    assert cluster.procs["node3"].wait(15) == -9

@@ -1,0 +1,59 @@
+"""``--churn``: synthetic bursty spot churn as a timeline of kills, preemptions and joins (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oobleck_mm.errors import UserError
+from oobleck_mm.faults.churn import churn_timeline, parse_churn
+from oobleck_mm.faults.spec import check_targets
+from oobleck_mm.faults.trace import parse_trace, starting_nodes
+
+NODES = [f"node{i}" for i in range(6)]
+
+
+def test_churn_stays_within_its_bounds_hits_only_live_nodes_and_comes_in_bursts():
+    spec = parse_churn("30,burst=3,min=4,max=7,seed=5,spread=0.8,preempt=0.25,notice=3,duration=240")
+    timeline = churn_timeline(spec, NODES)
+    assert len(timeline) >= 60
+    live = set(NODES)
+    for f in timeline:
+        if f.kind == "join":
+            assert f.node not in live
+            live.add(f.node)
+        else:
+            assert f.node in live, f"{f.kind} of {f.node}, not live"
+            live.remove(f.node)
+        assert 4 <= len(live) <= 7
+    times = [f.seconds for f in timeline]
+    assert times == sorted(times) and max(times) <= spec.start_s + spec.duration_s
+    close = sum(1 for a, b in zip(times, times[1:]) if b - a < 1.0)
+    assert close >= 20, "bursts: several events within a second of each other"
+    kinds = {f.kind for f in timeline}
+    assert kinds == {"kill", "preempt", "join"} and all(f.notice_s == 3 for f in timeline if f.kind == "preempt")
+    check_targets(timeline, NODES)  # every failure names a node the run will have
+    assert churn_timeline(spec, NODES) == timeline, "the same seed, the same churn"
+    assert churn_timeline(parse_churn("30,min=4,max=7,seed=6,duration=240"), NODES) != timeline
+
+
+@pytest.mark.parametrize("text, message", [
+    ("fast", "RATE must be bursts per minute"),
+    ("0", "must be > 0"),
+    ("5,bursts=2", "unknown part 'bursts=2'"),
+    ("5,burst=two", "burst must be a whole number"),
+    ("5,burst=0", "burst must be >= 1"),
+    ("5,preempt=2", r"preempt must be a share in \[0, 1\]"),
+])  # fmt: skip
+def test_a_bad_churn_spec_is_refused_naming_the_part(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_churn(text)
+
+
+def test_churn_bounds_must_hold_a_node():
+    with pytest.raises(UserError, match=r"min \(5\) <= max \(3\)"):
+        churn_timeline(parse_churn("5,min=5,max=3"), NODES)
+
+
+def test_a_trace_says_how_many_nodes_it_starts_with():
+    events = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,remove,c", "1000,add,d"])
+    assert starting_nodes(events) == ["a", "b"]
