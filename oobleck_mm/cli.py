@@ -523,6 +523,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     job = _load_job(args)
     check_runnable(job, workers_here=True)
     faults = _faults(args, job.cluster.nodes)
+    _check_phase_targets(faults, job, bool(args.save_final))
     # Warnings by default: the console shows progress; details are in the event log.
     _setup_logging("local", _level(args.log_level or "warning"))
     options = LocalOptions(
@@ -574,6 +575,16 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
         faults += timeline
     check_targets(faults, _node_names(num_nodes))
     return faults
+
+
+def _check_phase_targets(faults: list, job, save_final: bool) -> None:
+    """A failure aimed at a phase this run never enters would never fire: refuse it up front."""
+    for fault in faults:
+        if fault.phase == "checkpoint" and job.fault_tolerance.recovery == "live" and not save_final:
+            raise UserError(f"--inject {fault.source or fault.describe()}: @phase:checkpoint is a collective "
+                            "checkpoint, which a live-recovery run enters only with --save-final (its periodic "
+                            "checkpoints are written in the background); use --set fault_tolerance.recovery=restart "
+                            "or --save-final DIR, or aim at copy, rendezvous, forming or registered")  # fmt: skip
 
 
 def _report_exit(code: int, message: str, logs: str) -> int:
