@@ -6,8 +6,9 @@ main thread, in the order the inbox delivers it:
 - ``stream``: the Subscribe stream -> assignments and shutdown into the inbox;
   its end without a Shutdown means the master is gone.
 - ``heartbeat``: a Heartbeat every interval; silence of the master past
-  ``fault_tolerance.master_silence_limit`` (or a master that no longer knows
-  this node) goes into the inbox.
+  ``fault_tolerance.master_silence_limit``, or a master that no longer knows
+  this node (it was declared lost: it registers again and joins, as when its
+  stream ends), goes into the inbox.
 - ``reports``: reads every worker pipe and forwards reports to the master.
 - the main thread: starts workers (one per GPU, once registered; they report
   ``ready`` once imported and warmed up, and a joining node is admitted then),
@@ -359,7 +360,11 @@ class Agent:
                 last_ok = time.monotonic()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    self.inbox.put(("fatal", (ref.session, f"the master no longer knows this node: {err.details()}")))
+                    # Declared lost (a hang, a partition, a host too busy to heartbeat): the same path as a
+                    # stream the master ended, whichever of the two this agent sees first, so the node always
+                    # registers again and joins (``_wait_for_master``), never exits on one and joins on the other.
+                    self.inbox.put(("master_lost", (ref.session, f"the master no longer knows this node "
+                                                                 f"({err.details()}): registering again")))
                     return
                 silent = time.monotonic() - last_ok
                 log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)

@@ -83,6 +83,14 @@ def maybe_plan(ctx: Context) -> None:
         ctx.because(f"plan {pending.id} superseded")
         s.planning = None
     if want is None:
+        if s.phase is JobPhase.RUNNING and s.incident is not None and s.incident.cause == "lost" and s.planning is None:
+            # Declared lost, and back (registered again, its workers still in this generation and saying
+            # so) before anything was planned without it: the generation goes on as it was.
+            ctx.record("incident_closed", cause=s.incident.cause, nodes=list(s.incident.nodes),
+                       generation=s.generation, reason="the nodes are back before a plan was needed")  # fmt: skip
+            ctx.say(f"{', '.join(s.incident.nodes)} back before a new generation was needed: generation "
+                    f"{s.generation} goes on")  # fmt: skip
+            s.incident = None
         return
     if isinstance(want, StateLost):
         if not stopping.checkpoint_before_leaving(ctx, want.reason):

@@ -61,7 +61,7 @@ def run_model(examples: int, root: Path, env_extra: dict | None = None, timeout:
     env = {**os.environ, "OOBLECK_MACHINE_EXAMPLES": str(examples), "PYTHONPATH": str(root), **(env_extra or {})}
     began = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", TEST, "-x", "-q", "-p", "no:cacheprovider",
-                           "--hypothesis-show-statistics", "--rootdir", str(root)],
+                           "--hypothesis-show-statistics", "--timeout", "0", "--rootdir", str(root)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     return proc.returncode == 0, time.perf_counter() - began, proc.stdout + proc.stderr
 

@@ -8,6 +8,7 @@ kills whatever is left and fails if any process a test started survived.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import signal
@@ -403,3 +404,38 @@ def test_the_workers_rendezvous_store_is_behind_the_job_token_on_the_masters_one
             dist.destroy_process_group()
         refused = read_events(master.event_log_path, "refused")
         assert refused and all(r["reason"] == "wrong token" for r in refused)
+
+
+def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, procs):
+    """Issue 27 9(ii): a healthy node declared lost (here: its processes paused past the heartbeat timeout,
+    as a host too busy to heartbeat would be) must always come back as a join, whether its agent first sees
+    the stream the master ended or a heartbeat answered NOT_FOUND (once that one exited with 1)."""
+    from oobleck_mm.config import load_config
+    from oobleck_mm.verify import compare
+
+    final = tmp_path / "final"
+    steps = 300
+    config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"})
+    master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
+    agents = {node: procs.agent(address, node, token) for node in ("node0", "node1", "node2")}
+    wait_event(events, "step", step=2, timeout=120)
+    paused = procs.remember(agents["node2"][0].pid)
+    for p in paused:
+        p.suspend()
+    try:
+        lost = wait_event(events, "lost", node="node2", timeout=4 * TIMEOUT_S + 20)
+        wait_event(events, "plan_decided", generation=lost["generation"] + 1, timeout=60)  # planned out
+    finally:
+        for p in paused:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.resume()
+    back = wait_for(lambda: [e for e in read_events(events, "plan_decided")
+                             if e["generation"] > lost["generation"] and "node2" in e["joined"]],
+                    120, "node2 joining again")  # fmt: skip
+    assert master.wait(240) == 0, agents["node2"][1].read_text()[-3000:]
+    for node, (agent, log) in agents.items():
+        assert agent.wait(30) == 0, f"{node}: {log.read_text()[-2000:]}"
+    assert sorted(read_events(events, "plan_decided")[-1]["nodes"]) == ["node0", "node1", "node2"]
+    assert back[0]["generation"] >= lost["generation"] + 2  # planned out, then in again
+    verdict = compare(load_config(config), steps, str(final), progress=lambda line: None)
+    assert verdict.ok and verdict.worst.abs_diff < 1e-9, verdict.format()

@@ -261,8 +261,9 @@ class MachineModel(RuleBasedStateMachine):
         if workers is None:
             return
         step = self.state.next_step
-        if step >= self.settings.steps:
-            for agent, _ in workers:
+        if step >= self.settings.steps:  # a generation with no step left: its rendezvous, the final save, done
+            for agent, a in workers:
+                self.report(agent, phase=pb.PhaseDone(generation=a.generation, phase="rendezvous", step=step))
                 self.report(agent, done=pb.WorkerDone(step=self.settings.steps - 1))
             return
         for agent, a in workers:
