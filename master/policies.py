@@ -19,7 +19,7 @@ Every ``checkpoint_interval`` steps each worker snapshots the layers it owns
 (one replica per layer, ``ExecutionPlan.checkpoint_owner``) and writes them in
 the background (``runtime/async_checkpoint.py``); the master completes the
 checkpoint (``meta.json``) once every rank of that generation reported, keeps
-the last ``KEEP_CHECKPOINTS``, and when a loss takes every copy of some layer
+the last ``fault_tolerance.keep_checkpoints`` (2), and when a loss takes every copy of some layer
 the job stops at the newest one (exit 3, the resume command printed) instead
 of losing the run.
 Restart recovery (the baseline every checkpoint-based system uses): every
@@ -37,8 +37,12 @@ from master.recovery import GenerationView, Holdings, Request, StateLost, plan_r
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
-KEEP_CHECKPOINTS = 2
-"""Complete periodic checkpoints live mode keeps (the newest, and one in case it is damaged)."""
+def keep_checkpoints(recovery: str, configured: int) -> int:
+    """Complete periodic checkpoints to keep (``fault_tolerance.keep_checkpoints``; 0: all): restart
+    mode only ever loads the newest one, so it keeps one unless told to keep all."""
+    if configured == 0:
+        return 0
+    return 1 if recovery == "restart" else configured
 
 ROUND = "round"
 """Below the threshold: the survivors write the layers they hold, then the job stops."""
@@ -66,7 +70,6 @@ class LiveRecovery:
     periodic_checkpoints = True
     asynchronous_checkpoints = True
     restarts_workers = False  # survivors keep training until the plan arrives at an iteration boundary
-    keep_checkpoints = KEEP_CHECKPOINTS
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
         wanted, _ = plan_request(current, facts.views, facts.holdings, live, facts.abandoned)
@@ -93,7 +96,6 @@ class RestartRecovery:
     periodic_checkpoints = True
     asynchronous_checkpoints = False  # a restart loads the newest checkpoint: written at a barrier
     restarts_workers = True
-    keep_checkpoints = 1  # a restart only ever loads the newest complete one
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
         gone = tuple(n for n in current.nodes if n not in live)

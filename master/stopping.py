@@ -15,7 +15,7 @@ from master.checkpointing import (CheckpointRound, RoundFailed, RoundPending, Ro
                                   round_verdict)  # fmt: skip
 from master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
 from master.effects import PruneCheckpoints, WriteMeta
-from master.policies import ROUND
+from master.policies import ROUND, keep_checkpoints
 from master.recovery import GenerationView, Request
 from master.state import TRAINING, JobPhase
 from oobleck_mm.errors import ExitCode
@@ -176,7 +176,9 @@ def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
         return
     if ctx.policy.complete_checkpoint(s.checkpoints, s.views(), gpu, done):  # a periodic checkpoint completed
         ctx.effects.append(WriteMeta(done.dir, done.step))
-        ctx.effects.append(PruneCheckpoints(done.dir, ctx.policy.keep_checkpoints))
+        keep = keep_checkpoints(ctx.cfg.options.recovery, ctx.cfg.timeouts.keep_checkpoints)
+        if keep:
+            ctx.effects.append(PruneCheckpoints(done.dir, keep))
         ctx.record("checkpoint_saved", dir=done.dir, step=done.step, generation=s.generation,
                    **s.checkpoints.last_timing)  # fmt: skip
         write_journal(ctx)

@@ -567,6 +567,9 @@ class FaultToleranceConfig:
     """Also checkpoint once this much time passed since the last checkpoint (whichever of the two
     comes first); null: by steps only. Every rank's clock is asked in the step's last collective, so
     all checkpoint after the same step."""
+    keep_checkpoints: int = 2
+    """Complete periodic checkpoints live mode keeps (the newest, and one in case it is damaged); 0: every
+    one, so that ``verify --windows`` can judge a long run window by window."""
 
     def __post_init__(self) -> None:
         check(self, "f", as_int, minimum=0)
@@ -579,6 +582,7 @@ class FaultToleranceConfig:
         check(self, "recovery", as_choice, ("live", "restart"))
         check(self, "checkpoint_interval", as_int, minimum=0)
         check_optional(self, "checkpoint_every", as_duration)
+        check(self, "keep_checkpoints", as_int, minimum=0)
 
     # ------------------------------------------------------------------ workers
     @property

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""A churn soak on real processes: bursty spot churn against a failure-free run of the same job.
+
+    python scripts/soak_churn.py                      # (a) built-in model, float64, 3+2-stage pipelines
+    python scripts/soak_churn.py --killmaster         # (c) the same with the master killed inside a burst
+    python scripts/soak_churn.py --json docs/soak_churn.json
+
+Runs ``oobleck-launch local`` twice with the same config: once without
+failures, once with ``--churn`` (``oobleck_mm.faults.churn``), then judges the
+churned run: exit 0, ``verify --windows`` (float64, every window between its
+periodic checkpoints and to its final save within 1e-9 of the reference), every
+incident of the recovery table with an outcome, no process left behind. It
+prints the throughput of the churned run as a fraction of the failure-free one
+(steps per second from the first step to the last) and, per burst of kills, the
+time from its last event to the next generation's resumption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from oobleck_mm.events import read_events  # noqa: E402
+
+BASE_SETS = ["training.dtype=float64", "cluster.device_memory=8e6"]
+"""float64 (exact verification) and a memory cap that makes n0 = 2: 5 nodes run 3+2-stage pipelines."""
+
+
+def launch(config: str, nodes: int, steps: int, run_dir: Path, extra: list[str], sets: list[str],
+           timeout: float) -> tuple[int, str, float]:  # fmt: skip
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", config, "--nodes", str(nodes), "--steps",
+           str(steps), "--run-dir", str(run_dir), "--log-every", "50", *extra]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    began = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stdout + done.stderr, time.perf_counter() - began
+
+
+def training_seconds(events_path: Path) -> float:
+    """Wall seconds from the first step's report to the last one's."""
+    steps = read_events(events_path, "step")
+    return steps[-1]["ts"] - steps[0]["ts"] if len(steps) > 1 else float("nan")
+
+
+def leftovers(run_dir: Path) -> list[int]:
+    """Processes still alive that this run started (their command line names its run dir or its master)."""
+    out = []
+    text = str(run_dir)
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                out.append(p.info["pid"])
+        except psutil.Error:
+            pass
+    return out
+
+
+def burst_recoveries(events_path: Path) -> list[dict]:
+    """Per burst of failures (injected events of one ``churn burst K``): seconds from its last event to the
+    first ``resumed`` of a generation planned after it."""
+    injected = [e for e in read_events(events_path, "injected") if str(e.get("source", "")).startswith("churn burst")]
+    resumed = read_events(events_path, "resumed")
+    decided = {e["generation"]: e["ts"] for e in read_events(events_path, "plan_decided")}
+    bursts: dict[str, list[dict]] = {}
+    for e in injected:
+        bursts.setdefault(e["source"].split(" event")[0], []).append(e)
+    out = []
+    for name, group in bursts.items():
+        if any(e["kind"] == "join" for e in group):
+            continue  # a join waits for its workers' start-up: not a planning figure
+        last = max(e["ts"] for e in group)
+        after = [r for r in resumed if decided.get(r["generation"], 0) >= last]
+        if after:
+            out.append({"burst": name, "events": len(group), "to_resumed_s": round(after[0]["ts"] - last, 3)})
+    return out
+
+
+def table_outcomes(output: str) -> list[str]:
+    """The recovery table's outcome column (the console's last table)."""
+    lines = output.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("#  kind")]
+    if not heads:
+        return []
+    rows = []
+    for line in lines[heads[-1] + 1:]:
+        if not re.match(r"^\d+\s", line):
+            break
+        rows.append(line)
+    return [re.split(r"\s{2,}", row.strip())[-1] for row in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_mm.yaml"))
+    parser.add_argument("--nodes", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--churn", default="10,burst=3,min=4,max=7,seed=1,spread=0.8,preempt=0.2,notice=3,"
+                                           "duration=240,start=3")
+    parser.add_argument("--set", action="append", default=[], dest="sets", help="more --set overrides")
+    parser.add_argument("--killmaster", action="store_true", help="also kill the master inside a burst")
+    parser.add_argument("--checkpoint-interval", type=int, default=50)
+    parser.add_argument("--timeout", type=float, default=3000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="oobleck-soak-"))
+    sets = [*BASE_SETS, *args.sets]
+    print(f"failure-free run: {args.nodes} nodes, {args.steps} steps ({work}/free)", flush=True)
+    code0, out0, wall0 = launch(args.config, args.nodes, args.steps, work / "free", [], sets, args.timeout)
+    free_s = training_seconds(work / "free" / "events.jsonl")
+    print(f"  exit {code0}, {free_s:.1f} s of training ({wall0:.1f} s in all)", flush=True)
+
+    extra = ["--churn", args.churn, "--save-final", str(work / "churn" / "final")]
+    churn_sets = [*sets, "fault_tolerance.keep_checkpoints=0",
+                  f"fault_tolerance.checkpoint_interval={args.checkpoint_interval}"]  # fmt: skip
+    if args.killmaster:
+        extra += ["--inject", "killmaster@t20s"]
+    print(f"churned run: --churn {args.churn}{' + killmaster@t20s' if args.killmaster else ''} ({work}/churn)",
+          flush=True)
+    code1, out1, wall1 = launch(args.config, args.nodes, args.steps, work / "churn", extra, churn_sets, args.timeout)
+    events = work / "churn" / "events.jsonl"
+    churn_s = training_seconds(events)
+    injected = read_events(events, "injected")
+    skipped = read_events(events, "inject_skipped")
+    print(f"  exit {code1}, {churn_s:.1f} s of training ({wall1:.1f} s in all); {len(injected)} events injected, "
+          f"{len(skipped)} skipped; {len(read_events(events, 'plan_decided'))} generations", flush=True)
+    if code1 != 0:
+        print(out1[-5000:])
+    outcomes = table_outcomes(out1)
+    no_outcome = [o for o in outcomes if o in ("", "-")]
+    time.sleep(2)
+    left = leftovers(work / "churn")
+
+    verified, verify_out = False, ""
+    if code1 == 0:
+        cmd = [sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", args.config, "--steps", str(args.steps),
+               "--against", str(work / "churn" / "final"), "--windows", str(work / "churn" / "checkpoints")]
+        for s in churn_sets:
+            cmd += ["--set", s]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        verified, verify_out = done.returncode == 0, done.stdout.strip()
+        print("verify --windows:\n  " + "\n  ".join(verify_out.splitlines()[-4:]), flush=True)
+
+    ratio = free_s / churn_s if churn_s == churn_s and churn_s > 0 else float("nan")
+    recoveries = burst_recoveries(events)
+    result = {
+        "nodes": args.nodes, "steps": args.steps, "churn": args.churn, "killmaster": args.killmaster,
+        "free_exit": code0, "free_training_s": round(free_s, 2), "churn_exit": code1,
+        "churn_training_s": round(churn_s, 2), "throughput_fraction": round(ratio, 3),
+        "events_injected": len(injected), "events_skipped": len(skipped),
+        "generations": len(read_events(events, "plan_decided")), "incidents": len(outcomes),
+        "incidents_without_outcome": len(no_outcome), "leftover_pids": left, "verified": verified,
+        "verify": verify_out.splitlines()[-1] if verify_out else "",
+        "burst_to_resumed_s": recoveries, "run_dir": str(work),
+    }  # fmt: skip
+    print(f"throughput {ratio:.1%} of failure-free; {len(outcomes)} incidents, {len(no_outcome)} without outcome; "
+          f"leftover processes {left or 'none'}; verified {verified}")
+    if recoveries:
+        times = sorted(r["to_resumed_s"] for r in recoveries)
+        print(f"kill bursts: last event -> resumed, median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s "
+              f"over {len(times)} bursts")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    ok = code0 == 0 and code1 == 0 and verified and not left and not no_outcome
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
