@@ -90,3 +90,19 @@ def test_bad_inputs_are_refused():
         NodeHealth(last_heartbeat=0.0, worker_failure="tired")
     with pytest.raises(ValueError, match="timeout"):  # the detector's timeouts come from a checked config
         FaultToleranceConfig(heartbeat_timeout=timedelta(0))
+
+
+def test_silence_takes_every_node_at_once_only_after_twice_the_timeout():
+    """Under load at start-up every agent of a replay went 3.09 s silent against 3 s: all lost, exit 3."""
+    from master.detector import ALL_SILENT_GRACE
+
+    nodes = {name: NodeHealth(last_heartbeat=96.9) for name in ("a", "b", "c")}
+    assert detect_failures(100.0, nodes, TIMEOUT) == []  # all silent 3.1 s: not all lost yet
+    late = 96.9 + ALL_SILENT_GRACE * 3 + 0.01
+    assert [f.node for f in detect_failures(late, nodes, TIMEOUT)] == ["a", "b", "c"]
+    nodes["d"] = NodeHealth(last_heartbeat=100.0)  # one still heartbeats: the others are hung, as always
+    assert [f.node for f in detect_failures(100.0, nodes, TIMEOUT)] == ["a", "b", "c"]
+    nodes = {"a": NodeHealth(last_heartbeat=96.9), "b": NodeHealth(last_heartbeat=96.9, stream_closed=True)}
+    assert [f.reason for f in detect_failures(100.0, nodes, TIMEOUT)] == [HEARTBEAT_TIMEOUT, STREAM_CLOSED]
+    single = {"a": NodeHealth(last_heartbeat=96.9)}  # a one-node job: its only node hung
+    assert [f.node for f in detect_failures(100.0, single, TIMEOUT)] == ["a"]
