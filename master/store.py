@@ -18,6 +18,8 @@ from __future__ import annotations
 import threading
 from concurrent import futures
 
+import secrets
+
 import grpc
 
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -30,6 +32,8 @@ class KeyValueStore:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self.instance = secrets.token_hex(8)
+        """Told with every reply: a restarted master's store is another instance, and starts empty."""
 
     def set(self, key: str, value: bytes) -> None:
         with self._lock:
@@ -91,6 +95,11 @@ class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
         self.store = store
 
     def Call(self, request: pb.StoreRequest, context) -> pb.StoreReply:
+        reply = self._answer(request, context)
+        reply.instance = self.store.instance
+        return reply
+
+    def _answer(self, request: pb.StoreRequest, context) -> pb.StoreReply:
         s, op = self.store, request.op
         if op == pb.STORE_SET:
             s.set(request.key, request.value)

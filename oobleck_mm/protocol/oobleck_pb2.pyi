@@ -404,11 +404,13 @@ class StoreRequest(_message.Message):
     def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StoreReply(_message.Message):
-    __slots__ = ("found", "value", "number")
+    __slots__ = ("found", "value", "number", "instance")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     found: bool
     value: bytes
     number: int
-    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...

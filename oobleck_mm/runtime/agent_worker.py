@@ -388,12 +388,15 @@ class WorkerLoop:
         ))  # fmt: skip
         store = None if prepared is not None else connect_store(a.store_host, a.store_port, a.store_token,
                                                                  timeout=self.timeouts.rendezvous_timeout)  # fmt: skip
-        pending = join_generation(
-            store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
-            collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,
-            poll=self.commands.poll,  # the master re-planned while we waited (a failure during recovery)
-            prepared=prepared,
-        )  # fmt: skip
+        try:
+            pending = join_generation(
+                store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
+                collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,
+                poll=self.commands.poll,  # the master re-planned while we waited (a failure during recovery)
+                prepared=prepared,
+            )  # fmt: skip
+        except dist.DistStoreError as error:  # the master (its store) went away or restarted: not a bug
+            raise PeerFailure(f"generation {a.generation}: rendezvous: {str(error).splitlines()[0]}") from error
         if pending is not None:
             return pending
         self.phase(a.generation, "rendezvous", seconds=time.perf_counter() - t0, formed_ahead=prepared is not None)

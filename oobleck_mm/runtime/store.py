@@ -12,7 +12,13 @@ Blocking operations (``get`` of a key not yet set, ``wait``) poll: the server
 answers at once, so waiting workers never hold its threads. The first polls are
 quick (a rendezvous is usually complete within milliseconds), later ones back off.
 Every operation ends within the store's timeout with ``DistStoreError``, as
-torch's stores do, and so does a master that does not answer.
+torch's stores do. A master that does not answer (killed, restarting, its
+network away for a moment) is waited for like the agents wait for it: calls
+are retried until the operation's deadline. A master that answers again but
+is another process (restarted with ``--resume-master``) has an empty store:
+the keys this rendezvous set are gone, so the operation fails at once with
+``DistStoreError`` naming that (``StoreReply.instance`` changed), and the
+worker abandons the iteration instead of waiting out the arrival timeout.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ LONGEST_POLL_S = 0.01
 """Pauses double up to this."""
 CALL_TIMEOUT_S = 10.0
 """Longest one store call may take (a master that stopped answering)."""
+RETRY_S = 0.2
+"""Pause between two tries to reach a master that did not answer."""
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""Codes of a master that is away (retried), as opposed to one that refused the call (not retried)."""
 
 
 class ControlPlaneStore(dist.Store):
@@ -42,10 +52,15 @@ class ControlPlaneStore(dist.Store):
         super().__init__()
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        # Reconnect within a second of a master coming back (gRPC's default backoff grows to 2 minutes).
+        self._channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 100),
+                                                                ("grpc.min_reconnect_backoff_ms", 100),
+                                                                ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = pb_grpc.RendezvousStoreStub(self._channel)
         self._metadata = call_metadata(token)
         self._timeout = timeout
+        self._instance = ""
+        """The store instance this client has talked to (the first reply's)."""
 
     # ------------------------------------------------------------------ c10d's operations
     def set(self, key: str, value) -> None:
@@ -97,12 +112,24 @@ class ControlPlaneStore(dist.Store):
             pause = min(2 * pause, LONGEST_POLL_S)
 
     def _call(self, request: pb.StoreRequest, deadline: float | None = None) -> pb.StoreReply:
-        left = CALL_TIMEOUT_S if deadline is None else max(0.001, min(CALL_TIMEOUT_S, deadline - time.monotonic()))
-        try:
-            return self._stub.Call(request, metadata=self._metadata, timeout=left)
-        except grpc.RpcError as err:
-            raise dist.DistStoreError(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} "
-                                      f"failed: {err.code().name} {err.details() or ''}".rstrip()) from None
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            left = max(0.001, min(CALL_TIMEOUT_S, deadline - time.monotonic()))
+            try:
+                reply = self._stub.Call(request, metadata=self._metadata, timeout=left)
+            except grpc.RpcError as err:
+                if err.code() in _UNREACHABLE and time.monotonic() + RETRY_S < deadline:
+                    time.sleep(RETRY_S)  # the master is away: wait for it, as the agents do
+                    continue
+                raise dist.DistStoreError(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} "
+                                          f"failed: {err.code().name} {err.details() or ''}".rstrip()) from None
+            if reply.instance and self._instance and reply.instance != self._instance:
+                raise dist.DistStoreError(f"store {self.address}: the master restarted and its rendezvous store "
+                                          f"with it: the keys this rendezvous set are gone "
+                                          f"({pb.StoreOp.Name(request.op)} {request.key!r})")  # fmt: skip
+            self._instance = self._instance or reply.instance
+            return reply
 
 
 def _bytes(value) -> bytes:

@@ -30,3 +30,57 @@ def test_generations_before_the_last_two_are_forgotten_and_nothing_else():
     assert s.forget_generations_before(2) == 2
     assert s.get("gen1/arrived") is None and s.get("gen2/arrived") == b"1" and s.get("gen10/arrived") == b"1"
     assert s.get("general") == s.get("gen3x/a") == s.get("other/gen1") == b"1"
+
+
+def test_a_client_waits_for_a_master_that_is_away_and_fails_fast_on_one_that_restarted():
+    """Issue 27 9(i): the master killed during a rendezvous made the workers' STORE_ADD fail with
+    UNAVAILABLE, taken for a bug; a restarted master's store is empty, so waiting on it is pointless."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    from master.store import serve_store_only
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    server, port = serve_store_only("tok")
+    client = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=20))
+    try:
+        assert client.add("gen2/arrived", 1) == 1
+        server.stop(0).wait()
+        restarted = {}
+
+        def restart_later() -> None:  # the same address, a new store (a master restarted with --resume-master)
+            time.sleep(1.0)
+            from concurrent import futures
+
+            import grpc
+
+            from master.service import TokenInterceptor
+            from master.store import KeyValueStore, RendezvousStoreService
+            from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+
+            again = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                interceptors=[TokenInterceptor("tok", lambda *_: None)])  # fmt: skip
+            pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(KeyValueStore()), again)
+            again.add_insecure_port(f"127.0.0.1:{port}")
+            again.start()
+            restarted["server"] = again
+
+        thread = threading.Thread(target=restart_later)
+        thread.start()
+        began = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="the master restarted and its rendezvous store with it"):
+            client.add("gen2/arrived", 1)  # waited through the gap, then saw another store
+        assert 0.5 < time.monotonic() - began < 15
+        thread.join()
+        fresh = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=1))
+        assert fresh.add("gen3/arrived", 1) == 1  # a new rendezvous against the new store works
+        fresh.close()
+    finally:
+        client.close()
+        server.stop(0)
+        if "server" in restarted:
+            restarted["server"].stop(0)
