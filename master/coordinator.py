@@ -126,10 +126,19 @@ class Coordinator:
         running ``adopt_generation``); raises Refused."""
         session = secrets.randbits(62)
         with self._lock:
-            answer = self._handle(Register(node, session, gpus, memory_bytes, pid, peer, adopt_generation),
-                                  peer=peer, method="Register")  # fmt: skip
+            # The outbox exists before the machine sees the node (a plan answered in the same call may
+            # already send to it); a refused registration puts back whatever was there.
+            before = self._outboxes.get(node)
             self._outboxes[node] = (session, queue.Queue())
-            return answer
+            try:
+                return self._handle(Register(node, session, gpus, memory_bytes, pid, peer, adopt_generation),
+                                    peer=peer, method="Register")  # fmt: skip
+            except Refused:
+                if before is None:
+                    self._outboxes.pop(node, None)
+                else:
+                    self._outboxes[node] = before
+                raise
 
     def open_stream(self, node: str, session: int) -> queue.Queue:
         """The outbox the node's Subscribe stream drains; raises Refused for an unknown session."""
