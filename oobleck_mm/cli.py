@@ -101,6 +101,9 @@ def _add_simulate_parser(sub) -> None:
     source.add_argument("--trace", default=None, metavar="FILE", help="node-availability trace (data/traces/)")
     source.add_argument("--failure-interval", default=None, metavar="DURATION",
                         help="remove one node every DURATION (10m, 1h, 6h) until --until-nodes remain")
+    source.add_argument("--churn", default=None, metavar="SPEC",
+                        help="synthetic bursty churn, as local's --churn (RATE bursts per minute[,burst=K,min=N,"
+                             "max=M,seed=S,duration=S,...]) on --nodes (default cluster.nodes)")
     sim.add_argument("--until-nodes", type=int, default=None, metavar="N",
                      help="with --failure-interval: stop when N nodes remain (default half)")
     sim.add_argument("--nodes", type=int, default=None, metavar="N",
@@ -308,6 +311,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         peak = av.from_trace(events, name).peak_nodes
         replicas = 1 if args.nodes is None else max(1, round(args.nodes / peak))
         availability = av.from_trace(events, name, replicas)
+    elif args.churn:
+        from oobleck_mm.faults.churn import churn_trace, parse_churn
+
+        nodes = job.cluster.nodes if args.nodes is None else args.nodes
+        availability = av.from_trace(churn_trace(parse_churn(args.churn), _node_names(nodes)), f"churn {args.churn}")
     else:
         nodes = job.cluster.nodes if args.nodes is None else args.nodes
         availability = av.periodic(nodes, av.parse_duration(args.failure_interval), args.until_nodes)

@@ -121,3 +121,16 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
         t = max(t + rng.expovariate(spec.rate_per_min / 60.0), at)  # bursts never overlap
         if t > spec.start_s + spec.duration_s:
             return out
+
+
+def churn_trace(spec: ChurnSpec, nodes: Sequence[str]):
+    """The same churn as a node-availability trace (``faults.trace.TraceEvent``): what the simulator
+    replays (``oobleck-launch simulate --churn``), so a burst pattern is judged the same way on real
+    processes and in the model. Notices are not kept (the simulator's ``--notice`` says that)."""
+    from oobleck_mm.faults.trace import TraceEvent
+
+    events = [TraceEvent(0, "add", name, 0) for name in nodes]
+    for i, f in enumerate(churn_timeline(spec, nodes), start=1):
+        ms = round((f.seconds or 0.0) * 1000)
+        events.append(TraceEvent(ms, "add" if f.kind == "join" else "remove", str(f.node), i))
+    return events

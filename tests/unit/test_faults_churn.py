@@ -57,3 +57,17 @@ def test_churn_bounds_must_hold_a_node():
 def test_a_trace_says_how_many_nodes_it_starts_with():
     events = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,remove,c", "1000,add,d"])
     assert starting_nodes(events) == ["a", "b"]
+
+
+def test_the_simulator_replays_the_same_churn_as_a_trace():
+    from oobleck_mm.faults.churn import churn_trace
+    from oobleck_mm.simulator import availability as av
+
+    spec = parse_churn("12,min=4,max=7,seed=2,duration=120")
+    timeline = churn_timeline(spec, NODES)
+    trace = churn_trace(spec, NODES)
+    assert [e.node for e in trace[:6]] == NODES and all(e.ms == 0 for e in trace[:6])
+    assert [(e.action, e.node) for e in trace[6:]] == [("add" if f.kind == "join" else "remove", f.node)
+                                                       for f in timeline]  # fmt: skip
+    a = av.from_trace(trace, "churn")
+    assert a.peak_nodes <= 7 and len(trace) - 6 == len(timeline)
