@@ -33,7 +33,7 @@ MUTANTS = [
      "    if wanted(ctx) != request:  # holdings changed", "    if False:  # holdings changed",
      "no plan uses a node that is not live"),
     ("supersede nothing", "master/generations.py",
-     "        if want == pending.request:\n            return", "        if True:\n            return",
+     "        if wanted(ctx) == pending.request:\n            return", "        if True:\n            return",
      "no plan uses a node that is not live / settles with every live node"),
     ("hand a round on before popping every lost node", "master/machine.py",
      "    for name, planned in in_plan.items():", "    for name, planned in []:",

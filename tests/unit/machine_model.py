@@ -216,6 +216,18 @@ class MachineModel(RuleBasedStateMachine):
             agent = self.world.agents.pop(data.draw(st.sampled_from(sorted(self.world.agents))))
             self.feed(StreamEnded(agent.name, agent.session))
 
+    def kill_named(self, name: str) -> None:
+        agent = self.world.agents.pop(name)
+        self.feed(StreamEnded(agent.name, agent.session))
+
+    def feed_tick(self, seconds: float) -> list:
+        """The clock moves by ``seconds`` in one tick (everyone heartbeats first): the tick's effects."""
+        self.now += seconds
+        for agent in list(self.world.agents.values()):
+            if not agent.hung:
+                self.feed(Heartbeat(agent.name, agent.session, self.now))
+        return list(self.feed(Tick()).effects)
+
     @rule(data=st.data(), now=st.integers(0, 2))
     def hang(self, data, now: int) -> None:
         """The node stops (SIGSTOP, a dead network): no heartbeat, no report, its stream stays open."""

@@ -31,3 +31,33 @@ def test_the_fake_planner_uses_every_node_once_in_two_node_pipelines():
     assert sorted(n for n, _ in planned.ranks) == ["a", "c", "d", "e", "f"]
     assert [len(p.stages) for p in planned.layout.pipelines] == [2, 3]
     assert type(answer(AskPlanner(2, "fresh", names=("a", "b", "c")))).__name__ == "CannotKeepReplicas"
+
+
+def test_a_plan_the_membership_overtook_is_superseded_and_the_latest_membership_planned_once():
+    """Issue 27 item 5: a second loss while a plan is computed no longer waits for the stale plan."""
+    from master.effects import CancelPlan
+    from master.inputs import PlanAnswered
+
+    m = MachineModel()
+    m.start(steps=100, recovery="live", interval=0, started=6)  # 4 planned, 2 joining
+    while len(m.state.current_view().nodes) < 6:
+        m.time_passes(0.3)
+        for plan_id in sorted(m.world.asked):
+            m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
+        m.train_a_step(phases=True)
+    before = m.state.generation
+    m.kill_named("n5")
+    m.time_passes(0.3)  # past the settle window: a plan asked for n0..n4
+    [first] = m.world.asked.values()
+    m.kill_named("n4")
+    effects = m.feed_tick(0.05)  # the loss is seen: the stale plan is dropped at once...
+    assert [e.id for e in effects if isinstance(e, CancelPlan)] == [first.id]
+    assert not [e for e in effects if type(e).__name__ == "AskPlanner"]  # ...the next waits for the settle window
+    m.feed_tick(0.1)
+    [second] = [a for a in m.world.asked.values() if a.id != first.id]
+    assert set(second.lost) == {"n4", "n5"}, second  # the latest membership, in one plan
+    # the stale answer comes anyway (it was running): dropped, never applied
+    m.feed(PlanAnswered(first.id, answer(m.world.asked.pop(first.id))))
+    assert m.state.generation == before
+    m.feed(PlanAnswered(second.id, answer(m.world.asked.pop(second.id))))
+    assert m.state.generation == before + 1 and set(m.state.current_view().nodes) == {"n0", "n1", "n2", "n3"}
