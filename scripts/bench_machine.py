@@ -98,8 +98,9 @@ def main() -> int:
           f"({args.examples / seconds:.0f}/s)")
     for line in result["outcomes"]:
         print("   ", line)
-    if not ok:
-        print(out[-6000:])
+    if not ok:  # the failing sequence, as hypothesis shrank it (it is also in .hypothesis/, replayed first)
+        failing = [line for line in out.splitlines() if line.startswith(("E   ", "  | E", "  | state", "E       state"))]
+        print("\n".join(failing[:150]) or out[-6000:])
     if args.mutants:
         result["mutants"] = []
         for name, file, text, replacement, guard in MUTANTS:
