@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from machine_model import FakePlan, MachineModel, answer
 from master.effects import AskPlanner
 
 EXAMPLES = int(os.environ.get("OOBLECK_MACHINE_EXAMPLES", "150"))
+SHRINK = os.environ.get("OOBLECK_MACHINE_SHRINK", "1") != "0"
+"""``scripts/bench_machine.py --mutants`` only asks whether a mutant is caught: no shrinking there."""
 
 TestMachine = MachineModel.TestCase
 TestMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=50, deadline=None,
-                                suppress_health_check=[HealthCheck.too_slow])
+                                suppress_health_check=[HealthCheck.too_slow],
+                                phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate])
 
 
 def test_the_fake_planner_uses_every_node_once_in_two_node_pipelines():
