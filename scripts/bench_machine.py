@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/unit/test_cp_machine.py::TestMachine"
+MUTANT_TESTS = "tests/unit/test_cp_machine.py"
+"""A mutant must fail the machine's test file: the random model, or a regression test kept beside it."""
 
 MUTANTS = [
     # (name, file, text, replacement, the invariant that should fail)
@@ -34,13 +36,15 @@ MUTANTS = [
      "no plan uses a node that is not live"),
     ("supersede nothing", "master/generations.py",
      "        if wanted(ctx) == pending.request:\n            return", "        if True:\n            return",
-     "no plan uses a node that is not live / settles with every live node"),
+     "a second loss while planning cancels the stale call (test_a_plan_the_membership_overtook...)"),
     ("hand a round on before popping every lost node", "master/machine.py",
-     "    for name, planned in in_plan.items():", "    for name, planned in []:",
-     "every live node in the plan once settled"),
+     "        ctx.effects.append(EndStream(name))\n",
+     "        ctx.effects.append(EndStream(name))\n        if s.phase is JobPhase.CHECKPOINTING:\n"
+     "            stopping.round_lost(ctx, [name])\n",
+     "nothing is sent to a node that is not registered"),
     ("admit joiners before their workers are ready", "master/generations.py",
      "n in current.nodes or s.registry.nodes[n].all_ready]", "n in current.nodes or True]",
-     "no plan uses a node that is not live (a joiner whose stream is not open)"),
+     "a joiner is admitted once its workers are ready"),
     ("finish when any worker is done", "master/generations.py",
      "    if all(s.done.get(gpu, (0, -1)) >= finished for gpu in current.ranks):",
      "    if any(s.done.get(gpu, (0, -1)) >= (s.generation, 0) for gpu in current.ranks):",
@@ -57,10 +61,11 @@ MUTANTS = [
 ]
 
 
-def run_model(examples: int, root: Path, env_extra: dict | None = None, timeout: float = 3600) -> tuple[bool, float, str]:
+def run_model(examples: int, root: Path, env_extra: dict | None = None, timeout: float = 3600,
+              test: str = TEST) -> tuple[bool, float, str]:  # fmt: skip
     env = {**os.environ, "OOBLECK_MACHINE_EXAMPLES": str(examples), "PYTHONPATH": str(root), **(env_extra or {})}
     began = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", TEST, "-x", "-q", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider",
                            "--hypothesis-show-statistics", "--timeout", "0", "--rootdir", str(root)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     return proc.returncode == 0, time.perf_counter() - began, proc.stdout + proc.stderr
@@ -96,7 +101,8 @@ def main() -> int:
         for name, file, text, replacement, guard in MUTANTS:
             tree = mutant_tree(file, text, replacement)
             try:  # no shrinking: the question is only whether the model catches it
-                passed, took, mout = run_model(args.mutant_examples, tree, {"OOBLECK_MACHINE_SHRINK": "0"})
+                passed, took, mout = run_model(args.mutant_examples, tree, {"OOBLECK_MACHINE_SHRINK": "0"},
+                                               test=MUTANT_TESTS)  # fmt: skip
             finally:
                 shutil.rmtree(tree, ignore_errors=True)
             caught = not passed

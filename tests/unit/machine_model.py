@@ -177,9 +177,12 @@ class MachineModel(RuleBasedStateMachine):
             w.finished.append(effect)
             assert len(w.finished) == 1, f"finished twice: {w.finished}"
         elif isinstance(effect, Record) and effect.kind == "plan_decided":
-            nodes = effect.fields["nodes"]
+            nodes, number = effect.fields["nodes"], effect.fields["generation"]
             eligible = set(s.registry.names())
-            assert set(nodes) <= eligible, f"generation {effect.fields['generation']} uses {nodes}, live {eligible}"
+            assert set(nodes) <= eligible, f"generation {number} uses {nodes}, live {eligible}"
+            if number > 1 and s.adopting is None:  # a joiner is admitted once its workers are up, never before
+                unready = [n for n in effect.fields["joined"] if not s.registry.nodes[n].all_ready]
+                assert not unready, f"generation {number} admits {unready} before their workers are ready"
         return []
 
     # ------------------------------------------------------------------ the agents
