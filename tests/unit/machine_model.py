@@ -180,8 +180,10 @@ class MachineModel(RuleBasedStateMachine):
             nodes, number = effect.fields["nodes"], effect.fields["generation"]
             eligible = set(s.registry.names())
             assert set(nodes) <= eligible, f"generation {number} uses {nodes}, live {eligible}"
-            if number > 1 and s.adopting is None:  # a joiner is admitted once its workers are up, never before
-                unready = [n for n in effect.fields["joined"] if not s.registry.nodes[n].all_ready]
+            before = s.gens.get(number - 1)
+            if number > 1 and before is not None:  # a newcomer is admitted once its workers are up, never before
+                unready = [n for n in effect.fields["joined"]
+                           if n not in before.view.nodes and not s.registry.nodes[n].all_ready]
                 assert not unready, f"generation {number} admits {unready} before their workers are ready"
         return []
 
