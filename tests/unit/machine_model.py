@@ -104,6 +104,8 @@ class World:
     sessions: int = 0
     max_generation: int = 0
     stop_requested: bool = False
+    done_by: set = field(default_factory=set)
+    """(generation, node) of every WorkerDone sent."""
 
 
 class MachineModel(RuleBasedStateMachine):
@@ -176,6 +178,10 @@ class MachineModel(RuleBasedStateMachine):
         elif isinstance(effect, Finished):
             w.finished.append(effect)
             assert len(w.finished) == 1, f"finished twice: {w.finished}"
+            if effect.exit_code == ExitCode.OK:  # every worker wrote the final save and said so
+                view = s.current_view()
+                silent = [n for n in view.nodes if (view.number, n) not in w.done_by]
+                assert not silent, f"exit 0 before {silent} of generation {view.number} reported done"
         elif isinstance(effect, Record) and effect.kind == "plan_decided":
             nodes, number = effect.fields["nodes"], effect.fields["generation"]
             eligible = set(s.registry.names())
@@ -281,6 +287,7 @@ class MachineModel(RuleBasedStateMachine):
         if step >= self.settings.steps:  # a generation with no step left: its rendezvous, the final save, done
             for agent, a in workers:
                 self.report(agent, phase=pb.PhaseDone(generation=a.generation, phase="rendezvous", step=step))
+                self.world.done_by.add((a.generation, agent.name))
                 self.report(agent, done=pb.WorkerDone(step=self.settings.steps - 1))
             return
         for agent, a in workers:
@@ -423,6 +430,17 @@ class MachineModel(RuleBasedStateMachine):
             # Exit 1 only when the state is gone with no checkpoint, a round failed, or re-forms ran out.
             assert ("gone" in message or "checkpoint" in message or "abandoned" in message
                     or "came back" in message), message  # fmt: skip
+
+    @invariant()
+    def a_lost_node_is_told(self) -> None:
+        """An agent whose registration the master dropped has had its stream ended (it stops, or registers
+        again): none keeps an open stream to a master that no longer knows it."""
+        if self.state is None or self.state.finish is not None:
+            return
+        for agent in self.world.agents.values():
+            entry = self.state.registry.nodes.get(agent.name)
+            assert not agent.stream or (entry is not None and entry.session == agent.session), (
+                f"{agent.name}'s stream is open, but the master dropped its registration without ending it")
 
     @invariant()
     def running_has_a_generation(self) -> None:
