@@ -289,6 +289,8 @@ class MachineModel(RuleBasedStateMachine):
                 self.report(agent, phase=pb.PhaseDone(generation=a.generation, phase="rendezvous", step=step))
                 self.world.done_by.add((a.generation, agent.name))
                 self.report(agent, done=pb.WorkerDone(step=self.settings.steps - 1))
+                if self.state.finish is None:
+                    self.feed(Tick())  # the control loop may look between two workers' reports
             return
         for agent, a in workers:
             if phases:
