@@ -48,16 +48,16 @@ MUTANTS = [
     ("finish when any worker is done", "master/generations.py",
      "    if all(s.done.get(gpu, (0, -1)) >= finished for gpu in current.ranks):",
      "    if any(s.done.get(gpu, (0, -1)) >= (s.generation, 0) for gpu in current.ranks):",
-     "exit 0 only after the last step"),
+     "exit 0 only once every worker of the last generation said done"),
     ("forget to end a lost node's stream", "master/machine.py",
      "        ctx.effects.append(EndStream(name))\n    for name", "        pass\n    for name",
-     "sends only to registered nodes (the lost node's agent keeps its old orders)"),
+     "a node the master dropped has had its stream ended"),
     ("stop without the resume command", "master/stopping.py",
      'f"resume with: {options.resume_command} --resume {directory}")',
      'f"")', "exit 3 says how to resume"),
     ("let the generation number go back on re-adoption", "master/generations.py",
      "    s.generation = journal.generation\n", "    s.generation = max(0, journal.generation - 1)\n",
-     "generations only grow"),
+     "generations only grow; the job settles with every live node planned"),
 ]
 
 
