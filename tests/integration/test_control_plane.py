@@ -427,8 +427,8 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
         lost = wait_event(events, "lost", node="node2", timeout=4 * TIMEOUT_S + 20)
         wait_event(events, "plan_decided", generation=lost["generation"] + 1, timeout=60)  # planned out
     finally:
-        for p in paused:
-            with contextlib.suppress(psutil.NoSuchProcess):
+        for p in reversed(paused):  # workers before their agent: an agent that wakes first takes a still
+            with contextlib.suppress(psutil.NoSuchProcess):  # stopped worker for a hung node (worker_stopped)
                 p.resume()
     back = wait_for(lambda: [e for e in read_events(events, "plan_decided")
                              if e["generation"] > lost["generation"] and "node2" in e["joined"]],
