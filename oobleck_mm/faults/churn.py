@@ -17,7 +17,10 @@ the starting count minus 2, at least 1), ``max`` (default: the starting count
 plus 2), ``seed`` (default 0), ``spread`` (seconds, default 0.8), ``preempt``
 (share of failures that are preemptions with notice, default 0), ``notice``
 (seconds of notice, default 5), ``duration`` (seconds of run time to fill,
-default 600), ``start`` (seconds before the first burst, default 2).
+default 600), ``start`` (seconds before the first burst, default 2),
+``warmup`` (seconds after its join before a node counts towards ``min``,
+default 0: set it to the workers' start-up for a soak that must not go below
+its threshold).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
 GRAMMAR = ("RATE[,burst=K,min=N,max=M,seed=S,spread=SECONDS,preempt=SHARE,notice=SECONDS,duration=SECONDS,"
-           "start=SECONDS] (RATE: bursts per minute)")
+           "start=SECONDS,warmup=SECONDS] (RATE: bursts per minute)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +48,15 @@ class ChurnSpec:
     notice_s: float = 5.0
     duration_s: float = 600.0
     start_s: float = 2.0
+    warmup_s: float = 0.0
+    """A node counts towards ``min`` only this long after it joined (its workers' start-up: a joiner that is
+    not ready yet holds no state, so killing warm nodes while counting it would take the job below its
+    threshold though ``min`` nodes live)."""
 
 
 _INT_KEYS = {"burst": "burst", "min": "min_nodes", "max": "max_nodes", "seed": "seed"}
 _FLOAT_KEYS = {"spread": "spread_s", "preempt": "preempt_share", "notice": "notice_s", "duration": "duration_s",
-               "start": "start_s"}
+               "start": "start_s", "warmup": "warmup_s"}
 
 
 def parse_churn(text: str) -> ChurnSpec:
@@ -76,7 +83,7 @@ def parse_churn(text: str) -> ChurnSpec:
         raise UserError(f"--churn: burst must be >= 1 event, got {spec.burst}")
     if not 0 <= spec.preempt_share <= 1:
         raise UserError(f"--churn: preempt must be a share in [0, 1], got {spec.preempt_share}")
-    for name in ("spread_s", "notice_s", "duration_s", "start_s"):
+    for name in ("spread_s", "notice_s", "duration_s", "start_s", "warmup_s"):
         if getattr(spec, name) < 0:
             raise UserError(f"--churn: {name.removesuffix('_s')} must be >= 0 seconds, got {getattr(spec, name)}")
     return spec
@@ -90,6 +97,7 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
         raise UserError(f"--churn: need 1 <= min ({low}) <= max ({high}) nodes")
     rng = random.Random(spec.seed)
     live = list(nodes)
+    joined_at = {name: float("-inf") for name in nodes}
     next_index = 1 + max((node_number(n) for n in nodes), default=-1)
     out: list[FaultEvent] = []
     t = spec.start_s
@@ -102,14 +110,18 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
                 break
             source = f"churn burst {burst_index} event {k + 1}"
             join = rng.random() < 0.5
+            warm = [n for n in live if at - joined_at[n] >= spec.warmup_s]
             if join and len(live) >= high:
                 join = False
-            elif not join and len(live) <= low:
-                join = True
+            if not join and (len(live) <= low or len(warm) <= low):
+                join = len(live) < high
+                if not join:
+                    continue  # at max, and too few warm nodes to take one away: nothing this time
             if join:
                 name = f"node{next_index}"
                 next_index += 1
                 live.append(name)
+                joined_at[name] = at
                 out.append(FaultEvent(kind="join", node=name, seconds=round(at, 3), source=source))
             else:
                 victim = rng.choice(sorted(live))

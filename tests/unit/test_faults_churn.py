@@ -71,3 +71,15 @@ def test_the_simulator_replays_the_same_churn_as_a_trace():
                                                        for f in timeline]  # fmt: skip
     a = av.from_trace(trace, "churn")
     assert a.peak_nodes <= 7 and len(trace) - 6 == len(timeline)
+
+
+def test_with_a_warmup_failures_never_leave_fewer_warm_nodes_than_min():
+    spec = parse_churn("30,burst=3,min=4,max=7,seed=3,duration=240,warmup=12")
+    joined_at = {n: float("-inf") for n in NODES}
+    for f in churn_timeline(spec, NODES):
+        if f.kind == "join":
+            joined_at[f.node] = f.seconds
+        else:
+            joined_at.pop(f.node)
+            warm = [n for n, t in joined_at.items() if f.seconds - t >= 12]
+            assert len(warm) >= 4 or f.node not in warm, (f, warm)
