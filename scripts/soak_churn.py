@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -88,18 +87,11 @@ def burst_recoveries(events_path: Path) -> list[dict]:
     return out
 
 
-def table_outcomes(output: str) -> list[str]:
-    """The recovery table's outcome column (the console's last table)."""
-    lines = output.splitlines()
-    heads = [i for i, line in enumerate(lines) if line.startswith("#  kind")]
-    if not heads:
-        return []
-    rows = []
-    for line in lines[heads[-1] + 1:]:
-        if not re.match(r"^\d+\s", line):
-            break
-        rows.append(line)
-    return [re.split(r"\s{2,}", row.strip())[-1] for row in rows]
+def table_outcomes(events_path: Path) -> list[str]:
+    """The recovery table's outcome column (``faults.report``, what the console prints at the end)."""
+    from oobleck_mm.faults.report import recovery_rows
+
+    return [row.outcome for row in recovery_rows(read_events(events_path))]
 
 
 def main() -> int:
@@ -107,8 +99,8 @@ def main() -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_mm.yaml"))
     parser.add_argument("--nodes", type=int, default=6)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--churn", default="10,burst=3,min=4,max=7,seed=1,spread=0.8,preempt=0.2,notice=3,"
-                                           "duration=240,start=3")
+    parser.add_argument("--churn", default="16,burst=3,min=4,max=7,seed=1,spread=0.8,preempt=0.2,notice=3,"
+                                           "duration=150,start=3,warmup=15")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="more --set overrides")
     parser.add_argument("--killmaster", action="store_true", help="also kill the master inside a burst")
     parser.add_argument("--checkpoint-interval", type=int, default=50)
@@ -139,7 +131,7 @@ def main() -> int:
           f"{len(skipped)} skipped; {len(read_events(events, 'plan_decided'))} generations", flush=True)
     if code1 != 0:
         print(out1[-5000:])
-    outcomes = table_outcomes(out1)
+    outcomes = table_outcomes(events)
     no_outcome = [o for o in outcomes if o in ("", "-")]
     time.sleep(2)
     left = leftovers(work / "churn")
