@@ -68,9 +68,10 @@ def wanted(ctx: Context) -> Request | StateLost | None:
 
 def maybe_plan(ctx: Context) -> None:
     s = ctx.s
+    want = wanted(ctx)
     pending = s.planning
     if pending is not None:
-        if wanted(ctx) == pending.request:
+        if want == pending.request:
             return  # still the right question: wait for its answer
         # The membership (or the survivors' states) changed while it was planned: its answer could
         # only be thrown away. Drop it now, and ask for the latest membership once it settled.
@@ -81,7 +82,6 @@ def maybe_plan(ctx: Context) -> None:
         s.planning = None
     if ctx.now < s.settle_until:
         return  # other nodes of the same failure may still be on their way out
-    want = wanted(ctx)
     if want is None:
         if s.phase is JobPhase.RUNNING and s.incident is not None and s.incident.cause == "lost" and s.planning is None:
             # Declared lost, and back (registered again, its workers still in this generation and saying

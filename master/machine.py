@@ -320,12 +320,11 @@ def declare_lost(ctx: Context, failures: list[Failure]) -> None:
         # the stream frees the handler thread; a live agent reads the end as "master gone" and
         # stops its workers, which is what a node declared lost must do.
         ctx.effects.append(EndStream(name))
-    for name, planned in in_plan.items():
-        if s.phase in TRAINING and planned:
+    for failure in failures:
+        if s.phase in TRAINING and in_plan[failure.node]:
             s.settle_until = ctx.now + SETTLE_S
-            ctx.say(f"node {name} lost ({dict((f.node, f.reason) for f in failures)[name]}); "
-                    f"planning generation {s.generation + 1}")
-            add_to_incident(ctx, "lost", name)
+            ctx.say(f"node {failure.node} lost ({failure.reason}); planning generation {s.generation + 1}")
+            add_to_incident(ctx, "lost", failure.node)
     if s.phase is JobPhase.CHECKPOINTING and in_plan:
         stopping.round_lost(ctx, list(in_plan))
 
