@@ -3,6 +3,7 @@
 
     python scripts/soak_churn.py                      # (a) built-in model, float64, 3+2-stage pipelines
     python scripts/soak_churn.py --killmaster         # (c) the same with the master killed inside a burst
+    python scripts/soak_churn.py --hf                 # (b) a tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on
     python scripts/soak_churn.py --json docs/soak_churn.json
 
 Runs ``oobleck-launch local`` twice with the same config: once without
@@ -35,6 +36,21 @@ from oobleck_mm.events import read_events  # noqa: E402
 
 BASE_SETS = ["training.dtype=float64", "cluster.device_memory=8e6"]
 """float64 (exact verification) and a memory cap that makes n0 = 2: 5 nodes run 3+2-stage pipelines."""
+
+
+def hf_llava_config(work: Path) -> str:
+    """Soak (b): a random tiny LLaVA (SigLIP tower, Qwen2 with tied embeddings) saved with ``save_pretrained``
+    under ``work``, trained with the balancer on; the memory cap gives 3+2-stage pipelines like (a)."""
+    import yaml
+
+    from oobleck_mm.model.tiny_hf import make_tiny_model
+
+    raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
+    raw["model"]["huggingface"] = make_tiny_model(work / "tiny_llava", "qwen2", "siglip", tie=True)
+    raw["balance"]["enabled"] = True
+    path = work / "llava.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
 
 
 def launch(config: str, nodes: int, steps: int, run_dir: Path, extra: list[str], sets: list[str],
@@ -100,15 +116,19 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=6)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--churn", default="16,burst=3,min=4,max=7,seed=1,spread=0.8,preempt=0.2,notice=3,"
-                                           "duration=150,start=3,warmup=15")
+                                           "duration=150,start=3,warmup=15,calm=2")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="more --set overrides")
     parser.add_argument("--killmaster", action="store_true", help="also kill the master inside a burst")
+    parser.add_argument("--hf", action="store_true",
+                        help="soak (b): a tiny HF LLaVA (SigLIP + Qwen2, tied embeddings) with the balancer on")
     parser.add_argument("--checkpoint-interval", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=3000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="oobleck-soak-"))
+    if args.hf:
+        args.config = hf_llava_config(work)
     sets = [*BASE_SETS, *args.sets]
     print(f"failure-free run: {args.nodes} nodes, {args.steps} steps ({work}/free)", flush=True)
     code0, out0, wall0 = launch(args.config, args.nodes, args.steps, work / "free", [], sets, args.timeout)
@@ -149,6 +169,7 @@ def main() -> int:
     ratio = free_s / churn_s if churn_s == churn_s and churn_s > 0 else float("nan")
     recoveries = burst_recoveries(events)
     result = {
+        "config": "tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on" if args.hf else Path(args.config).name,
         "nodes": args.nodes, "steps": args.steps, "churn": args.churn, "killmaster": args.killmaster,
         "free_exit": code0, "free_training_s": round(free_s, 2), "churn_exit": code1,
         "churn_training_s": round(churn_s, 2), "throughput_fraction": round(ratio, 3),

@@ -20,7 +20,16 @@ plus 2), ``seed`` (default 0), ``spread`` (seconds, default 0.8), ``preempt``
 default 600), ``start`` (seconds before the first burst, default 2),
 ``warmup`` (seconds after its join before a node counts towards ``min``,
 default 0: set it to the workers' start-up for a soak that must not go below
-its threshold).
+its threshold), ``calm`` (fewest seconds between two failures, default 0: a
+failure due sooner becomes a join, or nothing at ``max``).
+
+``calm`` is what separates churn the job must survive from churn that may end
+it: with ``f = 1`` every layer has two holders, and two failures inside one
+recovery (before the copy restored the second replica) lose every holder of a
+layer half the time or so, which ends the job with exit 3 at its last
+checkpoint, as it should. A soak that must exit 0 gives each recovery time to
+finish (``calm=2`` on the built-in model and the tiny LLaVA); its bursts still
+hold 2-3 events within a second (a failure among joins).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
 GRAMMAR = ("RATE[,burst=K,min=N,max=M,seed=S,spread=SECONDS,preempt=SHARE,notice=SECONDS,duration=SECONDS,"
-           "start=SECONDS,warmup=SECONDS] (RATE: bursts per minute)")
+           "start=SECONDS,warmup=SECONDS,calm=SECONDS] (RATE: bursts per minute)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +61,13 @@ class ChurnSpec:
     """A node counts towards ``min`` only this long after it joined (its workers' start-up: a joiner that is
     not ready yet holds no state, so killing warm nodes while counting it would take the job below its
     threshold though ``min`` nodes live)."""
+    calm_s: float = 0.0
+    """Fewest seconds between two failures (kills and preemptions); 0: no bound."""
 
 
 _INT_KEYS = {"burst": "burst", "min": "min_nodes", "max": "max_nodes", "seed": "seed"}
 _FLOAT_KEYS = {"spread": "spread_s", "preempt": "preempt_share", "notice": "notice_s", "duration": "duration_s",
-               "start": "start_s", "warmup": "warmup_s"}
+               "start": "start_s", "warmup": "warmup_s", "calm": "calm_s"}
 
 
 def parse_churn(text: str) -> ChurnSpec:
@@ -83,7 +94,7 @@ def parse_churn(text: str) -> ChurnSpec:
         raise UserError(f"--churn: burst must be >= 1 event, got {spec.burst}")
     if not 0 <= spec.preempt_share <= 1:
         raise UserError(f"--churn: preempt must be a share in [0, 1], got {spec.preempt_share}")
-    for name in ("spread_s", "notice_s", "duration_s", "start_s", "warmup_s"):
+    for name in ("spread_s", "notice_s", "duration_s", "start_s", "warmup_s", "calm_s"):
         if getattr(spec, name) < 0:
             raise UserError(f"--churn: {name.removesuffix('_s')} must be >= 0 seconds, got {getattr(spec, name)}")
     return spec
@@ -100,6 +111,7 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
     joined_at = {name: float("-inf") for name in nodes}
     next_index = 1 + max((node_number(n) for n in nodes), default=-1)
     out: list[FaultEvent] = []
+    last_failure = float("-inf")
     t = spec.start_s
     burst_index = 0
     while True:
@@ -113,7 +125,7 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
             warm = [n for n in live if at - joined_at[n] >= spec.warmup_s]
             if join and len(live) >= high:
                 join = False
-            if not join and (len(live) <= low or len(warm) <= low):
+            if not join and (len(live) <= low or len(warm) <= low or at - last_failure < spec.calm_s):
                 join = len(live) < high
                 if not join:
                     continue  # at max, and too few warm nodes to take one away: nothing this time
@@ -126,6 +138,7 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
             else:
                 victim = rng.choice(sorted(live))
                 live.remove(victim)
+                last_failure = at
                 kind = "preempt" if rng.random() < spec.preempt_share else "kill"
                 out.append(FaultEvent(kind=kind, node=victim, seconds=round(at, 3), notice_s=spec.notice_s,
                                       source=source))  # fmt: skip

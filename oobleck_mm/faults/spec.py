@@ -59,16 +59,16 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 VALID_FORMS = (
     "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "
     "killmaster@stepN, join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
-    "@phase:P, P one of copy, rendezvous, checkpoint, forming, registered)"
+    "@phase:P, P one of copy, rendezvous, connect, checkpoint, forming, registered)"
 )
 
 _STEP = re.compile(r"^step(\d+)$")
 _TIME = re.compile(r"^t(\d+(?:\.\d*)?|\.\d+)s$")
 _GPU = re.compile(r"^gpu(\d+)$")
 _NOTICE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)s$")
-PHASES = ("copy", "rendezvous", "checkpoint", "forming", "registered")
+PHASES = ("copy", "rendezvous", "connect", "checkpoint", "forming", "registered")
 """Phases a failure can be aimed at (``@phase:P``)."""
-HELD_PHASES = PHASES[:4]
+HELD_PHASES = PHASES[:5]
 """Phases the target's worker holds in until the fault lands (the rest are events of the master)."""
 PHASE_HOLD_S = 20.0
 """How long the target's worker holds in its phase: the fault lands within milliseconds of the

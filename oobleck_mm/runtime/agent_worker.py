@@ -386,14 +386,17 @@ class WorkerLoop:
         os.environ.update(torchrun_environment(
             a.rank, a.world_size, self.local_rank, self.node, list(a.rank_nodes), a.store_host, a.store_port,
         ))  # fmt: skip
-        store = None if prepared is not None else connect_store(a.store_host, a.store_port, a.store_token,
-                                                                 timeout=self.timeouts.rendezvous_timeout)  # fmt: skip
+        store = None if prepared is not None else connect_store(
+            a.store_host, a.store_port, a.store_token, timeout=self.timeouts.rendezvous_timeout,
+            interrupt=self.commands.replanned.is_set,  # a peer lost before it connected: do not wait it out
+        )  # fmt: skip
         try:
             pending = join_generation(
                 store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
                 collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,
                 poll=self.commands.poll,  # the master re-planned while we waited (a failure during recovery)
                 prepared=prepared,
+                before_connect=(lambda: hold("connect", self.node)) if a.previous_generation else None,
             )  # fmt: skip
         except dist.DistStoreError as error:  # the master (its store) went away or restarted: not a bug
             raise PeerFailure(f"generation {a.generation}: rendezvous: {str(error).splitlines()[0]}") from error

@@ -71,11 +71,13 @@ def torchrun_environment(rank: int, world_size: int, local_rank: int, node: str,
     return {name: str(value) for name, value in zip(TORCHRUN_VARIABLES, values)}
 
 
-def connect_store(host: str, port: int, token: str, timeout: timedelta) -> dist.Store:
-    """A client of the master's rendezvous store at ``host:port``; ``timeout`` bounds each of its operations."""
+def connect_store(host: str, port: int, token: str, timeout: timedelta,
+                  interrupt: Callable[[], bool] | None = None) -> dist.Store:  # fmt: skip
+    """A client of the master's rendezvous store at ``host:port``; ``timeout`` bounds each of its operations,
+    ``interrupt`` (the master re-planned) ends its waits for a key at once."""
     from oobleck_mm.runtime.store import ControlPlaneStore
 
-    return ControlPlaneStore(host, port, token, timeout)
+    return ControlPlaneStore(host, port, token, timeout, interrupt)
 
 
 def join_generation(
@@ -89,6 +91,7 @@ def join_generation(
     arrival_timeout: timedelta,
     poll: Callable[[], Any] | None = None,
     prepared: PreparedGroup | None = None,
+    before_connect: Callable[[], None] | None = None,
 ) -> Any:
     """Join generation ``generation``'s default process group as ``rank`` of ``world_size``.
 
@@ -97,6 +100,12 @@ def join_generation(
     when not every worker arrived within ``arrival_timeout`` or the group could not
     be formed. ``prepared``: the generation's group, being formed in the background
     (``PreparedGroup``); it is waited for and installed instead of forming one here.
+    ``before_connect``: called once every worker arrived, before the group's construction (the
+    ``connect`` hold point).
+
+    A peer lost between the arrival and its connect leaves the others waiting inside gloo's
+    construction for its address; a store made with an ``interrupt`` (``connect_store``) ends that
+    wait as soon as the master re-plans, else the group's timeout (``collective_timeout``) does.
     """
     leave_group()
     if prepared is not None:
@@ -105,6 +114,8 @@ def join_generation(
     pending = _await_arrivals(prefixed, generation, world_size, arrival_timeout, poll)
     if pending is not None:
         return pending
+    if before_connect is not None:
+        before_connect()
     dist.distributed_c10d._world.group_count = 0  # see the module docstring
     try:
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,

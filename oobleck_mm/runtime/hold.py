@@ -13,6 +13,9 @@ Points:
 - ``checkpoint``: in a checkpoint, after this rank's layer files, before the barrier;
 - ``rendezvous``: before joining a re-formed generation (generation > 1), so its peers wait for it
   at the arrival;
+- ``connect``: every worker of a re-formed generation arrived, before this one publishes its address
+  and connects to its peers (gloo's full mesh, through the master's store): its peers wait for it
+  inside the group's construction;
 - ``copy``: a new generation joined, before its layer states are copied;
 - ``forming``: in the background thread that forms a join's (or a leave's) groups ahead
   (``runtime.group.PreparedGroup``), before its arrival: the old generation trains on meanwhile;
@@ -37,7 +40,7 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 ENV = "OOBLECK_HOLD_AT"
-POINTS = ("checkpoint", "copy", "rendezvous", "forming", "stepN")
+POINTS = ("checkpoint", "copy", "rendezvous", "connect", "forming", "stepN")
 _held_steps: set[int] = set()
 """Steps this process already held before (``stepN`` holds once)."""
 _announce: Callable[[str, float], None] | None = None

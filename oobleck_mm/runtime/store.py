@@ -24,6 +24,7 @@ worker abandons the iteration instead of waiting out the arrival timeout.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import grpc
@@ -48,8 +49,12 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class ControlPlaneStore(dist.Store):
     """c10d's store operations as ``RendezvousStore.Call`` RPCs to ``host:port``, with ``token``."""
 
-    def __init__(self, host: str, port: int, token: str, timeout: timedelta) -> None:
+    def __init__(self, host: str, port: int, token: str, timeout: timedelta,
+                 interrupt: Callable[[], bool] | None = None) -> None:  # fmt: skip
+        """``interrupt``: asked between two reads of a key not yet set; True ends the wait with
+        ``DistStoreError`` (the worker's master re-planned: the peer it waits for is gone)."""
         super().__init__()
+        self._interrupt = interrupt
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self.address = address
         # Reconnect within a second of a master coming back (gRPC's default backoff grows to 2 minutes).
@@ -80,9 +85,10 @@ class ControlPlaneStore(dist.Store):
         return self._call(pb.StoreRequest(op=pb.STORE_CHECK, keys=list(keys))).found
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
-        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+        timeout = timeout or self._timeout  # gloo's connect passes the group's timeout
+        deadline = time.monotonic() + timeout.total_seconds()
         for key in keys:
-            self._wait_for(key, deadline)
+            self._wait_for(key, deadline, timeout)
 
     def delete_key(self, key: str) -> bool:
         return self._call(pb.StoreRequest(op=pb.STORE_DELETE, key=key)).found
@@ -97,17 +103,22 @@ class ControlPlaneStore(dist.Store):
         self._channel.close()
 
     # ------------------------------------------------------------------ plumbing
-    def _wait_for(self, key: str, deadline: float | None = None) -> bytes:
+    def _wait_for(self, key: str, deadline: float | None = None, timeout: timedelta | None = None) -> bytes:
+        """``key``'s value once set; ``DistStoreError`` naming ``timeout`` (the wait's bound) at ``deadline``."""
+        timeout = timeout or self._timeout
         if deadline is None:
-            deadline = time.monotonic() + self._timeout.total_seconds()
+            deadline = time.monotonic() + timeout.total_seconds()
         pause = FIRST_POLL_S
         while True:
             reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key), deadline)
             if reply.found:
                 return reply.value
             if time.monotonic() + pause > deadline:
-                raise dist.DistStoreError(f"store {self.address}: timed out after {self._timeout} waiting for key "
+                raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key "
                                           f"{key!r}")  # fmt: skip
+            if self._interrupt is not None and self._interrupt():
+                raise dist.DistStoreError(f"store {self.address}: waiting for key {key!r} abandoned: the master "
+                                          "re-planned")  # fmt: skip
             time.sleep(pause)
             pause = min(2 * pause, LONGEST_POLL_S)
 

@@ -271,6 +271,30 @@ def test_a_peer_killed_inside_the_state_copy_on_purpose_is_a_second_recovery(lau
     check_final(config, steps, final)
 
 
+def test_a_peer_killed_after_the_arrival_before_it_connected_costs_no_group_timeout(launches, tmp_path):
+    """Issue 27 item 8: --inject kill:node1@phase:connect: every worker of generation 2 arrived, node1's
+    holds before it publishes its address, and the kill lands there. Its peers wait inside gloo's
+    construction for that address; the master's re-plan ends the wait (not the group's 8 s timeout,
+    whose message named the store's 5-minute one), and generation 3 equals the reference."""
+    steps = 10
+    config = write_config(tmp_path, nodes=4, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
+                "--inject", "kill:node1@phase:connect")  # fmt: skip
+    finish_ok(run)
+    holding = assert_killed_in_phase(run, "node1", "connect")
+    assert holding["generation"] == 2
+    [killed] = run.events("injected", node="node1")
+    aborted = run.events("aborted", generation=2)
+    assert aborted, "the survivors never left generation 2"
+    for e in aborted:
+        assert "re-planned" in e["message"] and "timed out" not in e["message"], e["message"]
+        assert e["ts"] - killed["ts"] < TIMEOUT_S + 5, f"{e['node']} waited out the group's timeout"
+    assert not run.events("resumed", generation=2)
+    assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
+    check_final(config, steps, final)
+
+
 def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches, tmp_path):
     """--inject join@step2 and kill:node1@phase:forming: node1's thread that forms the join generation's
     groups ahead holds there (its training thread steps on), the kill lands, and the join generation,

@@ -84,3 +84,29 @@ def test_a_client_waits_for_a_master_that_is_away_and_fails_fast_on_one_that_res
         server.stop(0)
         if "server" in restarted:
             restarted["server"].stop(0)
+
+
+def test_a_wait_bounded_by_its_caller_ends_then_and_names_that_bound():
+    """Issue 27 item 8: gloo's connect waits for a peer's address with the group's timeout
+    (``collective_timeout``); a peer lost before publishing it made the abort say "timed out after
+    0:05:00" (the store's own timeout) after 8 s."""
+    import time
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    from master.store import serve_store_only
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    server, port = serve_store_only("tok")
+    client = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(minutes=5))
+    try:
+        began = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match=r"timed out after 0:00:00.300000 waiting for key 'gen4/0'"):
+            client.wait(["gen4/0"], timedelta(milliseconds=300))
+        assert time.monotonic() - began < 5
+        with pytest.raises(dist.DistStoreError, match=r"timed out after 0:00:00.200000"):
+            ControlPlaneStore("127.0.0.1", port, "tok", timedelta(milliseconds=200)).get("gen4/0")
+    finally:
+        server.stop(0)

@@ -83,3 +83,23 @@ def test_with_a_warmup_failures_never_leave_fewer_warm_nodes_than_min():
             joined_at.pop(f.node)
             warm = [n for n, t in joined_at.items() if f.seconds - t >= 12]
             assert len(warm) >= 4 or f.node not in warm, (f, warm)
+
+
+def test_with_calm_two_failures_are_never_closer_than_it_and_bursts_still_come():
+    """calm=2: every pair of failures (kills, preemptions) at least 2 s apart, so each recovery can
+    restore f+1 replicas before the next; without it the same seed has failures closer than that."""
+    text = "30,burst=3,min=4,max=7,seed=1,duration=240,preempt=0.3"
+    for calm, spec in ((2.0, parse_churn(text + ",calm=2")), (0.0, parse_churn(text))):
+        failures = [f.seconds for f in churn_timeline(spec, NODES) if f.kind != "join"]
+        gaps = [b - a for a, b in zip(failures, failures[1:])]
+        if calm:
+            assert gaps and min(gaps) >= calm, min(gaps)
+            events = churn_timeline(spec, NODES)
+            bursts: dict[str, list] = {}
+            for f in events:
+                bursts.setdefault(f.source.split(" event")[0], []).append(f.seconds)
+            assert sum(1 for times in bursts.values() if len(times) >= 2 and times[-1] - times[0] <= 1.0) >= 3
+        else:
+            assert min(gaps) < 2.0
+    with pytest.raises(UserError, match="calm must be >= 0 seconds"):
+        parse_churn("10,calm=-1")
