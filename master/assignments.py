@@ -40,13 +40,15 @@ def build_assignments(
     previous_ranks: list[int] | None = None,
     resume_dir: str = "",
     at_boundary: bool = False,
+    checkpoint_after_first_step: bool = False,
 ) -> list[tuple[Gpu, pb.Assignment]]:
     """(node, gpu) -> Assignment of ``gen``, in rank order.
 
     ``base`` and ``previous_ranks`` make it a reconfiguration (survivors keep
     their states); without them the workers start afresh, from ``resume_dir``
     when given. ``at_boundary``: the ranks it drops left on notice and finish the
-    iteration in flight, so the workers switch at the boundary.
+    iteration in flight, so the workers switch at the boundary. ``checkpoint_after_first_step``: a
+    periodic checkpoint was cut short by the loss ``gen`` recovers from: take the next one at once.
     """
     plan_msg = plan_to_proto(gen.layout)
     rank_nodes = gen.rank_nodes
@@ -59,6 +61,7 @@ def build_assignments(
             resume_dir=resume_dir, save_final_dir=sending.save_final_dir,
             checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
             checkpoint_async=sending.checkpoint_async, rank_nodes=rank_nodes,
+            checkpoint_after_first_step=checkpoint_after_first_step,
         )  # fmt: skip
         if base is not None:
             assert previous_ranks is not None and len(previous_ranks) == gen.layout.world_size

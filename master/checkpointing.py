@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from master.recovery import GenerationView, orphan_layers, surviving_ranks
@@ -166,6 +166,35 @@ class CheckpointBook:
             self.last_timing = {}
             return True
         return False
+
+
+def cut_short(book: CheckpointBook, gens: Mapping[int, GenerationView], interval: int, next_step: int,
+              lost: Collection[str]) -> int | None:  # fmt: skip
+    """The step of the newest periodic checkpoint that losing ``lost`` leaves without ``meta.json``, or None.
+
+    Workers snapshot after every step that makes ``next_step`` a multiple of ``interval`` and write in
+    the background; a writer lost before its share is on disk cuts that checkpoint short (issue 27
+    9(iii): a 1,600-step soak with 34 recoveries completed 1 of its 8). The next generation then
+    checkpoints after its first step (``Assignment.checkpoint_after_first_step``), so a loss costs at
+    most one step of checkpointed progress, not a whole interval.
+
+    Why not have the surviving replicas write the lost writer's layers of that step: they trained
+    on past it, and each worker snapshots only the layers it owns. Snapshotting every held layer
+    instead would double the host memory and the training thread's copy of every checkpoint (f+1
+    copies of each layer), to save one extra checkpoint after a loss.
+    """
+    last = book.last[1] if book.last is not None else 0
+    taken = (next_step // interval) * interval if interval > 0 else 0
+    pending = {step_of(d): d for d in book.shares}
+    step = max(taken, max(pending, default=0))
+    if step <= last:
+        return None
+    shares = book.shares.get(pending.get(step, ""), {})
+    generations = {done.generation for done in shares.values()}
+    if len(generations) == 1 and (gen := gens.get(generations.pop())) is not None:
+        if all(gpu in shares for gpu in gen.ranks if gpu[0] in lost):
+            return None  # every lost writer's files are on disk: the survivors' shares complete it
+    return step
 
 
 def step_of(directory: str) -> int:

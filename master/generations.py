@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from master.assignments import build_assignments
+from master.checkpointing import cut_short
 from master import stopping
 from master.context import Context, add_to_incident, finish, write_journal
 from master.effects import AskPlanner, CancelPlan, StartProgress, WarmPlanner
@@ -232,7 +233,8 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     # workers switch at the boundary instead of abandoning that iteration.
     leaving = set(s.registry.leaving())
     at_boundary = base is not None and request.base == number - 1 and set(request.lost) <= leaving
-    _send_assignments(ctx, view, base, previous, at_boundary)
+    again = _checkpoint_cut_short(ctx, request) if base is not None else None
+    _send_assignments(ctx, view, base, previous, at_boundary, checkpoint_again=again is not None)
     for name in sorted(leaving - set(view.nodes)):
         dismiss(ctx, name, "was planned out after its notice")
     if number == 1:
@@ -241,15 +243,31 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     ctx.because(f"generation {number} started on {len(view.nodes)} nodes")
 
 
+def _checkpoint_cut_short(ctx: Context, request: Request) -> int | None:
+    """The periodic checkpoint (its step) that this generation's losses leave incomplete, said and
+    recorded: the new generation checkpoints after its first step instead (``checkpointing.cut_short``)."""
+    sending = ctx.cfg.sending
+    if not (sending.checkpoint_async and request.lost):
+        return None
+    s = ctx.s
+    step = cut_short(s.checkpoints, s.views(), sending.checkpoint_interval, s.next_step, request.lost)
+    if step is not None:
+        ctx.record("checkpoint_cut_short", step=step, lost=list(request.lost), generation=s.generation,
+                   again_after_step=s.next_step)  # fmt: skip
+        ctx.say(f"the checkpoint of step {step} lost a writer ({', '.join(request.lost)}): generation "
+                f"{s.generation} checkpoints again after its first step")  # fmt: skip
+    return step
+
+
 def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView | None, previous: list[int],
-                      at_boundary: bool) -> None:  # fmt: skip
+                      at_boundary: bool, checkpoint_again: bool = False) -> None:  # fmt: skip
     if base is not None:
         resume_dir, start = "", ctx.s.next_step  # survivors carry the state (and agree on the step)
     else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
         resume_dir, start = ctx.policy.fresh_start(ctx.facts())
     for gpu, assignment in build_assignments(
         view, ctx.cfg.sending, start_step=start, base=base, previous_ranks=previous if base else None,
-        resume_dir=resume_dir, at_boundary=at_boundary,
+        resume_dir=resume_dir, at_boundary=at_boundary, checkpoint_after_first_step=checkpoint_again,
     ):  # fmt: skip
         ctx.send(gpu[0], pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=assignment)))
         ctx.record("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],

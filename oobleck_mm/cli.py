@@ -588,11 +588,13 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
 def _check_phase_targets(faults: list, job, save_final: bool) -> None:
     """A failure aimed at a phase this run never enters would never fire: refuse it up front."""
     for fault in faults:
-        if fault.phase == "checkpoint" and job.fault_tolerance.recovery == "live" and not save_final:
-            raise UserError(f"--inject {fault.source or fault.describe()}: @phase:checkpoint is a collective "
-                            "checkpoint, which a live-recovery run enters only with --save-final (its periodic "
-                            "checkpoints are written in the background); use --set fault_tolerance.recovery=restart "
-                            "or --save-final DIR, or aim at copy, rendezvous, forming or registered")  # fmt: skip
+        ft = job.fault_tolerance
+        periodic = ft.checkpoint_interval > 0  # (checkpoint_every, 30 min by default, may never come)
+        if fault.phase == "checkpoint" and ft.recovery == "live" and not (save_final or periodic):
+            raise UserError(f"--inject {fault.source or fault.describe()}: @phase:checkpoint needs a checkpoint, "
+                            "and this live-recovery run writes none: set fault_tolerance.checkpoint_interval "
+                            "(periodic checkpoints, written in the background) or --save-final DIR, or aim at "
+                            "copy, rendezvous, connect, forming or registered")  # fmt: skip
 
 
 def _report_exit(code: int, message: str, logs: str) -> int:

@@ -53,6 +53,14 @@ def hf_llava_config(work: Path) -> str:
     return str(path)
 
 
+HF_TOLERANCE = 1e-6
+"""verify's bound for soak (b). transformers' Qwen2RMSNorm computes in float32 whatever the model's dtype
+(``hidden_states.to(torch.float32)``), so a float64 HF LLaVA is float32-precise there: a reduction-order
+difference of 1e-16 can flip a float32 rounding, and 50-step windows then differ by ~1e-8, spread evenly
+over every layer (measured). A logic error (a step skipped or applied twice, a stale layer) moves a
+layer by about lr = 1e-3, far above this bound."""
+
+
 def launch(config: str, nodes: int, steps: int, run_dir: Path, extra: list[str], sets: list[str],
            timeout: float) -> tuple[int, str, float]:  # fmt: skip
     cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", config, "--nodes", str(nodes), "--steps",
@@ -121,6 +129,8 @@ def main() -> int:
     parser.add_argument("--killmaster", action="store_true", help="also kill the master inside a burst")
     parser.add_argument("--hf", action="store_true",
                         help="soak (b): a tiny HF LLaVA (SigLIP + Qwen2, tied embeddings) with the balancer on")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="verify's bound per window (default 1e-9; 1e-6 with --hf: see HF_TOLERANCE)")
     parser.add_argument("--checkpoint-interval", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=3000)
     parser.add_argument("--json", default=None)
@@ -160,6 +170,9 @@ def main() -> int:
     if code1 == 0:
         cmd = [sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", args.config, "--steps", str(args.steps),
                "--against", str(work / "churn" / "final"), "--windows", str(work / "churn" / "checkpoints")]
+        tolerance = args.tolerance if args.tolerance is not None else (HF_TOLERANCE if args.hf else None)
+        if tolerance is not None:
+            cmd += ["--tolerance", str(tolerance)]
         for s in churn_sets:
             cmd += ["--set", s]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)

@@ -66,7 +66,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary", "store_token")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary", "store_token", "checkpoint_after_first_step")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Assignment(_message.Message):
     CHECKPOINT_ASYNC_FIELD_NUMBER: _ClassVar[int]
     AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     STORE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AFTER_FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -105,7 +106,8 @@ class Assignment(_message.Message):
     checkpoint_async: bool
     at_boundary: bool
     store_token: str
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ..., store_token: _Optional[str] = ...) -> None: ...
+    checkpoint_after_first_step: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ..., store_token: _Optional[str] = ..., checkpoint_after_first_step: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("dir", "generation", "surviving_ranks", "at_boundary")

@@ -207,7 +207,7 @@ class WorkerLoop:
         self.waiter = Waiter(self.timeouts.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
                              stall_after=self.timeouts.stall_report_after.total_seconds())  # fmt: skip
         self._send_lock = threading.Lock()  # the checkpoint writer reports from its own thread
-        self.checkpointer = AsyncCheckpointer(self._checkpoint_written, self._checkpoint_failed)
+        self.checkpointer = AsyncCheckpointer(self._checkpoint_written, self._checkpoint_failed, node=node)
         self.assigned_generation = 0
         """The generation of the assignment in hand (from its rendezvous on)."""
         # A hold point (runtime/hold.py, tests and --inject @phase:P) is reported before it holds.
@@ -298,13 +298,16 @@ class WorkerLoop:
                 self.committed = gen
                 self.phase(a.generation, "resumed", step=step)
             by_steps = a.checkpoint_interval and self.next_step % a.checkpoint_interval == 0
-            if (by_steps or result.checkpoint_due) and a.checkpoint_dir:
+            again = a.checkpoint_after_first_step and step == start  # the loss cut the last one short
+            if (by_steps or again or result.checkpoint_due) and a.checkpoint_dir:
                 if every:
                     last_checkpoint = time.monotonic()
                 # A directory per step: a save cut short by a lost peer leaves a directory without
                 # meta.json next to the last complete checkpoint, never a mix of two steps in one.
                 directory = periodic_checkpoint_dir(a.checkpoint_dir, self.next_step)
                 if a.checkpoint_async:  # live mode: each layer by one holder, written in the background
+                    if again:  # this rank may still write the checkpoint the loss cut short: not skipped
+                        self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds())
                     owned = [i for i in engine.layers if plan.checkpoint_owner(i) == a.rank]
                     self.checkpointer.save(directory, engine.held(), owned, engine.specs, self.next_step,
                                            a.generation, engine.shared_state())  # fmt: skip

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from oobleck_mm.runtime.checkpoint import layer_payload, write_error, write_layer_file
+from oobleck_mm.runtime.hold import hold
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class AsyncCheckpointer:
     """One background writer per worker; a snapshot while the previous write runs is skipped."""
 
     def __init__(self, on_written: Callable[[str, int, int, int, float], None],
-                 on_failed: Callable[[str, int, int, str], None] | None = None) -> None:  # fmt: skip
+                 on_failed: Callable[[str, int, int, str], None] | None = None, node: str = "") -> None:  # fmt: skip
+        """``node``: this worker's, for the ``checkpoint`` hold point (after the files, before the report)."""
+        self.node = node
         self.on_written = on_written
         """``(directory, step, layers, generation, write seconds)`` once this worker's files are on disk."""
         self.on_failed = on_failed
@@ -74,7 +77,9 @@ class AsyncCheckpointer:
             if self.on_failed is not None:
                 self.on_failed(directory, step, generation, error)
             return
-        self.on_written(directory, step, len(payloads), generation, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        hold("checkpoint", self.node)  # a writer lost here cuts the checkpoint short (tests, @phase:checkpoint)
+        self.on_written(directory, step, len(payloads), generation, seconds)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for the write in flight (before the process exits); True if none is left."""

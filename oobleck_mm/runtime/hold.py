@@ -10,7 +10,8 @@ step that precedes the checkpoint, lands while they wait. Entries are
 ``point[@node]:seconds``, comma-separated; without ``@node`` every worker holds.
 Points:
 
-- ``checkpoint``: in a checkpoint, after this rank's layer files, before the barrier;
+- ``checkpoint``: in a checkpoint, after this rank's layer files, before the barrier (a live run's
+  periodic checkpoint: in its background writer, before it reports its share to the master);
 - ``rendezvous``: before joining a re-formed generation (generation > 1), so its peers wait for it
   at the arrival;
 - ``connect``: every worker of a re-formed generation arrived, before this one publishes its address

@@ -24,6 +24,7 @@ from e2e_harness import (
     position_nodes,
     write_config,
 )
+from oobleck_mm.config import load_config
 from oobleck_mm.faults.report import recovery_rows
 from oobleck_mm.runtime.checkpoint import read_meta
 
@@ -521,6 +522,33 @@ def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equa
     again.assert_all_gone()
     assert [e["step"] for e in again.events("step")] == list(range(saved[-1], 40))
     check_final(config, 40, final)
+
+
+def test_a_writer_killed_inside_a_periodic_checkpoint_is_made_up_after_the_next_first_step(launches, tmp_path):
+    """Issue 27 9(iii): --inject kill:node1@phase:checkpoint in live mode: node1's background writer
+    holds with its files written but not reported, and the kill lands there. The checkpoint of step 4
+    never completes; generation 2 checkpoints after its first step instead of 4 steps later, and every
+    window between the complete checkpoints equals the reference (verify --windows)."""
+    from oobleck_mm.verify import checkpoint_windows, compare_windows
+
+    steps = 14
+    config = write_config(tmp_path, nodes=4, steps=steps,
+                          fault_tolerance={"checkpoint_interval": 4, "keep_checkpoints": 0})  # fmt: skip
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@phase:checkpoint")
+    finish_ok(run)
+    assert_killed_in_phase(run, "node1", "checkpoint")
+    [cut] = run.events("checkpoint_cut_short")
+    assert cut["step"] == 4 and cut["lost"] == ["node1"], cut
+    [resumed] = run.events("resumed", generation=2)[:1]
+    saved = [e["step"] for e in run.events("checkpoint_saved")]
+    assert 4 not in saved and resumed["step"] + 1 in saved, (saved, resumed)
+    assert not (run.run_dir / "checkpoints" / "step00000004" / "meta.json").exists()
+    check_final(config, steps, final)
+    job = load_config(config)
+    windows = checkpoint_windows(str(run.run_dir / "checkpoints"), str(final))
+    assert [w[2] for w in windows][-1] == steps and resumed["step"] + 1 in [w[2] for w in windows]
+    assert all(v.ok for v in compare_windows(job, windows, progress=lambda line: None))
 
 
 def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equals_the_reference(launches, tmp_path):

@@ -118,8 +118,9 @@ def test_a_bug_exits_1_with_its_traceback_never_as_bad_input(capsys, monkeypatch
                                                       "joins add node3)"),
         (["--trace", "TMP"], "is a folder, not a file"),
         (["--run-dir", "TMP/file"], "--run-dir: 'TMP/file' is a file; give a folder"),
-        (["--inject", "kill:node1@phase:checkpoint"], "@phase:checkpoint is a collective checkpoint, which a "
-                                                      "live-recovery run enters only with --save-final"),
+        (["--inject", "kill:node1@phase:checkpoint"], "@phase:checkpoint needs a checkpoint, and this "
+                                                      "live-recovery run writes none: set "
+                                                      "fault_tolerance.checkpoint_interval"),
         (["--churn", "5,burst=0"], "--churn: burst must be >= 1"),
     ],
 )  # fmt: skip

@@ -680,6 +680,43 @@ def test_live_mode_completes_periodic_checkpoints_and_stops_at_the_newest_when_e
     assert f"--resume {directory}" in result.message and "step 2" in result.message
 
 
+def test_a_periodic_checkpoint_cut_short_by_a_loss_is_taken_again_after_the_next_generations_first_step(
+        make, tmp_path):  # fmt: skip
+    """Issue 27 9(iii): a writer lost before its share was on disk leaves the checkpoint of step 2
+    without meta.json; the next generation checkpoints after its first step (3), not at step 4."""
+    j = make(nodes=4, steps=10, checkpoint_interval=2)
+    start(j, "n0", "n1", "n2", "n3")
+    j.train(1, 0)
+    j.train(1, 1)
+    directory = str(tmp_path / "checkpoints" / "step00000002")
+    shares = sorted(j.assigned.items(), key=lambda kv: kv[1].rank)
+    lost = shares[-1][0][0]
+    for gpu, a in shares[:-1]:  # the lost node's writer never reported
+        j.report(gpu, checkpoint_done=pb.CheckpointDone(dir=directory, step=2, layers=1, generation=1))
+    j.c.stream_ended(lost, j.sessions[lost])
+    j.advance(0.3)
+    j.drain_all()
+    second = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert second and all(a.checkpoint_after_first_step and a.start_step == 2 for a in second.values())
+    [cut] = read_events(j.events, "checkpoint_cut_short")
+    assert cut["step"] == 2 and cut["lost"] == [lost]
+    assert any("checkpoint of step 2 lost a writer" in line for line in j.lines)
+    j.train(2, 2)
+    again = str(tmp_path / "checkpoints" / "step00000003")
+    for gpu, a in second.items():
+        j.report(gpu, checkpoint_done=pb.CheckpointDone(dir=again, step=3, layers=1, generation=2))
+    [saved] = read_events(j.events, "checkpoint_saved")
+    assert (saved["dir"], saved["step"]) == (again, 3)
+    # A loss after the newest checkpoint completed cuts nothing short (step 4's is not taken yet).
+    victim = next(gpu for gpu in second)[0]
+    j.c.stream_ended(victim, j.sessions[victim])
+    j.advance(0.3)
+    j.drain_all()
+    third = [a for a in j.assigned.values() if a.generation == 3]
+    assert third and not any(a.checkpoint_after_first_step for a in third)
+    assert len(read_events(j.events, "checkpoint_cut_short")) == 1
+
+
 def _abandon(j: Job, generation: int, step: int) -> None:
     for gpu, a in j.assigned.items():
         if a.generation == generation:
@@ -1106,3 +1143,18 @@ def test_the_journal_is_owner_only_json_and_a_planted_or_broken_file_is_refused_
     path.write_text("{not json")
     with pytest.raises(UserError, match=rf"cannot read the journal {path}"):
         read_journal(str(run))
+
+
+def test_cut_short_names_a_checkpoint_only_when_a_lost_writer_had_not_reported():
+    from master.checkpointing import CheckpointBook, cut_short
+    from master.recovery import GenerationView
+
+    gen = GenerationView(1, None, {("a", 0): 0, ("b", 0): 1, ("c", 0): 2})
+    book = CheckpointBook(last=("/c/step00000004", 4))
+    gens = {1: gen}
+    assert cut_short(book, gens, 4, 7, ["a"]) is None  # the newest taken (4) is complete
+    assert cut_short(book, gens, 4, 8, ["a"]) == 8  # step 8's snapshot was taken, nobody reported
+    book.shares["/c/step00000008"] = {("a", 0): pb.CheckpointDone(dir="/c/step00000008", step=8, generation=1)}
+    assert cut_short(book, gens, 4, 9, ["a"]) is None  # a's files are on disk: b and c complete it
+    assert cut_short(book, gens, 4, 9, ["a", "b"]) == 8
+    assert cut_short(CheckpointBook(), gens, 0, 9, ["a"]) is None  # no periodic checkpoints at all

@@ -186,7 +186,7 @@ def test_phase_triggers_parse_for_failures_and_say_which_workers_hold():
 
 @pytest.mark.parametrize("token, words", [
     ("join:node4@phase:copy", "@phase:P is for failures"),
-    ("kill:node1@phase:barrier", "unknown phase 'barrier': one of copy, rendezvous, checkpoint, forming, registered"),
+    ("kill:node1@phase:barrier", "unknown phase 'barrier': one of copy, rendezvous, connect, checkpoint, forming, registered"),
     ("kill:node1@phase:", "unknown phase ''"),
 ])  # fmt: skip
 def test_bad_phase_triggers_name_the_token(token, words):
