@@ -180,7 +180,8 @@ def checkpoint_windows(checkpoints_dir: str, final_dir: str | None = None) -> li
     return windows
 
 
-def compare_windows(job, windows: list[tuple[str | None, str, int]], progress=print) -> list[Verdict]:
+def compare_windows(job, windows: list[tuple[str | None, str, int]], progress=print,
+                    tolerance: float | None = None) -> list[Verdict]:  # fmt: skip
     """``compare`` over each window: a long run judged where it can fail for a defect, never for drift.
 
     Over hundreds of steps a correct run drifts from the reference by reduction order alone (float64:
@@ -190,7 +191,7 @@ def compare_windows(job, windows: list[tuple[str | None, str, int]], progress=pr
     verdicts = []
     for start, end, step in windows:
         progress(f"window {os.path.basename(start) if start else 'step 0'} -> {os.path.basename(end)} (step {step})")
-        verdicts.append(compare(job, step, end, progress=lambda line: None, start_dir=start))
+        verdicts.append(compare(job, step, end, progress=lambda line: None, start_dir=start, tolerance=tolerance))
     return verdicts
 
 
@@ -311,7 +312,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
             if not os.path.isdir(args.windows):
                 raise UserError(f"--windows: {args.windows!r} is not a folder of periodic checkpoints")
             windows = [w for w in checkpoint_windows(args.windows, args.against) if w[2] <= args.steps]
-            verdicts = compare_windows(job, windows, progress=say)
+            verdicts = compare_windows(job, windows, progress=say, tolerance=args.tolerance)
             for (first, _, step), v in zip(windows, verdicts):
                 print(f"steps {int(read_meta(first)['step']) if first else 0}..{step}: largest difference "
                       f"{v.worst.abs_diff:.3e} ({'within' if v.ok else 'OUTSIDE'} {v.tolerance:.1e})")

@@ -211,3 +211,24 @@ def test_reading_the_command_line_imports_no_torch():
             "'h:1']); heavy = sorted(m for m in ('torch', 'numpy', 'grpc') if m in sys.modules); print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_verify_windows_judges_every_window_with_the_given_tolerance(monkeypatch, capsys, tmp_path):
+    """`verify --windows DIR --tolerance T` judged each window with its default bound and ignored T."""
+    import oobleck_mm.verify as verify
+
+    seen = []
+    monkeypatch.setattr(verify, "checkpoint_windows", lambda folder, final: [(None, "w1", 2), ("w1", "w2", 4)])
+    monkeypatch.setattr("oobleck_mm.runtime.checkpoint.read_meta", lambda directory: {"step": 2, "config": {}})
+
+    def compare(job, step, end, progress=None, start_dir=None, tolerance=None):
+        from types import SimpleNamespace
+
+        seen.append(tolerance)
+        return SimpleNamespace(ok=True, tolerance=tolerance, worst=SimpleNamespace(abs_diff=2e-7))
+
+    monkeypatch.setattr(verify, "compare", compare)
+    code = verify.main(["--config", TINY, "--steps", "4", "--against", str(tmp_path), "--windows", str(tmp_path),
+                        "--tolerance", "1e-6"])  # fmt: skip
+    assert seen == [1e-6, 1e-6], seen
+    assert code == 0 and "2 windows, all within tolerance" in capsys.readouterr().out
