@@ -252,19 +252,26 @@ def assert_killed_in_phase(run, node: str, phase: str) -> dict:
     return holding
 
 
+def _second_loss_inside_the_recovery(launches, tmp_path, phase: str):
+    """4 nodes, 10 steps: node0 killed at step 3, then node1 killed while its worker holds in ``phase`` of
+    generation 2 (the recovery from node0). Returns (run, config, steps, final dir) of the finished run."""
+    steps = 10
+    config = write_config(tmp_path, nodes=4, steps=steps)
+    final = tmp_path / "final"
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
+                "--inject", f"kill:node1@phase:{phase}")  # fmt: skip
+    finish_ok(run)
+    holding = assert_killed_in_phase(run, "node1", phase)
+    assert holding["generation"] == 2
+    return run, config, steps, final
+
+
 def test_a_peer_killed_inside_the_state_copy_on_purpose_is_a_second_recovery(launches, tmp_path):
     """--inject kill:node1@phase:copy: node1's worker holds in generation 2's state copy (after its
     rendezvous) and says so; the kill lands there, not by timing luck. Generation 2 never completes a
     step; generation 3 is planned from what everyone still holds (generation 1) and the run equals the
     reference."""
-    steps = 10
-    config = write_config(tmp_path, nodes=4, steps=steps)
-    final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
-                "--inject", "kill:node1@phase:copy")  # fmt: skip
-    finish_ok(run)
-    holding = assert_killed_in_phase(run, "node1", "copy")
-    assert holding["generation"] == 2
+    run, config, steps, final = _second_loss_inside_the_recovery(launches, tmp_path, "copy")
     assert not run.events("resumed", generation=2), "generation 2 lost node1 inside its copy"
     last = run.events("plan_decided")[-1]
     assert last["generation"] == 3 and last["previous_generation"] == 1 and "node1" not in last["nodes"]
@@ -277,14 +284,7 @@ def test_a_peer_killed_after_the_arrival_before_it_connected_costs_no_group_time
     holds before it publishes its address, and the kill lands there. Its peers wait inside gloo's
     construction for that address; the master's re-plan ends the wait (not the group's 8 s timeout,
     whose message named the store's 5-minute one), and generation 3 equals the reference."""
-    steps = 10
-    config = write_config(tmp_path, nodes=4, steps=steps)
-    final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
-                "--inject", "kill:node1@phase:connect")  # fmt: skip
-    finish_ok(run)
-    holding = assert_killed_in_phase(run, "node1", "connect")
-    assert holding["generation"] == 2
+    run, config, steps, final = _second_loss_inside_the_recovery(launches, tmp_path, "connect")
     [killed] = run.events("injected", node="node1")
     aborted = run.events("aborted", generation=2)
     assert aborted, "the survivors never left generation 2"
