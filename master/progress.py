@@ -213,6 +213,10 @@ class Progress:
             self.events.write("aborted", generation=p.generation, node=node, local_rank=local_rank, rank=rank,
                               step=p.step, message=p.message)  # fmt: skip
             return
+        if p.phase == "settled":  # this rank applied a step its peers completed while it gave up inside it
+            self.events.write("step_settled", generation=p.generation, node=node, local_rank=local_rank, rank=rank,
+                              step=p.step)  # fmt: skip
+            return
         gen = self.gen
         if gen is None or p.generation != gen.number or rank is None or p.phase not in PHASE_EVENTS:
             return

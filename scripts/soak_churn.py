@@ -92,8 +92,11 @@ def leftovers(run_dir: Path) -> list[int]:
 
 
 def burst_recoveries(events_path: Path) -> list[dict]:
-    """Per burst of failures (injected events of one ``churn burst K``): seconds from its last event to the
-    first ``resumed`` of a generation planned after it."""
+    """Per burst of failures (injected events of one ``churn burst K``) that cost the plan a node: seconds from
+    its last event to the first ``resumed`` of a generation planned after it. A burst that only killed nodes
+    still starting (not in the plan) needs no recovery: the next ``resumed`` is a later join's, not its own."""
+    planned_losses = {e["node"] for e in read_events(events_path, "lost") if e.get("in_plan")}
+    planned_losses |= {e["node"] for e in read_events(events_path, "leaving") if e.get("in_plan")}
     injected = [e for e in read_events(events_path, "injected") if str(e.get("source", "")).startswith("churn burst")]
     resumed = read_events(events_path, "resumed")
     decided = {e["generation"]: e["ts"] for e in read_events(events_path, "plan_decided")}
@@ -104,6 +107,8 @@ def burst_recoveries(events_path: Path) -> list[dict]:
     for name, group in bursts.items():
         if any(e["kind"] == "join" for e in group):
             continue  # a join waits for its workers' start-up: not a planning figure
+        if not any(e["node"] in planned_losses for e in group):
+            continue
         last = max(e["ts"] for e in group)
         after = [r for r in resumed if decided.get(r["generation"], 0) >= last]
         if after:

@@ -35,6 +35,7 @@ worker still holds exactly that generation's layers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -67,7 +68,7 @@ from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.engine import StageEngine
 from oobleck_mm.runtime.grad_sync import subgroup_ranks
 from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
-from oobleck_mm.runtime.hold import hold, hold_step, set_announcer
+from oobleck_mm.runtime.hold import hold, hold_once, hold_step, set_announcer
 from oobleck_mm.runtime.state_transfer import Arrival, adopt_plan, prepare_arrival
 from oobleck_mm.runtime.timing import peak_memory_bytes
 from oobleck_mm.runtime.waiting import PeerFailure, Waiter
@@ -269,6 +270,7 @@ class WorkerLoop:
         gen = Generation(a.generation, plan, a.rank, engine)
         self.current = gen
         engine.command_waiting = self.commands.waiting
+        engine.before_reduce = lambda: hold_once("reduce", self.node)
         every = self.timeouts.checkpoint_every.total_seconds() if self.timeouts.checkpoint_every else 0.0
         if every and a.checkpoint_dir:  # time-based periodic checkpoints: this worker's clock, agreed by all
             last_checkpoint = time.monotonic()
@@ -443,7 +445,7 @@ class WorkerLoop:
                 f"generation {a.generation}: the master counts this worker as a survivor of generation "
                 f"{a.previous_generation}, which it does not hold (it holds {self._held_generations()})"
             )
-        start = self.agree_on_start(a, self.next_step if survivor else None)
+        start = self.agree_on_start(a, self.next_step if survivor else None, old_engine)
         try:
             if a.previous_generation:
                 hold("copy", self.node)
@@ -469,8 +471,10 @@ class WorkerLoop:
         self.next_step = start
         return engine, start
 
-    def agree_on_start(self, a, mine: int | None) -> int:
-        """Survivors' next step (they must agree), else the checkpoint's or the assignment's."""
+    def agree_on_start(self, a, mine: int | None, engine: StageEngine | None = None) -> int:
+        """Survivors' next step, else the checkpoint's or the assignment's. Survivors one step apart
+        (the previous generation's last collective ended on some ranks only) settle it first: the
+        ranks behind apply the update the others applied (``_settle``); ``engine``: this survivor's."""
         value = torch.tensor([mine if mine is not None else -1, -(mine if mine is not None else 1 << 40)],
                              dtype=torch.int64, device=self.device)
         try:
@@ -479,12 +483,47 @@ class WorkerLoop:
             raise PeerFailure(f"generation {a.generation}: {error}") from error
         latest, earliest = int(value[0]), -int(value[1])
         if latest >= 0:
-            if latest != earliest:
+            if latest == earliest + 1:
+                self._settle(a, engine, mine, earliest)
+            elif latest != earliest:
                 raise RuntimeError(f"survivors disagree on the step to resume: {earliest} vs {latest}")
+            elif engine is not None:
+                engine.settle(None)  # nobody applied it: the iteration is rerun
             return latest
         if a.resume_dir:
             return int(read_meta(a.resume_dir)["step"])
         return int(a.start_step)
+
+    def _settle(self, a, engine: StageEngine | None, mine: int | None, step: int) -> None:
+        """Step ``step``'s last collective completed on some ranks only: they applied its update, the
+        others gave up inside it (a peer died there, or they were interrupted) with the gradients
+        reduced. Those apply the same update now, from the norm the others got, before any state
+        moves; every rank of the generation takes part (a collective)."""
+        reduced = engine.last_reduced if engine is not None else None
+        norm_sq = reduced[1] if reduced is not None and reduced[0] == step else -math.inf
+        value = torch.tensor([norm_sq], dtype=torch.float64, device=self.device)
+        try:
+            self.waiter.wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), f"settling step {step}")
+        except RuntimeError as error:
+            raise PeerFailure(f"generation {a.generation}: {error}") from error
+        norm_sq = float(value[0])
+        if norm_sq == -math.inf:  # a rank that completed the collective has the norm: none did?
+            raise RuntimeError(f"survivors disagree on the step to resume ({step} vs {step + 1}) and none of "
+                               f"them has step {step}'s gradient norm")  # fmt: skip
+        if engine is None:
+            return
+        if mine != step:
+            engine.settle(None)  # ahead: a later step it may have begun was not completed anywhere
+            return
+        if engine.unsettled != step:
+            raise RuntimeError(f"this rank is at step {step} while others applied it, but it holds no "
+                               f"reduced gradients of that step (unsettled: {engine.unsettled})")  # fmt: skip
+        engine.settle(norm_sq)
+        self.next_step = step + 1
+        log.warning("generation %d: step %d completed on other ranks while this one gave up inside its last "
+                    "collective; applied its update here too", a.generation, step)
+        self.phase(a.generation, "settled", step=step,
+                   message=f"step {step}'s update applied at the next generation's start")  # fmt: skip
 
     # ------------------------------------------------------------------ below threshold
     def checkpoint(self, c) -> None:

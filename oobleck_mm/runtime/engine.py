@@ -154,6 +154,18 @@ class StageEngine:
         the step's last collective tells every rank whether any rank does, so all switch together."""
         self.checkpoint_due: Callable[[], bool] = lambda: False
         """Whether this worker's clock says a periodic checkpoint is due; agreed in the same collective."""
+        self.before_reduce: Callable[[], None] = lambda: None
+        """Called before the step's last collective (the worker's ``reduce`` hold point)."""
+        self.unsettled: int | None = None
+        """A step whose gradients this rank all-reduced but whose update it has not applied: the step's
+        last collective failed here (or was abandoned), and it may have completed on other ranks, which
+        then applied the update. A collective can end on some ranks and fail on others: a peer that dies
+        inside it after sending its last message, or a rank that gives up waiting (the master re-planned)
+        while its gloo thread still finishes the collective for the others. The next generation settles
+        it (``settle``): applied here too if any rank applied it, else discarded."""
+        self.last_reduced: tuple[int, float] | None = None
+        """(step, all-reduced squared gradient norm) of the last step whose last collective ended here:
+        what a rank that missed it needs to apply the same update (``settle``)."""
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
@@ -332,19 +344,30 @@ class StageEngine:
 
     def _optimizer_step(self, ins) -> None:
         # The last collective of the iteration carries both the squared gradient norm and the
-        # loss, *before* any parameter changes: if a peer fails, no rank has updated anything
-        # and the iteration can be discarded and rerun after reconfiguration.
+        # loss, *before* any parameter changes: if a peer fails before it, no rank has updated
+        # anything and the iteration can be discarded and rerun after reconfiguration. If it fails
+        # inside it, some ranks may have completed it (and updated): see ``unsettled``.
         t0 = time.perf_counter()
-        norm_sq, (loss, waiting, due) = self.sync.global_grad_sq(
-            self.layers, self.device, waiter=self.waiter,
-            extras=(self._loss, 1.0 if self.command_waiting() else 0.0, 1.0 if self.checkpoint_due() else 0.0),
-        )  # fmt: skip
-        self._result.loss = loss
-        self._result.switch = waiting > 0
-        self._result.checkpoint_due = due > 0
-        if self.balancer is not None:
-            self._measure_pipelines()
+        self.before_reduce()
+        try:
+            norm_sq, (loss, waiting, due) = self.sync.global_grad_sq(
+                self.layers, self.device, waiter=self.waiter,
+                extras=(self._loss, 1.0 if self.command_waiting() else 0.0, 1.0 if self.checkpoint_due() else 0.0),
+            )  # fmt: skip
+            self.last_reduced = (self._step, norm_sq)
+            self._result.loss = loss
+            self._result.switch = waiting > 0
+            self._result.checkpoint_due = due > 0
+            if self.balancer is not None:
+                self._measure_pipelines()
+        except RuntimeError:
+            self.unsettled = self._step  # every rank's gradients were reduced; some may have gone on
+            raise
         self._result.comm_s += time.perf_counter() - t0
+        self._apply_update(norm_sq)
+
+    def _apply_update(self, norm_sq: float) -> None:
+        """The step's update from its all-reduced squared gradient norm (the same on every rank)."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
             self._result.loss_scale = scale
@@ -365,6 +388,27 @@ class StageEngine:
         if self.mixed is not None:
             self.mixed.sync()
 
+    def settle(self, applied_elsewhere: float | None) -> int | None:
+        """Settle an ``unsettled`` step at the next generation's start (before any state moves).
+
+        ``applied_elsewhere``: the step's all-reduced squared gradient norm when some rank completed
+        the step's last collective (and so applied its update), else None. Applies the same update
+        here from the gradients kept since (``discard_iteration`` keeps them), or drops them.
+        Returns the step applied here, if any.
+        """
+        step, self.unsettled = self.unsettled, None
+        if step is None:
+            return None
+        if applied_elsewhere is None:
+            for module in self.layers.values():
+                module.zero_grad(set_to_none=True)
+            return None
+        self._step = step
+        self._apply_update(applied_elsewhere)
+        for module in self.layers.values():
+            module.zero_grad(set_to_none=True)
+        return step
+
     def _measure_pipelines(self) -> None:
         """Measured 1F1B seconds of every pipeline (its slowest stage), for the balancer's metrics."""
         times = torch.zeros(len(self.plan.pipelines), dtype=torch.float64)
@@ -376,9 +420,12 @@ class StageEngine:
         self._result.pipeline_times = [float(t) for t in times.cpu()]
 
     def discard_iteration(self) -> None:
-        """Forget a failed iteration: gradients, in-flight activations, packed microbatches."""
+        """Forget a failed iteration: gradients, in-flight activations, packed microbatches. An
+        ``unsettled`` step keeps its reduced gradients (on the masters) for ``settle``."""
+        keep = {id(m) for m in self.layers.values()} if self.unsettled is not None else set()
         for module in (*self.layers.values(), *self.compute.values()):
-            module.zero_grad(set_to_none=True)
+            if id(module) not in keep:
+                module.zero_grad(set_to_none=True)
         for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb"):
             if hasattr(self, name):
                 getattr(self, name).clear()

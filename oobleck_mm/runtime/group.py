@@ -163,7 +163,7 @@ def _prepared_backend(store, rank: int, size: int, timeout):
     backend too): the next prepared group, or a new gloo group once none of that size is left."""
     if _handed_out and _handed_out[0].size() == size:
         return _handed_out.pop(0)
-    _handed_out.clear()  # not the groups prepared: form this one and every later one here
+    _retire_prepared()  # not the groups prepared: form this one and every later one here
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
@@ -249,7 +249,7 @@ def _install(prepared: PreparedGroup, poll: Callable[[], Any] | None, timeout: t
                                 rank=prepared.rank, world_size=prepared.world_size,
                                 timeout=prepared.collective_timeout)  # fmt: skip
     except RuntimeError as error:
-        _handed_out.clear()
+        _retire_prepared()
         raise PeerFailure(f"generation {prepared.generation}: rendezvous failed: {error}") from error
     # The subgroups' stay in _handed_out for the engine's new_group calls.
     _keep_store(prepared.store)
@@ -261,24 +261,39 @@ _store_in_use: dist.Store | None = None
 
 
 class RetiredGroups:
-    """Process groups left at an iteration boundary, destroyed by a background thread.
+    """Process groups this worker left, destroyed off the training thread.
 
-    A group is destroyed (its C++ destructor runs, without the GIL: torch binds process groups
-    with a GIL-free destructor) once this holds the last Python reference to it: an engine kept
-    for a recovery of the recovery (the worker's "committed" generation) keeps its subgroups alive
-    as long as it needs them. At exit the rest are destroyed before the interpreter stops (a
-    destructor cut short by the exit aborts the process).
+    Every group a generation formed (its default group, its subgroups, prepared ones it never
+    asked for) comes here when the worker leaves the generation, aborted or not, and is destroyed
+    (its C++ destructor runs, without the GIL: torch binds process groups with a GIL-free
+    destructor) once this holds the last Python reference to it, each in a thread of its own.
+
+    Why: a gloo group's destructor joins its worker threads, so it waits for every operation still
+    pending on it. An iteration abandoned because the master re-planned leaves its gradient
+    all-reduce pending on the old subgroup until the group's timeout (``collective_timeout``) or
+    until every peer closed that group. Whichever thread drops the last reference waits that
+    long: before this, the training thread, when the worker released the previous generation
+    after the new one's first step, or wherever the garbage collector happened to free the
+    engine's reference cycle (a forward, the data packing). The survivors' next step then took
+    3-7 s on every pipeline (measured under churn, ``scripts/soak_churn.py``; a 2-process
+    reproduction blocked the dropping thread for the group's full 4 s timeout). A thread per
+    group, because one blocked destructor must not keep the other groups' sockets open: a peer's
+    pending operation on those ends only when they close.
+
+    An engine kept for a recovery of the recovery (the worker's "committed" generation) keeps its
+    subgroups alive as long as it needs them. At exit the rest are destroyed before the
+    interpreter stops (a destructor cut short by the exit aborts the process).
     """
 
     def __init__(self) -> None:
         self._groups: list = []
-        self._lock = threading.Lock()  # the list
-        self._destroying = threading.Lock()  # a destructor running: the exit waits for it
+        self._lock = threading.Lock()  # the list, the destroyers
+        self._destroyers: list[threading.Thread] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def add(self, groups: list) -> None:
+    def add(self, groups) -> None:
         with self._lock:
             self._groups.extend(groups)
             if self._thread is None:
@@ -288,29 +303,44 @@ class RetiredGroups:
         self._wake.set()
 
     def close(self) -> None:
-        """Destroy every retired group now, in this thread; later ones are destroyed as they come."""
-        with self._destroying:
+        """Destroy every retired group now (at exit): those no one else holds, and wait for the destroyers."""
+        with self._lock:
             self._closed = True
-            with self._lock:
-                groups, self._groups = self._groups, []
-            groups.clear()
+            groups, self._groups = self._groups, []
+            destroyers, self._destroyers = self._destroyers, []
+        groups.clear()
+        for thread in destroyers:
+            thread.join()
+
+    def pending(self) -> int:
+        """Groups retired and not destroyed yet (held elsewhere, or their destructor still running)."""
+        with self._lock:
+            return len(self._groups) + sum(t.is_alive() for t in self._destroyers)
 
     def _run(self) -> None:
         while True:
             self._wake.wait(RETIRE_POLL_S)
             self._wake.clear()
-            with self._destroying:
+            with self._lock:
                 if self._closed:
                     return
-                with self._lock:
-                    # getrefcount counts its own argument and the list's slot: 2 means nobody else holds it.
-                    unused = {i for i in range(len(self._groups)) if sys.getrefcount(self._groups[i]) <= 2}
-                    done = [g for i, g in enumerate(self._groups) if i in unused]
-                    self._groups = [g for i, g in enumerate(self._groups) if i not in unused]
-                done.clear()  # the destructors run here, off the training thread
+                # getrefcount counts its own argument and the list's slot: 2 means nobody else holds it.
+                unused = {i for i in range(len(self._groups)) if sys.getrefcount(self._groups[i]) <= 2}
+                done = [g for i, g in enumerate(self._groups) if i in unused]
+                self._groups = [g for i, g in enumerate(self._groups) if i not in unused]
+                self._destroyers = [t for t in self._destroyers if t.is_alive()]
+                for group in done:
+                    thread = threading.Thread(target=_destroy, args=([group],), name="destroy-group", daemon=True)
+                    self._destroyers.append(thread)
+                    thread.start()
+                done.clear()  # the threads hold the last references now
 
 
-RETIRE_POLL_S = 1.0
+def _destroy(holder: list) -> None:
+    holder.clear()  # the group's destructor runs here, in this thread
+
+
+RETIRE_POLL_S = 0.2
 """How often the retired groups are checked for their last user (an engine kept for recovery)."""
 
 RETIRED = RetiredGroups()
@@ -323,21 +353,28 @@ NCCL_ABORT_WAIT = timedelta(seconds=10)
 def leave_group(abort: bool = False) -> None:
     """Destroy this process's default group, if any.
 
-    ``abort`` (after a failure): the group's connections close now, so peers still waiting on this
-    worker fail fast. NCCL communicators with a collective in flight to a dead peer can hang
-    ``destroy_process_group``; aborting them first (torch's ``_abort_process_group``, in a thread
-    bounded by ``NCCL_ABORT_WAIT``) frees the device. gloo needs nothing more than destroy.
+    ``abort`` (after a failure): the default group is destroyed here, so its connections close now
+    and peers still waiting on this worker (a point-to-point transfer, which cannot be interrupted)
+    fail fast instead of waiting out the group's timeout (measured: 0.3 s against 8 s when it was
+    left to ``RETIRED``). NCCL communicators with a collective in
+    flight to a dead peer can hang ``destroy_process_group``; aborting them first (torch's
+    ``_abort_process_group``, in a thread bounded by ``NCCL_ABORT_WAIT``) frees the device. gloo
+    needs nothing more than destroy.
 
-    Otherwise (every rank left together, at an iteration boundary: nobody waits on this worker)
-    the groups are unregistered at once and their connections closed by ``RETIRED`` in the
-    background: a gloo group's destructor takes 10-40 ms (gloo's event loop retires each pair's
-    socket on its next 10 ms tick), which the survivors of a join would otherwise wait out.
+    Every other group of the generation (all of them, without ``abort``) is unregistered at once and
+    handed to ``RETIRED``, which runs their destructors in the background: a gloo group's destructor takes 10-40 ms when
+    idle (gloo's event loop retires each pair's socket on its next 10 ms tick), which the survivors
+    of a join would otherwise wait out, and up to the group's timeout when an abandoned operation
+    is still pending on it (see ``RetiredGroups``).
     """
-    _handed_out.clear()  # prepared subgroups the last generation did not ask for are not the next one's
+    _retire_prepared()  # prepared subgroups the last generation did not ask for are not the next one's
     if not dist.is_initialized():
         return
-    if not abort:
-        RETIRED.add(list(dist.distributed_c10d._world.pg_names))  # before destroy drops torch's references
+    groups = list(dist.distributed_c10d._world.pg_names)  # before destroy drops torch's references
+    if abort:  # the default group (point-to-point included) closes here and now: peers blocked on us fail fast
+        world = dist.distributed_c10d._get_default_group()
+        groups = [g for g in groups if g is not world]
+    RETIRED.add(groups)
     if abort and dist.get_backend() == "nccl":
         from torch.distributed.distributed_c10d import _abort_process_group
 
@@ -353,3 +390,10 @@ def leave_group(abort: bool = False) -> None:
         dist.destroy_process_group()
     except (RuntimeError, ValueError) as error:  # an aborted group may already be gone
         log.warning("leaving the process group: %s", error)
+
+
+def _retire_prepared() -> None:
+    """Hand the prepared groups nobody asked for to ``RETIRED`` (not destroyed in this thread)."""
+    if _handed_out:
+        RETIRED.add(list(_handed_out))
+        _handed_out.clear()

@@ -20,6 +20,9 @@ Points:
 - ``copy``: a new generation joined, before its layer states are copied;
 - ``forming``: in the background thread that forms a join's (or a leave's) groups ahead
   (``runtime.group.PreparedGroup``), before its arrival: the old generation trains on meanwhile;
+- ``reduce``: before the step's last collective (the gradient norm, the loss, the switch flag),
+  once per worker process (its first step): its peers wait for it inside that collective, and a
+  peer interrupted there meanwhile abandons a collective that the others then complete;
 - ``stepN``: before this worker's step N, once per worker process (a rerun of step N in a later
   generation does not hold again): a worker silent past ``collective_timeout`` while its agent
   heartbeats, so every peer's collective times out with no node lost.
@@ -41,9 +44,9 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 ENV = "OOBLECK_HOLD_AT"
-POINTS = ("checkpoint", "copy", "rendezvous", "connect", "forming", "stepN")
-_held_steps: set[int] = set()
-"""Steps this process already held before (``stepN`` holds once)."""
+POINTS = ("checkpoint", "copy", "rendezvous", "connect", "forming", "reduce", "stepN")
+_held_once: set[str] = set()
+"""Points this process already held at (``stepN`` and ``reduce`` hold once)."""
 _announce: Callable[[str, float], None] | None = None
 
 
@@ -67,9 +70,14 @@ def hold(point: str, node: str) -> None:
 
 def hold_step(step: int, node: str) -> None:
     """The ``stepN`` point: before step ``step``, the first time this process reaches it."""
-    if step not in _held_steps:
-        _held_steps.add(step)
-        hold(f"step{step}", node)
+    hold_once(f"step{step}", node)
+
+
+def hold_once(point: str, node: str) -> None:
+    """``hold``, the first time this process reaches ``point`` only."""
+    if point not in _held_once:
+        _held_once.add(point)
+        hold(point, node)
 
 
 def _is_step(point: str) -> bool:

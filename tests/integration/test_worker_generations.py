@@ -124,3 +124,69 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
                 p.kill()
             p.join(5)
         store.stop(grace=0)
+
+
+def test_a_last_collective_completed_on_some_ranks_only_is_settled_at_the_next_generation(tmp_path, monkeypatch):
+    """Step 0's last collective (the gradient norm) ends on ranks 0-2 and not on rank 3.
+
+    Rank 0 holds before that collective (``reduce`` hold point); rank 3, waiting inside it, is sent
+    a re-formed generation 2 (the master re-planned), so it gives up there, its gradients reduced,
+    while its gloo thread still finishes the collective for the others, who apply step 0. They are
+    re-planned in turn during step 1. Generation 2 starts with survivors one step apart: rank 3
+    applies step 0's update from the others' norm, and the run ends equal to the reference. Before,
+    the workers stopped the job: "survivors disagree on the step to resume: 0 vs 1".
+    """
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["training"].update(dtype="float64", steps=STEPS)
+    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="3s")  # stalls reported after 0.4 s
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(d))
+    monkeypatch.setenv("OOBLECK_HOLD_AT", "reduce@node0:4")  # the workers inherit it
+    store, port = serve_store_only(TOKEN)
+    ctx = mp.get_context("spawn")
+    plan = ExecutionPlan.even(10, [2, 2], [4, 4], 2)  # ranks 0,1 | 2,3; every rank in the last collective
+    final = tmp_path / "final"
+    pipes, procs = [], []
+    try:
+        for rank in range(4):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(child, str(config), f"node{rank}", 0), daemon=True)
+            p.start()
+            pipes.append(parent)
+            procs.append(p)
+        for rank, conn in enumerate(pipes):
+            send_command(conn, assignment(1, rank, plan, port))
+        reports_until(pipes[0], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "holding")
+        reports_until(pipes[3], lambda r: r.WhichOneof("report") == "stalled" and "gradient-norm" in r.stalled.what)
+        again = [assignment(2, rank, plan, port, previous=plan, previous_ranks=[0, 1, 2, 3], save_final=str(final))
+                 for rank in range(4)]  # fmt: skip
+        send_command(pipes[3], again[3])  # the master re-planned: rank 3 gives up inside the collective
+        seen3 = reports_until(pipes[3], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "aborted")
+        assert seen3[-1].phase.step == 0 and "re-planned" in seen3[-1].phase.message, seen3[-1].phase
+        for rank in range(3):  # rank 0's hold ends: the collective completes on ranks 0-2, who apply step 0
+            reports_until(pipes[rank], lambda r: r.WhichOneof("report") == "metrics" and r.metrics.step == 0)
+        for rank in range(3):
+            send_command(pipes[rank], again[rank])
+        steps, phases = {}, {}
+        for rank in range(4):
+            seen = reports_until(pipes[rank], lambda r: r.WhichOneof("report") in ("done", "failed"))
+            assert seen[-1].WhichOneof("report") == "done", seen[-1]
+            steps[rank] = [r.metrics.step for r in seen if r.WhichOneof("report") == "metrics"]
+            phases[rank] = [(r.phase.phase, r.phase.step) for r in seen if r.WhichOneof("report") == "phase"]
+        assert all(steps[rank] == list(range(1, STEPS)) for rank in range(4)), steps
+        assert ("settled", 0) in phases[3] and not any(p == "settled" for p, _ in phases[0] + phases[1] + phases[2])
+        for conn in pipes:
+            send_command(conn, pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")))
+        for p in procs:
+            p.join(20)
+        from oobleck_mm.config import load_config
+
+        verdict = compare(load_config(config), STEPS, str(final), progress=lambda line: None)
+        assert verdict.worst.abs_diff < 1e-9 and verdict.ok, verdict.format()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        store.stop(grace=0)
