@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -70,6 +71,40 @@ def launch(config: str, nodes: int, steps: int, run_dir: Path, extra: list[str],
     began = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stdout + done.stderr, time.perf_counter() - began
+
+
+PHANTOM_STARTUP = (
+    "import time; t = time.time(); import oobleck_mm.cli, agent.agent, oobleck_mm.runtime.agent_worker, torch; "
+    "torch.optim.AdamW([torch.zeros(1, requires_grad=True)]); import oobleck_mm.runtime.store"
+)
+"""What a joining node's processes do before it can join (its agent's imports, then its worker's imports and
+optimizer warm-up, ``agent_worker.worker_main``), in one process that then exits: the CPU a join costs the
+other simulated nodes on this machine, without joining anything."""
+
+
+def launch_with_startups(config: str, nodes: int, steps: int, run_dir: Path, sets: list[str], timeout: float,
+                         at_seconds: list[float]) -> tuple[int, str, float]:  # fmt: skip
+    """``launch`` (failure-free) while a phantom start-up (``PHANTOM_STARTUP``) begins at each of ``at_seconds``
+    after the launch: the control that tells a churned run's recovery cost from its joiners' start-up CPU."""
+    stop = threading.Event()
+    phantoms: list[subprocess.Popen] = []
+
+    def fire() -> None:
+        began = time.monotonic()
+        for at in sorted(at_seconds):
+            if stop.wait(max(0.0, at - (time.monotonic() - began))):
+                return
+            phantoms.append(subprocess.Popen([sys.executable, "-c", PHANTOM_STARTUP], cwd=ROOT))
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    try:
+        return launch(config, nodes, steps, run_dir, [], sets, timeout)
+    finally:
+        stop.set()
+        thread.join()
+        for p in phantoms:
+            p.wait(timeout=120)
 
 
 def training_seconds(events_path: Path) -> float:
@@ -139,6 +174,9 @@ def main() -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=3000)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--startup-control", action="store_true",
+                        help="also run the failure-free job with the churned run's joiners' start-ups beside it "
+                             "(no joins): how much of the loss is their CPU on this machine")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="oobleck-soak-"))
@@ -185,6 +223,17 @@ def main() -> int:
         print("verify --windows:\n  " + "\n  ".join(verify_out.splitlines()[-4:]), flush=True)
 
     ratio = free_s / churn_s if churn_s == churn_s and churn_s > 0 else float("nan")
+    control_s = float("nan")
+    if args.startup_control:
+        joins = [e["seconds"] for e in injected if e["kind"] == "join"]
+        print(f"control: failure-free with {len(joins)} joiners' start-ups beside it, no joins ({work}/control)",
+              flush=True)
+        code2, _, wall2 = launch_with_startups(args.config, args.nodes, args.steps, work / "control", sets,
+                                               args.timeout, joins)  # fmt: skip
+        control_s = training_seconds(work / "control" / "events.jsonl")
+        print(f"  exit {code2}, {control_s:.1f} s of training ({wall2:.1f} s in all): failure-free "
+              f"{free_s / control_s:.1%} of the failure-free run's throughput with the start-ups beside it; churned "
+              f"{control_s / churn_s:.1%} of this control", flush=True)
     recoveries = burst_recoveries(events)
     result = {
         "config": "tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on" if args.hf else Path(args.config).name,
@@ -196,6 +245,8 @@ def main() -> int:
         "incidents_without_outcome": len(no_outcome), "leftover_pids": left, "verified": verified,
         "verify": verify_out.splitlines()[-1] if verify_out else "",
         "burst_to_resumed_s": recoveries, "run_dir": str(work),
+        "startup_control_training_s": round(control_s, 2) if control_s == control_s else None,
+        "throughput_vs_startup_control": round(control_s / churn_s, 3) if control_s == control_s else None,
     }  # fmt: skip
     print(f"throughput {ratio:.1%} of failure-free; {len(outcomes)} incidents, {len(no_outcome)} without outcome; "
           f"leftover processes {left or 'none'}; verified {verified}")

@@ -259,7 +259,11 @@ class WorkerLoop:
         a = command.assignment
         prepared = self.commands.prepared_for(command)
         plan = plan_from_proto(a.plan)
-        arrival = self.prepare(a, plan)
+        try:
+            arrival = self.prepare(a, plan)
+        finally:
+            if prepared is not None:
+                prepared.may_arrive()  # a joiner's group forms once it can adopt at once (PreparedGroup's gate)
         try:
             pending = self.rendezvous(a, prepared)
             if pending is not None:
@@ -379,6 +383,7 @@ class WorkerLoop:
             arrival_timeout=timeouts.rendezvous_timeout,
             subgroups=subgroup_ranks(plan_from_proto(a.plan), trainable_mask(self.job, specs), tied_pair(specs)),
             before=lambda: hold("forming", self.node),
+            gated=a.rank < len(a.previous_ranks) and a.previous_ranks[a.rank] < 0,  # a joiner: see PreparedGroup
         )  # fmt: skip
 
     def rendezvous(self, a, prepared: PreparedGroup | None = None):

@@ -185,11 +185,18 @@ class PreparedGroup:
 
     def __init__(self, connect: Callable[[], dist.Store], generation: int, rank: int, world_size: int, *,
                  collective_timeout: timedelta, arrival_timeout: timedelta,
-                 subgroups: Sequence[Sequence[int]] = (), before: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 subgroups: Sequence[Sequence[int]] = (), before: Callable[[], None] | None = None,
+                 gated: bool = False) -> None:  # fmt: skip
         """``subgroups``: the ranks of each subgroup the generation will form after its default group,
         in order (``runtime.grad_sync.subgroup_ranks``); those this rank is in are formed here too.
-        ``before``: called first, in the background thread (the ``forming`` hold point)."""
+        ``before``: called first, in the background thread (the ``forming`` hold point).
+        ``gated``: this rank arrives only once ``may_arrive`` is called (at most ``arrival_timeout``
+        later): a joiner, once what it receives into is built (``state_transfer.prepare_arrival``).
+        Its peers' groups are ready only when it arrives, so the survivors train on meanwhile; before
+        the gate they switched and then waited for it inside the start-step agreement (3.7 s on
+        soak (a) with a joiner building 13 layers next to another joiner's start-up)."""
         self.before = before
+        self.gate = threading.Event() if gated else None
         self.generation, self.rank, self.world_size = generation, rank, world_size
         self.subgroups = [list(ranks) for ranks in subgroups]
         self.collective_timeout, self.arrival_timeout = collective_timeout, arrival_timeout
@@ -205,6 +212,8 @@ class PreparedGroup:
         try:
             if self.before is not None:
                 self.before()
+            if self.gate is not None:
+                self.gate.wait(self.arrival_timeout.total_seconds())
             self.store = connect()
             prefixed = dist.PrefixStore(f"gen{self.generation}", self.store)
             _await_arrivals(prefixed, self.generation, self.world_size, self.arrival_timeout, None)
@@ -226,6 +235,11 @@ class PreparedGroup:
 
     def ready(self) -> bool:
         return self.done.is_set()
+
+    def may_arrive(self) -> None:
+        """Open a ``gated`` group's arrival (nothing for one that is not)."""
+        if self.gate is not None:
+            self.gate.set()
 
 
 def _install(prepared: PreparedGroup, poll: Callable[[], Any] | None, timeout: timedelta) -> Any:
