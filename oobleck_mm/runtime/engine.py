@@ -415,8 +415,8 @@ class StageEngine:
         self._result.pipeline_s = self.clock.seconds(self._pipeline_interval)  # the step's one sync, a bit early
         times[self.pipeline_index] = self._result.pipeline_s
         times = times.to(self.device)
-        self.waiter.wait(torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX, async_op=True),
-                         "pipeline time all-reduce")
+        self.waiter.wait(torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX, group=self.sync.step_group,
+                                                      async_op=True), "pipeline time all-reduce")  # fmt: skip
         self._result.pipeline_times = [float(t) for t in times.cpu()]
 
     def discard_iteration(self) -> None:

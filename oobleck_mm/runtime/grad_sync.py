@@ -65,11 +65,15 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
     A bucket over every rank gets a group of its own too, not the default group: a gradient
     all-reduce abandoned on a hung peer keeps its group busy until the group's timeout, and the
     default group must close at once when the iteration is abandoned (``leave_group(abort=True)``).
+    For the same reason the step's last collectives (the gradient norm with the loss and flags, the
+    balancer's pipeline times) run on a group of every rank, the last one: on the default group an
+    abandoned one made the aborting worker's destroy of that group wait for it (1.5-2.6 s under churn).
     """
     out = [b.holders for b in buckets(plan, trainable) if len(b.holders) > 1]
     tied_ranks = tied_holders(plan, trainable, tied)
     if len(tied_ranks) > 1:
         out.append(tied_ranks)
+    out.append(tuple(range(plan.world_size)))  # the step group (GradientSync.step_group)
     return out
 
 
@@ -89,6 +93,9 @@ class GradientSync:
         # Without an explicit timeout a subgroup waits 30 min on a hung peer, whatever the world's.
         every = subgroup_ranks(plan, trainable, tied)
         formed = [dist.new_group(list(ranks), timeout=timeout) for ranks in every]
+        self.step_group = formed.pop()
+        """Every rank: the step's last collectives (``global_grad_sq``, the balancer's pipeline times)."""
+        every = every[:-1]
         self.tied_group = None
         if len(self.tied_holders) > 1:  # the last one (the same ranks as a bucket's get a group of their own)
             tied_group, every = formed.pop(), every[:-1]
@@ -145,6 +152,6 @@ class GradientSync:
             local[0] += grad_sq(layers[i]).to(device)
         for k, value in enumerate(extras, start=1):
             local[k] = value.double() if isinstance(value, torch.Tensor) else float(value)
-        waiter.wait(dist.all_reduce(local, async_op=True), "gradient-norm all-reduce")
+        waiter.wait(dist.all_reduce(local, group=self.step_group, async_op=True), "gradient-norm all-reduce")
         values = local.cpu().tolist()
         return values[0], values[1:]

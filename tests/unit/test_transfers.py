@@ -158,6 +158,7 @@ def test_subgroups_are_every_multi_holder_bucket_then_the_tied_pair_in_order():
         10, 2,
     )
     trainable = (True,) * 10
-    assert subgroup_ranks(plan, trainable) == [(0, 2), (1, 2)]
-    assert subgroup_ranks(plan, trainable, tied=(1, 9)) == [(0, 2), (1, 2), (0, 1, 2)]
-    assert subgroup_ranks(plan, (False,) * 5 + (True,) * 5, tied=(1, 9)) == [(1, 2)]  # a frozen side: no tie
+    everyone = (0, 1, 2)  # the step group, last
+    assert subgroup_ranks(plan, trainable) == [(0, 2), (1, 2), everyone]
+    assert subgroup_ranks(plan, trainable, tied=(1, 9)) == [(0, 2), (1, 2), (0, 1, 2), everyone]
+    assert subgroup_ranks(plan, (False,) * 5 + (True,) * 5, tied=(1, 9)) == [(1, 2), everyone]  # a frozen side: no tie
