@@ -53,24 +53,35 @@ def reports_until(conn, predicate, timeout=60.0):
     raise AssertionError(f"timed out; saw {[r.WhichOneof('report') for r in seen]}")
 
 
-def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
+def job_config(tmp_path):
+    """tiny_mm in float64 with the e2e tests' heartbeats (stalls reported after 2 x 200 ms)."""
     with open("configs/tiny_mm.yaml") as f:
         d = yaml.safe_load(f)
     d["training"].update(dtype="float64", steps=STEPS)
-    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="3s")  # as the e2e tests
+    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="3s")
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(d))
-    store, port = serve_store_only(TOKEN)  # the master's rendezvous store, alone: the test plays the master
+    return config
+
+
+def start_workers(config, count, pipes, procs):
+    """``count`` agent-style workers (node0..), their pipes and processes appended to ``pipes``/``procs``."""
     ctx = mp.get_context("spawn")
+    for rank in range(count):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker_main, args=(child, str(config), f"node{rank}", 0), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+
+
+def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
+    config = job_config(tmp_path)
+    store, port = serve_store_only(TOKEN)  # the master's rendezvous store, alone: the test plays the master
     gen1 = ExecutionPlan.even(10, [2, 2], [4, 4], 2)  # ranks 0,1 | 2,3
     pipes, procs = [], []
     try:
-        for rank in range(4):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(child, str(config), f"node{rank}", 0), daemon=True)
-            p.start()
-            pipes.append(parent)
-            procs.append(p)
+        start_workers(config, 4, pipes, procs)
         for rank, conn in enumerate(pipes):
             send_command(conn, assignment(1, rank, gen1, port))
         # let step 1 complete everywhere, then kill rank 3 (last stage of pipeline 1)
@@ -136,25 +147,14 @@ def test_a_last_collective_completed_on_some_ranks_only_is_settled_at_the_next_g
     applies step 0's update from the others' norm, and the run ends equal to the reference. Before,
     the workers stopped the job: "survivors disagree on the step to resume: 0 vs 1".
     """
-    with open("configs/tiny_mm.yaml") as f:
-        d = yaml.safe_load(f)
-    d["training"].update(dtype="float64", steps=STEPS)
-    d["fault_tolerance"].update(heartbeat_interval="200ms", heartbeat_timeout="3s")  # stalls reported after 0.4 s
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(d))
+    config = job_config(tmp_path)
     monkeypatch.setenv("OOBLECK_HOLD_AT", "reduce@node0:4")  # the workers inherit it
     store, port = serve_store_only(TOKEN)
-    ctx = mp.get_context("spawn")
     plan = ExecutionPlan.even(10, [2, 2], [4, 4], 2)  # ranks 0,1 | 2,3; every rank in the last collective
     final = tmp_path / "final"
     pipes, procs = [], []
     try:
-        for rank in range(4):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(child, str(config), f"node{rank}", 0), daemon=True)
-            p.start()
-            pipes.append(parent)
-            procs.append(p)
+        start_workers(config, 4, pipes, procs)
         for rank, conn in enumerate(pipes):
             send_command(conn, assignment(1, rank, plan, port))
         reports_until(pipes[0], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "holding")
