@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # an importable torch is never replaced).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup minlp run test bench proto clean
+.PHONY: setup minlp run test bench gpu-check proto clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ test: minlp
 
 bench: setup
 	$(PY) scripts/bench_planner.py --json docs/bench_planner.json
+
+# On a machine with a GPU: every CUDA test, then a short bench, one summary (scripts/gpu_check.py).
+gpu-check: setup
+	$(PY) scripts/gpu_check.py --json gpu_check.json
 
 proto: setup
 	bash oobleck_mm/protocol/regen.sh $(PY)
