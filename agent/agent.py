@@ -62,7 +62,8 @@ import psutil
 import yaml
 
 from agent.reports import ReportLog
-from agent.workers import DEFAULT_WORKER_TARGET, Worker, WorkerFault, stop_all
+from agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, Worker, WorkerFault, start_worker_template,
+                           stop_all)
 from oobleck_mm.config import FaultToleranceConfig, section_from_dict
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -98,6 +99,8 @@ class AgentOptions:
     """"module:function" each worker process runs (see agent.workers.worker_entry)."""
     connect_timeout_s: float = 60.0
     """How long registration waits for the master to come up."""
+    worker_start: str = DEFAULT_WORKER_START
+    """``forkserver`` (forks of a pre-imported worker template) or ``spawn`` (agent.workers)."""
 
 
 class Agent:
@@ -126,6 +129,8 @@ class Agent:
         self._orphaned_at: float | None = None
         """Monotonic time the master was lost while the workers train on; None: a master listens."""
         self._next_try = 0.0
+        self._template_started: float | None = None
+        """Monotonic time the worker template was started (agent.workers.start_worker_template)."""
         self._reports = ReportLog()
         self._reports_lock = threading.Lock()
         """Orders forwarding (the reports thread) against replaying to a new master (the main thread)."""
@@ -140,6 +145,9 @@ class Agent:
         ])  # fmt: skip
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         old_handlers = {}
+        # The worker template imports torch and the engine while this agent registers.
+        self._template_started = time.monotonic()
+        start_worker_template(self.o.worker_start, self.o.worker_target)
         try:
             # Until registered there is nothing to clean up: SIGINT/SIGTERM keep their default effect.
             reply = self._register()
@@ -162,7 +170,7 @@ class Agent:
             # The workers start now, not on the first assignment: they import and warm up while the
             # job plans (or, joining a running job, before the master admits this node).
             for local_rank in range(reply.gpus):
-                self._start_worker(local_rank)
+                self._start_worker(local_rank, since=self._template_started)
             return self._main_loop()
         finally:
             self._stopping.set()
@@ -292,9 +300,9 @@ class Agent:
                     "in %.0f s at the latest (fault_tolerance.preempt_grace); another signal stops them now", grace)
         return True
 
-    def _start_worker(self, local_rank: int) -> Worker:
+    def _start_worker(self, local_rank: int, since: float | None = None) -> Worker:
         # On the main thread: PR_SET_PDEATHSIG follows the spawning thread.
-        worker = Worker(self.o.worker_target, self.config_path, self.o.node, local_rank)
+        worker = Worker(self.o.worker_target, self.config_path, self.o.node, local_rank, self.o.worker_start, since)
         with self._workers_lock:
             self.workers[local_rank] = worker
         log.info("started worker %d (pid %d)", local_rank, worker.pid)
@@ -435,6 +443,10 @@ class Agent:
         if self._master_lost and report.WhichOneof("report") == "checkpoint_done":
             self.inbox.put(("saved", (local_rank, report.checkpoint_done)))
             return
+        if report.WhichOneof("report") == "ready" and (worker := self.workers.get(local_rank)) is not None:
+            # The worker measured from its own process's start; a fork of the template skipped the
+            # imports the template paid after this agent asked for it. The node's real wait:
+            report.ready.startup_s = max(report.ready.startup_s, time.monotonic() - worker.since)
         with self._reports_lock:  # in order with a replay to a restarted master (``_rejoin``)
             seq = self._reports.record(local_rank, report)
             if self._orphaned_at is not None:

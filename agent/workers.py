@@ -1,9 +1,20 @@
 """The agent's worker processes: start, talk to (protobuf over a pipe), supervise, kill.
 
-One worker per GPU, each its own OS process started with ``spawn`` (a forked
-copy of the agent would inherit gRPC's threads). Workers are started once and
-then only receive commands: their in-memory model states are what makes
-checkpoint-free recovery possible, so they are never restarted.
+One worker per GPU, each its own OS process. By default (``--worker-start
+forkserver``) a worker is a fork of the node's *worker template*: a process the
+agent starts once, before it registers, that imports torch, DeepSpeed's
+torch._dynamo, the engine and (on a machine without a GPU) DeepSpeed's schedules
+(``oobleck_mm.runtime.worker_preload``) and then only forks. A node with 8 GPUs pays those imports
+once instead of 8 times side by side, and a worker started later (restart-mode
+recovery) is ready in a fraction of a second. The template is the standard
+library's ``forkserver``: an interpreter of its own (never a fork of the agent,
+which would inherit gRPC's threads), single-threaded, that never touches CUDA
+(``PYTORCH_NVML_BASED_CUDA_CHECK``: torch asks NVML, not the CUDA driver,
+whether there is a GPU; the driver is not fork-safe once initialised); if it
+dies, the next start restarts it. ``--worker-start spawn`` starts each worker as
+a fresh interpreter instead. Workers are started once and then only receive
+commands: their in-memory model states are what makes checkpoint-free recovery
+possible, so they are never restarted.
 
 No orphans: a worker dies with its agent even when the agent is SIGKILLed
 (``oobleck_mm.lifetime``), and the agent kills each worker's whole process
@@ -19,6 +30,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -30,18 +42,69 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKER_TARGET = "oobleck_mm.runtime.agent_worker:worker_main"
+WORKER_START_METHODS = ("forkserver", "spawn")
+"""How an agent starts its workers: forks of the warm worker template, or fresh interpreters."""
+DEFAULT_WORKER_START = "forkserver"
+WORKER_PRELOAD = "oobleck_mm.runtime.worker_preload"
+"""What the template imports for the default worker target (another target: its own module only)."""
 
 
 # ---------------------------------------------------------------------- inside the worker process
 def worker_entry(target: str, conn: Connection, config_path: str, node: str, local_rank: int, agent_pid: int) -> None:
-    """First code a worker runs: tie its life to the agent, then run ``target`` ("module:function")."""
-    die_with_parent(agent_pid)
+    """First code a worker runs: tie its life to the agent, then run ``target`` ("module:function").
+
+    Its parent is the agent (``spawn``) or the agent's worker template (``forkserver``), which
+    exits when the agent dies (its end of the template's "alive" pipe closes, SIGKILL included):
+    either way the parent-death signal ends the worker with the agent.
+    """
+    parent = os.getppid()
+    if parent != agent_pid and _parent_of(parent) != agent_pid:  # the agent died before we got here
+        os._exit(1)
+    die_with_parent(parent)
     module, _, name = target.partition(":")
     fn: Callable = getattr(importlib.import_module(module), name)
     fn(conn, config_path, node, local_rank)
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess:
+        return None
+
+
 # ---------------------------------------------------------------------- inside the agent
+def start_worker_template(method: str, target: str = DEFAULT_WORKER_TARGET) -> None:
+    """Starts the worker template now, so that its imports overlap the agent's registration.
+
+    ``method``: one of ``WORKER_START_METHODS``; ``spawn`` has no template. Idempotent; a
+    template that died is started again (``forkserver.ensure_running``), here or at the next
+    worker's start.
+    """
+    if method not in WORKER_START_METHODS:
+        raise ValueError(f"worker start method {method!r}: expected one of {', '.join(WORKER_START_METHODS)}")
+    if method == "spawn":
+        return
+    # Inherited by the template (started below) and by every worker forked from it: torch's
+    # torch.cuda.is_available() asks NVML, which leaves the CUDA driver uninitialised in the template.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # numpy's OpenBLAS starts a thread per core when imported (torch imports numpy). It stops them
+    # around a fork itself, but the template has no use for them. (The workers' math is torch's.)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    global _template_preload
+    if _template_preload is None:  # the first call decides; a restarted template imports the same
+        _template_preload = [WORKER_PRELOAD] if target == DEFAULT_WORKER_TARGET else [target.partition(":")[0]]
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_template_preload)
+    forkserver.ensure_running()
+
+
+_template_preload: list[str] | None = None
+TEMPLATE_RESTART_S = 10.0
+"""How long a worker's start retries while the worker template it asked is dead and not yet replaced."""
+TEMPLATE_RETRY_S = 0.05
+"""Pause between those tries."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerFault:
     local_rank: int
@@ -58,8 +121,12 @@ class WorkerFault:
 class Worker:
     """One worker process and the agent's end of its pipe."""
 
-    def __init__(self, target: str, config_path: str, node: str, local_rank: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, target: str, config_path: str, node: str, local_rank: int,
+                 method: str = DEFAULT_WORKER_START, since: float | None = None) -> None:
+        self.since = time.monotonic() if since is None else since
+        """Monotonic time this worker's start began: its template's start, when the template was
+        started for it (the imports a fork skips were paid there), else now."""
+        ctx = multiprocessing.get_context(method)
         self.local_rank = local_rank
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -67,7 +134,21 @@ class Worker:
             args=(target, child_conn, config_path, node, local_rank, os.getpid()),
             name=f"worker-{node}-{local_rank}",
         )
-        self.process.start()
+        deadline = time.monotonic() + TEMPLATE_RESTART_S
+        while True:
+            if method != "spawn":
+                start_worker_template(method, target)  # a no-op while the template runs
+            try:
+                self.process.start()
+                break
+            except (EOFError, ConnectionError) as error:
+                # The template died as we asked it for a fork, and did not look dead yet: the kernel
+                # shows it a zombie a moment before it can be reaped (seen on an H200: waitpid said
+                # "running" for a zombie). Ask again until ensure_running sees it and starts another.
+                if method == "spawn" or time.monotonic() > deadline:
+                    raise RuntimeError(f"could not start worker {local_rank}: the worker template "
+                                       f"({method}) keeps failing: {error!r}") from error  # fmt: skip
+                time.sleep(TEMPLATE_RETRY_S)
         # Our copy of the child's end must go, or a dead worker's pipe would never read EOF.
         child_conn.close()
         self.pid = self.process.pid

@@ -51,6 +51,8 @@ class LocalOptions:
     event_log: str | None = None
     worker_target: str | None = None
     """Overrides the agents' worker entry point ("module:function"); for development."""
+    worker_start: str = "forkserver"
+    """The agents' ``--worker-start`` (agent.workers.WORKER_START_METHODS)."""
     resume_dir: str = ""
     save_final_dir: str = ""
     resume_command: str = "oobleck-launch local --config CONFIG"
@@ -196,6 +198,7 @@ class LocalCluster:
                "--log-level", self.options.log_level]  # fmt: skip
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
+        cmd += ["--worker-start", self.options.worker_start]
         log_path = os.path.join(self.run_dir, f"agent-{node}.log")
         with self._agents_lock:
             if node in self.agents and self.agents[node][0].poll() is None:

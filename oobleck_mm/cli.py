@@ -159,6 +159,7 @@ def _add_control_plane_parsers(sub) -> None:
     agent.add_argument("--token-file", default=None, help="job token file (default: $OOBLECK_TOKEN)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
     agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
+    _add_worker_start(agent)
     _add_log_level(agent, "info")
 
     export = sub.add_parser("export", help="write a checkpoint as a HuggingFace model directory (from_pretrained)")
@@ -193,6 +194,16 @@ def _add_control_plane_parsers(sub) -> None:
                        help="synthetic bursty spot churn, RATE[,burst=K,min=N,max=M,seed=S,spread=S,preempt=SHARE,"
                             "notice=S,duration=S,start=S] (RATE: bursts per minute of run time; oobleck_mm.faults.churn)")
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
+    _add_worker_start(local)
+
+
+def _add_worker_start(parser) -> None:
+    from agent.workers import DEFAULT_WORKER_START, WORKER_START_METHODS
+
+    parser.add_argument("--worker-start", choices=WORKER_START_METHODS, default=DEFAULT_WORKER_START,
+                        help="how an agent starts its workers: forks of a worker template that imported torch and "
+                             "the engine once (forkserver), or fresh interpreters (spawn) (default "
+                             f"{DEFAULT_WORKER_START})")
 
 
 def _add_log_level(parser, default: str) -> None:
@@ -519,6 +530,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     options = AgentOptions(
         master=args.master, token=token, node=node, gpus=args.gpus,
         worker_target=args.worker_target or DEFAULT_WORKER_TARGET, connect_timeout_s=args.connect_timeout,
+        worker_start=args.worker_start,
     )  # fmt: skip
     return Agent(options).run()
 
@@ -536,7 +548,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     _setup_logging("local", _level(args.log_level or "warning"))
     options = LocalOptions(
         run_dir=args.run_dir, event_log=args.event_log, worker_target=args.worker_target,
-        resume_dir=args.resume or "", save_final_dir=args.save_final or "",
+        worker_start=args.worker_start, resume_dir=args.resume or "", save_final_dir=args.save_final or "",
         resume_command=_resume_command("local", args), faults=faults, log_every=args.log_every,
         tensorboard=args.tensorboard, log_level=args.log_level or "info",
         master_log_level=args.log_level or "warning",

@@ -10,6 +10,14 @@ the two cores are shared. Each repeat is a fresh interpreter running
 the median wall time of the import and the cumulative import time of the heavy
 packages (absent: not imported at all). Run it from two trees in turns to
 compare them (``PYTHONPATH=TREE``): the machine's load hits both alike.
+
+``--workers`` measures what an agent waits for instead (issue 31): the seconds
+from asking for a worker (``agent.workers.Worker``, the real worker entry and
+configs/tiny_mm.yaml) to its ``ready`` report, for ``--worker-start spawn``
+(every worker a fresh interpreter) and ``forkserver`` (forks of the worker
+template): the first worker, whose template starts with it, and the next ones,
+forked from a template that is already warm. Each round is a fresh stand-in agent
+process; the methods take turns. ``--load N`` runs N ``yes > /dev/null`` beside it.
 """
 
 from __future__ import annotations
@@ -45,11 +53,79 @@ def one_start() -> dict:
     return {"wall_s": wall, "tree": done.stdout.strip(), **cumulative}
 
 
+AGENT = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from agent.workers import Worker
+from oobleck_mm.protocol.pipe import recv_report
+
+if __name__ == "__main__":
+    method, count, times = sys.argv[2], int(sys.argv[3]), []
+    for rank in range(count):
+        started = time.monotonic()
+        worker = Worker("oobleck_mm.runtime.agent_worker:worker_main", sys.argv[4], "bench", rank, method)
+        while recv_report(worker.conn).WhichOneof("report") != "ready":
+            pass
+        times.append(time.monotonic() - started)
+        worker.kill()
+    print(json.dumps(times))
+"""
+
+
+def worker_ready_times(method: str, count: int) -> list[float]:
+    """One stand-in agent: ``count`` workers started one after another, each one's seconds to ready."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "agent.py"  # a file, not -c: multiprocessing's children re-import __main__ by path
+        script.write_text(AGENT)
+        done = subprocess.run([sys.executable, str(script), str(ROOT), method, str(count),
+                               str(ROOT / "configs/tiny_mm.yaml")], capture_output=True, text=True, cwd=ROOT,
+                              env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, timeout=600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def bench_workers(repeats: int, count: int, load: int) -> dict:
+    hogs = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(load)]
+    try:
+        runs: dict[str, list[list[float]]] = {"spawn": [], "forkserver": []}
+        for r in range(repeats):
+            for method in (("spawn", "forkserver") if r % 2 == 0 else ("forkserver", "spawn")):
+                runs[method].append(worker_ready_times(method, count))
+                print(f"  round {r} {method:10s} " + " ".join(f"{t:.2f}" for t in runs[method][-1]), flush=True)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    row = {}
+    for method, times in runs.items():
+        row[method] = {"first_s": round(statistics.median(t[0] for t in times), 3),
+                       "next_s": round(statistics.median(x for t in times for x in t[1:]), 3)}  # fmt: skip
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--workers", action="store_true", help="time worker starts (spawn vs forkserver) instead")
+    ap.add_argument("--count", type=int, default=3, help="--workers: workers per stand-in agent")
+    ap.add_argument("--load", type=int, default=0, help="--workers: `yes > /dev/null` processes beside it")
     args = ap.parse_args(argv)
+    if args.workers:
+        print(f"worker start to ready: {args.repeats} rounds of {args.count} workers per method, load {args.load}")
+        row = bench_workers(args.repeats, args.count, args.load)
+        for method, r in row.items():
+            print(f"  {method:10s} first worker {r['first_s']:.3f} s, next workers {r['next_s']:.3f} s (medians)")
+        ratio = row["spawn"]["next_s"] / row["forkserver"]["next_s"]
+        print(f"  a later worker: forkserver {ratio:.1f}x faster than spawn")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": "python scripts/bench_startup.py "
+                                                   + " ".join(argv if argv is not None else sys.argv[1:]),
+                                                   **row}, indent=1) + "\n")  # fmt: skip
+        return 0
     runs = [one_start() for _ in range(args.repeats)]
     print(f"{MODULE} from {Path(runs[0]['tree']).parent}: {args.repeats} fresh processes, medians")
     row = {"process_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),

@@ -325,11 +325,15 @@ then not counted (a ``killworker`` right after a start found "1 workers" under l
 
 
 def worker_processes(agent: psutil.Process) -> list[psutil.Process]:
-    """The agent's worker processes in local-rank order (the order it started them)."""
+    """The agent's worker processes in local-rank order (the order it started them): its children
+    (``--worker-start spawn``) or its worker template's (``forkserver``, agent/workers.py)."""
     workers = []
     for child in _safe(agent.children, []):
-        if "spawn_main" in " ".join(_exec_cmdline(child)):  # not the resource tracker, also a multiprocessing child
+        command = " ".join(_exec_cmdline(child))
+        if "spawn_main" in command:  # a spawned worker (not the resource tracker, also a multiprocessing child)
             workers.append(child)
+        elif "forkserver" in command:  # the agent's worker template: it forks workers and nothing else
+            workers += _safe(child.children, [])
     return sorted(workers, key=lambda p: (_safe(p.create_time, 0.0), p.pid))
 
 

@@ -1,0 +1,29 @@
+"""What an agent's worker template imports before it forks workers (``agent/workers.py``).
+
+Only imports: no tensor is made, no thread started, the CUDA driver never
+initialised, so a fork of the template is as sound as a fresh interpreter
+(``tests/integration/test_worker_template.py`` checks the template is
+single-threaded and CUDA untouched, on a GPU too). The worker's own warm-up (its
+first optimizer) runs in each worker.
+
+On a machine with a GPU, DeepSpeed stays out: importing any part of it runs its
+accelerator probe, which initialises the CUDA driver (seen on an H200: a
+``cuda0000...`` driver thread appeared at ``import deepspeed.accelerator``), and
+a driver initialised before a fork is not usable in the child. There the
+workers import DeepSpeed's schedules and the engine (about 0.35 s) themselves.
+"""
+
+import torch
+import torch._dynamo  # noqa: F401 - torch's first optimizer imports it: 1.5-2 s on a 2-core machine
+
+import oobleck_mm.config  # noqa: F401
+import oobleck_mm.data.loader  # noqa: F401
+import oobleck_mm.model.layers  # noqa: F401 - the built-in model and the HF adapters (transformers loads lazily)
+import oobleck_mm.protocol.pipe  # noqa: F401
+import oobleck_mm.runtime.balancing  # noqa: F401
+import oobleck_mm.runtime.group  # noqa: F401
+import oobleck_mm.runtime.store  # noqa: F401 - the rendezvous store's client and gRPC's stubs
+
+# NVML's answer (agent.workers sets PYTORCH_NVML_BASED_CUDA_CHECK): asking leaves the driver alone.
+if not torch.cuda.is_available():
+    import oobleck_mm.runtime.agent_worker  # noqa: F401 - DeepSpeed's schedules, the engine

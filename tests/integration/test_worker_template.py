@@ -1,0 +1,92 @@
+"""The worker template (``agent/workers.py``, ``--worker-start forkserver``): what a forked worker inherits.
+
+A stand-in agent process (its own template, as a real agent has) starts the
+template with the real worker preload, forks a probe worker from it, kills the
+template, forks another: each probe reports what it found. On a machine with
+a GPU the probe also makes CUDA its device and computes there (a child of a
+template that had touched the CUDA driver could not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def probe(conn, config_path: str, node: str, local_rank: int) -> None:
+    """A worker target: reports what this process inherited from its parent, then exits."""
+    import torch
+
+    parent = psutil.Process(os.getppid())
+    found = {"pid": os.getpid(), "parent": parent.pid, "grandparent": parent.ppid(),
+             "parent_threads": parent.num_threads(),
+             "preloaded": "oobleck_mm.runtime.worker_preload" in sys.modules,
+             "deepspeed_imported": "deepspeed" in sys.modules,
+             "cuda_initialised_at_start": torch.cuda.is_initialized(),
+             "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+             "cuda_sum": None}  # fmt: skip
+    if torch.cuda.is_available():  # on a GPU: the device first (as runtime.worker.device_for), then work
+        torch.cuda.set_device(local_rank)
+        found["cuda_sum"] = torch.ones(4, device="cuda").sum().item()
+    conn.send_bytes(json.dumps(found).encode())
+
+
+AGENT = f"""
+import json, os, sys, time
+import psutil
+sys.path[:0] = sys.argv[1:]
+from multiprocessing import forkserver
+from agent.workers import Worker, start_worker_template
+
+os.environ["OMP_NUM_THREADS"] = "4"  # a user's many threads per worker must not be the template's
+os.environ.pop("OPENBLAS_NUM_THREADS", None)
+start_worker_template("forkserver")  # the real preload: torch, DeepSpeed, the engine
+found = []
+for round in range(2):
+    w = Worker("{__name__}:probe", "job.yaml", "n", 0)
+    assert w.conn.poll(120), "no report from the probe"
+    found.append(json.loads(w.conn.recv_bytes()))
+    w.process.join(30)
+    found[-1]["exitcode"] = w.process.exitcode
+    if round == 0:  # the template dies: the next start must bring up another
+        template = psutil.Process(found[-1]["parent"])
+        template.kill()
+        while template.status() != psutil.STATUS_ZOMBIE:  # dead, and left for ensure_running to reap
+            time.sleep(0.01)
+print(json.dumps({{"agent": os.getpid(), "found": found}}), flush=True)
+"""
+
+
+def test_a_forked_worker_inherits_the_imports_and_nothing_that_a_fork_breaks_and_a_dead_template_is_replaced():
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, *sys.path], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = agent.communicate(timeout=240)
+    finally:
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    assert agent.returncode == 0, err
+    report = json.loads(out.splitlines()[-1])
+    first, second = report["found"]
+    for found in (first, second):
+        assert found["grandparent"] == report["agent"]  # a fork of the agent's template, not of the agent
+        assert found["preloaded"], "the worker paid the imports itself"
+        assert found["parent_threads"] == 1, "a template with threads cannot fork safely"
+        assert found["cuda_initialised_at_start"] is False and found["nvml_check"] == "1"
+        assert found["exitcode"] == 0
+        import torch
+
+        # DeepSpeed's import initialises the CUDA driver: the template has it only without a GPU.
+        assert found["deepspeed_imported"] is not torch.cuda.is_available()
+        if torch.cuda.is_available():
+            assert found["cuda_sum"] == 4.0
+    assert second["parent"] != first["parent"], "the killed template was not replaced"
