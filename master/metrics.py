@@ -24,11 +24,14 @@ COLUMNS = (
     "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s", "generation",
     "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
     "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "skipped",
-    "loss_scale", "elapsed_s", "wall_time",
+    "loss_scale", "elapsed_s", "wall_gap_s", "wall_time",
 )  # fmt: skip
 """``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
-slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off."""
+slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off. ``wall_gap_s``:
+wall-clock seconds since the previous step completed, ``step_time_s`` plus whatever the job waited
+between the two (a recovery, a join's switch); a recovery row's time lost, and a join's survivors'
+pause, are these gaps less the run's median (``oobleck_mm.faults.report``)."""
 
 SCALARS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "samples_per_s": "throughput/samples_per_s",
@@ -64,6 +67,8 @@ class MetricsSink:
         self.tensorboard_dir = os.path.join(run_dir, "tensorboard") if tensorboard else None
         self._lock = threading.Lock()
         self._last_step = 0
+        self._last_finished: float | None = None
+        """When the previous step completed (its ``finished_at``, else its ``ts``): for ``wall_gap_s``."""
         self._broken: set[str] = set()
         new = not os.path.exists(self.csv_path) or os.path.getsize(self.csv_path) == 0
         self._csv_file = open(self.csv_path, "a", encoding="utf-8", newline="")
@@ -92,6 +97,11 @@ class MetricsSink:
     def _step(self, record: Mapping[str, Any]) -> None:
         row = {c: _cell(record.get(c), c) for c in COLUMNS}
         row["step"] = int(record["step"]) + 1
+        finished = record.get("finished_at") or record.get("ts")  # the workers' clock where the event has it
+        if isinstance(finished, (int, float)):
+            if self._last_finished is not None:
+                row["wall_gap_s"] = _cell(finished - self._last_finished, "wall_gap_s")
+            self._last_finished = finished
         self._last_step = row["step"]
         self._csv.writerow(row)
         self._csv_file.flush()
@@ -128,7 +138,7 @@ class MetricsSink:
 def _cell(value: Any, column: str = "") -> Any:
     if value is None:
         return ""
-    if column in ("elapsed_s", "wall_time") and isinstance(value, float):
+    if column in ("elapsed_s", "wall_time", "wall_gap_s") and isinstance(value, float):
         return f"{value:.3f}"  # seconds, unix time: fixed point, not 1.79553e+09
     if isinstance(value, float):
         return f"{value:.6g}"

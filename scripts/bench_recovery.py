@@ -19,10 +19,13 @@ with the same events injected by the harness:
 The master loss is timed from the workers' own step clocks (``finished_at``):
 the steps they trained while no master ran reach the restarted master later.
 
-The join's stall is the survivors' longest step around it (the gap between the
-completions of the last step before it and the first after) over the run's
-median step: the joiner starts its workers when it registers and is admitted
-once they are ready, so the survivors pause only for the rendezvous and copy.
+The join's stall is the survivors' pause (``oobleck_mm.faults.report.
+survivors_pause``, the join row's "lost s"): from the joiner's start to the new
+generation's first step, each gap between step completions less the run's
+median gap, summed where positive; printed in seconds and in median steps
+(target: at most 1.5 median steps). The joiner starts its workers when it
+registers and is admitted once they are ready, so the survivors should pause
+only for the rendezvous and copy.
 
 On 4 nodes tiny_mm is planned as 4 one-node pipelines, each a full replica: a
 lost node leaves nothing to copy (0 MB), so the join is what measures the state
@@ -62,7 +65,7 @@ import yaml  # noqa: E402
 
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.events import read_events  # noqa: E402
-from oobleck_mm.faults.report import RecoveryRow, format_table, plot_run, recovery_rows  # noqa: E402
+from oobleck_mm.faults.report import RecoveryRow, format_table, plot_run, recovery_rows, step_gaps  # noqa: E402
 
 NODES = 4
 RUN_TIMEOUT_S = 420.0
@@ -165,15 +168,12 @@ KINDS = ("kill", "preempt", "stop", "join", "killmaster")
 
 
 def join_stall(events: list[dict], row: RecoveryRow | None) -> dict:
-    """The survivors' longest step around a join (completion to completion) against the run's median step."""
-    steps = sorted((e["step"], e.get("finished_at") or e["ts"]) for e in events
-                   if e.get("event") == "step" and isinstance(e.get("step"), int))  # fmt: skip
-    gaps = {b[0]: b[1] - a[1] for a, b in zip(steps, steps[1:]) if b[0] == a[0] + 1}
-    if row is None or row.step is None or row.step not in gaps or not gaps:
+    """The join's survivors' pause (its row's ``lost_s``) in seconds and in median steps."""
+    gaps = sorted(gap for _, gap in step_gaps(events))
+    if row is None or row.lost_s is None or not gaps:
         return {"stall_s": None, "median_step_s": None, "stall_ratio": None}
-    ordered = sorted(gaps.values())
-    median = ordered[len(ordered) // 2]
-    return {"stall_s": gaps[row.step], "median_step_s": median, "stall_ratio": gaps[row.step] / median}
+    median = gaps[len(gaps) // 2]
+    return {"stall_s": row.lost_s, "median_step_s": median, "stall_ratio": row.lost_s / median}
 
 
 def measure(mode: str, run_dir: Path, code: int, wall_s: float) -> dict:
@@ -260,8 +260,8 @@ def print_summary(results: dict[str, dict], comparison: dict) -> None:
         print("  ".join(f"{c:>12}" for c in cells))
     join = comparison["per_event"].get("join")
     if join and join.get("stall_ratio") is not None:
-        print(f"join stall: survivors' longest step {join['stall_s']:.2f} s = {join['stall_ratio']:.1f}x the median "
-              f"step ({join['median_step_s']:.3f} s)")  # fmt: skip
+        print(f"join stall: the survivors' pause {join['stall_s']:.2f} s = {join['stall_ratio']:.1f} median steps "
+              f"({join['median_step_s']:.3f} s)")  # fmt: skip
     preempt = comparison["per_event"].get("preempt")
     if preempt:
         print(f"preemption: iteration abandoned {_fmt(preempt['abandoned_s'])} s, time lost live "

@@ -19,6 +19,18 @@ failure to the start of the first run of the interrupted step afterwards:
 the wait for detection and recovery plus the abandoned iteration's work, and,
 under checkpoint-restart, the steps redone since the checkpoint.
 
+A join stops nobody: its cost is the survivors' pause (``survivors_pause``),
+from the moment the joiner is ready to the first step of the generation that
+took it in, summed over the wall-clock gaps between consecutive step
+completions minus the run's median gap, where positive. That catches a slow
+step before the switch (the survivors waiting on the joiner's groups) as well as
+the switch itself; it is the "lost s" of a join row and the join figure of
+``scripts/bench_recovery.py`` and ``scripts/bench_join.py``. The same sum over
+the joiner's start-up (its injection to ready, shaded "joiner start-up" on the
+figure) is ``startup_pause_s``: on a real cluster the joiner starts on its own
+machine; on one machine its imports take CPU from the survivors, and this says
+how much.
+
 Phase events may be written once per worker or once per generation: a phase is
 done when its last worker is (the latest ``ts`` of that generation). The
 ``bytes`` of ``states_copied``, per worker or the master's sum over workers,
@@ -73,6 +85,11 @@ class RecoveryRow:
     abandoned_s: float | None = None
     """Work of the interrupted iteration thrown away: from the last completed step to the failure."""
     lost_s: float | None = None
+    """Wall-clock time the job lost. A join: the survivors' pause from the joiner ready to the new
+    generation's first step (``survivors_pause``)."""
+    startup_pause_s: float | None = None
+    """A join: the survivors' pause while the joiner started (its injection to ready), which only a
+    joiner sharing the survivors' machine (the local cluster) causes."""
     outcome: str = ""
 
     @property
@@ -234,7 +251,10 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
         copy_mb_per_s=(copy_bytes / 1e6 / copy_window) if copy_bytes and copy_window else None,
         resume_s=durations["resume"],
         abandoned_s=None if incident.join or last_old is None else _abandoned(events, incident, last_old, plan),
-        lost_s=_time_lost(last_old, first_new), outcome=_outcome(events, incident, first_new),
+        lost_s=survivors_pause(events, since, first_new) if incident.join else _time_lost(last_old, first_new),
+        startup_pause_s=(survivors_pause(events, incident.ts, first_new, until_ts=since)
+                         if incident.join and first_new is not None else None),
+        outcome=_outcome(events, incident, first_new),
     )  # fmt: skip
 
 
@@ -311,6 +331,28 @@ def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float
         total = sum(int(e.get("bytes", 0) or 0) for e in copies) // 2
     seconds = max((float(e.get("transfer_seconds") or e.get("seconds", 0) or 0) for e in copies), default=0.0)
     return total, seconds or None
+
+
+def step_gaps(events: Sequence[Event]) -> list[tuple[float, float]]:
+    """(completion time, wall-clock seconds since the previous completion) of every step but the first."""
+    done = sorted(_finished_at(e) for e in _steps(events))
+    return [(b, b - a) for a, b in zip(done, done[1:])]
+
+
+def survivors_pause(events: Sequence[Event], since: float, until_step: Event | None,
+                    until_ts: float | None = None) -> float | None:
+    """Seconds the survivors lost from ``since`` to the completion of ``until_step`` (or to ``until_ts``):
+    each gap between consecutive step completions ending in that window, less the run's median gap,
+    summed where positive."""
+    if until_step is None:
+        return None
+    gaps = step_gaps(events)
+    if not gaps:
+        return None
+    ordered = sorted(gap for _, gap in gaps)
+    median = ordered[len(ordered) // 2]
+    end = _finished_at(until_step) if until_ts is None else until_ts
+    return sum(max(0.0, gap - median) for done, gap in gaps if since < done <= end)
 
 
 def _time_lost(last_old: Event | None, first_new: Event | None) -> float | None:
@@ -409,6 +451,8 @@ PHASE_SPANS = (("detect", "detection", "tab:purple"), ("decide", "planning", "ta
                ("rendezvous", "rendezvous", "gold"), ("copy", "state copy", "tab:cyan"),
                ("resume", "first step", "tab:gray"))  # fmt: skip
 """RecoveryRow durations shaded on the run's figure: (field, legend, colour), in the order they happen."""
+JOINER_STARTUP_SPAN = ("joiner start-up", "tab:green")
+"""A join's "detection" is its joiner starting while the others train: shaded as that, not as detection."""
 
 
 def recovery_spans(row: RecoveryRow) -> list[tuple[str, str, float, float]]:
@@ -418,6 +462,8 @@ def recovery_spans(row: RecoveryRow) -> list[tuple[str, str, float, float]]:
         seconds = getattr(row, f"{field}_s")
         if seconds is None:
             continue
+        if field == "detect" and row.kind.startswith("join"):  # the others train on meanwhile
+            label, color = JOINER_STARTUP_SPAN
         spans.append((label, color, at, at + seconds))
         at += seconds
     return spans

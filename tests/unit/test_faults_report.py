@@ -8,7 +8,7 @@ import pytest
 
 from oobleck_mm.events import read_events
 from oobleck_mm.faults.report import (
-    format_table, plot_run, recovery_rows, recovery_spans, summarize, throughput_series,
+    format_table, plot_run, recovery_rows, recovery_spans, summarize, survivors_pause, throughput_series,
 )  # fmt: skip
 
 STEP_S = 0.25
@@ -297,3 +297,30 @@ def test_a_join_is_usable_once_its_workers_are_ready_and_planning_is_timed_from_
     assert (join.kind, join.reason) == ("join", "ready")
     assert join.detect_s == pytest.approx(5.3) and join.decide_s == pytest.approx(0.05)
     assert format_table([join]).splitlines()[1].split()[4:6] == ["5.30", "ready"]
+
+
+def test_a_join_costs_the_survivors_pause_including_a_slow_step_before_the_switch():
+    """Issue 31 item 3: the survivors' last step before a join took 4.69 s (they waited for the joiner's
+    groups) and the old measure, from the last step before the plan, did not see it. The pause is every
+    completion-to-completion gap from the joiner ready to the new generation's first step, less the
+    median gap: the table's "lost s" and the benches' figure. The joiner's start-up, when it slowed the
+    survivors on a shared machine, is counted apart."""
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1"])
+    end = log.steps(1, 0, 6, 100.0)
+    log.at(end + 0.05, "injected", kind="join", node="node2", batch=1)
+    log.at(end + 0.1, "registered", node="node2", spare=True)
+    end = log.steps(1, 6, 2, end)  # the survivors train on while the joiner starts, one step slowed by it
+    end = log.steps(1, 8, 1, end, step_s=STEP_S + 0.5)
+    log.at(end + 0.2, "node_ready", node="node2", startup_s=0.3, joining=True)
+    end = log.steps(1, 9, 1, end, step_s=4.7)  # the step before the switch stalls
+    log.at(end + 0.01, "plan_decided", generation=2, nodes=["node0", "node1", "node2"])
+    end = log.steps(2, 10, 1, end + 0.05, step_s=STEP_S + 0.2)  # the switch, then steady
+    log.steps(2, 11, 6, end)
+    [join] = recovery_rows(log.events)
+    assert join.kind == "join" and join.step == 10
+    expected = (4.7 - STEP_S) + (0.05 + 0.2)  # the stalled step, then the switch's extra
+    assert join.lost_s == pytest.approx(expected)
+    assert join.startup_pause_s == pytest.approx(0.5)
+    assert survivors_pause(log.events, 0.0, None) is None
+    assert [label for label, *_ in recovery_spans(join)][0] == "joiner start-up"

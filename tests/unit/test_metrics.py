@@ -112,10 +112,12 @@ def test_metrics_csv_and_tensorboard_hold_every_step_and_the_recovery_at_its_ste
     sink = MetricsSink(str(tmp_path))
     events.subscribe(sink)
     for step in range(3):
-        events.write("step", **step_row(GEN, step, reports(step), FACTS), elapsed_s=1.0 + step, wall_time=1.8e9)
+        events.write("step", **{**step_row(GEN, step, reports(step), FACTS), "finished_at": 100.0 + step},
+                     elapsed_s=1.0 + step, wall_time=1.8e9)  # fmt: skip
     events.write("lost", node="node4", reason="stream_closed")
     events.write("resumed", generation=3, step=3, since_detected_s=0.42, seconds=0.1)
-    events.write("step", **step_row(GEN, 3, reports(3), FACTS), elapsed_s=5.0, wall_time=1.8e9 + 5)
+    events.write("step", **{**step_row(GEN, 3, reports(3), FACTS), "finished_at": 105.0}, elapsed_s=5.0,
+                 wall_time=1.8e9 + 5)  # fmt: skip
     events.close()
     sink.close()
 
@@ -125,6 +127,8 @@ def test_metrics_csv_and_tensorboard_hold_every_step_and_the_recovery_at_its_ste
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]  # steps done, as the console counts
     assert float(rows[0]["tokens_per_s"]) == pytest.approx(4000 / 0.6, rel=1e-5)
     assert rows[0]["wall_time"] == "1800000000.000" and rows[0]["loss_scale"] == ""
+    # Completion to completion on the workers' clock: the recovery's wait shows in the row after it.
+    assert [r["wall_gap_s"] for r in rows] == ["", "1.000", "1.000", "3.000"]
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
