@@ -12,6 +12,12 @@ starts joining nodes through ``agent_pids``, ``master_pid`` and
 ``start_agent``. Every child is killed on the way out, including on Ctrl-C or
 when the launcher itself fails, and at the end the run's recovery table is
 printed and its figure drawn (``run.png``).
+
+A run with joins to inject keeps one *standby* agent (``--node -``): started
+ahead, it imports torch and the engine into its worker template, then waits for
+a name on its stdin. A join names it and it registers at once, as a node that
+had booted before it joined would, instead of paying a fresh interpreter's
+imports beside the survivors then; a new standby is started for the next join.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ MASTER_START_TIMEOUT_S = 120.0
 datasets take a while, and it says how far it got meanwhile)."""
 MAX_MASTER_RESTARTS = 5
 """Master deaths in one run after which the launcher gives up (a master that keeps dying has a bug)."""
+STANDBY_REARM_S = 5.0
+"""Seconds after a join before the next standby agent starts: its imports then stay clear of the
+join's switch (a standby of a 2-core machine takes ~3 s of CPU)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +95,11 @@ class LocalCluster:
         self.master_restarts = 0
         self.agents: dict[str, tuple[subprocess.Popen, str]] = {}
         self._agents_lock = threading.Lock()  # the injector thread starts joining nodes
+        self._standby: tuple[subprocess.Popen, str] | None = None
+        """An agent started ahead for the next join (``--node -``), and its log; None: none now."""
+        self._standbys = 0
+        self._wants_standby = any(getattr(f, "kind", None) == "join" for f in options.faults)
+        self._closing = False
         self._signal: int | None = None
         self._stop_requested = False
         self.injector = None
@@ -103,6 +117,9 @@ class LocalCluster:
                   f"event log {self.event_log_path}", flush=True)  # fmt: skip
             for i in range(self.job.cluster.nodes):
                 self.start_agent(f"node{i}")
+            if self._wants_standby:
+                with self._agents_lock:
+                    self._start_standby()
             self._start_injector()
             code = self._wait()
             if self.injector is not None:
@@ -112,6 +129,7 @@ class LocalCluster:
         finally:
             if self.injector is not None:
                 self.injector.stop(kill_stopped=True)
+            self._stop_standby()
             self._kill_agents()
             self._kill_master()
             for sig, handler in old.items():
@@ -187,25 +205,84 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ what the fault injector uses
     def start_agent(self, node: str) -> None:
-        """Starts ``oobleck-launch agent`` for ``node`` (a new name: a joining node)."""
-        env = dict(os.environ)
-        # One torch thread per simulated GPU unless the user chose otherwise: N workers share this CPU.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        if holds := hold_points(self.options.faults):  # --inject kill:NODE@phase:copy: NODE's worker waits there
-            env[HOLD_ENV] = ",".join(filter(None, (env.get(HOLD_ENV, ""), holds)))
+        """Starts ``oobleck-launch agent`` for ``node`` (a new name: a joining node), the standby if one waits."""
+        with self._agents_lock:
+            if node in self.agents and self.agents[node][0].poll() is None:
+                raise ValueError(f"node {node} is already running")
+            log_path = os.path.join(self.run_dir, f"agent-{node}.log")
+            standby, self._standby = self._standby, None
+            proc = self._name_standby(standby, node, log_path) if standby is not None else None
+            if proc is None:
+                with open(log_path, "ab") as out:
+                    proc = subprocess.Popen(self._agent_command(node), stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=self._agent_env())  # fmt: skip
+            self.agents[node] = (proc, log_path)
+            if self._wants_standby and self.injector is not None:
+                # The next standby's imports would take CPU from this join's switch: start it later.
+                rearm = threading.Timer(STANDBY_REARM_S, self._rearm_standby)
+                rearm.daemon = True
+                rearm.start()
+
+    def _rearm_standby(self) -> None:
+        with self._agents_lock:
+            if self._standby is None and not self._closing:
+                self._start_standby()
+
+    @staticmethod
+    def _name_standby(standby: tuple[subprocess.Popen, str], node: str, log_path: str) -> subprocess.Popen | None:
+        """Tells the standby its name; None if it is gone (a fresh agent is started instead)."""
+        proc, standby_log = standby
+        try:
+            if proc.poll() is not None:
+                return None
+            proc.stdin.write(f"{node}\n".encode())
+            proc.stdin.close()
+        except OSError:  # it died meanwhile
+            _stop_tree(proc)
+            return None
+        os.rename(standby_log, log_path)  # it keeps writing to the same file
+        return proc
+
+    def _agent_command(self, node: str) -> list[str]:
         cmd = [sys.executable, "-m", "oobleck_mm.cli", "agent", "--master", self.address, "--node", node,
                "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.token_file,
                "--log-level", self.options.log_level]  # fmt: skip
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
-        cmd += ["--worker-start", self.options.worker_start]
-        log_path = os.path.join(self.run_dir, f"agent-{node}.log")
+        return cmd + ["--worker-start", self.options.worker_start]
+
+    def _agent_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # One torch thread per simulated GPU unless the user chose otherwise: N workers share this CPU.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if holds := hold_points(self.options.faults):  # --inject kill:NODE@phase:copy: NODE's worker waits there
+            env[HOLD_ENV] = ",".join(filter(None, (env.get(HOLD_ENV, ""), holds)))
+        return env
+
+    def _start_standby(self) -> None:
+        """An agent for the next join, started now (with ``_agents_lock`` held): ``--node -``."""
+        self._standbys += 1
+        log_path = os.path.join(self.run_dir, f"agent-standby{self._standbys}.log")
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(self._agent_command("-"), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.PIPE, env=self._agent_env())  # fmt: skip
+        self._standby = (proc, log_path)
+
+    def _stop_standby(self) -> None:
+        """An unused standby ends at the end of its input; its log goes with it."""
         with self._agents_lock:
-            if node in self.agents and self.agents[node][0].poll() is None:
-                raise ValueError(f"node {node} is already running")
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            self.agents[node] = (proc, log_path)
+            self._closing = True  # no standby is started after this
+            standby, self._standby = self._standby, None
+        if standby is None:
+            return
+        proc, log_path = standby
+        try:
+            proc.stdin.close()
+            proc.wait(5.0)
+        except (OSError, subprocess.TimeoutExpired):
+            _stop_tree(proc)
+        if proc.returncode == 0:
+            os.remove(log_path)
 
     def agent_pids(self) -> dict[str, int]:
         """node -> agent pid, for every agent started (dead ones included)."""

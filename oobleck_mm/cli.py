@@ -155,7 +155,10 @@ def _add_control_plane_parsers(sub) -> None:
     agent.add_argument("--master", "--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the master's address")
     agent.add_argument("--gpus", "--nproc-per-node", type=int, default=0,
                        help="workers (GPUs) on this node (default: the job's cluster.gpus_per_node)")
-    agent.add_argument("--node", default=None, help="node name, unique in the job (default: the host name)")
+    agent.add_argument("--node", default=None,
+                       help="node name, unique in the job (default: the host name); '-': a standby, which starts "
+                            "its worker template, then reads its name from stdin and only then registers (the "
+                            "local launcher keeps one for the next join); end of input: it exits")
     agent.add_argument("--token-file", default=None, help="job token file (default: $OOBLECK_TOKEN)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
     agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
@@ -522,11 +525,18 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if args.gpus < 0:
         raise UserError(f"--gpus: must be >= 0, got {args.gpus}")
     token = resolve_token(args.token_file)
-    node = args.node or socket.gethostname().split(".")[0]
-    _setup_logging(f"agent {node}", _level(args.log_level))
     os.environ["OOBLECK_LOG_LEVEL"] = args.log_level  # its workers log at the same level
     # Workers inherit this: one torch thread each unless the user chose (torchrun does the same).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    node = args.node or socket.gethostname().split(".")[0]
+    if node == "-":  # a standby: the imports now, the name (and registration) when a join needs it
+        from agent.workers import start_worker_template
+
+        start_worker_template(args.worker_start, args.worker_target or DEFAULT_WORKER_TARGET)
+        node = sys.stdin.readline().strip()
+        if not node:
+            return ExitCode.OK  # the launcher ended without needing this node
+    _setup_logging(f"agent {node}", _level(args.log_level))
     options = AgentOptions(
         master=args.master, token=token, node=node, gpus=args.gpus,
         worker_target=args.worker_target or DEFAULT_WORKER_TARGET, connect_timeout_s=args.connect_timeout,

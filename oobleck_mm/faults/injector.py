@@ -304,7 +304,10 @@ class Injector:
         self._joined.append(name)
         pid = self.agents().get(name)
         log.warning("injected join of %s (agent pid %s)", name, pid)
-        return self._write("injected", pids=[] if pid is None else [pid], **common)
+        agent = _live_process(pid) if pid is not None else None
+        # When the agent process began: long before the join for a launcher's standby (master/local.py).
+        started = _safe(agent.create_time, None) if agent is not None else None
+        return self._write("injected", pids=[] if pid is None else [pid], agent_started=started, **common)
 
     def _next_name(self) -> str:
         used = [*self.agents(), *self._joined]

@@ -129,6 +129,8 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
     [joined] = run.events("injected", kind="join")
     decided = run.events("plan_decided")[-1]
     assert decided["cause"] == "joined" and decided["joined"] == [joined["node"]]
+    # The launcher's standby took the join: its agent (and worker template) started before training did.
+    assert joined["agent_started"] < run.events("step")[0]["ts"], joined
     assert decided["previous_generation"] == 1 and len(decided["nodes"]) == 4
     [sent] = run.events("assignment_sent", generation=decided["generation"], node=joined["node"])
     assert sent["previous_rank"] == -1  # a joiner holds nothing: it receives every layer
