@@ -9,8 +9,9 @@
    (``tests/integration/test_one_gpu.py``: float64 equal to the CPU reference, a checkpoint
    from CUDA tensors read back on the CPU, bf16 and fp16), the per-step synchronisation test
    (``test_engine_prefetch.py``), the two-GPU NCCL pipeline (``test_cuda_smoke.py``, skipped
-   with fewer than two GPUs: NCCL will not put two ranks of one group on one GPU) and the
-   meta-device placement tests.
+   with fewer than two GPUs: NCCL will not put two ranks of one group on one GPU), the
+   meta-device placement tests and the worker template's (``test_worker_template.py``: a
+   worker forked from it computes on CUDA; the template never initialised the driver).
 3. The whole job on GPU 0: ``oobleck-launch local`` on one node (master, agent and worker
    processes, the gRPC control plane), a periodic checkpoint written from CUDA tensors while
    training and a final one, read back on the CPU by the reference trainer.
@@ -42,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 CUDA_TESTS = ["tests/integration/test_one_gpu.py", "tests/integration/test_engine_prefetch.py",
-              "tests/integration/test_cuda_smoke.py", "tests/unit/test_device_placement.py"]  # fmt: skip
+              "tests/integration/test_cuda_smoke.py", "tests/unit/test_device_placement.py",
+              "tests/integration/test_worker_template.py"]  # fmt: skip
 # tiny_mm scaled until a step is GPU work, not launch overhead (~0.5 B parameters).
 BENCH_MODEL = {
     "vision": {"num_layers": 6, "hidden": 1024, "num_heads": 16, "patch_size": 16},
