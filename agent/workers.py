@@ -2,10 +2,10 @@
 
 One worker per GPU, each its own OS process. By default (``--worker-start
 forkserver``) a worker is a fork of the node's *worker template*: a process the
-agent starts once, before it registers, that imports torch, DeepSpeed's
-torch._dynamo, the engine and (on a machine without a GPU) DeepSpeed's schedules
-(``oobleck_mm.runtime.worker_preload``) and then only forks. A node with 8 GPUs pays those imports
-once instead of 8 times side by side, and a worker started later (restart-mode
+agent starts once, before it registers, that imports torch, torch._dynamo, the
+engine and (on a machine without a GPU) DeepSpeed's schedules
+(``oobleck_mm.runtime.worker_preload``) and then only forks. A node with 8 GPUs
+pays those imports once instead of 8 times side by side, and a worker started later (restart-mode
 recovery) is ready in a fraction of a second. The template is the standard
 library's ``forkserver``: an interpreter of its own (never a fork of the agent,
 which would inherit gRPC's threads), single-threaded, that never touches CUDA
