@@ -17,7 +17,8 @@ A run with joins to inject keeps one *standby* agent (``--node -``): started
 ahead, it imports torch and the engine into its worker template, then waits for
 a name on its stdin. A join names it and it registers at once, as a node that
 had booted before it joined would, instead of paying a fresh interpreter's
-imports beside the survivors then; a new standby is started for the next join.
+imports beside the survivors then; a new standby is started for the next join
+while joins remain to be injected.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class LocalCluster:
         self._standby: tuple[subprocess.Popen, str] | None = None
         """An agent started ahead for the next join (``--node -``), and its log; None: none now."""
         self._standbys = 0
-        self._wants_standby = any(getattr(f, "kind", None) == "join" for f in options.faults)
+        self._joins_left = sum(getattr(f, "kind", None) == "join" for f in options.faults)
+        """Joins still to inject: a standby is kept only while one may come (each costs a template's imports)."""
         self._closing = False
         self._signal: int | None = None
         self._stop_requested = False
@@ -117,7 +119,7 @@ class LocalCluster:
                   f"event log {self.event_log_path}", flush=True)  # fmt: skip
             for i in range(self.job.cluster.nodes):
                 self.start_agent(f"node{i}")
-            if self._wants_standby:
+            if self._joins_left:
                 with self._agents_lock:
                     self._start_standby()
             self._start_injector()
@@ -217,7 +219,9 @@ class LocalCluster:
                     proc = subprocess.Popen(self._agent_command(node), stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=self._agent_env())  # fmt: skip
             self.agents[node] = (proc, log_path)
-            if self._wants_standby and self.injector is not None:
+            if self.injector is not None:  # a join
+                self._joins_left -= 1
+            if self._joins_left > 0 and self.injector is not None:
                 # The next standby's imports would take CPU from this join's switch: start it later.
                 rearm = threading.Timer(STANDBY_REARM_S, self._rearm_standby)
                 rearm.daemon = True
@@ -225,7 +229,7 @@ class LocalCluster:
 
     def _rearm_standby(self) -> None:
         with self._agents_lock:
-            if self._standby is None and not self._closing:
+            if self._standby is None and self._joins_left > 0 and not self._closing:
                 self._start_standby()
 
     @staticmethod

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_mm.events import read_events  # noqa: E402
-from oobleck_mm.faults.report import recovery_rows, step_gaps  # noqa: E402
+from oobleck_mm.faults.report import median_step_gap, recovery_rows  # noqa: E402
 
 SCENARIOS = {"join alone": "join@step5", "join after crash": "kill:node1@step5,join@step8"}
 TARGET_MEDIAN_STEPS = 1.5
@@ -46,8 +46,7 @@ def one_run(inject: str, steps: int, run_dir: Path) -> dict:
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     events = read_events(run_dir / "events.jsonl")
     joins = [r for r in recovery_rows(events) if r.kind.startswith("join")]
-    gaps = sorted(gap for _, gap in step_gaps(events))
-    median = gaps[len(gaps) // 2] if gaps else None
+    median = median_step_gap(events)
     pause = joins[0].lost_s if joins else None
     return {"exit": proc.returncode, "pause_s": pause, "median_step_s": median,
             "median_steps": None if pause is None or not median else pause / median,

@@ -65,7 +65,7 @@ import yaml  # noqa: E402
 
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.events import read_events  # noqa: E402
-from oobleck_mm.faults.report import RecoveryRow, format_table, plot_run, recovery_rows, step_gaps  # noqa: E402
+from oobleck_mm.faults.report import RecoveryRow, format_table, plot_run, median_step_gap, recovery_rows  # noqa: E402
 
 NODES = 4
 RUN_TIMEOUT_S = 420.0
@@ -169,10 +169,9 @@ KINDS = ("kill", "preempt", "stop", "join", "killmaster")
 
 def join_stall(events: list[dict], row: RecoveryRow | None) -> dict:
     """The join's survivors' pause (its row's ``lost_s``) in seconds and in median steps."""
-    gaps = sorted(gap for _, gap in step_gaps(events))
-    if row is None or row.lost_s is None or not gaps:
+    median = median_step_gap(events)
+    if row is None or row.lost_s is None or not median:
         return {"stall_s": None, "median_step_s": None, "stall_ratio": None}
-    median = gaps[len(gaps) // 2]
     return {"stall_s": row.lost_s, "median_step_s": median, "stall_ratio": row.lost_s / median}
 
 

@@ -105,16 +105,10 @@ def run_job(out_dir: Path, steps: int = 10) -> dict:
     result = {"exit": proc.returncode, "seconds": round(time.perf_counter() - started, 1),
               "done": f"done: {steps} steps" in proc.stdout, "tail": (proc.stdout + proc.stderr)[-3000:]}  # fmt: skip
     if proc.returncode == 0:
-        import yaml
-
         from oobleck_mm.config import config_from_dict
         from oobleck_mm.runtime.reference import ReferenceTrainer
 
-        with open(ROOT / "configs/tiny_mm.yaml") as f:
-            d = yaml.safe_load(f)
-        d["fault_tolerance"]["f"] = 0
-        d["cluster"]["nodes"] = 1
-        trainer = ReferenceTrainer(config_from_dict(d))
+        trainer = ReferenceTrainer(config_from_dict(_tiny_mm_one_node()))
         result["final_step_read_on_cpu"] = trainer.load_checkpoint(str(run_dir / "final"))
         result["periodic_checkpoints"] = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     result["ok"] = result["exit"] == 0 and result["done"] and result.get("final_step_read_on_cpu") == steps
@@ -122,18 +116,25 @@ def run_job(out_dir: Path, steps: int = 10) -> dict:
 
 
 def bench_job(dtype: str):
-    import yaml
-
     from oobleck_mm.config import config_from_dict
 
-    with open(ROOT / "configs/tiny_mm.yaml") as f:
-        d = yaml.safe_load(f)
+    d = _tiny_mm_one_node()
     d["model"].update(name="gpu_bench_mm", **BENCH_MODEL)
     d["data"].update(BENCH_DATA)
     d["training"].update(dtype=dtype, **BENCH_TRAINING)
-    d["cluster"].update(device="cuda", accelerator="h100", backend="auto", nodes=1)
-    d["fault_tolerance"]["f"] = 0  # one node: nothing to survive
+    d["cluster"].update(device="cuda", accelerator="h100", backend="auto")
     return config_from_dict(d)
+
+
+def _tiny_mm_one_node() -> dict:
+    """configs/tiny_mm.yaml as a dict, on one node (f = 0: nothing to survive)."""
+    import yaml
+
+    with open(ROOT / "configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    d["fault_tolerance"]["f"] = 0
+    d["cluster"]["nodes"] = 1
+    return d
 
 
 def run_bench(steps: int, warmup: int, out_dir: Path) -> dict:

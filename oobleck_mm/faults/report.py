@@ -339,18 +339,21 @@ def step_gaps(events: Sequence[Event]) -> list[tuple[float, float]]:
     return [(b, b - a) for a, b in zip(done, done[1:])]
 
 
+def median_step_gap(events: Sequence[Event]) -> float | None:
+    """The run's median wall-clock gap between consecutive step completions (None: under two steps)."""
+    ordered = sorted(gap for _, gap in step_gaps(events))
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def survivors_pause(events: Sequence[Event], since: float, until_step: Event | None,
                     until_ts: float | None = None) -> float | None:
     """Seconds the survivors lost from ``since`` to the completion of ``until_step`` (or to ``until_ts``):
     each gap between consecutive step completions ending in that window, less the run's median gap,
     summed where positive."""
-    if until_step is None:
+    median = median_step_gap(events)
+    if until_step is None or median is None:
         return None
     gaps = step_gaps(events)
-    if not gaps:
-        return None
-    ordered = sorted(gap for _, gap in gaps)
-    median = ordered[len(ordered) // 2]
     end = _finished_at(until_step) if until_ts is None else until_ts
     return sum(max(0.0, gap - median) for done, gap in gaps if since < done <= end)
 
