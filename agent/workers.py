@@ -38,6 +38,7 @@ import psutil
 
 from oobleck_mm.lifetime import die_with_parent
 from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.runtime.template import warm_context
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ DEFAULT_WORKER_TARGET = "oobleck_mm.runtime.agent_worker:worker_main"
 WORKER_START_METHODS = ("forkserver", "spawn")
 """How an agent starts its workers: forks of the warm worker template, or fresh interpreters."""
 DEFAULT_WORKER_START = "forkserver"
-WORKER_PRELOAD = "oobleck_mm.runtime.worker_preload"
-"""What the template imports for the default worker target (another target: its own module only)."""
 
 
 # ---------------------------------------------------------------------- inside the worker process
@@ -85,20 +84,12 @@ def start_worker_template(method: str, target: str = DEFAULT_WORKER_TARGET) -> N
         raise ValueError(f"worker start method {method!r}: expected one of {', '.join(WORKER_START_METHODS)}")
     if method == "spawn":
         return
-    # Inherited by the template (started below) and by every worker forked from it: torch's
-    # torch.cuda.is_available() asks NVML, which leaves the CUDA driver uninitialised in the template.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    # numpy's OpenBLAS starts a thread per core when imported (torch imports numpy). It stops them
-    # around a fork itself, but the template has no use for them. (The workers' math is torch's.)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    global _template_preload
-    if _template_preload is None:  # the first call decides; a restarted template imports the same
-        _template_preload = [WORKER_PRELOAD] if target == DEFAULT_WORKER_TARGET else [target.partition(":")[0]]
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_template_preload)
+    # The default target's module is not preloaded: on a GPU machine it imports DeepSpeed, whose
+    # accelerator probe initialises the CUDA driver (worker_preload's docstring); WORKER_PRELOAD has the rest.
+    warm_context(None if target == DEFAULT_WORKER_TARGET else [target.partition(":")[0]])
     forkserver.ensure_running()
 
 
-_template_preload: list[str] | None = None
 TEMPLATE_RESTART_S = 10.0
 """How long a worker's start retries while the worker template it asked is dead and not yet replaced."""
 TEMPLATE_RETRY_S = 0.05

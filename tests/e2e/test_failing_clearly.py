@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_harness import ROOT, Launch, write_config
+from harness import ROOT, Launch, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

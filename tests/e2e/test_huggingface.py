@@ -19,7 +19,7 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from e2e_harness import ROOT, INTERVAL, TIMEOUT, assert_matches_reference, kill_node1_of_the_deeper_pipeline  # noqa: E402
+from harness import ROOT, INTERVAL, TIMEOUT, assert_matches_reference, kill_node1_of_the_deeper_pipeline  # noqa: E402
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.data.loader import TrainingData  # noqa: E402
 from oobleck_mm.data.sample import IMAGE  # noqa: E402

@@ -16,7 +16,7 @@ import subprocess
 import psutil
 import pytest
 import yaml
-from e2e_harness import ROOT
+from harness import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LAUNCH = ROOT / "examples" / "launch"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from e2e_harness import ROOT
+from harness import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
 
 
 def test_set_overrides_reach_the_master_and_the_workers(tmp_path, launches):
-    from e2e_harness import Launch
+    from harness import Launch
 
     run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nodes", "2",
                  "--set", "training.global_batch=32", "--set", "training.steps=3")  # fmt: skip
@@ -89,7 +89,7 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
     import json
 
     import yaml
-    from e2e_harness import Launch
+    from harness import Launch
 
     out = tmp_path / "env"
     out.mkdir()
@@ -117,7 +117,7 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
 
 
 def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, launches):
-    from e2e_harness import Launch
+    from harness import Launch
 
     # Three joiners for two free places; 400 steps leave every joiner's workers time to start under load
     # (a joiner is admitted once they are ready).

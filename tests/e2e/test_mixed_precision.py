@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e_harness import assert_matches_reference, kill_node1_of_the_deeper_pipeline, write_config
+from harness import assert_matches_reference, kill_node1_of_the_deeper_pipeline, write_config
 from oobleck_mm.runtime.checkpoint import load_params
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

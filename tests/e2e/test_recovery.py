@@ -15,13 +15,15 @@ import signal
 
 import pytest
 
-from e2e_harness import (
+from harness import (
     SMALL_GPU,
     TIMEOUT_S,
     Launch,
     assert_matches_reference,
     assert_replicas_identical,
+    assert_resume_equals_reference,
     position_nodes,
+    wait_for,
     write_config,
 )
 from oobleck_mm.config import load_config
@@ -60,50 +62,70 @@ def recovered_generation(run: Launch, victims: set[str]) -> dict:
     return last
 
 
-def test_a_killed_node_in_the_middle_of_a_pipeline(launches, tmp_path):
-    config = write_config(tmp_path, nodes=5, memory=SMALL_GPU)  # pipelines of 3 + 2 nodes
+def recovery_from(run: Launch, victim: str, timeout: float = 60.0) -> tuple[dict, dict, dict]:
+    """(lost, plan_decided, resumed) of the recovery that took ``victim`` out, once it resumed; checks the
+    plan against the loss: a generation planned from states the survivors kept (no restart)."""
+    lost = run.wait_event("lost", node=victim, timeout=timeout)
+    assert lost["in_plan"], lost
+    decided = wait_for(lambda: next((e for e in run.events("plan_decided") if victim in e.get("lost", [])), None),
+                       timeout, f"the plan without {victim}")  # fmt: skip
+    assert decided["generation"] >= 2 and victim not in decided["nodes"]
+    assert decided["previous_generation"] >= 1  # survivors kept their states: no restart
+    resumed = run.wait_event("resumed", generation=decided["generation"], timeout=timeout)
+    assert resumed["cause"] == "lost"
+    return lost, decided, resumed
+
+
+def test_a_fault_tour_kill_killworker_stop_on_heterogeneous_pipelines(launches, tmp_path):
+    """One cluster of 7 nodes, pipelines of 3 + 2 + 2 nodes (float64, memory-capped), three faults in turn,
+    each aimed at a pipeline position of the plan in force and each recovered from before the next:
+
+    1. the node in the middle of the deepest pipeline is SIGKILLed: lost on its stream within a second,
+       its pipeline re-cut (layer states moved and copied);
+    2. the worker at the last stage of a shortest pipeline is SIGKILLed: its agent reports it
+       (``worker_exited``, SIGKILL), the pipeline borrows a node (states moved);
+    3. the agent and worker at the first stage of the deepest pipeline are SIGSTOPped (a hang: its
+       sockets stay open, only silence tells): lost by heartbeat, the peers blocked on it released
+       within the group timeout.
+
+    Then the run ends with exit 0, no process left, every replica identical, parameters equal to the
+    reference (1e-9). (It replaces three launches of 5 nodes, one fault each, with their assertions.)"""
+    steps = 40  # the third fault comes by step ~9 (3 steps after each recovery): room for a loaded machine
+    config = write_config(tmp_path, nodes=7, steps=steps, memory=SMALL_GPU)
     final = tmp_path / "final"
     run = start(launches, tmp_path, config, "--save-final", str(final))
-    pipelines = position_nodes(run.wait_event("plan_decided", generation=1))
-    victim = max(pipelines, key=len)[1]
+    plan = run.wait_event("plan_decided", generation=1)
+    assert sorted(len(p) for p in position_nodes(plan)) == [2, 2, 3], position_nodes(plan)
     run.wait_steps(3)
+
+    victims = []
+    # 1. kill: the middle of the deepest pipeline
+    victim = max(position_nodes(plan), key=len)[1]
+    victims.append(victim)
     injected = run.inject("kill", victim)
-    finish_ok(run)
-    [lost] = run.events("lost")
-    assert lost["reason"] == "stream_closed" and lost["ts"] - injected["ts"] < 1.0
-    decided = recovered_generation(run, {victim})
-    assert decided["layer_states_moved"] > 0  # the 3-node pipeline was re-cut over 2 nodes
+    lost, decided, resumed = recovery_from(run, victim)
+    assert lost["reason"] == "stream_closed" and lost["ts"] - injected["ts"] < 1.0, lost
+    assert decided["lost"] == [victim] and decided["layer_states_moved"] > 0  # its pipeline was re-cut
     [copied] = run.events("states_copied", generation=decided["generation"])
     assert copied["bytes"] > 0
-    check_final(config, 8, final)
+    run.wait_steps(resumed["step"] + 3)
 
-
-def test_a_killed_worker_at_the_last_stage(launches, tmp_path):
-    config = write_config(tmp_path, nodes=5, memory=SMALL_GPU)
-    final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final))
-    pipelines = position_nodes(run.wait_event("plan_decided", generation=1))
-    victim = min(pipelines, key=len)[-1]  # the 2-node pipeline must borrow a node to go on
-    run.wait_steps(3)
+    # 2. killworker: the last stage of a shortest pipeline, which must borrow a node to go on
+    plan = decided
+    victim = min(position_nodes(plan), key=len)[-1]
+    victims.append(victim)
     run.inject("killworker", victim)
-    finish_ok(run)
-    [lost] = run.events("lost")
-    assert lost["reason"] == "worker_exited" and "SIGKILL" in lost["detail"]
-    decided = recovered_generation(run, {victim})
-    assert decided["layer_states_moved"] > 0
-    check_final(config, 8, final)
+    lost, decided, resumed = recovery_from(run, victim)
+    assert lost["reason"] == "worker_exited" and "SIGKILL" in lost["detail"], lost
+    assert decided["lost"] == [victim] and decided["layer_states_moved"] > 0
+    run.wait_steps(resumed["step"] + 3)
 
-
-def test_a_stopped_node_at_the_first_stage(launches, tmp_path):
-    config = write_config(tmp_path, nodes=5, memory=SMALL_GPU)
-    final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final))
-    pipelines = position_nodes(run.wait_event("plan_decided", generation=1))
-    victim = max(pipelines, key=len)[0]
-    run.wait_steps(3)
-    injected = run.inject("stop", victim)  # a hang: its sockets stay open, only silence tells
-    finish_ok(run)
-    [lost] = run.events("lost")
+    # 3. stop: the first stage of the deepest pipeline hangs
+    plan = decided
+    victim = max(position_nodes(plan), key=len)[0]
+    victims.append(victim)
+    injected = run.inject("stop", victim)
+    lost, decided, resumed = recovery_from(run, victim)
     # The other pipelines wait on the hung one in the gradient all-reduce and say so: half the
     # timeout of silence confirms the hang (the full timeout if no report came in time).
     assert lost["reason"] in ("heartbeat_late_peers_stalled", "heartbeat_timeout"), lost
@@ -111,17 +133,19 @@ def test_a_stopped_node_at_the_first_stage(launches, tmp_path):
     assert half - 0.25 <= lost["ts"] - injected["ts"] < TIMEOUT_S + 1.0
     if lost["reason"] == "heartbeat_late_peers_stalled":
         assert lost["ts"] - injected["ts"] < half + 1.0
-    decided = recovered_generation(run, {victim})
     # survivors blocked on the hung peer are released within the group timeout (heartbeat timeout + 5 s)
-    resumed = run.events("resumed", generation=decided["generation"])[0]
     assert resumed["ts"] - injected["ts"] < TIMEOUT_S + 5.0 + 3.0
-    check_final(config, 8, final)
+
+    finish_ok(run)
+    assert [e["node"] for e in run.events("lost")] == victims and len(decided["nodes"]) == 4
+    assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
+    check_final(config, steps, final)
 
 
 def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
     # The joiner is admitted once its worker has started (seconds: imports), while the others train on:
     # the job must still be training then, on a loaded machine too.
-    steps = 200
+    steps = 60  # the standby agent's worker template is warm: the join comes within a few steps
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
@@ -302,7 +326,7 @@ def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches,
     """--inject join@step2 and kill:node1@phase:forming: node1's thread that forms the join generation's
     groups ahead holds there (its training thread steps on), the kill lands, and the join generation,
     never switched to, is dropped for one planned from what everyone holds; nobody waits for it."""
-    steps = 200  # the job still trains when the joiner's worker is ready, on a loaded machine too
+    steps = 60  # the job still trains when the joiner's worker is ready (the standby's: warm), loaded too
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2",
@@ -338,7 +362,7 @@ def test_a_joiner_killed_right_after_it_registered_costs_the_survivors_nothing(l
 
 
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path, monkeypatch):
-    steps = 200  # the job still trains when the joiner's worker is ready, on a loaded machine too
+    steps = 60  # the job still trains when the joiner's worker is ready (the standby's: warm), loaded too
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
     # Every worker holds 3 s before a new generation's state copy (runtime/hold.py): generation 2,
@@ -417,8 +441,8 @@ def test_a_preempted_node_leaves_at_a_step_boundary_and_nothing_is_lost(launches
 
 def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at(launches, tmp_path):
     """Notices to 4 of 5 nodes at once, no periodic checkpoint: one node cannot hold the model, so
-    everyone, the leaving nodes too, writes the step they are at before leaving (exit 3); the resumed
-    run loses no step and equals the reference."""
+    everyone, the leaving nodes too, writes the step they are at before leaving (exit 3); resumed from
+    there (in this process) it loses no step and equals the reference."""
     steps = 30
     config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,
                           fault_tolerance={"checkpoint_interval": 0})  # fmt: skip
@@ -434,14 +458,7 @@ def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at
     found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
     assert found and found.group(2) == written["dir"], run.stderr[-3000:]
     assert "leave on notice with the last copies of some layers" in run.stderr
-
-    final = tmp_path / "final"
-    again = start(launches, tmp_path, config, "--nodes", "5", "--resume", written["dir"], "--save-final",
-                  str(final), name="resumed")  # fmt: skip
-    assert again.wait(timeout=240) == 0, again.stderr[-3000:]
-    again.assert_all_gone()
-    assert [e["step"] for e in again.events("step")] == list(range(written["step"], steps))
-    check_final(config, steps, final)
+    assert assert_resume_equals_reference(config, steps, written["dir"]) == written["step"]
 
 
 def test_a_killed_master_is_restarted_by_local_and_re_adopts_the_workers_that_trained_on(launches, tmp_path):
@@ -471,7 +488,8 @@ def test_a_killed_master_is_restarted_by_local_and_re_adopts_the_workers_that_tr
 
 def test_sigterm_to_local_checkpoints_the_current_step_and_the_resume_equals_the_reference(launches, tmp_path):
     """A scheduler stopping the job (SIGTERM to the launcher): the workers write the step they are at,
-    exit 3 with the resume command; the resumed run reruns no step and equals the reference."""
+    exit 3 with the resume command; resumed from there (in this process) no step is rerun and the
+    result equals the reference."""
     steps = 30
     config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,
                           fault_tolerance={"checkpoint_interval": 0})  # fmt: skip
@@ -485,18 +503,12 @@ def test_sigterm_to_local_checkpoints_the_current_step_and_the_resume_equals_the
     assert written["step"] == max(e["step"] for e in run.events("step")) + 1  # nothing trained is lost
     found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
     assert found and found.group(2) == written["dir"] and "stopped on request (SIGTERM)" in run.stderr
-
-    final = tmp_path / "final"
-    again = start(launches, tmp_path, config, "--resume", written["dir"], "--save-final", str(final), name="resumed")
-    assert again.wait(timeout=240) == 0, again.stderr[-3000:]
-    again.assert_all_gone()
-    assert [e["step"] for e in again.events("step")] == list(range(written["step"], steps))
-    check_final(config, steps, final)
+    assert assert_resume_equals_reference(config, steps, written["dir"]) == written["step"]
 
 
 def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equals_the_reference(launches, tmp_path):
     """4 of 5 nodes at once in live mode, periodic checkpoints every 4 steps: exit 3 at the newest one
-    (never 1 while a checkpoint exists); the resumed run equals the reference for the steps it reran."""
+    (never 1 while a checkpoint exists); resumed from it (in this process) it equals the reference."""
     # 30 steps after the kill: it lands before training ends even when a busy machine stalls the launcher.
     config = write_config(tmp_path, nodes=5, steps=40, memory=SMALL_GPU,
                           fault_tolerance={"checkpoint_interval": 4})  # fmt: skip
@@ -516,14 +528,7 @@ def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equa
     assert sorted(len(p["stages"]) for p in plan["pipelines"]) == [2, 3]  # one holder per pipeline of each layer
     complete = [p.name for p in (run.run_dir / "checkpoints").iterdir() if (p / "meta.json").exists()]
     assert len(complete) <= 2  # the last two complete ones are kept
-
-    final = tmp_path / "final"
-    again = start(launches, tmp_path, config, "--nodes", "5", "--resume", checkpoint, "--save-final", str(final),
-                  name="resumed")  # fmt: skip
-    assert again.wait(timeout=240) == 0, again.stderr[-3000:]
-    again.assert_all_gone()
-    assert [e["step"] for e in again.events("step")] == list(range(saved[-1], 40))
-    check_final(config, 40, final)
+    assert assert_resume_equals_reference(config, 40, checkpoint) == saved[-1]
 
 
 def test_a_writer_killed_inside_a_periodic_checkpoint_is_made_up_after_the_next_first_step(launches, tmp_path):
@@ -555,7 +560,8 @@ def test_a_writer_killed_inside_a_periodic_checkpoint_is_made_up_after_the_next_
 
 def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equals_the_reference(launches, tmp_path):
     """fault_tolerance.checkpoint_every (no step interval): each worker's clock is asked in the step's
-    last collective, so every owner snapshots after the same step and the checkpoints complete."""
+    last collective, so every owner snapshots after the same step and the checkpoints complete; the
+    newest, resumed (in this process), equals the reference."""
     steps = 60
     config = write_config(tmp_path, nodes=3, steps=steps,
                           fault_tolerance={"checkpoint_interval": 0, "checkpoint_every": "1s"})  # fmt: skip
@@ -568,9 +574,4 @@ def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equal
     step_ts = [e["ts"] for e in run.events("step")]
     assert len(saved) <= (step_ts[-1] - step_ts[0]) / 1.0 + 2 < steps, (saved, step_ts[-1] - step_ts[0])
     last = run.run_dir / "checkpoints" / f"step{saved[-1]:08d}"
-    assert read_meta(last)["step"] == saved[-1]
-    final = tmp_path / "final"
-    again = start(launches, tmp_path, config, "--resume", str(last), "--save-final", str(final), name="resumed")
-    finish_ok(again)
-    assert [e["step"] for e in again.events("step")] == list(range(saved[-1], steps))
-    check_final(config, steps, final)
+    assert assert_resume_equals_reference(config, steps, last) == saved[-1]

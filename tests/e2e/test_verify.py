@@ -4,22 +4,31 @@ run, catches a run that is one update off, and ``--from`` checks a window of the
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
-from e2e_harness import ROOT, Launch
+from harness import ROOT, Launch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TINY = str(ROOT / "configs" / "tiny_mm.yaml")  # float32
 
 
-def verify(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", TINY, *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)  # fmt: skip
+@pytest.fixture
+def verify(capsys):
+    """``oobleck-launch verify --config TINY ARGS`` run by the CLI's own ``main`` in this process (its
+    reversed-order reference: a fork of the warm template), with what it printed and its exit code."""
+    from oobleck_mm.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(["verify", "--config", TINY, *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
-def test_float32_tolerance_passes_a_recovered_run_and_fails_one_update_off(tmp_path, launches):
+def test_float32_tolerance_passes_a_recovered_run_and_fails_one_update_off(tmp_path, launches, verify):
     first, final = tmp_path / "at8", tmp_path / "at12"
     run = Launch(tmp_path, TINY, "--steps", "8", "--inject", "kill:node3@step4", "--save-final", str(first), name="a")
     launches.append(run)

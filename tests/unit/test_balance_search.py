@@ -3,9 +3,6 @@ its determinism, each against an independent computation (numpy's scorer, the pu
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -104,43 +101,3 @@ def test_descending_order_breaks_ties_by_sample_id_on_either_path():
     assert descending(huge, ids).tolist() == [3, 1, 2, 0, 4]
 
 
-def test_without_numba_the_same_code_gives_the_same_placement(mllm, tmp_path):
-    """Ranks must agree even if one ran the pure-Python fallback (``NUMBA_DISABLE_JIT=1``)."""
-    problem = make_problem(mllm, [2, 4, 3], [6, 12, 9], seed=13)
-    compiled = ALGORITHMS["ours"](problem)
-    script = tmp_path / "plain.py"
-    script.write_text(
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_balance import make_problem, CONFIGS\n"
-        "from oobleck_mm.balance.balancer import ALGORITHMS\n"
-        "from oobleck_mm.balance.cost_model import CostCoefficients, CostModel\n"
-        "from oobleck_mm.config import load_config\n"
-        "from oobleck_mm.data.dataset import ModelInputs\n"
-        "from oobleck_mm.config.shape import layer_specs\n"
-        "from oobleck_mm.profiling.analytical import profile_from_config\n"
-        "job = load_config(CONFIGS / 'mllm_10b.yaml')\n"
-        "model = CostModel.from_profile(profile_from_config(job), layer_specs(job.model, job.data))\n"
-        "mllm = (model, CostCoefficients.initial(3e-5), ModelInputs.from_model(job.model))\n"
-        "p = ALGORITHMS['ours'](make_problem(mllm, [2, 4, 3], [6, 12, 9], seed=13))\n"
-        "print(json.dumps([p.pipeline.tolist(), p.microbatch.tolist()]))\n"
-    )
-    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    pipeline, microbatch = json.loads(out.stdout.strip().splitlines()[-1])
-    assert pipeline == compiled.pipeline.tolist() and microbatch == compiled.microbatch.tolist()
-
-
-def test_a_worker_imports_numba_only_when_its_balancer_runs_ours():
-    """numba is ~0.23 s of a worker's ~2.3 s start-up (scripts/bench_startup.py): a job without the
-    balancer must not pay it, and one with it must still get the kernels (warm_up at its start)."""
-    code = ("import sys, oobleck_mm.runtime.agent_worker, oobleck_mm.runtime.engine\n"
-            "assert 'numba' not in sys.modules, 'the worker imported numba'\n"
-            "from oobleck_mm.balance.balancer import balance\n"
-            "assert 'numba' not in sys.modules, 'the balancer module imported numba'\n"
-            "from oobleck_mm.balance import search\n"
-            "print(search.njit.__module__)\n")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().startswith("numba"), "the search's kernels are not numba's"

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -251,7 +249,7 @@ BAD = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("field", "value", "prefix", "fragment"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
+@pytest.mark.parametrize(("field", "value", "prefix", "fragment"), BAD, ids=[f"{b[0]}=<deleted>" if b[1] is DELETE else f"{b[0]}={b[1]!r}" for b in BAD])
 def test_each_bad_field_gets_its_own_message(field, value, prefix, fragment):
     with pytest.raises(ConfigError) as info:
         config_from_dict(with_value(tiny_dict(), field, value))
@@ -325,11 +323,3 @@ def test_the_rendezvous_timeout_is_a_setting_a_user_may_raise():
         config_from_dict(with_value(MINIMAL, "fault_tolerance", {"rendezvous_timeout": "0s"}))
 
 
-def test_config_imports_no_other_project_module():
-    """The leaf of the import graph, checked here as in `make test`'s lint-imports run."""
-    code = ("import sys, oobleck_mm.config; "
-            "print(sorted(m for m in sys.modules if m.startswith(('oobleck_mm', 'master', 'agent'))))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert out.strip() == str(["oobleck_mm", "oobleck_mm.config", "oobleck_mm.config.deepspeed",
-                               "oobleck_mm.config.devices", "oobleck_mm.config.huggingface", "oobleck_mm.config.job",
-                               "oobleck_mm.config.shape", "oobleck_mm.config.values", "oobleck_mm.errors"])  # fmt: skip

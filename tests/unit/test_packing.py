@@ -127,35 +127,3 @@ def test_dispatch_table_raises_on_unknown_instruction():
         execute([[ds.ForwardPass(0), ds.SendGrad(1)]], table)
 
 
-def test_single_rank_engine_handles_every_instruction_and_equals_reference(tmp_path):
-    """World of one (a real gloo group): every TrainSchedule instruction kind has a handler, same result."""
-    import dataclasses
-
-    import torch.distributed as dist
-
-    from oobleck_mm.planning.layout import ExecutionPlan
-    from oobleck_mm.runtime.engine import StageEngine
-    from oobleck_mm.runtime.group import join_generation
-    from oobleck_mm.runtime.reference import ReferenceTrainer
-
-    job = load_config("configs/tiny_mm.yaml")
-    job = dataclasses.replace(job, training=dataclasses.replace(job.training, dtype="float64"))
-    kinds = set()
-    for stages in (1, 2, 4):
-        for stage in range(stages):
-            for step in ds.TrainSchedule(micro_batches=5, stages=stages, stage_id=stage).steps():
-                kinds |= {type(i) for i in step}
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    join_generation(store, 0, 0, 1, "gloo", collective_timeout=WAIT, arrival_timeout=WAIT)
-    try:
-        specs = model_layer_specs(job)
-        engine = StageEngine(job, ExecutionPlan.even(len(specs), [1], [8], 2), 0)
-        assert kinds <= set(engine._dispatch)
-        ref = ReferenceTrainer(job)
-        for step in range(2):
-            assert engine.train_step(step).loss == pytest.approx(ref.train_step(step), abs=1e-12)
-        for i in range(len(specs)):
-            for k, v in engine.layer_state(i).items():
-                assert (v - ref.layer_state(i)[k]).abs().max() < 1e-12
-    finally:
-        dist.destroy_process_group()

@@ -1,35 +1,42 @@
-"""Helpers of the end-to-end recovery tests: configs, a watched ``oobleck-launch local``, faults, the oracle.
+"""The one harness of the tests that start processes (tests/e2e, tests/integration).
 
-``Launch`` runs the real launcher in a subprocess and snapshots its process
-tree while it runs, so a test can prove that every process it caused (master
-helpers, agents, workers, joiners, restarted workers) is gone at the end.
-Faults come from ``--inject`` or, when the target depends on the plan (a node
-at a given pipeline position), from the same ``oobleck_mm.faults`` injector
-driven by this process. Results are checked against the single-process
-reference trainer (float64, computed once per training config and step count).
+- configs: the tiny model with short test heartbeats (``write_config``);
+- ``Launch``: ``oobleck-launch local`` in a subprocess whose process tree is
+  snapshotted while it runs, so a test can prove that every process it caused
+  (master helpers, agents, workers, joiners, restarted workers) is gone; faults
+  from ``--inject`` or, when the target depends on the plan, from the same
+  ``oobleck_mm.faults`` injector driven by the test;
+- ``Procs``: single agents and masters started by a control-plane test, killed
+  and checked at teardown; a master in the test process (``master_in_process``);
+- the oracle: the single-process reference trainer (float64, computed once per
+  training config and step count), and the in-process resume of a written
+  checkpoint (``assert_resume_equals_reference``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import yaml
 
-from oobleck_mm.config import load_config
+from oobleck_mm.config import apply_overrides, load_config
 from oobleck_mm.events import EventLog, read_events
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_mm.yaml"
 INTERVAL, TIMEOUT = "200ms", "3s"
-TIMEOUT_S = 3.0
+INTERVAL_S, TIMEOUT_S = 0.2, 3.0
 """Short heartbeats; the timeout leaves room for a 2-core machine where five workers start at once
 (importing torch) next to other test runs: 1-2 s timeouts declared healthy nodes lost there."""
 SMALL_GPU = 8_000_000
@@ -61,7 +68,7 @@ def wait_for(predicate, timeout: float, what: str):
         time.sleep(0.02)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def tree(pid: int) -> list[psutil.Process]:
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
@@ -69,7 +76,7 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _alive(procs) -> list[psutil.Process]:
+def alive(procs) -> list[psutil.Process]:
     out = []
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -96,7 +103,7 @@ class Launch:
 
     def _watch_tree(self) -> None:
         while self.proc.poll() is None:
-            for p in _tree(self.proc.pid):
+            for p in tree(self.proc.pid):
                 if p.pid not in self.seen:
                     self.seen[p.pid] = p
                     with contextlib.suppress(psutil.Error):
@@ -128,7 +135,7 @@ class Launch:
                 and cmd[3:4] != ["local"] or "spawn_main" in " ".join(cmd)]  # fmt: skip
 
     def kill_all(self) -> None:
-        for p in [*_tree(self.proc.pid), *self.seen.values()]:
+        for p in [*tree(self.proc.pid), *self.seen.values()]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
 
@@ -136,9 +143,9 @@ class Launch:
         """Every process the run started has ended (the launcher itself has exited)."""
         assert len(self.seen) > 1, "the watcher saw no process under the launcher"
         deadline = time.monotonic() + timeout
-        while _alive(self.seen.values()) and time.monotonic() < deadline:
+        while alive(self.seen.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = [(p.pid, " ".join(p.cmdline())[:100]) for p in _alive(self.seen.values())]
+        left = [(p.pid, " ".join(p.cmdline())[:100]) for p in alive(self.seen.values())]
         self.kill_all()
         assert left == [], f"still running after the launcher exited: {left}"
 
@@ -186,6 +193,104 @@ def kill_node1_of_the_deeper_pipeline(launches: list, tmp_path: Path, config: st
     return run
 
 
+# ---------------------------------------------------------------------- agents and masters one by one
+def wait_event(path: str | Path, event: str, timeout: float = 10.0, **match: Any) -> dict[str, Any]:
+    """The first ``event`` in the log whose fields equal ``match``."""
+
+    def find() -> dict[str, Any] | None:
+        for e in read_events(path, event):
+            if all(e.get(k) == v for k, v in match.items()):
+                return e
+        return None
+
+    return wait_for(find, timeout, f"event {event} {match} in {path}")
+
+
+def worker_pid(log_path: Path, local_rank: int = 0, timeout: float = 60.0) -> int:
+    """The pid of a worker as its agent logged it when starting it."""
+    pattern = re.compile(rf"started worker {local_rank} \(pid (\d+)\)")
+    found = wait_for(lambda: pattern.search(log_path.read_text()), timeout, f"worker {local_rank} in {log_path}")
+    return int(found.group(1))
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Every process in ``procs`` has ended within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    survivors = [(p.pid, p.name()) for p in alive(procs)]
+    assert survivors == [], f"still running {timeout:g}s later: {survivors}"
+
+
+class Procs:
+    """Processes started by one test; ``cleanup`` kills them all and checks that none survived."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[subprocess.Popen] = []
+        self.seen: list[psutil.Process] = []  # everything ever observed under them
+
+    def spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+        log_path = self.tmp_path / log_name
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "oobleck_mm.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, **(env or {})},
+            )  # fmt: skip
+        self.started.append(proc)
+        return proc, log_path
+
+    def agent(self, address: str, node: str, token_file: str) -> tuple[subprocess.Popen, Path]:
+        return self.spawn(["agent", "--master", address, "--node", node, "--token-file", token_file],
+                          f"agent-{node}.log")  # fmt: skip
+
+    def remember(self, pid: int) -> list[psutil.Process]:
+        found = tree(pid)
+        self.seen.extend(found)
+        return found
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            self.remember(proc.pid)
+        for p in self.seen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()  # also ends SIGSTOPped ones
+        for proc in self.started:
+            proc.wait(10)
+        assert_all_gone(self.seen, 5)
+
+
+@contextlib.contextmanager
+def master_in_process(config: str, tmp_path: Path, **overrides: int) -> Iterator[Any]:
+    """A master in the test process (real gRPC and store, a ``master.server.MasterServer``), stopped on exit."""
+    from master.server import MasterOptions, MasterServer
+
+    job = apply_overrides(load_config(config), **overrides)
+    server = MasterServer(job, MasterOptions(port=0, run_dir=str(tmp_path / "run")), progress=lambda line: None)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.finish(1, "test over")
+        server.stop()
+
+
+def start_master_process(procs: Procs, config: str, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, Path, str]:
+    """``oobleck-launch master`` as a subprocess: (process, address, event log, token file)."""
+    run_dir = tmp_path / "run"
+    proc, log_path = procs.spawn(["master", "--config", config, "--port", "0", "--run-dir", str(run_dir), *extra],
+                                 "master.log")  # fmt: skip
+    found = wait_for(lambda: re.search(r"master listening on (\S+) ", log_path.read_text()), 20, "the master")
+    return proc, found.group(1), run_dir / "events.jsonl", str(run_dir / "token")
+
+
+def send(proc: subprocess.Popen, sig: signal.Signals) -> float:
+    """Sends ``sig`` and returns the wall-clock time (the event log's clock)."""
+    now = time.time()
+    os.kill(proc.pid, sig)
+    return now
+
+
 # ---------------------------------------------------------------------- the oracle
 _REFERENCES: dict[tuple[str, int], dict[str, dict]] = {}
 
@@ -228,6 +333,33 @@ def max_param_diff(config: str, steps: int, directory: Path) -> tuple[float, str
 def assert_matches_reference(config: str, steps: int, directory: Path, tolerance: float = 1e-9) -> None:
     worst, where = max_param_diff(config, steps, directory)
     assert worst <= tolerance, f"largest parameter difference {worst:.3e} at {where}"
+
+
+def assert_resume_equals_reference(config: str, steps: int, checkpoint: str | Path, tolerance: float = 1e-9) -> int:
+    """The written checkpoint resumed in this process: the reference trainer loads it (parameters, Adam
+    moments, loss scale, its step) and trains on to ``steps``; every parameter must equal the
+    uninterrupted reference's. That is what a second launch resuming from it proved about the checkpoint,
+    without a second cluster; the launcher's own resume path keeps its launches (the resume on another
+    node count in test_recovery.py, the float32 resume in test_verify.py). Returns the checkpoint's step."""
+    import torch
+
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = ReferenceTrainer(load_config(config))
+        start = trainer.load_checkpoint(str(checkpoint))
+        for _ in trainer.train(steps - start, start_step=start):
+            pass
+        resumed = {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}
+    finally:
+        torch.set_num_threads(threads)
+    for name, ref in reference_state(config, steps).items():
+        for key, value in ref.items():
+            diff = (resumed[name][key] - value).abs().max().item()
+            assert diff <= tolerance, f"resumed from {checkpoint} (step {start}): {name}.{key} off by {diff:.3e}"
+    return start
 
 
 def assert_replicas_identical(directory: Path) -> None:
