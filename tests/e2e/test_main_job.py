@@ -119,9 +119,10 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
 def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, launches):
     from harness import Launch
 
-    # Three joiners for two free places; 400 steps leave every joiner's workers time to start under load
-    # (a joiner is admitted once they are ready).
-    run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nnodes", "2:4", "--steps", "400",
+    # Three joiners for two free places; 200 steps leave every joiner's workers time to start under load
+    # (a joiner is admitted once they are ready; the second starts a fresh agent: step 71 of 400 in CI,
+    # next to another test).
+    run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nnodes", "2:4", "--steps", "200",
                  "--log-every", "50", "--inject", "join@step3", "--inject", "join@step5", "--inject", "join@step7")  # fmt: skip
     launches.append(run)
     assert run.wait(timeout=240) == 0, run.stderr[-3000:]

@@ -168,9 +168,12 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
     assert sorted(set(steps_logged)) == list(range(steps))  # a join loses no step
     [ready] = run.events("node_ready", node=joined["node"])
     assert ready["joining"] and ready["ts"] <= decided["ts"]  # admitted once its worker was up
-    # The survivors paused only for the rendezvous and the copy, not for the joiner's start-up.
+    # The survivors paused only for the switch (groups formed ahead, the copy), never for the joiner's
+    # group formation (issue 31: 2.9-5.4 s freezes) nor a group timeout: under a heartbeat timeout even on
+    # a loaded machine (1.16 s measured beside two `yes` and another test). The joiner's start-up from the
+    # standby's warm template no longer makes a yardstick (0.1-0.6 s).
     [row] = [r for r in recovery_rows(run.events()) if r.kind == "join"]
-    assert row.lost_s is not None and row.lost_s < ready["startup_s"], (row.lost_s, ready["startup_s"])
+    assert row.lost_s is not None and row.lost_s < TIMEOUT_S, (row.lost_s, ready["startup_s"])
     check_final(config, steps, final)
 
 
