@@ -231,13 +231,11 @@ class _NoiseReference:
         with open(config, "w", encoding="utf-8") as fh:
             yaml.safe_dump(job.to_dict(), fh, sort_keys=False)
         self._out = os.path.join(self._tmp.name, "states.pt")
-        from oobleck_mm.runtime.template import warm_context, with_environ
+        from oobleck_mm.runtime.template import warm_process
 
         # A fork of the warm template, never of this process (torch's threads): a fresh interpreter's
         # imports once per process, none when the template already runs (a test process, a second verify).
-        ctx = warm_context()
-        self._proc = ctx.Process(target=with_environ, args=(dict(os.environ), _noise_main, config, steps, start_dir,
-                                                            self._out), daemon=True)  # fmt: skip
+        self._proc = warm_process(_noise_main, config, steps, start_dir, self._out)
         self._proc.start()
 
     def result(self) -> dict:

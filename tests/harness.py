@@ -295,24 +295,31 @@ def send(proc: subprocess.Popen, sig: signal.Signals) -> float:
 _REFERENCES: dict[tuple[str, int], dict[str, dict]] = {}
 
 
-def reference_state(config: str, steps: int) -> dict[str, dict]:
-    """Layer name -> parameters after ``steps`` reference steps (cached across tests: only the cluster differs)."""
+def _trained_states(config: str, steps: int, checkpoint: str | Path | None = None) -> tuple[dict[str, dict], int]:
+    """Layer name -> parameters of the reference trainer after ``steps``, from step 0 or resumed from
+    ``checkpoint`` (parameters, Adam moments, loss scale, its step); and the step it started from."""
+    import torch
+
     from oobleck_mm.runtime.reference import ReferenceTrainer
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads, and OpenMP spins on a busy machine
+    try:
+        trainer = ReferenceTrainer(load_config(config))
+        start = 0 if checkpoint is None else trainer.load_checkpoint(str(checkpoint))
+        for _ in trainer.train(steps - start, start_step=start):
+            pass
+        return {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}, start
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reference_state(config: str, steps: int) -> dict[str, dict]:
+    """Layer name -> parameters after ``steps`` reference steps (cached across tests: only the cluster differs)."""
     raw = yaml.safe_load(Path(config).read_text())
     key = (json.dumps({k: raw[k] for k in ("model", "data", "training")}, sort_keys=True), steps)
     if key not in _REFERENCES:
-        import torch
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the tiny model gains nothing from threads, and OpenMP spins on a busy machine
-        try:
-            trainer = ReferenceTrainer(load_config(config))
-            for _ in trainer.train(steps):
-                pass
-            _REFERENCES[key] = {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}
-        finally:
-            torch.set_num_threads(threads)
+        _REFERENCES[key] = _trained_states(config, steps)[0]
     return _REFERENCES[key]
 
 
@@ -341,20 +348,7 @@ def assert_resume_equals_reference(config: str, steps: int, checkpoint: str | Pa
     uninterrupted reference's. That is what a second launch resuming from it proved about the checkpoint,
     without a second cluster; the launcher's own resume path keeps its launches (the resume on another
     node count in test_recovery.py, the float32 resume in test_verify.py). Returns the checkpoint's step."""
-    import torch
-
-    from oobleck_mm.runtime.reference import ReferenceTrainer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = ReferenceTrainer(load_config(config))
-        start = trainer.load_checkpoint(str(checkpoint))
-        for _ in trainer.train(steps - start, start_step=start):
-            pass
-        resumed = {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}
-    finally:
-        torch.set_num_threads(threads)
+    resumed, start = _trained_states(config, steps, checkpoint)
     for name, ref in reference_state(config, steps).items():
         for key, value in ref.items():
             diff = (resumed[name][key] - value).abs().max().item()

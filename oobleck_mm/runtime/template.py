@@ -54,3 +54,9 @@ def with_environ(environ: Mapping[str, str], target: Callable, *args) -> None:
     os.environ.clear()
     os.environ.update(environ)
     target(*args)
+
+
+def warm_process(target: Callable, *args, daemon: bool = True) -> multiprocessing.Process:
+    """A ``Process`` (not started) forked from the warm template that runs ``target(*args)`` with the
+    caller's environment as it is now (``with_environ``)."""
+    return warm_context().Process(target=with_environ, args=(dict(os.environ), target, *args), daemon=daemon)

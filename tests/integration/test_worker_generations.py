@@ -7,6 +7,7 @@ copy the layer states they lack and finish with the failure-free parameters.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +19,7 @@ from master.store import serve_store_only
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
 from oobleck_mm.protocol.pipe import recv_report, send_command
-from oobleck_mm.runtime.template import warm_context, with_environ
+from oobleck_mm.runtime.template import warm_process
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 from oobleck_mm.runtime.agent_worker import worker_main
 from oobleck_mm.verify import compare
@@ -66,11 +67,9 @@ def job_config(tmp_path):
 
 def start_workers(config, count, pipes, procs):
     """``count`` agent-style workers (node0..), their pipes and processes appended to ``pipes``/``procs``."""
-    ctx = warm_context()  # forks of the warm template, as an agent starts its workers
-    for rank in range(count):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=with_environ, args=(dict(os.environ), worker_main, child, str(config), f"node{rank}", 0),
-                        daemon=True)  # fmt: skip
+    for rank in range(count):  # forks of the warm template, as an agent starts its workers
+        parent, child = mp.Pipe()
+        p = warm_process(worker_main, child, str(config), f"node{rank}", 0)
         p.start()
         pipes.append(parent)
         procs.append(p)
