@@ -444,6 +444,7 @@ class Agent:
             self.inbox.put(("saved", (local_rank, report.checkpoint_done)))
             return
         if report.WhichOneof("report") == "ready" and (worker := self.workers.get(local_rank)) is not None:
+            worker.ready = True
             # The worker measured from its own process's start; a fork of the template skipped the
             # imports the template paid after this agent asked for it. The node's real wait:
             report.ready.startup_s = max(report.ready.startup_s, time.monotonic() - worker.since)

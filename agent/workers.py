@@ -145,6 +145,9 @@ class Worker:
         self.pid = self.process.pid
         self.eof = False
         """The worker's end of the pipe is closed (set by the agent's reports thread)."""
+        self.ready = False
+        """The worker said ``ready`` (set by the agent's reports thread): until then it is importing and
+        reads no command, and holds nothing a shutdown could save."""
         self._ps = psutil.Process(self.pid)  # pins the pid to this process (create time), against reuse
 
     def send(self, command: pb.WorkerCommand) -> bool:
@@ -200,9 +203,14 @@ def stop_all(workers: list[Worker], grace_s: float, shutdown: pb.Shutdown) -> No
 
     A worker busy in a step reads its pipe at the next iteration boundary (at once when the
     Shutdown is not ``at_boundary``: its waits give up), so the grace is a courtesy; the kill is
-    what guarantees the end.
+    what guarantees the end. A worker still starting (no ``ready`` yet) reads no command before
+    its imports end, and has no step or checkpoint to finish: it is killed at once, so a Ctrl-C
+    during start-up ends the node without waiting out the grace.
     """
     command = pb.WorkerCommand(shutdown=shutdown)
+    for worker in [w for w in workers if not w.ready]:
+        worker.kill()
+    workers = [w for w in workers if w.ready]
     for worker in workers:
         worker.send(command)
     deadline = time.monotonic() + grace_s

@@ -34,6 +34,11 @@ def idle(conn, config_path: str, node: str, local_rank: int) -> None:
             return
 
 
+def still_importing(conn, config_path: str, node: str, local_rank: int) -> None:
+    conn.send_bytes(str(os.getpid()).encode())  # started; never says ready nor reads a command
+    time.sleep(60)
+
+
 def idle_with_child(conn, config_path: str, node: str, local_rank: int) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     conn.send_bytes(str(child.pid).encode())
@@ -86,6 +91,7 @@ def test_shutdown_ends_a_worker_and_kill_takes_its_children(worker):
     w = worker()
     w.conn.poll(20)
     w.conn.recv_bytes()
+    w.ready = True  # (the agent's reports thread sets it from the worker's ready report)
     stop_all([w], grace_s=10, shutdown=pb.Shutdown(reason="done"))
     assert w.process.exitcode == 0  # it obeyed the Shutdown: no kill needed
     w2 = worker(f"{__name__}:idle_with_child")
@@ -94,6 +100,17 @@ def test_shutdown_ends_a_worker_and_kill_takes_its_children(worker):
     assert running(grandchild)
     w2.kill()
     assert w2.process.exitcode == -signal.SIGKILL and not running(grandchild)
+
+
+def test_a_worker_still_starting_is_killed_at_once_by_a_shutdown(worker):
+    # A Ctrl-C while the workers import: waiting out the grace would only delay the end.
+    w = worker(f"{__name__}:still_importing")
+    assert w.conn.poll(20)
+    w.conn.recv_bytes()
+    began = time.monotonic()
+    stop_all([w], grace_s=30, shutdown=pb.Shutdown(reason="interrupted"))
+    assert w.process.exitcode == -signal.SIGKILL
+    assert time.monotonic() - began < 15  # not the 30 s grace (the kill itself waits at most 4 s)
 
 
 def test_workers_die_with_a_killed_agent():
