@@ -11,7 +11,9 @@ library's ``forkserver``: an interpreter of its own (never a fork of the agent,
 which would inherit gRPC's threads), single-threaded, that never touches CUDA
 (``PYTORCH_NVML_BASED_CUDA_CHECK``: torch asks NVML, not the CUDA driver,
 whether there is a GPU; the driver is not fork-safe once initialised); if it
-dies, the next start restarts it. ``--worker-start spawn`` starts each worker as
+dies, the next start restarts it. Under ``oobleck-launch local`` the simulated
+nodes share one template, the launcher's (``SHARED_TEMPLATE_ENV``; a fork of it
+ties itself to its agent in ``worker_entry``). ``--worker-start spawn`` starts each worker as
 a fresh interpreter instead. Workers are started once and then only receive
 commands: their in-memory model states are what makes checkpoint-free recovery
 possible, so they are never restarted.
@@ -28,17 +30,19 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver
+from multiprocessing import forkserver, reduction
 from multiprocessing.connection import Connection
 from typing import Callable
 
 import psutil
 
-from oobleck_mm.lifetime import die_with_parent
+from oobleck_mm.lifetime import die_with, die_with_parent
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.runtime.template import warm_context
+from oobleck_mm.runtime.template import (SHARED_TEMPLATE_ENV, leave_shared_template, use_shared_template,
+                                         warm_context)
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +53,59 @@ DEFAULT_WORKER_START = "forkserver"
 
 
 # ---------------------------------------------------------------------- inside the worker process
-def worker_entry(target: str, conn: Connection, config_path: str, node: str, local_rank: int, agent_pid: int) -> None:
+def worker_entry(target: str, conn: Connection, config_path: str, node: str, local_rank: int, agent_pid: int,
+                 shared: SharedTemplateStart | None = None) -> None:
     """First code a worker runs: tie its life to the agent, then run ``target`` ("module:function").
 
     Its parent is the agent (``spawn``) or the agent's worker template (``forkserver``), which
     exits when the agent dies (its end of the template's "alive" pipe closes, SIGKILL included):
-    either way the parent-death signal ends the worker with the agent.
+    either way the parent-death signal ends the worker with the agent. A fork of the template a
+    local run's nodes share (``shared``) is not the agent's: it watches the agent's pid, joins the
+    agent's process group (a node's processes are one group: the fault injector stops or kills
+    them together), and takes the agent's environment and log.
     """
     parent = os.getppid()
-    if parent != agent_pid and _parent_of(parent) != agent_pid:  # the agent died before we got here
-        os._exit(1)
-    die_with_parent(parent)
+    if shared is not None:
+        die_with_parent(parent)  # the shared template: it ends with the launcher
+        die_with(agent_pid)
+        shared.enter(agent_pid)
+    else:
+        if parent != agent_pid and _parent_of(parent) != agent_pid:  # the agent died before we got here
+            os._exit(1)
+        die_with_parent(parent)
     module, _, name = target.partition(":")
     fn: Callable = getattr(importlib.import_module(module), name)
     fn(conn, config_path, node, local_rank)
+
+
+class SharedTemplateStart:
+    """What a fork of a shared template takes from its agent: the agent's environment, its log
+    (stdout and stderr), its process group. Pickled with the ``Process``: the log's fd travels
+    as the connection's do (``reduction.DupFd``)."""
+
+    def __init__(self, environ: dict[str, str], log_fd: int) -> None:
+        self.environ = environ
+        self.log_fd = log_fd
+
+    def __reduce__(self):
+        return _rebuild_shared_start, (self.environ, reduction.DupFd(self.log_fd))
+
+    def enter(self, agent_pid: int) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(self.log_fd, 1)
+        os.dup2(self.log_fd, 2)
+        os.close(self.log_fd)
+        try:
+            os.setpgid(0, os.getpgid(agent_pid))
+        except (PermissionError, ProcessLookupError):  # another session, or the agent is gone: die_with acts
+            pass
+
+
+def _rebuild_shared_start(environ: dict[str, str], log_fd) -> SharedTemplateStart:
+    return SharedTemplateStart(environ, log_fd.detach())
 
 
 def _parent_of(pid: int) -> int | None:
@@ -84,10 +127,38 @@ def start_worker_template(method: str, target: str = DEFAULT_WORKER_TARGET) -> N
         raise ValueError(f"worker start method {method!r}: expected one of {', '.join(WORKER_START_METHODS)}")
     if method == "spawn":
         return
-    # The default target's module is not preloaded: on a GPU machine it imports DeepSpeed, whose
-    # accelerator probe initialises the CUDA driver (worker_preload's docstring); WORKER_PRELOAD has the rest.
-    warm_context(None if target == DEFAULT_WORKER_TARGET else [target.partition(":")[0]])
+    global _shared
+    if _shared is None:
+        _shared = bool(os.environ.get(SHARED_TEMPLATE_ENV))
+        if _shared:
+            try:
+                use_shared_template(os.environ[SHARED_TEMPLATE_ENV])  # oobleck-launch local's, for all its nodes
+            except (OSError, ValueError) as error:
+                _leave_shared_template(error)
+    if _shared:
+        return
+    warm_context(template_preload(target))
     forkserver.ensure_running()
+
+
+def template_preload(target: str) -> list[str] | None:
+    """What a template imports for workers that run ``target``, besides ``WORKER_PRELOAD``.
+
+    The default target's module is not preloaded: on a GPU machine it imports DeepSpeed, whose
+    accelerator probe initialises the CUDA driver (worker_preload's docstring)."""
+    return None if target == DEFAULT_WORKER_TARGET else [target.partition(":")[0]]
+
+
+_shared: bool | None = None
+"""This agent forks its workers from its launcher's template (``SHARED_TEMPLATE_ENV``); None: not
+decided yet; False after that template failed (then the agent starts one of its own)."""
+
+
+def _leave_shared_template(error: BaseException) -> None:
+    global _shared
+    log.warning("the worker template of the launcher did not answer (%r); starting this node's own", error)
+    leave_shared_template()
+    _shared = False
 
 
 TEMPLATE_RESTART_S = 10.0
@@ -120,19 +191,23 @@ class Worker:
         ctx = multiprocessing.get_context(method)
         self.local_rank = local_rank
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=worker_entry,
-            args=(target, child_conn, config_path, node, local_rank, os.getpid()),
-            name=f"worker-{node}-{local_rank}",
-        )
         deadline = time.monotonic() + TEMPLATE_RESTART_S
         while True:
             if method != "spawn":
                 start_worker_template(method, target)  # a no-op while the template runs
+            shared = SharedTemplateStart(dict(os.environ), sys.stdout.fileno()) if _shared else None
+            self.process = ctx.Process(
+                target=worker_entry,
+                args=(target, child_conn, config_path, node, local_rank, os.getpid(), shared),
+                name=f"worker-{node}-{local_rank}",
+            )
             try:
                 self.process.start()
                 break
-            except (EOFError, ConnectionError) as error:
+            except (EOFError, ConnectionError, FileNotFoundError) as error:
+                if shared is not None:  # the launcher's template is gone: this node starts its own
+                    _leave_shared_template(error)
+                    continue
                 # The template died as we asked it for a fork, and did not look dead yet: the kernel
                 # shows it a zombie a moment before it can be reaped (seen on an H200: waitpid said
                 # "running" for a zombie). Ask again until ensure_running sees it and starts another.

@@ -13,11 +13,16 @@ starts joining nodes through ``agent_pids``, ``master_pid`` and
 when the launcher itself fails, and at the end the run's recovery table is
 printed and its figure drawn (``run.png``).
 
+The agents fork their workers from one worker template this launcher starts
+for all of them (``runtime.template.start_shared_template``): the simulated
+nodes pay torch's imports once, not each on the cores the others train on. Each
+agent leads a process group that its workers join, so a node's processes are
+one group, as they are one machine on a cluster.
+
 A run with joins to inject keeps one *standby* agent (``--node -``): started
-ahead, it imports torch and the engine into its worker template, then waits for
-a name on its stdin. A join names it and it registers at once, as a node that
-had booted before it joined would, instead of paying a fresh interpreter's
-imports beside the survivors then; a new standby is started for the next join
+ahead (its interpreter and imports done), it waits for a name on its stdin.
+A join names it and it registers at once, as a node that had booted before it
+joined would, instead of paying its start-up beside the survivors then; a new standby is started for the next join
 while joins remain to be injected.
 """
 
@@ -42,6 +47,7 @@ from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
+from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV, start_shared_template
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +108,8 @@ class LocalCluster:
         self._joins_left = sum(getattr(f, "kind", None) == "join" for f in options.faults)
         """Joins still to inject: a standby is kept only while one may come (each costs a template's imports)."""
         self._closing = False
+        self._shared_template = ""
+        """``SHARED_TEMPLATE_ENV``'s value for the agents; "" before it starts, or with ``spawn``."""
         self._signal: int | None = None
         self._stop_requested = False
         self.injector = None
@@ -112,7 +120,9 @@ class LocalCluster:
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = self._start_master(self._master_command())
+            master_started = self._start_master_process(self._master_command())
+            self._start_shared_template()  # its imports overlap the master's start-up
+            code = self._wait_master_listening(master_started)
             if code is not None:
                 return code
             print(f"master on {self.address} (pid {self.master.pid}); run dir {self.run_dir}; "
@@ -157,11 +167,20 @@ class LocalCluster:
     def _start_master(self, cmd: list[str]) -> int | None:
         """Starts the master and waits until it listens (its ``master_started`` event); its exit code if
         it exits first (a bad input it names on stderr)."""
+        return self._wait_master_listening(self._start_master_process(cmd))
+
+    def _start_master_process(self, cmd: list[str]) -> int:
+        """Starts the master; returns how many ``master_started`` events the log held before."""
         seen = len(read_events(self.event_log_path, "master_started")) if os.path.exists(self.event_log_path) else 0
         # Its stdout and stderr are this launcher's: the step lines and the final message are its.
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         with self._master_lock:
             self.master = proc
+        return seen
+
+    def _wait_master_listening(self, seen: int) -> int | None:
+        proc = self.master
+        assert proc is not None  # (_start_master_process set it)
         deadline = time.monotonic() + MASTER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -217,7 +236,8 @@ class LocalCluster:
             if proc is None:
                 with open(log_path, "ab") as out:
                     proc = subprocess.Popen(self._agent_command(node), stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self._agent_env())  # fmt: skip
+                                            stdin=subprocess.DEVNULL, env=self._agent_env(),
+                                            process_group=0)  # fmt: skip
             self.agents[node] = (proc, log_path)
             if self.injector is not None:  # a join
                 self._joins_left -= 1
@@ -261,7 +281,17 @@ class LocalCluster:
         env.setdefault("OMP_NUM_THREADS", "1")
         if holds := hold_points(self.options.faults):  # --inject kill:NODE@phase:copy: NODE's worker waits there
             env[HOLD_ENV] = ",".join(filter(None, (env.get(HOLD_ENV, ""), holds)))
+        if self._shared_template:
+            env[SHARED_TEMPLATE_ENV] = self._shared_template
         return env
+
+    def _start_shared_template(self) -> None:
+        """One warm worker template for every simulated node of this run (``template.start_shared_template``
+        says why); ``--worker-start spawn`` has none. The agents find it through their environment."""
+        if self.options.worker_start != "forkserver":
+            return
+        target = self.options.worker_target
+        self._shared_template = start_shared_template(self._agent_env(), [target.partition(":")[0]] if target else None)
 
     def _start_standby(self) -> None:
         """An agent for the next join, started now (with ``_agents_lock`` held): ``--node -``."""
@@ -269,7 +299,7 @@ class LocalCluster:
         log_path = os.path.join(self.run_dir, f"agent-standby{self._standbys}.log")
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(self._agent_command("-"), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.PIPE, env=self._agent_env())  # fmt: skip
+                                    stdin=subprocess.PIPE, env=self._agent_env(), process_group=0)  # fmt: skip
         self._standby = (proc, log_path)
 
     def _stop_standby(self) -> None:

@@ -37,3 +37,41 @@ def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)
+
+
+def die_with(pid: int) -> None:
+    """Call first thing in a process that must end with ``pid``, a process that is not its parent
+    (a worker forked by a template that ``oobleck-launch local``'s simulated nodes share ends with
+    its agent). Exits at once if ``pid`` is gone already.
+
+    Linux: a pidfd becomes readable when the process exits, whoever its parent is; a thread
+    waits on it. Elsewhere the thread polls.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or ``pid`` is gone (ESRCH)
+        fd = None
+        if not _exists(pid):
+            os._exit(1)
+    threading.Thread(target=_watch_pid, args=(pid, fd), daemon=True, name="agent-watch").start()
+
+
+def _watch_pid(pid: int, fd: int | None) -> None:
+    import select
+
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while _exists(pid):
+            time.sleep(0.5)
+    os._exit(1)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

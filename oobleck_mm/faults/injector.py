@@ -262,7 +262,7 @@ class Injector:
             worker = workers[fault.local_rank]
             target.procs = [worker, *_children(worker)]
         else:
-            target.procs = [agent, *_children(agent)]
+            target.procs = node_processes(agent)
 
     def _signal_target(self, target: _Target) -> None:
         if target.fault.kind == "preempt":  # the notice now, the kill once it ran out
@@ -329,8 +329,9 @@ then not counted (a ``killworker`` right after a start found "1 workers" under l
 
 def worker_processes(agent: psutil.Process) -> list[psutil.Process]:
     """The agent's worker processes in local-rank order (the order it started them): its children
-    (``--worker-start spawn``) or its worker template's (``forkserver``, agent/workers.py)."""
-    workers = []
+    (``--worker-start spawn``), its worker template's (``forkserver``, agent/workers.py), or those
+    of the template this launcher shares between its nodes that joined the agent's process group."""
+    workers = _shared_template_workers(agent)
     for child in _safe(agent.children, []):
         command = " ".join(_exec_cmdline(child))
         if "spawn_main" in command:  # a spawned worker (not the resource tracker, also a multiprocessing child)
@@ -338,6 +339,31 @@ def worker_processes(agent: psutil.Process) -> list[psutil.Process]:
         elif "forkserver" in command:  # the agent's worker template: it forks workers and nothing else
             workers += _safe(child.children, [])
     return sorted(workers, key=lambda p: (_safe(p.create_time, 0.0), p.pid))
+
+
+def node_processes(agent: psutil.Process) -> list[psutil.Process]:
+    """Every process of the agent's simulated node: the agent, its descendants, and its workers forked
+    by the shared template (with theirs)."""
+    procs = [agent, *_children(agent)]
+    for worker in _shared_template_workers(agent):
+        procs += [worker, *_children(worker)]
+    return procs
+
+
+def _shared_template_workers(agent: psutil.Process) -> list[psutil.Process]:
+    """The agent's workers forked by a template its launcher shares between nodes
+    (``runtime.template.start_shared_template``): the members of the agent's process group whose
+    parent is outside it (a per-agent template's forks and the workers' own children have a parent
+    inside it)."""
+    members = [p for p in psutil.process_iter() if _process_group(p.pid) == agent.pid and p.pid != agent.pid]
+    return [p for p in members if _process_group(_safe(p.ppid, 0)) != agent.pid]
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 def _exec_cmdline(proc: psutil.Process, settle_s: float = EXEC_SETTLE_S) -> list[str]:

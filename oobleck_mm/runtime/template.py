@@ -60,3 +60,82 @@ def warm_process(target: Callable, *args, daemon: bool = True) -> multiprocessin
     """A ``Process`` (not started) forked from the warm template that runs ``target(*args)`` with the
     caller's environment as it is now (``with_environ``)."""
     return warm_context().Process(target=with_environ, args=(dict(os.environ), target, *args), daemon=daemon)
+
+
+# ---------------------------------------------------------------------- one template for a local run's nodes
+SHARED_TEMPLATE_ENV = "OOBLECK_WORKER_TEMPLATE"
+"""Set by ``oobleck-launch local`` for its agents: the address (and, where Python asks for one, the
+key) of the warm template all its simulated nodes fork their workers from."""
+
+
+def start_shared_template(environ: Mapping[str, str], extra_preload: list[str] | None = None) -> str:
+    """Starts this process's warm template for other processes' use; returns the value of
+    ``SHARED_TEMPLATE_ENV`` that points them at it.
+
+    ``oobleck-launch local`` runs N simulated nodes on one machine. With a template per agent each
+    node pays torch's imports (2-4 s of CPU) on the cores the others train on, a joining node
+    included, which a real node pays on its own machine. One template, started here while the
+    master starts, pays them once per run. The template inherits ``environ`` (the agents'
+    environment: torch's OpenMP reads ``OMP_NUM_THREADS`` when it loads). It ends with this
+    process (the forkserver's "alive" pipe).
+
+    The standard library has no public way to share a forkserver between processes that did not
+    start it; its client side is small and stable (Python 3.8-3.13; 3.14 adds a key, passed
+    along too), so the fields it reads are set in ``use_shared_template``.
+    """
+    warm_context(extra_preload)
+    from multiprocessing import forkserver
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    server = forkserver._forkserver
+    key = getattr(server, "_forkserver_authkey", None)
+    address = server._forkserver_address  # a path, or "\0name" in Linux's abstract namespace (no NUL in a variable)
+    return ("@" + address[1:] if address.startswith("\0") else address) + (f"#{key.hex()}" if key else "")
+
+
+def use_shared_template(value: str) -> None:
+    """Points this process's ``forkserver`` context at the template another process started
+    (``start_shared_template``'s value): each ``Process`` it starts is then a fork of that
+    template. The template is not this process's child, so it is not restarted from here: its
+    owner (the launcher) outlives it."""
+    import multiprocessing.resource_tracker as resource_tracker
+    from multiprocessing import forkserver
+
+    address, _, key = value.partition("#")
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    elif not os.path.exists(address):
+        raise FileNotFoundError(f"{SHARED_TEMPLATE_ENV}: no worker template listens at {address}")
+    server = forkserver._forkserver
+    with server._lock:
+        server._forkserver_address = address
+        if key:
+            server._forkserver_authkey = bytes.fromhex(key)
+        if server._forkserver_alive_fd is None:
+            # The fork's copy of this fd is its own "alive" end for a forkserver of its own (workers
+            # start none); the shared template's life is tied to its owner's end, not to ours.
+            server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+    # ensure_running would waitpid() a process that is not our child: keep only its resource tracker.
+    server.ensure_running = resource_tracker.ensure_running
+
+
+def leave_shared_template() -> None:
+    """Undoes ``use_shared_template``: the next ``Process`` starts this process's own template."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    with server._lock:
+        server.__dict__.pop("ensure_running", None)
+        server._forkserver_address = None
+        if hasattr(server, "_forkserver_authkey"):
+            server._forkserver_authkey = None
+        if server._forkserver_alive_fd is not None and server._forkserver_pid is None:
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_alive_fd = None

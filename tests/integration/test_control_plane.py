@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import signal
 import subprocess
@@ -313,14 +314,27 @@ def test_local_trains_three_nodes_and_exits_0(tmp_path):
     assert all(not _running(pid) for pid in pids)
 
 
-def test_local_interrupted_kills_every_child(tmp_path):
+def test_local_nodes_fork_one_template_die_as_nodes_and_an_interrupt_kills_every_child(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", write_config(tmp_path, nodes=2, steps=1000),
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", write_config(tmp_path, nodes=3, steps=1000),
            "--run-dir", str(run_dir)]  # fmt: skip
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_event(run_dir / "events.jsonl", "assignment_sent", timeout=20)
-        wait_for(lambda: len(tree(launcher.pid)) >= 5, 10, "agents and workers")  # launcher, 2 agents, 2 workers
+        wait_event(run_dir / "events.jsonl", "assignment_sent", timeout=30)
+        agents = {e["node"]: e["pid"] for e in read_events(run_dir / "events.jsonl", "registered")}
+        workers = {node: worker_pid(run_dir / f"agent-{node}.log") for node in agents}
+        # One template for the run's simulated nodes: each worker is a fork of the launcher's, not of its agent's.
+        [template] = {psutil.Process(pid).ppid() for pid in workers.values()}
+        assert psutil.Process(template).ppid() == launcher.pid and template not in agents.values()
+        # A node's processes are one process group (the injector stops and kills them together)...
+        wait_for(lambda: {node: os.getpgid(pid) for node, pid in workers.items()} == agents, 20,
+                 "each worker in its agent's process group")  # (a fork joins it first thing in its entry)
+        # ...and a worker still dies with its agent, SIGKILL included, though the agent is not its parent.
+        doomed = psutil.Process(workers["node2"])
+        os.kill(agents["node2"], signal.SIGKILL)
+        assert_all_gone([doomed], 5)
+        for fd in (1, 2):  # a worker writes to its agent's log, not to the launcher's console
+            assert os.readlink(f"/proc/{workers['node0']}/fd/{fd}") == str(run_dir / "agent-node0.log")
         started = tree(launcher.pid)[1:]
         launcher.send_signal(signal.SIGINT)  # Ctrl-C on the launcher alone
         # The launcher's own bound: the agents' exit (agent_exit_timeout), then a SIGTERM-SIGKILL of
