@@ -47,7 +47,7 @@ from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
-from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV, start_shared_template
+from oobleck_mm.runtime.template import SHARED_TEMPLATE, SHARED_TEMPLATE_ENV, start_shared_template
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class LocalOptions:
     event_log: str | None = None
     worker_target: str | None = None
     """Overrides the agents' worker entry point ("module:function"); for development."""
-    worker_start: str = "forkserver"
-    """The agents' ``--worker-start`` (agent.workers.WORKER_START_METHODS)."""
+    worker_start: str = SHARED_TEMPLATE
+    """``SHARED_TEMPLATE`` or one of the agents' ``--worker-start`` (agent.workers.WORKER_START_METHODS)."""
     resume_dir: str = ""
     save_final_dir: str = ""
     resume_command: str = "oobleck-launch local --config CONFIG"
@@ -273,7 +273,8 @@ class LocalCluster:
                "--log-level", self.options.log_level]  # fmt: skip
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
-        return cmd + ["--worker-start", self.options.worker_start]
+        method = self.options.worker_start
+        return cmd + ["--worker-start", "forkserver" if method == SHARED_TEMPLATE else method]
 
     def _agent_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -287,8 +288,8 @@ class LocalCluster:
 
     def _start_shared_template(self) -> None:
         """One warm worker template for every simulated node of this run (``template.start_shared_template``
-        says why); ``--worker-start spawn`` has none. The agents find it through their environment."""
-        if self.options.worker_start != "forkserver":
+        says why), with ``--worker-start shared``. The agents find it through their environment."""
+        if self.options.worker_start != SHARED_TEMPLATE:
             return
         target = self.options.worker_target
         self._shared_template = start_shared_template(self._agent_env(), [target.partition(":")[0]] if target else None)

@@ -197,12 +197,21 @@ def _add_control_plane_parsers(sub) -> None:
                        help="synthetic bursty spot churn, RATE[,burst=K,min=N,max=M,seed=S,spread=S,preempt=SHARE,"
                             "notice=S,duration=S,start=S] (RATE: bursts per minute of run time; oobleck_mm.faults.churn)")
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
-    _add_worker_start(local)
+    _add_worker_start(local, local=True)
 
 
-def _add_worker_start(parser) -> None:
+def _add_worker_start(parser, local: bool = False) -> None:
     from agent.workers import DEFAULT_WORKER_START, WORKER_START_METHODS
 
+    from oobleck_mm.runtime.template import SHARED_TEMPLATE
+
+    if local:
+        parser.add_argument("--worker-start", choices=(SHARED_TEMPLATE, *WORKER_START_METHODS), default=SHARED_TEMPLATE,
+                            help="how the agents start their workers: forks of one worker template for all the "
+                                 "simulated nodes, which imported torch and the engine once (shared), of a "
+                                 "template per agent, as on a cluster (forkserver), or fresh interpreters (spawn) "
+                                 f"(default {SHARED_TEMPLATE})")  # fmt: skip
+        return
     parser.add_argument("--worker-start", choices=WORKER_START_METHODS, default=DEFAULT_WORKER_START,
                         help="how an agent starts its workers: forks of a worker template that imported torch and "
                              "the engine once (forkserver), or fresh interpreters (spawn) (default "

@@ -18,6 +18,10 @@ configs/tiny_mm.yaml) to its ``ready`` report, for ``--worker-start spawn``
 template): the first worker, whose template starts with it, and the next ones,
 forked from a template that is already warm. Each round is a fresh stand-in agent
 process; the methods take turns. ``--load N`` runs N ``yes > /dev/null`` beside it.
+
+``--local NODES`` times whole ``oobleck-launch local`` runs (configs/tiny_mm.yaml,
+``--steps``) with one worker template for all the simulated nodes
+(``--worker-start shared``) and with one per agent (``forkserver``), in turns.
 """
 
 from __future__ import annotations
@@ -106,6 +110,35 @@ def bench_workers(repeats: int, count: int, load: int) -> dict:
     return row
 
 
+def local_run_seconds(method: str, nodes: int, steps: int) -> tuple[float, float]:
+    """One ``oobleck-launch local`` of configs/tiny_mm.yaml: (seconds from launch to exit, seconds from
+    launch to its first step's event)."""
+    import tempfile
+
+    from oobleck_mm.events import read_events
+
+    with tempfile.TemporaryDirectory() as d:
+        started = time.time()
+        subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "local", "--config", "configs/tiny_mm.yaml",
+                        "--nodes", str(nodes), "--steps", str(steps), "--worker-start", method, "--run-dir", d,
+                        "--no-tensorboard"], cwd=ROOT, check=True, capture_output=True, timeout=600)  # fmt: skip
+        wall = time.time() - started
+        first = read_events(Path(d) / "events.jsonl", "step")[0]["ts"] - started
+    return wall, first
+
+
+def bench_local(repeats: int, nodes: int, steps: int) -> dict:
+    runs: dict[str, list[tuple[float, float]]] = {"shared": [], "forkserver": []}
+    for r in range(repeats):
+        for method in (("shared", "forkserver") if r % 2 == 0 else ("forkserver", "shared")):
+            runs[method].append(local_run_seconds(method, nodes, steps))
+            wall, first = runs[method][-1]
+            print(f"  round {r} {method:10s} run {wall:.2f} s, first step at {first:.2f} s", flush=True)
+    return {method: {"run_s": round(statistics.median(w for w, _ in times), 3),
+                     "first_step_s": round(statistics.median(f for _, f in times), 3)}
+            for method, times in runs.items()}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=10)
@@ -113,7 +146,22 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", action="store_true", help="time worker starts (spawn vs forkserver) instead")
     ap.add_argument("--count", type=int, default=3, help="--workers: workers per stand-in agent")
     ap.add_argument("--load", type=int, default=0, help="--workers: `yes > /dev/null` processes beside it")
+    ap.add_argument("--local", type=int, default=0, metavar="NODES",
+                    help="time whole `oobleck-launch local` runs of NODES nodes instead: one worker template for "
+                         "all nodes (--worker-start shared) against one per agent (forkserver)")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=5, help="--local: training steps per run")
     args = ap.parse_args(argv)
+    command = "python scripts/bench_startup.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.local:
+        print(f"oobleck-launch local, {args.local} nodes, {args.steps} steps: {args.repeats} rounds per method")
+        row = bench_local(args.repeats, args.local, args.steps)
+        for method, r in row.items():
+            print(f"  {method:10s} run {r['run_s']:.2f} s, first step {r['first_step_s']:.2f} s after launch (medians)")
+        print(f"  shared template: the run {row['forkserver']['run_s'] / row['shared']['run_s']:.2f}x faster, "
+              f"the first step {row['forkserver']['first_step_s'] / row['shared']['first_step_s']:.2f}x sooner")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": command, **row}, indent=1) + "\n")
+        return 0
     if args.workers:
         print(f"worker start to ready: {args.repeats} rounds of {args.count} workers per method, load {args.load}")
         row = bench_workers(args.repeats, args.count, args.load)

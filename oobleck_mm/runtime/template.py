@@ -63,6 +63,10 @@ def warm_process(target: Callable, *args, daemon: bool = True) -> multiprocessin
 
 
 # ---------------------------------------------------------------------- one template for a local run's nodes
+SHARED_TEMPLATE = "shared"
+"""``oobleck-launch local --worker-start``'s default: its agents fork their workers from one template for
+all its simulated nodes; its other values are the agents' own (a template per agent, as on a cluster,
+or fresh interpreters)."""
 SHARED_TEMPLATE_ENV = "OOBLECK_WORKER_TEMPLATE"
 """Set by ``oobleck-launch local`` for its agents: the address (and, where Python asks for one, the
 key) of the warm template all its simulated nodes fork their workers from."""
