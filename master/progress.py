@@ -211,7 +211,7 @@ class Progress:
         """Records one worker's phase; writes the job-level event when the generation's last rank is through."""
         if p.phase == "aborted":
             self.events.write("aborted", generation=p.generation, node=node, local_rank=local_rank, rank=rank,
-                              step=p.step, message=p.message)  # fmt: skip
+                              step=p.step, message=p.message, leave_s=round(p.seconds, 4))  # fmt: skip
             return
         if p.phase == "settled":  # this rank applied a step its peers completed while it gave up inside it
             self.events.write("step_settled", generation=p.generation, node=node, local_rank=local_rank, rank=rank,

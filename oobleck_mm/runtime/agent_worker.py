@@ -363,8 +363,10 @@ class WorkerLoop:
 
     def abort(self, generation: int, step: int, message: str):
         log.warning("generation %d: iteration %d abandoned: %s", generation, step, message)
+        t0 = time.perf_counter()
         leave_group(abort=True)  # closes our connections: peers blocked on us fail fast instead of timing out
-        self.phase(generation, "aborted", step=step, message=message[:500])
+        # (seconds: the leave itself; a slow one holds this rank out of the next generation's rendezvous)
+        self.phase(generation, "aborted", step=step, message=message[:500], seconds=time.perf_counter() - t0)
         return self.commands.get()
 
     # ------------------------------------------------------------------ generation set-up

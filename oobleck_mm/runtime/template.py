@@ -119,6 +119,9 @@ def use_shared_template(value: str) -> None:
         raise FileNotFoundError(f"{SHARED_TEMPLATE_ENV}: no worker template listens at {address}")
     server = forkserver._forkserver
     with server._lock:
+        global _own
+        if _own is None:
+            _own = (server._forkserver_address, server._forkserver_alive_fd, getattr(server, "_forkserver_authkey", None))
         server._forkserver_address = address
         if key:
             server._forkserver_authkey = bytes.fromhex(key)
@@ -130,16 +133,24 @@ def use_shared_template(value: str) -> None:
     server.ensure_running = resource_tracker.ensure_running
 
 
+_own: tuple | None = None
+"""What ``use_shared_template`` replaced (this process's own template's address, alive fd and key)."""
+
+
 def leave_shared_template() -> None:
-    """Undoes ``use_shared_template``: the next ``Process`` starts this process's own template."""
+    """Undoes ``use_shared_template``: the next ``Process`` is a fork of this process's own template
+    (the one it ran before, or one started then)."""
     from multiprocessing import forkserver
 
+    global _own
     server = forkserver._forkserver
     with server._lock:
         server.__dict__.pop("ensure_running", None)
-        server._forkserver_address = None
+        if _own is None:
+            return
+        if server._forkserver_alive_fd not in (None, _own[1]):
+            os.close(server._forkserver_alive_fd)  # the stand-in use_shared_template opened
+        server._forkserver_address, server._forkserver_alive_fd = _own[0], _own[1]
         if hasattr(server, "_forkserver_authkey"):
-            server._forkserver_authkey = None
-        if server._forkserver_alive_fd is not None and server._forkserver_pid is None:
-            os.close(server._forkserver_alive_fd)
-            server._forkserver_alive_fd = None
+            server._forkserver_authkey = _own[2]
+        _own = None

@@ -113,6 +113,19 @@ def test_a_worker_still_starting_is_killed_at_once_by_a_shutdown(worker):
     assert time.monotonic() - began < 15  # not the 30 s grace (the kill itself waits at most 4 s)
 
 
+def test_a_shared_template_that_does_not_answer_leaves_the_agent_its_own(monkeypatch, worker):
+    # local's template gone (or never there): the node starts one of its own and says so, never fails.
+    import agent.workers as workers_module
+    from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV
+
+    monkeypatch.setenv(SHARED_TEMPLATE_ENV, "/nonexistent/oobleck-template-listener")
+    monkeypatch.setattr(workers_module, "_shared", None)
+    w = worker()
+    assert w.conn.poll(20) and w.conn.recv_bytes() == f"{w.pid} nodeX 3".encode()
+    assert workers_module._shared is False
+    assert psutil.Process(w.pid).ppid() != os.getpid()  # a fork of this process's own template
+
+
 def test_workers_die_with_a_killed_agent():
     # A stand-in agent process that starts a worker and then is SIGKILLed: nothing can clean
     # up after it, so the kernel's parent-death signal must.
