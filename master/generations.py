@@ -236,7 +236,7 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     again = _checkpoint_cut_short(ctx, request) if base is not None else None
     _send_assignments(ctx, view, base, previous, at_boundary, checkpoint_again=again is not None)
     for name in sorted(leaving - set(view.nodes)):
-        dismiss(ctx, name, "was planned out after its notice")
+        dismiss(ctx, name, "was planned out after its notice", at_boundary=at_boundary)
     if number == 1:
         ctx.say(f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
                 "(the first step follows)")  # fmt: skip
@@ -274,13 +274,19 @@ def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView |
                    rank=assignment.rank, previous_rank=previous[assignment.rank] if base else -1)  # fmt: skip
 
 
-def dismiss(ctx: Context, node: str, why: str) -> None:
-    """Tells a leaving node it may go (its workers finish the iteration in flight first)."""
+def dismiss(ctx: Context, node: str, why: str, at_boundary: bool = True) -> None:
+    """Tells a leaving node it may go: its workers finish the iteration in flight first
+    (``at_boundary``), or, when the new generation abandons that iteration anyway (the survivors
+    do not switch at a boundary: a loss came with the leave, or the generation in flight never
+    started), stop at once. Staying would keep their sockets open, and a collective the survivors
+    abandoned with this node absent (a join switch's start-step agreement) would hold each
+    survivor's leave of the old group until the node's kill (the notice's end): 2.9-3.9 s
+    under churn."""
     entry = ctx.s.registry.nodes[node]
     entry.dismissed = True
     # The stream stays open until the agent hangs up: its workers' reports of the iteration in
     # flight still count. Its hang-up then removes it (``StreamEnded``).
-    ctx.send(node, pb.AgentEvent(shutdown=pb.Shutdown(reason=f"node {node} {why}", at_boundary=True)))
+    ctx.send(node, pb.AgentEvent(shutdown=pb.Shutdown(reason=f"node {node} {why}", at_boundary=at_boundary)))
     ctx.record("left", node=node, reason=entry.leaving, why=why, generation=ctx.s.generation)
 
 

@@ -162,8 +162,8 @@ class MachineModel(RuleBasedStateMachine):
                 agent.assignment = effect.event.assignment.assignment
             elif kind == "checkpoint":
                 agent.checkpoint = effect.event.checkpoint
-            elif kind == "shutdown" and effect.event.shutdown.at_boundary:
-                agent.dismissed = True
+            elif kind == "shutdown" and s.registry.nodes[effect.node].dismissed:
+                agent.dismissed = True  # a leaving node: it hangs up once its workers stopped (at a boundary or at once)
             elif kind == "restart":
                 agent.assignment = None
         elif isinstance(effect, EndStream):

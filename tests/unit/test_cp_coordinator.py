@@ -838,6 +838,27 @@ def test_a_node_on_notice_is_planned_out_at_a_boundary_and_dismissed_never_lost(
     assert left["node"] == "n1"
 
 
+def test_a_node_on_notice_planned_out_with_a_loss_stops_at_once_with_the_iteration_abandoned(make):
+    # The survivors abandon the iteration in flight (a peer is lost): the leaving node has nothing to
+    # finish, and its open sockets would hold the survivors' collectives pending with it (a join
+    # switch's start-step agreement) until its kill at the notice's end.
+    j = make(nodes=7, steps=10, memory=4e6)  # 5 nodes stay: (f + 1) * n0 = 4 keep training
+    names = [f"n{i}" for i in range(7)]
+    start(j, *names)
+    j.train(1, 0)
+    j.c.leave("n1", j.sessions["n1"], "preemption notice")
+    j.c.stream_ended("n3", j.sessions["n3"])  # in the same settle window: lost
+    _alive_for(j, 0.3)
+    boxes = j.drain_all()
+    assert j.c.generation == 2
+    new = {gpu: a for gpu, a in j.assigned.items() if a.generation == 2}
+    assert ("n1", 0) not in new and ("n3", 0) not in new and len(new) == 5
+    assert not any(a.at_boundary for a in new.values())  # the survivors abandon the iteration in flight
+    [shutdown] = [e for e in boxes["n1"] if e is not END_OF_STREAM]
+    assert not shutdown.shutdown.at_boundary and "planned out" in shutdown.shutdown.reason  # so does n1, now
+    assert read_events(j.events, "left")[0]["node"] == "n1"
+
+
 def test_a_notice_to_a_node_outside_the_plan_dismisses_it_at_once(make):
     j = make(nodes=2, steps=10)
     start(j, "a", "b")
