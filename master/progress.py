@@ -142,7 +142,7 @@ class Progress:
         self.incident: Incident | None = None
         self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
         self._views: dict[int, GenerationView] = {}
-        self._phases: dict[str, dict[int, pb.PhaseDone]] = {}
+        self._phases: dict[str, dict[int, tuple[pb.PhaseDone, float, str]]] = {}
         self._recent: list[tuple[int, float]] = []
         """(step, clock) of the latest steps logged: the ETA's pace."""
         self._printed_generation = 0
@@ -221,13 +221,17 @@ class Progress:
         if gen is None or p.generation != gen.number or rank is None or p.phase not in PHASE_EVENTS:
             return
         done = self._phases.setdefault(p.phase, {})
-        done[rank] = p
+        done[rank] = (p, self.clock(), node)
         if len(done) == gen.layout.world_size:
             self._phase_done(p.phase, list(done.values()))
 
-    def _phase_done(self, phase: str, reports: list[pb.PhaseDone]) -> None:
+    def _phase_done(self, phase: str, arrivals: list[tuple[pb.PhaseDone, float, str]]) -> None:
         assert self.gen is not None
-        fields = {"generation": self.gen.number, "seconds": max(r.seconds for r in reports)}
+        reports = [r for r, _, _ in arrivals]
+        first, (_, last_at, last_node) = min(t for _, t, _ in arrivals), max(arrivals, key=lambda a: a[1])
+        # Which node was the generation waiting for: the last to report, and how long after the first.
+        fields = {"generation": self.gen.number, "seconds": max(r.seconds for r in reports), "last": last_node,
+                  "spread_s": round(last_at - first, 4)}  # fmt: skip
         if self.incident is not None:
             fields.update(cause=self.incident.cause, since_detected_s=self.clock() - self.incident.detected_at)
         if phase == "rendezvous":
