@@ -165,6 +165,9 @@ class CommandReader:
         return self._taken(command)
 
 
+SLOW_PREPARE_S = 1.0
+"""A generation's preparation (``prepare_arrival``) longer than this is logged: the other ranks wait."""
+
 NOT_ARRIVED = object()
 """``CommandReader.get_within`` timed out."""
 
@@ -259,11 +262,14 @@ class WorkerLoop:
         a = command.assignment
         prepared = self.commands.prepared_for(command)
         plan = plan_from_proto(a.plan)
+        t0 = time.perf_counter()
         try:
             arrival = self.prepare(a, plan)
         finally:
             if prepared is not None:
                 prepared.may_arrive()  # a joiner's group forms once it can adopt at once (PreparedGroup's gate)
+        if (took := time.perf_counter() - t0) > SLOW_PREPARE_S:  # its peers wait for it in the rendezvous
+            log.warning("generation %d: building what this rank receives took %.1f s", a.generation, took)
         try:
             pending = self.rendezvous(a, prepared)
             if pending is not None:
@@ -282,7 +288,11 @@ class WorkerLoop:
         switch = False
         for step in range(start, a.steps):
             if switch:  # every rank: some rank held a command when the last step ended (StepResult.switch)
+                waited = time.perf_counter()
                 pending = self.commands.get_within(self.timeouts.collective_timeout.total_seconds())
+                if (waited := time.perf_counter() - waited) > SLOW_PREPARE_S:
+                    log.warning("generation %d: waited %.1f s at the switch for the next command", a.generation,
+                                waited)  # fmt: skip
                 if pending is not NOT_ARRIVED and pending is not None and pending.WhichOneof("command") == "master_lost":
                     return self.checkpoint_without_master(a, engine)
                 if pending is not NOT_ARRIVED:  # (else the master sent us nothing: a peer's step will fail)
