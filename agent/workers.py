@@ -242,6 +242,11 @@ class Worker:
         try:
             status = self._ps.status()
         except psutil.NoSuchProcess:
+            # Reaped by its template, whose note of how it died comes down the status pipe a moment
+            # later (a template shared by a local run's nodes serves them all): wait for it, as for a zombie.
+            self.process.join(0.5)
+            if self.process.exitcode is not None:
+                return self.fault()
             return WorkerFault(self.local_rank, pb.WORKER_EXITED, f"pid {self.pid} is gone")
         if status == psutil.STATUS_ZOMBIE:
             # Our own child: it just died and is not reaped yet (the pipe closes before the exit
