@@ -12,8 +12,9 @@ churned run: exit 0, ``verify --windows`` (float64, every window between its
 periodic checkpoints and to its final save within 1e-9 of the reference), every
 incident of the recovery table with an outcome, no process left behind. It
 prints the throughput of the churned run as a fraction of the failure-free one
-(steps per second from the first step to the last) and, per burst of kills, the
-time from its last event to the next generation's resumption.
+(steps per second from the first step to the last), per burst of kills, the
+time from its last event to the next generation's resumption, and the waits
+over a second: a phase that waited for one node, a slow leave of a generation.
 """
 
 from __future__ import annotations
@@ -158,6 +159,27 @@ def table_outcomes(events_path: Path) -> list[str]:
     return [row.outcome for row in recovery_rows(read_events(events_path))]
 
 
+SLOW_WAIT_S = 1.0
+"""A generation phase whose last report came this long after its first, or a worker's leave of its
+groups that took this long, is listed: what the churned run's time went to (the node waited for)."""
+
+
+def slow_waits(events_path: Path) -> list[dict]:
+    """The churned run's waits over ``SLOW_WAIT_S``: phases that waited for one node (the phase events'
+    ``last`` and ``spread_s``) and slow leaves of a generation's groups (``aborted``'s ``leave_s``)."""
+    out = []
+    for e in read_events(events_path):
+        if e["event"] in ("rendezvous_done", "states_copied", "resumed") and e.get("spread_s", 0) > SLOW_WAIT_S:
+            out.append({"generation": e["generation"], "seconds": e["spread_s"],
+                        "what": f"generation {e['generation']} ({e.get('cause', '?')}): {e['event']} waited for "
+                                f"{e.get('last')}"})  # fmt: skip
+        elif e["event"] == "aborted" and e.get("leave_s", 0) > SLOW_WAIT_S:
+            out.append({"generation": e["generation"], "seconds": e["leave_s"],
+                        "what": f"generation {e['generation']}: {e['node']} left its groups slowly "
+                                f"({e['message'][:60]})"})  # fmt: skip
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_mm.yaml"))
@@ -235,6 +257,7 @@ def main() -> int:
               f"{free_s / control_s:.1%} of the failure-free run's throughput with the start-ups beside it; churned "
               f"{control_s / churn_s:.1%} of this control", flush=True)
     recoveries = burst_recoveries(events)
+    waits = slow_waits(events)
     result = {
         "config": "tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on" if args.hf else Path(args.config).name,
         "nodes": args.nodes, "steps": args.steps, "churn": args.churn, "killmaster": args.killmaster,
@@ -244,7 +267,7 @@ def main() -> int:
         "generations": len(read_events(events, "plan_decided")), "incidents": len(outcomes),
         "incidents_without_outcome": len(no_outcome), "leftover_pids": left, "verified": verified,
         "verify": verify_out.splitlines()[-1] if verify_out else "",
-        "burst_to_resumed_s": recoveries, "run_dir": str(work),
+        "burst_to_resumed_s": recoveries, "slow_waits": waits, "run_dir": str(work),
         "startup_control_training_s": round(control_s, 2) if control_s == control_s else None,
         "throughput_vs_startup_control": round(control_s / churn_s, 3) if control_s == control_s else None,
     }  # fmt: skip
@@ -254,6 +277,8 @@ def main() -> int:
         times = sorted(r["to_resumed_s"] for r in recoveries)
         print(f"kill bursts: last event -> resumed, median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s "
               f"over {len(times)} bursts")
+    for wait in waits:
+        print(f"  waited {wait['seconds']:.2f} s: {wait['what']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     ok = code0 == 0 and code1 == 0 and verified and not left and not no_outcome
