@@ -41,8 +41,8 @@ import psutil
 
 from oobleck_mm.lifetime import die_with, die_with_parent
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.runtime.template import (SHARED_TEMPLATE_ENV, leave_shared_template, use_shared_template,
-                                         warm_context)
+from oobleck_mm.runtime.template import (SHARED_TEMPLATE_ENV, leave_shared_template, target_preload,
+                                         use_shared_template, warm_context)
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +137,10 @@ def start_worker_template(method: str, target: str = DEFAULT_WORKER_TARGET) -> N
                 _leave_shared_template(error)
     if _shared:
         return
-    warm_context(template_preload(target))
+    # The default target's module is not preloaded: on a GPU machine it imports DeepSpeed, whose
+    # accelerator probe initialises the CUDA driver (worker_preload's docstring).
+    warm_context(target_preload(None if target == DEFAULT_WORKER_TARGET else target))
     forkserver.ensure_running()
-
-
-def template_preload(target: str) -> list[str] | None:
-    """What a template imports for workers that run ``target``, besides ``WORKER_PRELOAD``.
-
-    The default target's module is not preloaded: on a GPU machine it imports DeepSpeed, whose
-    accelerator probe initialises the CUDA driver (worker_preload's docstring)."""
-    return None if target == DEFAULT_WORKER_TARGET else [target.partition(":")[0]]
 
 
 _shared: bool | None = None
@@ -243,21 +237,22 @@ class Worker:
             status = self._ps.status()
         except psutil.NoSuchProcess:
             # Reaped by its template, whose note of how it died comes down the status pipe a moment
-            # later (a template shared by a local run's nodes serves them all): wait for it, as for a zombie.
-            self.process.join(0.5)
-            if self.process.exitcode is not None:
-                return self.fault()
-            return WorkerFault(self.local_rank, pb.WORKER_EXITED, f"pid {self.pid} is gone")
+            # later (a template shared by a local run's nodes serves them all).
+            return self._dead_fault(pb.WORKER_EXITED, "is gone")
         if status == psutil.STATUS_ZOMBIE:
             # Our own child: it just died and is not reaped yet (the pipe closes before the exit
             # status is waitable). Reap it to report how it died; a zombie that stays is reported as one.
-            self.process.join(0.5)
-            if self.process.exitcode is not None:
-                return self.fault()
-            return WorkerFault(self.local_rank, pb.WORKER_ZOMBIE, f"pid {self.pid} is a zombie")
+            return self._dead_fault(pb.WORKER_ZOMBIE, "is a zombie")
         if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
             return WorkerFault(self.local_rank, pb.WORKER_STOPPED, f"pid {self.pid} is stopped (status {status})")
         return None
+
+    def _dead_fault(self, kind: int, what: str) -> WorkerFault:
+        """A worker that died: how it died once its exit status arrives (up to 0.5 s), else ``what``."""
+        self.process.join(0.5)
+        if self.process.exitcode is not None:
+            return self.fault()
+        return WorkerFault(self.local_rank, kind, f"pid {self.pid} {what}")
 
     def descendants(self) -> list[psutil.Process]:
         try:

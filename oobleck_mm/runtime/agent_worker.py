@@ -288,9 +288,9 @@ class WorkerLoop:
         switch = False
         for step in range(start, a.steps):
             if switch:  # every rank: some rank held a command when the last step ended (StepResult.switch)
-                waited = time.perf_counter()
+                asked = time.perf_counter()
                 pending = self.commands.get_within(self.timeouts.collective_timeout.total_seconds())
-                if (waited := time.perf_counter() - waited) > SLOW_PREPARE_S:
+                if (waited := time.perf_counter() - asked) > SLOW_PREPARE_S:
                     log.warning("generation %d: waited %.1f s at the switch for the next command", a.generation,
                                 waited)  # fmt: skip
                 if pending is not NOT_ARRIVED and pending is not None and pending.WhichOneof("command") == "master_lost":

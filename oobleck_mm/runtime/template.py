@@ -44,6 +44,12 @@ def warm_context(extra_preload: list[str] | None = None) -> BaseContext:
 _preload: list[str] | None = None
 
 
+def target_preload(target: str | None) -> list[str] | None:
+    """What a template imports besides ``WORKER_PRELOAD`` for workers that run ``target``
+    ("module:function"; None: the engine's own worker, whose imports ``WORKER_PRELOAD`` has)."""
+    return [target.partition(":")[0]] if target else None
+
+
 def with_environ(environ: Mapping[str, str], target: Callable, *args) -> None:
     """A fork's entry that first takes ``environ`` as its environment, then runs ``target(*args)``.
 
