@@ -167,6 +167,21 @@ def test_large_split_is_exact_and_fast():
     assert result.iteration_time_s == max_time(pipelines, min_max_split(pipelines, 1024))
 
 
+def test_a_huge_global_batch_is_split_at_once_never_handed_to_an_unbounded_milp():
+    # A fuzzed config's global batch of 1,401,758 kept HiGHS busy for over ten minutes (its time limit
+    # of 10 s notwithstanding): one template needs no solve, and an oversized model is not built.
+    import time
+
+    t = make_template(2, [0.5, 0.5], [1.0, 1.0], comm=0.125)
+    fast = make_template(1, [0.25, 0.25], [0.5, 0.5], comm=0.125)
+    for pipelines in ([t, t, t, t], [t, fast, t, fast]):
+        start = time.perf_counter()
+        result = split_batch(pipelines, 1_401_758, 2, solver="highs")
+        assert time.perf_counter() - start < 30, result.reason
+        check_split(pipelines, result.microbatches, 700_879)
+        assert result.iteration_time_s == max_time(pipelines, min_max_split(pipelines, 700_879))
+
+
 @pytest.mark.parametrize(
     ("global_batch", "microbatch_size", "pipelines", "nearest"),
     [
