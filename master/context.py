@@ -57,8 +57,10 @@ class Context:
 
     def facts(self, abandoned: bool = False) -> Facts:
         s, options = self.s, self.cfg.options
+        current = s.gens.get(s.generation)
         return Facts(s.views(), s.holdings, abandoned, s.next_step, self.cfg.steps, options.resume_dir,
-                     options.resume_step, s.checkpoints.last)  # fmt: skip
+                     options.resume_step, s.checkpoints.last,
+                     current.keeps_replicas_from if current is not None else 0)  # fmt: skip
 
     def transition(self) -> Transition:
         return Transition(self.s, tuple(self.effects), "; ".join(self.reasons), self.answer, self.refused)

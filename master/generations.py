@@ -118,7 +118,8 @@ def maybe_plan(ctx: Context) -> None:
                "plan again") if counted else (f"the nodes that joined generation {s.generation} are gone: the "
                                               f"nodes of generation {want.plan_from} again, with its plan")  # fmt: skip
         answer = Planned(source.plan, source.view.layout, dict(source.view.ranks), source.template_nodes,
-                         fresh=False, actions=("re-form",), seconds=0.0, reason=why)  # fmt: skip
+                         fresh=False, actions=("re-form",), seconds=0.0, reason=why,
+                         keeps_replicas_from=source.keeps_replicas_from)  # fmt: skip
         apply(ctx, PlanAnswered(pending.id, answer))
         return
     if want.plan_from == 0 or source is None or source.plan is None:  # start, or journaled without its plan
@@ -205,7 +206,7 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
         moved = len(transfers)
     else:
         transfers, moved = (), missing_states(None, layout, previous)
-    s.gens[number] = Generation(view, planned.plan, planned.template_nodes)
+    s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from)
     incident = s.incident if s.phase is JobPhase.RUNNING else None
     # This plan answers the incident: the next loss or join is a new one, timed from itself.
     s.incident = None

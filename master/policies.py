@@ -63,6 +63,8 @@ class Facts:
     resume_dir: str
     resume_step: int
     last_checkpoint: tuple[str, int] | None
+    keeps_replicas_from: int = 0
+    """(f + 1) * n0 of the current generation's plan; 0: not known."""
 
 
 class LiveRecovery:
@@ -72,7 +74,8 @@ class LiveRecovery:
     restarts_workers = False  # survivors keep training until the plan arrives at an iteration boundary
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
-        wanted, _ = plan_request(current, facts.views, facts.holdings, live, facts.abandoned)
+        wanted, _ = plan_request(current, facts.views, facts.holdings, live, facts.abandoned,
+                                 facts.keeps_replicas_from)
         if isinstance(wanted, Request) and not wanted.failure and facts.next_step >= facts.steps:
             return None  # every step is done: a node joining now has nothing left to train
         if isinstance(wanted, Request) and wanted.base == 0 and facts.next_step > facts.resume_step:

@@ -190,6 +190,7 @@ def plan_request(
     holdings: Mapping[Gpu, Holdings],
     live: Sequence[str],
     abandoned: bool = False,
+    keeps_replicas_from: int = 0,
 ) -> tuple[Request | StateLost | None, str]:
     """What the next plan must account for, or None (nothing changed, or joins that must wait).
 
@@ -201,9 +202,23 @@ def plan_request(
     for ``fault_tolerance.reform_after``: it cannot go on, so even unchanged
     membership is planned again (a *re-form*: ``lost`` and ``joined`` empty,
     the same nodes as a new generation from the base they hold).
+
+    A loss (or a re-form) leaves new nodes out when the survivors alone keep
+    f + 1 replicas (``keeps_replicas_from`` nodes, (f + 1) * n0; 0: unknown):
+    a joiner in a recovery's plan builds the layers it receives while every
+    survivor waits at the rendezvous (seconds for an HF model on shared
+    cores), whereas a join planned once that generation completed a step is
+    built in the background while the survivors train (``PreparedGroup``,
+    gated). The joiners follow one generation later; only the copy stalls.
     """
     gone = [n for n in current.nodes if n not in live]
     new = [n for n in live if n not in current.nodes]
+    deferred = ""
+    if (gone or abandoned) and new and 0 < keeps_replicas_from <= len(live) - len(new):
+        deferred = (f"; {', '.join(new)} join once the recovery's generation completed a step: "
+                    f"{len(live) - len(new)} survivors keep f + 1 replicas (>= {keeps_replicas_from} nodes)")
+        live = [n for n in live if n not in new]
+        new = []
     if not gone and not new and not abandoned:
         return None, "membership unchanged"
     if not gone and not abandoned and not committed(current, holdings):
@@ -214,12 +229,14 @@ def plan_request(
     if base.generation == 0:
         # Nobody holds trained state: plan from the current layout all the same (the templates
         # built for the starting node count stay valid), only the workers start afresh.
-        return Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone) or abandoned), why
+        return (Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone) or abandoned),
+                why + deferred)
     base_nodes = generations[base.generation].nodes
     lost = tuple(n for n in base_nodes if n not in base.holding_nodes)
     joined = tuple(n for n in live if n not in base_nodes or n in base.stale_nodes)
     request = Request(base.generation, base.generation, lost, joined, tuple(live), failure=bool(gone) or abandoned)
-    return request, why + ("; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else "")
+    return request, why + deferred + (
+        "; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else "")
 
 
 def previous_ranks(

@@ -115,6 +115,8 @@ class Generation:
     a restarted master read from its journal (a plan from one of them is planned afresh)."""
     template_nodes: int
     """Node count the planner's templates were built for."""
+    keeps_replicas_from: int = 0
+    """(f + 1) * n0, the fewest nodes that keep f + 1 replicas (``Planned``); 0: not known (a journal's)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,6 +198,8 @@ class Planned:
     reason: str
     seconds: float
     """Planning time."""
+    keeps_replicas_from: int = 0
+    """(f + 1) * n0: the fewest nodes that keep f + 1 replicas and the global batch (0: not known)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -219,7 +221,8 @@ def plan_fresh(job, profile: ModelProfile, names: Sequence[str]) -> tuple[PlanOu
     start = time.perf_counter()
     try:
         result = plan_job(job, profile, list(names))
-        planned = _planned(result.plan, len(names), True, (), f"instantiated on {len(names)} nodes", start)
+        planned = _planned(result.plan, len(names), True, (), f"instantiated on {len(names)} nodes", start,
+                           _keeps_replicas_from(job, result.template_set))
     except TooFewNodes as exc:
         return CannotKeepReplicas(live_nodes=exc.live_nodes, needed=exc.needed, reason=str(exc)), None
     except UserError as exc:
@@ -261,13 +264,20 @@ def plan_reconfiguration(
         return outcome, templates
     if isinstance(rec, CannotKeepReplicas):
         return rec, None
-    return _planned(rec.plan, template_nodes, False, rec.actions, rec.reason, start), None
+    return _planned(rec.plan, template_nodes, False, rec.actions, rec.reason, start,
+                    _keeps_replicas_from(job, template_set)), None
 
 
-def _planned(plan: Plan, template_nodes: int, fresh: bool, actions, reason: str, start: float) -> Planned:
+def _keeps_replicas_from(job, template_set: TemplateSet) -> int:
+    return (job.fault_tolerance.f + 1) * template_set.min_nodes
+
+
+def _planned(plan: Plan, template_nodes: int, fresh: bool, actions, reason: str, start: float,
+             keeps_replicas_from: int) -> Planned:  # fmt: skip
     ranks = rank_table(plan)
     return Planned(
         plan=plan, layout=ExecutionPlan.from_plan(plan, ranks), ranks=ranks, template_nodes=template_nodes,
         fresh=fresh, actions=tuple(actions), reason=reason, seconds=time.perf_counter() - start,
+        keeps_replicas_from=keeps_replicas_from,
     )  # fmt: skip
 

@@ -68,7 +68,8 @@ def fake_plan(nodes: tuple[str, ...], fresh: bool) -> Planned | CannotKeepReplic
             stages.append(StageLayout(ranks[(node, 0)], bounds[i], bounds[i + 1]))
         pipelines.append(PipelineLayout(tuple(stages), 2))
     layout = ExecutionPlan(tuple(pipelines), NUM_LAYERS, 1)
-    return Planned(FakePlan(nodes), layout, ranks, NEEDED, fresh=fresh, actions=(), reason="fake", seconds=0.0)
+    return Planned(FakePlan(nodes), layout, ranks, NEEDED, fresh=fresh, actions=(), reason="fake", seconds=0.0,
+                   keeps_replicas_from=NEEDED)
 
 
 def answer(ask: AskPlanner) -> Planned | CannotKeepReplicas:

@@ -166,3 +166,25 @@ def test_a_chosen_base_is_held_by_its_survivors_and_covers_every_layer(pairs, al
         usable = not orphan_layers(gens[other].layout, [gens[other].ranks[(n, 0)] for n in holders])
         assert not usable or len(holders) < len(base.holding_nodes) or (
             len(holders) == len(base.holding_nodes) and other < base.generation)
+
+
+def test_a_loss_plans_the_survivors_alone_when_they_keep_f_plus_one_replicas_and_the_joiner_follows():
+    """A joiner in a recovery's plan builds the layers it receives while every survivor waits at the
+    rendezvous; when the survivors keep the threshold without it, it joins one generation later."""
+    h = holds(a=(1, 1), b=(1, 1), c=(1, 1), d=(1, 1))
+    request, why = plan_request(GEN1, GENS, h, ["a", "b", "c", "e"], keeps_replicas_from=2)  # d lost, e ready
+    assert request == Request(base=1, plan_from=1, lost=("d",), joined=(), live=("a", "b", "c"), failure=True)
+    assert "e join once" in why and "3 survivors" in why
+    # Three survivors cannot keep f + 1 replicas of (f + 1) * n0 = 4: the joiner is needed now.
+    request, _ = plan_request(GEN1, GENS, h, ["a", "b", "c", "e"], keeps_replicas_from=4)
+    assert request.joined == ("e",) and request.live == ("a", "b", "c", "e")
+    # Not known (a restarted master's journaled generation): as before, the joiner comes along.
+    assert plan_request(GEN1, GENS, h, ["a", "b", "c", "e"])[0].joined == ("e",)
+    # An abandoned iteration with every node alive: the same nodes re-form, the joiner waits too.
+    request, _ = plan_request(GEN1, GENS, h, ["a", "b", "c", "d", "e"], abandoned=True, keeps_replicas_from=4)
+    assert request.reform and request.live == ("a", "b", "c", "d")
+    # Once the recovery's generation (a, b, c) completed a step, e joins it.
+    gen2 = view(2, ExecutionPlan.even(10, [1, 2], [4, 4], 2), ["a", "b", "c"])
+    h = holds(a=(2, 2), b=(2, 2), c=(2, 2))
+    request, _ = plan_request(gen2, {**GENS, 2: gen2}, h, ["a", "b", "c", "e"], keeps_replicas_from=2)
+    assert request == Request(base=2, plan_from=2, lost=(), joined=("e",), live=("a", "b", "c", "e"), failure=False)
