@@ -317,7 +317,7 @@ class Coordinator:
         prune_checkpoints(e.directory, e.keep)
 
     def _start_progress(self, e: StartProgress) -> None:
-        self._progress.start(e.view, e.incident)
+        self._progress.start(e.view, e.incident, e.expected)
 
     def _progress_metrics(self, e: ProgressMetrics) -> None:
         self._progress.metrics(e.metrics)

@@ -8,6 +8,7 @@ event log and the console. A test reads them instead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from master.progress import Incident
@@ -101,6 +102,8 @@ class StartProgress:
 
     view: GenerationView
     incident: Incident | None
+    expected: Mapping[int, float] = field(default_factory=dict)
+    """Per rank, the cost model's compute seconds of a step (``master.stragglers.expected_compute``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from master.checkpointing import cut_short
 from master import stopping
 from master.context import Context, add_to_incident, finish, write_journal
 from master.effects import AskPlanner, CancelPlan, StartProgress, WarmPlanner
+from master.stragglers import expected_compute
 from master.inputs import PlanAnswered
 from master.journal import Journal
 from master.progress import Incident, layout_summary
@@ -228,7 +229,7 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
             f"{planned.seconds:.2f} s"
             + (f" ({moved} layer states to move from generation {request.base})" if base else "")
             + f": {layout.describe()}")  # fmt: skip
-    ctx.effects.append(StartProgress(view, incident))
+    ctx.effects.append(StartProgress(view, incident, expected_compute(planned.plan, layout)))
     write_journal(ctx)  # before any worker may run the generation: a restarted master knows it
     # Only nodes that left on notice (alive until the iteration in flight ends) are dropped: the
     # workers switch at the boundary instead of abandoning that iteration.
@@ -316,7 +317,7 @@ def adopt(ctx: Context, journal: Journal, seconds_since_start: float) -> None:
     for view in journal.views:
         plan = journal.plan if view.number == journal.generation else None
         s.gens[view.number] = Generation(view, plan, journal.template_nodes)
-        ctx.effects.append(StartProgress(view, None))
+        ctx.effects.append(StartProgress(view, None, expected_compute(plan, view.layout)))
     s.generation = journal.generation
     s.checkpoints.last = journal.last_checkpoint
     s.adopting = (ctx.now, ctx.now + ctx.cfg.timeouts.adopt_window.total_seconds())

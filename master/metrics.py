@@ -24,14 +24,17 @@ COLUMNS = (
     "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s", "generation",
     "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
     "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "skipped",
-    "loss_scale", "elapsed_s", "wall_gap_s", "wall_time",
+    "loss_scale", "elapsed_s", "wall_gap_s", "wall_time", "stragglers", "slowest_node",
+    "slowest_node_factor",
 )  # fmt: skip
 """``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
 slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off. ``wall_gap_s``:
 wall-clock seconds since the previous step completed, ``step_time_s`` plus whatever the job waited
 between the two (a recovery, a join's switch); a recovery row's time lost, and a join's survivors'
-pause, are these gaps less the run's median (``oobleck_mm.faults.report``)."""
+pause, are these gaps less the run's median (``oobleck_mm.faults.report``). ``stragglers``: nodes flagged
+slow after this step; ``slowest_node_factor``: the highest node's compute over the other nodes' per unit
+of predicted work in this step (``master/stragglers.py``; 1 for a node like the rest)."""
 
 SCALARS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "samples_per_s": "throughput/samples_per_s",
@@ -40,7 +43,8 @@ SCALARS = {
     "peak_memory_mb": "memory/peak_mb", "predicted_max_s": "balance/predicted_max_s",
     "predicted_mean_s": "balance/predicted_mean_s", "predicted_contiguous_max_s": "balance/predicted_contiguous_max_s",
     "measured_max_s": "balance/measured_max_s", "measured_mean_s": "balance/measured_mean_s",
-    "loss_scale": "train/loss_scale",
+    "loss_scale": "train/loss_scale", "stragglers": "stragglers/count",
+    "slowest_node_factor": "stragglers/slowest_node_factor",
 }  # fmt: skip
 """Row column -> TensorBoard tag (empty values are not written)."""
 
@@ -51,6 +55,7 @@ RECOVERY_EVENTS = {
     "states_copied": ("generation", "seconds", "bytes", "since_detected_s"),
     "resumed": ("generation", "step", "since_detected_s"), "checkpoint_saved": ("dir", "step"),
     "aborted": ("generation", "node", "message"),
+    "straggler_detected": ("node", "factor", "step", "reason"), "straggler_cleared": ("node", "factor", "reason"),
 }  # fmt: skip
 """Events shown in TensorBoard's text tab (with these fields) at the step they happened."""
 

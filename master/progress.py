@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from master.recovery import GenerationView
+from master.stragglers import RankCompute, StragglerDetector, StragglerRule, Verdict
 from oobleck_mm.events import EventLog
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -60,13 +61,15 @@ class StepFacts:
     """Console lines every N steps (and the first, the last, and the first of each generation)."""
     eta_window: int = 20
     """Steps the ETA's recent pace is averaged over (the current layout's speed, not the run's)."""
+    stragglers: StragglerRule = StragglerRule()
+    """``fault_tolerance.straggler_*``: when a node's compute makes it a straggler (``master.stragglers``)."""
 
     @classmethod
     def of(cls, job, log_every: int = 1) -> StepFacts:
         from oobleck_mm.profiling.analytical import model_flops_per_sample, peak_flops
 
         return cls(job.training.global_batch, model_flops_per_sample(job), peak_flops(job),
-                   job.balance.enabled, log_every)  # fmt: skip
+                   job.balance.enabled, log_every, stragglers=StragglerRule.of(job.fault_tolerance))  # fmt: skip
 
 
 def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], facts: StepFacts) -> dict:
@@ -147,20 +150,25 @@ class Progress:
         """(step, clock) of the latest steps logged: the ETA's pace."""
         self._printed_generation = 0
         self._gen_started = self.started
+        self.stragglers = StragglerDetector(facts.stragglers)
+        self._expected: dict[int, dict[int, float]] = {}
+        """Per generation, each rank's predicted compute seconds of a step (``StartProgress.expected``)."""
         self._logged: dict[int, int] = {}
         """Per generation, the last step logged. A generation's steps are logged in order (a step
         needs every rank's report, and each agent reports in order), so a report at or below it is
         one seen twice: an RPC whose answer was lost while this master was paused, which the
         agent then sent again."""
 
-    def start(self, gen: GenerationView, incident: Incident | None) -> None:
+    def start(self, gen: GenerationView, incident: Incident | None, expected: dict[int, float] | None = None) -> None:
         # The previous generation may still finish a step (a join is applied at the next boundary),
         # and an older one's step may have committed on every rank although one of them died
         # before reporting it: its reports are kept until a generation resumes past that step.
         self.gen, self.incident = gen, incident
         self._gen_started = self.clock()
         self._views[gen.number] = gen
+        self._expected[gen.number] = dict(expected or {})
         self._phases.clear()
+        self._verdicts(self.stragglers.keep_only(gen.nodes, max(self._logged.values(), default=-1)))
 
     def metrics(self, m: pb.StepMetrics) -> None:
         gen = self._views.get(m.generation)
@@ -186,6 +194,7 @@ class Progress:
             if key[1] < resumed_at:
                 self._print_step(self._views[key[0]], key[1], list(reports.values()), partial=True)
         self._views = {n: v for n, v in self._views.items() if n >= generation}  # older ones have no reports left
+        self._expected = {n: e for n, e in self._expected.items() if n >= generation}
         self._logged = {n: step for n, step in self._logged.items() if n >= generation}
 
     def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
@@ -195,8 +204,14 @@ class Progress:
         elapsed = now - self.started
         row["elapsed_s"] = elapsed
         row["wall_time"] = time.time()
+        verdicts = [] if partial else self._observe_compute(gen, step, reports)
+        row["stragglers"] = len(self.stragglers.flagged) if self.stragglers.rule.enabled else None
+        latest = self.stragglers.latest if not partial else {}
+        slowest = max(latest, key=latest.__getitem__, default=None)
+        row["slowest_node"], row["slowest_node_factor"] = slowest, latest.get(slowest) if slowest else None
         extra = {"partial": True, "ranks_reported": len(reports)} if partial else {}
         self.events.write("step", **row, **extra)
+        self._verdicts(verdicts)
         self._recent = [*self._recent[-(self.facts.eta_window - 1):], (step, now)] if self.facts.eta_window > 1 else []
         eta = None
         if len(self._recent) >= 2 and self._recent[-1][0] > self._recent[0][0]:
@@ -206,6 +221,24 @@ class Progress:
         if (step + 1) % every == 0 or step == 0 or step == self.steps - 1 or gen.number != self._printed_generation:
             self._printed_generation = gen.number
             self.say(format_step(row, self.steps, elapsed, eta))
+
+    def _observe_compute(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics]) -> list[Verdict]:
+        expected = self._expected.get(gen.number, {})
+        nodes = gen.rank_nodes
+        ranks = [RankCompute(nodes[r.rank], r.forward_s + r.backward_s, expected.get(r.rank, 0.0))
+                 for r in reports if 0 <= r.rank < len(nodes)]  # fmt: skip
+        return self.stragglers.observe(step, ranks)
+
+    def _verdicts(self, verdicts: list[Verdict]) -> None:
+        for v in verdicts:
+            factor = round(v.factor, 3) if v.factor == v.factor else None
+            self.events.write(f"straggler_{v.kind}", node=v.node, step=v.step, factor=factor,
+                              evidence=[round(f, 3) for f in v.evidence], reason=v.reason)  # fmt: skip
+            if v.kind == "detected":
+                self.say(f"node {v.node} is a straggler: its compute ran {v.factor:.2f}x the other nodes' (per unit "
+                         f"of predicted work) for the last {len(v.evidence)} steps, up to step {v.step + 1}")
+            else:
+                self.say(f"node {v.node} is no longer a straggler ({v.reason})")
 
     def phase(self, node: str, local_rank: int, rank: int | None, p: pb.PhaseDone) -> None:
         """Records one worker's phase; writes the job-level event when the generation's last rank is through."""

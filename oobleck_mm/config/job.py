@@ -570,6 +570,17 @@ class FaultToleranceConfig:
     keep_checkpoints: int = 2
     """Complete periodic checkpoints live mode keeps (the newest, and one in case it is damaged); 0: every
     one, so that ``verify --windows`` can judge a long run window by window."""
+    straggler_factor: float = 1.5
+    """A node is a straggler when its stages' compute, per unit of work the cost model predicts for
+    them, is at least this many times the job's median for ``straggler_steps`` steps in a row
+    (``master/stragglers.py``); 0: no detection. Compute times, not waits: a peer's slowness does not
+    count against a node."""
+    straggler_clear_factor: float = 1.2
+    """A straggler is cleared once its factor stays below this for ``straggler_steps`` steps in a row:
+    below ``straggler_factor``, so a node hovering at the threshold does not flap."""
+    straggler_steps: int = 8
+    """Consecutive steps a factor must hold to flag (or clear) a node: one slow step (a page fault, a
+    busy neighbour for a moment) is noise."""
 
     def __post_init__(self) -> None:
         check(self, "f", as_int, minimum=0)
@@ -583,6 +594,15 @@ class FaultToleranceConfig:
         check(self, "checkpoint_interval", as_int, minimum=0)
         check_optional(self, "checkpoint_every", as_duration)
         check(self, "keep_checkpoints", as_int, minimum=0)
+        check(self, "straggler_factor", as_float, minimum=0.0)
+        if 0 < self.straggler_factor <= 1:
+            raise ConfigError(f"fault_tolerance.straggler_factor: must be > 1 (how many times slower than the "
+                              f"median), or 0 to turn detection off, got {self.straggler_factor}")
+        check(self, "straggler_clear_factor", as_float, minimum=1.0)
+        if self.straggler_factor and self.straggler_clear_factor >= self.straggler_factor:
+            raise ConfigError(f"fault_tolerance.straggler_clear_factor: must be < straggler_factor "
+                              f"({self.straggler_factor}), got {self.straggler_clear_factor}")
+        check(self, "straggler_steps", as_int, minimum=1)
 
     # ------------------------------------------------------------------ workers
     @property

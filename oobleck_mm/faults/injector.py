@@ -17,6 +17,10 @@ the job is over), and when an event is due:
 - ``killmaster``: SIGKILL the master process and its planning helper; the
   launcher restarts it (``--resume-master``) and it re-adopts the running job.
 - ``join``: ``start_agent(name)``, the launcher's own way to start a node.
+- ``slow``: the node's workers run ``factor`` times slower (``faults/slowdown.py``: a
+  stop/continue duty cycle) until ``duration_s`` passed or the job ends; recorded as
+  ``slowed`` and ``slow_restored`` events, which are not incidents: nothing fails, and the
+  recovery table stays about failures and joins.
 
 Events due at the same moment are resolved first, recorded as ``injected``
 events (kind, node, step, seconds, pids, batch, source) in the same event log,
@@ -44,6 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 import psutil
 
 from oobleck_mm.events import EventLog
+from oobleck_mm.faults.slowdown import Slowdown
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
 log = logging.getLogger(__name__)
@@ -144,6 +149,8 @@ class Injector:
         self._reclaims: list[tuple[float, FaultEvent, list[psutil.Process]]] = []
         """(wall time, fault, processes) of preempted nodes still to be killed."""
         self._joined: list[str] = []
+        self._slowdowns: dict[str, Slowdown] = {}
+        """node -> its slowdown running now."""
         self._batch = 0
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
@@ -160,6 +167,7 @@ class Injector:
         self._halt.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._restore(float("inf"))  # never leave a node's workers stopped by a duty cycle
         if kill_stopped:
             for proc in self._stopped_pids:
                 _signal(proc, signal.SIGKILL)  # SIGKILL ends a stopped process without SIGCONT
@@ -169,7 +177,8 @@ class Injector:
     @property
     def done(self) -> bool:
         """Every event fired (or skipped) and every preempted node reclaimed, or the job is over."""
-        return (not self.pending and not self._reclaims) or self.progress.finished
+        timed = any(s.ends_at is not None for s in self._slowdowns.values())
+        return (not self.pending and not self._reclaims and not timed) or self.progress.finished
 
     def _run(self) -> None:
         while not self._halt.is_set():
@@ -189,8 +198,8 @@ class Injector:
             self.progress.update(event)
             reached += [f for f in self.pending if f.reached(event) and f not in reached]
         if self.progress.finished:
-            return []
-        records = self._reclaim(now)
+            return self._restore(float("inf"))
+        records = self._reclaim(now) + self._restore(now)
         if reached:  # @phase:P: the node is there now (its worker holds until the fault lands)
             self.pending = [f for f in self.pending if f not in reached]
             records += self.fire(reached)
@@ -212,6 +221,19 @@ class Injector:
                                        after_s=fault.notice_s, source=fault.source))  # fmt: skip
         return records
 
+    def _restore(self, now: float) -> list[dict[str, Any]]:
+        """Ends the slowdowns due at ``now`` (wall time): their nodes run at full speed again."""
+        records = []
+        for node, slowdown in list(self._slowdowns.items()):
+            due = now == float("inf") or (slowdown.ends_at is not None and slowdown.ends_at <= now)
+            if not due:  # ``inf``: the job is over, or the injector stops
+                continue
+            slowdown.end()
+            del self._slowdowns[node]
+            records.append(self._write("slow_restored", node=node, factor=slowdown.factor, cycles=slowdown.cycles,
+                                       step=self.progress.steps_done, seconds=self.progress.elapsed(time.time())))
+        return records
+
     def fire(self, faults: Sequence[FaultEvent]) -> list[dict[str, Any]]:
         """Carries out ``faults`` together: every failure's processes are found first, then signalled."""
         self._batch += 1
@@ -219,7 +241,7 @@ class Injector:
         # A trace or a churn burst may join a node and take it away in the same moment: the join
         # comes first, so the failure hits the node the timeline means instead of "unknown node".
         hit = {t.fault.node for t in targets if t.fault.is_failure}
-        first = [t for t in targets if not t.fault.is_failure and t.fault.node in hit]
+        first = [t for t in targets if t.fault.kind == "join" and t.fault.node in hit]
         records = [self._join(t) for t in first]
         for target in targets:
             if target.fault.is_failure:
@@ -231,8 +253,10 @@ class Injector:
             if target.fault.is_failure and target.error is None:
                 self._signal_target(target)
         for target in targets:
-            if not target.fault.is_failure and all(target is not f for f in first):
+            if target.fault.kind == "join" and all(target is not f for f in first):
                 records.append(self._join(target))
+            elif target.fault.kind == "slow":
+                records.append(self._slow(target.fault))
         return records
 
     # ------------------------------------------------------------------ internals
@@ -308,6 +332,30 @@ class Injector:
         # When the agent process began: long before the join for a launcher's standby (master/local.py).
         started = _safe(agent.create_time, None) if agent is not None else None
         return self._write("injected", pids=[] if pid is None else [pid], agent_started=started, **common)
+
+    def _slow(self, fault: FaultEvent) -> dict[str, Any]:
+        common = dict(kind="slow", node=fault.node, step=self.progress.steps_done,
+                      seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        pids = dict(self.agents())
+        agent = _live_process(pids[fault.node]) if fault.node in pids else None
+        if agent is None:
+            why = (f"node {fault.node} is already gone" if fault.node in pids
+                   else f"unknown node {fault.node!r}; the launcher started {sorted(pids)}")  # fmt: skip
+            log.warning("fault %s skipped: %s", fault.describe(), why)
+            return self._write("inject_skipped", reason=why, **common)
+        previous = self._slowdowns.pop(fault.node, None)
+        if previous is not None:  # a new slowdown of the same node replaces the one running
+            previous.end()
+
+        def lookup() -> list[psutil.Process]:
+            return [p for w in worker_processes(agent) for p in (w, *_children(w))]
+
+        ends_at = time.time() + fault.duration_s if fault.duration_s is not None else None
+        slowdown = Slowdown(fault.node, fault.factor, lookup, ends_at=ends_at).start()
+        self._slowdowns[fault.node] = slowdown
+        log.warning("injected %s", fault.describe())
+        return self._write("slowed", factor=fault.factor, duration_s=fault.duration_s,
+                           pids=[p.pid for p in worker_processes(agent)], **common)  # fmt: skip
 
     def _next_name(self) -> str:
         used = [*self.agents(), *self._joined]

@@ -17,6 +17,9 @@ Forms (one token each; tokens are comma-separated, flags may repeat):
                               restarts it with --resume-master and it re-adopts the running job
     join@WHEN                 start a new agent (named by the launcher)
     join:NODE@WHEN            start a new agent named NODE
+    slow:NODE@WHEN[xF][+Ts]   a straggler: the node's workers run F times slower (default 2) for T
+                              seconds (no +Ts: for good), then at full speed again; its agent keeps
+                              its pace (a slow GPU, not a silent node). ``oobleck_mm.faults.slowdown``
 
     WHEN = stepN   once N steps are complete (the console printed "step N/..."): the
                    failure hits the next step, which the console and the recovery
@@ -46,19 +49,21 @@ from typing import Iterable
 
 from oobleck_mm.errors import UserError
 
-KINDS = ("kill", "killworker", "stop", "preempt", "killmaster", "join")
+KINDS = ("kill", "killworker", "stop", "preempt", "killmaster", "join", "slow")
 FAILURE_KINDS = ("kill", "killworker", "stop", "preempt", "killmaster")
 MASTER = "master"
 """The ``node`` of a ``killmaster`` event (in the event log and the recovery table)."""
 DEFAULT_NOTICE_S = 30.0
 """``preempt`` without ``+Ts``: seconds from the notice to the kill (GCP's spot notice)."""
+DEFAULT_SLOWDOWN = 2.0
+"""``slow`` without ``xF``: the node runs at half speed."""
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """The master's rule for node names (``master/coordinator.py``)."""
 
 VALID_FORMS = (
     "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "
-    "killmaster@stepN, join[:NODE]@stepN (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
+    "killmaster@stepN, join[:NODE]@stepN, slow:NODE@stepN[xF][+Ts] (or @tXs for X seconds after the first step, e.g. kill:node1@t12.5s; a failure also "
     "@phase:P, P one of copy, rendezvous, connect, checkpoint, forming, registered)"
 )
 
@@ -66,6 +71,7 @@ _STEP = re.compile(r"^step(\d+)$")
 _TIME = re.compile(r"^t(\d+(?:\.\d*)?|\.\d+)s$")
 _GPU = re.compile(r"^gpu(\d+)$")
 _NOTICE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)s$")
+_FACTOR = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)$")
 PHASES = ("copy", "rendezvous", "connect", "checkpoint", "forming", "registered")
 """Phases a failure can be aimed at (``@phase:P``)."""
 HELD_PHASES = PHASES[:5]
@@ -93,6 +99,10 @@ class FaultEvent:
     """``killworker`` only: which worker of the node."""
     notice_s: float = DEFAULT_NOTICE_S
     """``preempt`` only: seconds from the notice (SIGTERM) to the kill."""
+    factor: float = DEFAULT_SLOWDOWN
+    """``slow`` only: how many times slower the node's workers run (> 1)."""
+    duration_s: float | None = None
+    """``slow`` only: seconds the slowdown lasts; None: until the job ends."""
     source: str = ""
     """Where it came from (the spec token, or the trace line), for the event log."""
 
@@ -108,6 +118,9 @@ class FaultEvent:
             raise UserError(f"fault {self.source or self.kind!r}: killmaster takes no node and no @phase")
         if self.node is None and self.kind != "join":
             raise UserError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
+        if self.kind == "slow" and not self.factor > 1:
+            raise UserError(f"fault {self.source or self.kind!r}: the slowdown factor must be > 1 (x2: half "
+                            f"speed), got {self.factor:g}")
 
     @property
     def is_failure(self) -> bool:
@@ -138,6 +151,8 @@ class FaultEvent:
                 else f"t{self.seconds:g}s")
         if self.kind == "preempt":
             when += f"+{self.notice_s:g}s"
+        if self.kind == "slow":
+            when += f"x{self.factor:g}" + (f"+{self.duration_s:g}s" if self.duration_s is not None else "")
         return f"{self.kind}{':' if target else ''}{target}@{when}"
 
 
@@ -160,22 +175,32 @@ def parse_token(token: str) -> FaultEvent:
     if not at or not when:
         _bad(token, "missing '@stepN', '@tXs' or '@phase:P'")
     when, plus, notice = when.partition("+")
-    step, seconds, phase = _parse_when(token, when)
     kind, *parts = what.split(":")
     if kind not in KINDS:
         _bad(token, f"unknown kind {kind!r}")
-    if plus and kind != "preempt":
-        _bad(token, f"'+{notice}' (the kill after a notice) is for preempt only")
-    notice_s = DEFAULT_NOTICE_S
+    factor = DEFAULT_SLOWDOWN
+    if kind == "slow" and not when.startswith("phase:") and "x" in when:
+        when, _, times = when.rpartition("x")
+        if not (m := _FACTOR.match(times)) or not float(m.group(1)) > 1:
+            _bad(token, f"bad slowdown {'x' + times!r}: expected xF with F > 1, e.g. x2 (half speed)")
+        factor = float(times)
+    step, seconds, phase = _parse_when(token, when)
+    if plus and kind not in ("preempt", "slow"):
+        _bad(token, f"'+{notice}' (the kill after a notice, how long a slowdown lasts) is for preempt and slow only")
+    notice_s, duration_s = DEFAULT_NOTICE_S, None
     if plus:
         if not (m := _NOTICE.match(notice)):
-            _bad(token, f"bad notice {notice!r}: expected Ts (T seconds >= 0), e.g. +10s")
-        notice_s = float(m.group(1))
+            what = "notice" if kind == "preempt" else "duration"
+            _bad(token, f"bad {what} {notice!r}: expected Ts (T seconds >= 0), e.g. +10s")
+        if kind == "preempt":
+            notice_s = float(m.group(1))
+        else:
+            duration_s = float(m.group(1))
     node, local_rank = _parse_target(token, kind, parts)
     if phase is not None and kind not in FAILURE_KINDS:
         _bad(token, "@phase:P is for failures (kill, killworker, stop, preempt)")
     return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, phase=phase, local_rank=local_rank,
-                      notice_s=notice_s, source=token)  # fmt: skip
+                      notice_s=notice_s, factor=factor, duration_s=duration_s, source=token)  # fmt: skip
 
 
 def _parse_when(token: str, when: str) -> tuple[int | None, float | None, str | None]:
@@ -233,7 +258,7 @@ def check_targets(faults: Iterable[FaultEvent], nodes: Iterable[str]) -> None:
     joined = named + [f"node{following + i}" for i in range(unnamed)]
     valid = set(known) | set(joined)
     for fault in faults:
-        if fault.is_failure and fault.kind != "killmaster" and fault.node not in valid:
+        if (fault.is_failure or fault.kind == "slow") and fault.kind != "killmaster" and fault.node not in valid:
             joins = f"; joins add {', '.join(joined)}" if joined else ""
             raise UserError(
                 f"--inject {fault.source or fault.describe()}: node {fault.node!r} is not in this run "

@@ -8,6 +8,7 @@ hand, as the master would.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -209,3 +210,140 @@ def test_a_node_joined_and_killed_in_one_batch_is_started_then_killed_not_unknow
     assert [(r["event"], r["kind"], r["node"]) for r in records] == [("injected", "join", "node3"),
                                                                      ("injected", "kill", "node3")]
     assert cluster.procs["node3"].wait(15) == -9
+
+
+
+TIMED_AGENT = """
+import multiprocessing as mp, sys, time
+def work(path):
+    with open(path, "a") as out:
+        while True:
+            began = time.perf_counter()
+            sum(range(600000))  # one unit of work (~10 ms, a microbatch's compute), timed by the worker itself as the engine times its compute
+            out.write(f"{time.time()} {time.perf_counter() - began}\\n")
+            out.flush()
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    worker = ctx.Process(target=work, args=(sys.argv[1],))
+    worker.start()
+    print(worker.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _unit_seconds(path, since: float, until: float) -> float:
+    units = [float(b) for a, b in (line.split() for line in path.read_text().splitlines() if line.count(" ") == 1)
+             if since <= float(a) < until]  # fmt: skip
+    assert len(units) >= 5, f"only {len(units)} units of work between {since} and {until}"
+    return sum(units) / len(units)  # the mean: a unit shorter than a freeze cycle may fall between two freezes
+
+
+def test_a_slowdown_makes_the_nodes_own_compute_take_factor_times_as_long_and_never_looks_stopped(tmp_path):
+    """``slow:NODE@WHEN[xF][+Ts]``: a freeze/thaw duty cycle; the worker's own timer sees each unit of work take
+    about F times as long, its agent is never frozen, and it never looks stopped (its agent would report that
+    as a failure, ``worker_stopped``), then it runs at full speed again."""
+    from oobleck_mm.faults.slowdown import SignalFreezer, freezer_for
+
+    probe = freezer_for()
+    probe.close()
+    if isinstance(probe, SignalFreezer):
+        pytest.skip("no writable cgroup freezer here (needs root and a cgroup file system)")
+    units, script = tmp_path / "units.txt", tmp_path / "timed_agent.py"
+    script.write_text(TIMED_AGENT)  # a file, not -c: spawn's child imports the worker's function from it
+    agent = subprocess.Popen([sys.executable, str(script), str(units)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(agent.stdout.readline())
+        path = tmp_path / "events.jsonl"
+        log = EventLog(path)
+        injector = Injector(parse_inject("slow:node0@step1x3+1.5s"), event_log_path=path, events=log,
+                            agents=lambda: {"node0": agent.pid}, start_agent=lambda name: None)  # fmt: skip
+        log.write("plan_decided", generation=1)
+        time.sleep(1.0)
+        before = time.time()
+        log.write("step", generation=1, step=0)
+        [slowed] = injector.poll(time.time())
+        assert slowed["event"] == "slowed" and slowed["pids"] == [worker]
+        seen = set()
+        while time.time() < before + 1.2:
+            seen |= {status(worker), status(agent.pid)}
+            time.sleep(0.003)
+        assert psutil.STATUS_STOPPED not in seen, "frozen, never stopped: the agent would call it a failure"
+        restored = []
+        eventually(lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored")
+                   or restored)  # fmt: skip
+        after = time.time()
+        time.sleep(1.0)
+        normal = _unit_seconds(units, before - 1.0, before)
+        slow = _unit_seconds(units, before + 0.2, before + 1.4)
+        again = _unit_seconds(units, after + 0.1, after + 1.0)
+        assert 2.0 < slow / normal < 4.5, f"x3: a unit took {slow / normal:.2f}x as long"
+        assert again / normal < 1.5, f"restored: a unit took {again / normal:.2f}x as long"
+        injector.stop()
+    finally:
+        for child in _tree(agent.pid):
+            child.kill()
+        agent.kill()
+        agent.wait()
+
+
+def _frozen(pid: int) -> bool:
+    """Held by the slowdown: stopped (the SIGSTOP fallback), or frozen by a cgroup freezer (v1 shows a frozen
+    task in disk sleep; v2 sets ``frozen 1`` in its cgroup's ``cgroup.events``)."""
+    state = status(pid)
+    if state in (psutil.STATUS_STOPPED, psutil.STATUS_DISK_SLEEP):
+        return True
+    try:
+        for line in open(f"/proc/{pid}/cgroup").read().splitlines():
+            hierarchy, _, group = line.split(":", 2)
+            if hierarchy == "0" and "oobleck-slow-" in group:
+                for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                    events = f"{root}{group}/cgroup.events"
+                    if os.path.exists(events):
+                        return "frozen 1" in open(events).read()
+    except OSError:
+        pass
+    return False
+
+
+def _frozen_share(pids: list[int], seconds: float) -> list[float]:
+    """Per pid, the share of ``seconds`` it was seen held, sampled every few milliseconds."""
+    seen, held = 0, [0] * len(pids)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen += 1
+        for i, pid in enumerate(pids):
+            held[i] += _frozen(pid)
+        time.sleep(0.002)
+    return [s / seen for s in held]
+
+
+def test_a_slowdown_stops_only_the_nodes_workers_for_its_share_of_the_time_then_restores_them(cluster, tmp_path):
+    """``slow:NODE@WHEN[xF][+Ts]``: the workers are stopped 1 - 1/F of the time (a duty cycle), the agent
+    never (it keeps its heartbeats), and every worker runs freely once the slowdown ends or the injector stops."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    faults = parse_inject("slow:node1@step1x2+2s,slow:node2@step1x4,slow:node9@step1")
+    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents,
+                        start_agent=cluster.start_agent)  # fmt: skip
+    log.write("plan_decided", generation=1)
+    log.write("step", generation=1, step=0)
+    half, quarter, skipped = injector.poll(time.time())
+    assert (half["event"], half["node"], half["factor"], half["duration_s"]) == ("slowed", "node1", 2.0, 2.0)
+    assert half["pids"] == cluster.workers["node1"] and quarter["duration_s"] is None
+    assert skipped["event"] == "inject_skipped" and "unknown node 'node9'" in skipped["reason"]
+    assert not injector.done, "a timed slowdown is still to be restored"
+    w1, w2 = cluster.workers["node1"][0], cluster.workers["node2"][1]
+    share1, share2, agent, other = _frozen_share([w1, w2, cluster.procs["node1"].pid, cluster.workers["node0"][0]], 1.0)
+    assert 0.3 < share1 < 0.7, f"x2: frozen half the time, seen {share1:.2f}"
+    assert 0.6 < share2 < 0.9, f"x4: frozen three quarters of the time, seen {share2:.2f}"
+    assert agent == 0 and other == 0, "neither the slowed node's agent nor another node is touched"
+
+    restored = []
+    eventually(lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored")
+               or restored)  # fmt: skip
+    assert [(r["node"], r["factor"]) for r in restored] == [("node1", 2.0)] and restored[0]["cycles"] > 10
+    assert injector.done, "the slowdown for good needs no more polls"
+    assert _frozen_share(cluster.workers["node1"], 0.3) == [0.0, 0.0], "node1 runs at full speed again"
+    injector.stop()
+    assert _frozen_share(cluster.workers["node2"], 0.3) == [0.0, 0.0], "stopping the injector restores node2"
+    assert [e["node"] for e in read_events(path, "slow_restored")] == ["node1", "node2"]

@@ -36,18 +36,33 @@ def test_a_preemption_is_a_notice_then_a_kill_after_its_seconds():
     a, b = parse_inject("preempt:node1@step4+12.5s,preempt:node2@t3s")
     assert (a.kind, a.node, a.step, a.notice_s, a.is_failure) == ("preempt", "node1", 4, 12.5, True)
     assert (b.seconds, b.notice_s) == (3.0, 30.0)  # GCP's 30 s notice unless told
-    for bad, names in (("kill:node1@step4+5s", "for preempt only"), ("preempt:node1@step4+5", "bad notice '5'")):
+    for bad, names in (("kill:node1@step4+5s", "for preempt and slow only"), ("preempt:node1@step4+5", "bad notice '5'")):
         with pytest.raises(ValueError, match=names):
             parse_token(bad)
 
 
+def test_a_slowdown_has_a_factor_and_a_duration_and_is_neither_a_failure_nor_a_join():
+    a, b, c = parse_inject("slow:node1@step50x2.5+20s,slow:node2@t3s,slow:node3@step4+1.5s")
+    assert (a.kind, a.node, a.step, a.factor, a.duration_s, a.is_failure) == ("slow", "node1", 50, 2.5, 20.0, False)
+    assert (b.seconds, b.factor, b.duration_s) == (3.0, 2.0, None)  # half speed, for good, unless told
+    assert (c.factor, c.duration_s) == (2.0, 1.5)
+    for bad, names in (("slow:node1@step4x1", "bad slowdown 'x1'"), ("slow:node1@step4x0.5", "F > 1"),
+                       ("slow:node1@step4+5", "bad duration '5'"), ("slow:node1@phase:copy", "for failures"),
+                       ("kill:node1@step4x2", "bad time 'step4x2'"), ("slow@step3", "slow takes exactly one node")):
+        with pytest.raises(ValueError, match=re.escape(names)):
+            parse_token(bad)
+    with pytest.raises(ValueError, match="node 'node5' is not in this run"):
+        check_targets(parse_inject("slow:node5@step3"), NODES4)
+
+
 def test_describe_round_trips():
     for token in ("kill:node1@step4", "killworker:node2:gpu1@step6", "stop:n-3.a@t12.5s", "join@step0",
-                  "join:node7@t3s", "preempt:node3@step2+7.5s"):  # fmt: skip
+                  "join:node7@t3s", "preempt:node3@step2+7.5s", "slow:node1@step3x3+4s", "slow:node2@t1sx1.5"):
         event = parse_token(token)
         assert parse_token(event.describe()) == FaultEvent(
             kind=event.kind, node=event.node, step=event.step, seconds=event.seconds,
-            local_rank=event.local_rank, notice_s=event.notice_s, source=event.describe(),
+            local_rank=event.local_rank, notice_s=event.notice_s, factor=event.factor, duration_s=event.duration_s,
+            source=event.describe(),
         )  # fmt: skip
 
 

@@ -1,0 +1,93 @@
+"""Straggler detection (``master.stragglers``): per-rank compute against the cost model, relative to the job."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from master.stragglers import RankCompute, StragglerDetector, StragglerRule, expected_compute, node_factors
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+
+RULE = StragglerRule(factor=1.5, clear_factor=1.2, steps=4)
+NODES = ("a", "b", "c", "d")
+# a: a cheap stage predicted 1 s per step, b: an expensive one predicted 3 s; c and d the same again.
+EXPECTED = {"a": 1.0, "b": 3.0, "c": 1.0, "d": 3.0}
+
+
+def step_ranks(slow: dict[str, float], scale: float = 2.5, noise: float = 0.0, rng=None) -> list[RankCompute]:
+    """Every node measuring ``scale`` times its prediction (the model's absolute error), ``slow`` times more."""
+    out = []
+    for node in NODES:
+        jitter = 1 + (rng.uniform(-noise, noise) if rng else 0.0)
+        out.append(RankCompute(node, EXPECTED[node] * scale * slow.get(node, 1.0) * jitter, EXPECTED[node]))
+    return out
+
+
+def test_a_node_at_half_speed_has_factor_two_whatever_the_models_scale_and_its_stage():
+    factors = node_factors(step_ranks({"b": 2.0}, scale=2.5))
+    assert math.isclose(factors["b"], 2.0) and all(math.isclose(factors[n], 1.0) for n in "acd")
+    assert node_factors([RankCompute("a", 1.0, 1.0)]) == {}, "one node has nobody to be compared with"
+
+
+def test_flagged_after_the_rules_steps_in_a_row_and_cleared_with_hysteresis():
+    det = StragglerDetector(RULE)
+    verdicts = [v for step in range(3) for v in det.observe(step, step_ranks({"c": 2.0}))]
+    assert verdicts == [] and det.flagged == {}, "three slow steps of four are not yet a verdict"
+    [v] = det.observe(3, step_ranks({"c": 2.0}))
+    assert (v.kind, v.node, v.step, v.evidence) == ("detected", "c", 3, (2.0, 2.0, 2.0, 2.0))
+    assert math.isclose(v.factor, 2.0) and set(det.flagged) == {"c"}
+    # Hovering between the two thresholds: neither detected again nor cleared (no flapping).
+    assert [v for step in range(4, 20) for v in det.observe(step, step_ranks({"c": 1.3 if step % 2 else 1.6}))] == []
+    assert set(det.flagged) == {"c"}
+    verdicts = [v for step in range(20, 24) for v in det.observe(step, step_ranks({}))]
+    assert [(v.kind, v.node, v.step) for v in verdicts] == [("cleared", "c", 23)] and det.flagged == {}
+
+
+def test_one_slow_step_in_a_row_of_fast_ones_is_noise():
+    det = StragglerDetector(RULE)
+    verdicts = [v for step in range(40) for v in det.observe(step, step_ranks({"a": 3.0} if step % 4 == 0 else {}))]
+    assert verdicts == []
+
+
+def test_ordinary_jitter_flags_nobody():
+    """+-30% per node and step, independent: the median of the others absorbs it, the rule's streak the rest."""
+    det, rng = StragglerDetector(StragglerRule(1.5, 1.2, 8)), random.Random(7)
+    verdicts = [v for step in range(5000) for v in det.observe(step, step_ranks({}, noise=0.3, rng=rng))]
+    assert verdicts == []
+
+
+def test_a_node_that_leaves_is_forgotten_and_a_flagged_one_cleared_with_the_reason():
+    det = StragglerDetector(RULE)
+    for step in range(4):
+        det.observe(step, step_ranks({"d": 3.0}))
+    assert set(det.flagged) == {"d"}
+    [v] = det.keep_only(("a", "b", "c"), 4)
+    assert (v.kind, v.node, v.reason) == ("cleared", "d", "no longer in the plan") and det.flagged == {}
+    assert "d" not in det.tracks
+
+
+def test_detection_off_observes_nothing():
+    det = StragglerDetector(StragglerRule(factor=0.0))
+    assert [v for step in range(20) for v in det.observe(step, step_ranks({"a": 5.0}))] == []
+
+
+class _Stage:
+    def __init__(self, f, b):
+        self.forward_s, self.backward_s = f, b
+
+
+class _Instance:
+    def __init__(self, stages, microbatches):
+        self.template = type("T", (), {"stages": stages})()
+        self.num_microbatches = microbatches
+
+
+def test_expected_compute_is_the_stage_time_per_microbatch_times_the_pipelines_microbatches():
+    layout = ExecutionPlan((PipelineLayout((StageLayout(0, 0, 3), StageLayout(1, 3, 4)), 4),
+                            PipelineLayout((StageLayout(2, 0, 4),), 2)), 4, 1)  # fmt: skip
+    plan = type("P", (), {"pipelines": (_Instance((_Stage(0.1, 0.2), _Stage(0.05, 0.1)), 4),
+                                        _Instance((_Stage(0.15, 0.3),), 2))})()  # fmt: skip
+    expected = expected_compute(plan, layout)
+    assert {r: round(s, 9) for r, s in expected.items()} == {0: 1.2, 1: 0.6, 2: 0.9}
+    # A generation read from a journal has no plan: each layer counts the same.
+    assert expected_compute(None, layout) == {0: 12.0, 1: 4.0, 2: 8.0}
