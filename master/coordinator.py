@@ -32,7 +32,7 @@ from master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCh
                             WriteMeta)  # fmt: skip
 from master.generations import MAX_REFORMS, SETTLE_S
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
-                           Report, StopRequested, StreamEnded, Tick, WorkerFailure)  # fmt: skip
+                           Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
 from master.journal import Journal
 from master.planning import InlinePlanner
 from master.progress import Progress, StepFacts
@@ -234,6 +234,10 @@ class Coordinator:
         (an inline planner answers at once: its answer is applied in the same call)."""
         transition = machine.step(self.state, event, self.clock(), self.settings)
         self._carry_out(transition.effects)
+        while (verdicts := self._progress.take_verdicts()):  # found in the steps just logged
+            for v in verdicts:
+                self._carry_out(machine.step(self.state, Straggler(v.node, v.factor, v.kind == "detected", v.step),
+                                             self.clock(), self.settings).effects)  # fmt: skip
         if transition.refused is not None:
             if peer:
                 self.refused(peer, method, str(transition.refused))
@@ -280,9 +284,9 @@ class Coordinator:
 
     def _ask_planner(self, e: AskPlanner) -> None:
         if e.call == "fresh":
-            future = self.planner.fresh(self.config_yaml, e.names)
+            future = self.planner.fresh(self.config_yaml, e.names, e.slow)
         else:
-            future = self.planner.reconfigure(self.config_yaml, e.template_nodes, e.base, e.lost, e.joined)
+            future = self.planner.reconfigure(self.config_yaml, e.template_nodes, e.base, e.lost, e.joined, e.slow)
         self._futures[e.id] = future
         future.add_done_callback(lambda _: self._wake())
 

@@ -57,6 +57,9 @@ class AskPlanner:
     base: Any = None
     lost: tuple[str, ...] = ()
     joined: tuple[str, ...] = ()
+    slow: tuple[tuple[str, float], ...] | None = None
+    """Slow nodes and their factors: the batch split is planned for their speed (``planning.speed``); ``()``:
+    for the templates' own speeds again; None: as the planner splits it (no speed was ever measured)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ journaled first, then every worker gets its ``Assignment``.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from master.assignments import build_assignments
 from master.checkpointing import cut_short
@@ -23,7 +24,7 @@ from master.stragglers import expected_compute
 from master.inputs import PlanAnswered
 from master.journal import Journal
 from master.progress import Incident, layout_summary
-from master.recovery import GenerationView, Request, StateLost, previous_ranks
+from master.recovery import GenerationView, Request, StateLost, committed, previous_ranks
 from master.state import Generation, JobPhase, PendingPlan
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.planning.planner import Failed, Planned
@@ -65,7 +66,30 @@ def wanted(ctx: Context) -> Request | StateLost | None:
     # A node joins once its workers are up: admitting it earlier would hold the survivors at the
     # rendezvous for its start-up (imports, warm-up: seconds) instead of only for the state copy.
     live = [n for n in live if n in current.nodes or s.registry.nodes[n].all_ready]
-    return ctx.policy.wanted(ctx.facts(abandoned(ctx)), current, live)
+    return _with_speeds(ctx, current, ctx.policy.wanted(ctx.facts(abandoned(ctx)), current, live))
+
+
+def _slow_of(ctx: Context, nodes) -> tuple[tuple[str, float], ...]:
+    """The slow nodes among ``nodes`` and their factors, for the batch split (none with the action off)."""
+    if not ctx.cfg.timeouts.straggler_resplit:
+        return ()
+    return tuple(sorted((n, f) for n, f in ctx.s.slow.items() if n in nodes))
+
+
+def _with_speeds(ctx: Context, current: GenerationView, want: Request | StateLost | None):
+    """Every plan is split for the nodes' speeds; with nothing else to plan, a change of speeds (a straggler
+    found, or cleared) is a plan of its own: the same nodes and pipelines, the batch split again, switched at
+    an iteration boundary once the current generation completed a step (like a join, nothing is abandoned)."""
+    if isinstance(want, Request):
+        return replace(want, slow=_slow_of(ctx, want.live))
+    s = ctx.s
+    source = s.gens.get(current.number)
+    if want is not None or ctx.policy.name != "live" or source is None or source.plan is None:
+        return want
+    slow = _slow_of(ctx, current.nodes)
+    if slow == source.slow or not committed(current, s.holdings) or s.next_step >= ctx.cfg.steps:
+        return None
+    return Request(current.number, current.number, (), (), current.nodes, failure=False, slow=slow)
 
 
 def maybe_plan(ctx: Context) -> None:
@@ -86,6 +110,17 @@ def maybe_plan(ctx: Context) -> None:
         return  # other nodes of the same failure may still be on their way out
     if want is None:
         if s.phase is JobPhase.RUNNING and s.incident is not None and s.incident.cause == "lost" and s.planning is None:
+            empty = [n for n in s.incident.nodes
+                     if (e := s.registry.nodes.get(n)) is not None and e.adopt_generation != s.generation]
+            if empty and s.abandoned is None:
+                # Back, but as a new agent whose workers run nothing of this generation (a rebooted
+                # machine under the same name): the generation cannot go on with it. It re-forms from
+                # the states the others hold, and the node starts empty (found by the model test).
+                s.abandoned = (ctx.now - ctx.cfg.timeouts.reform_after.total_seconds(),
+                               f"{', '.join(empty)} came back without workers of generation {s.generation}")
+                ctx.because(f"{', '.join(empty)} back without this generation's workers: re-form")
+                maybe_plan(ctx)
+                return
             # Declared lost, and back (registered again, its workers still in this generation and saying
             # so) before anything was planned without it: the generation goes on as it was.
             ctx.record("incident_closed", cause=s.incident.cause, nodes=list(s.incident.nodes),
@@ -105,8 +140,14 @@ def maybe_plan(ctx: Context) -> None:
         return
     if s.phase is JobPhase.RUNNING:
         if s.incident is None:
-            cause = "abandoned" if counted else ("lost" if lost_now else "joined")
-            s.incident = Incident(cause, want.joined or want.live, ctx.now)
+            nodes = want.joined or want.live
+            speeds = not want.failure and not want.joined and not want.lost
+            if speeds:  # the nodes whose speed changed: found slow, or no longer
+                previous = s.gens.get(s.generation)
+                changed = set(want.slow) ^ set(previous.slow if previous is not None else ())
+                nodes = tuple(sorted({n for n, _ in changed})) or want.live
+            cause = "abandoned" if counted else ("lost" if lost_now else "straggler" if speeds else "joined")
+            s.incident = Incident(cause, nodes, ctx.now)
         if ctx.policy.restarts_workers:
             _restart_workers(ctx, want)
     s.plans_asked += 1
@@ -126,10 +167,12 @@ def maybe_plan(ctx: Context) -> None:
     if want.plan_from == 0 or source is None or source.plan is None:  # start, or journaled without its plan
         if s.phase is JobPhase.WAITING:
             ctx.say(f"planning pipelines for {len(want.live)} nodes")
-        ctx.effects.append(AskPlanner(pending.id, "fresh", names=want.live))
+        ctx.effects.append(AskPlanner(pending.id, "fresh", names=want.live, slow=want.slow or None))
     else:
+        # The source's split was for slow nodes: a plan without any is split for the templates' speeds again.
+        slow = want.slow if want.slow or source.slow else None
         ctx.effects.append(AskPlanner(pending.id, "reconfigure", template_nodes=source.template_nodes,
-                                      base=source.plan, lost=want.lost, joined=want.joined))  # fmt: skip
+                                      base=source.plan, lost=want.lost, joined=want.joined, slow=slow))  # fmt: skip
     ctx.because(f"plan {pending.id} asked for {len(want.live)} nodes")
 
 
@@ -207,7 +250,10 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
         moved = len(transfers)
     else:
         transfers, moved = (), missing_states(None, layout, previous)
-    s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from)
+    source = s.gens.get(request.plan_from)
+    # A re-form reuses its source's plan as it is: its split is the one planned for the source's speeds.
+    slow = source.slow if request.reform and source is not None else request.slow
+    s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from, slow)
     incident = s.incident if s.phase is JobPhase.RUNNING else None
     # This plan answers the incident: the next loss or join is a new one, timed from itself.
     s.incident = None

@@ -107,6 +107,16 @@ class PlanAnswered:
 
 
 @dataclass(frozen=True, slots=True)
+class Straggler:
+    """A verdict of ``master.stragglers`` on a node's speed: slow by ``factor`` (``detected``), or no longer."""
+
+    node: str
+    factor: float
+    detected: bool
+    step: int = -1
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """The clock moved: detect failures, plan, check rounds, adoption, the end."""
 
@@ -122,4 +132,4 @@ class Adopt:
 
 
 Event = (Register | OpenStream | StreamEnded | Heartbeat | Report | WorkerFailure | Leave | StopRequested
-         | FinishRequested | PlanAnswered | Tick | Adopt)  # fmt: skip
+         | FinishRequested | PlanAnswered | Straggler | Tick | Adopt)  # fmt: skip

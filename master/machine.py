@@ -30,7 +30,7 @@ from master.context import Context, Transition, add_to_incident, finish
 from master.detector import WORKER_FAILED, Failure, detect_failures, recent_stalls
 from master.effects import EndStream, ProgressMetrics, ProgressPhase
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
-                           Report, StopRequested, StreamEnded, Tick, WorkerFailure)  # fmt: skip
+                           Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
 from master.recovery import Holdings
 from master.registry import Refused
 from master.state import TRAINING, JobPhase, JobState, Settings
@@ -243,6 +243,20 @@ def _plan_answered(ctx: Context, ev: PlanAnswered) -> None:
     _advance(ctx)
 
 
+def _straggler(ctx: Context, ev: Straggler) -> None:
+    """A node found slow (or no longer): the batch split follows its speed (``generations.wanted``)."""
+    s = ctx.s
+    if ev.detected and s.registry.nodes.get(ev.node) is not None and ev.factor > 1:
+        s.slow[ev.node] = float(ev.factor)
+    elif not ev.detected:
+        s.slow.pop(ev.node, None)
+    else:
+        ctx.because(f"straggler verdict on {ev.node} (factor {ev.factor}) ignored: not a live node, or not slower")
+        return
+    if s.phase in (JobPhase.WAITING, JobPhase.RUNNING):
+        generations.maybe_plan(ctx)
+
+
 def _adopt(ctx: Context, ev: Adopt) -> None:
     generations.adopt(ctx, ev.journal, ev.seconds_since_start)
 
@@ -332,7 +346,8 @@ def declare_lost(ctx: Context, failures: list[Failure]) -> None:
 _HANDLERS: dict[type, Callable[[Context, object], None]] = {
     Register: _register, OpenStream: _open_stream, StreamEnded: _stream_ended, Heartbeat: _heartbeat,
     Report: _report, WorkerFailure: _worker_failure, Leave: _leave, StopRequested: _stop_requested,
-    FinishRequested: _finish_requested, PlanAnswered: _plan_answered, Tick: _tick, Adopt: _adopt,
+    FinishRequested: _finish_requested, PlanAnswered: _plan_answered, Straggler: _straggler, Tick: _tick,
+    Adopt: _adopt,
 }  # fmt: skip
 """One handler per event type (a dispatch table, like DeepSpeed's pipeline executor)."""
 

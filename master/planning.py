@@ -35,7 +35,7 @@ import yaml
 
 from oobleck_mm.config import config_from_dict
 from oobleck_mm.lifetime import die_with_parent
-from oobleck_mm.planning.planner import Planned, plan_fresh, plan_job, plan_reconfiguration
+from oobleck_mm.planning.planner import Planned, plan_as_is, plan_fresh, plan_job, plan_reconfiguration, split_for_speeds
 from oobleck_mm.profiling.load import load_profile
 
 _TEMPLATES: dict[tuple[str, int], Any] = {}
@@ -44,25 +44,38 @@ _PROFILES: dict[str, Any] = {}
 """config YAML -> the job's ModelProfile (a measured one is timed once per helper)."""
 
 
-def plan_nodes(config_yaml: str, names: Sequence[str]):
-    """The plan of the job on ``names`` from scratch: a ``planning.planner.PlanOutcome``."""
+def plan_nodes(config_yaml: str, names: Sequence[str], slow: Slow = None):
+    """The plan of the job on ``names`` from scratch: a ``planning.planner.PlanOutcome``; with ``slow``
+    (node -> factor), its batch split for those speeds."""
     job = _job(config_yaml)
     outcome, templates = plan_fresh(job, _profile(config_yaml, job), names)
     if templates is not None:
         _TEMPLATES[(config_yaml, len(names))] = templates
-    return outcome
+    return split_for_speeds(job, outcome, _speeds(slow))
 
 
-def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str]):
-    """The reconfiguration of planning ``Plan`` ``base`` after ``lost`` leave and ``joined`` arrive."""
+def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str],
+                 slow: Slow = None):  # fmt: skip
+    """The reconfiguration of planning ``Plan`` ``base`` after ``lost`` leave and ``joined`` arrive (nobody:
+    ``base`` as it is); with ``slow``, its batch split for those speeds (``()``: the templates' own)."""
     job = _job(config_yaml)
     templates = _template_set(config_yaml, job, template_nodes)
+    if not lost and not joined:
+        return split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow))
     outcome, fresh_templates = plan_reconfiguration(
         job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
     )
     if fresh_templates is not None and isinstance(outcome, Planned):
         _TEMPLATES[(config_yaml, outcome.template_nodes)] = fresh_templates
-    return outcome
+    return split_for_speeds(job, outcome, _speeds(slow))
+
+
+Slow = "Sequence[tuple[str, float]] | None"
+"""Slow nodes and their factors for the batch split; None: split as planned (no speed ever measured)."""
+
+
+def _speeds(slow) -> dict[str, float] | None:
+    return None if slow is None else {str(n): float(f) for n, f in slow}
 
 
 def warm_templates(config_yaml: str, template_nodes: int) -> None:
@@ -93,11 +106,11 @@ def _template_set(config_yaml: str, job, num_nodes: int):
 class InlinePlanner:
     """The planning calls in the caller's thread, as already finished futures (tests)."""
 
-    def fresh(self, config_yaml: str, names: Sequence[str]) -> Future:
-        return _done(plan_nodes, config_yaml, list(names))
+    def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:
+        return _done(plan_nodes, config_yaml, list(names), slow)
 
-    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined) -> Future:
-        return _done(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined))
+    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None) -> Future:
+        return _done(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow)
 
     def warm(self, config_yaml: str, template_nodes: int) -> Future:
         return _done(warm_templates, config_yaml, template_nodes)
@@ -128,11 +141,11 @@ class PlannerPool:
         # Start it and pay the planner's imports now, not at the first plan.
         self._submitted = [self._pool.submit(_warm_up)]
 
-    def fresh(self, config_yaml: str, names: Sequence[str]) -> Future:
-        return self._submit(plan_nodes, config_yaml, list(names))
+    def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:
+        return self._submit(plan_nodes, config_yaml, list(names), slow)
 
-    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined) -> Future:
-        return self._submit(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined))
+    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None) -> Future:
+        return self._submit(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow)
 
     def warm(self, config_yaml: str, template_nodes: int) -> Future:
         """Build the templates a reconfiguration will need, ahead of it (``warm_templates``)."""

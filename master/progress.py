@@ -20,7 +20,8 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 # Worker phase name -> the job-level event written when every rank reported it.
-CAUSE_WORDS = {"lost": "loss", "joined": "join", "abandoned": "abandoned iteration", "left": "notice to leave"}
+CAUSE_WORDS = {"lost": "loss", "joined": "join", "abandoned": "abandoned iteration", "left": "notice to leave",
+               "straggler": "change of speed"}
 """An incident's cause as a noun, for the console."""
 PHASE_EVENTS = {"rendezvous": "rendezvous_done", "states_copied": "states_copied", "resumed": "resumed"}
 
@@ -153,6 +154,8 @@ class Progress:
         self.stragglers = StragglerDetector(facts.stragglers)
         self._expected: dict[int, dict[int, float]] = {}
         """Per generation, each rank's predicted compute seconds of a step (``StartProgress.expected``)."""
+        self.verdicts: list[Verdict] = []
+        """Straggler verdicts not yet taken by the master's machine (``take_verdicts``)."""
         self._logged: dict[int, int] = {}
         """Per generation, the last step logged. A generation's steps are logged in order (a step
         needs every rank's report, and each agent reports in order), so a report at or below it is
@@ -229,14 +232,20 @@ class Progress:
                  for r in reports if 0 <= r.rank < len(nodes)]  # fmt: skip
         return self.stragglers.observe(step, ranks)
 
+    def take_verdicts(self) -> list[Verdict]:
+        """The straggler verdicts since the last call (the shell feeds them to the machine as events)."""
+        out, self.verdicts = self.verdicts, []
+        return out
+
     def _verdicts(self, verdicts: list[Verdict]) -> None:
+        self.verdicts += verdicts
         for v in verdicts:
             factor = round(v.factor, 3) if v.factor == v.factor else None
             self.events.write(f"straggler_{v.kind}", node=v.node, step=v.step, factor=factor,
                               evidence=[round(f, 3) for f in v.evidence], reason=v.reason)  # fmt: skip
             if v.kind == "detected":
-                self.say(f"node {v.node} is a straggler: its compute ran {v.factor:.2f}x the other nodes' (per unit "
-                         f"of predicted work) for the last {len(v.evidence)} steps, up to step {v.step + 1}")
+                self.say(f"node {v.node} is a straggler: its compute ran a median {v.factor:.2f}x the other nodes' "
+                         f"(per unit of predicted work) over the last {len(v.evidence)} steps, up to step {v.step + 1}")
             else:
                 self.say(f"node {v.node} is no longer a straggler ({v.reason})")
 

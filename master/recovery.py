@@ -116,6 +116,8 @@ class Request:
     """Every node of the new plan, in registration order."""
     failure: bool
     """Some node of the current generation is gone, or its iteration was abandoned (not joins only)."""
+    slow: tuple[tuple[str, float], ...] = ()
+    """Slow nodes of ``live`` and their factors: the batch split prices their stages that much slower."""
 
     @property
     def reform(self) -> bool:

@@ -117,6 +117,8 @@ class Generation:
     """Node count the planner's templates were built for."""
     keeps_replicas_from: int = 0
     """(f + 1) * n0, the fewest nodes that keep f + 1 replicas (``Planned``); 0: not known (a journal's)."""
+    slow: tuple[tuple[str, float], ...] = ()
+    """The slow nodes (and factors) its batch split was planned for (``planning.speed``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,8 @@ class JobState:
     """(clock, message) of the first report that a worker abandoned an iteration of the current
     generation; a re-form follows once ``reform_after`` passed with no node lost."""
     reforms: int = 0
+    slow: dict[str, float] = field(default_factory=dict)
+    """Nodes ``master.stragglers`` found slow, with their factor: the batch split gives their pipelines less."""
     """Re-forms since the last completed step (``machine.MAX_REFORMS``)."""
     failed_checkpoints: set[str] = field(default_factory=set)
     """Periodic checkpoint directories some worker could not write (said once each)."""
@@ -191,6 +195,7 @@ class JobState:
 
     def forget(self, name: str) -> None:
         """Its state is gone with it; a node coming back under this name starts empty."""
+        self.slow.pop(name, None)  # and is measured afresh
         for table in (self.holdings, self.done, self.reported):
             for gpu in [g for g in table if g[0] == name]:
                 del table[gpu]

@@ -572,15 +572,19 @@ class FaultToleranceConfig:
     one, so that ``verify --windows`` can judge a long run window by window."""
     straggler_factor: float = 1.5
     """A node is a straggler when its stages' compute, per unit of work the cost model predicts for
-    them, is at least this many times the job's median for ``straggler_steps`` steps in a row
-    (``master/stragglers.py``); 0: no detection. Compute times, not waits: a peer's slowness does not
-    count against a node."""
+    them, is a median of at least this many times the other nodes' over the last ``straggler_steps``
+    steps (``master/stragglers.py``); 0: no detection. Compute times, not waits: a peer's slowness
+    does not count against a node."""
     straggler_clear_factor: float = 1.2
-    """A straggler is cleared once its factor stays below this for ``straggler_steps`` steps in a row:
-    below ``straggler_factor``, so a node hovering at the threshold does not flap."""
+    """A straggler is cleared once that median is below this: below ``straggler_factor``, so a node
+    hovering at the threshold does not flap."""
     straggler_steps: int = 8
-    """Consecutive steps a factor must hold to flag (or clear) a node: one slow step (a page fault, a
-    busy neighbour for a moment) is noise."""
+    """Steps the median is taken over: one slow step (a page fault, a busy neighbour for a moment) is
+    noise."""
+    straggler_resplit: bool = True
+    """Act on a straggler: a new generation with the same pipelines whose batch split prices the slow
+    node's stages at its measured factor (its pipeline gets fewer microbatches), switched at an iteration
+    boundary, and the split of before once it is cleared. false: detect and report only."""
 
     def __post_init__(self) -> None:
         check(self, "f", as_int, minimum=0)
@@ -603,6 +607,7 @@ class FaultToleranceConfig:
             raise ConfigError(f"fault_tolerance.straggler_clear_factor: must be < straggler_factor "
                               f"({self.straggler_factor}), got {self.straggler_clear_factor}")
         check(self, "straggler_steps", as_int, minimum=1)
+        check(self, "straggler_resplit", as_bool)
 
     # ------------------------------------------------------------------ workers
     @property

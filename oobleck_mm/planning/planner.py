@@ -22,7 +22,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
@@ -31,6 +31,7 @@ from oobleck_mm.planning.instantiate import instantiate
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
 from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
+from oobleck_mm.planning.speed import speed_aware_split
 from oobleck_mm.planning.report import format_plan, format_templates, plan_to_dict, template_to_dict
 from oobleck_mm.planning.stage_mapping import build_templates
 from oobleck_mm.planning.template import TemplateSet
@@ -266,6 +267,32 @@ def plan_reconfiguration(
         return rec, None
     return _planned(rec.plan, template_nodes, False, rec.actions, rec.reason, start,
                     _keeps_replicas_from(job, template_set)), None
+
+
+def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None) -> PlanOutcome:
+    """``outcome``'s plan with its batch re-split for the slow nodes' speeds (``planning.speed``): the same
+    pipelines and ranks, fewer microbatches for the pipelines of slow nodes; ``{}``: the split for the
+    templates' own speeds (a straggler recovered). ``None``, or anything but a ``Planned``, passes through."""
+    if slow is None or not isinstance(outcome, Planned):
+        return outcome
+    slow = {n: f for n, f in slow.items() if n in set(outcome.plan.nodes)}
+    start = time.perf_counter()
+    plan, split = speed_aware_split(outcome.plan, slow, job.planning.solver)
+    if plan == outcome.plan:
+        return outcome
+    described = ", ".join(f"{n} x{f:.2f}" for n, f in sorted(slow.items())) or "every node at its templates' speed"
+    reason = f"{outcome.reason}; batch split for the measured speeds ({described}): microbatches {split.microbatches}"
+    return dataclasses.replace(
+        _planned(plan, outcome.template_nodes, outcome.fresh, (*outcome.actions, "speed split"), reason, start,
+                 outcome.keeps_replicas_from),
+        seconds=outcome.seconds + time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def plan_as_is(job, template_set: TemplateSet, template_nodes: int, base: Plan) -> Planned:
+    """``base`` again, nodes and pipelines unchanged (a change of the nodes' speeds re-splits it next)."""
+    return _planned(base, template_nodes, False, (), "the same nodes and pipelines", time.perf_counter(),
+                    _keeps_replicas_from(job, template_set))  # fmt: skip
 
 
 def _keeps_replicas_from(job, template_set: TemplateSet) -> int:

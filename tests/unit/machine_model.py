@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from master import machine
 from master.effects import AskPlanner, EndStream, Finished, Record, Send, WriteJournal
 from master.inputs import (Adopt, Heartbeat, Leave, OpenStream, PlanAnswered, Register, Report, StopRequested,
-                           StreamEnded, Tick)  # fmt: skip
+                           Straggler, StreamEnded, Tick)  # fmt: skip
 from master.state import JobPhase, JobState, RunOptions, Settings
 from oobleck_mm.config import apply_overrides, load_config
 from oobleck_mm.errors import ExitCode
@@ -120,11 +120,12 @@ class MachineModel(RuleBasedStateMachine):
     # ------------------------------------------------------------------ plumbing
     @initialize(steps=st.sampled_from([3, 10, 30, 100, 1000]), recovery=st.sampled_from(["live", "live", "restart"]),
                 interval=st.sampled_from([0, 2, 5]), started=st.sampled_from([0, 4, 5, 6, 6, 7]))  # fmt: skip
-    def start(self, steps: int, recovery: str, interval: int, started: int) -> None:
+    def start(self, steps: int, recovery: str, interval: int, started: int, resplit: bool = True) -> None:
         """A job with ``started`` nodes trained its first step (0: the events of the start-up too)."""
         job = apply_overrides(load_config(TINY), nodes=4, gpus_per_node=1, steps=steps, recovery=recovery,
                               checkpoint_interval=interval)  # fmt: skip
-        job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, f=1))
+        job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, f=1,
+                                                                          straggler_resplit=resplit))
         options = RunOptions(checkpoint_root="/run", recovery=recovery, checkpoint_interval=interval)
         self.settings = Settings.of(job, num_nodes=4, steps=steps, store_host="h", store_port=1, options=options)
         self.state = JobState(last_progress=self.now)
@@ -253,6 +254,13 @@ class MachineModel(RuleBasedStateMachine):
         if live:
             agent = data.draw(st.sampled_from(live))
             self.feed(Leave(agent.name, agent.session, "preemption notice"))
+
+    @rule(data=st.data(), detected=st.booleans(), factor=st.sampled_from([0.5, 1.6, 2.0, 3.5]))
+    def straggler_verdict(self, data, detected: bool, factor: float) -> None:
+        """``master.stragglers`` found a node slow, or no longer (also a node gone, or never slow)."""
+        if self.world.agents or NAMES:
+            name = data.draw(st.sampled_from(sorted(self.world.agents) or list(NAMES)))
+            self.feed(Straggler(name, factor, detected))
 
     @rule(data=st.data())
     def dismissed_hang_up(self, data) -> None:
@@ -502,3 +510,9 @@ class MachineModel(RuleBasedStateMachine):
             f"settled on generation {s.generation} with nodes {sorted(planned)}; live {sorted(live)}")
         if len(live) < NEEDED:
             raise AssertionError(f"running on {len(live)} nodes, {NEEDED} needed for f+1 replicas")
+        if self.settings.options.recovery == "live" and s.next_step < self.settings.steps:
+            # The batch split follows the nodes' speeds: the settled generation was split for the slow
+            # nodes it runs, with the factors last measured.
+            slow = tuple(sorted((n, f) for n, f in s.slow.items() if n in planned))
+            assert s.gens[s.generation].slow == slow or s.gens[s.generation].plan is None, (
+                f"generation {s.generation} split for {s.gens[s.generation].slow}, nodes slow now {slow}")
