@@ -32,6 +32,9 @@ class PipelineShape:
     num_microbatches: int
     stages: tuple[tuple[int, int], ...]
     """``(layer_start, layer_end)`` of each stage, in pipeline order (end exclusive)."""
+    slowdowns: tuple[float, ...] = ()
+    """Per stage, how many times the cost model's seconds its node takes (a straggler's measured factor);
+    empty: every stage as modelled."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
@@ -43,8 +46,10 @@ class PipelineShape:
 def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
     """The shapes of an ``oobleck_mm.planning.layout.ExecutionPlan``'s pipelines."""
     return tuple(
-        PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.stages)) for p in plan.pipelines
-    )
+        PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.stages),
+                      tuple(s.slowdown for s in p.stages) if any(s.slowdown != 1.0 for s in p.stages) else ())
+        for p in plan.pipelines
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,17 +111,20 @@ class BalanceProblem:
             raise ValueError("sample_ids must be distinct")
         if not pipelines:
             raise ValueError("need at least one pipeline")
-        distinct = sorted({stage for p in pipelines for stage in p.stages})
+        # A distinct stage is a layer range at a speed: a straggler's stage costs its factor times more.
+        keyed = [tuple((*stage, p.slowdowns[j] if p.slowdowns else 1.0) for j, stage in enumerate(p.stages))
+                 for p in pipelines]  # fmt: skip
+        distinct = sorted({stage for stages in keyed for stage in stages})
         position = {stage: i for i, stage in enumerate(distinct)}
         vectors = np.zeros((len(distinct) + 1, NUM_FEATURES))
         share = np.ones(len(distinct) + 1)
-        for i, (start, end) in enumerate(distinct):
-            vectors[i] = model.stage_vector(coefficients, start, end)
+        for i, (start, end, slowdown) in enumerate(distinct):
+            vectors[i] = model.stage_vector(coefficients, start, end) * slowdown
             share[i] = model.forward_share(start, end)
         s_max = max(len(p.stages) for p in pipelines)
         stage_index = np.full((len(pipelines), s_max), len(distinct), dtype=np.int64)
-        for i, p in enumerate(pipelines):
-            stage_index[i, : len(p.stages)] = [position[s] for s in p.stages]
+        for i, stages in enumerate(keyed):
+            stage_index[i, : len(stages)] = [position[s] for s in stages]
         cost = np.zeros((len(ids), len(distinct) + 1))
         for f in range(1, NUM_FEATURES):  # column 0 is the per-microbatch constant
             if vectors[:, f].any() and features[:, f].any():

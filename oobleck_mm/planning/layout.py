@@ -25,6 +25,9 @@ class StageLayout:
     layer_start: int
     layer_end: int
     """Exclusive."""
+    slowdown: float = 1.0
+    """Its node's measured slowness (``master/stragglers.py``): its work takes this many times what the
+    cost model says, and the balancer prices it so (``balance.problem.PipelineShape``)."""
 
     @property
     def layers(self) -> range:
@@ -134,8 +137,9 @@ class ExecutionPlan:
         return cls(tuple(pipelines), num_layers, microbatch_size)
 
     @classmethod
-    def from_plan(cls, plan, ranks: Mapping[Gpu, int]) -> ExecutionPlan:
-        """From a planning ``Plan``; ``ranks`` maps (node name, local gpu) to a global rank.
+    def from_plan(cls, plan, ranks: Mapping[Gpu, int], slow: Mapping[str, float] | None = None) -> ExecutionPlan:
+        """From a planning ``Plan``; ``ranks`` maps (node name, local gpu) to a global rank; ``slow``: the
+        measured slowdown of slow nodes, carried by their stages (``StageLayout.slowdown``).
 
         Stages spanning several GPUs (tensor parallelism inside a stage) are not run by
         this engine yet.
@@ -150,7 +154,8 @@ class ExecutionPlan:
                         "the runtime runs one GPU per stage (cluster.max_gpus_per_stage: 1)"
                     )
                 node = instance.nodes[spec.node]
-                stages.append(StageLayout(ranks[(node, spec.gpus[0])], spec.layer_start, spec.layer_end))
+                stages.append(StageLayout(ranks[(node, spec.gpus[0])], spec.layer_start, spec.layer_end,
+                                          (slow or {}).get(node, 1.0)))
             pipelines.append(PipelineLayout(tuple(stages), instance.num_microbatches))
         return cls(tuple(pipelines), plan.pipelines[0].template.num_layers, plan.microbatch_size)
 
@@ -160,7 +165,8 @@ class ExecutionPlan:
             "microbatch_size": self.microbatch_size,
             "pipelines": [
                 {"num_microbatches": p.num_microbatches,
-                 "stages": [[s.rank, s.layer_start, s.layer_end] for s in p.stages]}
+                 "stages": [[s.rank, s.layer_start, s.layer_end, *([s.slowdown] if s.slowdown != 1.0 else [])]
+                            for s in p.stages]}
                 for p in self.pipelines
             ],
         }  # fmt: skip
@@ -168,7 +174,8 @@ class ExecutionPlan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ExecutionPlan:
         pipelines = tuple(
-            PipelineLayout(tuple(StageLayout(*map(int, s)) for s in p["stages"]), int(p["num_microbatches"]))
+            PipelineLayout(tuple(StageLayout(*map(int, s[:3]), *map(float, s[3:4])) for s in p["stages"]),
+                           int(p["num_microbatches"]))
             for p in d["pipelines"]
         )
         return cls(pipelines, int(d["num_layers"]), int(d["microbatch_size"]))
@@ -176,7 +183,8 @@ class ExecutionPlan:
     def describe(self) -> str:
         parts = []
         for p in self.pipelines:
-            stages = "|".join(f"r{s.rank}:{s.layer_start}-{s.layer_end - 1}" for s in p.stages)
+            stages = "|".join(f"r{s.rank}:{s.layer_start}-{s.layer_end - 1}"
+                              + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "") for s in p.stages)
             parts.append(f"[{stages}]x{p.num_microbatches}mb")
         return " ".join(parts)
 

@@ -278,13 +278,13 @@ def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None
     slow = {n: f for n, f in slow.items() if n in set(outcome.plan.nodes)}
     start = time.perf_counter()
     plan, split = speed_aware_split(outcome.plan, slow, job.planning.solver)
-    if plan == outcome.plan:
+    if plan == outcome.plan and not slow:
         return outcome
     described = ", ".join(f"{n} x{f:.2f}" for n, f in sorted(slow.items())) or "every node at its templates' speed"
     reason = f"{outcome.reason}; batch split for the measured speeds ({described}): microbatches {split.microbatches}"
     return dataclasses.replace(
         _planned(plan, outcome.template_nodes, outcome.fresh, (*outcome.actions, "speed split"), reason, start,
-                 outcome.keeps_replicas_from),
+                 outcome.keeps_replicas_from, slow),
         seconds=outcome.seconds + time.perf_counter() - start,
     )  # fmt: skip
 
@@ -300,10 +300,10 @@ def _keeps_replicas_from(job, template_set: TemplateSet) -> int:
 
 
 def _planned(plan: Plan, template_nodes: int, fresh: bool, actions, reason: str, start: float,
-             keeps_replicas_from: int) -> Planned:  # fmt: skip
+             keeps_replicas_from: int, slow: Mapping[str, float] | None = None) -> Planned:  # fmt: skip
     ranks = rank_table(plan)
     return Planned(
-        plan=plan, layout=ExecutionPlan.from_plan(plan, ranks), ranks=ranks, template_nodes=template_nodes,
+        plan=plan, layout=ExecutionPlan.from_plan(plan, ranks, slow), ranks=ranks, template_nodes=template_nodes,
         fresh=fresh, actions=tuple(actions), reason=reason, seconds=time.perf_counter() - start,
         keeps_replicas_from=keeps_replicas_from,
     )  # fmt: skip

@@ -38,14 +38,16 @@ STORE_DELETE: StoreOp
 STORE_NUM_KEYS: StoreOp
 
 class Stage(_message.Message):
-    __slots__ = ("rank", "layer_start", "layer_end")
+    __slots__ = ("rank", "layer_start", "layer_end", "slowdown")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     rank: int
     layer_start: int
     layer_end: int
-    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    slowdown: float
+    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("num_microbatches", "stages")

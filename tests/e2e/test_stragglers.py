@@ -43,6 +43,11 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     slowed, even = _microbatches_by_node(slowed_split), _microbatches_by_node(even_again)
     assert slowed["node2"] < min(q for n, q in slowed.items() if n != "node2"), slowed
     assert len(set(even.values())) == 1, f"back to the even split once cleared: {even}"
+    # The plan carries the factor to the workers' balancer (``StageLayout.slowdown``), and no more once cleared.
+    carried = {slowed_split["nodes"][s[0]]: s[3] for p in slowed_split["layout"]["pipelines"] for s in p["stages"]
+               if len(s) > 3}  # fmt: skip
+    assert list(carried) == ["node2"] and carried["node2"] > 1.5, carried
+    assert all(len(s) == 3 for p in even_again["layout"]["pipelines"] for s in p["stages"])
     for plan in (slowed_split, even_again):
         assert sum(p["num_microbatches"] for p in plan["layout"]["pipelines"]) * plan["layout"]["microbatch_size"] == 16
         assert sorted(plan["nodes"]) == ["node0", "node1", "node2", "node3"] and plan["layer_states_moved"] == 0

@@ -214,3 +214,32 @@ def test_one_sample_per_microbatch_never_leaves_one_empty():
 
     fixed = fill_empty_microbatches(Shape(), Placement(pipe, micro))
     assert sorted(zip(fixed.pipeline.tolist(), fixed.microbatch.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+
+
+def test_a_pipeline_with_a_straggler_stage_gets_less_of_the_work(mllm):
+    """``StageLayout.slowdown`` (a straggler's measured factor, sent with the plan): the balancer prices that
+    stage's samples so, and of two pipelines that shared the work evenly the slow one now gets less of it."""
+    import dataclasses
+
+    model, coefficients, dims = mllm
+    plan = ExecutionPlan.even(model.num_layers, [4, 4], [12, 12], 2)
+    metas = skewed_metas(np.random.default_rng(3), plan.global_batch, dims)
+    ids, features = [m.index for m in metas], sample_features(metas, dims)
+    as_modelled = BalanceProblem.build(ids, features, pipeline_shapes(plan), model, coefficients, 2, 0)
+    work = dict(zip(ids, as_modelled.cost[:, :-1].sum(axis=1)))  # each sample's modelled seconds, every stage
+
+    def work_per_pipeline(layout):
+        problem = BalanceProblem.build(ids, features, pipeline_shapes(layout), model, coefficients, 2, 0)
+        result = balance(problem, "ours", threshold=0.0)
+        return [sum(work[i] for mb in p for i in mb) for p in result.assignment.pipelines], result
+
+    (even_a, even_b), _ = work_per_pipeline(plan)
+    assert abs(even_a - even_b) < 0.02 * (even_a + even_b)
+    # The last stage (the bottleneck of this model) of pipeline 1 on a node at half speed.
+    slow_stage = dataclasses.replace(plan.pipelines[1].stages[3], slowdown=2.0)
+    slowed = dataclasses.replace(plan, pipelines=(
+        plan.pipelines[0], dataclasses.replace(plan.pipelines[1], stages=(*plan.pipelines[1].stages[:3], slow_stage))))
+    assert pipeline_shapes(slowed)[1].slowdowns == (1.0, 1.0, 1.0, 2.0) and pipeline_shapes(plan)[1].slowdowns == ()
+    (fast, slow), result = work_per_pipeline(slowed)
+    assert slow < 0.8 * fast, (even_a, even_b, fast, slow)
+    assert result.assignment.pipelines and result.imbalance < 1.1
