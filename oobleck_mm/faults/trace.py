@@ -2,7 +2,9 @@
 
 Pure: a trace file and a time scale in, ``FaultEvent`` values with ``seconds``
 out. Trace format (its README): no header, one event per line,
-``delta_ms,add|remove,nodeName``, several events may share a timestamp.
+``delta_ms,add|remove,nodeName``, several events may share a timestamp; and
+``delta_ms,slow,nodeName,F[,T]``, a node running F times slower for T seconds
+of trace time (for good without T), which the public traces do not have.
 
 Replay rules:
 
@@ -16,6 +18,8 @@ Replay rules:
   (the newest; trace node names do not exist locally). Joins are named
   ``node<K>`` with K one past the highest number used so far. A removal with
   no live node left is dropped (the job will have ended below its threshold).
+- A ``slow`` line slows the highest-numbered live node, like a removal (a
+  ``slow`` fault, ``faults/slowdown.py``); its T is scaled like trace time.
 - ``time_scale`` multiplies trace time: 0.01 replays ten minutes in six seconds.
 """
 
@@ -28,7 +32,7 @@ from typing import Iterable, Sequence
 from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
-ACTIONS = ("add", "remove")
+ACTIONS = ("add", "remove", "slow")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,10 @@ class TraceEvent:
     """The trace's node name (not a local node)."""
     line: int
     """1-based line number, for messages."""
+    factor: float = 0.0
+    """``slow`` only: how many times slower."""
+    duration_s: float | None = None
+    """``slow`` only: seconds of trace time it lasts (None: for good)."""
 
 
 def read_trace(path: str | os.PathLike) -> list[TraceEvent]:
@@ -64,8 +72,10 @@ def parse_trace(lines: Iterable[str], name: str = "trace") -> list[TraceEvent]:
 def _parse_line(line: str, number: int, name: str) -> TraceEvent:
     parts = [p.strip() for p in line.split(",")]
     where = f"{name}:{number}: {line!r}"
+    if len(parts) >= 2 and parts[1] == "slow":
+        return _parse_slow(parts, number, where)
     if len(parts) != 3:
-        raise UserError(f"{where}: expected delta_ms,add|remove,nodeName")
+        raise UserError(f"{where}: expected delta_ms,add|remove,nodeName (or delta_ms,slow,nodeName,F[,T])")
     ms, action, node = parts
     if not ms.isdigit():
         raise UserError(f"{where}: delta_ms must be a non-negative integer of milliseconds, got {ms!r}")
@@ -74,6 +84,22 @@ def _parse_line(line: str, number: int, name: str) -> TraceEvent:
     if not node:
         raise UserError(f"{where}: empty node name")
     return TraceEvent(int(ms), action, node, number)
+
+
+def _parse_slow(parts: list[str], number: int, where: str) -> TraceEvent:
+    if len(parts) not in (4, 5):
+        raise UserError(f"{where}: expected delta_ms,slow,nodeName,F[,T] (F > 1 times slower, for T seconds)")
+    ms, _, node, factor, *duration = parts
+    if not ms.isdigit():
+        raise UserError(f"{where}: delta_ms must be a non-negative integer of milliseconds, got {ms!r}")
+    try:
+        f = float(factor)
+        t = float(duration[0]) if duration else None
+    except ValueError:
+        raise UserError(f"{where}: F and T must be numbers, got {factor!r}" + (f", {duration[0]!r}" if duration else ""))
+    if not f > 1 or (t is not None and not t >= 0) or not node:
+        raise UserError(f"{where}: need a node, F > 1 and T >= 0 (got {node!r}, {f:g}, {t})")
+    return TraceEvent(int(ms), "slow", node, number, f, t)
 
 
 def trace_timeline(
@@ -105,7 +131,12 @@ def trace_timeline(
             continue
         seconds = (event.ms - start_ms) / 1000 * time_scale
         source = f"{name}:{event.line} {event.action} {event.node}"
-        if event.action == "remove":
+        if event.action == "slow":
+            if live:
+                duration = event.duration_s * time_scale if event.duration_s is not None else None
+                out.append(FaultEvent(kind="slow", node=max(live, key=_order_key), seconds=seconds,
+                                      factor=event.factor, duration_s=duration, source=source))  # fmt: skip
+        elif event.action == "remove":
             if not live:
                 continue
             victim = max(live, key=_order_key)

@@ -10,7 +10,7 @@ import pytest
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import FaultEvent, check_targets, parse_inject, parse_token
-from oobleck_mm.faults.trace import load_timeline, parse_trace, read_trace, trace_timeline
+from oobleck_mm.faults.trace import load_timeline, parse_trace, read_trace, starting_nodes, trace_timeline
 
 # The public spot-availability traces the repository ships (data/traces/README.md).
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
@@ -127,6 +127,19 @@ def test_timeline_kills_the_newest_live_node_and_names_joins_after_the_highest()
         ("join", "node11", 1.5), ("kill", "node11", 2.0), ("join", "node12", 2.5),
     ]  # fmt: skip
     assert all(e.seconds is not None and e.step is None for e in timeline)
+
+
+def test_a_trace_slows_the_newest_live_node_for_its_scaled_duration():
+    events = parse_trace(["0,add,x1", "0,add,x2", "1000,slow,x1,3,20", "2000,slow,x2,1.5", "3000,remove,x2"])
+    timeline = trace_timeline(events, ["node0", "node1"], time_scale=0.5)
+    assert [(e.kind, e.node, e.seconds, e.factor, e.duration_s) for e in timeline] == [
+        ("slow", "node1", 0.5, 3.0, 10.0), ("slow", "node1", 1.0, 1.5, None), ("kill", "node1", 1.5, 2.0, None),
+    ]  # fmt: skip
+    assert starting_nodes(events) == ["x1", "x2"], "a slowdown is no member of the population"
+    for bad, words in (("5,slow,x1", "F[,T]"), ("5,slow,x1,0.5", "F > 1"), ("5,slow,x1,abc", "must be numbers"),
+                       ("5,slow,x1,2,-1", "T >= 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(words)):
+            parse_trace([bad], name="t.csv")
 
 
 def test_timeline_never_kills_more_nodes_than_are_live():
