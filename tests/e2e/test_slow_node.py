@@ -28,7 +28,7 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     if isinstance(probe, SignalFreezer):
         pytest.skip("no writable cgroup freezer here: a SIGSTOPped worker would be reported as failed")
     steps = 140
-    config = write_config(tmp_path, nodes=4, steps=steps)
+    config = write_config(tmp_path, nodes=4, steps=steps, fault_tolerance={"straggler_factor": 1.5})
     final = tmp_path / "final"
     run = Launch(tmp_path, config, "--nodes", "4", "--steps", str(steps), "--save-final", str(final),
                  "--inject", "slow:node2@step20x4+6s")  # fmt: skip
