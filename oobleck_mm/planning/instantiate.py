@@ -92,8 +92,12 @@ def best_template_counts(
 
     Constraints: ``sum x_j n_j == num_nodes``, ``f + 1 <= sum x_j <= total_microbatches``.
     Among combinations with the optimal time it returns one with the fewest
-    pipelines (the end-of-iteration all-reduce runs over fewer replicas, so the
-    plan's full iteration time is lowest), then the most spare capacity.
+    pipelines (the end-of-iteration all-reduce runs over fewer replicas), and
+    among those one whose heaviest stage is lightest: ``gradient_allreduce_s`` is
+    bounded by the slowest stage, so the templates used matter, not only their
+    number (a property test found a plan 0.0075% slower than the best by picking
+    4+5+5+9-node pipelines over 5+5+5+8). Not searched: more pipelines of still
+    lighter stages, which could all-reduce faster in rare cases.
     """
     f, total = fault_tolerance, total_microbatches
     if f < 0:
@@ -132,7 +136,33 @@ def best_template_counts(
     caps = caps_at(best)
     table = _capacity_table(caps, sizes, num_nodes, most + 1, saturate=False)
     count = next(k for k in range(f + 1, most + 1) if table[num_nodes, k] >= total)
-    return _backtrack(table, caps, sizes, num_nodes, count)
+    light = _without_heavy_templates(template_set, caps, sizes, num_nodes, count, total)
+    return _backtrack(_capacity_table(light, sizes, num_nodes, count + 1, saturate=False), light, sizes, num_nodes,
+                      count)  # fmt: skip
+
+
+def _without_heavy_templates(template_set: TemplateSet, caps: np.ndarray, sizes: np.ndarray, num_nodes: int,
+                             count: int, total: int) -> np.ndarray:  # fmt: skip
+    """``caps`` with as many of the templates of heaviest stage left out (capacity 0) as ``count`` pipelines of
+    the rest allow to still take ``total`` microbatches. Leaving out more only lowers capacity, so the deepest
+    level that works is found by bisection: a few capacity tables, not one per template."""
+    worst = [max(s.grad_bytes for s in t.stages) for t in template_set.templates]
+    heavy_first = sorted((j for j in range(len(caps)) if caps[j] >= 1), key=lambda j: -worst[j])
+
+    def without(level: int) -> np.ndarray:
+        out = caps.copy()
+        out[heavy_first[:level]] = 0
+        return out
+
+    def works(level: int) -> bool:
+        return bool(_capacity_table(without(level), sizes, num_nodes, count + 1, saturate=False)[num_nodes, count]
+                    >= total)  # fmt: skip
+
+    low, high = 0, len(heavy_first) - 1  # level 0 works (the caller checked); all left out cannot
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if works(mid) else (low, mid - 1)
+    return without(low)
 
 
 def _capacity_table(

@@ -518,3 +518,16 @@ def test_joins_beyond_n_still_work_where_the_templates_cover_them():
     result = run(plan, [], ["x0", "x1", "x2"], template_set, 0)
     check_reconfiguration(result, plan, [], ["x0", "x1", "x2"], template_set, 0)
     assert sorted(len(p.nodes) for p in result.plan.pipelines) == [3, 4]
+
+
+def test_the_best_counts_pick_the_templates_whose_stages_all_reduce_fastest():
+    """Found by ``test_any_failure_and_join_sequence_keeps_every_invariant`` in CI: with ``replan_gain`` 0 the
+    23 nodes were re-planned as 4+9+5+5-node pipelines, 0.0075% slower than 5+5+5+8 (the same pipeline time,
+    but the 4-node template's heavier stages all-reduce longer). ``best_template_counts`` broke the tie by
+    pipeline count only; it now prices the all-reduce of the templates it picks."""
+    template_set = make_set(3, 23, 2, 1)
+    plan = make_plan(template_set, [3, 5, 5, 5, 5])
+    result = run(plan, [], [], template_set, 2, replan_gain=0.0)
+    best = best_plan_time(template_set, 23, 2, result.plan)
+    assert result.plan.iteration_time_s <= best * (1 + 1e-9), (sorted(len(p.nodes) for p in result.plan.pipelines),
+                                                               result.plan.iteration_time_s, best)  # fmt: skip
