@@ -29,7 +29,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import yaml
 
@@ -41,6 +41,8 @@ from oobleck_mm.profiling.load import load_profile
 _TEMPLATES: dict[tuple[str, int], Any] = {}
 """(config YAML, node count) -> TemplateSet, in the process that plans (the helper)."""
 _PROFILES: dict[str, Any] = {}
+Slow = Optional[Sequence[tuple[str, float]]]
+"""Slow nodes and their factors for the batch split; None: split as planned (no speed ever measured)."""
 """config YAML -> the job's ModelProfile (a measured one is timed once per helper)."""
 
 
@@ -69,9 +71,6 @@ def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str
         _TEMPLATES[(config_yaml, outcome.template_nodes)] = fresh_templates
     return split_for_speeds(job, outcome, _speeds(slow))
 
-
-Slow = "Sequence[tuple[str, float]] | None"
-"""Slow nodes and their factors for the batch split; None: split as planned (no speed ever measured)."""
 
 
 def _speeds(slow) -> dict[str, float] | None:

@@ -134,7 +134,7 @@ def freezer_for() -> Freezer:
                 return CgroupFreezer(root, v2=True)
             except OSError:
                 pass
-    if os.path.exists(os.path.join(CGROUP_V1_FREEZER, "freezer.state")) or os.path.isdir(CGROUP_V1_FREEZER):
+    if os.path.isdir(CGROUP_V1_FREEZER):
         try:
             return CgroupFreezer(CGROUP_V1_FREEZER, v2=False)
         except OSError:

@@ -275,7 +275,8 @@ def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None
     templates' own speeds (a straggler recovered). ``None``, or anything but a ``Planned``, passes through."""
     if slow is None or not isinstance(outcome, Planned):
         return outcome
-    slow = {n: f for n, f in slow.items() if n in set(outcome.plan.nodes)}
+    nodes = set(outcome.plan.nodes)
+    slow = {n: f for n, f in slow.items() if n in nodes}
     start = time.perf_counter()
     plan, split = speed_aware_split(outcome.plan, slow, job.planning.solver)
     if plan == outcome.plan and not slow:
