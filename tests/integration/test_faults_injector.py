@@ -271,16 +271,16 @@ def test_a_slowdown_makes_the_nodes_own_compute_take_factor_times_as_long_and_ne
         restored = []
         eventually(lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored")
                    or restored)  # fmt: skip
-        after = time.time()
-        time.sleep(1.0)
         normal = _unit_seconds(units, before - 1.0, before)
         slow = _unit_seconds(units, before + 0.2, before + 1.4)
-        again = _unit_seconds(units, after + 0.1, after + 1.0)
         # Idle, x3 reads 2.5-3.5x. Under load it reads less (1.61x in a CI run beside another test process):
         # a worker that other processes keep off the cores loses less by being frozen, which is what a busy
         # machine does to any slowdown. The duty cycle itself is asserted exactly by the test above.
         assert 1.3 < slow / normal < 4.5, f"x3: a unit took {slow / normal:.2f}x as long"
-        assert again / normal < 1.5, f"restored: a unit took {again / normal:.2f}x as long"
+        # Restored means never held again and back in the cgroup it came from. Not a timing ratio: a CI run
+        # read 1.56x for the restored worker's units only because the machine's load changed between windows.
+        assert _frozen_share([worker], 0.5) == [0.0], "restored, yet still frozen part of the time"
+        assert "oobleck-slow-" not in open(f"/proc/{worker}/cgroup").read(), "restored, yet left in the slow cgroup"
         injector.stop()
     finally:
         for child in _tree(agent.pid):
