@@ -15,7 +15,9 @@ main thread, in the order the inbox delivers it:
   hands later assignments (and checkpoint commands) over their pipes, checks
   them with psutil every heartbeat interval, kills and forgets them all on
   ``RestartWorkers`` (restart-mode recovery: the next assignment starts fresh
-  ones), and on any exit path kills every worker tree.
+  ones), replaces them on ``Bench`` (a straggler planned out for a while: the
+  old ones finish the iteration in flight, fresh ones wait to join again), and
+  on any exit path kills every worker tree.
 
 A SIGTERM is a preemption notice (what spot providers send before reclaiming a
 node): the agent asks the master to plan its node out (``Leave``) and goes on
@@ -272,7 +274,24 @@ class Agent:
             # Restart-mode recovery: fresh processes (started by the next assignment) load the checkpoint.
             log.warning("restarting the node's workers: %s", event.restart.reason)
             self._kill_workers()
+        elif which == "bench":
+            self._bench(event.bench)
         return None
+
+    def _bench(self, bench: pb.Bench) -> None:
+        """Planned out for being slow (issue 29): the workers finish the iteration in flight, as on a leave
+        after a notice, and fresh ones start at once, so that the node is ready when the master takes it
+        back. The node stays registered and heartbeats all along: a bench is not a failure."""
+        log.warning("benched: %s; the workers stop at the iteration boundary, fresh ones wait to join again",
+                    bench.reason)  # fmt: skip
+        with self._workers_lock:
+            workers, self.workers = list(self.workers.values()), {}
+        # A slow node's iteration in flight is bounded like any collective of the job.
+        stop_all(workers, self.timeouts.collective_timeout.total_seconds(),
+                 pb.Shutdown(reason=bench.reason, at_boundary=True))  # fmt: skip
+        self._assigned, self._generation = False, 0  # the fresh workers hold nothing of the job yet
+        for local_rank in sorted(w.local_rank for w in workers):
+            self._start_worker(local_rank)
 
     def _assign(self, local_rank: int, assignment: pb.Assignment) -> None:
         self._assigned = True

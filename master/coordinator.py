@@ -236,7 +236,7 @@ class Coordinator:
         self._carry_out(transition.effects)
         while (verdicts := self._progress.take_verdicts()):  # found in the steps just logged
             for v in verdicts:
-                self._carry_out(machine.step(self.state, Straggler(v.node, v.factor, v.kind == "detected", v.step),
+                self._carry_out(machine.step(self.state, Straggler(v.node, v.factor, v.kind != "cleared", v.step),
                                              self.clock(), self.settings).effects)  # fmt: skip
         if transition.refused is not None:
             if peer:
@@ -286,7 +286,8 @@ class Coordinator:
         if e.call == "fresh":
             future = self.planner.fresh(self.config_yaml, e.names, e.slow)
         else:
-            future = self.planner.reconfigure(self.config_yaml, e.template_nodes, e.base, e.lost, e.joined, e.slow)
+            future = self.planner.reconfigure(self.config_yaml, e.template_nodes, e.base, e.lost, e.joined, e.slow,
+                                              e.bench)  # fmt: skip
         self._futures[e.id] = future
         future.add_done_callback(lambda _: self._wake())
 

@@ -60,6 +60,8 @@ class AskPlanner:
     slow: tuple[tuple[str, float], ...] | None = None
     """Slow nodes and their factors: the batch split is planned for their speed (``planning.speed``); ``()``:
     for the templates' own speeds again; None: as the planner splits it (no speed was ever measured)."""
+    bench: tuple[str, ...] = ()
+    """Slow nodes the planner weighs planning out (``planning.planner.weigh_bench``)."""
 
 
 @dataclass(frozen=True, slots=True)

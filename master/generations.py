@@ -18,6 +18,7 @@ from dataclasses import replace
 from master.assignments import build_assignments
 from master.checkpointing import cut_short
 from master import stopping
+from master.benching import bench, bench_candidates
 from master.context import Context, add_to_incident, finish, write_journal
 from master.effects import AskPlanner, CancelPlan, StartProgress, WarmPlanner
 from master.stragglers import expected_compute
@@ -65,7 +66,9 @@ def wanted(ctx: Context) -> Request | StateLost | None:
         return None  # running with no generation: no event order leads here, and there is nothing to plan from
     # A node joins once its workers are up: admitting it earlier would hold the survivors at the
     # rendezvous for its start-up (imports, warm-up: seconds) instead of only for the state copy.
-    live = [n for n in live if n in current.nodes or s.registry.nodes[n].all_ready]
+    # A straggler on the bench joins once its bench ended.
+    benched = s.out_on_bench(ctx.now)
+    live = [n for n in live if n in current.nodes or (s.registry.nodes[n].all_ready and n not in benched)]
     return _with_speeds(ctx, current, ctx.policy.wanted(ctx.facts(abandoned(ctx)), current, live))
 
 
@@ -87,9 +90,10 @@ def _with_speeds(ctx: Context, current: GenerationView, want: Request | StateLos
     if want is not None or ctx.policy.name != "live" or source is None or source.plan is None:
         return want
     slow = _slow_of(ctx, current.nodes)
-    if slow == source.slow or not committed(current, s.holdings) or s.next_step >= ctx.cfg.steps:
+    bench = bench_candidates(ctx, current, source.keeps_replicas_from)
+    if (slow == source.slow and not bench) or not committed(current, s.holdings) or s.next_step >= ctx.cfg.steps:
         return None
-    return Request(current.number, current.number, (), (), current.nodes, failure=False, slow=slow)
+    return Request(current.number, current.number, (), (), current.nodes, failure=False, slow=slow, bench=bench)
 
 
 def maybe_plan(ctx: Context) -> None:
@@ -142,10 +146,10 @@ def maybe_plan(ctx: Context) -> None:
         if s.incident is None:
             nodes = want.joined or want.live
             speeds = not want.failure and not want.joined and not want.lost
-            if speeds:  # the nodes whose speed changed: found slow, or no longer
+            if speeds:  # the nodes whose speed changed (found slow, or no longer), or weighed for a bench
                 previous = s.gens.get(s.generation)
                 changed = set(want.slow) ^ set(previous.slow if previous is not None else ())
-                nodes = tuple(sorted({n for n, _ in changed})) or want.live
+                nodes = tuple(sorted({n for n, _ in changed} | set(want.bench))) or want.live
             cause = "abandoned" if counted else ("lost" if lost_now else "straggler" if speeds else "joined")
             s.incident = Incident(cause, nodes, ctx.now)
         if ctx.policy.restarts_workers:
@@ -172,7 +176,8 @@ def maybe_plan(ctx: Context) -> None:
         # The source's split was for slow nodes: a plan without any is split for the templates' speeds again.
         slow = want.slow if want.slow or source.slow else None
         ctx.effects.append(AskPlanner(pending.id, "reconfigure", template_nodes=source.template_nodes,
-                                      base=source.plan, lost=want.lost, joined=want.joined, slow=slow))  # fmt: skip
+                                      base=source.plan, lost=want.lost, joined=want.joined, slow=slow,
+                                      bench=want.bench))  # fmt: skip
     ctx.because(f"plan {pending.id} asked for {len(want.live)} nodes")
 
 
@@ -231,7 +236,17 @@ def apply(ctx: Context, ev: PlanAnswered) -> None:
     elif isinstance(outcome, CannotKeepReplicas):
         stopping.below_threshold(ctx, request, outcome)
     elif isinstance(outcome, Planned):
-        _start_generation(ctx, request, outcome)
+        s.weighed.update(request.bench)  # once per time found slow, whatever the answer: no flapping
+        benched = tuple(n for n in outcome.benched if n in request.bench)
+        if request.bench and not benched:
+            ctx.record("straggler_kept", nodes=list(request.bench), generation=s.generation, reason=outcome.reason)
+            ctx.say(f"{', '.join(request.bench)} stay{'s' if len(request.bench) == 1 else ''} in the job, "
+                    f"slow: {outcome.reason.rsplit('; ', 1)[-1]}")
+            source = s.gens.get(request.plan_from)
+            if source is not None and request.slow == source.slow:
+                s.incident = None  # nothing changes: no new generation, no switch
+                return
+        _start_generation(ctx, request, replace(outcome, benched=benched))
     else:
         finish(ctx, ExitCode.ERROR, f"the planner answered {type(outcome).__name__}, not a plan (a bug)")
 
@@ -253,6 +268,7 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     source = s.gens.get(request.plan_from)
     # A re-form reuses its source's plan as it is: its split is the one planned for the source's speeds.
     slow = source.slow if request.reform and source is not None else request.slow
+    slow = tuple((n, f) for n, f in slow if n not in planned.benched)
     s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from, slow)
     incident = s.incident if s.phase is JobPhase.RUNNING else None
     # This plan answers the incident: the next loss or join is a new one, timed from itself.
@@ -285,6 +301,8 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     _send_assignments(ctx, view, base, previous, at_boundary, checkpoint_again=again is not None)
     for name in sorted(leaving - set(view.nodes)):
         dismiss(ctx, name, "was planned out after its notice", at_boundary=at_boundary)
+    for name in planned.benched:
+        bench(ctx, name, planned.reason)
     if number == 1:
         ctx.say(f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
                 "(the first step follows)")  # fmt: skip

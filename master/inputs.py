@@ -108,7 +108,8 @@ class PlanAnswered:
 
 @dataclass(frozen=True, slots=True)
 class Straggler:
-    """A verdict of ``master.stragglers`` on a node's speed: slow by ``factor`` (``detected``), or no longer."""
+    """A verdict of ``master.stragglers`` on a node's speed: slow by ``factor`` (``detected``: found slow, or
+    its factor changed), or no longer."""
 
     node: str
     factor: float

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from master import generations, stopping
+from master import benching, generations, stopping
 from master.generations import SETTLE_S
 from master.context import Context, Transition, add_to_incident, finish
+from master.stragglers import FACTOR_CHANGE
 from master.detector import WORKER_FAILED, Failure, detect_failures, recent_stalls
 from master.effects import EndStream, ProgressMetrics, ProgressPhase
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
@@ -192,7 +193,11 @@ def _on_ready(ctx: Context, entry, local_rank: int, ready: pb.WorkerReady) -> No
         return
     joining = ctx.s.phase in TRAINING and not ctx.s.in_plan(entry.name)
     ctx.record("node_ready", node=entry.name, startup_s=ready.startup_s, joining=joining)
-    if joining:
+    bench = ctx.s.benched.get(entry.name)
+    if joining and bench is not None and ctx.now < bench.until:
+        ctx.say(f"node {entry.name}'s fresh workers are ready (started in {ready.startup_s:.1f} s): it joins "
+                f"once its bench ends, in {bench.until - ctx.now:.0f} s")  # fmt: skip
+    elif joining:
         ctx.say(f"node {entry.name} ready (its workers started in {ready.startup_s:.1f} s): it joins at the "
                 "next step boundary")  # fmt: skip
 
@@ -244,12 +249,19 @@ def _plan_answered(ctx: Context, ev: PlanAnswered) -> None:
 
 
 def _straggler(ctx: Context, ev: Straggler) -> None:
-    """A node found slow (or no longer): the batch split follows its speed (``generations.wanted``)."""
+    """A node found slow (or no longer): the batch split follows its speed (``generations.wanted``); one
+    still slow ``straggler_replan_after`` later is weighed for a bench (``master.benching``)."""
     s = ctx.s
     if ev.detected and s.registry.nodes.get(ev.node) is not None and ev.factor > 1:
+        weighed_at = s.slow.get(ev.node, ev.factor)
         s.slow[ev.node] = float(ev.factor)
+        s.slow_since.setdefault(ev.node, ctx.now)
+        if ev.factor >= FACTOR_CHANGE * weighed_at:
+            s.weighed.discard(ev.node)  # much slower than last measured: a bench is weighed again
     elif not ev.detected:
         s.slow.pop(ev.node, None)
+        s.slow_since.pop(ev.node, None)
+        s.weighed.discard(ev.node)  # found slow again later: weighed again
     else:
         ctx.because(f"straggler verdict on {ev.node} (factor {ev.factor}) ignored: not a live node, or not slower")
         return
@@ -266,6 +278,7 @@ def _tick(ctx: Context, ev: Tick) -> None:
     """Detects failures, plans when membership changed, checks rounds, adoption, the end."""
     if ctx.s.phase is not JobPhase.FINISHED:
         _detect(ctx)
+        benching.check_bench_returns(ctx)
     _advance(ctx)
 
 

@@ -16,7 +16,9 @@ Two calls:
 - ``replan_nodes(config_yaml, template_nodes, base, lost, joined)``: the
   incremental reconfiguration of ``base`` (§2.5) with the templates built
   once for ``template_nodes`` nodes (``planning.planner.plan_reconfiguration``,
-  which falls back to a fresh plan when the nodes cannot be placed).
+  which falls back to a fresh plan when the nodes cannot be placed); with
+  ``bench``, the same nodes or the plan without those stragglers, whichever
+  is predicted faster (issue 29).
 
 Results are ``planning.planner.PlanOutcome`` dataclasses: ``Planned``,
 ``CannotKeepReplicas`` (the nodes cannot keep f+1 replicas) or ``Failed`` (a
@@ -35,15 +37,16 @@ import yaml
 
 from oobleck_mm.config import config_from_dict
 from oobleck_mm.lifetime import die_with_parent
-from oobleck_mm.planning.planner import Planned, plan_as_is, plan_fresh, plan_job, plan_reconfiguration, split_for_speeds
+from oobleck_mm.planning.planner import (Planned, plan_as_is, plan_fresh, plan_job, plan_reconfiguration,
+                                        split_for_speeds, weigh_bench)  # fmt: skip
 from oobleck_mm.profiling.load import load_profile
 
 _TEMPLATES: dict[tuple[str, int], Any] = {}
 """(config YAML, node count) -> TemplateSet, in the process that plans (the helper)."""
 _PROFILES: dict[str, Any] = {}
+"""config YAML -> the job's ModelProfile (a measured one is timed once per helper)."""
 Slow = Optional[Sequence[tuple[str, float]]]
 """Slow nodes and their factors for the batch split; None: split as planned (no speed ever measured)."""
-"""config YAML -> the job's ModelProfile (a measured one is timed once per helper)."""
 
 
 def plan_nodes(config_yaml: str, names: Sequence[str], slow: Slow = None):
@@ -57,19 +60,32 @@ def plan_nodes(config_yaml: str, names: Sequence[str], slow: Slow = None):
 
 
 def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str],
-                 slow: Slow = None):  # fmt: skip
+                 slow: Slow = None, bench: Sequence[str] = ()):  # fmt: skip
     """The reconfiguration of planning ``Plan`` ``base`` after ``lost`` leave and ``joined`` arrive (nobody:
-    ``base`` as it is); with ``slow``, its batch split for those speeds (``()``: the templates' own)."""
+    ``base`` as it is); with ``slow``, its batch split for those speeds (``()``: the templates' own). With
+    ``bench`` (slow nodes of an unchanged membership), that plan or the one without them, whichever is
+    predicted faster (``planning.planner.weigh_bench``)."""
     job = _job(config_yaml)
     templates = _template_set(config_yaml, job, template_nodes)
     if not lost and not joined:
-        return split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow))
+        keep = split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow))
+        if not bench:
+            return keep
+        speeds = _speeds(slow) or {}
+        without = _reconfigured(config_yaml, job, templates, template_nodes, base, list(bench), [])
+        rest = {n: f for n, f in speeds.items() if n not in set(bench)}
+        return weigh_bench(keep, split_for_speeds(job, without, rest), speeds, list(bench))
+    outcome = _reconfigured(config_yaml, job, templates, template_nodes, base, lost, joined)
+    return split_for_speeds(job, outcome, _speeds(slow))
+
+
+def _reconfigured(config_yaml: str, job, templates, template_nodes: int, base, lost, joined):
     outcome, fresh_templates = plan_reconfiguration(
         job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
     )
     if fresh_templates is not None and isinstance(outcome, Planned):
         _TEMPLATES[(config_yaml, outcome.template_nodes)] = fresh_templates
-    return split_for_speeds(job, outcome, _speeds(slow))
+    return outcome
 
 
 
@@ -108,8 +124,9 @@ class InlinePlanner:
     def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:
         return _done(plan_nodes, config_yaml, list(names), slow)
 
-    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None) -> Future:
-        return _done(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow)
+    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None,
+                    bench=()) -> Future:  # fmt: skip
+        return _done(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow, tuple(bench))
 
     def warm(self, config_yaml: str, template_nodes: int) -> Future:
         return _done(warm_templates, config_yaml, template_nodes)
@@ -143,8 +160,10 @@ class PlannerPool:
     def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:
         return self._submit(plan_nodes, config_yaml, list(names), slow)
 
-    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None) -> Future:
-        return self._submit(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow)
+    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None,
+                    bench=()) -> Future:  # fmt: skip
+        return self._submit(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow,
+                            tuple(bench))  # fmt: skip
 
     def warm(self, config_yaml: str, template_nodes: int) -> Future:
         """Build the templates a reconfiguration will need, ahead of it (``warm_templates``)."""

@@ -246,6 +246,8 @@ class Progress:
             if v.kind == "detected":
                 self.say(f"node {v.node} is a straggler: its compute ran a median {v.factor:.2f}x the other nodes' "
                          f"(per unit of predicted work) over the last {len(v.evidence)} steps, up to step {v.step + 1}")
+            elif v.kind == "changed":
+                self.say(f"straggler {v.node} now runs {v.reason}")
             else:
                 self.say(f"node {v.node} is no longer a straggler ({v.reason})")
 

@@ -118,6 +118,8 @@ class Request:
     """Some node of the current generation is gone, or its iteration was abandoned (not joins only)."""
     slow: tuple[tuple[str, float], ...] = ()
     """Slow nodes of ``live`` and their factors: the batch split prices their stages that much slower."""
+    bench: tuple[str, ...] = ()
+    """Slow nodes of ``live`` the planner may plan out, when the job is predicted faster without them."""
 
     @property
     def reform(self) -> bool:

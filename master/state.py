@@ -122,6 +122,18 @@ class Generation:
 
 
 @dataclass(frozen=True, slots=True)
+class Bench:
+    """A straggler planned out (``fault_tolerance.straggler_bench``)."""
+
+    until: float
+    """Clock from which it may join again."""
+    times: int
+    """How many times this node was benched: the next bench lasts longer (``MAX_BENCH_DOUBLINGS``)."""
+    returned: bool = False
+    """Its bench ended and that was said."""
+
+
+@dataclass(frozen=True, slots=True)
 class PendingPlan:
     """A planning call on its way: its answer is applied only while it still answers ``request``."""
 
@@ -166,9 +178,15 @@ class JobState:
     """(clock, message) of the first report that a worker abandoned an iteration of the current
     generation; a re-form follows once ``reform_after`` passed with no node lost."""
     reforms: int = 0
+    """Re-forms since the last completed step (``machine.MAX_REFORMS``)."""
     slow: dict[str, float] = field(default_factory=dict)
     """Nodes ``master.stragglers`` found slow, with their factor: the batch split gives their pipelines less."""
-    """Re-forms since the last completed step (``machine.MAX_REFORMS``)."""
+    slow_since: dict[str, float] = field(default_factory=dict)
+    """Clock when each node of ``slow`` was found slow: it is weighed for a bench ``straggler_replan_after`` later."""
+    weighed: set[str] = field(default_factory=set)
+    """Slow nodes the planner already weighed benching (once per time a node is found slow: no flapping)."""
+    benched: dict[str, Bench] = field(default_factory=dict)
+    """Stragglers planned out for a while, and the ones back from a bench (their count of benches)."""
     failed_checkpoints: set[str] = field(default_factory=set)
     """Periodic checkpoint directories some worker could not write (said once each)."""
     last_progress: float = 0.0
@@ -193,9 +211,15 @@ class JobState:
         current = self.current_view()
         return current is not None and node in current.nodes
 
+    def out_on_bench(self, now: float) -> set[str]:
+        """Registered nodes benched until after ``now``: no plan takes them."""
+        return {n for n, b in self.benched.items() if now < b.until}
+
     def forget(self, name: str) -> None:
         """Its state is gone with it; a node coming back under this name starts empty."""
         self.slow.pop(name, None)  # and is measured afresh
+        self.slow_since.pop(name, None)
+        self.weighed.discard(name)
         for table in (self.holdings, self.done, self.reported):
             for gpu in [g for g in table if g[0] == name]:
                 del table[gpu]

@@ -22,7 +22,11 @@ median of its factors over the last ``straggler_steps`` steps is at least
 page fault, a neighbour's burst) and moves it little, while on shared cores a
 node slowed three times reads 1.3-2.9 step by step (measured), so "every step
 above the threshold" missed it. A node that leaves the job is forgotten
-(cleared, with that reason, if it was flagged).
+(cleared, with that reason, if it was flagged). While flagged, a median that
+moved by ``FACTOR_CHANGE`` from the factor last reported, a full window after
+that report, is reported again (``changed``): the batch split follows the
+speed the node has now, and a node found slow at 1.6x that then runs at 5x is
+weighed for a bench again (``master.benching``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from oobleck_mm.planning.layout import ExecutionPlan
+
+FACTOR_CHANGE = 1.25
+"""A flagged node's factor is reported again once its median moved this many times (up or down) from the
+last one reported: the split follows a real change of speed, not the noise of a median over a few steps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +76,7 @@ class RankCompute:
 @dataclass(frozen=True, slots=True)
 class Verdict:
     kind: str
-    """``detected`` | ``cleared``."""
+    """``detected`` | ``changed`` (flagged, at another factor) | ``cleared``."""
     node: str
     step: int
     factor: float
@@ -82,6 +90,10 @@ class Verdict:
 class _Track:
     factors: deque
     flagged: bool = False
+    reported: float = 0.0
+    """The factor of the last verdict that flagged it."""
+    since_report: int = 0
+    """Steps observed since that verdict."""
 
 
 @dataclass(slots=True)
@@ -110,13 +122,19 @@ class StragglerDetector:
             track.factors.append(factor)
             if len(track.factors) < self.rule.steps:
                 continue
+            track.since_report += 1
             window = tuple(track.factors)
             median = statistics.median(window)
             if not track.flagged and median >= self.rule.factor:
-                track.flagged = True
+                track.flagged, track.reported, track.since_report = True, median, 0
                 out.append(Verdict("detected", node, step, median, window,
                                    f"its compute took a median {median:.2f}x what the cost model predicts, relative "
                                    f"to the other nodes, over the last {self.rule.steps} steps (>= {self.rule.factor:g}x)"))
+            elif (track.flagged and median >= self.rule.clear_factor and track.since_report >= self.rule.steps
+                  and max(median / track.reported, track.reported / median) >= FACTOR_CHANGE):
+                before, track.reported, track.since_report = track.reported, median, 0
+                out.append(Verdict("changed", node, step, median, window,
+                                   f"a median {median:.2f}x over the last {self.rule.steps} steps (was {before:.2f}x)"))
             elif track.flagged and median < self.rule.clear_factor:
                 track.flagged = False
                 out.append(Verdict("cleared", node, step, median, window,

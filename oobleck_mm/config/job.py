@@ -585,6 +585,15 @@ class FaultToleranceConfig:
     """Act on a straggler: a new generation with the same pipelines whose batch split prices the slow
     node's stages at its measured factor (its pipeline gets fewer microbatches), switched at an iteration
     boundary, and the split of before once it is cleared. false: detect and report only."""
+    straggler_replan_after: timedelta | None = timedelta(seconds=60)
+    """A straggler still slow this long after it was found is weighed once: the planner predicts the
+    job's samples/s with the node kept (its pipeline re-split) and without it (the survivors'
+    pipelines re-planned from the templates), and plans it out (*benches* it, at an iteration
+    boundary, nothing lost) when that is ``planning.planner.BENCH_GAIN`` faster. null: never."""
+    straggler_bench: timedelta = timedelta(minutes=5)
+    """How long a benched straggler stays out before it is taken back like a join (its speed measured
+    afresh). Doubled each time the same node is benched again, up to ``MAX_BENCH_DOUBLINGS`` times:
+    a node slow for good costs one weighing per long bench, not a plan every few minutes."""
 
     def __post_init__(self) -> None:
         check(self, "f", as_int, minimum=0)
@@ -608,6 +617,8 @@ class FaultToleranceConfig:
                               f"({self.straggler_factor}), got {self.straggler_clear_factor}")
         check(self, "straggler_steps", as_int, minimum=1)
         check(self, "straggler_resplit", as_bool)
+        check_optional(self, "straggler_replan_after", as_duration)
+        check(self, "straggler_bench", as_duration)
 
     # ------------------------------------------------------------------ workers
     @property
@@ -710,6 +721,9 @@ class FaultToleranceConfig:
         within ``heartbeat_timeout``; 2 s to stop its workers)."""
         return self.heartbeat_timeout + timedelta(seconds=2)
 
+
+MAX_BENCH_DOUBLINGS = 3
+"""A node benched again stays out ``straggler_bench * 2**k`` for its k-th return, k at most this (8x)."""
 
 COLLECTIVE_TIMEOUT_MARGIN = timedelta(seconds=5)
 """``collective_timeout`` minus ``heartbeat_timeout``: the master's verdict's way to a waiting worker."""

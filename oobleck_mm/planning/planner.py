@@ -31,7 +31,7 @@ from oobleck_mm.planning.instantiate import instantiate
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
 from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
-from oobleck_mm.planning.speed import speed_aware_split
+from oobleck_mm.planning.speed import predicted_samples_per_s, speed_aware_split
 from oobleck_mm.planning.report import format_plan, format_templates, plan_to_dict, template_to_dict
 from oobleck_mm.planning.stage_mapping import build_templates
 from oobleck_mm.planning.template import TemplateSet
@@ -201,6 +201,8 @@ class Planned:
     """Planning time."""
     keeps_replicas_from: int = 0
     """(f + 1) * n0: the fewest nodes that keep f + 1 replicas and the global batch (0: not known)."""
+    benched: tuple[str, ...] = ()
+    """Slow nodes this plan leaves out because it is predicted faster without them (``weigh_bench``)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -288,6 +290,31 @@ def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None
                  outcome.keeps_replicas_from, slow),
         seconds=outcome.seconds + time.perf_counter() - start,
     )  # fmt: skip
+
+
+BENCH_GAIN = 0.05
+"""A straggler is planned out only when the plan without it is predicted this much faster than keeping it
+with its pipeline re-split: a near tie is not worth a state copy and a later join."""
+
+
+def weigh_bench(keep: Planned, without: PlanOutcome, slow: Mapping[str, float], bench: Sequence[str]) -> Planned:
+    """Keep the slow nodes ``bench`` (``keep``: the same pipelines, the batch split for their speeds) or plan
+    them out (``without``: the survivors' plan, split for the speeds of the slow nodes left), whichever the
+    cost model predicts faster by ``BENCH_GAIN``; the reason gives both predictions."""
+    names = ", ".join(bench)
+    kept = predicted_samples_per_s(keep.plan, slow)
+    if not isinstance(without, Planned):
+        why = without.message if isinstance(without, Failed) else without.reason
+        return dataclasses.replace(keep, reason=f"{keep.reason}; {names} kept: without them, {why}")
+    rest = {n: f for n, f in slow.items() if n not in bench}
+    alone = predicted_samples_per_s(without.plan, rest)
+    compared = (f"predicted {alone:.3g} samples/s without {names}, {kept:.3g} with "
+                f"{'them' if len(bench) > 1 else 'it'} re-split")
+    if alone >= kept * (1 + BENCH_GAIN):
+        return dataclasses.replace(without, benched=tuple(bench), actions=("bench", *without.actions),
+                                   reason=f"{names} benched ({compared}): {without.reason}")
+    return dataclasses.replace(keep, reason=f"{keep.reason}; {names} kept: {compared} (a bench needs "
+                                            f"{BENCH_GAIN:.0%} more)")
 
 
 def plan_as_is(job, template_set: TemplateSet, template_nodes: int, base: Plan) -> Planned:

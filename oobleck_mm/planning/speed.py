@@ -35,6 +35,13 @@ def slowed_template(instance: PipelineInstance, slow: Mapping[str, float]) -> Pi
     return dataclasses.replace(template, stages=stages)
 
 
+def predicted_samples_per_s(plan: Plan, slow: Mapping[str, float]) -> float:
+    """``plan``'s samples/s with its slow nodes' stages ``slow[node]`` times longer: the slowest pipeline's
+    1F1B time plus the gradient all-reduce, as ``Plan.samples_per_s`` prices a plan at its templates' speed."""
+    slowest = max(slowed_template(p, slow).iteration_time(p.num_microbatches) for p in plan.pipelines)
+    return plan.global_batch / (slowest + plan.allreduce_s)
+
+
 def speed_aware_split(plan: Plan, slow: Mapping[str, float], solver: str = "highs") -> tuple[Plan, BatchSplit]:
     """``plan`` with its global batch re-split for the nodes' speeds (``slow``: node -> factor > 1; the
     others run as their templates say). With no slow node of the plan, the split of the templates as

@@ -330,16 +330,26 @@ class HeartbeatReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class AgentEvent(_message.Message):
-    __slots__ = ("assignment", "shutdown", "checkpoint", "restart")
+    __slots__ = ("assignment", "shutdown", "checkpoint", "restart", "bench")
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    BENCH_FIELD_NUMBER: _ClassVar[int]
     assignment: WorkerAssignment
     shutdown: Shutdown
     checkpoint: Checkpoint
     restart: RestartWorkers
-    def __init__(self, assignment: _Optional[_Union[WorkerAssignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., restart: _Optional[_Union[RestartWorkers, _Mapping]] = ...) -> None: ...
+    bench: Bench
+    def __init__(self, assignment: _Optional[_Union[WorkerAssignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., restart: _Optional[_Union[RestartWorkers, _Mapping]] = ..., bench: _Optional[_Union[Bench, _Mapping]] = ...) -> None: ...
+
+class Bench(_message.Message):
+    __slots__ = ("reason", "seconds")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    seconds: float
+    def __init__(self, reason: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RestartWorkers(_message.Message):
     __slots__ = ("reason",)

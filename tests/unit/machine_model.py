@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from hypothesis import event
@@ -72,11 +73,23 @@ def fake_plan(nodes: tuple[str, ...], fresh: bool) -> Planned | CannotKeepReplic
                    keeps_replicas_from=NEEDED)
 
 
+BENCH_FROM = 3.0
+"""The fake planner predicts the job faster without a slow node from this factor on (the real one weighs
+the cost model's samples/s: ``planning.planner.weigh_bench``)."""
+
+
 def answer(ask: AskPlanner) -> Planned | CannotKeepReplicas:
     if ask.call == "fresh":
         return fake_plan(tuple(ask.names), fresh=True)
     kept = tuple(n for n in ask.base.nodes if n not in ask.lost)
-    return fake_plan(kept + tuple(n for n in ask.joined if n not in kept), fresh=False)
+    planned = fake_plan(kept + tuple(n for n in ask.joined if n not in kept), fresh=False)
+    factors = dict(ask.slow or ())
+    out = tuple(n for n in ask.bench if factors.get(n, 1.0) >= BENCH_FROM)
+    if out and isinstance(planned, Planned):
+        without = fake_plan(tuple(n for n in planned.plan.nodes if n not in out), fresh=False)
+        if isinstance(without, Planned):
+            return dataclasses.replace(without, benched=out)
+    return planned
 
 
 @dataclass
@@ -124,8 +137,9 @@ class MachineModel(RuleBasedStateMachine):
         """A job with ``started`` nodes trained its first step (0: the events of the start-up too)."""
         job = apply_overrides(load_config(TINY), nodes=4, gpus_per_node=1, steps=steps, recovery=recovery,
                               checkpoint_interval=interval)  # fmt: skip
-        job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, f=1,
-                                                                          straggler_resplit=resplit))
+        job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(
+            job.fault_tolerance, f=1, straggler_resplit=resplit, straggler_replan_after=timedelta(seconds=2),
+            straggler_bench=timedelta(seconds=10)))  # a bench of 80 s at most: the settling clock sees it end
         options = RunOptions(checkpoint_root="/run", recovery=recovery, checkpoint_interval=interval)
         self.settings = Settings.of(job, num_nodes=4, steps=steps, store_host="h", store_port=1, options=options)
         self.state = JobState(last_progress=self.now)
@@ -168,6 +182,8 @@ class MachineModel(RuleBasedStateMachine):
                 agent.dismissed = True  # a leaving node: it hangs up once its workers stopped (at a boundary or at once)
             elif kind == "restart":
                 agent.assignment = None
+            elif kind == "bench":  # the workers finish the iteration in flight; fresh ones start up
+                agent.assignment, agent.ready, agent.last_metrics = None, False, None
         elif isinstance(effect, EndStream):
             agent = w.agents.pop(effect.node, None)
             if agent is not None and agent.stream:  # the agent sees its stream end and stops its workers
@@ -188,6 +204,8 @@ class MachineModel(RuleBasedStateMachine):
             nodes, number = effect.fields["nodes"], effect.fields["generation"]
             eligible = set(s.registry.names())
             assert set(nodes) <= eligible, f"generation {number} uses {nodes}, live {eligible}"
+            benched = set(nodes) & s.out_on_bench(self.now)
+            assert not benched, f"generation {number} takes {benched}, still on the bench"
             before = s.gens.get(number - 1)
             if number > 1 and before is not None:  # a newcomer is admitted once its workers are up, never before
                 unready = [n for n in effect.fields["joined"]
@@ -463,30 +481,34 @@ class MachineModel(RuleBasedStateMachine):
 
     def settle(self) -> None:
         """No more chaos: the planner answers, the workers do as told, the clock runs."""
-        w = self.world
         for _ in range(400):
             if self.state.finish is not None:
                 return
-            for plan_id in sorted(w.asked):
-                self.feed(PlanAnswered(plan_id, answer(w.asked.pop(plan_id))))
-            for agent in list(w.agents.values()):
-                if agent.name not in w.agents:
-                    continue
-                if agent.dismissed:
-                    w.agents.pop(agent.name)
-                    self.feed(StreamEnded(agent.name, agent.session))
-                elif not agent.stream:
-                    if self.feed(OpenStream(agent.name, agent.session)).refused is None:
-                        agent.stream = True
-                elif not agent.ready and not agent.hung:
-                    agent.ready = True
-                    self.report(agent, ready=pb.WorkerReady(startup_s=1.0))
-                elif agent.checkpoint is not None and not agent.hung:
-                    c, agent.checkpoint = agent.checkpoint, None
-                    self.report(agent, checkpoint_done=pb.CheckpointDone(
-                        dir=c.dir, generation=c.generation, step=self.state.next_step, layers=1))
-            self.train_a_step(phases=True)
-            self.time_passes(0.25)
+            self.settle_once()
+
+    def settle_once(self) -> None:
+        """A quarter second of the world doing as told."""
+        w = self.world
+        for plan_id in sorted(w.asked):
+            self.feed(PlanAnswered(plan_id, answer(w.asked.pop(plan_id))))
+        for agent in list(w.agents.values()):
+            if agent.name not in w.agents:
+                continue
+            if agent.dismissed:
+                w.agents.pop(agent.name)
+                self.feed(StreamEnded(agent.name, agent.session))
+            elif not agent.stream:
+                if self.feed(OpenStream(agent.name, agent.session)).refused is None:
+                    agent.stream = True
+            elif not agent.ready and not agent.hung:
+                agent.ready = True
+                self.report(agent, ready=pb.WorkerReady(startup_s=1.0))
+            elif agent.checkpoint is not None and not agent.hung:
+                c, agent.checkpoint = agent.checkpoint, None
+                self.report(agent, checkpoint_done=pb.CheckpointDone(
+                    dir=c.dir, generation=c.generation, step=self.state.next_step, layers=1))
+        self.train_a_step(phases=True)
+        self.time_passes(0.25)
 
     def teardown(self) -> None:
         if self.state is None:
@@ -494,10 +516,11 @@ class MachineModel(RuleBasedStateMachine):
         self.settle()
         s = self.state
         event(f"generations: {min(s.generation, 5)}{'+' if s.generation >= 5 else ''}")
+        event(f"benched: {max((b.times for b in s.benched.values()), default=0)}")
         event(f"end: {s.phase.value}" + (f" exit {s.finish.exit_code}: {s.finish.message[:40]}" if s.finish else ""))
         if s.finish is not None:
             return
-        live = set(s.registry.names())
+        live = set(s.registry.names()) - s.out_on_bench(self.now)
         if s.phase is JobPhase.WAITING:
             assert len(live) < self.settings.num_nodes, f"{len(live)} live nodes and still waiting"
             return

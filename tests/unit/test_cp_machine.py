@@ -114,3 +114,75 @@ def test_a_straggler_verdict_re_splits_the_batch_at_a_boundary_and_its_clearing_
     off.train_a_step(phases=True)
     off.feed(Straggler("n1", 2.0, detected=True, step=3))
     assert not off.world.asked and off.state.generation == 1
+
+
+def test_a_straggler_still_slow_after_replan_after_is_weighed_once_benched_at_a_boundary_and_taken_back():
+    """Issue 29 item 3(b): a node still slow ``straggler_replan_after`` (2 s here) after it was found is
+    weighed once (``AskPlanner.bench``); the fake planner predicts the job faster without a 3.5x node, so it
+    is planned out at an iteration boundary (nothing abandoned), told ``Bench``, kept out for
+    ``straggler_bench`` (10 s) and then taken back like a join once its fresh workers are ready. Benched
+    again, it stays out twice as long. A 2x node is weighed, kept, and never weighed again while slow."""
+    from master.inputs import PlanAnswered, Straggler
+    from oobleck_mm.protocol import oobleck_pb2 as pb
+
+    m = MachineModel()
+    m.start(steps=1000, recovery="live", interval=0, started=6)
+    while len(m.state.current_view().nodes) < 6:
+        m.settle_once()
+    m.feed(Straggler("n1", 3.5, detected=True, step=3))
+    [split] = m.world.asked.values()
+    assert split.bench == () and split.slow == (("n1", 3.5),), "found slow: re-split first, not weighed yet"
+    m.feed(PlanAnswered(split.id, answer(m.world.asked.pop(split.id))))
+    m.train_a_step(phases=True)
+    m.time_passes(1.0)
+    assert not m.world.asked, "weighed only once straggler_replan_after passed"
+    m.time_passes(1.2)
+    [weigh] = m.world.asked.values()
+    assert weigh.bench == ("n1",) and (weigh.lost, weigh.joined) == ((), ())
+    before = m.state.generation
+    m.feed(PlanAnswered(weigh.id, answer(m.world.asked.pop(weigh.id))))
+    gen = m.state.gens[m.state.generation]
+    assert m.state.generation == before + 1 and "n1" not in gen.view.nodes and gen.slow == ()
+    assert all(a.assignment.at_boundary for n, a in m.world.agents.items() if n != "n1"), "no iteration abandoned"
+    assert m.world.agents["n1"].assignment is None and not m.state.registry.nodes["n1"].all_ready
+    assert m.state.benched["n1"].times == 1 and "n1" in m.state.registry.names(), "still registered: not lost"
+    # Its fresh workers are ready at once, yet it stays out for the bench's 10 s.
+    m.world.agents["n1"].ready = True
+    m.report(m.world.agents["n1"], ready=pb.WorkerReady(startup_s=1.0))
+    for _ in range(30):
+        m.settle_once()
+    assert "n1" not in m.state.current_view().nodes, "on the bench for 10 s"
+    for _ in range(60):
+        m.settle_once()
+    assert "n1" in m.state.current_view().nodes, "taken back like a join once the bench ended"
+    # Found slow again and still benchable: the second bench is twice as long.
+    m.feed(Straggler("n1", 3.5, detected=True, step=m.state.next_step))
+    for _ in range(40):
+        m.settle_once()
+    assert m.state.benched["n1"].times == 2
+    assert m.state.benched["n1"].until - m.now > 10.0, "benched again: 20 s, not 10"
+
+    kept = MachineModel()
+    kept.start(steps=1000, recovery="live", interval=0, started=6)
+    while len(kept.state.current_view().nodes) < 6:
+        kept.settle_once()
+    kept.feed(Straggler("n2", 2.0, detected=True, step=3))
+    for _ in range(20):
+        kept.settle_once()
+    generation = kept.state.generation
+    assert "n2" in kept.state.weighed and "n2" in kept.state.current_view().nodes
+    for _ in range(20):
+        kept.settle_once()
+    assert kept.state.generation == generation, "weighed once and kept: no plan after plan"
+    kept.feed(Straggler("n2", 3.5, detected=True, step=40))  # its factor changed: 3.5x now
+    for _ in range(20):
+        kept.settle_once()
+    assert "n2" in kept.state.benched, "much slower than when it was weighed: weighed again, and benched"
+
+    # With 4 nodes (the fewest that keep f + 1 replicas here) nobody is weighed: a bench would stop the job.
+    few = MachineModel()
+    few.start(steps=1000, recovery="live", interval=0, started=4)
+    few.feed(Straggler("n2", 3.5, detected=True, step=3))
+    for _ in range(20):
+        few.settle_once()
+    assert not few.state.weighed and not few.state.benched and len(few.state.current_view().nodes) == 4

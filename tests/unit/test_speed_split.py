@@ -36,3 +36,31 @@ def test_a_node_slowed_in_the_light_stage_costs_its_pipeline_less_than_in_the_bo
     assert light.stages[0].forward_s == 0.5 and light.stages[1] == TEMPLATE.stages[1]
     assert TEMPLATE.iteration_time(4) < light.iteration_time(4) < heavy.iteration_time(4)
     assert slowed_template(PLAN.pipelines[0], {"n5": 3.0}) is TEMPLATE, "another pipeline's node changes nothing"
+
+
+def test_a_straggler_is_benched_only_when_the_plan_without_it_is_predicted_faster_than_its_re_split():
+    """``planning.planner.weigh_bench`` through the master's planning call (``replan_nodes(..., bench=)``) on the
+    real planner: six one-stage pipelines of four microbatches. A re-split gives a 4x node one microbatch (4
+    units against the others' 5: a tie with five nodes), so it is kept; at 8x even one microbatch is the
+    bottleneck, so the plan of the five others is chosen, the global batch whole on them."""
+    from pathlib import Path
+
+    import yaml
+
+    from master.planning import plan_nodes, replan_nodes
+    from oobleck_mm.config import load_config
+
+    job = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tiny_mm.yaml"))
+    raw = job.to_dict()
+    raw["training"].update(dtype="float64", global_batch=48)
+    config_yaml = yaml.safe_dump(raw)
+    names = [f"node{i}" for i in range(6)]
+    start = plan_nodes(config_yaml, names)
+    assert [len(p.stages) for p in start.layout.pipelines] == [1] * 6
+    kept = replan_nodes(config_yaml, start.template_nodes, start.plan, [], [], [("node2", 4.0)], ["node2"])
+    assert kept.benched == () and sorted(n for n, _ in kept.ranks) == sorted(names)
+    assert "node2 kept: predicted" in kept.reason and "a bench needs 5% more" in kept.reason
+    out = replan_nodes(config_yaml, start.template_nodes, start.plan, [], [], [("node2", 8.0)], ["node2"])
+    assert out.benched == ("node2",) and "node2" not in {n for n, _ in out.ranks} and len(out.ranks) == 5
+    assert sum(p.num_microbatches for p in out.layout.pipelines) * out.layout.microbatch_size == 48
+    assert out.reason.startswith("node2 benched (predicted")

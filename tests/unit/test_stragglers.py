@@ -36,8 +36,10 @@ def test_flagged_by_the_median_of_the_rules_window_and_cleared_with_hysteresis()
     [v] = det.observe(3, step_ranks({"c": 2.0}))
     assert (v.kind, v.node, v.step, v.evidence) == ("detected", "c", 3, (2.0, 2.0, 2.0, 2.0))
     assert math.isclose(v.factor, 2.0) and set(det.flagged) == {"c"}
-    # Hovering between the two thresholds: neither detected again nor cleared (no flapping).
-    assert [v for step in range(4, 20) for v in det.observe(step, step_ranks({"c": 1.3 if step % 2 else 1.6}))] == []
+    # Hovering between the two thresholds: neither detected again nor cleared (no flapping); its factor, from
+    # 2.0 to a median of 1.45, is reported once as changed (a full window after the detection), then not again.
+    hovering = [v for step in range(4, 20) for v in det.observe(step, step_ranks({"c": 1.3 if step % 2 else 1.6}))]
+    assert [(v.kind, v.node, v.step, round(v.factor, 2)) for v in hovering] == [("changed", "c", 7, 1.45)]
     assert set(det.flagged) == {"c"}
     verdicts = [v for step in range(20, 24) for v in det.observe(step, step_ranks({}))]
     # The window of steps 18-21 holds 1.6, 1.3, 1.0, 1.0: a median of 1.15, below 1.2.
@@ -97,3 +99,11 @@ def test_expected_compute_is_the_stage_time_per_microbatch_times_the_pipelines_m
     assert {r: round(s, 9) for r, s in expected.items()} == {0: 1.2, 1: 0.6, 2: 0.9}
     # A generation read from a journal has no plan: each layer counts the same.
     assert expected_compute(None, layout) == {0: 12.0, 1: 4.0, 2: 8.0}
+
+
+def test_a_flagged_nodes_factor_is_reported_again_when_it_moved_a_quarter_a_window_after_the_last_report():
+    """Found slow at 1.6x (the window still held fast steps), then at 5x: the split and the bench must see 5x."""
+    det = StragglerDetector(RULE)
+    verdicts = [v for step, f in enumerate([1.6, 1.6, 1.6, 1.6, 5, 5, 5, 5, 5.5, 5.2, 4.8, 5.1])
+                for v in det.observe(step, step_ranks({"b": f}))]  # fmt: skip
+    assert [(v.kind, v.step, round(v.factor, 2)) for v in verdicts] == [("detected", 3, 1.6), ("changed", 7, 5.0)]
