@@ -38,7 +38,7 @@ import yaml
 from oobleck_mm.config import config_from_dict
 from oobleck_mm.lifetime import die_with_parent
 from oobleck_mm.planning.planner import (Planned, plan_as_is, plan_fresh, plan_job, plan_reconfiguration,
-                                        split_for_speeds, weigh_bench)  # fmt: skip
+                                        plan_without_stragglers, split_for_speeds)  # fmt: skip
 from oobleck_mm.profiling.load import load_profile
 
 _TEMPLATES: dict[tuple[str, int], Any] = {}
@@ -68,24 +68,18 @@ def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str
     job = _job(config_yaml)
     templates = _template_set(config_yaml, job, template_nodes)
     if not lost and not joined:
-        keep = split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow))
         if not bench:
-            return keep
-        speeds = _speeds(slow) or {}
-        without = _reconfigured(config_yaml, job, templates, template_nodes, base, list(bench), [])
-        rest = {n: f for n, f in speeds.items() if n not in set(bench)}
-        return weigh_bench(keep, split_for_speeds(job, without, rest), speeds, list(bench))
-    outcome = _reconfigured(config_yaml, job, templates, template_nodes, base, lost, joined)
-    return split_for_speeds(job, outcome, _speeds(slow))
-
-
-def _reconfigured(config_yaml: str, job, templates, template_nodes: int, base, lost, joined):
-    outcome, fresh_templates = plan_reconfiguration(
-        job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
-    )
-    if fresh_templates is not None and isinstance(outcome, Planned):
-        _TEMPLATES[(config_yaml, outcome.template_nodes)] = fresh_templates
-    return outcome
+            return split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow))
+        chosen, fresh_templates = plan_without_stragglers(job, _profile(config_yaml, job), templates, template_nodes,
+                                                          base, _speeds(slow) or {}, list(bench))  # fmt: skip
+    else:
+        chosen, fresh_templates = plan_reconfiguration(
+            job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
+        )
+        chosen = split_for_speeds(job, chosen, _speeds(slow))
+    if fresh_templates is not None and isinstance(chosen, Planned):
+        _TEMPLATES[(config_yaml, chosen.template_nodes)] = fresh_templates
+    return chosen
 
 
 

@@ -112,6 +112,10 @@ def _add_simulate_parser(sub) -> None:
     sim.add_argument("--system", nargs="+", default=["oobleck", "varuna", "bamboo", "restart"],
                      metavar="NAME", help="oobleck, varuna, varuna-no-ckpt, bamboo, restart (default: all but varuna-no-ckpt)")
     sim.add_argument("--hours", type=float, default=None, help="simulate only the first H hours")
+    sim.add_argument("--stragglers", default=None, metavar="SPEC",
+                     help="slow nodes: SHARE of the starting nodes[,min=1.5,max=3,seed=S,at=T,for=T], each slowed "
+                          "by a factor drawn from [min, max] at a random time (at=T: then), for good (for=T: that "
+                          "long); trace files may also have delta_ms,slow,node,F[,T] lines")
     sim.add_argument("--notice", action="store_true", help="preemption notices: the cloud warns before a removal")
     sim.add_argument("--grace", default="30s", metavar="DURATION", help="preemption notice lead time (default 30s)")
     sim.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
@@ -343,6 +347,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         nodes = job.cluster.nodes if args.nodes is None else args.nodes
         availability = av.periodic(nodes, av.parse_duration(args.failure_interval), args.until_nodes)
     availability = availability.clipped(args.hours)
+    if args.stragglers:
+        availability = availability.with_stragglers(av.parse_stragglers(args.stragglers))
     params = SimParams(preemption_notice=args.notice, preempt_grace_s=av.parse_duration(args.grace))
     for item in args.param:
         key, _, value = item.partition("=")

@@ -317,6 +317,19 @@ def weigh_bench(keep: Planned, without: PlanOutcome, slow: Mapping[str, float], 
                                             f"{BENCH_GAIN:.0%} more)")
 
 
+def plan_without_stragglers(job, profile: ModelProfile, template_set: TemplateSet, template_nodes: int, base: Plan,
+                            slow: Mapping[str, float], bench: Sequence[str]) -> tuple[Planned, TemplateSet | None]:  # fmt: skip
+    """``base``'s nodes with slow ``bench`` kept (its batch split for ``slow``) or planned out, whichever
+    ``weigh_bench`` predicts faster; the second value holds new templates when the plan without them
+    needed a fresh plan (as ``plan_reconfiguration``'s). The master's planning helper and the simulator
+    both weigh a straggler with it."""
+    keep = split_for_speeds(job, plan_as_is(job, template_set, template_nodes, base), dict(slow))
+    without, templates = plan_reconfiguration(job, profile, template_set, template_nodes, base, list(bench), [])
+    rest = {n: f for n, f in slow.items() if n not in set(bench)}
+    chosen = weigh_bench(keep, split_for_speeds(job, without, rest), slow, list(bench))
+    return chosen, templates if chosen.benched else None
+
+
 def plan_as_is(job, template_set: TemplateSet, template_nodes: int, base: Plan) -> Planned:
     """``base`` again, nodes and pipelines unchanged (a change of the nodes' speeds re-splits it next)."""
     return _planned(base, template_nodes, False, (), "the same nodes and pipelines", time.perf_counter(),

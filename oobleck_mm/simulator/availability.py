@@ -24,6 +24,8 @@ class Change:
     """Since the start of the simulation."""
     added: tuple[str, ...]
     removed: tuple[str, ...]
+    slowed: tuple[tuple[str, float], ...] = ()
+    """Nodes whose speed changes now: (node, how many times slower; 1.0: back to full speed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +33,7 @@ class Availability:
     initial: tuple[str, ...]
     """Nodes present at time 0."""
     changes: tuple[Change, ...]
-    """Later changes, in time order, each with at least one node added or removed."""
+    """Later changes, in time order, each with at least one node added, removed or slowed."""
     end_s: float
     """Where the simulation stops."""
     source: str
@@ -61,6 +63,68 @@ class Availability:
         end = hours * 3600.0
         kept = tuple(c for c in self.changes if c.seconds < end)
         return Availability(self.initial, kept, end, self.source)
+
+    def with_stragglers(self, spec: StragglerSpec) -> Availability:
+        """This membership with ``spec``'s slowdowns: ``share`` of the peak node count, drawn from every node
+        that ever takes part, each slowed by a factor drawn uniformly from [low, high] at a uniform time of the
+        run (from ``at`` when given), for ``duration_s`` (None: for good). A node slowed while it is away is
+        slow when it comes."""
+        import random
+
+        rng = random.Random(spec.seed)
+        pool = sorted({*self.initial, *(n for c in self.changes for n in c.added)})
+        chosen = rng.sample(pool, min(len(pool), round(spec.share * self.peak_nodes)))
+        timed: list[tuple[float, str, float]] = []
+        for node in chosen:
+            start = spec.at_s if spec.at_s is not None else rng.uniform(0.0, self.end_s)
+            timed.append((start, node, round(rng.uniform(spec.low, spec.high), 3)))
+            if spec.duration_s is not None:
+                timed.append((start + spec.duration_s, node, 1.0))
+        changes = list(self.changes)
+        for seconds, node, factor in timed:
+            if seconds < self.end_s:
+                changes.append(Change(seconds, (), (), ((node, factor),)))
+        changes.sort(key=lambda c: c.seconds)  # stable: a membership change keeps its place at a tie
+        return Availability(self.initial, tuple(changes), self.end_s, f"{self.source}; stragglers {spec.text}")
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerSpec:
+    """``--stragglers SHARE[,min=F,max=F,seed=S,at=T,for=T]``: a per-node slowdown distribution."""
+
+    share: float
+    low: float = 1.5
+    high: float = 3.0
+    seed: int = 0
+    at_s: float | None = None
+    duration_s: float | None = None
+    text: str = ""
+
+
+def parse_stragglers(text: str) -> StragglerSpec:
+    """``0.05,min=1.5,max=3,seed=1`` -> a ``StragglerSpec``; a ``UserError`` names the bad part."""
+    head, *rest = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        share = float(head)
+    except ValueError:
+        raise UserError(f"--stragglers: expected SHARE (0-1) first, got {head!r}") from None
+    if not 0 < share <= 1:
+        raise UserError(f"--stragglers: SHARE must be in (0, 1] (the fraction of nodes slowed), got {share}")
+    fields: dict = {}
+    for part in rest:
+        key, _, value = part.partition("=")
+        if key not in ("min", "max", "seed", "at", "for") or not value:
+            raise UserError(f"--stragglers: unknown part {part!r}; valid: min=F, max=F, seed=S, at=T, for=T")
+        if key in ("min", "max"):
+            fields["low" if key == "min" else "high"] = float(value)
+        elif key == "seed":
+            fields["seed"] = int(value)
+        else:
+            fields["at_s" if key == "at" else "duration_s"] = parse_duration(value)
+    spec = StragglerSpec(share, text=text, **fields)
+    if not 1 < spec.low <= spec.high:
+        raise UserError(f"--stragglers: need 1 < min <= max (how many times slower), got min={spec.low} max={spec.high}")
+    return spec
 
 
 def from_trace(events: Sequence[TraceEvent], name: str, replicas: int = 1) -> Availability:
@@ -93,11 +157,18 @@ def from_trace(events: Sequence[TraceEvent], name: str, replicas: int = 1) -> Av
         pending_remove.clear()
 
     initial: list[str] = []
+    slows: list[tuple[float, str, float]] = []
     for event in events:
         if event.ms != current_ms:
             flush()
             current_ms = event.ms
         names = expand(event.node)
+        if event.action == "slow":  # every node the trace node stands for, slowed together
+            ms = event.ms - start_ms
+            slows.extend((ms / 1000, n, event.factor) for n in names)
+            if event.duration_s is not None:
+                slows.extend((ms / 1000 + event.duration_s, n, 1.0) for n in names)
+            continue
         if event.action == "add":
             fresh = [n for n in names if n not in live]
             live.update(dict.fromkeys(fresh))
@@ -116,7 +187,10 @@ def from_trace(events: Sequence[TraceEvent], name: str, replicas: int = 1) -> Av
     flush()
     end_s = (events[-1].ms - start_ms) / 1000
     label = name if replicas == 1 else f"{name} x{replicas}"
-    return Availability(tuple(initial), tuple(c for c in changes if c.added or c.removed), end_s, label)
+    changes = [c for c in changes if c.added or c.removed]
+    changes += [Change(seconds, (), (), ((node, factor),)) for seconds, node, factor in slows if seconds < end_s]
+    changes.sort(key=lambda c: c.seconds)
+    return Availability(tuple(initial), tuple(changes), end_s, label)
 
 
 def from_faults(nodes: Sequence[str], faults: Sequence[FaultEvent], end_s: float, source: str) -> Availability:

@@ -69,6 +69,11 @@ class SimParams:
     as in the paper's spot experiments, §2.7.1)."""
     preempt_grace_s: float = 30.0
     """Warning time of a preemption notice: GCP gives 30 s, EC2 two minutes."""
+    straggler_mitigation: bool = True
+    """``oobleck``: act on stragglers as the engine does (``fault_tolerance.straggler_*``: found after
+    ``straggler_steps`` iterations, the batch re-split for the nodes' speeds, a bench weighed
+    ``straggler_replan_after`` later). false: found and reported only, every pipeline waits for the
+    slowest, as the baselines do."""
     joiner_start_stalls: bool = True
     """The engine today: survivors wait for a joining node's worker to start (issue 13 item 5
     removes this stall; set false to simulate that)."""

@@ -57,8 +57,10 @@ def simulate(
         start = time.perf_counter()
         system = make_system(name, job, profile, params, peak, iteration_of)
         result = simulate_system(system, availability, params.preemption_notice, params.preempt_grace_s)
+        acted = ", ".join(f"{k} {v}" for k, v in result.straggler_actions.items())
         say(f"{result.system}: {result.samples_per_s:.3f} samples/s over {result.wall_s / 3600:.2f} h, "
-            f"{len(result.incidents)} changes acted on, simulated in {time.perf_counter() - start:.2f} s")  # fmt: skip
+            f"{len(result.incidents)} changes acted on{f' (stragglers: {acted})' if acted else ''}, simulated in "
+            f"{time.perf_counter() - start:.2f} s")  # fmt: skip
         out.append(result)
     return out
 

@@ -39,11 +39,13 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import node_number
 from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
 from oobleck_mm.planning.plan import Plan, gradient_allreduce_s
-from oobleck_mm.planning.planner import Planned, plan_fresh, plan_reconfiguration
+from oobleck_mm.planning.planner import Planned, plan_fresh, plan_reconfiguration, plan_without_stragglers
+from oobleck_mm.planning.speed import speed_aware_split
 from oobleck_mm.planning.stage_mapping import build_templates
 from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
 from oobleck_mm.planning.transfers import plan_transfers
 from oobleck_mm.simulator.params import SimParams
+from oobleck_mm.simulator.stragglers import StragglerState, grid_iteration_s, slowed_iteration_s
 from oobleck_mm.simulator.timeline import Down, Layout, Response
 
 
@@ -131,6 +133,8 @@ class OobleckSystem:
     recovers_from_checkpoint = False
     joins_at_boundary = True
     saves_on_signal = False
+    acts_on_stragglers = True
+    """Live mode re-splits for a straggler and may bench it (``simulator.stragglers``); restart mode waits."""
 
     def __init__(self, job, profile: ModelProfile, params: SimParams,
                  iteration_of: Callable[[Plan], float] | None = None):  # fmt: skip
@@ -144,18 +148,83 @@ class OobleckSystem:
         self.template_nodes = 0
         self.note = ""
         self.planner_calls = 0
+        self.st = StragglerState(job.fault_tolerance, params.straggler_mitigation and self.acts_on_stragglers)
 
     def _layout(self, planned: Planned) -> Layout:
-        plan = planned.plan
-        seconds = plan.iteration_time_s if self.iteration_of is None else self.iteration_of(plan)
+        return self._layout_of(planned.plan)
+
+    def _layout_of(self, plan: Plan) -> Layout:
+        """``plan`` at the nodes' true speeds: a slow node's pipeline is slower, and every one waits for it."""
+        nominal = plan.iteration_time_s if self.iteration_of is None else self.iteration_of(plan)
+        seconds = slowed_iteration_s(plan, nominal, self.st.speeds)
         return Layout(seconds, plan.global_batch, frozenset(plan.nodes), _plan_label(plan), plan)
+
+    def _split(self, plan: Plan, again: bool = False) -> Plan:
+        """``plan``'s batch split for the stragglers the job knows of (the master's ``split_for_speeds``); with
+        none among its nodes, the planner's split as it is, unless ``again`` (a straggler cleared: the split
+        for the templates' own speeds)."""
+        known = {n: f for n, f in self.st.known.items() if n in set(plan.nodes)}
+        if not self.st.enabled or not (known or again):
+            return plan
+        return speed_aware_split(plan, known, self.job.planning.solver)[0]
 
     def _fresh(self, live: list[str]) -> tuple[Any, float]:
         self.planner_calls += 1
         (outcome, templates), seconds = self.timed(plan_fresh, self.job, self.profile, node_order(live))
         if isinstance(outcome, Planned):
-            self.plan, self.templates, self.template_nodes = outcome.plan, templates, len(live)
+            self.plan, self.templates, self.template_nodes = self._split(outcome.plan), templates, len(live)
+            outcome = dataclasses.replace(outcome, plan=self.plan)
         return outcome, seconds
+
+    # ------------------------------------------------------------------ stragglers (simulator.stragglers)
+    def speeds_changed(self, now: float, live: list[str], slowed: dict[str, float]) -> Response | None:
+        self.st.set_speeds(slowed)
+        if self.plan is None:
+            return None
+        layout = self._layout_of(self.plan)
+        return Response(layout, timers=tuple(self.st.watch(now, self.plan.nodes, layout.iteration_s)))
+
+    def on_timer(self, now: float, live: list[str]) -> Response | None:
+        """Straggler verdicts due, weighings due, benches ended: what the master would do at this time."""
+        if self.plan is None or not self.st.enabled:
+            return None
+        st, pause, timers = self.st, [], []
+        back = st.returning(now, live, self.plan.nodes)
+        if back:  # like a join: its fresh workers have been ready since the bench began
+            self.planner_calls += 1
+            (outcome, templates), seconds = self.timed(
+                plan_reconfiguration, self.job, self.profile, self.templates, self.template_nodes, self.plan, [], back)
+            if isinstance(outcome, Planned):
+                pause += self._replace(outcome.plan, templates, live, seconds)
+        if st.detect(now, self.plan.nodes):  # found, changed or cleared: the batch split again, no copy
+            self.plan = self._split(self.plan, again=True)
+            pause.append(("reconfiguration", self.params.rendezvous_s))
+        for node in st.to_weigh(now, self.plan.nodes):
+            st.weighed.add(node)
+            known = {n: f for n, f in st.known.items() if n in set(self.plan.nodes)}
+            self.planner_calls += 1
+            (chosen, templates), seconds = self.timed(plan_without_stragglers, self.job, self.profile, self.templates,
+                                                      self.template_nodes, self.plan, known, [node])  # fmt: skip
+            if chosen.benched:
+                timers.append(st.bench(now, node))
+                pause += self._replace(chosen.plan, templates, live, seconds)
+            else:
+                st.actions.append((now, node, "kept"))
+        layout = self._layout_of(self.plan)
+        timers += st.watch(now, self.plan.nodes, layout.iteration_s)
+        if (delay := st.next_weigh(now)) is not None:
+            timers.append(delay)
+        return Response(layout, tuple(pause), timers=tuple(timers), at_boundary=True)
+
+    def _replace(self, plan: Plan, templates, live: list[str], seconds: float) -> list[tuple[str, float]]:
+        """The job moves to ``plan`` (split for the known speeds) at a boundary: planning, a rendezvous and
+        the layer copies it needs."""
+        if templates is not None:
+            self.templates, self.template_nodes = templates, len(plan.nodes)
+        new = self._split(plan)
+        copy_s, _ = copy_seconds(self.plan, new, live, self.profile, self.cluster)
+        self.plan = new
+        return [("reconfiguration", seconds + self.params.rendezvous_s), ("state_copy", copy_s)]
 
     def start(self, live: list[str]) -> Response:
         outcome, _ = self._fresh(live)
@@ -164,7 +233,16 @@ class OobleckSystem:
         self.plan = None
         return Response(Down(_reason(outcome)))
 
-    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool, now: float = 0.0) -> Response:
+        self.st.forget(lost)
+        live = [n for n in live if n not in self.st.out(now)]  # benched: not planned until the bench ends
+        response = self._change(live, lost, joined, noticed)
+        if isinstance(response.next, Layout) and self.plan is not None:
+            timers = self.st.watch(now, self.plan.nodes, response.next.iteration_s)
+            response = dataclasses.replace(response, timers=response.timers + tuple(timers))
+        return response
+
+    def _change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
         detect = _detection_phase(self.params, self.job, lost, noticed)
         stall = self.params.worker_start_s if joined and self.params.joiner_start_stalls else 0.0
         if self.plan is None:
@@ -186,16 +264,16 @@ class OobleckSystem:
             # The run ends (exit 3). With no checkpoint in live mode, the best a supervisor can
             # do is start it again at once, from scratch, when the live nodes can hold a plan.
             self.plan = None
-            lost_run = self.change(live, [], [], True)
+            lost_run = self._change(live, [], [], True)
             if isinstance(lost_run.next, Layout):
                 return dataclasses.replace(lost_run, pause=detect + lost_run.pause)
             return Response(Down(_reason(outcome)), detect, note="run lost")
         if templates is not None:
             self.templates, self.template_nodes = templates, len(live)
-        self.plan = outcome.plan
-        copy_s, _ = copy_seconds(old, outcome.plan, live, self.profile, self.cluster)
+        self.plan = self._split(outcome.plan)
+        copy_s, _ = copy_seconds(old, self.plan, live, self.profile, self.cluster)
         pause = detect + (("reconfiguration", seconds + self.params.rendezvous_s + stall), ("state_copy", copy_s))
-        return Response(self._layout(outcome), pause)
+        return Response(self._layout_of(self.plan), pause)
 
 
 def _reason(outcome: Any) -> str:
@@ -209,6 +287,7 @@ class RestartSystem(OobleckSystem):
     name = "restart"
     recovers_from_checkpoint = True
     joins_at_boundary = False
+    acts_on_stragglers = False
 
     def __init__(self, job, profile: ModelProfile, params: SimParams,
                  iteration_of: Callable[[Plan], float] | None = None):  # fmt: skip
@@ -229,7 +308,8 @@ class RestartSystem(OobleckSystem):
             self.checkpoint_save_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_write_bandwidth)
             self.load_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_read_bandwidth)
 
-    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool, now: float = 0.0) -> Response:
+        self.st.forget(lost)
         detect = _detection_phase(self.params, self.job, lost, noticed)
         outcome, seconds = self._fresh(live)
         if not isinstance(outcome, Planned):
@@ -281,10 +361,14 @@ class _GridPlanner:
         return best
 
 
-def _grid_layout(grid: Grid, global_batch: int) -> Layout:
+def _grid_layout(grid: Grid, global_batch: int, per_pipeline: int = 0, speeds: dict[str, float] | None = None) -> Layout:
+    """The grid at the nodes' speeds (``speeds``; none: full speed): every pipeline waits for the slowest."""
     used = frozenset(n for group in grid.nodes for n in group)
+    seconds = grid.iteration_s
+    if speeds and used & set(speeds):
+        seconds = grid_iteration_s(grid.template, grid.nodes, per_pipeline, grid.iteration_s, speeds)
     label = f"{grid.replicas} x {grid.template.num_nodes}-stage pipelines, {grid.iteration_s:.2f} s/iteration"
-    return Layout(grid.iteration_s, global_batch, used, label, grid)
+    return Layout(seconds, global_batch, used, label, grid)
 
 
 class VarunaSystem:
@@ -299,6 +383,8 @@ class VarunaSystem:
         self.timed = _Timed(params)
         self.note = ""
         self.grid: Grid | None = None
+        self.speeds: dict[str, float] = {}
+        """node -> how many times slower (absent: full speed)."""
         self.planner: _GridPlanner | None = None
         try:
             if profile is not None:  # None: no microbatch fits (Bamboo out of memory)
@@ -326,11 +412,27 @@ class VarunaSystem:
     def _down(self, live: Sequence[str]) -> Down:
         return Down(self.note or f"no pipeline fits {len(live)} nodes")
 
+    def _layout_of(self, grid: Grid) -> Layout:
+        per = -(-self.planner.total_microbatches // grid.replicas) if self.planner is not None else 0
+        return _grid_layout(grid, self.job.training.global_batch, per, self.speeds)
+
     def start(self, live: list[str]) -> Response:
         self.grid, _ = self._plan(live)
-        return Response(_grid_layout(self.grid, self.job.training.global_batch) if self.grid else self._down(live))
+        return Response(self._layout_of(self.grid) if self.grid else self._down(live))
 
-    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+    def speeds_changed(self, now: float, live: list[str], slowed: dict[str, float]) -> Response | None:
+        """No straggler policy: the grid runs at its slowest node's pace."""
+        for node, factor in slowed.items():
+            if factor == 1.0:
+                self.speeds.pop(node, None)
+            else:
+                self.speeds[node] = factor
+        return Response(self._layout_of(self.grid)) if self.grid is not None else None
+
+    def on_timer(self, now: float, live: list[str]) -> Response | None:
+        return None
+
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool, now: float = 0.0) -> Response:
         detect = _detection_phase(self.params, self.job, lost, noticed)
         old = self.grid
         grid, seconds = self._plan(live)
@@ -338,10 +440,10 @@ class VarunaSystem:
             self.grid = None
             return Response(self._down(live), detect, rollback=bool(lost))
         if not lost and old is not None and (grid.template, grid.replicas) == (old.template, old.replicas):
-            return Response(_grid_layout(old, self.job.training.global_batch))  # the join changes nothing
+            return Response(self._layout_of(old))  # the join changes nothing
         self.grid = grid
         restart = self.params.worker_start_s + seconds + self.params.rendezvous_s + self.load_s
-        layout = _grid_layout(grid, self.job.training.global_batch)
+        layout = self._layout_of(grid)
         if lost:
             return Response(layout, detect + (("restart", restart),), rollback=True)
         # A join: morph at the iteration boundary; save first so no work is lost.
@@ -407,7 +509,7 @@ class BambooSystem(VarunaSystem):
         self.checkpoint_every, self.checkpoint_save_s = 0, 0.0
         self.note = f"{note}; {self.note}" if self.note else note
 
-    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response:
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool, now: float = 0.0) -> Response:
         detect = _detection_phase(self.params, self.job, lost, noticed)
         old = self.grid
         adjacent = old is not None and _adjacent_lost(old, set(lost))
@@ -415,7 +517,7 @@ class BambooSystem(VarunaSystem):
         self.grid = grid
         if grid is None:
             return Response(self._down(live), detect)
-        layout = _grid_layout(grid, self.job.training.global_batch)
+        layout = self._layout_of(grid)
         if adjacent:
             # A stage and its backup lost together: Bamboo restarts from a checkpoint. Its
             # checkpoint frequency is not modelled: the benefit of the doubt, no work rolled back.

@@ -16,6 +16,14 @@ synchronous save every k of them). At a change:
 - the system's pause (detection, reconfiguration, state copy, restart...) is laid
   from then on; a change arriving inside it cuts it short and starts the next.
 
+A change of a node's speed (a straggler, ``Change.slowed``) is no membership
+change: the system prices its layout at the new speeds at once (every pipeline
+waits for the slowest at the all-reduce) and may ask to be called back later
+(``Response.timers``: this engine detects a straggler after
+``straggler_steps`` iterations, re-splits the batch, weighs a bench later);
+what it decides then is switched at the next iteration boundary
+(``Response.at_boundary``), like a join.
+
 Every second of wall time lands in exactly one ``Segment``; the breakdown is
 their sum per kind. Samples are credited when an iteration completes and are
 only ever taken back by a rollback.
@@ -67,6 +75,10 @@ class Response:
     commit: bool = False
     """The pause begins with a complete checkpoint save: work so far is kept."""
     note: str = ""
+    timers: tuple[float, ...] = ()
+    """Seconds from now at which the loop calls the system's ``on_timer`` (a decision it takes later)."""
+    at_boundary: bool = False
+    """A planned switch (a re-split, a bench): the iteration in flight completes first when it can."""
 
 
 class SystemModel(Protocol):
@@ -83,7 +95,16 @@ class SystemModel(Protocol):
 
     def start(self, live: list[str]) -> Response: ...
 
-    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool) -> Response: ...
+    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool,
+               now: float = 0.0) -> Response: ...
+
+    def speeds_changed(self, now: float, live: list[str], slowed: dict[str, float]) -> Response | None:
+        """Nodes run ``slowed[node]`` times slower from now (1.0: full speed again); None: nothing changes."""
+        ...
+
+    def on_timer(self, now: float, live: list[str]) -> Response | None:
+        """A time the system asked for (``Response.timers``); None: nothing to do."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +144,8 @@ class SimResult:
     incidents: list[Incident]
     start_layout: str
     note: str = ""
+    straggler_actions: dict[str, int] = field(default_factory=dict)
+    """What the system did about slow nodes: found, changed, cleared, kept, benched, back (counts)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -145,6 +168,7 @@ class SimResult:
             "start_layout": self.start_layout,
             "incidents": len(self.incidents),
             "note": self.note,
+            "straggler_actions": self.straggler_actions,
         }
 
     def throughput_series(self, window_s: float) -> list[tuple[float, float]]:
@@ -319,8 +343,26 @@ def simulate_system(system: SystemModel, availability: Availability, preemption_
     seq = len(availability.changes)
     waiting_joins: list[str] = []
 
+    def schedule(response: Response, at: float) -> None:
+        nonlocal seq
+        for delay in response.timers:
+            heapq.heappush(queue, (at + delay, seq, _Timer(at + delay, (), ())))
+            seq += 1
+
+    schedule(first, 0.0)
     while queue and queue[0][0] < end:
         at, _, change = heapq.heappop(queue)
+        if isinstance(change, _Timer) or (change.slowed and not change.added and not change.removed):
+            if at >= run.pause_end:
+                run.train_until(at)
+            if isinstance(change, _Timer):
+                response = system.on_timer(at, list(live))
+            else:
+                response = system.speeds_changed(at, list(live), dict(change.slowed))
+            if response is not None:
+                _switch(run, response, at, len(live), _next_membership(queue, end))
+                schedule(response, at)
+            continue
         deferred = getattr(change, "deferred", False)
         if deferred and not waiting_joins:
             continue  # an earlier change already took the joins this boundary was for
@@ -378,15 +420,44 @@ def simulate_system(system: SystemModel, availability: Availability, preemption_
         if not isinstance(layout, Layout) or lost or joined:
             if not isinstance(layout, Layout) and not (lost or joined or removed):
                 continue
-            response = system.change(list(live), lost, joined, noticed)
+            response = system.change(list(live), lost, joined, noticed, now=at)
             run.apply(response, at, lost, joined, len(live), thrown)
+            schedule(response, at)
 
     if run.pause_end > end:
         run.cut_pause(end)
     run.train_until(end)
     if run.inflight_start is not None:
         run.abandon_inflight(end)
-    return SimResult(system.name, end, run.samples, run.segments, run.incidents, start_label, getattr(system, "note", ""))
+    actions: dict[str, int] = {}
+    for _, _, what in getattr(getattr(system, "st", None), "actions", ()):
+        actions[what] = actions.get(what, 0) + 1
+    return SimResult(system.name, end, run.samples, run.segments, run.incidents, start_label,
+                     getattr(system, "note", ""), actions)  # fmt: skip
+
+
+def _switch(run: _Run, response: Response, at: float, live_nodes: int, next_event: float) -> None:
+    """A layout the system chose without a membership change: at once when it costs no pause (the same
+    plan at other speeds: the iteration in flight goes on), else at the next iteration boundary (the one in
+    flight completes when it ends before the next event, as a join's; after a pause still running)."""
+    if not response.pause:
+        run.layout = response.next
+        return
+    start, thrown = max(at, run.pause_end), 0.0
+    if start == at:
+        boundary = run.boundary()
+        if boundary is not None and response.at_boundary and boundary < next_event:
+            run.finish_inflight()
+            start = boundary
+        else:
+            thrown = run.abandon_inflight(at)
+    run.apply(response, start, [], [], live_nodes, thrown)
+
+
+class _Timer(Change):
+    """A time a system asked to be called back at (queued by the loop itself)."""
+
+    __slots__ = ()
 
 
 class _Deferred(Change):
@@ -394,6 +465,12 @@ class _Deferred(Change):
 
     __slots__ = ()
     deferred = True
+
+
+def _next_membership(queue: list[tuple[float, int, Change]], end: float) -> float:
+    """When the next node comes or goes (a timer or a change of speed interrupts no iteration)."""
+    times = [t for t, _, c in queue if not isinstance(c, _Timer) and (c.added or c.removed)]
+    return min(times, default=end)
 
 
 def _next_time(queue: list[tuple[float, int, Change]], end: float) -> float:

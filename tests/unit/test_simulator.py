@@ -3,6 +3,7 @@ and the engine's own planner doing the planning."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -219,8 +220,8 @@ class RecordingOobleck(OobleckSystem):
         super().__init__(*args)
         self.adopted = []
 
-    def change(self, live, lost, joined, noticed):
-        response = super().change(live, lost, joined, noticed)
+    def change(self, live, lost, joined, noticed, now=0.0):
+        response = super().change(live, lost, joined, noticed, now)
         self.adopted.append((sorted(live), self.plan))
         return response
 
@@ -320,3 +321,89 @@ def test_oobleck_with_a_notice_finishes_the_iteration_in_flight_when_it_ends_ins
     assert result.breakdown["detection"] == 0.0  # the notice named the node: nothing to detect
     short = simulate_system(OobleckSystem(job, profile, FIXED), two_losses(), True, 1.0)
     assert short.incidents[0].seconds == 1000.0 and short.incidents[0].rollback_s > 0  # the boundary is too far
+
+
+# --------------------------------------------------------------------------- stragglers (issue 29 item 4)
+
+
+def test_slow_lines_of_a_trace_and_a_straggler_distribution_become_changes_of_speed():
+    from oobleck_mm.simulator.availability import parse_stragglers
+
+    events = parse_trace(["0,add,a", "0,add,b", "0,add,c", "10000,slow,b,3,20", "50000,slow,c,2", "60000,remove,a"])
+    av = from_trace(events, "t")
+    assert [(c.seconds, c.added, c.removed, c.slowed) for c in av.changes] == [
+        (10.0, (), (), (("b", 3.0),)), (30.0, (), (), (("b", 1.0),)), (50.0, (), (), (("c", 2.0),)),
+        (60.0, (), ("a",), ()),
+    ]  # fmt: skip
+    nodes = periodic(100, 3600.0, 99)
+    spec = parse_stragglers("0.05,min=1.5,max=3,seed=4,for=10m")
+    slowed = nodes.with_stragglers(spec)
+    starts = [c for c in slowed.changes if c.slowed and c.slowed[0][1] != 1.0]
+    ends = [c for c in slowed.changes if c.slowed and c.slowed[0][1] == 1.0]
+    assert len({c.slowed[0][0] for c in starts}) == 5 and all(1.5 <= c.slowed[0][1] <= 3 for c in starts)
+    assert len(ends) == len([c for c in starts if c.seconds + 600 < slowed.end_s]), "each back after 10 minutes"
+    assert nodes.with_stragglers(spec) == slowed, "the seed decides"
+    for bad, named in [("2", "SHARE"), ("0.1,min=0.5", "min"), ("0.1,speed=2", "speed=2"), ("x", "SHARE")]:
+        with pytest.raises(Exception, match=named):
+            parse_stragglers(bad)
+
+
+def _one_slow(nodes: int, factor: float, at: float, end: float, until: float | None = None) -> Availability:
+    names = tuple(f"node{i + 1}" for i in range(nodes))
+    changes = [Change(at, (), (), (("node2", factor),))]
+    if until is not None:
+        changes.append(Change(until, (), (), (("node2", 1.0),)))
+    return Availability(names, tuple(changes), end, f"node2 x{factor}")
+
+
+@pytest.mark.parametrize("system", ["oobleck", "varuna", "bamboo", "restart"])
+def test_every_system_pays_a_slow_node_and_only_this_engine_acts_on_it(job, system):
+    """Every pipeline waits for the slowest at the all-reduce: each system's samples/s drops under a 3x node.
+    This engine (live) re-splits after its detector's window and gets some back; the others wait."""
+    steady = _one_slow(8, 1.0001, 3600.0, 86400.0)
+    slowed = _one_slow(8, 3.0, 600.0, 86400.0)
+    before = simulate(job, steady, [system], FIXED)[0]
+    after = simulate(job, slowed, [system], FIXED)[0]
+    check_invariants(after, job.training.global_batch)
+    assert after.samples_per_s < 0.9 * before.samples_per_s, (after.samples_per_s, before.samples_per_s)
+    if system == "oobleck":
+        assert after.straggler_actions.get("found") == 1
+        waits = simulate(job, slowed, [system], dataclasses.replace(FIXED, straggler_mitigation=False))[0]
+        assert waits.straggler_actions == {} and after.samples_per_s > 1.2 * waits.samples_per_s
+    else:
+        assert after.straggler_actions == {}
+
+
+def test_a_transient_straggler_is_found_re_split_cleared_and_split_back(job):
+    """Detected ``straggler_steps`` iterations after it slowed, re-split at a boundary (no copy), cleared as
+    late after it recovered, and the last plan's split is the first's again; weighed, and kept: on eight
+    one-node pipelines a 3x node's one microbatch costs less than its absence."""
+    profile = profile_from_config(job)
+    system = OobleckSystem(job, profile, FIXED)
+    result = simulate_system(system, _one_slow(8, 3.0, 600.0, 86400.0, until=4 * 3600.0))
+    check_invariants(result, job.training.global_batch)
+    acted = result.straggler_actions
+    assert (acted["found"], acted["cleared"], acted.get("benched", 0)) == (1, 1, 0), acted
+    first = [p.num_microbatches for p in OobleckSystem(job, profile, FIXED).start(NODES8).next.state.pipelines]
+    assert [p.num_microbatches for p in system.plan.pipelines] == first
+    splits = [i for i in result.incidents if i.pause == (("reconfiguration", 2.0),)]
+    assert len(splits) == 2 and 600 < splits[0].seconds < 4 * 3600 < splits[1].seconds
+
+
+def test_a_node_slow_for_good_is_weighed_benched_and_taken_back_after_its_bench(job):
+    """Nine one-node pipelines (GPT-2 on A40s): ``straggler_replan_after`` (60 s) after a 10x node was found,
+    the plan of the eight others is predicted faster, so it is benched for ``straggler_bench`` (5 min) and
+    then taken back like a join (the planner puts it in a two-node pipeline, where a re-split hides it: kept
+    when weighed again); a second bench of the same node would last 10 min."""
+    profile = profile_from_config(job)
+    system = OobleckSystem(job, profile, FIXED)
+    names = tuple(f"node{i + 1}" for i in range(9))
+    av = Availability(names, (Change(300.0, (), (), (("node2", 10.0),)),), 24 * 3600.0, "node2 x10")
+    result = simulate_system(system, av)
+    check_invariants(result, job.training.global_batch)
+    acted = [(what, round(t)) for t, n, what in system.st.actions if n == "node2"]
+    assert [w for w, _ in acted] == ["found", "benched", "back", "found", "kept"], acted
+    assert acted[2][1] - acted[1][1] == 300 and acted[1][1] - acted[0][1] == 60
+    assert system.st.bench(0.0, "node2") == 600.0, "benched again: twice as long"
+    waits = simulate_system(OobleckSystem(job, profile, dataclasses.replace(FIXED, straggler_mitigation=False)), av)
+    assert result.samples_per_s > waits.samples_per_s
