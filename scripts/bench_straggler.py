@@ -5,6 +5,7 @@
     python scripts/bench_straggler.py --slow x3+20s           # a transient x3 slowdown of 20 s
     python scripts/bench_straggler.py --loaded 2000           # false positives: 2,000 steps beside two `yes`
     python scripts/bench_straggler.py --json docs/bench_straggler.json
+    python scripts/bench_straggler.py --slow x16 --bench 5s    # also: weighed for a bench 5 s after found
 
 Runs ``oobleck-launch local`` on the built-in model (float64) three times, one
 after the other: unslowed; slowed with ``fault_tolerance.straggler_resplit=false``
@@ -71,6 +72,8 @@ def summary(events: Path, from_step: int) -> dict:
     splits = [[p["num_microbatches"] for p in plan["layout"]["pipelines"]] for plan in plans]
     out["splits"] = splits
     out["returned_to_first_split"] = len(splits) > 1 and splits[-1] == splits[0]
+    out["benched"] = [(e["node"], e["generation"], round(e["factor"], 3)) for e in read_events(events, "straggler_benched")]
+    out["kept"] = [e["reason"].rsplit("; ", 1)[-1] for e in read_events(events, "straggler_kept")]
     return out
 
 
@@ -83,6 +86,9 @@ def main() -> int:
     parser.add_argument("--slow", default="x2", help="xF[+Ts]: the factor, and how long (default: for good)")
     parser.add_argument("--loaded", type=int, default=0,
                         help="instead: run this many steps unslowed beside two `yes > /dev/null` and count detections")
+    parser.add_argument("--bench", default=None, metavar="DURATION",
+                        help="also a run whose straggler is weighed for a bench DURATION after it was found "
+                             "(fault_tolerance.straggler_replan_after; the bench lasts the run)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -91,7 +97,10 @@ def main() -> int:
         return loaded(args, work)
     inject = ["--inject", f"slow:{args.node}@step{args.at}{args.slow}"]
     runs = {"unslowed": ([], []), "slowed, detection only": (inject, ["fault_tolerance.straggler_resplit=false"]),
-            "slowed, re-split": (inject, [])}  # fmt: skip
+            "slowed, re-split": (inject, ["fault_tolerance.straggler_replan_after=null"])}  # fmt: skip
+    if args.bench:
+        runs["slowed, re-split and bench"] = (inject, [f"fault_tolerance.straggler_replan_after={args.bench}",
+                                                       "fault_tolerance.straggler_bench=1h"])  # fmt: skip
     result = {"nodes": args.nodes, "steps": args.steps, "slow": f"{args.node}@step{args.at}{args.slow}", "runs": {}}
     for name, (extra, sets) in runs.items():
         run_dir = work / name.replace(" ", "_").replace(",", "")
@@ -103,12 +112,13 @@ def main() -> int:
         print(f"{name}: exit {code}, {info.get('seconds_from_slowdown', float('nan')):.1f} s from step {args.at} "
               f"to the end; detected {info.get('detected')}; cleared {info.get('cleared')}", flush=True)
     base = result["runs"]["unslowed"].get("seconds_from_slowdown")
-    for name in ("slowed, detection only", "slowed, re-split"):
+    slowed = [name for name in result["runs"] if name != "unslowed"]
+    for name in slowed:
         run = result["runs"][name]
         if base and run.get("seconds_from_slowdown"):
             run["throughput_vs_unslowed"] = round(base / run["seconds_from_slowdown"], 3)
             run["seconds_lost"] = round(run["seconds_from_slowdown"] - base, 2)
-    for name in ("slowed, detection only", "slowed, re-split"):
+    for name in slowed:
         run = result["runs"][name]
         latency = (f"; detected after {run['detection_steps']} steps ({run['detection_s']:.2f} s)"
                    if "detection_steps" in run else "; not detected")  # fmt: skip

@@ -54,7 +54,9 @@ class FakePlan:
     samples_per_s: float = 100.0
 
 
-def fake_plan(nodes: tuple[str, ...], fresh: bool) -> Planned | CannotKeepReplicas:
+def fake_plan(nodes: tuple[str, ...], fresh: bool, slow=()) -> Planned | CannotKeepReplicas:
+    """``slow`` (node, factor): a pipeline with a slow node runs one microbatch, the others two (the split
+    for the speeds; the fake keeps no global batch)."""
     if len(nodes) < NEEDED:
         return CannotKeepReplicas(len(nodes), NEEDED, f"{len(nodes)} nodes cannot hold 2 replicas of 2-node pipelines")
     groups = [list(nodes[i:i + 2]) for i in range(0, len(nodes) - len(nodes) % 2, 2)]
@@ -67,7 +69,7 @@ def fake_plan(nodes: tuple[str, ...], fresh: bool) -> Planned | CannotKeepReplic
         for i, node in enumerate(group):
             ranks[(node, 0)] = len(ranks)
             stages.append(StageLayout(ranks[(node, 0)], bounds[i], bounds[i + 1]))
-        pipelines.append(PipelineLayout(tuple(stages), 2))
+        pipelines.append(PipelineLayout(tuple(stages), 1 if set(group) & {n for n, _ in slow} else 2))
     layout = ExecutionPlan(tuple(pipelines), NUM_LAYERS, 1)
     return Planned(FakePlan(nodes), layout, ranks, NEEDED, fresh=fresh, actions=(), reason="fake", seconds=0.0,
                    keeps_replicas_from=NEEDED)
@@ -79,14 +81,15 @@ the cost model's samples/s: ``planning.planner.weigh_bench``)."""
 
 
 def answer(ask: AskPlanner) -> Planned | CannotKeepReplicas:
+    slow = tuple(ask.slow or ())
     if ask.call == "fresh":
-        return fake_plan(tuple(ask.names), fresh=True)
+        return fake_plan(tuple(ask.names), fresh=True, slow=slow)
     kept = tuple(n for n in ask.base.nodes if n not in ask.lost)
-    planned = fake_plan(kept + tuple(n for n in ask.joined if n not in kept), fresh=False)
-    factors = dict(ask.slow or ())
+    planned = fake_plan(kept + tuple(n for n in ask.joined if n not in kept), fresh=False, slow=slow)
+    factors = dict(slow)
     out = tuple(n for n in ask.bench if factors.get(n, 1.0) >= BENCH_FROM)
     if out and isinstance(planned, Planned):
-        without = fake_plan(tuple(n for n in planned.plan.nodes if n not in out), fresh=False)
+        without = fake_plan(tuple(n for n in planned.plan.nodes if n not in out), fresh=False, slow=slow)
         if isinstance(without, Planned):
             return dataclasses.replace(without, benched=out)
     return planned

@@ -105,6 +105,13 @@ def test_a_straggler_verdict_re_splits_the_batch_at_a_boundary_and_its_clearing_
     m.feed(Straggler("n1", 2.0, detected=True, step=5))  # the same verdict again: nothing new to plan
     assert not m.world.asked
     m.train_a_step(phases=True)
+    m.feed(Straggler("n1", 3.5, detected=True, step=7))  # its factor changed, its pipeline's split cannot
+    [again] = m.world.asked.values()
+    m.feed(PlanAnswered(again.id, answer(m.world.asked.pop(again.id))))
+    assert m.state.generation == 2 and m.state.gens[2].slow == (("n1", 3.5),), "the same split: no switch"
+    m.time_passes(1.0)
+    assert not m.world.asked, "and not asked again"
+    m.train_a_step(phases=True)
     m.feed(Straggler("n1", 1.0, detected=False, step=12))
     [back] = m.world.asked.values()
     assert back.slow == (), "cleared: split for the templates' own speeds, not left as it was"
