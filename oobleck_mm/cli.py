@@ -233,8 +233,10 @@ def _add_run_flags(parser) -> None:
                              "log get every step")
     parser.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
                         help="no TensorBoard files (metrics.csv is always written in the run dir)")
-    parser.add_argument("--resume", default=None, metavar="DIR",
-                        help="continue from this checkpoint (any node count; the same results as never stopping)")
+    parser.add_argument("--resume", default=None, metavar="DIR|latest",
+                        help="continue from this checkpoint (any node count; the same results as never stopping); "
+                             "a run dir: its newest complete checkpoint; latest: the newest of --run-dir, else of "
+                             "runs/<model>-*")
     parser.add_argument("--save-final", default=None, metavar="DIR",
                         help="write the final model and optimizer states here (python -m oobleck_mm.verify reads it)")
     parser.add_argument("--recovery", choices=("live", "restart"), default=None,
@@ -431,7 +433,16 @@ def _resume_command(command: str, args: argparse.Namespace) -> str:
     """How to start this job again (``--resume DIR`` is appended where it is printed)."""
     ds = f" --deepspeed {os.path.abspath(args.deepspeed)}" if getattr(args, "deepspeed", None) else ""
     sets = "".join(f" --set {shlex.quote(item)}" for item in getattr(args, "overrides", []))
-    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}{ds}{sets}"
+    # The named flags that change the job come along: a resumed --steps 3000 run stopped at the file's steps.
+    named = ""
+    nodes = getattr(args, "nodes", None)
+    if nodes is not None:
+        named += f" --nodes {nodes[0]}" + (f":{nodes[1]}" if nodes[1] is not None else "")
+    for flag, attr in (("--gpus-per-node", "gpus_per_node"), ("--steps", "steps"), ("--recovery", "recovery"),
+                       ("--checkpoint-interval", "checkpoint_interval")):  # fmt: skip
+        if (value := getattr(args, attr, None)) is not None:
+            named += f" {flag} {shlex.quote(str(value))}"
+    return f"oobleck-launch {command} --config {os.path.abspath(args.config)}{ds}{sets}{named}"
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
@@ -458,6 +469,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         raise UserError("master: --config FILE is required (or --resume-master RUN_DIR to restart a master)")
     else:
         job = _load_job(args)
+        _resolve_resume(args, job)
     check_runnable(job, workers_here=False)
     _setup_logging("master", _level(args.log_level))
     host = args.host if args.host is not None else journal.host if journal else "127.0.0.1"
@@ -560,12 +572,36 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return Agent(options).run()
 
 
+def _resolve_resume(args: argparse.Namespace, job) -> None:
+    """``--resume latest`` (the newest complete checkpoint of this job's runs: ``--run-dir``, else every
+    ``runs/<model>-*``) or ``--resume RUN_DIR`` (the newest one inside it) becomes that checkpoint's folder;
+    a checkpoint's own folder is kept as given. ``UserError`` says where it looked."""
+    if not getattr(args, "resume", None):
+        return
+    from oobleck_mm.runtime.checkpoint import newest_checkpoint
+
+    if args.resume == "latest":
+        roots = [args.run_dir] if args.run_dir else sorted(glob.glob(os.path.join("runs", f"{job.model.name}-*")))
+        where = args.run_dir or os.path.join("runs", f"{job.model.name}-*")
+    elif os.path.isdir(args.resume) and not os.path.exists(os.path.join(args.resume, "meta.json")):
+        roots, where = [args.resume], args.resume
+    else:
+        return
+    found = newest_checkpoint(roots)
+    if found is None:
+        raise UserError(f"--resume {args.resume}: no complete checkpoint (a folder with meta.json) under {where}; "
+                        "give a checkpoint folder, a run dir that has one, or --run-dir with latest")
+    print(f"--resume {args.resume}: the newest complete checkpoint is {found[0]} (step {found[1]})", flush=True)
+    args.resume = found[0]
+
+
 def _cmd_local(args: argparse.Namespace) -> int:
     from master.local import LocalCluster, LocalOptions, where_things_are
 
     from oobleck_mm.runtime.limits import check_runnable
 
     job = _load_job(args)
+    _resolve_resume(args, job)
     check_runnable(job, workers_here=True)
     faults = _faults(args, job.cluster.nodes)
     _check_phase_targets(faults, job, bool(args.save_final))

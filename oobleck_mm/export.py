@@ -59,6 +59,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
         raise UserError(f"{checkpoint}: its model.huggingface directory {source!r} is gone; export copies its "
                         "config.json and tokenizer files (restore it, or edit meta.json's config.model.huggingface)")
     job = config_from_dict(meta["config"], source=str(checkpoint / "meta.json"))
+    if out.exists() and not out.is_dir():  # iterdir() on a file was an internal error (exit 1)
+        raise UserError(f"--to: {out} exists and is a file; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--to: {out} exists and is not empty; choose a new directory")
     specs = model_layer_specs(job)

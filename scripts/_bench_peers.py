@@ -389,7 +389,7 @@ class DeepSpeedTrainer:
             "wall_clock_breakdown": False,
         }
         if training.scheduler is not None:  # our scheduler section is DeepSpeed's, keys and meaning
-            config["scheduler"] = {"type": training.scheduler.type, "params": dict(training.scheduler.params)}
+            config["scheduler"] = {"type": training.scheduler.type, "params": training.scheduler.deepspeed_params(training.steps)}
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         self.breakdown: dict[str, float] = {}
         self._iter = self._microbatches()

@@ -41,6 +41,20 @@ def read_deepspeed(path: str) -> dict[str, Any]:
     return raw
 
 
+def _drop_auto(ds: dict[str, Any], prefix: str = "") -> list[str]:
+    """Removes every ``"auto"`` value (in place), nested ones too; the dotted keys removed. A key left out
+    is one the job's own settings decide, which is what ``"auto"`` means in configs written for HF."""
+    dropped = []
+    for key in list(ds):
+        value = ds[key]
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            del ds[key]
+            dropped.append(f"{prefix}{key}")
+        elif isinstance(value, dict):
+            dropped += _drop_auto(value, f"{prefix}{key}.")
+    return dropped
+
+
 def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str]:
     """Map the DeepSpeed config at ``path`` into the job's raw dict (in place); returns notes for the user.
 
@@ -50,10 +64,14 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
     """
     ds = read_deepspeed(path)
     name = os.path.basename(path)
+    autos = _drop_auto(ds)
     training = raw.setdefault("training", {})
     if not isinstance(training, dict):
         raise ConfigError("training: expected a mapping of settings")
     notes: list[str] = []
+    if autos:
+        notes.append(f"{name}: {', '.join(autos)}: \"auto\" takes the job's own value (its YAML, --set, or the "
+                     "default), as DeepSpeed's Hugging Face integration fills \"auto\" from the trainer's")
     mapped: dict[tuple[str, ...], Any] = {}
 
     micro = ds.get("train_micro_batch_size_per_gpu")

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
+import reprlib
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field
@@ -428,6 +429,17 @@ class SchedulerConfig:
     def needs_total_steps(self) -> bool:
         return "total_num_steps" in _SCHEDULER_PARAMS[self.type]
 
+    def total_steps(self, training_steps: int) -> int:
+        """``total_num_steps``, or the job's ``training.steps`` when it is not set."""
+        return int(self.params.get("total_num_steps", training_steps))
+
+    def deepspeed_params(self, training_steps: int) -> dict[str, Any]:
+        """The arguments of DeepSpeed's scheduler of this type (``total_num_steps`` filled in where it takes it)."""
+        params = dict(self.params)
+        if self.needs_total_steps:
+            params["total_num_steps"] = self.total_steps(training_steps)
+        return params
+
 
 @dataclass(kw_only=True, slots=True)
 class LossScaleConfig:
@@ -498,8 +510,9 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "microbatch_size", "steps"):
-            check(self, name, as_int, minimum=1)
-        check(self, "seed", as_int, minimum=0)
+            check(self, name, as_int, minimum=1, maximum=MAX_COUNT, why="the steps and samples the control "
+                  "plane counts are 64-bit; no job comes near")  # fmt: skip
+        check(self, "seed", as_int, minimum=0, maximum=2**63 - 1, why="a 64-bit seed")
         check(self, "dtype", as_choice, ("float32", "float64", "bfloat16", "float16"))
         # Left None when unset (oobleck_mm.precision.master_dtype resolves it), so a job copied with
         # another dtype (dataclasses.replace) keeps a consistent default.
@@ -515,8 +528,9 @@ class TrainingConfig:
         check(self, "gradient_clipping", as_float, minimum=0.0)
         check(self, "activation_checkpointing", as_bool)
         check(self, "flash_attention", as_bool)
-        if self.scheduler is not None and self.scheduler.needs_total_steps:
-            self.scheduler.params.setdefault("total_num_steps", self.steps)
+        # No derived default is written into the scheduler's params: ``total_num_steps`` left unset follows
+        # ``steps`` wherever it is read (``SchedulerConfig.total_steps``), so ``--steps`` and ``--set
+        # training.steps`` applied after the file move it too (a default filled in here stayed at the file's).
 
 
 # --------------------------------------------------------------------------- fault tolerance, cluster, planning
@@ -721,6 +735,10 @@ class FaultToleranceConfig:
         within ``heartbeat_timeout``; 2 s to stop its workers)."""
         return self.heartbeat_timeout + timedelta(seconds=2)
 
+
+MAX_COUNT = 2**53
+"""The most steps (or samples in a batch) a job may ask for: counts travel as 64-bit integers and as
+JSON numbers (exact to 2**53); ``training.steps: 100000000000000000000000`` ended as an internal error."""
 
 MAX_BENCH_DOUBLINGS = 3
 """A node benched again stays out ``straggler_bench * 2**k`` for its k-th return, k at most this (8x)."""
@@ -931,10 +949,10 @@ def _validate_scheduler(t: TrainingConfig) -> None:
                               "and cycle_max_lr)")
         return
     warmup = params.get("warmup_num_steps", SCHEDULER_DEFAULT_WARMUP_STEPS)
-    if "total_num_steps" in params and params["total_num_steps"] < warmup:
-        raise ConfigError(
-            f"{path}.total_num_steps ({params['total_num_steps']}) must be >= {path}.warmup_num_steps ({warmup})"
-        )
+    total = t.scheduler.total_steps(t.steps)
+    if t.scheduler.needs_total_steps and total < warmup:
+        given = "" if "total_num_steps" in params else ", training.steps: its default"
+        raise ConfigError(f"{path}.total_num_steps ({total}{given}) must be >= {path}.warmup_num_steps ({warmup})")
     if "warmup_min_lr" in params:
         # DeepSpeed's WarmupLR peaks at the optimizer's lr by default, WarmupDecayLR at 0.001.
         default_max = t.optimizer.params.lr if t.scheduler.type == "WarmupLR" else WARMUP_DECAY_DEFAULT_MAX_LR
@@ -1075,6 +1093,34 @@ log = logging.getLogger(__name__)
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+_SHORT_TEXT = reprlib.Repr()
+_SHORT_TEXT.maxstring = 200  # a --set value in a message: its start is enough
+
+MAX_CONFIG_VALUES = 1_000_000
+"""The most values a config may hold once its YAML aliases are expanded: a 1 KB alias bomb expands to
+billions (every later copy, message or ``safe_dump`` of the job would hang on it)."""
+
+
+def check_expansion(raw: Any, where: str) -> None:
+    """``ConfigError`` when ``raw`` expands past ``MAX_CONFIG_VALUES`` values. Counted on the loaded graph
+    with each shared node counted once per reference but computed once (a bomb is a small DAG)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        key = id(node)
+        if key not in sizes:
+            sizes[key] = 0  # a cycle (YAML allows one) counts once
+            values = list(node.values()) if isinstance(node, dict) else node
+            sizes[key] = min(1 + len(node) + sum(size(v) for v in values), MAX_CONFIG_VALUES + 1)
+        return sizes[key]
+
+    if size(raw) > MAX_CONFIG_VALUES:
+        raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_CONFIG_VALUES:,} values (an alias "
+                          "bomb?); write the values out, or use fewer nested aliases")
+
+
 def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Reads a YAML job file; a relative ``data.path`` is taken relative to the file.
 
@@ -1084,8 +1130,15 @@ def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides
     items (``apply_set``), applied last, checked like the file."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            raw = yaml.load(fh, Loader=_YAML_LOADER)
+        with open(path, "rb") as fh:
+            data = fh.read()
+        text = data.decode("utf-8-sig")
+        raw = yaml.load(text, Loader=_YAML_LOADER)
+        check_expansion(raw, path)
+    except UnicodeDecodeError as exc:
+        utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
+        raise ConfigError(f"<file>: {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}"
+                          f"{': it is UTF-16' if utf16 else ''}); save it as UTF-8") from None
     except FileNotFoundError:
         raise ConfigError(f"<file>: config file {path!r} does not exist") from None
     except OSError as exc:
@@ -1139,7 +1192,8 @@ def apply_set(raw: dict, overrides: Sequence[str]) -> None:
         try:
             value = yaml.load(text, Loader=_YAML_LOADER)
         except yaml.YAMLError:
-            raise ConfigError(f"--set {key}: {text!r} is not a YAML value") from None
+            raise ConfigError(f"--set {key}: {_SHORT_TEXT.repr(text)} is not a YAML value") from None
+        check_expansion(value, f"--set {key}")
         if key in _PATH_KEYS and isinstance(value, str):
             value = os.path.abspath(os.path.expanduser(value))
         node = raw

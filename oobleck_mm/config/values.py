@@ -9,6 +9,8 @@ seconds (-> ``timedelta``); memory sizes are ``"40GiB"``, ``"80GB"`` or bytes
 
 from __future__ import annotations
 
+import reprlib
+
 import difflib
 import math
 import re
@@ -23,8 +25,13 @@ class ConfigError(UserError):
     """A mistake in the job configuration; the message starts with the dotted field path."""
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 5, 5, 120, 120
+
+
 def describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    """``value`` as an error message shows it: bounded (a YAML alias bomb would expand to gigabytes)."""
+    return f"{_SHORT.repr(value)} ({type(value).__name__})"
 
 
 def as_int(path: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,

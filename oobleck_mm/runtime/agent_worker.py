@@ -347,6 +347,12 @@ class WorkerLoop:
                 raise UserError(f"--save-final: could not write the final checkpoint: {saved.error}")
             if saved.complete:
                 write_replica_hashes(a.save_final_dir, engine)
+        # A periodic checkpoint still written in the background is finished (and reported, so the master
+        # completes its meta.json) before this worker says done: the job's end killed it midway, leaving a
+        # step folder of .tmp files (issue 30).
+        if not self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds()):
+            log.warning("generation %d: the background checkpoint write did not finish within "
+                        "checkpoint_round_timeout; its folder stays incomplete (no meta.json)", a.generation)
         self.report(done=pb.WorkerDone(step=a.steps - 1))
         leave_group()
         return self.commands.get()

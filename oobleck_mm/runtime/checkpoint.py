@@ -154,6 +154,25 @@ def read_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
+def newest_checkpoint(roots: Iterable[str | os.PathLike]) -> tuple[str, int] | None:
+    """(directory, step) of the complete checkpoint (a readable ``meta.json``) with the highest step under
+    ``roots`` (each a checkpoint, or a folder holding some up to two levels down: a run dir's
+    ``checkpoints/stepN``, a round's ``checkpoint-g*-step*``); the newest ``meta.json`` on a tie. A folder
+    of ``.tmp`` files without ``meta.json`` (a write cut short) is never one."""
+    best: tuple[int, float, str] | None = None
+    for root in roots:
+        root = Path(root)
+        for meta_path in [root / "meta.json", *root.glob("*/meta.json"), *root.glob("*/*/meta.json")]:
+            try:
+                step = int(read_meta(meta_path.parent)["step"])
+                key = (step, meta_path.stat().st_mtime, str(meta_path.parent))
+            except (UserError, OSError, ValueError, TypeError):
+                continue
+            if best is None or key > best:
+                best = key
+    return None if best is None else (best[2], best[0])
+
+
 PROGRESS_EVERY_S = 5.0
 """``check_layer_files`` says how far it got at most this often (reading a large checkpoint takes a while)."""
 

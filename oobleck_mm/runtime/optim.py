@@ -52,7 +52,7 @@ def lr_at(training: TrainingConfig, step: int) -> float:
     p = scheduler.params
     warmup_steps = max(2, p.get("warmup_num_steps", SCHEDULER_DEFAULT_WARMUP_STEPS))  # DeepSpeed's max(2, n)
     warmup_type = p.get("warmup_type", _DEFAULT_WARMUP_TYPE)
-    total_steps = p.get("total_num_steps", training.steps)
+    total_steps = scheduler.total_steps(training.steps)
     if scheduler.type == "OneCycle":
         return _one_cycle(training, step)[0]
     if scheduler.type == "WarmupCosineLR":
@@ -119,7 +119,7 @@ def _one_cycle(training: TrainingConfig, step: int) -> tuple[float, tuple[float,
 
     probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=training.optimizer.params.lr,
                               betas=training.optimizer.params.betas)  # fmt: skip
-    schedule = OneCycle(probe, last_batch_iteration=-1 if step == 0 else step - 1, **training.scheduler.params)
+    schedule = OneCycle(probe, last_batch_iteration=-1 if step == 0 else step - 1, **training.scheduler.deepspeed_params(training.steps))
     if step == 0:
         group = probe.param_groups[0]
         return group["lr"], (tuple(group["betas"]) if schedule.cycle_momentum else None)

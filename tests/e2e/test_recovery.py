@@ -194,7 +194,7 @@ def test_below_threshold_checkpoint_then_resume_on_another_node_count(launches, 
     code = run.wait()
     assert code == 3, f"exit {code}\n{run.stderr[-3000:]}"
     run.assert_all_gone()
-    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    found = re.search(r"resume with: (oobleck-launch local --config .+?) --resume (\S+)", run.stderr)
     assert found, run.stderr
     checkpoint = found.group(2)
     stopped_at = read_meta(checkpoint)["step"]
@@ -458,7 +458,7 @@ def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at
     [written] = run.events("checkpoint_written")
     last_step = max(e["step"] for e in run.events("step"))
     assert written["step"] == last_step + 1  # the step they were at: nothing lost
-    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    found = re.search(r"resume with: (oobleck-launch local --config .+?) --resume (\S+)", run.stderr)
     assert found and found.group(2) == written["dir"], run.stderr[-3000:]
     assert "leave on notice with the last copies of some layers" in run.stderr
     assert assert_resume_equals_reference(config, steps, written["dir"]) == written["step"]
@@ -504,7 +504,7 @@ def test_sigterm_to_local_checkpoints_the_current_step_and_the_resume_equals_the
     run.assert_all_gone()
     [written] = run.events("checkpoint_written")
     assert written["step"] == max(e["step"] for e in run.events("step")) + 1  # nothing trained is lost
-    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    found = re.search(r"resume with: (oobleck-launch local --config .+?) --resume (\S+)", run.stderr)
     assert found and found.group(2) == written["dir"] and "stopped on request (SIGTERM)" in run.stderr
     assert assert_resume_equals_reference(config, steps, written["dir"]) == written["step"]
 
@@ -523,7 +523,7 @@ def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equa
     saved = [e["step"] for e in run.events("checkpoint_saved")]
     # Written in the background while training went on (one may be skipped while the last is written).
     assert saved and saved == sorted(saved) and all(s % 4 == 0 for s in saved) and 4 in saved, saved
-    found = re.search(r"resume with: (oobleck-launch local --config \S+) --resume (\S+)", run.stderr)
+    found = re.search(r"resume with: (oobleck-launch local --config .+?) --resume (\S+)", run.stderr)
     assert found, run.stderr
     checkpoint = found.group(2)
     assert read_meta(checkpoint)["step"] == saved[-1] and checkpoint.endswith(f"step{saved[-1]:08d}")

@@ -420,7 +420,7 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
     final = tmp_path / "final"
     steps = 120  # node2 is back (a fork of its warm worker template) within a few steps of its resume
     config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"},
-                          fault_tolerance={"checkpoint_interval": 50, "keep_checkpoints": 0})
+                          fault_tolerance={"checkpoint_interval": 40, "keep_checkpoints": 0})
     master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
     agents = {node: procs.agent(address, node, token) for node in ("node0", "node1", "node2")}
     wait_event(events, "step", step=2, timeout=120)
@@ -448,9 +448,11 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
     # checkpoint, so together they say the whole run equals the reference (a whole-run compare on top
     # repeated the same 120 reference steps).
     windows = checkpoint_windows(str(tmp_path / "run" / "checkpoints"), str(final))
-    assert [w[2] for w in windows] == [50, 100, 120] and windows[0][0] is None
+    # The checkpoint of the last step is written in the background as the job ends: complete (issue 30: the
+    # end killed its writers, leaving .tmp files), and equal to the final save (the last, empty window).
+    assert [w[2] for w in windows] == [40, 80, 120, 120] and windows[0][0] is None
     verdicts = compare_windows(job, windows, progress=lambda line: None)
-    assert len(verdicts) == 3 and all(v.ok and v.tolerance == 1e-9 for v in verdicts), [v.format() for v in verdicts]
+    assert len(verdicts) == 4 and all(v.ok and v.tolerance == 1e-9 for v in verdicts), [v.format() for v in verdicts]
     start, end, step = windows[2]
     off = compare(job, step + 1, end, progress=lambda line: None, start_dir=start)  # one update too many
     assert not off.ok, off.format()

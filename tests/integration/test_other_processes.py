@@ -136,6 +136,9 @@ def test_export_refuses_a_missing_checkpoint_and_a_nonempty_target(tmp_path):
     cmd[5:] = [str(ckpt), "--to", str(tmp_path / "full")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr, proc.stderr
+    cmd[-1] = str(tmp_path / "full" / "x")  # a file (issue 30: exit 1, "internal error")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "exists and is a file" in proc.stderr, proc.stderr
 
 
 def test_cli_exits_2_naming_an_unsupported_architecture_and_profiles_hf_layers(tmp_path):

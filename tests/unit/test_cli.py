@@ -178,6 +178,18 @@ def test_the_resume_command_repeats_the_set_overrides():
     assert command.endswith("--set training.global_batch=32 --set 'data.path=my data.json'")
 
 
+def test_the_resume_command_keeps_the_named_flags_that_change_the_job():
+    """Issue 30: a resumed ``--steps 3000`` run stopped at the file's 20 steps."""
+    from oobleck_mm.cli import _resume_command, build_parser
+
+    args = build_parser().parse_args(["local", "--config", TINY, "--steps", "3000", "--nodes", "2:6",
+                                      "--recovery", "restart", "--checkpoint-interval", "50"])  # fmt: skip
+    command = _resume_command("local", args)
+    assert command.endswith(f"--config {TINY} --nodes 2:6 --steps 3000 --recovery restart --checkpoint-interval 50")
+    master = build_parser().parse_args(["master", "--config", TINY, "--steps", "3000", "--nodes", "4"])
+    assert _resume_command("master", master).endswith("--nodes 4 --steps 3000")
+
+
 @pytest.mark.parametrize("command", ["local", "master"])
 def test_log_every_below_one_exits_2_naming_the_flag(capsys, command, tmp_path):
     assert main([command, "--config", TINY, "--log-every", "0", "--run-dir", str(tmp_path)]) == 2
@@ -209,3 +221,45 @@ def test_verify_windows_judges_every_window_with_the_given_tolerance(monkeypatch
                         "--tolerance", "1e-6"])  # fmt: skip
     assert seen == [1e-6, 1e-6], seen
     assert code == 0 and "2 windows, all within tolerance" in capsys.readouterr().out
+
+
+def test_resume_latest_or_a_run_dir_picks_the_newest_complete_checkpoint(tmp_path, monkeypatch, capsys):
+    """Issue 30: ``--resume`` took only an exact step folder. ``latest`` searches this job's runs, a run dir
+    its own checkpoints; a folder of ``.tmp`` files (a write cut short) is never picked."""
+    import argparse
+    import json
+
+    from oobleck_mm.cli import _resolve_resume
+    from oobleck_mm.config import load_config
+    from oobleck_mm.errors import UserError
+    from oobleck_mm.runtime.checkpoint import FORMAT
+
+    def checkpoint(path, step):
+        path.mkdir(parents=True)
+        meta = {"format": FORMAT, "step": step, "num_layers": 1, "layer_names": ["x"]}
+        (path / "meta.json").write_text(json.dumps(meta))
+
+    job = load_config(TINY)
+    monkeypatch.chdir(tmp_path)
+    name = job.model.name
+    checkpoint(tmp_path / "runs" / f"{name}-a" / "checkpoints" / "step00000004", 4)
+    checkpoint(tmp_path / "runs" / f"{name}-b" / "checkpoint-g3-step00000009", 9)
+    cut = tmp_path / "runs" / f"{name}-b" / "checkpoints" / "step00000012"
+    cut.mkdir(parents=True)
+    (cut / "layer0.pt.tmp").write_text("")
+    checkpoint(tmp_path / "runs" / "other-model" / "checkpoints" / "step00000099", 99)
+
+    def resolved(resume, run_dir=""):
+        args = argparse.Namespace(resume=resume, run_dir=run_dir)
+        _resolve_resume(args, job)
+        return args.resume
+
+    assert resolved("latest").endswith(f"runs/{name}-b/checkpoint-g3-step00000009")
+    assert resolved(f"runs/{name}-a").endswith("checkpoints/step00000004")
+    assert resolved("latest", run_dir=f"runs/{name}-a").endswith("step00000004")
+    exact = f"runs/{name}-a/checkpoints/step00000004"
+    assert resolved(exact) == exact
+    assert "the newest complete checkpoint is" in capsys.readouterr().out
+    with pytest.raises(UserError, match="no complete checkpoint .* under empty"):
+        (tmp_path / "empty").mkdir()
+        resolved("empty")

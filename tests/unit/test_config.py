@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from oobleck_mm.config import ConfigError, JobConfig, config_from_dict, load_config
+from oobleck_mm.config import ConfigError, JobConfig, apply_overrides, config_from_dict, load_config
 from oobleck_mm.config.devices import DEVICES
 from oobleck_mm.planning.costs import ClusterSpec
 
@@ -175,7 +175,15 @@ def test_scheduler_params_follow_deepspeed_and_total_defaults_to_steps():
     d = with_value(MINIMAL, "training", {"steps": 50, "scheduler": {"type": "WarmupDecayLR",
                                                                     "params": {"warmup_num_steps": 5}}})  # fmt: skip
     job = config_from_dict(d)
-    assert job.training.scheduler.params == {"warmup_num_steps": 5, "total_num_steps": 50}
+    assert job.training.scheduler.params == {"warmup_num_steps": 5}
+    assert job.training.scheduler.total_steps(job.training.steps) == 50
+    # --steps (and --set training.steps) come after the file: the schedule follows them (issue 30: a
+    # 60-step run of a 30-step file kept its lr at the floor from step 31).
+    longer = apply_overrides(job, steps=120)
+    assert longer.training.scheduler.total_steps(longer.training.steps) == 120
+    from oobleck_mm.runtime.optim import lr_at
+
+    assert lr_at(longer.training, 100) > lr_at(longer.training, 119) > lr_at(longer.training, 120)
     cosine = with_value(d, "training.scheduler", {"type": "WarmupCosineLR",
                                                   "params": {"warmup_num_steps": 5, "cos_min_ratio": 0.1}})  # fmt: skip
     assert config_from_dict(cosine).training.scheduler.params["cos_min_ratio"] == 0.1
@@ -203,7 +211,7 @@ BAD = [
     ("training.scheduler", {"type": "WarmupLR", "params": {"total_num_steps": 5}},
      "unknown key 'training.scheduler.params.total_num_steps'", "valid keys for WarmupLR"),
     ("training.scheduler", {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1000}},
-     "training.scheduler.params.total_num_steps (20)", "warmup_num_steps (1000)"),
+     "training.scheduler.params.total_num_steps (20, training.steps: its default)", "warmup_num_steps (1000)"),
     ("training.scheduler", {"type": "WarmupLR", "params": {"warmup_type": "cubic"}},
      "training.scheduler.params.warmup_type:", "'log', 'linear'"),
     ("training.scheduler", {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1}},
@@ -323,3 +331,33 @@ def test_the_rendezvous_timeout_is_a_setting_a_user_may_raise():
         config_from_dict(with_value(MINIMAL, "fault_tolerance", {"rendezvous_timeout": "0s"}))
 
 
+
+
+def test_inputs_that_were_internal_errors_are_config_errors_naming_the_file_or_field(tmp_path):
+    """Issue 30: a UTF-16 file (the message dumped it), a step count past 64 bits, a 1 KB YAML alias bomb
+    (the launcher hung expanding it into the message): each a one-line ConfigError."""
+    from oobleck_mm.config import apply_overrides
+    from oobleck_mm.config.job import check_expansion
+    from oobleck_mm.config.values import describe
+
+    text = open(TINY, encoding="utf-8").read()
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_bytes(text.encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"utf16.yaml is not UTF-8 text \(byte 0xff at offset 0: it is UTF-16\)"):
+        load_config(str(utf16))
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(text.encode("utf-8-sig"))
+    assert load_config(str(bom)).model.name == load_config(TINY).model.name, "a UTF-8 BOM is fine"
+    with pytest.raises(ConfigError, match=r"training.steps: must be <= 9007199254740992 .* got 10{23}"):
+        apply_overrides(load_config(TINY), steps=10**23)
+    levels = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    levels += [f"{x}: &{x} [{', '.join(['*' + p] * 9)}]" for p, x in zip("abcdefg", "bcdefgh")]  # 9**8 values
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(text + "\n" + "\n".join(levels) + "\n")
+    with pytest.raises(ConfigError, match=r"bomb.yaml: its YAML aliases expand to more than 1,000,000 values"):
+        load_config(str(bomb))
+    with pytest.raises(ConfigError, match=r"--set training.steps: its YAML aliases expand"):
+        load_config(TINY, overrides=["training.steps=" + "{" + ", ".join(levels).replace(": &", ": &") + "}"])
+    expanded = yaml.safe_load("\n".join(levels))["h"]
+    check_expansion(expanded[0][0][0][0], "small enough")  # 9**4 values pass
+    assert len(describe(expanded)) < 1000, "a value refused with a bomb inside is described in a bounded message"

@@ -82,3 +82,21 @@ def test_deepspeed_key_in_the_yaml_is_relative_to_it(tmp_path):
         load_config(str(tmp_path / "job.yaml"), str(tmp_path / "sub" / "ds.json"))
     with pytest.raises(ConfigError, match="deepspeed: config file .*nope.json' does not exist"):
         load_config(*files(tmp_path, {})[:1], str(tmp_path / "nope.json"))
+
+
+def test_auto_values_of_a_config_written_for_hugging_face_take_the_jobs_own(tmp_path, caplog):
+    """Issue 30: ``"auto"`` (what HF's Trainer fills in) failed as ``lr: expected a finite number, got 'auto'``.
+    It now means "the job decides": the YAML's value, or the default, and a note names every such key."""
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                    "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": 3, "total_num_steps": "auto"}}}
+    job_yaml, ds_json = files(tmp_path, ds, training={"global_batch": 32, "microbatch_size": 4, "steps": 40,
+                                                      "optimizer": {"params": {"lr": 5e-4}}})
+    with caplog.at_level(logging.WARNING):
+        t = load_config(job_yaml, ds_json).training
+    assert (t.global_batch, t.microbatch_size, t.optimizer.params.lr, t.dtype) == (32, 4, 5e-4, "float32")
+    assert t.scheduler.params == {"warmup_num_steps": 3} and t.scheduler.total_steps(t.steps) == 40
+    assert "optimizer.params.lr" in caplog.text and '"auto" takes the job\'s own value' in caplog.text

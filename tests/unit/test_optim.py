@@ -33,7 +33,7 @@ def deepspeed_lrs(t: TrainingConfig, num_steps: int) -> list[float]:
     """The lr each optimizer.step() sees when DeepSpeed's engine drives the real scheduler class:
     built from the config (last_batch_iteration=-1), stepped after every optimizer step."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.optimizer.params.lr)
-    sched = getattr(lr_schedules, t.scheduler.type)(opt, **t.scheduler.params)
+    sched = getattr(lr_schedules, t.scheduler.type)(opt, **t.scheduler.deepspeed_params(t.steps))
     lrs = []
     for _ in range(num_steps):
         lrs.append(opt.param_groups[0]["lr"])  # what optimizer.step() would use now
