@@ -61,13 +61,13 @@ from multiprocessing.connection import wait as wait_connections
 
 import grpc
 import psutil
-import yaml
 
 from agent.reports import ReportLog
 from agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, Worker, WorkerFault, start_worker_template,
                            stop_all)
-from oobleck_mm.config import FaultToleranceConfig, section_from_dict
+from oobleck_mm.config import FaultToleranceConfig, parse_config_text, section_from_dict
 from oobleck_mm.errors import ExitCode, UserError
+from oobleck_mm.protocol import MESSAGE_OPTIONS
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import call_metadata
@@ -143,7 +143,7 @@ class Agent:
         first, longest = RECONNECT_BACKOFF_MS
         self._channel = grpc.insecure_channel(self.o.master, options=[
             ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
-            ("grpc.max_reconnect_backoff_ms", longest),
+            ("grpc.max_reconnect_backoff_ms", longest), *MESSAGE_OPTIONS,
         ])  # fmt: skip
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         old_handlers = {}
@@ -554,7 +554,7 @@ def _split_address(address: str) -> tuple[str, int]:
 
 def _fault_tolerance(config_yaml: str) -> FaultToleranceConfig:
     """The job's fault-tolerance section (every timeout the agent uses derives from it)."""
-    raw = yaml.safe_load(config_yaml) or {}
+    raw = parse_config_text(config_yaml) or {}
     return section_from_dict(FaultToleranceConfig, raw.get("fault_tolerance"), "fault_tolerance")
 
 

@@ -39,6 +39,8 @@ from master.progress import Progress, StepFacts
 from master.registry import RefusalCounter, Refused
 from master.state import Finish, JobPhase, JobState, RunOptions, Settings
 from oobleck_mm.events import EventLog
+from oobleck_mm.errors import UserError
+from oobleck_mm.protocol import MAX_MESSAGE_BYTES
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,11 @@ class Coordinator:
         self.settings = Settings.of(job, num_nodes=num_nodes, steps=steps, store_host=store_host,
                                     store_port=store_port, options=options)  # fmt: skip
         self.config_yaml = self.settings.config_yaml
+        size = len(self.config_yaml.encode())
+        if size > MAX_MESSAGE_BYTES // 2:  # the rest of a RegisterReply is small; half leaves room for growth
+            raise UserError(f"the job's config is {size / 2**20:.0f} MiB as the agents receive it, more than "
+                            f"{MAX_MESSAGE_BYTES // 2 // 2**20} MiB: shorten its longest lists (data.excluded_samples "
+                            f"has {len(job.data.excluded_samples):,} entries)")
         self.state = JobState(next_step=options.resume_step, last_progress=clock())
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import psutil
-import yaml
 
 from master.journal import running_job
 from master.server import default_run_dir, make_run_dir
+from oobleck_mm.config import dump_config
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.faults.spec import hold_points
@@ -95,7 +95,7 @@ class LocalCluster:
         # The job as resolved here (overrides applied, paths absolute): the master reads exactly it.
         self.job_file = os.path.join(self.run_dir, "job.yaml")
         with open(self.job_file, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(job.to_dict(), fh, sort_keys=False)
+            dump_config(job, fh)
         self.address = ""
         self.master: subprocess.Popen | None = None
         self._master_lock = threading.Lock()  # the injector reads the master's pid

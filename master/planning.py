@@ -33,9 +33,8 @@ import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Optional, Sequence
 
-import yaml
 
-from oobleck_mm.config import config_from_dict
+from oobleck_mm.config import config_from_dict, parse_config_text
 from oobleck_mm.lifetime import die_with_parent
 from oobleck_mm.planning.planner import (Planned, plan_as_is, plan_fresh, plan_job, plan_reconfiguration,
                                         plan_without_stragglers, split_for_speeds)  # fmt: skip
@@ -94,7 +93,7 @@ def warm_templates(config_yaml: str, template_nodes: int) -> None:
 
 
 def _job(config_yaml: str):
-    return config_from_dict(yaml.safe_load(config_yaml))
+    return config_from_dict(parse_config_text(config_yaml))
 
 
 def _profile(config_yaml: str, job):

@@ -26,6 +26,7 @@ from master.service import CoordinatorService, TokenInterceptor
 from master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.events import EventLog
+from oobleck_mm.protocol import MESSAGE_OPTIONS
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import new_token, read_token, write_token
 
@@ -103,7 +104,7 @@ class MasterServer:
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(32, 2 * self.num_nodes + 16), thread_name_prefix="grpc"),
-            interceptors=[TokenInterceptor(self.token, self._refused)],
+            interceptors=[TokenInterceptor(self.token, self._refused)], options=MESSAGE_OPTIONS,
         )
         try:
             self.port = self._server.add_insecure_port(format_address(host or "0.0.0.0", self.options.port))

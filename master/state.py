@@ -17,13 +17,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 
 from master.assignments import Sending
 from master.checkpointing import CheckpointBook, CheckpointRound
 from master.progress import Incident
 from master.recovery import GenerationView, Holdings, Request
 from master.registry import Registry
+from oobleck_mm.config import dump_config
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu
 
 
@@ -99,7 +99,7 @@ class Settings:
             checkpoint_async=policy.asynchronous_checkpoints,
         )  # fmt: skip
         # What the workers read: the job with its overrides and absolute paths, whatever their file system.
-        config_yaml = yaml.safe_dump(job.to_dict(), sort_keys=False)
+        config_yaml = dump_config(job)
         return cls(job, num_nodes, steps, options, sending, config_yaml)
 
     @property

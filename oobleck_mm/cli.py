@@ -519,10 +519,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
 def _journaled_job(args: argparse.Namespace):
     """(job, journal) of ``--resume-master RUN_DIR``: the job exactly as the lost master ran it."""
-    import yaml
-
     from master.journal import read_journal
-    from oobleck_mm.config import config_from_dict
+    from oobleck_mm.config import config_from_dict, parse_config_text
 
     given = [flag for flag, value in (("--config", args.config), ("--resume", args.resume), ("--steps", args.steps),
                                       ("--nodes", args.nodes), ("--set", args.overrides), ("--run-dir", args.run_dir),
@@ -532,7 +530,7 @@ def _journaled_job(args: argparse.Namespace):
         raise UserError(f"--resume-master: {', '.join(given)} cannot change the job it re-adopts; the journal in "
                         f"{args.resume_master} has its config and options")
     journal = read_journal(args.resume_master)
-    return config_from_dict(yaml.safe_load(journal.config_yaml)), journal
+    return config_from_dict(parse_config_text(journal.config_yaml)), journal
 
 
 def _dial_address(server) -> str:

@@ -224,12 +224,12 @@ class _NoiseReference:
     """The reversed-order reference in a child process (the two share the machine's cores)."""
 
     def __init__(self, job, steps: int, start_dir: str | None) -> None:
-        import yaml
+        from oobleck_mm.config import dump_config
 
         self._tmp = tempfile.TemporaryDirectory(prefix="oobleck-verify-")
         config = os.path.join(self._tmp.name, "job.yaml")
         with open(config, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(job.to_dict(), fh, sort_keys=False)
+            dump_config(job, fh)
         self._out = os.path.join(self._tmp.name, "states.pt")
         from oobleck_mm.runtime.template import warm_process
 

@@ -32,6 +32,8 @@ from oobleck_mm.config.job import (
     VisionConfig,
     apply_overrides,
     config_from_dict,
+    dump_config,
+    parse_config_text,
     load_config,
     section_from_dict,
     validate,
@@ -42,6 +44,6 @@ __all__ = [
     "FROZEN_MODULES", "SCHEDULER_DEFAULT_WARMUP_STEPS", "WARMUP_DECAY_DEFAULT_MAX_LR", "AudioConfig",
     "BalanceConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultToleranceConfig", "JobConfig",
     "LLMConfig", "ModelConfig", "OptimizerConfig", "OptimizerParams", "PlanningConfig", "ProjectorConfig",
-    "SchedulerConfig", "TrainingConfig", "VisionConfig", "apply_overrides", "config_from_dict", "load_config",
+    "SchedulerConfig", "TrainingConfig", "VisionConfig", "apply_overrides", "config_from_dict", "dump_config", "load_config", "parse_config_text",
     "section_from_dict", "validate",
 ]  # fmt: skip

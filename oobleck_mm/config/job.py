@@ -1089,21 +1089,35 @@ def config_from_dict(d: Any, source: str = "<dict>") -> JobConfig:
 
 log = logging.getLogger(__name__)
 
-# libyaml's loader when built in: same results, many times faster.
+# libyaml's loader and dumper when built in: same results, many times faster (a config with a million
+# excluded samples: 2.7 s to dump instead of 6.9 s).
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def parse_config_text(text: str) -> Any:
+    """The raw dict of a config's YAML text (``dump_config``'s, or a file's), read with libyaml when built in."""
+    return yaml.load(text, Loader=_YAML_LOADER)
+
+
+def dump_config(job: JobConfig, stream=None):
+    """The job as YAML that ``config_from_dict(yaml.safe_load(...))`` reads back: the text, or written to ``stream``."""
+    return yaml.dump(job.to_dict(), stream, Dumper=_YAML_DUMPER, sort_keys=False)
 
 
 _SHORT_TEXT = reprlib.Repr()
 _SHORT_TEXT.maxstring = 200  # a --set value in a message: its start is enough
 
 MAX_CONFIG_VALUES = 1_000_000
-"""The most values a config may hold once its YAML aliases are expanded: a 1 KB alias bomb expands to
-billions (every later copy, message or ``safe_dump`` of the job would hang on it)."""
+"""Values a config may hold once its YAML aliases are expanded, beyond one per byte of its text: a 1 KB
+alias bomb expands to billions (every later copy, message or ``safe_dump`` of the job would hang on it),
+while a written-out list, even of a million excluded samples, holds fewer values than bytes."""
 
 
-def check_expansion(raw: Any, where: str) -> None:
-    """``ConfigError`` when ``raw`` expands past ``MAX_CONFIG_VALUES`` values. Counted on the loaded graph
-    with each shared node counted once per reference but computed once (a bomb is a small DAG)."""
+def check_expansion(raw: Any, where: str, text_bytes: int = 0) -> None:
+    """``ConfigError`` when ``raw`` expands past ``MAX_CONFIG_VALUES`` plus ``text_bytes`` values. Counted on
+    the loaded graph, each shared node counted once per reference but computed once (a bomb is a small DAG)."""
+    limit = MAX_CONFIG_VALUES + text_bytes
     sizes: dict[int, int] = {}
 
     def size(node: Any) -> int:
@@ -1113,12 +1127,12 @@ def check_expansion(raw: Any, where: str) -> None:
         if key not in sizes:
             sizes[key] = 0  # a cycle (YAML allows one) counts once
             values = list(node.values()) if isinstance(node, dict) else node
-            sizes[key] = min(1 + len(node) + sum(size(v) for v in values), MAX_CONFIG_VALUES + 1)
+            sizes[key] = min(1 + len(node) + sum(size(v) for v in values), limit + 1)
         return sizes[key]
 
-    if size(raw) > MAX_CONFIG_VALUES:
-        raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_CONFIG_VALUES:,} values (an alias "
-                          "bomb?); write the values out, or use fewer nested aliases")
+    if size(raw) > limit:
+        raise ConfigError(f"{where}: its YAML aliases expand to more than {limit:,} values (an alias bomb?); "
+                          "write the values out, or use fewer nested aliases")
 
 
 def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides: Sequence[str] = ()) -> JobConfig:
@@ -1134,7 +1148,7 @@ def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides
             data = fh.read()
         text = data.decode("utf-8-sig")
         raw = yaml.load(text, Loader=_YAML_LOADER)
-        check_expansion(raw, path)
+        check_expansion(raw, path, len(data))
     except UnicodeDecodeError as exc:
         utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
         raise ConfigError(f"<file>: {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}"
@@ -1193,7 +1207,7 @@ def apply_set(raw: dict, overrides: Sequence[str]) -> None:
             value = yaml.load(text, Loader=_YAML_LOADER)
         except yaml.YAMLError:
             raise ConfigError(f"--set {key}: {_SHORT_TEXT.repr(text)} is not a YAML value") from None
-        check_expansion(value, f"--set {key}")
+        check_expansion(value, f"--set {key}", len(text))
         if key in _PATH_KEYS and isinstance(value, str):
             value = os.path.abspath(os.path.expanduser(value))
         node = raw

@@ -456,3 +456,22 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
     start, end, step = windows[2]
     off = compare(job, step + 1, end, progress=lambda line: None, start_dir=start)  # one update too many
     assert not off.ok, off.format()
+
+
+def test_a_config_past_grpcs_default_4_mib_registers(tmp_path, procs):
+    """Issue 30: a million ``data.excluded_samples`` (what ``--skip-bad-samples`` fills) made the config ~9 MiB
+    (600,000 here: 6 MiB), past gRPC's default 4 MiB message, and every agent's registration failed. A real
+    agent registers and subscribes now (both sides accept ``protocol.MAX_MESSAGE_BYTES``); a channel with
+    gRPC's defaults is still refused, so the size is what is tested."""
+    from oobleck_mm.protocol.auth import read_token
+
+    config = write_config(tmp_path, nodes=2, steps=5, data={"excluded_samples": list(range(0, 1_200_000, 2))})
+    with master_in_process(config, tmp_path) as master:
+        procs.agent(master.address, "node0", master.token_file)
+        wait_event(master.event_log_path, "subscribed", node="node0", timeout=60)
+        with grpc.insecure_channel(master.address) as channel:  # gRPC's default 4 MiB
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Register(pb.RegisterRequest(node="node1", gpus=1),
+                              metadata=call_metadata(read_token(master.token_file)), timeout=30)  # fmt: skip
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
