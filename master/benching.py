@@ -22,7 +22,7 @@ from dataclasses import replace
 from master.context import Context
 from master.recovery import GenerationView, orphan_layers, surviving_ranks
 from master.state import Bench
-from oobleck_mm.config.job import MAX_BENCH_DOUBLINGS
+from oobleck_mm.config.fault_tolerance import MAX_BENCH_DOUBLINGS
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 

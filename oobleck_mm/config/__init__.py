@@ -3,8 +3,11 @@
 The leaf of the import graph: nothing here imports another project module but
 ``oobleck_mm.errors`` (an import-linter contract in ``.importlinter`` keeps it so).
 
-- ``job``: the sections, the cross-field rules, parsing, command-line overrides,
-  and the named timeouts (``FaultToleranceConfig``'s properties);
+- ``job``: the sections, the cross-field rules, building them from plain dicts;
+- ``fault_tolerance``: that section and the named timeouts derived from it
+  (``FaultToleranceConfig``'s properties);
+- ``loading``: the file, ``--deepspeed``, ``--set`` and the named flags, in that
+  order (``load_config``, ``apply_overrides``), and the job's YAML text;
 - ``values``: field checks and units (durations, sizes, bandwidths), ``ConfigError``;
 - ``devices``: the accelerator catalogue ``cluster.accelerator`` names;
 - ``shape``: the model the sections describe as ordered, pipeline-cuttable layers
@@ -19,7 +22,6 @@ from oobleck_mm.config.job import (
     BalanceConfig,
     ClusterConfig,
     DataConfig,
-    FaultToleranceConfig,
     JobConfig,
     LLMConfig,
     ModelConfig,
@@ -30,14 +32,12 @@ from oobleck_mm.config.job import (
     SchedulerConfig,
     TrainingConfig,
     VisionConfig,
-    apply_overrides,
     config_from_dict,
-    dump_config,
-    parse_config_text,
-    load_config,
     section_from_dict,
     validate,
 )
+from oobleck_mm.config.fault_tolerance import FaultToleranceConfig
+from oobleck_mm.config.loading import apply_overrides, dump_config, load_config, parse_config_text
 from oobleck_mm.config.values import ConfigError
 
 __all__ = [

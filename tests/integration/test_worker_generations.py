@@ -106,7 +106,7 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
         unblocked_s = time.monotonic() - started
         # The new plan interrupts the survivors' waits; what may not be interrupted (a gloo point-to-point
         # wait) ends within the collective timeout's margin over the heartbeat timeout the test waited.
-        from oobleck_mm.config.job import COLLECTIVE_TIMEOUT_MARGIN
+        from oobleck_mm.config.fault_tolerance import COLLECTIVE_TIMEOUT_MARGIN
 
         bound = 1.0 + COLLECTIVE_TIMEOUT_MARGIN.total_seconds() + 0.5
         assert unblocked_s < bound, f"survivors took {unblocked_s:.1f} s to give up the iteration (bound {bound} s)"

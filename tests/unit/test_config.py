@@ -337,7 +337,7 @@ def test_inputs_that_were_internal_errors_are_config_errors_naming_the_file_or_f
     """Issue 30: a UTF-16 file (the message dumped it), a step count past 64 bits, a 1 KB YAML alias bomb
     (the launcher hung expanding it into the message): each a one-line ConfigError."""
     from oobleck_mm.config import apply_overrides
-    from oobleck_mm.config.job import check_expansion
+    from oobleck_mm.config.loading import check_expansion
     from oobleck_mm.config.values import describe
 
     text = open(TINY, encoding="utf-8").read()
