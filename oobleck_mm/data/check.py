@@ -5,7 +5,9 @@ so its reference run leaves out the same samples). Building the dataset reads
 every record and every image's header; with ``data.check_images: decode`` (the
 default) every image is then decoded once as well, so a truncated or corrupt
 file is found here and not by a worker mid-run. Without ``data.skip_bad_samples``
-the first bad sample is a ``UserError`` naming its file and record (exit 2).
+the whole pass runs all the same, and every bad sample (the first ``REPORTED``
+named, the rest counted) is one ``UserError`` that suggests ``--skip-bad-samples``
+(exit 2): a user fixes them all at once instead of one per launch.
 With it, bad samples are logged and their positions in the JSON file become
 ``data.excluded_samples``, which the job's config carries to every worker: all
 ranks, and any later resume, leave out exactly the same samples. The global
@@ -14,6 +16,7 @@ batch keeps its size: the sampler draws from the samples that remain.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -24,23 +27,36 @@ from oobleck_mm.errors import UserError
 PROGRESS_EVERY_S = 5.0
 """A progress line at most this often while images are decoded."""
 SHOWN = 5
-"""Bad samples named one by one before the rest are counted."""
+"""Bad samples left out that are named one by one before the rest are counted."""
+REPORTED = 20
+"""Bad samples a refusal names one by one (without ``data.skip_bad_samples``) before it counts the rest."""
 
 
 def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSample]:
     """Checks every sample of ``job.data``; returns the bad ones left out (sets ``data.excluded_samples``).
 
-    Raises ``UserError`` for the first bad sample unless ``data.skip_bad_samples``, and when
-    too few samples remain for one global batch.
+    Raises ``UserError`` naming every bad sample (up to ``REPORTED``) unless ``data.skip_bad_samples``,
+    and when too few samples remain for one global batch.
     """
     start = time.perf_counter()
-    dataset = build_dataset(job)
     if job.data.kind == "synthetic":  # generated samples: nothing to read
+        build_dataset(job)
         return []
+    # One pass that collects every bad sample, whether or not they are then left out.
+    collecting = job if job.data.skip_bad_samples else dataclasses.replace(
+        job, data=dataclasses.replace(job.data, skip_bad_samples=True))  # fmt: skip
+    dataset = build_dataset(collecting)
     bad = list(dataset.skipped)  # records and headers: already left out of ``dataset``
-    decoded_bad = _decode_every_image(dataset, job.data.skip_bad_samples, progress) \
-        if job.data.check_images == "decode" else []
+    decoded_bad = _decode_every_image(dataset, progress) if job.data.check_images == "decode" else []
     bad += decoded_bad
+    if bad and not job.data.skip_bad_samples:
+        skip = "data.skip_bad_samples: true (or --skip-bad-samples) leaves {} out, on every rank and every resume"
+        if len(bad) == 1:  # one line, as the console prints an error
+            raise UserError(f"{bad[0].reason} (sample #{bad[0].position}); {skip.format('it')}")
+        named = "\n".join(f"  #{b.position}: {b.reason}" for b in bad[:REPORTED])
+        more = f"\n  ... and {len(bad) - REPORTED} more" if len(bad) > REPORTED else ""
+        raise UserError(f"{job.data.path}: {len(bad)} bad samples, each of which would stop the job on any "
+                        f"replica:\n{named}{more}\n{skip.format('them')}")  # fmt: skip
     if bad:
         job.data.excluded_samples = tuple(sorted(set(job.data.excluded_samples) | {b.position for b in bad}))
         for b in bad[:SHOWN]:
@@ -56,7 +72,7 @@ def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSampl
     return bad
 
 
-def _decode_every_image(dataset, skip: bool, progress: Callable[[str], None]) -> list[BadSample]:
+def _decode_every_image(dataset, progress: Callable[[str], None]) -> list[BadSample]:
     bad: list[BadSample] = []
     total = len(dataset)
     started = last = time.perf_counter()
@@ -64,8 +80,6 @@ def _decode_every_image(dataset, skip: bool, progress: Callable[[str], None]) ->
         try:
             dataset.decode_images(index)
         except UserError as error:
-            if not skip:
-                raise UserError(f"{error} (data.skip_bad_samples: true leaves such samples out)") from None
             bad.append(BadSample(dataset.meta(index).index, str(error)))
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S:
