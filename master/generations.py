@@ -67,8 +67,8 @@ def wanted(ctx: Context) -> Request | StateLost | None:
     # A node joins once its workers are up: admitting it earlier would hold the survivors at the
     # rendezvous for its start-up (imports, warm-up: seconds) instead of only for the state copy.
     # A straggler on the bench joins once its bench ended.
-    benched = s.out_on_bench(ctx.now)
-    live = [n for n in live if n in current.nodes or (s.registry.nodes[n].all_ready and n not in benched)]
+    benched, planned = s.out_on_bench(ctx.now), set(current.nodes)
+    live = [n for n in live if n in planned or (s.registry.nodes[n].all_ready and n not in benched)]
     return _with_speeds(ctx, current, ctx.policy.wanted(ctx.facts(abandoned(ctx)), current, live))
 
 

@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""The control plane at 100 to 4,000 nodes (issue 30 item 3): the real master against emulated agents.
+
+    python scripts/bench_control_plane.py [--nodes 100,1000] [--kill 10] [--json OUT]
+
+For each node count, one ``oobleck-launch master`` (tiny_mm, heartbeats every 1 s, a 3 s timeout) and
+that many emulated agents in a few processes: each registers with the job's token, opens its event
+stream and heartbeats every interval, as ``agent/agent.py`` does, but starts no worker (no torch: what is
+measured is the master, not the workers). Printed per size:
+
+- registration: seconds until every node is registered and subscribed;
+- the first plan's fan-out: from ``plan_decided`` to the last emulated agent holding its assignment;
+- the master's CPU while every node heartbeats (its process' user + system seconds per wall second,
+  over ``--window`` seconds: target under half a core at 1,000 nodes);
+- detection: ``--kill`` agents stop heartbeating at once with their streams left open (a hung host, the
+  slow case: only ``heartbeat_timeout`` tells), and the seconds from there to each ``lost`` event (target:
+  at most ``heartbeat_timeout`` + 1 s);
+- the recovery plan's fan-out to the survivors.
+
+The emulated agents share this machine's two cores with the master, so the figures are an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "configs" / "tiny_mm.yaml"
+HEARTBEAT_S, TIMEOUT_S = 1.0, 3.0
+AGENT_PROCESSES = 4
+
+
+def emulated_agents(address: str, token: str, names: list[str], interval: float, out, control) -> None:
+    """One process' share of the agents: register, subscribe, heartbeat; report each assignment's arrival
+    (node, generation, wall time) on ``out``; on ``("stop", names)`` from ``control`` those stop heartbeating."""
+    import grpc
+
+    from oobleck_mm.protocol import MESSAGE_OPTIONS
+    from oobleck_mm.protocol import oobleck_pb2 as pb
+    from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+    from oobleck_mm.protocol.auth import call_metadata
+
+    channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
+    stub = pb_grpc.CoordinatorStub(channel)
+    metadata = call_metadata(token)
+    refs: dict = {}
+    stopped: set[str] = set()
+
+    def heartbeats() -> None:  # from the first registration on, as a real agent does
+        while True:
+            began = time.monotonic()
+            # Sent together, answered together (futures on one channel): hundreds of nodes per process
+            # each heartbeat in turn would take longer than the interval on shared cores.
+            calls = [stub.Heartbeat.future(pb.HeartbeatRequest(node=ref), metadata=metadata, timeout=10)
+                     for name, ref in list(refs.items()) if name not in stopped]  # fmt: skip
+            for call in calls:
+                try:
+                    call.result()
+                except grpc.RpcError:
+                    pass
+            time.sleep(max(0.0, interval - (time.monotonic() - began)))
+
+    threading.Thread(target=heartbeats, daemon=True).start()
+    for name in names:
+        reply = stub.Register(pb.RegisterRequest(node=name, gpus=1, pid=os.getpid()), metadata=metadata, timeout=60)
+        refs[name] = pb.NodeRef(node=name, session=reply.session)
+
+    def listen(ref) -> None:
+        try:
+            for event in stub.Subscribe(ref, metadata=metadata):
+                if event.WhichOneof("event") == "assignment":
+                    out.put(("assigned", ref.node, event.assignment.assignment.generation, time.time()))
+        except grpc.RpcError:
+            pass
+
+    for ref in refs.values():
+        threading.Thread(target=listen, args=(ref,), daemon=True).start()
+    out.put(("subscribed", len(refs), 0, time.time()))
+    while True:
+        kind, which = control.get()
+        if kind == "stop":
+            stopped.update(which)
+        elif kind == "exit":
+            os._exit(0)
+
+
+def events(path: Path, name: str) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if e.get("event") == name:
+            out.append(e)
+    return out
+
+
+def wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def run_size(nodes: int, kill: int, window: float, say) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"oobleck-cp-{nodes}-"))
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", "master", "--config", str(CONFIG), "--nodes", str(nodes),
+           "--port", "0", "--run-dir", str(work / "run"), "--steps", "100000", "--log-level", "warning",
+           "--set", f"fault_tolerance.heartbeat_interval={HEARTBEAT_S}s",
+           "--set", f"fault_tolerance.heartbeat_timeout={TIMEOUT_S}s",
+           "--set", f"cluster.max_nodes={max(nodes, 16)}", "--set", "fault_tolerance.straggler_factor=0",
+           "--set", f"training.global_batch={4 * nodes}"]  # every pipeline (at most one per node) a microbatch
+    log = open(work / "master.log", "w")
+    master = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    agents, controls = [], []
+    try:
+        found = wait(lambda: re.search(r"master listening on (\S+) ", (work / "master.log").read_text()), 60,
+                     "the master")  # fmt: skip
+        address, token = found.group(1), (work / "run" / "token").read_text().strip()
+        event_log = work / "run" / "events.jsonl"
+        out = mp.get_context("spawn").Queue()
+        names = [f"node{i}" for i in range(nodes)]
+        shares = [names[k::AGENT_PROCESSES] for k in range(AGENT_PROCESSES)]
+        began = time.time()
+        for share in shares:
+            control = mp.get_context("spawn").Queue()
+            p = mp.get_context("spawn").Process(target=emulated_agents,
+                                                args=(address, token, share, HEARTBEAT_S, out, control), daemon=True)
+            p.start()
+            agents.append(p)
+            controls.append(control)
+        assigned: dict[tuple[str, int], float] = {}
+        subscribed = 0
+
+        def drain() -> None:
+            nonlocal subscribed
+            while not out.empty():
+                kind, node, generation, at = out.get()
+                if kind == "subscribed":
+                    subscribed += 1
+                else:
+                    assigned[(node, generation)] = at
+
+        def all_subscribed():
+            drain()
+            return subscribed == len(shares)
+
+        wait(all_subscribed, 600, "every agent subscribed")
+        registered_s = time.time() - began
+        first = wait(lambda: events(event_log, "plan_decided"), 600, "the first plan")[0]
+        planned = set(first["nodes"])
+        wait(lambda: drain() or all((n, 1) in assigned for n in planned), 300, "every assignment of generation 1")
+        fan_out_1 = max(assigned[(n, 1)] for n in planned) - first["ts"]
+        say(f"{nodes} nodes: registered and subscribed in {registered_s:.1f} s; generation 1 planned on "
+            f"{len(planned)} nodes, every assignment received {fan_out_1:.3f} s after plan_decided")
+        proc = psutil.Process(master.pid)
+        cpu0, t0 = proc.cpu_times(), time.monotonic()
+        time.sleep(window)
+        cpu1, t1 = proc.cpu_times(), time.monotonic()
+        cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
+        threads = proc.num_threads()
+        say(f"{nodes} nodes heartbeating every {HEARTBEAT_S:g} s: the master used {cores:.2f} cores "
+            f"({threads} threads)")
+        victims = names[-kill:]
+        stop_at = time.time()
+        for control, share in zip(controls, shares):
+            control.put(("stop", [n for n in victims if n in set(share)]))
+        lost = wait(lambda: (found := {e["node"]: e for e in events(event_log, "lost")}) and
+                    all(v in found for v in victims) and found, TIMEOUT_S * 10 + 60, "every stopped node lost")
+        detection = sorted(lost[v]["ts"] - stop_at for v in victims)
+        second = wait(lambda: [e for e in events(event_log, "plan_decided") if e["generation"] > 1], 300,
+                      "the recovery plan")[0]  # fmt: skip
+        survivors = set(second["nodes"])
+        gen = second["generation"]
+        wait(lambda: drain() or all((n, gen) in assigned for n in survivors), 300, "every recovery assignment")
+        fan_out_2 = max(assigned[(n, gen)] for n in survivors) - second["ts"]
+        say(f"{nodes} nodes: {kill} stopped (heartbeats only), lost after {detection[0]:.2f}-{detection[-1]:.2f} s "
+            f"(heartbeat_timeout {TIMEOUT_S:g} s); generation {gen} on {len(survivors)} nodes planned "
+            f"{second['ts'] - lost[victims[-1]]['ts']:.2f} s after the last loss, every assignment received "
+            f"{fan_out_2:.3f} s after plan_decided")  # fmt: skip
+        return {"nodes": nodes, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
+                "master_cores": round(cores, 3), "master_threads": threads, "killed": kill,
+                "detection_s": [round(d, 3) for d in (detection[0], detection[len(detection) // 2], detection[-1])],
+                "plan_after_last_loss_s": round(second["ts"] - lost[victims[-1]]["ts"], 3),
+                "fan_out_recovery_s": round(fan_out_2, 4), "survivors": len(survivors)}  # fmt: skip
+    finally:
+        for control in controls:
+            control.put(("exit", None))
+        master.kill()
+        master.wait()
+        for p in agents:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="100,1000")
+    parser.add_argument("--kill", type=int, default=10)
+    parser.add_argument("--window", type=float, default=10.0, help="seconds the master's CPU is measured over")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    rows = [run_size(int(n), args.kill, args.window, say) for n in args.nodes.split(",")]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
