@@ -29,11 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from oobleck_mm.config.fault_tolerance import MAX_BENCH_DOUBLINGS
 from oobleck_mm.planning.plan import PipelineInstance, Plan
 from oobleck_mm.planning.speed import predicted_samples_per_s, slowed_template
 
-MAX_BENCH_DOUBLINGS = 3
-"""As the master's (``config.job.MAX_BENCH_DOUBLINGS``)."""
 FACTOR_CHANGE = 1.25
 """As the master's (``master.stragglers.FACTOR_CHANGE``): a known factor is updated when it moved this much."""
 

@@ -16,6 +16,13 @@ from oobleck_mm.faults.slowdown import SignalFreezer, freezer_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+def _needs_a_freezer() -> None:
+    probe = freezer_for()
+    probe.close()
+    if isinstance(probe, SignalFreezer):
+        pytest.skip("no writable cgroup freezer here: a SIGSTOPped worker would be reported as failed")
+
+
 def _microbatches_by_node(plan: dict) -> dict[str, int]:
     """One GPU per node: rank r is ``plan["nodes"][r]``."""
     return {plan["nodes"][stage[0]]: p["num_microbatches"] for p in plan["layout"]["pipelines"] for stage in p["stages"]}
@@ -23,10 +30,7 @@ def _microbatches_by_node(plan: dict) -> dict[str, int]:
 
 def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run_equals_the_reference(
         launches, tmp_path):  # fmt: skip
-    probe = freezer_for()
-    probe.close()
-    if isinstance(probe, SignalFreezer):
-        pytest.skip("no writable cgroup freezer here: a SIGSTOPped worker would be reported as failed")
+    _needs_a_freezer()
     steps = 140
     config = write_config(tmp_path, nodes=4, steps=steps, fault_tolerance={"straggler_factor": 1.5})
     final = tmp_path / "final"
@@ -67,10 +71,7 @@ def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_
     the two others and it is benched for ``straggler_bench`` (3 s): planned out at an iteration boundary with
     nothing lost, taken back like a join when the bench ends, and benched for twice as long when found slow
     again. The parameters equal a run without any of it."""
-    probe = freezer_for()
-    probe.close()
-    if isinstance(probe, SignalFreezer):
-        pytest.skip("no writable cgroup freezer here: a SIGSTOPped worker would be reported as failed")
+    _needs_a_freezer()
     steps = 150
     config = write_config(tmp_path, nodes=3, steps=steps, training={"global_batch": 6},
                           fault_tolerance={"straggler_factor": 1.5, "straggler_replan_after": "1s",
