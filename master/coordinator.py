@@ -128,9 +128,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ calls from agents
     def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str,
-                 adopt_generation: int = 0) -> tuple[int, int]:  # fmt: skip
-        """(session, gpus to run) for a new agent (or one coming back to a restarted master with its workers
-        running ``adopt_generation``); raises Refused."""
+                 adopt_generation: int = 0) -> tuple[int, int, bool]:  # fmt: skip
+        """(session, gpus to run, adopted) for a new agent, or one coming back with its workers running
+        ``adopt_generation``: adopted (they train on as they are) by a restarted master that journaled that
+        generation, else a join like any new node's; raises Refused."""
         session = secrets.randbits(62)
         with self._lock:
             # The outbox exists before the machine sees the node (a plan answered in the same call may

@@ -28,7 +28,7 @@ from master import benching, generations, stopping
 from master.generations import SETTLE_S
 from master.context import Context, Transition, add_to_incident, finish
 from master.stragglers import FACTOR_CHANGE
-from master.detector import WORKER_FAILED, Failure, detect_failures, recent_stalls
+from master.detector import LATE_HEARTBEAT_SHARE, WORKER_FAILED, Failure, detect_failures, recent_stalls
 from master.effects import EndStream, ProgressMetrics, ProgressPhase
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
@@ -83,7 +83,7 @@ def _register(ctx: Context, ev: Register) -> None:
         ctx.say(f"node {ev.node} registered: it joins once its workers are ready")
     elif num_nodes <= 16 or count % max(1, num_nodes // 10) == 0 or count >= num_nodes:
         ctx.say(f"agent {ev.node} registered ({count}/{num_nodes})")  # start-up progress, no silent gap
-    ctx.answer = (ev.session, want)
+    ctx.answer = (ev.session, want, adopted)
     ctx.because(f"{ev.node} registered" + (" as a spare" if spare else ""))
 
 
@@ -114,6 +114,9 @@ def _heartbeat(ctx: Context, ev: Heartbeat) -> None:
     entry = ctx.s.registry.nodes.get(ev.node)
     if entry is None or entry.session != ev.session:
         return  # answered NOT_FOUND when it arrived; a beat of a node lost since is no news
+    gap, limit = ev.at - entry.last_heartbeat, ctx.cfg.timeouts.heartbeat_timeout.total_seconds()
+    if gap > LATE_HEARTBEAT_SHARE * limit:
+        ctx.record("heartbeat_late", node=ev.node, gap_s=round(gap, 3), timeout_s=limit)
     entry.last_heartbeat = max(entry.last_heartbeat, ev.at)
 
 

@@ -64,12 +64,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
         with _refusals(context):
-            session, gpus = self.c.register(
+            session, gpus, adopted = self.c.register(
                 request.node, request.gpus, request.memory_bytes, request.pid, context.peer(), request.adopt_generation
             )
         # The agent reads its timeouts from the config's fault_tolerance section, like everyone.
         return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml,
-                                resume_command=self.c.options.resume_command)  # fmt: skip
+                                resume_command=self.c.options.resume_command, adopted=adopted)  # fmt: skip
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with _refusals(context):

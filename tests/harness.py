@@ -233,19 +233,25 @@ class Procs:
         self.started: list[subprocess.Popen] = []
         self.seen: list[psutil.Process] = []  # everything ever observed under them
 
-    def spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    def spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None,
+              wrap=lambda argv: argv) -> tuple[subprocess.Popen, Path]:
+        """``oobleck-launch ARGS`` logging to ``log_name``; ``wrap`` may run it elsewhere (a network namespace:
+        ``tests/network.py``) as long as the pid stays the CLI's own."""
         log_path = self.tmp_path / log_name
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "oobleck_mm.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                wrap([sys.executable, "-m", "oobleck_mm.cli", *args]), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, **(env or {})},
             )  # fmt: skip
         self.started.append(proc)
         return proc, log_path
 
-    def agent(self, address: str, node: str, token_file: str) -> tuple[subprocess.Popen, Path]:
-        return self.spawn(["agent", "--master", address, "--node", node, "--token-file", token_file],
-                          f"agent-{node}.log")  # fmt: skip
+    def agent(self, address: str, node: str, token_file: str, network=None) -> tuple[subprocess.Popen, Path]:
+        """An agent; with ``network`` (a ``tests/network.Network``) in ``node``'s namespace."""
+        args = ["agent", "--master", address, "--node", node, "--token-file", token_file]
+        if network is None:
+            return self.spawn(args, f"agent-{node}.log")
+        return self.spawn(args, f"agent-{node}.log", env=network.env(), wrap=lambda argv: network.command(node, argv))
 
     def remember(self, pid: int) -> list[psutil.Process]:
         found = tree(pid)

@@ -32,6 +32,15 @@ class FaultToleranceConfig:
     heartbeat_timeout: timedelta = timedelta(seconds=3)
     """Silence after which a node is declared failed (a hung node whose sockets stay open); longer
     than the interval. A dead agent is detected sooner, by its closed event stream."""
+    confirmed_silence: timedelta | None = None
+    """Peer-confirmed hang detection: a node silent this long is lost once a worker of another node
+    reported waiting on a collective since the node's last heartbeat (``heartbeat_late_peers_stalled``),
+    without waiting for ``heartbeat_timeout``. null (the default): off. On a link that queues (a
+    congested or rate-limited uplink) a healthy node's heartbeats wait behind its bulk transfers while
+    its peers wait for those transfers, which is exactly this evidence: measured, a 2 Mbit/s link
+    delayed heartbeats by up to 2.4 s and this rule at 1.5 s declared the node lost, where the 3 s
+    timeout did not. Set it (e.g. half the timeout) only where no link queues that long; it must be
+    shorter than ``heartbeat_timeout``."""
     rendezvous_timeout: timedelta = timedelta(minutes=5)
     """Longest wait for every worker of a new generation to arrive at its rendezvous. Long on
     purpose: survivors of a hang arrive up to a ``collective_timeout`` apart and a joining node's
@@ -91,6 +100,11 @@ class FaultToleranceConfig:
         check(self, "f", as_int, minimum=0)
         check(self, "heartbeat_interval", as_duration)
         check(self, "heartbeat_timeout", as_duration)
+        check_optional(self, "confirmed_silence", as_duration)
+        if self.confirmed_silence is not None and not timedelta(0) < self.confirmed_silence < self.heartbeat_timeout:
+            raise ConfigError(f"fault_tolerance.confirmed_silence: must be > 0 and < heartbeat_timeout "
+                              f"({self.heartbeat_timeout.total_seconds():g}s), or null to turn peer-confirmed "
+                              f"detection off, got {self.confirmed_silence.total_seconds():g}s")
         check(self, "rendezvous_timeout", as_duration)
         check(self, "stall_timeout", as_duration)
         check(self, "preempt_grace", as_duration)
@@ -130,13 +144,6 @@ class FaultToleranceConfig:
         return 2 * self.heartbeat_interval
 
     # ------------------------------------------------------------------ the master
-    @property
-    def confirmed_silence(self) -> timedelta:
-        """Silence that declares a node lost once a worker of another node reported a stall after
-        the node's last heartbeat: ``heartbeat_timeout / 2``. A hung node stalls its peers at once,
-        so their reports confirm its silence; a healthy agent heartbeats whatever its workers do."""
-        return self.heartbeat_timeout / 2
-
     @property
     def reform_after(self) -> timedelta:
         """After a worker abandoned an iteration (its collective failed) and no node was lost for

@@ -296,18 +296,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., gpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., adopt_generation: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("node", "session", "gpus", "config_yaml", "resume_command")
+    __slots__ = ("node", "session", "gpus", "config_yaml", "resume_command", "adopted")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
     RESUME_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
     node: str
     session: int
     gpus: int
     config_yaml: str
     resume_command: str
-    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., config_yaml: _Optional[str] = ..., resume_command: _Optional[str] = ...) -> None: ...
+    adopted: bool
+    def __init__(self, node: _Optional[str] = ..., session: _Optional[int] = ..., gpus: _Optional[int] = ..., config_yaml: _Optional[str] = ..., resume_command: _Optional[str] = ..., adopted: _Optional[bool] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("node", "session")

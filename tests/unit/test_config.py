@@ -308,12 +308,12 @@ def test_every_timeout_derives_from_the_two_heartbeat_settings_by_its_documented
     ft = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "250ms",
                                                                    "heartbeat_timeout": "4s"})).fault_tolerance
     seconds = {name: getattr(ft, name).total_seconds() for name in (
-        "collective_timeout", "stall_report_after", "confirmed_silence", "master_stall_threshold", "detector_tick",
+        "collective_timeout", "stall_report_after", "master_stall_threshold", "detector_tick",
         "shutdown_grace", "checkpoint_round_timeout", "heartbeat_rpc_timeout", "report_rpc_timeout",
         "master_silence_limit", "worker_stop_timeout", "agent_exit_timeout", "rendezvous_timeout",
         "reform_after")}  # fmt: skip
     assert seconds == {
-        "collective_timeout": 9.0, "stall_report_after": 0.5, "confirmed_silence": 2.0,
+        "collective_timeout": 9.0, "stall_report_after": 0.5,
         "master_stall_threshold": 2.0, "detector_tick": 0.1, "shutdown_grace": 4.0,
         "checkpoint_round_timeout": 68.0, "heartbeat_rpc_timeout": 2.0, "report_rpc_timeout": 4.0,
         "master_silence_limit": 8.0, "worker_stop_timeout": 4.0, "agent_exit_timeout": 6.0,
@@ -322,6 +322,16 @@ def test_every_timeout_derives_from_the_two_heartbeat_settings_by_its_documented
     short = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "100ms",
                                                                       "heartbeat_timeout": "500ms"})).fault_tolerance
     assert short.detector_tick.total_seconds() == pytest.approx(0.05) and short.shutdown_grace.total_seconds() == 2.0
+    assert ft.confirmed_silence is None  # peer-confirmed detection is off unless set (a slow link looks the same)
+
+
+@pytest.mark.parametrize("value", ["3s", "5s"])
+def test_a_confirmed_silence_not_shorter_than_the_timeout_is_refused_naming_both(value):
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.confirmed_silence: must be > 0 and < heartbeat_timeout "
+                                          r"\(3s\).*got " + value[:-1]):
+        config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_timeout": "3s", "confirmed_silence": value}))
+    ft = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"confirmed_silence": "1.5s"})).fault_tolerance
+    assert ft.confirmed_silence.total_seconds() == 1.5
 
 
 def test_the_rendezvous_timeout_is_a_setting_a_user_may_raise():

@@ -46,7 +46,7 @@ class Job:
         self.assigned: dict[tuple[str, int], pb.Assignment] = {}  # latest per worker
 
     def join(self, name: str, stream: bool = True, ready: bool = True) -> None:
-        self.sessions[name], gpus = self.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1")
+        self.sessions[name], gpus, _ = self.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1")
         if stream:
             self.boxes[name] = self.c.open_stream(name, self.sessions[name])
         if stream and ready:  # its workers started, imported and warmed up
@@ -101,7 +101,8 @@ def make(tmp_path):
 
     def build(nodes: int = 2, gpus: int = 1, steps: int = 3, options: RunOptions | None = None, memory=None,
               recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None,
-              stall_s: float | None = None, max_nodes: int | None = None) -> Job:  # fmt: skip
+              stall_s: float | None = None, max_nodes: int | None = None,
+              confirmed_silence: float | None = None) -> Job:  # fmt: skip
         job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps, recovery=recovery,
                               checkpoint_interval=checkpoint_interval, max_nodes=max_nodes)  # fmt: skip
         if memory is not None:  # a smaller GPU: the model needs n0 = 2 nodes, so pipelines span nodes
@@ -110,6 +111,9 @@ def make(tmp_path):
             job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, f=f))
         if stall_s is not None:
             ft = dataclasses.replace(job.fault_tolerance, stall_timeout=timedelta(seconds=stall_s))
+            job = dataclasses.replace(job, fault_tolerance=ft)
+        if confirmed_silence is not None:
+            ft = dataclasses.replace(job.fault_tolerance, confirmed_silence=timedelta(seconds=confirmed_silence))
             job = dataclasses.replace(job, fault_tolerance=ft)
         options = options or RunOptions(checkpoint_root=str(tmp_path), recovery=job.fault_tolerance.recovery,
                                         checkpoint_interval=job.fault_tolerance.checkpoint_interval)  # fmt: skip
@@ -188,7 +192,7 @@ def test_refusals_name_the_problem_and_are_logged(make):
 
 
 def test_a_peer_waiting_on_a_collective_confirms_a_silent_node_at_half_the_timeout(make):
-    j = make(nodes=3, steps=10)
+    j = make(nodes=3, steps=10, confirmed_silence=load_config(TINY).fault_tolerance.heartbeat_timeout.total_seconds() / 2)
     start(j, "a", "b", "c")
     j.train(1, 0)
     timeout = j.c.timeouts.heartbeat_timeout.total_seconds()
@@ -562,7 +566,7 @@ def test_a_full_disk_under_the_event_log_neither_stops_nor_hangs_the_master(tmp_
                     progress=lambda line: None,
                     options=RunOptions(checkpoint_root=str(tmp_path)))  # fmt: skip
     for name in ("a", "b"):
-        session, _ = c.register(name, 1, 0, 1, "peer")
+        session, _, _ = c.register(name, 1, 0, 1, "peer")
         c.open_stream(name, session)
     c.tick()
     assert c.phase == JobPhase.RUNNING and full.dropped > 0
@@ -1006,7 +1010,7 @@ def _lost_master(make, nodes: int, steps: int, trained: int = 1):
 
 def _come_back(j: Job, name: str, generation: int, step: int, rank: int) -> None:
     """An agent registering again with a restarted master: its worker's latest reports, then its stream."""
-    j.sessions[name], _ = j.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1", adopt_generation=generation)
+    j.sessions[name], _, _ = j.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1", adopt_generation=generation)
     metrics = pb.StepMetrics(generation=generation, step=step, rank=rank, loss=1.0, samples_per_s=10.0,
                              step_time_s=0.1)  # fmt: skip
     j.c.worker_report(name, j.sessions[name], 0, pb.WorkerReport(metrics=metrics), replayed=True)

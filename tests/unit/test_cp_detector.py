@@ -18,7 +18,8 @@ from master.detector import (
 )
 from oobleck_mm.config import FaultToleranceConfig
 
-TIMEOUT = FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3))
+TIMEOUT = FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3), confirmed_silence=timedelta(seconds=1.5))
+"""Peer-confirmed detection on, at half the timeout (it is off by default: see the test below)."""
 
 
 def test_fresh_heartbeats_are_healthy_up_to_the_timeout_itself():
@@ -53,6 +54,13 @@ def test_half_the_timeout_of_silence_suffices_when_a_peer_stalled_since():
 def test_a_stall_only_confirms_a_silence_that_covers_it(stalls, why):
     nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=98.4)}
     assert detect_failures(100.0, nodes, TIMEOUT, stalls=stalls) == [], why
+
+
+def test_by_default_a_stalled_peer_never_shortens_the_timeout():
+    """A slow link: the node's heartbeats queue behind its transfers while its peers wait for them."""
+    nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=97.5)}  # silent 2.5 s
+    assert detect_failures(100.0, nodes, FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3)),
+                           stalls={"a": 99.9}) == []  # fmt: skip
 
 
 def test_a_stalled_peer_never_shortens_silence_below_half_the_timeout():
