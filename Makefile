@@ -1,6 +1,6 @@
 # Two entry points, each doing all of its set-up on a fresh machine:
 #   make run   -- virtual environment + project, then the main job
-#   make test  -- the same plus the MindtPy chain, then the import contracts and the whole suite
+#   make test  -- the same plus the MindtPy chain and SLURM, then the import contracts and the whole suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # an importable torch is never replaced).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup minlp run test test-fast bench gpu-check proto clean
+.PHONY: setup minlp slurm run test test-fast bench gpu-check proto clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ $(VENV)/.installed: pyproject.toml
 minlp: setup
 	bash scripts/install_minlp.sh $(PY)
 
+# A real SLURM for the launch file's test (Debian packages; needs root: elsewhere that test skips).
+slurm:
+	bash scripts/install_slurm.sh
+
 # The main job: pipelines of different depths, the balancer on, a node killed and one joining.
 RUN_ARGS := local --config configs/mission.yaml --inject kill:node4@step10,join@step12
 
@@ -34,7 +38,7 @@ run: setup
 # (waits on heartbeats, timeouts, joins), and every test must pass next to other load anyway.
 TEST_WORKERS ?= 2
 
-test: minlp
+test: minlp slurm
 	$(VENV)/bin/lint-imports --no-cache   # the package graph's contracts (.importlinter)
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=30 -n $(TEST_WORKERS) --dist worksteal
 

@@ -64,6 +64,12 @@ def worker_entry(target: str, conn: Connection, config_path: str, node: str, loc
     agent's process group (a node's processes are one group: the fault injector stops or kills
     them together), and takes the agent's environment and log.
     """
+    # A scheduler's SIGTERM reaches every process of the node at once (SLURM signals a step's whole
+    # process tree, Kubernetes a container's, a terminal's Ctrl-C its process group): it is the agent's
+    # notice to act on, and the agent tells its workers when to stop (a command, or SIGKILL). A worker
+    # that died of it lost the node's state mid-step (seen under SLURM: exit 255, the node lost).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     if shared is not None:
         die_with_parent(parent)  # the shared template: it ends with the launcher

@@ -101,8 +101,10 @@ class Network:
         return f"obv{self.tag}x{self.nodes.index(node)}"
 
     def command(self, node: str, argv: list[str]) -> list[str]:
-        """``argv`` run inside ``node``'s namespace (``ip netns exec`` execs it: the pid is argv's)."""
-        return ["ip", "netns", "exec", self.namespace(node), *argv]
+        """``argv`` run inside ``node``'s network namespace (``nsenter`` execs it: the pid is argv's). Not
+        ``ip netns exec``, which also mounts a sysfs of its own, without the cgroup file system that
+        slurmd and the slow-node freezer need."""
+        return ["nsenter", f"--net=/run/netns/{self.namespace(node)}", *argv]
 
     def env(self) -> dict[str, str]:
         return {"GLOO_SOCKET_IFNAME": GLOO_INTERFACE}
@@ -115,7 +117,7 @@ class Network:
 
     def _both_ends(self, node: str) -> list[tuple[list[str], str]]:
         """(command prefix, device) of each end of ``node``'s link: the bridge's, then the namespace's."""
-        return [([], self.host_end(node)), (["ip", "netns", "exec", self.namespace(node)], GLOO_INTERFACE)]
+        return [([], self.host_end(node)), (self.command(node, []), GLOO_INTERFACE)]
 
     def throttle(self, node: str, kbit: int) -> None:
         """A slow link: both directions of ``node``'s link through a token bucket of ``kbit`` kbit/s, so every

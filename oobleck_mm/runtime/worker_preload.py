@@ -13,7 +13,14 @@ a driver initialised before a fork is not usable in the child. There the
 workers import DeepSpeed's schedules and the engine (about 0.35 s) themselves.
 """
 
-import torch
+import signal
+
+# A scheduler's SIGTERM to the node's processes is its agent's notice; the template outlives it like the
+# workers (``agent.workers.worker_entry``), and ends with its agent. Before forkserver's own handlers:
+# its forks inherit this.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+import torch  # noqa: E402
 import torch._dynamo  # noqa: F401 - torch's first optimizer imports it: 1.5-2 s on a 2-core machine
 
 import oobleck_mm.config  # noqa: F401
