@@ -103,6 +103,11 @@ class AgentOptions:
     """How long registration waits for the master to come up."""
     worker_start: str = DEFAULT_WORKER_START
     """``forkserver`` (forks of a pre-imported worker template) or ``spawn`` (agent.workers)."""
+    left_exit_code: int = 0
+    """Exit code when the master planned this node out after its preemption notice while the job goes on.
+    0 by default; a Kubernetes Job counts a pod that exits 0 as one of its completions and never replaces
+    it, so its manifest gives a code its ``podFailurePolicy`` ignores (the pod is replaced, nothing is
+    counted against the Job's retries)."""
 
 
 class Agent:
@@ -262,6 +267,9 @@ class Agent:
                 workers = list(self.workers.values())
             stop_all(workers, grace, event.shutdown)
             self._stopping.set()
+            if event.shutdown.at_boundary and self.o.left_exit_code:
+                log.info("left the job after the notice: exit %d (--left-exit-code)", self.o.left_exit_code)
+                return self.o.left_exit_code
             return ExitCode.OK
         if which == "assignment":
             self._assign(event.assignment.local_rank, event.assignment.assignment)

@@ -165,6 +165,10 @@ def _add_control_plane_parsers(sub) -> None:
                             "local launcher keeps one for the next join); end of input: it exits")
     agent.add_argument("--token-file", default=None, help="job token file (default: $OOBLECK_TOKEN)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
+    agent.add_argument("--left-exit-code", type=_exit_code, default=0, metavar="N",
+                       help="exit code after the node was planned out on its preemption notice while the job "
+                            "goes on (default 0; a Kubernetes Job needs a code its podFailurePolicy ignores, "
+                            "or it counts the pod as completed and never replaces it)")
     agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
     _add_worker_start(agent)
     _add_log_level(agent, "info")
@@ -202,6 +206,17 @@ def _add_control_plane_parsers(sub) -> None:
                             "notice=S,duration=S,start=S] (RATE: bursts per minute of run time; oobleck_mm.faults.churn)")
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
     _add_worker_start(local, local=True)
+
+
+def _exit_code(text: str) -> int:
+    try:
+        code = int(text)
+    except ValueError:
+        code = -1
+    if not 0 <= code <= 255 or code in (1, 2, 3):
+        raise argparse.ArgumentTypeError(f"expected an exit code 0 or 4-255 (1, 2 and 3 mean a failure, a bad "
+                                         f"input and a checkpoint to resume from), got {text!r}")
+    return code
 
 
 def _add_worker_start(parser, local: bool = False) -> None:
@@ -565,7 +580,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     options = AgentOptions(
         master=args.master, token=token, node=node, gpus=args.gpus,
         worker_target=args.worker_target or DEFAULT_WORKER_TARGET, connect_timeout_s=args.connect_timeout,
-        worker_start=args.worker_start,
+        worker_start=args.worker_start, left_exit_code=args.left_exit_code,
     )  # fmt: skip
     return Agent(options).run()
 

@@ -155,6 +155,22 @@ def test_a_terminated_agent_is_a_notice_its_node_leaves_and_nothing_is_lost(tmp_
         assert read_events(master.event_log_path, "checkpoint_written")
 
 
+def test_a_node_planned_out_on_its_notice_exits_with_the_left_exit_code_and_the_job_goes_on(tmp_path, procs):
+    """``--left-exit-code`` (for a Kubernetes Job, which never replaces a pod that exited 0): the noticed node
+    leaves at a step boundary with that code while the others finish the job; they exit 0."""
+    with master_in_process(write_config(tmp_path, nodes=3, steps=60), tmp_path) as master:
+        agents = {node: procs.agent(master.address, node, master.token_file) for node in ("node0", "node1")}
+        agents["node2"] = procs.spawn(["agent", "--master", master.address, "--node", "node2", "--token-file",
+                                       master.token_file, "--left-exit-code", "75"], "agent-node2.log")  # fmt: skip
+        wait_event(master.event_log_path, "step", step=2, timeout=90)
+        send(agents["node2"][0], signal.SIGTERM)
+        assert agents["node2"][0].wait(60) == 75, agents["node2"][1].read_text()[-2000:]
+        assert master.wait(90) == 0
+        assert [a.wait(30) for a, _ in (agents["node0"], agents["node1"])] == [0, 0]
+        assert sorted(read_events(master.event_log_path, "plan_decided")[-1]["nodes"]) == ["node0", "node1"]
+        assert not read_events(master.event_log_path, "lost")
+
+
 def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
         agents = start_agents(procs, master, "node0", "node1")
