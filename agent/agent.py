@@ -552,9 +552,9 @@ class Agent:
             # The master declared this node lost meanwhile (a partition, a host too busy to heartbeat): it
             # counts it as a new node, whose workers receive every layer they hold when it joins, so nothing
             # they trained on alone is kept (they are fenced by generation).
-            log.warning("registered again after %.1f s without the master, which had declared node %s lost: it "
-                        "joins as a new node and its workers receive their layers from the others",
-                        waited, self.o.node)  # fmt: skip
+            log.warning("registered again after %.1f s without the master, which counts node %s as new (it had "
+                        "declared it lost, or was restarted without it): it joins as a new node and its workers "
+                        "receive their layers from the others", waited, self.o.node)  # fmt: skip
             return
         log.warning("%s after %.1f s without it (%d reports sent again); the workers kept training",
                     "re-adopted by a restarted master" if reply is not None else "the master answers again",
