@@ -102,8 +102,9 @@ class MasterServer:
     def start(self) -> None:
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
+        threads = max(32, 2 * self.num_nodes + 16)
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max(32, 2 * self.num_nodes + 16), thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
             interceptors=[TokenInterceptor(self.token, self._refused)], options=MESSAGE_OPTIONS,
         )
         try:
@@ -126,7 +127,9 @@ class MasterServer:
         if self.journal is not None:
             self.coordinator.adopt(self.journal)
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
-        pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store), self._server)
+        # Long polls may hold half of the threads that the nodes' event streams leave (every node holds one).
+        waiters = max(4, (threads - self.num_nodes - 16) // 2)
+        pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store, waiters), self._server)
         self._server.start()
         self.events.write(
             "master_started", address=self.address, nodes=self.num_nodes, steps=self.steps, pid=os.getpid(),

@@ -9,8 +9,14 @@ gRPC service, on the master's port and behind the token check every call
 passes; the workers' side is ``oobleck_mm.runtime.store.ControlPlaneStore``, a
 ``torch.distributed.Store`` that torch uses like any other.
 
-Every operation answers at once (a blocking ``get`` is the client polling), so a
-waiting worker never holds one of the server's threads.
+A ``get`` of a key not yet set may wait on the server for it (a long poll: the
+client asks with ``wait_s``, at most ``LONG_POLL_S``), woken the moment another
+worker sets it, instead of the client asking again every few milliseconds. Only
+while the server has threads to spare: at most ``max_waiters`` calls wait at once
+(the master's pool also serves every agent's event stream and heartbeats), and
+the others are answered at once and poll as before (``StoreReply.held`` tells
+which). So a large job's rendezvous degrades to polling, never to a master too
+busy to hear heartbeats.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ import secrets
 
 import grpc
 
+LONG_POLL_S = 0.25
+"""Longest a ``get`` waits on the server: the client checks between two calls whether its worker gave the
+rendezvous up (the master re-planned), so this bounds how late it notices."""
+
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 
@@ -32,12 +42,20 @@ class KeyValueStore:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self.instance = secrets.token_hex(8)
         """Told with every reply: a restarted master's store is another instance, and starts empty."""
 
     def set(self, key: str, value: bytes) -> None:
         with self._lock:
             self._data[key] = value
+            self._changed.notify_all()
+
+    def wait_get(self, key: str, seconds: float) -> bytes | None:
+        """``key``'s value, waiting up to ``seconds`` for another thread to set it; None if it did not."""
+        with self._lock:
+            self._changed.wait_for(lambda: key in self._data, timeout=seconds)
+            return self._data.get(key)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -48,6 +66,7 @@ class KeyValueStore:
         with self._lock:
             value = int(self._data.get(key, b"0")) + amount
             self._data[key] = str(value).encode()
+            self._changed.notify_all()
             return value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
@@ -56,6 +75,7 @@ class KeyValueStore:
             current = self._data.get(key)
             if (current is None and not expected) or current == expected:
                 self._data[key] = desired
+                self._changed.notify_all()
                 return desired
             return expected if current is None else current
 
@@ -91,10 +111,15 @@ def _generation_of(key: str) -> int | None:
 class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
     """The gRPC face of a ``KeyValueStore``; the server's token interceptor has checked the caller."""
 
-    def __init__(self, store: KeyValueStore) -> None:
+    def __init__(self, store: KeyValueStore, max_waiters: int = 8) -> None:
         self.store = store
+        self.max_waiters = max_waiters
+        self._waiters = threading.BoundedSemaphore(max_waiters) if max_waiters > 0 else None
+        self.calls = 0
+        """Calls answered (a benchmark's count; ``+=`` under the GIL is close enough for a rate)."""
 
     def Call(self, request: pb.StoreRequest, context) -> pb.StoreReply:
+        self.calls += 1
         reply = self._answer(request, context)
         reply.instance = self.store.instance
         return reply
@@ -106,6 +131,12 @@ class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
             return pb.StoreReply()
         if op == pb.STORE_GET:
             value = s.get(request.key)
+            if value is None and request.wait_s > 0 and self._waiters is not None and self._waiters.acquire(False):
+                try:
+                    value = s.wait_get(request.key, min(request.wait_s, LONG_POLL_S))
+                finally:
+                    self._waiters.release()
+                return pb.StoreReply(found=value is not None, value=value or b"", held=True)
             return pb.StoreReply(found=value is not None, value=value or b"")
         if op == pb.STORE_ADD:
             return pb.StoreReply(number=s.add(request.key, request.amount))
@@ -120,13 +151,13 @@ class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"op: unknown store operation {op}")
 
 
-def serve_store_only(token: str, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
-    """A gRPC server with just the rendezvous store (tests that play the master): (server, port)."""
+def serve_store_only(token: str, host: str = "127.0.0.1", max_waiters: int = 8) -> tuple[grpc.Server, int]:
+    """A gRPC server with just the rendezvous store (tests and benchmarks that play the master): (server, port)."""
     from master.service import TokenInterceptor
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store"),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * max_waiters + 8, thread_name_prefix="store"),
                          interceptors=[TokenInterceptor(token, lambda *_: None)])  # fmt: skip
-    pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(KeyValueStore()), server)
+    pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(KeyValueStore(), max_waiters), server)
     port = server.add_insecure_port(f"{host}:0")
     server.start()
     return server, port

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The control plane at 100 to 4,000 nodes (issue 30 item 3): the real master against emulated agents.
 
-    python scripts/bench_control_plane.py [--nodes 100,1000] [--kill 10] [--json OUT]
+    python scripts/bench_control_plane.py [--nodes 100,1000] [--kill 10] [--store-ranks 16,64] [--json OUT]
 
 For each node count, one ``oobleck-launch master`` (tiny_mm, heartbeats every 1 s, a 3 s timeout) and
 that many emulated agents in a few processes: each registers with the job's token, opens its event
@@ -15,7 +15,10 @@ measured is the master, not the workers). Printed per size:
 - detection: ``--kill`` agents stop heartbeating at once with their streams left open (a hung host, the
   slow case: only ``heartbeat_timeout`` tells), and the seconds from there to each ``lost`` event (target:
   at most ``heartbeat_timeout`` + 1 s);
-- the recovery plan's fan-out to the survivors.
+- the recovery plan's fan-out to the survivors;
+- with ``--store-ranks``: one rendezvous of that many ranks (threads in a few processes) against the
+  master's store server, polling only and with server-side long polls, side by side: calls, the
+  server's CPU, and the wake-up latency after the last arrival.
 
 The emulated agents share this machine's two cores with the master, so the figures are an upper bound.
 """
@@ -214,15 +217,97 @@ def run_size(nodes: int, kill: int, window: float, say) -> dict:
                 p.kill()
 
 
+STORE_SERVER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from master.store import serve_store_only
+server, port = serve_store_only(sys.argv[2], max_waiters=int(sys.argv[3]))
+print(port, flush=True)
+sys.stdin.read()
+"""
+
+
+def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: bool, spread_s: float, out) -> None:
+    """A share of one rendezvous' ranks, a thread each: arrive at a random moment within ``spread_s``, set
+    its key, then read every rank's key (as gloo's connect reads its peers' addresses); report (calls made,
+    the time its last key arrived, the time it was done)."""
+    import random
+    from datetime import timedelta
+
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    def rank(i: int) -> None:
+        store = ControlPlaneStore("127.0.0.1", port, token, timedelta(seconds=60), long_poll=long_poll)
+        time.sleep(random.Random(i).uniform(0, spread_s))
+        store.set(f"rank{i}", b"x")
+        set_at = time.time()
+        for j in range(world):
+            store.get(f"rank{j}")
+        out.put((store.calls, set_at, time.time()))
+        store.close()
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def run_store(world: int, long_poll: bool, spread_s: float, say) -> dict:
+    """One rendezvous of ``world`` ranks against the master's store server (``master.store``, a process of
+    its own): the store calls it took, the server's CPU seconds, and how long after the last rank arrived
+    the last one was done (the wake-up latency that polling trades against calls)."""
+    import secrets
+
+    token = secrets.token_hex(16)
+    # As many long polls at once as the master allows a job of ``world`` one-GPU nodes (master/server.py).
+    waiters = max(4, world // 2)
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(ROOT), token, str(waiters)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = int(server.stdout.readline())
+        cpu = psutil.Process(server.pid)
+        before = cpu.cpu_times()
+        out = mp.get_context("fork").Queue()
+        shares = [list(range(world))[k::AGENT_PROCESSES] for k in range(AGENT_PROCESSES)]
+        procs = [mp.get_context("fork").Process(target=store_ranks, args=(port, token, share, world, long_poll,
+                                                                          spread_s, out)) for share in shares]  # fmt: skip
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=120) for _ in range(world)]
+        for p in procs:
+            p.join(30)
+        after = cpu.cpu_times()
+    finally:
+        server.stdin.close()
+        server.wait(10)
+    calls = sum(r[0] for r in results)
+    last_set, last_done = max(r[1] for r in results), max(r[2] for r in results)
+    row = {"part": "store", "ranks": world, "long_poll": long_poll, "server_long_polls": waiters, "arrivals_spread_s": spread_s, "calls": calls,
+           "calls_per_rank": round(calls / world, 1),
+           "server_cpu_s": round(after.user + after.system - before.user - before.system, 3),
+           "last_arrival_to_done_s": round(last_done - last_set, 4)}  # fmt: skip
+    say(f"store, {world} ranks arriving within {spread_s:g} s, {'long poll' if long_poll else 'polling only'}: "
+        f"{calls} calls ({row['calls_per_rank']} per rank), server CPU {row['server_cpu_s']:.2f} s, last rank "
+        f"done {row['last_arrival_to_done_s'] * 1000:.1f} ms after the last arrival")  # fmt: skip
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="100,1000")
     parser.add_argument("--kill", type=int, default=10)
     parser.add_argument("--window", type=float, default=10.0, help="seconds the master's CPU is measured over")
+    parser.add_argument("--store-ranks", default="", help="also one rendezvous of this many ranks (e.g. 16,64) "
+                                                             "against the store, polling only and with long polls")
+    parser.add_argument("--store-only", action="store_true", help="only the store part")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     say = lambda line: print(line, flush=True)  # noqa: E731
-    rows = [run_size(int(n), args.kill, args.window, say) for n in args.nodes.split(",")]
+    rows = [] if args.store_only else [run_size(int(n), args.kill, args.window, say) for n in args.nodes.split(",")]
+    for world in [int(n) for n in args.store_ranks.split(",") if n]:
+        for long_poll in (False, True):  # side by side, in one run
+            rows.append(run_store(world, long_poll, spread_s=0.5, say=say))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -404,29 +404,33 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("op", "key", "value", "expected", "amount", "keys")
+    __slots__ = ("op", "key", "value", "expected", "amount", "keys", "wait_s")
     OP_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     op: StoreOp
     key: str
     value: bytes
     expected: bytes
     amount: int
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class StoreReply(_message.Message):
-    __slots__ = ("found", "value", "number", "instance")
+    __slots__ = ("found", "value", "number", "instance", "held")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     found: bool
     value: bytes
     number: int
     instance: str
-    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    held: bool
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., instance: _Optional[str] = ..., held: _Optional[bool] = ...) -> None: ...

@@ -8,9 +8,11 @@ torch accepts a Python subclass of ``dist.Store`` anywhere it takes a store
 (``PrefixStore`` included); the operations below are the ones c10d's rendezvous
 and ``join_generation`` use.
 
-Blocking operations (``get`` of a key not yet set, ``wait``) poll: the server
-answers at once, so waiting workers never hold its threads. The first polls are
-quick (a rendezvous is usually complete within milliseconds), later ones back off.
+Blocking operations (``get`` of a key not yet set, ``wait``) ask the server to
+hold the call until the key is set (a long poll of up to ``master.store.
+LONG_POLL_S``), and ask again at once when it did; a server with no thread to
+spare answers at once, and then the client polls: the first polls quick (a
+rendezvous is usually complete within milliseconds), later ones backing off.
 Every operation ends within the store's timeout with ``DistStoreError``, as
 torch's stores do. A master that does not answer (killed, restarting, its
 network away for a moment) is waited for like the agents wait for it: calls
@@ -38,6 +40,8 @@ FIRST_POLL_S = 0.001
 """First pause between two reads of a key not yet set."""
 LONGEST_POLL_S = 0.01
 """Pauses double up to this."""
+LONG_POLL_ASK_S = 0.25
+"""How long a ``get`` asks the server to hold it (the server caps it: ``master.store.LONG_POLL_S``)."""
 CALL_TIMEOUT_S = 10.0
 """Longest one store call may take (a master that stopped answering)."""
 RETRY_S = 0.2
@@ -50,10 +54,13 @@ class ControlPlaneStore(dist.Store):
     """c10d's store operations as ``RendezvousStore.Call`` RPCs to ``host:port``, with ``token``."""
 
     def __init__(self, host: str, port: int, token: str, timeout: timedelta,
-                 interrupt: Callable[[], bool] | None = None) -> None:  # fmt: skip
+                 interrupt: Callable[[], bool] | None = None, long_poll: bool = True) -> None:  # fmt: skip
         """``interrupt``: asked between two reads of a key not yet set; True ends the wait with
-        ``DistStoreError`` (the worker's master re-planned: the peer it waits for is gone)."""
+        ``DistStoreError`` (the worker's master re-planned: the peer it waits for is gone). ``long_poll``:
+        False polls only (the benchmark's comparison)."""
         super().__init__()
+        self._ask_s = LONG_POLL_ASK_S if long_poll else 0.0
+        self.calls = 0
         self._interrupt = interrupt
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self.address = address
@@ -110,7 +117,8 @@ class ControlPlaneStore(dist.Store):
             deadline = time.monotonic() + timeout.total_seconds()
         pause = FIRST_POLL_S
         while True:
-            reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key), deadline)
+            ask = min(self._ask_s, max(0.0, deadline - time.monotonic() - 0.05))
+            reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask), deadline)
             if reply.found:
                 return reply.value
             if time.monotonic() + pause > deadline:
@@ -119,8 +127,9 @@ class ControlPlaneStore(dist.Store):
             if self._interrupt is not None and self._interrupt():
                 raise dist.DistStoreError(f"store {self.address}: waiting for key {key!r} abandoned: the master "
                                           "re-planned")  # fmt: skip
-            time.sleep(pause)
-            pause = min(2 * pause, LONGEST_POLL_S)
+            if not reply.held:  # the server had no thread to spare: poll
+                time.sleep(pause)
+                pause = min(2 * pause, LONGEST_POLL_S)
 
     def _call(self, request: pb.StoreRequest, deadline: float | None = None) -> pb.StoreReply:
         if deadline is None:
@@ -128,7 +137,8 @@ class ControlPlaneStore(dist.Store):
         while True:
             left = max(0.001, min(CALL_TIMEOUT_S, deadline - time.monotonic()))
             try:
-                reply = self._stub.Call(request, metadata=self._metadata, timeout=left)
+                self.calls += 1
+                reply = self._stub.Call(request, metadata=self._metadata, timeout=left + request.wait_s)
             except grpc.RpcError as err:
                 if err.code() in _UNREACHABLE and time.monotonic() + RETRY_S < deadline:
                     time.sleep(RETRY_S)  # the master is away: wait for it, as the agents do

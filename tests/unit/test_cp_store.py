@@ -110,3 +110,44 @@ def test_a_wait_bounded_by_its_caller_ends_then_and_names_that_bound():
             ControlPlaneStore("127.0.0.1", port, "tok", timedelta(milliseconds=200)).get("gen4/0")
     finally:
         server.stop(0)
+
+
+def test_a_get_waits_on_the_server_and_wakes_when_the_key_is_set_while_a_full_server_answers_at_once():
+    """Issue 30 item 3: a key set 0.4 s after its reader asked is read within a long poll of the set (a few
+    calls), where polling only asks every 10 ms (dozens); with no thread to spare the server answers at
+    once (``held`` false) and the client polls."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from master.store import KeyValueStore, RendezvousStoreService, serve_store_only
+    from oobleck_mm.protocol import oobleck_pb2 as pb
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    server, port = serve_store_only("tok")
+    try:
+        for long_poll, key in ((True, "gen5/a"), (False, "gen5/b")):
+            reader = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=10), long_poll=long_poll)
+            writer = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=10))
+            threading.Timer(0.4, writer.set, args=(key, b"v")).start()
+            began = time.monotonic()
+            assert reader.get(key) == b"v"
+            took = time.monotonic() - began
+            assert 0.35 < took < 2.0
+            if long_poll:
+                assert reader.calls <= 4, f"{reader.calls} calls: not held on the server"
+            else:
+                assert reader.calls >= 15, f"{reader.calls} calls: polling every 10 ms"
+            reader.close()
+            writer.close()
+    finally:
+        server.stop(0)
+    store = KeyValueStore()
+    full = RendezvousStoreService(store, max_waiters=0)
+    began = time.monotonic()
+    reply = full.Call(pb.StoreRequest(op=pb.STORE_GET, key="k", wait_s=5.0), context=None)
+    assert not reply.found and not reply.held and time.monotonic() - began < 0.1
+    one = RendezvousStoreService(store, max_waiters=1)
+    threading.Timer(0.2, store.set, args=("k", b"v")).start()
+    reply = one.Call(pb.StoreRequest(op=pb.STORE_GET, key="k", wait_s=5.0), context=None)
+    assert reply.found and reply.held and reply.value == b"v"
