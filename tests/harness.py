@@ -246,9 +246,11 @@ class Procs:
         self.started.append(proc)
         return proc, log_path
 
-    def agent(self, address: str, node: str, token_file: str, network=None) -> tuple[subprocess.Popen, Path]:
-        """An agent; with ``network`` (a ``tests/network.Network``) in ``node``'s namespace."""
-        args = ["agent", "--master", address, "--node", node, "--token-file", token_file]
+    def agent(self, address: str, node: str, token_file: str, network=None, extra: tuple[str, ...] = ()
+              ) -> tuple[subprocess.Popen, Path]:  # fmt: skip
+        """An agent (``extra``: more of its flags); with ``network`` (a ``tests/network.Network``) in ``node``'s
+        namespace."""
+        args = ["agent", "--master", address, "--node", node, "--token-file", token_file, *extra]
         if network is None:
             return self.spawn(args, f"agent-{node}.log")
         return self.spawn(args, f"agent-{node}.log", env=network.env(), wrap=lambda argv: network.command(node, argv))

@@ -10,11 +10,12 @@ come back as a fresh join (its stale workers fenced off by generation), never wi
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 
-from harness import TIMEOUT_S, assert_all_gone, start_master_process, wait_event, wait_for, write_config
+from harness import TIMEOUT_S, assert_all_gone, send, start_master_process, wait_event, wait_for, write_config
 from network import Network, unavailable
 from oobleck_mm.events import read_events
 
@@ -44,17 +45,20 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     2. node2's link cut: lost by heartbeats (a cut link carries no FIN), the others recover; when the
        link is back its agent registers again and the node joins as a new node (its workers receive
        their layers), so the run still equals the reference, window by window.
+    3. Then a notice to node1, started with ``--left-exit-code 75`` (the Kubernetes manifest's, whose Job
+       never replaces a pod that exits 0): it leaves at a step boundary with 75 while the job goes on.
     """
     from oobleck_mm.config import load_config
     from oobleck_mm.verify import checkpoint_windows, compare_windows
 
-    final, steps = tmp_path / "final", 120
+    final, steps = tmp_path / "final", 160
     config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"},
                           fault_tolerance={"checkpoint_interval": 40, "keep_checkpoints": 0})  # fmt: skip
     master, address, events, token = start_master_process(procs, config, tmp_path, "--host", network.master_address,
                                                            "--save-final", str(final))  # fmt: skip
     assert address.startswith(network.master_address), address
-    agents = {node: procs.agent(address, node, token, network=network) for node in NODES}
+    agents = {node: procs.agent(address, node, token, network=network,
+                                extra=("--left-exit-code", "75") if node == "node1" else ()) for node in NODES}
     wait_event(events, "step", step=2, timeout=120)
     for agent, _ in agents.values():
         procs.remember(agent.pid)
@@ -90,10 +94,16 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     back = wait_for(lambda: [e for e in read_events(events, "plan_decided")
                              if e["generation"] > lost["generation"] and "node2" in e["joined"]],
                     120, "node2 joining again")  # fmt: skip
+    wait_event(events, "step", generation=back[0]["generation"], timeout=60)
+
+    # 3. a notice, and the exit code a Kubernetes Job replaces
+    send(agents["node1"][0], signal.SIGTERM)
+    assert agents["node1"][0].wait(60) == 75, agents["node1"][1].read_text()[-2000:]
     assert master.wait(300) == 0, agents["node2"][1].read_text()[-3000:]
-    for node, (agent, log) in agents.items():
-        assert agent.wait(30) == 0, f"{node}: {log.read_text()[-2000:]}"
-    assert sorted(read_events(events, "plan_decided")[-1]["nodes"]) == list(NODES)
+    for node in ("node0", "node2"):
+        assert agents[node][0].wait(30) == 0, f"{node}: {agents[node][1].read_text()[-2000:]}"
+    assert sorted(read_events(events, "plan_decided")[-1]["nodes"]) == ["node0", "node2"]
+    assert [e["node"] for e in read_events(events, "lost")] == ["node2"]  # the leave was no loss
     assert back[0]["generation"] >= lost["generation"] + 2  # planned out, then in again
     # Its registration named the generation its workers ran, and was not taken as an adoption: the node
     # joined as new, and its agent said so.
@@ -104,7 +114,7 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     # differ from the reference.
     job = load_config(config)
     windows = checkpoint_windows(str(tmp_path / "run" / "checkpoints"), str(final))
-    assert [w[2] for w in windows] == [40, 80, 120, 120] and windows[0][0] is None, windows
+    assert [w[2] for w in windows] == [40, 80, 120, 160, 160] and windows[0][0] is None, windows
     verdicts = compare_windows(job, windows, progress=lambda line: None)
     assert all(v.ok and v.tolerance == 1e-9 for v in verdicts), [v.format() for v in verdicts]
     assert_all_gone(isolated, 30)

@@ -155,22 +155,6 @@ def test_a_terminated_agent_is_a_notice_its_node_leaves_and_nothing_is_lost(tmp_
         assert read_events(master.event_log_path, "checkpoint_written")
 
 
-def test_a_node_planned_out_on_its_notice_exits_with_the_left_exit_code_and_the_job_goes_on(tmp_path, procs):
-    """``--left-exit-code`` (for a Kubernetes Job, which never replaces a pod that exited 0): the noticed node
-    leaves at a step boundary with that code while the others finish the job; they exit 0."""
-    with master_in_process(write_config(tmp_path, nodes=3, steps=60), tmp_path) as master:
-        agents = {node: procs.agent(master.address, node, master.token_file) for node in ("node0", "node1")}
-        agents["node2"] = procs.spawn(["agent", "--master", master.address, "--node", "node2", "--token-file",
-                                       master.token_file, "--left-exit-code", "75"], "agent-node2.log")  # fmt: skip
-        wait_event(master.event_log_path, "step", step=2, timeout=90)
-        send(agents["node2"][0], signal.SIGTERM)
-        assert agents["node2"][0].wait(60) == 75, agents["node2"][1].read_text()[-2000:]
-        assert master.wait(90) == 0
-        assert [a.wait(30) for a, _ in (agents["node0"], agents["node1"])] == [0, 0]
-        assert sorted(read_events(master.event_log_path, "plan_decided")[-1]["nodes"]) == ["node0", "node1"]
-        assert not read_events(master.event_log_path, "lost")
-
-
 def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
         agents = start_agents(procs, master, "node0", "node1")
@@ -431,12 +415,12 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
     as a host too busy to heartbeat would be) must always come back as a join, whether its agent first sees
     the stream the master ended or a heartbeat answered NOT_FOUND (once that one exited with 1)."""
     from oobleck_mm.config import load_config
-    from oobleck_mm.verify import checkpoint_windows, compare, compare_windows
+    from oobleck_mm.verify import checkpoint_windows, compare_windows
 
     final = tmp_path / "final"
-    steps = 120  # node2 is back (a fork of its warm worker template) within a few steps of its resume
+    steps = 90  # node2 is back (a fork of its warm worker template) within a few steps of its resume
     config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"},
-                          fault_tolerance={"checkpoint_interval": 40, "keep_checkpoints": 0})
+                          fault_tolerance={"checkpoint_interval": 45, "keep_checkpoints": 0})
     master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
     agents = {node: procs.agent(address, node, token) for node in ("node0", "node1", "node2")}
     wait_event(events, "step", step=2, timeout=120)
@@ -466,12 +450,10 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
     windows = checkpoint_windows(str(tmp_path / "run" / "checkpoints"), str(final))
     # The checkpoint of the last step is written in the background as the job ends: complete (issue 30: the
     # end killed its writers, leaving .tmp files), and equal to the final save (the last, empty window).
-    assert [w[2] for w in windows] == [40, 80, 120, 120] and windows[0][0] is None
+    assert [w[2] for w in windows] == [45, 90, 90] and windows[0][0] is None
     verdicts = compare_windows(job, windows, progress=lambda line: None)
-    assert len(verdicts) == 4 and all(v.ok and v.tolerance == 1e-9 for v in verdicts), [v.format() for v in verdicts]
-    start, end, step = windows[2]
-    off = compare(job, step + 1, end, progress=lambda line: None, start_dir=start)  # one update too many
-    assert not off.ok, off.format()
+    assert len(verdicts) == 3 and all(v.ok and v.tolerance == 1e-9 for v in verdicts), [v.format() for v in verdicts]
+    # (That such a window verdict can fail, one update off: tests/e2e/test_verify.py.)
 
 
 def test_a_config_past_grpcs_default_4_mib_registers(tmp_path, procs):
