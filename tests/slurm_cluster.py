@@ -25,7 +25,7 @@ from pathlib import Path
 from network import Network
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol", "squeue")
-SLURMD_TIMEOUT_S = 6
+SLURMD_TIMEOUT_S = 4
 """SlurmdTimeout: how long the controller waits for a node that stopped answering before it sets it DOWN
 (and, without ``--no-kill``, ends the jobs on it). Short, so a test sees it; production uses 300 s."""
 

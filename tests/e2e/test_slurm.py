@@ -69,16 +69,16 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
 
 def test_a_node_that_fails_is_down_for_slurm_and_planned_out_and_the_job_finishes(slurm, tmp_path):
     """Node n2's link cut while the job trains: SLURM sets the node DOWN and, with ``--no-kill`` and a step
-    per agent, keeps the job; the master plans n2 out; the job exits 0 and equals the reference window by
-    window. (The batch file before ``--no-kill``, tried the same way: SLURM ended the job with the node.)"""
-    from oobleck_mm.config import load_config
-    from oobleck_mm.verify import checkpoint_windows, compare_windows
-
-    steps, run, final = 80, tmp_path / "run", tmp_path / "final"
-    config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"},
-                          fault_tolerance={"checkpoint_interval": 40, "keep_checkpoints": 0})  # fmt: skip
+    per agent, keeps the job; the master plans n2 out; the job exits 0 on the other two. (The batch file
+    before ``--no-kill``, tried the same way: SLURM cancelled the job "DUE TO NODE FAILURE" and requeued
+    it.) That the recovery itself is exact is asserted by test_partition.py and tests/e2e/test_recovery.py;
+    what is asserted here is what SLURM does with the job."""
+    # Enough steps that the job still trains when SLURM sets the node down (idle: ~15 s after the cut; the
+    # master's loss 3 s after it, then ~12 steps/s on the other two): SLURM's handling must find it running.
+    steps, run = 300, tmp_path / "run"
+    config = write_config(tmp_path, nodes=3, steps=steps, fault_tolerance={"checkpoint_interval": 0})
     job = subprocess.Popen(["sbatch", "--wait", *NO_GPUS, f"--output={tmp_path}/slurm-%j.out",
-                            str(LAUNCH / "slurm.sbatch"), config, "--save-final", str(final)],
+                            str(LAUNCH / "slurm.sbatch"), config],
                            env=_env(slurm, RUN=str(run)), cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -86,6 +86,7 @@ def test_a_node_that_fails_is_down_for_slurm_and_planned_out_and_the_job_finishe
         slurm.network.cut("n2")
         wait_for(lambda: slurm.node_state("n2").startswith("down"), 60, f"SLURM setting n2 down: {slurm.sinfo()}")
         assert job.poll() is None, "SLURM ended the job with its failed node"
+        assert max(e["step"] for e in _steps(run)) < steps - 1, "the job had finished before SLURM saw the failure"
     finally:
         try:
             out = _finish(job, 300)
@@ -98,9 +99,6 @@ def test_a_node_that_fails_is_down_for_slurm_and_planned_out_and_the_job_finishe
     events = run / "events.jsonl"
     assert [e["node"] for e in read_events(events, "lost")] == ["n2"]
     assert sorted(read_events(events, "plan_decided")[-1]["nodes"]) == ["n0", "n1"]
-    windows = checkpoint_windows(str(run / "checkpoints"), str(final))
-    verdicts = compare_windows(load_config(config), windows, progress=lambda line: None)
-    assert verdicts and all(v.ok and v.tolerance == 1e-9 for v in verdicts), [v.format() for v in verdicts]
 
 
 def test_a_preemption_notice_stops_with_a_checkpoint_and_the_wrapper_resumes_to_the_reference(slurm, tmp_path):
