@@ -507,6 +507,8 @@ class TrainingConfig:
         for name in ("global_batch", "microbatch_size", "steps"):
             check(self, name, as_int, minimum=1, maximum=MAX_COUNT, why="the steps and samples the control "
                   "plane counts are 64-bit; no job comes near")  # fmt: skip
+        check(self, "global_batch", as_int, minimum=1, maximum=MAX_GLOBAL_BATCH,
+              why="planning holds every microbatch of a step; the largest published batches are ~10^4 samples")
         check(self, "seed", as_int, minimum=0, maximum=2**63 - 1, why="a 64-bit seed")
         check(self, "dtype", as_choice, ("float32", "float64", "bfloat16", "float16"))
         # Left None when unset (oobleck_mm.precision.master_dtype resolves it), so a job copied with
@@ -534,6 +536,11 @@ class TrainingConfig:
 MAX_COUNT = 2**53
 """The most steps (or samples in a batch) a job may ask for: counts travel as 64-bit integers and as
 JSON numbers (exact to 2**53); ``training.steps: 100000000000000000000000`` ended as an internal error."""
+
+MAX_GLOBAL_BATCH = 2**20
+"""The most samples a step may have: the batch split and the balancer hold each microbatch of a step, and
+``training.global_batch: 1073741824`` made ``plan`` run out of host memory (an OOM kill of 23.5 GB, found
+by tests/unit/test_fuzz_inputs.py in CI). A million samples is ~100x the largest published batches."""
 
 RUN_DEVICES = ("cpu", "cuda")
 """What ``cluster.device`` may be: where the workers run."""

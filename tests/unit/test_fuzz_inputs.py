@@ -73,6 +73,17 @@ def test_any_config_plans_or_exits_2_with_one_line_naming_the_field(tmp_path_fac
         assert NAMES_A_FIELD.search(errors[0]), f"{changes}: the message names no field or file: {errors[0]}"
 
 
+def test_a_global_batch_past_a_million_samples_is_refused_naming_it_instead_of_exhausting_host_memory(capsys, tmp_path):
+    """Found by the test above in CI: ``training.global_batch: 2**30`` made ``plan`` allocate until the kernel
+    killed it (23.5 GB); under a memory limit it was an internal error (a MemoryError)."""
+    raw = copy.deepcopy(TINY)
+    raw["training"]["global_batch"] = 2**30
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["plan", "--config", str(config), "--nodes", "4"]) == 2
+    assert "training.global_batch" in capsys.readouterr().err
+
+
 TEXT = st.one_of(st.text(max_size=30), st.sampled_from(["<image>\nWhat?", "Red.", "<image><image>", "", "\u00e9\u4e2d"]))
 TURN = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "human", "gpt", "system", "x"]), "value": TEXT})
 IMAGE = st.one_of(st.none(), st.sampled_from(["images/red_square.png", "images/blue_circle.png", "missing.png",
