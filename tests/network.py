@@ -17,8 +17,10 @@ test failed (deleting a namespace deletes the veth ends inside it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -143,6 +145,11 @@ class Network:
     def close(self) -> None:
         for kind, name in reversed(self.made):
             if kind == "netns":
+                # Nothing outlives its host: whatever still runs there (a cut-off node's agent, a slurmstepd
+                # its slurmd left behind) is killed before the namespace goes.
+                for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
                 _ip("netns", "del", name, check=False)
             else:
                 _ip("link", "del", name, check=False)  # gone already when its peer's namespace went
