@@ -18,11 +18,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import wait_for
 from network import Network
+from oobleck_mm.runtime.worker import free_port
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol", "squeue")
 SLURMD_TIMEOUT_S = 4
@@ -35,12 +36,6 @@ def unavailable() -> str | None:
     if missing:
         return f"SLURM is not installed ({', '.join(missing)} missing): run scripts/install_slurm.sh"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -73,15 +68,15 @@ class SlurmCluster:
             ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
              f"--pid-file={r / 'munged.pid'}", f"--log-file={r / 'munged.log'}", f"--seed-file={r / 'munge.seed'}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
-        _wait(lambda: self.munge_socket.exists(), 10, "munged's socket")
+        wait_for(lambda: self.munge_socket.exists(), 10, "munged's socket")
         nodes = self.network.nodes
         node_lines = "\n".join(f"NodeName={n} NodeAddr={self.network.address(n)} CPUs={self.cpus} State=UNKNOWN"
                                for n in nodes)  # fmt: skip
         self.conf.write_text(f"""\
 ClusterName=oobtest
 SlurmctldHost={socket.gethostname()}({self.network.master_address})
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
@@ -127,7 +122,7 @@ PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP
 
     def wait_idle(self, timeout: float = 60) -> None:
         """Until every node is idle (a node back from DOWN is, once its slurmd answers: ReturnToService=2)."""
-        _wait(lambda: self.idle_nodes() == set(self.network.nodes), timeout, "every node idle in sinfo")
+        wait_for(lambda: self.idle_nodes() == set(self.network.nodes), timeout, "every node idle in sinfo")
 
     def sinfo(self) -> str:
         return subprocess.run(["sinfo", "-N", "-h", "-o", "%N %t"], env=self.env, capture_output=True, text=True,
@@ -151,12 +146,3 @@ PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.2)
-    return value

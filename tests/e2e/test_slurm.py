@@ -8,13 +8,13 @@ command line only overrides what this machine lacks (GPUs, 32 CPUs).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 
 import pytest
 
 from harness import ROOT, assert_matches_reference, wait_for, write_config
 from oobleck_mm.events import read_events
+from oobleck_mm.runtime.worker import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,9 +45,7 @@ def slurm(tmp_path_factory):
 def _env(slurm, **more: str) -> dict[str, str]:
     """The submitting shell's environment, which sbatch exports to the job: where the repository is, the
     master's port (free here), the address agents dial (n0's), the interface gloo binds."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return {**slurm.env, **slurm.network.env(), "PORT": str(port), "MASTER_ADDR": slurm.network.address("n0"),
             "REPO": str(ROOT), "AGENT_GRACE": "3", "POLL_S": "1", **more}  # fmt: skip
 
