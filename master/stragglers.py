@@ -18,7 +18,12 @@ taking twice as long as the model says the others do.
 The rule, with hysteresis so a verdict never flaps: a node is flagged once the
 median of its factors over the last ``straggler_steps`` steps is at least
 ``straggler_factor``, and cleared once that median is below
-``straggler_clear_factor``. A median, not every step: one slow step is noise (a
+``straggler_clear_factor``; and a verdict on a node is never reversed before a
+whole window of steps observed after it (``dwell``), doubled for each time the
+node was already found and cleared (up to ``MAX_DWELL_DOUBLINGS``). Two
+thresholds alone let a node on shared cores flap: five workers on two cores
+read 0.4-2.6 step by step, and a job of 150 steps saw the same node found and
+cleared four steps apart, six times, each verdict a new generation. A median, not every step: one slow step is noise (a
 page fault, a neighbour's burst) and moves it little, while on shared cores a
 node slowed three times reads 1.3-2.9 step by step (measured), so "every step
 above the threshold" missed it. A node that leaves the job is forgotten
@@ -38,6 +43,9 @@ from dataclasses import dataclass, field
 
 from oobleck_mm.planning.layout import ExecutionPlan
 
+MAX_DWELL_DOUBLINGS = 3
+"""A node found and cleared k times waits ``straggler_steps * 2**k`` steps between two verdicts, k at most this
+(8 windows): a node whose speed swings with its neighbours' load is acted on less and less often."""
 FACTOR_CHANGE = 1.25
 """A flagged node's factor is reported again once its median moved this many times (up or down) from the
 last one reported: the split follows a real change of speed, not the noise of a median over a few steps."""
@@ -93,7 +101,13 @@ class _Track:
     reported: float = 0.0
     """The factor of the last verdict that flagged it."""
     since_report: int = 0
-    """Steps observed since that verdict."""
+    """Steps observed since the last verdict on the node (any kind)."""
+    cycles: int = 0
+    """How many times it was found and then cleared."""
+
+    def dwell(self, steps: int) -> int:
+        """Steps a verdict on this node must stand before the next one."""
+        return steps * 2 ** min(self.cycles, MAX_DWELL_DOUBLINGS)
 
 
 @dataclass(slots=True)
@@ -125,18 +139,21 @@ class StragglerDetector:
             track.since_report += 1
             window = tuple(track.factors)
             median = statistics.median(window)
+            if track.since_report < track.dwell(self.rule.steps) and (track.flagged or track.cycles):
+                continue  # the last verdict stands a while: see the module docstring
             if not track.flagged and median >= self.rule.factor:
                 track.flagged, track.reported, track.since_report = True, median, 0
                 out.append(Verdict("detected", node, step, median, window,
                                    f"its compute took a median {median:.2f}x what the cost model predicts, relative "
                                    f"to the other nodes, over the last {self.rule.steps} steps (>= {self.rule.factor:g}x)"))
-            elif (track.flagged and median >= self.rule.clear_factor and track.since_report >= self.rule.steps
+            elif (track.flagged and median >= self.rule.clear_factor
                   and max(median / track.reported, track.reported / median) >= FACTOR_CHANGE):
                 before, track.reported, track.since_report = track.reported, median, 0
                 out.append(Verdict("changed", node, step, median, window,
                                    f"a median {median:.2f}x over the last {self.rule.steps} steps (was {before:.2f}x)"))
             elif track.flagged and median < self.rule.clear_factor:
-                track.flagged = False
+                track.flagged, track.since_report = False, 0
+                track.cycles += 1
                 out.append(Verdict("cleared", node, step, median, window,
                                    f"a median {median:.2f}x over the last {self.rule.steps} steps "
                                    f"(< {self.rule.clear_factor:g}x)"))  # fmt: skip

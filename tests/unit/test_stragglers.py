@@ -107,3 +107,24 @@ def test_a_flagged_nodes_factor_is_reported_again_when_it_moved_a_quarter_a_wind
     verdicts = [v for step, f in enumerate([1.6, 1.6, 1.6, 1.6, 5, 5, 5, 5, 5.5, 5.2, 4.8, 5.1])
                 for v in det.observe(step, step_ranks({"b": f}))]  # fmt: skip
     assert [(v.kind, v.step, round(v.factor, 2)) for v in verdicts] == [("detected", 3, 1.6), ("changed", 7, 5.0)]
+
+
+def test_a_node_whose_speed_swings_is_acted_on_less_and_less_often():
+    """Seen in a 5-node job on 2 cores: one node's window median crossed 1.5 and 1.2 by turns, found and
+    cleared 4 steps apart, six times in 150 steps, each verdict a new generation. A verdict now stands a
+    window, doubled per found-and-cleared cycle (up to 8 windows)."""
+    det = StragglerDetector(RULE)  # a window of 4 steps
+    swings = [3.0 if (step // 3) % 2 == 0 else 1.0 for step in range(400)]  # 3 slow steps, 3 fast, ...
+    verdicts = [v for step, f in enumerate(swings) for v in det.observe(step, step_ranks({"b": f}))]
+    kinds = [v.kind for v in verdicts if v.kind != "changed"]
+    assert kinds[:4] == ["detected", "cleared", "detected", "cleared"], kinds
+    gaps = [b.step - a.step for a, b in zip(verdicts, verdicts[1:])]
+    # Found then cleared k times: the verdict after stands 4 * 2**min(k, 3) steps.
+    cycles, wanted = 0, []
+    for v in verdicts[:-1]:
+        cycles += v.kind == "cleared"
+        wanted.append(4 * 2 ** min(cycles, 3))
+    assert all(gap >= want for gap, want in zip(gaps, wanted)), list(zip(gaps, wanted))
+    # Three verdicts (found, changed, cleared) per 3 x 32 steps once the dwell is at its longest; the two
+    # thresholds alone gave 133 verdicts in the same 400 steps.
+    assert len(verdicts) <= 20, f"{len(verdicts)} verdicts in 400 steps"
