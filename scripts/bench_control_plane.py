@@ -227,21 +227,25 @@ sys.stdin.read()
 """
 
 
-def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: bool, spread_s: float, out) -> None:
+def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: bool, reuse_waited: bool,
+                spread_s: float, out) -> None:  # fmt: skip
     """A share of one rendezvous' ranks, a thread each: arrive at a random moment within ``spread_s``, set
-    its key, then read every rank's key (as gloo's connect reads its peers' addresses); report (calls made,
-    the time its last key arrived, the time it was done)."""
+    its key, then read every rank's key as gloo's connect reads its peers' addresses (``wait([key])`` then
+    ``get(key)``, its own included: logged from ``ProcessGroupGloo``'s construction on a store that records
+    its calls); report (calls made, the time its last key arrived, the time it was done)."""
     import random
     from datetime import timedelta
 
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     def rank(i: int) -> None:
-        store = ControlPlaneStore("127.0.0.1", port, token, timedelta(seconds=60), long_poll=long_poll)
+        store = ControlPlaneStore("127.0.0.1", port, token, timedelta(seconds=60), long_poll=long_poll,
+                                  reuse_waited=reuse_waited)  # fmt: skip
         time.sleep(random.Random(i).uniform(0, spread_s))
         store.set(f"rank{i}", b"x")
         set_at = time.time()
         for j in range(world):
+            store.wait([f"rank{j}"])
             store.get(f"rank{j}")
         out.put((store.calls, set_at, time.time()))
         store.close()
@@ -253,7 +257,7 @@ def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: 
         t.join()
 
 
-def run_store(world: int, long_poll: bool, spread_s: float, say) -> dict:
+def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: bool = True) -> dict:
     """One rendezvous of ``world`` ranks against the master's store server (``master.store``, a process of
     its own): the store calls it took, the server's CPU seconds, and how long after the last rank arrived
     the last one was done (the wake-up latency that polling trades against calls)."""
@@ -271,7 +275,7 @@ def run_store(world: int, long_poll: bool, spread_s: float, say) -> dict:
         out = mp.get_context("fork").Queue()
         shares = [list(range(world))[k::AGENT_PROCESSES] for k in range(AGENT_PROCESSES)]
         procs = [mp.get_context("fork").Process(target=store_ranks, args=(port, token, share, world, long_poll,
-                                                                          spread_s, out)) for share in shares]  # fmt: skip
+                                                                          reuse_waited, spread_s, out)) for share in shares]  # fmt: skip
         for p in procs:
             p.start()
         results = [out.get(timeout=120) for _ in range(world)]
@@ -283,11 +287,12 @@ def run_store(world: int, long_poll: bool, spread_s: float, say) -> dict:
         server.wait(10)
     calls = sum(r[0] for r in results)
     last_set, last_done = max(r[1] for r in results), max(r[2] for r in results)
-    row = {"part": "store", "ranks": world, "long_poll": long_poll, "server_long_polls": waiters, "arrivals_spread_s": spread_s, "calls": calls,
+    row = {"part": "store", "ranks": world, "long_poll": long_poll, "reuse_waited": reuse_waited, "server_long_polls": waiters, "arrivals_spread_s": spread_s, "calls": calls,
            "calls_per_rank": round(calls / world, 1),
            "server_cpu_s": round(after.user + after.system - before.user - before.system, 3),
            "last_arrival_to_done_s": round(last_done - last_set, 4)}  # fmt: skip
-    say(f"store, {world} ranks arriving within {spread_s:g} s, {'long poll' if long_poll else 'polling only'}: "
+    say(f"store, {world} ranks arriving within {spread_s:g} s, {'long poll' if long_poll else 'polling only'}"
+        f"{', a wait read once' if reuse_waited else ', a wait read twice'}: "
         f"{calls} calls ({row['calls_per_rank']} per rank), server CPU {row['server_cpu_s']:.2f} s, last rank "
         f"done {row['last_arrival_to_done_s'] * 1000:.1f} ms after the last arrival")  # fmt: skip
     return row
@@ -299,15 +304,15 @@ def main() -> int:
     parser.add_argument("--kill", type=int, default=10)
     parser.add_argument("--window", type=float, default=10.0, help="seconds the master's CPU is measured over")
     parser.add_argument("--store-ranks", default="", help="also one rendezvous of this many ranks (e.g. 16,64) "
-                                                             "against the store, polling only and with long polls")
+                                                             "against the store: polling only, long polls, long polls with a wait's read reused")
     parser.add_argument("--store-only", action="store_true", help="only the store part")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     say = lambda line: print(line, flush=True)  # noqa: E731
     rows = [] if args.store_only else [run_size(int(n), args.kill, args.window, say) for n in args.nodes.split(",")]
     for world in [int(n) for n in args.store_ranks.split(",") if n]:
-        for long_poll in (False, True):  # side by side, in one run
-            rows.append(run_store(world, long_poll, spread_s=0.5, say=say))
+        for long_poll, reuse in ((False, False), (True, False), (True, True)):  # side by side, in one run
+            rows.append(run_store(world, long_poll, spread_s=0.5, say=say, reuse_waited=reuse))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

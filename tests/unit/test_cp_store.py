@@ -151,3 +151,41 @@ def test_a_get_waits_on_the_server_and_wakes_when_the_key_is_set_while_a_full_se
     threading.Timer(0.2, store.set, args=("k", b"v")).start()
     reply = one.Call(pb.StoreRequest(op=pb.STORE_GET, key="k", wait_s=5.0), context=None)
     assert reply.found and reply.held and reply.value == b"v"
+
+
+def test_a_get_after_the_wait_for_its_key_reuses_what_the_wait_read_and_nothing_else_does():
+    """gloo's connect waits for each peer's key and then gets it: the get is answered from the wait's read
+    (one call per peer instead of two). Only by the operation right after that wait: any other one in
+    between (a set, an add, another get) makes the next get ask the server."""
+    from datetime import timedelta
+
+    from master.store import serve_store_only
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    server, port = serve_store_only("tok")
+    try:
+        store = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5))
+        other = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5))
+        store.set("a", b"1")
+        store.set("b", b"2")
+        calls = store.calls
+        store.wait(["a", "b"])
+        assert store.calls == calls + 2
+        assert store.get("a") == b"1" and store.calls == calls + 2, "read by the wait"
+        assert store.get("b") == b"2" and store.calls == calls + 3, "another get came between: asked"
+        store.wait(["a"])
+        other.set("a", b"changed")
+        store.set("c", b"3")  # this client's own operation: what the wait read is forgotten
+        assert store.get("a") == b"changed"
+        store.wait(["a"])
+        store.add("n", 1)
+        calls = store.calls
+        assert store.get("a") == b"changed" and store.calls == calls + 1
+        plain = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5), reuse_waited=False)
+        plain.wait(["a"])
+        calls = plain.calls
+        assert plain.get("a") == b"changed" and plain.calls == calls + 1
+        for s in (store, other, plain):
+            s.close()
+    finally:
+        server.stop(0)
