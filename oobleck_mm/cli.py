@@ -314,7 +314,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from oobleck_mm.planning.planner import plan_job
     from oobleck_mm.profiling.load import load_profile
 
+    from oobleck_mm.data.check import ensure_shape
+
     job = load_config(args.config, args.deepspeed, args.overrides)
+    ensure_shape(job, lambda line: print(line, file=sys.stderr, flush=True))
     num_nodes = job.cluster.nodes if args.nodes is None else args.nodes
     if num_nodes < 1:
         raise UserError(f"--nodes: must be >= 1, got {num_nodes}")
@@ -348,7 +351,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         apply_knob, format_results, parse_sweep, plot_results, results_to_json, simulate,
     )  # fmt: skip
 
+    from oobleck_mm.data.check import ensure_shape
+
     job = load_config(args.config, args.deepspeed, args.overrides)
+    ensure_shape(job, lambda line: print(line, file=sys.stderr, flush=True))
     if args.trace:
         events = read_trace(_trace_file(args.trace))
         name = os.path.basename(args.trace)

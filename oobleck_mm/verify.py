@@ -303,6 +303,14 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         recorded = (read_meta(args.against).get("config") or {}).get("data") or {}
         if recorded.get("excluded_samples"):
             job.data.excluded_samples = tuple(recorded["excluded_samples"])
+        # The planning shape the master measured over the data (data.check.measure_shape), when the file
+        # left it to be measured: the same numbers, not a second pass over the data.
+        for key in ("mean_text_tokens", "mean_images_per_sample"):
+            if getattr(job.data, key) is None and recorded.get(key) is not None:
+                setattr(job.data, key, float(recorded[key]))
+        from oobleck_mm.data.check import ensure_shape
+
+        ensure_shape(job, lambda line: print(line, file=sys.stderr, flush=True))
         if args.steps < 0:
             raise UserError(f"--steps: must be >= 0, got {args.steps}")
         if args.tolerance is not None and not args.tolerance >= 0:

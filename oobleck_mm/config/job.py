@@ -24,7 +24,14 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 from oobleck_mm.config.devices import DEVICES
 from oobleck_mm.config.fault_tolerance import FaultToleranceConfig
 from oobleck_mm.config.huggingface import HFModelShape, hf_model_shape
-from oobleck_mm.config.shape import layer_specs, resolve_frozen, sequence_tokens
+from oobleck_mm.config.shape import (
+    DEFAULT_IMAGE_SIZE,
+    SYNTHETIC_IMAGES_PER_SAMPLE,
+    SYNTHETIC_TEXT_TOKENS,
+    layer_specs,
+    resolve_frozen,
+    sequence_tokens,
+)
 from oobleck_mm.config.values import (
     ConfigError,
     as_bandwidth,
@@ -234,17 +241,22 @@ class DataConfig:
     """Seed of the synthetic samples (each sample is a function of (seed, index) only)."""
     num_samples: int = 100000
     """Samples of the synthetic dataset (one epoch)."""
-    mean_text_tokens: float = 32.0
-    """Mean text tokens per sample (planning workload shape; the synthetic text lengths' mean)."""
+    mean_text_tokens: float | None = None
+    """Mean text tokens per sample (planning workload shape; the synthetic text lengths' mean).
+    Default: ``SYNTHETIC_TEXT_TOKENS`` for synthetic data; for ``llava_json``, measured by the master's
+    pass over the data (``data.check.measure_shape``) before anything is planned."""
     text_length_sigma: float = 0.8
     """Synthetic text lengths are lognormal with mean ``mean_text_tokens`` and this sigma of the
     log (0: every sample has the mean length); larger values give a heavier tail."""
-    mean_images_per_sample: float = 0.0
-    """Mean images per sample; must be > 0 exactly when the model has a vision encoder."""
+    mean_images_per_sample: float | None = None
+    """Mean images per sample; must be > 0 exactly when the model has a vision encoder. Default: for
+    synthetic data ``SYNTHETIC_IMAGES_PER_SAMPLE`` with a vision encoder (0 without); for ``llava_json``,
+    measured by the master's pass over the data."""
     max_images_per_sample: int = 4
     """Most images of one synthetic sample (their count is binomial, 0..this, with the mean above)."""
-    image_size: int = 224
-    """Largest image side in pixels after preprocessing (the planner's image is this square)."""
+    image_size: int | None = None
+    """Largest image side in pixels after preprocessing (the planner's image is this square). Default:
+    the side an HF model's vision tower takes (its config's ``image_size``), else ``DEFAULT_IMAGE_SIZE``."""
     min_image_size: int | None = None
     """Smallest side of a synthetic image (rounded up to the patch size); sides are drawn between it
     and ``image_size``, so images need not be square. Default: ``image_size`` (fixed size)."""
@@ -283,20 +295,23 @@ class DataConfig:
             self._check_image_dir()
         check(self, "seed", as_int, minimum=0)
         check(self, "num_samples", as_int, minimum=1)
-        check(self, "mean_text_tokens", as_float, positive=True)
+        if self.mean_text_tokens is None and self.kind == "synthetic":
+            self.mean_text_tokens = SYNTHETIC_TEXT_TOKENS
+        check_optional(self, "mean_text_tokens", as_float, positive=True)
         check(self, "text_length_sigma", as_float, minimum=0.0)
-        check(self, "mean_images_per_sample", as_float, minimum=0.0)
+        check_optional(self, "mean_images_per_sample", as_float, minimum=0.0)
         check(self, "max_images_per_sample", as_int, minimum=0)
-        if self.mean_images_per_sample > 0 and self.max_images_per_sample < max(1.0, self.mean_images_per_sample):
+        if self.kind == "synthetic" and (self.mean_images_per_sample or 0) > 0 and \
+                self.max_images_per_sample < max(1.0, self.mean_images_per_sample):  # fmt: skip
             raise ConfigError(
                 f"data.max_images_per_sample ({self.max_images_per_sample}) must be >= 1 and >= "
                 f"data.mean_images_per_sample ({self.mean_images_per_sample})"
             )
-        check(self, "image_size", as_int, minimum=1)
-        if self.min_image_size is None:
+        check_optional(self, "image_size", as_int, minimum=1)
+        check_optional(self, "min_image_size", as_int, minimum=1)
+        if self.image_size is not None and self.min_image_size is None:
             self.min_image_size = self.image_size
-        check(self, "min_image_size", as_int, minimum=1)
-        if self.min_image_size > self.image_size:
+        if self.image_size is not None and self.min_image_size > self.image_size:
             raise ConfigError(
                 f"data.min_image_size ({self.min_image_size}) must be <= data.image_size ({self.image_size})"
             )
@@ -769,14 +784,36 @@ def _validate_model(m: ModelConfig) -> None:
         )
 
 
+def derive_data_shape(m: ModelConfig, d: DataConfig) -> None:
+    """The workload shape a user did not give, from what the engine can read: an HF vision tower's image
+    side from its config, synthetic data's means from their defaults. A ``llava_json`` file's means are
+    left None here and measured by the master's pass over the data (``data.check.measure_shape``)."""
+    if d.image_size is None:
+        d.image_size = m.hf.vision["image_size"] if m.hf is not None and m.hf.vision is not None \
+            else DEFAULT_IMAGE_SIZE  # fmt: skip
+    if d.min_image_size is None:
+        d.min_image_size = d.image_size
+    if d.min_image_size > d.image_size:
+        raise ConfigError(f"data.min_image_size ({d.min_image_size}) must be <= data.image_size ({d.image_size})")
+    if d.kind == "synthetic" and d.mean_images_per_sample is None:
+        d.mean_images_per_sample = SYNTHETIC_IMAGES_PER_SAMPLE if m.vision is not None else 0.0
+
+
+def shape_measured(d: DataConfig) -> bool:
+    """Whether the data's means are known (a ``llava_json`` file's once the master read it)."""
+    return d.mean_text_tokens is not None and d.mean_images_per_sample is not None
+
+
 def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
     if d.kind == "llava_json" and d.path is None:
         raise ConfigError("data.path: required when data.kind is 'llava_json'")
+    derive_data_shape(m, d)
     # An encoder with no input would be costed as idle, silently skewing the plan.
-    if (m.vision is None) != (d.mean_images_per_sample == 0):
+    if d.mean_images_per_sample is not None and (m.vision is None) != (d.mean_images_per_sample == 0):
+        measured = "" if d.kind == "synthetic" else f", as measured over {d.path}"
         raise ConfigError(
-            f"data.mean_images_per_sample ({d.mean_images_per_sample}) must be > 0 exactly when model.vision is set "
-            f"(model.vision is {'set' if m.vision else 'not set'})"
+            f"data.mean_images_per_sample ({d.mean_images_per_sample}{measured}) must be > 0 exactly when "
+            f"model.vision is set (model.vision is {'set' if m.vision else 'not set'})"
         )
     if (m.audio is None) != (d.mean_audio_seconds == 0):
         raise ConfigError(
@@ -789,13 +826,17 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
         )
     if m.hf is not None:
         _validate_hf_workload(m.hf, d)
-    tokens = sequence_tokens(m, d)
-    if tokens.llm > d.max_seq_len:
-        raise ConfigError(
-            f"data.max_seq_len ({d.max_seq_len}) is below the mean LLM tokens per sample ({tokens.llm:g} = "
-            f"{tokens.text:g} text + {tokens.vision_llm:g} image + {tokens.audio_llm:g} audio)"
-        )
-    specs = layer_specs(m, d)
+    if shape_measured(d):
+        tokens = sequence_tokens(m, d)
+        if tokens.llm > d.max_seq_len:
+            raise ConfigError(
+                f"data.max_seq_len ({d.max_seq_len}) is below the mean LLM tokens per sample ({tokens.llm:g} = "
+                f"{tokens.text:g} text + {tokens.vision_llm:g} image + {tokens.audio_llm:g} audio)"
+            )
+        specs = layer_specs(m, d)
+    else:  # the layers' names and order do not depend on the means, still to be measured
+        specs = layer_specs(m, dataclasses.replace(d, mean_text_tokens=1.0,
+                                                   mean_images_per_sample=1.0 if m.vision else 0.0))  # fmt: skip
     try:
         frozen = resolve_frozen(m.frozen, specs)
     except ValueError as exc:

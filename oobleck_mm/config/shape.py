@@ -131,16 +131,32 @@ class SequenceTokens:
         return self.text + self.vision_llm + self.audio_llm
 
 
+DEFAULT_IMAGE_SIZE = 224
+"""``data.image_size`` of a model whose vision tower does not name one (the built-in model)."""
+SYNTHETIC_TEXT_TOKENS = 32.0
+"""``data.mean_text_tokens`` of synthetic data when not given."""
+SYNTHETIC_IMAGES_PER_SAMPLE = 1.0
+"""``data.mean_images_per_sample`` of synthetic data for a model with a vision encoder, when not given."""
+
+
 def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
+    images = data.mean_images_per_sample
+    if images is None and (data.kind == "synthetic" or model.vision is None):
+        images = SYNTHETIC_IMAGES_PER_SAMPLE if model.vision is not None else 0.0  # as config.job derives it
+    if data.mean_text_tokens is None or images is None:
+        missing = "mean_text_tokens" if data.mean_text_tokens is None else "mean_images_per_sample"
+        raise UserError(f"data.{missing}: not known yet: the master measures it over {data.path} before it "
+                        f"plans (data.check.measure_shape); to plan without reading the data, set it")  # fmt: skip
     vision = audio = per_image = vision_llm = audio_llm = 0.0
     if model.vision is not None:
         p = model.vision.patch_size
+        side = data.image_size or DEFAULT_IMAGE_SIZE
         # Sides are drawn uniformly in whole patches between min_image_size and image_size,
         # independently, so the mean patch count is the square of the mean side in patches.
-        low = max(1, -(-data.min_image_size // p))
-        high = max(low, data.image_size // p)
+        low = max(1, -(-(data.min_image_size or side) // p))
+        high = max(low, side // p)
         per_image = ((low + high) / 2) ** 2
-        vision = data.mean_images_per_sample * per_image
+        vision = images * per_image
         vision_llm = vision / model.vision.token_merge
     if model.audio is not None:
         audio = data.mean_audio_seconds * data.audio_frames_per_second / model.audio.downsample

@@ -69,7 +69,47 @@ def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSampl
                         f"({job.training.global_batch})")  # fmt: skip
     left_out = f", {len(job.data.excluded_samples)} left out (data.excluded_samples)" if job.data.excluded_samples else ""
     progress(f"data: {kept} samples of {job.data.path} checked in {time.perf_counter() - start:.1f} s{left_out}")
+    measure_shape(job, dataset, {b.position for b in decoded_bad}, progress)
     return bad
+
+
+def ensure_shape(job, progress: Callable[[str], None] = print) -> None:
+    """``measure_shape`` for a command that plans without the master's check (``plan``, ``simulate``,
+    ``verify`` of a run without recorded means): one pass over the records, no image decoded."""
+    from oobleck_mm.config.job import shape_measured
+
+    if not shape_measured(job.data):
+        measure_shape(job, build_dataset(job), progress=progress)
+
+
+def measure_shape(job, dataset, left_out: set[int] = frozenset(), progress: Callable[[str], None] = print) -> None:
+    """The planning shape a ``llava_json`` job did not give, measured over its samples (those not in
+    ``left_out``, positions in the file): ``data.mean_text_tokens`` (text tokens of the LLM sequence, without
+    the media placeholders, as ``config.shape.sequence_tokens`` counts them) and ``data.mean_images_per_sample``.
+    A value the user set is kept (a user may plan for data to come). The job is validated again with them:
+    the rules that need the means (``data.max_seq_len`` against the mean sequence, an idle vision tower)."""
+    from oobleck_mm.config.job import shape_measured, validate
+
+    d = job.data
+    if shape_measured(d):
+        return
+    text = images = count = 0
+    for i in range(len(dataset)):
+        meta = dataset.meta(i)
+        if meta.index in left_out:
+            continue
+        count += 1
+        images += meta.num_images
+        text += meta.text_tokens - meta.num_images - meta.num_audio
+    measured = []
+    if d.mean_text_tokens is None:
+        d.mean_text_tokens = max(1.0, round(text / count, 3))
+        measured.append(f"data.mean_text_tokens {d.mean_text_tokens:g}")
+    if d.mean_images_per_sample is None:
+        d.mean_images_per_sample = round(images / count, 4)
+        measured.append(f"data.mean_images_per_sample {d.mean_images_per_sample:g}")
+    progress(f"data: measured over {count} samples for the planner: {', '.join(measured)}")
+    validate(job)
 
 
 def _decode_every_image(dataset, progress: Callable[[str], None]) -> list[BadSample]:

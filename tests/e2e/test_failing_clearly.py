@@ -58,6 +58,8 @@ def bad_llava_config(tmp_path, break_image, at=(3,), **data) -> tuple[str, list[
     config = write_config(tmp_path, nodes=2, steps=3)
     raw = yaml.safe_load(open(config))
     raw["data"].update(kind="llava_json", path=str(tmp_path / "data.json"), **data)
+    for key in ("mean_text_tokens", "mean_images_per_sample", "max_images_per_sample"):  # measured by the master
+        raw["data"].pop(key)
     Path(config).write_text(yaml.safe_dump(raw))
     return config, [samples[p]["id"] for p in at]
 
@@ -105,6 +107,11 @@ def test_skip_bad_samples_leaves_them_out_on_every_rank_and_the_run_equals_the_r
     assert "left out sample #3" in said and "left out sample #6" in said and "broken.png" in said, said[-3000:]
     meta = json.loads((final / "meta.json").read_text())
     assert meta["config"]["data"]["excluded_samples"] == [3, 6] and meta["step"] == 3
+    # Issue 30 item 4: the planning shape the config left out, measured over the 22 good samples (8 copies
+    # of the fixture's 1, 0 and 2 images, less #3's and #6's one image each), shipped to every rank.
+    assert "data: measured over 22 samples for the planner" in said, said[-3000:]
+    assert meta["config"]["data"]["mean_images_per_sample"] == round(22 / 22, 4)
+    assert meta["config"]["data"]["mean_text_tokens"] > 0
     done = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", config, "--steps", "3",
                            "--against", str(final)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

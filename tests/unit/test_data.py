@@ -353,3 +353,51 @@ def test_llava_answer_cut_off_by_max_seq_len_trains_on_nothing(tmp_path):
     path = write_samples(tmp_path, [{"id": "long", "conversations": turns}, {"id": "ok", "conversations": ok}])
     ds = llava(path, max_seq_len=32, mean_images_per_sample=0.1)
     assert ds.meta(0).loss_tokens == 0 and ds.meta(1).loss_tokens == 3  # "a\n" and the EOS
+
+
+def _measured_job(path: str, **data):
+    raw = job_dict(kind="llava_json", path=path, **data)
+    for key in ("mean_text_tokens", "mean_images_per_sample", "max_images_per_sample"):
+        if key not in data:
+            raw["data"].pop(key, None)
+    raw["training"].update(global_batch=2, microbatch_size=1)
+    return config_from_dict(raw)
+
+
+def test_a_llava_json_jobs_planning_shape_is_measured_over_its_samples_by_the_masters_check():
+    """Issue 30 item 4: a user never types what the engine can read. A llava_json job that does not give
+    its means has them measured by the check the master runs before it plans (every rank then gets the
+    job with them); a mean the user gave is kept."""
+    from oobleck_mm.config.shape import layer_specs, sequence_tokens
+    from oobleck_mm.data.check import check_samples
+
+    path = os.path.join(FIXTURE, "llava.json")
+    job = _measured_job(path)
+    assert job.data.mean_text_tokens is None and job.data.mean_images_per_sample is None
+    with pytest.raises(ValueError, match=r"data\.mean_text_tokens: not known yet: the master measures it"):
+        sequence_tokens(job.model, job.data)
+    lines = []
+    check_samples(job, progress=lines.append)
+    metas = [llava(path).meta(i) for i in range(3)]  # images 1, 0 and 2
+    assert job.data.mean_images_per_sample == pytest.approx(1.0)
+    text = [m.text_tokens - m.num_images for m in metas]
+    assert job.data.mean_text_tokens == pytest.approx(sum(text) / 3, abs=1e-3)
+    assert any("measured over 3 samples" in line and "data.mean_text_tokens" in line for line in lines), lines
+    assert sequence_tokens(job.model, job.data).text == job.data.mean_text_tokens and layer_specs(job.model, job.data)
+    # The job as shipped to the workers (and read back by a resume) carries the numbers.
+    again = config_from_dict(job.to_dict())
+    assert (again.data.mean_text_tokens, again.data.mean_images_per_sample) == (job.data.mean_text_tokens, 1.0)
+    given = _measured_job(path, mean_text_tokens=50)
+    check_samples(given, progress=lambda line: None)
+    assert given.data.mean_text_tokens == 50 and given.data.mean_images_per_sample == pytest.approx(1.0)
+
+
+def test_a_vision_model_over_data_without_images_is_refused_once_measured(tmp_path):
+    from oobleck_mm.data.check import check_samples
+
+    samples = [{"id": f"t{k}", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}
+               for k in range(3)]  # fmt: skip
+    job = _measured_job(write_samples(tmp_path, samples))
+    with pytest.raises(ValueError, match=r"data\.mean_images_per_sample \(0\.0, as measured over .*bad\.json\) must "
+                                         r"be > 0 exactly when model\.vision is set"):  # fmt: skip
+        check_samples(job, progress=lambda line: None)

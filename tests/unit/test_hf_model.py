@@ -175,10 +175,13 @@ def test_huggingface_and_builtin_sections_are_exclusive(models):
                                     "llm": {"num_layers": 1, "hidden": 8, "num_heads": 1, "vocab_size": 16}}})
 
 
-def test_image_size_must_be_the_towers(models):
+def test_image_size_is_the_towers_read_from_its_config_and_another_is_refused(models):
+    """Issue 30 item 4: a user never types what the engine reads (the tower's side, in its config.json)."""
+    job = config_from_dict({"model": {"huggingface": models[("llama", "clip", False)]}, "data": {"max_seq_len": 96}})
+    assert (job.data.image_size, job.data.min_image_size, job.data.mean_images_per_sample) == (32, 32, 1.0)
     with pytest.raises(ConfigError, match=r"data\.image_size \(224\).*must both be 32"):
         config_from_dict({"model": {"huggingface": models[("llama", "clip", False)]},
-                          "data": {"mean_images_per_sample": 1, "max_seq_len": 96}})
+                          "data": {"image_size": 224, "max_seq_len": 96}})
 
 
 def test_job_round_trips_through_to_dict(models):
@@ -268,10 +271,14 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def llava_json_job(directory, path=FIXTURE, **data):
-    return config_from_dict({"model": {"huggingface": str(directory)},
-                             "data": {"kind": "llava_json", "path": str(path), "mean_images_per_sample": 1,
-                                      "image_size": 32, "max_seq_len": 128, **data},
-                             "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"}})
+    """A worker's job: the data's planning shape measured, as the master does before it ships the job."""
+    from oobleck_mm.data.check import ensure_shape
+
+    job = config_from_dict({"model": {"huggingface": str(directory)},
+                            "data": {"kind": "llava_json", "path": str(path), "max_seq_len": 128, **data},
+                            "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"}})
+    ensure_shape(job, progress=lambda line: None)
+    return job
 
 
 def test_llava_json_uses_the_models_tokenizer_template_and_image_processor(models):
