@@ -274,6 +274,10 @@ class DataConfig:
     image decoded once, a few ms each, with progress: a truncated file is found before training) or
     ``header`` (sizes only, for very large datasets; a body that does not decode then stops the job
     with exit 2 when its sample is first loaded)."""
+    cache_dir: str | None = "~/.cache/oobleck_mm/datasets"
+    """``llava_json`` on an HF model: where the tokenized records are kept, built by the first rank of a
+    node and memory-mapped by the others and by joiners (``data/record_cache.py``); a local disk, not a
+    shared one (each node builds its own). ``null``: every rank tokenizes the file itself."""
     skip_bad_samples: bool = False
     """``llava_json``: a sample whose record or files are bad is logged and left out instead of
     stopping the job (exit 2 naming it). The global batch keeps its size (``--skip-bad-samples``)."""
@@ -321,6 +325,9 @@ class DataConfig:
         check(self, "loss_on", as_choice, ("assistant", "all"))
         check(self, "check_images", as_choice, ("decode", "header"))
         check(self, "skip_bad_samples", as_bool)
+        check_optional(self, "cache_dir", as_str)
+        if self.cache_dir is not None:
+            self.cache_dir = os.path.expanduser(self.cache_dir)
         if not isinstance(self.excluded_samples, (list, tuple)):
             raise ConfigError(f"data.excluded_samples: expected a list of sample positions, got "
                               f"{self.excluded_samples!r}")  # fmt: skip

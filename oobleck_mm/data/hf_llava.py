@@ -18,17 +18,20 @@ decides the text and the pixels:
 - images go through the model's image processor (resize, crop, normalise) to
   the tower's square size.
 
-Metadata needs the token count of every sample, so the dataset renders and
-tokenizes every conversation once, at construction, on every rank: ~420 us a
-record on one core of the 2-core development machine with the tests' tiny
-tokenizer (20,000 records of 15-150 words), so about 4.6 minutes for LLaVA's
-665k records, of which the tokenizer's own ``encode`` is a third and the chat
-template's rendering a quarter. Pixels are decoded only when a sample is loaded.
+Metadata needs the token count of every sample, so the records are rendered
+and tokenized once, at construction: ~420 us a record on one core of the 2-core
+development machine with the tests' tiny tokenizer (20,000 records of 15-150
+words), so about 4.6 minutes for LLaVA's 665k records, of which the tokenizer's
+own ``encode`` is a third and the chat template's rendering a quarter. With
+``data.cache_dir`` (the default) the first process of a node does it and the
+node's other ranks and its joiners map what it wrote (``record_cache.py``).
+Pixels are decoded only when a sample is loaded.
 Bad input is a ``UserError`` naming the file, the sample and what to change.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -37,7 +40,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from oobleck_mm.config import DataConfig
-from oobleck_mm.data.dataset import ModelInputs, check_index
+from oobleck_mm.data import record_cache
+from oobleck_mm.data.dataset import BadSample, ModelInputs, check_index
 from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, JsonRecords
 from oobleck_mm.data.sample import Sample, SampleMeta
 from oobleck_mm.errors import UserError
@@ -64,16 +68,93 @@ class HFLlavaJsonDataset(JsonRecords):
         self.image_processor = load_image_processor(inputs.huggingface) if inputs.has_vision else None
         self.image_tokens = (inputs.image_side // inputs.patch_size) ** 2 // inputs.image_merge
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        super().__init__(data, inputs)
+        self.cache_folder: str | None = None
+        """The record cache folder this dataset was read from or written to (None: no cache)."""
+        self.built = True
+        """Whether this process tokenized the records (False: it mapped another process's)."""
+        if data.cache_dir is None:
+            super().__init__(data, inputs)
+            return
+        self.cache_folder, self.built = record_cache.built_once(data.cache_dir, self._cache_key(data, inputs),
+                                                                lambda folder: self._build_into(folder, data, inputs))
+        if not self.built:
+            self._read(self.cache_folder, data, inputs)
 
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
         images = [self._pixels(path, record.sample_id) for path in record.image_paths]
+        # Copies: a cached record's arrays are read-only views of a file every rank of the node maps.
         return Sample(
-            meta=record.meta, tokens=torch.from_numpy(record.tokens), images=images,
-            media=torch.from_numpy(record.media),
-            targets=torch.from_numpy(record.targets) if record.targets is not None else None,
+            meta=record.meta, tokens=torch.from_numpy(np.array(record.tokens, dtype=np.int64)), images=images,
+            media=torch.from_numpy(np.array(record.media, dtype=bool)),
+            targets=torch.from_numpy(np.array(record.targets, dtype=bool)) if record.targets is not None else None,
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ the node's record cache
+
+    @staticmethod
+    def _cache_key(data: DataConfig, inputs: ModelInputs) -> str:
+        import tokenizers
+        import transformers
+
+        json_dir = os.path.dirname(os.path.abspath(data.path))
+        return record_cache.cache_key({
+            "reader": "hf_llava", "data": record_cache.fingerprint(data.path),
+            "image_dir": os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir,
+            "model": record_cache.directory_fingerprint(inputs.huggingface),
+            "settings": [data.max_seq_len, data.loss_on, data.skip_bad_samples, list(data.excluded_samples)],
+            "inputs": [inputs.has_vision, inputs.image_side, inputs.patch_size, inputs.image_merge,
+                       inputs.image_token_id, inputs.in_channels],
+            "versions": [transformers.__version__, tokenizers.__version__],
+        })  # fmt: skip
+
+    def _build_into(self, folder: str, data: DataConfig, inputs: ModelInputs) -> None:
+        """Tokenize every record (``JsonRecords``), then write them as flat arrays into ``folder``."""
+        super().__init__(data, inputs)
+        records = self._records
+        lengths = np.fromiter((len(r.tokens) for r in records), dtype=np.int64, count=len(records))
+        offsets = np.zeros(len(records) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        empty = np.zeros(0, dtype=bool)
+        arrays = {
+            "offsets": offsets,
+            "ids": np.concatenate([r.tokens for r in records]).astype(np.int32),  # vocabularies < 2**31
+            "media": np.concatenate([r.media for r in records]),
+            "targets": np.concatenate([r.targets if r.targets is not None else empty for r in records]),
+            "position": np.array([r.meta.index for r in records], dtype=np.int64),
+            "target_tokens": np.array([-1 if r.meta.target_tokens is None else r.meta.target_tokens
+                                       for r in records], dtype=np.int64),  # fmt: skip
+        }
+        for name, array in arrays.items():
+            np.save(os.path.join(folder, f"{name}.npy"), array)
+        with open(os.path.join(folder, "strings.json"), "w", encoding="utf-8") as fh:
+            json.dump({"sample_id": [r.sample_id for r in records], "image_paths": [r.image_paths for r in records],
+                       "has_targets": records[0].targets is not None,
+                       "skipped": [[b.position, b.reason] for b in self.skipped]}, fh)  # fmt: skip
+
+    def _read(self, folder: str, data: DataConfig, inputs: ModelInputs) -> None:
+        """The records another process wrote into ``folder``, their token arrays mapped, not read."""
+        self.data, self.inputs = data, inputs
+        json_dir = os.path.dirname(os.path.abspath(data.path))
+        self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
+        a = {name: np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r")
+             for name in ("offsets", "ids", "media", "targets")}  # fmt: skip
+        position = np.load(os.path.join(folder, "position.npy")).tolist()
+        target_tokens = np.load(os.path.join(folder, "target_tokens.npy")).tolist()
+        offsets = a["offsets"].tolist()
+        with open(os.path.join(folder, "strings.json"), encoding="utf-8") as fh:
+            strings = json.load(fh)
+        side = (inputs.image_side,) * 2
+        ids, media, targets = a["ids"], a["media"], a["targets"] if strings["has_targets"] else None
+        records = []
+        for i, (sample_id, paths) in enumerate(zip(strings["sample_id"], strings["image_paths"])):
+            start, end = offsets[i], offsets[i + 1]
+            meta = SampleMeta(index=position[i], text_tokens=end - start, image_sizes=(side,) * len(paths),
+                              target_tokens=None if target_tokens[i] < 0 else target_tokens[i])  # fmt: skip
+            records.append(_Record(sample_id, ids[start:end], media[start:end],
+                                   targets[start:end] if targets is not None else None, tuple(paths), meta))
+        self._records = tuple(records)
+        self.skipped = [BadSample(position, reason) for position, reason in strings["skipped"]]
 
     # ------------------------------------------------------------------ construction
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -335,3 +336,48 @@ def test_llava_json_bad_input_names_the_file_or_sample(tmp_path, models):
         TrainingData(llava_json_job(models[("llama", "clip", False)], max_seq_len=30, mean_text_tokens=8))
 
 
+
+
+def _same_samples(a, b) -> None:
+    assert len(a) == len(b) and a.skipped == b.skipped
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert a.meta(i) == b.meta(i) and a.sample_id(i) == b.sample_id(i)
+        assert x.tokens.dtype == y.tokens.dtype == torch.int64 and torch.equal(x.tokens, y.tokens)
+        assert torch.equal(x.media, y.media) and torch.equal(x.targets, y.targets)
+        assert all(torch.equal(p, q) for p, q in zip(x.images, y.images)) and len(x.images) == len(y.images)
+
+
+def test_the_tokenized_records_are_built_once_and_mapped_after_and_a_change_is_another_cache(models, tmp_path):
+    """Issue 30 item 4: the node's first rank tokenizes, the others and joiners map its arrays. Whatever the
+    records depend on is in the key: another max_seq_len, a touched JSON file are built afresh."""
+    import shutil
+
+    from oobleck_mm.data.loader import build_dataset
+
+    path = tmp_path / "data.json"
+    shutil.copy(FIXTURE, path)
+    shutil.copytree(os.path.join(os.path.dirname(FIXTURE), "images"), tmp_path / "images")
+    directory = models[("llama", "clip", False)]
+    cache = str(tmp_path / "cache")
+    shape = {"mean_text_tokens": 20, "mean_images_per_sample": 1}  # given: no measuring pass of its own
+
+    def job(**data):
+        return llava_json_job(directory, path=path, **shape, **data)
+
+    first = build_dataset(job(cache_dir=cache))
+    second = build_dataset(job(cache_dir=cache))
+    uncached = build_dataset(job(cache_dir=None))
+    assert first.built and not second.built and first.cache_folder == second.cache_folder
+    assert uncached.cache_folder is None
+    _same_samples(first, uncached)
+    _same_samples(second, uncached)
+    assert isinstance(second._records[0].tokens, np.memmap), "mapped, not read into each rank's memory"
+    shorter = build_dataset(job(cache_dir=cache, max_seq_len=40))
+    assert shorter.built and shorter.cache_folder != first.cache_folder
+    os.utime(path, ns=(1, 1))  # the file changed (its modification time is in the key)
+    touched = build_dataset(job(cache_dir=cache))
+    assert touched.built and touched.cache_folder not in (first.cache_folder, shorter.cache_folder)
+    assert sorted(os.listdir(cache)) == sorted(os.path.basename(f) + suffix for f in
+                                               (first.cache_folder, shorter.cache_folder, touched.cache_folder)
+                                               for suffix in ("", ".lock")), "no .tmp folder left"  # fmt: skip
