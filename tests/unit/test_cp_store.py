@@ -129,10 +129,12 @@ def test_a_get_waits_on_the_server_and_wakes_when_the_key_is_set_while_a_full_se
         for long_poll, key in ((True, "gen5/a"), (False, "gen5/b")):
             reader = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=10), long_poll=long_poll)
             writer = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=10))
-            threading.Timer(0.4, writer.set, args=(key, b"v")).start()
+            timer = threading.Timer(0.4, writer.set, args=(key, b"v"))
+            timer.start()
             began = time.monotonic()
             assert reader.get(key) == b"v"
             took = time.monotonic() - began
+            timer.join(10)  # the set's reply may still be on its way: closing the writer first cancels it
             assert 0.35 < took < 2.0
             if long_poll:
                 assert reader.calls <= 4, f"{reader.calls} calls: not held on the server"
