@@ -17,6 +17,7 @@ injected ``clock``, so tests drive the whole master by hand.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -77,6 +78,8 @@ class Coordinator:
         self.planner = planner or InlinePlanner()
         self.options = options
         self.timeouts = job.fault_tolerance
+        self._last_detection = -math.inf
+        """When the control loop last looked for failed nodes (``Tick.detect``)."""
         self.settings = Settings.of(job, num_nodes=num_nodes, steps=steps, store_host=store_host,
                                     store_port=store_port, options=options)  # fmt: skip
         self.config_yaml = self.settings.config_yaml
@@ -211,7 +214,11 @@ class Coordinator:
             for node in list(self._beats):
                 session, at = self._beats.pop(node)
                 self._handle(Heartbeat(node, session, at))
-            self._handle(Tick())
+            now = self.clock()
+            detect = now - self._last_detection >= self.timeouts.detector_tick.total_seconds()
+            if detect:
+                self._last_detection = now
+            self._handle(Tick(detect))
             return self.state.finish
 
     def wait_for_change(self, timeout: float) -> None:
@@ -241,6 +248,8 @@ class Coordinator:
         """One event through the machine, its effects carried out, then the planner's finished answers
         (an inline planner answers at once: its answer is applied in the same call)."""
         transition = machine.step(self.state, event, self.clock(), self.settings)
+        if isinstance(event, (StreamEnded, WorkerFailure)):
+            self._last_detection = -math.inf  # a node's health changed: the next tick looks (a kill is seen at once)
         self._carry_out(transition.effects)
         while (verdicts := self._progress.take_verdicts()):  # found in the steps just logged
             for v in verdicts:

@@ -279,7 +279,7 @@ def _adopt(ctx: Context, ev: Adopt) -> None:
 # ---------------------------------------------------------------------- the clock
 def _tick(ctx: Context, ev: Tick) -> None:
     """Detects failures, plans when membership changed, checks rounds, adoption, the end."""
-    if ctx.s.phase is not JobPhase.FINISHED:
+    if ctx.s.phase is not JobPhase.FINISHED and ev.detect:
         _detect(ctx)
         benching.check_bench_returns(ctx)
     _advance(ctx)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The control plane at 100 to 4,000 nodes (issue 30 item 3): the real master against emulated agents.
 
-    python scripts/bench_control_plane.py [--nodes 100,1000] [--kill 10] [--store-ranks 16,64] [--json OUT]
+    python scripts/bench_control_plane.py [--nodes 100,1000] [--kill 10] [--heartbeat 1] [--store-ranks 16,64] [--json OUT]
 
 For each node count, one ``oobleck-launch master`` (tiny_mm, heartbeats every 1 s, a 3 s timeout) and
 that many emulated agents in a few processes: each registers with the job's token, opens its event
@@ -125,12 +125,13 @@ def wait(predicate, timeout: float, what: str):
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def run_size(nodes: int, kill: int, window: float, say) -> dict:
+def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEARTBEAT_S) -> dict:
+    timeout_s = TIMEOUT_S / HEARTBEAT_S * heartbeat_s  # the same 3 intervals
     work = Path(tempfile.mkdtemp(prefix=f"oobleck-cp-{nodes}-"))
     cmd = [sys.executable, "-m", "oobleck_mm.cli", "master", "--config", str(CONFIG), "--nodes", str(nodes),
            "--port", "0", "--run-dir", str(work / "run"), "--steps", "100000", "--log-level", "warning",
-           "--set", f"fault_tolerance.heartbeat_interval={HEARTBEAT_S}s",
-           "--set", f"fault_tolerance.heartbeat_timeout={TIMEOUT_S}s",
+           "--set", f"fault_tolerance.heartbeat_interval={heartbeat_s}s",
+           "--set", f"fault_tolerance.heartbeat_timeout={timeout_s}s",
            "--set", f"cluster.max_nodes={max(nodes, 16)}", "--set", "fault_tolerance.straggler_factor=0",
            "--set", f"training.global_batch={4 * nodes}"]  # every pipeline (at most one per node) a microbatch
     log = open(work / "master.log", "w")
@@ -148,7 +149,7 @@ def run_size(nodes: int, kill: int, window: float, say) -> dict:
         for share in shares:
             control = mp.get_context("spawn").Queue()
             p = mp.get_context("spawn").Process(target=emulated_agents,
-                                                args=(address, token, share, HEARTBEAT_S, out, control), daemon=True)
+                                                args=(address, token, share, heartbeat_s, out, control), daemon=True)
             p.start()
             agents.append(p)
             controls.append(control)
@@ -182,14 +183,14 @@ def run_size(nodes: int, kill: int, window: float, say) -> dict:
         cpu1, t1 = proc.cpu_times(), time.monotonic()
         cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
         threads = proc.num_threads()
-        say(f"{nodes} nodes heartbeating every {HEARTBEAT_S:g} s: the master used {cores:.2f} cores "
+        say(f"{nodes} nodes heartbeating every {heartbeat_s:g} s: the master used {cores:.2f} cores "
             f"({threads} threads)")
         victims = names[-kill:]
         stop_at = time.time()
         for control, share in zip(controls, shares):
             control.put(("stop", [n for n in victims if n in set(share)]))
         lost = wait(lambda: (found := {e["node"]: e for e in events(event_log, "lost")}) and
-                    all(v in found for v in victims) and found, TIMEOUT_S * 10 + 60, "every stopped node lost")
+                    all(v in found for v in victims) and found, timeout_s * 10 + 60, "every stopped node lost")
         detection = sorted(lost[v]["ts"] - stop_at for v in victims)
         second = wait(lambda: [e for e in events(event_log, "plan_decided") if e["generation"] > 1], 300,
                       "the recovery plan")[0]  # fmt: skip
@@ -198,10 +199,10 @@ def run_size(nodes: int, kill: int, window: float, say) -> dict:
         wait(lambda: drain() or all((n, gen) in assigned for n in survivors), 300, "every recovery assignment")
         fan_out_2 = max(assigned[(n, gen)] for n in survivors) - second["ts"]
         say(f"{nodes} nodes: {kill} stopped (heartbeats only), lost after {detection[0]:.2f}-{detection[-1]:.2f} s "
-            f"(heartbeat_timeout {TIMEOUT_S:g} s); generation {gen} on {len(survivors)} nodes planned "
+            f"(heartbeat_timeout {timeout_s:g} s); generation {gen} on {len(survivors)} nodes planned "
             f"{second['ts'] - lost[victims[-1]]['ts']:.2f} s after the last loss, every assignment received "
             f"{fan_out_2:.3f} s after plan_decided")  # fmt: skip
-        return {"nodes": nodes, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
+        return {"nodes": nodes, "heartbeat_s": heartbeat_s, "heartbeat_timeout_s": timeout_s, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
                 "master_cores": round(cores, 3), "master_threads": threads, "killed": kill,
                 "detection_s": [round(d, 3) for d in (detection[0], detection[len(detection) // 2], detection[-1])],
                 "plan_after_last_loss_s": round(second["ts"] - lost[victims[-1]]["ts"], 3),
@@ -306,10 +307,13 @@ def main() -> int:
     parser.add_argument("--store-ranks", default="", help="also one rendezvous of this many ranks (e.g. 16,64) "
                                                              "against the store: polling only, long polls, long polls with a wait's read reused")
     parser.add_argument("--store-only", action="store_true", help="only the store part")
+    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT_S,
+                        help=f"heartbeat interval in seconds, the timeout 3 of them (default {HEARTBEAT_S:g})")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     say = lambda line: print(line, flush=True)  # noqa: E731
-    rows = [] if args.store_only else [run_size(int(n), args.kill, args.window, say) for n in args.nodes.split(",")]
+    rows = [] if args.store_only else [run_size(int(n), args.kill, args.window, say, args.heartbeat)
+                                       for n in args.nodes.split(",")]  # fmt: skip
     for world in [int(n) for n in args.store_ranks.split(",") if n]:
         for long_poll, reuse in ((False, False), (True, False), (True, True)):  # side by side, in one run
             rows.append(run_store(world, long_poll, spread_s=0.5, say=say, reuse_waited=reuse))

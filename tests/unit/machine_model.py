@@ -262,6 +262,11 @@ class MachineModel(RuleBasedStateMachine):
                 self.feed(Heartbeat(agent.name, agent.session, self.now))
         return list(self.feed(Tick()).effects)
 
+    @rule()
+    def woken_by_a_change(self) -> None:
+        """The control loop ticks for a change between two detections: no node's health is looked at."""
+        self.feed(Tick(detect=False))
+
     @rule(data=st.data(), now=st.integers(0, 2))
     def hang(self, data, now: int) -> None:
         """The node stops (SIGSTOP, a dead network): no heartbeat, no report, its stream stays open."""

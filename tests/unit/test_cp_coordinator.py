@@ -1183,3 +1183,26 @@ def test_cut_short_names_a_checkpoint_only_when_a_lost_writer_had_not_reported()
     assert cut_short(book, gens, 4, 9, ["a"]) is None  # a's files are on disk: b and c complete it
     assert cut_short(book, gens, 4, 9, ["a", "b"]) == 8
     assert cut_short(CheckpointBook(), gens, 0, 9, ["a"]) is None  # no periodic checkpoints at all
+
+
+def test_a_tick_woken_by_a_change_does_not_look_at_every_nodes_health_again(make, monkeypatch):
+    """At 4,000 nodes each registration woke the control loop, whose tick looked at every node's health:
+    26 s to register them all, heartbeats unread meanwhile, every node lost (bench_control_plane.py). A
+    tick detects only once ``detector_tick`` passed since the last detection, or when a node's health
+    changed (its stream ended, a worker failed: seen at once, as before)."""
+    from master.registry import Registry
+
+    looks = []
+    health = Registry.health
+    monkeypatch.setattr(Registry, "health", lambda self: looks.append(1) or health(self))
+    j = make(nodes=40, steps=10)
+    for k in range(40):  # registrations within one detector tick (the clock does not move)
+        j.join(f"n{k}")
+        j.c.tick()
+    assert len(looks) == 1, f"{len(looks)} detections for 40 registrations in one tick"
+    j.clock.now += j.c.timeouts.detector_tick.total_seconds()
+    j.c.tick()
+    assert len(looks) == 2, "a detector tick later it looks again"
+    j.c.stream_ended("n3", j.sessions["n3"])
+    j.c.tick()
+    assert len(looks) == 3 and "n3" not in j.c.state.registry.nodes, "a closed stream is seen at the next tick"
