@@ -49,7 +49,13 @@ AGENT_PROCESSES = 4
 
 def emulated_agents(address: str, token: str, names: list[str], interval: float, out, control) -> None:
     """One process' share of the agents: register, subscribe, heartbeat; report each assignment's arrival
-    (node, generation, wall time) on ``out``; on ``("stop", names)`` from ``control`` those stop heartbeating."""
+    (node, generation, wall time) on ``out``; on ``("stop", names)`` from ``control`` those stop heartbeating.
+
+    With asyncio (``grpc.aio``): one task per node's stream instead of a thread. A thousand threads per
+    process, each blocked in a stream, starved the heartbeat thread of the GIL on two cores: at 4,000
+    nodes no heartbeat of the first nodes reached the master, and it (rightly) declared them all lost."""
+    import asyncio
+
     import grpc
 
     from oobleck_mm.protocol import MESSAGE_OPTIONS
@@ -57,48 +63,46 @@ def emulated_agents(address: str, token: str, names: list[str], interval: float,
     from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
     from oobleck_mm.protocol.auth import call_metadata
 
-    channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
-    stub = pb_grpc.CoordinatorStub(channel)
     metadata = call_metadata(token)
     refs: dict = {}
     stopped: set[str] = set()
 
-    def heartbeats() -> None:  # from the first registration on, as a real agent does
+    async def heartbeats(stub) -> None:  # from the first registration on, as a real agent does
         while True:
             began = time.monotonic()
-            # Sent together, answered together (futures on one channel): hundreds of nodes per process
-            # each heartbeat in turn would take longer than the interval on shared cores.
-            calls = [stub.Heartbeat.future(pb.HeartbeatRequest(node=ref), metadata=metadata, timeout=10)
+            calls = [stub.Heartbeat(pb.HeartbeatRequest(node=ref), metadata=metadata, timeout=10)
                      for name, ref in list(refs.items()) if name not in stopped]  # fmt: skip
-            for call in calls:
-                try:
-                    call.result()
-                except grpc.RpcError:
-                    pass
-            time.sleep(max(0.0, interval - (time.monotonic() - began)))
+            await asyncio.gather(*calls, return_exceptions=True)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
-    threading.Thread(target=heartbeats, daemon=True).start()
-    for name in names:
-        reply = stub.Register(pb.RegisterRequest(node=name, gpus=1, pid=os.getpid()), metadata=metadata, timeout=60)
-        refs[name] = pb.NodeRef(node=name, session=reply.session)
-
-    def listen(ref) -> None:
+    async def listen(stub, ref) -> None:
         try:
-            for event in stub.Subscribe(ref, metadata=metadata):
+            async for event in stub.Subscribe(ref, metadata=metadata):
                 if event.WhichOneof("event") == "assignment":
                     out.put(("assigned", ref.node, event.assignment.assignment.generation, time.time()))
         except grpc.RpcError:
             pass
 
-    for ref in refs.values():
-        threading.Thread(target=listen, args=(ref,), daemon=True).start()
-    out.put(("subscribed", len(refs), 0, time.time()))
-    while True:
-        kind, which = control.get()
-        if kind == "stop":
-            stopped.update(which)
-        elif kind == "exit":
-            os._exit(0)
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            beating = asyncio.create_task(heartbeats(stub))
+            for name in names:
+                reply = await stub.Register(pb.RegisterRequest(node=name, gpus=1, pid=os.getpid()),
+                                            metadata=metadata, timeout=60)  # fmt: skip
+                refs[name] = pb.NodeRef(node=name, session=reply.session)
+            streams = [asyncio.create_task(listen(stub, ref)) for ref in refs.values()]
+            out.put(("subscribed", len(refs), 0, time.time()))
+            while True:
+                kind, which = await loop.run_in_executor(None, control.get)
+                if kind == "stop":
+                    stopped.update(which)
+                elif kind == "exit":
+                    os._exit(0)
+            del beating, streams
+
+    asyncio.run(main())
 
 
 def events(path: Path, name: str) -> list[dict]:
