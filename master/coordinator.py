@@ -51,7 +51,26 @@ STREAM_CHECK_S = 0.1
 END_OF_STREAM = None
 """Put on a node's outbox to end its Subscribe stream."""
 
-__all__ = ["Coordinator", "Finish", "JobPhase", "RunOptions", "MAX_REFORMS", "SETTLE_S", "END_OF_STREAM"]
+__all__ = ["Coordinator", "Finish", "JobPhase", "RunOptions", "MAX_REFORMS", "SETTLE_S", "END_OF_STREAM", "Outbox"]
+
+
+class Outbox(queue.Queue):
+    """A node's events on their way to its Subscribe stream, put by any thread of the master.
+
+    The stream is a task of the gRPC server's event loop (``service.CoordinatorService.Subscribe``), not a
+    thread blocked in ``get``: ``listen`` gives it a callback, called after every ``put``, that wakes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._listener: Callable[[], None] | None = None
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        self._listener = wake
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        if self._listener is not None:
+            self._listener()
 
 
 class Coordinator:
@@ -140,7 +159,7 @@ class Coordinator:
             # The outbox exists before the machine sees the node (a plan answered in the same call may
             # already send to it); a refused registration puts back whatever was there.
             before = self._outboxes.get(node)
-            self._outboxes[node] = (session, queue.Queue())
+            self._outboxes[node] = (session, Outbox())
             try:
                 return self._handle(Register(node, session, gpus, memory_bytes, pid, peer, adopt_generation),
                                     peer=peer, method="Register")  # fmt: skip
@@ -151,7 +170,7 @@ class Coordinator:
                     self._outboxes[node] = before
                 raise
 
-    def open_stream(self, node: str, session: int) -> queue.Queue:
+    def open_stream(self, node: str, session: int) -> Outbox:
         """The outbox the node's Subscribe stream drains; raises Refused for an unknown session."""
         with self._lock:
             self._handle(OpenStream(node, session))

@@ -7,6 +7,7 @@ code once the coordinator finished, ``stop()`` releases everything.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -22,7 +23,7 @@ from master.coordinator import Coordinator, RunOptions
 from master.journal import Journal, end_journal, write_journal
 from master.metrics import MetricsSink
 from master.planning import PlannerPool
-from master.service import CoordinatorService, TokenInterceptor
+from master.service import AioTokenInterceptor, CoordinatorService
 from master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.events import EventLog
@@ -33,6 +34,13 @@ from oobleck_mm.protocol.auth import new_token, read_token, write_token
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+UNARY_THREADS = 32
+"""Threads for the unary calls (registrations, heartbeats, reports, store operations), beyond the store's
+long polls: each is short; the nodes' event streams take none (coroutines on the server's loop)."""
+MAX_STORE_WAITERS = 512
+"""Most store ``get``s held on the server at once (a long poll each); more waiters poll (``master/store.py``)."""
+SERVER_CALL_S = 30.0
+"""Longest the master waits for its gRPC server's loop to start, bind or stop the server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +96,9 @@ class MasterServer:
         self.metrics = MetricsSink(self.run_dir, tensorboard=options.tensorboard)
         self.events.subscribe(self.metrics)  # metrics.csv and TensorBoard: views of the event log
         self.port = 0
-        self._server: grpc.Server | None = None
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The gRPC server's event loop, run by a thread of its own."""
         self._store = None
         self._planner: PlannerPool | None = None
         self._done = threading.Event()
@@ -102,15 +112,24 @@ class MasterServer:
     def start(self) -> None:
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
-        threads = max(32, 2 * self.num_nodes + 16)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            interceptors=[TokenInterceptor(self.token, self._refused)], options=MESSAGE_OPTIONS,
-        )
-        try:
-            self.port = self._server.add_insecure_port(format_address(host or "0.0.0.0", self.options.port))
-        except RuntimeError:
-            self.port = 0
+        # Long polls of the rendezvous store may hold up to this many of the unary calls' threads (the event
+        # streams hold none: they are coroutines, master/service.py); the others poll (master/store.py).
+        waiters = max(4, min(MAX_STORE_WAITERS, self.num_nodes // 2 + 4))
+        threads = UNARY_THREADS + waiters
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True).start()
+
+        async def bind() -> tuple[grpc.aio.Server, int]:
+            server = grpc.aio.server(
+                migration_thread_pool=futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+                interceptors=[AioTokenInterceptor(self.token, self._refused)], options=MESSAGE_OPTIONS,
+            )  # fmt: skip
+            try:
+                return server, server.add_insecure_port(format_address(host or "0.0.0.0", self.options.port))
+            except RuntimeError:
+                return server, 0
+
+        self._server, self.port = self._on_loop(bind())
         if not self.port:
             raise UserError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
         # The workers' rendezvous keys: served here, behind the token, instead of by torch's TCPStore
@@ -127,10 +146,8 @@ class MasterServer:
         if self.journal is not None:
             self.coordinator.adopt(self.journal)
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
-        # Long polls may hold half of the threads that the nodes' event streams leave (every node holds one).
-        waiters = max(4, (threads - self.num_nodes - 16) // 2)
         pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store, waiters), self._server)
-        self._server.start()
+        self._on_loop(self._server.start())
         self.events.write(
             "master_started", address=self.address, nodes=self.num_nodes, steps=self.steps, pid=os.getpid(),
         )  # fmt: skip
@@ -192,9 +209,16 @@ class MasterServer:
         result = self.coordinator.finish_result if self.coordinator else None
         return result.message if result else ""
 
+    def _on_loop(self, coroutine, timeout: float = SERVER_CALL_S):
+        """Runs ``coroutine`` on the gRPC server's event loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
     def stop(self) -> None:
         if self._server is not None:
-            self._server.stop(grace=0.5).wait()
+            self._on_loop(self._server.stop(grace=0.5))
+            self._server = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
         if self._planner is not None:
             self._planner.close()
         self.events.close()

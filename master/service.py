@@ -3,12 +3,24 @@
 Handlers translate messages to ``Coordinator`` calls and ``Refused`` to status
 codes; they decide nothing. The token interceptor runs before any handler, so
 no method (not even Register) is reachable without the job token.
+
+The master serves them on an asyncio gRPC server (``grpc.aio``, ``master/server.py``):
+every node holds a ``Subscribe`` stream for the whole job, and on gRPC's
+synchronous server each stream held a thread of its pool; at 4,000 nodes the
+master could not keep 4,000 streams and their heartbeats going. A stream is a
+coroutine here. The unary calls (registration, heartbeats, reports, the
+rendezvous store) stay plain functions, which the aio server runs in its
+``migration_thread_pool`` with a context whose ``abort`` raises as the
+synchronous one does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Callable, Iterator
+import queue
+from collections.abc import AsyncIterator
+from typing import Callable
 
 import grpc
 
@@ -34,14 +46,29 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._on_refused = on_refused
 
     def intercept_service(self, continuation, handler_call_details):
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get(TOKEN_HEADER)
-        if token_matches(self._token, given):
-            return continuation(handler_call_details)
-        reason = "missing token" if given is None else "wrong token"
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        handler = continuation(handler_call_details)
-        return _denying_handler(handler, method, reason, self._on_refused)
+        return _checked(self._token, self._on_refused, continuation(handler_call_details), handler_call_details)
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """``TokenInterceptor`` for the master's asyncio server (``grpc.aio`` takes only its own interceptors)."""
+
+    def __init__(self, token: str, on_refused: Callable[[str, str, str], None]) -> None:
+        self._token = token
+        self._on_refused = on_refused
+
+    async def intercept_service(self, continuation, handler_call_details):
+        return _checked(self._token, self._on_refused, await continuation(handler_call_details), handler_call_details)
+
+
+def _checked(token: str, on_refused, handler, handler_call_details):
+    """``handler`` when the call carries the job's token, else one that refuses it (UNAUTHENTICATED)."""
+    metadata = dict(handler_call_details.invocation_metadata or ())
+    given = metadata.get(TOKEN_HEADER)
+    if token_matches(token, given):
+        return handler
+    reason = "missing token" if given is None else "wrong token"
+    method = handler_call_details.method.rsplit("/", 1)[-1]
+    return _denying_handler(handler, method, reason, on_refused)
 
 
 def _denying_handler(handler, method: str, reason: str, on_refused):
@@ -51,9 +78,13 @@ def _denying_handler(handler, method: str, reason: str, on_refused):
 
     if handler is None:
         return None  # unknown method: gRPC answers UNIMPLEMENTED
+    def deny_stream(request, context):
+        deny(request, context)
+        yield  # never reached; a generator, as the aio server runs a streaming handler
+
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer
+            deny_stream, handler.request_deserializer, handler.response_serializer
         )
     return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
@@ -76,20 +107,29 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             generation = self.c.heartbeat(request.node.node, request.node.session)
         return pb.HeartbeatReply(generation=generation)
 
-    def Subscribe(self, request: pb.NodeRef, context) -> Iterator[pb.AgentEvent]:
-        with _refusals(context):
+    async def Subscribe(self, request: pb.NodeRef, context) -> AsyncIterator[pb.AgentEvent]:
+        try:
             outbox = self.c.open_stream(request.node, request.session)
-
-        def ended() -> None:
+        except Refused as refusal:
+            await context.abort(getattr(grpc.StatusCode, refusal.code), str(refusal))
+        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        outbox.listen(lambda: loop.call_soon_threadsafe(woken.set))
+        try:
+            while True:
+                try:
+                    event = outbox.get_nowait()
+                except queue.Empty:
+                    woken.clear()  # a put before this wakes it again: its set runs on this loop, after
+                    if outbox.empty():
+                        await woken.wait()
+                    continue
+                if event is END_OF_STREAM:
+                    return
+                yield event
+        finally:
+            # However the RPC ends, the agent's socket reset included (the task is cancelled): that is
+            # how a killed agent is seen at once.
             self.c.stream_ended(request.node, request.session)
-            outbox.put(END_OF_STREAM)  # wakes the handler below if it is waiting
-
-        # Fires when the RPC ends for any reason, including the agent's socket reset:
-        # that is how a killed agent is seen at once.
-        if not context.add_callback(ended):  # the RPC already ended
-            ended()
-        while (event := outbox.get()) is not END_OF_STREAM:
-            yield event
 
     def ReportWorker(self, request: pb.WorkerReportRequest, context) -> pb.Ack:
         with _refusals(context):
