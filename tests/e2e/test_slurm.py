@@ -9,6 +9,7 @@ command line only overrides what this machine lacks (GPUs, 32 CPUs).
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,14 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
         out, _ = proc.communicate()
         raise AssertionError(f"still running after {timeout:g} s: {out[-3000:]}") from None
     return out
+
+
+def _what_the_jobs_said(tmp_path: Path, base: Path) -> str:
+    """For a failure's message: each job's output (its tail) and how each try's master ended."""
+    parts = [f"--- {p.name}:\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(tmp_path.glob("slurm-*.out"))]
+    for events in sorted(base.glob("try*/events.jsonl")):
+        parts.append(f"--- {events.parent.name} shutdown: {read_events(events, 'shutdown')}")
+    return "\n".join(parts)
 
 
 def test_a_node_that_fails_is_down_for_slurm_and_planned_out_and_the_job_finishes(slurm, tmp_path):
@@ -120,7 +129,7 @@ def test_a_preemption_notice_stops_with_a_checkpoint_and_the_wrapper_resumes_to_
         subprocess.run(["scancel", "--signal=TERM", jobs[0]], env=slurm.env, check=True, timeout=20)
     finally:
         out = _finish(wrapper, 400)
-    assert wrapper.returncode == 0, out[-3000:]
+    assert wrapper.returncode == 0, out[-3000:] + _what_the_jobs_said(tmp_path, base)
     stopped = max(e["step"] for e in _steps(first))
     assert "try 1 stopped with a checkpoint (exit 3)" in out and f"resuming from the newest checkpoint in {first}" in out
     assert stopped < steps and (base / "try2").is_dir() and not (base / "try3").exists()
