@@ -42,7 +42,7 @@ from PIL import Image, UnidentifiedImageError
 from oobleck_mm.config import DataConfig
 from oobleck_mm.data import record_cache
 from oobleck_mm.data.dataset import BadSample, ModelInputs, check_index
-from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, JsonRecords
+from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, JsonRecords, image_folder
 from oobleck_mm.data.sample import Sample, SampleMeta
 from oobleck_mm.errors import UserError
 
@@ -97,10 +97,9 @@ class HFLlavaJsonDataset(JsonRecords):
         import tokenizers
         import transformers
 
-        json_dir = os.path.dirname(os.path.abspath(data.path))
         return record_cache.cache_key({
             "reader": "hf_llava", "data": record_cache.fingerprint(data.path),
-            "image_dir": os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir,
+            "image_dir": image_folder(data),
             "model": record_cache.directory_fingerprint(inputs.huggingface),
             "settings": [data.max_seq_len, data.loss_on, data.skip_bad_samples, list(data.excluded_samples)],
             "inputs": [inputs.has_vision, inputs.image_side, inputs.patch_size, inputs.image_merge,
@@ -135,8 +134,7 @@ class HFLlavaJsonDataset(JsonRecords):
     def _read(self, folder: str, data: DataConfig, inputs: ModelInputs) -> None:
         """The records another process wrote into ``folder``, their token arrays mapped, not read."""
         self.data, self.inputs = data, inputs
-        json_dir = os.path.dirname(os.path.abspath(data.path))
-        self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
+        self.image_dir = image_folder(data)
         a = {name: np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r")
              for name in ("offsets", "ids", "media", "targets")}  # fmt: skip
         position = np.load(os.path.join(folder, "position.npy")).tolist()

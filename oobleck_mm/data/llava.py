@@ -69,8 +69,7 @@ class JsonRecords:
         if data.path is None:
             raise UserError("data.path: required when data.kind is 'llava_json'")
         self.data, self.inputs = data, inputs
-        json_dir = os.path.dirname(os.path.abspath(data.path))
-        self.image_dir = os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
+        self.image_dir = image_folder(data)
         entries = _load_json(data.path)
         excluded = set(data.excluded_samples)
         if excluded and max(excluded) >= len(entries):
@@ -219,6 +218,12 @@ def fit_size(height: int, width: int, image_size: int, patch_size: int) -> tuple
     """Size an image is resized to: longer side <= image_size, both sides whole patches (>= 1)."""
     scale = min(1.0, image_size / max(height, width))
     return tuple(max(patch_size, int(side * scale) // patch_size * patch_size) for side in (height, width))
+
+
+def image_folder(data: DataConfig) -> str:
+    """The folder a record's image paths are relative to: ``data.image_dir`` under the JSON file's folder."""
+    json_dir = os.path.dirname(os.path.abspath(data.path))
+    return os.path.join(json_dir, data.image_dir) if data.image_dir else json_dir
 
 
 def _load_json(path: str) -> list:
