@@ -1,9 +1,12 @@
 """What the master sends each worker of a generation: one ``Assignment`` per (node, GPU).
 
-Pure: the generation, its base and the job's options in, protobuf messages
-out. Every worker of a generation gets the same plan, base plan,
-``previous_ranks`` and ``rank_nodes``, so every rank derives the same
-layer-state transfers (``planning.transfers.rank_transfers``).
+Pure: the generation, its base and the job's options in, encoded events out.
+Every worker of a generation gets the same plan, base plan, ``previous_ranks``
+and ``rank_nodes``, so every rank derives the same layer-state transfers
+(``planning.transfers.rank_transfers``). That shared part is serialized once
+per generation and each worker's event is it plus its rank
+(``oobleck_mm.protocol.encoded``): at 4,000 nodes, building 4,000 full
+messages stalled the master for 13-22 s.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from master.recovery import GenerationView
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
+from oobleck_mm.protocol.encoded import EncodedEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +45,9 @@ def build_assignments(
     resume_dir: str = "",
     at_boundary: bool = False,
     checkpoint_after_first_step: bool = False,
-) -> list[tuple[Gpu, pb.Assignment]]:
-    """(node, gpu) -> Assignment of ``gen``, in rank order.
+) -> list[tuple[Gpu, int, EncodedEvent]]:
+    """(node, gpu), rank and the ``AgentEvent`` carrying its ``WorkerAssignment``, for every worker of
+    ``gen`` in rank order.
 
     ``base`` and ``previous_ranks`` make it a reconfiguration (survivors keep
     their states); without them the workers start afresh, from ``resume_dir``
@@ -50,24 +55,26 @@ def build_assignments(
     iteration in flight, so the workers switch at the boundary. ``checkpoint_after_first_step``: a
     periodic checkpoint was cut short by the loss ``gen`` recovers from: take the next one at once.
     """
-    plan_msg = plan_to_proto(gen.layout)
-    rank_nodes = gen.rank_nodes
-    base_msg = plan_to_proto(base.layout) if base is not None else None
+    shared = pb.Assignment(
+        generation=gen.number, world_size=gen.layout.world_size, store_host=sending.store_host,
+        store_port=sending.store_port, start_step=start_step, steps=sending.steps, plan=plan_to_proto(gen.layout),
+        resume_dir=resume_dir, save_final_dir=sending.save_final_dir,
+        checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
+        checkpoint_async=sending.checkpoint_async, rank_nodes=gen.rank_nodes,
+        checkpoint_after_first_step=checkpoint_after_first_step,
+    )  # fmt: skip
+    if base is not None:
+        if previous_ranks is None or len(previous_ranks) != gen.layout.world_size:
+            raise ValueError(f"previous_ranks: expected one per rank of generation {gen.number} "
+                             f"({gen.layout.world_size}), got {previous_ranks!r}")  # fmt: skip
+        shared.previous_generation = base.number
+        shared.previous_plan.CopyFrom(plan_to_proto(base.layout))
+        shared.previous_ranks.extend(previous_ranks)
+        shared.at_boundary = at_boundary
+    # Only ``rank`` and ``local_rank`` differ per worker, and neither is set in the shared part.
+    common = pb.AgentEvent(assignment=pb.WorkerAssignment(assignment=shared)).SerializeToString()
     out = []
     for gpu, rank in sorted(gen.ranks.items(), key=lambda kv: kv[1]):
-        a = pb.Assignment(
-            generation=gen.number, rank=rank, world_size=gen.layout.world_size, store_host=sending.store_host,
-            store_port=sending.store_port, start_step=start_step, steps=sending.steps, plan=plan_msg,
-            resume_dir=resume_dir, save_final_dir=sending.save_final_dir,
-            checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
-            checkpoint_async=sending.checkpoint_async, rank_nodes=rank_nodes,
-            checkpoint_after_first_step=checkpoint_after_first_step,
-        )  # fmt: skip
-        if base is not None:
-            assert previous_ranks is not None and len(previous_ranks) == gen.layout.world_size
-            a.previous_generation = base.number
-            a.previous_plan.CopyFrom(base_msg)
-            a.previous_ranks.extend(previous_ranks)
-            a.at_boundary = at_boundary
-        out.append((gpu, a))
+        own = pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=pb.Assignment(rank=rank)))
+        out.append((gpu, rank, EncodedEvent((common, own.SerializeToString()))))
     return out

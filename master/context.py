@@ -19,6 +19,7 @@ from master.recovery import Base, choose_base
 from master.registry import Refused
 from master.state import Finish, JobPhase, JobState, Settings
 from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol.encoded import EncodedEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class Context:
     def say(self, text: str) -> None:
         self.effects.append(Say(text))
 
-    def send(self, node: str, event: pb.AgentEvent) -> None:
+    def send(self, node: str, event: pb.AgentEvent | EncodedEvent) -> None:
         self.effects.append(Send(node, event))
 
     def because(self, reason: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from master.progress import Incident
 from master.recovery import GenerationView
 from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol.encoded import EncodedEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,8 @@ class Send:
     """Put ``event`` on ``node``'s event stream (ignored if the node has none any more)."""
 
     node: str
-    event: pb.AgentEvent
+    event: pb.AgentEvent | EncodedEvent
+    """A message, or one in wire form (a generation's assignments: ``master/assignments.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

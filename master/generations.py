@@ -356,13 +356,13 @@ def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView |
         resume_dir, start = "", ctx.s.next_step  # survivors carry the state (and agree on the step)
     else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
         resume_dir, start = ctx.policy.fresh_start(ctx.facts())
-    for gpu, assignment in build_assignments(
+    for gpu, rank, event in build_assignments(
         view, ctx.cfg.sending, start_step=start, base=base, previous_ranks=previous if base else None,
         resume_dir=resume_dir, at_boundary=at_boundary, checkpoint_after_first_step=checkpoint_again,
     ):  # fmt: skip
-        ctx.send(gpu[0], pb.AgentEvent(assignment=pb.WorkerAssignment(local_rank=gpu[1], assignment=assignment)))
+        ctx.send(gpu[0], event)
         ctx.record("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],
-                   rank=assignment.rank, previous_rank=previous[assignment.rank] if base else -1)  # fmt: skip
+                   rank=rank, previous_rank=previous[rank] if base else -1)  # fmt: skip
 
 
 def dismiss(ctx: Context, node: str, why: str, at_boundary: bool = True) -> None:

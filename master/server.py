@@ -23,7 +23,7 @@ from master.coordinator import Coordinator, RunOptions
 from master.journal import Journal, end_journal, write_journal
 from master.metrics import MetricsSink
 from master.planning import PlannerPool
-from master.service import AioTokenInterceptor, CoordinatorService
+from master.service import AioTokenInterceptor, CoordinatorService, add_coordinator_service
 from master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.events import EventLog
@@ -39,6 +39,19 @@ UNARY_THREADS = 32
 long polls: each is short; the nodes' event streams take none (coroutines on the server's loop)."""
 MAX_STORE_WAITERS = 512
 """Most store ``get``s held on the server at once (a long poll each); more waiters poll (``master/store.py``)."""
+MAX_PENDING_CALLS = 1 << 20
+"""Calls gRPC's core may hold before the server's loop picks them up (``grpc.server.max_pending_requests``
+and its ``_hard_limit``). gRPC's defaults, 1,000 and 3,000, cancel every call past them: when 4,000 agents
+registered and subscribed at once, the master's streams stopped at 2,740-2,979 and the rest were
+cancelled (CANCELLED at the agents), found with a bare ``grpc.aio`` server that yields once per stream
+(``docs/benchmarks.md``). A node's call waits here instead; each pending call costs gRPC a few KB."""
+SERVER_OPTIONS = MESSAGE_OPTIONS + [("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                                    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)]  # fmt: skip
+HEARTBEATS_PER_S_BUDGET = 2000.0
+"""Heartbeats a second past which the master warns at start. Measured (``scripts/bench_control_plane.py``,
+2 cores shared with the emulated agents): 1,000 nodes every 0.5 s (2,000 a second) held at 0.50 cores,
+about 0.25 ms of the master's CPU per beat; 4,000 nodes every 1 s were not held there (nodes lost before
+any was stopped). The master's gRPC runs on one event loop, so the budget does not grow with its cores."""
 SERVER_CALL_S = 30.0
 """Longest the master waits for its gRPC server's loop to start, bind or stop the server."""
 
@@ -63,6 +76,27 @@ class MasterOptions:
     """Console lines every N steps (``--log-every``)."""
     tensorboard: bool = True
     """TensorBoard event files in ``<run dir>/tensorboard`` next to ``metrics.csv``."""
+
+
+def aio_server(threads: int, interceptors: list) -> grpc.aio.Server:
+    """The master's gRPC server (call on its event loop): ``threads`` for the plain-function handlers,
+    ``SERVER_OPTIONS``."""
+    pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
+    return grpc.aio.server(migration_thread_pool=pool, interceptors=interceptors, options=SERVER_OPTIONS)
+
+
+def heartbeat_load_warning(nodes: int, interval_s: float) -> str | None:
+    """What to tell a user whose nodes would heartbeat more often than the master is measured to take
+    (``HEARTBEATS_PER_S_BUDGET``), with the interval that would fit; None when they fit."""
+    rate = nodes / interval_s
+    if rate <= HEARTBEATS_PER_S_BUDGET:
+        return None
+    fits = nodes / HEARTBEATS_PER_S_BUDGET
+    return (f"{nodes} nodes heartbeating every {interval_s:g}s send the master {rate:,.0f} heartbeats a second, "
+            f"past the {HEARTBEATS_PER_S_BUDGET:,.0f} it was measured to keep up with (about 0.25 ms each); "
+            f"a master behind on heartbeats declares healthy nodes lost. Set "
+            f"fault_tolerance.heartbeat_interval to at least {fits:g}s (and heartbeat_timeout to several "
+            f"intervals).")
 
 
 def default_run_dir(job_name: str) -> str:
@@ -120,10 +154,7 @@ class MasterServer:
         threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True).start()
 
         async def bind() -> tuple[grpc.aio.Server, int]:
-            server = grpc.aio.server(
-                migration_thread_pool=futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-                interceptors=[AioTokenInterceptor(self.token, self._refused)], options=MESSAGE_OPTIONS,
-            )  # fmt: skip
+            server = aio_server(threads, [AioTokenInterceptor(self.token, self._refused)])
             try:
                 return server, server.add_insecure_port(format_address(host or "0.0.0.0", self.options.port))
             except RuntimeError:
@@ -145,13 +176,17 @@ class MasterServer:
         self.coordinator.journal_to = self._write_journal
         if self.journal is not None:
             self.coordinator.adopt(self.journal)
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self.coordinator), self._server)
+        add_coordinator_service(CoordinatorService(self.coordinator), self._server)
         pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store, waiters), self._server)
         self._on_loop(self._server.start())
         self.events.write(
             "master_started", address=self.address, nodes=self.num_nodes, steps=self.steps, pid=os.getpid(),
         )  # fmt: skip
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        warning = heartbeat_load_warning(self.job.cluster.max_nodes or self.num_nodes,
+                                         self.job.fault_tolerance.heartbeat_interval.total_seconds())  # fmt: skip
+        if warning:
+            log.warning("%s", warning)
 
     def _write_journal(self, journal: Journal) -> None:
         write_journal(self.run_dir, replace(journal, host=self.options.host, port=self.port))

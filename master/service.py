@@ -8,8 +8,8 @@ The master serves them on an asyncio gRPC server (``grpc.aio``, ``master/server.
 every node holds a ``Subscribe`` stream for the whole job, and on gRPC's
 synchronous server each stream held a thread of its pool; at 4,000 nodes the
 master could not keep 4,000 streams and their heartbeats going. A stream is a
-coroutine here. The unary calls (registration, heartbeats, reports, the
-rendezvous store) stay plain functions, which the aio server runs in its
+coroutine here, and so is the heartbeat (it takes no lock). The other unary
+calls (registration, reports, the rendezvous store) stay plain functions, which the aio server runs in its
 ``migration_thread_pool`` with a context whose ``abort`` raises as the
 synchronous one does.
 """
@@ -29,6 +29,7 @@ from master.registry import Refused
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import TOKEN_HEADER, token_matches
+from oobleck_mm.protocol.encoded import serialize_event
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,30 @@ def _denying_handler(handler, method: str, reason: str, on_refused):
     return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
+def add_coordinator_service(service: CoordinatorService, server) -> None:
+    """Registers ``service`` on ``server`` as the generated ``add_CoordinatorServicer_to_server`` does, with
+    one change: ``Subscribe`` serializes each event with its own ``SerializeToString``, so a generation's
+    assignments go out as parts encoded once (``oobleck_mm.protocol.encoded``); the generated handler
+    takes ``AgentEvent`` messages only."""
+    pb_grpc.add_CoordinatorServicer_to_server(service, _EncodedEvents(server))
+
+
+class _EncodedEvents:
+    """The server as the generated registration sees it: the method handlers pass through with
+    ``Subscribe``'s serializer replaced (the generated code builds them in one dict, then hands it over)."""
+
+    def __init__(self, server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # made again below from the changed handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        handlers = dict(handlers, Subscribe=handlers["Subscribe"]._replace(response_serializer=serialize_event))
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+
+
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
@@ -102,9 +127,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml,
                                 resume_command=self.c.options.resume_command, adopted=adopted)  # fmt: skip
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
-        with _refusals(context):
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        # On the event loop itself, not the unary pool: ``Coordinator.heartbeat`` takes no lock and does
+        # not block, and the pool's hop (a thread wake-up, then ``call_soon_threadsafe`` back) cost more
+        # than the beat. Every node beats every interval: the master's most frequent call by far.
+        try:
             generation = self.c.heartbeat(request.node.node, request.node.session)
+        except Refused as refusal:
+            await context.abort(getattr(grpc.StatusCode, refusal.code), str(refusal))
         return pb.HeartbeatReply(generation=generation)
 
     async def Subscribe(self, request: pb.NodeRef, context) -> AsyncIterator[pb.AgentEvent]:

@@ -105,6 +105,10 @@ def emulated_agents(address: str, token: str, names: list[str], interval: float,
     asyncio.run(main())
 
 
+class NotHeld(RuntimeError):
+    """The master lost nodes that were never stopped: too many for it (or for this machine) at that rate."""
+
+
 def events(path: Path, name: str) -> list[dict]:
     if not path.exists():
         return []
@@ -169,8 +173,18 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
                 else:
                     assigned[(node, generation)] = at
 
+        def held(what: str) -> None:
+            """Nobody was stopped yet: a loss means this master (on this machine) did not hold ``nodes``."""
+            lost = events(event_log, "lost")
+            if lost:
+                late = len(events(event_log, "heartbeat_late"))
+                raise NotHeld(f"{nodes} nodes heartbeating every {heartbeat_s:g} s not held: {len(lost)} lost "
+                              f"({lost[0]['reason']}: {lost[0]['detail']}) before any was stopped, {late} "
+                              f"heartbeat_late, while waiting for {what}")  # fmt: skip
+
         def all_subscribed():
             drain()
+            held("every agent subscribed")
             return subscribed == len(shares)
 
         wait(all_subscribed, 600, "every agent subscribed")
@@ -185,6 +199,7 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
         cpu0, t0 = proc.cpu_times(), time.monotonic()
         time.sleep(window)
         cpu1, t1 = proc.cpu_times(), time.monotonic()
+        held("the CPU window to end")
         cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
         threads = proc.num_threads()
         say(f"{nodes} nodes heartbeating every {heartbeat_s:g} s: the master used {cores:.2f} cores "
@@ -206,7 +221,7 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
             f"(heartbeat_timeout {timeout_s:g} s); generation {gen} on {len(survivors)} nodes planned "
             f"{second['ts'] - lost[victims[-1]]['ts']:.2f} s after the last loss, every assignment received "
             f"{fan_out_2:.3f} s after plan_decided")  # fmt: skip
-        return {"nodes": nodes, "heartbeat_s": heartbeat_s, "heartbeat_timeout_s": timeout_s, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
+        return {"nodes": nodes, "held": True, "heartbeat_s": heartbeat_s, "heartbeat_timeout_s": timeout_s, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
                 "master_cores": round(cores, 3), "master_threads": threads, "killed": kill,
                 "detection_s": [round(d, 3) for d in (detection[0], detection[len(detection) // 2], detection[-1])],
                 "plan_after_last_loss_s": round(second["ts"] - lost[victims[-1]]["ts"], 3),
@@ -316,14 +331,20 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     say = lambda line: print(line, flush=True)  # noqa: E731
-    rows = [] if args.store_only else [run_size(int(n), args.kill, args.window, say, args.heartbeat)
-                                       for n in args.nodes.split(",")]  # fmt: skip
+    rows, failed = [], False
+    for n in [] if args.store_only else [int(n) for n in args.nodes.split(",")]:
+        try:
+            rows.append(run_size(n, args.kill, args.window, say, args.heartbeat))
+        except NotHeld as err:  # a figure too: printed, kept in the JSON, and the exit code says so
+            say(str(err))
+            rows.append({"nodes": n, "heartbeat_s": args.heartbeat, "held": False, "why": str(err)})
+            failed = True
     for world in [int(n) for n in args.store_ranks.split(",") if n]:
         for long_poll, reuse in ((False, False), (True, False), (True, True)):  # side by side, in one run
             rows.append(run_store(world, long_poll, spread_s=0.5, say=say, reuse_waited=reuse))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -176,11 +176,12 @@ class MachineModel(RuleBasedStateMachine):
             agent = w.agents.get(effect.node)
             if agent is None or agent.session != s.registry.nodes[effect.node].session:
                 return []
-            kind = effect.event.WhichOneof("event")
+            event = pb.AgentEvent.FromString(effect.event.SerializeToString())  # what the agent parses
+            kind = event.WhichOneof("event")
             if kind == "assignment":
-                agent.assignment = effect.event.assignment.assignment
+                agent.assignment = event.assignment.assignment
             elif kind == "checkpoint":
-                agent.checkpoint = effect.event.checkpoint
+                agent.checkpoint = event.checkpoint
             elif kind == "shutdown" and s.registry.nodes[effect.node].dismissed:
                 agent.dismissed = True  # a leaving node: it hangs up once its workers stopped (at a boundary or at once)
             elif kind == "restart":

@@ -60,6 +60,8 @@ class Job:
         out, box = [], self.boxes[name]
         while not box.empty():
             item = box.get_nowait()
+            if item is not END_OF_STREAM:  # as the agent reads it: parsed from the wire form
+                item = pb.AgentEvent.FromString(item.SerializeToString())
             out.append(item)
             if item is not END_OF_STREAM and item.WhichOneof("event") == "assignment":
                 self.assigned[(name, item.assignment.local_rank)] = item.assignment.assignment
