@@ -189,9 +189,10 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
 
         wait(all_subscribed, 600, "every agent subscribed")
         registered_s = time.time() - began
-        first = wait(lambda: events(event_log, "plan_decided"), 600, "the first plan")[0]
+        first = wait(lambda: held("the first plan") or events(event_log, "plan_decided"), 600, "the first plan")[0]
         planned = set(first["nodes"])
-        wait(lambda: drain() or all((n, 1) in assigned for n in planned), 300, "every assignment of generation 1")
+        wait(lambda: held("generation 1's assignments") or drain() or all((n, 1) in assigned for n in planned), 300,
+             "every assignment of generation 1")  # fmt: skip
         fan_out_1 = max(assigned[(n, 1)] for n in planned) - first["ts"]
         say(f"{nodes} nodes: registered and subscribed in {registered_s:.1f} s; generation 1 planned on "
             f"{len(planned)} nodes, every assignment received {fan_out_1:.3f} s after plan_decided")
