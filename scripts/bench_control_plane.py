@@ -102,7 +102,10 @@ def emulated_agents(address: str, token: str, names: list[str], interval: float,
                     os._exit(0)
             del beating, streams
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except grpc.RpcError:
+        pass  # the master went away: the run ended (or failed, and the parent says why)
 
 
 class NotHeld(RuntimeError):
