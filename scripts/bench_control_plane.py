@@ -15,7 +15,7 @@ measured is the master, not the workers). Printed per size:
 - detection: ``--kill`` agents stop heartbeating at once with their streams left open (a hung host, the
   slow case: only ``heartbeat_timeout`` tells), and the seconds from there to each ``lost`` event (target:
   at most ``heartbeat_timeout`` + 1 s);
-- the recovery plan's fan-out to the survivors;
+- the first plan without any stopped node: seconds after the last loss, and its fan-out to the survivors;
 - with ``--store-ranks``: one rendezvous of that many ranks (threads in a few processes) against the
   master's store server, polling only and with server-side long polls, side by side: calls, the
   server's CPU, and the wake-up latency after the last arrival.
@@ -215,20 +215,29 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
         lost = wait(lambda: (found := {e["node"]: e for e in events(event_log, "lost")}) and
                     all(v in found for v in victims) and found, timeout_s * 10 + 60, "every stopped node lost")
         detection = sorted(lost[v]["ts"] - stop_at for v in victims)
-        second = wait(lambda: [e for e in events(event_log, "plan_decided") if e["generation"] > 1], 300,
+        # What the master saw: each node's silence when it was declared lost. Above, from the stop: that
+        # also counts a beat an emulating process had in flight when the stop reached it (busy: one interval).
+        silence = sorted(float(m.group(1)) for v in victims
+                         if (m := re.search(r"no heartbeat for ([\d.]+)s", lost[v].get("detail", ""))))  # fmt: skip
+        last_loss = max(lost[v]["ts"] for v in victims)
+        # The first plan without any stopped node (a loss detected alone may be planned before the others).
+        second = wait(lambda: [e for e in events(event_log, "plan_decided")
+                               if e["generation"] > 1 and not set(victims) & set(e["nodes"])], 300,
                       "the recovery plan")[0]  # fmt: skip
         survivors = set(second["nodes"])
         gen = second["generation"]
         wait(lambda: drain() or all((n, gen) in assigned for n in survivors), 300, "every recovery assignment")
         fan_out_2 = max(assigned[(n, gen)] for n in survivors) - second["ts"]
         say(f"{nodes} nodes: {kill} stopped (heartbeats only), lost after {detection[0]:.2f}-{detection[-1]:.2f} s "
-            f"(heartbeat_timeout {timeout_s:g} s); generation {gen} on {len(survivors)} nodes planned "
-            f"{second['ts'] - lost[victims[-1]]['ts']:.2f} s after the last loss, every assignment received "
+            f"(silent {silence[0]:.2f}-{silence[-1]:.2f} s when declared lost; heartbeat_timeout {timeout_s:g} s); "
+            f"generation {gen} on {len(survivors)} nodes planned "
+            f"{second['ts'] - last_loss:.2f} s after the last loss, every assignment received "
             f"{fan_out_2:.3f} s after plan_decided")  # fmt: skip
         return {"nodes": nodes, "held": True, "heartbeat_s": heartbeat_s, "heartbeat_timeout_s": timeout_s, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
                 "master_cores": round(cores, 3), "master_threads": threads, "killed": kill,
                 "detection_s": [round(d, 3) for d in (detection[0], detection[len(detection) // 2], detection[-1])],
-                "plan_after_last_loss_s": round(second["ts"] - lost[victims[-1]]["ts"], 3),
+                "silence_at_loss_s": [round(silence[0], 3), round(silence[-1], 3)],
+                "plan_after_last_loss_s": round(second["ts"] - last_loss, 3),
                 "fan_out_recovery_s": round(fan_out_2, 4), "survivors": len(survivors)}  # fmt: skip
     finally:
         for control in controls:

@@ -20,7 +20,8 @@ from oobleck_mm.planning.costs import ClusterSpec
 from oobleck_mm.planning.instantiate import best_template_counts, enumerate_template_counts
 from oobleck_mm.planning.layout import ExecutionPlan, rank_table
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
-from oobleck_mm.planning.reconfigure import DEFAULT_REPLAN_GAIN, CannotKeepReplicas, Reconfiguration, reconfigure
+from oobleck_mm.planning.reconfigure import (DEFAULT_REPLAN_GAIN, CannotKeepReplicas, Reconfiguration, fill_greedily,
+                                             reconfigure)  # fmt: skip
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 from oobleck_mm.planning.transfers import rank_transfers
 
@@ -531,3 +532,44 @@ def test_the_best_counts_pick_the_templates_whose_stages_all_reduce_fastest():
     best = best_plan_time(template_set, 23, 2, result.plan)
     assert result.plan.iteration_time_s <= best * (1 + 1e-9), (sorted(len(p.nodes) for p in result.plan.pipelines),
                                                                result.plan.iteration_time_s, best)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the fresh layout's greedy fill
+
+
+def _fill_by_scanning(sizes, remaining, pool):
+    """The greedy fill as first written (a scan of every old pipeline per pick): the specification."""
+    out = []
+    for size in sizes:
+        nodes, origins = [], []
+        while len(nodes) < size:
+            i = max(range(len(remaining)), key=lambda k: (len(remaining[k]), -k))
+            source = remaining[i] if remaining[i] else pool
+            if source is remaining[i]:
+                origins.append(i)
+            take = source[: size - len(nodes)]
+            del source[: len(take)]
+            nodes += take
+        out.append((nodes, origins))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=12), st.integers(0, 5), st.randoms(use_true_random=False))
+def test_the_greedy_fill_takes_from_the_old_pipeline_with_the_most_left_as_the_scan_did(old_sizes, joined, rnd):
+    """``fill_greedily`` (a heap) picks exactly as the scan it replaced; a reconfiguration at 4,000 nodes
+    spent 5.1 of its 6.3 s in that scan."""
+    remaining = [[f"p{p}n{i}" for i in range(n)] for p, n in enumerate(old_sizes)]
+    pool = [f"j{i}" for i in range(joined)]
+    live = sum(old_sizes) + joined
+    sizes = []
+    while sum(sizes) < live:
+        sizes.append(min(rnd.randint(1, 7), live - sum(sizes)))
+    expected = _fill_by_scanning(sizes, [list(r) for r in remaining], list(pool))
+    assert fill_greedily(sizes, remaining, pool) == expected
+    assert remaining == [[] for _ in old_sizes] and pool == []
+
+
+def test_the_greedy_fill_refuses_sizes_past_the_nodes_it_has():
+    with pytest.raises(ValueError, match="sizes"):
+        fill_greedily([3], [["a"]], ["b"])
