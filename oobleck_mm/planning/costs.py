@@ -141,6 +141,8 @@ class EffectiveLayer:
     output_bytes: int
     grad_bytes: int
     """Bytes all-reduced across replicas each iteration (0 when frozen)."""
+    param_bytes: int = 0
+    """The parameters alone: what a sharded stage all-gathers before the layer runs (``stage_cost``)."""
 
 
 def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
@@ -159,6 +161,7 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
                 activation_bytes=layer.activation_bytes if runs_backward else 0,
                 output_bytes=layer.output_bytes,
                 grad_bytes=layer.grad_bytes if layer.trainable else 0,
+                param_bytes=layer.param_bytes,
             )
         )
     return tuple(out)
@@ -226,6 +229,11 @@ class ClusterSpec:
         steps = 2 * (participants - 1)
         return steps * self.p2p_latency_s + steps / participants * num_bytes / bandwidth
 
+    def allgather_s(self, num_bytes: float, participants: int, cross_node: bool) -> float:
+        """Ring all-gather (or reduce-scatter) seconds of a tensor of ``num_bytes`` in all: half an
+        all-reduce, (p-1)/p of the bytes over the slowest link."""
+        return self.allreduce_s(num_bytes, participants, cross_node) / 2
+
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
@@ -268,10 +276,19 @@ def _prefix(values: list[float]) -> list[float]:
 def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, num_gpus: int) -> StageCost:
     """Costs of layers [start, end) run as one stage on ``num_gpus`` GPUs of one node.
 
-    With d > 1 GPUs the stage is sharded (tensor parallel): compute and state
-    divide by d, and each layer pays two all-reduces of its output in forward
-    and two in backward over the node's links (Megatron-style). This makes
-    wide stages pay for their collectives instead of looking free.
+    With d > 1 GPUs the stage is sharded as FSDP2 shards it (the mechanism the runtime
+    uses, ``docs/runtime.md``): each GPU holds 1/d of every layer's state and runs 1/d of
+    the microbatch, so compute, state and activations divide by d; each layer all-gathers
+    its parameters over the node's links before its forward and again before its backward
+    (resharded after the forward), and reduce-scatters its gradients after the backward.
+    This makes wide stages pay for their collectives instead of looking free. Priced per
+    microbatch, as FSDP2 runs by default; keeping a step's parameters gathered over its
+    microbatches and reduce-scattering once (``reshard_after_forward=False``, gradient sync on
+    the last microbatch only) would trade memory for fewer collectives, and is to be priced
+    if the runtime does that. Left out, so
+    that the cost stays additive over layers (``stage_mapping._CostTables``): the one
+    layer's gathered parameters held while it runs (the memory headroom covers it), and
+    microbatches smaller than d (a GPU with no sample idles).
     """
     assert 0 <= start < end <= len(prefix.layers) and num_gpus >= 1
     d = num_gpus
@@ -279,10 +296,10 @@ def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, 
     backward = (prefix.bwd[end] - prefix.bwd[start]) / d
     if d > 1:
         for layer in prefix.layers[start:end]:
-            collective = 2 * cluster.allreduce_s(layer.output_bytes / d, d, cross_node=False)
-            forward += collective
+            gather = cluster.allgather_s(layer.param_bytes, d, cross_node=False)
+            forward += gather
             if layer.backward_s > 0:
-                backward += collective
+                backward += gather + cluster.allgather_s(layer.grad_bytes, d, cross_node=False)
     return StageCost(
         forward_s=forward,
         backward_s=backward,

@@ -141,7 +141,7 @@ class ExecutionPlan:
         """From a planning ``Plan``; ``ranks`` maps (node name, local gpu) to a global rank; ``slow``: the
         measured slowdown of slow nodes, carried by their stages (``StageLayout.slowdown``).
 
-        Stages spanning several GPUs (tensor parallelism inside a stage) are not run by
+        Stages spanning several GPUs (sharded with FSDP2 inside a stage: docs/runtime.md) are not run by
         this engine yet.
         """
         pipelines = []

@@ -378,3 +378,33 @@ def test_template_iteration_time_equals_simulating_deepspeeds_schedule(gpus_per_
     for microbatches in (1, 3, template.num_stages, 4 * template.num_stages + 1, 150):
         simulated = simulate_train_schedule(*latencies, microbatches).makespan_s
         assert template.iteration_time(microbatches) == pytest.approx(simulated, rel=1e-9)
+
+
+def test_a_wide_stage_is_priced_as_fsdp2_runs_it_gathers_of_parameters_and_a_reduce_scatter_of_gradients():
+    """Issue 28: the runtime shards a d-GPU stage with FSDP2, so the planner prices what that costs: compute,
+    state and activations over d; per layer an all-gather of its parameters before the forward and again
+    before the backward, a reduce-scatter of its gradients after it; nothing for the activations' size."""
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=80 * GB, intra_node_bandwidth=100e9,
+                          p2p_latency_s=1e-5)  # fmt: skip
+    trained = layer(fwd=2.0, bw=1.0, bd=1.0, state=4 * GB, act=8 * GB, out=GB)
+    frozen_first = layer(name="vision.block", modality="vision", fwd=1.0, state=2 * GB, act=GB, out=GB,
+                         trainable=False)  # fmt: skip
+    prefix = LayerPrefix(effective_layers(profile_of([frozen_first, trained])))
+    gather = lambda b, d: cluster.allgather_s(b, d, cross_node=False)  # noqa: E731
+    for d in (2, 4):
+        frozen_cost = stage_cost(prefix, cluster, 0, 1, d)
+        # frozen and first: no backward at all, so its parameters are gathered once
+        assert frozen_cost.forward_s == pytest.approx(1.0 / d + gather(2 * GB, d))
+        assert frozen_cost.backward_s == 0.0 and frozen_cost.grad_bytes == 0
+        cost = stage_cost(prefix, cluster, 1, 2, d)
+        assert cost.forward_s == pytest.approx(2.0 / d + gather(4 * GB, d))
+        # its weight gradient only (nothing trainable before it needs its input gradient)
+        assert cost.backward_s == pytest.approx(1.0 / d + gather(4 * GB, d) + gather(4 * GB, d))
+        assert cost.resident_bytes == pytest.approx(4 * 4 * GB / d)
+        assert cost.activation_bytes == pytest.approx(8 * GB / d)
+        # the gathers grow with the parameters, not the activations (tensor parallelism's collectives would)
+        wider = replace(trained, output_bytes=64 * GB)
+        bigger_activations = LayerPrefix(effective_layers(profile_of([frozen_first, wider])))
+        assert stage_cost(bigger_activations, cluster, 1, 2, d).forward_s == pytest.approx(cost.forward_s)
+    assert cluster.allgather_s(4 * GB, 4, cross_node=False) == pytest.approx(
+        cluster.allreduce_s(4 * GB, 4, cross_node=False) / 2)
