@@ -28,7 +28,9 @@ class FaultToleranceConfig:
     f: int = 1
     """Simultaneous node failures the job must survive (f + 1 pipelines are kept)."""
     heartbeat_interval: timedelta = timedelta(milliseconds=500)
-    """How often agents report to the master (and check their workers)."""
+    """How often agents report to the master (and check their workers). The master takes about 2,000
+    heartbeats a second (``master/server.py::HEARTBEATS_PER_S_BUDGET``; it warns at start past that):
+    past 1,000 nodes, raise it."""
     heartbeat_timeout: timedelta = timedelta(seconds=3)
     """Silence after which a node is declared failed (a hung node whose sockets stay open); longer
     than the interval. A dead agent is detected sooner, by its closed event stream."""
