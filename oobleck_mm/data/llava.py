@@ -132,6 +132,15 @@ class JsonRecords:
 class LlavaJsonDataset(JsonRecords):
     """The samples of ``data.path``, shaped for the model in ``inputs`` (byte-level text)."""
 
+    def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
+        self._header_sizes: dict[str, tuple[int, int]] = {}
+        """(width, height) of each image file read so far. Reading headers is half of what building
+        the records costs (36 s a rank at 665k records, ``docs/benchmarks.md``), and LLaVA's mixes
+        hold several conversations per image (its COCO images: about three each). Dropped once the
+        records are built: at 665k records it would hold hundreds of thousands of paths per rank."""
+        super().__init__(data, inputs)
+        self._header_sizes = {}
+
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
         images = []
@@ -192,11 +201,14 @@ class LlavaJsonDataset(JsonRecords):
             raise UserError(
                 f"{where}: images need model.vision.in_channels 1 or 3, got {self.inputs.in_channels}"
             )
-        try:
-            with Image.open(path) as im:
-                width, height = im.size
-        except (OSError, UnidentifiedImageError) as exc:
-            raise UserError(f"{where}: cannot read image {path!r}: {exc}") from None
+        size = self._header_sizes.get(path)
+        if size is None:
+            try:
+                with Image.open(path) as im:
+                    size = self._header_sizes[path] = im.size
+            except (OSError, UnidentifiedImageError) as exc:
+                raise UserError(f"{where}: cannot read image {path!r}: {exc}") from None
+        width, height = size
         return fit_size(height, width, self.data.image_size, self.inputs.patch_size)
 
     # ------------------------------------------------------------------ loading

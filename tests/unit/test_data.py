@@ -219,6 +219,26 @@ def test_llava_images_resolve_against_image_dir(tmp_path):
     assert torch.equal(relative[0].images[0], ds[0].images[0])
 
 
+def test_an_image_shared_by_several_samples_has_its_header_read_once(tmp_path, monkeypatch):
+    """Reading headers is half of building the byte-level records (36 s a rank at 665k); LLaVA's mixes hold
+    several conversations per image. The sizes stay each sample's own (another file, another size)."""
+    from oobleck_mm.data import llava as llava_module
+
+    samples = [{"id": f"s{i}", "image": "images/red_square.png" if i % 3 else "images/blue_circle.png",
+                "conversations": GOOD_TURNS} for i in range(9)]  # fmt: skip
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps(samples))
+    opened = []
+    real_open = llava_module.Image.open
+    monkeypatch.setattr(llava_module.Image, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    ds = llava(str(path), image_dir=FIXTURE)
+    assert sorted(opened) == sorted({os.path.join(FIXTURE, "images", n) for n in ("red_square.png", "blue_circle.png")})
+    uncached = llava()  # the fixture's own samples, for the files' sizes
+    red, blue = uncached.meta(0).image_sizes[0], uncached.meta(2).image_sizes[0]  # (16, 24), (24, 16)
+    assert [ds.meta(i).image_sizes for i in range(9)] == [((blue if i % 3 == 0 else red),) for i in range(9)]
+    assert ds._header_sizes == {}  # not kept past the build
+
+
 def write_samples(tmp_path, samples) -> str:
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(samples))
