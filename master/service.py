@@ -134,14 +134,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             generation = self.c.heartbeat(request.node.node, request.node.session)
         except Refused as refusal:
-            await context.abort(getattr(grpc.StatusCode, refusal.code), str(refusal))
+            await _abort(context, refusal)
         return pb.HeartbeatReply(generation=generation)
 
     async def Subscribe(self, request: pb.NodeRef, context) -> AsyncIterator[pb.AgentEvent]:
         try:
             outbox = self.c.open_stream(request.node, request.session)
         except Refused as refusal:
-            await context.abort(getattr(grpc.StatusCode, refusal.code), str(refusal))
+            await _abort(context, refusal)
         loop, woken = asyncio.get_running_loop(), asyncio.Event()
         outbox.listen(lambda: loop.call_soon_threadsafe(woken.set))
         try:
@@ -181,6 +181,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with _refusals(context):
             self.c.leave(request.node.node, request.node.session, request.reason)
         return pb.Ack()
+
+
+async def _abort(context, refusal: Refused) -> None:
+    """Ends a coroutine handler's call with the gRPC status ``refusal`` names (``_refusals``, asynchronously)."""
+    await context.abort(getattr(grpc.StatusCode, refusal.code), str(refusal))
 
 
 class _refusals:

@@ -13,7 +13,7 @@ A ``get`` of a key not yet set may wait on the server for it (a long poll: the
 client asks with ``wait_s``, at most ``LONG_POLL_S``), woken the moment another
 worker sets it, instead of the client asking again every few milliseconds. Only
 while the server has threads to spare: at most ``max_waiters`` calls wait at once
-(the master's pool also serves every heartbeat and report: ``server.UNARY_THREADS`` beside them), and
+(the master's pool also serves every registration and report: ``server.UNARY_THREADS`` beside them), and
 the others are answered at once and poll as before (``StoreReply.held`` tells
 which). So a large job's rendezvous degrades to polling, never to a master too
 busy to hear heartbeats.
