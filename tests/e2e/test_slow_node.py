@@ -32,10 +32,13 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
         launches, tmp_path):  # fmt: skip
     _needs_a_freezer()
     steps = 140
-    config = write_config(tmp_path, nodes=4, steps=steps, fault_tolerance={"straggler_factor": 1.5})
+    # Threshold 2, node2 slowed 8x: on two shared cores a node beside other load reads 1.4-2.2 on single
+    # steps, and in CI (two test workers) once read a median of 1.5 over 8 steps; a node frozen 7/8 of the
+    # time reads 2-4 there, since the others take the core it leaves.
+    config = write_config(tmp_path, nodes=4, steps=steps, fault_tolerance={"straggler_factor": 2.0})
     final = tmp_path / "final"
     run = Launch(tmp_path, config, "--nodes", "4", "--steps", str(steps), "--save-final", str(final),
-                 "--inject", "slow:node2@step20x4+6s")  # fmt: skip
+                 "--inject", "slow:node2@step20x8+6s")  # fmt: skip
     launches.append(run)
     code = run.wait(timeout=150)
     assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
@@ -53,7 +56,7 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     # The plan carries the factor to the workers' balancer (``StageLayout.slowdown``), and no more once cleared.
     carried = {slowed_split["nodes"][s[0]]: s[3] for p in slowed_split["layout"]["pipelines"] for s in p["stages"]
                if len(s) > 3}  # fmt: skip
-    assert list(carried) == ["node2"] and carried["node2"] > 1.5, carried
+    assert list(carried) == ["node2"] and carried["node2"] >= 2.0, carried
     assert all(len(s) == 3 for p in even_again["layout"]["pipelines"] for s in p["stages"])
     for plan in (*slowed_splits, even_again):
         assert sum(p["num_microbatches"] for p in plan["layout"]["pipelines"]) * plan["layout"]["microbatch_size"] == 16
