@@ -18,6 +18,18 @@ class Assignment:
     pipelines: tuple[tuple[tuple[int, ...], ...], ...]
     """``pipelines[p][m]``: sample ids of microbatch ``m`` of pipeline ``p``, in packing order."""
     reason: str = ""
+    deferred: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """``deferred[p][m]``: ids of microbatch ``m`` of pipeline ``p`` whose LLM work runs in microbatch
+    ``m + 1`` (Entrain's deferral, ``balance/deferral.py``); empty: none anywhere."""
+
+    def llm_microbatches(self, pipeline: int) -> tuple[tuple[int, ...], ...]:
+        """The samples each microbatch of ``pipeline`` runs through the LLM's layers, in packing order."""
+        from oobleck_mm.balance.deferral import llm_microbatches
+
+        encoder = self.pipelines[pipeline]
+        if not self.deferred or not any(self.deferred[pipeline]):
+            return encoder
+        return tuple(llm_microbatches(list(encoder), list(self.deferred[pipeline])))
 
     def sample_ids(self) -> list[int]:
         return [i for p in self.pipelines for mb in p for i in mb]

@@ -27,9 +27,11 @@ import numpy as np
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.balance.baselines import mmscale, orchmllm_lpt, orchmllm_padded, orchmllm_quadratic, random_placement
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
+from oobleck_mm.balance.deferral import adjacent_deferral, decoupled_ticks, lhl_pairs, pairwise_deferral
 from oobleck_mm.balance.metrics import imbalance, modality_dist_ratios
 from oobleck_mm.balance.ours import ours, ours_fast, target_shares
 from oobleck_mm.balance.problem import BalanceProblem, PipelineShape, Placement, check_enough_samples
+from oobleck_mm.balance.schedule_time import iteration_times
 from oobleck_mm.balance.work import ModelDims, sample_features
 
 ALGORITHMS: dict[str, Callable[[BalanceProblem], Placement]] = {
@@ -44,6 +46,9 @@ ALGORITHMS: dict[str, Callable[[BalanceProblem], Placement]] = {
 """Every placement algorithm by name; all take a ``BalanceProblem`` and return a ``Placement``."""
 
 DEFAULT_THRESHOLD = 0.02
+IMPROVEMENT = 1e-6
+"""Deferral is kept only when it is predicted this much faster (relative): a one-stage pipeline's time is the
+sum of its work whatever the deferral, and float rounding alone must not reorder it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +80,15 @@ def get_algorithm(name: str) -> Callable[[BalanceProblem], Placement]:
     return ALGORITHMS[name]
 
 
-def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float = DEFAULT_THRESHOLD) -> BalanceResult:
-    """Assign the problem's samples to pipelines and microbatches (see the module docstring)."""
+def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float = DEFAULT_THRESHOLD,
+            deferral: bool = False) -> BalanceResult:
+    """Assign the problem's samples to pipelines and microbatches (see the module docstring); with
+    ``deferral``, then Entrain's pairwise deferral inside every pipeline where it is predicted faster."""
+    result = _balance(problem, algorithm, threshold)
+    return with_deferral(problem, result) if deferral else result
+
+
+def _balance(problem: BalanceProblem, algorithm: str, threshold: float) -> BalanceResult:
     run = get_algorithm(algorithm)
     if not threshold >= 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
@@ -99,6 +111,48 @@ def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float =
     reason += _heavy_note(problem, times)
     return BalanceResult(_assignment(problem, placement, reason), times,
                          base_times if unbalanced is not None else None, algorithm)  # fmt: skip
+
+
+def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResult:
+    """``result`` with each pipeline's microbatches reordered and deferred by ``deferral.pairwise_deferral``
+    where the exact 1F1B model predicts that pipeline faster (else left as it was)."""
+    if problem.llm_cost is None:
+        raise ValueError("deferral needs the problem's LLM costs (BalanceProblem.build fills them)")
+    index = {int(s): n for n, s in enumerate(problem.sample_ids)}
+    encoder_cost = problem.cost - problem.llm_cost
+    pipelines, deferred, times, changed = [], [], list(result.predicted_s), 0
+    for p, microbatches in enumerate(result.assignment.pipelines):
+        columns = problem.stage_index[p, : problem.num_stages[p]]
+        llm, enc = problem.llm_cost[:, columns], encoder_cost[:, columns]
+        positions = [[index[i] for i in mb] for mb in microbatches]
+        work = [llm[pos].sum(axis=1) for pos in positions]
+        paired = pairwise_deferral(work)
+        best = None
+        for plan in (paired, lhl_pairs(paired, work), adjacent_deferral(work)):
+            if not plan.any:
+                continue
+            order = [positions[k] for k in plan.order]
+            gone = [tuple(order[slot][x] for x in plan.deferred[slot]) for slot in range(len(order))]
+            fwd, bwd = decoupled_ticks(enc, llm, problem.microbatch_cost[columns], [tuple(o) for o in order], gone)
+            share = problem.forward_share[columns][:, None]
+            seconds = float(iteration_times((fwd * share * problem.tick_s)[None], (bwd * (1 - share) * problem.tick_s)[None],
+                                            [len(columns)], [len(order)])[0])  # fmt: skip
+            if seconds < (best[0] if best else times[p] * (1 - IMPROVEMENT)):
+                best = (seconds, order, gone)
+        if best is not None:
+            ids = problem.sample_ids
+            pipelines.append(tuple(tuple(int(ids[n]) for n in mb) for mb in best[1]))
+            deferred.append(tuple(tuple(int(ids[n]) for n in g) for g in best[2]))
+            times[p], changed = best[0], changed + 1
+            continue
+        pipelines.append(microbatches)
+        deferred.append(((),) * len(microbatches))
+    if not changed:
+        return result
+    reason = f"{result.assignment.reason}; deferral in {changed} of {len(pipelines)} pipeline(s), predicted max " \
+             f"{max(result.predicted_s):.4g} s -> {max(times):.4g} s"  # fmt: skip
+    assignment = Assignment(tuple(pipelines), reason=reason, deferred=tuple(deferred))
+    return replace(result, assignment=assignment, predicted_s=tuple(times))
 
 
 def fill_empty_microbatches(problem: BalanceProblem, placement: Placement) -> Placement:
@@ -138,13 +192,14 @@ def balance_batch(
     algorithm: str = "ours",
     threshold: float = DEFAULT_THRESHOLD,
     seed: int = 0,
+    deferral: bool = False,
 ) -> BalanceResult:
     """``balance`` from the sampler's ids and their ``SampleMeta``s (same order)."""
     if len(metas) != len(global_batch):
         raise ValueError(f"got {len(metas)} sample metadata for a global batch of {len(global_batch)}")
     features = sample_features(metas, dims)
     problem = BalanceProblem.build(global_batch, features, pipelines, model, coefficients, microbatch_size, seed)
-    return balance(problem, algorithm, threshold)
+    return balance(problem, algorithm, threshold, deferral)
 
 
 def step_metrics(problem: BalanceProblem, result: BalanceResult) -> dict[str, float]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
 from oobleck_mm.balance.schedule_time import iteration_times
-from oobleck_mm.balance.work import NUM_FEATURES
+from oobleck_mm.balance.work import LLM_FEATURES, NUM_FEATURES
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,9 @@ class BalanceProblem:
     seed: int
     """Seed of randomised baselines (e.g. the step), so a decision is a function of its inputs."""
     tick_s: float
+    llm_cost: np.ndarray | None = None
+    """``(N, U + 1)`` the part of ``cost`` on the LLM's layers (its features: ``work.LLM_FEATURES``); the
+    rest is the encoders'. Entrain's deferral (``deferral.py``) moves only this part between microbatches."""
 
     @property
     def num_samples(self) -> int:
@@ -126,9 +129,15 @@ class BalanceProblem:
         for i, stages in enumerate(keyed):
             stage_index[i, : len(stages)] = [position[s] for s in stages]
         cost = np.zeros((len(ids), len(distinct) + 1))
+        llm_cost = np.zeros_like(cost)
+        # Every layer's terms read features of its own modality only (``work.LINEAR_FEATURE``), so the
+        # LLM features' columns are exactly the LLM layers' cost: the split needs no layer boundary.
         for f in range(1, NUM_FEATURES):  # column 0 is the per-microbatch constant
             if vectors[:, f].any() and features[:, f].any():
-                cost += features[:, f : f + 1] * vectors[None, :, f]
+                term = features[:, f : f + 1] * vectors[None, :, f]
+                cost += term
+                if f in LLM_FEATURES:
+                    llm_cost += term
         return cls(
             sample_ids=ids,
             features=features,
@@ -141,6 +150,7 @@ class BalanceProblem:
             microbatch_size=microbatch_size,
             seed=seed,
             tick_s=tick_s,
+            llm_cost=np.rint(llm_cost / tick_s),
         )
 
     # ------------------------------------------------------------------ derived costs

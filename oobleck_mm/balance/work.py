@@ -39,6 +39,8 @@ FEATURES = (
 )
 NUM_FEATURES = len(FEATURES)
 F = {name: i for i, name in enumerate(FEATURES)}
+LLM_FEATURES = frozenset((F["llm_tokens"], F["llm_tokens_sq"]))
+"""The columns the LLM's layers read (every other column but ``microbatch`` is an encoder's)."""
 
 # Per modality (as in planning.costs.MODALITIES): the feature driving its linear
 # and quadratic cost, by layer kind. Projectors work on merged tokens; embeddings

@@ -684,9 +684,14 @@ class BalanceConfig:
     """Most recent stage timings a fit uses."""
     ridge: float = 1.0e-4
     """Pull of a fit toward the previous coefficients."""
+    deferral: bool = False
+    """Inside each pipeline, Entrain's pairwise deferral (``balance/deferral.py``): the LLM stages run
+    microbatches of equal LLM work by deferring some samples' LLM work to the next microbatch, kept only
+    when the exact 1F1B model predicts the pipeline faster. Needs a model with an encoder."""
 
     def __post_init__(self) -> None:
         check(self, "enabled", as_bool)
+        check(self, "deferral", as_bool)
         check(self, "algorithm", as_choice,
                ("ours", "ours_fast", "random", "orchmllm_lpt", "orchmllm_padded", "orchmllm_quadratic", "mmscale"))
         check(self, "threshold", as_float, minimum=0.0)

@@ -33,7 +33,7 @@ from oobleck_mm.balance.balancer import balance, step_metrics
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel, StageTiming
 from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
 from oobleck_mm.balance.cost_model import NUM_TERMS
-from oobleck_mm.balance.work import NUM_FEATURES, microbatch_features, sample_features
+from oobleck_mm.balance.work import LLM_FEATURES, NUM_FEATURES, microbatch_features, sample_features
 from oobleck_mm.data.dataset import ModelInputs
 
 
@@ -88,16 +88,28 @@ class StepBalancer:
         """The step's assignment (and predicted metrics); identical on every rank."""
         problem = BalanceProblem.build(ids, self.features(ids), pipeline_shapes(plan), self.model,
                                        self.coefficients, plan.microbatch_size, step)
-        result = balance(problem, self.config.algorithm, self.config.threshold)
+        result = balance(problem, self.config.algorithm, self.config.threshold, self.config.deferral)
         self.last_metrics = step_metrics(problem, result)
         if result.unbalanced_s is not None:
             self.last_metrics["predicted_contiguous_max_s"] = max(result.unbalanced_s)
         return result.assignment
 
-    def observe(self, stage, microbatches, times) -> None:
-        """Record this stage's (forward + backward) seconds of each microbatch of the step."""
-        for ids, (fwd, bwd) in zip(microbatches, times):
+    def observe(self, stage, microbatches, times, llm_microbatches=None) -> None:
+        """Record this stage's (forward + backward) seconds of each microbatch of the step.
+
+        ``llm_microbatches``: with Entrain's deferral, the samples each slot ran through the LLM's layers (and
+        through the encoders' backward); the slot's features are then what the stage ran: encoder columns
+        weighted by the stage's forward share between ``microbatches`` (forward) and ``llm_microbatches``
+        (backward), LLM columns of ``llm_microbatches``. The cost model is linear, so this is exact for it."""
+        share = self.model.forward_share(stage.layer_start, stage.layer_end)
+        llm_columns = np.array(sorted(LLM_FEATURES))
+        for k, (ids, (fwd, bwd)) in enumerate(zip(microbatches, times)):
             feats = microbatch_features(self.features(list(ids)))
+            if llm_microbatches is not None and tuple(llm_microbatches[k]) != tuple(ids):
+                after = microbatch_features(self.features(list(llm_microbatches[k])))
+                feats = share * feats + (1 - share) * after
+                feats[llm_columns] = after[llm_columns]
+                feats[0] = 1.0
             self.fresh.append(StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), fwd + bwd))
 
     def maybe_fit(self, step: int) -> bool:

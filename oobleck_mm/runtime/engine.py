@@ -84,6 +84,8 @@ class StepResult:
     checkpoint_due: bool = False
     """Some rank's clock said a periodic checkpoint is due (``fault_tolerance.checkpoint_every``):
     every rank checkpoints after this step, the same step everywhere."""
+    deferred: int = 0
+    """Samples of the whole step whose LLM work ran one microbatch after their encoders' (Entrain's deferral)."""
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
@@ -173,6 +175,15 @@ class StageEngine:
         self.prev_rank = self.pipeline.stages[self.stage_index - 1].rank if self.stage_index > 0 else None
         self.next_rank = self.pipeline.stages[self.stage_index + 1].rank if self.stage_index + 1 < self.num_stages else None
 
+        embeds = [i for i, spec in enumerate(self.specs) if spec.kind == "token_embed"]
+        self.seam = embeds[0] if embeds and embeds[0] > 0 else None
+        """The LLM's first layer (``llm.embed``), where encoder outputs become the LLM's input: the
+        boundary Entrain's deferral regroups samples at (None: no encoder before it)."""
+        self.side = ("encoder" if self.seam is not None and self.stage.layer_end <= self.seam else
+                     "seam" if self.seam is not None and self.stage.layer_start <= self.seam else "llm")  # fmt: skip
+        """Which microbatches this stage runs when the LLM's microbatches are decoupled (see ``_decouple``)."""
+        self._decoupled = False
+
         trainable = trainable_mask(job, self.specs)
         # A stage needs the gradient of its input iff a trainable layer precedes it.
         self.needs_input_grad = any(trainable[: self.stage.layer_start])
@@ -218,8 +229,9 @@ class StageEngine:
             assignment = contiguous_assignment(ids, counts, self.plan.microbatch_size)
         self._step = step
         self._microbatches = assignment.pipelines[self.pipeline_index]
+        self._decouple(assignment)
         self._loss_tokens = self.data.loss_tokens(ids)
-        self._batches: dict[int, PackedBatch] = {}
+        self._batches: dict = {}
         self._inputs: dict[int, tuple] = {}
         self._outputs: dict[int, tuple] = {}
         self._grads: dict[int, tuple] = {}
@@ -229,7 +241,8 @@ class StageEngine:
         self._intervals: list[list] = []  # per microbatch: [forward, backward] intervals of self.clock
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0, tokens=self.data.llm_tokens(ids),
-                                  microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p))
+                                  microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p),
+                                  deferred=sum(len(d) for p in assignment.deferred for d in p))
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
                                     stage_id=self.stage_index)
         execute(schedule.steps(), self._dispatch)
@@ -243,11 +256,14 @@ class StageEngine:
             # Packing is this stage's work for the microbatch too (it grows with images and text):
             # the balancer's cost model is fitted to all of it.
             times = [(f + self._pack_s.get(mb, 0.0), b) for mb, (f, b) in enumerate(self._result.microbatch_times)]
-            self.balancer.observe(self.stage, self._microbatches, times)
+            self.balancer.observe(self.stage, self._microbatches, times,
+                                  self._llm_microbatches if self._decoupled else None)
         self._result.step_time_s = time.perf_counter() - t0
         return self._result
 
     def _batch(self, mb: int) -> PackedBatch:
+        if self._decoupled:  # packed per group (see _forward_decoupled); only the first/last stage's load
+            return self._pack(mb, self._llm_microbatches[mb] if self.side == "llm" else self._microbatches[mb])
         if mb not in self._batches:
             t0 = time.perf_counter()
             # Built on the host, then copied to the stage's device (pinned, asynchronous on a GPU).
@@ -256,10 +272,102 @@ class StageEngine:
             self._result.pack_s += self._pack_s[mb]
         return self._batches[mb]
 
+    # ------------------------------------------------------------------ decoupled microbatches (deferral)
+    def _decouple(self, assignment: Assignment) -> None:
+        """Entrain's decoupled microbatches (``balance/deferral.py``). Slot k's encoder microbatch ``E_k`` is
+        ``assignment.pipelines[p][k]``; its LLM microbatch is ``L_k = kept_k + D_{k-1}`` with ``kept_k = E_k -
+        D_k``. Stages before the LLM's first layer run ``E_k`` as two groups, ``kept_k`` and ``D_k`` (each its
+        own packed batch and autograd graph, so their backwards run apart: Entrain's split backward); the stage
+        holding ``llm.embed`` runs its encoder layers on those groups, keeps ``D_k``'s outputs for the next
+        slot, and runs its LLM layers on ``L_k``; later stages run ``L_k``. Backward of slot k reaches the
+        groups whose LLM work ran in slot k: ``kept_k`` and ``D_{k-1}``. Every transfer keeps DeepSpeed's 1F1B
+        instruction order; only what a message holds changes, and every rank derives that from the
+        assignment. Samples are independent (block-diagonal attention, per-sample loss over the global token
+        count), so the update is the undecoupled one up to summation order."""
+        p = self.pipeline_index
+        self._deferred = assignment.deferred[p] if assignment.deferred else ()
+        self._decoupled = self.seam is not None and any(self._deferred)
+        if not self._decoupled:
+            self._llm_microbatches = self._microbatches
+            return
+        if self._deferred[-1]:
+            raise ValueError(f"the last microbatch of pipeline {p} defers samples {self._deferred[-1]}: "
+                             f"nothing runs after it")  # fmt: skip
+        self._llm_microbatches = assignment.llm_microbatches(p)
+        self._kept = [tuple(i for i in mb if i not in set(d)) for mb, d in zip(self._microbatches, self._deferred)]
+        self._group_in: dict[tuple[int, str], tuple] = {}
+        self._group_out: dict[tuple[int, str], tuple] = {}
+        self._held: dict[int, tuple] = {}
+        self._backward_groups: dict[int, list[tuple[int, str]]] = {}
+
+    def _pack(self, slot: int, ids: tuple[int, ...]) -> PackedBatch:
+        key = tuple(ids)
+        if key not in self._batches:
+            t0 = time.perf_counter()
+            self._batches[key] = self.data.microbatch(key).to(self.device, non_blocking=True)
+            spent = time.perf_counter() - t0
+            self._pack_s[slot] = self._pack_s.get(slot, 0.0) + spent
+            self._result.pack_s += spent
+        return self._batches[key]
+
+    def _forward_groups(self, k: int) -> list[tuple[int, str]]:
+        """The encoder groups slot k's forward runs: its kept samples, then its deferred ones."""
+        return [(k, "kept")] + ([(k, "deferred")] if self._deferred[k] else [])
+
+    def _backward_groups_of(self, k: int) -> list[tuple[int, str]]:
+        """The encoder groups slot k's backward reaches: its kept samples, then the previous slot's deferred."""
+        return [(k, "kept")] + ([(k - 1, "deferred")] if k > 0 and self._deferred[k - 1] else [])
+
+    def _group_ids(self, group: tuple[int, str]) -> tuple[int, ...]:
+        k, part = group
+        return self._kept[k] if part == "kept" else tuple(self._deferred[k])
+
+    def _run_layers(self, layers, acts, batch):
+        ckpt = self.job.training.activation_checkpointing and self.needs_backward
+        for i in layers:
+            if ckpt:
+                acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, batch, use_reentrant=False)
+            else:
+                acts = self.compute[i](acts, batch)
+        return acts
+
+    def _forward_decoupled(self, ins, mb: int) -> None:
+        groups = self._forward_groups(mb)
+        received = self._inputs.pop(ins.buffer_id, ()) if self.prev_rank is not None else ()
+        per = len(received) // len(groups)
+        encoder_layers = [i for i in self.stage.layers if i < self.seam]
+        with torch.set_grad_enabled(self.needs_backward):
+            outs = {}
+            for n, group in enumerate(groups):
+                acts = tuple(received[n * per : (n + 1) * per])
+                self._group_in[group] = acts
+                outs[group] = self._run_layers(encoder_layers, acts, self._pack(mb, self._group_ids(group)))
+            if self.side == "encoder":
+                self._group_out.update(outs)
+                self._outputs[ins.buffer_id] = tuple(t for g in groups for t in outs[g])
+                return
+            # The seam: L_k's encoder outputs are kept_k's, then D_{k-1}'s (held since the last slot).
+            if (mb, "deferred") in outs:
+                self._held[mb] = outs[(mb, "deferred")]
+            acts = outs[(mb, "kept")]
+            if mb - 1 in self._held:
+                acts = tuple(torch.cat([a, b]) for a, b in zip(acts, self._held.pop(mb - 1), strict=True))
+            batch = self._pack(mb, self._llm_microbatches[mb])
+            acts = self._run_layers([i for i in self.stage.layers if i >= self.seam], acts, batch)
+            self._outputs[ins.buffer_id] = self._maybe_loss(acts, batch)
+
+    def _maybe_loss(self, acts, batch):
+        if self.next_rank is not None:
+            return acts
+        loss = microbatch_loss(acts[0], batch, self._loss_tokens)
+        self._loss += loss.detach().double()  # stays on the device: no sync per microbatch
+        return (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
+
     # ------------------------------------------------------------------ instructions
     def _load_microbatch(self, ins) -> None:
         # Only the first and last stages get this instruction; every stage packs lazily in _batch.
-        self._batch(self._next_load)
+        if not self._decoupled:  # (decoupled: packed per group, in _forward_decoupled)
+            self._batch(self._next_load)
         self._next_load += 1
 
     def _recv_activation(self, ins) -> None:
@@ -275,22 +383,17 @@ class StageEngine:
         mb = self._next_forward
         self._next_forward += 1
         self._buffer_mb[ins.buffer_id] = mb
+        if self._decoupled and self.side != "llm":
+            self._forward_decoupled(ins, mb)
+            self._intervals.append([self.clock.stop(mark), None])
+            return
         batch = self._batch(mb)
         acts = self._inputs.get(ins.buffer_id, ()) if self.prev_rank is not None else ()
-        ckpt = self.job.training.activation_checkpointing and self.needs_backward
         with torch.set_grad_enabled(self.needs_backward):
-            for i in self.stage.layers:
-                if ckpt:
-                    acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, batch, use_reentrant=False)
-                else:
-                    acts = self.compute[i](acts, batch)
-            if self.next_rank is None:
-                loss = microbatch_loss(acts[0], batch, self._loss_tokens)
-                self._loss += loss.detach().double()  # stays on the device: no sync per microbatch
-                acts = (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
+            acts = self._maybe_loss(self._run_layers(self.stage.layers, acts, batch), batch)
         self._outputs[ins.buffer_id] = acts
         self._intervals.append([self.clock.stop(mark), None])
-        if self.prefetch and mb + 1 < len(self._microbatches):
+        if self.prefetch and not self._decoupled and mb + 1 < len(self._microbatches):
             self._batch(mb + 1)
 
     def _send_activation(self, ins) -> None:
@@ -309,6 +412,14 @@ class StageEngine:
         mark = self.clock.start()
         outputs = self._outputs.pop(ins.buffer_id)
         grads = self._grads.pop(ins.buffer_id, None)
+        if self._decoupled and self.side == "encoder":
+            # The gradients of the groups whose LLM work ran in this slot, in _backward_groups_of's order.
+            k = self._buffer_mb[ins.buffer_id]
+            groups = self._backward_groups_of(k)
+            self._backward_groups[ins.buffer_id] = groups
+            outputs = []
+            for group in groups:
+                outputs.extend(self._group_out.pop(group))
         if self.needs_backward:
             if self.next_rank is None:
                 outputs[0].backward()
@@ -317,11 +428,17 @@ class StageEngine:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         mb = self._buffer_mb.pop(ins.buffer_id)
-        self._batches.pop(mb, None)
+        if self._decoupled:
+            self._backward_groups.setdefault(ins.buffer_id, self._backward_groups_of(mb))
+        else:
+            self._batches.pop(mb, None)
         self._intervals[mb][1] = self.clock.stop(mark)
 
     def _send_grad(self, ins) -> None:
-        inputs = self._inputs.pop(ins.buffer_id)
+        if self._decoupled and self.side != "llm":
+            inputs = tuple(t for g in self._backward_groups.pop(ins.buffer_id) for t in self._group_in.pop(g))
+        else:
+            inputs = self._inputs.pop(ins.buffer_id)
         if not self.needs_input_grad:
             return
         t0 = time.perf_counter()
@@ -426,7 +543,8 @@ class StageEngine:
         for module in (*self.layers.values(), *self.compute.values()):
             if id(module) not in keep:
                 module.zero_grad(set_to_none=True)
-        for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb"):
+        for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb", "_group_in", "_group_out", "_held",
+                     "_backward_groups"):
             if hasattr(self, name):
                 getattr(self, name).clear()
 
