@@ -27,7 +27,8 @@ import numpy as np
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.balance.baselines import mmscale, orchmllm_lpt, orchmllm_padded, orchmllm_quadratic, random_placement
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
-from oobleck_mm.balance.deferral import adjacent_deferral, decoupled_ticks, lhl_pairs, pairwise_deferral
+from oobleck_mm.balance.deferral import (Deferral, adjacent_deferral, decoupled_ticks, lhl_pairs, pairwise_deferral,
+                                         stratified_microbatches)  # fmt: skip
 from oobleck_mm.balance.metrics import imbalance, modality_dist_ratios
 from oobleck_mm.balance.ours import ours, ours_fast, target_shares
 from oobleck_mm.balance.problem import BalanceProblem, PipelineShape, Placement, check_enough_samples
@@ -125,20 +126,27 @@ def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResu
         columns = problem.stage_index[p, : problem.num_stages[p]]
         llm, enc = problem.llm_cost[:, columns], encoder_cost[:, columns]
         positions = [[index[i] for i in mb] for mb in microbatches]
-        work = [llm[pos].sum(axis=1) for pos in positions]
-        paired = pairwise_deferral(work)
         best = None
-        for plan in (paired, lhl_pairs(paired, work), adjacent_deferral(work)):
-            if not plan.any:
-                continue
-            order = [positions[k] for k in plan.order]
-            gone = [tuple(order[slot][x] for x in plan.deferred[slot]) for slot in range(len(order))]
-            fwd, bwd = decoupled_ticks(enc, llm, problem.microbatch_cost[columns], [tuple(o) for o in order], gone)
-            share = problem.forward_share[columns][:, None]
-            seconds = float(iteration_times((fwd * share * problem.tick_s)[None], (bwd * (1 - share) * problem.tick_s)[None],
-                                            [len(columns)], [len(order)])[0])  # fmt: skip
-            if seconds < (best[0] if best else times[p] * (1 - IMPROVEMENT)):
-                best = (seconds, order, gone)
+        # Entrain §4.5: the balancer's own microbatches, and the stratified split on encoder work; each
+        # with the paper's pairing, its pairs in light-heavy-light order, and deferral in the given order.
+        members = [n for pos in positions for n in pos]
+        stratified = stratified_microbatches(enc[members].sum(axis=1), llm[members].sum(axis=1), len(positions))
+        for base in (positions, [[members[x] for x in mb] for mb in stratified]):
+            work = [llm[pos].sum(axis=1) for pos in base]
+            paired = pairwise_deferral(work)
+            plans = [paired, lhl_pairs(paired, work), adjacent_deferral(work)]
+            if base is not positions:
+                plans.append(Deferral(tuple(range(len(base))), ((),) * len(base), 0.0))
+            for plan in plans:
+                order = [base[k] for k in plan.order]
+                gone = [tuple(order[slot][x] for x in plan.deferred[slot]) for slot in range(len(order))]
+                fwd, bwd = decoupled_ticks(enc, llm, problem.microbatch_cost[columns], [tuple(o) for o in order], gone)
+                share = problem.forward_share[columns][:, None]
+                seconds = float(iteration_times((fwd * share * problem.tick_s)[None],
+                                                (bwd * (1 - share) * problem.tick_s)[None],
+                                                [len(columns)], [len(order)])[0])  # fmt: skip
+                if seconds < (best[0] if best else times[p] * (1 - IMPROVEMENT)):
+                    best = (seconds, order, gone)
         if best is not None:
             ids = problem.sample_ids
             pipelines.append(tuple(tuple(int(ids[n]) for n in mb) for mb in best[1]))

@@ -117,6 +117,11 @@ class SyntheticDataset:
         p = inputs.patch_size
         low = max(p, math.ceil(data.min_image_size / p) * p)
         self._sides = tuple(range(low, max(low, data.image_size // p * p) + 1, p))
+        # Heights in whole multiples of the projector's token merge, so every image's patch count divides by
+        # it (the projector merges consecutive patches of one image); with no merge, the same as the widths.
+        step = p * inputs.image_merge
+        low_h = max(step, math.ceil(data.min_image_size / step) * step)
+        self._heights = tuple(range(low_h, max(low_h, data.image_size // step * step) + 1, step))
         self._clip_mean = data.mean_audio_seconds * data.audio_frames_per_second / AUDIO_PROBABILITY
         sigma = data.text_length_sigma
         self._log_mu = math.log(data.mean_text_tokens) - sigma * sigma / 2  # lognormal mean = mean_text_tokens
@@ -127,11 +132,11 @@ class SyntheticDataset:
         self.plan = lru_cache(maxsize=8192)(self._plan)
 
     def _check_fits(self) -> None:
-        smallest = 2 + (self.inputs.image_llm_tokens(self._sides[0], self._sides[0]) if self._max_images else 0)
+        smallest = 2 + (self.inputs.image_llm_tokens(self._heights[0], self._sides[0]) if self._max_images else 0)
         if smallest > self.data.max_seq_len:
             raise UserError(
                 f"data.max_seq_len ({self.data.max_seq_len}) cannot hold even one image of the smallest size "
-                f"{self._sides[0]}x{self._sides[0]} ({smallest - 2} tokens) plus BOS/EOS; raise it to at least "
+                f"{self._heights[0]}x{self._sides[0]} ({smallest - 2} tokens) plus BOS/EOS; raise it to at least "
                 f"{smallest} or lower data.min_image_size"
             )
 
@@ -183,7 +188,7 @@ class SyntheticDataset:
         return max(2, round(math.exp(self._log_mu + self.data.text_length_sigma * z)))
 
     def _draw_image(self, draws) -> ImagePlan:
-        height = self._sides[int(next(draws) * len(self._sides))]
+        height = self._heights[int(next(draws) * len(self._heights))]
         width = self._sides[int(next(draws) * len(self._sides))]
         num_shapes = 1 + int(next(draws) * MAX_SHAPES)
         column = width // num_shapes

@@ -1,0 +1,188 @@
+"""Measured: balancing off / data-parallel level only / with Entrain's deferral inside pipelines, side by side.
+
+    python scripts/bench_deferral.py [--layout 2|2+1] [--steps N] [--json OUT]
+
+Issue 32 item 3. A skewed LLaVA-style mix (synthetic: 0-3 images, binomial with mean 0.9, so ~34% text-only,
+~44% one image, ~22% several; lognormal text with sigma 1.5: long and short answers) on a model whose vision
+encoder and LLM cost about the same for the mean sample, cut at ``llm.embed`` so one stage is the encoder
+and the other the LLM (what a planner cutting at equal cost does with it).
+
+Every process (one per stage, one torch thread each) holds three engines of the same job and they take
+turns step by step on the same global batch: ``off`` (the contiguous split, what ``balance.enabled: false``
+runs), ``dp`` (``ours``: which pipeline and microbatch each sample runs in) and ``dp+deferral`` (the same,
+then the LLM stages' microbatches evened by deferral). Their parameters stay equal (tested in
+``tests/integration/test_runtime_deferral.py``), so only time differs. Step time: wall time of
+``train_step`` on rank 0 after a barrier.
+
+Layouts: ``2`` is one pipeline of two stages (two processes: this machine's two cores); the data-parallel
+level has one pipeline to balance, so ``dp`` shows only what its microbatch split does. ``2+1`` adds a
+one-stage pipeline (three processes on two cores: contention is part of what it measures).
+
+Entrain's own figure of merit is printed too: the coefficient of variation, over a step's microbatches, of
+each stage's measured forward + backward seconds (paper Table 4.3), mean over steps and stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = {
+    "model": {"name": "deferral_mm", "vision": {"num_layers": 2, "hidden": 384, "num_heads": 4, "patch_size": 8,
+                                                    "token_merge": 4},
+              "projector": {"num_layers": 1}, "llm": {"num_layers": 2, "hidden": 384, "num_heads": 4, "vocab_size": 256}},
+    "data": {"kind": "synthetic", "mean_text_tokens": 64, "text_length_sigma": 1.5, "mean_images_per_sample": 0.9,
+             "max_images_per_sample": 3, "image_size": 128, "min_image_size": 32, "max_seq_len": 2048,
+             "num_samples": 4096},
+    "training": {"global_batch": 32, "microbatch_size": 2, "steps": 40, "dtype": "float32",
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-3}}},
+    "cluster": {"nodes": 3, "device": "cpu", "backend": "gloo"},
+    "balance": {"enabled": True, "algorithm": "ours", "threshold": 0.0, "fit_every": 2},
+}
+MODES = ("off", "dp", "dp+deferral")
+
+
+def _plan(layout: str, num_layers: int, seam: int, microbatches: int, microbatch_size: int):
+    from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+
+    two = lambda first: PipelineLayout((StageLayout(first, 0, seam), StageLayout(first + 1, seam, num_layers)), 0)
+    if layout == "2":
+        pipelines = [two(0)]
+        counts = [microbatches]
+    else:  # a two-stage pipeline beside a one-stage one: the one-stage takes a third of the batch
+        pipelines = [two(0), PipelineLayout((StageLayout(2, 0, num_layers),), 0)]
+        counts = [microbatches - microbatches // 3, microbatches // 3]
+    from dataclasses import replace
+
+    return ExecutionPlan(tuple(replace(p, num_microbatches=q) for p, q in zip(pipelines, counts)), num_layers,
+                         microbatch_size)  # fmt: skip
+
+
+def _entry(config: dict, layout: str, rank: int, world: int, port: int, steps: int, out: str) -> None:
+    from oobleck_mm.balance.assignment import contiguous_assignment
+    from oobleck_mm.config import config_from_dict
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.engine import StageEngine
+    from oobleck_mm.runtime.group import join_generation
+
+    torch.set_num_threads(1)
+    jobs = {mode: config_from_dict({**config, "balance": {**config["balance"], "deferral": mode == "dp+deferral"}})
+            for mode in MODES}  # fmt: skip
+    job = jobs["dp"]
+    specs = model_layer_specs(job)
+    seam = next(i for i, s in enumerate(specs) if s.kind == "token_embed")
+    wait = timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+    join_generation(store, 0, rank, world, "gloo", collective_timeout=wait, arrival_timeout=wait)
+    plan = _plan(layout, len(specs), seam, job.training.global_batch // job.training.microbatch_size,
+                 job.training.microbatch_size)  # fmt: skip
+    engines = {mode: StageEngine(jobs[mode], plan, rank) for mode in MODES}
+    counts = [p.num_microbatches for p in plan.pipelines]
+    rows = []
+    for step in range(steps):
+        order = MODES[step % 3:] + MODES[: step % 3]  # rotate who goes first
+        for mode in order:
+            engine = engines[mode]
+            dist.barrier()
+            t0 = time.perf_counter()
+            given = contiguous_assignment(engine.data.global_batch(step), counts, plan.microbatch_size) if mode == "off" else None
+            result = engine.train_step(step, given)
+            seconds = time.perf_counter() - t0
+            metrics = engine.balancer.last_metrics if mode != "off" else {}
+            rows.append({"step": step, "mode": mode, "seconds": seconds, "loss": result.loss,
+                         "deferred": result.deferred, "predicted_max_s": metrics.get("predicted_max_s"),
+                         "stage": [engine.pipeline_index, engine.stage_index],
+                         "microbatch_s": [f + b for f, b in result.microbatch_times]})  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _cv(values) -> float:
+    return float(np.std(values) / np.mean(values)) if len(values) > 1 and np.mean(values) > 0 else 0.0
+
+
+def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
+    from oobleck_mm.runtime.worker import free_port
+
+    world = 2 if layout == "2" else 3
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    out = Path(tempfile.mkdtemp())
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(CONFIG, layout, r, world, port, steps, str(out)), daemon=True)
+             for r in range(world)]  # fmt: skip
+    started = time.perf_counter()
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(1800)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"workers exited with {[p.exitcode for p in procs]}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        del store
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    rank0 = [r for r in ranks[0] if r["step"] >= warmup]
+    by_mode = {m: [r for r in rank0 if r["mode"] == m] for m in MODES}
+    total = {m: sum(r["seconds"] for r in rows) for m, rows in by_mode.items()}
+    cv = {m: statistics.mean(_cv(r["microbatch_s"]) for rows in ranks for r in rows
+                             if r["mode"] == m and r["step"] >= warmup) for m in MODES}  # fmt: skip
+    worst = max(abs(a["loss"] - b["loss"]) for m in MODES[1:] for a, b in zip(by_mode["off"], by_mode[m]))
+    deferred = statistics.mean(r["deferred"] for r in by_mode["dp+deferral"])
+    predicted = {m: statistics.mean(r["predicted_max_s"] for r in by_mode[m]) for m in MODES[1:]}
+    print(f"layout {layout}: {world} processes, 1 torch thread each, on {torch.get_num_threads()}-thread host; "
+          f"global batch {CONFIG['training']['global_batch']}, microbatches of {CONFIG['training']['microbatch_size']}")
+    print(f"steps {warmup}..{steps - 1}, each run by all three engines in turn ({time.perf_counter() - started:.0f} s)")
+    for m in MODES:
+        rows = by_mode[m]
+        print(f"{m:12s}: mean step {total[m] / len(rows) * 1e3:7.1f} ms (median "
+              f"{statistics.median(r['seconds'] for r in rows) * 1e3:7.1f}); speed-up over off "
+              f"{total['off'] / total[m]:.3f}x; microbatch stage-time CV {cv[m]:.3f}")
+    print(f"deferral on its own (dp+deferral over dp): {total['dp'] / total['dp+deferral']:.3f}x; predicted "
+          f"{predicted['dp'] / predicted['dp+deferral']:.3f}x; samples deferred per step {deferred:.1f}")
+    print(f"CV of per-microbatch stage time: off {cv['off']:.3f} -> dp+deferral {cv['dp+deferral']:.3f} "
+          f"({cv['off'] / cv['dp+deferral']:.2f}x lower)")
+    for m in MODES:
+        work = [statistics.mean(sum(r["microbatch_s"]) for r in rows if r["mode"] == m and r["step"] >= warmup)
+                for rows in ranks]  # fmt: skip
+        print(f"{m:12s}: compute per step by stage (forward + backward s) {[round(w, 3) for w in work]}")
+    print(f"largest loss difference between engines: {worst:.2e} (same batches, same update)")
+    if json_out:
+        json_out.write_text(json.dumps({"layout": layout, "speedup": {m: total["off"] / total[m] for m in MODES},
+                                        "deferral_alone": total["dp"] / total["dp+deferral"],
+                                        "predicted_deferral_alone": predicted["dp"] / predicted["dp+deferral"],
+                                        "cv": cv, "deferred_per_step": deferred,
+                                        "mean_step_s": {m: total[m] / len(by_mode[m]) for m in MODES},
+                                        "config": CONFIG, "steps": rank0}, indent=1))  # fmt: skip
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", choices=("2", "2+1"), default="2")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    return run(args.layout, args.steps, args.warmup, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
