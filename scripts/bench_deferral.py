@@ -104,9 +104,10 @@ def _entry(config: dict, layout: str, rank: int, world: int, port: int, steps: i
             seconds = time.perf_counter() - t0
             metrics = engine.balancer.last_metrics if mode != "off" else {}
             rows.append({"step": step, "mode": mode, "seconds": seconds, "loss": result.loss,
-                         "deferred": result.deferred, "predicted_max_s": metrics.get("predicted_max_s"),
+                         "deferred": result.deferred, "pipeline_s": result.pipeline_s, "predicted_max_s": metrics.get("predicted_max_s"),
                          "stage": [engine.pipeline_index, engine.stage_index],
-                         "microbatch_s": [f + b for f, b in result.microbatch_times]})  # fmt: skip
+                         "microbatch_s": [f + b for f, b in result.microbatch_times],
+                         "microbatch_fb": result.microbatch_times, "comm_s": result.comm_s})  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -155,6 +156,12 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
         print(f"{m:12s}: mean step {total[m] / len(rows) * 1e3:7.1f} ms (median "
               f"{statistics.median(r['seconds'] for r in rows) * 1e3:7.1f}); speed-up over off "
               f"{total['off'] / total[m]:.3f}x; microbatch stage-time CV {cv[m]:.3f}")
+    part = {m: statistics.mean(max(rows[i]["pipeline_s"] for rows in ranks if rows[i]["step"] >= warmup)
+                               for i in range(len(ranks[0])) if ranks[0][i]["mode"] == m and ranks[0][i]["step"] >= warmup)
+            for m in MODES}  # fmt: skip
+    print(f"1F1B part of the step (slowest stage's schedule, before the update): "
+          + ", ".join(f"{m} {part[m] * 1e3:.1f} ms" for m in MODES)
+          + f"; deferral on its own there: {part['dp'] / part['dp+deferral']:.3f}x")
     print(f"deferral on its own (dp+deferral over dp): {total['dp'] / total['dp+deferral']:.3f}x; predicted "
           f"{predicted['dp'] / predicted['dp+deferral']:.3f}x; samples deferred per step {deferred:.1f}")
     print(f"CV of per-microbatch stage time: off {cv['off']:.3f} -> dp+deferral {cv['dp+deferral']:.3f} "
@@ -168,9 +175,9 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
         json_out.write_text(json.dumps({"layout": layout, "speedup": {m: total["off"] / total[m] for m in MODES},
                                         "deferral_alone": total["dp"] / total["dp+deferral"],
                                         "predicted_deferral_alone": predicted["dp"] / predicted["dp+deferral"],
-                                        "cv": cv, "deferred_per_step": deferred,
+                                        "cv": cv, "pipeline_part_s": part, "deferred_per_step": deferred,
                                         "mean_step_s": {m: total[m] / len(by_mode[m]) for m in MODES},
-                                        "config": CONFIG, "steps": rank0}, indent=1))  # fmt: skip
+                                        "config": CONFIG, "ranks": ranks}, indent=1))  # fmt: skip
     return 0
 
 

@@ -117,10 +117,11 @@ def closest_subset(weights: np.ndarray, target: float) -> tuple[int, ...]:
     for u in units:
         reach.append(reach[-1] | (reach[-1] << u))
     goal = int(round(target / unit))
-    best, best_gap = 0, goal
-    for s in range(sum(units) + 1):
-        if reach[-1] >> s & 1 and abs(s - goal) < best_gap:
-            best, best_gap = s, abs(s - goal)
+    # The reachable sums nearest the goal from below and from above, by bit arithmetic (no scan).
+    below = (reach[-1] & ((1 << (goal + 1)) - 1)).bit_length() - 1  # sum 0 is always reachable
+    upper = reach[-1] >> goal
+    above = goal + (upper & -upper).bit_length() - 1 if upper else None
+    best = above if above is not None and above - goal < goal - below else below
     chosen, s = [], best
     for i in range(len(units) - 1, -1, -1):  # back through the table: take item i iff s is not reachable without it
         if not reach[i] >> s & 1:
@@ -225,14 +226,19 @@ def lhl_pairs(plan: Deferral, llm_work: list[np.ndarray]) -> Deferral:
 
 def _match(over, under, value, loads, threshold) -> dict[int, int] | None:
     """A partner for every overloaded slot above ``threshold`` with a pair bottleneck within it (Hopcroft-Karp,
-    networkx), or None."""
+    networkx), or None.
+
+    Nodes are plain ints (slot k, and ``offset + j`` for underloaded slot j): networkx keeps nodes in sets
+    and dicts, and a ``("o", k)`` tuple hashes through its string, which Python seeds per process, so
+    with several maximum matchings two ranks could pick different ones and run different microbatches."""
+    offset = max([*over, *under], default=0) + 1
     critical = [i for i in over if loads[i] > threshold]
     graph = nx.Graph()
-    graph.add_nodes_from(("o", i) for i in critical)
-    graph.add_nodes_from(("u", j) for j in under)
-    graph.add_edges_from((("o", i), ("u", j)) for i in critical for j in under if value[i, j] <= threshold)
-    matching = nx.bipartite.hopcroft_karp_matching(graph, top_nodes=[("o", i) for i in critical])
-    pairs = {i: matching[("o", i)][1] for i in critical if ("o", i) in matching}
+    graph.add_nodes_from(critical)
+    graph.add_nodes_from(offset + j for j in under)
+    graph.add_edges_from((i, offset + j) for i in critical for j in under if value[i, j] <= threshold)
+    matching = nx.bipartite.hopcroft_karp_matching(graph, top_nodes=critical)
+    pairs = {i: matching[i] - offset for i in critical if i in matching}
     return pairs if len(pairs) == len(critical) else None
 
 

@@ -341,7 +341,9 @@ class StageEngine:
             for n, group in enumerate(groups):
                 acts = tuple(received[n * per : (n + 1) * per])
                 self._group_in[group] = acts
-                outs[group] = self._run_layers(encoder_layers, acts, self._pack(mb, self._group_ids(group)))
+                if encoder_layers:  # (a seam stage starting at llm.embed packs only L_k, below)
+                    acts = self._run_layers(encoder_layers, acts, self._pack(mb, self._group_ids(group)))
+                outs[group] = acts
             if self.side == "encoder":
                 self._group_out.update(outs)
                 self._outputs[ins.buffer_id] = tuple(t for g in groups for t in outs[g])

@@ -134,3 +134,21 @@ def test_deferral_speeds_up_pipelines_whose_encoder_and_llm_stages_are_balanced(
         check_valid(problem, deferred)
         gains.append(plain.predicted_s[0] / deferred.predicted_s[0])
     assert min(gains) >= 1.0 and float(np.median(gains)) > 1.05, gains
+
+
+def test_every_process_reaches_the_same_deferral_whatever_its_hash_seed():
+    """Ranks compute the deferral apart: a decision depending on Python's per-process string hashing (networkx
+    keeps nodes in sets) gave two ranks different microbatch orders and crashed the seam stage (found by
+    scripts/bench_deferral.py at step 12). Several maximum matchings exist here (equal loads)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\nfrom oobleck_mm.balance.deferral import pairwise_deferral\n"
+            "rng = np.random.default_rng(3)\n"
+            "for _ in range(40):\n"
+            "    k = int(rng.integers(4, 12))\n"
+            "    work = [np.array([float(x) for x in rng.integers(1, 4, size=int(rng.integers(1, 5)))]) for _ in range(k)]\n"
+            "    print(pairwise_deferral(work))\n")  # fmt: skip
+    outputs = {subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+                              capture_output=True, text=True, check=True).stdout for seed in range(6)}  # fmt: skip
+    assert len(outputs) == 1, "the decision depends on the process's hash seed"
