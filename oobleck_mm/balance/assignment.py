@@ -9,8 +9,11 @@ the global number of loss tokens, wherever a sample runs.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,19 @@ class Assignment:
         if not self.deferred or not any(self.deferred[pipeline]):
             return encoder
         return tuple(llm_microbatches(list(encoder), list(self.deferred[pipeline])))
+
+    def digest(self) -> int:
+        """A 31-bit CRC of every microbatch and deferred set, in order: ranks compare it in the step's last
+        collective (``StageEngine``), since every rank derives the assignment apart and one that differs would
+        run other samples than its peers expect (a crash at best, a wrong update at worst)."""
+        parts: list[int] = []
+        for p, microbatches in enumerate(self.pipelines):
+            for mb in microbatches:
+                parts += [*mb, -1]
+            for gone in self.deferred[p] if self.deferred else ():
+                parts += [*gone, -3]
+            parts.append(-2)
+        return zlib.crc32(np.asarray(parts, dtype=np.int64).tobytes()) & 0x7FFFFFFF
 
     def sample_ids(self) -> list[int]:
         return [i for p in self.pipelines for mb in p for i in mb]

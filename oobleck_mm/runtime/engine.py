@@ -51,6 +51,17 @@ from oobleck_mm.runtime.waiting import Waiter
 log = logging.getLogger(__name__)
 
 
+class RanksDisagree(Exception):
+    """Ranks ran different assignments of one step: a decision that is not a function of the shared inputs
+    (a bug; reported as one, never retried as a peer failure)."""
+
+
+def assignments_agree(digest_sum: float, world: int, mine: int) -> bool:
+    """Whether every rank's assignment digest equals this rank's, from their sum (exact in float64: 31-bit
+    digests summed over fewer than 2**22 ranks). Any disagreement shows on every rank."""
+    return digest_sum == float(world) * float(mine)
+
+
 @dataclass(slots=True)
 class StepResult:
     step: int
@@ -229,6 +240,7 @@ class StageEngine:
             assignment = contiguous_assignment(ids, counts, self.plan.microbatch_size)
         self._step = step
         self._microbatches = assignment.pipelines[self.pipeline_index]
+        self._digest = assignment.digest()
         self._decouple(assignment)
         self._loss_tokens = self.data.loss_tokens(ids)
         self._batches: dict = {}
@@ -469,10 +481,17 @@ class StageEngine:
         t0 = time.perf_counter()
         self.before_reduce()
         try:
-            norm_sq, (loss, waiting, due) = self.sync.global_grad_sq(
+            norm_sq, extras = self.sync.global_grad_sq(
                 self.layers, self.device, waiter=self.waiter,
-                extras=(self._loss, 1.0 if self.command_waiting() else 0.0, 1.0 if self.checkpoint_due() else 0.0),
+                extras=(self._loss, 1.0 if self.command_waiting() else 0.0, 1.0 if self.checkpoint_due() else 0.0,
+                        float(self._digest)),
             )  # fmt: skip
+            loss, waiting, due, digests = extras
+            world = torch.distributed.get_world_size(self.sync.step_group)
+            if not assignments_agree(digests, world, self._digest):
+                raise RanksDisagree(f"step {self._step}: the {world} ranks did not all run the same assignment of the "
+                                    f"global batch (this rank's digest {self._digest}, sum {digests:.0f}); no update "
+                                    f"applied. A balancing decision is not deterministic across processes: a bug")
             self.last_reduced = (self._step, norm_sq)
             self._result.loss = loss
             self._result.switch = waiting > 0

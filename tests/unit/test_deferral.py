@@ -152,3 +152,18 @@ def test_every_process_reaches_the_same_deferral_whatever_its_hash_seed():
     outputs = {subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
                               capture_output=True, text=True, check=True).stdout for seed in range(6)}  # fmt: skip
     assert len(outputs) == 1, "the decision depends on the process's hash seed"
+
+
+def test_the_assignment_digest_tells_orders_and_deferrals_apart_and_the_sum_shows_any_disagreement():
+    from oobleck_mm.balance.assignment import Assignment
+    from oobleck_mm.runtime.engine import assignments_agree
+
+    base = Assignment((((1, 2), (3,)), ((4,), (5, 6))))
+    swapped = Assignment((((3,), (1, 2)), ((4,), (5, 6))))
+    deferred = Assignment(base.pipelines, deferred=(((2,), ()), ((), ())))
+    digests = {base.digest(), swapped.digest(), deferred.digest()}
+    assert len(digests) == 3 and all(0 <= d < 2**31 for d in digests)
+    assert base.digest() == Assignment(base.pipelines, reason="another reason").digest()
+    d, e = base.digest(), swapped.digest()
+    assert assignments_agree(4.0 * d, 4, d)
+    assert not assignments_agree(3.0 * d + e, 4, d) and not assignments_agree(3.0 * d + e, 4, e)
