@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 COLUMNS = (
     "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s", "generation",
     "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
-    "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "skipped",
+    "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "prediction_error", "skipped",
     "loss_scale", "elapsed_s", "wall_gap_s", "wall_time", "stragglers", "slowest_node",
     "slowest_node_factor",
 )  # fmt: skip
 """``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
-slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off. ``wall_gap_s``:
+slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off; ``prediction_error``:
+``measured_max_s / predicted_max_s - 1`` (the balancer's cost model against the clock, transfers and
+waits included, which the model does not price). ``wall_gap_s``:
 wall-clock seconds since the previous step completed, ``step_time_s`` plus whatever the job waited
 between the two (a recovery, a join's switch); a recovery row's time lost, and a join's survivors'
 pause, are these gaps less the run's median (``oobleck_mm.faults.report``). ``stragglers``: nodes flagged
@@ -43,7 +45,7 @@ SCALARS = {
     "peak_memory_mb": "memory/peak_mb", "predicted_max_s": "balance/predicted_max_s",
     "predicted_mean_s": "balance/predicted_mean_s", "predicted_contiguous_max_s": "balance/predicted_contiguous_max_s",
     "measured_max_s": "balance/measured_max_s", "measured_mean_s": "balance/measured_mean_s",
-    "loss_scale": "train/loss_scale", "stragglers": "stragglers/count",
+    "prediction_error": "balance/prediction_error", "loss_scale": "train/loss_scale", "stragglers": "stragglers/count",
     "slowest_node_factor": "stragglers/slowest_node_factor",
 }  # fmt: skip
 """Row column -> TensorBoard tag (empty values are not written)."""

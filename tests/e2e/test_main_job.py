@@ -43,6 +43,8 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     assert nodes[0] == 5 and 10 <= nodes.index(4) <= 12 and nodes[-1] == 5, nodes
     assert all(float(r["measured_max_s"]) >= float(r["measured_mean_s"]) > 0 for r in rows)
     assert all(float(r["predicted_max_s"]) > 0 and 0 < float(r["mfu"]) < 1 for r in rows)  # the balancer is on
+    assert all(1 + float(r["prediction_error"]) == pytest.approx(float(r["measured_max_s"]) / float(r["predicted_max_s"]),
+                                                                 rel=1e-4) for r in rows)  # fmt: skip
 
 
 def test_set_overrides_reach_the_master_and_the_workers(tmp_path, launches):

@@ -54,6 +54,7 @@ def test_step_row_takes_the_slowest_rank_and_each_pipelines_slowest_stage():
     assert row["peak_memory_mb"] == pytest.approx(5.0)  # the largest worker's
     assert (row["loss"], row["lr"], row["grad_norm"]) == (2.5, 3e-4, 1.25)
     assert (row["predicted_max_s"], row["predicted_contiguous_max_s"]) == (0.35, 0.45)
+    assert row["prediction_error"] == pytest.approx(0.40 / 0.35 - 1)  # the slowest measured over the predicted
 
 
 def test_predictions_are_absent_with_the_balancer_off_but_measured_times_are_not():
