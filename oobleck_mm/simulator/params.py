@@ -77,8 +77,15 @@ class SimParams:
     joiner_start_stalls: bool = True
     """The engine today: survivors wait for a joining node's worker to start (issue 13 item 5
     removes this stall; set false to simulate that)."""
+    skew_batches: int = 0
+    """Data skew (``simulator/skew.py``): price every plan on this many sampled global batches of the job's
+    (synthetic) data with the balancer's cost model, in the mode its ``balance`` section names (off, the
+    data-parallel balancer, or with Entrain's deferral: sweep ``balance.deferral``). 0: every sample
+    costs the profile's mean sample, as the planner assumes (the paper's simulator)."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.skew_batches, int) and self.skew_batches >= 0):
+            raise UserError(f"simulator: skew_batches must be an integer >= 0, got {self.skew_batches!r}")
         for name in ("rendezvous_s", "worker_start_s", "preempt_grace_s"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"simulator: {name} must be >= 0, got {getattr(self, name)}")

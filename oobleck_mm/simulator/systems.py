@@ -141,6 +141,12 @@ class OobleckSystem:
         self.job, self.profile, self.params = job, profile, params
         self.iteration_of = iteration_of
         """Measured seconds per iteration of a plan (a calibrated cluster); None: the planner's prediction."""
+        self.skew = None
+        """Prices plans on skewed batches (``params.skew_batches``); None: mean samples."""
+        if params.skew_batches > 0:
+            from oobleck_mm.simulator.skew import SkewPricer, mode_of
+
+            self.skew, self.skew_mode = SkewPricer(job, profile, params.skew_batches), mode_of(job.balance)
         self.cluster = ClusterSpec.from_config(job.cluster)
         self.timed = _Timed(params)
         self.plan: Plan | None = None
@@ -156,6 +162,9 @@ class OobleckSystem:
     def _layout_of(self, plan: Plan) -> Layout:
         """``plan`` at the nodes' true speeds: a slow node's pipeline is slower, and every one waits for it."""
         nominal = plan.iteration_time_s if self.iteration_of is None else self.iteration_of(plan)
+        if self.skew is not None and self.iteration_of is None:
+            # The 1F1B part slows with the batch's skew (as the balancer's mode leaves it); the all-reduce does not.
+            nominal = (nominal - plan.allreduce_s) * self.skew.factor(plan, self.skew_mode) + plan.allreduce_s
         seconds = slowed_iteration_s(plan, nominal, self.st.speeds)
         return Layout(seconds, plan.global_batch, frozenset(plan.nodes), _plan_label(plan), plan)
 

@@ -407,3 +407,27 @@ def test_a_node_slow_for_good_is_weighed_benched_and_taken_back_after_its_bench(
     assert system.st.bench(0.0, "node2") == 600.0, "benched again: twice as long"
     waits = simulate_system(OobleckSystem(job, profile, dataclasses.replace(FIXED, straggler_mitigation=False)), av)
     assert result.samples_per_s > waits.samples_per_s
+
+
+def test_data_skew_slows_the_contiguous_split_and_the_balancer_buys_it_back():
+    """``skew_batches``: plans priced on sampled batches of the job's data with the balancer's cost model. The
+    contiguous split runs slower than mean samples would; the data-parallel balancer recovers part of it;
+    Entrain's deferral is kept only where predicted faster, so never slower than the balancer alone."""
+    base = load_config(ROOT / "configs" / "tiny_mm.yaml")
+    av = periodic(4, 1800.0, 3)
+    rates = {}
+    for name, skew, enabled, deferral in (("mean", 0, False, False), ("off", 3, False, False),
+                                          ("dp", 3, True, False), ("dp+deferral", 3, True, True)):  # fmt: skip
+        job = dataclasses.replace(base, balance=dataclasses.replace(base.balance, enabled=enabled, deferral=deferral))
+        result = simulate(job, av, ["oobleck"], dataclasses.replace(FIXED, skew_batches=skew))[0]
+        check_invariants(result, job.training.global_batch)
+        rates[name] = result.samples_per_s
+    assert rates["off"] < rates["dp"] <= rates["dp+deferral"] * (1 + 1e-9), rates
+    assert rates["off"] < 0.95 * rates["mean"], rates  # skew costs the contiguous split
+
+
+def test_a_negative_skew_batch_count_is_refused_naming_it():
+    from oobleck_mm.errors import UserError
+
+    with pytest.raises(UserError, match="skew_batches must be an integer >= 0, got -1"):
+        SimParams(skew_batches=-1)
