@@ -177,7 +177,9 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
                                         "predicted_deferral_alone": predicted["dp"] / predicted["dp+deferral"],
                                         "cv": cv, "pipeline_part_s": part, "deferred_per_step": deferred,
                                         "mean_step_s": {m: total[m] / len(by_mode[m]) for m in MODES},
-                                        "config": CONFIG, "ranks": ranks}, indent=1))  # fmt: skip
+                                        "config": CONFIG,
+                                        "steps": [{k: r[k] for k in ("step", "mode", "seconds", "pipeline_s", "deferred")}
+                                                  for r in ranks[0]]}, indent=1))  # fmt: skip
     return 0
 
 

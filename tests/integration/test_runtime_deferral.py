@@ -20,7 +20,7 @@ from test_runtime_equivalence import STEPS, max_param_diff, reference
 pytestmark = pytest.mark.integration
 
 
-def deferral_job(steps=STEPS, frozen=(), images_per_sample=2.7):
+def deferral_job(steps=STEPS, frozen=(), images_per_sample=2.7, tied=False):
     """Nearly every sample has images (binomial of 3 with mean 2.7), so deferred samples carry encoder work:
     with text-only ones deferred, a lost encoder gradient or a wrong concatenation order would go unseen."""
     with open("configs/tiny_mm.yaml") as f:
@@ -29,6 +29,7 @@ def deferral_job(steps=STEPS, frozen=(), images_per_sample=2.7):
     d["data"]["mean_images_per_sample"] = images_per_sample
     d["balance"] = {"enabled": True, "fit_every": 2, "threshold": 0.0, "deferral": True}
     d["model"]["frozen"] = list(frozen)
+    d["model"]["llm"]["tie_embeddings"] = tied
     return config_from_dict(d)
 
 
@@ -49,9 +50,10 @@ def test_deferred_microbatches_equal_the_reference_on_every_seam(tmp_path):
     assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
 
 
-def test_deferral_with_a_frozen_tower_and_across_a_lost_node(tmp_path):
-    """Frozen vision tower (no gradient crosses into it), then a reconfiguration to other seams mid-run."""
-    job = deferral_job(frozen=["vision"])
+def test_deferral_with_a_frozen_tower_tied_embeddings_and_across_a_lost_node(tmp_path):
+    """Frozen vision tower (no gradient crosses into it), tied embeddings (summed across stages once the
+    second plan splits llm.embed from llm.head), then a reconfiguration to other seams mid-run."""
+    job = deferral_job(frozen=["vision"], tied=True)
     trainer, ref_losses = reference(job)
     after = ExecutionPlan(
         (PipelineLayout((StageLayout(0, 0, 4), StageLayout(1, 4, 10)), 6),
