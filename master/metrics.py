@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 COLUMNS = (
     "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s", "generation",
     "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
-    "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "prediction_error", "skipped",
+    "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "prediction_error", "deferred", "skipped",
     "loss_scale", "elapsed_s", "wall_gap_s", "wall_time", "stragglers", "slowest_node",
     "slowest_node_factor",
 )  # fmt: skip
@@ -31,7 +31,8 @@ COLUMNS = (
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
 slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off; ``prediction_error``:
 ``measured_max_s / predicted_max_s - 1`` (the balancer's cost model against the clock, transfers and
-waits included, which the model does not price). ``wall_gap_s``:
+waits included, which the model does not price); ``deferred``: samples whose LLM work ran a microbatch
+after their encoders' (``balance.deferral``; empty with the balancer off). ``wall_gap_s``:
 wall-clock seconds since the previous step completed, ``step_time_s`` plus whatever the job waited
 between the two (a recovery, a join's switch); a recovery row's time lost, and a join's survivors'
 pause, are these gaps less the run's median (``oobleck_mm.faults.report``). ``stragglers``: nodes flagged

@@ -105,7 +105,8 @@ def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], fact
     }  # fmt: skip
     if facts.balancer:
         row.update(predicted_max_s=first.predicted_max_s, predicted_mean_s=first.predicted_mean_s,
-                   predicted_contiguous_max_s=first.predicted_contiguous_max_s or None)  # fmt: skip
+                   predicted_contiguous_max_s=first.predicted_contiguous_max_s or None,
+                   deferred=first.deferred)  # fmt: skip
         if first.predicted_max_s > 0 and measured:
             # The cost model is fitted to measured compute, so this is what it misses: transfers, waits, and
             # its own error; a user reads it as "how far to trust predicted_*".

@@ -387,7 +387,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     for label, run_job, run_params in runs:
         if label:
             print(f"\n## {label}")
-        results = simulate(run_job, availability, args.system, run_params, progress=say)
+        skew = None
+        if run_params.skew_batches:
+            from oobleck_mm.data.skew_samples import sampled_batches
+
+            skew = sampled_batches(run_job, run_params.skew_batches)
+        results = simulate(run_job, availability, args.system, run_params, progress=say, skew_samples=skew)
         print(format_results(results, availability))
         documents += results_to_json(results, availability, {"sweep": label} if label else None)
         last = results

@@ -642,4 +642,5 @@ def step_metrics(a, plan: ExecutionPlan, engine: StageEngine, result) -> pb.Step
         predicted_max_s=predicted.get("predicted_max_s", 0.0),
         predicted_mean_s=predicted.get("predicted_mean_s", 0.0),
         predicted_contiguous_max_s=predicted.get("predicted_contiguous_max_s", 0.0), finished_at=time.time(),
+        deferred=result.deferred,
     )  # fmt: skip

@@ -21,11 +21,11 @@ from oobleck_mm.simulator.systems import BambooSystem, OobleckSystem, RestartSys
 from oobleck_mm.simulator.timeline import KINDS, SimResult, simulate_system
 
 
-def make_system(name: str, job, profile, params: SimParams, max_nodes: int, iteration_of=None):
+def make_system(name: str, job, profile, params: SimParams, max_nodes: int, iteration_of=None, skew_samples=None):
     if name == "oobleck":
-        return OobleckSystem(job, profile, params, iteration_of)
+        return OobleckSystem(job, profile, params, iteration_of, skew_samples)
     if name == "restart":
-        return RestartSystem(job, profile, params, iteration_of)
+        return RestartSystem(job, profile, params, iteration_of, skew_samples)
     if iteration_of is not None:
         raise UserError(f"measured iteration times are for this engine's systems (oobleck, restart), not {name!r}")
     if name == "varuna":
@@ -46,16 +46,18 @@ def simulate(
     progress: Callable[[str], None] | None = None,
     profile=None,
     iteration_of=None,
+    skew_samples=None,
 ) -> list[SimResult]:
     """One ``SimResult`` per system, in the order given. ``profile``: the job's layer costs (default:
-    the analytical model); ``iteration_of(plan)``: measured seconds per iteration (a calibrated cluster)."""
+    the analytical model); ``iteration_of(plan)``: measured seconds per iteration (a calibrated cluster);
+    ``skew_samples``: sampled batches for ``params.skew_batches`` (``data.skew_samples.sampled_batches``)."""
     say = progress or (lambda line: None)
     profile = profile or profile_from_config(job)
     peak = availability.peak_nodes
     out = []
     for name in systems:
         start = time.perf_counter()
-        system = make_system(name, job, profile, params, peak, iteration_of)
+        system = make_system(name, job, profile, params, peak, iteration_of, skew_samples)
         result = simulate_system(system, availability, params.preemption_notice, params.preempt_grace_s)
         acted = ", ".join(f"{k} {v}" for k, v in result.straggler_actions.items())
         say(f"{result.system}: {result.samples_per_s:.3f} samples/s over {result.wall_s / 3600:.2f} h, "

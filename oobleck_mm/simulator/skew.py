@@ -11,6 +11,9 @@ recurrence (``balance.problem``), in one of three modes:
 * ``dp+deferral``: the same, then Entrain's stratified split and deferral inside each pipeline
   (``balance.deferral``).
 
+The batches come from outside (``oobleck_mm.data.skew_samples``, called by the CLI): the data pipeline
+imports torch, and the simulator stays pure (the import-linter contract); only their metadata is read.
+
 A plan's skew factor is the mean, over the sampled batches, of the slowest pipeline's predicted seconds
 divided by the same plan's with every sample replaced by the batch's mean sample. The simulator multiplies
 the plan's 1F1B part by it (the gradient all-reduce does not depend on the samples). Pure: no torch.
@@ -36,32 +39,22 @@ def mode_of(balance) -> str:
 class SkewPricer:
     job: object
     profile: object
-    batches: int = 4
-    """Sampled global batches per plan shape (each a few ms to seconds: see ``docs/simulator.md``)."""
-    seed: int = 0
+    samples: tuple
+    """``(batches of SampleMeta, the model's dims)``, as ``data.skew_samples.sampled_batches`` returns them."""
+    features: list = field(default_factory=list)
     _model: object = None
-    _features: list = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from oobleck_mm.balance.cost_model import CostModel
         from oobleck_mm.balance.work import sample_features
         from oobleck_mm.config.shape import layer_specs
-        from oobleck_mm.data.dataset import ModelInputs
-        from oobleck_mm.data.synthetic import SyntheticDataset
-        from oobleck_mm.errors import UserError
 
-        if self.job.data.kind != "synthetic":
-            raise UserError(f"pricing data skew needs data.kind: synthetic (its generator gives sample shapes without "
-                            f"files), got {self.job.data.kind!r}")  # fmt: skip
+        batches, dims = self.samples
+        if not batches:
+            raise ValueError("SkewPricer needs at least one sampled batch")
+        self.features = [sample_features(metas, dims) for metas in batches]
         self._model = CostModel.from_profile(self.profile, layer_specs(self.job.model, self.job.data))
-        inputs = ModelInputs.from_model(self.job.model)
-        dataset = SyntheticDataset(self.job.data, inputs)
-        rng = np.random.default_rng(self.seed)
-        size = self.job.training.global_batch
-        for _ in range(self.batches):
-            ids = rng.choice(len(dataset), size=size, replace=size > len(dataset))
-            self._features.append(sample_features([dataset.meta(int(i)) for i in ids], inputs))
 
     def factor(self, plan, mode: str) -> float:
         """``plan``'s (a planning ``Plan``) 1F1B time under skewed batches over its time with mean samples."""
@@ -73,7 +66,7 @@ class SkewPricer:
                        for p in plan.pipelines)  # fmt: skip
         key = (shapes, plan.microbatch_size, mode)
         if key not in self._cache:
-            self._cache[key] = float(np.mean([self._one(f, shapes, plan.microbatch_size, mode) for f in self._features]))
+            self._cache[key] = float(np.mean([self._one(f, shapes, plan.microbatch_size, mode) for f in self.features]))
         return self._cache[key]
 
     def _one(self, features: np.ndarray, shapes, microbatch_size: int, mode: str) -> float:

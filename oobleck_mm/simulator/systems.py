@@ -137,7 +137,7 @@ class OobleckSystem:
     """Live mode re-splits for a straggler and may bench it (``simulator.stragglers``); restart mode waits."""
 
     def __init__(self, job, profile: ModelProfile, params: SimParams,
-                 iteration_of: Callable[[Plan], float] | None = None):  # fmt: skip
+                 iteration_of: Callable[[Plan], float] | None = None, skew_samples=None):  # fmt: skip
         self.job, self.profile, self.params = job, profile, params
         self.iteration_of = iteration_of
         """Measured seconds per iteration of a plan (a calibrated cluster); None: the planner's prediction."""
@@ -146,7 +146,10 @@ class OobleckSystem:
         if params.skew_batches > 0:
             from oobleck_mm.simulator.skew import SkewPricer, mode_of
 
-            self.skew, self.skew_mode = SkewPricer(job, profile, params.skew_batches), mode_of(job.balance)
+            if not skew_samples:
+                raise UserError("skew_batches > 0 needs the sampled batches (oobleck_mm.data.skew_samples.sampled_batches; "
+                                "`oobleck-launch simulate` samples them)")  # fmt: skip
+            self.skew, self.skew_mode = SkewPricer(job, profile, skew_samples), mode_of(job.balance)
         self.cluster = ClusterSpec.from_config(job.cluster)
         self.timed = _Timed(params)
         self.plan: Plan | None = None
@@ -299,8 +302,8 @@ class RestartSystem(OobleckSystem):
     acts_on_stragglers = False
 
     def __init__(self, job, profile: ModelProfile, params: SimParams,
-                 iteration_of: Callable[[Plan], float] | None = None):  # fmt: skip
-        super().__init__(job, profile, params, iteration_of)
+                 iteration_of: Callable[[Plan], float] | None = None, skew_samples=None):  # fmt: skip
+        super().__init__(job, profile, params, iteration_of, skew_samples)
         every = params.restart_checkpoint_every or job.fault_tolerance.checkpoint_interval or params.varuna_checkpoint_every
         self.checkpoint_every = every
         self.save_s = 0.0

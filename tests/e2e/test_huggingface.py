@@ -37,7 +37,7 @@ def llava_config(tmp_path, balance: bool, text: str, vision: str, tie: bool) -> 
     raw["training"].update(dtype="float64", steps=STEPS)
     raw["fault_tolerance"].update(heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT)
     raw["cluster"]["device_memory"] = "8MB"  # float64: pipelines of 3 + 2 nodes
-    raw["balance"]["enabled"] = balance
+    raw["balance"].update(enabled=balance, deferral=balance)  # with it, Entrain's deferral too
     path = tmp_path / "llava.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
@@ -48,8 +48,11 @@ def llava_config(tmp_path, balance: bool, text: str, vision: str, tie: bool) -> 
 def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_path, balance, text, vision, tie):
     config = llava_config(tmp_path, balance, text, vision, tie)
     final = tmp_path / "final"
-    kill_node1_of_the_deeper_pipeline(launches, tmp_path, config, final)
+    run = kill_node1_of_the_deeper_pipeline(launches, tmp_path, config, final)
     assert_matches_reference(config, STEPS, final)
+    if balance:  # decoupled microbatches ran, before and after the kill, and the update is the reference's
+        deferred = [e.get("deferred", 0) for e in run.events("step")]
+        assert sum(deferred) > 0, deferred
     verify = subprocess.run([sys.executable, "-m", "oobleck_mm.verify", "--config", config, "--steps", str(STEPS),
                              "--against", str(final)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -413,13 +413,16 @@ def test_data_skew_slows_the_contiguous_split_and_the_balancer_buys_it_back():
     """``skew_batches``: plans priced on sampled batches of the job's data with the balancer's cost model. The
     contiguous split runs slower than mean samples would; the data-parallel balancer recovers part of it;
     Entrain's deferral is kept only where predicted faster, so never slower than the balancer alone."""
+    from oobleck_mm.data.skew_samples import sampled_batches
+
     base = load_config(ROOT / "configs" / "tiny_mm.yaml")
     av = periodic(4, 1800.0, 3)
+    samples = sampled_batches(base, 3)
     rates = {}
     for name, skew, enabled, deferral in (("mean", 0, False, False), ("off", 3, False, False),
                                           ("dp", 3, True, False), ("dp+deferral", 3, True, True)):  # fmt: skip
         job = dataclasses.replace(base, balance=dataclasses.replace(base.balance, enabled=enabled, deferral=deferral))
-        result = simulate(job, av, ["oobleck"], dataclasses.replace(FIXED, skew_batches=skew))[0]
+        result = simulate(job, av, ["oobleck"], dataclasses.replace(FIXED, skew_batches=skew), skew_samples=samples)[0]
         check_invariants(result, job.training.global_batch)
         rates[name] = result.samples_per_s
     assert rates["off"] < rates["dp"] <= rates["dp+deferral"] * (1 + 1e-9), rates
