@@ -15,6 +15,7 @@ sum the algorithms compare is a sum of integers held exactly in float64 (below
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -152,6 +153,26 @@ class BalanceProblem:
             tick_s=tick_s,
             llm_cost=np.rint(llm_cost / tick_s),
         )
+
+    def with_pipeline_speeds(self, factors) -> BalanceProblem:
+        """The same problem with pipeline ``p``'s stages costing ``factors[p]`` times as much (each pipeline its
+        own distinct stages): what a placement should aim at when a pipeline will run faster or slower than
+        its stages' costs say (e.g. after Entrain's deferral inside it)."""
+        columns, index = [], np.zeros_like(self.stage_index)
+        zero = self.cost.shape[1] - 1
+        for p in range(self.num_pipelines):
+            for j in range(int(self.num_stages[p])):
+                index[p, j] = len(columns)
+                columns.append((int(self.stage_index[p, j]), float(factors[p])))
+            index[p, int(self.num_stages[p]):] = -1
+        width = len(columns)
+        index[index < 0] = width
+        take = np.array([c for c, _ in columns] + [zero])
+        scale = np.array([f for _, f in columns] + [0.0])
+        scaled = lambda a: np.rint(a[..., take] * scale)  # noqa: E731
+        return dataclasses.replace(self, stage_index=index, cost=scaled(self.cost),
+                                   microbatch_cost=scaled(self.microbatch_cost), forward_share=self.forward_share[take],
+                                   llm_cost=scaled(self.llm_cost) if self.llm_cost is not None else None)  # fmt: skip
 
     # ------------------------------------------------------------------ derived costs
     def cost_at(self, positions: np.ndarray, columns: np.ndarray) -> np.ndarray:
