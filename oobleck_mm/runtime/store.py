@@ -140,7 +140,13 @@ class ControlPlaneStore(dist.Store):
         pause = FIRST_POLL_S
         while True:
             ask = min(self._ask_s, max(0.0, deadline - time.monotonic() - 0.05))
-            reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask), deadline)
+            try:
+                reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask), deadline)
+            except _Unanswered as error:
+                # The wait's bound passed while the call was out (a busy server answered after the RPC's
+                # deadline): the same timeout as a wait the server ended, naming the bound the caller set.
+                raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key "
+                                          f"{key!r} ({error})") from None  # fmt: skip
             if reply.found:
                 return reply.value
             if time.monotonic() + pause > deadline:
@@ -165,14 +171,19 @@ class ControlPlaneStore(dist.Store):
                 if err.code() in _UNREACHABLE and time.monotonic() + RETRY_S < deadline:
                     time.sleep(RETRY_S)  # the master is away: wait for it, as the agents do
                     continue
-                raise dist.DistStoreError(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} "
-                                          f"failed: {err.code().name} {err.details() or ''}".rstrip()) from None
+                kind = _Unanswered if err.code() in _UNREACHABLE else dist.DistStoreError
+                raise kind(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} failed: "
+                           f"{err.code().name} {err.details() or ''}".rstrip()) from None
             if reply.instance and self._instance and reply.instance != self._instance:
                 raise dist.DistStoreError(f"store {self.address}: the master restarted and its rendezvous store "
                                           f"with it: the keys this rendezvous set are gone "
                                           f"({pb.StoreOp.Name(request.op)} {request.key!r})")  # fmt: skip
             self._instance = self._instance or reply.instance
             return reply
+
+
+class _Unanswered(dist.DistStoreError):
+    """A call the store did not answer before the operation's deadline (unreachable, or too busy)."""
 
 
 def _bytes(value) -> bytes:

@@ -191,3 +191,36 @@ def test_a_get_after_the_wait_for_its_key_reuses_what_the_wait_read_and_nothing_
             s.close()
     finally:
         server.stop(0)
+
+
+def test_a_wait_a_busy_store_answers_too_late_still_names_the_bound():
+    """Found in CI beside other load: a 200 ms get whose answer came after the RPC's deadline said
+    "STORE_GET 'gen4/0' failed: DEADLINE_EXCEEDED" instead of the timeout the caller set. A store that
+    answers every call 1 s late makes it happen every time."""
+    import time
+    from concurrent import futures
+    from datetime import timedelta
+
+    import grpc
+    import pytest
+    import torch.distributed as dist
+
+    from oobleck_mm.protocol import oobleck_pb2 as pb
+    from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    class Late(pb_grpc.RendezvousStoreServicer):
+        def Call(self, request, context):
+            time.sleep(1.0)
+            return pb.StoreReply()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_RendezvousStoreServicer_to_server(Late(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(dist.DistStoreError, match=r"timed out after 0:00:00.200000 waiting for key 'gen4/0' "
+                                                      r"\(.*DEADLINE_EXCEEDED"):  # fmt: skip
+            ControlPlaneStore("127.0.0.1", port, "tok", timedelta(milliseconds=200)).get("gen4/0")
+    finally:
+        server.stop(0)
