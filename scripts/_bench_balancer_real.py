@@ -14,7 +14,6 @@ of ``train_step`` on rank 0 (every rank leaves the step at the same all-reduce).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import statistics
 import tempfile
 import time
@@ -80,25 +79,10 @@ def _entry(config: dict, rank: int, port: int, steps: int, out: str) -> None:
 
 
 def run_real(steps: int = 60, warmup: int = 6, json_out: Path | None = None) -> int:
-    from oobleck_mm.runtime.worker import free_port
+    from _ranks import run_ranks
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     out = Path(tempfile.mkdtemp()) / "rows.json"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(CONFIG, r, port, steps, str(out)), daemon=True) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(900)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"workers exited with {[p.exitcode for p in procs]}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        del store
+    run_ranks(_entry, lambda rank, port: (CONFIG, rank, port, steps, str(out)), 2, 900, timedelta(seconds=60))
     rows = [r for r in json.loads(out.read_text()) if r["step"] >= warmup]
     on = {r["step"]: r for r in rows if r["balanced"]}
     off = {r["step"]: r for r in rows if not r["balanced"]}

@@ -2,6 +2,7 @@
 
     python scripts/bench_balancer.py [--json OUT] [--quick]
     python scripts/bench_balancer.py --real [--json OUT]   (measured: balancer on vs off, one run)
+    python scripts/bench_balancer.py --deferral            (predicted: Entrain's deferral, seconds)
 
 Workload: OrchMLLM's MLLM-10B (configs/mllm_10b.yaml: ViT + Whisper-style
 audio encoder + Qwen2-7B-class LLM) with a 2x2 vision token merge (Qwen2-VL),
@@ -172,13 +173,55 @@ def print_table(rows: list[dict], algorithms) -> list[str]:
     return losses
 
 
+def run_deferral(seeds: int = 4) -> int:
+    """Predicted by the cost model: Entrain's deferral on its own (one pipeline, the contiguous split, stages
+    cut at equal mean cost) and on top of ``ours`` (four pipelines), with and without placing again at the
+    speeds deferral gave (``balance(..., deferral=True)``)."""
+    from oobleck_mm.balance.balancer import _balance, balance, with_deferral
+
+    _, cost_model, coefficients, dims = bench_model()
+
+    def problem(depths, mbs, seed):
+        rng = np.random.default_rng(seed)
+        num = 8 * len(depths) * mbs
+        features = sample_features(skewed_metas(num, dims, rng), dims)
+        mean = features.mean(axis=0)
+        mean[0] = 1.0 / mbs
+        shapes = [PipelineShape(8, cut_stages(cost_model, coefficients, mean * mbs, d)) for d in depths]
+        return BalanceProblem.build(np.arange(num), features, shapes, cost_model, coefficients, mbs, seed)
+
+    print("one pipeline of 8 microbatches: contiguous split -> with deferral (predicted speed-up per seed)")
+    for mbs in (2, 4, 8):
+        for depth in (2, 3, 4):
+            gains = []
+            for seed in range(seeds):
+                pb = problem([depth], mbs, seed)
+                gains.append(balance(pb, "ours", 0.0).predicted_s[0] / balance(pb, "ours", 0.0, deferral=True).predicted_s[0])
+            print(f"  {mbs} samples/microbatch, depth {depth}: {' '.join(f'{g:.3f}' for g in gains)}")
+    print("four pipelines of 8 microbatches: speed-up over the contiguous split: ours / + deferral / + placed again")
+    for mbs in (2, 4):
+        for depths in ((2, 3, 4, 2), (3, 3, 3, 3)):
+            cells = []
+            for seed in range(seeds):
+                pb = problem(depths, mbs, seed)
+                off = max(balance(pb, "ours", 1e9).predicted_s)
+                plain = _balance(pb, "ours", 0.0)
+                once, again = with_deferral(pb, plain), balance(pb, "ours", 0.0, deferral=True)
+                cells.append("/".join(f"{off / max(r.predicted_s):.3f}" for r in (plain, once, again)))
+            print(f"  {mbs} samples/microbatch, depths {depths}: {'  '.join(cells)}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     parser.add_argument("--repeats", type=int, default=5, help="decision timings per row (best is kept)")
     parser.add_argument("--real", action="store_true", help="measured on-vs-off run on this machine")
+    parser.add_argument("--deferral", action="store_true", help="Entrain's deferral, predicted (seconds)")
     args = parser.parse_args(argv)
+    if args.deferral:
+        return run_deferral()
     if args.real:
         from _bench_balancer_real import run_real
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -107,9 +107,26 @@ def _entry(config: dict, layout: str, rank: int, world: int, port: int, steps: i
                          "deferred": result.deferred, "pipeline_s": result.pipeline_s, "predicted_max_s": metrics.get("predicted_max_s"),
                          "stage": [engine.pipeline_index, engine.stage_index],
                          "microbatch_s": [f + b for f, b in result.microbatch_times],
-                         "microbatch_fb": result.microbatch_times, "comm_s": result.comm_s})  # fmt: skip
+                         "microbatch_fb": result.microbatch_times})  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def _recurrence(rows) -> float:
+    """The slowest pipeline's exact 1F1B seconds from one step's measured per-microbatch (forward, backward)
+    times of every rank (``rows``: each rank's row of that step, rank order = stage order per pipeline)."""
+    from oobleck_mm.balance.schedule_time import iteration_times
+
+    pipelines: dict[int, list] = {}
+    for row in rows:
+        pipelines.setdefault(row["stage"][0], []).append(row)
+    out = []
+    for stages in pipelines.values():
+        stages.sort(key=lambda r: r["stage"][1])
+        fwd = np.array([[f for f, _ in r["microbatch_fb"]] for r in stages])
+        bwd = np.array([[b for _, b in r["microbatch_fb"]] for r in stages])
+        out.append(float(iteration_times(fwd[None], bwd[None], [len(stages)], [fwd.shape[1]])[0]))
+    return max(out)
 
 
 def _cv(values) -> float:
@@ -117,28 +134,12 @@ def _cv(values) -> float:
 
 
 def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
-    from oobleck_mm.runtime.worker import free_port
+    from _ranks import run_ranks
 
     world = 2 if layout == "2" else 3
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     out = Path(tempfile.mkdtemp())
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(CONFIG, layout, r, world, port, steps, str(out)), daemon=True)
-             for r in range(world)]  # fmt: skip
     started = time.perf_counter()
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(1800)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"workers exited with {[p.exitcode for p in procs]}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        del store
+    run_ranks(_entry, lambda rank, port: (CONFIG, layout, rank, world, port, steps, str(out)), world, 1800)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     rank0 = [r for r in ranks[0] if r["step"] >= warmup]
     by_mode = {m: [r for r in rank0 if r["mode"] == m] for m in MODES}
@@ -148,7 +149,7 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
     worst = max(abs(a["loss"] - b["loss"]) for m in MODES[1:] for a, b in zip(by_mode["off"], by_mode[m]))
     deferred = statistics.mean(r["deferred"] for r in by_mode["dp+deferral"])
     predicted = {m: statistics.mean(r["predicted_max_s"] for r in by_mode[m]) for m in MODES[1:]}
-    print(f"layout {layout}: {world} processes, 1 torch thread each, on {torch.get_num_threads()}-thread host; "
+    print(f"layout {layout}: {world} processes, 1 torch thread each, on {os.cpu_count()}-core host; "
           f"global batch {CONFIG['training']['global_batch']}, microbatches of {CONFIG['training']['microbatch_size']}")
     print(f"steps {warmup}..{steps - 1}, each run by all three engines in turn ({time.perf_counter() - started:.0f} s)")
     for m in MODES:
@@ -162,6 +163,14 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
     print(f"1F1B part of the step (slowest stage's schedule, before the update): "
           + ", ".join(f"{m} {part[m] * 1e3:.1f} ms" for m in MODES)
           + f"; deferral on its own there: {part['dp'] / part['dp+deferral']:.3f}x")
+    # The CPU ceiling: the exact 1F1B recurrence fed each step's measured per-microbatch stage times, i.e. what
+    # the step's 1F1B part would take if the stages overlapped as on separate devices (transfers free).
+    ideal = {m: statistics.mean(_recurrence(rows) for rows in zip(*ranks) if rows[0]["mode"] == m
+                                and rows[0]["step"] >= warmup) for m in MODES}  # fmt: skip
+    print("1F1B part from the measured microbatch times, as if the stages overlapped fully: "
+          + ", ".join(f"{m} {ideal[m] * 1e3:.1f} ms" for m in MODES)
+          + f"; deferral on its own there: {ideal['dp'] / ideal['dp+deferral']:.3f}x (the ceiling: this machine's "
+          f"{world} processes share {os.cpu_count()} cores with gloo's threads)")
     print(f"deferral on its own (dp+deferral over dp): {total['dp'] / total['dp+deferral']:.3f}x; predicted "
           f"{predicted['dp'] / predicted['dp+deferral']:.3f}x; samples deferred per step {deferred:.1f}")
     print(f"CV of per-microbatch stage time: off {cv['off']:.3f} -> dp+deferral {cv['dp+deferral']:.3f} "
@@ -175,7 +184,7 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
         json_out.write_text(json.dumps({"layout": layout, "speedup": {m: total["off"] / total[m] for m in MODES},
                                         "deferral_alone": total["dp"] / total["dp+deferral"],
                                         "predicted_deferral_alone": predicted["dp"] / predicted["dp+deferral"],
-                                        "cv": cv, "pipeline_part_s": part, "deferred_per_step": deferred,
+                                        "cv": cv, "pipeline_part_s": part, "recurrence_s": ideal, "deferred_per_step": deferred,
                                         "mean_step_s": {m: total[m] / len(by_mode[m]) for m in MODES},
                                         "config": CONFIG,
                                         "steps": [{k: r[k] for k in ("step", "mode", "seconds", "pipeline_s", "deferred")}

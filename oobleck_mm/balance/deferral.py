@@ -164,9 +164,8 @@ def pairwise_deferral(llm_work: list[np.ndarray]) -> Deferral:
             best, hi = matching, mid
         else:
             lo = mid + 1
-    threshold = candidates[lo]
-    best = _match(over, under, value, loads, threshold)
-    assert best is not None  # the search ends on a feasible candidate
+    threshold = candidates[lo]  # = candidates[hi]: ``best`` is its matching (the search keeps it)
+    assert best is not None  # the largest candidate is always feasible
     free = [j for j in under if j not in best.values()]
     pairs = []
     for i in over:  # heaviest first
@@ -248,7 +247,8 @@ def llm_microbatches(encoder: list[tuple[int, ...]], deferred: list[tuple[int, .
     ``encoder[k]`` (any hashable: sample ids or positions)."""
     out, carried = [], ()
     for mb, gone in zip(encoder, deferred, strict=True):
-        out.append(tuple(s for s in mb if s not in set(gone)) + tuple(carried))
+        leaving = set(gone)
+        out.append(tuple(s for s in mb if s not in leaving) + tuple(carried))
         carried = tuple(gone)
     if carried:
         raise ValueError(f"the last slot defers {carried}: nothing runs after it")

@@ -306,7 +306,9 @@ class StageEngine:
             raise ValueError(f"the last microbatch of pipeline {p} defers samples {self._deferred[-1]}: "
                              f"nothing runs after it")  # fmt: skip
         self._llm_microbatches = assignment.llm_microbatches(p)
-        self._kept = [tuple(i for i in mb if i not in set(d)) for mb, d in zip(self._microbatches, self._deferred)]
+        # kept_k: L_k without what it received from slot k - 1 (llm_microbatches puts those last)
+        self._kept = [lm[: len(lm) - len(self._deferred[k - 1])] if k else lm
+                      for k, lm in enumerate(self._llm_microbatches)]  # fmt: skip
         self._group_in: dict[tuple[int, str], tuple] = {}
         self._group_out: dict[tuple[int, str], tuple] = {}
         self._held: dict[int, tuple] = {}
@@ -426,14 +428,13 @@ class StageEngine:
         mark = self.clock.start()
         outputs = self._outputs.pop(ins.buffer_id)
         grads = self._grads.pop(ins.buffer_id, None)
-        if self._decoupled and self.side == "encoder":
-            # The gradients of the groups whose LLM work ran in this slot, in _backward_groups_of's order.
-            k = self._buffer_mb[ins.buffer_id]
-            groups = self._backward_groups_of(k)
+        if self._decoupled and self.side != "llm":
+            # The groups whose LLM work ran in this slot (their input gradients go back in _send_grad); an
+            # encoder stage's outputs are theirs, the gradients arrive in _backward_groups_of's order.
+            groups = self._backward_groups_of(self._buffer_mb[ins.buffer_id])
             self._backward_groups[ins.buffer_id] = groups
-            outputs = []
-            for group in groups:
-                outputs.extend(self._group_out.pop(group))
+            if self.side == "encoder":
+                outputs = [t for group in groups for t in self._group_out.pop(group)]
         if self.needs_backward:
             if self.next_rank is None:
                 outputs[0].backward()
@@ -442,9 +443,7 @@ class StageEngine:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         mb = self._buffer_mb.pop(ins.buffer_id)
-        if self._decoupled:
-            self._backward_groups.setdefault(ins.buffer_id, self._backward_groups_of(mb))
-        else:
+        if not self._decoupled:  # (decoupled batches are keyed by samples, not slots: kept for the step)
             self._batches.pop(mb, None)
         self._intervals[mb][1] = self.clock.stop(mark)
 
