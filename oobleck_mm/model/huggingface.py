@@ -34,6 +34,7 @@ from torch import nn
 from oobleck_mm.config.huggingface import HFModelShape
 from oobleck_mm.config.shape import LayerSpec
 from oobleck_mm.data.packing import PackedBatch
+from oobleck_mm.model.graph import zero_of
 from oobleck_mm.model.skip_init import marked_as_loaded
 
 Acts = tuple[torch.Tensor, ...]
@@ -160,8 +161,8 @@ class VisionBlock(HFLayer):
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = acts[-1]
-        if x.shape[0] == 0:  # no image in this microbatch
-            return acts
+        if x.shape[0] == 0:  # no image in this microbatch: still a function of the layer (see ``zero_of``)
+            return (*acts[:-1], x + zero_of(self))
         out = self.layer(x, None)  # every image has the tower's size: no mask
         return (*acts[:-1], out[0] if isinstance(out, tuple) else out)
 
@@ -215,6 +216,8 @@ class TokenEmbed(HFLayer):
         x = self.embed_tokens(batch.tokens)
         if self.encoders and acts[0].shape[0]:
             x = x.index_put((batch.vision.llm_positions,), acts[0].to(x.dtype))
+        elif self.encoders:
+            x = x + acts[0].sum().to(x.dtype)  # an empty sum, 0: see model.graph.zero_of
         return (x,)
 
 

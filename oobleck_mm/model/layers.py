@@ -23,7 +23,7 @@ any rank builds any layer identically without communication.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -35,6 +35,7 @@ from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.errors import UserError
 from oobleck_mm.model.hf_weights import hf_weights, load_hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
+from oobleck_mm.model.graph import zero_of
 from oobleck_mm.model.skip_init import skipping_random_init
 from oobleck_mm.precision import master_dtype
 
@@ -112,8 +113,8 @@ class Block(nn.Module):
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = acts[-1]
-        if x.shape[0] == 0:  # no image/clip in this microbatch
-            return acts
+        if x.shape[0] == 0:  # no image/clip in this microbatch: nothing to attend
+            return (*acts[:-1], x + zero_of(self))
         if self.stream == "text":
             spans, causal, positions = batch.spans(), True, batch.positions
         else:
@@ -188,6 +189,8 @@ class TokenEmbed(nn.Module):
             enc = batch.encoder(modality)
             if feats.shape[0]:
                 x = x.index_put((enc.llm_positions,), feats)
+            else:  # an empty sum, 0: the encoder layers stay in the autograd graph (model/graph.py)
+                x = x + feats.sum()
         return (x,)
 
 
@@ -302,3 +305,16 @@ def trainable_mask(job, specs: Sequence[LayerSpec] | None = None) -> tuple[bool,
     specs = specs if specs is not None else model_layer_specs(job)
     frozen = frozen_layers(job, specs)
     return tuple(s.name not in frozen for s in specs)
+
+
+def parameter_rows(job, layers: Iterable[int], specs: Sequence[LayerSpec] | None = None) -> dict[int, tuple[int, ...]]:
+    """First-dimension sizes of each of ``layers``' trainable parameters, in ``parameters()`` order: what a
+    stage of several GPUs cuts (FSDP2's ``Shard(0)``) and the cross-pipeline sum's pieces follow
+    (``planning.shards``). Built on the ``meta`` device: no memory, no initialisation."""
+    specs = specs if specs is not None else model_layer_specs(job)
+    out = {}
+    for index in layers:
+        with torch.device("meta"):
+            layer = build_layer(job, index, specs, initialize=False)
+        out[index] = tuple(p.shape[0] if p.dim() else 1 for p in layer.parameters() if p.requires_grad)
+    return out

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from oobleck_mm.errors import UserError
 
 Gpu = tuple[str, int]
 """(node name, node-local GPU index)."""
@@ -28,10 +27,24 @@ class StageLayout:
     slowdown: float = 1.0
     """Its node's measured slowness (``master/stragglers.py``): its work takes this many times what the
     cost model says, and the balancer prices it so (``balance.problem.PipelineShape``)."""
+    shards: tuple[int, ...] = ()
+    """The global ranks of the stage's other GPUs, in shard order after ``rank``: a stage of several GPUs
+    (always inside one node) holds its layers sharded over ``ranks`` with FSDP2 and each rank runs part of
+    every microbatch (docs/runtime.md, "Stages of several GPUs"). Empty: one GPU."""
 
     @property
     def layers(self) -> range:
         return range(self.layer_start, self.layer_end)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the stage, in shard order (rank ``k`` holds chunk ``k`` of every parameter)."""
+        return (self.rank, *self.shards)
+
+    @property
+    def width(self) -> int:
+        """GPUs of the stage."""
+        return 1 + len(self.shards)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +54,28 @@ class PipelineLayout:
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        return tuple(s.rank for s in self.stages)
+        """Every rank of the pipeline, stage by stage."""
+        return tuple(r for s in self.stages for r in s.ranks)
+
+    @property
+    def pieces(self) -> int:
+        """Parts every microbatch of the pipeline is cut into: its widest stage's width. Stage widths are
+        powers of two (``planning.costs.ClusterSpec.stage_gpu_options``), so each divides it, and rank ``k``
+        of a stage of width ``d`` runs pieces ``k * pieces / d`` to ``(k + 1) * pieces / d`` (``pieces_of``):
+        every rank of a stage runs as many pieces, so its FSDP2 collectives pair up."""
+        return max(s.width for s in self.stages)
+
+    def pieces_of(self, stage: int, rank: int) -> range:
+        """The pieces of every microbatch that ``rank`` of stage ``stage`` runs."""
+        s = self.stages[stage]
+        per = self.pieces // s.width
+        k = s.ranks.index(rank)
+        return range(k * per, (k + 1) * per)
+
+    def piece_rank(self, stage: int, piece: int) -> int:
+        """The rank of stage ``stage`` that runs ``piece``."""
+        s = self.stages[stage]
+        return s.ranks[piece // (self.pieces // s.width)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +87,7 @@ class ExecutionPlan:
     def __post_init__(self) -> None:
         if not self.pipelines:
             raise ValueError("execution plan: needs at least one pipeline")
-        ranks = sorted(s.rank for p in self.pipelines for s in p.stages)
+        ranks = sorted(r for p in self.pipelines for s in p.stages for r in s.ranks)
         if ranks != list(range(len(ranks))):
             raise ValueError(f"execution plan: ranks must be 0..{len(ranks) - 1} each once, got {ranks}")
         for i, p in enumerate(self.pipelines):
@@ -70,11 +104,25 @@ class ExecutionPlan:
                 expected_start = end
             if expected_start != self.num_layers:
                 raise ValueError(f"execution plan: pipeline {i} ends at layer {expected_start}, not {self.num_layers}")
+            widths = [s.width for s in p.stages]
+            if any(p.pieces % w for w in widths):
+                raise ValueError(f"execution plan: pipeline {i} has stages of {widths} GPUs; each must divide the "
+                                 f"widest ({p.pieces}): widths are 1, 2, 4 or 8")
+            if p.pieces > self.microbatch_size:
+                raise ValueError(f"execution plan: pipeline {i} has a stage of {p.pieces} GPUs, which splits every "
+                                 f"microbatch's samples over them, but a microbatch holds {self.microbatch_size} "
+                                 f"(training.microbatch_size); raise it to at least {p.pieces} or lower "
+                                 f"cluster.max_gpus_per_stage")
 
     # ------------------------------------------------------------------ queries
     @property
     def world_size(self) -> int:
-        return sum(len(p.stages) for p in self.pipelines)
+        return sum(s.width for p in self.pipelines for s in p.stages)
+
+    @property
+    def sharded(self) -> bool:
+        """Some stage spans several GPUs."""
+        return any(s.width > 1 for p in self.pipelines for s in p.stages)
 
     @property
     def global_batch(self) -> int:
@@ -84,7 +132,7 @@ class ExecutionPlan:
         """(pipeline index, stage index) of ``rank``."""
         for i, p in enumerate(self.pipelines):
             for j, s in enumerate(p.stages):
-                if s.rank == rank:
+                if rank in s.ranks:
                     return i, j
         raise ValueError(f"rank {rank} is not in the plan (world size {self.world_size})")
 
@@ -93,8 +141,12 @@ class ExecutionPlan:
         return self.pipelines[i].stages[j]
 
     def holders(self, layer: int) -> tuple[int, ...]:
-        """Ranks holding ``layer``, one per pipeline, in pipeline order."""
+        """Ranks holding ``layer``, one per pipeline (a stage's first rank), in pipeline order."""
         return tuple(s.rank for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
+
+    def shard_holders(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """Per pipeline, in pipeline order, the ranks of the stage holding ``layer`` in shard order."""
+        return tuple(s.ranks for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
 
     def checkpoint_owner(self, layer: int) -> int:
         """The one rank that writes ``layer`` in a periodic checkpoint: its replicas take turns by layer
@@ -118,44 +170,41 @@ class ExecutionPlan:
         stages_per_pipeline: Sequence[int],
         microbatches: Sequence[int],
         microbatch_size: int,
+        widths: Sequence[Sequence[int]] | None = None,
     ) -> ExecutionPlan:
-        """Pipelines cutting the layers into near-equal stages; ranks numbered pipeline by pipeline."""
+        """Pipelines cutting the layers into near-equal stages; ranks numbered pipeline by pipeline.
+        ``widths``: GPUs of each stage of each pipeline (default 1 each)."""
         if len(stages_per_pipeline) != len(microbatches):
             raise ValueError(
                 f"stages_per_pipeline has {len(stages_per_pipeline)} entries, microbatches {len(microbatches)}"
             )
         pipelines, rank = [], 0
-        for num_stages, mbs in zip(stages_per_pipeline, microbatches):
+        for p, (num_stages, mbs) in enumerate(zip(stages_per_pipeline, microbatches)):
             if not 1 <= num_stages <= num_layers:
                 raise ValueError(f"a pipeline of {num_stages} stages cannot hold {num_layers} layers")
             cuts = [round(k * num_layers / num_stages) for k in range(num_stages + 1)]
+            stage_widths = list(widths[p]) if widths is not None else [1] * num_stages
+            if len(stage_widths) != num_stages:
+                raise ValueError(f"widths of pipeline {p}: {stage_widths} for {num_stages} stages")
             stages = []
-            for start, end in zip(cuts, cuts[1:]):
-                stages.append(StageLayout(rank, start, end))
-                rank += 1
+            for (start, end), width in zip(zip(cuts, cuts[1:]), stage_widths):
+                stages.append(StageLayout(rank, start, end, shards=tuple(range(rank + 1, rank + width))))
+                rank += width
             pipelines.append(PipelineLayout(tuple(stages), mbs))
         return cls(tuple(pipelines), num_layers, microbatch_size)
 
     @classmethod
     def from_plan(cls, plan, ranks: Mapping[Gpu, int], slow: Mapping[str, float] | None = None) -> ExecutionPlan:
         """From a planning ``Plan``; ``ranks`` maps (node name, local gpu) to a global rank; ``slow``: the
-        measured slowdown of slow nodes, carried by their stages (``StageLayout.slowdown``).
-
-        Stages spanning several GPUs (sharded with FSDP2 inside a stage: docs/runtime.md) are not run by
-        this engine yet.
-        """
+        measured slowdown of slow nodes, carried by their stages (``StageLayout.slowdown``). A stage of
+        several GPUs gets their ranks in GPU order (``StageLayout.shards``)."""
         pipelines = []
         for instance in plan.pipelines:
             stages = []
             for spec in instance.template.stages:
-                if len(spec.gpus) != 1:
-                    raise UserError(
-                        f"stage over layers {spec.layer_start}..{spec.layer_end} uses {len(spec.gpus)} GPUs; "
-                        "the runtime runs one GPU per stage (cluster.max_gpus_per_stage: 1)"
-                    )
                 node = instance.nodes[spec.node]
                 stages.append(StageLayout(ranks[(node, spec.gpus[0])], spec.layer_start, spec.layer_end,
-                                          (slow or {}).get(node, 1.0)))
+                                          (slow or {}).get(node, 1.0), tuple(ranks[(node, g)] for g in spec.gpus[1:])))
             pipelines.append(PipelineLayout(tuple(stages), instance.num_microbatches))
         return cls(tuple(pipelines), plan.pipelines[0].template.num_layers, plan.microbatch_size)
 
@@ -165,7 +214,9 @@ class ExecutionPlan:
             "microbatch_size": self.microbatch_size,
             "pipelines": [
                 {"num_microbatches": p.num_microbatches,
-                 "stages": [[s.rank, s.layer_start, s.layer_end, *([s.slowdown] if s.slowdown != 1.0 else [])]
+                 "stages": [[s.rank, s.layer_start, s.layer_end,
+                             *([s.slowdown] if s.slowdown != 1.0 or s.shards else []),
+                             *([list(s.shards)] if s.shards else [])]
                             for s in p.stages]}
                 for p in self.pipelines
             ],
@@ -174,7 +225,8 @@ class ExecutionPlan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ExecutionPlan:
         pipelines = tuple(
-            PipelineLayout(tuple(StageLayout(*map(int, s[:3]), *map(float, s[3:4])) for s in p["stages"]),
+            PipelineLayout(tuple(StageLayout(*map(int, s[:3]), *map(float, s[3:4]), *(tuple(map(int, x)) for x in s[4:5]))
+                                 for s in p["stages"]),
                            int(p["num_microbatches"]))
             for p in d["pipelines"]
         )
@@ -183,7 +235,7 @@ class ExecutionPlan:
     def describe(self) -> str:
         parts = []
         for p in self.pipelines:
-            stages = "|".join(f"r{s.rank}:{s.layer_start}-{s.layer_end - 1}"
+            stages = "|".join(f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
                               + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "") for s in p.stages)
             parts.append(f"[{stages}]x{p.num_microbatches}mb")
         return " ".join(parts)
@@ -197,3 +249,13 @@ def rank_table(plan) -> dict[Gpu, int]:
             for gpu in spec.gpus:
                 ranks[(instance.nodes[spec.node], gpu)] = len(ranks)
     return ranks
+
+
+def piece_samples(samples: Sequence[int], pieces: int, piece: int) -> tuple[int, ...]:
+    """The samples of a microbatch that piece ``piece`` of ``pieces`` runs (``PipelineLayout.pieces``):
+    contiguous parts, the first ``len % pieces`` one sample longer, so the pieces in order are the
+    microbatch."""
+    n = len(samples)
+    size, extra = divmod(n, pieces)
+    start = piece * size + min(piece, extra)
+    return tuple(samples[start : start + size + (1 if piece < extra else 0)])

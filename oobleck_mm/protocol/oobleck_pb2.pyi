@@ -38,16 +38,18 @@ STORE_DELETE: StoreOp
 STORE_NUM_KEYS: StoreOp
 
 class Stage(_message.Message):
-    __slots__ = ("rank", "layer_start", "layer_end", "slowdown")
+    __slots__ = ("rank", "layer_start", "layer_end", "slowdown", "shards")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     layer_start: int
     layer_end: int
     slowdown: float
-    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., slowdown: _Optional[float] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., slowdown: _Optional[float] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("num_microbatches", "stages")

@@ -65,8 +65,7 @@ from oobleck_mm.runtime.checkpoint import (
     write_error,
 )
 from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
-from oobleck_mm.runtime.engine import StageEngine
-from oobleck_mm.runtime.grad_sync import subgroup_ranks
+from oobleck_mm.runtime.engine import StageEngine, engine_subgroups
 from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold, hold_once, hold_step, set_announcer
 from oobleck_mm.runtime.state_transfer import Arrival, adopt_plan, prepare_arrival
@@ -399,7 +398,7 @@ class WorkerLoop:
             lambda: connect_store(a.store_host, a.store_port, a.store_token, timeout=timeouts.rendezvous_timeout),
             a.generation, a.rank, a.world_size, collective_timeout=timeouts.collective_timeout,
             arrival_timeout=timeouts.rendezvous_timeout,
-            subgroups=subgroup_ranks(plan_from_proto(a.plan), trainable_mask(self.job, specs), tied_pair(specs)),
+            subgroups=engine_subgroups(self.job, plan_from_proto(a.plan), specs),
             before=lambda: hold("forming", self.node),
             gated=a.rank < len(a.previous_ranks) and a.previous_ranks[a.rank] < 0,  # a joiner: see PreparedGroup
         )  # fmt: skip

@@ -88,7 +88,10 @@ class StepBalancer:
         """The step's assignment (and predicted metrics); identical on every rank."""
         problem = BalanceProblem.build(ids, self.features(ids), pipeline_shapes(plan), self.model,
                                        self.coefficients, plan.microbatch_size, step)
-        result = balance(problem, self.config.algorithm, self.config.threshold, self.config.deferral)
+        # Entrain's deferral regroups whole microbatches at the LLM's first layer; on a pipeline whose
+        # stages split microbatches over several GPUs it does not run yet (the engine refuses it).
+        result = balance(problem, self.config.algorithm, self.config.threshold,
+                         self.config.deferral and not plan.sharded)
         self.last_metrics = step_metrics(problem, result)
         if result.unbalanced_s is not None:
             self.last_metrics["predicted_contiguous_max_s"] = max(result.unbalanced_s)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 if not torch.cuda.is_available():
     # Tell DeepSpeed up front instead of letting every worker log its accelerator probe.
@@ -36,10 +37,11 @@ from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
-from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair, trainable_mask
+from oobleck_mm.model.layers import (build_layer, microbatch_loss, model_layer_specs, parameter_rows, tied_pair,
+                                     trainable_mask)
 from oobleck_mm.runtime.balancing import StepBalancer
-from oobleck_mm.runtime.grad_sync import GradientSync
-from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
+from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
 from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at
@@ -118,6 +120,15 @@ def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu",
     return HeldLayer(module, build_layer_optimizer(params, job.training) if params else None)
 
 
+def engine_subgroups(job, plan: ExecutionPlan, specs=None) -> list[tuple[int, ...]]:
+    """The ranks of every process group a ``StageEngine`` of this job forms on ``plan``, in order: what a
+    ``runtime.group.PreparedGroup`` forms ahead of a switch (``grad_sync.subgroup_ranks``)."""
+    specs = specs if specs is not None else model_layer_specs(job)
+    trainable = trainable_mask(job, specs)
+    rows = parameter_rows(job, sharded_layers(plan, trainable), specs) if plan.sharded else None
+    return subgroup_ranks(plan, trainable, tied_pair(specs), rows)
+
+
 def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, Callable]) -> int:
     """Run an instruction stream through a dispatch table; an instruction without a handler raises."""
     count = 0
@@ -183,8 +194,16 @@ class StageEngine:
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
         self.num_stages = len(self.pipeline.stages)
-        self.prev_rank = self.pipeline.stages[self.stage_index - 1].rank if self.stage_index > 0 else None
-        self.next_rank = self.pipeline.stages[self.stage_index + 1].rank if self.stage_index + 1 < self.num_stages else None
+        self.pieces = self.pipeline.pieces_of(self.stage_index, rank)
+        """The pieces of every microbatch this rank runs: all (one) on a pipeline of one-GPU stages; on a stage
+        of several GPUs each rank runs its share of the samples (``PipelineLayout.pieces``)."""
+        first, last = self.stage_index == 0, self.stage_index + 1 == self.num_stages
+        self.prev_ranks = {} if first else {k: self.pipeline.piece_rank(self.stage_index - 1, k) for k in self.pieces}
+        self.next_ranks = {} if last else {k: self.pipeline.piece_rank(self.stage_index + 1, k) for k in self.pieces}
+        """Per piece this rank runs, the rank that sends its input (receives its output)."""
+        self.prev_rank = self.prev_ranks[self.pieces[0]] if self.prev_ranks else None
+        self.next_rank = self.next_ranks[self.pieces[0]] if self.next_ranks else None
+        """The neighbours of this rank's first piece (the only one on a pipeline of one-GPU stages); None at an end."""
 
         embeds = [i for i, spec in enumerate(self.specs) if spec.kind == "token_embed"]
         self.seam = embeds[0] if embeds and embeds[0] > 0 else None
@@ -201,6 +220,7 @@ class StageEngine:
         self.next_needs_grad = self.next_rank is not None and any(trainable[: self.stage.layer_end])
         self.needs_backward = any(trainable[: self.stage.layer_end])
 
+        handed_over = bool(held)
         held = dict(held or {})
         for i in self.stage.layers:
             if i not in held:
@@ -211,8 +231,11 @@ class StageEngine:
         self.mixed = ComputeCopies(self.layers, compute_dtype(job.training)) if is_mixed(job.training) else None
         self.compute = self.mixed.compute if self.mixed is not None else self.layers
         """What forward and backward run: the masters, or their compute-dtype copies."""
+        rows = parameter_rows(job, sharded_layers(plan, trainable), self.specs) if plan.sharded else None
         self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs),
-                                 reduce_dtype(job.training))
+                                 reduce_dtype(job.training), rows)
+        if self.stage.width > 1:
+            self._shard(handed_over)
         self._dispatch: dict[type, Callable] = {
             ds.LoadMicroBatch: self._load_microbatch,
             ds.RecvActivation: self._recv_activation,
@@ -225,6 +248,32 @@ class StageEngine:
             ds.ReduceGrads: self._reduce_grads,
             ds.OptimizerStep: self._optimizer_step,
         }
+
+    def _shard(self, handed_over: bool) -> None:
+        """Shard this stage's layers over its ranks with FSDP2 (docs/runtime.md, "Stages of several GPUs").
+
+        Each layer is its own ``fully_shard`` unit: its parameters are all-gathered before its forward and
+        its backward and its gradients reduce-scattered after, per piece, as the planner prices it
+        (``planning.costs.stage_cost``). The reduce-scatter sums (divide factor 1): the losses are already
+        divided by the global token count. The optimizers are made after sharding, over the DTensor shards."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        unsupported = {"tied embeddings": self.sync.tied is not None and any(i in self.layers for i in self.sync.tied),
+                       "mixed precision": self.mixed is not None,
+                       "layers handed over from another plan": handed_over}  # fmt: skip
+        named = [name for name, present in unsupported.items() if present]
+        if named:
+            raise ValueError(f"stage over layers {self.stage.layer_start}..{self.stage.layer_end - 1} spans "
+                             f"{self.stage.width} GPUs, which does not run with {', '.join(named)} yet "
+                             f"(cluster.max_gpus_per_stage: 1 does)")  # fmt: skip
+        mesh = DeviceMesh.from_group(self.sync.stage_group, self.device.type)
+        for i, module in self.layers.items():
+            fully_shard(module, mesh=mesh)
+            module.set_reduce_scatter_divide_factor(1.0)
+            params = trainable_params(module)
+            if params:
+                self.optimizers[i] = build_layer_optimizer(params, self.job.training)
 
     # ------------------------------------------------------------------ iteration
     def train_step(self, step: int, assignment: Assignment | None = None) -> StepResult:
@@ -268,21 +317,36 @@ class StageEngine:
             # Packing is this stage's work for the microbatch too (it grows with images and text):
             # the balancer's cost model is fitted to all of it.
             times = [(f + self._pack_s.get(mb, 0.0), b) for mb, (f, b) in enumerate(self._result.microbatch_times)]
-            self.balancer.observe(self.stage, self._microbatches, times,
-                                  self._llm_microbatches if self._decoupled else None)
+            if self.rank == self.stage.rank:  # a stage of d GPUs: its first rank's share, as one GPU's seconds
+                times = [(f * self.stage.width, b * self.stage.width) for f, b in times]
+                self.balancer.observe(self.stage, self._microbatches, times,
+                                      self._llm_microbatches if self._decoupled else None)
         self._result.step_time_s = time.perf_counter() - t0
         return self._result
 
-    def _batch(self, mb: int) -> PackedBatch:
+    def _batch(self, mb: int, piece: int = 0) -> PackedBatch:
         if self._decoupled:  # packed per group (see _forward_decoupled); only the first/last stage's load
             return self._pack(mb, self._llm_microbatches[mb] if self.side == "llm" else self._microbatches[mb])
-        if mb not in self._batches:
+        if (mb, piece) not in self._batches:
             t0 = time.perf_counter()
+            ids = self._piece_ids(mb, piece)
             # Built on the host, then copied to the stage's device (pinned, asynchronous on a GPU).
-            self._batches[mb] = self.data.microbatch(self._microbatches[mb]).to(self.device, non_blocking=True)
-            self._pack_s[mb] = time.perf_counter() - t0
-            self._result.pack_s += self._pack_s[mb]
-        return self._batches[mb]
+            self._batches[(mb, piece)] = self.data.microbatch(ids).to(self.device, non_blocking=True)
+            spent = time.perf_counter() - t0
+            self._pack_s[mb] = self._pack_s.get(mb, 0.0) + spent
+            self._result.pack_s += spent
+        return self._batches[(mb, piece)]
+
+    def _piece_ids(self, mb: int, piece: int) -> tuple[int, ...]:
+        """The samples piece ``piece`` of microbatch ``mb`` runs. A piece left without samples (the balancer
+        made the microbatch smaller than the pipeline's pieces) runs the microbatch's first sample with its
+        loss weighted 0 (``_filler``): the ranks of a stage of several GPUs must all run FSDP2's collectives."""
+        ids = piece_samples(self._microbatches[mb], self.pipeline.pieces, piece)
+        return ids if ids else tuple(self._microbatches[mb][:1])
+
+    def _filler(self, mb: int, piece: int) -> bool:
+        """Whether piece ``piece`` of microbatch ``mb`` has no samples of its own (``_piece_ids``)."""
+        return not piece_samples(self._microbatches[mb], self.pipeline.pieces, piece)
 
     # ------------------------------------------------------------------ decoupled microbatches (deferral)
     def _decouple(self, assignment: Assignment) -> None:
@@ -302,6 +366,9 @@ class StageEngine:
         if not self._decoupled:
             self._llm_microbatches = self._microbatches
             return
+        if self.pipeline.pieces > 1:
+            raise ValueError(f"pipeline {p} has a stage of {self.pipeline.pieces} GPUs; Entrain's deferral does not run "
+                             f"on such pipelines yet (balance.deferral: false)")  # fmt: skip
         if self._deferred[-1]:
             raise ValueError(f"the last microbatch of pipeline {p} defers samples {self._deferred[-1]}: "
                              f"nothing runs after it")  # fmt: skip
@@ -347,7 +414,7 @@ class StageEngine:
 
     def _forward_decoupled(self, ins, mb: int) -> None:
         groups = self._forward_groups(mb)
-        received = self._inputs.pop(ins.buffer_id, ()) if self.prev_rank is not None else ()
+        received = self._inputs.pop(ins.buffer_id, {}).get(0, ()) if self.prev_rank is not None else ()
         per = len(received) // len(groups)
         encoder_layers = [i for i in self.stage.layers if i < self.seam]
         with torch.set_grad_enabled(self.needs_backward):
@@ -360,7 +427,7 @@ class StageEngine:
                 outs[group] = acts
             if self.side == "encoder":
                 self._group_out.update(outs)
-                self._outputs[ins.buffer_id] = tuple(t for g in groups for t in outs[g])
+                self._outputs[ins.buffer_id] = {0: tuple(t for g in groups for t in outs[g])}
                 return
             # The seam: L_k's encoder outputs are kept_k's, then D_{k-1}'s (held since the last slot).
             if (mb, "deferred") in outs:
@@ -370,12 +437,13 @@ class StageEngine:
                 acts = tuple(torch.cat([a, b]) for a, b in zip(acts, self._held.pop(mb - 1), strict=True))
             batch = self._pack(mb, self._llm_microbatches[mb])
             acts = self._run_layers([i for i in self.stage.layers if i >= self.seam], acts, batch)
-            self._outputs[ins.buffer_id] = self._maybe_loss(acts, batch)
+            self._outputs[ins.buffer_id] = {0: self._maybe_loss(acts, batch)}
 
-    def _maybe_loss(self, acts, batch):
+    def _maybe_loss(self, acts, batch, weight: float = 1.0):
+        """``weight`` 0: a filler piece (``_piece_ids``), whose loss and gradients are exact zeros."""
         if self.next_rank is not None:
             return acts
-        loss = microbatch_loss(acts[0], batch, self._loss_tokens)
+        loss = microbatch_loss(acts[0], batch, self._loss_tokens) * weight
         self._loss += loss.detach().double()  # stays on the device: no sync per microbatch
         return (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
 
@@ -383,15 +451,19 @@ class StageEngine:
     def _load_microbatch(self, ins) -> None:
         # Only the first and last stages get this instruction; every stage packs lazily in _batch.
         if not self._decoupled:  # (decoupled: packed per group, in _forward_decoupled)
-            self._batch(self._next_load)
+            for piece in self.pieces:
+                self._batch(self._next_load, piece)
         self._next_load += 1
 
     def _recv_activation(self, ins) -> None:
         t0 = time.perf_counter()
-        acts = recv_tensors(self.prev_rank, self.device, self.waiter)
-        if self.needs_input_grad:
-            acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
-        self._inputs[ins.buffer_id] = acts
+        received = {}
+        for piece, src in self.prev_ranks.items():  # every rank in piece order: the senders' order too
+            acts = recv_tensors(src, self.device, self.waiter)
+            if self.needs_input_grad:
+                acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
+            received[piece] = acts
+        self._inputs[ins.buffer_id] = received
         self._result.comm_s += time.perf_counter() - t0
 
     def _forward(self, ins) -> None:
@@ -403,25 +475,31 @@ class StageEngine:
             self._forward_decoupled(ins, mb)
             self._intervals.append([self.clock.stop(mark), None])
             return
-        batch = self._batch(mb)
-        acts = self._inputs.get(ins.buffer_id, ()) if self.prev_rank is not None else ()
-        with torch.set_grad_enabled(self.needs_backward):
-            acts = self._maybe_loss(self._run_layers(self.stage.layers, acts, batch), batch)
-        self._outputs[ins.buffer_id] = acts
+        received = self._inputs.get(ins.buffer_id, {})
+        outputs = {}
+        for piece in self.pieces:  # a stage's ranks run as many pieces each: their FSDP2 collectives pair up
+            batch = self._batch(mb, piece)
+            with torch.set_grad_enabled(self.needs_backward):
+                acts = self._run_layers(self.stage.layers, received.get(piece, ()), batch)
+                outputs[piece] = self._maybe_loss(acts, batch, 0.0 if self._filler(mb, piece) else 1.0)
+        self._outputs[ins.buffer_id] = outputs
         self._intervals.append([self.clock.stop(mark), None])
         if self.prefetch and not self._decoupled and mb + 1 < len(self._microbatches):
-            self._batch(mb + 1)
+            for piece in self.pieces:
+                self._batch(mb + 1, piece)
 
     def _send_activation(self, ins) -> None:
         t0 = time.perf_counter()
-        self._result.bytes_sent += send_tensors(self._outputs[ins.buffer_id], self.next_rank, self.device, self.waiter)
+        for piece, acts in self._outputs[ins.buffer_id].items():
+            self._result.bytes_sent += send_tensors(acts, self.next_ranks[piece], self.device, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
     def _recv_grad(self, ins) -> None:
         if not self.next_needs_grad:
             return
         t0 = time.perf_counter()
-        self._grads[ins.buffer_id] = recv_tensors(self.next_rank, self.device, self.waiter)
+        self._grads[ins.buffer_id] = {piece: recv_tensors(src, self.device, self.waiter)
+                                      for piece, src in self.next_ranks.items()}  # fmt: skip
         self._result.comm_s += time.perf_counter() - t0
 
     def _backward(self, ins) -> None:
@@ -434,29 +512,32 @@ class StageEngine:
             groups = self._backward_groups_of(self._buffer_mb[ins.buffer_id])
             self._backward_groups[ins.buffer_id] = groups
             if self.side == "encoder":
-                outputs = [t for group in groups for t in self._group_out.pop(group)]
+                outputs = {0: [t for group in groups for t in self._group_out.pop(group)]}
         if self.needs_backward:
-            if self.next_rank is None:
-                outputs[0].backward()
-            elif grads is not None:
-                pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            for piece, piece_outputs in outputs.items():  # the forward's order
+                if self.next_rank is None:
+                    piece_outputs[0].backward()
+                elif grads is not None:
+                    pairs = [(o, g) for o, g in zip(piece_outputs, grads[piece], strict=True) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         mb = self._buffer_mb.pop(ins.buffer_id)
         if not self._decoupled:  # (decoupled batches are keyed by samples, not slots: kept for the step)
-            self._batches.pop(mb, None)
+            for piece in self.pieces:
+                self._batches.pop((mb, piece), None)
         self._intervals[mb][1] = self.clock.stop(mark)
 
     def _send_grad(self, ins) -> None:
         if self._decoupled and self.side != "llm":
-            inputs = tuple(t for g in self._backward_groups.pop(ins.buffer_id) for t in self._group_in.pop(g))
+            inputs = {0: tuple(t for g in self._backward_groups.pop(ins.buffer_id) for t in self._group_in.pop(g))}
         else:
             inputs = self._inputs.pop(ins.buffer_id)
         if not self.needs_input_grad:
             return
         t0 = time.perf_counter()
-        grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in inputs)
-        self._result.bytes_sent += send_tensors(grads, self.prev_rank, self.device, self.waiter)
+        for piece, piece_inputs in inputs.items():
+            grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
+            self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
 
     def _reduce_tied_grads(self, ins) -> None:
@@ -588,4 +669,7 @@ class StageEngine:
         return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.layers[index].state_dict().items()}
+        """Layer ``index``'s whole state; on a stage of several GPUs gathered from its shards (collective over
+        the stage: its every rank asks for the same layers in the same order)."""
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                for k, v in self.layers[index].state_dict().items()}  # fmt: skip

@@ -17,6 +17,15 @@ Megatron's pipeline-split tying: the head holds a copy, and after the per-layer
 sums the embedding's owner and the head's owner contribute their sums to one
 all-reduce over every holder of either, whose result is both copies' gradient.
 Copies that start equal and take the same gradient and optimizer steps stay equal.
+
+A layer held by a stage of several GPUs somewhere (sharded by FSDP2, each rank
+holding a chunk of every parameter's rows) cannot be summed as whole tensors:
+its holders hold different rows. Its gradients are summed over the common
+refinement of the holders' cuts (``planning.shards.reduction_pieces``), each
+piece among the one rank per pipeline holding its rows, pieces of equal rank
+sets flattened into one all-reduce. FSDP2's own reduce-scatter has already summed
+each rank's rows over its stage. The norm counts each row once: every rank of the
+owner's stage adds its own rows.
 """
 
 from __future__ import annotations
@@ -30,8 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.planning.shards import chunk_rows, reduction_pieces
 from oobleck_mm.runtime.waiting import Waiter
-from oobleck_mm.runtime.update import fill_missing_grads, grad_sq, trainable_params
+from oobleck_mm.runtime.update import fill_missing_grads, grad_sq, local, trainable_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +50,48 @@ class Bucket:
     layers: tuple[int, ...]
 
 
+def sharded_layers(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> tuple[int, ...]:
+    """Trainable layers some stage of several GPUs holds: summed over pieces of rows, not in buckets."""
+    return tuple(layer for layer in range(plan.num_layers)
+                 if trainable[layer] and any(len(h) > 1 for h in plan.shard_holders(layer)))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PieceSum:
+    """Rows of some parameters of sharded layers, all summed among ``ranks`` in one all-reduce: each entry
+    ``(layer, parameter index, start, end)`` in the parameter's global rows."""
+
+    ranks: tuple[int, ...]
+    rows: tuple[tuple[int, int, int, int], ...]
+
+
+def piece_sums(plan: ExecutionPlan, trainable: tuple[bool, ...], rows: Mapping[int, Sequence[int]]) -> list[PieceSum]:
+    """Every sum over pieces the sharded layers need, one per rank set, in the order the rank sets first
+    occur (layers in order, parameters in order, pieces by row): the same list on every rank (pure).
+    ``rows``: first-dimension size of each trainable parameter of each sharded layer
+    (``model.layers.parameter_rows``)."""
+    by_ranks: dict[tuple[int, ...], list[tuple[int, int, int, int]]] = {}
+    for layer in sharded_layers(plan, trainable):
+        holders = plan.shard_holders(layer)
+        for k, size in enumerate(rows[layer]):
+            for piece in reduction_pieces(size, holders):
+                if len(piece.ranks) > 1:
+                    by_ranks.setdefault(piece.ranks, []).append((layer, k, piece.start, piece.end))
+    return [PieceSum(ranks, tuple(entries)) for ranks, entries in by_ranks.items()]
+
+
+def stage_meshes(plan: ExecutionPlan) -> list[tuple[int, ...]]:
+    """The ranks of every stage of several GPUs, pipeline by pipeline: each is FSDP2's mesh for its stage."""
+    return [s.ranks for p in plan.pipelines for s in p.stages if s.width > 1]
+
+
 def buckets(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> list[Bucket]:
-    """Trainable layers grouped by identical holder sets, ordered by their first layer (pure)."""
+    """Trainable layers held by one-GPU stages only, grouped by identical holder sets, ordered by their
+    first layer (pure)."""
+    sharded = set(sharded_layers(plan, trainable))
     by_holders: dict[tuple[int, ...], list[int]] = {}
     for layer in range(plan.num_layers):
-        if trainable[layer]:
+        if trainable[layer] and layer not in sharded:
             by_holders.setdefault(tuple(sorted(plan.holders(layer))), []).append(layer)
     out = [Bucket(h, tuple(ls)) for h, ls in by_holders.items()]
     return sorted(out, key=lambda b: b.layers[0])
@@ -58,7 +105,7 @@ def tied_holders(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[i
 
 
 def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None = None,
-                   ) -> list[tuple[int, ...]]:  # fmt: skip
+                   rows: Mapping[int, Sequence[int]] | None = None) -> list[tuple[int, ...]]:  # fmt: skip
     """The ranks of every process group ``GradientSync`` forms, in the order it forms them (pure):
     ``runtime.group.PreparedGroup`` forms the same ones ahead of a switch.
 
@@ -68,8 +115,16 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
     For the same reason the step's last collectives (the gradient norm with the loss and flags, the
     balancer's pipeline times) run on a group of every rank, the last one: on the default group an
     abandoned one made the aborting worker's destroy of that group wait for it (1.5-2.6 s under churn).
+
+    A plan with stages of several GPUs adds, after the buckets', the groups of its sums over pieces
+    (``piece_sums``; ``rows`` is then required) and each such stage's FSDP2 mesh (``stage_meshes``).
     """
     out = [b.holders for b in buckets(plan, trainable) if len(b.holders) > 1]
+    if plan.sharded:
+        if rows is None:
+            raise ValueError("subgroup_ranks: a plan with stages of several GPUs needs the parameters' rows")
+        out += [s.ranks for s in piece_sums(plan, trainable, rows)]
+        out += stage_meshes(plan)
     tied_ranks = tied_holders(plan, trainable, tied)
     if len(tied_ranks) > 1:
         out.append(tied_ranks)
@@ -79,19 +134,30 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
 
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
-                 tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None):
+                 tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None,
+                 rows: Mapping[int, Sequence[int]] | None = None):
         """``tied``: (token embedding, LM head) layer indices whose weights are one parameter.
-        ``reduce_dtype``: the all-reduce's dtype when it differs from the gradients' (bf16 reduction)."""
+        ``reduce_dtype``: the all-reduce's dtype when it differs from the gradients' (bf16 reduction).
+        ``rows``: with stages of several GPUs, the first-dimension sizes of the sharded layers' parameters."""
         self.rank = rank
         self.reduce_dtype = reduce_dtype
         self.plan = plan
         self.buckets = buckets(plan, trainable)
-        self.owned = {layer for layer in range(plan.num_layers) if plan.holders(layer)[0] == rank}
+        self.piece_sums = piece_sums(plan, trainable, rows) if plan.sharded else []
+        # Each row counted once in the norm: every rank of the owner's stage (the first pipeline's) adds its own.
+        self.owned = {layer for layer in range(plan.num_layers) if rank in plan.shard_holders(layer)[0]}
+        self._shard_start = {}  # (layer, parameter index) -> the first global row of this rank's chunk
+        for p in plan.pipelines:
+            for s in p.stages:
+                if rank in s.ranks and s.width > 1:
+                    for layer in s.layers:
+                        for k, size in enumerate((rows or {}).get(layer, ())):
+                            self._shard_start[(layer, k)] = chunk_rows(size, s.width)[s.ranks.index(rank)][0]
         self.tied = tied if tied is not None and trainable[tied[0]] and trainable[tied[1]] else None
         self.tied_holders = tied_holders(plan, trainable, tied)
         # new_group is collective over the default group: every rank, same order.
         # Without an explicit timeout a subgroup waits 30 min on a hung peer, whatever the world's.
-        every = subgroup_ranks(plan, trainable, tied)
+        every = subgroup_ranks(plan, trainable, tied, rows)
         formed = [dist.new_group(list(ranks), timeout=timeout) for ranks in every]
         self.step_group = formed.pop()
         """Every rank: the step's last collectives (``global_grad_sq``, the balancer's pipeline times)."""
@@ -100,6 +166,13 @@ class GradientSync:
         if len(self.tied_holders) > 1:  # the last one (the same ranks as a bucket's get a group of their own)
             tied_group, every = formed.pop(), every[:-1]
             self.tied_group = tied_group if rank in self.tied_holders else None
+        self.stage_group = None
+        """The group of this rank's stage when it spans several GPUs: its FSDP2 mesh is made from it."""
+        meshes = stage_meshes(plan)
+        if meshes:
+            mine = [g for ranks, g in zip(every[-len(meshes):], formed[-len(meshes):]) if rank in ranks]
+            self.stage_group = mine[0] if mine else None
+            every, formed = every[: -len(meshes)], formed[: -len(meshes)]
         self.groups = {ranks: group for ranks, group in zip(every, formed) if rank in ranks}
 
     def all_reduce(self, layers: Mapping[int, nn.Module], waiter: Waiter = Waiter()) -> int:
@@ -124,7 +197,34 @@ class GradientSync:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             total += flat.numel() * flat.element_size()
-        return total + self._reduce_tied(layers, waiter)
+        return total + self._reduce_pieces(layers, waiter) + self._reduce_tied(layers, waiter)
+
+    def _reduce_pieces(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
+        """Sum the sharded layers' gradients over the refinement of their holders' cuts (module docstring)."""
+        total, filled = 0, set()
+        for piece_sum in self.piece_sums:
+            if self.rank not in piece_sum.ranks:
+                continue
+            views = []
+            for layer, k, start, end in piece_sum.rows:
+                module = layers[layer]
+                if layer not in filled:
+                    fill_missing_grads(module)
+                    filled.add(layer)
+                grad = local(trainable_params(module)[k].grad)
+                first = self._shard_start.get((layer, k), 0)
+                views.append(grad.view(-1, *grad.shape[1:])[start - first : end - first] if grad.dim() else grad.view(1))
+            flat = torch.cat([v.reshape(-1) for v in views])
+            if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
+                flat = flat.to(self.reduce_dtype)
+            waiter.wait(dist.all_reduce(flat, group=self.groups[piece_sum.ranks], async_op=True),
+                        f"sharded gradient all-reduce over ranks {piece_sum.ranks}")
+            offset = 0
+            for v in views:
+                v.copy_(flat[offset : offset + v.numel()].view_as(v))
+                offset += v.numel()
+            total += flat.numel() * flat.element_size()
+        return total
 
     def _reduce_tied(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
         """Both copies of a tied embedding get (embedding's gradient sum) + (head's gradient sum)."""

@@ -1,7 +1,7 @@
 """What the runtime can run, checked before any process starts (``oobleck-launch master`` and ``local``).
 
 ``plan`` plans what the dissertation's setups describe (stages of up to 8 GPUs);
-the runtime runs one GPU per stage. A job the workers would refuse after
+the engine trains such stages, but recovery and checkpoints handle one GPU per stage. A job the workers would refuse after
 minutes of start-up is refused here instead, naming the field and what to set.
 """
 
@@ -17,8 +17,9 @@ def check_runnable(job, workers_here: bool) -> None:
     c = job.cluster
     if c.max_gpus_per_stage > 1:
         raise UserError(
-            f"cluster.max_gpus_per_stage: {c.max_gpus_per_stage}, but the runtime runs one GPU per pipeline stage "
-            "(a stage split over GPUs is not run yet); set it to 1 to train this job (plan still plans with it)"
+            f"cluster.max_gpus_per_stage: {c.max_gpus_per_stage}, but recovery and checkpoints handle one GPU per "
+            "pipeline stage only (the engine trains wider stages, docs/runtime.md); set it to 1 to train this job "
+            "(plan still plans with it)"
         )
     if workers_here and c.device == "cuda":
         needed = c.gpus_per_node

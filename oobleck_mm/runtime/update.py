@@ -12,8 +12,15 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from oobleck_mm.runtime.optim import betas_at, clip_coefficient, lr_at, set_betas, set_lr
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (a layer sharded by FSDP2 over a stage of
+    several GPUs; in-place changes reach the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def trainable_params(layer: nn.Module) -> list[nn.Parameter]:
@@ -34,13 +41,13 @@ def fill_missing_grads(layer: nn.Module) -> None:
 
 def grad_sq(layer: nn.Module) -> torch.Tensor:
     """Sum of squared gradients of one layer (float64 scalar); a tied LM head's copy of the
-    embedding is the embedding's parameter, counted with it."""
+    embedding is the embedding's parameter, counted with it. A sharded layer: this rank's rows."""
     params = trainable_params(layer)
     total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
     skip = layer.tied_weight if getattr(layer, "tied_copy", False) else None
     for p in trainable_params(layer):
         if p.grad is not None and p is not skip:
-            total += p.grad.detach().double().pow(2).sum()
+            total += local(p.grad.detach()).double().pow(2).sum()
     return total
 
 

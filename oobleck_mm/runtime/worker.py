@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import save_layers, save_meta, write_error
-from oobleck_mm.runtime.engine import StageEngine, StepResult
+from oobleck_mm.runtime.engine import StageEngine, StepResult, engine_subgroups
 from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
-from oobleck_mm.runtime.grad_sync import subgroup_ranks
 from oobleck_mm.runtime.group import PreparedGroup, join_generation
 from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.optim import optimizer_state
@@ -185,8 +185,7 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         phase, specs = phases[generation - 1], model_layer_specs(job)
         return PreparedGroup(lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound), generation,
                              phase.survivors[rank], phase.plan.world_size, collective_timeout=bound,
-                             arrival_timeout=bound, subgroups=subgroup_ranks(phase.plan, trainable_mask(job, specs),
-                                                                             tied_pair(specs)))  # fmt: skip
+                             arrival_timeout=bound, subgroups=engine_subgroups(job, phase.plan, specs))  # fmt: skip
 
     backends: list[str] = []
 
@@ -217,7 +216,10 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
             if not (saved := save_checkpoint(save_final, engine, step)).complete:
                 raise OSError(saved.error or f"another rank could not write its share of {save_final}")
         states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
-        optim = {engine.specs[i].name: optimizer_state(opt) for i, opt in engine.optimizers.items()}
+        # A stage of several GPUs holds shards (DTensors): gathered whole, every rank of it in the same order.
+        optim = {engine.specs[i].name: {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                        for k, v in optimizer_state(opt).items()}
+                 for i, opt in sorted(engine.optimizers.items())}  # fmt: skip
         torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
                     "optimizer_state_sizes": {k: len(opt.state) for k, opt in
                                               ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},
