@@ -37,7 +37,8 @@ def run(job, prefetch: bool, steps: int = 3):
     engine.prefetch = prefetch
     order = []  # ("pack", mb) and ("forward done", mb) as they happen
     pack, forward = engine._batch, engine._dispatch
-    engine._batch = lambda mb: (order.append(("pack", mb)) if mb not in engine._batches else None, pack(mb))[1]
+    engine._batch = lambda mb, piece=0: (order.append(("pack", mb)) if (mb, piece) not in engine._batches else None,
+                                         pack(mb, piece))[1]  # fmt: skip
     forward_handler = forward[next(t for t in forward if t.__name__ == "ForwardPass")]
 
     def traced_forward(ins):
