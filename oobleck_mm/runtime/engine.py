@@ -44,7 +44,8 @@ from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
-from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at
+from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at, optimizer_state
+from oobleck_mm.runtime.sharding import shard_layer, whole_layer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.timing import Stopwatch
 from oobleck_mm.runtime.update import apply_update, trainable_params
@@ -220,7 +221,7 @@ class StageEngine:
         self.next_needs_grad = self.next_rank is not None and any(trainable[: self.stage.layer_end])
         self.needs_backward = any(trainable[: self.stage.layer_end])
 
-        handed_over = bool(held)
+        handed_over = dict(held or {})
         held = dict(held or {})
         for i in self.stage.layers:
             if i not in held:
@@ -249,19 +250,18 @@ class StageEngine:
             ds.OptimizerStep: self._optimizer_step,
         }
 
-    def _shard(self, handed_over: bool) -> None:
-        """Shard this stage's layers over its ranks with FSDP2 (docs/runtime.md, "Stages of several GPUs").
+    def _shard(self, held: Mapping[int, HeldLayer]) -> None:
+        """Shard this stage's layers over its ranks with FSDP2 (``runtime/sharding.py``; docs/runtime.md,
+        "Stages of several GPUs"), ``held`` ones (handed over, loaded from a checkpoint) with their optimizer
+        state.
 
         Each layer is its own ``fully_shard`` unit: its parameters are all-gathered before its forward and
         its backward and its gradients reduce-scattered after, per piece, as the planner prices it
-        (``planning.costs.stage_cost``). The reduce-scatter sums (divide factor 1): the losses are already
-        divided by the global token count. The optimizers are made after sharding, over the DTensor shards."""
+        (``planning.costs.stage_cost``)."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
 
         unsupported = {"tied embeddings": self.sync.tied is not None and any(i in self.layers for i in self.sync.tied),
-                       "mixed precision": self.mixed is not None,
-                       "layers handed over from another plan": handed_over}  # fmt: skip
+                       "mixed precision": self.mixed is not None}  # fmt: skip
         named = [name for name, present in unsupported.items() if present]
         if named:
             raise ValueError(f"stage over layers {self.stage.layer_start}..{self.stage.layer_end - 1} spans "
@@ -269,11 +269,11 @@ class StageEngine:
                              f"(cluster.max_gpus_per_stage: 1 does)")  # fmt: skip
         mesh = DeviceMesh.from_group(self.sync.stage_group, self.device.type)
         for i, module in self.layers.items():
-            fully_shard(module, mesh=mesh)
-            module.set_reduce_scatter_divide_factor(1.0)
-            params = trainable_params(module)
-            if params:
-                self.optimizers[i] = build_layer_optimizer(params, self.job.training)
+            handed = held.get(i)
+            state = optimizer_state(handed.optimizer) if handed is not None and handed.optimizer is not None else None
+            optimizer = shard_layer(module, mesh, self.job.training, state)
+            if optimizer is not None:
+                self.optimizers[i] = optimizer
 
     # ------------------------------------------------------------------ iteration
     def train_step(self, step: int, assignment: Assignment | None = None) -> StepResult:
@@ -666,7 +666,16 @@ class StageEngine:
             self.balancer.load_state_dict(state["balancer"])
 
     def held(self) -> dict[int, HeldLayer]:
-        return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
+        """Every layer of the stage with its optimizer. On a stage of several GPUs each is gathered whole (a
+        copy, ``sharding.whole_layer``): collective over the stage, its every rank calls it at once (every
+        checkpoint path does, before picking the layers it writes)."""
+        if self.stage.width == 1:
+            return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
+        out = {}
+        for i, module in sorted(self.layers.items()):
+            build = lambda i=i: build_layer(self.job, i, self.specs, initialize=False).to(self.device)  # noqa: E731
+            out[i] = HeldLayer(*whole_layer(module, self.optimizers.get(i), build, self.job.training))
+        return out
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s whole state; on a stage of several GPUs gathered from its shards (collective over

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
-from oobleck_mm.runtime.checkpoint import save_layers, save_meta, write_error
+from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers, save_meta, write_error
 from oobleck_mm.runtime.engine import StageEngine, StepResult, engine_subgroups
 from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.group import PreparedGroup, join_generation
@@ -65,9 +65,10 @@ def set_float32_precision(job) -> None:
 
 
 def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, device: torch.device,
-          on_step: Callable[[StepResult], None] | None = None) -> StageEngine:
-    """Build this rank's stage and run ``steps`` iterations from ``start_step``."""
-    engine = StageEngine(job, plan, rank, device=device)
+          on_step: Callable[[StepResult], None] | None = None, held=None) -> StageEngine:
+    """Build this rank's stage (``held``: layers it starts from, e.g. a checkpoint's) and run ``steps``
+    iterations from ``start_step``."""
+    engine = StageEngine(job, plan, rank, device=device, held=held)
     for step in range(start_step, start_step + steps):
         result = engine.train_step(step)
         if on_step is not None:
@@ -168,7 +169,8 @@ class Phase:
 
 
 def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int,
-                 phases: Sequence[Phase] = (), save_final: str | None = None, timeout_s: float = 120.0) -> None:
+                 phases: Sequence[Phase] = (), save_final: str | None = None, timeout_s: float = 120.0,
+                 resume: str | None = None) -> None:
     torch.set_num_threads(threads)
     # No master watches a local run: its waits are bounded by the run's own timeout instead.
     bound = timedelta(seconds=timeout_s)
@@ -196,8 +198,13 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         join(0, rank, plan.world_size)
         results: list[StepResult] = []
         prepared = prepare(1)
-        engine = train(job, plan, rank, 0, steps, device, results.append)
-        step, transfers = steps, []
+        start, held = 0, None
+        if resume is not None:  # as a worker resumes (agent_worker): its stage's layers from the checkpoint
+            specs = model_layer_specs(job)
+            start = int(read_meta(resume)["step"])
+            held = {i: load_layer(resume, job, i, specs, device) for i in plan.stage(rank).layers}
+        engine = train(job, plan, rank, start, steps, device, results.append, held)
+        step, transfers = start + steps, []
         for generation, phase in enumerate(phases, start=1):
             if rank not in phase.survivors:
                 dist.destroy_process_group()
@@ -237,8 +244,10 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
 
 
 def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, threads: int = 1,
-              timeout_s: float = 120.0, phases: Sequence[Phase] = (), save_final: str | None = None) -> list[dict]:
-    """Train ``plan`` for ``steps`` with one OS process per rank, then each of ``phases``.
+              timeout_s: float = 120.0, phases: Sequence[Phase] = (), save_final: str | None = None,
+              resume: str | None = None) -> list[dict]:
+    """Train ``plan`` for ``steps`` with one OS process per rank, then each of ``phases``; ``resume``: from
+    that checkpoint (its step, its layers and optimizer states), as workers resume.
 
     Returns the saved outputs of every rank of the last plan, in rank order.
     """
@@ -249,7 +258,7 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
                           timeout=timedelta(seconds=60))
     # Forks of a template that imported torch and the engine once: ~2 s less per rank than a spawn.
     procs = [warm_process(_local_entry, job, plan, r, port, steps, str(out_dir), threads, tuple(phases), save_final,
-                          timeout_s) for r in range(plan.world_size)]  # fmt: skip
+                          timeout_s, resume) for r in range(plan.world_size)]  # fmt: skip
     final = phases[-1].plan if phases else plan
     try:
         for p in procs:

@@ -1,0 +1,68 @@
+"""A stage's layers sharded over its GPUs with FSDP2, and whole again (docs/runtime.md, "Stages of several GPUs").
+
+``shard_layer`` turns a whole layer (built fresh, loaded from a checkpoint, or handed
+over from another plan) and its optimizer state into FSDP2 shards over the stage's
+mesh: rank ``k`` keeps chunk ``k`` of every parameter's rows and of its AdamW
+moments (``torch.chunk``'s cut, ``planning.shards.chunk_rows``). ``whole_layer`` is
+the inverse: every rank of the stage gathers the layer's parameters and moments
+(``DTensor.full_tensor``, a collective over the stage) into a plain layer and
+optimizer, what checkpoints write and what a one-GPU stage holds. So a checkpoint
+is the same files whatever the layout that wrote it, and resumes on any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from oobleck_mm.planning.shards import chunk_rows
+from oobleck_mm.runtime.optim import build_layer_optimizer, load_optimizer_state, optimizer_state
+from oobleck_mm.runtime.update import local, trainable_params
+
+
+def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Tensor] | None = None):
+    """Shard ``module`` in place over ``mesh`` (one FSDP2 unit, its reduce-scatter a sum) and return its
+    optimizer over the shards (None when frozen), holding this rank's chunk of ``state`` (a whole layer's
+    ``optim.optimizer_state``; None: fresh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh)
+    module.set_reduce_scatter_divide_factor(1.0)  # the engine's losses are already divided
+    params = trainable_params(module)
+    if not params:
+        return None
+    optimizer = build_layer_optimizer(params, training)
+    if state is not None:
+        width, k = mesh.size(), mesh.get_local_rank()
+        shards = optimizer_state(optimizer)  # zero DTensors shaped (and sharded) as the parameters
+        for key, shard in shards.items():
+            whole = state[key]
+            if shard.dim() == 0:
+                shard.copy_(whole)
+                continue
+            start, end = chunk_rows(whole.shape[0], width)[k]
+            local(shard).copy_(whole[start:end])
+        load_optimizer_state(optimizer, shards)
+    return optimizer
+
+
+def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], training):
+    """The layer ``module`` (sharded by ``shard_layer``) whole on every rank of its stage, with its optimizer
+    and whole moments: ``(plain module, optimizer or None)``. Collective over the stage: its every rank calls
+    it for the same layers in the same order. ``build()`` makes the plain layer to load into."""
+    plain = build()
+    plain.load_state_dict({k: _whole(v) for k, v in module.state_dict().items()})
+    if optimizer is None:
+        return plain, None
+    moments = {k: _whole(v) for k, v in optimizer_state(optimizer).items()}
+    params = trainable_params(plain)
+    whole_optimizer = build_layer_optimizer(params, training)
+    load_optimizer_state(whole_optimizer, moments)
+    return plain, whole_optimizer
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
