@@ -122,14 +122,35 @@ def rank_transfers(
     """
     if len(previous_ranks) != new.world_size:
         raise ValueError(f"previous_ranks has {len(previous_ranks)} entries for {new.world_size} ranks")
+    complete = _complete_stages(old, previous_ranks)
     held = {
         rank: old.stage(previous).layers
         for rank, previous in enumerate(previous_ranks)
-        if previous >= 0 and old is not None
+        if previous >= 0 and old is not None and old.stage(previous).ranks in complete
     }
-    needed = {stage.rank: stage.layers for p in new.pipelines for stage in p.stages}
+    needed = {rank: stage.layers for p in new.pipelines for stage in p.stages for rank in stage.ranks}
     node_of = (lambda rank: rank_nodes[rank]) if rank_nodes else None
     return plan_transfers(held, needed, node_of)
+
+
+def _complete_stages(old: ExecutionPlan | None, previous_ranks: Sequence[int]) -> set[tuple[int, ...]]:
+    """The old stages every rank of which survives: a stage of several GPUs that lost one holds no whole layer."""
+    if old is None:
+        return set()
+    alive = {previous for previous in previous_ranks if previous >= 0}
+    return {s.ranks for p in old.pipelines for s in p.stages if alive.issuperset(s.ranks)}
+
+
+def gather_groups(old: ExecutionPlan | None, previous_ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """For every surviving stage of several GPUs of ``old``, its ranks in the new generation, in shard order:
+    the group over which they gather their layers whole (``StageEngine.held``) before the state copy, since
+    their own stage's groups ended with the old generation. In ``old``'s stage order, the same on every rank."""
+    if old is None:
+        return []
+    new_of = {previous: rank for rank, previous in enumerate(previous_ranks) if previous >= 0}
+    complete = _complete_stages(old, previous_ranks)
+    return [tuple(new_of[r] for r in s.ranks) for p in old.pipelines for s in p.stages
+            if s.width > 1 and s.ranks in complete]  # fmt: skip
 
 
 def missing_states(
@@ -137,9 +158,12 @@ def missing_states(
 ) -> int:
     """(layer, new rank) pairs whose worker does not hold the layer yet: states to copy, load or create."""
     count = 0
+    complete = _complete_stages(old, previous_ranks)
     for stage in (s for p in new.pipelines for s in p.stages):
-        previous = previous_ranks[stage.rank]
-        held = old.stage(previous).layers if old is not None and previous >= 0 else range(0)
-        count += sum(1 for layer in stage.layers if layer not in held)
+        for rank in stage.ranks:  # every GPU of a stage holds (its shard of) every layer of it
+            previous = previous_ranks[rank]
+            held = (old.stage(previous).layers if old is not None and previous >= 0
+                    and old.stage(previous).ranks in complete else range(0))  # fmt: skip
+            count += sum(1 for layer in stage.layers if layer not in held)
     return count
 

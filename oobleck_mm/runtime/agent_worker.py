@@ -398,7 +398,9 @@ class WorkerLoop:
             lambda: connect_store(a.store_host, a.store_port, a.store_token, timeout=timeouts.rendezvous_timeout),
             a.generation, a.rank, a.world_size, collective_timeout=timeouts.collective_timeout,
             arrival_timeout=timeouts.rendezvous_timeout,
-            subgroups=engine_subgroups(self.job, plan_from_proto(a.plan), specs),
+            subgroups=engine_subgroups(self.job, plan_from_proto(a.plan), specs,
+                                       plan_from_proto(a.previous_plan) if a.previous_generation else None,
+                                       list(a.previous_ranks)),
             before=lambda: hold("forming", self.node),
             gated=a.rank < len(a.previous_ranks) and a.previous_ranks[a.rank] < 0,  # a joiner: see PreparedGroup
         )  # fmt: skip

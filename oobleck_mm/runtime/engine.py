@@ -42,10 +42,11 @@ from oobleck_mm.model.layers import (build_layer, microbatch_loss, model_layer_s
 from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
+from oobleck_mm.planning.transfers import gather_groups
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
 from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at, optimizer_state
-from oobleck_mm.runtime.sharding import shard_layer, whole_layer
+from oobleck_mm.runtime.sharding import Gather, shard_layer, whole_layer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.timing import Stopwatch
 from oobleck_mm.runtime.update import apply_update, trainable_params
@@ -121,13 +122,16 @@ def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu",
     return HeldLayer(module, build_layer_optimizer(params, job.training) if params else None)
 
 
-def engine_subgroups(job, plan: ExecutionPlan, specs=None) -> list[tuple[int, ...]]:
-    """The ranks of every process group a ``StageEngine`` of this job forms on ``plan``, in order: what a
-    ``runtime.group.PreparedGroup`` forms ahead of a switch (``grad_sync.subgroup_ranks``)."""
+def engine_subgroups(job, plan: ExecutionPlan, specs=None, old_plan: ExecutionPlan | None = None,
+                     previous_ranks=()) -> list[tuple[int, ...]]:
+    """The ranks of every process group a generation forms on ``plan``, in order: what a ``runtime.group.
+    PreparedGroup`` forms ahead of a switch. First the state copy's (``old_plan``: the generation before, with
+    ``previous_ranks``; ``planning.transfers.gather_groups``), then a ``StageEngine``'s (``grad_sync.
+    subgroup_ranks``)."""
     specs = specs if specs is not None else model_layer_specs(job)
     trainable = trainable_mask(job, specs)
     rows = parameter_rows(job, sharded_layers(plan, trainable), specs) if plan.sharded else None
-    return subgroup_ranks(plan, trainable, tied_pair(specs), rows)
+    return gather_groups(old_plan, previous_ranks) + subgroup_ranks(plan, trainable, tied_pair(specs), rows)
 
 
 def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, Callable]) -> int:
@@ -665,16 +669,17 @@ class StageEngine:
         if self.balancer is not None and state.get("balancer") is not None:
             self.balancer.load_state_dict(state["balancer"])
 
-    def held(self) -> dict[int, HeldLayer]:
+    def held(self, over: Gather | None = None) -> dict[int, HeldLayer]:
         """Every layer of the stage with its optimizer. On a stage of several GPUs each is gathered whole (a
         copy, ``sharding.whole_layer``): collective over the stage, its every rank calls it at once (every
-        checkpoint path does, before picking the layers it writes)."""
+        checkpoint path does, before picking the layers it writes; so does a recovery's state copy, ``over``
+        a group of the new generation)."""
         if self.stage.width == 1:
             return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
         out = {}
         for i, module in sorted(self.layers.items()):
             build = lambda i=i: build_layer(self.job, i, self.specs, initialize=False).to(self.device)  # noqa: E731
-            out[i] = HeldLayer(*whole_layer(module, self.optimizers.get(i), build, self.job.training))
+            out[i] = HeldLayer(*whole_layer(module, self.optimizers.get(i), build, self.job.training, over))
         return out
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:

@@ -13,8 +13,10 @@ is the same files whatever the layout that wrote it, and resumes on any other.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -49,15 +51,27 @@ def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Ten
     return optimizer
 
 
-def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], training):
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """A group to gather a stage's shards over other than its own mesh (whose groups ended with the
+    generation: a recovery's survivors gather in the new one, ``planning.transfers.gather_groups``)."""
+
+    group: object
+    chunks: tuple[int, ...]
+    """The chunk each member of ``group`` holds, by its rank in the group."""
+
+
+def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], training, over: Gather | None = None):
     """The layer ``module`` (sharded by ``shard_layer``) whole on every rank of its stage, with its optimizer
     and whole moments: ``(plain module, optimizer or None)``. Collective over the stage: its every rank calls
-    it for the same layers in the same order. ``build()`` makes the plain layer to load into."""
+    it for the same layers in the same order. ``build()`` makes the plain layer to load into. ``over``: gather
+    in that group instead of the layer's own mesh."""
+    whole = _whole if over is None else (lambda v: _gathered(v, over))
     plain = build()
-    plain.load_state_dict({k: _whole(v) for k, v in module.state_dict().items()})
+    plain.load_state_dict({k: whole(v) for k, v in module.state_dict().items()})
     if optimizer is None:
         return plain, None
-    moments = {k: _whole(v) for k, v in optimizer_state(optimizer).items()}
+    moments = {k: whole(v) for k, v in optimizer_state(optimizer).items()}
     params = trainable_params(plain)
     whole_optimizer = build_layer_optimizer(params, training)
     load_optimizer_state(whole_optimizer, moments)
@@ -66,3 +80,22 @@ def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], tr
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _gathered(value: torch.Tensor, over: Gather) -> torch.Tensor:
+    """``value`` whole from its shards, gathered over ``over.group`` (rows cut as ``chunk_rows`` cuts them).
+    Written by hand: ``DTensor.full_tensor`` resolves the mesh's own groups, which a recovery has closed."""
+    if not isinstance(value, DTensor):
+        return value
+    mine, shape = value.to_local(), value.shape
+    cuts = chunk_rows(shape[0], len(over.chunks))
+    size = max(end - start for start, end in cuts)
+    padded = mine.new_zeros((size, *shape[1:]))
+    padded[: mine.shape[0]] = mine
+    parts = [torch.empty_like(padded) for _ in over.chunks]
+    dist.all_gather(parts, padded, group=over.group)
+    out = mine.new_empty(shape)
+    for part, chunk in zip(parts, over.chunks):
+        start, end = cuts[chunk]
+        out[start:end] = part[: end - start]
+    return out

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from oobleck_mm.planning.transfers import Transfer, rank_transfers
+from oobleck_mm.planning.transfers import Transfer, gather_groups, rank_transfers
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.runtime.engine import HeldLayer, StageEngine, fresh_layer
 from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
+from oobleck_mm.runtime.sharding import Gather
 from oobleck_mm.runtime.waiting import Waiter
 
 
@@ -189,6 +190,22 @@ def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[in
     return Arrival(transfers, receive, data, balancer)
 
 
+def _held_whole(engine, old_plan, previous_ranks: Sequence[int], new_rank: int, waiter: Waiter) -> dict[int, HeldLayer]:
+    """What this survivor holds of ``old_plan`` as whole layers. A stage of several GPUs gathers its shards in
+    the new generation, over a group of its surviving ranks (``gather_groups``: every rank of the generation
+    forms every one, in order); one that lost a rank holds nothing whole."""
+    groups = gather_groups(old_plan, previous_ranks)
+    formed = [dist.new_group(list(ranks), timeout=waiter.timeout) for ranks in groups]
+    if engine.stage.width == 1:
+        return engine.held()
+    mine = [(ranks, group) for ranks, group in zip(groups, formed) if new_rank in ranks]
+    if not mine:
+        return {}
+    ranks, group = mine[0]
+    # torch orders a group's members by rank; member j holds the chunk its old rank held in the old stage
+    return engine.held(Gather(group, tuple(ranks.index(r) for r in sorted(ranks))))
+
+
 def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
                rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", waiter: Waiter = Waiter(),
                arrival: Arrival | None = None):
@@ -203,7 +220,7 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
     if arrival is None:
         arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device)
     transfers = arrival.transfers
-    held = engine.held() if engine is not None else {}
+    held = _held_whole(engine, old_plan, previous_ranks, new_rank, waiter) if engine is not None else {}
     received, moved, seconds = transfer_layers(transfers, new_rank, held, arrival.receive.pop, device, waiter)
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)

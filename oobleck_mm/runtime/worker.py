@@ -180,6 +180,11 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                         collective_timeout=bound, arrival_timeout=bound, prepared=prepared)  # fmt: skip
         backends.append(dist.get_backend())
 
+    def previous_plan(generation: int) -> ExecutionPlan:
+        return phases[generation - 2].plan if generation > 1 else first_plan
+
+    first_plan = plan
+
     def prepare(generation: int) -> PreparedGroup | None:
         """The groups of phase ``generation``, formed now if it says so, while this generation trains."""
         if generation > len(phases) or not phases[generation - 1].prepared or rank not in phases[generation - 1].survivors:
@@ -187,7 +192,8 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         phase, specs = phases[generation - 1], model_layer_specs(job)
         return PreparedGroup(lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound), generation,
                              phase.survivors[rank], phase.plan.world_size, collective_timeout=bound,
-                             arrival_timeout=bound, subgroups=engine_subgroups(job, phase.plan, specs))  # fmt: skip
+                             arrival_timeout=bound, subgroups=engine_subgroups(job, phase.plan, specs, previous_plan(generation),
+                                                               phase.previous_ranks))  # fmt: skip
 
     backends: list[str] = []
 

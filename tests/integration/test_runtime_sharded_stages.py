@@ -90,3 +90,35 @@ def test_a_checkpoint_resumes_on_another_shard_layout_and_the_run_equals_the_ref
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses[3:], abs=1e-12)
+
+
+def _phase_case(kind: str):
+    """(first plan, Phase) of a reconfiguration across shard layouts."""
+    from oobleck_mm.runtime.worker import Phase
+
+    first = ExecutionPlan.even(10, [2, 3], [4, 4], 2, widths=[[2, 1], [1, 1, 1]])  # ranks 0+1 | 2 ; 3 | 4 | 5
+    if kind == "loss":
+        # rank 5's node is lost; the 2-GPU stage's ranks split: rank 0 keeps layers 0-4 whole, rank 1 joins
+        # old rank 2 in a 2-GPU stage over 5-9 (copied whole), pipeline 1 re-forms as two stages
+        second = ExecutionPlan.even(10, [2, 2], [4, 4], 2, widths=[[1, 2], [1, 1]])
+        return first, Phase(second, 2, {0: 0, 1: 1, 2: 2, 3: 3, 4: 4})
+    # every rank survives into other layouts, the groups formed in the background as for a join or a notice:
+    # rank 0 keeps 0-4 whole; ranks 1+2 and 3+4 become 2-GPU stages over 5-9 and 0-4; rank 5 takes 5-9
+    second = ExecutionPlan.even(10, [2, 2], [4, 4], 2, widths=[[1, 2], [2, 1]])
+    return first, Phase(second, 2, {r: r for r in range(6)}, prepared=True)
+
+
+@pytest.mark.parametrize("kind", ["loss", "relayout"])
+def test_a_reconfiguration_across_shard_layouts_keeps_every_state_exact(kind, tmp_path):
+    """3 steps, then a new plan in the same processes (the survivors gather their shards whole in the new
+    generation, the copies run, new 2-GPU stages shard what they hold), then 2 more: equal to 5 reference
+    steps (float64, 1e-10) on every rank."""
+    job = tiny_job()
+    trainer, ref_losses = reference(job)
+    first, phase = _phase_case(kind)
+    outs = run_local(job, first, 3, tmp_path, phases=[phase], timeout_s=240)
+    assert len(outs) == phase.plan.world_size
+    assert outs[0]["transfers"][0], "the new plan needs copies"
+    assert max_param_diff(outs, trainer) < 1e-10
+    for out in outs:
+        assert out["losses"][-2:] == pytest.approx(ref_losses[3:], abs=1e-12)
