@@ -46,7 +46,7 @@ from oobleck_mm.planning.transfers import gather_groups
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
 from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at, optimizer_state
-from oobleck_mm.runtime.sharding import Gather, shard_layer, whole_layer
+from oobleck_mm.runtime.sharding import Gather, gathered, shard_layer, whole_layer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.timing import Stopwatch
 from oobleck_mm.runtime.update import apply_update, trainable_params
@@ -676,6 +676,7 @@ class StageEngine:
         a group of the new generation)."""
         if self.stage.width == 1:
             return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
+        over = over or Gather.of_stage(self.sync.stage_group, self.stage.ranks)
         out = {}
         for i, module in sorted(self.layers.items()):
             build = lambda i=i: build_layer(self.job, i, self.specs, initialize=False).to(self.device)  # noqa: E731
@@ -685,5 +686,6 @@ class StageEngine:
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s whole state; on a stage of several GPUs gathered from its shards (collective over
         the stage: its every rank asks for the same layers in the same order)."""
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        over = Gather.of_stage(self.sync.stage_group, self.stage.ranks) if self.stage.width > 1 else None
+        return {k: (gathered(v, over) if isinstance(v, DTensor) else v).detach().cpu().clone()
                 for k, v in self.layers[index].state_dict().items()}  # fmt: skip

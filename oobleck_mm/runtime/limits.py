@@ -1,8 +1,9 @@
 """What the runtime can run, checked before any process starts (``oobleck-launch master`` and ``local``).
 
 ``plan`` plans what the dissertation's setups describe (stages of up to 8 GPUs);
-the engine trains such stages, but recovery and checkpoints handle one GPU per stage. A job the workers would refuse after
-minutes of start-up is refused here instead, naming the field and what to set.
+the engine trains stages of several GPUs with FSDP2 (docs/runtime.md) but not yet
+with every feature. A job the workers would refuse after minutes of start-up is
+refused here instead, naming the field and what to set.
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ def check_runnable(job, workers_here: bool) -> None:
     """``workers_here``: the workers run on this machine (``local``), so its GPUs can be counted."""
     c = job.cluster
     if c.max_gpus_per_stage > 1:
-        raise UserError(
-            f"cluster.max_gpus_per_stage: {c.max_gpus_per_stage}, but recovery and checkpoints handle one GPU per "
-            "pipeline stage only (the engine trains wider stages, docs/runtime.md); set it to 1 to train this job "
-            "(plan still plans with it)"
-        )
+        check_wide_stages(job)
     if workers_here and c.device == "cuda":
         needed = c.gpus_per_node
         if torch.cuda.device_count() < needed:
@@ -28,3 +25,27 @@ def check_runnable(job, workers_here: bool) -> None:
                 f"cluster.device: 'cuda' with cluster.gpus_per_node {needed}, but this machine's torch sees "
                 f"{torch.cuda.device_count()} GPU(s); set cluster.device: cpu to run the job on the cpu"
             )
+
+
+def check_wide_stages(job) -> None:
+    """What a stage of several GPUs (``cluster.max_gpus_per_stage`` above 1) does not run with yet, or cannot."""
+    from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
+    from oobleck_mm.precision import is_mixed
+
+    c, t = job.cluster, job.training
+    keep = f"or set cluster.max_gpus_per_stage: 1 (now {c.max_gpus_per_stage})"
+    if c.max_gpus_per_stage > t.microbatch_size:
+        raise UserError(
+            f"cluster.max_gpus_per_stage: {c.max_gpus_per_stage}, but training.microbatch_size is {t.microbatch_size}: "
+            f"a stage of several GPUs splits every microbatch's samples over them (FSDP2), so a microbatch needs "
+            f"at least as many samples; raise training.microbatch_size to {c.max_gpus_per_stage} {keep}"
+        )
+    if is_mixed(t):
+        raise UserError(f"training.dtype: {t.dtype!r} (mixed precision) does not run on stages of several GPUs yet; "
+                        f"use float32 or float64 {keep}")  # fmt: skip
+    specs = model_layer_specs(job)
+    tied = tied_pair(specs)
+    trainable = trainable_mask(job, specs)
+    if tied is not None and trainable[tied[0]] and trainable[tied[1]]:
+        raise UserError(f"the model ties its LM head to its token embedding ({specs[tied[1]].name} = "
+                        f"{specs[tied[0]].name}), which does not run on stages of several GPUs yet {keep}")  # fmt: skip

@@ -53,20 +53,26 @@ def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Ten
 
 @dataclass(frozen=True, slots=True)
 class Gather:
-    """A group to gather a stage's shards over other than its own mesh (whose groups ended with the
-    generation: a recovery's survivors gather in the new one, ``planning.transfers.gather_groups``)."""
+    """The group a stage's shards are gathered over: the stage's own (``Gather.of_stage``), or after a
+    recovery a group of its survivors in the new generation (``planning.transfers.gather_groups``)."""
 
     group: object
     chunks: tuple[int, ...]
     """The chunk each member of ``group`` holds, by its rank in the group."""
 
+    @classmethod
+    def of_stage(cls, group, ranks: tuple[int, ...], members: tuple[int, ...] | None = None) -> Gather:
+        """``group`` over ``members`` (default ``ranks``), whose member ``ranks[k]`` holds chunk ``k``
+        (torch orders a group's members by rank)."""
+        members = ranks if members is None else members
+        return cls(group, tuple(ranks.index(r) for r in sorted(members)))
 
-def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], training, over: Gather | None = None):
-    """The layer ``module`` (sharded by ``shard_layer``) whole on every rank of its stage, with its optimizer
-    and whole moments: ``(plain module, optimizer or None)``. Collective over the stage: its every rank calls
-    it for the same layers in the same order. ``build()`` makes the plain layer to load into. ``over``: gather
-    in that group instead of the layer's own mesh."""
-    whole = _whole if over is None else (lambda v: _gathered(v, over))
+
+def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], training, over: Gather):
+    """The layer ``module`` (sharded by ``shard_layer``) whole on every rank of ``over``, with its optimizer
+    and whole moments: ``(plain module, optimizer or None)``. Collective over ``over.group``: its every member
+    calls it for the same layers in the same order. ``build()`` makes the plain layer to load into."""
+    whole = lambda v: gathered(v, over)  # noqa: E731
     plain = build()
     plain.load_state_dict({k: whole(v) for k, v in module.state_dict().items()})
     if optimizer is None:
@@ -78,13 +84,13 @@ def whole_layer(module: nn.Module, optimizer, build: Callable[[], nn.Module], tr
     return plain, whole_optimizer
 
 
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _gathered(value: torch.Tensor, over: Gather) -> torch.Tensor:
+def gathered(value: torch.Tensor, over: Gather) -> torch.Tensor:
     """``value`` whole from its shards, gathered over ``over.group`` (rows cut as ``chunk_rows`` cuts them).
-    Written by hand: ``DTensor.full_tensor`` resolves the mesh's own groups, which a recovery has closed."""
+
+    Written by hand instead of ``DTensor.full_tensor``: that resolves the mesh's group by its name, and
+    torch names groups from a counter every generation restarts (``runtime/group.py``), so once an older
+    generation's group of the same name was destroyed the name no longer resolved (a 2-GPU stage's final
+    save failed so, 10 steps after a join) or could resolve to another group. Here the group is an object."""
     if not isinstance(value, DTensor):
         return value
     mine, shape = value.to_local(), value.shape

@@ -201,9 +201,8 @@ def _held_whole(engine, old_plan, previous_ranks: Sequence[int], new_rank: int, 
     mine = [(ranks, group) for ranks, group in zip(groups, formed) if new_rank in ranks]
     if not mine:
         return {}
-    ranks, group = mine[0]
-    # torch orders a group's members by rank; member j holds the chunk its old rank held in the old stage
-    return engine.held(Gather(group, tuple(ranks.index(r) for r in sorted(ranks))))
+    ranks, group = mine[0]  # new ranks in the old stage's shard order
+    return engine.held(Gather.of_stage(group, ranks))
 
 
 def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,

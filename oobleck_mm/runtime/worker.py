@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
@@ -120,14 +119,15 @@ def _all_wrote(wrote: bool, device: torch.device) -> bool:
 
 
 def write_replica_hashes(directory: str, engine: StageEngine) -> None:
-    """``replicas/rank{r}.json``: sha256 of every layer this rank holds, to check replicas are identical."""
+    """``replicas/rank{r}.json``: sha256 of every layer this rank holds, to check replicas are identical (a
+    sharded layer whole, so a stage's every rank hashes the same)."""
     import hashlib
     import json
 
     hashes = {}
-    for i, module in engine.layers.items():
+    for i in engine.layers:  # (gathered whole on a stage of several GPUs: every rank of it at once)
         digest = hashlib.sha256()
-        for key, value in sorted(module.state_dict().items()):
+        for key, value in sorted(engine.layer_state(i).items()):
             digest.update(key.encode())
             digest.update(value.detach().cpu().contiguous().numpy().tobytes())
         hashes[engine.specs[i].name] = digest.hexdigest()
@@ -229,10 +229,9 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
             if not (saved := save_checkpoint(save_final, engine, step)).complete:
                 raise OSError(saved.error or f"another rank could not write its share of {save_final}")
         states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
-        # A stage of several GPUs holds shards (DTensors): gathered whole, every rank of it in the same order.
-        optim = {engine.specs[i].name: {k: v.full_tensor() if isinstance(v, DTensor) else v
-                                        for k, v in optimizer_state(opt).items()}
-                 for i, opt in sorted(engine.optimizers.items())}  # fmt: skip
+        # A stage of several GPUs holds shards: gathered whole (engine.held), every rank of it at once.
+        optim = {engine.specs[i].name: optimizer_state(h.optimizer)
+                 for i, h in sorted(engine.held().items()) if h.optimizer is not None}  # fmt: skip
         torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
                     "optimizer_state_sizes": {k: len(opt.state) for k, opt in
                                               ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},

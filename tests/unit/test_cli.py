@@ -139,7 +139,7 @@ def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("config,message", [
-    ("configs/mllm_10b.yaml", "cluster.max_gpus_per_stage: 8, but recovery and checkpoints handle one GPU per"),
+    ("configs/mllm_10b.yaml", "cluster.max_gpus_per_stage: 8, but training.microbatch_size is 1: a stage of several"),
     ("configs/gpt3_2.7b.yaml", "cluster.device: 'cuda' with cluster.gpus_per_node 1, but this machine's torch sees"),
 ])
 def test_local_refuses_what_the_workers_could_not_run_before_starting_anything(capsys, config, message):
