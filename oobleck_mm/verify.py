@@ -299,6 +299,15 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
     start = time.perf_counter()
     try:
         job = load_config(args.config, args.deepspeed, args.overrides)
+        # The run's schedule: a run launched with --steps N (or resumed to it) decays its learning rate over N
+        # steps, whatever the file says; the checkpoint records N. Replayed over the file's steps instead, a
+        # correct run read ~5e-5 off (a scaled-down mllm_10b: --steps 20 against the file's 100).
+        ran = ((read_meta(args.against).get("config") or {}).get("training") or {}).get("steps")
+        set_here = any(o.split("=", 1)[0].strip() == "training.steps" for o in args.overrides)
+        if ran is not None and int(ran) != job.training.steps and not set_here:
+            print(f"note: the run's schedule is over {int(ran)} steps (its checkpoint's training.steps), not the "
+                  f"file's {job.training.steps}: replayed so", file=sys.stderr)  # fmt: skip
+            job = load_config(args.config, args.deepspeed, [*args.overrides, f"training.steps={int(ran)}"])
         # The samples the run left out (the master's check, data.skip_bad_samples) are left out here too.
         recorded = (read_meta(args.against).get("config") or {}).get("data") or {}
         if recorded.get("excluded_samples"):

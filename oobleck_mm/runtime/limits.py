@@ -16,7 +16,7 @@ from oobleck_mm.errors import UserError
 def check_runnable(job, workers_here: bool) -> None:
     """``workers_here``: the workers run on this machine (``local``), so its GPUs can be counted."""
     c = job.cluster
-    if c.max_gpus_per_stage > 1:
+    if min(c.max_gpus_per_stage, c.gpus_per_node) > 1:
         check_wide_stages(job)
     if workers_here and c.device == "cuda":
         needed = c.gpus_per_node
@@ -34,11 +34,13 @@ def check_wide_stages(job) -> None:
 
     c, t = job.cluster, job.training
     keep = f"or set cluster.max_gpus_per_stage: 1 (now {c.max_gpus_per_stage})"
-    if c.max_gpus_per_stage > t.microbatch_size:
+    widest = max(d for d in (1, 2, 4, 8) if d <= min(c.max_gpus_per_stage, c.gpus_per_node))  # the planner's options
+    if widest > t.microbatch_size:
         raise UserError(
-            f"cluster.max_gpus_per_stage: {c.max_gpus_per_stage}, but training.microbatch_size is {t.microbatch_size}: "
-            f"a stage of several GPUs splits every microbatch's samples over them (FSDP2), so a microbatch needs "
-            f"at least as many samples; raise training.microbatch_size to {c.max_gpus_per_stage} {keep}"
+            f"cluster.max_gpus_per_stage: {c.max_gpus_per_stage} (stages of up to {widest} GPUs on nodes of "
+            f"{c.gpus_per_node}), but training.microbatch_size is {t.microbatch_size}: a stage of several GPUs splits "
+            f"every microbatch's samples over them (FSDP2), so a microbatch needs at least as many samples; raise "
+            f"training.microbatch_size to {widest} {keep}"
         )
     if is_mixed(t):
         raise UserError(f"training.dtype: {t.dtype!r} (mixed precision) does not run on stages of several GPUs yet; "

@@ -139,7 +139,7 @@ def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("config,message", [
-    ("configs/mllm_10b.yaml", "cluster.max_gpus_per_stage: 8, but training.microbatch_size is 1: a stage of several"),
+    ("configs/mllm_10b.yaml", "cluster.max_gpus_per_stage: 8 (stages of up to 8 GPUs on nodes of 8), but training.microbatch_size is 1"),
     ("configs/gpt3_2.7b.yaml", "cluster.device: 'cuda' with cluster.gpus_per_node 1, but this machine's torch sees"),
 ])
 def test_local_refuses_what_the_workers_could_not_run_before_starting_anything(capsys, config, message):
@@ -263,3 +263,26 @@ def test_resume_latest_or_a_run_dir_picks_the_newest_complete_checkpoint(tmp_pat
     with pytest.raises(UserError, match="no complete checkpoint .* under empty"):
         (tmp_path / "empty").mkdir()
         resolved("empty")
+
+
+def test_verify_replays_the_schedule_the_run_had_not_the_files_steps(monkeypatch, capsys, tmp_path):
+    """A run launched with --steps 6 on a file of 20 decays its LR over 6 steps; verify replays that (read from
+    the checkpoint's recorded config), unless the user sets training.steps herself."""
+    import oobleck_mm.verify as verify
+
+    seen = []
+    monkeypatch.setattr("oobleck_mm.runtime.checkpoint.read_meta",
+                        lambda directory: {"step": 6, "config": {"training": {"steps": 6}}})  # fmt: skip
+
+    def compare(job, step, end, progress=None, start_dir=None, tolerance=None):
+        from types import SimpleNamespace
+
+        seen.append(job.training.steps)
+        return SimpleNamespace(ok=True, format=lambda: "ok")
+
+    monkeypatch.setattr(verify, "compare", compare)
+    assert verify.main(["--config", TINY, "--steps", "6", "--against", str(tmp_path)]) == 0
+    assert "the run's schedule is over 6 steps (its checkpoint's training.steps), not the file's 20" in (
+        capsys.readouterr().err)
+    assert verify.main(["--config", TINY, "--steps", "6", "--against", str(tmp_path), "--set", "training.steps=9"]) == 0
+    assert seen == [6, 9]
