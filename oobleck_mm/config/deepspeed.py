@@ -130,12 +130,25 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
                      "(its partition/offload options have no effect here)")
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else zero
-    if stage not in (0, None, False):
-        raise ConfigError(
-            f"deepspeed: {name}: zero_optimization.stage {stage} is not supported (only 0): the engine keeps each "
-            "layer's parameters and optimizer state whole on every holder, so a failure can be recovered by copying "
-            "a layer from any surviving replica; ZeRO would split them across data-parallel ranks"
+    if stage not in (0, 1, 2, 3, None, False):
+        raise ConfigError(f"deepspeed: {name}: zero_optimization.stage {stage!r}: expected 0, 1, 2 or 3")
+    if stage in (1, 2, 3):
+        mapped[("zero_stage",)] = stage
+        notes.append(
+            f"{name}: zero_optimization.stage {stage}: shards inside each pipeline stage of several GPUs "
+            f"(training.zero_stage {stage}: {'parameters, gradients and optimizer state' if stage == 3 else 'gradients and optimizer state, parameters kept gathered from forward to backward'}); "
+            "a layer's replicas in different pipelines stay whole, since recovery copies a lost layer from any of "
+            "them (stages of one GPU shard nothing)"
         )
+    if isinstance(zero, Mapping):
+        ignored = sorted(set(zero) - {"stage"})
+        offloads = [k for k in ignored if k.startswith("offload")]
+        if offloads:
+            raise ConfigError(f"deepspeed: {name}: zero_optimization.{offloads[0]} is not supported (nothing is "
+                              "offloaded to the host or NVMe here); remove it")
+        if ignored:
+            notes.append(f"{name}: zero_optimization.{', '.join(ignored)}: tuning knobs of DeepSpeed's own ZeRO "
+                         "with no effect here (accepted)")
     for key in NO_EFFECT:
         if key in ds:
             notes.append(f"{name}: {key} has no effect on training here (accepted)")

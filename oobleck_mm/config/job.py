@@ -524,6 +524,14 @@ class TrainingConfig:
     fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Loss scaling of ``dtype: float16`` (ignored otherwise): an overflow on any rank skips the
     step on every rank and lowers the scale."""
+    zero_stage: int = 3
+    """How a stage of several GPUs (``cluster.max_gpus_per_stage`` above 1) shards its layers over its GPUs,
+    in DeepSpeed's ZeRO terms (``zero_optimization.stage`` of a ``--deepspeed`` file sets it). 3: parameters,
+    gradients and optimizer state sharded (FSDP2), a layer's parameters gathered for each microbatch's forward
+    and again for its backward. 1 or 2: the same shards, but a layer's parameters stay gathered from a
+    microbatch's forward until its backward (one all-gather less per microbatch, whole parameters held
+    meanwhile; ZeRO-1's whole gradients are not kept: they are sharded as in 2). Replicas of a layer in
+    different pipelines stay whole copies of each other: recovery copies a lost layer from any of them."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "microbatch_size", "steps"):
@@ -547,6 +555,7 @@ class TrainingConfig:
         check(self, "gradient_clipping", as_float, minimum=0.0)
         check(self, "activation_checkpointing", as_bool)
         check(self, "flash_attention", as_bool)
+        check(self, "zero_stage", as_int, minimum=1, maximum=3)
         # No derived default is written into the scheduler's params: ``total_num_steps`` left unset follows
         # ``steps`` wherever it is read (``SchedulerConfig.total_steps``), so ``--steps`` and ``--set
         # training.steps`` applied after the file move it too (a default filled in here stayed at the file's).

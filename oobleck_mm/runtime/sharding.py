@@ -28,10 +28,11 @@ from oobleck_mm.runtime.update import local, trainable_params
 def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Tensor] | None = None):
     """Shard ``module`` in place over ``mesh`` (one FSDP2 unit, its reduce-scatter a sum) and return its
     optimizer over the shards (None when frozen), holding this rank's chunk of ``state`` (a whole layer's
-    ``optim.optimizer_state``; None: fresh)."""
+    ``optim.optimizer_state``; None: fresh). ``training.zero_stage`` 3 gathers the parameters again for the
+    backward; 1 and 2 keep them gathered from the forward (``reshard_after_forward``)."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module, mesh=mesh)
+    fully_shard(module, mesh=mesh, reshard_after_forward=training.zero_stage == 3)
     module.set_reduce_scatter_divide_factor(1.0)  # the engine's losses are already divided
     params = trainable_params(module)
     if not params:

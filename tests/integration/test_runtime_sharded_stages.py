@@ -30,12 +30,15 @@ PLANS = {
                                                                          {"frozen": ("vision",)}),
     "4-GPU stage next to 2-GPU stages": ([2, 2], [2, 2], [[4, 1], [2, 2]], 4, {}),
     "2-GPU stage with the balancer": ([2, 2], [4, 4], [[2, 1], [1, 1]], 2, {"balance": True}),
+    "2-GPU stages at ZeRO stage 2 (parameters kept gathered to the backward)": ([2, 2], [4, 4], [[2, 1], [1, 2]], 2,
+                                                                               {"zero_stage": 2}),
 }
 
 
 def _job(microbatch_size: int, change: dict):
     job = tiny_job(frozen=change.get("frozen", ()))
-    job = dataclasses.replace(job, training=dataclasses.replace(job.training, microbatch_size=microbatch_size))
+    job = dataclasses.replace(job, training=dataclasses.replace(job.training, microbatch_size=microbatch_size,
+                                                                zero_stage=change.get("zero_stage", 3)))
     if change.get("balance"):
         job = dataclasses.replace(job, balance=dataclasses.replace(job.balance, enabled=True))
     return job

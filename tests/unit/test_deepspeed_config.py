@@ -51,7 +51,9 @@ def test_fp16_keys_adam_mode_reduction_dtype_and_deepspeeds_batch_rule(tmp_path)
 
 
 @pytest.mark.parametrize("ds,message", [
-    ({"zero_optimization": {"stage": 2}}, r"zero_optimization.stage 2 is not supported \(only 0\)"),
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage 4: expected 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     r"zero_optimization.offload_optimizer is not supported \(nothing is offloaded"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler.params.cycle_min_lr: required by OneCycle"),
     ({"scheduler": {"type": "Noam", "params": {}}}, r"scheduler.type 'Noam' is not supported"),
     ({"amp": {"enabled": True}}, r"key 'amp' is not supported; supported keys:"),
@@ -100,3 +102,18 @@ def test_auto_values_of_a_config_written_for_hugging_face_take_the_jobs_own(tmp_
     assert (t.global_batch, t.microbatch_size, t.optimizer.params.lr, t.dtype) == (32, 4, 5e-4, "float32")
     assert t.scheduler.params == {"warmup_num_steps": 3} and t.scheduler.total_steps(t.steps) == 40
     assert "optimizer.params.lr" in caplog.text and '"auto" takes the job\'s own value' in caplog.text
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_shard_inside_wide_stages_and_say_that_replicas_stay_whole(tmp_path, caplog, stage):
+    import logging
+
+    ds = {"zero_optimization": {"stage": stage, "overlap_comm": True}}
+    with caplog.at_level(logging.INFO):
+        job = load_config(*files(tmp_path, ds))
+    assert job.training.zero_stage == stage
+    said = caplog.text
+    assert f"zero_optimization.stage {stage}: shards inside each pipeline stage of several GPUs" in said
+    assert "replicas in different pipelines stay whole, since recovery copies a lost layer" in said
+    assert "zero_optimization.overlap_comm: tuning knobs of DeepSpeed's own ZeRO" in said
+    assert load_config(*files(tmp_path, {"zero_optimization": {"stage": 0}})).training.zero_stage == 3  # the default
