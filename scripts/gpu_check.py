@@ -8,8 +8,9 @@
 2. Every CUDA test, in one pytest run: the one-GPU NCCL equivalence tests
    (``tests/integration/test_one_gpu.py``: float64 equal to the CPU reference, a checkpoint
    from CUDA tensors read back on the CPU, bf16 and fp16), the per-step synchronisation test
-   (``test_engine_prefetch.py``), the two-GPU NCCL pipeline (``test_cuda_smoke.py``, skipped
-   with fewer than two GPUs: NCCL will not put two ranks of one group on one GPU), the
+   (``test_engine_prefetch.py``), the two-GPU NCCL pipeline and a stage sharded over two GPUs
+   by FSDP2 (``test_cuda_smoke.py``, skipped with fewer than two GPUs: NCCL will not put two
+   ranks of one group on one GPU), the
    meta-device placement tests and the worker template's (``test_worker_template.py``: a
    worker forked from it computes on CUDA; the template never initialised the driver).
 3. The whole job on GPU 0: ``oobleck-launch local`` on one node (master, agent and worker

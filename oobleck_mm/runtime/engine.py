@@ -49,7 +49,7 @@ from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at, optimizer_sta
 from oobleck_mm.runtime.sharding import Gather, gathered, shard_layer, whole_layer
 from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
 from oobleck_mm.runtime.timing import Stopwatch
-from oobleck_mm.runtime.update import apply_update, trainable_params
+from oobleck_mm.runtime.update import apply_update, local, trainable_params
 from oobleck_mm.runtime.waiting import Waiter
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class StepResult:
     every rank checkpoints after this step, the same step everywhere."""
     deferred: int = 0
     """Samples of the whole step whose LLM work ran one microbatch after their encoders' (Entrain's deferral)."""
+    state_bytes: int = 0
+    """This rank's parameters, gradients and optimizer state once its gradients were summed (``state_bytes``)."""
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
@@ -556,6 +558,7 @@ class StageEngine:
             poison_gradients(self.layers)
         self.sync.all_reduce(self.layers, self.waiter)
         self._result.comm_s += time.perf_counter() - t0
+        self._result.state_bytes = self.state_bytes()
 
     def _optimizer_step(self, ins) -> None:
         # The last collective of the iteration carries both the squared gradient norm and the
@@ -682,6 +685,15 @@ class StageEngine:
             build = lambda i=i: build_layer(self.job, i, self.specs, initialize=False).to(self.device)  # noqa: E731
             out[i] = HeldLayer(*whole_layer(module, self.optimizers.get(i), build, self.job.training, over))
         return out
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's parameters, gradients and optimizer state (its shards on a stage of several
+        GPUs): what the cost model calls a stage's resident bytes per GPU (``planning.costs.stage_cost``)."""
+        tensors = [local(p) for m in self.layers.values() for p in m.parameters()]
+        tensors += [local(p.grad) for m in self.layers.values() for p in m.parameters() if p.grad is not None]
+        tensors += [local(v) for opt in self.optimizers.values() for state in opt.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s whole state; on a stage of several GPUs gathered from its shards (collective over

@@ -33,7 +33,11 @@ def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Ten
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(module, mesh=mesh, reshard_after_forward=training.zero_stage == 3)
-    module.set_reduce_scatter_divide_factor(1.0)  # the engine's losses are already divided
+    module.set_gradient_divide_factor(1.0)  # a sum: the engine's losses are already divided by the global tokens
+    # ... as a plain SUM: with factor 1, float32/bfloat16 gradients otherwise reduce with PREMUL_SUM(1.0), which
+    # gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo"; float64 took the plain path, so the float64
+    # tests did not see it); a sum times 1 is exact either way.
+    module.set_force_sum_reduction_for_comms(True)
     params = trainable_params(module)
     if not params:
         return None
