@@ -32,11 +32,13 @@ PLANS = {
     "2-GPU stage with the balancer": ([2, 2], [4, 4], [[2, 1], [1, 1]], 2, {"balance": True}),
     "2-GPU stages at ZeRO stage 2 (parameters kept gathered to the backward)": ([2, 2], [4, 4], [[2, 1], [1, 2]], 2,
                                                                                {"zero_stage": 2}),
+    # float32 reduces through another FSDP2 path (gloo refused its PREMUL_SUM: every float64 case passed)
+    "2-GPU stage in float32": ([2, 2], [4, 4], [[2, 1], [1, 1]], 2, {"dtype": "float32"}),
 }
 
 
 def _job(microbatch_size: int, change: dict):
-    job = tiny_job(frozen=change.get("frozen", ()))
+    job = tiny_job(change.get("dtype", "float64"), frozen=change.get("frozen", ()))
     job = dataclasses.replace(job, training=dataclasses.replace(job.training, microbatch_size=microbatch_size,
                                                                 zero_stage=change.get("zero_stage", 3)))
     if change.get("balance"):
@@ -56,9 +58,10 @@ def test_a_sharded_stage_trains_as_the_reference_in_float64(name, tmp_path):
     for layer, spec in enumerate(trainer.specs):  # every rank of a stage holds the layer (its shard)
         holders = [r for r, out in enumerate(outs) if spec.name in out["states"]]
         assert holders == sorted(r for ranks in plan.shard_holders(layer) for r in ranks), spec.name
-    assert max_param_diff(outs, trainer) < 1e-10
+    float32 = change.get("dtype") == "float32"  # reduction order shows: the bound of the float32 equivalence tests
+    assert max_param_diff(outs, trainer) < (1e-5 if float32 else 1e-10)
     for out in outs:
-        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-5 if float32 else 1e-12)
     assert ref_losses[-1] < ref_losses[0]
     if change.get("balance"):  # the balancer made some of the sharded pipeline's microbatches of 1 sample:
         # a piece without samples ran a filler (loss weight 0) on one rank of the 2-GPU stage
