@@ -101,6 +101,10 @@ class StepResult:
     every rank checkpoints after this step, the same step everywhere."""
     deferred: int = 0
     """Samples of the whole step whose LLM work ran one microbatch after their encoders' (Entrain's deferral)."""
+    pieces: tuple[tuple[int, ...], ...] = ()
+    """The sample groups every forward of the step ran, pipeline by pipeline: ``microbatches``, except that a
+    pipeline with a stage of several GPUs ran each microbatch as pieces (``PipelineLayout.pieces``; a piece
+    without samples left out). What a reference replays where compute rounds per group (float32)."""
     state_bytes: int = 0
     """This rank's parameters, gradients and optimizer state once its gradients were summed (``state_bytes``)."""
     microbatches: tuple[tuple[int, ...], ...] = ()
@@ -235,7 +239,9 @@ class StageEngine:
         self.layers = {i: held[i].module for i in self.stage.layers}
         """The master layers: what the optimizer updates and what moves, checkpoints and verifies."""
         self.optimizers = {i: held[i].optimizer for i in self.stage.layers if held[i].optimizer is not None}
-        self.mixed = ComputeCopies(self.layers, compute_dtype(job.training)) if is_mixed(job.training) else None
+        # (a stage of several GPUs: FSDP2's mixed precision instead, runtime/sharding.py)
+        self.mixed = (ComputeCopies(self.layers, compute_dtype(job.training))
+                      if is_mixed(job.training) and self.stage.width == 1 else None)  # fmt: skip
         self.compute = self.mixed.compute if self.mixed is not None else self.layers
         """What forward and backward run: the masters, or their compute-dtype copies."""
         rows = parameter_rows(job, sharded_layers(plan, trainable), self.specs) if plan.sharded else None
@@ -266,12 +272,9 @@ class StageEngine:
         (``planning.costs.stage_cost``)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        unsupported = {"tied embeddings": self.sync.tied is not None and any(i in self.layers for i in self.sync.tied),
-                       "mixed precision": self.mixed is not None}  # fmt: skip
-        named = [name for name, present in unsupported.items() if present]
-        if named:
+        if self.sync.tied is not None and any(i in self.layers for i in self.sync.tied):
             raise ValueError(f"stage over layers {self.stage.layer_start}..{self.stage.layer_end - 1} spans "
-                             f"{self.stage.width} GPUs, which does not run with {', '.join(named)} yet "
+                             f"{self.stage.width} GPUs, which does not run with trained tied embeddings yet "
                              f"(cluster.max_gpus_per_stage: 1 does)")  # fmt: skip
         mesh = DeviceMesh.from_group(self.sync.stage_group, self.device.type)
         for i, module in self.layers.items():
@@ -309,6 +312,9 @@ class StageEngine:
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0, tokens=self.data.llm_tokens(ids),
                                   microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p),
+                                  pieces=tuple(piece for layout, p in zip(self.plan.pipelines, assignment.pipelines)
+                                               for mb in p for k in range(layout.pieces)
+                                               if (piece := piece_samples(mb, layout.pieces, k))),
                                   deferred=sum(len(d) for p in assignment.deferred for d in p))
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
                                     stage_id=self.stage_index)

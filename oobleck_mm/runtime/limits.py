@@ -30,7 +30,6 @@ def check_runnable(job, workers_here: bool) -> None:
 def check_wide_stages(job) -> None:
     """What a stage of several GPUs (``cluster.max_gpus_per_stage`` above 1) does not run with yet, or cannot."""
     from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
-    from oobleck_mm.precision import is_mixed
 
     c, t = job.cluster, job.training
     keep = f"or set cluster.max_gpus_per_stage: 1 (now {c.max_gpus_per_stage})"
@@ -42,9 +41,6 @@ def check_wide_stages(job) -> None:
             f"every microbatch's samples over them (FSDP2), so a microbatch needs at least as many samples; raise "
             f"training.microbatch_size to {widest} {keep}"
         )
-    if is_mixed(t):
-        raise UserError(f"training.dtype: {t.dtype!r} (mixed precision) does not run on stages of several GPUs yet; "
-                        f"use float32 or float64 {keep}")  # fmt: skip
     specs = model_layer_specs(job)
     tied = tied_pair(specs)
     trainable = trainable_mask(job, specs)

@@ -29,10 +29,20 @@ def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Ten
     """Shard ``module`` in place over ``mesh`` (one FSDP2 unit, its reduce-scatter a sum) and return its
     optimizer over the shards (None when frozen), holding this rank's chunk of ``state`` (a whole layer's
     ``optim.optimizer_state``; None: fresh). ``training.zero_stage`` 3 gathers the parameters again for the
-    backward; 1 and 2 keep them gathered from the forward (``reshard_after_forward``)."""
-    from torch.distributed.fsdp import fully_shard
+    backward; 1 and 2 keep them gathered from the forward (``reshard_after_forward``).
 
-    fully_shard(module, mesh=mesh, reshard_after_forward=training.zero_stage == 3)
+    Mixed precision is FSDP2's own (``MixedPrecisionPolicy``): the shards are the masters (``master_dtype``),
+    gathered and cast to ``dtype`` for the forward and backward; each piece's gradients are cast to the
+    reduction dtype (``precision.reduce_dtype``), summed over the stage and accumulated into the master
+    shards. What ``runtime.mixed.ComputeCopies`` does for a one-GPU stage, without a second copy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from oobleck_mm.precision import compute_dtype, is_mixed, reduce_dtype
+
+    policy = (MixedPrecisionPolicy(param_dtype=compute_dtype(training), reduce_dtype=reduce_dtype(training),
+                                   cast_forward_inputs=False)  # the packed batches are in the compute dtype already
+              if is_mixed(training) else MixedPrecisionPolicy())  # fmt: skip
+    fully_shard(module, mesh=mesh, reshard_after_forward=training.zero_stage == 3, mp_policy=policy)
     module.set_gradient_divide_factor(1.0)  # a sum: the engine's losses are already divided by the global tokens
     # ... as a plain SUM: with factor 1, float32/bfloat16 gradients otherwise reduce with PREMUL_SUM(1.0), which
     # gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo"; float64 took the plain path, so the float64

@@ -128,3 +128,33 @@ def test_a_reconfiguration_across_shard_layouts_keeps_every_state_exact(kind, tm
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:
         assert out["losses"][-2:] == pytest.approx(ref_losses[3:], abs=1e-12)
+
+
+@pytest.mark.parametrize("dtype,master,bound", [("float32", "float64", 1e-9), ("bfloat16", None, 2e-2)])
+def test_mixed_precision_on_sharded_stages_equals_the_reference(dtype, master, bound, tmp_path):
+    """FSDP2's mixed precision on 2-GPU stages (float64 or float32 master shards, compute in the half type),
+    the balancer on: float32 compute with float64 masters equals the reference replaying the groups the
+    forwards ran (``StepResult.pieces``: float32 rounds per group) to 1e-9, as one-GPU stages do; bfloat16 to
+    bf16's precision. Every state handed back is in the master dtype."""
+    import torch
+
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+    from test_runtime_mixed_precision import job as mixed_job
+
+    job = mixed_job(dtype, master)
+    trainer = ReferenceTrainer(job)
+    plan = ExecutionPlan.even(len(trainer.specs), [2, 2], [4, 4], 2, widths=[[2, 1], [1, 2]])
+    outs = run_local(job, plan, 4, tmp_path, timeout_s=240)
+    ref_losses = [trainer.train_step(r.step, r.pieces) for r in outs[0]["results"]]
+    assert any(len(p) < 2 for r in outs[0]["results"] for p in r.pieces), "some microbatches ran as pieces"
+    names = [s.name for s in trainer.specs]
+    worst, dtypes = 0.0, set()
+    for out in outs:
+        for name, state in out["states"].items():
+            ref = trainer.layer_state(names.index(name))
+            for key, value in state.items():
+                dtypes.add(value.dtype)
+                worst = max(worst, (value.double() - ref[key].double()).abs().max().item())
+    assert dtypes == {torch.float64 if master == "float64" else torch.float32}
+    assert worst <= bound, worst
+    assert outs[0]["losses"] == pytest.approx(ref_losses, abs=bound)
