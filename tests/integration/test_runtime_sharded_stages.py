@@ -158,3 +158,24 @@ def test_mixed_precision_on_sharded_stages_equals_the_reference(dtype, master, b
     assert dtypes == {torch.float64 if master == "float64" else torch.float32}
     assert worst <= bound, worst
     assert outs[0]["losses"] == pytest.approx(ref_losses, abs=bound)
+
+
+@pytest.mark.parametrize("text,vision", [("llama", "clip"), ("mistral", "siglip")])
+def test_a_hugging_face_llava_on_sharded_stages_equals_the_reference(text, vision, tmp_path):
+    """``transformers``' own modules (CLIP/SigLIP towers, Llama/Mistral decoder layers) sharded by FSDP2 on 2-GPU
+    stages next to one-GPU stages, float64, 4 steps: equal to the reference (1e-10)."""
+    pytest.importorskip("transformers")
+    from oobleck_mm.model.tiny_hf import make_tiny_model
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+    from test_runtime_huggingface import STEPS as HF_STEPS
+    from test_runtime_huggingface import hf_job
+
+    job = hf_job(make_tiny_model(tmp_path / "model", text, vision, tie=False), True)
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(HF_STEPS)]
+    layers = len(trainer.specs)
+    plan = ExecutionPlan.even(layers, [2, 2], [2, 2], 2, widths=[[2, 1], [1, 2]])
+    outs = run_local(job, plan, HF_STEPS, tmp_path / "run", timeout_s=240)
+    assert max_param_diff(outs, trainer) < 1e-10
+    for out in outs:
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
