@@ -318,3 +318,13 @@ def parameter_rows(job, layers: Iterable[int], specs: Sequence[LayerSpec] | None
             layer = build_layer(job, index, specs, initialize=False)
         out[index] = tuple(p.shape[0] if p.dim() else 1 for p in layer.parameters() if p.requires_grad)
     return out
+
+
+def tied_rows(job, specs: Sequence[LayerSpec] | None = None) -> int | None:
+    """Rows of the tied embedding (the vocabulary), read on the ``meta`` device; None when nothing is tied."""
+    specs = specs if specs is not None else model_layer_specs(job)
+    tied = tied_pair(specs)
+    if tied is None:
+        return None
+    with torch.device("meta"):
+        return int(build_layer(job, tied[0], specs, initialize=False).tied_weight.shape[0])

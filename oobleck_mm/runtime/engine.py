@@ -38,7 +38,7 @@ from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import (build_layer, microbatch_loss, model_layer_specs, parameter_rows, tied_pair,
-                                     trainable_mask)
+                                     tied_rows, trainable_mask)
 from oobleck_mm.runtime.balancing import StepBalancer
 from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
@@ -137,7 +137,8 @@ def engine_subgroups(job, plan: ExecutionPlan, specs=None, old_plan: ExecutionPl
     specs = specs if specs is not None else model_layer_specs(job)
     trainable = trainable_mask(job, specs)
     rows = parameter_rows(job, sharded_layers(plan, trainable), specs) if plan.sharded else None
-    return gather_groups(old_plan, previous_ranks) + subgroup_ranks(plan, trainable, tied_pair(specs), rows)
+    vocab = tied_rows(job, specs) if plan.sharded else None
+    return gather_groups(old_plan, previous_ranks) + subgroup_ranks(plan, trainable, tied_pair(specs), rows, vocab)
 
 
 def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, Callable]) -> int:
@@ -246,7 +247,7 @@ class StageEngine:
         """What forward and backward run: the masters, or their compute-dtype copies."""
         rows = parameter_rows(job, sharded_layers(plan, trainable), self.specs) if plan.sharded else None
         self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs),
-                                 reduce_dtype(job.training), rows)
+                                 reduce_dtype(job.training), rows, tied_rows(job, self.specs) if plan.sharded else None)
         if self.stage.width > 1:
             self._shard(handed_over)
         self._dispatch: dict[type, Callable] = {
@@ -272,10 +273,6 @@ class StageEngine:
         (``planning.costs.stage_cost``)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        if self.sync.tied is not None and any(i in self.layers for i in self.sync.tied):
-            raise ValueError(f"stage over layers {self.stage.layer_start}..{self.stage.layer_end - 1} spans "
-                             f"{self.stage.width} GPUs, which does not run with trained tied embeddings yet "
-                             f"(cluster.max_gpus_per_stage: 1 does)")  # fmt: skip
         mesh = DeviceMesh.from_group(self.sync.stage_group, self.device.type)
         for i, module in self.layers.items():
             handed = held.get(i)

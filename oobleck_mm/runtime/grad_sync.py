@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from oobleck_mm.planning.layout import ExecutionPlan
-from oobleck_mm.planning.shards import chunk_rows, reduction_pieces
+from oobleck_mm.planning.shards import Piece, chunk_rows, reduction_pieces
 from oobleck_mm.runtime.waiting import Waiter
 from oobleck_mm.runtime.update import fill_missing_grads, grad_sq, local, trainable_params
 
@@ -104,8 +104,21 @@ def tied_holders(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[i
     return tuple(sorted(set(plan.holders(tied[0])) | set(plan.holders(tied[1]))))
 
 
+def tied_pieces(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None,
+                tied_rows: int) -> list[Piece]:  # fmt: skip
+    """On a plan with stages of several GPUs, the tied embedding's rows cut at every holding stage's chunks (a
+    stage holding both the embedding and the head counted once), each naming the one rank per holding stage
+    whose chunk holds it (``planning.shards.reduction_pieces``); empty when nothing is tied or either side is
+    frozen."""
+    if tied is None or not (trainable[tied[0]] and trainable[tied[1]]):
+        return []
+    stages = list(dict.fromkeys(ranks for layer in tied for ranks in plan.shard_holders(layer)))
+    return reduction_pieces(tied_rows, stages)
+
+
 def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None = None,
-                   rows: Mapping[int, Sequence[int]] | None = None) -> list[tuple[int, ...]]:  # fmt: skip
+                   rows: Mapping[int, Sequence[int]] | None = None,
+                   tied_rows: int | None = None) -> list[tuple[int, ...]]:  # fmt: skip
     """The ranks of every process group ``GradientSync`` forms, in the order it forms them (pure):
     ``runtime.group.PreparedGroup`` forms the same ones ahead of a switch.
 
@@ -117,16 +130,20 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
     abandoned one made the aborting worker's destroy of that group wait for it (1.5-2.6 s under churn).
 
     A plan with stages of several GPUs adds, after the buckets', the groups of its sums over pieces
-    (``piece_sums``; ``rows`` is then required) and each such stage's FSDP2 mesh (``stage_meshes``).
+    (``piece_sums``; ``rows`` is then required), those of the tied embedding's pieces (``tied_pieces``,
+    ``tied_rows`` its rows; instead of one group of every holder), and each such stage's FSDP2 mesh
+    (``stage_meshes``).
     """
     out = [b.holders for b in buckets(plan, trainable) if len(b.holders) > 1]
     if plan.sharded:
         if rows is None:
             raise ValueError("subgroup_ranks: a plan with stages of several GPUs needs the parameters' rows")
         out += [s.ranks for s in piece_sums(plan, trainable, rows)]
+        pieces = tied_pieces(plan, trainable, tied, tied_rows or 0) if tied_holders(plan, trainable, tied) else []
+        out += list(dict.fromkeys(p.ranks for p in pieces if len(p.ranks) > 1))
         out += stage_meshes(plan)
     tied_ranks = tied_holders(plan, trainable, tied)
-    if len(tied_ranks) > 1:
+    if len(tied_ranks) > 1 and not plan.sharded:
         out.append(tied_ranks)
     out.append(tuple(range(plan.world_size)))  # the step group (GradientSync.step_group)
     return out
@@ -135,7 +152,7 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
                  tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None,
-                 rows: Mapping[int, Sequence[int]] | None = None):
+                 rows: Mapping[int, Sequence[int]] | None = None, tied_rows: int | None = None):
         """``tied``: (token embedding, LM head) layer indices whose weights are one parameter.
         ``reduce_dtype``: the all-reduce's dtype when it differs from the gradients' (bf16 reduction).
         ``rows``: with stages of several GPUs, the first-dimension sizes of the sharded layers' parameters."""
@@ -157,13 +174,14 @@ class GradientSync:
         self.tied_holders = tied_holders(plan, trainable, tied)
         # new_group is collective over the default group: every rank, same order.
         # Without an explicit timeout a subgroup waits 30 min on a hung peer, whatever the world's.
-        every = subgroup_ranks(plan, trainable, tied, rows)
+        self.tied_pieces = tied_pieces(plan, trainable, tied, tied_rows or 0) if plan.sharded else []
+        every = subgroup_ranks(plan, trainable, tied, rows, tied_rows)
         formed = [dist.new_group(list(ranks), timeout=timeout) for ranks in every]
         self.step_group = formed.pop()
         """Every rank: the step's last collectives (``global_grad_sq``, the balancer's pipeline times)."""
         every = every[:-1]
         self.tied_group = None
-        if len(self.tied_holders) > 1:  # the last one (the same ranks as a bucket's get a group of their own)
+        if len(self.tied_holders) > 1 and not plan.sharded:  # the last one (a bucket's ranks get their own)
             tied_group, every = formed.pop(), every[:-1]
             self.tied_group = tied_group if rank in self.tied_holders else None
         self.stage_group = None
@@ -228,7 +246,11 @@ class GradientSync:
 
     def _reduce_tied(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
         """Both copies of a tied embedding get (embedding's gradient sum) + (head's gradient sum)."""
-        if self.tied is None or self.rank not in self.tied_holders:
+        if self.tied is None:
+            return 0
+        if self.plan.sharded:
+            return self._reduce_tied_pieces(layers, waiter)
+        if self.rank not in self.tied_holders:
             return 0
         embed, head = self.tied
         mine = [layers[i].tied_weight for i in self.tied if i in layers]
@@ -242,6 +264,42 @@ class GradientSync:
         for weight in mine:
             weight.grad.copy_(total)
         return total.numel() * total.element_size() if self.tied_group is not None else 0
+
+    def _reduce_tied_pieces(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
+        """``_reduce_tied`` over the tied embedding's pieces (``tied_pieces``): per piece of rows, the rank of the
+        embedding's first holding stage and of the head's add their rows (every holder has the same sums by
+        now), summed among the piece's ranks; every copy this rank holds gets the total."""
+        mine = [i for i in self.tied if i in layers]
+        if not mine:
+            return 0
+        stage = self.plan.stage(self.rank)
+        first = chunk_rows(self.tied_pieces[-1].end, stage.width)[stage.ranks.index(self.rank)][0]
+        grads = {i: local(layers[i].tied_weight.grad) for i in mine}
+        owned = [i for i in mine if self.rank in self.plan.shard_holders(i)[0]]
+        by_ranks: dict[tuple[int, ...], list] = {}
+        for piece in self.tied_pieces:
+            if self.rank not in piece.ranks:
+                continue
+            rows = slice(piece.start - first, piece.end - first)
+            total = torch.zeros_like(grads[mine[0]][rows])
+            for i in owned:
+                total += grads[i][rows]
+            by_ranks.setdefault(piece.ranks, []).append((rows, total))
+        moved = 0
+        for ranks, parts in by_ranks.items():  # in the pieces' order: the same on every member
+            if len(ranks) > 1:
+                flat = torch.cat([t.reshape(-1) for _, t in parts])
+                waiter.wait(dist.all_reduce(flat, group=self.groups[ranks], async_op=True),
+                            f"tied-embedding all-reduce over ranks {ranks}")
+                offset = 0
+                for _, t in parts:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                moved += flat.numel() * flat.element_size()
+            for rows, t in parts:
+                for i in mine:
+                    grads[i][rows].copy_(t)
+        return moved
 
     def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extras: Sequence[torch.Tensor | float] = (),
                        waiter: Waiter = Waiter()) -> tuple[float, list[float]]:  # fmt: skip

@@ -28,9 +28,7 @@ def check_runnable(job, workers_here: bool) -> None:
 
 
 def check_wide_stages(job) -> None:
-    """What a stage of several GPUs (``cluster.max_gpus_per_stage`` above 1) does not run with yet, or cannot."""
-    from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
-
+    """What a stage of several GPUs (``cluster.max_gpus_per_stage`` above 1) cannot run with."""
     c, t = job.cluster, job.training
     keep = f"or set cluster.max_gpus_per_stage: 1 (now {c.max_gpus_per_stage})"
     widest = max(d for d in (1, 2, 4, 8) if d <= min(c.max_gpus_per_stage, c.gpus_per_node))  # the planner's options
@@ -41,9 +39,3 @@ def check_wide_stages(job) -> None:
             f"every microbatch's samples over them (FSDP2), so a microbatch needs at least as many samples; raise "
             f"training.microbatch_size to {widest} {keep}"
         )
-    specs = model_layer_specs(job)
-    tied = tied_pair(specs)
-    trainable = trainable_mask(job, specs)
-    if tied is not None and trainable[tied[0]] and trainable[tied[1]]:
-        raise UserError(f"the model ties its LM head to its token embedding ({specs[tied[1]].name} = "
-                        f"{specs[tied[0]].name}), which does not run on stages of several GPUs yet {keep}")  # fmt: skip

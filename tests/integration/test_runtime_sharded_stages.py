@@ -179,3 +179,25 @@ def test_a_hugging_face_llava_on_sharded_stages_equals_the_reference(text, visio
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+
+
+@pytest.mark.parametrize("widths", [[[2, 1], [1, 2]], [[2, 2], [1, 1]]], ids=["embed 2-GPU, head 1/2-GPU",
+                                                                              "both sides of one pipeline 2-GPU"])
+def test_tied_embeddings_on_sharded_stages_equal_the_reference(widths, tmp_path):
+    """A Qwen2 LLaVA (SigLIP tower) whose LM head is tied to its token embedding: the two gradients are summed
+    over the common refinement of every holding stage's rows (``grad_sync.tied_pieces``), the embedding's
+    first holder and the head's contributing; float64 equal to the reference, whose tie is one parameter."""
+    pytest.importorskip("transformers")
+    from oobleck_mm.model.tiny_hf import make_tiny_model
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+    from test_runtime_huggingface import STEPS as HF_STEPS
+    from test_runtime_huggingface import hf_job
+
+    job = hf_job(make_tiny_model(tmp_path / "model", "qwen2", "siglip", tie=True), True, balance=True)
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(HF_STEPS)]
+    plan = ExecutionPlan.even(len(trainer.specs), [2, 2], [2, 2], 2, widths=widths)
+    outs = run_local(job, plan, HF_STEPS, tmp_path / "run", timeout_s=240)
+    assert max_param_diff(outs, trainer) < 1e-10
+    for out in outs:
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
