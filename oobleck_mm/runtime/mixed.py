@@ -92,5 +92,6 @@ def poison_gradients(layers: Mapping[int, nn.Module]) -> None:
             if p.requires_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.view(-1)[0] = math.inf
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a shard on a wide stage
+                grad.view(-1)[0] = math.inf
                 return

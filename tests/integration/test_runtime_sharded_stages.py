@@ -201,3 +201,23 @@ def test_tied_embeddings_on_sharded_stages_equal_the_reference(widths, tmp_path)
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+
+
+def test_a_float16_overflow_on_a_rank_of_a_sharded_stage_skips_the_step_everywhere(tmp_path, monkeypatch):
+    """fp16 loss scaling over FSDP2's shards: an inf in rank 1's shard (the second GPU of a 2-GPU stage) at
+    step 2 shows in the all-reduced norm, every rank skips that step and halves the scale, as the reference."""
+    from oobleck_mm.runtime.mixed import OVERFLOW_ENV
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+    from test_runtime_mixed_precision import fp16_job
+
+    monkeypatch.setenv(OVERFLOW_ENV, "2@1")
+    job = fp16_job()
+    plan = ExecutionPlan.even(10, [2, 2], [4, 4], 2, widths=[[2, 1], [1, 2]])
+    outs = run_local(job, plan, 4, tmp_path, timeout_s=240)
+    trainer = ReferenceTrainer(job)
+    ref_losses = [trainer.train_step(r.step, r.pieces) for r in outs[0]["results"]]
+    for out in outs:
+        assert [r.skipped for r in out["results"]] == [False, False, True, False]
+        assert [r.loss_scale for r in out["results"]] == [64.0, 64.0, 64.0, 32.0]
+        assert out["losses"] == pytest.approx(ref_losses, abs=2e-2)
+    assert max_param_diff(outs, trainer) <= 1e-3
