@@ -221,3 +221,36 @@ def test_a_float16_overflow_on_a_rank_of_a_sharded_stage_skips_the_step_everywhe
         assert [r.loss_scale for r in out["results"]] == [64.0, 64.0, 64.0, 32.0]
         assert out["losses"] == pytest.approx(ref_losses, abs=2e-2)
     assert max_param_diff(outs, trainer) <= 1e-3
+
+
+def test_a_scaled_cornstarch_config_trains_on_the_planners_wide_stages_as_the_reference(tmp_path):
+    """``configs/cornstarch_mllm_sss.yaml`` scaled to CPU sizes with its structure (vision and audio towers,
+    a GQA Llama with tied embeddings, encoders and LLM frozen, only the projectors trained, activation
+    checkpointing, microbatches of 4, stages of up to 2 GPUs): the planner's plan for 6 nodes of 2 GPUs has
+    2-GPU stages, and 4 steps on it equal the reference in float64."""
+    import yaml
+
+    from oobleck_mm.config import config_from_dict
+    from oobleck_mm.planning.layout import rank_table
+    from oobleck_mm.planning.planner import plan_job
+    from oobleck_mm.profiling.load import load_profile
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
+    raw = yaml.safe_load(open("configs/cornstarch_mllm_sss.yaml"))
+    raw["model"]["vision"].update(num_layers=2, hidden=32, ffn_hidden=64, num_heads=2)
+    raw["model"]["audio"].update(num_layers=2, hidden=32, ffn_hidden=64, num_heads=2)
+    raw["model"]["llm"].update(num_layers=4, hidden=64, ffn_hidden=128, num_heads=4, num_kv_heads=2, vocab_size=256)
+    raw["data"].update(image_size=56, mean_text_tokens=16, mean_audio_seconds=0.5, max_seq_len=256)
+    raw["training"].update(global_batch=16, dtype="float64", steps=4)
+    raw["cluster"].update(device="cpu", backend="gloo", gpus_per_node=2, nodes=6, device_memory=3_000_000)
+    job = config_from_dict(raw)
+    assert job.training.activation_checkpointing and job.cluster.max_gpus_per_stage == 2
+    planned = plan_job(job, load_profile(job), [f"node{i}" for i in range(6)]).plan
+    plan = ExecutionPlan.from_plan(planned, rank_table(planned))
+    assert plan.sharded, plan.describe()
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(4)]
+    outs = run_local(job, plan, 4, tmp_path, timeout_s=240)
+    assert max_param_diff(outs, trainer) < 1e-10
+    for out in outs:
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
