@@ -231,7 +231,8 @@ def model_layer_specs(job) -> tuple[LayerSpec, ...]:
 
 
 
-def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initialize: bool = True) -> nn.Module:
+def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initialize: bool = True,
+                weights: bool = True) -> nn.Module:
     """Layer ``index`` of the job's model with its deterministic initial weights, in the master dtype
     (``training.master_dtype``: what the optimizer updates and checkpoints hold).
 
@@ -239,7 +240,8 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initi
     checkpoint load, a state copy), so their random initialisation is skipped (``skip_init``); their
     values are unspecified until then. An HF layer whose directory has weights skips it always, its
     load writing every value. A ``model.builder`` layer is always initialised: its constructor is
-    the user's, and could fill a buffer no load restores."""
+    the user's, and could fill a buffer no load restores. ``weights=False``: an HF layer's weights are
+    not read from its directory (its shapes are all the caller wants: a layer on the ``meta`` device)."""
     specs = specs if specs is not None else model_layer_specs(job)
     spec = specs[index]
     flash = job.training.flash_attention
@@ -251,7 +253,8 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initi
         torch.manual_seed(job.training.seed * 1_000_003 + index)
         if job.model.hf is not None:
             layer = build_hf_layer(job.model.hf, specs, index, master_dtype(job.training), initialize=not skip)
-            load_hf_weights(layer, job.model.huggingface)
+            if weights:
+                load_hf_weights(layer, job.model.huggingface)
         elif job.model.builder is not None:
             layer = custom_layers(job.model, job.data)[index].build()
             if not isinstance(layer, nn.Module):
@@ -315,7 +318,7 @@ def parameter_rows(job, layers: Iterable[int], specs: Sequence[LayerSpec] | None
     out = {}
     for index in layers:
         with torch.device("meta"):
-            layer = build_layer(job, index, specs, initialize=False)
+            layer = build_layer(job, index, specs, initialize=False, weights=False)
         out[index] = tuple(p.shape[0] if p.dim() else 1 for p in layer.parameters() if p.requires_grad)
     return out
 
@@ -327,4 +330,4 @@ def tied_rows(job, specs: Sequence[LayerSpec] | None = None) -> int | None:
     if tied is None:
         return None
     with torch.device("meta"):
-        return int(build_layer(job, tied[0], specs, initialize=False).tied_weight.shape[0])
+        return int(build_layer(job, tied[0], specs, initialize=False, weights=False).tied_weight.shape[0])

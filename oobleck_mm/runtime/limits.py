@@ -39,3 +39,24 @@ def check_wide_stages(job) -> None:
             f"every microbatch's samples over them (FSDP2), so a microbatch needs at least as many samples; raise "
             f"training.microbatch_size to {widest} {keep}"
         )
+    scalars = scalar_parameters(job)
+    if scalars:
+        layer, name = scalars[0]
+        raise UserError(
+            f"layer {layer!r} has a scalar parameter {name!r}: a stage of several GPUs shards every parameter's rows "
+            f"(FSDP2's fully_shard refuses 0-dimensional ones), so this model cannot be split over GPUs as it is; "
+            f"make it a 1-D tensor of one element in the layer's code {keep}"
+        )
+
+
+def scalar_parameters(job) -> list[tuple[str, str]]:
+    """(layer, parameter) of every 0-dimensional parameter of the job's model, read on the ``meta`` device."""
+    from oobleck_mm.model.layers import build_layer, model_layer_specs
+
+    specs = model_layer_specs(job)
+    out = []
+    for index, spec in enumerate(specs):
+        with torch.device("meta"):
+            layer = build_layer(job, index, specs, initialize=False, weights=False)
+        out += [(spec.name, name) for name, p in layer.named_parameters() if p.dim() == 0]
+    return out

@@ -254,3 +254,20 @@ def test_a_scaled_cornstarch_config_trains_on_the_planners_wide_stages_as_the_re
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+
+
+def test_a_model_builder_model_on_sharded_stages_equals_the_reference(tmp_path):
+    """``examples/custom_model.py`` (the user's own layers: an attention-free conv LM from ``model.builder``) on
+    2-GPU stages: FSDP2 shards any ``nn.Module``, float64 equal to the reference."""
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+    from test_runtime_huggingface import STEPS as HF_STEPS
+    from test_runtime_huggingface import builder_job
+
+    job = builder_job()
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(HF_STEPS)]
+    plan = ExecutionPlan.even(len(trainer.specs), [2, 2], [2, 2], 2, widths=[[2, 1], [1, 2]])
+    outs = run_local(job, plan, HF_STEPS, tmp_path, timeout_s=240)
+    assert max_param_diff(outs, trainer) < 1e-10
+    for out in outs:
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)

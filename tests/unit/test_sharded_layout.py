@@ -111,3 +111,36 @@ def test_a_frozen_sharded_layer_has_no_sum_but_its_stage_keeps_its_mesh():
     trainable = (False,) * 5 + (True,) * 5
     assert sharded_layers(plan, trainable) == () and piece_sums(plan, trainable, {}) == []
     assert subgroup_ranks(plan, trainable, rows={}) == [(2, 4), (2, 5), (0, 1), (0, 1, 2, 3, 4, 5)]
+
+
+def test_a_custom_layer_that_cannot_be_sharded_is_refused_before_anything_starts(tmp_path):
+    """A ``model.builder`` layer with a scalar parameter (FSDP2 refuses 0-dimensional ones): refused at start,
+    naming the layer, the parameter and what to change; the same model with one GPU per stage runs."""
+    from oobleck_mm.config import config_from_dict
+    from oobleck_mm.errors import UserError
+    from oobleck_mm.runtime.limits import check_runnable
+
+    (tmp_path / "scaled_model.py").write_text(
+        "import torch\n"
+        "from examples.custom_model import build as base\n"
+        "from oobleck_mm.config.shape import CustomLayer\n"
+        "def build(model, data):\n"
+        "    layers = base(model, data)\n"
+        "    make = layers[1].build\n"
+        "    def scaled():\n"
+        "        block = make()\n"
+        "        block.scale = torch.nn.Parameter(torch.tensor(1.0))\n"
+        "        return block\n"
+        "    layers[1] = CustomLayer(layers[1].spec, scaled)\n"
+        "    return layers\n")
+
+    def job(max_gpus: int):
+        return config_from_dict({"model": {"name": "conv_lm", "builder": f"{tmp_path / 'scaled_model.py'}:build",
+                                           "llm": {"num_layers": 2, "hidden": 32, "num_heads": 1, "vocab_size": 256}},
+                                 "data": {"mean_text_tokens": 16, "max_seq_len": 96},
+                                 "cluster": {"gpus_per_node": 2, "max_gpus_per_stage": max_gpus, "nodes": 2}})
+
+    with pytest.raises(UserError, match=r"layer 'llm.block0' has a scalar parameter 'scale'.*1-D tensor of one "
+                                        r"element.*cluster.max_gpus_per_stage: 1"):
+        check_runnable(job(2), workers_here=False)
+    check_runnable(job(1), workers_here=False)
