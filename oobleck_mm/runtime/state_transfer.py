@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from oobleck_mm.planning.shards import chunk_rows
 from oobleck_mm.planning.transfers import Transfer, gather_groups, rank_transfers
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.runtime.balancing import StepBalancer
@@ -41,6 +42,32 @@ def _tensors(held: HeldLayer) -> list[torch.Tensor]:
     return out
 
 
+def _sharded(held: HeldLayer) -> list[bool]:
+    """Per tensor of ``_tensors``: whether a stage of several GPUs holds it by rows (a parameter or an
+    AdamW moment of one, at least 1-D), so a copy to one of its GPUs carries only that GPU's rows; buffers
+    and optimizer steps travel whole."""
+    params = {name for name, _ in held.module.named_parameters()}
+    out = [name in params and t.dim() >= 1 for name, t in held.module.state_dict().items()]
+    if held.optimizer is not None:
+        out += [t.dim() >= 1 for t in optimizer_state(held.optimizer).values()]
+    return out
+
+
+def _rows(tensors: Sequence[torch.Tensor], sharded: Sequence[bool], shard: tuple[int, int] | None) -> list[torch.Tensor]:
+    """``tensors`` as a copy to a GPU holding chunk ``shard = (k, width)`` carries them: its rows of each
+    sharded one (views), the others whole; all of them when ``shard`` is None."""
+    if shard is None:
+        return list(tensors)
+    k, width = shard
+    out = []
+    for t, cut in zip(tensors, sharded, strict=True):
+        if cut:
+            start, end = chunk_rows(t.shape[0], width)[k]
+            t = t[start:end]
+        out.append(t)
+    return out
+
+
 def transfer_layers(
     transfers: Sequence[Transfer],
     rank: int,
@@ -48,6 +75,7 @@ def transfer_layers(
     build: Callable[[int], Receiver],
     device: torch.device | str = "cpu",
     waiter: Waiter = Waiter(),
+    shard_of: Callable[[int], tuple[int, int] | None] = lambda rank: None,
 ) -> tuple[dict[int, HeldLayer], int, float]:
     """Run this rank's part of ``transfers``; returns the layers received, the bytes moved here and
     the seconds the transfers took once every rank was ready (building the receiving layers, the
@@ -55,7 +83,9 @@ def transfer_layers(
 
     ``held``: the layers this rank holds now (sources read from it). ``build(layer)``
     gives the ``Receiver`` of a layer this rank receives (``prepare_arrival`` builds them
-    ahead). Every rank of the group calls this with the same ``transfers``.
+    ahead). Every rank of the group calls this with the same ``transfers``. ``shard_of(dst)``: (chunk,
+    width) when ``dst`` is a GPU of a stage of several GPUs, which is sent only its rows of the layer
+    (copies in shard units: 1/width of the bytes), else None.
     """
     transfers = sorted(transfers)
     ops: list[dist.P2POp] = []
@@ -67,7 +97,8 @@ def transfer_layers(
         if t.src == rank:
             if t.layer not in held:
                 raise ValueError(f"rank {rank} is asked to send layer {t.layer} it does not hold ({sorted(held)})")
-            packed = pack(_tensors(held[t.layer]), device)
+            source = held[t.layer]
+            packed = pack(_rows(_tensors(source), _sharded(source), shard_of(t.dst)), device)
             ops.append(dist.P2POp(dist.isend, packed, t.dst, tag=index))  # one message per transfer
             moved += packed.numel()
         if t.dst == rank:
@@ -143,21 +174,29 @@ class Receiver:
     layer: HeldLayer
     targets: list[torch.Tensor]
     buffer: torch.Tensor
+    whole: list[torch.Tensor] = field(default_factory=list)
+    """The layer's tensors whole (``_tensors``); ``targets`` are their rows this rank receives."""
 
     @classmethod
-    def for_layer(cls, fresh: HeldLayer, device: torch.device | str) -> Receiver:
-        targets = _tensors(fresh)
-        return cls(fresh, targets, torch.empty(sum(_nbytes(x) for x in targets), dtype=torch.uint8, device=device))
+    def for_layer(cls, fresh: HeldLayer, device: torch.device | str, shard: tuple[int, int] | None = None) -> Receiver:
+        """``shard``: (chunk, width) of this rank's stage of several GPUs: only its rows arrive, into the whole
+        tensors' rows, and ``StageEngine`` keeps exactly those rows when it shards the layer (the other rows
+        are never read)."""
+        whole = _tensors(fresh)
+        targets = _rows(whole, _sharded(fresh), shard)
+        return cls(fresh, targets, torch.empty(sum(_nbytes(x) for x in targets), dtype=torch.uint8, device=device),
+                   whole)
 
     def load(self) -> HeldLayer:
         """The layer, holding the state that arrived."""
-        values = unpack(self.buffer, self.targets)
+        for target, value in zip(self.targets, unpack(self.buffer, self.targets), strict=True):
+            target.copy_(value)  # rows (views) of the whole tensors
         module, optimizer = self.layer.module, self.layer.optimizer
         names = list(module.state_dict())
-        module.load_state_dict(dict(zip(names, values[: len(names)])))
+        module.load_state_dict(dict(zip(names, self.whole[: len(names)])))
         if optimizer is not None:
             keys = list(optimizer_state(optimizer))
-            load_optimizer_state(optimizer, dict(zip(keys, values[len(names) :])))
+            load_optimizer_state(optimizer, dict(zip(keys, self.whole[len(names) :])))
         return self.layer
 
 
@@ -181,13 +220,24 @@ def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[in
     transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
     specs = engine.specs if engine is not None else model_layer_specs(job)
     # What arrives is the whole state (every value of the layer and its optimizer): no random init.
-    receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device, initialize=False), device)
+    shard = shard_of(new_plan)(new_rank)
+    receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device, initialize=False), device, shard)
                for t in transfers if t.dst == new_rank}  # fmt: skip
     if engine is not None:
         return Arrival(transfers, receive)
     data = TrainingData(job)
     balancer = StepBalancer(job, data, specs, torch.device(device)) if job.balance.enabled else None
     return Arrival(transfers, receive, data, balancer)
+
+
+def shard_of(plan) -> Callable[[int], tuple[int, int] | None]:
+    """For ``transfer_layers``: a rank's (chunk, width) in ``plan`` when its stage spans several GPUs, else None."""
+
+    def of(rank: int) -> tuple[int, int] | None:
+        stage = plan.stage(rank)
+        return (stage.ranks.index(rank), stage.width) if stage.width > 1 else None
+
+    return of
 
 
 def _held_whole(engine, old_plan, previous_ranks: Sequence[int], new_rank: int, waiter: Waiter) -> dict[int, HeldLayer]:
@@ -220,7 +270,8 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
         arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device)
     transfers = arrival.transfers
     held = _held_whole(engine, old_plan, previous_ranks, new_rank, waiter) if engine is not None else {}
-    received, moved, seconds = transfer_layers(transfers, new_rank, held, arrival.receive.pop, device, waiter)
+    received, moved, seconds = transfer_layers(transfers, new_rank, held, arrival.receive.pop, device, waiter,
+                                               shard_of(new_plan))
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
     data = engine.data if engine is not None else arrival.data

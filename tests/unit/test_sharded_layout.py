@@ -144,3 +144,25 @@ def test_a_custom_layer_that_cannot_be_sharded_is_refused_before_anything_starts
                                         r"element.*cluster.max_gpus_per_stage: 1"):
         check_runnable(job(2), workers_here=False)
     check_runnable(job(1), workers_here=False)
+
+
+def test_a_copy_to_a_gpu_of_a_wide_stage_carries_only_its_rows():
+    """Copies in shard units: what a GPU of a 2-GPU stage receives of a layer is its chunk of every parameter
+    and AdamW moment (buffers and steps whole); the two chunks together are the whole layer's bytes, each about
+    half, and a sender cuts the same rows (``_rows`` on both sides)."""
+    import yaml
+
+    from oobleck_mm.config import config_from_dict
+    from oobleck_mm.runtime.engine import fresh_layer
+    from oobleck_mm.runtime.state_transfer import Receiver, _rows, _sharded, _tensors
+
+    job = config_from_dict(yaml.safe_load(open("configs/tiny_mm.yaml")))
+    layer = fresh_layer(job, 5, device="cpu")  # llm.block0
+    whole = Receiver.for_layer(fresh_layer(job, 5, device="cpu"), "cpu").buffer.numel()
+    halves = [Receiver.for_layer(fresh_layer(job, 5, device="cpu"), "cpu", (k, 2)).buffer.numel() for k in (0, 1)]
+    assert all(0.45 * whole <= h <= 0.55 * whole for h in halves), (halves, whole)
+    assert abs(sum(halves) - whole) <= 64 * len(_tensors(layer))  # alignment padding and the whole steps only
+    sent = _rows(_tensors(layer), _sharded(layer), (1, 2))
+    kept = [t for t, cut in zip(_tensors(layer), _sharded(layer)) if cut]
+    assert [tuple(t.shape) for t, cut in zip(sent, _sharded(layer)) if cut] == [
+        (t.shape[0] - (t.shape[0] + 1) // 2, *t.shape[1:]) for t in kept]
