@@ -149,6 +149,21 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
     return out
 
 
+def _sum_in_place(tensors: Sequence[torch.Tensor], group, waiter: Waiter, what: str,
+                  dtype: torch.dtype | None = None) -> int:
+    """Sum ``tensors`` (views included) over ``group`` in one all-reduce of their concatenation (in ``dtype``
+    when given), written back into each; returns the bytes reduced."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if dtype is not None and flat.dtype != dtype:
+        flat = flat.to(dtype)
+    waiter.wait(dist.all_reduce(flat, group=group, async_op=True), what)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat.numel() * flat.element_size()
+
+
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
                  tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None,
@@ -205,16 +220,8 @@ class GradientSync:
             if len(b.holders) == 1:
                 continue
             grads = [p.grad for m in mods for p in trainable_params(m)]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
-                flat = flat.to(self.reduce_dtype)
-            waiter.wait(dist.all_reduce(flat, group=self.groups[b.holders], async_op=True),
-                        f"gradient all-reduce over ranks {b.holders}")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            total += flat.numel() * flat.element_size()
+            total += _sum_in_place(grads, self.groups[b.holders], waiter, f"gradient all-reduce over ranks {b.holders}",
+                                   self.reduce_dtype)  # fmt: skip
         return total + self._reduce_pieces(layers, waiter) + self._reduce_tied(layers, waiter)
 
     def _reduce_pieces(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
@@ -231,17 +238,9 @@ class GradientSync:
                     filled.add(layer)
                 grad = local(trainable_params(module)[k].grad)
                 first = self._shard_start.get((layer, k), 0)
-                views.append(grad.view(-1, *grad.shape[1:])[start - first : end - first] if grad.dim() else grad.view(1))
-            flat = torch.cat([v.reshape(-1) for v in views])
-            if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
-                flat = flat.to(self.reduce_dtype)
-            waiter.wait(dist.all_reduce(flat, group=self.groups[piece_sum.ranks], async_op=True),
-                        f"sharded gradient all-reduce over ranks {piece_sum.ranks}")
-            offset = 0
-            for v in views:
-                v.copy_(flat[offset : offset + v.numel()].view_as(v))
-                offset += v.numel()
-            total += flat.numel() * flat.element_size()
+                views.append(grad[start - first : end - first] if grad.dim() else grad.view(1))
+            total += _sum_in_place(views, self.groups[piece_sum.ranks], waiter,
+                                   f"sharded gradient all-reduce over ranks {piece_sum.ranks}", self.reduce_dtype)
         return total
 
     def _reduce_tied(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
@@ -288,14 +287,8 @@ class GradientSync:
         moved = 0
         for ranks, parts in by_ranks.items():  # in the pieces' order: the same on every member
             if len(ranks) > 1:
-                flat = torch.cat([t.reshape(-1) for _, t in parts])
-                waiter.wait(dist.all_reduce(flat, group=self.groups[ranks], async_op=True),
-                            f"tied-embedding all-reduce over ranks {ranks}")
-                offset = 0
-                for _, t in parts:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
-                moved += flat.numel() * flat.element_size()
+                moved += _sum_in_place([t for _, t in parts], self.groups[ranks], waiter,
+                                       f"tied-embedding all-reduce over ranks {ranks}")
             for rows, t in parts:
                 for i in mine:
                     grads[i][rows].copy_(t)

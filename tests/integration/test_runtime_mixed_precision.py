@@ -45,6 +45,12 @@ def run(j, tmp_path):
     # With the balancer on, the engine's microbatches are its own composition; float32 compute rounds
     # per microbatch, so the oracle replays exactly those (the sum they make is the same either way).
     ref_losses = [trainer.train_step(r.step, r.microbatches) for r in outs[0]["results"]]
+    worst, dtypes = compare_states(outs, trainer)
+    return worst, dtypes, outs[0]["losses"], ref_losses
+
+
+def compare_states(outs, trainer) -> tuple[float, set]:
+    """The largest difference of any held state from the reference's (compared in float64), and the dtypes held."""
     names = [s.name for s in trainer.specs]
     worst, dtypes = 0.0, set()
     for out in outs:
@@ -53,7 +59,7 @@ def run(j, tmp_path):
             for key, value in state.items():
                 dtypes.add(value.dtype)
                 worst = max(worst, (value.double() - ref[key].double()).abs().max().item())
-    return worst, dtypes, outs[0]["losses"], ref_losses
+    return worst, dtypes
 
 
 def test_float32_compute_with_float64_masters_equals_reference(tmp_path):

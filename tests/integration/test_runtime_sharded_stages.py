@@ -139,6 +139,7 @@ def test_mixed_precision_on_sharded_stages_equals_the_reference(dtype, master, b
     import torch
 
     from oobleck_mm.runtime.reference import ReferenceTrainer
+    from test_runtime_mixed_precision import compare_states
     from test_runtime_mixed_precision import job as mixed_job
 
     job = mixed_job(dtype, master)
@@ -147,14 +148,7 @@ def test_mixed_precision_on_sharded_stages_equals_the_reference(dtype, master, b
     outs = run_local(job, plan, 4, tmp_path, timeout_s=240)
     ref_losses = [trainer.train_step(r.step, r.pieces) for r in outs[0]["results"]]
     assert any(len(p) < 2 for r in outs[0]["results"] for p in r.pieces), "some microbatches ran as pieces"
-    names = [s.name for s in trainer.specs]
-    worst, dtypes = 0.0, set()
-    for out in outs:
-        for name, state in out["states"].items():
-            ref = trainer.layer_state(names.index(name))
-            for key, value in state.items():
-                dtypes.add(value.dtype)
-                worst = max(worst, (value.double() - ref[key].double()).abs().max().item())
+    worst, dtypes = compare_states(outs, trainer)
     assert dtypes == {torch.float64 if master == "float64" else torch.float32}
     assert worst <= bound, worst
     assert outs[0]["losses"] == pytest.approx(ref_losses, abs=bound)
