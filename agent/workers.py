@@ -3,14 +3,14 @@
 One worker per GPU, each its own OS process. By default (``--worker-start
 forkserver``) a worker is a fork of the node's *worker template*: a process the
 agent starts once, before it registers, that imports torch, torch._dynamo, the
-engine and (on a machine without a GPU) DeepSpeed's schedules
+engine and (with a CPU build of torch) DeepSpeed's schedules
 (``oobleck_mm.runtime.worker_preload``) and then only forks. A node with 8 GPUs
 pays those imports once instead of 8 times side by side, and a worker started later (restart-mode
 recovery) is ready in a fraction of a second. The template is the standard
 library's ``forkserver``: an interpreter of its own (never a fork of the agent,
 which would inherit gRPC's threads), single-threaded, that never touches CUDA
-(``PYTORCH_NVML_BASED_CUDA_CHECK``: torch asks NVML, not the CUDA driver,
-whether there is a GPU; the driver is not fork-safe once initialised); if it
+nor asks whether there is a GPU (``runtime.template.TEMPLATE_ENV``,
+``template.gpu_build``: the driver is not fork-safe once initialised); if it
 dies, the next start restarts it. Under ``oobleck-launch local`` the simulated
 nodes share one template, the launcher's (``SHARED_TEMPLATE_ENV``; a fork of it
 ties itself to its agent in ``worker_entry``). ``--worker-start spawn`` starts each worker as

@@ -16,6 +16,16 @@ import os
 from collections.abc import Callable, Mapping
 from multiprocessing.context import BaseContext
 
+TEMPLATE_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""Variables every template starts with, whatever its caller's environment: torch asks NVML, not the
+CUDA driver, whether there is a GPU. Asking the driver (``torch._C._cuda_getDeviceCount``) registers
+torch's fork handler, and every fork of the template then fails at its first CUDA call with "Cannot
+re-initialize CUDA in forked subprocess" (seen on an H200: ``oobleck-launch local``'s shared template
+was started with the agents' environment, which lacked it)."""
+TEMPLATE_ENV_DEFAULTS = {"OPENBLAS_NUM_THREADS": "1"}
+"""Variables a template starts with unless its caller set them: numpy's OpenBLAS starts no thread per
+core in a process that only forks."""
+
 WORKER_PRELOAD = "oobleck_mm.runtime.worker_preload"
 """What the template imports for the engine's workers (torch, torch._dynamo, the engine, DeepSpeed's
 schedules where there is no GPU)."""
@@ -26,13 +36,11 @@ def warm_context(extra_preload: list[str] | None = None) -> BaseContext:
 
     The first call before the template starts decides what it imports, so every caller gets the
     engine's imports whatever else it asked for: a test whose stand-in worker starts the template
-    first must not leave the engine's ranks to import torch after each fork. The variables set
-    here are inherited by the template and every fork of it: torch asks NVML, not the CUDA driver,
-    whether there is a GPU (a driver initialised before a fork is unusable in the child), and
-    numpy's OpenBLAS starts no thread per core in a process that only forks.
+    first must not leave the engine's ranks to import torch after each fork. The caller's
+    environment takes ``TEMPLATE_ENV`` (and ``TEMPLATE_ENV_DEFAULTS`` where unset): the template and
+    every fork of it inherit them.
     """
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.update(template_environ(os.environ))
     ctx = multiprocessing.get_context("forkserver")
     global _preload
     if _preload is None:
@@ -42,6 +50,19 @@ def warm_context(extra_preload: list[str] | None = None) -> BaseContext:
 
 
 _preload: list[str] | None = None
+
+
+def template_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` as a template must start with it (``TEMPLATE_ENV``, ``TEMPLATE_ENV_DEFAULTS``)."""
+    return {**TEMPLATE_ENV_DEFAULTS, **environ, **TEMPLATE_ENV}
+
+
+def gpu_build() -> bool:
+    """Whether torch was built for a GPU (CUDA or ROCm): ``WORKER_PRELOAD``'s test of whether DeepSpeed's
+    import could initialise a GPU driver, asked of nothing but the build (``worker_preload`` says why)."""
+    import torch
+
+    return torch.version.cuda is not None or torch.version.hip is not None
 
 
 def target_preload(target: str | None) -> list[str] | None:
@@ -98,7 +119,7 @@ def start_shared_template(environ: Mapping[str, str], extra_preload: list[str] |
 
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update(environ)
+    os.environ.update(template_environ(environ))
     try:
         forkserver.ensure_running()
     finally:

@@ -6,7 +6,7 @@ initialised, so a fork of the template is as sound as a fresh interpreter
 single-threaded and CUDA untouched, on a GPU too). The worker's own warm-up (its
 first optimizer) runs in each worker.
 
-On a machine with a GPU, DeepSpeed stays out: importing any part of it runs its
+With a GPU build of torch, DeepSpeed stays out: importing any part of it runs its
 accelerator probe, which initialises the CUDA driver (seen on an H200: a
 ``cuda0000...`` driver thread appeared at ``import deepspeed.accelerator``), and
 a driver initialised before a fork is not usable in the child. There the
@@ -30,7 +30,13 @@ import oobleck_mm.protocol.pipe  # noqa: F401
 import oobleck_mm.runtime.balancing  # noqa: F401
 import oobleck_mm.runtime.group  # noqa: F401
 import oobleck_mm.runtime.store  # noqa: F401 - the rendezvous store's client and gRPC's stubs
+from oobleck_mm.runtime.template import gpu_build  # noqa: E402
 
-# NVML's answer (agent.workers sets PYTORCH_NVML_BASED_CUDA_CHECK): asking leaves the driver alone.
-if not torch.cuda.is_available():
+
+# Decided by how torch was built, without asking whether a GPU is there: even NVML's answer
+# (``torch.cuda.is_available`` under PYTORCH_NVML_BASED_CUDA_CHECK) starts a driver thread
+# ("cuda00001800007", seen on an H200), and a template must fork from one thread. A CUDA build on a
+# machine without a GPU only makes its workers import DeepSpeed themselves.
+if not gpu_build():
     import oobleck_mm.runtime.agent_worker  # noqa: F401 - DeepSpeed's schedules, the engine
+

@@ -85,8 +85,60 @@ def test_a_forked_worker_inherits_the_imports_and_nothing_that_a_fork_breaks_and
         assert found["exitcode"] == 0
         import torch
 
-        # DeepSpeed's import initialises the CUDA driver: the template has it only without a GPU.
-        assert found["deepspeed_imported"] is not torch.cuda.is_available()
+        from oobleck_mm.runtime.template import gpu_build
+
+        # DeepSpeed's import initialises the CUDA driver: the template has it only with a CPU build of torch.
+        assert found["deepspeed_imported"] is not gpu_build()
         if torch.cuda.is_available():
             assert found["cuda_sum"] == 4.0
     assert second["parent"] != first["parent"], "the killed template was not replaced"
+
+
+SHARED = f"""
+import json, os, sys
+import psutil
+sys.path[:0] = sys.argv[1:]
+from oobleck_mm.runtime.template import start_shared_template
+
+environ = {{k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}}
+environ["OPENBLAS_NUM_THREADS"] = "3"  # the caller's choice stays
+start_shared_template(environ)
+template, = (p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline()))
+print(json.dumps(template.environ()), flush=True)
+"""
+
+
+def test_the_shared_template_asks_nvml_whatever_environment_its_agents_have():
+    """``oobleck-launch local``'s template starts with the agents' environment, which lacks torch's NVML
+    switch: a template that asked the CUDA driver instead left every worker forked from it unable to
+    use CUDA ("Cannot re-initialize CUDA in forked subprocess", on an H200)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    out = subprocess.run([sys.executable, "-c", SHARED, *sys.path], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    template_env = json.loads(out.stdout.splitlines()[-1])
+    assert template_env.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+    assert template_env.get("OPENBLAS_NUM_THREADS") == "3"
+
+
+ASKS = """
+import json, sys
+sys.path[:0] = sys.argv[1:]
+import torch
+torch.version.cuda = "13.0"  # the path of a GPU build (on a CPU build, asking never reaches a driver)
+asked = []
+for name in ("is_available", "device_count", "init", "get_device_properties", "get_device_capability"):
+    setattr(torch.cuda, name, lambda *a, _name=name, **k: asked.append(_name) or 0)
+import oobleck_mm.runtime.worker_preload
+print(json.dumps(asked), flush=True)
+"""
+
+
+def test_the_template_never_asks_whether_there_is_a_gpu():
+    """Even NVML's answer to ``torch.cuda.is_available`` starts a driver thread in the asking process (an
+    H200's template had two threads), and a template must fork from one: its preload decides from
+    torch's build alone. This checks the preload of a GPU build, whose engine imports stay out."""
+    out = subprocess.run([sys.executable, "-c", ASKS, *sys.path], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == []
