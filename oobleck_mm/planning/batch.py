@@ -257,7 +257,9 @@ def _split_highs(templates: Sequence[PipelineTemplate], total: int, time_limit_s
     small (a few hundred binaries for 256 nodes).
 
     Objective: ``T / T_up + w * sum_j x_j T_j(q_j) / (P T_up)``. The secondary
-    term (less idle time: pipelines other than the slowest finish early) lies
+    term (less total pipeline time: among splits of the same makespan, the
+    microbatches go to the pipelines that run them fastest, so a straggler's
+    pipeline keeps the fewest its makespan allows) lies
     in (0, 1], so with ``w`` half the smallest gap between distinct candidate
     times (relative to ``T_up``) it can never buy a larger ``T``. (With
     ``T_up`` the exact optimum every feasible point has ``T = T_up`` anyway;
