@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Callable
 
 from master import machine
-from master.checkpointing import prune_checkpoints, write_meta
+from master.checkpointing import prune_checkpoints, start_meta_sampler, write_meta
 from master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCheckpoints, ProgressMetrics,
                             ProgressPhase, Record, Say, Send, StartProgress, WarmPlanner, WriteJournal,
                             WriteMeta)  # fmt: skip
@@ -118,6 +118,8 @@ class Coordinator:
         self._futures: dict[int, Future] = {}
         """Planning calls on their way, by id."""
         self._sampler = None  # the data order meta.json records (building it reads the whole dataset)
+        self._sampler_ready: Future | None = None
+        """``prepare_meta``'s build of ``_sampler``, in the background."""
         self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
         self.journal_to: Callable[[Journal], None] | None = None
         """Writes the journal (``master.journal``) before every generation's assignments go out; the
@@ -346,7 +348,16 @@ class Coordinator:
             log.warning("cannot write the master's journal (generation %d): %s; a restarted master could not "
                         "re-adopt the running workers", e.journal.generation, exc)  # fmt: skip
 
+    def prepare_meta(self) -> None:
+        """Builds what ``meta.json`` records in the background now (``checkpointing.meta_sampler``), so the
+        first checkpoint, periodic or a stop's inside a preemption notice, does not hold the master's lock
+        for it. Without this (unit tests) the first ``meta.json`` builds it."""
+        if self._sampler is None and self._sampler_ready is None:
+            self._sampler_ready = start_meta_sampler(self.job)
+
     def _write_meta(self, e: WriteMeta) -> None:
+        if self._sampler is None and self._sampler_ready is not None:
+            self._sampler = self._sampler_ready.result()  # at once, unless a checkpoint came within seconds
         try:
             self._sampler = write_meta(e.directory, self.job, e.step, self._sampler)
         except OSError as exc:

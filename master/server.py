@@ -174,6 +174,7 @@ class MasterServer:
             events=self.events, progress=self.progress, planner=self._planner, options=self.run_options,
         )  # fmt: skip
         self.coordinator.journal_to = self._write_journal
+        self.coordinator.prepare_meta()
         if self.journal is not None:
             self.coordinator.adopt(self.journal)
         add_coordinator_service(CoordinatorService(self.coordinator), self._server)

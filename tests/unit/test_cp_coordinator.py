@@ -686,6 +686,26 @@ def test_live_mode_completes_periodic_checkpoints_and_stops_at_the_newest_when_e
     assert f"--resume {directory}" in result.message and "step 2" in result.message
 
 
+def test_the_first_meta_json_uses_the_data_order_built_when_the_master_started(make, tmp_path, monkeypatch):
+    """Building the data order ``meta.json`` records (its imports and the whole dataset) took 4.7-5.2 s, and the
+    master did it under its lock at the first checkpoint: it answered nothing meanwhile ("the master did not run
+    for 5.19s", on an H200). ``prepare_meta`` (the server calls it at start) builds it in the background."""
+    import master.checkpointing as checkpointing
+
+    j = make(nodes=2, steps=10, checkpoint_interval=2)
+    j.c.prepare_meta()
+    built = j.c._sampler_ready.result(timeout=120)
+    monkeypatch.setattr(checkpointing, "meta_sampler", lambda job: pytest.fail("meta.json built the data order"))
+    start(j, "n0", "n1")
+    j.train(1, 0)
+    j.train(1, 1)
+    directory = str(tmp_path / "checkpoints" / "step00000002")
+    for gpu in sorted(j.assigned):
+        j.report(gpu, checkpoint_done=pb.CheckpointDone(dir=directory, step=2, layers=1, generation=1))
+    assert json.loads((Path(directory) / "meta.json").read_text())["step"] == 2
+    assert j.c._sampler is built
+
+
 def test_a_periodic_checkpoint_cut_short_by_a_loss_is_taken_again_after_the_next_generations_first_step(
         make, tmp_path):  # fmt: skip
     """Issue 27 9(iii): a writer lost before its share was on disk leaves the checkpoint of step 2
