@@ -317,9 +317,17 @@ class RetiredGroups:
         self._wake.set()
 
     def close(self) -> None:
-        """Destroy every retired group now (at exit): those no one else holds, and wait for the destroyers."""
+        """Destroy every retired group now (at exit): those no one else holds, and wait for the destroyers.
+
+        The retiring thread is stopped first, so that every destroyer it started is in the list joined
+        here (one it started after the list was taken was never joined, and one registered but not yet
+        started made the join raise: "cannot join thread before it is started", seen at a CI run's exit)."""
         with self._lock:
             self._closed = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
             groups, self._groups = self._groups, []
             destroyers, self._destroyers = self._destroyers, []
         groups.clear()
@@ -349,11 +357,12 @@ class RetiredGroups:
             # ran here, under the lock, for up to the group's timeout, and every ``add`` waited: a join's
             # survivor stalled ~9.5 s in ``leave_group`` at the switch (5 of 8 runs of a scaled cornstarch job,
             # found with py-spy).
-            while done:
-                thread = threading.Thread(target=_destroy, args=([done.pop()],), name="destroy-group", daemon=True)
+            while done:  # each started under the lock: ``close`` joins only started threads
                 with self._lock:
+                    thread = threading.Thread(target=_destroy, args=([done.pop()],), name="destroy-group",
+                                              daemon=True)  # fmt: skip
                     self._destroyers.append(thread)
-                thread.start()
+                    thread.start()
 
 
 def _destroy(holder: list) -> None:

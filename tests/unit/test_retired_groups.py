@@ -45,3 +45,26 @@ def test_destructors_run_in_destroyer_threads_and_never_block_a_later_add():
         retired.close()
     assert max(waits) < SLOW_S / 2, f"an add waited for a destructor: {waits}"
     assert SlowGroup.ran_in == ["destroy-group"] * 8, SlowGroup.ran_in
+
+
+class QuickGroup:
+    """Whose destructor counts itself (a short one: the race is in starting and joining the destroyers)."""
+
+    destroyed = 0
+
+    def __del__(self) -> None:
+        time.sleep(0.02)
+        QuickGroup.destroyed += 1
+
+
+def test_close_at_exit_waits_for_every_destroyer_and_never_joins_one_not_started():
+    """``close`` (atexit) racing the retiring thread: it took the destroyers' list while a destroyer was
+    registered but not started ("cannot join thread before it is started", at a CI run's exit), and one
+    started after it took the list was never joined. Every group is destroyed by the time it returns."""
+    for attempt in range(30):
+        QuickGroup.destroyed = 0
+        retired = RetiredGroups()
+        retired.add([QuickGroup() for _ in range(6)])
+        time.sleep(0.001 * (attempt % 10))  # close lands at different points of the retiring thread's pass
+        retired.close()
+        assert QuickGroup.destroyed == 6, f"attempt {attempt}: {QuickGroup.destroyed} of 6 destroyed at close"
