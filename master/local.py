@@ -47,7 +47,8 @@ from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
-from oobleck_mm.runtime.template import SHARED_TEMPLATE, SHARED_TEMPLATE_ENV, start_shared_template, target_preload
+from oobleck_mm.runtime.template import (SHARED_TEMPLATE, SHARED_TEMPLATE_ENV, TEMPLATE_JOB_ENV, start_shared_template,
+                                         target_preload)
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,8 @@ class LocalCluster:
         says why), with ``--worker-start shared``. The agents find it through their environment."""
         if self.options.worker_start != SHARED_TEMPLATE:
             return
-        self._shared_template = start_shared_template(self._agent_env(), target_preload(self.options.worker_target))
+        environ = {**self._agent_env(), TEMPLATE_JOB_ENV: self.job_file}  # the template's alone: not the agents'
+        self._shared_template = start_shared_template(environ, target_preload(self.options.worker_target))
 
     def _start_standby(self) -> None:
         """An agent for the next join, started now (with ``_agents_lock`` held): ``--node -``."""

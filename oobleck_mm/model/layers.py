@@ -231,6 +231,25 @@ def model_layer_specs(job) -> tuple[LayerSpec, ...]:
 
 
 
+def import_layer_code(job, specs: Sequence[LayerSpec] | None = None) -> int:
+    """Builds one layer of each kind of the job's model on the ``meta`` device (no memory, no weights read),
+    so that the code its layers run is imported; returns how many it built.
+
+    An HF model's modules (``transformers`` and the model's ``modeling_*``) load at the first layer a
+    process builds: 0.7 s on this machine idle, seconds beside other work. A worker that paid it in the
+    layers it builds to receive a state copy (``state_transfer.prepare_arrival``) made every survivor
+    of a recovery that includes it wait at the rendezvous; a worker does it at start-up instead, before
+    it reports ready (``runtime.agent_worker.worker_main``)."""
+    specs = specs if specs is not None else model_layer_specs(job)
+    first: dict[tuple[str, str], int] = {}
+    for index, spec in enumerate(specs):
+        first.setdefault((spec.modality, spec.kind), index)
+    with torch.device("meta"):
+        for index in first.values():
+            build_layer(job, index, specs, initialize=False, weights=False)
+    return len(first)
+
+
 def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initialize: bool = True,
                 weights: bool = True) -> nn.Module:
     """Layer ``index`` of the job's model with its deterministic initial weights, in the master dtype

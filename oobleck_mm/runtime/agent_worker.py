@@ -64,7 +64,7 @@ from oobleck_mm.runtime.checkpoint import (
     save_layers,
     write_error,
 )
-from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
+from oobleck_mm.model.layers import import_layer_code, model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.engine import StageEngine, engine_subgroups
 from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold, hold_once, hold_step, set_announcer
@@ -582,6 +582,7 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     import oobleck_mm.runtime.store  # noqa: F401
     try:
         loop = WorkerLoop(conn, load_config(config_path), node, local_rank)
+        import_layer_code(loop.job)  # an HF model's modules: at start-up, not in a recovery's copy
         # Ready to join a generation at once: a joining node is admitted only now, so the
         # survivors never wait for a new worker's start-up (imports, warm-up).
         loop.report(ready=pb.WorkerReady(startup_s=time.time() - _process_start()))

@@ -26,6 +26,10 @@ TEMPLATE_ENV_DEFAULTS = {"OPENBLAS_NUM_THREADS": "1"}
 """Variables a template starts with unless its caller set them: numpy's OpenBLAS starts no thread per
 core in a process that only forks."""
 
+TEMPLATE_JOB_ENV = "OOBLECK_TEMPLATE_JOB"
+"""Set for a template that knows its job (``oobleck-launch local``'s shared one): the job file whose layers'
+code (an HF model's ``transformers`` modules) the preload imports too (``worker_preload``)."""
+
 WORKER_PRELOAD = "oobleck_mm.runtime.worker_preload"
 """What the template imports for the engine's workers (torch, torch._dynamo, the engine, DeepSpeed's
 schedules where there is no GPU)."""

@@ -13,6 +13,7 @@ a driver initialised before a fork is not usable in the child. There the
 workers import DeepSpeed's schedules and the engine (about 0.35 s) themselves.
 """
 
+import os
 import signal
 
 # A scheduler's SIGTERM to the node's processes is its agent's notice; the template outlives it like the
@@ -30,7 +31,7 @@ import oobleck_mm.protocol.pipe  # noqa: F401
 import oobleck_mm.runtime.balancing  # noqa: F401
 import oobleck_mm.runtime.group  # noqa: F401
 import oobleck_mm.runtime.store  # noqa: F401 - the rendezvous store's client and gRPC's stubs
-from oobleck_mm.runtime.template import gpu_build  # noqa: E402
+from oobleck_mm.runtime.template import TEMPLATE_JOB_ENV, gpu_build  # noqa: E402
 
 
 # Decided by how torch was built, without asking whether a GPU is there: even NVML's answer
@@ -40,3 +41,15 @@ from oobleck_mm.runtime.template import gpu_build  # noqa: E402
 if not gpu_build():
     import oobleck_mm.runtime.agent_worker  # noqa: F401 - DeepSpeed's schedules, the engine
 
+
+# A template that knows its job (``oobleck-launch local``'s) imports its layers' code too: a worker forked
+# from it then skips ``import_layer_code``'s imports (0.7 s for the tiny HF LLaVA). Not with a GPU build:
+# transformers' import asks torch whether CUDA is there, which starts a driver thread (see above).
+if (job_file := os.environ.get(TEMPLATE_JOB_ENV)) and not gpu_build():
+    try:
+        from oobleck_mm.config import load_config
+        from oobleck_mm.model.layers import import_layer_code
+
+        import_layer_code(load_config(job_file))
+    except Exception:  # noqa: BLE001 - only a warm-up: each worker does it again, and says what is wrong
+        pass
