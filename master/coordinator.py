@@ -350,8 +350,14 @@ class Coordinator:
 
     def prepare_meta(self) -> None:
         """Builds what ``meta.json`` records in the background now (``checkpointing.meta_sampler``), so the
-        first checkpoint, periodic or a stop's inside a preemption notice, does not hold the master's lock
-        for it. Without this (unit tests) the first ``meta.json`` builds it."""
+        first periodic checkpoint does not hold the master's lock for it, when the job will reach one by
+        steps. Without this (unit tests, or no such checkpoint) the first ``meta.json`` builds it."""
+        interval = self.settings.sending.checkpoint_interval
+        if not 0 < interval <= self.settings.steps:
+            # No periodic checkpoint by steps will come (the tests' short runs): its imports would only take
+            # CPU from the workers' start (about 1.5 s of torch's imports per master here: ~45 s of the suite).
+            # A time-based or a stop's checkpoint then builds it as before.
+            return
         if self._sampler is None and self._sampler_ready is None:
             self._sampler_ready = start_meta_sampler(self.job)
 
