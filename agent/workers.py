@@ -180,6 +180,13 @@ class WorkerFault:
         return pb.WorkerFailure.Name(self.kind).lower()
 
 
+EXIT_STATUS_WAIT_S = 2.0
+"""How long the agent waits for a dead worker's exit status before it reports the worker by what it saw (a
+zombie). A fork of the worker template is the template's child: the template reaps it and passes the status on,
+which took over 0.5 s (the wait before) once in a clean-clone CI run on 2 busy cores, and the node was
+reported ``worker_zombie`` instead of ``worker_exited`` by SIGKILL. Only the death path waits."""
+
+
 class Worker:
     """One worker process and the agent's end of its pipe."""
 
@@ -254,8 +261,9 @@ class Worker:
         return None
 
     def _dead_fault(self, kind: int, what: str) -> WorkerFault:
-        """A worker that died: how it died once its exit status arrives (up to 0.5 s), else ``what``."""
-        self.process.join(0.5)
+        """A worker that died: how it died once its exit status arrives (up to ``EXIT_STATUS_WAIT_S``), else
+        ``what``."""
+        self.process.join(EXIT_STATUS_WAIT_S)
         if self.process.exitcode is not None:
             return self.fault()
         return WorkerFault(self.local_rank, kind, f"pid {self.pid} {what}")
