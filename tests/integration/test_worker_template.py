@@ -144,6 +144,19 @@ def test_the_template_never_asks_whether_there_is_a_gpu():
     assert json.loads(out.stdout.splitlines()[-1]) == []
 
 
+def tiny_llava_config(tmp_path: Path) -> Path:
+    """The tiny HF LLaVA (SigLIP + Qwen2, tied) saved under ``tmp_path``, and a job file for it."""
+    import yaml
+
+    from oobleck_mm.model.tiny_hf import make_tiny_model
+
+    raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
+    raw["model"]["huggingface"] = make_tiny_model(tmp_path / "tiny_llava", "qwen2", "siglip", tie=True)
+    config = tmp_path / "llava.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    return config
+
+
 LAYER_CODE = """
 import json, sys, yaml
 sys.path[:0] = sys.argv[2:]
@@ -164,14 +177,7 @@ def test_a_worker_imports_its_hf_models_code_before_it_is_ready(tmp_path):
     """``import_layer_code`` (a worker's start-up, before ``WorkerReady``): one layer of each kind on the meta
     device, so that an HF model's modules are imported there and not in the layers a joiner builds to receive
     a state copy, while a recovery's survivors wait (0.73 s -> 0.03 s for the tiny LLaVA's 11 layers)."""
-    import yaml
-
-    from oobleck_mm.model.tiny_hf import make_tiny_model
-
-    raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
-    raw["model"]["huggingface"] = make_tiny_model(tmp_path / "tiny_llava", "qwen2", "siglip", tie=True)
-    config = tmp_path / "llava.yaml"
-    config.write_text(yaml.safe_dump(raw))
+    config = tiny_llava_config(tmp_path)
     out = subprocess.run([sys.executable, "-c", LAYER_CODE, str(config), *sys.path], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -194,15 +200,9 @@ def test_a_local_runs_template_imports_its_hf_models_code(tmp_path):
     """``oobleck-launch local``'s shared template knows the job (``TEMPLATE_JOB_ENV``): its preload imports the
     job's layer code, so a worker forked from it skips ``import_layer_code``'s imports (a joiner of the tiny HF
     LLaVA ready 0.11-0.20 s after its injection instead of 1.6-2.2 s)."""
-    import yaml
-
-    from oobleck_mm.model.tiny_hf import make_tiny_model
     from oobleck_mm.runtime.template import TEMPLATE_JOB_ENV
 
-    raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
-    raw["model"]["huggingface"] = make_tiny_model(tmp_path / "tiny_llava", "qwen2", "siglip", tie=True)
-    config = tmp_path / "llava.yaml"
-    config.write_text(yaml.safe_dump(raw))
+    config = tiny_llava_config(tmp_path)
     found = {}
     for case, extra in (("job", {TEMPLATE_JOB_ENV: str(config)}), ("none", {})):
         env = {**{k: v for k, v in os.environ.items() if k != TEMPLATE_JOB_ENV}, **extra}
