@@ -316,6 +316,10 @@ class RetiredGroups:
                 atexit.register(self.close)
         self._wake.set()
 
+    def check_now(self) -> None:
+        """Look for groups nobody else holds now instead of at the next ``RETIRE_POLL_S`` tick."""
+        self._wake.set()
+
     def close(self) -> None:
         """Destroy every retired group now (at exit): those no one else holds, and wait for the destroyers.
 
@@ -382,13 +386,16 @@ NCCL_ABORT_WAIT = timedelta(seconds=10)
 def leave_group(abort: bool = False) -> None:
     """Destroy this process's default group, if any.
 
-    ``abort`` (after a failure): the default group is destroyed here, so its connections close now
-    and peers still waiting on this worker (a point-to-point transfer, which cannot be interrupted)
-    fail fast instead of waiting out the group's timeout (measured: 0.3 s against 8 s when it was
-    left to ``RETIRED``). NCCL communicators with a collective in
-    flight to a dead peer can hang ``destroy_process_group``; aborting them first (torch's
-    ``_abort_process_group``, in a thread bounded by ``NCCL_ABORT_WAIT``) frees the device. gloo
-    needs nothing more than destroy.
+    ``abort`` (after a failure) on NCCL: communicators with a collective in flight to a dead peer
+    can hang ``destroy_process_group``; aborting them first (torch's ``_abort_process_group``, in a
+    thread bounded by ``NCCL_ABORT_WAIT``) frees the device, then the default group is destroyed
+    here. On gloo the default group is retired like the others, even on abort: its destructor
+    waits for an operation still pending on it (an abandoned start-step agreement, whose peers
+    went on to a later generation and keep their side open) until the group's timeout, and in the
+    training thread that held the node out of the next generation's rendezvous (``leave_s`` 7.0 s,
+    and the whole job with it, under ``scripts/soak_churn.py``). ``RETIRED`` starts its destructor
+    at once, so its connections still close within milliseconds when nothing is pending, and peers
+    blocked on this worker (a point-to-point transfer, which cannot be interrupted) fail fast.
 
     Every other group of the generation (all of them, without ``abort``) is unregistered at once and
     handed to ``RETIRED``, which runs their destructors in the background: a gloo group's destructor takes 10-40 ms when
@@ -400,11 +407,13 @@ def leave_group(abort: bool = False) -> None:
     if not dist.is_initialized():
         return
     groups = list(dist.distributed_c10d._world.pg_names)  # before destroy drops torch's references
-    if abort:  # the default group (point-to-point included) closes here and now: peers blocked on us fail fast
+    nccl_abort = abort and dist.get_backend() == "nccl"
+    if nccl_abort:  # the default group is destroyed here, after its communicators' abort
         world = dist.distributed_c10d._get_default_group()
         groups = [g for g in groups if g is not world]
+        del world
     RETIRED.add(groups)
-    if abort and dist.get_backend() == "nccl":
+    if nccl_abort:
         from torch.distributed.distributed_c10d import _abort_process_group
 
         worker = threading.Thread(target=_abort_process_group, name="nccl-abort", daemon=True)
@@ -419,6 +428,7 @@ def leave_group(abort: bool = False) -> None:
         dist.destroy_process_group()
     except (RuntimeError, ValueError) as error:  # an aborted group may already be gone
         log.warning("leaving the process group: %s", error)
+    RETIRED.check_now()  # torch let go of them just now: the default group's connections close at once
 
 
 def _retire_prepared() -> None:

@@ -9,6 +9,11 @@ must not wait for the pending operation: a gloo group's destructor joins its
 worker threads, which end only at the operation's timeout. Before the groups
 were retired on abort, that wait (the group's full timeout) landed in whatever
 step the garbage collector ran in (3-7 s steps under churn).
+
+The same holds for an operation pending on the generation's default group (a
+start-step agreement abandoned because the peers went on to a later plan):
+``leave_group(abort=True)`` destroyed that group in the training thread, which
+waited out its timeout (a 7.0 s leave under ``scripts/soak_churn.py``).
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ class _Engine:
         self.me = self
 
 
-def _rank(rank: int, port: int, results, finished) -> None:
+def _rank(rank: int, port: int, results, finished, pending_on: str) -> None:
     import torch.distributed as dist
 
     from oobleck_mm.runtime.group import RETIRED, connect_store, join_generation, leave_group
 
     store = connect_store("127.0.0.1", port, TOKEN, timeout=timedelta(seconds=30))
-    join_generation(store, 1, rank, 2, "gloo", collective_timeout=timedelta(seconds=30),
+    join_generation(store, 1, rank, 2, "gloo", collective_timeout=GROUP_TIMEOUT,
                     arrival_timeout=timedelta(seconds=30))  # fmt: skip
     sub = dist.new_group([0, 1], timeout=GROUP_TIMEOUT)
     dist.barrier()
@@ -51,7 +56,7 @@ def _rank(rank: int, port: int, results, finished) -> None:
         finished.wait(60)
         leave_group()
         return
-    held = [sub]
+    held = [sub if pending_on == "subgroup" else None]  # None: the default group
     del sub  # the list holds the only reference: handed on to the engine below
     try:
         results.put(_abandon_and_leave(held, RETIRED, leave_group))
@@ -85,11 +90,13 @@ def _abandon_and_leave(held: list, retired, leave_group) -> tuple[float, float, 
     return left_s, dropped_s, retired.pending(), time.monotonic() - started
 
 
-def test_an_abandoned_operation_does_not_hold_the_thread_that_drops_its_group():
+@pytest.mark.parametrize("pending_on", ["subgroup", "default group"])
+def test_an_abandoned_operation_does_not_hold_the_thread_that_drops_its_group(pending_on):
     store, port = serve_store_only(TOKEN)
     ctx = mp.get_context("spawn")
     results, finished = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_rank, args=(rank, port, results, finished), daemon=True) for rank in (0, 1)]
+    procs = [ctx.Process(target=_rank, args=(rank, port, results, finished, pending_on), daemon=True)
+             for rank in (0, 1)]  # fmt: skip
     try:
         for p in procs:
             p.start()
@@ -102,10 +109,10 @@ def test_an_abandoned_operation_does_not_hold_the_thread_that_drops_its_group():
         store.stop(0)
     assert not isinstance(outcome, Exception), f"rank 0 failed: {outcome!r}"
     left_s, dropped_s, left, destroyed_after_s = outcome
-    # Leaving the generation shuts its default group down at once but not the subgroup: torch's
-    # destroy_process_group() shuts every registered group down in this thread (gloo's shutdown
-    # waits for the pending operation, ~GROUP_TIMEOUT; seen under churn as a rank whose abort
-    # reached the master 3.4 s late, holding the next generation's rendezvous).
+    # Leaving the generation unregisters its groups at once and destroys none in this thread: a gloo
+    # group's destructor waits for its pending operation, ~GROUP_TIMEOUT (seen under churn as a rank
+    # whose abort reached the master 3.4 s late, and 7.0 s late with the operation on the default
+    # group, holding the next generation's rendezvous).
     assert left_s < 1.0, f"leaving the generation took {left_s:.2f} s (the group's timeout is {GROUP_TIMEOUT})"
     # Before the fix the collection itself ran the destructor: ~GROUP_TIMEOUT (3.9 s measured).
     assert dropped_s < 1.0, f"dropping the engine took {dropped_s:.2f} s (the group's timeout is {GROUP_TIMEOUT})"
