@@ -39,9 +39,12 @@ MAX_REFORMS = 3
 """Re-forms of the same nodes in a row without a completed step before the job gives up: a
 collective that times out again and again with every node alive is not the load of a moment
 but a bug (collectives out of order) or a network that cannot carry the job."""
-SETTLE_S = 0.1
+SETTLE_S = 0.03
 """After a loss, wait this long for others before planning: nodes that fail together (a rack, a
-preemption wave) are seen milliseconds apart, and one plan for all beats a plan thrown away."""
+preemption wave) are seen milliseconds apart (their streams end together; a hung node's heartbeats
+are judged at the same detector tick), and one plan for all beats a plan thrown away. It was 0.1 s:
+under bursty churn (``scripts/soak_churn.py``, losses >= 1.5 s apart) that wait came on top of every
+recovery, ~30 of them a run, while a later loss supersedes a plan anyway (``plan_superseded``)."""
 
 
 # ---------------------------------------------------------------------- what to plan

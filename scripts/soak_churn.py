@@ -108,6 +108,31 @@ def launch_with_startups(config: str, nodes: int, steps: int, run_dir: Path, set
             p.wait(timeout=120)
 
 
+def steps_by_size(events_path: Path) -> dict[int, int]:
+    """Live node count -> how many of the run's steps trained at it."""
+    out: dict[int, int] = {}
+    for e in read_events(events_path, "step"):
+        out[e["live_nodes"]] = out.get(e["live_nodes"], 0) + 1
+    return out
+
+
+DEFAULT_CHURN = "50,burst=3,min=4,max=9,seed=1,spread=0.8,preempt=0.2,notice=3,duration=150,start=3,warmup=10,calm=1.5"
+"""Issue 27's soak: >= 60 events inside a 600-step run of the built-in model (the timeline holds 63 by 90 s of
+launch time; the churned run takes 90-130 s here, the failure-free one ~65 s), bursts of up to 3 events 0.8 s
+apart at most, 20% of failures preemptions with 3 s of notice, failures at least ``calm`` 1.5 s apart (a
+recovery's copy restores the second replica ~0.35 s after the loss) and between 4 and 9 live nodes. Its events
+come at wall-clock times: a slower run meets more of them."""
+
+SIZE_CONTROL_MIN_SHARE = 0.05
+"""A node count the churned run spent fewer of its steps at is priced at the nearest count measured."""
+
+
+def same_size_seconds(sizes: dict[int, int], step_s: dict[int, float]) -> float:
+    """What the churned run's steps would take failure-free at the sizes they trained at: each size's steps
+    times the failure-free step time measured at that size (else at the nearest size measured)."""
+    return sum(n * step_s[min(step_s, key=lambda m: (abs(m - size), m))] for size, n in sizes.items())
+
+
 def training_seconds(events_path: Path) -> float:
     """Wall seconds from the first step's report to the last one's."""
     steps = read_events(events_path, "step")
@@ -185,8 +210,7 @@ def main() -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_mm.yaml"))
     parser.add_argument("--nodes", type=int, default=6)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--churn", default="16,burst=3,min=4,max=7,seed=1,spread=0.8,preempt=0.2,notice=3,"
-                                           "duration=150,start=3,warmup=15,calm=2")
+    parser.add_argument("--churn", default=DEFAULT_CHURN)
     parser.add_argument("--set", action="append", default=[], dest="sets", help="more --set overrides")
     parser.add_argument("--killmaster", action="store_true", help="also kill the master inside a burst")
     parser.add_argument("--hf", action="store_true",
@@ -196,6 +220,12 @@ def main() -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=3000)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--size-control", action="store_true",
+                        help="also run the failure-free job at each node count the churned run trained at: on one "
+                             "machine's shared cores more simulated nodes make every step slower (the failure-free "
+                             "job took 0.102, 0.115 and 0.122 s a step on 6, 7 and 8 nodes here), which on a real "
+                             "cluster they make faster")
+    parser.add_argument("--size-control-steps", type=int, default=200)
     parser.add_argument("--startup-control", action="store_true",
                         help="also run the failure-free job with the churned run's joiners' start-ups beside it "
                              "(no joins): how much of the loss is their CPU on this machine")
@@ -256,6 +286,23 @@ def main() -> int:
         print(f"  exit {code2}, {control_s:.1f} s of training ({wall2:.1f} s in all): failure-free "
               f"{free_s / control_s:.1%} of the failure-free run's throughput with the start-ups beside it; churned "
               f"{control_s / churn_s:.1%} of this control", flush=True)
+    same_size_s = float("nan")
+    size_step_s: dict[int, float] = {}
+    if args.size_control and churn_s == churn_s:
+        sizes = steps_by_size(events)
+        size_step_s[args.nodes] = free_s / max(1, args.steps - 1)
+        for size, n in sorted(sizes.items()):
+            if size in size_step_s or n < SIZE_CONTROL_MIN_SHARE * args.steps:
+                continue
+            run = work / f"size{size}"
+            code, _, _ = launch(args.config, size, args.size_control_steps, run, [], sets, args.timeout)
+            if code == 0:
+                size_step_s[size] = training_seconds(run / "events.jsonl") / max(1, args.size_control_steps - 1)
+        same_size_s = same_size_seconds(sizes, size_step_s)
+        print(f"size control: steps per node count {dict(sorted(sizes.items()))}; failure-free step time "
+              + ", ".join(f"{k} nodes {v * 1000:.0f} ms" for k, v in sorted(size_step_s.items()))
+              + f": {same_size_s:.1f} s failure-free at the churned run's sizes; churned "
+              f"{same_size_s / churn_s:.1%} of that", flush=True)  # fmt: skip
     recoveries = burst_recoveries(events)
     waits = slow_waits(events)
     result = {
@@ -270,6 +317,10 @@ def main() -> int:
         "burst_to_resumed_s": recoveries, "slow_waits": waits, "run_dir": str(work),
         "startup_control_training_s": round(control_s, 2) if control_s == control_s else None,
         "throughput_vs_startup_control": round(control_s / churn_s, 3) if control_s == control_s else None,
+        "steps_by_live_nodes": steps_by_size(events),
+        "size_control_step_s": {k: round(v, 4) for k, v in sorted(size_step_s.items())} or None,
+        "same_size_failure_free_s": round(same_size_s, 2) if same_size_s == same_size_s else None,
+        "throughput_vs_same_sizes": round(same_size_s / churn_s, 3) if same_size_s == same_size_s else None,
     }  # fmt: skip
     print(f"throughput {ratio:.1%} of failure-free; {len(outcomes)} incidents, {len(no_outcome)} without outcome; "
           f"leftover processes {left or 'none'}; verified {verified}")
