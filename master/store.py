@@ -17,6 +17,14 @@ while the server has threads to spare: at most ``max_waiters`` calls wait at onc
 the others are answered at once and poll as before (``StoreReply.held`` tells
 which). So a large job's rendezvous degrades to polling, never to a master too
 busy to hear heartbeats.
+
+A ``get`` may also ask for the key's *siblings*, the other keys already set
+under its parent (the path up to its last ``/``), answered with it: gloo's
+connect waits for every rank's address of a group in turn, all siblings, so the
+first reply brings those already there and the client waits for them without a
+call (``ControlPlaneStore.wait``): 88 -> 23 calls and 26.7 -> 4.7 ms for 8
+survivors forming a group within 20 ms (``scripts/bench_control_plane.py
+--store-only --store-ranks 8 --store-spread 0.02``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ class KeyValueStore:
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
+        self._by_parent: dict[str, dict[str, bytes]] = {}
+        """The same keys by parent (path up to the last '/'): a get's ``siblings``."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.instance = secrets.token_hex(8)
@@ -48,8 +58,26 @@ class KeyValueStore:
 
     def set(self, key: str, value: bytes) -> None:
         with self._lock:
-            self._data[key] = value
+            self._put(key, value)
             self._changed.notify_all()
+
+    def siblings(self, key: str) -> dict[str, bytes]:
+        """The other keys set under ``key``'s parent, with their values."""
+        with self._lock:
+            return {k: v for k, v in self._by_parent.get(_parent(key), {}).items() if k != key}
+
+    def _put(self, key: str, value: bytes) -> None:
+        self._data[key] = value
+        self._by_parent.setdefault(_parent(key), {})[key] = value
+
+    def _drop(self, key: str) -> bytes | None:
+        value = self._data.pop(key, None)
+        if value is not None:
+            children = self._by_parent.get(_parent(key), {})
+            children.pop(key, None)
+            if not children:
+                self._by_parent.pop(_parent(key), None)
+        return value
 
     def wait_get(self, key: str, seconds: float) -> bytes | None:
         """``key``'s value, waiting up to ``seconds`` for another thread to set it; None if it did not."""
@@ -65,7 +93,7 @@ class KeyValueStore:
         """The key as a decimal integer (0 when absent) plus ``amount``, stored and returned (as TCPStore)."""
         with self._lock:
             value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
+            self._put(key, str(value).encode())
             self._changed.notify_all()
             return value
 
@@ -74,7 +102,7 @@ class KeyValueStore:
         with self._lock:
             current = self._data.get(key)
             if (current is None and not expected) or current == expected:
-                self._data[key] = desired
+                self._put(key, desired)
                 self._changed.notify_all()
                 return desired
             return expected if current is None else current
@@ -85,7 +113,7 @@ class KeyValueStore:
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            return self._data.pop(key, None) is not None
+            return self._drop(key) is not None
 
     def __len__(self) -> int:
         with self._lock:
@@ -99,8 +127,12 @@ class KeyValueStore:
         with self._lock:
             stale = [k for k in self._data if _generation_of(k) is not None and _generation_of(k) < generation]
             for key in stale:
-                del self._data[key]
+                self._drop(key)
             return len(stale)
+
+
+def _parent(key: str) -> str:
+    return key.rpartition("/")[0]
 
 
 def _generation_of(key: str) -> int | None:
@@ -136,8 +168,8 @@ class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
                     value = s.wait_get(request.key, min(request.wait_s, LONG_POLL_S))
                 finally:
                     self._waiters.release()
-                return pb.StoreReply(found=value is not None, value=value or b"", held=True)
-            return pb.StoreReply(found=value is not None, value=value or b"")
+                return self._got(request, value, held=True)
+            return self._got(request, value)
         if op == pb.STORE_ADD:
             return pb.StoreReply(number=s.add(request.key, request.amount))
         if op == pb.STORE_COMPARE_SET:
@@ -149,6 +181,12 @@ class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
         if op == pb.STORE_NUM_KEYS:
             return pb.StoreReply(number=len(s))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"op: unknown store operation {op}")
+
+    def _got(self, request: pb.StoreRequest, value: bytes | None, held: bool = False) -> pb.StoreReply:
+        reply = pb.StoreReply(found=value is not None, value=value or b"", held=held)
+        if value is not None and request.siblings:
+            reply.siblings.update(self.store.siblings(request.key))
+        return reply
 
 
 def serve_store_only(token: str, host: str = "127.0.0.1", max_waiters: int = 8) -> tuple[grpc.Server, int]:

@@ -273,7 +273,7 @@ sys.stdin.read()
 
 
 def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: bool, reuse_waited: bool,
-                spread_s: float, out) -> None:  # fmt: skip
+                spread_s: float, out, siblings: bool = False) -> None:  # fmt: skip
     """A share of one rendezvous' ranks, a thread each: arrive at a random moment within ``spread_s``, set
     its key, then read every rank's key as gloo's connect reads its peers' addresses (``wait([key])`` then
     ``get(key)``, its own included: logged from ``ProcessGroupGloo``'s construction on a store that records
@@ -285,13 +285,13 @@ def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: 
 
     def rank(i: int) -> None:
         store = ControlPlaneStore("127.0.0.1", port, token, timedelta(seconds=60), long_poll=long_poll,
-                                  reuse_waited=reuse_waited)  # fmt: skip
+                                  reuse_waited=reuse_waited, siblings=siblings)  # fmt: skip
         time.sleep(random.Random(i).uniform(0, spread_s))
-        store.set(f"rank{i}", b"x")
+        store.set(f"group/rank/{i}", b"x")
         set_at = time.time()
         for j in range(world):
-            store.wait([f"rank{j}"])
-            store.get(f"rank{j}")
+            store.wait([f"group/rank/{j}"])
+            store.get(f"group/rank/{j}")
         out.put((store.calls, set_at, time.time()))
         store.close()
 
@@ -302,7 +302,8 @@ def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: 
         t.join()
 
 
-def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: bool = True) -> dict:
+def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: bool = True,
+              siblings: bool = False) -> dict:  # fmt: skip
     """One rendezvous of ``world`` ranks against the master's store server (``master.store``, a process of
     its own): the store calls it took, the server's CPU seconds, and how long after the last rank arrived
     the last one was done (the wake-up latency that polling trades against calls)."""
@@ -320,7 +321,8 @@ def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: b
         out = mp.get_context("fork").Queue()
         shares = [list(range(world))[k::AGENT_PROCESSES] for k in range(AGENT_PROCESSES)]
         procs = [mp.get_context("fork").Process(target=store_ranks, args=(port, token, share, world, long_poll,
-                                                                          reuse_waited, spread_s, out)) for share in shares]  # fmt: skip
+                                                                          reuse_waited, spread_s, out, siblings))
+                 for share in shares]  # fmt: skip
         for p in procs:
             p.start()
         results = [out.get(timeout=120) for _ in range(world)]
@@ -332,12 +334,14 @@ def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: b
         server.wait(10)
     calls = sum(r[0] for r in results)
     last_set, last_done = max(r[1] for r in results), max(r[2] for r in results)
-    row = {"part": "store", "ranks": world, "long_poll": long_poll, "reuse_waited": reuse_waited, "server_long_polls": waiters, "arrivals_spread_s": spread_s, "calls": calls,
+    row = {"part": "store", "ranks": world, "long_poll": long_poll, "reuse_waited": reuse_waited, "siblings": siblings,
+           "server_long_polls": waiters, "arrivals_spread_s": spread_s, "calls": calls,
            "calls_per_rank": round(calls / world, 1),
            "server_cpu_s": round(after.user + after.system - before.user - before.system, 3),
            "last_arrival_to_done_s": round(last_done - last_set, 4)}  # fmt: skip
     say(f"store, {world} ranks arriving within {spread_s:g} s, {'long poll' if long_poll else 'polling only'}"
-        f"{', a wait read once' if reuse_waited else ', a wait read twice'}: "
+        f"{', a wait read once' if reuse_waited else ', a wait read twice'}"
+        f"{', siblings prefetched' if siblings else ''}: "
         f"{calls} calls ({row['calls_per_rank']} per rank), server CPU {row['server_cpu_s']:.2f} s, last rank "
         f"done {row['last_arrival_to_done_s'] * 1000:.1f} ms after the last arrival")  # fmt: skip
     return row
@@ -349,8 +353,11 @@ def main() -> int:
     parser.add_argument("--kill", type=int, default=10)
     parser.add_argument("--window", type=float, default=10.0, help="seconds the master's CPU is measured over")
     parser.add_argument("--store-ranks", default="", help="also one rendezvous of this many ranks (e.g. 16,64) "
-                                                             "against the store: polling only, long polls, long polls with a wait's read reused")
+                                                             "against the store: polling only, long polls, long polls with a wait's read reused, and "
+                                                             "with a wait's siblings prefetched")
     parser.add_argument("--store-only", action="store_true", help="only the store part")
+    parser.add_argument("--store-spread", type=float, default=0.5,
+                        help="seconds over which the rendezvous' ranks arrive (0.02: the survivors of a loss)")
     parser.add_argument("--heartbeat", type=float, default=HEARTBEAT_S,
                         help=f"heartbeat interval in seconds, the timeout 3 of them (default {HEARTBEAT_S:g})")
     parser.add_argument("--json", default=None)
@@ -365,8 +372,10 @@ def main() -> int:
             rows.append({"nodes": n, "heartbeat_s": args.heartbeat, "held": False, "why": str(err)})
             failed = True
     for world in [int(n) for n in args.store_ranks.split(",") if n]:
-        for long_poll, reuse in ((False, False), (True, False), (True, True)):  # side by side, in one run
-            rows.append(run_store(world, long_poll, spread_s=0.5, say=say, reuse_waited=reuse))
+        for long_poll, reuse, siblings in ((False, False, False), (True, False, False), (True, True, False),
+                                           (True, True, True)):  # side by side, in one run  # fmt: skip
+            rows.append(run_store(world, long_poll, spread_s=args.store_spread, say=say, reuse_waited=reuse,
+                                  siblings=siblings))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 1 if failed else 0

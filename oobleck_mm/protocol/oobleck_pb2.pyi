@@ -408,7 +408,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("op", "key", "value", "expected", "amount", "keys", "wait_s")
+    __slots__ = ("op", "key", "value", "expected", "amount", "keys", "wait_s", "siblings")
     OP_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,7 @@ class StoreRequest(_message.Message):
     AMOUNT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SIBLINGS_FIELD_NUMBER: _ClassVar[int]
     op: StoreOp
     key: str
     value: bytes
@@ -423,18 +424,28 @@ class StoreRequest(_message.Message):
     amount: int
     keys: _containers.RepeatedScalarFieldContainer[str]
     wait_s: float
-    def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    siblings: bool
+    def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ..., siblings: _Optional[bool] = ...) -> None: ...
 
 class StoreReply(_message.Message):
-    __slots__ = ("found", "value", "number", "instance", "held")
+    __slots__ = ("found", "value", "number", "instance", "held", "siblings")
+    class SiblingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     FOUND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    SIBLINGS_FIELD_NUMBER: _ClassVar[int]
     found: bool
     value: bytes
     number: int
     instance: str
     held: bool
-    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., instance: _Optional[str] = ..., held: _Optional[bool] = ...) -> None: ...
+    siblings: _containers.ScalarMap[str, bytes]
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., instance: _Optional[str] = ..., held: _Optional[bool] = ..., siblings: _Optional[_Mapping[str, bytes]] = ...) -> None: ...

@@ -55,11 +55,11 @@ class ControlPlaneStore(dist.Store):
 
     def __init__(self, host: str, port: int, token: str, timeout: timedelta,
                  interrupt: Callable[[], bool] | None = None, long_poll: bool = True,
-                 reuse_waited: bool = True) -> None:  # fmt: skip
+                 reuse_waited: bool = True, siblings: bool = True) -> None:  # fmt: skip
         """``interrupt``: asked between two reads of a key not yet set; True ends the wait with
         ``DistStoreError`` (the worker's master re-planned: the peer it waits for is gone). ``long_poll``:
-        False polls only; ``reuse_waited``: False reads again what a wait read (both: the benchmark's
-        comparisons)."""
+        False polls only; ``reuse_waited``: False reads again what a wait read; ``siblings``: False asks
+        for every waited key (all three: the benchmark's comparisons)."""
         super().__init__()
         self._ask_s = LONG_POLL_ASK_S if long_poll else 0.0
         self.calls = 0
@@ -80,10 +80,16 @@ class ControlPlaneStore(dist.Store):
         self._reuse_waited = reuse_waited
         self._just_waited: dict[str, bytes] = {}
         """The values the last ``wait`` read, for the ``get`` that follows it (see ``get``)."""
+        self._siblings = siblings and reuse_waited
+        self._known: dict[str, bytes] = {}
+        """Keys a wait's reply brought beside the one it asked for (``StoreRequest.siblings``), for the waits
+        that follow it; forgotten at this client's next write (see ``wait``)."""
+        self.prefetched = 0
+        """Waits answered from an earlier wait's siblings (no call)."""
 
     # ------------------------------------------------------------------ c10d's operations
     def set(self, key: str, value) -> None:
-        self._just_waited.clear()
+        self._forget()
         self._call(pb.StoreRequest(op=pb.STORE_SET, key=key, value=_bytes(value)))
 
     def get(self, key: str) -> bytes:
@@ -99,11 +105,11 @@ class ControlPlaneStore(dist.Store):
         return value
 
     def add(self, key: str, amount: int) -> int:
-        self._just_waited.clear()
+        self._forget()
         return self._call(pb.StoreRequest(op=pb.STORE_ADD, key=key, amount=int(amount))).number
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        self._just_waited.clear()
+        self._forget()
         request = pb.StoreRequest(op=pb.STORE_COMPARE_SET, key=key, expected=_bytes(expected), value=_bytes(desired))
         return self._call(request).value
 
@@ -111,15 +117,31 @@ class ControlPlaneStore(dist.Store):
         return self._call(pb.StoreRequest(op=pb.STORE_CHECK, keys=list(keys))).found
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
+        # gloo's connect sets this rank's address, then waits for every rank's in turn: keys of one parent
+        # (``<prefix>/<group>//cpu//0/<rank>``). The first wait's reply brings the ones already set beside
+        # it, and the waits for those need no call: a group of k ranks costs each ~1-2 calls instead of k,
+        # on the master and in the survivors' rendezvous (sequential calls). Like the reuse in ``get``,
+        # this reads a key as it was a moment earlier, right for gloo's and NCCL's keys (written once);
+        # the prefetched values are forgotten at this client's next write.
         timeout = timeout or self._timeout  # gloo's connect passes the group's timeout
         deadline = time.monotonic() + timeout.total_seconds()
         self._just_waited.clear()
-        read = {key: self._wait_for(key, deadline, timeout) for key in keys}
+        read = {}
+        for key in keys:
+            if key in self._known:
+                read[key] = self._known[key]
+                self.prefetched += 1
+            else:
+                read[key] = self._wait_for(key, deadline, timeout)
         if self._reuse_waited:
             self._just_waited.update(read)
 
-    def delete_key(self, key: str) -> bool:
+    def _forget(self) -> None:
         self._just_waited.clear()
+        self._known.clear()
+
+    def delete_key(self, key: str) -> bool:
+        self._forget()
         return self._call(pb.StoreRequest(op=pb.STORE_DELETE, key=key)).found
 
     def num_keys(self) -> int:
@@ -141,13 +163,15 @@ class ControlPlaneStore(dist.Store):
         while True:
             ask = min(self._ask_s, max(0.0, deadline - time.monotonic() - 0.05))
             try:
-                reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask), deadline)
+                reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask, siblings=self._siblings),
+                                   deadline)  # fmt: skip
             except _Unanswered as error:
                 # The wait's bound passed while the call was out (a busy server answered after the RPC's
                 # deadline): the same timeout as a wait the server ended, naming the bound the caller set.
                 raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key "
                                           f"{key!r} ({error})") from None  # fmt: skip
             if reply.found:
+                self._known.update(reply.siblings)
                 return reply.value
             if time.monotonic() + pause > deadline:
                 raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key "

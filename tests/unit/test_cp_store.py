@@ -166,7 +166,7 @@ def test_a_get_after_the_wait_for_its_key_reuses_what_the_wait_read_and_nothing_
 
     server, port = serve_store_only("tok")
     try:
-        store = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5))
+        store = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5), siblings=False)
         other = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5))
         store.set("a", b"1")
         store.set("b", b"2")
@@ -188,6 +188,55 @@ def test_a_get_after_the_wait_for_its_key_reuses_what_the_wait_read_and_nothing_
         calls = plain.calls
         assert plain.get("a") == b"changed" and plain.calls == calls + 1
         for s in (store, other, plain):
+            s.close()
+    finally:
+        server.stop(0)
+
+
+def test_the_store_answers_a_keys_siblings_by_parent_and_forgets_them_with_the_key():
+    s = KeyValueStore()
+    for key in ("g/0//cpu//0/0", "g/0//cpu//0/1", "g/0//cpu//0/2", "g/1//cpu//0/0", "top"):
+        s.set(key, key.encode())
+    s.add("g/0//cpu//0/count", 1)
+    assert s.siblings("g/0//cpu//0/1") == {"g/0//cpu//0/0": b"g/0//cpu//0/0", "g/0//cpu//0/2": b"g/0//cpu//0/2",
+                                           "g/0//cpu//0/count": b"1"}  # fmt: skip
+    assert s.siblings("g/1//cpu//0/0") == {} and s.siblings("absent/x") == {} and s.siblings("other") == {"top": b"top"}
+    assert s.delete("g/0//cpu//0/0")
+    assert set(s.siblings("g/0//cpu//0/1")) == {"g/0//cpu//0/2", "g/0//cpu//0/count"}
+    s.set("gen1/a/b", b"1")
+    s.set("gen2/a/b", b"2")
+    s.forget_generations_before(2)
+    assert s.siblings("gen1/a/c") == {} and s.siblings("gen2/a/c") == {"gen2/a/b": b"2"}
+
+
+def test_gloos_waits_for_one_groups_addresses_take_one_call_when_they_are_all_set():
+    """gloo's connect sets this rank's address, then waits for (and gets) every rank's in turn: one call
+    answers the first wait and brings the others set by then, so a group of k ranks costs a rank ~1 call
+    instead of k. Only keys this client has not written since: its next write forgets them."""
+    from datetime import timedelta
+
+    from master.store import serve_store_only
+    from oobleck_mm.runtime.store import ControlPlaneStore
+
+    server, port = serve_store_only("tok")
+    try:
+        store = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5))
+        other = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=5))
+        keys = [f"gen3/0//cpu//0/{rank}" for rank in range(4)]
+        for rank, key in enumerate(keys[1:], 1):
+            other.set(key, f"addr{rank}".encode())
+        store.set(keys[0], b"addr0")
+        calls = store.calls
+        for key in keys:  # gloo's order: wait, then get, rank by rank (its own key included)
+            store.wait([key])
+            assert store.get(key) == f"addr{key[-1]}".encode()
+        assert store.calls == calls + 1 and store.prefetched == 3, "the first wait's reply brought the other three"
+        other.set(keys[2], b"moved")
+        store.set("gen3/other", b"x")  # this client's own write: what it prefetched is forgotten
+        calls = store.calls
+        store.wait([keys[2]])
+        assert store.get(keys[2]) == b"moved" and store.calls == calls + 1
+        for s in (store, other):
             s.close()
     finally:
         server.stop(0)
