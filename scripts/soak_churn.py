@@ -5,6 +5,7 @@
     python scripts/soak_churn.py --killmaster         # (c) the same with the master killed inside a burst
     python scripts/soak_churn.py --hf                 # (b) a tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on
     python scripts/soak_churn.py --json docs/soak_churn.json
+    python scripts/soak_churn.py --size-control       # also failure-free at each node count the churned run had
 
 Runs ``oobleck-launch local`` twice with the same config: once without
 failures, once with ``--churn`` (``oobleck_mm.faults.churn``), then judges the
@@ -12,7 +13,10 @@ churned run: exit 0, ``verify --windows`` (float64, every window between its
 periodic checkpoints and to its final save within 1e-9 of the reference), every
 incident of the recovery table with an outcome, no process left behind. It
 prints the throughput of the churned run as a fraction of the failure-free one
-(steps per second from the first step to the last), per burst of kills, the
+(steps per second from the first step to the last), with ``--size-control`` also
+as a fraction of the failure-free job at the node counts the churned run
+trained at (on one machine's shared cores more simulated nodes make every step
+slower, where a real cluster's get faster), per burst of kills, the
 time from its last event to the next generation's resumption, and the waits
 over a second: a phase that waited for one node, a slow leave of a generation.
 """
