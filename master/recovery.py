@@ -213,7 +213,9 @@ def plan_request(
     survivor waits at the rendezvous (seconds for an HF model on shared
     cores), whereas a join planned once that generation completed a step is
     built in the background while the survivors train (``PreparedGroup``,
-    gated). The joiners follow one generation later; only the copy stalls.
+    gated). The joiners follow one generation later; only the copy stalls. That holds as well for the
+    joiners of a join generation planned but not switched to (the current one, holding nothing of the
+    base a loss plans from).
     """
     live_set, planned = set(live), set(current.nodes)
     gone = [n for n in current.nodes if n not in live_set]
@@ -237,6 +239,17 @@ def plan_request(
         return (Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone) or abandoned),
                 why + deferred)
     base_nodes = generations[base.generation].nodes
+    # A joiner of a join generation planned but not switched to (its workers still preparing) is in the
+    # current generation, yet holds nothing of the base: as new as one not planned, so it waits out the
+    # loss the same way. Under bursty churn most losses came while a join was planned: 36 of 46 loss plans
+    # of an HF soak took a joiner in, their rendezvous 0.565 s against 0.076 s without. Its workers wait in
+    # that generation's rendezvous, polling for a newer command, until the join after the recovery comes.
+    fresh = [n for n in live if n not in set(base_nodes)]
+    if (gone or abandoned) and fresh and 0 < keeps_replicas_from <= len(live) - len(fresh):
+        deferred += (f"; {', '.join(fresh)} (planned to join generation {current.number}, not switched to) join "
+                     f"once the recovery's generation completed a step: {len(live) - len(fresh)} survivors keep "
+                     f"f + 1 replicas (>= {keeps_replicas_from} nodes)")  # fmt: skip
+        live = [n for n in live if n not in fresh]
     holders, in_base, stale = set(base.holding_nodes), set(base_nodes), set(base.stale_nodes)
     lost = tuple(n for n in base_nodes if n not in holders)
     joined = tuple(n for n in live if n not in in_base or n in stale)

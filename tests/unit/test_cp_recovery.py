@@ -188,3 +188,22 @@ def test_a_loss_plans_the_survivors_alone_when_they_keep_f_plus_one_replicas_and
     h = holds(a=(2, 2), b=(2, 2), c=(2, 2))
     request, _ = plan_request(gen2, {**GENS, 2: gen2}, h, ["a", "b", "c", "e"], keeps_replicas_from=2)
     assert request == Request(base=2, plan_from=2, lost=(), joined=("e",), live=("a", "b", "c", "e"), failure=False)
+
+
+def test_a_joiner_planned_but_not_switched_to_waits_out_a_loss_like_one_not_planned():
+    """A join generation planned (its joiner preparing, nobody switched: everyone still holds only the
+    generation before) is the current one when a survivor is lost. The joiner holds nothing of the base
+    the loss plans from, so it waits for the recovery's generation to complete a step, as a joiner not
+    planned yet does; below the threshold it is needed now."""
+    gen2 = view(2, ExecutionPlan.even(10, [2, 3], [4, 4], 2), ["a", "b", "c", "d", "e"])  # e joins gen 1
+    gens = {1: GEN1, 2: gen2}
+    h = holds(a=(1, 1), b=(1, 1), c=(1, 1), d=(1, 1))  # e's workers: nothing held
+    request, why = plan_request(gen2, gens, h, ["a", "b", "c", "e"], keeps_replicas_from=2)  # d lost
+    assert request == Request(base=1, plan_from=1, lost=("d",), joined=(), live=("a", "b", "c"), failure=True)
+    assert "e (planned to join generation 2, not switched to) join once" in why
+    request, _ = plan_request(gen2, gens, h, ["a", "b", "c", "e"], keeps_replicas_from=4)
+    assert request.joined == ("e",) and request.live == ("a", "b", "c", "e")
+    # Switched and copied (every node holds 2 as well, no step yet): e holds state of the base, it stays.
+    h = holds(a=(2, 1), b=(2, 1), c=(2, 1), d=(2, 1), e=(2, 0))
+    request, _ = plan_request(gen2, gens, h, ["a", "b", "c", "e"], keeps_replicas_from=2)
+    assert request.base == 2 and "e" in request.live and request.joined == ()
