@@ -1,8 +1,8 @@
 """The arrival barrier's reads (``runtime.group._await_arrivals``): quick at first, sparse once a wait is long.
 
 A joiner whose join generation a loss dropped waits in that generation's barrier until the next join
-reaches it (seconds under churn); at 100 reads a second of the master's store it slowed an HF churn
-soak 1.3x. No process group: a counter that never completes stands in for the store."""
+reaches it (seconds under churn), and at 100 reads a second of the master's store it took CPU from
+everyone. No process group: a counter that never completes stands in for the store."""
 
 from __future__ import annotations
 
