@@ -221,10 +221,8 @@ def plan_request(
     gone = [n for n in current.nodes if n not in live_set]
     new = [n for n in live if n not in planned]
     deferred = ""
-    if (gone or abandoned) and new and 0 < keeps_replicas_from <= len(live) - len(new):
-        deferred = (f"; {', '.join(new)} join once the recovery's generation completed a step: "
-                    f"{len(live) - len(new)} survivors keep f + 1 replicas (>= {keeps_replicas_from} nodes)")
-        live = [n for n in live if n not in new]
+    if (gone or abandoned) and _survivors_suffice(live, new, keeps_replicas_from):
+        live, deferred = _defer(live, new, ", ".join(new), keeps_replicas_from)
         new = []
     if not gone and not new and not abandoned:
         return None, "membership unchanged"
@@ -244,18 +242,30 @@ def plan_request(
     # loss the same way. Under bursty churn most losses came while a join was planned: 36 of 46 loss plans
     # of an HF soak took a joiner in, their rendezvous 0.565 s against 0.076 s without. Its workers wait in
     # that generation's rendezvous, polling for a newer command, until the join after the recovery comes.
-    fresh = [n for n in live if n not in set(base_nodes)]
-    if (gone or abandoned) and fresh and 0 < keeps_replicas_from <= len(live) - len(fresh):
-        deferred += (f"; {', '.join(fresh)} (planned to join generation {current.number}, not switched to) join "
-                     f"once the recovery's generation completed a step: {len(live) - len(fresh)} survivors keep "
-                     f"f + 1 replicas (>= {keeps_replicas_from} nodes)")  # fmt: skip
-        live = [n for n in live if n not in fresh]
     holders, in_base, stale = set(base.holding_nodes), set(base_nodes), set(base.stale_nodes)
+    fresh = [n for n in live if n not in in_base]
+    if (gone or abandoned) and _survivors_suffice(live, fresh, keeps_replicas_from):
+        live, more = _defer(live, fresh, f"{', '.join(fresh)} (planned to join generation {current.number}, "
+                                         "not switched to)", keeps_replicas_from)  # fmt: skip
+        deferred += more
     lost = tuple(n for n in base_nodes if n not in holders)
     joined = tuple(n for n in live if n not in in_base or n in stale)
     request = Request(base.generation, base.generation, lost, joined, tuple(live), failure=bool(gone) or abandoned)
     return request, why + deferred + (
         "; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else "")
+
+
+def _survivors_suffice(live: Sequence[str], joiners: Sequence[str], keeps_replicas_from: int) -> bool:
+    """The live nodes other than ``joiners`` keep f + 1 replicas by themselves (0: the threshold is unknown)."""
+    return bool(joiners) and 0 < keeps_replicas_from <= len(live) - len(joiners)
+
+
+def _defer(live: Sequence[str], joiners: Sequence[str], named: str, keeps_replicas_from: int) -> tuple[list[str], str]:
+    """``live`` without ``joiners``, and the reason's words for leaving them to the next generation."""
+    out = set(joiners)
+    kept = [n for n in live if n not in out]
+    return kept, (f"; {named} join once the recovery's generation completed a step: {len(kept)} survivors keep "
+                  f"f + 1 replicas (>= {keeps_replicas_from} nodes)")
 
 
 def previous_ranks(
