@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -180,6 +181,11 @@ class PlannerPool:
 
 
 def _init_helper(master_pid: int) -> None:
+    # A scheduler's stop signals every process of the job step, this helper too (SLURM's ``scancel
+    # --signal=TERM``, a terminal's Ctrl-C): the master stops gracefully and may still plan (the nodes
+    # leaving on that notice), so the helper must outlive the signal. It ends with the master.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(master_pid)
 
 
