@@ -253,9 +253,9 @@ def apply(ctx: Context, ev: PlanAnswered) -> None:
 
 
 def _same_split(ctx: Context, request: Request, planned: Planned) -> bool:
-    """A change of speeds whose plan is the current one (the same ranks, microbatches and slowed stages: a
-    straggler's pipeline already has one microbatch, or its factor moved little) starts no generation: a
-    switch for nothing costs a rendezvous (a 16x node's factor, read noisily, re-planned 24 times in 350
+    """A change of speeds whose plan is the current one (the same ranks, microbatches and, with the balancer
+    on, slowed stages: a straggler's pipeline already has one microbatch, or its factor moved little) starts
+    no generation: a switch for nothing costs a rendezvous (a 16x node's factor, read noisily, re-planned 24 times in 350
     steps). The current generation takes the new speeds as its own, so they are not asked for again; its
     workers' balancer keeps the factor it was sent (``StageLayout.slowdown``) until the next switch."""
     s = ctx.s
@@ -263,7 +263,8 @@ def _same_split(ctx: Context, request: Request, planned: Planned) -> bool:
     if (current is None or request.failure or request.lost or request.joined or request.plan_from != s.generation
             or dict(planned.ranks) != dict(current.view.ranks)):  # fmt: skip
         return False
-    if _shape(planned.layout) != _shape(current.view.layout):
+    weighs_speeds = ctx.cfg.job.balance.enabled
+    if _shape(planned.layout, weighs_speeds) != _shape(current.view.layout, weighs_speeds):
         return False
     split = [p.num_microbatches for p in planned.layout.pipelines]
     s.gens[s.generation] = replace(current, slow=request.slow)
@@ -274,9 +275,13 @@ def _same_split(ctx: Context, request: Request, planned: Planned) -> bool:
     return True
 
 
-def _shape(layout) -> list:
-    """Per pipeline: its microbatches, and which of its stages are slowed (not by how much)."""
-    return [(p.num_microbatches, tuple(s.slowdown != 1.0 for s in p.stages)) for p in layout.pipelines]
+def _shape(layout, weighs_speeds: bool) -> list:
+    """Per pipeline: its microbatches, and (when the workers' balancer weighs stages by their speed,
+    ``StageLayout.slowdown``) which of its stages are slowed, not by how much. Without the balancer a
+    stage's slowdown changes no work: the same microbatches are the same plan (on shared cores, a node whose
+    factor wandered past 1.5x and back re-planned 8 times in 150 steps, each a switch for nothing)."""
+    return [(p.num_microbatches, tuple(s.slowdown != 1.0 for s in p.stages) if weighs_speeds else ())
+            for p in layout.pipelines]
 
 
 def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:

@@ -193,3 +193,44 @@ def test_a_straggler_still_slow_after_replan_after_is_weighed_once_benched_at_a_
     for _ in range(20):
         few.settle_once()
     assert not few.state.weighed and not few.state.benched and len(few.state.current_view().nodes) == 4
+
+
+def _slowed_without_a_new_split(planned, current, slow_node: str):
+    """``planned`` with ``current``'s microbatches, and ``slow_node``'s stage annotated slow: the split a real
+    planner returns when a slow node's pipeline cannot be given less work."""
+    import dataclasses
+
+    rank = dict(planned.ranks)[(slow_node, 0)]
+    pipelines = tuple(
+        dataclasses.replace(p, num_microbatches=c.num_microbatches, stages=tuple(
+            dataclasses.replace(s, slowdown=2.0 if s.rank == rank else 1.0) for s in p.stages))
+        for p, c in zip(planned.layout.pipelines, current.layout.pipelines))  # fmt: skip
+    return dataclasses.replace(planned, layout=dataclasses.replace(planned.layout, pipelines=pipelines))
+
+
+def test_a_speed_change_that_only_marks_a_stage_slow_switches_only_when_the_balancer_weighs_speeds():
+    """A stage's ``slowdown`` is read by the workers' balancer alone: without it, a plan with the current
+    microbatches is the current plan, and a switch to it is a rendezvous for nothing (on two shared cores a
+    healthy node's factor wandered past 1.5x and back, re-planning 8 times in 150 steps)."""
+    import dataclasses
+
+    from master.inputs import PlanAnswered, Straggler
+
+    for balanced in (False, True):
+        m = MachineModel()
+        m.start(steps=100, recovery="live", interval=0, started=4)
+        job = m.settings.job
+        m.settings = dataclasses.replace(m.settings, job=dataclasses.replace(
+            job, balance=dataclasses.replace(job.balance, enabled=balanced)))  # fmt: skip
+        m.train_a_step(phases=True)
+        m.feed(Straggler("n1", 2.0, detected=True, step=3))
+        [ask] = m.world.asked.values()
+        planned = _slowed_without_a_new_split(answer(m.world.asked.pop(ask.id)), m.state.current_view(), "n1")
+        m.feed(PlanAnswered(ask.id, planned))
+        if balanced:
+            assert m.state.generation == 2, "the balancer weighs the slowed stage: a new generation"
+        else:
+            assert m.state.generation == 1, "no balancer: the same microbatches are the same plan, no switch"
+        assert m.state.gens[m.state.generation].slow == (("n1", 2.0),), "the speeds are the generation's either way"
+        m.time_passes(1.0)
+        assert not m.world.asked, "and not asked again"
