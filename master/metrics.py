@@ -83,12 +83,7 @@ class MetricsSink:
         self._csv = csv.DictWriter(self._csv_file, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
             self._csv.writeheader()
-        self._tb = None
-        if self.tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Flushed every few seconds: a user watching a live run sees it, a crash loses little.
-            self._tb = SummaryWriter(self.tensorboard_dir, flush_secs=5)
+        self._tb = OpeningWriter(self.tensorboard_dir, self._lock) if self.tensorboard_dir is not None else None
 
     def __call__(self, record: Mapping[str, Any]) -> None:
         """An ``EventLog`` subscriber: never raises (metrics must not stop training)."""
@@ -134,6 +129,8 @@ class MetricsSink:
             log.error("%s", message)
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.wait_open()  # (outside the lock: the opening thread takes it to write what queued)
         with self._lock:
             try:
                 self._csv_file.close()
@@ -141,6 +138,66 @@ class MetricsSink:
                     self._tb.close()
             except OSError as exc:
                 self._report_once("close", f"metrics: cannot finish writing ({exc.strerror})")
+
+
+TENSORBOARD_OPEN_WAIT_S = 60.0
+"""Longest wait at the end of the job for the TensorBoard writer still opening (importing torch)."""
+
+
+class OpeningWriter:
+    """A TensorBoard ``SummaryWriter`` opened in a background thread; what is written before it is open
+    waits in order and is written once it is.
+
+    ``torch.utils.tensorboard`` imports torch: ~1 s, more on a busy host, and nothing else in the master
+    needs it. Opened in the constructor, it held the master's start (and a restarted master's, while
+    the agents' workers trained on with nobody to report to) that long before it listened. The calls
+    are made under ``lock`` (the sink's), which the opening thread takes to write the queue."""
+
+    def __init__(self, logdir: str, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._writer = None
+        self._queued: list[tuple[str, tuple, dict]] | None = []
+        """Calls made before the writer opened (None: it is open, or could not be)."""
+        self._opened = threading.Event()
+        threading.Thread(target=self._open, args=(logdir,), daemon=True, name="tensorboard-open").start()
+
+    def _open(self, logdir: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Flushed every few seconds: a user watching a live run sees it, a crash loses little.
+            writer = SummaryWriter(logdir, flush_secs=5)
+        except Exception as exc:  # noqa: BLE001 - metrics must not stop training: said, and the csv goes on
+            log.error("metrics: cannot open TensorBoard files in %s (%s); metrics.csv is still written", logdir, exc)
+            with self._lock:
+                self._queued = None
+            self._opened.set()
+            return
+        with self._lock:
+            for name, args, kwargs in self._queued or ():
+                getattr(writer, name)(*args, **kwargs)
+            self._queued, self._writer = None, writer
+        self._opened.set()
+
+    def _call(self, name: str, *args, **kwargs) -> None:
+        if self._writer is not None:
+            getattr(self._writer, name)(*args, **kwargs)
+        elif self._queued is not None:
+            self._queued.append((name, args, kwargs))
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        self._call("add_scalar", *args, **kwargs)
+
+    def add_text(self, *args, **kwargs) -> None:
+        self._call("add_text", *args, **kwargs)
+
+    def wait_open(self, timeout: float = TENSORBOARD_OPEN_WAIT_S) -> bool:
+        """Wait (not under the lock) until the writer opened or could not; whether it did in time."""
+        return self._opened.wait(timeout)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _cell(value: Any, column: str = "") -> Any:

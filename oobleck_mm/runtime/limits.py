@@ -8,9 +8,11 @@ refused here instead, naming the field and what to set.
 
 from __future__ import annotations
 
-import torch
-
 from oobleck_mm.errors import UserError
+
+# torch is imported where a check needs it, not here: the master runs ``check_runnable`` before it
+# listens, and importing torch (~1 s, more on a busy host) delayed every start and every restart of
+# a master that never needs it (its workers' GPUs are counted on their own machines).
 
 
 def check_runnable(job, workers_here: bool) -> None:
@@ -19,6 +21,8 @@ def check_runnable(job, workers_here: bool) -> None:
     if min(c.max_gpus_per_stage, c.gpus_per_node) > 1:
         check_wide_stages(job)
     if workers_here and c.device == "cuda":
+        import torch
+
         needed = c.gpus_per_node
         if torch.cuda.device_count() < needed:
             raise UserError(
@@ -51,6 +55,8 @@ def check_wide_stages(job) -> None:
 
 def scalar_parameters(job) -> list[tuple[str, str]]:
     """(layer, parameter) of every 0-dimensional parameter of the job's model, read on the ``meta`` device."""
+    import torch
+
     from oobleck_mm.model.layers import build_layer, model_layer_specs
 
     specs = model_layer_specs(job)

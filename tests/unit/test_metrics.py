@@ -181,3 +181,30 @@ def test_a_node_whose_compute_is_slow_is_named_in_the_console_the_log_and_every_
     progress.start(GenerationView(3, LAYOUT, {(f"node{r}", 0): r for r in range(4)} | {("node5", 0): 4}), None, expected)
     [cleared] = read_events(tmp_path / "e.jsonl", "straggler_cleared")
     assert (cleared["node"], cleared["reason"]) == ("node4", "no longer in the plan")
+
+
+def test_tensorboard_opens_in_the_background_and_keeps_what_was_written_meanwhile_in_order(tmp_path):
+    """``torch.utils.tensorboard`` imports torch (~1 s): opened in the constructor, it held every master's
+    start (and a restarted one's) that long before it listened. The writer now opens in a thread: the
+    constructor returns while the opening cannot finish (the sink's lock is held here, as a write holds
+    it), and the scalars written before it opened reach the files, in order."""
+    import threading
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from master.metrics import OpeningWriter
+
+    lock = threading.Lock()
+    with lock:  # the opening thread needs it to write the queue: nothing can be written through yet
+        writer = OpeningWriter(str(tmp_path / "tb"), lock)
+        for step, value in ((1, 3.0), (2, 2.0), (3, 1.0)):
+            writer.add_scalar("train/loss", value, step)
+        assert writer._writer is None, "opened without the lock"
+    assert writer.wait_open(60), "the writer never opened"
+    with lock:
+        writer.add_scalar("train/loss", 0.5, 4)  # open now: written at once
+        writer.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+
