@@ -51,6 +51,8 @@ class Node:
     """The generation its workers ran when it registered again with a restarted master (0: a new agent)."""
     ready: set[int] = field(default_factory=set)
     """Local ranks whose worker reported ``WorkerReady`` (started, imported, warmed up)."""
+    registered_at: float = 0.0
+    """The master's clock when this registration came."""
 
     @property
     def all_ready(self) -> bool:
@@ -86,7 +88,7 @@ class Registry:
             raise Refused("ALREADY_EXISTS", f"node name {node!r} is already registered")
 
     def add(self, node: str, session: int, gpus: int, now: float) -> Node:
-        entry = Node(node, session, gpus, self._registrations, now)
+        entry = Node(node, session, gpus, self._registrations, now, registered_at=now)
         self._registrations += 1
         self.nodes[node] = entry
         return entry

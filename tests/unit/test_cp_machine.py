@@ -234,3 +234,44 @@ def test_a_speed_change_that_only_marks_a_stage_slow_switches_only_when_the_bala
         assert m.state.gens[m.state.generation].slow == (("n1", 2.0),), "the speeds are the generation's either way"
         m.time_passes(1.0)
         assert not m.world.asked, "and not asked again"
+
+
+def test_a_restarted_master_stops_waiting_for_a_missing_node_once_the_generation_broke_and_nobody_came_back():
+    """A node killed while the master was away never registers again. The adoption window
+    (``adopt_window``) waits for it, which costs nothing while the workers train, but once a worker of the
+    generation aborted (its peer is gone) every survivor waits idle for a plan: soak (c) lost 4 s so.
+    Adoption then ends ``ADOPT_QUIET_INTERVALS`` heartbeat intervals after the last node came back."""
+    from master.generations import ADOPT_QUIET_INTERVALS
+    from master.inputs import PlanAnswered
+    from master.state import JobPhase
+    from oobleck_mm.protocol import oobleck_pb2 as pb
+
+    for broken in (False, True):
+        m = MachineModel()
+        m.start(steps=100, recovery="live", interval=0, started=6)
+        while len(m.state.current_view().nodes) < 6:
+            m.settle_once()
+        m.train_a_step(phases=True)
+        quiet = ADOPT_QUIET_INTERVALS * m.settings.timeouts.heartbeat_interval.total_seconds()
+        window = m.settings.timeouts.adopt_window.total_seconds()
+        assert window > quiet + 1.0, "the window is longer than the quiet period"
+        m.world.agents.pop("n5")  # killed while the master was away: it never registers again
+        m.master_restarts(now=0)  # the five others register again at once
+        restarted = m.now
+        m.time_passes(0.3)
+        assert m.state.phase is JobPhase.ADOPTING
+        if broken:
+            generation = m.state.generation
+            m.report(m.world.agents["n0"], phase=pb.PhaseDone(generation=generation, phase="aborted", step=1,
+                                                              message="receive from rank 5: connection reset"))  # fmt: skip
+        m.time_passes(quiet)
+        if not broken:
+            assert m.state.phase is JobPhase.ADOPTING, "the workers train on: the window runs its course"
+            continue
+        assert m.state.phase is not JobPhase.ADOPTING and m.now - restarted < window, (
+            f"still adopting {m.now - restarted:.1f} s after the restart (window {window:g} s)")
+        m.time_passes(0.1)  # the settle window of the loss, then its plan
+        [ask] = m.world.asked.values()
+        assert ask.lost == ("n5",), ask
+        m.feed(PlanAnswered(ask.id, answer(m.world.asked.pop(ask.id))))
+        assert m.state.generation == generation + 1 and "n5" not in m.state.current_view().nodes
