@@ -57,7 +57,14 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     carried = {slowed_split["nodes"][s[0]]: s[3] for p in slowed_split["layout"]["pipelines"] for s in p["stages"]
                if len(s) > 3}  # fmt: skip
     assert list(carried) == ["node2"] and carried["node2"] >= 2.0, carried
-    assert all(len(s) == 3 for p in even_again["layout"]["pipelines"] for s in p["stages"])
+    # Once cleared, the split is for the templates' own speeds: a plan without the factor, or, when the split
+    # was even already (a "changed" factor near 1 re-split it first), no switch at all: without the balancer
+    # the factor alone changes no work (``generations._same_split``), and the generation's speeds are emptied.
+    cleared_ts = run.events("straggler_cleared")[0]["ts"]
+    kept = [e for e in run.events("speed_split_unchanged") if e["ts"] >= cleared_ts]
+    assert (even_again["ts"] >= cleared_ts and all(len(s) == 3 for p in even_again["layout"]["pipelines"]
+                                                   for s in p["stages"])) or (kept and kept[0]["slow"] == []), (
+        even_again, kept)  # fmt: skip
     for plan in (*slowed_splits, even_again):
         assert sum(p["num_microbatches"] for p in plan["layout"]["pipelines"]) * plan["layout"]["microbatch_size"] == 16
         assert sorted(plan["nodes"]) == ["node0", "node1", "node2", "node3"] and plan["layer_states_moved"] == 0
