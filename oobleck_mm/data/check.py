@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from oobleck_mm.data.dataset import BadSample
-from oobleck_mm.data.loader import build_dataset
+from oobleck_mm.data.build import build_dataset
 from oobleck_mm.errors import UserError
 
 PROGRESS_EVERY_S = 5.0

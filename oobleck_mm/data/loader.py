@@ -1,6 +1,6 @@
 """The training data of a job as the engine and the reference trainer see it.
 
-``build_dataset`` makes the dataset ``data.kind`` names. ``TrainingData`` joins
+``build_dataset`` (``data/build.py``) makes the dataset ``data.kind`` names. ``TrainingData`` joins
 the dataset, the deterministic global-batch sampler and packing: step -> global
 batch ids -> (metadata, loss-token count) -> packed microbatches. Every rank of
 every pipeline builds the same one from the config.
@@ -11,28 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from oobleck_mm.config.shape import layer_specs
-from oobleck_mm.data.dataset import Dataset, ModelInputs
-from oobleck_mm.data.llava import LlavaJsonDataset
+from oobleck_mm.data.build import build_dataset
+from oobleck_mm.data.dataset import ModelInputs
 from oobleck_mm.data.packing import PackedBatch, PackingSpec, pack
 from oobleck_mm.data.sample import SampleMeta
 from oobleck_mm.data.sampler import GlobalBatchSampler
-from oobleck_mm.data.synthetic import SyntheticDataset
-from oobleck_mm.errors import UserError
 from oobleck_mm.precision import compute_dtype
-
-
-def build_dataset(job) -> Dataset:
-    """The dataset ``job.data.kind`` names, shaped for ``job.model``."""
-    inputs = ModelInputs.from_model(job.model)
-    if job.data.kind == "synthetic":
-        return SyntheticDataset(job.data, inputs)
-    if job.data.kind == "llava_json":
-        if job.model.huggingface is not None:  # the model's own tokenizer and image processor
-            from oobleck_mm.data.hf_llava import HFLlavaJsonDataset
-
-            return HFLlavaJsonDataset(job.data, inputs)
-        return LlavaJsonDataset(job.data, inputs)
-    raise UserError(f"data.kind: must be 'synthetic' or 'llava_json', got {job.data.kind!r}")
 
 
 class TrainingData:

@@ -16,8 +16,10 @@ where ``text_tokens`` counts every id in ``Sample.tokens``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the master checks synthetic data without torch (data/build.py)
+    import torch
 
 # Special token ids; byte-level text uses the ids above them (see oobleck_mm.data.tokenizer).
 PAD, BOS, EOS, IMAGE, AUDIO = 0, 1, 2, 3, 4

@@ -33,15 +33,18 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
 from oobleck_mm.data.dataset import ModelInputs, check_index
 from oobleck_mm.data.sample import AUDIO, BOS, EOS, IMAGE, Sample, SampleMeta
 from oobleck_mm.data.tokenizer import encode
+
+if TYPE_CHECKING:  # torch is imported where a sample is made: the master checks this data without it
+    import torch
 
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.1, 0.1),
@@ -208,6 +211,8 @@ class SyntheticDataset:
     # ------------------------------------------------------------------ text
 
     def _tokens(self, plan: SamplePlan) -> torch.Tensor:
+        import torch
+
         placeholders = [IMAGE] * len(plan.images) + [AUDIO] * len(plan.clip_frames)
         descriptions = [describe_image(im) for im in plan.images]
         descriptions += [f"tone {NOTES[n]}." for n in plan.clip_notes]
@@ -227,6 +232,8 @@ class SyntheticDataset:
     # ------------------------------------------------------------------ pixels
 
     def _render_image(self, image: ImagePlan) -> torch.Tensor:
+        import torch
+
         channels = self._palette.shape[1]
         canvas = np.full((image.height, image.width, channels), BACKGROUND, dtype=np.float32)
         for s in image.shapes:
@@ -309,6 +316,8 @@ def _mask(kind: int, size: int) -> np.ndarray:
 
 
 def _render_clip(frames: int, note: int, mel_bins: int) -> torch.Tensor:
+    import torch
+
     """A steady tone: a bright band at the note's mel bin, a weaker harmonic, a faint floor."""
     spectrum = np.full(mel_bins, 0.05, dtype=np.float32)
     band = min(mel_bins - 1, int((note + 0.5) * mel_bins / len(NOTES)))

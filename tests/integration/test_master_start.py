@@ -1,10 +1,12 @@
 """A master starts (and restarts) without importing torch: it listens ~1 s sooner.
 
-The master checks the job (``check_runnable``) and opens its metrics before it
-listens; neither needs torch on the master's machine. The limits check imported
-it (~1 s idle, 2-3 s beside a busy job), and so did opening TensorBoard, which
-now opens in the background (``master.metrics.OpeningWriter``). Checked in a
-fresh interpreter (a subprocess): the test process has imported torch already.
+The master checks the job (``check_runnable``), checks generated data
+(``data/check.py``) and opens its metrics before it listens; none of it needs
+torch on the master's machine. The limits check imported it (~1 s idle, 2-3 s
+beside a busy job), so did the data check through the data package, and so did
+opening TensorBoard, which now opens in the background
+(``master.metrics.OpeningWriter``). Checked in a fresh interpreter (a
+subprocess): the test process has imported torch already.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_mm.yaml"
 def test_the_masters_start_imports_no_torch(tmp_path):
     code = ("import sys; import master.server, master.local; from oobleck_mm.runtime.limits import check_runnable; "
             "from oobleck_mm.config.loading import load_config; from master.metrics import MetricsSink; "
-            f"check_runnable(load_config({str(CONFIG)!r}), workers_here=False); "
+            "from master.server import _check_data; "
+            f"job = load_config({str(CONFIG)!r}); check_runnable(job, workers_here=False); _check_data(job, print); "
             f"MetricsSink({str(tmp_path)!r}, tensorboard=False); "
             "print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
