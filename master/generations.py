@@ -255,8 +255,8 @@ def apply(ctx: Context, ev: PlanAnswered) -> None:
 def _same_split(ctx: Context, request: Request, planned: Planned) -> bool:
     """A change of speeds whose plan is the current one (the same ranks, microbatches and, with the balancer
     on, slowed stages: a straggler's pipeline already has one microbatch, or its factor moved little) starts
-    no generation: a switch for nothing costs a rendezvous (a 16x node's factor, read noisily, re-planned 24 times in 350
-    steps). The current generation takes the new speeds as its own, so they are not asked for again; its
+    no generation: a switch for nothing costs a rendezvous (a 16x node's factor, read noisily, re-planned 24
+    times in 350 steps). The current generation takes the new speeds as its own, so they are not asked for again; its
     workers' balancer keeps the factor it was sent (``StageLayout.slowdown``) until the next switch."""
     s = ctx.s
     current = s.gens.get(s.generation)
@@ -453,8 +453,9 @@ def _broken_and_quiet(ctx: Context, back: list[str], began: float) -> bool:
 
 def check_adopted(ctx: Context) -> None:
     """Every node of the journal's generation is back, or the window passed, or the generation broke and
-    the nodes stopped coming back (``_broken_and_quiet``): running again. Nodes not back are lost (the usual recovery follows); nodes back with workers of another generation (the
-    lost master died while sending it) make the generation re-form, from the states they hold."""
+    the nodes stopped coming back (``_broken_and_quiet``): running again. Nodes not back are lost (the
+    usual recovery follows); nodes back with workers of another generation (the lost master died while
+    sending it) make the generation re-form, from the states they hold."""
     s, now = ctx.s, ctx.now
     current = s.current_view()
     began, deadline = s.adopting or (now, now)

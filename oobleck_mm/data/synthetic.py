@@ -316,9 +316,9 @@ def _mask(kind: int, size: int) -> np.ndarray:
 
 
 def _render_clip(frames: int, note: int, mel_bins: int) -> torch.Tensor:
+    """A steady tone: a bright band at the note's mel bin, a weaker harmonic, a faint floor."""
     import torch
 
-    """A steady tone: a bright band at the note's mel bin, a weaker harmonic, a faint floor."""
     spectrum = np.full(mel_bins, 0.05, dtype=np.float32)
     band = min(mel_bins - 1, int((note + 0.5) * mel_bins / len(NOTES)))
     spectrum[band] = 1.0
