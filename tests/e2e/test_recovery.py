@@ -239,8 +239,15 @@ def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_pat
     run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
                 "--checkpoint-interval", "2", "--inject", "kill:node1@step4")  # fmt: skip
     finish_ok(run)
+    # The kill landed inside node1's hold in the checkpoint of step 4 (its second hold), where the survivors
+    # wait for it in the checkpoint's agreement.
+    holding = run.events("holding", node="node1")[-1]
+    [killed] = run.events("injected", node="node1")
+    assert holding["point"] == "checkpoint" and holding["ts"] <= killed["ts"] <= holding["ts"] + holding["seconds"]
+    # A survivor that reports before its agent's restart kill says it gave the checkpoint up; restart mode kills
+    # the workers as soon as the loss is planned, so under load the kill may come first and no report at all.
     aborted = run.events("aborted")
-    assert aborted and all("checkpoint" in e["message"] for e in aborted), aborted
+    assert all("checkpoint" in e["message"] for e in aborted), aborted
     assert not run.events("worker_failed"), "a peer lost mid-checkpoint is a recovery, not a worker's failure"
     assert [e["step"] for e in run.events("checkpoint_saved")][:2] == [2, 4]  # the one at 4 was redone
     decided = run.events("plan_decided")[-1]
