@@ -47,6 +47,7 @@ honoured within ``preempt_grace``), 2 when the master refuses the agent
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -82,6 +83,11 @@ _REFUSALS = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # the job has cluster.max_nodes nodes already
 )
 
+
+EXIT_STALL_S = 5.0
+"""An agent still alive this long after its run ended prints every thread's stack to its log (stderr):
+its exit (a kill of its workers, the channel's close, the interpreter's shutdown) takes well under a
+second, and one that did not end within 10 s was seen once in CI with nothing in the log to say where."""
 
 RECONNECT_BACKOFF_MS = (100, 1000)
 """gRPC's reconnect backoff to the master, first and longest (its defaults: 1 s growing to 120 s). A
@@ -180,6 +186,7 @@ class Agent:
                 self._start_worker(local_rank, since=self._template_started)
             return self._main_loop()
         finally:
+            faulthandler.dump_traceback_later(EXIT_STALL_S, exit=False)  # the process's exit cancels it
             self._stopping.set()
             if self._reports_thread is not None:
                 self._reports_thread.join(1.0)  # it reads the pipes that killing the workers closes
@@ -191,6 +198,7 @@ class Agent:
                 shutil.rmtree(self._work_dir, ignore_errors=True)
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
+            log.info("the agent's clean-up is done; exiting")
 
     def _register(self) -> pb.RegisterReply | int:
         request = pb.RegisterRequest(
