@@ -39,11 +39,6 @@ class DeviceSpec:
     fp32_precision`` is ``ieee``), for ``dtype: float32``; None: ``peak_flops``."""
     float64_flops: float | None = None
     """Dense FP64 FLOP/s (tensor cores where the GPU has them), for ``dtype: float64``; None: ``peak_flops``."""
-    kernel_overhead_s: float = 0.0
-    """Seconds each kernel of a pass costs beyond its FLOPs and bytes: eager PyTorch's dispatch and the
-    kernel's start, added to every pass (``profiling.analytical``). On the CPU a small layer's time is
-    mostly this. 0 on the GPUs: their launches overlap the kernels already queued, and the catalogue's
-    figures are calibrated without it (docs/simulator.md's Table 2.2 reproduction); not measured there."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bytes", "memory_bandwidth", "bytes_per_param"):
@@ -54,8 +49,6 @@ class DeviceSpec:
                 raise ValueError(f"device {self.name!r}: {name} must be > 0 or None, got {getattr(self, name)}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"device {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
-        if not self.kernel_overhead_s >= 0:
-            raise ValueError(f"device {self.name!r}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s}")
         if self.optimizer_bytes_per_param < 0:
             raise ValueError(
                 f"device {self.name!r}: optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param}"
@@ -91,12 +84,9 @@ DEVICES: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
         # A desktop CPU core pool in fp32, one rate for every dtype; what the tiny test models run on
-        # (their plans are made from measured layer times where it matters). Its kernel overhead is
-        # fitted to tiny_mm's measured profile on this project's 2-core machine (docs/benchmarks.md):
-        # without it the cost model priced a vision block of 16 tokens 11x below an LLM block of
-        # 64, where both measured ~0.7-0.9 ms, mostly their ~60 kernels' dispatch.
+        # (their plans are made from measured layer times where it matters).
         DeviceSpec(name="cpu", peak_flops=1e11, memory_bytes=24 * GiB, memory_bandwidth=20e9,
-                   efficiency=0.5, bytes_per_param=4, optimizer_bytes_per_param=8, kernel_overhead_s=1e-5),
+                   efficiency=0.5, bytes_per_param=4, optimizer_bytes_per_param=8),
         # A40: dense bf16/fp16 149.7 TFLOPS (299.4 with 2:4 sparsity), TF32 74.8 (the dissertation's
         # runs, §2.7.1: its configs say dtype float32 with tf32), FP32 37.4, FP64 1/64 of it. 48 GB GDDR6.
         DeviceSpec(name="a40", peak_flops=149.7e12, memory_bytes=48 * GiB, memory_bandwidth=696e9,

@@ -26,13 +26,6 @@ produces. Per layer and microbatch of ``b`` samples (``s`` = b * tokens per samp
   the block's matmuls: with it, the catalogue's efficiency reproduces the
   dissertation's Table 2.2 for models from 340M to 6.7B parameters within 7%, where
   matmuls alone overestimate GPT-3 Medium 2.7x (docs/simulator.md).
-* Kernels: every pass also pays ``DeviceSpec.kernel_overhead_s`` per kernel it runs
-  (``KERNELS_FORWARD``, counted in eager PyTorch: a pre-norm block runs ~20 forward, its
-  weight gradients about half as many, its input gradients about one and a half times as
-  many). A layer of a few tokens is all overhead: on the CPU, tiny_mm's 16-token vision
-  blocks measured 25x and its 64-token LLM blocks 3x their FLOP time without this term,
-  so the split of a pipeline and the straggler detector's expectations read the vision
-  stages ~1.5x too cheap.
 * Memory: params at ``bytes_per_param`` (the compute dtype), grads at the master
   dtype's width, optimizer state at ``optimizer_bytes_per_param`` (mixed precision:
   the master copy and two moments). Activations kept for backward per microbatch
@@ -78,16 +71,6 @@ EAGER_SCORE_PASSES_FORWARD = 16
 EAGER_SCORE_PASSES_BACKWARD = 32
 
 
-KERNELS_FORWARD = {"block": 20, "projector": 3, "patch_embed": 2, "frame_embed": 2, "token_embed": 1, "lm_head": 3}
-"""Kernels of one layer's forward, by ``LayerSpec.kind``: a block's two norms, its q/k/v and output
-projections, eager attention's matmuls, scale, mask, softmax and dropout, its FFN and two residual adds; a
-projector's two linears and activation; an embedding's gather (+ position add); the head's norm and linear."""
-KERNELS_BACKWARD_WEIGHT = 0.5
-"""The weight gradients' kernels, per forward kernel: one per weight matmul and bias."""
-KERNELS_BACKWARD_INPUT = 1.5
-"""The input gradients' kernels, per forward kernel: every op's backward reads the incoming gradient."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Work:
     """FLOPs and bytes moved of one pass over one microbatch."""
@@ -96,12 +79,10 @@ class _Work:
     bytes_moved: float
     elementwise_bytes: float = 0.0
     """Bytes of memory-bound kernels that run after the matmuls, not overlapped with them."""
-    kernels: float = 0.0
-    """Kernels the pass runs, each paying ``DeviceSpec.kernel_overhead_s``."""
 
     def seconds(self, dev: DeviceSpec) -> float:
         matmuls = max(self.flops / (dev.peak_flops * dev.efficiency), self.bytes_moved / dev.memory_bandwidth)
-        return matmuls + self.elementwise_bytes / dev.memory_bandwidth + self.kernels * dev.kernel_overhead_s
+        return matmuls + self.elementwise_bytes / dev.memory_bandwidth
 
 
 def _in_width(spec: LayerSpec) -> int:
@@ -122,16 +103,14 @@ def _passes(spec: LayerSpec, tokens: float, dev: DeviceSpec, flash: bool = False
     io = tokens * (_in_width(spec) + _out_width(spec)) * dev.bytes_per_param
     # Eager attention materialises the full score matrix, masked or not.
     scores = 0.0 if flash else spec.num_heads * tokens * spec.attention_len * dev.bytes_per_param
-    kernels = KERNELS_FORWARD[spec.kind]
-    forward = _Work(matmul + attention, weights + io, EAGER_SCORE_PASSES_FORWARD * scores, kernels)
-    backward_weight = _Work(matmul, weights + io, kernels=kernels * KERNELS_BACKWARD_WEIGHT)
+    forward = _Work(matmul + attention, weights + io, EAGER_SCORE_PASSES_FORWARD * scores)
+    backward_weight = _Work(matmul, weights + io)
     # The embedding's input is integer ids: no input gradient beyond passing the merged
     # encoder tokens' gradients through, a copy.
     backward_input = (
-        _Work(0.0, io, kernels=kernels * KERNELS_BACKWARD_INPUT)
+        _Work(0.0, io)
         if spec.kind == "token_embed"
-        else _Work(matmul + 2 * attention, weights + io, EAGER_SCORE_PASSES_BACKWARD * scores,
-                   kernels * KERNELS_BACKWARD_INPUT)  # fmt: skip
+        else _Work(matmul + 2 * attention, weights + io, EAGER_SCORE_PASSES_BACKWARD * scores)
     )
     return forward, backward_weight, backward_input
 
