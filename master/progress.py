@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from master.recovery import GenerationView
-from master.stragglers import RankCompute, StragglerDetector, StragglerRule, Verdict
+from master.stragglers import RankCompute, StragglerDetector, StragglerRule, Verdict, stage_ranges
 from oobleck_mm.events import EventLog
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -232,8 +232,8 @@ class Progress:
 
     def _observe_compute(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics]) -> list[Verdict]:
         expected = self._expected.get(gen.number, {})
-        nodes = gen.rank_nodes
-        ranks = [RankCompute(nodes[r.rank], r.forward_s + r.backward_s, expected.get(r.rank, 0.0))
+        nodes, works = gen.rank_nodes, stage_ranges(gen.layout)
+        ranks = [RankCompute(nodes[r.rank], r.forward_s + r.backward_s, expected.get(r.rank, 0.0), works.get(r.rank))
                  for r in reports if 0 <= r.rank < len(nodes)]  # fmt: skip
         return self.stragglers.observe(step, ranks)
 

@@ -15,6 +15,24 @@ flagged. What it is compared with: the cost model's seconds for the same work
 other nodes of the step: ``factor`` = 1 for a node like the rest, 2 for one
 taking twice as long as the model says the others do.
 
+The model's *shape* is off as well: on this project's CPU it priced tiny_mm's
+layers 0-7 1.3-1.7x cheaper, against the rest, than they ran, so the first stage
+of every split pipeline read "slow" on healthy nodes (docs/benchmarks.md). So the
+job learns each layer range's error (``calibration``): for every step, the ratio
+of the node that ran the range (``RankCompute.work``) over the median ratio of
+the step, the lower median of them when several nodes ran it (pipelines of one
+template), from nodes not flagged, the last ``CALIBRATION_HISTORY`` of them per
+range; a node's ratio is divided by its range's median record (bounded by
+``CALIBRATION_CAP`` either way) before it is compared. The error belongs to the
+range, not to the node, so it is kept across generations, and a slow node beside
+a healthy one on the same range is not learned as the range's error. What
+this gives up: a node slow *from the start* on a range no other node runs is
+taken for a model error up to the cap, so it is found only above ``factor`` x
+``CALIBRATION_CAP``; a node that turns slow later is found as before, since its
+range learned its healthy speed. A range observed fewer than
+``CALIBRATION_WARMUP`` times is not judged yet (the job's first steps, a range
+new in a re-plan).
+
 The rule, with hysteresis so a verdict never flaps: a node is flagged once the
 median of its factors over the last ``straggler_steps`` steps is at least
 ``straggler_factor``, and cleared once that median is below
@@ -51,6 +69,16 @@ FACTOR_CHANGE = 1.25
 last one reported: the split follows a real change of speed, not the noise of a median over a few steps."""
 
 
+CALIBRATION_HISTORY = 64
+"""Observations kept per layer range to learn the cost model's error for it (their median is the correction)."""
+CALIBRATION_WARMUP = 16
+"""A node whose layer range has fewer records (one per step it ran) is not judged yet."""
+CALIBRATION_CAP = 1.5
+"""The most a range's correction may be, either way. The cost model's largest shape error measured here was
+1.7x between two ranges, 1.3-1.45x against the job's median (tiny_mm on the CPU); the cap is what a node slow
+from the start on a range of its own may hide behind."""
+
+
 @dataclass(frozen=True, slots=True)
 class StragglerRule:
     """``fault_tolerance.straggler_*``."""
@@ -79,6 +107,9 @@ class RankCompute:
     """Its forward and backward seconds, as its own timers measured them."""
     expected_s: float
     """The cost model's seconds for the same work (> 0)."""
+    work: tuple[int, int] | None = None
+    """The layer range it ran (``[start, end)``), under which the model's error is learned; None: not
+    calibrated (compared as measured)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +149,9 @@ class StragglerDetector:
     tracks: dict[str, _Track] = field(default_factory=dict)
     latest: dict[str, float] = field(default_factory=dict)
     """Each node's factor in the latest step observed."""
+    calibration: dict[tuple, deque] = field(default_factory=dict)
+    """Per layer range (a node's ``work``), one record per step: its nodes' ratio over the step's median ratio
+    (the lower median of several), newest last."""
 
     @property
     def flagged(self) -> dict[str, float]:
@@ -128,7 +162,7 @@ class StragglerDetector:
         """One completed step: each node's factor, and the verdicts it completes."""
         if not self.rule.enabled:
             return []
-        factors = node_factors(ranks)
+        factors = self._calibrated_factors(ranks)
         self.latest = factors
         out = []
         for node, factor in factors.items():
@@ -159,6 +193,35 @@ class StragglerDetector:
                                    f"(< {self.rule.clear_factor:g}x)"))  # fmt: skip
         return out
 
+    def _calibrated_factors(self, ranks: Sequence[RankCompute]) -> dict[str, float]:
+        """``node_factors`` with each node's ratio divided by its layer range's learned error; the ranges'
+        records take this step (from nodes not flagged), and a node whose range is still warming up is not
+        judged (it still serves the others as a reference, uncorrected)."""
+        ratios, works = node_ratios(ranks)
+        if len(ratios) < 2:
+            return {}
+        median = statistics.median(ratios.values())
+        by_work: dict[tuple, list[float]] = {}
+        for node, ratio in ratios.items():
+            track = self.tracks.get(node)
+            if works[node] is not None and median > 0 and not (track is not None and track.flagged):
+                by_work.setdefault(works[node], []).append(ratio / median)
+        for work, seen in by_work.items():
+            # One record per range and step: of several nodes running it, the lower median, so that one slow
+            # node beside a healthy one is not learned as the range's error (it is only ever slower).
+            self.calibration.setdefault(work, deque(maxlen=CALIBRATION_HISTORY)).append(statistics.median_low(seen))
+        corrections: dict[str, float] = {}
+        judged = set()
+        for node, work in works.items():
+            seen = self.calibration.get(work, ()) if work is not None else None
+            if seen is None:
+                judged.add(node)
+            elif len(seen) >= CALIBRATION_WARMUP:
+                corrections[node] = min(max(statistics.median(seen), 1 / CALIBRATION_CAP), CALIBRATION_CAP)
+                judged.add(node)
+        adjusted = {node: ratio / corrections.get(node, 1.0) for node, ratio in ratios.items()}
+        return {node: f for node, f in relative_factors(adjusted).items() if node in judged}
+
     def keep_only(self, nodes: Sequence[str], step: int) -> list[Verdict]:
         """The job now runs on ``nodes``: every other node is forgotten (cleared if it was flagged)."""
         out = []
@@ -171,20 +234,44 @@ class StragglerDetector:
 
 def node_factors(ranks: Sequence[RankCompute]) -> dict[str, float]:
     """Per node, its measured-over-predicted compute divided by the median of the other nodes' (at least two
-    nodes; a node's ranks are summed, so a node of several GPUs counts once)."""
+    nodes; a node's ranks are summed, so a node of several GPUs counts once). Uncalibrated: see
+    ``StragglerDetector`` for the factors the rule reads."""
+    return relative_factors(node_ratios(ranks)[0])
+
+
+def node_ratios(ranks: Sequence[RankCompute]) -> tuple[dict[str, float], dict[str, tuple | None]]:
+    """Per node, measured over predicted compute (its ranks summed), and the work it is learned under: its
+    rank's layer range, the ranges of a node of several GPUs together, None if any rank has none."""
     measured: dict[str, float] = {}
     expected: dict[str, float] = {}
+    works: dict[str, set] = {}
     for r in ranks:
         if r.expected_s > 0:
             measured[r.node] = measured.get(r.node, 0.0) + r.measured_s
             expected[r.node] = expected.get(r.node, 0.0) + r.expected_s
-    ratios = {n: measured[n] / expected[n] for n in measured}
+            works.setdefault(r.node, set()).add(r.work)
+    keys = {n: None if None in w else tuple(sorted(w)) if len(w) > 1 else next(iter(w)) for n, w in works.items()}
+    return {n: measured[n] / expected[n] for n in measured}, keys
+
+
+def relative_factors(ratios: Mapping[str, float]) -> dict[str, float]:
+    """Each node's ratio over the median of the other nodes' (none for fewer than two nodes)."""
     if len(ratios) < 2:
         return {}  # nobody to compare with
     out = {}
     for node, ratio in ratios.items():
         others = statistics.median(r for n, r in ratios.items() if n != node)
         out[node] = ratio / others if others > 0 else float("inf") if ratio > 0 else 1.0
+    return out
+
+
+def stage_ranges(layout: ExecutionPlan) -> dict[int, tuple[int, int]]:
+    """Per rank, the layer range its stage runs (every GPU of a sharded stage the same): its ``work``."""
+    out = {}
+    for pipeline in layout.pipelines:
+        for stage in pipeline.stages:
+            for rank in (stage.rank, *stage.shards):
+                out[rank] = (stage.layer_start, stage.layer_end)
     return out
 
 

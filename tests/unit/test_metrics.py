@@ -156,26 +156,29 @@ def test_model_flops_count_forward_and_both_backward_halves_once():
 
 
 def test_a_node_whose_compute_is_slow_is_named_in_the_console_the_log_and_every_row(tmp_path):
-    """Progress feeds each step's per-rank compute to ``master.stragglers``: rank 4 (node4) computes twice what
-    the cost model predicts relative to the others from step 3, and is flagged after ``straggler_steps``."""
-    from master.stragglers import StragglerRule
+    """Progress feeds each step's per-rank compute to ``master.stragglers``, each rank under its stage's layer
+    range: rank 4 (node4) computes twice what the cost model predicts relative to the others from step 20 (its
+    range's first CALIBRATION_WARMUP records taught it the healthy speed), and is flagged after ``straggler_steps``."""
+    from master.stragglers import CALIBRATION_WARMUP, StragglerRule
 
     lines: list[str] = []
     facts = StepFacts(global_batch=16, stragglers=StragglerRule(factor=1.5, clear_factor=1.2, steps=3))
-    progress = Progress(EventLog(tmp_path / "e.jsonl"), 20, lines.append, lambda: 0.0, facts)
+    progress = Progress(EventLog(tmp_path / "e.jsonl"), 40, lines.append, lambda: 0.0, facts)
     expected = {r: 0.1 * (r + 1) for r in range(5)}
     progress.start(GEN, None, expected)
-    for step in range(8):
+    slow_from = 20
+    assert slow_from >= CALIBRATION_WARMUP
+    for step in range(slow_from + 8):
         for m in reports(step):
-            slow = 2.0 if m.rank == 4 and step >= 3 else 1.0
+            slow = 2.0 if m.rank == 4 and step >= slow_from else 1.0
             m.forward_s, m.backward_s = expected[m.rank] * slow, expected[m.rank] * slow * 2  # 3x the model's scale
-            m.step_time_s = 0.5 * (2.0 if step >= 3 else 1.0)  # everyone waits for node4: only its compute counts
+            m.step_time_s = 0.5 * (2.0 if step >= slow_from else 1.0)  # everyone waits for node4: its compute counts
             progress.metrics(m)
     [detected] = read_events(tmp_path / "e.jsonl", "straggler_detected")
-    assert (detected["node"], detected["step"], detected["factor"]) == ("node4", 4, 2.0)  # median of 1, 2, 2
+    assert (detected["node"], detected["step"], detected["factor"]) == ("node4", slow_from + 1, 2.0)  # median 1, 2, 2
     assert any("node node4 is a straggler" in line and "2.00x" in line for line in lines)
     rows = read_events(tmp_path / "e.jsonl", "step")
-    assert [r["stragglers"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [r["stragglers"] for r in rows] == [0] * (slow_from + 1) + [1] * 7
     assert rows[-1]["slowest_node"] == "node4" and rows[-1]["slowest_node_factor"] == pytest.approx(2.0)
     # node4 planned out: forgotten, and cleared with the reason.
     progress.start(GenerationView(3, LAYOUT, {(f"node{r}", 0): r for r in range(4)} | {("node5", 0): 4}), None, expected)
