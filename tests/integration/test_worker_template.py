@@ -189,26 +189,41 @@ def test_a_worker_imports_its_hf_models_code_before_it_is_ready(tmp_path):
 
 
 TEMPLATE_PRELOAD = """
-import json, sys
+import json, os, sys
 sys.path[:0] = sys.argv[1:]
 import oobleck_mm.runtime.worker_preload
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("transformers.models.") and ".modeling_" in m)))
+search = sys.modules.get("oobleck_mm.balance.search")
+print(json.dumps({"models": sorted(m for m in sys.modules if m.startswith("transformers.models.") and ".modeling_" in m),
+                  "kernels": len(search._search.signatures) if search is not None else 0,
+                  "threads": len(os.listdir("/proc/self/task"))}))
 """
 
 
 def test_a_local_runs_template_imports_its_hf_models_code(tmp_path):
     """``oobleck-launch local``'s shared template knows the job (``TEMPLATE_JOB_ENV``): its preload imports the
     job's layer code, so a worker forked from it skips ``import_layer_code``'s imports (a joiner of the tiny HF
-    LLaVA ready 0.11-0.20 s after its injection instead of 1.6-2.2 s)."""
+    LLaVA ready 0.11-0.20 s after its injection instead of 1.6-2.2 s), and, for a job with the balancer on,
+    loads the balancer's numba kernels that a joiner's ``StepBalancer`` would otherwise load beside its peers'
+    training; without starting a thread (a fork keeps only the thread that forks)."""
+    import yaml
+
     from oobleck_mm.runtime.template import TEMPLATE_JOB_ENV
 
     config = tiny_llava_config(tmp_path)
+    raw = yaml.safe_load(config.read_text())
+    assert raw["balance"]["enabled"], "llava_tiny.yaml balances its batches"
+    unbalanced = tmp_path / "unbalanced.yaml"
+    unbalanced.write_text(yaml.safe_dump({**raw, "balance": {**raw["balance"], "enabled": False}}))
     found = {}
-    for case, extra in (("job", {TEMPLATE_JOB_ENV: str(config)}), ("none", {})):
+    for case, extra in (("job", {TEMPLATE_JOB_ENV: str(config)}), ("unbalanced", {TEMPLATE_JOB_ENV: str(unbalanced)}),
+                        ("none", {})):  # fmt: skip
         env = {**{k: v for k, v in os.environ.items() if k != TEMPLATE_JOB_ENV}, **extra}
         out = subprocess.run([sys.executable, "-c", TEMPLATE_PRELOAD, *sys.path], cwd=ROOT, capture_output=True,
                              text=True, timeout=120, env=env)  # fmt: skip
         assert out.returncode == 0, out.stderr
         found[case] = json.loads(out.stdout.splitlines()[-1])
-    assert "transformers.models.qwen2.modeling_qwen2" in found["job"]
-    assert found["none"] == []  # a cluster agent's template does not know the job: its workers import it
+    assert "transformers.models.qwen2.modeling_qwen2" in found["job"]["models"]
+    assert found["job"]["kernels"] > 0 and found["unbalanced"]["kernels"] == 0, found
+    assert found["job"]["threads"] == found["none"]["threads"], "the kernels' loading started a thread"
+    # A cluster agent's template does not know the job: its workers import it.
+    assert found["none"]["models"] == [] and found["none"]["kernels"] == 0
