@@ -66,6 +66,7 @@ from oobleck_mm.runtime.checkpoint import (
 )
 from oobleck_mm.model.layers import import_layer_code, model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.engine import StageEngine, engine_subgroups
+from oobleck_mm.runtime.balancing import warm_balancer
 from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold, hold_once, hold_step, set_announcer
 from oobleck_mm.runtime.state_transfer import Arrival, adopt_plan, prepare_arrival
@@ -583,6 +584,7 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     try:
         loop = WorkerLoop(conn, load_config(config_path), node, local_rank)
         import_layer_code(loop.job)  # an HF model's modules: at start-up, not in a recovery's copy
+        warm_balancer(loop.job)  # and the balancer's kernels, not in a joiner's preparation
         # Ready to join a generation at once: a joining node is admitted only now, so the
         # survivors never wait for a new worker's start-up (imports, warm-up).
         loop.report(ready=pb.WorkerReady(startup_s=time.time() - _process_start()))

@@ -41,6 +41,17 @@ TIMING_COLUMNS = 3 + NUM_FEATURES
 """A timing as a tensor row: layer_start, layer_end, seconds, then the microbatch's features."""
 
 
+def warm_balancer(job) -> None:
+    """Loads the balancer's numba kernels (``balance.search.warm_up``: numba's import and its disk cache)
+    for a job that balances with them. A worker does it before it says it is ready (and a local run's
+    template before it forks), not in a joiner's preparation, where an HF LLaVA joiner spent 1.2-1.7 s on it
+    beside its peers' training. Cheap once done in this process."""
+    if job.balance.enabled and job.balance.algorithm.startswith("ours"):
+        from oobleck_mm.balance.search import warm_up
+
+        warm_up()
+
+
 class StepBalancer:
     def __init__(self, job, data, specs, device: torch.device | str = "cpu"):
         from oobleck_mm.profiling.analytical import profile_from_config
@@ -57,10 +68,7 @@ class StepBalancer:
         """This rank's timings since the last fit."""
         self._features: dict[int, np.ndarray] = {}
         self.last_metrics: dict[str, float] = {}
-        if self.config.algorithm.startswith("ours"):
-            from oobleck_mm.balance.search import warm_up
-
-            warm_up()  # load the compiled kernels now (numba's disk cache), not inside the first step
+        warm_balancer(job)  # the compiled kernels now, not inside the first step (done already in a worker)
 
     def state_dict(self) -> dict:
         """The fitted cost model and the timings it was fitted to (plain numbers: checkpoints load

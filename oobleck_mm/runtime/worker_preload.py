@@ -28,7 +28,7 @@ import oobleck_mm.config  # noqa: F401
 import oobleck_mm.data.loader  # noqa: F401
 import oobleck_mm.model.layers  # noqa: F401 - the built-in model and the HF adapters (transformers loads lazily)
 import oobleck_mm.protocol.pipe  # noqa: F401
-import oobleck_mm.runtime.balancing  # noqa: F401
+import oobleck_mm.runtime.balancing  # noqa: F401 - also warm_balancer, below
 import oobleck_mm.runtime.group  # noqa: F401
 import oobleck_mm.runtime.store  # noqa: F401 - the rendezvous store's client and gRPC's stubs
 from oobleck_mm.runtime.template import TEMPLATE_JOB_ENV, gpu_build  # noqa: E402
@@ -52,12 +52,8 @@ if (job_file := os.environ.get(TEMPLATE_JOB_ENV)) and not gpu_build():
 
         job = load_config(job_file)
         import_layer_code(job)
-        if job.balance.enabled and job.balance.algorithm.startswith("ours"):
-            # The balancer's numba kernels, loaded from their disk cache: without this a joiner's
-            # StepBalancer loads them while its peers train beside it (0.24 s idle on 2 cores, more under
-            # churn: a tiny HF LLaVA joiner's preparation took 1.5 s). Loading starts no thread.
-            from oobleck_mm.balance.search import warm_up
-
-            warm_up()
+        # The balancer's numba kernels, which each worker would load before it is ready; loading starts
+        # no thread.
+        oobleck_mm.runtime.balancing.warm_balancer(job)
     except Exception:  # noqa: BLE001 - only a warm-up: each worker does it again, and says what is wrong
         pass
