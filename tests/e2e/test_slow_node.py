@@ -102,6 +102,10 @@ def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_
     assert sorted(out["nodes"]) == ["node0", "node1"] and out["cause"] == "straggler", out
     assert sum(p["num_microbatches"] for p in out["layout"]["pipelines"]) * 2 == 6, "the global batch is kept"
     back = [p for p in plans if p["generation"] > out["generation"] and "node2" in p["joined"]]
-    assert back and back[0]["cause"] == "joined", "taken back like a join once the bench ended"
+    # Taken back like a join once the bench ended. A straggler verdict on another node in the same moment
+    # (seen beside two `yes` and three other tests: node1 read 1.65x against node0, the only other node
+    # then) folds the return into its plan, whose cause is then that verdict's: one switch for both.
+    assert back and back[0]["cause"] in ("joined", "straggler"), back[:1]
+    assert [e["node"] for e in run.events("straggler_returns")][:1] == ["node2"]
     assert not run.events("lost") and not run.events("aborted"), "benched at a boundary, nothing lost"
     assert_matches_reference(config, steps, final)
