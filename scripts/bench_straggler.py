@@ -89,6 +89,8 @@ def main() -> int:
     parser.add_argument("--bench", default=None, metavar="DURATION",
                         help="also a run whose straggler is weighed for a bench DURATION after it was found "
                              "(fault_tolerance.straggler_replan_after; the bench lasts the run)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                        help="a config override for every run, e.g. training.microbatch_size=1 (finer re-splits)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -101,11 +103,12 @@ def main() -> int:
     if args.bench:
         runs["slowed, re-split and bench"] = (inject, [f"fault_tolerance.straggler_replan_after={args.bench}",
                                                        "fault_tolerance.straggler_bench=1h"])  # fmt: skip
-    result = {"nodes": args.nodes, "steps": args.steps, "slow": f"{args.node}@step{args.at}{args.slow}", "runs": {}}
+    result = {"nodes": args.nodes, "steps": args.steps, "slow": f"{args.node}@step{args.at}{args.slow}",
+              "sets": [*SETS, *args.sets], "runs": {}}  # fmt: skip
     for name, (extra, sets) in runs.items():
         run_dir = work / name.replace(" ", "_").replace(",", "")
         began = time.perf_counter()
-        code = launch(run_dir, args.nodes, args.steps, extra, sets, args.timeout)
+        code = launch(run_dir, args.nodes, args.steps, extra, [*args.sets, *sets], args.timeout)
         info = summary(run_dir / "events.jsonl", args.at) if code == 0 else {}
         info.update(exit=code, wall_s=round(time.perf_counter() - began, 1))
         result["runs"][name] = info
@@ -135,7 +138,7 @@ def loaded(args, work: Path) -> int:
     hogs = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(2)]
     try:
         began = time.perf_counter()
-        code = launch(work / "loaded", args.nodes, args.loaded, [], [], args.timeout)
+        code = launch(work / "loaded", args.nodes, args.loaded, [], args.sets, args.timeout)
     finally:
         for hog in hogs:
             hog.kill()
