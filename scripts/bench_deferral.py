@@ -1,6 +1,6 @@
 """Measured: balancing off / data-parallel level only / with Entrain's deferral inside pipelines, side by side.
 
-    python scripts/bench_deferral.py [--layout 2|2+1] [--steps N] [--json OUT]
+    python scripts/bench_deferral.py [--layout 2|2+1|2+2+1+1...] [--global-batch N] [--steps N] [--json OUT]
 
 Issue 32 item 3. A skewed LLaVA-style mix (synthetic: 0-3 images, binomial with mean 0.9, so ~34% text-only,
 ~44% one image, ~22% several; lognormal text with sigma 1.5: long and short answers) on a model whose vision
@@ -16,7 +16,8 @@ then the LLM stages' microbatches evened by deferral). Their parameters stay equ
 
 Layouts: ``2`` is one pipeline of two stages (two processes: this machine's two cores); the data-parallel
 level has one pipeline to balance, so ``dp`` shows only what its microbatch split does. ``2+1`` adds a
-one-stage pipeline (three processes on two cores: contention is part of what it measures).
+one-stage pipeline (three processes on two cores: contention is part of what it measures). Any mix of
+one- and two-stage pipelines, e.g. ``2+2+1+1``, wants a core per process (``scripts/device_run.sh``).
 
 Entrain's own figure of merit is printed too: the coefficient of variation, over a step's microbatches, of
 each stage's measured forward + backward seconds (paper Table 4.3), mean over steps and stages.
@@ -56,18 +57,38 @@ CONFIG = {
 MODES = ("off", "dp", "dp+deferral")
 
 
-def _plan(layout: str, num_layers: int, seam: int, microbatches: int, microbatch_size: int):
-    from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+def _depths(layout: str) -> list[int]:
+    """``"2+2+1"`` -> ``[2, 2, 1]``: each pipeline's stage count (2: encoder | LLM, 1: the whole model)."""
+    parts = layout.split("+")
+    if not parts or any(p not in ("1", "2") for p in parts):
+        raise SystemExit(f"--layout {layout!r}: pipelines of 1 or 2 stages joined by '+' (e.g. 2, 2+1, 2+2+1+1)")
+    return [int(p) for p in parts]
 
-    two = lambda first: PipelineLayout((StageLayout(first, 0, seam), StageLayout(first + 1, seam, num_layers)), 0)
-    if layout == "2":
-        pipelines = [two(0)]
-        counts = [microbatches]
-    else:  # a two-stage pipeline beside a one-stage one: the one-stage takes a third of the batch
-        pipelines = [two(0), PipelineLayout((StageLayout(2, 0, num_layers),), 0)]
-        counts = [microbatches - microbatches // 3, microbatches // 3]
+
+def _counts(depths: list[int], microbatches: int) -> list[int]:
+    counts = [microbatches * d // sum(depths) for d in depths]
+    for i in range(microbatches - sum(counts)):
+        counts[i] += 1
+    if min(counts) < 1:
+        raise SystemExit(f"--layout {'+'.join(map(str, depths))}: {microbatches} microbatches leave a pipeline "
+                         f"none; raise --global-batch")
+    return counts
+
+
+def _plan(layout: str, num_layers: int, seam: int, microbatches: int, microbatch_size: int):
+    """The pipelines of ``layout``, ranks in order. ``off`` runs the contiguous split of these counts: each
+    pipeline's share of the microbatches in proportion to its stages (a two-stage pipeline runs about twice
+    the microbatches of a one-stage one in the same time), the remainders to the first."""
     from dataclasses import replace
 
+    from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+
+    depths, pipelines, rank = _depths(layout), [], 0
+    for depth in depths:
+        cuts = [0, seam, num_layers] if depth == 2 else [0, num_layers]
+        pipelines.append(PipelineLayout(tuple(StageLayout(rank + i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))), 0))
+        rank += depth
+    counts = _counts(depths, microbatches)
     return ExecutionPlan(tuple(replace(p, num_microbatches=q) for p, q in zip(pipelines, counts)), num_layers,
                          microbatch_size)  # fmt: skip
 
@@ -136,7 +157,7 @@ def _cv(values) -> float:
 def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
     from _ranks import run_ranks
 
-    world = 2 if layout == "2" else 3
+    world = sum(_depths(layout))
     out = Path(tempfile.mkdtemp())
     started = time.perf_counter()
     run_ranks(_entry, lambda rank, port: (CONFIG, layout, rank, world, port, steps, str(out)), world, 1800)
@@ -194,11 +215,15 @@ def run(layout: str, steps: int, warmup: int, json_out: Path | None) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", choices=("2", "2+1"), default="2")
+    parser.add_argument("--layout", default="2", help="pipelines of 1 or 2 stages, e.g. 2, 2+1, 2+2+1+1 "
+                        "(a process each: more than this machine's cores share them)")
+    parser.add_argument("--global-batch", type=int, default=CONFIG["training"]["global_batch"])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    CONFIG["training"]["global_batch"] = args.global_batch
+    _counts(_depths(args.layout), args.global_batch // CONFIG["training"]["microbatch_size"])
     return run(args.layout, args.steps, args.warmup, args.json)
 
 
