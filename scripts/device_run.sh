@@ -10,10 +10,13 @@
 #            annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0; do .venv/bin/python -m pip download $P $p; done
 #   DS_BUILD_OPS=0 .venv/bin/python -m pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
 # There (device tool: run, carry [".whl"]), each part on when its time limit is set (seconds):
-#   GPU_T=200 GPU_ARGS=--no-bench STRAGGLER_T=300 JOIN_T=120 bash scripts/device_run.sh          # first call
-#   JOIN_LOAD_T=120 SOAK_T=330 SOAK_ARGS="--steps 1500" DEFERRAL_T=120 \
-#     DEFERRAL_ARGS="--layout 2+2+1+1 --global-batch 48 --steps 24 --warmup 3" bash scripts/device_run.sh  # second
-# (the soak's churn is timed in seconds: on a core per node its 600 steps end before 60 events land.)
+#   GPU_T=200 GPU_ARGS=--no-bench STRAGGLER_T=320 bash scripts/device_run.sh     # first call, ~6 min (timeout_s 560)
+#   JOIN_T=150 SOAK_T=300 SOAK_ARGS="--steps 1500" DEFERRAL_T=90 \
+#     DEFERRAL_ARGS="--layout 2+2+1+1 --global-batch 48 --steps 12 --warmup 2" \
+#     bash scripts/device_run.sh                                                  # second, on the warm machine
+# Estimates from 2-core and earlier 16-core runs: gpu-check without its bench ~130 s, the straggler bench's three
+# 400-step runs ~210 s, ten join runs ~130 s, the soak ~270 s; 15 device minutes hold both calls and a start,
+# not a rerun. (The soak's churn is timed in seconds: on a core per node its 600 steps end before 60 events land.)
 #   GPU_T       make gpu-check's script (GPU_ARGS: its options, e.g. --no-bench)         all CUDA tests, the job
 #   STRAGGLER_T scripts/bench_straggler.py --slow x2 (STRAGGLER_ARGS)                   issue 29: 6 nodes, 400 steps
 #   JOIN_T      scripts/bench_join.py --runs 5, idle (JOIN_ARGS)                        issue 31 item 3
