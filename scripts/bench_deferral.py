@@ -1,6 +1,6 @@
 """Measured: balancing off / data-parallel level only / with Entrain's deferral inside pipelines, side by side.
 
-    python scripts/bench_deferral.py [--layout 2|2+1|2+2+1+1...] [--global-batch N] [--steps N] [--json OUT]
+    python scripts/bench_deferral.py [--layout 2|2+1|4|2+2+1+1...] [--global-batch N] [--microbatch-size N] [--steps N] [--json OUT]
 
 Issue 32 item 3. A skewed LLaVA-style mix (synthetic: 0-3 images, binomial with mean 0.9, so ~34% text-only,
 ~44% one image, ~22% several; lognormal text with sigma 1.5: long and short answers) on a model whose vision
@@ -17,7 +17,9 @@ then the LLM stages' microbatches evened by deferral). Their parameters stay equ
 Layouts: ``2`` is one pipeline of two stages (two processes: this machine's two cores); the data-parallel
 level has one pipeline to balance, so ``dp`` shows only what its microbatch split does. ``2+1`` adds a
 one-stage pipeline (three processes on two cores: contention is part of what it measures). Any mix of
-one- and two-stage pipelines, e.g. ``2+2+1+1``, wants a core per process (``scripts/device_run.sh``).
+pipelines of 1 to 4 stages (``_cuts``), e.g. ``4`` or ``2+2+1+1``, wants a core per process
+(``scripts/device_run.sh``): the cost model predicts deferral pays more in deeper pipelines
+(``scripts/bench_balancer.py --deferral``: 1.10-1.15x at depth 2, 1.11-1.38x at depths 3-4).
 
 Entrain's own figure of merit is printed too: the coefficient of variation, over a step's microbatches, of
 each stage's measured forward + backward seconds (paper Table 4.3), mean over steps and stages.
@@ -58,11 +60,22 @@ MODES = ("off", "dp", "dp+deferral")
 
 
 def _depths(layout: str) -> list[int]:
-    """``"2+2+1"`` -> ``[2, 2, 1]``: each pipeline's stage count (2: encoder | LLM, 1: the whole model)."""
+    """``"2+2+1"`` -> ``[2, 2, 1]``: each pipeline's stage count (``_cuts``)."""
     parts = layout.split("+")
-    if not parts or any(p not in ("1", "2") for p in parts):
-        raise SystemExit(f"--layout {layout!r}: pipelines of 1 or 2 stages joined by '+' (e.g. 2, 2+1, 2+2+1+1)")
+    if not parts or any(p not in ("1", "2", "3", "4") for p in parts):
+        raise SystemExit(f"--layout {layout!r}: pipelines of 1 to 4 stages joined by '+' (e.g. 2, 2+1, 4, 3+3, 2+2+1+1)")
     return [int(p) for p in parts]
+
+
+def _cuts(specs, depth: int) -> list[int]:
+    """Stage boundaries for a pipeline of ``depth`` stages, at block boundaries: 1 the whole model; 2 the
+    encoder | the LLM (cut at ``llm.embed``); 3 the encoder | the first LLM block | the rest; 4 one encoder
+    block and one LLM block a stage (the encoder and the LLM cost about the same for the mean sample)."""
+    seam = next(i for i, s in enumerate(specs) if s.kind == "token_embed")
+    blocks = [i for i, s in enumerate(specs) if s.kind == "block"]
+    encoder, llm = [i for i in blocks if i < seam], [i for i in blocks if i > seam]
+    return {1: [0, len(specs)], 2: [0, seam, len(specs)], 3: [0, seam, llm[-1], len(specs)],
+            4: [0, encoder[-1], seam, llm[-1], len(specs)]}[depth]  # fmt: skip
 
 
 def _counts(depths: list[int], microbatches: int) -> list[int]:
@@ -75,7 +88,7 @@ def _counts(depths: list[int], microbatches: int) -> list[int]:
     return counts
 
 
-def _plan(layout: str, num_layers: int, seam: int, microbatches: int, microbatch_size: int):
+def _plan(layout: str, specs, microbatches: int, microbatch_size: int):
     """The pipelines of ``layout``, ranks in order. ``off`` runs the contiguous split of these counts: each
     pipeline's share of the microbatches in proportion to its stages (a two-stage pipeline runs about twice
     the microbatches of a one-stage one in the same time), the remainders to the first."""
@@ -85,11 +98,11 @@ def _plan(layout: str, num_layers: int, seam: int, microbatches: int, microbatch
 
     depths, pipelines, rank = _depths(layout), [], 0
     for depth in depths:
-        cuts = [0, seam, num_layers] if depth == 2 else [0, num_layers]
+        cuts = _cuts(specs, depth)
         pipelines.append(PipelineLayout(tuple(StageLayout(rank + i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))), 0))
         rank += depth
     counts = _counts(depths, microbatches)
-    return ExecutionPlan(tuple(replace(p, num_microbatches=q) for p, q in zip(pipelines, counts)), num_layers,
+    return ExecutionPlan(tuple(replace(p, num_microbatches=q) for p, q in zip(pipelines, counts)), len(specs),
                          microbatch_size)  # fmt: skip
 
 
@@ -105,11 +118,10 @@ def _entry(config: dict, layout: str, rank: int, world: int, port: int, steps: i
             for mode in MODES}  # fmt: skip
     job = jobs["dp"]
     specs = model_layer_specs(job)
-    seam = next(i for i, s in enumerate(specs) if s.kind == "token_embed")
     wait = timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
     join_generation(store, 0, rank, world, "gloo", collective_timeout=wait, arrival_timeout=wait)
-    plan = _plan(layout, len(specs), seam, job.training.global_batch // job.training.microbatch_size,
+    plan = _plan(layout, specs, job.training.global_batch // job.training.microbatch_size,
                  job.training.microbatch_size)  # fmt: skip
     engines = {mode: StageEngine(jobs[mode], plan, rank) for mode in MODES}
     counts = [p.num_microbatches for p in plan.pipelines]
@@ -218,11 +230,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layout", default="2", help="pipelines of 1 or 2 stages, e.g. 2, 2+1, 2+2+1+1 "
                         "(a process each: more than this machine's cores share them)")
     parser.add_argument("--global-batch", type=int, default=CONFIG["training"]["global_batch"])
+    parser.add_argument("--microbatch-size", type=int, default=CONFIG["training"]["microbatch_size"])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     CONFIG["training"]["global_batch"] = args.global_batch
+    CONFIG["training"]["microbatch_size"] = args.microbatch_size
     _counts(_depths(args.layout), args.global_batch // CONFIG["training"]["microbatch_size"])
     return run(args.layout, args.steps, args.warmup, args.json)
 

@@ -12,7 +12,7 @@
 # There (device tool: run, carry [".whl"]), each part on when its time limit is set (seconds):
 #   GPU_T=200 GPU_ARGS=--no-bench STRAGGLER_T=320 bash scripts/device_run.sh     # first call, ~6 min (timeout_s 560)
 #   JOIN_T=150 SOAK_T=300 SOAK_ARGS="--steps 1500" DEFERRAL_T=90 \
-#     DEFERRAL_ARGS="--layout 2+2+1+1 --global-batch 48 --steps 12 --warmup 2" \
+#     DEFERRAL_ARGS="--layout 4+3+2+1 --global-batch 48 --steps 12 --warmup 2" \
 #     bash scripts/device_run.sh                                                  # second, on the warm machine
 # Estimates from 2-core and earlier 16-core runs: gpu-check without its bench ~130 s, the straggler bench's three
 # 400-step runs ~210 s, ten join runs ~130 s, the soak ~270 s; 15 device minutes hold both calls and a start,
