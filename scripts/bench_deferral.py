@@ -80,7 +80,8 @@ def _cuts(specs, depth: int) -> list[int]:
 
 def _counts(depths: list[int], microbatches: int) -> list[int]:
     counts = [microbatches * d // sum(depths) for d in depths]
-    for i in range(microbatches - sum(counts)):
+    by_remainder = sorted(range(len(depths)), key=lambda i: -(microbatches * depths[i] % sum(depths)))
+    for i in by_remainder[: microbatches - sum(counts)]:  # the largest remainders, the first of equal ones
         counts[i] += 1
     if min(counts) < 1:
         raise SystemExit(f"--layout {'+'.join(map(str, depths))}: {microbatches} microbatches leave a pipeline "
@@ -91,7 +92,7 @@ def _counts(depths: list[int], microbatches: int) -> list[int]:
 def _plan(layout: str, specs, microbatches: int, microbatch_size: int):
     """The pipelines of ``layout``, ranks in order. ``off`` runs the contiguous split of these counts: each
     pipeline's share of the microbatches in proportion to its stages (a two-stage pipeline runs about twice
-    the microbatches of a one-stage one in the same time), the remainders to the first."""
+    the microbatches of a one-stage one in the same time), rounded by largest remainder."""
     from dataclasses import replace
 
     from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
