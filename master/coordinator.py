@@ -36,7 +36,7 @@ from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, Open
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
 from master.journal import Journal
 from master.planning import InlinePlanner
-from master.progress import Progress, StepFacts
+from master.progress import Progress, StepFacts, logged_steps
 from master.registry import RefusalCounter, Refused
 from master.state import Finish, JobPhase, JobState, RunOptions, Settings
 from oobleck_mm.events import EventLog
@@ -218,6 +218,7 @@ class Coordinator:
     def adopt(self, journal: Journal) -> None:
         """A restarted master (``--resume-master``) takes over the journal's generations (``ADOPTING``)."""
         with self._lock:
+            self._progress.seed_logged(logged_steps(self.events.path))  # before any report is replayed
             self._handle(Adopt(journal, max(0.0, time.time() - (journal.started_wall or time.time()))))
 
     def refused(self, peer: str, method: str, reason: str) -> None:

@@ -163,8 +163,9 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
     s.reported[gpu] = max(s.reported.get(gpu, 0), m.generation)
     s.holdings[gpu] = s.holdings.get(gpu, Holdings()).completed_step(m.generation)
     s.next_step = max(s.next_step, m.step + 1)
-    if not replayed:  # the lost master logged that step already
-        ctx.effects.append(ProgressMetrics(m))
+    # Replayed or not: the lost master may have died before logging the step, and ``Progress`` drops a
+    # step it (or the lost master, ``progress.logged_steps``) logged already.
+    ctx.effects.append(ProgressMetrics(m))
 
 
 def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:

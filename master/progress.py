@@ -9,8 +9,10 @@ timeline is measured from the incident (failure or join) that caused it.
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from master.recovery import GenerationView
@@ -167,6 +169,12 @@ class Progress:
         one seen twice: an RPC whose answer was lost while this master was paused, which the
         agent then sent again."""
 
+    def seed_logged(self, logged: Mapping[int, int]) -> None:
+        """Steps a lost master logged (``logged_steps``, from the event log this master appends to): its
+        workers' replayed reports of them are dropped as seen twice, and one it never logged is logged."""
+        for generation, step in logged.items():
+            self._logged[generation] = max(step, self._logged.get(generation, -1))
+
     def start(self, gen: GenerationView, incident: Incident | None, expected: dict[int, float] | None = None) -> None:
         # The previous generation may still finish a step (a join is applied at the next boundary),
         # and an older one's step may have committed on every rank although one of them died
@@ -302,3 +310,38 @@ class Progress:
                      f"{CAUSE_WORDS.get(self.incident.cause, self.incident.cause)} of "
                      f"{', '.join(self.incident.nodes)}")  # fmt: skip
             self.incident = None
+
+
+LOGGED_TAIL_BYTES = 1 << 20
+"""How much of the event log's end a restarted master reads for the steps the lost one logged: its last
+steps are there (a step line is ~700 bytes), and a log of weeks of steps is not read whole."""
+
+
+def logged_steps(path: str | None, tail_bytes: int = LOGGED_TAIL_BYTES) -> dict[int, int]:
+    """Per generation, the last step the event log at ``path`` holds, from its last ``tail_bytes``.
+
+    A restarted master needs it because the lost one's last step may not be logged: the agents replay
+    each worker's latest report flagged as seen (``replayed``), and a report the lost master received
+    but died before logging was seen by no one (a test's ``killmaster`` under load lost a step line).
+    With this, replayed reports go through the same dedupe as any report delivered twice."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - tail_bytes))
+        lines = fh.read().split(b"\n")
+    if size > tail_bytes:
+        lines = lines[1:]  # the first is cut
+    out: dict[int, int] = {}
+    for line in lines:
+        if b'"event":"step"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # the line being written when the lost master was killed
+        generation, step = event.get("generation"), event.get("step")
+        if isinstance(generation, int) and isinstance(step, int):
+            out[generation] = max(step, out.get(generation, -1))
+    return out

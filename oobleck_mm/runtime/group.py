@@ -63,6 +63,12 @@ pauses; the churn's events come at wall-clock times, so a slower run meets more)
 ARRIVAL_SLOW_POLL_S = 0.1
 """The longest pause between two reads of the arrival counter (and two looks for a newer command while a
 prepared group is awaited)."""
+ARRIVAL_HOLD_S = 0.25
+"""How long one held read of ``ARRIVED_ALL_KEY`` asks the server to wait (it caps it at
+``master.store.LONG_POLL_S``); a newer command ends it sooner (``ControlPlaneStore.read_within``)."""
+ARRIVED_ALL_KEY = "arrived_all"
+"""Set by the last worker to arrive in a generation (its ``add`` reached the world size): the others wait
+for it in held reads of the master's store (``_await_arrivals``)."""
 
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -120,7 +126,8 @@ def join_generation(
     if prepared is not None:
         return _install(prepared, poll, arrival_timeout)
     prefixed = dist.PrefixStore(f"gen{generation}", store)
-    pending = _await_arrivals(prefixed, generation, world_size, arrival_timeout, poll)
+    pending = _await_arrivals(prefixed, generation, world_size, arrival_timeout, poll,
+                              _arrival_reader(store, generation))  # fmt: skip
     if pending is not None:
         return pending
     if before_connect is not None:
@@ -135,22 +142,44 @@ def join_generation(
     return None
 
 
+def _arrival_reader(store, generation: int) -> Callable[[float], bytes | None] | None:
+    """A held read of generation ``generation``'s ``ARRIVED_ALL_KEY`` when ``store`` offers one (the master's
+    store, ``ControlPlaneStore.read_within``); None for other stores (they poll the counter)."""
+    read_within = getattr(store, "read_within", None)
+    if read_within is None:
+        return None
+    key = f"gen{generation}/{ARRIVED_ALL_KEY}"  # as dist.PrefixStore(f"gen{generation}", store) names it
+    return lambda seconds: read_within(key, seconds)
+
+
 def _await_arrivals(prefixed: dist.Store, generation: int, world_size: int, timeout: timedelta,
-                    poll: Callable[[], Any] | None) -> Any:  # fmt: skip
-    """The arrival barrier: counts this worker in and waits for ``world_size``; ``poll``'s answer if it has one."""
-    prefixed.add("arrived", 1)
+                    poll: Callable[[], Any] | None, read_all: Callable[[float], bytes | None] | None = None) -> Any:
+    """The arrival barrier: counts this worker in and waits for ``world_size``; ``poll``'s answer if it has one.
+
+    ``read_all`` (``_arrival_reader``): the last worker to arrive sets ``ARRIVED_ALL_KEY`` and the others
+    wait for it in held reads, one call each ``ARRIVAL_HOLD_S`` instead of reading the counter up to 100
+    times a second; without it, the counter is polled."""
+    if prefixed.add("arrived", 1) >= world_size:
+        if read_all is not None:
+            prefixed.set(ARRIVED_ALL_KEY, b"1")
+        return None
     began = time.monotonic()
     deadline = began + timeout.total_seconds()
     pause = ARRIVAL_FIRST_POLL_S
-    while prefixed.add("arrived", 0) < world_size:
+    while True:
+        if read_all is not None:
+            if read_all(min(ARRIVAL_HOLD_S, max(0.0, deadline - time.monotonic()))) is not None:
+                return None
+        elif prefixed.add("arrived", 0) >= world_size:
+            return None
         if poll is not None and (pending := poll()) is not None:
             return pending
         now = time.monotonic()
         if now > deadline:
             raise PeerFailure(f"generation {generation}: not all {world_size} workers arrived within {timeout}")
-        time.sleep(pause)
-        pause = min(2 * pause, ARRIVAL_SLOW_POLL_S if now - began > ARRIVAL_PATIENT_S else ARRIVAL_POLL_S)
-    return None
+        if read_all is None:
+            time.sleep(pause)
+            pause = min(2 * pause, ARRIVAL_SLOW_POLL_S if now - began > ARRIVAL_PATIENT_S else ARRIVAL_POLL_S)
 
 
 def _keep_store(store: dist.Store) -> None:
@@ -227,7 +256,8 @@ class PreparedGroup:
                 self.gate.wait(self.arrival_timeout.total_seconds())
             self.store = connect()
             prefixed = dist.PrefixStore(f"gen{self.generation}", self.store)
-            _await_arrivals(prefixed, self.generation, self.world_size, self.arrival_timeout, None)
+            _await_arrivals(prefixed, self.generation, self.world_size, self.arrival_timeout, None,
+                            _arrival_reader(self.store, self.generation))  # fmt: skip
             prepared = dist.PrefixStore("prepared", prefixed)
             backends = [dist.ProcessGroupGloo(prepared, self.rank, self.world_size, self.collective_timeout)]
             # Every member forms its subgroups in the same global order: the lowest one still forming

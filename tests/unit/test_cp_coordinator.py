@@ -1047,7 +1047,7 @@ def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_a
     first.c.journal_to = journals.append
     start(first, "a", "b")
     assert [jn.generation for jn in journals] == [1]  # written before the assignments went out
-    for step in range(3):
+    for step in range(6):
         first.train(1, step)
     ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
     write_journal(str(tmp_path), dataclasses.replace(journals[-1], host="127.0.0.1", port=4321))
@@ -1055,7 +1055,8 @@ def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_a
     assert (journal.generation, journal.port, journal.current.ranks) == (1, 4321, ranks)
     assert journal.current.layout == first.c.plan and journal.plan == journals[-1].plan
 
-    j = make(nodes=2, steps=10)  # the restarted master: its workers trained steps 3..5 meanwhile
+    j = make(nodes=2, steps=10)  # the restarted master, appending to the lost one's event log
+    j.events.write_text(first.events.read_text())
     from master import planning
 
     planning._TEMPLATES.clear()  # a new master's helper holds no templates
@@ -1072,15 +1073,50 @@ def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_a
     assert all(not box for box in j.drain_all().values())  # nothing to send: they train on
     [adopted] = read_events(j.events, "adopted")
     assert adopted["nodes"] == ["a", "b"] and adopted["missing"] == [] and adopted["next_step"] == 6
-    assert not read_events(j.events, "step")  # replayed steps were logged by the lost master
+    # The replayed step 5 was logged by the lost master: not twice.
+    assert [e["step"] for e in read_events(j.events, "step")] == [0, 1, 2, 3, 4, 5]
     j.assigned = dict(first.assigned)
     for step in range(6, 10):  # reports as usual from here
         _alive_for(j, 0.1)
         j.train(1, step)
     for gpu in j.assigned:
         j.report(gpu, done=pb.WorkerDone(step=9))
-    assert [e["step"] for e in read_events(j.events, "step")] == [6, 7, 8, 9]
+    assert [e["step"] for e in read_events(j.events, "step")] == list(range(10))
     assert j.c.tick() is not None and j.c.finish_result.exit_code == 0
+
+
+def test_a_step_the_lost_master_received_but_never_logged_is_logged_once_by_the_restarted_one(make, tmp_path):
+    """Under load, a ``killmaster`` landed after the agents sent step N's reports and before the master
+    logged it: the agents replay them flagged as seen, and the run's event log had no step N."""
+    first = make(nodes=2, steps=10)
+    journals = []
+    first.c.journal_to = journals.append
+    start(first, "a", "b")
+    for step in range(5):  # steps 0..4 logged; step 5's reports reached the master as it died
+        first.train(1, step)
+    ranks = {gpu: a.rank for gpu, a in first.assigned.items()}
+    j = make(nodes=2, steps=10)
+    j.events.write_text(first.events.read_text() + '{"ts":1,"event":"step","gener')  # a line cut by the kill
+    j.c.adopt(journals[-1])
+    for name in ("a", "b"):
+        _come_back(j, name, 1, 5, ranks[(name, 0)])
+    j.c.tick()
+    assert j.c.phase == JobPhase.RUNNING and j.c.next_step == 6
+    assert [e["step"] for e in read_events(j.events, "step")] == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_steps_a_lost_master_logged_are_read_from_the_end_of_its_event_log(tmp_path):
+    from master.progress import logged_steps
+
+    path = tmp_path / "events.jsonl"
+    assert logged_steps(str(path)) == {}  # no log yet: a master that never logged anything
+    log = EventLog(path)
+    for generation, step in [(1, 0), (1, 1), (2, 2), (2, 3)]:
+        log.write("step", generation=generation, step=step, padding="x" * 500)
+        log.write("heartbeat_late", node="a", generation=generation, step=step + 100)  # not a step line
+    assert logged_steps(str(path)) == {1: 1, 2: 3}
+    # Only the tail is read: a log of weeks of steps is not parsed whole, and a cut first line is skipped.
+    assert logged_steps(str(path), tail_bytes=700) == {2: 3}
 
 
 def test_a_node_that_does_not_come_back_to_a_restarted_master_is_recovered_from_like_a_loss(make, tmp_path):
