@@ -8,6 +8,7 @@ code once the coordinator finished, ``stop()`` releases everything.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import threading
@@ -52,6 +53,10 @@ HEARTBEATS_PER_S_BUDGET = 2000.0
 2 cores shared with the emulated agents): 1,000 nodes every 0.5 s (2,000 a second) held at 0.50 cores,
 about 0.25 ms of the master's CPU per beat; 4,000 nodes every 1 s were not held there (nodes lost before
 any was stopped). The master's gRPC runs on one event loop, so the budget does not grow with its cores."""
+CONTROL_STALL_DUMP_S = 1.0
+"""A control-loop pass (a tick, then a wait of at most ``detector_tick``) that has not come back after this
+long prints every thread's stack to the master's stderr (``faulthandler``), once per stall: churn soaks on
+two cores log ``master_stalled`` of 1-3 s now and then, which say how long and not what held the thread."""
 SERVER_CALL_S = 30.0
 """Longest the master waits for its gRPC server's loop to start, bind or stop the server."""
 
@@ -207,13 +212,19 @@ class MasterServer:
         tick = timeouts.detector_tick.total_seconds()
         result = None
         try:
-            while (result := self.coordinator.tick()) is None:
+            while True:
+                # Re-armed every pass: a pass that has not come back CONTROL_STALL_DUMP_S later prints every
+                # thread's stack to stderr, naming what held the control thread (the lock, a write, the GIL).
+                faulthandler.dump_traceback_later(CONTROL_STALL_DUMP_S)
+                if (result := self.coordinator.tick()) is not None:
+                    break
                 self.coordinator.wait_for_change(tick)
         except Exception as exc:  # a bug: end the job loudly rather than hang it
             log.exception("control loop failed")
             self.coordinator.finish(ExitCode.ERROR, f"master control loop failed (a bug): {exc!r}")
             result = self.coordinator.finish_result
         finally:  # whatever failed above, the master exits: wait() must return
+            faulthandler.cancel_dump_traceback_later()
             try:
                 # Let every agent read its Shutdown before the server goes away.
                 self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())

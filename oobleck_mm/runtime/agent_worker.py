@@ -466,9 +466,15 @@ class WorkerLoop:
         survivor = bool(a.previous_generation) and a.previous_ranks[a.rank] >= 0
         old_engine = self._survivor_engine(a.previous_generation) if survivor else None
         if survivor and old_engine is None:
-            raise RuntimeError(
+            # Not a crash: the master planned from what it knew, and this worker moved on meanwhile. A loss or
+            # a notice right after a join's assignment went out is planned from the generation before the join
+            # (no report of the join's first step had come yet), while the workers switch to the join and drop
+            # it (seen under churn, the master held up 2 s by its journal's fsync: every worker raised here, six
+            # nodes were lost and the job stopped at exit 3). Abandoned like a broken iteration: the master
+            # learns from this worker's reports which generation it holds and plans again from that one.
+            raise PeerFailure(
                 f"generation {a.generation}: the master counts this worker as a survivor of generation "
-                f"{a.previous_generation}, which it does not hold (it holds {self._held_generations()})"
+                f"{a.previous_generation}, which it no longer holds (it holds {self._held_generations()})"
             )
         start = self.agree_on_start(a, self.next_step if survivor else None, old_engine)
         try:

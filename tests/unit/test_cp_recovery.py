@@ -190,6 +190,21 @@ def test_a_loss_plans_the_survivors_alone_when_they_keep_f_plus_one_replicas_and
     assert request == Request(base=2, plan_from=2, lost=(), joined=("e",), live=("a", "b", "c", "e"), failure=False)
 
 
+def test_a_plan_from_the_generation_before_a_join_the_workers_switched_to_meanwhile_is_planned_again_from_the_join():
+    """The master planned generation 3 from 1 for d's notice (gen 2, e's join, had just gone out: no report of
+    it yet), and meanwhile every worker switched to 2 and completed a step there, dropping 1 (seen under
+    churn, the master held up by its journal's fsync). The workers abandon 3 (``WorkerLoop.adopt``: a
+    ``PeerFailure``, no longer a crash that lost six nodes); their reports of 2 came first, so the
+    master plans from 2, e included, and never from 1 again."""
+    gen2 = view(2, ExecutionPlan.even(10, [2, 3], [4, 4], 2), ["a", "b", "c", "d", "e"])  # e joins gen 1
+    gen3 = view(3, ExecutionPlan.even(10, [2, 2], [4, 4], 2), ["a", "b", "c", "e"])  # planned from 1 (a stand-in)
+    gens = {1: GEN1, 2: gen2, 3: gen3}
+    h = holds(a=(2, 2), b=(2, 2), c=(2, 2), e=(2, 2))  # a step of 2 completed: 1 is gone
+    request, why = plan_request(gen3, gens, h, ["a", "b", "c", "e"], abandoned=True, keeps_replicas_from=2)
+    assert request is not None and request.base == 2 and request.plan_from == 2, why
+    assert request.live == ("a", "b", "c", "e") and request.lost == ("d",)
+
+
 def test_a_joiner_planned_but_not_switched_to_waits_out_a_loss_like_one_not_planned():
     """A join generation planned (its joiner preparing, nobody switched: everyone still holds only the
     generation before) is the current one when a survivor is lost. The joiner holds nothing of the base
