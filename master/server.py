@@ -81,6 +81,11 @@ class MasterOptions:
     """Console lines every N steps (``--log-every``)."""
     tensorboard: bool = True
     """TensorBoard event files in ``<run dir>/tensorboard`` next to ``metrics.csv``."""
+    stall_dumps: bool = False
+    """Print every thread's stack to stderr when a control-loop pass stalls (``CONTROL_STALL_DUMP_S``). The
+    ``master`` command's process only: ``faulthandler`` keeps one timer per process and writes to the file
+    descriptor stderr had when armed, which a master run inside another program (a test under pytest's
+    capture) may close and reuse."""
 
 
 def aio_server(threads: int, interceptors: list) -> grpc.aio.Server:
@@ -215,7 +220,8 @@ class MasterServer:
             while True:
                 # Re-armed every pass: a pass that has not come back CONTROL_STALL_DUMP_S later prints every
                 # thread's stack to stderr, naming what held the control thread (the lock, a write, the GIL).
-                faulthandler.dump_traceback_later(CONTROL_STALL_DUMP_S)
+                if self.options.stall_dumps:
+                    faulthandler.dump_traceback_later(CONTROL_STALL_DUMP_S)
                 if (result := self.coordinator.tick()) is not None:
                     break
                 self.coordinator.wait_for_change(tick)
@@ -224,7 +230,8 @@ class MasterServer:
             self.coordinator.finish(ExitCode.ERROR, f"master control loop failed (a bug): {exc!r}")
             result = self.coordinator.finish_result
         finally:  # whatever failed above, the master exits: wait() must return
-            faulthandler.cancel_dump_traceback_later()
+            if self.options.stall_dumps:
+                faulthandler.cancel_dump_traceback_later()
             try:
                 # Let every agent read its Shutdown before the server goes away.
                 self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
