@@ -64,8 +64,8 @@ import grpc
 import psutil
 
 from agent.reports import ReportLog
-from agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, Worker, WorkerFault, start_worker_template,
-                           stop_all)
+from agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, REPORTS_DRAIN_S, Worker, WorkerFault,
+                           start_worker_template, stop_all)
 from oobleck_mm.config import FaultToleranceConfig, parse_config_text, section_from_dict
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.protocol import MESSAGE_OPTIONS
@@ -273,7 +273,7 @@ class Agent:
                 self._stopping.set()  # no more heartbeats or reports: the master is going away
             with self._workers_lock:
                 workers = list(self.workers.values())
-            stop_all(workers, grace, event.shutdown)
+            stop_all(workers, grace, event.shutdown, drain_s=REPORTS_DRAIN_S if event.shutdown.at_boundary else 0.0)
             self._stopping.set()
             if event.shutdown.at_boundary and self.o.left_exit_code:
                 log.info("left the job after the notice: exit %d (--left-exit-code)", self.o.left_exit_code)
@@ -301,10 +301,13 @@ class Agent:
         log.warning("benched: %s; the workers stop at the iteration boundary, fresh ones wait to join again",
                     bench.reason)  # fmt: skip
         with self._workers_lock:
-            workers, self.workers = list(self.workers.values()), {}
-        # A slow node's iteration in flight is bounded like any collective of the job.
+            workers = list(self.workers.values())
+        # A slow node's iteration in flight is bounded like any collective of the job. The workers stay
+        # in ``self.workers`` meanwhile: the reports thread forwards their last reports (a checkpoint share).
         stop_all(workers, self.timeouts.collective_timeout.total_seconds(),
-                 pb.Shutdown(reason=bench.reason, at_boundary=True))  # fmt: skip
+                 pb.Shutdown(reason=bench.reason, at_boundary=True), drain_s=REPORTS_DRAIN_S)  # fmt: skip
+        with self._workers_lock:
+            self.workers = {}
         self._assigned, self._generation = False, 0  # the fresh workers hold nothing of the job yet
         for local_rank in sorted(w.local_rank for w in workers):
             self._start_worker(local_rank)

@@ -287,7 +287,16 @@ class Worker:
         self.conn.close()
 
 
-def stop_all(workers: list[Worker], grace_s: float, shutdown: pb.Shutdown) -> None:
+REPORTS_DRAIN_S = 1.0
+"""How long ``stop_all`` waits, once a worker exited by itself, for the agent's reports thread to read its
+pipe to the end before the pipe is closed: a worker leaving at an iteration boundary writes its last
+reports (the iteration's metrics, a background checkpoint's share) just before it exits, and closing
+the pipe before the thread read them would lose them (a race, not seen lost in the leave's test, whose
+reports thread read within its 0.1 s wait; a benched node's agent took its workers out of that
+thread's sight before stopping them, so their last reports were never read)."""
+
+
+def stop_all(workers: list[Worker], grace_s: float, shutdown: pb.Shutdown, drain_s: float = 0.0) -> None:
     """Sends every worker ``shutdown``, gives them ``grace_s`` in all to exit, then kills what is left.
 
     A worker busy in a step reads its pipe at the next iteration boundary (at once when the
@@ -305,6 +314,11 @@ def stop_all(workers: list[Worker], grace_s: float, shutdown: pb.Shutdown) -> No
     deadline = time.monotonic() + grace_s
     for worker in workers:
         worker.process.join(max(0.0, deadline - time.monotonic()))
+    # ``drain_s``: the caller's reports thread still reads these workers' pipes (``Worker.eof``).
+    drained_by = time.monotonic() + drain_s
+    for worker in workers:
+        while worker.process.exitcode is not None and not worker.eof and time.monotonic() < drained_by:
+            time.sleep(0.01)
     for worker in workers:
         worker.kill()
 

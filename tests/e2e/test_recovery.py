@@ -429,15 +429,30 @@ def test_an_iteration_every_worker_abandons_with_no_node_lost_is_rerun_by_the_sa
     check_final(config, 8, final)
 
 
-def test_a_preempted_node_leaves_at_a_step_boundary_and_nothing_is_lost(launches, tmp_path):
+def test_a_preempted_node_leaves_at_a_step_boundary_and_nothing_is_lost(launches, tmp_path, monkeypatch):
     """A spot notice (SIGTERM to node1's agent, the kill 30 s later): the master plans node1 out at the
     next iteration boundary while it still holds its layers; no iteration is abandoned, no node is
-    lost, node1's agent exits by itself before the kill, and the run equals the reference."""
+    lost, node1's agent exits by itself before the kill, and the run equals the reference.
+
+    That boundary is a periodic checkpoint's step, and node1's share of it is still being written
+    when node1 is told to go: the checkpoint completes all the same (node1 finishes its write and
+    its agent forwards the report before hanging up), and resumes to the reference. Before, node1's
+    worker returned at once and the checkpoint never got its meta.json."""
     steps = 30
-    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU)  # pipelines of 3 + 2 nodes
+    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,  # pipelines of 3 + 2 nodes
+                          fault_tolerance={"checkpoint_interval": 10, "keep_checkpoints": 0})  # fmt: skip
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "preempt:node1@step4+30s")
+    # node1 holds 3 s before step 9 (0-based; the notice fires once steps 0-8 are done): the notice is
+    # planned while every rank is in step 9, so the switch follows step 9, after which (10 steps done) a
+    # checkpoint is due; node1's writer then holds 0.5 s with its files written, before its report (a
+    # share that comes after the next checkpoint completed is dropped: that one supersedes it).
+    monkeypatch.setenv("OOBLECK_HOLD_AT", "step9@node1:3,checkpoint@node1:0.5")
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "preempt:node1@step9+30s")
     finish_ok(run)
+    assert run.events("resumed", generation=2)[0]["step"] == 10  # the switch came at the checkpoint's step
+    assert 10 in [e["step"] for e in run.events("checkpoint_saved")], run.events("checkpoint_saved")
+    checkpoint = run.run_dir / "checkpoints" / "step00000010"
+    assert (checkpoint / "meta.json").exists()
     assert not run.events("lost")
     [leaving] = run.events("leaving")
     [left] = run.events("left")
@@ -454,6 +469,7 @@ def test_a_preempted_node_leaves_at_a_step_boundary_and_nothing_is_lost(launches
     assert not agent.is_running() or agent.status() == "zombie"
     assert not [e for e in run.events("preempt_kill") if e["ts"] < run.events("done")[0]["ts"]]
     check_final(config, steps, final)
+    assert assert_resume_equals_reference(config, steps, checkpoint) == 10
 
 
 def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at(launches, tmp_path):
