@@ -31,6 +31,7 @@ from master.checkpointing import prune_checkpoints, start_meta_sampler, write_me
 from master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCheckpoints, ProgressMetrics,
                             ProgressPhase, Record, Say, Send, StartProgress, WarmPlanner, WriteJournal,
                             WriteMeta)  # fmt: skip
+from master.disk import DiskQueue
 from master.generations import MAX_REFORMS, SETTLE_S
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
@@ -87,7 +88,11 @@ class Coordinator:
         progress: Callable[[str], None] = print,
         planner=None,
         options: RunOptions = RunOptions(),
+        disk_thread: bool = False,
     ) -> None:
+        """``disk_thread``: write the run dir's files (journal, meta.json, pruning) from a thread of their own,
+        outside the lock (``master.disk``; the server's master). Without it (a master driven by hand), each
+        call has written them when it returns."""
         self.job = job
         self.num_nodes = num_nodes
         self.steps = steps
@@ -121,6 +126,7 @@ class Coordinator:
         self._sampler_ready: Future | None = None
         """``prepare_meta``'s build of ``_sampler``, in the background."""
         self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
+        self._disk = DiskQueue(threaded=disk_thread)
         self.journal_to: Callable[[Journal], None] | None = None
         """Writes the journal (``master.journal``) before every generation's assignments go out; the
         server sets it once it knows its address. None: no journal (tests)."""
@@ -305,21 +311,32 @@ class Coordinator:
                 raise TypeError(f"the master's shell cannot carry out {type(effect).__name__}")
             handler(self, effect)
 
+    def flush_disk(self, timeout: float) -> bool:
+        """Waits until the run dir's writes (and the sends queued behind them) are done; False on ``timeout``."""
+        return self._disk.flush(timeout)
+
+    def _after_disk(self, work: Callable[[], None]) -> None:
+        """``work`` now, or after the run dir's writes still queued (an output that must follow them)."""
+        if self._disk.busy:
+            self._disk.submit(work)
+        else:
+            work()
+
     def _send(self, e: Send) -> None:
-        box = self._outboxes.get(e.node)
+        box = self._outboxes.get(e.node)  # now: a registration of the same name later gets an outbox of its own
         if box is not None:
-            box[1].put(e.event)
+            self._after_disk(lambda: box[1].put(e.event))
 
     def _end_stream(self, e: EndStream) -> None:
         box = self._outboxes.pop(e.node, None)
         if box is not None:
-            box[1].put(END_OF_STREAM)
+            self._after_disk(lambda: box[1].put(END_OF_STREAM))
 
     def _record(self, e: Record) -> None:
-        self.events.write(e.kind, **e.fields)
+        self._after_disk(lambda: self.events.write(e.kind, **e.fields))
 
     def _say(self, e: Say) -> None:
-        self.say(e.text)
+        self._after_disk(lambda: self.say(e.text))
 
     def _ask_planner(self, e: AskPlanner) -> None:
         if e.call == "fresh":
@@ -339,15 +356,19 @@ class Coordinator:
         self.planner.warm(self.config_yaml, e.template_nodes)
 
     def _write_journal(self, e: WriteJournal) -> None:
-        if self.journal_to is None:
+        if (write := self.journal_to) is None:
             return
-        started_wall = time.time() - (self.clock() - self.state.started_at)
-        try:
-            self.journal_to(replace(e.journal, started_wall=started_wall))
-        except OSError as exc:  # a full disk: the job goes on; only a restarted master could not re-adopt it
-            self.events.write("journal_failed", generation=e.journal.generation, error=str(exc))
-            log.warning("cannot write the master's journal (generation %d): %s; a restarted master could not "
-                        "re-adopt the running workers", e.journal.generation, exc)  # fmt: skip
+        journal = replace(e.journal, started_wall=time.time() - (self.clock() - self.state.started_at))
+
+        def work() -> None:
+            try:
+                write(journal)
+            except OSError as exc:  # a full disk: the job goes on; only a restarted master could not re-adopt it
+                self.events.write("journal_failed", generation=journal.generation, error=str(exc))
+                log.warning("cannot write the master's journal (generation %d): %s; a restarted master could "
+                            "not re-adopt the running workers", journal.generation, exc)  # fmt: skip
+
+        self._disk.submit(work)
 
     def prepare_meta(self) -> None:
         """Builds what ``meta.json`` records in the background now (``checkpointing.meta_sampler``), so the
@@ -363,6 +384,9 @@ class Coordinator:
             self._sampler_ready = start_meta_sampler(self.job)
 
     def _write_meta(self, e: WriteMeta) -> None:
+        self._disk.submit(lambda: self._meta(e))  # ``_sampler`` is the disk thread's from the first one on
+
+    def _meta(self, e: WriteMeta) -> None:
         if self._sampler is None and self._sampler_ready is not None:
             self._sampler = self._sampler_ready.result()  # at once, unless a checkpoint came within seconds
         try:
@@ -373,7 +397,7 @@ class Coordinator:
             log.warning("cannot complete the checkpoint %s: %s", e.directory, exc)
 
     def _prune(self, e: PruneCheckpoints) -> None:
-        prune_checkpoints(e.directory, e.keep)
+        self._disk.submit(lambda: prune_checkpoints(e.directory, e.keep))
 
     def _start_progress(self, e: StartProgress) -> None:
         self._progress.start(e.view, e.incident, e.expected)

@@ -182,6 +182,7 @@ class MasterServer:
         self.coordinator = Coordinator(
             self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised, store_port=self.port,
             events=self.events, progress=self.progress, planner=self._planner, options=self.run_options,
+            disk_thread=True,
         )  # fmt: skip
         self.coordinator.journal_to = self._write_journal
         self.coordinator.prepare_meta()
@@ -233,8 +234,11 @@ class MasterServer:
             if self.options.stall_dumps:
                 faulthandler.cancel_dump_traceback_later()
             try:
-                # Let every agent read its Shutdown before the server goes away.
+                # Let every agent read its Shutdown before the server goes away (queued behind the run dir's
+                # writes, if any), and let those writes end before the journal is ended.
                 self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
+                if not self.coordinator.flush_disk(timeout=timeouts.shutdown_grace.total_seconds()):
+                    log.warning("the run dir's writes did not finish within fault_tolerance.shutdown_grace")
             finally:
                 self._exit_code = result.exit_code if result is not None else ExitCode.ERROR
                 end_journal(self.run_dir, self._exit_code)  # its agents were told: nothing left to re-adopt

@@ -104,7 +104,7 @@ def make(tmp_path):
     def build(nodes: int = 2, gpus: int = 1, steps: int = 3, options: RunOptions | None = None, memory=None,
               recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None,
               stall_s: float | None = None, max_nodes: int | None = None,
-              confirmed_silence: float | None = None) -> Job:  # fmt: skip
+              confirmed_silence: float | None = None, disk_thread: bool = False) -> Job:  # fmt: skip
         job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps, recovery=recovery,
                               checkpoint_interval=checkpoint_interval, max_nodes=max_nodes)  # fmt: skip
         if memory is not None:  # a smaller GPU: the model needs n0 = 2 nodes, so pipelines span nodes
@@ -122,7 +122,8 @@ def make(tmp_path):
         clock, lines = Clock(), []
         events_path = tmp_path / f"events{len(made)}.jsonl"
         c = Coordinator(job, num_nodes=nodes, steps=steps, store_host="10.0.0.1", store_port=4321,
-                        events=EventLog(events_path), clock=clock, progress=lines.append, options=options)  # fmt: skip
+                        events=EventLog(events_path), clock=clock, progress=lines.append, options=options,
+                        disk_thread=disk_thread)  # fmt: skip
         made.append(c)
         return Job(c, clock, lines, events_path)
 
@@ -173,6 +174,43 @@ def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_ran
     assert decided[0]["nodes"] == ["a", "b"] and decided[0]["layout"] == plan.to_dict()
     assert len(read_events(j.events, "assignment_sent")) == 4 and any(line.startswith("generation 1: ") for line in j.lines)
     assert j.lines[:2] == ["agent a registered (1/2)", "agent b registered (2/2)"]  # start-up progress
+
+
+def test_a_slow_run_dir_holds_no_handler_and_no_assignment_goes_out_before_its_journal(make):
+    """On the shared storage a run dir lives on, a journal write can take seconds (NFS: a close waits for
+    the server). Written from the master's disk thread (``master.disk``), it holds neither the lock (a
+    report, a heartbeat, a registration and a tick are applied at once meanwhile) nor the order: the
+    generation's assignments, and the lines logged after its plan, go out only once its journal is on disk."""
+    import threading
+
+    j = make(nodes=2, steps=10, disk_thread=True)
+    release, written = threading.Event(), []
+
+    def slow_journal(journal) -> None:
+        assert release.wait(10)
+        written.append(journal.generation)
+
+    j.c.journal_to = slow_journal
+    j.join("a")
+    j.join("b")
+    j.c.tick()  # plans generation 1; its journal is being written
+    assert j.c.phase == JobPhase.RUNNING and j.c.generation == 1
+    assert j.drain_all() == {"a": [], "b": []} and not read_events(j.events, "assignment_sent")
+    started = time.monotonic()
+    j.heartbeat_all()
+    j.report(("a", 0), stalled=pb.Stalled(generation=1, what="rendezvous", waited_s=0.5))
+    j.join("c")  # a joiner registers meanwhile
+    j.clock.now += 0.05
+    j.c.tick()
+    assert time.monotonic() - started < 1.0  # none of them waited for the disk (10 s if they had)
+    assert not written and j.drain_all()["a"] == []
+    release.set()
+    assert j.c.flush_disk(timeout=10)
+    assert written[0] == 1
+    assert {gpu for gpu, a in j.assigned.items() if a.generation == 1} == set()  # drained above: nothing yet
+    j.drain_all()
+    assert {gpu for gpu, a in j.assigned.items() if a.generation == 1} == {("a", 0), ("b", 0)}
+    assert len([e for e in read_events(j.events, "assignment_sent") if e["generation"] == 1]) == 2
 
 
 def test_refusals_name_the_problem_and_are_logged(make):
