@@ -31,7 +31,7 @@ from master.checkpointing import prune_checkpoints, start_meta_sampler, write_me
 from master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCheckpoints, ProgressMetrics,
                             ProgressPhase, Record, Say, Send, StartProgress, WarmPlanner, WriteJournal,
                             WriteMeta)  # fmt: skip
-from master.disk import DiskQueue
+from master.disk import HOLD_ENV, DiskQueue, journal_hold
 from master.generations import MAX_REFORMS, SETTLE_S
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
@@ -361,6 +361,9 @@ class Coordinator:
         journal = replace(e.journal, started_wall=time.time() - (self.clock() - self.state.started_at))
 
         def work() -> None:
+            if held := journal_hold(journal.generation):  # tests only (master.disk.HOLD_ENV)
+                log.warning("holding %.1f s before generation %d's journal (%s)", held, journal.generation, HOLD_ENV)
+                time.sleep(held)
             try:
                 write(journal)
             except OSError as exc:  # a full disk: the job goes on; only a restarted master could not re-adopt it

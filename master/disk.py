@@ -23,11 +23,32 @@ an executor does not say that without tracking every future.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+HOLD_ENV = "OOBLECK_MASTER_HOLD_AT"
+"""Tests: ``journalG:S`` (comma-separated) makes the disk thread hold ``S`` seconds before writing generation
+``G``'s journal. Its assignments queue behind that write, while the master answers every report meanwhile:
+the window between planning a generation and sending it, in which the workers may still switch to the
+generation planned before (``tests/e2e/test_recovery.py``). The workers' hold points are
+``runtime/hold.py``'s."""
+
+
+def journal_hold(generation: int, value: str | None = None) -> float:
+    """Seconds ``OOBLECK_MASTER_HOLD_AT`` holds ``generation``'s journal write (0: none); ``ValueError`` naming a
+    bad entry."""
+    value = os.environ.get(HOLD_ENV, "") if value is None else value
+    for entry in filter(None, (e.strip() for e in value.split(","))):
+        point, _, seconds = entry.partition(":")
+        if not (point.startswith("journal") and point[7:].isdigit()):
+            raise ValueError(f"{HOLD_ENV}: expected journalG:seconds (G a generation), got {entry!r}")
+        if int(point[7:]) == generation:
+            return float(seconds)
+    return 0.0
 
 
 class DiskQueue:

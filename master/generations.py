@@ -302,7 +302,8 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     # A re-form reuses its source's plan as it is: its split is the one planned for the source's speeds.
     slow = source.slow if request.reform and source is not None else request.slow
     slow = tuple((n, f) for n, f in slow if n not in planned.benched)
-    s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from, slow)
+    s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from, slow,
+                                base=request.base)  # fmt: skip
     incident = s.incident if s.phase is JobPhase.RUNNING else None
     # This plan answers the incident: the next loss or join is a new one, timed from itself.
     s.incident = None

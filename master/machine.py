@@ -162,6 +162,7 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
     s.reforms = 0
     s.reported[gpu] = max(s.reported.get(gpu, 0), m.generation)
     s.holdings[gpu] = s.holdings.get(gpu, Holdings()).completed_step(m.generation)
+    _check_base_held(ctx, gpu)
     s.next_step = max(s.next_step, m.step + 1)
     # Replayed or not: the lost master may have died before logging the step, and ``Progress`` drops a
     # step it (or the lost master, ``progress.logged_steps``) logged already.
@@ -183,10 +184,33 @@ def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
         s.holdings[gpu] = holdings.adopted(p.generation)
     elif p.phase == "resumed":
         s.holdings[gpu] = holdings.completed_step(p.generation)
+        _check_base_held(ctx, gpu)
     if not replayed:  # the lost master logged that phase already
         gen = s.gens.get(p.generation)
         rank = None if gen is None else gen.view.ranks.get(gpu)
         ctx.effects.append(ProgressPhase(gpu[0], gpu[1], rank, p))
+
+
+def _check_base_held(ctx: Context, gpu: Gpu) -> None:
+    """A survivor that the current generation takes states from its base completed a step of a newer
+    generation: it dropped the base, so the current generation cannot start (each such survivor abandons
+    it, ``WorkerLoop.adopt``). The master planned it from the generation before a join that the workers
+    switched to meanwhile (its reports had not come; under churn, with the generation's sends queued behind
+    its journal). Re-formed now from what the workers hold, not after ``reform_after`` (3 s in
+    ``tests/e2e/test_recovery.py``'s reproduction) of waiting for a loss that will not come."""
+    s = ctx.s
+    current, held = s.gens.get(s.generation), s.holdings[gpu].held()
+    if current is None or current.base <= 0 or s.abandoned is not None or s.generation in held:
+        return
+    base = s.gens.get(current.base)
+    if current.base in held or gpu not in current.view.ranks or base is None or gpu not in base.view.ranks:
+        return  # still holds the base; or not a survivor the generation takes states from
+    why = (f"{gpu[0]} completed a step of generation {max(held)} and no longer holds generation {current.base}, "
+           f"which generation {s.generation} was planned from")  # fmt: skip
+    s.abandoned = (ctx.now - ctx.cfg.timeouts.reform_after.total_seconds(), why)
+    ctx.record("base_dropped", generation=s.generation, base=current.base, node=gpu[0], local_rank=gpu[1],
+               holds=sorted(held))  # fmt: skip
+    ctx.because(why + ": re-form now")
 
 
 def _on_ready(ctx: Context, entry, local_rank: int, ready: pb.WorkerReady) -> None:

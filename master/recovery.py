@@ -220,37 +220,43 @@ def plan_request(
     live_set, planned = set(live), set(current.nodes)
     gone = [n for n in current.nodes if n not in live_set]
     new = [n for n in live if n not in planned]
-    deferred = ""
-    if (gone or abandoned) and _survivors_suffice(live, new, keeps_replicas_from):
-        live, deferred = _defer(live, new, ", ".join(new), keeps_replicas_from)
-        new = []
-    if not gone and not new and not abandoned:
+    failure = bool(gone) or abandoned
+    if not failure and not new:
         return None, "membership unchanged"
-    if not gone and not abandoned and not committed(current, holdings):
+    if not failure and not committed(current, holdings):
         return None, f"joins of {', '.join(new)} wait until generation {current.number} completed a step"
     base, why = choose_base(generations, holdings, live)
     if base is None:
         return StateLost(why), why
+    deferred = ""
     if base.generation == 0:
         # Nobody holds trained state: plan from the current layout all the same (the templates
         # built for the starting node count stay valid), only the workers start afresh.
-        return (Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=bool(gone) or abandoned),
-                why + deferred)
+        if failure and _survivors_suffice(live, new, keeps_replicas_from):
+            live, deferred = _defer(live, new, ", ".join(new), keeps_replicas_from)
+            new = []
+        return Request(0, current.number, tuple(gone), tuple(new), tuple(live), failure=failure), why + deferred
     base_nodes = generations[base.generation].nodes
-    # A joiner of a join generation planned but not switched to (its workers still preparing) is in the
-    # current generation, yet holds nothing of the base: as new as one not planned, so it waits out the
-    # loss the same way. Under bursty churn most losses came while a join was planned: 36 of 46 loss plans
-    # of an HF soak took a joiner in, their rendezvous 0.565 s against 0.076 s without. Its workers wait in
-    # that generation's rendezvous, polling for a newer command, until the join after the recovery comes.
+    # Who waits out a loss is judged against the base, not the current generation. A joiner of a join
+    # generation planned but not switched to (its workers still preparing) is in the current generation,
+    # yet holds nothing of the base: as new as one not planned, so it waits out the loss the same way.
+    # Under bursty churn most losses came while a join was planned: 36 of 46 loss plans of an HF soak took
+    # a joiner in, their rendezvous 0.565 s against 0.076 s without. Its workers wait in that generation's
+    # rendezvous, polling for a newer command, until the join after the recovery comes. And a node the
+    # current generation left out but which holds the base (a joiner the workers switched to while the
+    # master planned the current one from the generation before: the re-form that follows is planned from
+    # the join) is a survivor, not a joiner: leaving it out made it join again and receive every layer.
     holders, in_base, stale = set(base.holding_nodes), set(base_nodes), set(base.stale_nodes)
     fresh = [n for n in live if n not in in_base]
-    if (gone or abandoned) and _survivors_suffice(live, fresh, keeps_replicas_from):
-        live, more = _defer(live, fresh, f"{', '.join(fresh)} (planned to join generation {current.number}, "
-                                         "not switched to)", keeps_replicas_from)  # fmt: skip
-        deferred += more
+    if failure and _survivors_suffice(live, fresh, keeps_replicas_from):
+        waiting = [n for n in fresh if n in planned]
+        named = ", ".join([n for n in fresh if n not in planned]
+                          + ([f"{', '.join(waiting)} (planned to join generation {current.number}, not switched to)"]
+                             if waiting else []))  # fmt: skip
+        live, deferred = _defer(live, fresh, named, keeps_replicas_from)
     lost = tuple(n for n in base_nodes if n not in holders)
     joined = tuple(n for n in live if n not in in_base or n in stale)
-    request = Request(base.generation, base.generation, lost, joined, tuple(live), failure=bool(gone) or abandoned)
+    request = Request(base.generation, base.generation, lost, joined, tuple(live), failure=failure)
     return request, why + deferred + (
         "; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else "")
 

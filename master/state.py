@@ -119,6 +119,8 @@ class Generation:
     """(f + 1) * n0, the fewest nodes that keep f + 1 replicas (``Planned``); 0: not known (a journal's)."""
     slow: tuple[tuple[str, float], ...] = ()
     """The slow nodes (and factors) its batch split was planned for (``planning.speed``)."""
+    base: int = 0
+    """The generation its survivors take their states from (0: none, or not known: a journal's)."""
 
 
 @dataclass(frozen=True, slots=True)

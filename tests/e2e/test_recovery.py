@@ -10,6 +10,7 @@ nodes' positions depend on registration order); the others use ``--inject``.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
@@ -174,6 +175,44 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
     # standby's warm template no longer makes a yardstick (0.1-0.6 s).
     [row] = [r for r in recovery_rows(run.events()) if r.kind == "join"]
     assert row.lost_s is not None and row.lost_s < TIMEOUT_S, (row.lost_s, ready["startup_s"])
+    check_final(config, steps, final)
+
+
+def test_a_notice_planned_before_a_join_is_switched_to_and_sent_after_it_is_planned_again_from_the_join(
+        launches, tmp_path, monkeypatch):  # fmt: skip
+    """The order that stopped a churned job at exit 3 with 9 nodes live (issue 27): the master planned a join
+    (generation 2), then a notice's generation 3 from generation 1 (no report of 2 had come), and sent 3 late;
+    the workers had switched to 2 meanwhile, and each survivor that 3 named as one of generation 1 raised.
+    Here 3's journal write is held 4 s (``OOBLECK_MASTER_HOLD_AT``: its assignments queue behind it) while the
+    join's groups form 1.5 s late. Such a survivor now abandons generation 3 like a broken iteration, the
+    master plans again from 2, and the job ends equal to the reference."""
+    steps = 120  # ~0.05 s a step: at step ~75 (idle) when generation 3 goes out, still training
+    config = write_config(tmp_path, nodes=3, steps=steps)
+    final = tmp_path / "final"
+    monkeypatch.setenv("OOBLECK_HOLD_AT", "forming:1.5")  # in the background: generation 1 trains on
+    monkeypatch.setenv("OOBLECK_MASTER_HOLD_AT", "journal3:4")
+    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
+    joining = run.wait_event("plan_decided", generation=2)
+    assert joining["cause"] == "joined"
+    os.kill(run.agent_pids()["node0"], signal.SIGTERM)  # a spot notice to a survivor
+    finish_ok(run)
+    notice = run.wait_event("plan_decided", generation=3, timeout=5)
+    assert notice["previous_generation"] == 1 and "node0" not in notice["nodes"], notice
+    assert run.events("step", generation=2), "the workers never switched to the join"
+    assert not run.events("step", generation=3)
+    [dropped] = run.events("base_dropped")[:1]
+    assert (dropped["generation"], dropped["base"], dropped["holds"]) == (3, 1, [2]), dropped
+    # Planned again from the join as soon as a worker's step of it showed generation 3 dead (not after
+    # reform_after), the joiner kept as the survivor it is (not made to join again and receive every layer).
+    again = run.events("plan_decided", generation=4)[0]
+    assert again["previous_generation"] == 2 and sorted(again["nodes"]) == ["node1", "node2", "node3"], again
+    assert again["joined"] == [] and not [e for e in run.events("plan_decided") if e["generation"] > 4]
+    # Generation 4's assignments went out right behind 3's (both queued behind 3's held journal; the log's
+    # lines too): resumed well within reform_after (TIMEOUT_S) of node0's dismissal, logged with them.
+    [left] = run.events("left", node="node0")
+    resumed = run.events("resumed", generation=4)[0]
+    assert resumed["ts"] - left["ts"] < min(1.5, TIMEOUT_S), (left, resumed)
+    assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
     check_final(config, steps, final)
 
 

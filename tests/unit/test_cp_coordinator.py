@@ -902,6 +902,35 @@ def test_a_node_on_notice_is_planned_out_at_a_boundary_and_dismissed_never_lost(
     assert left["node"] == "n1"
 
 
+def test_a_plan_whose_base_a_survivor_dropped_is_re_formed_at_once_from_what_the_workers_hold(make):
+    """Generation 3 is planned for a notice from generation 1 while the join's generation 2 is on its way (no
+    report of it yet); then the workers report a step of 2: they dropped 1, so 3 cannot start. The master
+    re-forms at once from 2, the joiner a survivor of it, instead of waiting out ``reform_after``."""
+    j = make(nodes=3, steps=20)
+    start(j, "a", "b", "c")
+    j.train(1, 0)
+    j.join("d")
+    _alive_for(j, 0.1)
+    assert j.c.generation == 2  # the join
+    j.drain_all()
+    join = dict(j.assigned)
+    j.c.leave("a", j.sessions["a"], "preemption notice")
+    _alive_for(j, 0.1)
+    assert j.c.generation == 3 and read_events(j.events, "plan_decided")[-1]["previous_generation"] == 1
+    j.drain_all()
+    for gpu, a in join.items():  # the workers had switched to 2 meanwhile: a step of it
+        j.report(gpu, metrics=pb.StepMetrics(generation=2, step=1, rank=a.rank, loss=1.0, samples_per_s=10.0,
+                                             step_time_s=0.1))  # fmt: skip
+    j.c.tick()
+    j.drain_all()
+    [dropped] = read_events(j.events, "base_dropped")[:1]
+    assert (dropped["generation"], dropped["base"], dropped["holds"]) == (3, 1, [2])
+    assert j.c.generation == 4  # no clock moved: not after reform_after
+    decided = read_events(j.events, "plan_decided")[-1]
+    assert decided["previous_generation"] == 2 and sorted(decided["nodes"]) == ["b", "c", "d"], decided
+    assert decided["joined"] == [] and decided["lost"] == ["a"]
+
+
 def test_a_node_on_notice_planned_out_with_a_loss_stops_at_once_with_the_iteration_abandoned(make):
     # The survivors abandon the iteration in flight (a peer is lost): the leaving node has nothing to
     # finish, and its open sockets would hold the survivors' collectives pending with it (a join
@@ -1302,3 +1331,12 @@ def test_a_tick_woken_by_a_change_does_not_look_at_every_nodes_health_again(make
     j.c.stream_ended("n3", j.sessions["n3"])
     j.c.tick()
     assert len(looks) == 3 and "n3" not in j.c.state.registry.nodes, "a closed stream is seen at the next tick"
+
+
+def test_the_masters_hold_point_names_a_generation_and_a_bad_entry_by_its_text():
+    from master.disk import journal_hold
+
+    assert journal_hold(3, "journal3:4") == 4.0 and journal_hold(2, "journal3:4") == 0.0
+    assert journal_hold(12, "journal1:1, journal12:0.5") == 0.5 and journal_hold(1, "") == 0.0
+    with pytest.raises(ValueError, match=r"OOBLECK_MASTER_HOLD_AT: expected journalG:seconds .*'copy:3'"):
+        journal_hold(1, "copy:3")

@@ -203,6 +203,13 @@ def test_a_plan_from_the_generation_before_a_join_the_workers_switched_to_meanwh
     request, why = plan_request(gen3, gens, h, ["a", "b", "c", "e"], abandoned=True, keeps_replicas_from=2)
     assert request is not None and request.base == 2 and request.plan_from == 2, why
     assert request.live == ("a", "b", "c", "e") and request.lost == ("d",)
+    # As it happens: 3 left e out (a joiner planned but not switched to waits out a loss), yet e holds 2 like
+    # the others: a survivor of the base, not a joiner to defer (deferred, it joined again in a generation of
+    # its own and received every layer: tests/e2e/test_recovery.py's reproduction, before the change).
+    gen3 = view(3, ExecutionPlan.even(10, [2, 1], [4, 4], 2), ["a", "b", "c"])
+    request, why = plan_request(gen3, {1: GEN1, 2: gen2, 3: gen3}, h, ["a", "b", "c", "e"], abandoned=True,
+                                keeps_replicas_from=2)  # fmt: skip
+    assert request == Request(base=2, plan_from=2, lost=("d",), joined=(), live=("a", "b", "c", "e"), failure=True), why
 
 
 def test_a_joiner_planned_but_not_switched_to_waits_out_a_loss_like_one_not_planned():
