@@ -150,10 +150,12 @@ class Progress:
         self.facts = facts
         self.started = clock()
         self.gen: GenerationView | None = None
-        self.incident: Incident | None = None
         self._steps: dict[tuple[int, int], dict[int, pb.StepMetrics]] = {}
         self._views: dict[int, GenerationView] = {}
-        self._phases: dict[str, dict[int, tuple[pb.PhaseDone, float, str]]] = {}
+        self._phases: dict[tuple[int, str], dict[int, tuple[pb.PhaseDone, float, str]]] = {}
+        """(generation, phase) -> rank -> (report, clock, node), until every rank of the generation reported it."""
+        self._incidents: dict[int, Incident | None] = {}
+        """Per generation in flight, the incident it answers (its recovery phases are timed from it)."""
         self._recent: list[tuple[int, float]] = []
         """(step, clock) of the latest steps logged: the ETA's pace."""
         self._printed_generation = 0
@@ -179,11 +181,15 @@ class Progress:
         # The previous generation may still finish a step (a join is applied at the next boundary),
         # and an older one's step may have committed on every rank although one of them died
         # before reporting it: its reports are kept until a generation resumes past that step.
-        self.gen, self.incident = gen, incident
+        self.gen = gen
         self._gen_started = self.clock()
         self._views[gen.number] = gen
         self._expected[gen.number] = dict(expected or {})
-        self._phases.clear()
+        # A generation planned before this one may still switch and resume (a join the workers took while
+        # this one was planned from the generation before it): its phases are still logged, with its incident.
+        self._incidents = {n: i for n, i in self._incidents.items() if n >= gen.number - PHASES_KEPT_FOR}
+        self._incidents[gen.number] = incident
+        self._phases = {k: v for k, v in self._phases.items() if k[0] >= gen.number - PHASES_KEPT_FOR}
         self._verdicts(self.stragglers.keep_only(gen.nodes, max(self._logged.values(), default=-1)))
 
     def metrics(self, m: pb.StepMetrics) -> None:
@@ -274,23 +280,24 @@ class Progress:
             self.events.write("step_settled", generation=p.generation, node=node, local_rank=local_rank, rank=rank,
                               step=p.step)  # fmt: skip
             return
-        gen = self.gen
-        if gen is None or p.generation != gen.number or rank is None or p.phase not in PHASE_EVENTS:
+        gen = self._views.get(p.generation)
+        if gen is None or p.generation not in self._incidents or rank is None or p.phase not in PHASE_EVENTS:
             return
-        done = self._phases.setdefault(p.phase, {})
+        done = self._phases.setdefault((gen.number, p.phase), {})
         done[rank] = (p, self.clock(), node)
         if len(done) == gen.layout.world_size:
-            self._phase_done(p.phase, list(done.values()))
+            del self._phases[(gen.number, p.phase)]
+            self._phase_done(gen, p.phase, list(done.values()))
 
-    def _phase_done(self, phase: str, arrivals: list[tuple[pb.PhaseDone, float, str]]) -> None:
-        assert self.gen is not None
+    def _phase_done(self, gen: GenerationView, phase: str, arrivals: list[tuple[pb.PhaseDone, float, str]]) -> None:
         reports = [r for r, _, _ in arrivals]
         first, (_, last_at, last_node) = min(t for _, t, _ in arrivals), max(arrivals, key=lambda a: a[1])
         # Which node was the generation waiting for: the last to report, and how long after the first.
-        fields = {"generation": self.gen.number, "seconds": max(r.seconds for r in reports), "last": last_node,
+        fields = {"generation": gen.number, "seconds": max(r.seconds for r in reports), "last": last_node,
                   "spread_s": round(last_at - first, 4)}  # fmt: skip
-        if self.incident is not None:
-            fields.update(cause=self.incident.cause, since_detected_s=self.clock() - self.incident.detected_at)
+        incident = self._incidents.get(gen.number)
+        if incident is not None:
+            fields.update(cause=incident.cause, since_detected_s=self.clock() - incident.detected_at)
         if phase == "rendezvous":
             fields["formed_ahead"] = sum(r.formed_ahead for r in reports)  # ranks whose groups were ready before
         if phase == "states_copied":
@@ -299,18 +306,22 @@ class Progress:
         if phase == "resumed":
             fields["step"] = min(r.step for r in reports)
         self.events.write(PHASE_EVENTS[phase], **fields)
-        if phase == "rendezvous" and self.gen.number == 1:
-            self.say(f"all {self.gen.layout.world_size} workers ready {self.clock() - self._gen_started:.1f} s "
+        if phase == "rendezvous" and gen.number == 1:
+            self.say(f"all {gen.layout.world_size} workers ready {self.clock() - self._gen_started:.1f} s "
                      "after their assignments; training")  # fmt: skip
         if phase == "resumed":
-            self._settle_steps(self.gen.number, fields["step"])
-        if phase == "resumed" and self.incident is not None:
-            self.say(f"generation {self.gen.number} resumed at step {fields['step'] + 1} "
-                     f"{self.clock() - self.incident.detected_at:.2f} s after the "
-                     f"{CAUSE_WORDS.get(self.incident.cause, self.incident.cause)} of "
-                     f"{', '.join(self.incident.nodes)}")  # fmt: skip
-            self.incident = None
+            self._settle_steps(gen.number, fields["step"])
+        if phase == "resumed" and incident is not None:
+            self.say(f"generation {gen.number} resumed at step {fields['step'] + 1} "
+                     f"{self.clock() - incident.detected_at:.2f} s after the "
+                     f"{CAUSE_WORDS.get(incident.cause, incident.cause)} of {', '.join(incident.nodes)}")  # fmt: skip
+            self._incidents[gen.number] = None
 
+
+PHASES_KEPT_FOR = 2
+"""Generations before the newest whose recovery phases are still logged: under churn the master plans
+a generation before the workers switched to the one planned before it, and they may still take that one
+(``_phase_done``); older ones have been overtaken twice."""
 
 LOGGED_TAIL_BYTES = 1 << 20
 """How much of the event log's end a restarted master reads for the steps the lost one logged: its last

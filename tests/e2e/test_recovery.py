@@ -199,6 +199,7 @@ def test_a_notice_planned_before_a_join_is_switched_to_and_sent_after_it_is_plan
     notice = run.wait_event("plan_decided", generation=3, timeout=5)
     assert notice["previous_generation"] == 1 and "node0" not in notice["nodes"], notice
     assert run.events("step", generation=2), "the workers never switched to the join"
+    assert run.events("resumed", generation=2)[0]["cause"] == "joined"  # logged, though 3 was planned after it
     assert not run.events("step", generation=3)
     [dropped] = run.events("base_dropped")[:1]
     assert (dropped["generation"], dropped["base"], dropped["holds"]) == (3, 1, [2]), dropped

@@ -921,7 +921,11 @@ def test_a_plan_whose_base_a_survivor_dropped_is_re_formed_at_once_from_what_the
     for gpu, a in join.items():  # the workers had switched to 2 meanwhile: a step of it
         j.report(gpu, metrics=pb.StepMetrics(generation=2, step=1, rank=a.rank, loss=1.0, samples_per_s=10.0,
                                              step_time_s=0.1))  # fmt: skip
+        j.report(gpu, phase=pb.PhaseDone(generation=2, phase="resumed", step=1))
     j.c.tick()
+    # Its switch is logged although generation 3 was planned after it (the recovery table's row of the join).
+    [resumed] = read_events(j.events, "resumed")[-1:]
+    assert (resumed["generation"], resumed["cause"], resumed["step"]) == (2, "joined", 1), resumed
     j.drain_all()
     [dropped] = read_events(j.events, "base_dropped")[:1]
     assert (dropped["generation"], dropped["base"], dropped["holds"]) == (3, 1, [2])
