@@ -11,7 +11,9 @@ planner's answers queued behind it (``docs/benchmarks.md``, issue 27).
 
 So those writes go to ``DiskQueue``, and the effects that must come after them (an assignment never
 reaches a worker before the journal that names its generation; ``checkpoint_saved`` is logged once its
-``meta.json`` is written) follow them through the same queue while it holds anything. Decisions and
+``meta.json`` is written) follow them through the same queue while it holds anything. A log line that
+waited there carries the time it was written, when the outputs before it went out, not the time of the
+decision (``tests/e2e/test_recovery.py``'s held journal: a re-plan decided at once, logged 3 s later). Decisions and
 their bookkeeping (the planner's calls, the progress counters) stay under the lock: the queue only
 carries out what the machine already decided.
 
