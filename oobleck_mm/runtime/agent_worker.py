@@ -247,7 +247,7 @@ class WorkerLoop:
         while command is not None:
             kind = command.WhichOneof("command")
             if kind == "shutdown":
-                self._finish_checkpoint_write(command.shutdown)
+                self._finish_checkpoint_write(f"shut down ({command.shutdown.reason})")
                 return
             if kind == "checkpoint":
                 self.checkpoint(command.checkpoint)
@@ -258,18 +258,15 @@ class WorkerLoop:
             else:
                 command = self.run_generation(command)
 
-    def _finish_checkpoint_write(self, shutdown: pb.Shutdown) -> None:
-        """A periodic checkpoint's share still being written when this worker is told to go is finished
-        first (bounded by ``checkpoint_round_timeout``), its report then completing that checkpoint. A
-        leave on notice switches at an iteration boundary, and when that boundary is a checkpoint step
-        the leaving worker has just snapshotted its share: returning at once ended its writer with the
-        process, so the checkpoint never got its ``meta.json`` (seen in ``test_partition.py``)."""
-        if not self.checkpointer.busy:
-            return
+    def _finish_checkpoint_write(self, when: str) -> None:
+        """A periodic checkpoint's share still being written in the background is finished (bounded by
+        ``checkpoint_round_timeout``) and reported, so the master completes its ``meta.json``, before this
+        worker says done or goes: the job's end killed it midway, leaving a step folder of .tmp files (issue
+        30); and a leave on notice switches at an iteration boundary, which may be a checkpoint step whose
+        share the leaving worker has just snapshotted (seen in ``test_partition.py``)."""
         if not self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds()):
-            log.warning("shut down (%s) with a checkpoint share still being written after "
-                        "checkpoint_round_timeout: that checkpoint stays incomplete (no meta.json)",
-                        shutdown.reason)  # fmt: skip
+            log.warning("%s: the background checkpoint write did not finish within checkpoint_round_timeout; "
+                        "its folder stays incomplete (no meta.json)", when)  # fmt: skip
 
     def run_generation(self, command):
         """Train generation ``command.assignment``; returns the next command to act on (None: the agent is gone)."""
@@ -361,12 +358,7 @@ class WorkerLoop:
                 raise UserError(f"--save-final: could not write the final checkpoint: {saved.error}")
             if saved.complete:
                 write_replica_hashes(a.save_final_dir, engine)
-        # A periodic checkpoint still written in the background is finished (and reported, so the master
-        # completes its meta.json) before this worker says done: the job's end killed it midway, leaving a
-        # step folder of .tmp files (issue 30).
-        if not self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds()):
-            log.warning("generation %d: the background checkpoint write did not finish within "
-                        "checkpoint_round_timeout; its folder stays incomplete (no meta.json)", a.generation)
+        self._finish_checkpoint_write(f"generation {a.generation}")
         self.report(done=pb.WorkerDone(step=a.steps - 1))
         leave_group()
         return self.commands.get()

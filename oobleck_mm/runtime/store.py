@@ -207,8 +207,7 @@ class ControlPlaneStore(dist.Store):
                 if err.code() in _UNREACHABLE:
                     time.sleep(RETRY_S)  # the master is away: the caller's deadline decides, as for a poll
                     return None
-                raise dist.DistStoreError(f"store {self.address}: GET {key!r} failed: {err.code().name} "
-                                          f"{err.details() or ''}".rstrip()) from None  # fmt: skip
+                raise self._failed(request, err) from None
         self._check_instance(reply, request)
         if reply.found:
             return reply.value
@@ -235,11 +234,15 @@ class ControlPlaneStore(dist.Store):
                 if err.code() in _UNREACHABLE and time.monotonic() + RETRY_S < deadline:
                     time.sleep(RETRY_S)  # the master is away: wait for it, as the agents do
                     continue
-                kind = _Unanswered if err.code() in _UNREACHABLE else dist.DistStoreError
-                raise kind(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} failed: "
-                           f"{err.code().name} {err.details() or ''}".rstrip()) from None
+                raise self._failed(request, err) from None
             self._check_instance(reply, request)
             return reply
+
+    def _failed(self, request: pb.StoreRequest, err: grpc.RpcError) -> dist.DistStoreError:
+        """The error of a call that failed for good: ``_Unanswered`` when the master was away, else refused."""
+        kind = _Unanswered if err.code() in _UNREACHABLE else dist.DistStoreError
+        return kind(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} failed: "
+                    f"{err.code().name} {err.details() or ''}".rstrip())
 
 
 class _Unanswered(dist.DistStoreError):
