@@ -28,6 +28,7 @@ while joins remain to be injected.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,9 @@ from master.server import default_run_dir, make_run_dir
 from oobleck_mm.config import dump_config
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
+from oobleck_mm.emulation.speed import SPEED_DIR_ENV
+from oobleck_mm.emulation.truth import describe_emulation
+from oobleck_mm.emulation.validity import HostCpu, judge
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
 from oobleck_mm.runtime.template import (SHARED_TEMPLATE, SHARED_TEMPLATE_ENV, TEMPLATE_JOB_ENV, start_shared_template,
@@ -114,6 +118,9 @@ class LocalCluster:
         self._signal: int | None = None
         self._stop_requested = False
         self.injector = None
+        self.emulate_dir = os.path.join(self.run_dir, "emulate")
+        """Where the injector writes an emulated node's speed factor (``runtime.emulated.SpeedFile``)."""
+        self._host_cpu: HostCpu | None = None
         self.summary = ""
         self.message = ""
         """Why the launcher itself ended the run ("" when the master's exit says it)."""
@@ -128,6 +135,9 @@ class LocalCluster:
                 return code
             print(f"master on {self.address} (pid {self.master.pid}); run dir {self.run_dir}; "
                   f"event log {self.event_log_path}", flush=True)  # fmt: skip
+            if self.job.cluster.emulate is not None:
+                self._host_cpu = HostCpu()
+                print(describe_emulation(self.job), flush=True)
             for i in range(self.job.cluster.nodes):
                 self.start_agent(f"node{i}")
             if self._joins_left:
@@ -285,6 +295,8 @@ class LocalCluster:
             env[HOLD_ENV] = ",".join(filter(None, (env.get(HOLD_ENV, ""), holds)))
         if self._shared_template:
             env[SHARED_TEMPLATE_ENV] = self._shared_template
+        if self.job.cluster.emulate is not None:  # where a slowed node's speed factor is written (faults.slowdown)
+            env[SPEED_DIR_ENV] = self.emulate_dir
         return env
 
     def _start_shared_template(self) -> None:
@@ -340,6 +352,7 @@ class LocalCluster:
         self.injector = Injector(
             list(self.options.faults), event_log_path=self.event_log_path, events=self._injector_events,
             agents=self.agent_pids, start_agent=self.start_agent, master=self.master_pid,
+            emulate_dir=self.emulate_dir if self.job.cluster.emulate is not None else None,
         )  # fmt: skip
         self.injector.start()
 
@@ -402,7 +415,19 @@ class LocalCluster:
                 log.warning("agent %s still running; stopping it", node)
                 _stop_tree(proc)
 
+    def _judge_emulation(self) -> None:
+        """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the
+        console and in ``RUN_DIR/emulation.json``."""
+        if self._host_cpu is None or not os.path.exists(self.event_log_path):
+            return
+        steps = [e for e in read_events(self.event_log_path) if e.get("event") == "step"]
+        verdict = judge(steps, self._host_cpu.share())
+        with open(os.path.join(self.run_dir, "emulation.json"), "w", encoding="utf-8") as fh:
+            json.dump({**verdict.to_dict(), "emulation": describe_emulation(self.job)}, fh, indent=1)
+        print(f"emulated {self.job.cluster.emulate}: {verdict.reason}", flush=True)
+
     def _report(self) -> None:
+        self._judge_emulation()
         if not self.options.report or not os.path.exists(self.event_log_path):
             return
         try:

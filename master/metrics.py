@@ -25,7 +25,7 @@ COLUMNS = (
     "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
     "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "prediction_error", "deferred", "skipped",
     "loss_scale", "elapsed_s", "wall_gap_s", "wall_time", "stragglers", "slowest_node",
-    "slowest_node_factor",
+    "slowest_node_factor", "emulated_ops", "emulated_late_ops", "emulated_worst_lateness",
 )  # fmt: skip
 """``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
@@ -37,7 +37,9 @@ wall-clock seconds since the previous step completed, ``step_time_s`` plus whate
 between the two (a recovery, a join's switch); a recovery row's time lost, and a join's survivors'
 pause, are these gaps less the run's median (``oobleck_mm.faults.report``). ``stragglers``: nodes flagged
 slow after this step; ``slowest_node_factor``: the highest node's compute over the other nodes' per unit
-of predicted work in this step (``master/stragglers.py``; 1 for a node like the rest)."""
+of predicted work in this step (``master/stragglers.py``; 1 for a node like the rest). ``emulated_*``: an
+emulated run's ops on its emulated devices this step, those that ended late and the worst lateness over its
+op's duration (``oobleck_mm/emulation/clock.py``; empty when not emulated)."""
 
 SCALARS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "samples_per_s": "throughput/samples_per_s",

@@ -105,6 +105,11 @@ def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], fact
         "skipped": first.skipped, "loss_scale": first.loss_scale or None,
         "finished_at": max(r.finished_at for r in reports) or None,
     }  # fmt: skip
+    if any(r.emulated_s > 0 for r in reports):  # an emulated device: did the host keep its deadlines?
+        row.update(emulated_ops=sum(r.emulated_ops for r in reports),
+                   emulated_late_ops=sum(r.emulated_late_ops for r in reports),
+                   emulated_worst_lateness=max(r.emulated_worst_lateness for r in reports),
+                   emulated_late_s=sum(r.emulated_late_s for r in reports))  # fmt: skip
     if facts.balancer:
         row.update(predicted_max_s=first.predicted_max_s, predicted_mean_s=first.predicted_mean_s,
                    predicted_contiguous_max_s=first.predicted_contiguous_max_s or None,

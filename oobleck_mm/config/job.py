@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 from oobleck_mm.config.devices import DEVICES
+from oobleck_mm.config.emulation import auto_shrink, shrunk_model, valid_coarsenings
 from oobleck_mm.config.fault_tolerance import FaultToleranceConfig
 from oobleck_mm.config.huggingface import HFModelShape, hf_model_shape
 from oobleck_mm.config.shape import (
@@ -606,8 +607,28 @@ class ClusterConfig:
     """Bytes/s between nodes."""
     backend: str = "auto"
     """torch.distributed backend: ``auto`` (nccl on GPUs, gloo on cpu), ``gloo`` or ``nccl``."""
+    emulate: str | None = None
+    """Run the job on CPU workers as if on this accelerator (a key of the devices catalogue, not
+    ``cpu``; docs/emulation.md): the master plans the real model on it, the workers compute a
+    shrunk copy and every stage's forward and backward, every transfer and every state copy ends
+    when the real model would have finished it there. Replaces ``accelerator`` (the planner sees the
+    accelerator emulated); needs ``device: cpu``."""
+    emulate_shrink: int | None = None
+    """Emulation: the divisor of every width of the workers' compute copy (hidden sizes, FFN
+    widths, heads, vocabulary); token counts and the layer list stay. None: automatic, the LLM's
+    width down to about 32 (``config.emulation.auto_shrink``)."""
+    emulate_coarsen: int | None = None
+    """Emulation: the compute copy's encoders read tokens this many times coarser (patch sides and audio
+    downsampling multiplied), so its CPU attention stays cheap; the emulated durations still follow every
+    sample's real tokens. None: automatic, every encoder span down to at most 128 tokens
+    (``config.emulation.auto_coarsen``); 1: the real token counts."""
+    emulate_profile: str | None = None
+    """Emulation: a JSON file of the *true* layer times the emulated accelerator runs at (per-kind
+    factors on the analytical model, per-sample noise; format in docs/emulation.md). None: the
+    built-in truth (``oobleck_mm.emulation.truth.DEFAULT_TRUTH``), which the run prints."""
 
     def __post_init__(self) -> None:
+        self._check_emulation()
         check(self, "nodes", as_int, minimum=1, maximum=MAX_NODES, why=_NODES_WHY)
         check_optional(self, "max_nodes", as_int, minimum=1, maximum=MAX_NODES, why=_NODES_WHY)
         if self.max_nodes is not None and self.max_nodes < self.nodes:
@@ -640,6 +661,25 @@ class ClusterConfig:
         check(self, "intra_node_bandwidth", as_bandwidth)
         check(self, "inter_node_bandwidth", as_bandwidth)
         check(self, "backend", as_choice, ("auto", "gloo", "nccl"))
+
+    def _check_emulation(self) -> None:
+        if self.emulate is None:
+            check_optional(self, "emulate_shrink", as_int, minimum=1)
+            check_optional(self, "emulate_coarsen", as_int, minimum=1)
+            return
+        emulable = tuple(d for d in DEVICES if d != "cpu")
+        check(self, "emulate", as_choice, emulable)
+        if self.device != "cpu":
+            raise ConfigError(f"cluster.emulate: emulated accelerators run on CPU workers, cluster.device is "
+                              f"{self.device!r}; set device: cpu (or remove emulate to run on the real GPUs)")
+        if self.backend == "nccl":
+            raise ConfigError("cluster.backend: 'nccl' cannot run emulated (CPU workers); use auto or gloo")
+        self.accelerator = self.emulate
+        check_optional(self, "emulate_shrink", as_int, minimum=1)
+        check_optional(self, "emulate_coarsen", as_int, minimum=1, maximum=64, why="a patch 64 times wider")
+        check_optional(self, "emulate_profile", as_str)
+        if self.emulate_profile is not None:
+            self.emulate_profile = os.path.abspath(os.path.expanduser(self.emulate_profile))
 
     @property
     def resolved_backend(self) -> str:
@@ -766,6 +806,25 @@ def validate(job: JobConfig) -> None:
     _validate_scheduler(t)
     _validate_model(m)
     _validate_workload(m, d)
+    if c.emulate is not None:
+        _validate_emulation(m, d, c)
+
+
+def _validate_emulation(m: ModelConfig, d: DataConfig, c: ClusterConfig) -> None:
+    if m.huggingface is not None or m.builder is not None:
+        key = "model.huggingface" if m.huggingface is not None else "model.builder"
+        raise ConfigError(f"cluster.emulate: not yet available for a {key} model (its compute copy cannot be "
+                          "shrunk); valid: the built-in model sections (model.llm, model.vision, model.audio)")
+    if c.max_gpus_per_stage > 1:
+        raise ConfigError(f"cluster.max_gpus_per_stage ({c.max_gpus_per_stage}): emulation runs stages of one GPU; "
+                          "valid: 1")
+    shrunk_model(m, c.emulate_shrink or auto_shrink(m))  # a divisor that leaves no width is named here
+    factors = valid_coarsenings(m, d)
+    if c.emulate_coarsen is not None and c.emulate_coarsen not in factors:
+        raise ConfigError(f"cluster.emulate_coarsen ({c.emulate_coarsen}): a patch of {c.emulate_coarsen} x "
+                          f"{m.vision.patch_size} px does not tile data.image_size ({d.image_size}) and "
+                          f"data.min_image_size ({d.min_image_size}) exactly; valid: "
+                          f"{', '.join(map(str, factors[:12]))}")
 
 
 def _validate_scheduler(t: TrainingConfig) -> None:

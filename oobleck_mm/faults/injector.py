@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 import psutil
 
 from oobleck_mm.events import EventLog
-from oobleck_mm.faults.slowdown import Slowdown
+from oobleck_mm.faults.slowdown import EmulatedSlowdown, Slowdown
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,13 @@ class Injector:
         start_agent: StartAgent,
         master: MasterPid | None = None,
         poll_s: float = 0.05,
+        emulate_dir: str | None = None,
     ) -> None:
         self.pending = list(faults)
         self.master = master
+        self.emulate_dir = emulate_dir
+        """An emulated run's speed-file folder: a ``slow`` fault stretches the node's emulated time instead of
+        freezing its processes (``faults.slowdown.EmulatedSlowdown``)."""
         self.events = events
         self.agents = agents
         self.start_agent = start_agent
@@ -351,7 +355,10 @@ class Injector:
             return [p for w in worker_processes(agent) for p in (w, *_children(w))]
 
         ends_at = time.time() + fault.duration_s if fault.duration_s is not None else None
-        slowdown = Slowdown(fault.node, fault.factor, lookup, ends_at=ends_at).start()
+        if self.emulate_dir is not None:
+            slowdown = EmulatedSlowdown(fault.node, fault.factor, self.emulate_dir, ends_at=ends_at).start()
+        else:
+            slowdown = Slowdown(fault.node, fault.factor, lookup, ends_at=ends_at).start()
         self._slowdowns[fault.node] = slowdown
         log.warning("injected %s", fault.describe())
         return self._write("slowed", factor=fault.factor, duration_s=fault.duration_s,

@@ -41,6 +41,8 @@ from typing import Callable, Protocol
 
 import psutil
 
+from oobleck_mm.emulation.speed import write_speed
+
 log = logging.getLogger(__name__)
 
 PERIOD_S = 0.02
@@ -209,6 +211,34 @@ class Slowdown:
             return self._lookup()
         except Exception:  # psutil races with exiting processes: the next scan finds them
             return []
+
+
+class EmulatedSlowdown:
+    """The slowdown of an emulated node (``cluster.emulate``): its workers read ``factor`` from a file and
+    stretch their emulated compute by it (``emulation.speed``). Nothing is frozen: its CPU math is not what
+    is timed. Same interface as ``Slowdown``."""
+
+    def __init__(self, node: str, factor: float, directory: str, *, ends_at: float | None = None) -> None:
+        if not factor > 1:
+            raise ValueError(f"slowdown factor must be > 1, got {factor}")
+        self.node, self.factor, self.ends_at, self.directory = node, factor, ends_at, directory
+        self.cycles = 0
+        """Steps are what a speed file slows, not duty cycles: always 0."""
+        self._running = False
+
+    def start(self) -> EmulatedSlowdown:
+        write_speed(self.directory, self.node, self.factor)
+        self._running = True
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def end(self, timeout: float = 2.0) -> None:
+        if self._running:
+            write_speed(self.directory, self.node, 1.0)
+            self._running = False
 
 
 def _write(path: str, text: str) -> bool:

@@ -135,16 +135,33 @@ def _activation_bytes(spec: LayerSpec, tokens: float, bpa: int, checkpointing: b
     return tokens * spec.in_features * bpa  # patch/frame embedding: its input
 
 
-def _layer_cost(
-    spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool
-) -> LayerCost:
-    tokens = spec.tokens_per_sample * microbatch_size
+def pass_seconds(spec: LayerSpec, tokens: float, dev: DeviceSpec, checkpointing: bool, flash: bool,
+                 attention_len: float | None = None) -> tuple[float, float, float]:
+    """(forward, backward weight-grad, backward input-grad) seconds of ``spec`` over ``tokens`` tokens on
+    ``dev``. ``attention_len``: the mean span its attention covers per token (default the spec's mean);
+    a microbatch of spans L_i has ``tokens = sum(L_i)`` and ``attention_len = sum(L_i^2) / sum(L_i)``.
+    The emulated accelerator's truth (``oobleck_mm.emulation.truth``) prices each microbatch with it."""
+    if attention_len is not None and spec.attention_len:
+        spec = replace(spec, attention_len=attention_len)
     forward, b_weight, b_input = (w.seconds(dev) for w in _passes(spec, tokens, dev, flash))
     if checkpointing and b_weight + b_input > 0:
         # Recompute runs once before either half; charge it in proportion so that a layer
         # running both halves pays exactly one forward.
         share = b_weight / (b_weight + b_input)
         b_weight, b_input = b_weight + forward * share, b_input + forward * (1 - share)
+    return forward, b_weight, b_input
+
+
+def output_width(spec: LayerSpec) -> int:
+    """Elements per token of the layer's output (the logits' vocabulary for the head)."""
+    return _out_width(spec)
+
+
+def _layer_cost(
+    spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool
+) -> LayerCost:
+    tokens = spec.tokens_per_sample * microbatch_size
+    forward, b_weight, b_input = pass_seconds(spec, tokens, dev, checkpointing, flash)
     params = param_count(spec)
     return LayerCost(
         name=spec.name,

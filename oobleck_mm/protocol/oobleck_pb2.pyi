@@ -152,7 +152,7 @@ class WorkerCommand(_message.Message):
     def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., master_lost: _Optional[_Union[MasterLost, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s", "lr", "grad_norm", "tokens", "peak_memory_bytes", "pipeline_s", "skipped", "loss_scale", "predicted_max_s", "predicted_mean_s", "predicted_contiguous_max_s", "finished_at", "deferred")
+    __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s", "lr", "grad_norm", "tokens", "peak_memory_bytes", "pipeline_s", "skipped", "loss_scale", "predicted_max_s", "predicted_mean_s", "predicted_contiguous_max_s", "finished_at", "deferred", "emulated_ops", "emulated_late_ops", "emulated_worst_lateness", "emulated_s", "emulated_late_s")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,11 @@ class StepMetrics(_message.Message):
     PREDICTED_CONTIGUOUS_MAX_S_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_OPS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_LATE_OPS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_WORST_LATENESS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_S_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_LATE_S_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     rank: int
@@ -195,7 +200,12 @@ class StepMetrics(_message.Message):
     predicted_contiguous_max_s: float
     finished_at: float
     deferred: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., comm_s: _Optional[float] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., pipeline_s: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., predicted_max_s: _Optional[float] = ..., predicted_mean_s: _Optional[float] = ..., predicted_contiguous_max_s: _Optional[float] = ..., finished_at: _Optional[float] = ..., deferred: _Optional[int] = ...) -> None: ...
+    emulated_ops: int
+    emulated_late_ops: int
+    emulated_worst_lateness: float
+    emulated_s: float
+    emulated_late_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., comm_s: _Optional[float] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., pipeline_s: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., predicted_max_s: _Optional[float] = ..., predicted_mean_s: _Optional[float] = ..., predicted_contiguous_max_s: _Optional[float] = ..., finished_at: _Optional[float] = ..., deferred: _Optional[int] = ..., emulated_ops: _Optional[int] = ..., emulated_late_ops: _Optional[int] = ..., emulated_worst_lateness: _Optional[float] = ..., emulated_s: _Optional[float] = ..., emulated_late_s: _Optional[float] = ...) -> None: ...
 
 class WorkerDone(_message.Message):
     __slots__ = ("step",)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_mm.config import load_config
+from oobleck_mm.config.emulation import compute_job
 from oobleck_mm.config.shape import layer_specs
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.planning.layout import ExecutionPlan
@@ -65,6 +66,7 @@ from oobleck_mm.runtime.checkpoint import (
     write_error,
 )
 from oobleck_mm.model.layers import import_layer_code, model_layer_specs, tied_pair, trainable_mask
+from oobleck_mm.runtime.emulated import Emulation
 from oobleck_mm.runtime.engine import StageEngine, engine_subgroups
 from oobleck_mm.runtime.balancing import warm_balancer
 from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
@@ -201,7 +203,11 @@ class Generation:
 
 class WorkerLoop:
     def __init__(self, conn, job, node: str, local_rank: int):
-        self.conn, self.job, self.node, self.local_rank = conn, job, node, local_rank
+        self.conn, self.node, self.local_rank = conn, node, local_rank
+        self.job = compute_job(job)
+        """What this worker computes: the job, or an emulated job's shrunk compute copy (``config.emulation``)."""
+        self.emulation = Emulation.for_job(job, node)
+        """An emulated job's accelerator: the real job's true op times (None when not emulated)."""
         self.commands = CommandReader(conn, on_arrival=self._prepare_group)
         self.device = device_for(job, local_rank)
         self.committed: Generation | None = None  # last generation in which a step completed
@@ -461,7 +467,7 @@ class WorkerLoop:
             return None  # adopt says what is wrong
         try:
             return prepare_arrival(self.job, engine, plan_from_proto(a.previous_plan), plan, list(a.previous_ranks),
-                                   a.rank, list(a.rank_nodes), self.device)  # fmt: skip
+                                   a.rank, list(a.rank_nodes), self.device, self.emulation)  # fmt: skip
         except RuntimeError as error:
             if is_out_of_memory(error):
                 raise OutOfMemory(self.node, self.local_rank, a.start_step, error) from error
@@ -489,7 +495,7 @@ class WorkerLoop:
                 old_plan = plan_from_proto(a.previous_plan)
                 engine, transfers, moved, transfer_s = adopt_plan(
                     self.job, old_engine, old_plan, plan, list(a.previous_ranks), a.rank, list(a.rank_nodes),
-                    self.device, self.waiter, arrival,
+                    self.device, self.waiter, arrival, self.emulation,
                 )  # fmt: skip
             else:
                 held = {}
@@ -497,7 +503,8 @@ class WorkerLoop:
                     specs = layer_specs(self.job.model, self.job.data)
                     held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
                             for i in plan.stage(a.rank).layers}
-                engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter)
+                engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter,
+                                     emulation=self.emulation)
                 if a.resume_dir and held:  # float16's scale and the balancer's model go on from the checkpoint
                     engine.load_shared_state(read_shared_state(a.resume_dir, specs[min(held)].name))
                 transfers, moved, transfer_s = [], 0, 0.0
@@ -658,5 +665,14 @@ def step_metrics(a, plan: ExecutionPlan, engine: StageEngine, result) -> pb.Step
         predicted_max_s=predicted.get("predicted_max_s", 0.0),
         predicted_mean_s=predicted.get("predicted_mean_s", 0.0),
         predicted_contiguous_max_s=predicted.get("predicted_contiguous_max_s", 0.0), finished_at=time.time(),
-        deferred=result.deferred,
+        deferred=result.deferred, **_lateness_fields(result.lateness),
     )  # fmt: skip
+
+
+def _lateness_fields(lateness) -> dict:
+    """An emulated step's ``emulation.clock.Lateness`` as ``StepMetrics`` fields (none when not emulated)."""
+    if lateness is None:
+        return {}
+    return dict(emulated_ops=lateness.ops, emulated_late_ops=lateness.late_ops,
+                emulated_worst_lateness=lateness.worst, emulated_s=lateness.emulated_s,
+                emulated_late_s=lateness.late_s)  # fmt: skip

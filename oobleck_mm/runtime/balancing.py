@@ -52,6 +52,16 @@ def warm_balancer(job) -> None:
         warm_up()
 
 
+def step_balancer(job, data, specs, device: torch.device | str = "cpu", emulation=None) -> StepBalancer:
+    """The balancer of a stage's engine. On an emulated device (``runtime.emulated.Emulation``) ``job``, ``data``
+    and ``specs`` are the compute copy's; the balancer works on the real job's instead (its cost model, its
+    samples' real tokens), as it would on the real cluster: the assignment is the same on every rank either
+    way, and every rank packs the compute copy's samples of the ids it assigns."""
+    if emulation is not None:
+        return StepBalancer(emulation.job, emulation.data, emulation.truth.specs, device)
+    return StepBalancer(job, data, specs, device)
+
+
 class StepBalancer:
     def __init__(self, job, data, specs, device: torch.device | str = "cpu"):
         from oobleck_mm.profiling.analytical import profile_from_config

@@ -39,7 +39,7 @@ from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import (build_layer, microbatch_loss, model_layer_specs, parameter_rows, tied_pair,
                                      tied_rows, trainable_mask)
-from oobleck_mm.runtime.balancing import StepBalancer
+from oobleck_mm.runtime.balancing import step_balancer
 from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
 from oobleck_mm.planning.transfers import gather_groups
@@ -47,7 +47,7 @@ from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dty
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
 from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at, optimizer_state
 from oobleck_mm.runtime.sharding import Gather, gathered, shard_layer, whole_layer
-from oobleck_mm.runtime.p2p import recv_tensors, send_tensors
+from oobleck_mm.runtime.p2p import recv_tensors_timed, send_tensors
 from oobleck_mm.runtime.timing import Stopwatch
 from oobleck_mm.runtime.update import apply_update, local, trainable_params
 from oobleck_mm.runtime.waiting import Waiter
@@ -110,6 +110,8 @@ class StepResult:
     microbatches: tuple[tuple[int, ...], ...] = ()
     """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
     them: float32 compute rounds differently for another microbatch composition)."""
+    lateness: object = None
+    """An emulated run (``cluster.emulate``): this rank's ``emulation.clock.Lateness`` of the step."""
 
 
 @dataclass(slots=True)
@@ -160,9 +162,11 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
 class StageEngine:
     def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
                  device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None,
-                 waiter: Waiter | None = None, balancer=None, scaler: LossScaler | None = None):
+                 waiter: Waiter | None = None, balancer=None, scaler: LossScaler | None = None, emulation=None):
         """``held``: layers this worker already holds (after a reconfiguration, with their optimizers);
-        every other layer of the stage is built fresh from the seed."""
+        every other layer of the stage is built fresh from the seed. ``emulation``: the worker's emulated
+        accelerator (``runtime.emulated.Emulation``) when ``cluster.emulate`` is set: ``job`` is then the
+        compute copy, and every op of the stage ends when the real model's would on the emulated GPU."""
         self.job, self.plan, self.rank, self.device = job, plan, rank, torch.device(device)
         self.specs = model_layer_specs(job)
         if plan.num_layers != len(self.specs):
@@ -175,16 +179,18 @@ class StageEngine:
         self.data = data if data is not None else TrainingData(job)
         self.waiter = waiter or Waiter()
         if balancer is None and job.balance.enabled:
-            balancer = StepBalancer(job, self.data, self.specs, self.device)
+            balancer = step_balancer(job, self.data, self.specs, self.device, emulation)
         self.balancer = balancer
         self.scaler = scaler if scaler is not None else LossScaler.for_training(job.training)
         """float16's loss scaler (None otherwise); handed on across plans like the balancer."""
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
         """How every transfer and collective is waited on (timeouts, the master's interrupt)."""
         self.clock = Stopwatch(self.device)
-        self.prefetch = self.device.type == "cuda"
+        self.emulation = emulation
+        self.prefetch = self.device.type == "cuda" or emulation is not None
         """Pack the next microbatch as soon as this one's forward is queued: on a GPU the host packs
-        (and copies, pinned and asynchronous) while the device computes; on the CPU nothing overlaps."""
+        (and copies, pinned and asynchronous) while the device computes; on the CPU nothing overlaps, but an
+        emulated device computes until its deadline, and the packing runs inside that window."""
         self.command_waiting: Callable[[], bool] = lambda: False
         """Whether this worker holds a command to apply at an iteration boundary (the worker sets it):
         the step's last collective tells every rank whether any rank does, so all switch together."""
@@ -225,6 +231,8 @@ class StageEngine:
                      "seam" if self.seam is not None and self.stage.layer_start <= self.seam else "llm")  # fmt: skip
         """Which microbatches this stage runs when the LLM's microbatches are decoupled (see ``_decouple``)."""
         self._decoupled = False
+        self.timer = emulation.stage(self.stage.layers, self.seam, len(plan.pipelines)) if emulation else None
+        """The stage's ops on the emulated device (None: not emulated)."""
 
         trainable = trainable_mask(job, self.specs)
         # A stage needs the gradient of its input iff a trainable layer precedes it.
@@ -285,6 +293,8 @@ class StageEngine:
     def train_step(self, step: int, assignment: Assignment | None = None) -> StepResult:
         """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
         t0 = time.perf_counter()
+        if self.emulation is not None:
+            self.emulation.begin_step()
         self._pipeline_mark = self.clock.start()
         ids = self.data.global_batch(step)
         if assignment is None and self.balancer is not None:
@@ -303,6 +313,7 @@ class StageEngine:
         self._outputs: dict[int, tuple] = {}
         self._grads: dict[int, tuple] = {}
         self._buffer_mb: dict[int, int] = {}
+        self._grad_mb: dict[int, int] = {}  # buffer -> slot of the gradients SendGrad sends
         self._pack_s: dict[int, float] = {}
         self._next_forward = self._next_load = 0
         self._intervals: list[list] = []  # per microbatch: [forward, backward] intervals of self.clock
@@ -324,12 +335,15 @@ class StageEngine:
         self._result.backward_s = sum(b for _, b in self._result.microbatch_times)
         if self.balancer is not None:
             # Packing is this stage's work for the microbatch too (it grows with images and text):
-            # the balancer's cost model is fitted to all of it.
-            times = [(f + self._pack_s.get(mb, 0.0), b) for mb, (f, b) in enumerate(self._result.microbatch_times)]
+            # the balancer's cost model is fitted to all of it (emulated: inside the forward's window).
+            pack = {} if self.timer is not None else self._pack_s
+            times = [(f + pack.get(mb, 0.0), b) for mb, (f, b) in enumerate(self._result.microbatch_times)]
             if self.rank == self.stage.rank:  # a stage of d GPUs: its first rank's share, as one GPU's seconds
                 times = [(f * self.stage.width, b * self.stage.width) for f, b in times]
                 self.balancer.observe(self.stage, self._microbatches, times,
                                       self._llm_microbatches if self._decoupled else None)
+        if self.emulation is not None:
+            self._result.lateness = self.emulation.take()
         self._result.step_time_s = time.perf_counter() - t0
         return self._result
 
@@ -468,7 +482,7 @@ class StageEngine:
         t0 = time.perf_counter()
         received = {}
         for piece, src in self.prev_ranks.items():  # every rank in piece order: the senders' order too
-            acts = recv_tensors(src, self.device, self.waiter)
+            acts = self._receive(src)
             if self.needs_input_grad:
                 acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
             received[piece] = acts
@@ -477,11 +491,14 @@ class StageEngine:
 
     def _forward(self, ins) -> None:
         mark = self.clock.start()
+        began = time.monotonic()
         mb = self._next_forward
         self._next_forward += 1
         self._buffer_mb[ins.buffer_id] = mb
         if self._decoupled and self.side != "llm":
             self._forward_decoupled(ins, mb)
+            if self.timer is not None:
+                self.timer.forward(began, self._microbatches[mb], self._llm_microbatches[mb])
             self._intervals.append([self.clock.stop(mark), None])
             return
         received = self._inputs.get(ins.buffer_id, {})
@@ -492,27 +509,43 @@ class StageEngine:
                 acts = self._run_layers(self.stage.layers, received.get(piece, ()), batch)
                 outputs[piece] = self._maybe_loss(acts, batch, 0.0 if self._filler(mb, piece) else 1.0)
         self._outputs[ins.buffer_id] = outputs
-        self._intervals.append([self.clock.stop(mark), None])
+        if self.timer is None:
+            self._intervals.append([self.clock.stop(mark), None])
         if self.prefetch and not self._decoupled and mb + 1 < len(self._microbatches):
             for piece in self.pieces:
                 self._batch(mb + 1, piece)
+        if self.timer is not None:  # the emulated forward's window holds the next microbatch's packing
+            self.timer.forward(began, self._microbatches[mb], self._llm_microbatches[mb])
+            self._intervals.append([self.clock.stop(mark), None])
 
     def _send_activation(self, ins) -> None:
         t0 = time.perf_counter()
+        arrival = 0.0
+        if self.timer is not None:
+            mb, last = self._buffer_mb[ins.buffer_id], self.stage.layer_end - 1
+            ids = self._microbatches[mb] if self.seam is not None and last < self.seam else self._llm_microbatches[mb]
+            arrival = self.timer.arrival(last, ids, time.monotonic())
         for piece, acts in self._outputs[ins.buffer_id].items():
-            self._result.bytes_sent += send_tensors(acts, self.next_ranks[piece], self.device, self.waiter)
+            self._result.bytes_sent += send_tensors(acts, self.next_ranks[piece], self.device, self.waiter, arrival)
         self._result.comm_s += time.perf_counter() - t0
+
+    def _receive(self, src: int) -> tuple:
+        """A message from rank ``src``; on an emulated device, once its emulated arrival time has come."""
+        tensors, arrival = recv_tensors_timed(src, self.device, self.waiter)
+        if self.timer is not None:
+            self.timer.received(arrival, time.monotonic())
+        return tensors
 
     def _recv_grad(self, ins) -> None:
         if not self.next_needs_grad:
             return
         t0 = time.perf_counter()
-        self._grads[ins.buffer_id] = {piece: recv_tensors(src, self.device, self.waiter)
-                                      for piece, src in self.next_ranks.items()}  # fmt: skip
+        self._grads[ins.buffer_id] = {piece: self._receive(src) for piece, src in self.next_ranks.items()}
         self._result.comm_s += time.perf_counter() - t0
 
     def _backward(self, ins) -> None:
         mark = self.clock.start()
+        began = time.monotonic()
         outputs = self._outputs.pop(ins.buffer_id)
         grads = self._grads.pop(ins.buffer_id, None)
         if self._decoupled and self.side != "llm":
@@ -531,9 +564,12 @@ class StageEngine:
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         mb = self._buffer_mb.pop(ins.buffer_id)
+        self._grad_mb[ins.buffer_id] = mb
         if not self._decoupled:  # (decoupled batches are keyed by samples, not slots: kept for the step)
             for piece in self.pieces:
                 self._batches.pop((mb, piece), None)
+        if self.timer is not None and self.needs_backward:
+            self.timer.backward(began, self._llm_microbatches[mb])
         self._intervals[mb][1] = self.clock.stop(mark)
 
     def _send_grad(self, ins) -> None:
@@ -541,12 +577,17 @@ class StageEngine:
             inputs = {0: tuple(t for g in self._backward_groups.pop(ins.buffer_id) for t in self._group_in.pop(g))}
         else:
             inputs = self._inputs.pop(ins.buffer_id)
+        mb = self._grad_mb.pop(ins.buffer_id, None)
         if not self.needs_input_grad:
             return
         t0 = time.perf_counter()
+        arrival = 0.0
+        if self.timer is not None and mb is not None:  # the gradient of the previous stage's output, over L_k
+            arrival = self.timer.arrival(self.stage.layer_start - 1, self._llm_microbatches[mb], time.monotonic())
         for piece, piece_inputs in inputs.items():
             grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
-            self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter)
+            self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter,
+                                                    arrival)
         self._result.comm_s += time.perf_counter() - t0
 
     def _reduce_tied_grads(self, ins) -> None:
@@ -560,6 +601,8 @@ class StageEngine:
         if overflow_injected(self._step, self.rank):
             poison_gradients(self.layers)
         self.sync.all_reduce(self.layers, self.waiter)
+        if self.timer is not None:
+            self.timer.allreduce(time.monotonic())
         self._result.comm_s += time.perf_counter() - t0
         self._result.state_bytes = self.state_bytes()
 
@@ -654,8 +697,8 @@ class StageEngine:
         for module in (*self.layers.values(), *self.compute.values()):
             if id(module) not in keep:
                 module.zero_grad(set_to_none=True)
-        for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb", "_group_in", "_group_out", "_held",
-                     "_backward_groups"):
+        for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb", "_grad_mb", "_group_in", "_group_out",
+                     "_held", "_backward_groups"):
             if hasattr(self, name):
                 getattr(self, name).clear()
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from oobleck_mm.config.emulation import compute_job
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.errors import UserError
 from oobleck_mm.model.layers import build_layer, microbatch_loss, model_layer_specs, tied_pair
@@ -29,6 +30,7 @@ WORKER_THREADS = 1
 
 class ReferenceTrainer:
     def __init__(self, job, data: TrainingData | None = None, reverse_microbatches: bool = False):
+        job = compute_job(job)  # an emulated job's workers compute its shrunk copy (config.emulation)
         self.job = job
         self.reverse_microbatches = reverse_microbatches
         """Accumulate each step's microbatches last to first: the same sum in another rounding

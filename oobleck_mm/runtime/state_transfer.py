@@ -26,7 +26,8 @@ import torch.distributed as dist
 from oobleck_mm.planning.shards import chunk_rows
 from oobleck_mm.planning.transfers import Transfer, gather_groups, rank_transfers
 from oobleck_mm.data.loader import TrainingData
-from oobleck_mm.runtime.balancing import StepBalancer
+from oobleck_mm.runtime.balancing import step_balancer
+from oobleck_mm.runtime.emulated import copy_wait
 from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.runtime.engine import HeldLayer, StageEngine, fresh_layer
 from oobleck_mm.runtime.optim import load_optimizer_state, optimizer_state
@@ -215,7 +216,7 @@ class Arrival:
 
 
 def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
-                    rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu") -> Arrival:
+                    rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", emulation=None) -> Arrival:
     """Build what ``adopt_plan`` will need on this rank that no peer is involved in (no collective)."""
     transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
     specs = engine.specs if engine is not None else model_layer_specs(job)
@@ -226,7 +227,7 @@ def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[in
     if engine is not None:
         return Arrival(transfers, receive)
     data = TrainingData(job)
-    balancer = StepBalancer(job, data, specs, torch.device(device)) if job.balance.enabled else None
+    balancer = step_balancer(job, data, specs, torch.device(device), emulation) if job.balance.enabled else None
     return Arrival(transfers, receive, data, balancer)
 
 
@@ -257,28 +258,35 @@ def _held_whole(engine, old_plan, previous_ranks: Sequence[int], new_rank: int, 
 
 def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
                rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", waiter: Waiter = Waiter(),
-               arrival: Arrival | None = None):
+               arrival: Arrival | None = None, emulation=None):
     """Move a surviving worker from ``engine`` (old plan) to ``new_plan``, keeping every layer it still needs.
 
     Call after joining the new generation's process group, on every rank of it (a
     joining worker passes ``engine=None``). ``previous_ranks[r]``: new rank r's rank in
     ``old_plan`` (-1: no state); ``rank_nodes[r]``: its node, for the same-node preference
     of ``planning.transfers``. ``arrival``: what ``prepare_arrival`` built before the rendezvous
-    (else it is built here). Returns (new engine, transfers, bytes moved here, transfer seconds).
+    (else it is built here). ``emulation``: the worker's emulated accelerator (``runtime.emulated``), which
+    makes the layers this rank receives take their real bytes' time on its link. Returns (new engine,
+    transfers, bytes moved here, transfer seconds).
     """
     if arrival is None:
-        arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device)
+        arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device,
+                                  emulation)
     transfers = arrival.transfers
     held = _held_whole(engine, old_plan, previous_ranks, new_rank, waiter) if engine is not None else {}
     received, moved, seconds = transfer_layers(transfers, new_rank, held, arrival.receive.pop, device, waiter,
                                                shard_of(new_plan))
+    if emulation is not None and received:  # the copy began once every rank was ready (transfer_layers' barrier)
+        began = time.monotonic() - seconds
+        copy_wait(emulation, sorted(received), began)
+        seconds = time.monotonic() - began
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)
     data = engine.data if engine is not None else arrival.data
     balancer = engine.balancer if engine is not None else arrival.balancer  # the cost model carries over
     scaler = engine.scaler if engine is not None else None  # so does float16's loss scale
     engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter,
-                         balancer=balancer, scaler=scaler)
+                         balancer=balancer, scaler=scaler, emulation=emulation)
     survivors = [rank for rank, previous in enumerate(previous_ranks) if previous >= 0]
     if engine.balancer is not None and survivors:
         # Joiners start with the initial cost model: every rank must use the survivors' one.
