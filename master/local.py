@@ -420,8 +420,10 @@ class LocalCluster:
         console and in ``RUN_DIR/emulation.json``."""
         if self._host_cpu is None or not os.path.exists(self.event_log_path):
             return
+        self._host_cpu.stop()
         steps = [e for e in read_events(self.event_log_path) if e.get("event") == "step"]
-        verdict = judge(steps, self._host_cpu.share())
+        window = (steps[0]["ts"], steps[-1]["ts"]) if len(steps) > 1 else (None, None)
+        verdict = judge(steps, self._host_cpu.share(*window))
         with open(os.path.join(self.run_dir, "emulation.json"), "w", encoding="utf-8") as fh:
             json.dump({**verdict.to_dict(), "emulation": describe_emulation(self.job)}, fh, indent=1)
         print(f"emulated {self.job.cluster.emulate}: {verdict.reason}", flush=True)

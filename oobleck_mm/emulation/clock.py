@@ -1,13 +1,16 @@
 """Deadline-paced waits that take no CPU, and the record that says whether the host kept them.
 
-An emulated GPU op runs its real (shrunk) CPU math, then sleeps until
-``start + duration``: the real work counts against the duration instead of
-adding to it (``docs/emulation.md``, "Sleep accuracy"). A sleep is never
-shorter than asked and may be longer, most of all when many processes share few
-cores; every op's *lateness* (when it really ended minus its deadline) is kept,
-and a run whose ops are late by more than ``LATE_FRACTION`` of their duration
-more than 1% of the time is invalid (``Lateness.valid``): its figures measure
-the host, not the engine.
+An emulated GPU is a stream (``DeviceClock``, ``docs/emulation.md``, "Overlap"):
+the host runs its real (shrunk) CPU math and queues each op's emulated duration
+on the device's timeline, and sleeps only where a GPU's host waits for its
+device: before a collective and at the end of a step, until the device's
+deadline. So the host's own work overlaps the device's time, as on a GPU, and
+counts only where the host falls behind: an op the device could have started
+but the host had not issued yet has a *lag*. A sleep is never shorter than asked
+and may be longer, most of all when many processes share few cores: its
+*lateness* is kept too. A run whose ops lag or wake late by more than
+``LATE_FRACTION`` of their duration more than 1% of the time is invalid
+(``Lateness.valid``): its figures measure the host, not the engine.
 
 Only ops of at least ``GUARDED_S`` are judged: shorter ones (a 1 ms activation
 transfer) are below the host's scheduling noise by design, and are counted
@@ -39,20 +42,22 @@ class Lateness:
     """Counts of one worker's emulated ops since the last ``take`` (a step's, as ``StepMetrics`` carries)."""
 
     ops: int = 0
-    """Judged ops (at least ``GUARDED_S`` long)."""
+    """Judged ops (at least ``GUARDED_S`` long): compute ops and the device time a sync waited out."""
     late_ops: int = 0
-    """Judged ops that ended more than ``LATE_FRACTION`` of their duration after their deadline."""
+    """Judged ops the device started (a sync woke) more than ``LATE_FRACTION`` of their duration late."""
     worst: float = 0.0
     """The largest lateness of a judged op, as a fraction of its duration."""
     emulated_s: float = 0.0
-    """Seconds of emulated work and transfer (every op, judged or not)."""
+    """Seconds of emulated device time recorded (every op, judged or not)."""
     late_s: float = 0.0
-    """Seconds past deadlines, summed over every op."""
+    """Seconds of lag and late wake-ups, summed over every op."""
     short_ops: int = 0
     """Ops below ``GUARDED_S``: not judged."""
 
-    def record(self, duration: float, late: float) -> None:
-        self.emulated_s += duration
+    def record(self, duration: float, late: float, device_time: bool = True) -> None:
+        """An op of ``duration`` that was ``late`` (``device_time``: its duration is device time of its own,
+        not a sync's wait over ops already recorded)."""
+        self.emulated_s += duration if device_time else 0.0
         self.late_s += max(0.0, late)
         if duration < GUARDED_S:
             self.short_ops += 1
@@ -77,32 +82,57 @@ class Lateness:
         return self.late_ops <= LATE_SHARE * self.ops
 
 
-@dataclass(slots=True)
-class DeadlineClock:
-    """Sleeps to deadlines and records how late each op ended."""
+class DeviceClock:
+    """One emulated GPU as a stream: ops queue on it, the host runs ahead and waits only where a real GPU's
+    host would (``sync``: before a collective, at the end of a step).
 
-    lateness: Lateness = field(default_factory=Lateness)
+    ``free_at`` is when the device finishes what was queued. A compute op issued by the host at ``issued``
+    starts at ``max(free_at, issued)``: in order after the previous op and after any message it waits for
+    (``arrive``); its *lag* is how long the device idled for the host (the host's real CPU work behind the
+    emulated device: what a measurement must not have). A ``sync`` sleeps until ``free_at``; how late it woke
+    is its lateness, judged against the device time since the previous sync.
+    """
+
     sleep = staticmethod(time.sleep)
     now = staticmethod(time.monotonic)
 
-    def finish(self, start: float, duration: float, what: str = "op") -> float:
-        """An op that began at ``start`` (``now()`` seconds) and takes ``duration`` on the emulated device:
-        sleeps until its deadline (at once if the real work already passed it); returns the deadline."""
-        deadline = start + duration
-        self.until(deadline, duration, what)
-        return deadline
+    def __init__(self) -> None:
+        self.lateness = Lateness()
+        self.free_at = 0.0
+        self._synced_at = 0.0
 
-    def until(self, deadline: float, duration: float, what: str = "op") -> None:
-        """Sleeps until ``deadline``, and records the op of ``duration`` seconds that ends there."""
+    def run(self, issued: float, duration: float, what: str = "op", judged: bool = True) -> tuple[float, float]:
+        """Queues an op of ``duration`` the host issued at ``issued``; returns its (start, end) on the device.
+        ``judged=False``: an op issued after a real collective, whose wait for the slowest peer is not lag."""
+        lag = issued - self.free_at if judged else 0.0
+        start = max(self.free_at, issued)
+        self.free_at = start + duration
+        self.lateness.record(duration, lag)
+        if duration >= GUARDED_S and lag > LATE_FRACTION * duration:
+            log.debug("late %s: the device idled %.1f ms for the host before a %.1f ms op", what, 1e3 * lag,
+                      1e3 * duration)  # fmt: skip
+        return start, self.free_at
+
+    def arrive(self, arrival: float) -> None:
+        """A message the next op needs arrives at ``arrival``: the in-order stream waits for it."""
+        self.free_at = max(self.free_at, arrival)
+
+    def sync(self, what: str = "sync") -> float:
+        """The host waits for the device to finish (sleeps until ``free_at``); returns the host's time after."""
+        deadline = self.free_at
+        covered = deadline - max(self._synced_at, 0.0) if self._synced_at else 0.0
         remaining = deadline - self.now()
         if remaining > 0:
             self.sleep(remaining)
-        late = self.now() - deadline
-        self.lateness.record(duration, late)
-        if duration >= GUARDED_S and late > LATE_FRACTION * duration:
-            # Why the host missed it: the real work overran (nothing left to sleep) or the wake-up came late.
-            log.debug("late %s: %.1f ms past a %.1f ms op (%s)", what, 1e3 * late, 1e3 * duration,
-                      "work overran" if remaining <= 0 else "woke late")
+        now = self.now()
+        if remaining > 0 and covered > 0:  # a wake-up: how late, against the device time it waited out
+            self.lateness.record(covered, now - deadline, device_time=False)
+            if covered >= GUARDED_S and now - deadline > LATE_FRACTION * covered:
+                log.debug("late %s: woke %.1f ms after %.1f ms of device time", what, 1e3 * (now - deadline),
+                          1e3 * covered)  # fmt: skip
+        self.free_at = max(self.free_at, now)
+        self._synced_at = self.free_at
+        return now
 
     def take(self) -> Lateness:
         """The counts since the last call, and a fresh record."""

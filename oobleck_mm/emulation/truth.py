@@ -60,6 +60,9 @@ class TruthProfile:
     efficiency: float | None = None
     """The fraction of peak FLOP/s the true kernels reach; None: the job's (``cluster.compute_efficiency`` or
     the catalogue's), the planner's own."""
+    scale: float = 1.0
+    """Every duration (compute, transfers, all-reduces, copies) times this: the known delay the emulation's
+    calibration adds (+10% must cost 10% of the throughput, ``scripts/bench_emulated.py calibrate``)."""
     source: str = "built-in"
 
     def factor(self, spec: LayerSpec) -> float:
@@ -71,12 +74,13 @@ class TruthProfile:
     def describe(self) -> str:
         factors = ", ".join(f"{k} x{v:g}" for k, v in sorted(self.factors.items())) or "none"
         efficiency = "the planner's" if self.efficiency is None else f"{self.efficiency:g}"
+        scale = f", every duration x{self.scale:g}" if self.scale != 1 else ""
         return (f"truth {self.source}: analytical roofline at efficiency {efficiency}, factors {factors}, "
-                f"per-sample noise sigma {self.noise:g} (seed {self.seed})")
+                f"per-sample noise sigma {self.noise:g} (seed {self.seed}){scale}")
 
     def to_dict(self) -> dict:
         return {"factors": dict(self.factors), "noise": self.noise, "seed": self.seed,
-                "efficiency": self.efficiency, "source": self.source}  # fmt: skip
+                "efficiency": self.efficiency, "scale": self.scale, "source": self.source}  # fmt: skip
 
 
 DEFAULT_TRUTH = TruthProfile(
@@ -88,7 +92,7 @@ DEFAULT_TRUTH = TruthProfile(
 )
 """The truth of an emulated run without ``cluster.emulate_profile``; the run prints it."""
 
-_PROFILE_KEYS = ("factors", "noise", "seed", "efficiency")
+_PROFILE_KEYS = ("factors", "noise", "seed", "efficiency", "scale")
 
 
 def load_truth(path: str | None) -> TruthProfile:
@@ -119,8 +123,11 @@ def load_truth(path: str | None) -> TruthProfile:
         raise TruthProfileError(f"{where}: seed must be an integer >= 0, got {seed!r}")
     if efficiency is not None and not (_number(efficiency) and 0 < efficiency <= 1):
         raise TruthProfileError(f"{where}: efficiency must be in (0, 1], got {efficiency!r}")
+    scale = raw.get("scale", 1.0)
+    if not _positive(scale):
+        raise TruthProfileError(f"{where}: scale must be a number > 0, got {scale!r}")
     return TruthProfile(factors={str(k): float(v) for k, v in factors.items()}, noise=float(noise), seed=seed,
-                        efficiency=efficiency, source=path)  # fmt: skip
+                        efficiency=efficiency, scale=float(scale), source=path)  # fmt: skip
 
 
 def _number(value) -> bool:
@@ -240,7 +247,7 @@ class Truth:
                 continue
             span = float(rows[:, g.quadratic].sum()) / tokens if g.quadratic is not None else None
             f, bw, bd = pass_seconds(g.spec, tokens, self.device, checkpointing, flash, attention_len=span)
-            scale = g.count * self.profile.factor(g.spec) * float(per_sample @ noise) / tokens
+            scale = g.count * self.profile.factor(g.spec) * self.profile.scale * float(per_sample @ noise) / tokens
             forward += f * scale
             backward += ((bw if g.trainable else 0.0) + (bd if g.input_grad else 0.0)) * scale
         return forward, backward
@@ -259,7 +266,7 @@ class Truth:
 
     def transfer_s(self, num_bytes: float) -> float:
         """One stage-to-stage message between nodes (one GPU per stage: always across GPUs)."""
-        return self.cluster.transfer_s(num_bytes, cross_node=self.job.cluster.gpus_per_node == 1)
+        return self.profile.scale * self.cluster.transfer_s(num_bytes, cross_node=self.job.cluster.gpus_per_node == 1)
 
     def grad_bytes(self, layers: Sequence[int]) -> float:
         """Bytes of ``layers``' gradients the layer-wise all-reduce sums (trainable layers only)."""
@@ -268,7 +275,7 @@ class Truth:
 
     def allreduce_s(self, layers: Sequence[int], pipelines: int) -> float:
         """The gradient all-reduce of a stage's ``layers`` across ``pipelines`` replicas (ring, between nodes)."""
-        return self.cluster.allreduce_s(self.grad_bytes(layers), pipelines, cross_node=True)
+        return self.profile.scale * self.cluster.allreduce_s(self.grad_bytes(layers), pipelines, cross_node=True)
 
     def state_bytes(self, index: int) -> float:
         """Bytes of layer ``index``'s state a recovery copies: parameters, plus optimizer state when trainable."""
@@ -279,7 +286,7 @@ class Truth:
 
     def copy_s(self, layers: Sequence[int]) -> float:
         """A receiver's copy of ``layers``' states over its one inter-node link."""
-        return self.cluster.transfer_s(sum(self.state_bytes(i) for i in layers), cross_node=True)
+        return self.profile.scale * self.cluster.transfer_s(sum(self.state_bytes(i) for i in layers), cross_node=True)
 
 
 def describe_emulation(job: JobConfig) -> str:

@@ -17,7 +17,10 @@ A run that fails either is *invalid*: its figures must not be printed as results
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -65,13 +68,35 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
 
 
 class HostCpu:
-    """The host's busy share of its cores since this object was made (every process: ``psutil.cpu_times``)."""
+    """The host's busy share of its cores (every process: ``psutil.cpu_times``) over a window of wall time,
+    from samples taken every ``SAMPLE_S`` by a thread of its own. The window is the training's (first to
+    last step): the start-up's imports are not what an emulated op competes with."""
+
+    SAMPLE_S = 0.5
 
     def __init__(self) -> None:
-        self._start = psutil.cpu_times()
+        self._samples: list[tuple[float, Any]] = [(time.time(), psutil.cpu_times())]
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
+        self._thread.start()
 
-    def share(self) -> float:
-        end = psutil.cpu_times()
-        total = sum(end) - sum(self._start)
-        idle = (end.idle - self._start.idle) + (getattr(end, "iowait", 0.0) - getattr(self._start, "iowait", 0.0))
+    def _run(self) -> None:
+        while not self._halt.wait(self.SAMPLE_S):
+            self._samples.append((time.time(), psutil.cpu_times()))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._thread.join(2 * self.SAMPLE_S)
+        self._samples.append((time.time(), psutil.cpu_times()))
+
+    def share(self, since: float | None = None, until: float | None = None) -> float:
+        """Busy share between the samples nearest ``since`` and ``until`` (wall seconds; default: all)."""
+        samples = list(self._samples)
+        first = min(samples, key=lambda s: abs(s[0] - since)) if since is not None else samples[0]
+        last = min(samples, key=lambda s: abs(s[0] - until)) if until is not None else samples[-1]
+        if last[0] <= first[0]:
+            first, last = samples[0], samples[-1]
+        a, b = first[1], last[1]
+        total = sum(b) - sum(a)
+        idle = (b.idle - a.idle) + (getattr(b, "iowait", 0.0) - getattr(a, "iowait", 0.0))
         return (total - idle) / total if total > 0 else 0.0

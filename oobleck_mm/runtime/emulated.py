@@ -5,12 +5,14 @@ object knows the *real* job: its truth (``emulation.truth``), its data's sample
 metadata (every sample's real image patches, audio frames and text tokens) and a
 deadline clock (``emulation.clock``). The engine asks it, op by op:
 
-- a forward or backward of a microbatch ends at start + the true seconds of the
-  stage's layers over that microbatch's real samples, times the node's speed
-  factor (a straggler, ``slow:NODE@...xF``);
-- a stage-to-stage message arrives at send time + alpha + bytes/beta of the real
-  activation's bytes (the sender writes that time into the message's header,
-  ``runtime/p2p.py``); the receiver waits for it;
+- a forward or backward of a microbatch takes the true seconds of the stage's
+  layers over that microbatch's real samples, times the node's speed factor (a
+  straggler, ``slow:NODE@...xF``), on the device's timeline (a stream: the host
+  runs ahead and waits for the device only before a collective and at a step's
+  end, as a GPU's host does; ``emulation.clock.DeviceClock``);
+- a stage-to-stage message arrives when the device produced it + alpha +
+  bytes/beta of the real activation's bytes (the sender writes that time into
+  the message's header, ``runtime/p2p.py``); the receiver's device waits for it;
 - the layer-wise gradient all-reduce and a recovery's state copy take their ring
   and link times of the real model's bytes, after the real (tiny) ones.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from oobleck_mm.data.loader import TrainingData
-from oobleck_mm.emulation.clock import DeadlineClock, Lateness
+from oobleck_mm.emulation.clock import DeviceClock, Lateness
 from oobleck_mm.emulation.speed import SpeedFile
 from oobleck_mm.emulation.truth import Truth
 
@@ -38,7 +40,7 @@ class Emulation:
         self.truth = Truth(job)
         self.data = TrainingData(job)
         """The real data: only its sample metadata is read."""
-        self.clock = DeadlineClock()
+        self.clock = DeviceClock()
         self.speed = speed if speed is not None else SpeedFile(node)
         self.factor = 1.0
         self._metas: dict[int, object] = {}
@@ -55,6 +57,7 @@ class Emulation:
 
     def begin_step(self) -> None:
         self.factor = self.speed.read()
+        self.clock.sync("step start")
 
     def take(self) -> Lateness:
         return self.clock.take()
@@ -64,7 +67,8 @@ class Emulation:
 
 
 class StageTimer:
-    """One stage's ops on the emulated device: forward, backward, sends, receives, the all-reduce."""
+    """One stage's ops on the emulated device (``emulation.clock.DeviceClock``): forward, backward, sends,
+    receives, the all-reduce, and the syncs where the host waits for the device."""
 
     def __init__(self, emulation: Emulation, layers: Sequence[int], seam: int | None, pipelines: int) -> None:
         self.emulation, self.truth, self.clock = emulation, emulation.truth, emulation.clock
@@ -73,39 +77,50 @@ class StageTimer:
         self.llm = self.truth.groups([i for i in layers if seam is None or i >= seam])
         self.everything = self.truth.groups(self.layers)
         self.pipelines = pipelines
-        self.seam = seam
 
-    def forward(self, start: float, encoder_ids: Sequence[int], llm_ids: Sequence[int]) -> None:
-        """A microbatch's forward began at ``start``: its encoder layers ran ``encoder_ids``, its LLM layers
-        ``llm_ids`` (the same samples unless Entrain's deferral decoupled them)."""
+    def forward(self, issued: float, encoder_ids: Sequence[int], llm_ids: Sequence[int]) -> float:
+        """A microbatch's forward, issued by the host at ``issued``: its encoder layers ran ``encoder_ids``, its
+        LLM layers ``llm_ids`` (the same samples unless Entrain's deferral decoupled them). Returns its seconds
+        on the device (what a CUDA event pair would measure)."""
         metas = self.emulation.metas
         seconds = self.truth.stage_seconds(self.encoder, metas(encoder_ids))[0] + \
             self.truth.stage_seconds(self.llm, metas(llm_ids))[0]  # fmt: skip
-        self.clock.finish(start, seconds * self.emulation.factor, "forward")
+        start, end = self.clock.run(issued, seconds * self.emulation.factor, "forward")
+        return end - start
 
-    def backward(self, start: float, ids: Sequence[int]) -> None:
+    def backward(self, issued: float, ids: Sequence[int]) -> float:
         """A microbatch's backward over ``ids`` (its LLM samples: with deferral, the encoder groups it reaches
-        are exactly those) began at ``start``."""
+        are exactly those), issued at ``issued``; returns its seconds on the device."""
         seconds = self.truth.stage_seconds(self.everything, self.emulation.metas(ids))[1]
-        self.clock.finish(start, seconds * self.emulation.factor, "backward")
+        start, end = self.clock.run(issued, seconds * self.emulation.factor, "backward")
+        return end - start
 
-    def arrival(self, last_layer: int, ids: Sequence[int], now: float) -> float:
-        """When a message sent at ``now`` with layer ``last_layer``'s output (or its gradient) over ``ids``
-        arrives on the emulated network."""
+    def arrival(self, last_layer: int, ids: Sequence[int]) -> float:
+        """When a message sent once the device has produced it (layer ``last_layer``'s output over ``ids``, or
+        its gradient) arrives on the emulated network: not before the host sends it."""
         num_bytes = self.truth.output_bytes(last_layer, self.emulation.metas(ids))
-        return now + self.truth.transfer_s(num_bytes)
+        return max(self.clock.free_at, self.clock.now()) + self.truth.transfer_s(num_bytes)
 
-    def received(self, arrival: float, now: float) -> None:
-        """A message whose emulated arrival is ``arrival`` was received at ``now``: waits for it."""
+    def received(self, arrival: float) -> None:
+        """A message whose emulated arrival is ``arrival`` (0: none) reached the host: the device's next op
+        waits for it."""
         if arrival > 0:
-            self.clock.until(max(arrival, now), max(0.0, arrival - now), "transfer")
+            self.clock.arrive(arrival)
 
-    def allreduce(self, start: float) -> None:
-        """The stage's layer-wise gradient all-reduce across the pipelines, after the real one ended."""
-        self.clock.finish(start, self.truth.allreduce_s(self.layers, self.pipelines), "all-reduce")
+    def sync(self, what: str) -> float:
+        """The host waits for the device (before a collective: every rank's gradients are done on the device
+        when the real collective starts). Returns the host's time after."""
+        return self.clock.sync(what)
+
+    def allreduce(self) -> None:
+        """The stage's layer-wise gradient all-reduce across the pipelines, queued once the real one ended."""
+        self.clock.run(self.clock.now(), self.truth.allreduce_s(self.layers, self.pipelines), "all-reduce",
+                       judged=False)
 
 
 def copy_wait(emulation: Emulation | None, layers: Sequence[int], start: float) -> None:
-    """A recovery's copy of ``layers``' states into this rank, on its one link, after the real copy."""
+    """A recovery's copy of ``layers``' states into this rank, on its one link, begun at ``start``: the worker
+    waits for it (training resumes once every rank holds its layers)."""
     if emulation is not None and layers:
-        emulation.clock.finish(start, emulation.truth.copy_s(layers), "state copy")
+        emulation.clock.run(start, emulation.truth.copy_s(layers), "state copy")
+        emulation.clock.sync("state copy")

@@ -188,9 +188,9 @@ class StageEngine:
         self.clock = Stopwatch(self.device)
         self.emulation = emulation
         self.prefetch = self.device.type == "cuda" or emulation is not None
-        """Pack the next microbatch as soon as this one's forward is queued: on a GPU the host packs
-        (and copies, pinned and asynchronous) while the device computes; on the CPU nothing overlaps, but an
-        emulated device computes until its deadline, and the packing runs inside that window."""
+        """Pack the next microbatch as soon as this one's forward is queued: on a GPU (and an emulated one) the
+        host packs (and copies, pinned and asynchronous) while the device computes; on the CPU nothing
+        overlaps."""
         self.command_waiting: Callable[[], bool] = lambda: False
         """Whether this worker holds a command to apply at an iteration boundary (the worker sets it):
         the step's last collective tells every rank whether any rank does, so all switch together."""
@@ -497,9 +497,7 @@ class StageEngine:
         self._buffer_mb[ins.buffer_id] = mb
         if self._decoupled and self.side != "llm":
             self._forward_decoupled(ins, mb)
-            if self.timer is not None:
-                self.timer.forward(began, self._microbatches[mb], self._llm_microbatches[mb])
-            self._intervals.append([self.clock.stop(mark), None])
+            self._intervals.append([self._forward_time(mark, began, mb), None])
             return
         received = self._inputs.get(ins.buffer_id, {})
         outputs = {}
@@ -509,14 +507,16 @@ class StageEngine:
                 acts = self._run_layers(self.stage.layers, received.get(piece, ()), batch)
                 outputs[piece] = self._maybe_loss(acts, batch, 0.0 if self._filler(mb, piece) else 1.0)
         self._outputs[ins.buffer_id] = outputs
-        if self.timer is None:
-            self._intervals.append([self.clock.stop(mark), None])
+        self._intervals.append([self._forward_time(mark, began, mb), None])
         if self.prefetch and not self._decoupled and mb + 1 < len(self._microbatches):
             for piece in self.pieces:
                 self._batch(mb + 1, piece)
-        if self.timer is not None:  # the emulated forward's window holds the next microbatch's packing
-            self.timer.forward(began, self._microbatches[mb], self._llm_microbatches[mb])
-            self._intervals.append([self.clock.stop(mark), None])
+
+    def _forward_time(self, mark, began: float, mb: int):
+        """The forward's interval for ``self.clock.seconds``: on an emulated device, its device seconds."""
+        if self.timer is None:
+            return self.clock.stop(mark)
+        return self.timer.forward(began, self._microbatches[mb], self._llm_microbatches[mb])
 
     def _send_activation(self, ins) -> None:
         t0 = time.perf_counter()
@@ -524,7 +524,7 @@ class StageEngine:
         if self.timer is not None:
             mb, last = self._buffer_mb[ins.buffer_id], self.stage.layer_end - 1
             ids = self._microbatches[mb] if self.seam is not None and last < self.seam else self._llm_microbatches[mb]
-            arrival = self.timer.arrival(last, ids, time.monotonic())
+            arrival = self.timer.arrival(last, ids)
         for piece, acts in self._outputs[ins.buffer_id].items():
             self._result.bytes_sent += send_tensors(acts, self.next_ranks[piece], self.device, self.waiter, arrival)
         self._result.comm_s += time.perf_counter() - t0
@@ -533,7 +533,7 @@ class StageEngine:
         """A message from rank ``src``; on an emulated device, once its emulated arrival time has come."""
         tensors, arrival = recv_tensors_timed(src, self.device, self.waiter)
         if self.timer is not None:
-            self.timer.received(arrival, time.monotonic())
+            self.timer.received(arrival)
         return tensors
 
     def _recv_grad(self, ins) -> None:
@@ -568,9 +568,11 @@ class StageEngine:
         if not self._decoupled:  # (decoupled batches are keyed by samples, not slots: kept for the step)
             for piece in self.pieces:
                 self._batches.pop((mb, piece), None)
-        if self.timer is not None and self.needs_backward:
-            self.timer.backward(began, self._llm_microbatches[mb])
-        self._intervals[mb][1] = self.clock.stop(mark)
+        if self.timer is None:
+            self._intervals[mb][1] = self.clock.stop(mark)
+        else:
+            self._intervals[mb][1] = self.timer.backward(began, self._llm_microbatches[mb]) if self.needs_backward \
+                else 0.0
 
     def _send_grad(self, ins) -> None:
         if self._decoupled and self.side != "llm":
@@ -583,7 +585,7 @@ class StageEngine:
         t0 = time.perf_counter()
         arrival = 0.0
         if self.timer is not None and mb is not None:  # the gradient of the previous stage's output, over L_k
-            arrival = self.timer.arrival(self.stage.layer_start - 1, self._llm_microbatches[mb], time.monotonic())
+            arrival = self.timer.arrival(self.stage.layer_start - 1, self._llm_microbatches[mb])
         for piece, piece_inputs in inputs.items():
             grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
             self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter,
@@ -594,6 +596,8 @@ class StageEngine:
         pass  # done after the per-layer sums, in GradientSync.all_reduce (see its docstring)
 
     def _reduce_grads(self, ins) -> None:
+        if self.timer is not None:  # the real all-reduce starts when the device has made the gradients
+            self.timer.sync("gradients")
         t0 = time.perf_counter()
         # This stage's 1F1B part of the iteration, on the device's clock (read at the step's end:
         # a GPU's host reaches here while kernels still run).
@@ -602,7 +606,7 @@ class StageEngine:
             poison_gradients(self.layers)
         self.sync.all_reduce(self.layers, self.waiter)
         if self.timer is not None:
-            self.timer.allreduce(time.monotonic())
+            self.timer.allreduce()
         self._result.comm_s += time.perf_counter() - t0
         self._result.state_bytes = self.state_bytes()
 
@@ -612,6 +616,8 @@ class StageEngine:
         # anything and the iteration can be discarded and rerun after reconfiguration. If it fails
         # inside it, some ranks may have completed it (and updated): see ``unsettled``.
         t0 = time.perf_counter()
+        if self.timer is not None:
+            self.timer.sync("all-reduce")
         self.before_reduce()
         try:
             norm_sq, extras = self.sync.global_grad_sq(

@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from oobleck_mm.config.emulation import compute_job
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers, save_meta, write_error
+from oobleck_mm.runtime.emulated import Emulation
 from oobleck_mm.runtime.engine import StageEngine, StepResult, engine_subgroups
 from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
 from oobleck_mm.runtime.group import PreparedGroup, join_generation
@@ -67,7 +69,8 @@ def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, devi
           on_step: Callable[[StepResult], None] | None = None, held=None) -> StageEngine:
     """Build this rank's stage (``held``: layers it starts from, e.g. a checkpoint's) and run ``steps``
     iterations from ``start_step``."""
-    engine = StageEngine(job, plan, rank, device=device, held=held)
+    emulation = Emulation.for_job(job, f"rank{rank}")  # an emulated job: its compute copy runs, timed as the real
+    engine = StageEngine(compute_job(job), plan, rank, device=device, held=held, emulation=emulation)
     for step in range(start_step, start_step + steps):
         result = engine.train_step(step)
         if on_step is not None:
