@@ -51,17 +51,25 @@ WARMUP_STEPS = 2
 """Steps left out of a timing: the first allocations and the first sleeps' page faults."""
 
 
-def calibration_job(pipelines: int, profile: str, steps: int, microbatches: int = MICROBATCHES):
-    """GPT-3 2.7B's blocks (16 of them), emulated on A100s, one pipeline of two stages per two nodes."""
+WIDTHS = {"2.7b": (2560, 32), "6.7b": (4096, 32)}
+"""GPT-3 shapes (hidden, heads) the calibration model may take: the wider, the longer each emulated op for the
+same CPU math (the compute copy is shrunk to the same width)."""
+
+
+def calibration_job(pipelines: int, profile: str, steps: int, microbatches: int = MICROBATCHES,
+                    width: str = "2.7b", coarsen: int | None = None):
+    """GPT-3's blocks (``BLOCKS`` of them, ``width``), emulated on A100s, one pipeline of two stages per two
+    nodes."""
+    hidden, heads = WIDTHS[width]
     return config_from_dict({
-        "model": {"name": "calibration-gpt", "llm": {"num_layers": BLOCKS, "hidden": 2560, "num_heads": 32,
-                                                     "ffn_hidden": 10240, "vocab_size": 50257}},
+        "model": {"name": "calibration-gpt", "llm": {"num_layers": BLOCKS, "hidden": hidden, "num_heads": heads,
+                                                     "ffn_hidden": 4 * hidden, "vocab_size": 50257}},
         "data": {"kind": "synthetic", "mean_text_tokens": 2048, "max_seq_len": 2048, "num_samples": 4096},
         "training": {"global_batch": MICROBATCH_SIZE * microbatches * pipelines, "microbatch_size": MICROBATCH_SIZE, "steps": steps,
                      "dtype": "bfloat16", "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-4}}},
         "fault_tolerance": {"f": 0},
         "cluster": {"nodes": STAGES * pipelines, "gpus_per_node": 1, "device": "cpu", "emulate": "a100-80gb",
-                    "emulate_profile": profile, "inter_node_bandwidth": "400GB/s"},
+                    "emulate_profile": profile, "inter_node_bandwidth": "400GB/s", "emulate_coarsen": coarsen},
     })  # fmt: skip
 
 
@@ -112,23 +120,24 @@ def run(job, steps: int, workdir: Path) -> dict:
     measured = statistics.median(per_step[s] for s in timed)
     predicted = statistics.median(predicted_step_s(job, plan, s) for s in timed)
     return {"pipelines": pipelines, "measured_s": measured, "predicted_s": predicted,
-            "ratio": measured / predicted, "valid": verdict.valid, "verdict": verdict.reason}  # fmt: skip
+            "ratio": measured / predicted, "valid": verdict.valid, "verdict": verdict.reason,
+            "deadlines_kept": lateness.valid, "cpu_share": verdict.cpu_share}  # fmt: skip
 
 
-def calibrate(pipeline_counts: list[int], steps: int, delay_pipelines: int) -> dict:
+def calibrate(pipeline_counts: list[int], steps: int, delay_pipelines: int, **shape) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base, delayed = write_profile(tmp, 1.0), write_profile(tmp, 1.1)
         scaling = []
         for p in pipeline_counts:
-            result = run(calibration_job(p, base, steps), steps, tmp / f"p{p}")
+            result = run(calibration_job(p, base, steps, **shape), steps, tmp / f"p{p}")
             scaling.append(result)
             print(f"(b) {p:2d} pipelines: {result['measured_s']:.3f} s/step measured, {result['predicted_s']:.3f} "
                   f"exact 1F1B: {100 * (result['ratio'] - 1):+.1f}%  [{result['verdict']}]", flush=True)
         plain = next((r for r in scaling if r["pipelines"] == delay_pipelines), None)
         if plain is None:
-            plain = run(calibration_job(delay_pipelines, base, steps), steps, tmp / "plain")
-        slow = run(calibration_job(delay_pipelines, delayed, steps), steps, tmp / "delayed")
+            plain = run(calibration_job(delay_pipelines, base, steps, **shape), steps, tmp / "plain")
+        slow = run(calibration_job(delay_pipelines, delayed, steps, **shape), steps, tmp / "delayed")
         delay = {"pipelines": delay_pipelines, "plain_s": plain["measured_s"], "delayed_s": slow["measured_s"],
                  "ratio": slow["measured_s"] / plain["measured_s"], "valid": plain["valid"] and slow["valid"],
                  "verdict": slow["verdict"]}  # fmt: skip
@@ -144,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--pipelines", default="1,2,4,8,16", help="pipeline counts of (b), comma-separated")
     cal.add_argument("--steps", type=int, default=8)
     cal.add_argument("--delay-pipelines", type=int, default=2, help="pipelines of (a)'s two runs")
+    cal.add_argument("--width", choices=sorted(WIDTHS), default="2.7b", help="the GPT-3 shape of the blocks")
+    cal.add_argument("--coarsen", type=int, help="cluster.emulate_coarsen (default: automatic)")
     cal.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.command == "calibrate":
-        out = calibrate([int(p) for p in args.pipelines.split(",")], args.steps, args.delay_pipelines)
+        out = calibrate([int(p) for p in args.pipelines.split(",")], args.steps, args.delay_pipelines,
+                        width=args.width, coarsen=args.coarsen)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -100,11 +100,16 @@ class DeviceClock:
         self.lateness = Lateness()
         self.free_at = 0.0
         self._synced_at = 0.0
+        self._idle = False
+        """The device has nothing queued since a step began: the host's set-up of the step (its assignment,
+        packing its first microbatch) before the first op is the step's own time, not the host falling behind
+        a busy device, and is not judged (it is in the step's time all the same)."""
 
     def run(self, issued: float, duration: float, what: str = "op", judged: bool = True) -> tuple[float, float]:
         """Queues an op of ``duration`` the host issued at ``issued``; returns its (start, end) on the device.
         ``judged=False``: an op issued after a real collective, whose wait for the slowest peer is not lag."""
-        lag = issued - self.free_at if judged else 0.0
+        lag = issued - self.free_at if judged and not self._idle else 0.0
+        self._idle = False
         start = max(self.free_at, issued)
         self.free_at = start + duration
         self.lateness.record(duration, lag)
@@ -112,6 +117,11 @@ class DeviceClock:
             log.debug("late %s: the device idled %.1f ms for the host before a %.1f ms op", what, 1e3 * lag,
                       1e3 * duration)  # fmt: skip
         return start, self.free_at
+
+    def begin_step(self) -> None:
+        """A step begins: the host waits for the device, which then idles until the step's first op."""
+        self.sync("step start")
+        self._idle = True
 
     def arrive(self, arrival: float) -> None:
         """A message the next op needs arrives at ``arrival``: the in-order stream waits for it."""

@@ -278,11 +278,10 @@ class Truth:
         return self.profile.scale * self.cluster.allreduce_s(self.grad_bytes(layers), pipelines, cross_node=True)
 
     def state_bytes(self, index: int) -> float:
-        """Bytes of layer ``index``'s state a recovery copies: parameters, plus optimizer state when trainable."""
-        params = param_count(self.specs[index])
-        per_param = self.device.bytes_per_param + (self.device.optimizer_bytes_per_param if self.trainable[index]
-                                                   else 0)  # fmt: skip
-        return float(params * per_param)
+        """Bytes of layer ``index``'s state a recovery copies: its master parameters, and their two Adam moments
+        when trainable, all in the master dtype (the compute copy of mixed precision is derived, not moved)."""
+        master = self.device.grad_bytes  # the master dtype's width (``DeviceSpec.with_dtype``)
+        return float(param_count(self.specs[index]) * master * (3 if self.trainable[index] else 1))
 
     def copy_s(self, layers: Sequence[int]) -> float:
         """A receiver's copy of ``layers``' states over its one inter-node link."""

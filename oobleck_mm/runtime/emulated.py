@@ -57,7 +57,7 @@ class Emulation:
 
     def begin_step(self) -> None:
         self.factor = self.speed.read()
-        self.clock.sync("step start")
+        self.clock.begin_step()
 
     def take(self) -> Lateness:
         return self.clock.take()

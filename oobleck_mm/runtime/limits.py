@@ -15,9 +15,22 @@ from oobleck_mm.errors import UserError
 # a master that never needs it (its workers' GPUs are counted on their own machines).
 
 
+LOCAL_WORKER_BYTES = 300 * 2**20
+"""Resident memory of one local worker process beyond what it shares with its template (torch, its stage of a
+tiny or shrunk model, gloo's buffers): 250-420 MB peak RSS measured, most of it shared pages."""
+LOCAL_AGENT_BYTES = 120 * 2**20
+"""One local agent process (gRPC, psutil; no torch)."""
+
+
 def check_runnable(job, workers_here: bool) -> None:
     """``workers_here``: the workers run on this machine (``local``), so its GPUs can be counted."""
     c = job.cluster
+    if c.emulate is not None:  # the truth file is read by every worker: a bad one stops the job before it starts
+        from oobleck_mm.emulation.truth import load_truth
+
+        load_truth(c.emulate_profile)
+    if workers_here and c.device == "cpu":
+        check_host_memory(job)
     if min(c.max_gpus_per_stage, c.gpus_per_node) > 1:
         check_wide_stages(job)
     if workers_here and c.device == "cuda":
@@ -66,3 +79,21 @@ def scalar_parameters(job) -> list[tuple[str, str]]:
             layer = build_layer(job, index, specs, initialize=False, weights=False)
         out += [(spec.name, name) for name, p in layer.named_parameters() if p.dim() == 0]
     return out
+
+
+def check_host_memory(job, available: int | None = None) -> None:
+    """A local run's processes must fit this machine's memory (``available`` bytes, default: what the kernel
+    says is available): said before any starts, with the node count that fits."""
+    import psutil
+
+    c = job.cluster
+    available = psutil.virtual_memory().available if available is None else available
+    per_node = LOCAL_AGENT_BYTES + c.gpus_per_node * LOCAL_WORKER_BYTES
+    nodes = c.max_nodes or c.nodes
+    if nodes * per_node > available:
+        fits = max(0, available // per_node)
+        raise UserError(
+            f"cluster.nodes: {nodes} local nodes of {c.gpus_per_node} CPU worker(s) need about "
+            f"{nodes * per_node / 2**30:.1f} GiB ({per_node / 2**20:.0f} MiB a node), and this machine has "
+            f"{available / 2**30:.1f} GiB available; run at most {fits} nodes here (--nodes {fits})"
+        )
