@@ -1,7 +1,7 @@
 """Emulated accelerators (``cluster.emulate``): the compute copy, the truth, the device clock, the verdict.
 
 Pure parts only (no process): the multi-process calibration is in
-``tests/integration/test_emulation.py``.
+``tests/integration/test_emulated_cluster.py``.
 """
 
 from __future__ import annotations
