@@ -99,7 +99,8 @@ def predicted_step_s(job, plan: ExecutionPlan, step: int) -> float:
 
 def run(job, steps: int, workdir: Path) -> dict:
     """Trains ``job`` on its even plan for ``steps``; the measured step times (slowest rank) after the warm-up,
-    the exact prediction, and the run's validity."""
+    the exact prediction, and the run's validity. ``lag_share``: the time every rank's device idled for its
+    host (and its syncs woke late), over the ranks' time: what the host's load can have added to a step."""
     from oobleck_mm.runtime.worker import run_local
 
     pipelines = job.cluster.nodes // STAGES
@@ -121,7 +122,8 @@ def run(job, steps: int, workdir: Path) -> dict:
     predicted = statistics.median(predicted_step_s(job, plan, s) for s in timed)
     return {"pipelines": pipelines, "measured_s": measured, "predicted_s": predicted,
             "ratio": measured / predicted, "valid": verdict.valid, "verdict": verdict.reason,
-            "deadlines_kept": lateness.valid, "cpu_share": verdict.cpu_share}  # fmt: skip
+            "deadlines_kept": lateness.valid, "cpu_share": verdict.cpu_share,
+            "lag_share": lateness.late_s / (len(outs) * sum(per_step[s] for s in timed))}  # fmt: skip
 
 
 def calibrate(pipeline_counts: list[int], steps: int, delay_pipelines: int, **shape) -> dict:

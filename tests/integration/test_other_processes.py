@@ -55,7 +55,8 @@ def test_config_imports_no_other_project_module():
             "print(sorted(m for m in sys.modules if m.startswith(('oobleck_mm', 'master', 'agent'))))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == str(["oobleck_mm", "oobleck_mm.config", "oobleck_mm.config.deepspeed",
-                               "oobleck_mm.config.devices", "oobleck_mm.config.fault_tolerance",
+                               "oobleck_mm.config.devices", "oobleck_mm.config.emulation",
+                               "oobleck_mm.config.fault_tolerance",
                                "oobleck_mm.config.huggingface", "oobleck_mm.config.job", "oobleck_mm.config.loading",
                                "oobleck_mm.config.shape", "oobleck_mm.config.values", "oobleck_mm.errors"])  # fmt: skip
 
