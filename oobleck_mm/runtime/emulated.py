@@ -112,10 +112,30 @@ class StageTimer:
         when the real collective starts). Returns the host's time after."""
         return self.clock.sync(what)
 
-    def allreduce(self) -> None:
-        """The stage's layer-wise gradient all-reduce across the pipelines, queued once the real one ended."""
-        self.clock.run(self.clock.now(), self.truth.allreduce_s(self.layers, self.pipelines), "all-reduce",
-                       judged=False)
+    def ready_for_allreduce(self, sync, waiter) -> list[tuple[float, list[int], int]]:
+        """Before the real gradient all-reduce (the host synced with its device): for each of this rank's buckets
+        (``GradientSync.buckets``: layers of one holder set), when the last of its holders' devices had its
+        gradients (a MAX over the bucket's group), its layers and its holder count. The true all-reduce of a
+        bucket starts then, not when the real one (tiny, but on shared cores tens of ms for 32 ranks) ends."""
+        import torch
+        import torch.distributed as dist
+
+        out = []
+        for bucket in sync.buckets:
+            if sync.rank not in bucket.holders or len(bucket.holders) == 1:
+                continue
+            ready = torch.tensor([self.clock.free_at], dtype=torch.float64)
+            work = dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=sync.groups[bucket.holders], async_op=True)
+            waiter.wait(work, f"emulated device times over ranks {bucket.holders}")
+            out.append((float(ready[0]), list(bucket.layers), len(bucket.holders)))
+        return out
+
+    def allreduce(self, ready: Sequence[tuple[float, Sequence[int], int]]) -> None:
+        """The layer-wise gradient all-reduces of this rank's buckets (``ready_for_allreduce``), one after the
+        other on its device, each from when its holders were all ready; the real ones ran meanwhile."""
+        for when, layers, holders in ready:
+            self.clock.run(max(when, self.clock.free_at), self.truth.allreduce_s(layers, holders), "all-reduce",
+                           judged=False)
 
 
 def copy_wait(emulation: Emulation | None, layers: Sequence[int], start: float) -> None:

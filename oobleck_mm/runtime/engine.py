@@ -596,8 +596,10 @@ class StageEngine:
         pass  # done after the per-layer sums, in GradientSync.all_reduce (see its docstring)
 
     def _reduce_grads(self, ins) -> None:
-        if self.timer is not None:  # the real all-reduce starts when the device has made the gradients
+        ready = []
+        if self.timer is not None:  # the all-reduce starts when the devices have made the gradients
             self.timer.sync("gradients")
+            ready = self.timer.ready_for_allreduce(self.sync, self.waiter)
         t0 = time.perf_counter()
         # This stage's 1F1B part of the iteration, on the device's clock (read at the step's end:
         # a GPU's host reaches here while kernels still run).
@@ -606,7 +608,7 @@ class StageEngine:
             poison_gradients(self.layers)
         self.sync.all_reduce(self.layers, self.waiter)
         if self.timer is not None:
-            self.timer.allreduce()
+            self.timer.allreduce(ready)
         self._result.comm_s += time.perf_counter() - t0
         self._result.state_bytes = self.state_bytes()
 
