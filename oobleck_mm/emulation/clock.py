@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ LATE_SHARE = 0.01
 """A run is invalid when more than this share of its judged ops are late (p99 lateness over the bound)."""
 GUARDED_S = 0.01
 """Ops shorter than this are not judged (host scheduling noise is of that order under load)."""
+INTERRUPT_POLL_S = 0.05
+"""How often a sync's sleep looks whether it is to be abandoned (``DeviceClock.sync``)."""
+
+
+class Interrupted(Exception):
+    """A sync's wait was abandoned: the master re-planned."""
 
 
 @dataclass(slots=True)
@@ -118,24 +125,30 @@ class DeviceClock:
                       1e3 * duration)  # fmt: skip
         return start, self.free_at
 
-    def begin_step(self) -> None:
+    def begin_step(self, interrupt: Callable[[], bool] | None = None) -> None:
         """A step begins: the host waits for the device, which then idles until the step's first op."""
-        self.sync("step start")
+        self.sync("step start", interrupt)
         self._idle = True
 
     def arrive(self, arrival: float) -> None:
         """A message the next op needs arrives at ``arrival``: the in-order stream waits for it."""
         self.free_at = max(self.free_at, arrival)
 
-    def sync(self, what: str = "sync") -> float:
-        """The host waits for the device to finish (sleeps until ``free_at``); returns the host's time after."""
+    def sync(self, what: str = "sync", interrupt: Callable[[], bool] | None = None) -> float:
+        """The host waits for the device to finish (sleeps until ``free_at``); returns the host's time after.
+        ``interrupt``: polled every ``INTERRUPT_POLL_S`` of the wait; True ends it with ``Interrupted`` (the
+        master re-planned: a GPU's host would abandon its wait too, and a survivor must not sleep through a
+        recovery)."""
         deadline = self.free_at
-        covered = deadline - max(self._synced_at, 0.0) if self._synced_at else 0.0
-        remaining = deadline - self.now()
-        if remaining > 0:
-            self.sleep(remaining)
+        covered = deadline - self._synced_at if self._synced_at else 0.0
+        slept = False
+        while (remaining := deadline - self.now()) > 0:
+            if interrupt is not None and interrupt():
+                raise Interrupted(f"{what}: abandoned, the master re-planned")
+            self.sleep(remaining if interrupt is None else min(remaining, INTERRUPT_POLL_S))
+            slept = True
         now = self.now()
-        if remaining > 0 and covered > 0:  # a wake-up: how late, against the device time it waited out
+        if slept and covered > 0:  # a wake-up: how late, against the device time it waited out
             self.lateness.record(covered, now - deadline, device_time=False)
             if covered >= GUARDED_S and now - deadline > LATE_FRACTION * covered:
                 log.debug("late %s: woke %.1f ms after %.1f ms of device time", what, 1e3 * (now - deadline),

@@ -24,12 +24,14 @@ The speed factor of a slowed node: ``emulation.speed``, read before each step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from oobleck_mm.data.loader import TrainingData
-from oobleck_mm.emulation.clock import DeviceClock, Lateness
+from oobleck_mm.emulation.clock import DeviceClock, Interrupted, Lateness
 from oobleck_mm.emulation.speed import SpeedFile
 from oobleck_mm.emulation.truth import Truth
+from oobleck_mm.runtime.waiting import PeerFailure
 
 class Emulation:
     """One worker's emulated accelerator, shared by its engines across generations."""
@@ -55,9 +57,11 @@ class Emulation:
             self._metas.update(zip(missing, self.data.metas(missing)))
         return [self._metas[i] for i in ids]
 
-    def begin_step(self) -> None:
+    def begin_step(self, interrupt=None) -> None:
+        """A step begins: this node's speed as the injector left it, the host in step with its device."""
         self.factor = self.speed.read()
-        self.clock.begin_step()
+        with _abandoned():
+            self.clock.begin_step(interrupt)
 
     def take(self) -> Lateness:
         return self.clock.take()
@@ -107,10 +111,12 @@ class StageTimer:
         if arrival > 0:
             self.clock.arrive(arrival)
 
-    def sync(self, what: str) -> float:
+    def sync(self, what: str, interrupt=None) -> float:
         """The host waits for the device (before a collective: every rank's gradients are done on the device
-        when the real collective starts). Returns the host's time after."""
-        return self.clock.sync(what)
+        when the real collective starts). Returns the host's time after; ``PeerFailure`` when ``interrupt``
+        says the master re-planned meanwhile."""
+        with _abandoned():
+            return self.clock.sync(what, interrupt)
 
     def ready_for_allreduce(self, sync, waiter) -> list[tuple[float, list[int], int]]:
         """Before the real gradient all-reduce (the host synced with its device): for each of this rank's buckets
@@ -136,6 +142,15 @@ class StageTimer:
         for when, layers, holders in ready:
             self.clock.run(max(when, self.clock.free_at), self.truth.allreduce_s(layers, holders), "all-reduce",
                            judged=False)
+
+
+@contextlib.contextmanager
+def _abandoned():
+    """A device wait the master's re-plan interrupted ends the iteration like an abandoned collective."""
+    try:
+        yield
+    except Interrupted as stop:
+        raise PeerFailure(str(stop)) from None
 
 
 def copy_wait(emulation: Emulation | None, layers: Sequence[int], start: float) -> None:

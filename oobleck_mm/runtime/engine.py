@@ -294,7 +294,7 @@ class StageEngine:
         """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
         t0 = time.perf_counter()
         if self.emulation is not None:
-            self.emulation.begin_step()
+            self.emulation.begin_step(self.waiter.interrupt)
         self._pipeline_mark = self.clock.start()
         ids = self.data.global_batch(step)
         if assignment is None and self.balancer is not None:
@@ -598,7 +598,7 @@ class StageEngine:
     def _reduce_grads(self, ins) -> None:
         ready = []
         if self.timer is not None:  # the all-reduce starts when the devices have made the gradients
-            self.timer.sync("gradients")
+            self.timer.sync("gradients", self.waiter.interrupt)
             ready = self.timer.ready_for_allreduce(self.sync, self.waiter)
         t0 = time.perf_counter()
         # This stage's 1F1B part of the iteration, on the device's clock (read at the step's end:
@@ -619,7 +619,7 @@ class StageEngine:
         # inside it, some ranks may have completed it (and updated): see ``unsettled``.
         t0 = time.perf_counter()
         if self.timer is not None:
-            self.timer.sync("all-reduce")
+            self.timer.sync("all-reduce", self.waiter.interrupt)
         self.before_reduce()
         try:
             norm_sq, extras = self.sync.global_grad_sq(

@@ -292,3 +292,20 @@ def test_a_bad_truth_file_stops_the_job_before_anything_starts(tmp_path):
     path.write_text('{"seed": -1}')
     with pytest.raises(TruthProfileError, match="seed must be an integer >= 0"):
         check_runnable(mllm(**{"cluster.emulate_profile": str(path)}), workers_here=False)
+
+
+def test_a_re_plan_ends_a_hosts_wait_for_its_device():
+    from oobleck_mm.emulation.clock import INTERRUPT_POLL_S, Interrupted
+
+    clock = FakeClock()
+    clock.begin_step()
+    clock.run(100.0, 3.0)
+    polls = []
+
+    def replanned() -> bool:
+        polls.append(clock.t)
+        return clock.t >= 101.0  # the master re-plans a second into a 3 s wait
+
+    with pytest.raises(Interrupted, match="gradients: abandoned, the master re-planned"):
+        clock.sync("gradients", replanned)
+    assert clock.t < 101.0 + 2 * INTERRUPT_POLL_S  # not the whole 3 s
