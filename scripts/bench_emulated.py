@@ -1,6 +1,7 @@
 """The emulated cluster as a measuring instrument (``cluster.emulate``, docs/emulation.md), and what it measures.
 
     python scripts/bench_emulated.py calibrate [--pipelines 1,2,4,8,16] [--json out.json]
+    python scripts/bench_emulated.py churn [--nodes 8] [--restart] [--json out.json]
 
 ``calibrate`` runs the guards that make an emulated run a measurement, on real
 processes (gloo groups of the engine's workers, ``runtime.worker.run_local``):
@@ -17,6 +18,12 @@ A100), without noise or per-kind factors, so the exact time is known; the
 network at 400 GB/s, so the transfers the 1F1B recurrence does not price stay
 under 0.1% of a step. Every figure comes with the run's validity (lateness of its
 ops, the host's CPU): an invalid calibration is not a result.
+
+``churn`` runs MLLM-10B on emulated A100-80GB nodes under bursty spot churn, then
+failure-free at every node count the churned run trained at, and prints the
+churned throughput as a fraction of those (time-weighted), of the full-size
+failure-free run, and the bound the state copies' bytes set at the configured
+bandwidth; ``--restart`` adds the same churn under checkpoint-restart.
 """
 
 from __future__ import annotations
@@ -148,6 +155,82 @@ def calibrate(pipeline_counts: list[int], steps: int, delay_pipelines: int, **sh
     return {"scaling": scaling, "delay": delay}
 
 
+MLLM_SETS = ["cluster.emulate=a100-80gb", "cluster.device=cpu", "cluster.backend=gloo", "cluster.gpus_per_node=1",
+             "cluster.max_gpus_per_stage=1", "cluster.inter_node_bandwidth=200Gbps", "training.microbatch_size=4"]
+"""MLLM-10B as issue 48 measures it: emulated A100-80GB nodes of one GPU and a 200 Gb/s NIC, microbatches of 4
+(the compute copy's CPU per sample: 43 ms, against 69 ms for microbatches of 1; docs/benchmarks.md)."""
+DEFAULT_CHURN = "1,burst=3,min=6,max=9,seed=3,spread=0.8,preempt=0.3,notice=10,duration=700,start=30,warmup=10,calm=1.5"
+"""About one event every 30 s of job time: a burst a minute of up to 3 events within 0.8 s, 30% preemptions with
+10 s of notice, between 6 ((f + 1) n0 for MLLM-10B on A100-80GB) and 9 live nodes, for 700 s."""
+
+
+def verdict_of(run_dir: Path) -> dict:
+    path = run_dir / "emulation.json"
+    return json.loads(path.read_text()) if path.exists() else {"valid": False, "reason": "no emulation.json"}
+
+
+def copy_seconds(events_path: Path) -> float:
+    """Seconds the run's generations spent copying layer states (each generation's slowest receiver)."""
+    from oobleck_mm.events import read_events
+
+    per_generation: dict[int, float] = {}
+    for e in read_events(events_path, "states_copied"):
+        per_generation[e["generation"]] = max(per_generation.get(e["generation"], 0.0), e.get("transfer_seconds", 0.0))
+    return sum(per_generation.values())
+
+
+def churn(args) -> dict:
+    """Churn against failure-free runs at the node counts the churned run trained at, time-weighted; the bound
+    the state copies' bytes set; the same churn under checkpoint-restart."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from soak_churn import SIZE_CONTROL_MIN_SHARE, launch, same_size_seconds, steps_by_size, training_seconds
+
+    work = Path(tempfile.mkdtemp(prefix="oobleck-emulated-churn-"))
+    sets = [*MLLM_SETS, f"training.global_batch={args.global_batch}", *args.sets]
+    config = str(ROOT / "configs" / "mllm_10b.yaml")
+    runs = {"live": ["--churn", args.churn]}
+    if args.restart:
+        runs["restart"] = ["--churn", args.churn, "--recovery", "restart"]
+    out: dict = {"nodes": args.nodes, "steps": args.steps, "churn": args.churn, "sets": sets, "runs": {}}
+    for name, extra in runs.items():
+        code, _, wall = launch(config, args.nodes, args.steps, work / name, extra, sets, args.timeout)
+        events = work / name / "events.jsonl"
+        out["runs"][name] = {"exit": code, "wall_s": round(wall, 1), "training_s": training_seconds(events),
+                             "sizes": steps_by_size(events), "copy_s": copy_seconds(events),
+                             "events": len([1 for _ in open(events) if '"event":"injected"' in _]),
+                             "verdict": verdict_of(work / name)}  # fmt: skip
+        print(f"{name}: exit {code}, {out['runs'][name]['training_s']:.0f} s of training, "
+              f"{out['runs'][name]['events']} events, steps per node count {out['runs'][name]['sizes']}; "
+              f"{out['runs'][name]['verdict'].get('reason')}", flush=True)
+    live = out["runs"]["live"]
+    step_s: dict[int, float] = {}
+    for size, n in sorted(live["sizes"].items()):
+        if n < SIZE_CONTROL_MIN_SHARE * args.steps and size != args.nodes:
+            continue
+        run = work / f"size{size}"
+        code, _, _ = launch(config, size, args.size_steps, run, [], sets, args.timeout)
+        if code == 0:
+            step_s[size] = training_seconds(run / "events.jsonl") / max(1, args.size_steps - 1)
+            print(f"failure-free at {size} nodes: {step_s[size]:.2f} s/step; {verdict_of(run).get('reason')}",
+                  flush=True)
+    same = same_size_seconds(live["sizes"], step_s)
+    steps = sum(live["sizes"].values())
+    out["failure_free_step_s"] = step_s
+    out["vs_same_sizes"] = same / live["training_s"]
+    out["vs_full_size"] = steps * step_s.get(args.nodes, float("nan")) / live["training_s"]
+    out["copy_bound"] = same / (same + live["copy_s"])
+    print(f"churned: {out['vs_same_sizes']:.1%} of failure-free at the same node counts (time-weighted; target 95%, "
+          f"or within 2 points of the copies' bound {out['copy_bound']:.1%}: {live['copy_s']:.1f} s of layer-state "
+          f"copies at the configured bandwidth); {out['vs_full_size']:.1%} of the full-size failure-free run",
+          flush=True)
+    if "restart" in out["runs"]:
+        restart = out["runs"]["restart"]
+        out["restart_vs_live"] = live["training_s"] / restart["training_s"] if restart["exit"] == 0 else None
+        print(f"checkpoint-restart: {restart['training_s']:.0f} s against live's {live['training_s']:.0f} s",
+              flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,7 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--width", choices=sorted(WIDTHS), default="2.7b", help="the GPT-3 shape of the blocks")
     cal.add_argument("--coarsen", type=int, help="cluster.emulate_coarsen (default: automatic)")
     cal.add_argument("--json", help="write the figures here")
+    ch = sub.add_parser("churn", help="bursty churn vs failure-free at the same node counts (MLLM-10B, A100)")
+    ch.add_argument("--nodes", type=int, default=8)
+    ch.add_argument("--steps", type=int, default=130)
+    ch.add_argument("--global-batch", type=int, default=32)
+    ch.add_argument("--churn", default=DEFAULT_CHURN)
+    ch.add_argument("--size-steps", type=int, default=25, help="steps of each failure-free run at a node count")
+    ch.add_argument("--restart", action="store_true", help="also the same churn under --recovery restart")
+    ch.add_argument("--set", action="append", default=[], dest="sets")
+    ch.add_argument("--timeout", type=float, default=3600)
+    ch.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    if args.command == "churn":
+        out = churn(args)
     if args.command == "calibrate":
         out = calibrate([int(p) for p in args.pipelines.split(",")], args.steps, args.delay_pipelines,
                         width=args.width, coarsen=args.coarsen)
