@@ -153,9 +153,11 @@ def _abandoned():
         raise PeerFailure(str(stop)) from None
 
 
-def copy_wait(emulation: Emulation | None, layers: Sequence[int], start: float) -> None:
+def copy_wait(emulation: Emulation | None, layers: Sequence[int], start: float, interrupt=None) -> None:
     """A recovery's copy of ``layers``' states into this rank, on its one link, begun at ``start``: the worker
-    waits for it (training resumes once every rank holds its layers)."""
+    waits for it (training resumes once every rank holds its layers); ``PeerFailure`` when ``interrupt`` says
+    the master re-planned meanwhile (a loss during a 10 s copy of MLLM-10B's layers)."""
     if emulation is not None and layers:
-        emulation.clock.run(start, emulation.truth.copy_s(layers), "state copy")
-        emulation.clock.sync("state copy")
+        emulation.clock.run(start, emulation.truth.copy_s(layers), "state copy", judged=False)
+        with _abandoned():
+            emulation.clock.sync("state copy", interrupt)

@@ -278,7 +278,7 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
                                                shard_of(new_plan))
     if emulation is not None and received:  # the copy began once every rank was ready (transfer_layers' barrier)
         began = time.monotonic() - seconds
-        copy_wait(emulation, sorted(received), began)
+        copy_wait(emulation, sorted(received), began, waiter.interrupt)
         seconds = time.monotonic() - began
     keep = {i: h for i, h in held.items() if i in new_plan.stage(new_rank).layers}
     keep.update(received)

@@ -309,3 +309,15 @@ def test_a_re_plan_ends_a_hosts_wait_for_its_device():
     with pytest.raises(Interrupted, match="gradients: abandoned, the master re-planned"):
         clock.sync("gradients", replanned)
     assert clock.t < 101.0 + 2 * INTERRUPT_POLL_S  # not the whole 3 s
+
+
+def test_an_emulated_straggler_is_its_speed_file_and_ends_at_full_speed(tmp_path):
+    from oobleck_mm.faults.slowdown import EmulatedSlowdown
+
+    reader = SpeedFile("node2", str(tmp_path))
+    slowdown = EmulatedSlowdown("node2", 2.0, str(tmp_path)).start()
+    assert slowdown.running and reader.read() == 2.0
+    slowdown.end()
+    assert not slowdown.running and reader.read() == 1.0
+    with pytest.raises(ValueError, match="slowdown factor must be > 1"):
+        EmulatedSlowdown("node2", 1.0, str(tmp_path))
