@@ -415,13 +415,13 @@ class LocalCluster:
                 log.warning("agent %s still running; stopping it", node)
                 _stop_tree(proc)
 
-    def _judge_emulation(self) -> None:
+    def _judge_emulation(self, events: list[dict]) -> None:
         """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the
         console and in ``RUN_DIR/emulation.json``."""
-        if self._host_cpu is None or not os.path.exists(self.event_log_path):
+        if self._host_cpu is None:
             return
         self._host_cpu.stop()
-        steps = [e for e in read_events(self.event_log_path) if e.get("event") == "step"]
+        steps = [e for e in events if e.get("event") == "step"]
         window = (steps[0]["ts"], steps[-1]["ts"]) if len(steps) > 1 else (None, None)
         verdict = judge(steps, self._host_cpu.share(*window))
         with open(os.path.join(self.run_dir, "emulation.json"), "w", encoding="utf-8") as fh:
@@ -429,13 +429,15 @@ class LocalCluster:
         print(f"emulated {self.job.cluster.emulate}: {verdict.reason}", flush=True)
 
     def _report(self) -> None:
-        self._judge_emulation()
-        if not self.options.report or not os.path.exists(self.event_log_path):
+        if not os.path.exists(self.event_log_path):
+            return
+        events = read_events(self.event_log_path)  # once: a long run's log is tens of MB
+        self._judge_emulation(events)
+        if not self.options.report:
             return
         try:
             from oobleck_mm.faults.report import format_table, plot_run, recovery_rows
 
-            events = read_events(self.event_log_path)
             self.summary = format_table(recovery_rows(events))
             print(self.summary, flush=True)
             plot_run(events, os.path.join(self.run_dir, "run.png"), f"{self.job.model.name}: {self.run_dir}")

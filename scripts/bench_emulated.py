@@ -47,6 +47,7 @@ from oobleck_mm.config import config_from_dict  # noqa: E402
 from oobleck_mm.emulation.clock import Lateness  # noqa: E402
 from oobleck_mm.emulation.truth import Truth  # noqa: E402
 from oobleck_mm.emulation.validity import HostCpu, judge  # noqa: E402
+from oobleck_mm.events import read_events  # noqa: E402
 from oobleck_mm.planning.layout import ExecutionPlan  # noqa: E402
 
 STAGES = 2
@@ -86,12 +87,9 @@ def write_profile(directory: Path, scale: float) -> str:
     return str(path)
 
 
-def predicted_step_s(job, plan: ExecutionPlan, step: int) -> float:
-    """The exact 1F1B time of ``plan``'s slowest pipeline over step ``step``'s true durations, plus the slowest
-    stage's gradient all-reduce."""
-    from oobleck_mm.data.loader import TrainingData
-
-    truth, data = Truth(job), TrainingData(job)
+def predicted_step_s(truth: Truth, data, plan: ExecutionPlan, step: int) -> float:
+    """The exact 1F1B time of ``plan``'s slowest pipeline over step ``step``'s true durations (``truth`` and the
+    real job's ``data``), plus the slowest stage's gradient all-reduce."""
     ids = data.global_batch(step)
     assignment = contiguous_assignment(ids, [p.num_microbatches for p in plan.pipelines], plan.microbatch_size)
     slowest = 0.0
@@ -108,6 +106,7 @@ def run(job, steps: int, workdir: Path) -> dict:
     """Trains ``job`` on its even plan for ``steps``; the measured step times (slowest rank) after the warm-up,
     the exact prediction, and the run's validity. ``lag_share``: the time every rank's device idled for its
     host (and its syncs woke late), over the ranks' time: what the host's load can have added to a step."""
+    from oobleck_mm.data.loader import TrainingData
     from oobleck_mm.runtime.worker import run_local
 
     pipelines = job.cluster.nodes // STAGES
@@ -126,7 +125,8 @@ def run(job, steps: int, workdir: Path) -> dict:
              "emulated_worst_lateness": lateness.worst}]  # fmt: skip
     verdict = judge(rows, cpu.share(began + sum(per_step[:WARMUP_STEPS]), time.time()))
     measured = statistics.median(per_step[s] for s in timed)
-    predicted = statistics.median(predicted_step_s(job, plan, s) for s in timed)
+    truth, data = Truth(job), TrainingData(job)
+    predicted = statistics.median(predicted_step_s(truth, data, plan, s) for s in timed)
     return {"pipelines": pipelines, "measured_s": measured, "predicted_s": predicted,
             "ratio": measured / predicted, "valid": verdict.valid, "verdict": verdict.reason,
             "deadlines_kept": lateness.valid, "cpu_share": verdict.cpu_share,
@@ -171,8 +171,6 @@ def verdict_of(run_dir: Path) -> dict:
 
 def copy_seconds(events_path: Path) -> float:
     """Seconds the run's generations spent copying layer states (each generation's slowest receiver)."""
-    from oobleck_mm.events import read_events
-
     per_generation: dict[int, float] = {}
     for e in read_events(events_path, "states_copied"):
         per_generation[e["generation"]] = max(per_generation.get(e["generation"], 0.0), e.get("transfer_seconds", 0.0))
@@ -197,7 +195,7 @@ def churn(args) -> dict:
         events = work / name / "events.jsonl"
         out["runs"][name] = {"exit": code, "wall_s": round(wall, 1), "training_s": training_seconds(events),
                              "sizes": steps_by_size(events), "copy_s": copy_seconds(events),
-                             "events": len([1 for _ in open(events) if '"event":"injected"' in _]),
+                             "events": len(read_events(events, "injected")),
                              "verdict": verdict_of(work / name)}  # fmt: skip
         print(f"{name}: exit {code}, {out['runs'][name]['training_s']:.0f} s of training, "
               f"{out['runs'][name]['events']} events, steps per node count {out['runs'][name]['sizes']}; "

@@ -27,6 +27,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import torch
+import torch.distributed as dist
+
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.emulation.clock import DeviceClock, Interrupted, Lateness
 from oobleck_mm.emulation.speed import SpeedFile
@@ -123,9 +126,6 @@ class StageTimer:
         (``GradientSync.buckets``: layers of one holder set), when the last of its holders' devices had its
         gradients (a MAX over the bucket's group), its layers and its holder count. The true all-reduce of a
         bucket starts then, not when the real one (tiny, but on shared cores tens of ms for 32 ranks) ends."""
-        import torch
-        import torch.distributed as dist
-
         out = []
         for bucket in sync.buckets:
             if sync.rank not in bucket.holders or len(bucket.holders) == 1:
