@@ -9,7 +9,8 @@ main thread, in the order the inbox delivers it:
   ``fault_tolerance.master_silence_limit``, or a master that no longer knows
   this node (it was declared lost: it registers again and joins, as when its
   stream ends), goes into the inbox.
-- ``reports``: reads every worker pipe and forwards reports to the master.
+- ``reports``: reads every worker pipe and forwards reports to the master; the only thread that
+  closes a pipe (``agent.pipes``), and a failure of its own stops the node as a fault.
 - the main thread: starts workers (one per GPU, once registered; they report
   ``ready`` once imported and warmed up, and a joining node is admitted then),
   hands later assignments (and checkpoint commands) over their pipes, checks
@@ -58,11 +59,11 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
-from multiprocessing.connection import wait as wait_connections
 
 import grpc
 import psutil
 
+from agent.pipes import ReportPipes
 from agent.reports import ReportLog
 from agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, REPORTS_DRAIN_S, Worker, WorkerFault,
                            start_worker_template, stop_all)
@@ -124,6 +125,8 @@ class Agent:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
         self.workers: dict[int, Worker] = {}
         self._workers_lock = threading.Lock()  # the reports thread reads the worker list
+        self._pipes = ReportPipes(self._on_report_bytes, self._on_worker_eof)
+        """The workers' pipes: read, and closed, on the reports thread only (``agent.pipes`` says why)."""
         self._stopping = threading.Event()
         self._channel: grpc.Channel | None = None
         self._stream = None
@@ -177,7 +180,8 @@ class Agent:
             log.info("registered as %s: %d GPUs, heartbeat every %.2fs, master given up after %.2fs of silence",
                      self.o.node, reply.gpus, self.interval,
                      self.timeouts.master_silence_limit.total_seconds())  # fmt: skip
-            self._reports_thread = threading.Thread(target=self._reports_loop, name="reports", daemon=True)
+            self._reports_thread = threading.Thread(target=self._pipes.run, args=(self._stopping, self._on_reader_failure),
+                                                    name="reports", daemon=True)  # fmt: skip
             self._reports_thread.start()
             self._start_threads()
             # The workers start now, not on the first assignment: they import and warm up while the
@@ -189,8 +193,9 @@ class Agent:
             faulthandler.dump_traceback_later(EXIT_STALL_S, exit=False)  # the process's exit cancels it
             self._stopping.set()
             if self._reports_thread is not None:
-                self._reports_thread.join(1.0)  # it reads the pipes that killing the workers closes
+                self._reports_thread.join(1.0)
             self._kill_workers()
+            self._pipes.close_all()
             if self._stream is not None:
                 self._stream.cancel()
             self._channel.close()
@@ -308,6 +313,7 @@ class Agent:
                  pb.Shutdown(reason=bench.reason, at_boundary=True), drain_s=REPORTS_DRAIN_S)  # fmt: skip
         with self._workers_lock:
             self.workers = {}
+        self._pipes.retire(workers)
         self._assigned, self._generation = False, 0  # the fresh workers hold nothing of the job yet
         for local_rank in sorted(w.local_rank for w in workers):
             self._start_worker(local_rank)
@@ -343,6 +349,7 @@ class Agent:
         worker = Worker(self.o.worker_target, self.config_path, self.o.node, local_rank, self.o.worker_start, since)
         with self._workers_lock:
             self.workers[local_rank] = worker
+        self._pipes.watch(worker)
         log.info("started worker %d (pid %d)", local_rank, worker.pid)
         return worker
 
@@ -370,6 +377,7 @@ class Agent:
             workers, self.workers = list(self.workers.values()), {}
         for worker in workers:
             worker.kill()
+        self._pipes.retire(workers)
 
     def _on_signal(self, signum: int, frame) -> None:
         self.inbox.put(("signal", signum))
@@ -421,26 +429,17 @@ class Agent:
                                                                  f"({err.code().name})")))  # fmt: skip
                     return
 
-    def _reports_loop(self) -> None:
-        while not self._stopping.is_set():
-            with self._workers_lock:
-                by_conn = {w.conn: w for w in self.workers.values() if not w.eof}
-            if not by_conn:
-                self._stopping.wait(0.05)
-                continue
-            try:
-                ready = wait_connections(list(by_conn), timeout=0.1)
-            except (OSError, ValueError):  # the main thread closed a pipe under us
-                continue
-            for conn in ready:
-                worker = by_conn[conn]
-                try:
-                    report = pb.WorkerReport.FromString(conn.recv_bytes())
-                except (EOFError, OSError):
-                    worker.eof = True  # only the main thread closes pipes: a double close could hit a reused fd
-                    self.inbox.put(("worker_eof", worker.local_rank))  # supervision says why
-                    continue
-                self._forward(worker.local_rank, report)
+    def _on_report_bytes(self, worker: Worker, data: bytes) -> None:
+        self._forward(worker, pb.WorkerReport.FromString(data))
+
+    def _on_worker_eof(self, worker: Worker) -> None:
+        self.inbox.put(("worker_eof", worker.local_rank))  # supervision says why
+
+    def _on_reader_failure(self, error: BaseException) -> None:
+        """The reports thread failed: no later report of this node would reach the master, which would wait
+        for them (issue 55). The node stops as on a fault of its own; the master replaces it."""
+        self.inbox.put(("fatal", (self.ref.session, f"the reports thread failed ({error!r}): no report of this "
+                                                    "node would reach the master")))  # fmt: skip
 
     def _checkpoint_without_master(self, why: str) -> int:
         """The master is gone: the workers finish the iteration in flight and write the step they are at
@@ -477,11 +476,12 @@ class Agent:
         log.error("the master is lost and the workers could not write a checkpoint (%s)", errors)
         return ExitCode.ERROR
 
-    def _forward(self, local_rank: int, report: pb.WorkerReport) -> None:
+    def _forward(self, worker: Worker, report: pb.WorkerReport) -> None:
+        local_rank = worker.local_rank
         if self._master_lost and report.WhichOneof("report") == "checkpoint_done":
             self.inbox.put(("saved", (local_rank, report.checkpoint_done)))
             return
-        if report.WhichOneof("report") == "ready" and (worker := self.workers.get(local_rank)) is not None:
+        if report.WhichOneof("report") == "ready":
             worker.ready = True
             # The worker measured from its own process's start; a fork of the template skipped the
             # imports the template paid after this agent asked for it. The node's real wait:

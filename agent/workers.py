@@ -226,7 +226,7 @@ class Worker:
         child_conn.close()
         self.pid = self.process.pid
         self.eof = False
-        """The worker's end of the pipe is closed (set by the agent's reports thread)."""
+        """The worker's end of the pipe is closed (set by the agent's reports thread, ``agent.pipes``)."""
         self.ready = False
         """The worker said ``ready`` (set by the agent's reports thread): until then it is importing and
         reads no command, and holds nothing a shutdown could save."""
@@ -275,7 +275,8 @@ class Worker:
             return []
 
     def kill(self) -> None:
-        """SIGKILLs the worker and every process under it, and reaps the worker."""
+        """SIGKILLs the worker and every process under it, and reaps the worker. Its pipe stays open: the
+        agent's reports thread closes it (``agent.pipes``), or ``close``."""
         tree = self.descendants()  # before the worker dies: orphans reparent and are lost to us
         for proc in [self._ps, *tree]:
             try:
@@ -284,6 +285,9 @@ class Worker:
                 pass
         self.process.join(2.0)
         _wait_dead(tree, 2.0)
+
+    def close(self) -> None:
+        """Closes the agent's end of the pipe (where no other thread reads it)."""
         self.conn.close()
 
 

@@ -16,6 +16,15 @@ A node is the failure unit. It is lost when
   ``tests/e2e/test_partition.py``'s making: 2.4 s late heartbeats, declared lost
   at 1.5 s).
 
+Apart from those signs of the node itself, ``silent_reporters`` finds a node
+whose agent heartbeats but whose workers' reports stopped (``reports_silent``):
+every rank of a generation reports every step, and a step needs every rank, so a
+step of the current generation that some rank reported proves that the others
+did it too; a rank whose report of it has not come within
+``fault_tolerance.reports_silence_limit`` is being kept from the master (its
+agent's report thread died under it, issue 55), and the job would wait for it
+until ``stall_timeout``. Lost, the node registers again and joins as new.
+
 Silence alone never takes *every* node at once before ``ALL_SILENT_GRACE``
 times the timeout: when no node heartbeats and none closed its stream or
 reported a failure, the likelier cause is on the master's side (its host or
@@ -32,6 +41,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from oobleck_mm.config import FaultToleranceConfig
+from oobleck_mm.planning.layout import Gpu
 
 STREAM_CLOSED = "stream_closed"
 HEARTBEAT_TIMEOUT = "heartbeat_timeout"
@@ -39,6 +49,7 @@ HEARTBEAT_LATE_PEERS_STALLED = "heartbeat_late_peers_stalled"
 WORKER_EXITED = "worker_exited"
 WORKER_STOPPED = "worker_stopped"
 WORKER_ZOMBIE = "worker_zombie"
+REPORTS_SILENT = "reports_silent"
 WORKER_FAILED = "worker_failed"
 """The worker itself reported an error (``WorkerFailed``) before exiting."""
 WORKER_REASONS = (WORKER_EXITED, WORKER_STOPPED, WORKER_ZOMBIE, WORKER_FAILED)
@@ -119,3 +130,29 @@ def recent_stalls(now: float, stalls: Mapping[str, float], nodes: Collection[str
     """The stall reports ``detect_failures`` may still use: of live ``nodes``, no older than the timeout."""
     limit = timeouts.heartbeat_timeout.total_seconds()
     return {node: at for node, at in stalls.items() if node in nodes and now - at <= limit}
+
+
+def silent_reporters(now: float, generation: int, gpus: Collection[Gpu], latest: Mapping[Gpu, tuple[int, int]],
+                     first_seen: Mapping[tuple[int, int], float], limit: float) -> list[Failure]:  # fmt: skip
+    """Nodes of generation ``generation`` (its ranks: ``gpus``) whose reports lag the job's: some rank
+    reported a step that one of theirs has not, and the first report of that step came over ``limit``
+    seconds ago.
+
+    ``latest[gpu]``: (generation, step) of the rank's newest step report (a metrics or done report);
+    ``first_seen[(generation, step)]``: clock when any rank first reported that step.
+    """
+    steps = sorted((step, at) for (gen, step), at in first_seen.items() if gen == generation)
+    out: dict[str, Failure] = {}
+    for gpu in sorted(gpus):
+        gen, own = latest.get(gpu, (generation, -1))
+        own = own if gen == generation else -1
+        missed = next(((step, at) for step, at in steps if step > own), None)
+        if missed is None or now - missed[1] <= limit or gpu[0] in out:
+            continue
+        step, at = missed
+        said = f"after step {own}" if own >= 0 else f"of generation {generation}"
+        out[gpu[0]] = Failure(gpu[0], REPORTS_SILENT,
+                              f"no report from local rank {gpu[1]} {said}, while the job reported step {step} "
+                              f"{now - at:.1f}s ago (limit {limit:.1f}s): its agent heartbeats, but its workers' "
+                              f"reports do not reach the master")  # fmt: skip
+    return [out[name] for name in sorted(out)]

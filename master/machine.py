@@ -22,13 +22,15 @@ checkpoint rounds in ``master.stopping``; both are parts of this machine.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 
 from master import benching, generations, stopping
 from master.generations import SETTLE_S
 from master.context import Context, Transition, add_to_incident, finish
 from master.stragglers import FACTOR_CHANGE
-from master.detector import LATE_HEARTBEAT_SHARE, WORKER_FAILED, Failure, detect_failures, recent_stalls
+from master.detector import (LATE_HEARTBEAT_SHARE, WORKER_FAILED, Failure, detect_failures, recent_stalls,
+                             silent_reporters)  # fmt: skip
 from master.effects import EndStream, ProgressMetrics, ProgressPhase
 from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
@@ -135,6 +137,10 @@ def _report(ctx: Context, ev: Report) -> None:
     elif kind == "done":
         # WorkerDone names no generation: it ends the one the worker last reported from.
         s.done[gpu] = (s.reported.get(gpu, 0), report.done.step)
+        # Done is one step past the last: a rank whose done does not come lags the job's. Its peers' may
+        # come up to a checkpoint round before its own (a background share finished first, bounded so).
+        slack = ctx.cfg.timeouts.checkpoint_round_timeout.total_seconds()
+        _stepped(ctx, gpu, s.done[gpu][0], report.done.step + 1, seen_at=ctx.now + slack)
     elif kind == "ready":
         _on_ready(ctx, entry, ev.local_rank, report.ready)
     elif kind == "stalled":
@@ -156,6 +162,10 @@ def _report(ctx: Context, ev: Report) -> None:
         ctx.because(f"an empty report from {ev.node}/gpu{ev.local_rank}: ignored")
 
 
+RECENT_STEPS = 32
+"""Step times kept for the median that paces ``fault_tolerance.reports_silence_limit``."""
+
+
 def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> None:
     s = ctx.s
     s.last_progress = ctx.now
@@ -164,9 +174,19 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
     s.holdings[gpu] = s.holdings.get(gpu, Holdings()).completed_step(m.generation)
     _check_base_held(ctx, gpu)
     s.next_step = max(s.next_step, m.step + 1)
+    _stepped(ctx, gpu, m.generation, m.step)
+    s.recent_step_s = [*s.recent_step_s[-(RECENT_STEPS - 1):], m.step_time_s]
     # Replayed or not: the lost master may have died before logging the step, and ``Progress`` drops a
     # step it (or the lost master, ``progress.logged_steps``) logged already.
     ctx.effects.append(ProgressMetrics(m))
+
+
+def _stepped(ctx: Context, gpu: Gpu, generation: int, step: int, seen_at: float | None = None) -> None:
+    """``gpu`` reported ``step`` of ``generation``: the evidence ``detector.silent_reporters`` weighs (from
+    ``seen_at``, now by default)."""
+    s = ctx.s
+    s.latest_step[gpu] = max(s.latest_step.get(gpu, (0, -1)), (generation, step))
+    s.step_seen.setdefault((generation, step), ctx.now if seen_at is None else seen_at)
 
 
 def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
@@ -337,7 +357,23 @@ def _detect(ctx: Context) -> None:
     s, timeouts = ctx.s, ctx.cfg.timeouts
     _forgive_own_stall(ctx)
     s.stalls = recent_stalls(ctx.now, s.stalls, s.registry.nodes, timeouts)
-    declare_lost(ctx, detect_failures(ctx.now, s.registry.health(), timeouts, s.stalls))
+    failures = detect_failures(ctx.now, s.registry.health(), timeouts, s.stalls)
+    declare_lost(ctx, failures + _silent_reporters(ctx, {f.node for f in failures}))
+
+
+def _silent_reporters(ctx: Context, lost: set[str]) -> list[Failure]:
+    """Registered nodes of the running generation whose workers' reports lag the job's (``detector``)."""
+    s = ctx.s
+    current = s.current_view()
+    if s.phase is not JobPhase.RUNNING or current is None:
+        return []  # a restarted master hears the agents' replays as they register: nothing lags yet
+    # Steps every rank of the current generation reported are no evidence against anyone any more.
+    behind = min((s.latest_step.get(gpu, (0, -1)) for gpu in current.ranks), default=(s.generation, -1))
+    s.step_seen = {key: at for key, at in s.step_seen.items() if key > behind and key[0] >= s.generation}
+    step_s = statistics.median(s.recent_step_s) if s.recent_step_s else 0.0
+    limit = ctx.cfg.timeouts.reports_silence_limit(step_s).total_seconds()
+    gpus = [gpu for gpu in current.ranks if gpu[0] in s.registry.nodes and gpu[0] not in lost]
+    return silent_reporters(ctx.now, s.generation, gpus, s.latest_step, s.step_seen, limit)
 
 
 def _forgive_own_stall(ctx: Context) -> None:
@@ -354,6 +390,7 @@ def _forgive_own_stall(ctx: Context) -> None:
         return
     s.registry.forgive(gap, now)
     s.last_progress = min(now, s.last_progress + gap)
+    s.step_seen = {key: at + gap for key, at in s.step_seen.items()}  # nor the reports' lag
     ctx.record("master_stalled", seconds=gap)
     log.warning("the master did not run for %.2fs; not counting it as the nodes' silence", gap)
 

@@ -163,6 +163,13 @@ class JobState:
     """(node, gpu) -> generation of its latest metrics or phase report."""
     stalls: dict[str, float] = field(default_factory=dict)
     """node -> clock reading of its workers' latest report of a stalled collective."""
+    latest_step: dict[Gpu, tuple[int, int]] = field(default_factory=dict)
+    """(node, gpu) -> (generation, step) of its newest metrics or done report (``detector.silent_reporters``)."""
+    step_seen: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(generation, step) -> clock of the first report of that step, kept while some rank of the current
+    generation has not reported it."""
+    recent_step_s: list[float] = field(default_factory=list)
+    """The latest ``RECENT_STEPS`` step times reported (seconds): their median paces ``reports_silence_limit``."""
     planning: PendingPlan | None = None
     plans_asked: int = 0
     """Planning calls made: the next one's id."""
@@ -222,6 +229,6 @@ class JobState:
         self.slow.pop(name, None)  # and is measured afresh
         self.slow_since.pop(name, None)
         self.weighed.discard(name)
-        for table in (self.holdings, self.done, self.reported):
+        for table in (self.holdings, self.done, self.reported, self.latest_step):
             for gpu in [g for g in table if g[0] == name]:
                 del table[gpu]

@@ -72,6 +72,7 @@ if __name__ == "__main__":
             pass
         times.append(time.monotonic() - started)
         worker.kill()
+        worker.close()
     print(json.dumps(times))
 """
 

@@ -155,6 +155,17 @@ class FaultToleranceConfig:
         and waiting longer would only wait for a plan that never comes."""
         return self.heartbeat_timeout
 
+    def reports_silence_limit(self, step_s: float) -> timedelta:
+        """How long after some rank reported a step of the current generation a rank of that generation
+        may go without reporting it before its node is lost (``reports_silent``, ``master.detector``):
+        ``max(REPORTS_SILENCE_STEPS * step_s, 2 * collective_timeout)``, ``step_s`` the job's median step
+        time. Every rank reports every step and no step ends without every rank, so a rank that lags
+        the job's reports by many steps is a node whose reports are kept from the master (its agent's
+        report thread died: issue 55), where the job would otherwise wait out ``stall_timeout``. Many
+        steps, because an agent forwards reports one call at a time and a busy host delays them; never
+        under two collective timeouts, the longest a rank can sit in one step's waits."""
+        return max(REPORTS_SILENCE_STEPS * timedelta(seconds=step_s), 2 * self.collective_timeout)
+
     @property
     def master_stall_threshold(self) -> timedelta:
         """A gap this long between two detection ticks means the master itself did not run (starved
@@ -227,4 +238,6 @@ MAX_BENCH_DOUBLINGS = 3
 """A node benched again stays out ``straggler_bench * 2**k`` for its k-th return, k at most this (8x)."""
 
 COLLECTIVE_TIMEOUT_MARGIN = timedelta(seconds=5)
+REPORTS_SILENCE_STEPS = 20
+"""Steps a rank's reports may lag the job's before its node is lost (``reports_silence_limit``)."""
 """``collective_timeout`` minus ``heartbeat_timeout``: the master's verdict's way to a waiting worker."""

@@ -71,6 +71,7 @@ def worker():
     yield start
     for w in made:
         w.kill()
+        w.close()
 
 
 def test_supervision_tells_healthy_stopped_and_killed_apart(worker):

@@ -103,6 +103,8 @@ class Agent:
     session: int
     stream: bool = False
     hung: bool = False
+    mute: bool = False
+    """Its agent heartbeats, but its workers' reports no longer reach the master (issue 55)."""
     ready: bool = False
     dismissed: bool = False
     assignment: pb.Assignment | None = None
@@ -204,6 +206,9 @@ class MachineModel(RuleBasedStateMachine):
                 view = s.current_view()
                 silent = [n for n in view.nodes if (view.number, n) not in w.done_by]
                 assert not silent, f"exit 0 before {silent} of generation {view.number} reported done"
+        elif isinstance(effect, Record) and effect.kind == "lost" and effect.fields["reason"] == "reports_silent":
+            agent = w.agents.get(effect.fields["node"])
+            assert agent is None or agent.mute, f"{agent.name} lost for silent reports, but it reported every step"
         elif isinstance(effect, Record) and effect.kind == "plan_decided":
             nodes, number = effect.fields["nodes"], effect.fields["generation"]
             eligible = set(s.registry.names())
@@ -275,6 +280,13 @@ class MachineModel(RuleBasedStateMachine):
         if awake and not now:
             data.draw(st.sampled_from(awake)).hung = True
 
+    @rule(data=st.data(), now=st.integers(0, 3))
+    def mute(self, data, now: int) -> None:
+        """The agent's report thread dies: it heartbeats on, its workers train, nothing they report arrives."""
+        awake = [a for a in self.world.agents.values() if not a.hung and not a.mute]
+        if awake and not now:
+            data.draw(st.sampled_from(awake)).mute = True
+
     @rule(data=st.data())
     def notice(self, data) -> None:
         live = [a for a in self.world.agents.values() if not a.hung]
@@ -298,6 +310,8 @@ class MachineModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the workers
     def report(self, agent: Agent, replayed: bool = False, **kind) -> None:
+        if agent.mute:
+            return
         self.feed(Report(agent.name, agent.session, 0, pb.WorkerReport(**kind), replayed))
 
     def generation_workers(self) -> list[tuple[Agent, pb.Assignment]] | None:
@@ -536,6 +550,13 @@ class MachineModel(RuleBasedStateMachine):
         current = s.current_view()
         assert s.phase is JobPhase.RUNNING, f"not settled: {s.phase.value}"
         planned = set(current.nodes) if current is not None else set()
+        mute = sorted(n for n in planned if self.world.agents[n].mute)
+        if mute and set(mute) == planned:
+            return  # every node of the generation mute: no evidence against any; stall_timeout ends the job
+        assert not mute, (
+            f"{mute} of generation {s.generation} report nothing while the others trained on: the job waits for them")
+        # A mute node outside the plan is never seen ready, so never admitted: it idles, harming nothing.
+        live -= {a.name for a in self.world.agents.values() if a.mute}
         # Restart mode admits joins only at its next restart (restarting for them would redo steps).
         admitted = planned <= live if self.settings.options.recovery == "restart" else planned == live
         assert current is not None and admitted, (

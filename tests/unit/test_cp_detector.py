@@ -9,12 +9,14 @@ import pytest
 from master.detector import (
     HEARTBEAT_LATE_PEERS_STALLED,
     HEARTBEAT_TIMEOUT,
+    REPORTS_SILENT,
     STREAM_CLOSED,
     WORKER_EXITED,
     WORKER_STOPPED,
     Failure,
     NodeHealth,
     detect_failures,
+    silent_reporters,
 )
 from oobleck_mm.config import FaultToleranceConfig
 
@@ -114,3 +116,39 @@ def test_silence_takes_every_node_at_once_only_after_twice_the_timeout():
     assert [f.reason for f in detect_failures(100.0, nodes, TIMEOUT)] == [HEARTBEAT_TIMEOUT, STREAM_CLOSED]
     single = {"a": NodeHealth(last_heartbeat=96.9)}  # a one-node job: its only node hung
     assert [f.node for f in detect_failures(100.0, single, TIMEOUT)] == ["a"]
+
+
+# ---------------------------------------------------------------------- reports that stop (issue 55)
+GPUS = [("a", 0), ("a", 1), ("b", 0)]
+
+
+def test_a_rank_whose_reports_lag_a_step_the_job_reported_past_the_limit_loses_its_node_once():
+    latest = {("a", 0): (2, 10), ("a", 1): (2, 4), ("b", 0): (2, 10)}
+    seen = {(2, s): 100.0 + s for s in range(3, 11)}  # step s first reported at 100 + s
+    assert silent_reporters(120.0, 2, GPUS, latest, seen, limit=15.0) == []  # step 5 seen 15.0 s ago: not past
+    lost = silent_reporters(120.01, 2, GPUS, latest, seen, limit=15.0)
+    assert [(f.node, f.reason) for f in lost] == [("a", REPORTS_SILENT)]
+    assert "local rank 1 after step 4" in lost[0].detail and "step 5" in lost[0].detail
+    # Two silent ranks of one node: the node is lost once.
+    latest[("a", 0)] = (2, 4)
+    assert len(silent_reporters(130.0, 2, GPUS, latest, seen, limit=15.0)) == 1
+
+
+def test_without_a_step_some_other_rank_reported_nobody_is_silent():
+    latest = {gpu: (3, 7) for gpu in GPUS}
+    seen = {(3, s): 0.0 for s in range(8)}
+    assert silent_reporters(1e6, 3, GPUS, latest, seen, limit=1.0) == []  # all level: a slow step, not a lag
+    assert silent_reporters(1e6, 3, GPUS, {}, {}, limit=1.0) == []  # nobody reported: no evidence either
+
+
+def test_a_rank_that_reported_only_in_older_generations_lags_every_step_of_the_new_one():
+    latest = {("a", 0): (4, 70), ("a", 1): (4, 70), ("b", 0): (3, 69)}  # b's workers were replaced: silent since
+    seen = {(4, 66): 10.0, (4, 70): 30.0, (3, 69): 5.0}
+    lost = silent_reporters(10.0 + 20.5, 4, GPUS, latest, seen, limit=20.0)
+    assert [f.node for f in lost] == ["b"] and "of generation 4" in lost[0].detail and "step 66" in lost[0].detail
+
+
+def test_the_limit_follows_the_step_time_above_two_collective_timeouts():
+    ft = FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3))
+    assert ft.reports_silence_limit(0.1) == 2 * ft.collective_timeout == timedelta(seconds=16)
+    assert ft.reports_silence_limit(5.0) == timedelta(seconds=100)  # 20 steps
