@@ -43,6 +43,7 @@ def build_assignments(
     base: GenerationView | None = None,
     previous_ranks: list[int] | None = None,
     resume_dir: str = "",
+    resume_chosen: bool = False,
     at_boundary: bool = False,
     checkpoint_after_first_step: bool = False,
 ) -> list[tuple[Gpu, int, EncodedEvent]]:
@@ -51,14 +52,15 @@ def build_assignments(
 
     ``base`` and ``previous_ranks`` make it a reconfiguration (survivors keep
     their states); without them the workers start afresh, from ``resume_dir``
-    when given. ``at_boundary``: the ranks it drops left on notice and finish the
+    when given (``resume_chosen``: one of the run's own periodic checkpoints, not the user's
+    ``--resume``). ``at_boundary``: the ranks it drops left on notice and finish the
     iteration in flight, so the workers switch at the boundary. ``checkpoint_after_first_step``: a
     periodic checkpoint was cut short by the loss ``gen`` recovers from: take the next one at once.
     """
     shared = pb.Assignment(
         generation=gen.number, world_size=gen.layout.world_size, store_host=sending.store_host,
         store_port=sending.store_port, start_step=start_step, steps=sending.steps, plan=plan_to_proto(gen.layout),
-        resume_dir=resume_dir, save_final_dir=sending.save_final_dir,
+        resume_dir=resume_dir, resume_chosen=resume_chosen, save_final_dir=sending.save_final_dir,
         checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
         checkpoint_async=sending.checkpoint_async, rank_nodes=gen.rank_nodes,
         checkpoint_after_first_step=checkpoint_after_first_step,

@@ -138,6 +138,10 @@ class CheckpointBook:
     """Checkpoint directory -> (node, gpu) -> its worker's CheckpointDone (live mode)."""
     last_timing: dict[str, float] = field(default_factory=dict)
     """Snapshot and write seconds of the newest complete one (the slowest worker's)."""
+    last_generation: int = 0
+    """The generation that wrote ``last`` (0: not known, a restarted master's journal)."""
+    unreadable: set[str] = field(default_factory=set)
+    """Checkpoints the master chose for a generation whose workers could not read them (never chosen again)."""
 
     def record_share(self, gens: Mapping[int, GenerationView], gpu: Gpu, done: pb.CheckpointDone) -> bool:
         """Live mode: one worker's share; True when it completed its checkpoint (every rank of the
@@ -157,14 +161,16 @@ class CheckpointBook:
         self.last_timing = {"snapshot_seconds": max(d.snapshot_seconds for d in shares.values()),
                             "write_seconds": max(d.seconds for d in shares.values())}  # fmt: skip
         if self.last is None or done.step > self.last[1]:
-            self.last = (done.dir, done.step)
+            self.last, self.last_generation = (done.dir, done.step), done.generation
         self.shares = {d: s for d, s in self.shares.items() if step_of(d) > done.step}  # older: abandoned
         return True
 
     def record_barrier_checkpoint(self, done: pb.CheckpointDone) -> bool:
         """Restart mode: one report means every rank passed the checkpoint's closing barrier."""
+        if done.dir in self.unreadable:
+            return False
         if done.step > 0 and (self.last is None or done.step > self.last[1]):
-            self.last = (done.dir, done.step)
+            self.last, self.last_generation = (done.dir, done.step), done.generation
             self.last_timing = {}
             return True
         return False
@@ -205,17 +211,28 @@ def step_of(directory: str) -> int:
     return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else -1
 
 
-def prune_checkpoints(directory: str, keep: int) -> None:
+def prune_checkpoints(directory: str, keep: int, pinned: Collection[str] = ()) -> None:
     """Keeps the ``keep`` newest complete periodic checkpoints beside ``directory`` and removes older
-    ones, complete or cut short (no meta.json)."""
+    ones, complete or cut short (no meta.json), except ``pinned`` ones: a checkpoint a generation was told
+    to load stays until it is loaded (issue 56: restart mode keeps one checkpoint, and a newer one that
+    completed after the plan deleted the one the restarted workers were about to open)."""
     parent = os.path.dirname(directory)
-    steps = sorted((s for s in map(step_of, (os.path.join(parent, n) for n in os.listdir(parent))) if s >= 0),
-                   reverse=True) if os.path.isdir(parent) else []  # fmt: skip
-    complete = [s for s in steps if os.path.exists(os.path.join(parent, f"step{s:08d}", "meta.json"))]
-    oldest_kept = complete[keep - 1] if len(complete) >= keep else (complete[-1] if complete else 0)
-    for s in steps:
-        if s < oldest_kept:
-            shutil.rmtree(os.path.join(parent, f"step{s:08d}"), ignore_errors=True)
+    steps = [s for s in map(step_of, (os.path.join(parent, n) for n in os.listdir(parent))) if s >= 0
+             ] if os.path.isdir(parent) else []  # fmt: skip
+    complete = {s for s in steps if os.path.exists(os.path.join(parent, f"step{s:08d}", "meta.json"))}
+    for path in doomed_checkpoints(parent, steps, complete, keep, pinned):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def doomed_checkpoints(parent: str, steps: Collection[int], complete: Collection[int], keep: int,
+                       pinned: Collection[str] = ()) -> list[str]:  # fmt: skip
+    """What ``prune_checkpoints`` removes under ``parent`` (its ``stepN`` folders: ``steps``, of which
+    ``complete`` have meta.json): every one older than the ``keep``-th newest complete one, but ``pinned``."""
+    newest = sorted(complete, reverse=True)
+    oldest_kept = newest[keep - 1] if len(newest) >= keep else (newest[-1] if newest else 0)
+    keep_also = {os.path.normpath(p) for p in pinned}
+    paths = (os.path.join(parent, f"step{s:08d}") for s in sorted(steps) if s < oldest_kept)
+    return [p for p in paths if os.path.normpath(p) not in keep_also]
 
 
 def meta_sampler(job):

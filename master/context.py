@@ -61,7 +61,7 @@ class Context:
         current = s.gens.get(s.generation)
         return Facts(s.views(), s.holdings, abandoned, s.next_step, self.cfg.steps, options.resume_dir,
                      options.resume_step, s.checkpoints.last,
-                     current.keeps_replicas_from if current is not None else 0)  # fmt: skip
+                     current.keeps_replicas_from if current is not None else 0, s.newer_checkpoint())  # fmt: skip
 
     def transition(self) -> Transition:
         return Transition(self.s, tuple(self.effects), "; ".join(self.reasons), self.answer, self.refused)

@@ -400,7 +400,7 @@ class Coordinator:
             log.warning("cannot complete the checkpoint %s: %s", e.directory, exc)
 
     def _prune(self, e: PruneCheckpoints) -> None:
-        self._disk.submit(lambda: prune_checkpoints(e.directory, e.keep))
+        self._disk.submit(lambda: prune_checkpoints(e.directory, e.keep, e.pinned))
 
     def _start_progress(self, e: StartProgress) -> None:
         self._progress.start(e.view, e.incident, e.expected)

@@ -97,10 +97,12 @@ class WriteMeta:
 
 @dataclass(frozen=True, slots=True)
 class PruneCheckpoints:
-    """Keep the ``keep`` newest complete periodic checkpoints beside ``directory``."""
+    """Keep the ``keep`` newest complete periodic checkpoints beside ``directory``, and ``pinned``."""
 
     directory: str
     keep: int
+    pinned: tuple[str, ...] = ()
+    """Checkpoints a generation was told to load and has not loaded yet (``JobState.pin``): never removed."""
 
 
 @dataclass(frozen=True, slots=True)

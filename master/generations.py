@@ -154,6 +154,8 @@ def maybe_plan(ctx: Context) -> None:
                 changed = set(want.slow) ^ set(previous.slow if previous is not None else ())
                 nodes = tuple(sorted({n for n, _ in changed} | set(want.bench))) or want.live
             cause = "abandoned" if counted else ("lost" if lost_now else "straggler" if speeds else "joined")
+            if cause == "joined" and want.failure and not want.joined and s.newer_checkpoint() is not None:
+                cause = "checkpoint"  # restart mode: a newer checkpoint than the one being loaded completed
             s.incident = Incident(cause, nodes, ctx.now)
         if ctx.policy.restarts_workers:
             _restart_workers(ctx, want)
@@ -166,6 +168,8 @@ def maybe_plan(ctx: Context) -> None:
         why = (f"generation {s.generation} abandoned step {s.next_step} with no node lost: the same nodes and "
                "plan again") if counted else (f"the nodes that joined generation {s.generation} are gone: the "
                                               f"nodes of generation {want.plan_from} again, with its plan")  # fmt: skip
+        if not counted and (s.incident is not None and s.incident.cause == "checkpoint"):
+            why = "a newer checkpoint completed: the same nodes and plan again, from it"
         answer = Planned(source.plan, source.view.layout, dict(source.view.ranks), source.template_nodes,
                          fresh=False, actions=("re-form",), seconds=0.0, reason=why,
                          keeps_replicas_from=source.keeps_replicas_from)  # fmt: skip
@@ -190,8 +194,14 @@ def _restart_workers(ctx: Context, request: Request) -> None:
     if s.restarted_for == s.generation:
         return  # already restarted for a failure of this generation
     s.restarted_for = s.generation
-    reason = (f"restart recovery after losing {', '.join(request.lost)}" if request.lost
-              else "restart recovery after an iteration abandoned with no node lost")  # fmt: skip
+    newer = s.newer_checkpoint()
+    if request.lost:
+        reason = f"restart recovery after losing {', '.join(request.lost)}"
+    elif newer is not None and s.abandoned is None:
+        reason = (f"restart from the newer checkpoint of step {newer[1]}, completed after generation {s.generation} "
+                  f"was told to load step {s.pin[2] if s.pin else '?'}")  # fmt: skip
+    else:
+        reason = "restart recovery after an iteration abandoned with no node lost"
     for node in request.live:
         ctx.send(node, pb.AgentEvent(restart=pb.RestartWorkers(reason=reason)))
     s.holdings.clear()  # every worker restarts empty: no holdings, no reports to wait for
@@ -365,9 +375,11 @@ def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView |
         resume_dir, start = "", ctx.s.next_step  # survivors carry the state (and agree on the step)
     else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
         resume_dir, start = ctx.policy.fresh_start(ctx.facts())
+        ctx.s.pin = (view.number, resume_dir, start) if resume_dir else None
     for gpu, rank, event in build_assignments(
         view, ctx.cfg.sending, start_step=start, base=base, previous_ranks=previous if base else None,
-        resume_dir=resume_dir, at_boundary=at_boundary, checkpoint_after_first_step=checkpoint_again,
+        resume_dir=resume_dir, resume_chosen=bool(resume_dir) and resume_dir != ctx.cfg.options.resume_dir,
+        at_boundary=at_boundary, checkpoint_after_first_step=checkpoint_again,
     ):  # fmt: skip
         ctx.send(gpu[0], event)
         ctx.record("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],

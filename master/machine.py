@@ -196,6 +196,9 @@ def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
                    seconds=p.seconds)  # fmt: skip
         return
     s.last_progress = ctx.now
+    if p.phase == "aborted" and p.bad_checkpoint and p.generation == s.generation:
+        if _checkpoint_unreadable(ctx, gpu, p):
+            return
     if p.phase == "aborted" and p.generation == s.generation and s.abandoned is None:
         s.abandoned = (ctx.now, p.message.splitlines()[0] if p.message else "no message")
     s.reported[gpu] = max(s.reported.get(gpu, 0), p.generation)
@@ -209,6 +212,35 @@ def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
         gen = s.gens.get(p.generation)
         rank = None if gen is None else gen.view.ranks.get(gpu)
         ctx.effects.append(ProgressPhase(gpu[0], gpu[1], rank, p))
+
+
+def _checkpoint_unreadable(ctx: Context, gpu: Gpu, p: pb.PhaseDone) -> bool:
+    """The checkpoint the master chose for the current generation cannot be read (issue 56): the run's fault,
+    never the user's. Forgotten; the generation's abandoned iteration then restarts from a newer checkpoint,
+    and with none left the job stops with exit 3, saying so. True when it stopped."""
+    s = ctx.s
+    if p.bad_checkpoint in ctx.s.checkpoints.unreadable:
+        return False  # another worker's report of it
+    s.checkpoints.unreadable.add(p.bad_checkpoint)
+    ctx.record("checkpoint_unreadable", dir=p.bad_checkpoint, node=gpu[0], local_rank=gpu[1], generation=p.generation,
+               message=p.message)  # fmt: skip
+    last = s.checkpoints.last
+    if last is not None and last[0] != p.bad_checkpoint:
+        ctx.because(f"{p.bad_checkpoint} cannot be read; the restart takes the newer {last[0]}")
+        return False
+    s.checkpoints.last = None
+    options = ctx.cfg.options
+    why = p.message.splitlines()[0] if p.message else "no message"
+    headline = (f"cannot restart: the checkpoint {p.bad_checkpoint} that generation {p.generation} was told to "
+                f"load cannot be read ({why}), and no other complete checkpoint of this run is left")  # fmt: skip
+    if options.resume_dir:  # true, if costly: the steps since that resume are lost
+        finish(ctx, ExitCode.NO_REPLICAS, f"{headline}.\nThe run started from {options.resume_dir}; the steps since "
+                                          f"are lost. resume with: {options.resume_command} --resume "
+                                          f"{options.resume_dir}")  # fmt: skip
+    else:
+        finish(ctx, ExitCode.NO_REPLICAS, f"{headline}. No checkpoint to resume from: the run starts again with "
+                                          f"{options.resume_command}")  # fmt: skip
+    return True
 
 
 def _check_base_held(ctx: Context, gpu: Gpu) -> None:

@@ -65,6 +65,9 @@ class Facts:
     last_checkpoint: tuple[str, int] | None
     keeps_replicas_from: int = 0
     """(f + 1) * n0 of the current generation's plan; 0: not known."""
+    newer_checkpoint: tuple[str, int] | None = None
+    """A checkpoint newer than the one the current generation loads and anything it trained
+    (``JobState.newer_checkpoint``)."""
 
 
 class LiveRecovery:
@@ -102,7 +105,7 @@ class RestartRecovery:
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
         gone = tuple(n for n in current.nodes if n not in live)
-        if not gone and not facts.abandoned:
+        if not gone and not facts.abandoned and facts.newer_checkpoint is None:
             return None  # joins wait for the next restart: restarting for them would redo steps
         new = tuple(n for n in live if n not in current.nodes)
         return Request(base=0, plan_from=current.number, lost=gone, joined=new, live=tuple(live), failure=True)

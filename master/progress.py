@@ -23,7 +23,7 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 
 # Worker phase name -> the job-level event written when every rank reported it.
 CAUSE_WORDS = {"lost": "loss", "joined": "join", "abandoned": "abandoned iteration", "left": "notice to leave",
-               "straggler": "change of speed"}
+               "straggler": "change of speed", "checkpoint": "newer checkpoint"}
 """An incident's cause as a noun, for the console."""
 PHASE_EVENTS = {"rendezvous": "rendezvous_done", "states_copied": "states_copied", "resumed": "resumed"}
 
@@ -40,7 +40,7 @@ class Incident:
 
     cause: str
     """``lost`` | ``joined`` | ``left`` (a preemption notice) | ``restart`` | ``abandoned`` (an iteration
-    given up with no node lost)."""
+    given up with no node lost) | ``checkpoint`` (restart mode: a newer checkpoint than the one being loaded)."""
     nodes: tuple[str, ...]
     detected_at: float
     """The master's clock (``Coordinator.clock``) when it was seen."""

@@ -168,6 +168,10 @@ class JobState:
     step_seen: dict[tuple[int, int], float] = field(default_factory=dict)
     """(generation, step) -> clock of the first report of that step, kept while some rank of the current
     generation has not reported it."""
+    pin: tuple[int, str, int] | None = None
+    """(generation, directory, step) of the checkpoint the newest generation that starts afresh was told to
+    load (a resume, a restart): kept from pruning until some rank completed a step of that generation
+    (every rank loaded it then). Restart mode re-plans when a newer checkpoint completes first."""
     recent_step_s: list[float] = field(default_factory=list)
     """The latest ``RECENT_STEPS`` step times reported (seconds): their median paces ``reports_silence_limit``."""
     planning: PendingPlan | None = None
@@ -219,6 +223,24 @@ class JobState:
     def in_plan(self, node: str) -> bool:
         current = self.current_view()
         return current is not None and node in current.nodes
+
+    def progress(self) -> int:
+        """The newest step a rank of the current generation reported (-1: none yet)."""
+        return max((step for gen, step in self.latest_step.values() if gen == self.generation), default=-1)
+
+    def pinned(self) -> tuple[str, ...]:
+        """Checkpoints pruning must keep: the one the current generation loads, until it completed a step."""
+        if self.pin is None or self.pin[0] != self.generation or self.progress() >= 0:
+            return ()
+        return (self.pin[1],)
+
+    def newer_checkpoint(self) -> tuple[str, int] | None:
+        """A complete checkpoint newer than the one the current generation loads and than anything it trained,
+        written by an older generation (its reports came after the plan): restart mode restarts from it."""
+        last, pin = self.checkpoints.last, self.pin
+        if last is None or pin is None or pin[0] != self.generation or self.checkpoints.last_generation >= pin[0]:
+            return None
+        return last if last[1] > pin[2] and last[1] > self.progress() else None
 
     def out_on_bench(self, now: float) -> set[str]:
         """Registered nodes benched until after ``now``: no plan takes them."""

@@ -70,7 +70,7 @@ class ExecutionPlan(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary", "store_token", "checkpoint_after_first_step")
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "start_step", "steps", "plan", "previous_generation", "previous_plan", "previous_ranks", "resume_dir", "save_final_dir", "checkpoint_interval", "checkpoint_dir", "rank_nodes", "checkpoint_async", "at_boundary", "store_token", "checkpoint_after_first_step", "resume_chosen")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class Assignment(_message.Message):
     AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     STORE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_AFTER_FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -111,7 +112,8 @@ class Assignment(_message.Message):
     at_boundary: bool
     store_token: str
     checkpoint_after_first_step: bool
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ..., store_token: _Optional[str] = ..., checkpoint_after_first_step: _Optional[bool] = ...) -> None: ...
+    resume_chosen: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., start_step: _Optional[int] = ..., steps: _Optional[int] = ..., plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_generation: _Optional[int] = ..., previous_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., previous_ranks: _Optional[_Iterable[int]] = ..., resume_dir: _Optional[str] = ..., save_final_dir: _Optional[str] = ..., checkpoint_interval: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., checkpoint_async: _Optional[bool] = ..., at_boundary: _Optional[bool] = ..., store_token: _Optional[str] = ..., checkpoint_after_first_step: _Optional[bool] = ..., resume_chosen: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("dir", "generation", "surviving_ranks", "at_boundary")
@@ -224,7 +226,7 @@ class WorkerFailed(_message.Message):
     def __init__(self, message: _Optional[str] = ..., user_error: _Optional[bool] = ..., bug: _Optional[bool] = ...) -> None: ...
 
 class PhaseDone(_message.Message):
-    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message", "transfer_seconds", "formed_ahead")
+    __slots__ = ("generation", "phase", "step", "seconds", "bytes", "message", "transfer_seconds", "formed_ahead", "bad_checkpoint")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +235,7 @@ class PhaseDone(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORMED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    BAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     phase: str
     step: int
@@ -241,7 +244,8 @@ class PhaseDone(_message.Message):
     message: str
     transfer_seconds: float
     formed_ahead: bool
-    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., formed_ahead: _Optional[bool] = ...) -> None: ...
+    bad_checkpoint: str
+    def __init__(self, generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., formed_ahead: _Optional[bool] = ..., bad_checkpoint: _Optional[str] = ...) -> None: ...
 
 class CheckpointDone(_message.Message):
     __slots__ = ("dir", "step", "layers", "generation", "seconds", "snapshot_seconds", "error")

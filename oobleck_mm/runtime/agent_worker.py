@@ -238,10 +238,11 @@ class WorkerLoop:
         self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=step, generation=generation, error=error))
 
     def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
-              message: str = "", transfer_seconds: float = 0.0, formed_ahead: bool = False) -> None:
+              message: str = "", transfer_seconds: float = 0.0, formed_ahead: bool = False,
+              bad_checkpoint: str = "") -> None:
         self.report(phase=pb.PhaseDone(generation=generation, phase=name, step=step, seconds=seconds,
                                        bytes=nbytes, message=message, transfer_seconds=transfer_seconds,
-                                       formed_ahead=formed_ahead))  # fmt: skip
+                                       formed_ahead=formed_ahead, bad_checkpoint=bad_checkpoint))  # fmt: skip
 
     def _stalled(self, what: str, waited: float) -> None:
         generation = self.current.number if self.current is not None else 0
@@ -293,7 +294,8 @@ class WorkerLoop:
                 return pending
             engine, start = self.adopt(a, plan, arrival)
         except PeerFailure as error:
-            return self.abort(a.generation, self.next_step or a.start_step, str(error))
+            return self.abort(a.generation, self.next_step or a.start_step, str(error),
+                              bad_checkpoint=error.directory if isinstance(error, UnreadableCheckpoint) else "")
         gen = Generation(a.generation, plan, a.rank, engine)
         self.current = gen
         engine.command_waiting = self.commands.waiting
@@ -389,12 +391,13 @@ class WorkerLoop:
         leave_group()
         return pb.WorkerCommand(shutdown=pb.Shutdown(reason="the master is lost"))
 
-    def abort(self, generation: int, step: int, message: str):
+    def abort(self, generation: int, step: int, message: str, bad_checkpoint: str = ""):
         log.warning("generation %d: iteration %d abandoned: %s", generation, step, message)
         t0 = time.perf_counter()
         leave_group(abort=True)  # closes our connections: peers blocked on us fail fast instead of timing out
         # (seconds: the leave itself; a slow one holds this rank out of the next generation's rendezvous)
-        self.phase(generation, "aborted", step=step, message=message[:500], seconds=time.perf_counter() - t0)
+        self.phase(generation, "aborted", step=step, message=message[:500], seconds=time.perf_counter() - t0,
+                   bad_checkpoint=bad_checkpoint)
         return self.commands.get()
 
     # ------------------------------------------------------------------ generation set-up
@@ -501,13 +504,16 @@ class WorkerLoop:
                 held = {}
                 if a.resume_dir:
                     specs = layer_specs(self.job.model, self.job.data)
-                    held = {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
-                            for i in plan.stage(a.rank).layers}
+                    held = _read_resume(a, lambda: {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
+                                                    for i in plan.stage(a.rank).layers})  # fmt: skip
                 engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter,
                                      emulation=self.emulation)
                 if a.resume_dir and held:  # float16's scale and the balancer's model go on from the checkpoint
-                    engine.load_shared_state(read_shared_state(a.resume_dir, specs[min(held)].name))
+                    shared = _read_resume(a, lambda: read_shared_state(a.resume_dir, specs[min(held)].name))
+                    engine.load_shared_state(shared)
                 transfers, moved, transfer_s = [], 0, 0.0
+        except PeerFailure:
+            raise
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
         self.phase(a.generation, "states_copied", step=start, seconds=time.perf_counter() - t0, nbytes=moved,
@@ -535,7 +541,7 @@ class WorkerLoop:
                 engine.settle(None)  # nobody applied it: the iteration is rerun
             return latest
         if a.resume_dir:
-            return int(read_meta(a.resume_dir)["step"])
+            return int(_read_resume(a, lambda: read_meta(a.resume_dir))["step"])
         return int(a.start_step)
 
     def _settle(self, a, engine: StageEngine | None, mine: int | None, step: int) -> None:
@@ -618,6 +624,28 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
         summary = f"{type(error).__name__}: {error}"
         _report_failure(conn, pb.WorkerFailed(message=f"{summary}\n{message}", bug=True))
         raise SystemExit(ExitCode.ERROR) from None
+
+
+class UnreadableCheckpoint(PeerFailure):
+    """The checkpoint the master chose for this generation (restart mode) cannot be read: a fault of the run
+    (pruned, damaged on disk), not the user's input. The iteration is abandoned naming it, and the master
+    restarts from a newer one or stops with exit 3 (issue 56: it was exit 2, the code for a user's mistake)."""
+
+    def __init__(self, directory: str, message: str) -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
+def _read_resume(a, read: Callable[[], Any]) -> Any:
+    """``read()`` of the assignment's checkpoint; a failure of one the master chose is ``UnreadableCheckpoint``.
+    The user's ``--resume`` (``resume_chosen`` unset) stays theirs to fix: exit 2, naming what is wrong."""
+    try:
+        return read()
+    except (UserError, OSError) as error:
+        if not a.resume_chosen:
+            raise
+        raise UnreadableCheckpoint(a.resume_dir, f"generation {a.generation}: the run's checkpoint {a.resume_dir} "
+                                                 f"cannot be read: {str(error).splitlines()[0]}") from error
 
 
 def _process_start() -> float:

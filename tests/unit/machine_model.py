@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from master import machine
-from master.effects import AskPlanner, EndStream, Finished, Record, Send, WriteJournal
+from master.checkpointing import doomed_checkpoints, step_of
+from master.effects import AskPlanner, EndStream, Finished, PruneCheckpoints, Record, Send, WriteJournal, WriteMeta
 from master.inputs import (Adopt, Heartbeat, Leave, OpenStream, PlanAnswered, Register, Report, StopRequested,
                            Straggler, StreamEnded, Tick)  # fmt: skip
 from master.state import JobPhase, JobState, RunOptions, Settings
@@ -125,6 +126,8 @@ class World:
     stop_requested: bool = False
     done_by: set = field(default_factory=set)
     """(generation, node) of every WorkerDone sent."""
+    disk: set = field(default_factory=set)
+    """The run's complete periodic checkpoints (their meta.json written, not pruned)."""
 
 
 class MachineModel(RuleBasedStateMachine):
@@ -199,6 +202,12 @@ class MachineModel(RuleBasedStateMachine):
             w.asked[effect.id] = effect
         elif isinstance(effect, WriteJournal):
             w.journal = effect.journal
+        elif isinstance(effect, WriteMeta):
+            w.disk.add(effect.directory)
+        elif isinstance(effect, PruneCheckpoints):
+            parent = "/run/checkpoints"
+            steps = {step_of(d) for d in w.disk}
+            w.disk -= set(doomed_checkpoints(parent, steps, steps, effect.keep, effect.pinned))
         elif isinstance(effect, Finished):
             w.finished.append(effect)
             assert len(w.finished) == 1, f"finished twice: {w.finished}"
@@ -326,6 +335,10 @@ class MachineModel(RuleBasedStateMachine):
             if agent is None or agent.hung or a is None or a.generation != current.number:
                 return None
             out.append((agent, a))
+        for agent, a in out:  # the workers open the checkpoint they were told to load: it must be there
+            if a.resume_dir.startswith("/run/") and self.state.progress() < 0:
+                assert a.resume_dir in self.world.disk, (
+                    f"generation {a.generation} loads {a.resume_dir}, which is gone (on disk: {sorted(self.world.disk)})")
         return out
 
     @rule(phases=st.booleans())
@@ -387,6 +400,19 @@ class MachineModel(RuleBasedStateMachine):
                 done = pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=a.generation, step=step,
                                          layers=1)  # fmt: skip
                 self.report(agent, checkpoint_done=done)
+
+    @rule(data=st.data(), ahead=st.integers(0, 12))
+    def late_checkpoint(self, data, ahead: int) -> None:
+        """A checkpoint an older generation wrote before it stopped, reported after the plan that replaced it
+        (its agent forwarded it late, or replayed it to a restarted master): issue 56."""
+        s = self.state
+        agents = [a for a in self.world.agents.values() if not a.hung]
+        if agents and s.generation > 1 and self.settings.options.checkpoint_interval:
+            agent = data.draw(st.sampled_from(agents))
+            step = min(s.next_step + ahead, self.settings.steps - 1)
+            done = pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=s.generation - 1, step=step,
+                                     layers=1)  # fmt: skip
+            self.report(agent, checkpoint_done=done)
 
     @rule(data=st.data(), fails=st.booleans())
     def write_round_share(self, data, fails: bool) -> None:

@@ -17,6 +17,8 @@ import os
 from hypothesis import HealthCheck, Phase, settings
 
 from machine_model import FakePlan, MachineModel, answer
+from master.inputs import PlanAnswered
+from oobleck_mm.protocol import oobleck_pb2 as pb
 from master.effects import AskPlanner
 
 EXAMPLES = int(os.environ.get("OOBLECK_MACHINE_EXAMPLES", "150"))
@@ -275,3 +277,90 @@ def test_a_restarted_master_stops_waiting_for_a_missing_node_once_the_generation
         assert ask.lost == ("n5",), ask
         m.feed(PlanAnswered(ask.id, answer(m.world.asked.pop(ask.id))))
         assert m.state.generation == generation + 1 and "n5" not in m.state.current_view().nodes
+
+
+def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_from_a_newer_one():
+    """Issue 56: generation 2 (restart mode, after a loss) was told to load step 4's checkpoint; then the
+    shares of steps 6, 8 and 10, written by generation 1 before it stopped, completed. Pruning (one kept)
+    deleted step 4 under the restarted workers, which stopped the job with exit 2. Now step 4 stays pinned
+    until generation 2 completes a step, and the burst makes one restart from the newest (step 10)."""
+    from master.effects import PruneCheckpoints, Send
+
+    m = MachineModel()
+    m.start(steps=100, recovery="restart", interval=2, started=5)
+    for _ in range(3):  # steps 1-3 after the start's step 0
+        m.train_a_step(phases=True)
+        m.periodic_checkpoint()
+    assert m.state.checkpoints.last == ("/run/checkpoints/step00000004", 4)
+    m.kill_named(sorted(m.state.current_view().nodes)[-1])
+    m.time_passes(0.3)
+    for plan_id in sorted(m.world.asked):  # planned: generation 2 loads step 4
+        m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
+    assert m.state.generation == 2 and m.state.pin == (2, "/run/checkpoints/step00000004", 4)
+    pins, restarts = [], []
+    original = m.carry_out
+
+    def watch(effect):
+        if isinstance(effect, PruneCheckpoints):
+            pins.append(effect.pinned)
+        event = pb.AgentEvent.FromString(effect.event.SerializeToString()) if isinstance(effect, Send) else None
+        if event is not None and event.WhichOneof("event") == "restart":
+            restarts.append(event.restart.reason)
+        return original(effect)
+
+    m.carry_out = watch
+    agent = next(a for a in m.world.agents.values() if not a.hung)
+    for step in (6, 8, 10):  # generation 1's late shares, 10 ms apart
+        m.report(agent, checkpoint_done=pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=1,
+                                                          step=step, layers=1))  # fmt: skip
+        m.feed_tick(0.01)
+    assert pins and all(p == ("/run/checkpoints/step00000004",) for p in pins), pins
+    assert "/run/checkpoints/step00000004" in m.world.disk and m.state.generation == 2, "kept; no restart yet"
+    m.time_passes(0.3)  # the burst settled: one restart
+    for plan_id in sorted(m.world.asked):
+        m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
+    live = len(m.state.current_view().nodes)
+    assert len(restarts) == live and set(restarts) == {restarts[0]}, restarts  # one restart, told to each node
+    assert "newer checkpoint of step 10" in restarts[0], restarts
+    assert m.state.generation == 3 and m.state.pin == (3, "/run/checkpoints/step00000010", 10)
+    assert {a.assignment.resume_dir for a in m.world.agents.values() if a.assignment} == {
+        "/run/checkpoints/step00000010"}
+    m.train_a_step(phases=True)
+    assert m.state.pinned() == (), "a step of generation 3 completed: every rank loaded it"
+
+
+def test_a_checkpoint_the_run_chose_and_cannot_read_is_never_exit_2():
+    """Issue 56 item 2: the workers of a restart generation cannot read the checkpoint the master chose (they
+    abandon the iteration naming it). With a newer complete one the restart takes that one; with none left the
+    job stops with exit 3 and a true message, never exit 2 (the code for the user's mistake)."""
+    from oobleck_mm.errors import ExitCode
+
+    def restarted_from_step_4(newer: bool) -> MachineModel:
+        m = MachineModel()
+        m.start(steps=100, recovery="restart", interval=2, started=5)
+        for _ in range(3):
+            m.train_a_step(phases=True)
+            m.periodic_checkpoint()
+        m.kill_named(sorted(m.state.current_view().nodes)[-1])
+        m.time_passes(0.3)
+        for plan_id in sorted(m.world.asked):
+            m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
+        assert m.state.pin == (2, "/run/checkpoints/step00000004", 4)
+        if newer:  # a late share of generation 1 completes step 6 (the restart waits for the burst to settle)
+            m.report(m.world.agents["n0"], checkpoint_done=pb.CheckpointDone(
+                dir="/run/checkpoints/step00000006", generation=1, step=6, layers=1))
+        for agent in [a for a in m.world.agents.values() if a.assignment is not None]:
+            assert agent.assignment.resume_chosen, "the master says the checkpoint is its own choice"
+            m.report(agent, phase=pb.PhaseDone(generation=2, phase="aborted", bad_checkpoint="/run/checkpoints/"
+                                               "step00000004", message="not a complete checkpoint (no meta.json)"))
+        return m
+
+    m = restarted_from_step_4(newer=False)
+    assert m.state.finish is not None and m.state.finish.exit_code == ExitCode.NO_REPLICAS
+    assert "step00000004" in m.state.finish.message and "cannot be read" in m.state.finish.message
+
+    m = restarted_from_step_4(newer=True)
+    assert m.state.finish is None
+    m.settle()
+    assert m.state.pin == (3, "/run/checkpoints/step00000006", 6), m.state.pin  # restarted from the newer one
+    assert m.state.finish is not None and m.state.finish.exit_code == ExitCode.OK, m.state.finish
