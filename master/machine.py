@@ -171,6 +171,7 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
     s.last_progress = ctx.now
     s.reforms = 0
     s.reported[gpu] = max(s.reported.get(gpu, 0), m.generation)
+    _check_running(ctx)
     s.holdings[gpu] = s.holdings.get(gpu, Holdings()).completed_step(m.generation)
     _check_base_held(ctx, gpu)
     s.next_step = max(s.next_step, m.step + 1)
@@ -179,6 +180,13 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
     # Replayed or not: the lost master may have died before logging the step, and ``Progress`` drops a
     # step it (or the lost master, ``progress.logged_steps``) logged already.
     ctx.effects.append(ProgressMetrics(m))
+
+
+def _check_running(ctx: Context) -> None:
+    s = ctx.s
+    current = s.current_view()
+    if current is not None and all(s.reported.get(gpu, 0) >= s.generation for gpu in current.ranks):
+        s.running = max(s.running, s.generation)
 
 
 def _stepped(ctx: Context, gpu: Gpu, generation: int, step: int, seen_at: float | None = None) -> None:
@@ -202,6 +210,7 @@ def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
     if p.phase == "aborted" and p.generation == s.generation and s.abandoned is None:
         s.abandoned = (ctx.now, p.message.splitlines()[0] if p.message else "no message")
     s.reported[gpu] = max(s.reported.get(gpu, 0), p.generation)
+    _check_running(ctx)
     holdings = s.holdings.get(gpu, Holdings())
     if p.phase == "states_copied":
         s.holdings[gpu] = holdings.adopted(p.generation)

@@ -168,6 +168,9 @@ class JobState:
     step_seen: dict[tuple[int, int], float] = field(default_factory=dict)
     """(generation, step) -> clock of the first report of that step, kept while some rank of the current
     generation has not reported it."""
+    running: int = 0
+    """The newest generation every rank of which reported from: its workers run, and on its nodes the workers
+    of older generations are gone (an agent stops them before it starts fresh ones)."""
     pin: tuple[int, str, int] | None = None
     """(generation, directory, step) of the checkpoint the newest generation that starts afresh was told to
     load (a resume, a restart): kept from pruning until some rank completed a step of that generation
@@ -236,11 +239,18 @@ class JobState:
 
     def newer_checkpoint(self) -> tuple[str, int] | None:
         """A complete checkpoint newer than the one the current generation loads and than anything it trained,
-        written by an older generation (its reports came after the plan): restart mode restarts from it."""
-        last, pin = self.checkpoints.last, self.pin
-        if last is None or pin is None or pin[0] != self.generation or self.checkpoints.last_generation >= pin[0]:
+        written by an older generation after the plan (its workers ran until their agents had the restart):
+        restart mode restarts from it, once every rank of the current generation reported from it. Only then
+        are the old workers surely gone (an agent kills them before it starts the fresh ones), so no newer
+        one can follow: one restart, not one per checkpoint they wrote meanwhile (seen: four, 0.6 s apart,
+        while the master's sends waited behind its disk). A checkpoint's step is the next one to run."""
+        last, pin, writer = self.checkpoints.last, self.pin, self.checkpoints.last_generation
+        current = self.current_view()
+        if last is None or pin is None or current is None or pin[0] != self.generation or not 0 < writer < pin[0]:
             return None
-        return last if last[1] > pin[2] and last[1] > self.progress() else None
+        if self.running != self.generation:
+            return None  # an old worker may still run and write
+        return last if last[1] > pin[2] and last[1] > self.progress() + 1 else None
 
     def out_on_bench(self, now: float) -> set[str]:
         """Registered nodes benched until after ``now``: no plan takes them."""

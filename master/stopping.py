@@ -23,12 +23,6 @@ from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
-CHECKPOINT_SETTLE_S = 0.25
-"""Restart mode: after a checkpoint of a gone generation completed past the one the current generation was
-told to load, wait this long for the rest of that generation's checkpoint reports before restarting from the
-newest: they come in a burst (issue 56: the shares of steps 70, 75, 80 and 85 within 40 ms), and one
-restart from the newest beats one per report."""
-
 
 def request_stop(ctx: Context, reason: str) -> None:
     """A graceful stop (SIGTERM to the master or to ``local``): the workers write the step they are at
@@ -185,10 +179,6 @@ def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
         keep = keep_checkpoints(ctx.cfg.options.recovery, ctx.cfg.timeouts.keep_checkpoints)
         if keep:
             ctx.effects.append(PruneCheckpoints(done.dir, keep, s.pinned()))
-        if ctx.policy.restarts_workers and s.newer_checkpoint() is not None:
-            # The generation that wrote it is gone; its shares come in a burst after the restart's plan
-            # (issue 56: steps 70-85 within 40 ms). One restart from the newest, once they came.
-            s.settle_until = max(s.settle_until, ctx.now + CHECKPOINT_SETTLE_S)
         ctx.record("checkpoint_saved", dir=done.dir, step=done.step, generation=s.generation,
                    **s.checkpoints.last_timing)  # fmt: skip
         write_journal(ctx)

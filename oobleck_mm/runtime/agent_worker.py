@@ -353,10 +353,10 @@ class WorkerLoop:
                     return self.abort(a.generation, self.next_step, f"checkpoint: {str(error).splitlines()[0]}")
                 if saved.error:  # the disk refused this rank's share: said as such, training goes on
                     self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
-                                                                  error=saved.error))  # fmt: skip
-                elif saved.complete:
+                                                                  generation=a.generation, error=saved.error))
+                elif saved.complete:  # the generation: the master tells a gone generation's late one (issue 56)
                     self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
-                                                                  layers=len(engine.layers)))  # fmt: skip
+                                                                  layers=len(engine.layers), generation=a.generation))
         if a.save_final_dir:
             try:
                 saved = save_checkpoint(a.save_final_dir, engine, a.steps)

@@ -283,7 +283,8 @@ def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_fro
     """Issue 56: generation 2 (restart mode, after a loss) was told to load step 4's checkpoint; then the
     shares of steps 6, 8 and 10, written by generation 1 before it stopped, completed. Pruning (one kept)
     deleted step 4 under the restarted workers, which stopped the job with exit 2. Now step 4 stays pinned
-    until generation 2 completes a step, and the burst makes one restart from the newest (step 10)."""
+    until generation 2 completes a step, and once generation 2's fresh workers report (generation 1's are gone
+    then, and no newer checkpoint can follow) one restart takes the newest (step 10)."""
     from master.effects import PruneCheckpoints, Send
 
     m = MachineModel()
@@ -310,13 +311,15 @@ def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_fro
 
     m.carry_out = watch
     agent = next(a for a in m.world.agents.values() if not a.hung)
-    for step in (6, 8, 10):  # generation 1's late shares, 10 ms apart
+    for step in (6, 8, 10):  # generation 1's shares, written while its agents had no restart yet
         m.report(agent, checkpoint_done=pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=1,
                                                           step=step, layers=1))  # fmt: skip
-        m.feed_tick(0.01)
+        m.time_passes(0.6)
     assert pins and all(p == ("/run/checkpoints/step00000004",) for p in pins), pins
     assert "/run/checkpoints/step00000004" in m.world.disk and m.state.generation == 2, "kept; no restart yet"
-    m.time_passes(0.3)  # the burst settled: one restart
+    for a in [a for a in m.world.agents.values() if a.assignment is not None]:  # generation 2's fresh workers
+        m.report(a, phase=pb.PhaseDone(generation=2, phase="rendezvous", step=4))
+    m.time_passes(0.3)  # one restart
     for plan_id in sorted(m.world.asked):
         m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
     live = len(m.state.current_view().nodes)
@@ -346,7 +349,7 @@ def test_a_checkpoint_the_run_chose_and_cannot_read_is_never_exit_2():
         for plan_id in sorted(m.world.asked):
             m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
         assert m.state.pin == (2, "/run/checkpoints/step00000004", 4)
-        if newer:  # a late share of generation 1 completes step 6 (the restart waits for the burst to settle)
+        if newer:  # a late share of generation 1 completes step 6
             m.report(m.world.agents["n0"], checkpoint_done=pb.CheckpointDone(
                 dir="/run/checkpoints/step00000006", generation=1, step=6, layers=1))
         for agent in [a for a in m.world.agents.values() if a.assignment is not None]:
