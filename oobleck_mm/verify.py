@@ -7,8 +7,12 @@ below-threshold checkpoint). The reference trainer runs the same global steps
 from the same seed on the same global batches (from step 0, or from the
 checkpoint ``--from`` names: a long run is checked over the window that
 matters, a recovery, in minutes) and every layer's largest absolute and relative
-difference is printed. Exit 0 when the largest is within the tolerance, 1 when
-not, 2 on a bad config, flag or checkpoint.
+difference is printed. First the checkpoint's manifest is checked (each layer
+file's size and the sha256 its writer recorded, as ``--resume`` and ``export``
+do: a flipped byte in an optimizer moment is no parameter difference). In a
+float64 run Adam's moments are compared too, each relative to its largest
+value. Exit 0 when the largest is within the tolerance, 1 when not, 2 on a bad
+config, flag or checkpoint (a damaged one included).
 
 The default tolerance fits the run's arithmetic. A float64 run (compute and
 master weights) must equal the reference to 1e-9: any larger difference is a
@@ -110,9 +114,12 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
     import torch
 
     from oobleck_mm.precision import compute_dtype, master_dtype
-    from oobleck_mm.runtime.checkpoint import load_params, read_meta
+    from oobleck_mm.runtime.checkpoint import check_layer_files, load_layer, read_meta
 
     meta = read_meta(directory)
+    # The manifest first: sizes and the sha256 each writer recorded (a flipped byte in an optimizer moment
+    # is no parameter difference, and --resume and export refuse such a folder: so does verify, issue 54).
+    check_layer_files(directory, meta, progress)
     if meta["step"] != steps:
         progress(f"note: the checkpoint is at step {meta['step']}, comparing after {steps} reference steps")
     exact = compute_dtype(job.training) == master_dtype(job.training) == torch.float64
@@ -132,9 +139,21 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
             noise_run.close()
     layers = []
     for i, spec in enumerate(trainer.specs):
-        saved = load_params(directory, spec.name)
+        held = load_layer(directory, job, i, trainer.specs)
+        saved = held.module.state_dict()
+        reference = trainer.layer_state(i)
+        if exact:  # Adam's moments too: a lost or repeated update moves them as it moves the parameters
+            saved, reference = {**saved, **_moments(held)}, {**reference, **_moments_of(trainer, i)}
+            for key in [k for k in reference if k.startswith("optimizer.")]:
+                # Relative to the tensor's largest value: exp_avg_sq is ~1e-8 here, and an absolute 1e-9
+                # would pass it 10% off. A float64 moment is exact up to reduction order, as a parameter is.
+                largest = reference[key].abs().max().item() if reference[key].numel() else 0.0
+                ref = reference.pop(key) / (largest or 1.0)
+                reference[f"{key} (relative)"] = ref
+                if key in saved:
+                    saved[f"{key} (relative)"] = saved.pop(key).to(ref.dtype) / (largest or 1.0)
         worst, where, scale, drift = 0.0, "", 0.0, None
-        for key, ref in trainer.layer_state(i).items():
+        for key, ref in reference.items():
             if key not in saved:
                 raise UserError(f"{directory}: layer {spec.name!r} has no tensor {key!r}; is it this model's checkpoint?")
             diff = (saved[key].to(ref.dtype) - ref).abs().max().item() if ref.numel() else 0.0
@@ -155,6 +174,36 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
              f"order, {measured:.1e}" + (f"; at least {FLOOR_ULPS} ulps, {floor:.1e}" if floor > NOISE_FACTOR * measured else ""))  # fmt: skip
     tolerance = max(NOISE_FACTOR * measured, floor)
     return Verdict(tuple(layers), tolerance, basis, _blind_spot(job, steps, tolerance))
+
+
+def _moments(held) -> dict:
+    """A loaded layer's Adam state per trainable parameter, keyed ``optimizer.<k>.<name>`` (k: its position)."""
+    from oobleck_mm.runtime.update import trainable_params
+
+    if held.optimizer is None:
+        return {}
+    out = {}
+    for k, param in enumerate(trainable_params(held.module)):
+        for name, value in held.optimizer.state.get(param, {}).items():
+            if name != "step":  # exp_avg, exp_avg_sq (the step count is the checkpoint's step)
+                out[f"optimizer.{k}.{name}"] = value
+    return out
+
+
+def _moments_of(trainer: ReferenceTrainer, index: int) -> dict:
+    """The reference's Adam state of layer ``index``, keyed as ``_moments`` keys a checkpoint's. A parameter
+    another layer's optimizer owns (a tied LM head's weight) is left out: its owner compares it."""
+    from oobleck_mm.runtime.update import trainable_params
+
+    optimizer = trainer.optimizers.get(index)
+    if optimizer is None:
+        return {}
+    out = {}
+    for k, param in enumerate(trainable_params(trainer.layers[index])):
+        for name, value in optimizer.state.get(param, {}).items():
+            if name != "step":
+                out[f"optimizer.{k}.{name}"] = value.detach().clone()
+    return out
 
 
 def checkpoint_windows(checkpoints_dir: str, final_dir: str | None = None) -> list[tuple[str | None, str, int]]:

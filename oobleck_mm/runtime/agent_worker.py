@@ -359,7 +359,7 @@ class WorkerLoop:
                                                                   layers=len(engine.layers), generation=a.generation))
         if a.save_final_dir:
             try:
-                saved = save_checkpoint(a.save_final_dir, engine, a.steps)
+                saved = save_checkpoint(a.save_final_dir, engine, a.steps, self.node)  # its hold point (kill@phase:checkpoint)
             except RuntimeError as error:  # the next generation (no steps left) saves it again
                 return self.abort(a.generation, a.steps, f"final save: {str(error).splitlines()[0]}")
             if saved.error:  # every step trained; the disk refused the model: the user's to fix, named

@@ -75,6 +75,48 @@ def start_workers(config, count, pipes, procs):
         procs.append(p)
 
 
+def _verify_catches_a_changed_moment_and_a_flipped_byte(job, final, tmp_path) -> None:
+    """Issue 54 item 2: ``verify`` compared parameters only. A float64 run whose Adam moment is off (the
+    checkpoint consistent, its sha256 recorded anew) now fails on that moment; flipped bytes fail the
+    manifest (the sha256 its writer recorded), as ``--resume`` and ``export`` do."""
+    import hashlib
+    import json
+    import shutil
+
+    import torch
+
+    from oobleck_mm.errors import UserError
+
+    def moments(path):
+        payload = torch.load(path, weights_only=True)
+        keys = [k for k in (payload["optimizer"] or {}) if "exp_avg_sq" in k and payload["optimizer"][k].abs().max() > 0]
+        return payload, keys
+
+    name = next(p.stem for p in sorted((final / "layers").glob("*.pt")) if moments(p)[1])
+    moved = tmp_path / "moment-off"
+    shutil.copytree(final, moved)
+    path = moved / "layers" / f"{name}.pt"
+    payload, keys = moments(path)
+    payload["optimizer"][keys[0]] = payload["optimizer"][keys[0]] * (1 + 1e-3)
+    torch.save(payload, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_suffix(".sha256").write_text(digest)
+    meta = json.loads((moved / "meta.json").read_text())  # a consistent checkpoint, only its moment off
+    meta["layer_sha256"][name], meta["layer_bytes"][name] = digest, path.stat().st_size
+    (moved / "meta.json").write_text(json.dumps(meta))
+    verdict = compare(job, STEPS, str(moved), progress=lambda line: None)
+    assert not verdict.ok and verdict.worst.name == name and "exp_avg_sq" in verdict.worst.worst_tensor, \
+        verdict.format()
+    flipped = tmp_path / "flipped"
+    shutil.copytree(final, flipped)
+    path = flipped / "layers" / f"{name}.pt"
+    data = bytearray(path.read_bytes())
+    data[-200:-100] = bytes(b ^ 0xFF for b in data[-200:-100])
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="sha256"):
+        compare(job, STEPS, str(flipped), progress=lambda line: None)
+
+
 def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
     config = job_config(tmp_path)
     store, port = serve_store_only(TOKEN)  # the master's rendezvous store, alone: the test plays the master
@@ -129,6 +171,7 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
         hashes = [yaml.safe_load((final / "replicas" / f"rank{r}.json").read_text()) for r in range(3)]
         for layer in hashes[2]:  # rank 2 holds every layer; each replica must be identical
             assert all(h[layer] == hashes[2][layer] for h in hashes if layer in h)
+        _verify_catches_a_changed_moment_and_a_flipped_byte(load_config(config), final, tmp_path)
     finally:
         for p in procs:
             if p.is_alive():
