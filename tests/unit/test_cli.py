@@ -132,7 +132,7 @@ def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
     (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0, "num_layers": len(names),
                                                     "layer_names": names}))  # fmt: skip
     assert verify(["--config", TINY, "--steps", "0", "--against", str(tmp_path)]) == 2
-    assert "unreadable checkpoint shard" in capsys.readouterr().err
+    assert "not a readable layer shard" in capsys.readouterr().err  # the manifest check, before any tensor
     (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0}))
     assert verify(["--config", TINY, "--steps", "0", "--against", str(tmp_path)]) == 2
     assert "lacks num_layers, layer_names" in capsys.readouterr().err
