@@ -217,14 +217,22 @@ def test_a_notice_planned_before_a_join_is_switched_to_and_sent_after_it_is_plan
     check_final(config, steps, final)
 
 
-def test_two_nodes_killed_at_once(launches, tmp_path):
-    config = write_config(tmp_path, nodes=4)  # four one-node pipelines; 2 are enough for f + 1 = 2
+def test_two_nodes_killed_at_once_and_one_inside_the_final_save(launches, tmp_path):
+    """Two kills at once, then a third inside the final save (``@phase:checkpoint``: issue 54 item 1, it
+    never fired there, the final save held no hold point of its node): the next generation, with no step
+    left, saves again, equal to the reference."""
+    config = write_config(tmp_path, nodes=5)  # five one-node pipelines; 2 are enough for f + 1 = 2
     final = tmp_path / "final"
     run = start(launches, tmp_path, config, "--save-final", str(final),
-                "--inject", "kill:node1@step3,kill:node2@step3")  # fmt: skip
+                "--inject", "kill:node1@step3,kill:node2@step3", "--inject", "kill:node3@phase:checkpoint")  # fmt: skip
     finish_ok(run)
-    decided = recovered_generation(run, {"node1", "node2"})
-    assert sorted(decided["nodes"]) == ["node0", "node3"]
+    lost = {e["node"]: e for e in run.events("lost")}
+    assert sorted(lost) == ["node1", "node2", "node3"] and all(e["in_plan"] for e in lost.values())
+    [late] = run.events("injected", node="node3")
+    assert late["phase"] == "checkpoint" and late["step"] >= 7, late  # fired in the final save, after step 7
+    decided = run.events("plan_decided")
+    assert sorted(decided[1]["nodes"]) == ["node0", "node3", "node4"] and decided[1]["previous_generation"] >= 1
+    assert sorted(decided[-1]["nodes"]) == ["node0", "node4"] and decided[-1]["previous_generation"] >= 1
     check_final(config, 8, final)
 
 
