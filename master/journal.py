@@ -119,6 +119,10 @@ def read_journal(run_dir: str) -> Journal:
                              + (" (version 1 kept the plan in a pickle, which this master never loads)"
                                 if version == 1 else ""))  # fmt: skip
         if "ended" in record:
+            if record["ended"] == 0:
+                raise UserError(f"--resume-master: the job in {run_dir!r} finished (exit 0): no master is to be "
+                                "resumed and nothing runs to re-adopt; to train on, start a new job with --resume "
+                                "DIR, DIR its final save (--save-final) or a checkpoint it wrote")  # fmt: skip
             raise UserError(f"--resume-master: the job in {run_dir!r} ended (exit {record['ended']}): nothing runs "
                             "to re-adopt; a checkpoint it wrote resumes with --resume DIR")
         plan = plan_from_dict(record["plan"]) if record.get("plan") is not None else None
@@ -131,6 +135,8 @@ def read_journal(run_dir: str) -> Journal:
             last_checkpoint=(checkpoint[0], int(checkpoint[1])) if checkpoint else None,
             started_wall=float(record.get("started_wall") or 0.0),
         )  # fmt: skip
+    except UserError:
+        raise  # said as it is (a UserError is a ValueError: it was re-wrapped as unreadable, issue 54 item 6)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise UserError(f"--resume-master: cannot read the journal {path}: {exc}") from None
 

@@ -629,6 +629,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     check_runnable(job, workers_here=True)
     faults = _faults(args, job.cluster.nodes)
     _check_phase_targets(faults, job, bool(args.save_final))
+    _check_step_targets(faults, job.training.steps)
     # Warnings by default: the console shows progress; details are in the event log.
     _setup_logging("local", _level(args.log_level or "warning"))
     options = LocalOptions(
@@ -680,6 +681,16 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
         faults += timeline
     check_targets(faults, _node_names(num_nodes))
     return faults
+
+
+def _check_step_targets(faults: list, steps: int) -> None:
+    """A fault at stepN fires once N steps are done: past the job's last step it never would (issue 54: such
+    a run ended with exit 0 and not a word about the fault)."""
+    for fault in faults:
+        if fault.step is not None and fault.step > steps:
+            raise UserError(f"--inject {fault.source or fault.describe()}: it fires once {fault.step} steps are "
+                            f"done, and this run trains {steps} (training.steps, --steps): it would never fire; "
+                            f"aim at a step from 0 to {steps}")  # fmt: skip
 
 
 def _check_phase_targets(faults: list, job, save_final: bool) -> None:

@@ -34,6 +34,7 @@ hold 2-3 events within a second (a failure among joins).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -77,8 +78,8 @@ def parse_churn(text: str) -> ChurnSpec:
         rate = float(head)
     except ValueError:
         raise UserError(f"--churn: RATE must be bursts per minute (a number), got {head!r}; form: {GRAMMAR}") from None
-    if not rate > 0:
-        raise UserError(f"--churn: RATE must be > 0 bursts per minute, got {head}")
+    if not 0 < rate < math.inf:
+        raise UserError(f"--churn: RATE must be a finite number > 0 of bursts per minute, got {head}")
     fields: dict = {}
     for part in rest:
         key, sep, value = part.partition("=")
@@ -89,6 +90,10 @@ def parse_churn(text: str) -> ChurnSpec:
         except ValueError:
             raise UserError(f"--churn: {key} must be a {'whole ' if key in _INT_KEYS else ''}number, "
                             f"got {value!r}") from None  # fmt: skip
+    for key, value in fields.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--churn: {key.removesuffix('_s').removesuffix('_share')} must be a finite number, "
+                            f"got {value}")  # fmt: skip
     spec = ChurnSpec(rate, **fields)
     if spec.burst < 1:
         raise UserError(f"--churn: burst must be >= 1 event, got {spec.burst}")

@@ -108,6 +108,9 @@ def test_a_bug_exits_1_with_its_traceback_never_as_bad_input(capsys, monkeypatch
                                                       "live-recovery run writes none: set "
                                                       "fault_tolerance.checkpoint_interval"),
         (["--churn", "5,burst=0"], "--churn: burst must be >= 1"),
+        # issue 54 item 5: a fault past the last step never fires; such a run said nothing of it
+        (["--inject", "kill:node1@step50"], "--inject kill:node1@step50: it fires once 50 steps are done, and "
+                                            "this run trains 2 (training.steps, --steps): it would never fire"),
     ],
 )  # fmt: skip
 def test_local_refuses_bad_flags_before_starting_anything(capsys, tmp_path, args, message):

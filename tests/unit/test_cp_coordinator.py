@@ -1258,7 +1258,12 @@ def test_a_journal_of_an_ended_job_is_never_re_adopted_and_the_same_command_star
     assert running_job(str(tmp_path)) == 1  # a master that died: the same command re-adopts it
     end_journal(str(tmp_path), 0)
     assert running_job(str(tmp_path)) is None
-    with pytest.raises(UserError, match=r"ended \(exit 0\): nothing runs to re-adopt"):
+    with pytest.raises(UserError, match=r"finished \(exit 0\): no master is to be resumed") as caught:
+        read_journal(str(tmp_path))
+    # Said as it is: it was re-wrapped as an unreadable journal (issue 54 item 6)
+    assert "cannot read the journal" not in str(caught.value) and "--resume DIR" in str(caught.value)
+    end_journal(str(tmp_path), 3)
+    with pytest.raises(UserError, match=r"ended \(exit 3\): nothing runs to re-adopt; a checkpoint it wrote"):
         read_journal(str(tmp_path))
 
 

@@ -38,7 +38,9 @@ def test_churn_stays_within_its_bounds_hits_only_live_nodes_and_comes_in_bursts(
 
 @pytest.mark.parametrize("text, message", [
     ("fast", "RATE must be bursts per minute"),
-    ("0", "must be > 0"),
+    ("0", "must be a finite number > 0"),
+    ("inf,duration=1", "must be a finite number > 0"),  # issue 54 item 5: accepted, where nan was refused
+    ("5,duration=inf", "duration must be a finite number"),
     ("5,bursts=2", "unknown part 'bursts=2'"),
     ("5,burst=two", "burst must be a whole number"),
     ("5,burst=0", "burst must be >= 1"),
