@@ -99,7 +99,8 @@ class LocalCluster:
         self.token_file = os.path.join(self.run_dir, "token")
         # The job as resolved here (overrides applied, paths absolute): the master reads exactly it.
         self.job_file = os.path.join(self.run_dir, "job.yaml")
-        with open(self.job_file, "w", encoding="utf-8") as fh:
+        # Owner-only, as the journal holding the same config is (issue 54 item 8): run dirs live on shared storage.
+        with open(os.open(self.job_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as fh:
             dump_config(job, fh)
         self.address = ""
         self.master: subprocess.Popen | None = None

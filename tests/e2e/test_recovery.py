@@ -233,6 +233,8 @@ def test_two_nodes_killed_at_once_and_one_inside_the_final_save(launches, tmp_pa
     decided = run.events("plan_decided")
     assert sorted(decided[1]["nodes"]) == ["node0", "node3", "node4"] and decided[1]["previous_generation"] >= 1
     assert sorted(decided[-1]["nodes"]) == ["node0", "node4"] and decided[-1]["previous_generation"] >= 1
+    # The run dir's copy of the job is owner-only, as the journal holding it is (issue 54 item 8)
+    assert {oct((run.run_dir / f).stat().st_mode & 0o777) for f in ("job.yaml", "master-journal.json")} == {"0o600"}
     check_final(config, 8, final)
 
 
