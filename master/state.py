@@ -232,10 +232,15 @@ class JobState:
         return max((step for gen, step in self.latest_step.values() if gen == self.generation), default=-1)
 
     def pinned(self) -> tuple[str, ...]:
-        """Checkpoints pruning must keep: the one the current generation loads, until it completed a step."""
-        if self.pin is None or self.pin[0] != self.generation or self.progress() >= 0:
-            return ()
-        return (self.pin[1],)
+        """Checkpoints pruning must keep: the newest this master knows complete (what it would restart from),
+        and the one the current generation loads, until it completed a step. Pruning keeps the newest on
+        disk, and a restart-mode checkpoint is complete on disk (its rank 0 writes meta.json) before its
+        report reaches the master: a newer one not reported yet made pruning delete the one the master
+        then chose (seen in the restart-mode fault tour, after a killmaster)."""
+        out = [self.checkpoints.last[0]] if self.checkpoints.last is not None else []
+        if self.pin is not None and self.pin[0] == self.generation and self.progress() < 0:
+            out.append(self.pin[1])
+        return tuple(dict.fromkeys(out))
 
     def newer_checkpoint(self) -> tuple[str, int] | None:
         """A complete checkpoint newer than the one the current generation loads and than anything it trained,

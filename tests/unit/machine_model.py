@@ -414,6 +414,15 @@ class MachineModel(RuleBasedStateMachine):
                                      layers=1)  # fmt: skip
             self.report(agent, checkpoint_done=done)
 
+    @rule(ahead=st.integers(1, 12))
+    def checkpoint_on_disk_unreported(self, ahead: int) -> None:
+        """Restart mode: a checkpoint complete on disk (its rank 0 wrote meta.json) whose report has not reached
+        the master (its workers trained on while no master ran): pruning sees it, the master does not."""
+        s = self.state
+        if self.settings.options.recovery == "restart" and self.settings.options.checkpoint_interval:
+            step = min(s.next_step + ahead, self.settings.steps - 1)
+            self.world.disk.add(f"/run/checkpoints/step{step:08d}")
+
     @rule(data=st.data(), fails=st.booleans())
     def write_round_share(self, data, fails: bool) -> None:
         told = [a for a in self.world.agents.values() if a.checkpoint is not None and not a.hung]
