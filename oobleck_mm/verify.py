@@ -11,7 +11,7 @@ difference is printed. First the checkpoint's manifest is checked (each layer
 file's size and the sha256 its writer recorded, as ``--resume`` and ``export``
 do: a flipped byte in an optimizer moment is no parameter difference). In a
 float64 run Adam's moments are compared too, each relative to its largest
-value. Exit 0 when the largest is within the tolerance, 1 when not, 2 on a bad
+value in the layer. Exit 0 when the largest is within the tolerance, 1 when not, 2 on a bad
 config, flag or checkpoint (a damaged one included).
 
 The default tolerance fits the run's arithmetic. A float64 run (compute and
@@ -144,14 +144,23 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
         reference = trainer.layer_state(i)
         if exact:  # Adam's moments too: a lost or repeated update moves them as it moves the parameters
             saved, reference = {**saved, **_moments(held)}, {**reference, **_moments_of(trainer, i)}
-            for key in [k for k in reference if k.startswith("optimizer.")]:
-                # Relative to the tensor's largest value: exp_avg_sq is ~1e-8 here, and an absolute 1e-9
-                # would pass it 10% off. A float64 moment is exact up to reduction order, as a parameter is.
-                largest = reference[key].abs().max().item() if reference[key].numel() else 0.0
-                ref = reference.pop(key) / (largest or 1.0)
+            # Relative to the layer's largest value of the same moment: exp_avg_sq is ~1e-8 here, and an
+            # absolute 1e-9 would pass it 10% off. Not to each tensor's own: a key projection's bias gets an
+            # exactly-zero gradient in exact arithmetic (softmax ignores a per-query constant), so its moments
+            # are rounding noise (~1e-17) that two correct runs do not share. Float64 moments are otherwise
+            # exact up to reduction order, as the parameters are.
+            moment_keys = [k for k in reference if k.startswith("optimizer.")]
+            largest: dict[str, float] = {}
+            for key in moment_keys:
+                kind = key.rsplit(".", 1)[1]
+                if reference[key].numel():
+                    largest[kind] = max(largest.get(kind, 0.0), reference[key].abs().max().item())
+            for key in moment_keys:
+                scale = largest.get(key.rsplit(".", 1)[1]) or 1.0
+                ref = reference.pop(key) / scale
                 reference[f"{key} (relative)"] = ref
                 if key in saved:
-                    saved[f"{key} (relative)"] = saved.pop(key).to(ref.dtype) / (largest or 1.0)
+                    saved[f"{key} (relative)"] = saved.pop(key).to(ref.dtype) / scale
         worst, where, scale, drift = 0.0, "", 0.0, None
         for key, ref in reference.items():
             if key not in saved:
