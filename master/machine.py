@@ -184,6 +184,8 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
 
 def _check_running(ctx: Context) -> None:
     s = ctx.s
+    if s.running == s.generation:
+        return  # once per generation, not a pass over every rank on every report
     current = s.current_view()
     if current is not None and all(s.reported.get(gpu, 0) >= s.generation for gpu in current.ranks):
         s.running = max(s.running, s.generation)

@@ -143,7 +143,8 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
         saved = held.module.state_dict()
         reference = trainer.layer_state(i)
         if exact:  # Adam's moments too: a lost or repeated update moves them as it moves the parameters
-            saved, reference = {**saved, **_moments(held)}, {**reference, **_moments_of(trainer, i)}
+            saved = {**saved, **_moments(held.module, held.optimizer)}
+            reference = {**reference, **_moments(trainer.layers[i], trainer.optimizers.get(i))}
             # Relative to the layer's largest value of the same moment: exp_avg_sq is ~1e-8 here, and an
             # absolute 1e-9 would pass it 10% off. Not to each tensor's own: a key projection's bias gets an
             # exactly-zero gradient in exact arithmetic (softmax ignores a per-query constant), so its moments
@@ -185,34 +186,17 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
     return Verdict(tuple(layers), tolerance, basis, _blind_spot(job, steps, tolerance))
 
 
-def _moments(held) -> dict:
-    """A loaded layer's Adam state per trainable parameter, keyed ``optimizer.<k>.<name>`` (k: its position)."""
+def _moments(module, optimizer) -> dict:
+    """Adam's state per trainable parameter of ``module``, keyed ``optimizer.<k>.<name>`` (k: its position),
+    without the step count. A parameter ``optimizer`` does not own (a tied LM head's weight in the reference)
+    has no entry: its owner's layer compares it."""
     from oobleck_mm.runtime.update import trainable_params
 
-    if held.optimizer is None:
-        return {}
-    out = {}
-    for k, param in enumerate(trainable_params(held.module)):
-        for name, value in held.optimizer.state.get(param, {}).items():
-            if name != "step":  # exp_avg, exp_avg_sq (the step count is the checkpoint's step)
-                out[f"optimizer.{k}.{name}"] = value
-    return out
-
-
-def _moments_of(trainer: ReferenceTrainer, index: int) -> dict:
-    """The reference's Adam state of layer ``index``, keyed as ``_moments`` keys a checkpoint's. A parameter
-    another layer's optimizer owns (a tied LM head's weight) is left out: its owner compares it."""
-    from oobleck_mm.runtime.update import trainable_params
-
-    optimizer = trainer.optimizers.get(index)
     if optimizer is None:
         return {}
-    out = {}
-    for k, param in enumerate(trainable_params(trainer.layers[index])):
-        for name, value in optimizer.state.get(param, {}).items():
-            if name != "step":
-                out[f"optimizer.{k}.{name}"] = value.detach().clone()
-    return out
+    return {f"optimizer.{k}.{name}": value.detach()
+            for k, param in enumerate(trainable_params(module))
+            for name, value in optimizer.state.get(param, {}).items() if name != "step"}  # fmt: skip
 
 
 def checkpoint_windows(checkpoints_dir: str, final_dir: str | None = None) -> list[tuple[str | None, str, int]]:
