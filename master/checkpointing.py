@@ -212,22 +212,33 @@ def step_of(directory: str) -> int:
 
 
 def prune_checkpoints(directory: str, keep: int, pinned: Collection[str] = ()) -> None:
-    """Keeps the ``keep`` newest complete periodic checkpoints beside ``directory`` and removes older
-    ones, complete or cut short (no meta.json), except ``pinned`` ones: a checkpoint a generation was told
-    to load stays until it is loaded (issue 56: restart mode keeps one checkpoint, and a newer one that
-    completed after the plan deleted the one the restarted workers were about to open)."""
+    """Keeps the ``keep`` newest complete periodic checkpoints up to ``directory`` (the one this master just
+    completed) and removes older ones, complete or cut short (no meta.json), except ``pinned`` ones: a
+    checkpoint a generation was told to load stays until it is loaded (issue 56: restart mode keeps one
+    checkpoint, and a newer one that completed after the plan deleted the one the restarted workers were
+    about to open)."""
     parent = os.path.dirname(directory)
     steps = [s for s in map(step_of, (os.path.join(parent, n) for n in os.listdir(parent))) if s >= 0
              ] if os.path.isdir(parent) else []  # fmt: skip
     complete = {s for s in steps if os.path.exists(os.path.join(parent, f"step{s:08d}", "meta.json"))}
-    for path in doomed_checkpoints(parent, steps, complete, keep, pinned):
+    for path in doomed_checkpoints(parent, steps, complete, keep, pinned, upto=step_of(directory)):
         shutil.rmtree(path, ignore_errors=True)
 
 
 def doomed_checkpoints(parent: str, steps: Collection[int], complete: Collection[int], keep: int,
-                       pinned: Collection[str] = ()) -> list[str]:  # fmt: skip
+                       pinned: Collection[str] = (), upto: int | None = None) -> list[str]:  # fmt: skip
     """What ``prune_checkpoints`` removes under ``parent`` (its ``stepN`` folders: ``steps``, of which
-    ``complete`` have meta.json): every one older than the ``keep``-th newest complete one, but ``pinned``."""
+    ``complete`` have meta.json): every one older than the ``keep``-th newest complete one up to ``upto``,
+    but ``pinned``.
+
+    Why ``upto``: a checkpoint newer than the one the master just completed may be complete on disk
+    (restart mode's rank 0 writes its meta.json) while the master has not heard of the checkpoints in
+    between. A master that re-adopted its workers after its own loss hears of them in a burst: counting
+    the newer one, the prune for step 20 removed step 22, which the master marked complete a moment
+    later and then restarted from (exit 3, "checkpoint has no layer", in the restart-mode fault tour under
+    load). So only what the master knows complete counts, and nothing newer is removed."""
+    if upto is not None:
+        complete = [s for s in complete if s <= upto]
     newest = sorted(complete, reverse=True)
     oldest_kept = newest[keep - 1] if len(newest) >= keep else (newest[-1] if newest else 0)
     keep_also = {os.path.normpath(p) for p in pinned}

@@ -164,8 +164,8 @@ def _write_atomically(path: str, data: bytes) -> None:
     master's machine crashing, after which a run dir on its local disk is out of reach anyway, and shared
     storage (NFS) writes through at close. What it cost: the journal is written in the control thread
     before every generation's assignments, and under churn, with the workers' periodic checkpoints
-    filling the disk's queue, one fsync held the master 1.9-2.1 s (``master_stalled``, its stack printed
-    by ``server.CONTROL_STALL_DUMP_S``): no failure was detected and no plan sent meanwhile."""
+    filling the disk's queue, one fsync held the master 1.9-2.1 s (``master_stalled``, its stack then
+    printed by a stall dump, ``master/stalls.py``): no failure was detected and no plan sent meanwhile."""
     tmp = f"{path}.tmp"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
         fh.write(data)

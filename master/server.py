@@ -8,7 +8,6 @@ code once the coordinator finished, ``stop()`` releases everything.
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import os
 import threading
@@ -24,6 +23,7 @@ from master.coordinator import Coordinator, RunOptions
 from master.journal import Journal, end_journal, write_journal
 from master.metrics import MetricsSink
 from master.planning import PlannerPool
+from master.stalls import StallWatch
 from master.service import AioTokenInterceptor, CoordinatorService, add_coordinator_service
 from master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
@@ -53,10 +53,11 @@ HEARTBEATS_PER_S_BUDGET = 2000.0
 2 cores shared with the emulated agents): 1,000 nodes every 0.5 s (2,000 a second) held at 0.50 cores,
 about 0.25 ms of the master's CPU per beat; 4,000 nodes every 1 s were not held there (nodes lost before
 any was stopped). The master's gRPC runs on one event loop, so the budget does not grow with its cores."""
-CONTROL_STALL_DUMP_S = 1.0
-"""A control-loop pass (a tick, then a wait of at most ``detector_tick``) that has not come back after this
-long prints every thread's stack to the master's stderr (``faulthandler``), once per stall: churn soaks on
-two cores log ``master_stalled`` of 1-3 s now and then, which say how long and not what held the thread."""
+STALL_LOG = "master-stalls.log"
+"""In the run dir: every thread's stack, each time a control-loop pass (a tick, then a wait of at most
+``detector_tick``) has not come back after ``fault_tolerance.heartbeat_timeout`` (``master/stalls.py``); the
+console gets one line saying so. A stall that long delays a failure's detection by a whole timeout; shorter
+ones (1-3 s on two shared cores) are only logged as ``master_stalled``, which says how long."""
 SERVER_CALL_S = 30.0
 """Longest the master waits for its gRPC server's loop to start, bind or stop the server."""
 
@@ -81,11 +82,9 @@ class MasterOptions:
     """Console lines every N steps (``--log-every``)."""
     tensorboard: bool = True
     """TensorBoard event files in ``<run dir>/tensorboard`` next to ``metrics.csv``."""
-    stall_dumps: bool = False
-    """Print every thread's stack to stderr when a control-loop pass stalls (``CONTROL_STALL_DUMP_S``). The
-    ``master`` command's process only: ``faulthandler`` keeps one timer per process and writes to the file
-    descriptor stderr had when armed, which a master run inside another program (a test under pytest's
-    capture) may close and reuse."""
+    stall_dumps: bool = True
+    """Write every thread's stack to ``RUN_DIR/master-stalls.log`` when a control-loop pass stalls
+    (``STALL_LOG``)."""
 
 
 def aio_server(threads: int, interceptors: list) -> grpc.aio.Server:
@@ -217,12 +216,14 @@ class MasterServer:
         timeouts = self.job.fault_tolerance
         tick = timeouts.detector_tick.total_seconds()
         result = None
+        watch = None
+        if self.options.stall_dumps:
+            watch = StallWatch(os.path.join(self.run_dir, STALL_LOG), timeouts.heartbeat_timeout.total_seconds(),
+                               log.warning).start()  # fmt: skip
         try:
             while True:
-                # Re-armed every pass: a pass that has not come back CONTROL_STALL_DUMP_S later prints every
-                # thread's stack to stderr, naming what held the control thread (the lock, a write, the GIL).
-                if self.options.stall_dumps:
-                    faulthandler.dump_traceback_later(CONTROL_STALL_DUMP_S)
+                if watch is not None:
+                    watch.passed()
                 if (result := self.coordinator.tick()) is not None:
                     break
                 self.coordinator.wait_for_change(tick)
@@ -231,8 +232,8 @@ class MasterServer:
             self.coordinator.finish(ExitCode.ERROR, f"master control loop failed (a bug): {exc!r}")
             result = self.coordinator.finish_result
         finally:  # whatever failed above, the master exits: wait() must return
-            if self.options.stall_dumps:
-                faulthandler.cancel_dump_traceback_later()
+            if watch is not None:
+                watch.stop()
             try:
                 # Let every agent read its Shutdown before the server goes away (queued behind the run dir's
                 # writes, if any), and let those writes end before the journal is ended.

@@ -506,7 +506,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         host=host, port=port, run_dir=args.resume_master or args.run_dir,
         token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
         save_final_dir=args.save_final or "", resume_command=resume_command,
-        log_every=args.log_every, tensorboard=args.tensorboard, stall_dumps=True,
+        log_every=args.log_every, tensorboard=args.tensorboard,
     )  # fmt: skip
     server = MasterServer(job, options, journal=journal)
     interrupted: list[int] = []

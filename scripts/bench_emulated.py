@@ -2,6 +2,8 @@
 
     python scripts/bench_emulated.py calibrate [--pipelines 1,2,4,8,16] [--json out.json]
     python scripts/bench_emulated.py churn [--nodes 8] [--restart] [--json out.json]
+    python scripts/bench_emulated.py straggler [--nodes 8] [--steps 100] [--json out.json]
+    python scripts/bench_emulated.py join [--runs 5] [--json out.json]
 
 ``calibrate`` runs the guards that make an emulated run a measurement, on real
 processes (gloo groups of the engine's workers, ``runtime.worker.run_local``):
@@ -24,6 +26,14 @@ failure-free at every node count the churned run trained at, and prints the
 churned throughput as a fraction of those (time-weighted), of the full-size
 failure-free run, and the bound the state copies' bytes set at the configured
 bandwidth; ``--restart`` adds the same churn under checkpoint-restart.
+
+``straggler`` slows one of 8 nodes 2x for good (``slow:NODE@stepNx2``) and prints
+the throughput from the slowdown on against the unslowed run, with detection only,
+with the re-split alone, and with the engine's whole mitigation (the re-split, then
+the bench: ``master/benching.py``); target 90%.
+
+``join`` measures the survivors' longest step around a join, in median steps,
+for a join alone and a join 3 steps after a loss (target 1.5), and their pause.
 """
 
 from __future__ import annotations
@@ -224,11 +234,132 @@ def churn(args) -> dict:
           f"or within 2 points of the copies' bound {out['copy_bound']:.1%}: {live['copy_s']:.1f} s of layer-state "
           f"copies at the configured bandwidth); {out['vs_full_size']:.1%} of the full-size failure-free run",
           flush=True)
+    out["simulator"] = simulator_check(out)
     if "restart" in out["runs"]:
         restart = out["runs"]["restart"]
         out["restart_vs_live"] = live["training_s"] / restart["training_s"] if restart["exit"] == 0 else None
         print(f"checkpoint-restart: {restart['training_s']:.0f} s against live's {live['training_s']:.0f} s",
               flush=True)
+    return out
+
+
+SIMULATOR_TARGET = 0.10
+EMULATED_PHASES = {"detection_s": 0.01, "rendezvous_s": 0.6}
+"""What the simulator is told of the emulated cluster's control plane, measured there (docs/benchmarks.md, "A loss
+and a join on 8 emulated A100s"): a killed node's stream resets at once, a loss's rendezvous took 0.63 s. Its
+iteration times are the failure-free runs' measured seconds per step at each node count (``iteration_of``), so
+the check tests the simulator's model of recovery, not the cost model the emulation's truth departs from."""
+
+
+def simulator_check(result: dict) -> dict:
+    """``oobleck-launch simulate``'s prediction of a churn run (``result``, the ``churn`` subcommand's figures):
+    the same config, accelerator and churn, the measured step time per node count; samples/s and their ratio."""
+    import dataclasses
+
+    from oobleck_mm.config import load_config
+    from oobleck_mm.faults.churn import churn_trace, parse_churn
+    from oobleck_mm.simulator import availability as av
+    from oobleck_mm.simulator.params import SimParams
+    from oobleck_mm.simulator.run import simulate
+
+    job = load_config(ROOT / "configs" / "mllm_10b.yaml", overrides=result["sets"])
+    names = [f"node{i}" for i in range(result["nodes"])]
+    live = result["runs"]["live"]
+    step_s = {int(k): v for k, v in result["failure_free_step_s"].items()}
+
+    def iteration_of(plan) -> float:
+        # A node count without a failure-free run of its own (too few steps there): the nearest larger one's.
+        n = len(plan.nodes)
+        return step_s.get(n) or step_s[min((k for k in step_s if k > n), default=max(step_s))]
+
+    availability = av.from_trace(churn_trace(parse_churn(result["churn"]), names), f"churn {result['churn']}")
+    params = dataclasses.replace(SimParams(), **EMULATED_PHASES)
+    sim = simulate(job, availability, ["oobleck"], params, iteration_of=iteration_of)[0]
+    measured = sum(live["sizes"].values()) * job.training.global_batch / live["training_s"]
+    # The simulation runs the churn's whole availability; the emulated run stopped at its last step.
+    out = {"nodes": result["nodes"], "simulated_samples_per_s": sim.samples_per_s,
+           "emulated_samples_per_s": measured, "ratio": sim.samples_per_s / measured,
+           "breakdown_s": {k: round(v, 1) for k, v in sim.breakdown.items() if v}, "params": EMULATED_PHASES}  # fmt: skip
+    met = abs(out["ratio"] - 1) <= SIMULATOR_TARGET
+    print(f"simulator at {result['nodes']} nodes: {sim.samples_per_s:.3f} samples/s predicted, {measured:.3f} "
+          f"emulated: x{out['ratio']:.3f} (target within {SIMULATOR_TARGET:.0%}: {'met' if met else 'missed'}); "
+          f"breakdown {out['breakdown_s']}", flush=True)  # fmt: skip
+    return out
+
+
+STRAGGLER_TARGET = 0.90
+JOIN_TARGET_MEDIAN_STEPS = 1.5
+
+
+def straggler(args) -> dict:
+    """One node of ``--nodes`` slowed ``--factor`` x for good from step ``--at``: unslowed; detection only; the
+    engine's mitigation (the batch re-split for its speed, then weighed for a bench). Throughput of the steps
+    from the slowdown on, as a fraction of the unslowed run's over the same steps (``bench_straggler``)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_straggler import launch, summary
+
+    work = Path(tempfile.mkdtemp(prefix="oobleck-emulated-straggler-"))
+    sets = [*MLLM_SETS, f"training.global_batch={args.global_batch}", *args.sets]
+    config = ROOT / "configs" / "mllm_10b.yaml"
+    slow = f"slow:{args.node}@step{args.at}x{args.factor:g}"
+    runs = {"unslowed": ([], []),
+            "slowed, detection only": (["--inject", slow], ["fault_tolerance.straggler_resplit=false"]),
+            "slowed, re-split only": (["--inject", slow], ["fault_tolerance.straggler_replan_after=null"]),
+            "slowed, mitigated": (["--inject", slow], [])}  # fmt: skip
+    out: dict = {"nodes": args.nodes, "steps": args.steps, "slow": slow, "sets": sets, "runs": {}}
+    for name, (extra, more) in runs.items():
+        if args.only and not any(name.endswith(o) for o in args.only):
+            continue
+        run_dir = work / name.replace(" ", "_").replace(",", "")
+        began = time.perf_counter()
+        code = launch(run_dir, args.nodes, args.steps, extra, more, args.timeout, config=config, base_sets=sets)
+        info = summary(run_dir / "events.jsonl", args.at) if code == 0 else {}
+        info.update(exit=code, wall_s=round(time.perf_counter() - began, 1), verdict=verdict_of(run_dir))
+        out["runs"][name] = info
+        print(f"{name}: exit {code}, {info.get('seconds_from_slowdown', float('nan')):.1f} s from step {args.at} to "
+              f"the end; detected {info.get('detected')}; benched {info.get('benched')}; "
+              f"{info['verdict'].get('reason')}", flush=True)  # fmt: skip
+    base = out["runs"].get("unslowed", {}).get("seconds_from_slowdown")
+    for name, run in out["runs"].items():
+        if name != "unslowed" and base and run.get("seconds_from_slowdown"):
+            run["throughput_vs_unslowed"] = base / run["seconds_from_slowdown"]
+            met = "" if name != "slowed, mitigated" else (
+                f" (target {STRAGGLER_TARGET:.0%}: {'met' if run['throughput_vs_unslowed'] >= STRAGGLER_TARGET else 'missed'})")
+            print(f"{name}: {run['throughput_vs_unslowed']:.1%} of the unslowed throughput from step {args.at} on"
+                  f"{met}; splits {run.get('splits')}", flush=True)  # fmt: skip
+    return out
+
+
+def join(args) -> dict:
+    """The survivors' pause at a join, and their longest step around it in median steps, for a join alone and a
+    join a few steps after a loss, ``--runs`` each, on emulated MLLM-10B (``bench_join``'s measures)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_join import one_run
+
+    work = Path(tempfile.mkdtemp(prefix="oobleck-emulated-join-"))
+    sets = (*MLLM_SETS, f"training.global_batch={args.global_batch}", *args.sets)
+    scenarios = {"join alone": f"join@step{args.at}",
+                 "join after a loss": f"kill:node1@step{args.at},join@step{args.at + 3}"}  # fmt: skip
+    out: dict = {"nodes": args.nodes, "steps": args.steps, "sets": list(sets), "scenarios": {}}
+    for name, inject in scenarios.items():
+        rows = []
+        for r in range(args.runs):
+            run_dir = work / f"{name.replace(' ', '_')}{r}"
+            row = one_run(inject, args.steps, run_dir, config=str(ROOT / "configs" / "mllm_10b.yaml"),
+                          nodes=args.nodes, sets=sets, timeout=args.timeout)  # fmt: skip
+            row["verdict"] = verdict_of(run_dir)
+            rows.append(row)
+            print(f"{name} #{r}: exit {row['exit']}, longest step {row['longest_median_steps'] or float('nan'):.2f} "
+                  f"median steps of {row['median_step_s'] or float('nan'):.2f} s, pause "
+                  f"{row['pause_s'] or float('nan'):.2f} s; {row['verdict'].get('reason')}", flush=True)  # fmt: skip
+        longest = [r["longest_median_steps"] for r in rows if r["longest_median_steps"] is not None]
+        out["scenarios"][name] = {
+            "inject": inject, "runs": rows, "worst_longest_median_steps": max(longest, default=None),
+            "target_met": len(longest) == len(rows) and max(longest) <= JOIN_TARGET_MEDIAN_STEPS}  # fmt: skip
+        print(f"{name}: longest step around the join, worst of {len(rows)}: "
+              f"{out['scenarios'][name]['worst_longest_median_steps']} median steps (target "
+              f"<= {JOIN_TARGET_MEDIAN_STEPS}: {'met' if out['scenarios'][name]['target_met'] else 'missed'})",
+              flush=True)  # fmt: skip
     return out
 
 
@@ -252,7 +383,36 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--set", action="append", default=[], dest="sets")
     ch.add_argument("--timeout", type=float, default=3600)
     ch.add_argument("--json", help="write the figures here")
+    st = sub.add_parser("straggler", help="one node slowed for good: unslowed, detection only, mitigated")
+    st.add_argument("--nodes", type=int, default=8)
+    st.add_argument("--steps", type=int, default=100)
+    st.add_argument("--node", default="node5")
+    st.add_argument("--at", type=int, default=20, help="the step the slowdown begins (after the detector's warm-up)")
+    st.add_argument("--factor", type=float, default=2.0)
+    st.add_argument("--global-batch", type=int, default=32)
+    st.add_argument("--only", action="append", default=[], help="run only the runs whose name ends so (repeatable)")
+    st.add_argument("--set", action="append", default=[], dest="sets")
+    st.add_argument("--timeout", type=float, default=3600)
+    st.add_argument("--json", help="write the figures here")
+    jo = sub.add_parser("join", help="the survivors' longest step around a join, alone and after a loss")
+    jo.add_argument("--nodes", type=int, default=8)
+    jo.add_argument("--steps", type=int, default=30)
+    jo.add_argument("--at", type=int, default=8, help="the step of the join (of the loss, then the join 3 later)")
+    jo.add_argument("--runs", type=int, default=5)
+    jo.add_argument("--global-batch", type=int, default=32)
+    jo.add_argument("--set", action="append", default=[], dest="sets")
+    jo.add_argument("--timeout", type=float, default=1800)
+    jo.add_argument("--json", help="write the figures here")
+    si = sub.add_parser("simulate", help="the simulator's prediction of a churn run's figures (item 4)")
+    si.add_argument("churn_json", help="a `churn --json` output")
+    si.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    if args.command == "simulate":
+        out = simulator_check(json.loads(Path(args.churn_json).read_text()))
+    if args.command == "straggler":
+        out = straggler(args)
+    if args.command == "join":
+        out = join(args)
     if args.command == "churn":
         out = churn(args)
     if args.command == "calibrate":

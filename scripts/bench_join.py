@@ -33,25 +33,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oobleck_mm.events import read_events  # noqa: E402
-from oobleck_mm.faults.report import median_step_gap, recovery_rows  # noqa: E402
+from oobleck_mm.faults.report import median_step_gap, phase_name, recovery_rows, step_gaps  # noqa: E402
 
 SCENARIOS = {"join alone": "join@step5", "join after crash": "kill:node1@step5,join@step8"}
 TARGET_MEDIAN_STEPS = 1.5
 
 
-def one_run(inject: str, steps: int, run_dir: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "local", "--config", "configs/tiny_mm.yaml",
-                           "--nodes", "4", "--steps", str(steps), "--inject", inject, "--run-dir", str(run_dir),
-                           "--log-every", "1000", "--no-tensorboard"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+def one_run(inject: str, steps: int, run_dir: Path, config: str = "configs/tiny_mm.yaml", nodes: int = 4,
+            sets: tuple[str, ...] = (), timeout: float = 600) -> dict:  # fmt: skip
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", config, "--nodes", str(nodes), "--steps",
+           str(steps), "--inject", inject, "--run-dir", str(run_dir), "--log-every", "1000", "--no-tensorboard"]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     events = read_events(run_dir / "events.jsonl")
     joins = [r for r in recovery_rows(events) if r.kind.startswith("join")]
     median = median_step_gap(events)
     pause = joins[0].lost_s if joins else None
+    longest = longest_gap_around_join(events, joins[0] if joins else None)
     return {"exit": proc.returncode, "pause_s": pause, "median_step_s": median,
             "median_steps": None if pause is None or not median else pause / median,
+            "longest_step_s": longest,
+            "longest_median_steps": None if longest is None or not median else longest / median,
             "joiner_ready_s": joins[0].detect_s if joins else None,
             "startup_pause_s": joins[0].startup_pause_s if joins else None}  # fmt: skip
+
+
+def longest_gap_around_join(events, join) -> float | None:
+    """The survivors' longest step around ``join`` (a recovery row): the largest gap between consecutive step
+    completions from its injection to the completion of the new generation's third step, so the boundary
+    switch, the copies and the new generation's first steps are all inside."""
+    if join is None or join.step is None:
+        return None
+    ends = [float(e.get("finished_at") or e["ts"]) for e in events
+            if phase_name(e) == "step" and e.get("step") == join.step + 2]  # fmt: skip
+    end = ends[0] if ends else float("inf")
+    return max((gap for done, gap in step_gaps(events) if join.at_ts < done <= end), default=None)
 
 
 def _f(value, digits: int = 3) -> str:

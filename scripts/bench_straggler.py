@@ -43,10 +43,11 @@ SETS = ["training.dtype=float64", "training.global_batch=48"]
 """float64 (verifiable), and a batch of 24 microbatches: six pipelines of 4 leave room to move some."""
 
 
-def launch(run_dir: Path, nodes: int, steps: int, extra: list[str], sets: list[str], timeout: float) -> int:
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(CONFIG), "--nodes", str(nodes),
+def launch(run_dir: Path, nodes: int, steps: int, extra: list[str], sets: list[str], timeout: float,
+           config: Path = CONFIG, base_sets: list[str] = SETS) -> int:  # fmt: skip
+    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(config), "--nodes", str(nodes),
            "--steps", str(steps), "--run-dir", str(run_dir), "--log-every", "100", *extra]  # fmt: skip
-    for s in [*SETS, *sets]:
+    for s in [*base_sets, *sets]:
         cmd += ["--set", s]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout).returncode
 

@@ -114,9 +114,14 @@ class _HashingWriter:
 
 
 def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None) -> None:
-    """Written last (by one rank, after every layer file): its presence marks a complete checkpoint."""
+    """Written last (by one rank, after every layer file): its presence marks a complete checkpoint, so a
+    layer file that is not there (removed under it, never written) raises ``FileNotFoundError`` naming it
+    instead of marking a checkpoint complete that no resume can read."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    missing = [s.name for s in specs if not _layer_file(directory, s.name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{directory}: not complete, no file of layer(s) {', '.join(missing[:5])}"
+                                f"{' ...' if len(missing) > 5 else ''}: meta.json not written")  # fmt: skip
     meta = {
         "format": FORMAT,
         "step": step,

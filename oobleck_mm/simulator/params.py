@@ -74,9 +74,11 @@ class SimParams:
     ``straggler_steps`` iterations, the batch re-split for the nodes' speeds, a bench weighed
     ``straggler_replan_after`` later). false: found and reported only, every pipeline waits for the
     slowest, as the baselines do."""
-    joiner_start_stalls: bool = True
-    """The engine today: survivors wait for a joining node's worker to start (issue 13 item 5
-    removes this stall; set false to simulate that)."""
+    joiner_start_stalls: bool = False
+    """Survivors wait for a joining node's worker to start. The engine does not: the master plans a
+    joiner only once its workers report ready (``master/generations.py``), and the survivors train
+    meanwhile (``scripts/bench_join.py`` measures their pause from that point). true: simulate a system
+    that waits (the engine before issue 13 item 5)."""
     skew_batches: int = 0
     """Data skew (``simulator/skew.py``): price every plan on this many sampled global batches of the job's
     (synthetic) data with the balancer's cost model, in the mode its ``balance`` section names (off, the

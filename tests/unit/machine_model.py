@@ -128,6 +128,9 @@ class World:
     """(generation, node) of every WorkerDone sent."""
     disk: set = field(default_factory=set)
     """The run's complete periodic checkpoints (their meta.json written, not pruned)."""
+    pruned: set = field(default_factory=set)
+    """Checkpoint folders a prune removed: their layer files are gone, so a meta.json written later (a late
+    report of one) cannot make them complete again (``save_meta`` refuses)."""
 
 
 class MachineModel(RuleBasedStateMachine):
@@ -203,11 +206,15 @@ class MachineModel(RuleBasedStateMachine):
         elif isinstance(effect, WriteJournal):
             w.journal = effect.journal
         elif isinstance(effect, WriteMeta):
-            w.disk.add(effect.directory)
+            if effect.directory not in w.pruned:
+                w.disk.add(effect.directory)
         elif isinstance(effect, PruneCheckpoints):
             parent = "/run/checkpoints"
             steps = {step_of(d) for d in w.disk}
-            w.disk -= set(doomed_checkpoints(parent, steps, steps, effect.keep, effect.pinned))
+            doomed = set(doomed_checkpoints(parent, steps, steps, effect.keep, effect.pinned,
+                                            upto=step_of(effect.directory)))  # fmt: skip
+            w.disk -= doomed
+            w.pruned |= doomed
         elif isinstance(effect, Finished):
             w.finished.append(effect)
             assert len(w.finished) == 1, f"finished twice: {w.finished}"
@@ -417,11 +424,14 @@ class MachineModel(RuleBasedStateMachine):
     @rule(ahead=st.integers(1, 12))
     def checkpoint_on_disk_unreported(self, ahead: int) -> None:
         """Restart mode: a checkpoint complete on disk (its rank 0 wrote meta.json) whose report has not reached
-        the master (its workers trained on while no master ran): pruning sees it, the master does not."""
+        the master (its workers trained on while no master ran): pruning sees it, the master does not. The
+        workers wrote every one up to it, each interval, and a report of those may still come."""
         s = self.state
-        if self.settings.options.recovery == "restart" and self.settings.options.checkpoint_interval:
-            step = min(s.next_step + ahead, self.settings.steps - 1)
-            self.world.disk.add(f"/run/checkpoints/step{step:08d}")
+        interval = self.settings.options.checkpoint_interval
+        if self.settings.options.recovery == "restart" and interval:
+            last = min(s.next_step + ahead, self.settings.steps - 1)
+            for step in range(last, s.next_step, -interval):
+                self.world.disk.add(f"/run/checkpoints/step{step:08d}")
 
     @rule(data=st.data(), fails=st.booleans())
     def write_round_share(self, data, fails: bool) -> None:

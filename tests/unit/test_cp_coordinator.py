@@ -22,6 +22,7 @@ from master.registry import Refused
 from oobleck_mm.config import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import EventLog, read_events
+from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
 
@@ -71,6 +72,14 @@ class Job:
         return {name: self.drain(name) for name in list(self.boxes)}
 
     def report(self, gpu: tuple[str, int], **kind) -> None:
+        done = kind.get("checkpoint_done")
+        if done is not None and done.dir and not done.error:
+            # What a worker's share leaves on disk before it reports: the master writes meta.json only over
+            # layer files that are there (``save_meta``). Empty files: nothing here reads them.
+            layers = Path(done.dir) / "layers"
+            layers.mkdir(parents=True, exist_ok=True)
+            for spec in model_layer_specs(self.c.job):
+                (layers / f"{spec.name}.pt").touch()
         self.c.worker_report(gpu[0], self.sessions[gpu[0]], gpu[1], pb.WorkerReport(**kind))
 
     def train(self, generation: int, step: int) -> None:
@@ -709,7 +718,7 @@ def test_live_mode_completes_periodic_checkpoints_and_stops_at_the_newest_when_e
     shares = sorted(j.assigned.items(), key=lambda kv: kv[1].rank)
     for gpu, a in shares[:-1]:  # every rank but one wrote its share: not a checkpoint yet
         j.report(gpu, checkpoint_done=pb.CheckpointDone(dir=directory, step=2, layers=1, generation=1))
-    assert not read_events(j.events, "checkpoint_saved") and not (tmp_path / "checkpoints").exists()
+    assert not read_events(j.events, "checkpoint_saved") and not (Path(directory) / "meta.json").exists()
     j.report(shares[-1][0], checkpoint_done=pb.CheckpointDone(dir=directory, step=2, layers=1, generation=1))
     [saved] = read_events(j.events, "checkpoint_saved")
     assert (saved["dir"], saved["step"]) == (directory, 2)

@@ -333,6 +333,34 @@ def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_fro
     assert m.state.pinned() == (m.state.checkpoints.last[0],)
 
 
+def test_pruning_for_a_checkpoint_never_removes_a_newer_one_the_master_has_not_heard_of():
+    """Restart mode, a fault tour under load: the workers wrote steps 6, 8 and 10 (rank 0 writes meta.json)
+    while their reports waited (a master that re-adopted them hears of them in a burst). The prune for step
+    6 counted step 10 on disk and removed step 8; step 8's report then made it the master's newest, a loss
+    restarted from it, and its layers were gone (exit 3, "checkpoint has no layer"). Now a prune counts and
+    removes nothing newer than the checkpoint it completes."""
+    m = MachineModel()
+    m.start(steps=100, recovery="restart", interval=2, started=5)
+    for _ in range(3):
+        m.train_a_step(phases=True)
+        m.periodic_checkpoint()
+    assert m.state.checkpoints.last == ("/run/checkpoints/step00000004", 4)
+    for step in (6, 8, 10):  # complete on disk, not reported yet
+        m.world.disk.add(f"/run/checkpoints/step{step:08d}")
+    for step in (6, 8):  # the reports of steps 6, then 8, arrive
+        while m.state.next_step < step:
+            m.train_a_step(phases=True)
+        m.periodic_checkpoint()
+    assert m.state.checkpoints.last == ("/run/checkpoints/step00000008", 8)
+    assert {"/run/checkpoints/step00000008", "/run/checkpoints/step00000010"} <= m.world.disk, sorted(m.world.disk)
+    m.kill_named(sorted(m.state.current_view().nodes)[-1])
+    m.time_passes(0.3)
+    for plan_id in sorted(m.world.asked):  # the restart loads step 8: the model asserts it is on disk
+        m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
+    m.generation_workers()
+    assert m.state.pin is not None and m.state.pin[1] in m.world.disk
+
+
 def test_a_checkpoint_the_run_chose_and_cannot_read_is_never_exit_2():
     """Issue 56 item 2: the workers of a restart generation cannot read the checkpoint the master chose (they
     abandon the iteration naming it). With a newer complete one the restart takes that one; with none left the
