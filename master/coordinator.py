@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import secrets
 import threading
@@ -392,10 +393,21 @@ class Coordinator:
     def _meta(self, e: WriteMeta) -> None:
         if self._sampler is None and self._sampler_ready is not None:
             self._sampler = self._sampler_ready.result()  # at once, unless a checkpoint came within seconds
+        directory = e.directory
+        if e.written_to and not os.path.exists(e.directory):
+            try:
+                os.replace(e.written_to, e.directory)
+            except OSError as exc:
+                directory = e.written_to
+                log.warning("the checkpoint of step %d stays in %s (not renamed to %s: %s)", e.step, e.written_to,
+                            e.directory, exc)  # fmt: skip
+        elif e.written_to:
+            directory = e.written_to
+            log.warning("the checkpoint of step %d stays in %s: %s exists", e.step, e.written_to, e.directory)
         try:
-            self._sampler = write_meta(e.directory, self.job, e.step, self._sampler)
+            self._sampler = write_meta(directory, self.job, e.step, self._sampler)
         except OSError as exc:
-            self.events.write("checkpoint_failed", dir=e.directory, step=e.step, node="master", local_rank=-1,
+            self.events.write("checkpoint_failed", dir=directory, step=e.step, node="master", local_rank=-1,
                               error=f"meta.json: {exc}")  # fmt: skip
             log.warning("cannot complete the checkpoint %s: %s", e.directory, exc)
 

@@ -93,6 +93,10 @@ class WriteMeta:
 
     directory: str
     step: int
+    written_to: str = ""
+    """Where the workers wrote the layer files, when not ``directory``: a checkpoint round's folder is named
+    by the step the job was at when it began, and the workers write the step they reached (an iteration in
+    flight completes first), so the folder is renamed to the step its meta.json says (issue 54 item 4)."""
 
 
 @dataclass(frozen=True, slots=True)

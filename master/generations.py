@@ -412,7 +412,13 @@ def check_done(ctx: Context) -> None:
         seconds = ctx.now - s.started_at
         ctx.record("done", generation=s.generation, steps=ctx.cfg.steps, last_step=ctx.cfg.steps - 1,
                    seconds=seconds)  # fmt: skip
-        finish(ctx, ExitCode.OK, f"done: {ctx.cfg.steps} steps in {seconds:.1f} s")
+        first = ctx.cfg.options.resume_step
+        if first > 0:  # a resumed run: what it trained, and the step the job reached
+            finish(ctx, ExitCode.OK, f"done: {ctx.cfg.steps - first} steps trained in {seconds:.1f} s, steps "
+                                     f"{first + 1}-{ctx.cfg.steps} (resumed at step {first}): the job reached "
+                                     f"step {ctx.cfg.steps} of {ctx.cfg.steps}")  # fmt: skip
+        else:
+            finish(ctx, ExitCode.OK, f"done: {ctx.cfg.steps} steps in {seconds:.1f} s")
 
 
 # ---------------------------------------------------------------------- the journal, a restarted master

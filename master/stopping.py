@@ -11,6 +11,8 @@ answered in values; this module turns them into effects.
 
 from __future__ import annotations
 
+import os
+
 from master.checkpointing import (CheckpointRound, RoundFailed, RoundPending, RoundWritten, round_directory,
                                   round_verdict)  # fmt: skip
 from master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
@@ -89,7 +91,8 @@ def _start_round(ctx: Context, gen: GenerationView, writers: tuple[str, ...], wh
     s.phase = JobPhase.CHECKPOINTING
     _send_round(ctx, s.round)
     held = f" (held as generation {gen.number})" if gen.number != s.generation else ""
-    ctx.say(f"{headline}: checkpointing step {s.next_step}'s state{held} to {directory}")
+    ctx.say(f"{headline}: checkpointing the state after step {s.next_step}{held} (or after the step in flight, "
+            f"if it completes first) to {os.path.dirname(directory)}")  # fmt: skip
 
 
 def _send_round(ctx: Context, r: CheckpointRound) -> None:
@@ -130,10 +133,14 @@ def check_round(ctx: Context) -> None:
         finish(ctx, ExitCode.ERROR, verdict.message)
         return
     assert isinstance(verdict, RoundWritten)
-    ctx.effects.append(WriteMeta(r.directory, verdict.step))
-    ctx.record("checkpoint_written", dir=r.directory, step=verdict.step, layers=verdict.layers,
+    # Named by the step the workers wrote: the round began at ``next_step``, and an iteration in flight may have
+    # completed before the writes (the folder is renamed then, ``WriteMeta.written_to``).
+    directory = round_directory(ctx.cfg.options.checkpoint_root, s.generation, verdict.step,
+                                avoid=ctx.cfg.options.resume_dir)  # fmt: skip
+    ctx.effects.append(WriteMeta(directory, verdict.step, written_to=r.directory if directory != r.directory else ""))
+    ctx.record("checkpoint_written", dir=directory, step=verdict.step, layers=verdict.layers,
                seconds=verdict.seconds, generation=r.gen.number)  # fmt: skip
-    stop_below_threshold(ctx, r.reason, (r.directory, verdict.step), headline=r.reason if r.requested else None)
+    stop_below_threshold(ctx, r.reason, (directory, verdict.step), headline=r.reason if r.requested else None)
 
 
 def state_lost(ctx: Context, why: str, without_checkpoint: str) -> None:

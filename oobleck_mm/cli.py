@@ -468,7 +468,24 @@ def _resume_command(command: str, args: argparse.Namespace) -> str:
                        ("--checkpoint-interval", "checkpoint_interval")):  # fmt: skip
         if (value := getattr(args, attr, None)) is not None:
             named += f" {flag} {shlex.quote(str(value))}"
+    # Where the results go come along too: a user who copies the command gets the final model where the
+    # first run would have written it (issue 54). The logs go beside the first run's, not into them (its
+    # event log, metrics and journal would mix two runs' steps).
+    if save_final := getattr(args, "save_final", None):
+        named += f" --save-final {shlex.quote(os.path.abspath(save_final))}"
+    if run_dir := getattr(args, "run_dir", None):
+        named += f" --run-dir {shlex.quote(resumed_run_dir(run_dir))}"
     return f"oobleck-launch {command} --config {os.path.abspath(args.config)}{ds}{sets}{named}"
+
+
+def resumed_run_dir(run_dir: str) -> str:
+    """The run dir the resume command gives a resumed run: beside the first one, ``-resumed`` (then
+    ``-resumed2``, ...: a run resumed twice keeps each run's logs)."""
+    path = os.path.abspath(run_dir).rstrip(os.sep)
+    base, _, count = path.rpartition("-resumed")
+    if base and (count == "" or count.isdigit()):
+        return f"{base}-resumed{int(count or 1) + 1}"
+    return f"{path}-resumed"
 
 
 def _cmd_master(args: argparse.Namespace) -> int:

@@ -193,6 +193,22 @@ def test_the_resume_command_keeps_the_named_flags_that_change_the_job():
     assert _resume_command("master", master).endswith("--nodes 4 --steps 3000")
 
 
+def test_the_resume_command_keeps_where_the_final_model_and_the_logs_go(tmp_path):
+    """Issue 54 item 8: the command printed at exit 3 dropped ``--save-final`` and ``--run-dir``: a user who
+    copied it got no final model. The resumed run's logs go beside the first run's, not into them."""
+    from oobleck_mm.cli import _resume_command, build_parser, resumed_run_dir
+
+    args = build_parser().parse_args(["local", "--config", TINY, "--save-final", "out/final", "--run-dir",
+                                      str(tmp_path / "my run")])  # fmt: skip
+    command = _resume_command("local", args)
+    final = os.path.abspath("out/final")
+    assert f" --save-final {final}" in command
+    assert f" --run-dir '{tmp_path / 'my run'}-resumed'" in command, command
+    assert resumed_run_dir(str(tmp_path / "r-resumed")) == str(tmp_path / "r-resumed2")
+    assert resumed_run_dir(str(tmp_path / "r-resumed2") + "/") == str(tmp_path / "r-resumed3")
+    assert resumed_run_dir(str(tmp_path / "not-resumed-x")) == str(tmp_path / "not-resumed-x-resumed")
+
+
 @pytest.mark.parametrize("command", ["local", "master"])
 def test_log_every_below_one_exits_2_naming_the_flag(capsys, command, tmp_path):
     assert main([command, "--config", TINY, "--log-every", "0", "--run-dir", str(tmp_path)]) == 2

@@ -499,6 +499,21 @@ def test_resume_and_save_final_reach_every_assignment(make, tmp_path):
         assert (a.resume_dir, a.start_step, a.save_final_dir) == ("/ckpt/x", 5, "/out/final")
 
 
+def test_a_resumed_run_says_the_steps_it_trained_and_the_step_the_job_reached(make, tmp_path):
+    """Issue 54 item 8: a run resumed at step 5 of 10 said "done: 10 steps"; it trained 5."""
+    options = RunOptions(resume_dir="/ckpt/x", resume_step=5, checkpoint_root=str(tmp_path))
+    j = make(nodes=2, steps=10, options=options)
+    start(j, "a", "b")
+    for step in range(5, 10):
+        j.train(1, step)
+    for gpu in j.assigned:
+        j.report(gpu, done=pb.WorkerDone(step=9))
+    result = j.c.tick()
+    assert result.exit_code == 0
+    assert result.message.startswith("done: 5 steps trained in ") and "steps 6-10 (resumed at step 5)" in result.message
+    assert "the job reached step 10 of 10" in result.message, result.message
+
+
 def test_a_node_lost_while_waiting_only_leaves_the_waiting_set(make):
     j = make(nodes=2)
     j.join("a")
@@ -1025,6 +1040,30 @@ def test_a_requested_stop_writes_the_current_step_and_exits_3_with_the_resume_co
     assert result.exit_code == 3 and result.message.startswith("stopped on request (SIGTERM).")
     assert "Checkpoint of step 2" in result.message and f"--resume {command.checkpoint.dir}" in result.message
     assert json.loads((Path(command.checkpoint.dir) / "meta.json").read_text())["step"] == 2
+
+
+def test_a_stop_whose_iteration_in_flight_completes_names_its_checkpoint_by_the_step_written(make, tmp_path):
+    """Issue 54 item 4: after SIGTERM the console said "checkpointing step 14's state" and then "Checkpoint of step
+    15 written to ...step00000014": the workers completed the iteration in flight before they wrote. The folder is
+    now renamed to the step its meta.json records, and the messages name that one."""
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.train(1, 1)
+    j.c.request_stop("SIGTERM")
+    boxes = j.drain_all()
+    for name in ("a", "b"):  # step 2 (0-based) completed in flight: the state written is the one after 3 steps
+        [command] = [e for e in boxes[name] if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
+        j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir=command.checkpoint.dir, step=3, layers=5))
+    assert command.checkpoint.dir.endswith("step00000002")
+    result = j.c.tick()
+    renamed = command.checkpoint.dir.replace("step00000002", "step00000003")
+    assert result.exit_code == 3 and "Checkpoint of step 3 written to " + renamed in result.message, result.message
+    assert f"--resume {renamed}" in result.message
+    j.c.flush_disk(timeout=10)
+    assert json.loads((Path(renamed) / "meta.json").read_text())["step"] == 3
+    assert not Path(command.checkpoint.dir).exists()
+    assert read_events(j.events, "checkpoint_written")[0]["dir"] == renamed
 
 
 def test_a_stop_requested_before_any_step_ends_the_job_at_once(make):
