@@ -213,6 +213,10 @@ def _join_ready(events: Sequence[Event], incident: _Incident) -> tuple[float | N
 
 def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     detect_ts, reason = _detection(events, incident)
+    if incident.join and detect_ts is None:
+        return _never_joined(events, incident)
+    if incident.injected and not incident.join and incident.kind != "killmaster" and not _was_training(events, incident):
+        return _not_training(incident)
     since = detect_ts if detect_ts is not None else incident.ts
     # A restarted master plans nothing: the workers never stopped (a later plan answers another incident).
     plan = None if incident.kind == "killmaster" else _recovery_plan(events, since, incident.nodes)
@@ -233,6 +237,9 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
                       and (newer is None or e.get("generation", newer) >= newer)), None)  # fmt: skip
     if planned_change and plan is None:
         first_new = None  # never planned (the job ended, or stopped at a checkpoint, first): nothing resumed
+    if incident.kind == "preempt" and first_new is not None:
+        # Applied at the boundary: the step in flight at the plan completed, and is the last old one.
+        last_old = _last_before([e for e in _steps(events) if e["step"] < first_new["step"]], "step", first_new["ts"])
     generation = None if plan is None else plan.get("generation")
     phases = _phase_times(events, generation, plan)
     durations = _chain(incident.ts, [
@@ -256,6 +263,29 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
                          if incident.join and first_new is not None else None),
         outcome=_outcome(events, incident, first_new),
     )  # fmt: skip
+
+
+def _was_training(events: Sequence[Event], incident: _Incident) -> bool:
+    """Whether some node of a failure was in the plan the job ran when it failed (a log without plans:
+    assumed so)."""
+    plan = _last_before(events, "plan_decided", incident.ts)
+    return plan is None or "nodes" not in plan or bool(set(incident.nodes) & set(plan["nodes"]))
+
+
+def _not_training(incident: _Incident) -> RecoveryRow:
+    """A failure of nodes no plan had taken in (a joiner still starting, a spare): the job lost nothing."""
+    return RecoveryRow(kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts, step=None, lost_s=0.0,
+                       outcome="not training: nothing lost")  # fmt: skip
+
+
+def _never_joined(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
+    """A join whose node was never ready: killed first, or the job ended first."""
+    failed = [e for e in events if phase_name(e) == "injected" and e["ts"] >= incident.ts
+              and e.get("kind") in FAILURE_KINDS and str(e.get("node")) in incident.nodes]  # fmt: skip
+    outcome = "never joined (killed before it was ready)" if failed else _outcome(events, incident, None)
+    if outcome == "not resumed":
+        outcome = "never joined"
+    return RecoveryRow(kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts, step=None, outcome=outcome)
 
 
 def _abandoned(events: Sequence[Event], incident: _Incident, last_old: Event, plan: Event | None) -> float:

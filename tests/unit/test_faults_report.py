@@ -324,3 +324,51 @@ def test_a_join_costs_the_survivors_pause_including_a_slow_step_before_the_switc
     assert join.startup_pause_s == pytest.approx(0.5)
     assert survivors_pause(log.events, 0.0, None) is None
     assert [label for label, *_ in recovery_spans(join)][0] == "joiner start-up"
+
+
+def test_a_joiner_killed_before_it_registered_never_joined_and_its_kill_cost_nothing():
+    """Issue 54 item 7: node6 was started as a joiner and killed before it registered. The table said "join
+    node6 ... resumed" and "kill node6 ... lost 2.12 s" (both read an unrelated plan): it never joined, and
+    killing a node that was not training cost the job nothing."""
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1"])
+    end = log.steps(1, 0, 4, 100.0)
+    log.at(end + 0.05, "injected", kind="join", node="node6", batch=1)
+    log.at(end + 0.3, "injected", kind="kill", node="node6", pids=[66], batch=2)
+    end = log.steps(1, 4, 4, end)
+    log.at(end + 0.1, "injected", kind="kill", node="node1", pids=[11], batch=3)  # a real loss later
+    log.at(end + 0.2, "lost", node="node1", reason="stream_closed", generation=1)
+    log.recovery(2, end + 0.4, ranks=1)
+    log.steps(2, 8, 3, end + 1.2)
+    join, kill6, kill1 = recovery_rows(log.events)
+    assert (join.kind, join.nodes, kill6.kind, kill6.nodes, kill1.nodes) == ("join", ("node6",), "kill", ("node6",),
+                                                                            ("node1",))  # fmt: skip
+    assert join.generation is None and join.lost_s is None and join.step is None
+    assert join.outcome == "never joined (killed before it was ready)", join.outcome
+    assert kill6.generation is None and kill6.lost_s == 0.0 and kill6.abandoned_s is None
+    assert kill6.outcome == "not training: nothing lost", kill6.outcome
+    assert kill1.generation == 2 and kill1.lost_s > 0, "the real loss keeps its plan"
+
+
+def test_a_preemption_whose_step_in_flight_completed_abandoned_nothing():
+    """Issue 54 item 7: a node left on notice at the boundary; the step in flight completed (the leaving
+    node's own worker then stopped, ``aborted`` of a step that was not lost) and the table said "abandoned
+    0.10 s"."""
+    log = Log()
+    log.at(100.0, "plan_decided", generation=1, nodes=["node0", "node1", "node2"])
+    end = log.steps(1, 0, 4, 100.0)
+    log.at(end + 0.1, "injected", kind="preempt", node="node2", pids=[22], batch=1)
+    log.at(end + 0.15, "leaving", node="node2", reason="preemption notice", generation=1)
+    # planned at once, applied at the boundary: step 4, in flight at the notice and the plan, completed
+    log.at(end + 0.17, "plan_decided", generation=2, nodes=["node0", "node1"], lost=["node2"])
+    end = log.steps(1, 4, 1, end)
+    log.at(end + 0.05, "aborted", generation=1, node="node2", step=5, message="shut down at the boundary")
+    log.steps(2, 5, 3, end + 0.3)
+    [row] = recovery_rows(log.events)
+    assert row.kind == "preempt" and row.abandoned_s == 0.0, row
+    log.at(end + 0.06, "aborted", generation=1, node="node0", step=4, message="gave up step 4")
+    # Had a worker given up a step that never completed, that would be work thrown away:
+    log2 = Log()
+    log2.events = [e for e in log.events if not (e["event"] == "step" and e.get("step") == 4)]
+    [row2] = recovery_rows(log2.events)
+    assert row2.abandoned_s > 0
