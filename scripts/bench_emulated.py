@@ -4,6 +4,8 @@
     python scripts/bench_emulated.py churn [--nodes 8] [--restart] [--json out.json]
     python scripts/bench_emulated.py straggler [--nodes 8] [--steps 100] [--json out.json]
     python scripts/bench_emulated.py join [--runs 5] [--json out.json]
+    python scripts/bench_emulated.py balance [--nodes 7] [--json out.json]
+    python scripts/bench_emulated.py simulate CHURN.json
 
 ``calibrate`` runs the guards that make an emulated run a measurement, on real
 processes (gloo groups of the engine's workers, ``runtime.worker.run_local``):
@@ -363,6 +365,46 @@ def join(args) -> dict:
     return out
 
 
+BALANCE_TARGET = 1.3
+SKEWED_DATA = ["data.text_length_sigma=2.0", "data.mean_images_per_sample=1.0", "data.max_images_per_sample=8",
+               "data.min_image_size=224"]
+"""A long-tailed image/audio/text mix: lognormal text with log-sigma 2 (most samples short, a few of thousands
+of tokens), 0-8 images of 224-448 px sides (mean 1), one clip of audio on 80% of samples."""
+
+
+def balance(args) -> dict:
+    """The balancer and Entrain's deferral on vs off on skewed data, pipelines of different depths (MLLM-10B on
+    7 emulated A100s: 4 and 3 stages), each run's median step after its warm-up; target 1.3x."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from soak_churn import launch
+
+    work = Path(tempfile.mkdtemp(prefix="oobleck-emulated-balance-"))
+    sets = [*MLLM_SETS, f"training.global_batch={args.global_batch}", "fault_tolerance.f=0", *SKEWED_DATA,
+            *args.sets]  # fmt: skip
+    config = str(ROOT / "configs" / "mllm_10b.yaml")
+    runs = {"off": ["balance.enabled=false"],
+            "on": ["balance.enabled=true", "balance.deferral=true"]}  # fmt: skip
+    out: dict = {"nodes": args.nodes, "steps": args.steps, "sets": sets, "runs": {}}
+    for name, more in runs.items():
+        run = work / name
+        code, _, wall = launch(config, args.nodes, args.steps, run, [], [*sets, *more], args.timeout)
+        steps = sorted(float(e.get("finished_at") or e["ts"]) for e in read_events(run / "events.jsonl", "step"))
+        gaps = [b - a for a, b in zip(steps, steps[1:])][WARMUP_STEPS:]
+        plan = read_events(run / "events.jsonl", "plan_decided")
+        out["runs"][name] = {"exit": code, "wall_s": round(wall, 1), "median_step_s": statistics.median(gaps) if gaps else None,
+                             "mean_step_s": statistics.fmean(gaps) if gaps else None, "verdict": verdict_of(run),
+                             "plan": plan[0]["describe"] if plan else None}  # fmt: skip
+        print(f"balance {name}: exit {code}, median {out['runs'][name]['median_step_s']} s/step, mean "
+              f"{out['runs'][name]['mean_step_s']} s/step; {out['runs'][name]['verdict'].get('reason')}", flush=True)
+    off, on = out["runs"]["off"].get("mean_step_s"), out["runs"]["on"].get("mean_step_s")
+    if off and on:
+        out["speedup"] = off / on
+        print(f"balancer and deferral on vs off: x{out['speedup']:.3f} (mean step, steps {WARMUP_STEPS + 1}-"
+              f"{args.steps}; target {BALANCE_TARGET}x: {'met' if out['speedup'] >= BALANCE_TARGET else 'missed'})",
+              flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -406,7 +448,16 @@ def main(argv: list[str] | None = None) -> int:
     si = sub.add_parser("simulate", help="the simulator's prediction of a churn run's figures (item 4)")
     si.add_argument("churn_json", help="a `churn --json` output")
     si.add_argument("--json", help="write the figures here")
+    ba = sub.add_parser("balance", help="the balancer and deferral on vs off, skewed data, mixed depths")
+    ba.add_argument("--nodes", type=int, default=7)
+    ba.add_argument("--steps", type=int, default=20)
+    ba.add_argument("--global-batch", type=int, default=32)
+    ba.add_argument("--set", action="append", default=[], dest="sets")
+    ba.add_argument("--timeout", type=float, default=1800)
+    ba.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    if args.command == "balance":
+        out = balance(args)
     if args.command == "simulate":
         out = simulator_check(json.loads(Path(args.churn_json).read_text()))
     if args.command == "straggler":
