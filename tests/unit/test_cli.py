@@ -305,3 +305,19 @@ def test_verify_replays_the_schedule_the_run_had_not_the_files_steps(monkeypatch
         capsys.readouterr().err)
     assert verify.main(["--config", TINY, "--steps", "6", "--against", str(tmp_path), "--set", "training.steps=9"]) == 0
     assert seen == [6, 9]
+
+
+def test_local_refuses_a_cluster_the_templates_cannot_cover_before_anything_starts(capsys, tmp_path):
+    """Issue 54 item 8: ``llava_tiny`` on 4 nodes (n0 = 2, f = 1: one template size, two needed) failed only
+    after 17 s of start-up. Now ``local`` says it at once, exit 2, before a master or an agent starts."""
+    import time
+
+    began = time.perf_counter()
+    code = main(["local", "--config", TINY, "--nodes", "4", "--set", "cluster.device_memory=4MB",
+                 "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no pipeline templates for 4 nodes (cluster.nodes)" in err and "consecutive counts" in err, err
+    assert "use cluster.nodes >= 5" in err
+    assert not (tmp_path / "run" / "events.jsonl").exists(), "nothing started"
+    assert time.perf_counter() - began < 10
