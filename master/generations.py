@@ -290,7 +290,8 @@ def _shape(layout, weighs_speeds: bool) -> list:
     ``StageLayout.slowdown``) which of its stages are slowed, not by how much. Without the balancer a
     stage's slowdown changes no work: the same microbatches are the same plan (on shared cores, a node whose
     factor wandered past 1.5x and back re-planned 8 times in 150 steps, each a switch for nothing)."""
-    return [(p.num_microbatches, tuple(s.slowdown != 1.0 for s in p.stages) if weighs_speeds else ())
+    return [(p.num_microbatches, tuple(s.slowdown != 1.0 for s in p.stages) if weighs_speeds else (),
+             tuple((s.layer_start, s.layer_end) for s in p.stages))  # a re-cut for the speeds moves layers
             for p in layout.pipelines]
 
 

@@ -53,10 +53,11 @@ def plan_nodes(config_yaml: str, names: Sequence[str], slow: Slow = None):
     """The plan of the job on ``names`` from scratch: a ``planning.planner.PlanOutcome``; with ``slow``
     (node -> factor), its batch split for those speeds."""
     job = _job(config_yaml)
-    outcome, templates = plan_fresh(job, _profile(config_yaml, job), names)
+    profile = _profile(config_yaml, job)
+    outcome, templates = plan_fresh(job, profile, names)
     if templates is not None:
         _TEMPLATES[(config_yaml, len(names))] = templates
-    return split_for_speeds(job, outcome, _speeds(slow))
+    return split_for_speeds(job, outcome, _speeds(slow), profile, templates)
 
 
 def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str],
@@ -69,14 +70,16 @@ def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str
     templates = _template_set(config_yaml, job, template_nodes)
     if not lost and not joined:
         if not bench:
-            return split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow))
+            return split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow),
+                                    _profile(config_yaml, job), templates)  # fmt: skip
         chosen, fresh_templates = plan_without_stragglers(job, _profile(config_yaml, job), templates, template_nodes,
                                                           base, _speeds(slow) or {}, list(bench))  # fmt: skip
     else:
         chosen, fresh_templates = plan_reconfiguration(
             job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
         )
-        chosen = split_for_speeds(job, chosen, _speeds(slow))
+        chosen = split_for_speeds(job, chosen, _speeds(slow), _profile(config_yaml, job),
+                                  fresh_templates or templates)  # fmt: skip
     if fresh_templates is not None and isinstance(chosen, Planned):
         _TEMPLATES[(config_yaml, chosen.template_nodes)] = fresh_templates
     return chosen

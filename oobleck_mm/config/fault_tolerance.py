@@ -88,6 +88,11 @@ class FaultToleranceConfig:
     """Act on a straggler: a new generation with the same pipelines whose batch split prices the slow
     node's stages at its measured factor (its pipeline gets fewer microbatches), switched at an iteration
     boundary, and the split of before once it is cleared. false: detect and report only."""
+    straggler_recut: bool = True
+    """With the re-split, a slow node's pipeline may also be re-cut: its stages keep their nodes and the
+    slow node's stage gives layers to the others (``planning.stage_mapping.recut_for_speeds``), when
+    that is predicted ``planning.speed.RECUT_GAIN`` faster than the re-split alone; the layer states move
+    at the switch, and back once the node is cleared. false: the re-split alone."""
     straggler_replan_after: timedelta | None = timedelta(seconds=60)
     """A straggler still slow this long after it was found is weighed once: the planner predicts the
     job's samples/s with the node kept (its pipeline re-split) and without it (the survivors'
@@ -125,6 +130,7 @@ class FaultToleranceConfig:
                               f"({self.straggler_factor}), got {self.straggler_clear_factor}")
         check(self, "straggler_steps", as_int, minimum=1)
         check(self, "straggler_resplit", as_bool)
+        check(self, "straggler_recut", as_bool)
         check_optional(self, "straggler_replan_after", as_duration)
         check(self, "straggler_bench", as_duration)
 

@@ -31,9 +31,9 @@ from oobleck_mm.planning.instantiate import instantiate
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
 from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
-from oobleck_mm.planning.speed import predicted_samples_per_s, speed_aware_split
+from oobleck_mm.planning.speed import predicted_samples_per_s, speed_aware_plan
 from oobleck_mm.planning.report import format_plan, format_templates, plan_to_dict, template_to_dict
-from oobleck_mm.planning.stage_mapping import build_templates
+from oobleck_mm.planning.stage_mapping import build_templates, recut_for_speeds
 from oobleck_mm.planning.template import TemplateSet
 
 
@@ -271,23 +271,36 @@ def plan_reconfiguration(
                     _keeps_replicas_from(job, template_set)), None
 
 
-def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None) -> PlanOutcome:
+def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None, profile: ModelProfile | None = None,
+                     template_set: TemplateSet | None = None) -> PlanOutcome:  # fmt: skip
     """``outcome``'s plan with its batch re-split for the slow nodes' speeds (``planning.speed``): the same
     pipelines and ranks, fewer microbatches for the pipelines of slow nodes; ``{}``: the split for the
-    templates' own speeds (a straggler recovered). ``None``, or anything but a ``Planned``, passes through."""
+    templates' own speeds (a straggler recovered). ``None``, or anything but a ``Planned``, passes through.
+    With the job's ``profile``, a slow node's pipeline may also be re-cut (its stage given fewer layers) where
+    that is predicted faster (``speed_aware_plan``); with ``template_set``, a pipeline re-cut before and no longer
+    slow gets its template back."""
     if slow is None or not isinstance(outcome, Planned):
         return outcome
     nodes = set(outcome.plan.nodes)
     slow = {n: f for n, f in slow.items() if n in nodes}
     start = time.perf_counter()
-    plan, split = speed_aware_split(outcome.plan, slow, job.planning.solver)
+    recut = None
+    if profile is not None and job.fault_tolerance.straggler_recut:
+        cluster = ClusterSpec.from_config(job.cluster)
+        recut = lambda template, factors, m: recut_for_speeds(profile, cluster, template, factors, m)  # noqa: E731
+    restore = template_set.for_nodes if template_set is not None else None
+    plan, split, cut = speed_aware_plan(outcome.plan, slow, job.planning.solver, recut, restore)
     if plan == outcome.plan and not slow:
         return outcome
     described = ", ".join(f"{n} x{f:.2f}" for n, f in sorted(slow.items())) or "every node at its templates' speed"
     reason = f"{outcome.reason}; batch split for the measured speeds ({described}): microbatches {split.microbatches}"
+    if cut:
+        cuts = "; ".join(" | ".join(f"{st.layer_start}-{st.layer_end - 1}" for st in p.template.stages)
+                         for p in plan.pipelines if any(n in slow for n in p.nodes))  # fmt: skip
+        reason += f", the slow nodes' pipelines re-cut for their speeds (layers {cuts})"
+    actions = (*outcome.actions, "speed split", *(("speed cut",) if cut else ()))
     return dataclasses.replace(
-        _planned(plan, outcome.template_nodes, outcome.fresh, (*outcome.actions, "speed split"), reason, start,
-                 outcome.keeps_replicas_from, slow),
+        _planned(plan, outcome.template_nodes, outcome.fresh, actions, reason, start, outcome.keeps_replicas_from, slow),
         seconds=outcome.seconds + time.perf_counter() - start,
     )  # fmt: skip
 
@@ -323,10 +336,11 @@ def plan_without_stragglers(job, profile: ModelProfile, template_set: TemplateSe
     ``weigh_bench`` predicts faster; the second value holds new templates when the plan without them
     needed a fresh plan (as ``plan_reconfiguration``'s). The master's planning helper and the simulator
     both weigh a straggler with it."""
-    keep = split_for_speeds(job, plan_as_is(job, template_set, template_nodes, base), dict(slow))
+    keep = split_for_speeds(job, plan_as_is(job, template_set, template_nodes, base), dict(slow), profile, template_set)
     without, templates = plan_reconfiguration(job, profile, template_set, template_nodes, base, list(bench), [])
     rest = {n: f for n, f in slow.items() if n not in set(bench)}
-    chosen = weigh_bench(keep, split_for_speeds(job, without, rest), slow, list(bench))
+    chosen = weigh_bench(keep, split_for_speeds(job, without, rest, profile, templates or template_set), slow,
+                         list(bench))  # fmt: skip
     return chosen, templates if chosen.benched else None
 
 

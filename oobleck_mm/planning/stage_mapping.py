@@ -74,8 +74,9 @@ Pure: numpy only; no torch, no torch.distributed, no grpc.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -124,6 +125,70 @@ def map_stages(
     if num_nodes > planner.max_nodes_by_layers:
         return None
     return planner.template(num_nodes, microbatches_hint)
+
+
+def recut_for_speeds(profile: ModelProfile, cluster: ClusterSpec, template: PipelineTemplate,
+                     factors: Sequence[float], microbatches: int) -> PipelineTemplate:  # fmt: skip
+    """``template``'s stages on the same nodes and GPUs, their layer boundaries moved for the stages' speeds
+    (``factors[k]``: stage k runs that many times slower than the cost model says): fewer layers on a slow
+    node's stage, more on the others. The min-max of each stage's slowed time (its memory with 1F1B's
+    in-flight activations still fitting), then a hill-climb on the exact slowed 1F1B time of
+    ``microbatches``. The template returned prices its stages at the cost model's speed, as every template
+    does (``planning.speed.slowed_template`` applies the factors). Where no other cut fits or is faster,
+    ``template`` itself."""
+    if len(factors) != template.num_stages:
+        raise ValueError(f"{len(factors)} factors for a template of {template.num_stages} stages")
+    planner = _Planner(profile, cluster)
+    tables = planner.tables
+    L, S = tables.num_layers, template.num_stages
+    stages = template.stages
+    shape = [(st.node, st.gpus[0], len(st.gpus)) for st in stages]
+    best_next = np.full(L + 1, np.inf)
+    best_next[L] = 0.0
+    choices: list[np.ndarray] = []
+    for k in range(S - 1, -1, -1):
+        node, _, d = shape[k]
+        after = sum(g for _, _, g in shape[k + 1:])
+        kind = _LAST if k == S - 1 else (_CROSS if shape[k + 1][0] != node else _INTRA)
+        incoming = tables.incoming[_CROSS if k > 0 and shape[k - 1][0] != node else _INTRA]
+        cost = (tables.masked_time(d, kind, after) + incoming[:, None]) * factors[k]
+        candidates = np.maximum(cost, best_next[None, :])
+        ends = np.argmin(candidates, axis=1)
+        best_next = candidates[np.arange(L + 1), ends]
+        choices.append(ends)
+    choices.reverse()
+    if not math.isfinite(best_next[0]):
+        return template
+    cuts, w = [], 0
+    for k, (node, first_gpu, d) in enumerate(shape):
+        end = int(choices[k][w])
+        cuts.append((w, end, node, first_gpu, d))
+        w = end
+    assert w == L, (w, cuts)
+
+    def slowed_time(candidate: PipelineTemplate) -> float:
+        slowed = tuple(dataclasses.replace(st, forward_s=st.forward_s * f, backward_s=st.backward_s * f)
+                       for st, f in zip(candidate.stages, factors))  # fmt: skip
+        return dataclasses.replace(candidate, stages=slowed).iteration_time(microbatches)
+
+    candidate = planner._assemble(template.num_nodes, cuts)
+    time = slowed_time(candidate)
+    improved, budget = True, _POLISH_EVALUATIONS
+    while improved and budget > 0:  # the min-max is position-blind; the exact time is not (``_polish``)
+        improved = False
+        for k in range(S - 1):
+            for shift in (-1, 1):
+                moved = _shift_boundary(cuts, k, shift)
+                if moved is None or budget <= 0:
+                    continue
+                other = planner._assemble(template.num_nodes, moved)
+                if any(st.memory_bytes > tables.usable for st in other.stages):
+                    continue
+                budget -= 1
+                other_time = slowed_time(other)
+                if other_time < time * (1 - 1e-9):
+                    cuts, candidate, time, improved = moved, other, other_time, True
+    return candidate if time < slowed_time(template) * (1 - 1e-9) else template
 
 
 def min_nodes(profile: ModelProfile, cluster: ClusterSpec) -> int:
