@@ -91,7 +91,8 @@ def main(argv=None) -> int:
                     row = one_run(inject, args.steps, Path(d) / f"{r}-{len(results[name])}-{name.replace(' ', '_')}")
                     results[name].append(row)
                     print(f"  run {r} {name:16s} exit {row['exit']}, pause {_f(row['pause_s'])} s = "
-                          f"{_f(row['median_steps'], 1)} median steps of {_f(row['median_step_s'])} s; joiner "
+                          f"{_f(row['median_steps'], 1)} median steps of {_f(row['median_step_s'])} s, longest "
+                          f"step {_f(row['longest_median_steps'], 2)} median steps; joiner "
                           f"ready after {_f(row['joiner_ready_s'])} s, pause meanwhile "
                           f"{_f(row['startup_pause_s'])} s", flush=True)  # fmt: skip
     finally:

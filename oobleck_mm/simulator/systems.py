@@ -40,8 +40,8 @@ from oobleck_mm.faults.spec import node_number
 from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
 from oobleck_mm.planning.plan import Plan, gradient_allreduce_s
 from oobleck_mm.planning.planner import Planned, plan_fresh, plan_reconfiguration, plan_without_stragglers
-from oobleck_mm.planning.speed import speed_aware_split
-from oobleck_mm.planning.stage_mapping import build_templates
+from oobleck_mm.planning.speed import speed_aware_plan
+from oobleck_mm.planning.stage_mapping import build_templates, recut_for_speeds
 from oobleck_mm.planning.template import PipelineTemplate, TemplateSet
 from oobleck_mm.planning.transfers import plan_transfers
 from oobleck_mm.simulator.params import SimParams
@@ -178,7 +178,11 @@ class OobleckSystem:
         known = {n: f for n, f in self.st.known.items() if n in set(plan.nodes)}
         if not self.st.enabled or not (known or again):
             return plan
-        return speed_aware_split(plan, known, self.job.planning.solver)[0]
+        recut = None
+        if self.job.fault_tolerance.straggler_recut:  # as the master's planner does (``split_for_speeds``)
+            recut = lambda t, factors, m: recut_for_speeds(self.profile, self.cluster, t, factors, m)  # noqa: E731
+        restore = self.templates.for_nodes if self.templates is not None else None
+        return speed_aware_plan(plan, known, self.job.planning.solver, recut, restore)[0]
 
     def _fresh(self, live: list[str]) -> tuple[Any, float]:
         self.planner_calls += 1
@@ -208,9 +212,13 @@ class OobleckSystem:
                 plan_reconfiguration, self.job, self.profile, self.templates, self.template_nodes, self.plan, [], back)
             if isinstance(outcome, Planned):
                 pause += self._replace(outcome.plan, templates, live, seconds)
-        if st.detect(now, self.plan.nodes):  # found, changed or cleared: the batch split again, no copy
+        if st.detect(now, self.plan.nodes):  # found, changed or cleared: the batch split again
+            old = self.plan
             self.plan = self._split(self.plan, again=True)
             pause.append(("reconfiguration", self.params.rendezvous_s))
+            if [p.template for p in old.pipelines] != [p.template for p in self.plan.pipelines]:
+                # A pipeline re-cut for its speeds (or back): the layer states its stages gained move.
+                pause.append(("state_copy", copy_seconds(old, self.plan, live, self.profile, self.cluster)[0]))
         for node in st.to_weigh(now, self.plan.nodes):
             st.weighed.add(node)
             known = {n: f for n, f in st.known.items() if n in set(self.plan.nodes)}
