@@ -31,7 +31,7 @@ from oobleck_mm.planning.instantiate import instantiate
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
 from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
-from oobleck_mm.planning.speed import predicted_samples_per_s, speed_aware_plan
+from oobleck_mm.planning.speed import predicted_samples_per_s, speed_aware_plan, with_own_templates
 from oobleck_mm.planning.report import format_plan, format_templates, plan_to_dict, template_to_dict
 from oobleck_mm.planning.stage_mapping import build_templates, recut_for_speeds
 from oobleck_mm.planning.template import TemplateSet
@@ -253,6 +253,7 @@ def plan_reconfiguration(
     """
     start = time.perf_counter()
     gain = job.planning.replan_gain
+    base = with_own_templates(base, template_set.for_nodes)  # a pipeline re-cut for a straggler: its template
     try:
         rec = reconfigure(
             base, lost, joined, template_set, job.fault_tolerance.f, ClusterSpec.from_config(job.cluster),

@@ -75,13 +75,7 @@ def speed_aware_plan(plan: Plan, slow: Mapping[str, float], solver: str = "highs
     the job's own template for ``n``-node pipelines, which a pipeline that was re-cut for a node since
     recovered (or left) gets back."""
     if restore is not None:
-        pipelines = []
-        for p in plan.pipelines:
-            own = restore(p.template.num_nodes)
-            if own is not None and own != p.template and own.num_stages == p.template.num_stages:
-                p = dataclasses.replace(p, template=own)
-            pipelines.append(p)
-        plan = dataclasses.replace(plan, pipelines=tuple(pipelines))
+        plan = with_own_templates(plan, restore)
     kept, split = speed_aware_split(plan, slow, solver)
     slowed = [p for p in plan.pipelines if any(slow.get(n, 1.0) != 1.0 for n in p.nodes)]
     if recut is None or not slowed:
@@ -89,10 +83,26 @@ def speed_aware_plan(plan: Plan, slow: Mapping[str, float], solver: str = "highs
     pipelines = []
     for p in plan.pipelines:
         factors = [slow.get(p.nodes[stage.node], 1.0) for stage in p.template.stages]
-        if any(f != 1.0 for f in factors) and p.template.num_stages > 1:
+        # Only stages of different speeds: a pipeline slowed evenly (every stage on the slow node) has nothing
+        # to move, and a "re-cut" would only re-tune the template for another microbatch count.
+        if len(set(factors)) > 1:
             p = dataclasses.replace(p, template=recut(p.template, factors, p.num_microbatches))
         pipelines.append(p)
     cut, cut_split = speed_aware_split(dataclasses.replace(plan, pipelines=tuple(pipelines)), slow, solver)
     if predicted_samples_per_s(cut, slow) > predicted_samples_per_s(kept, slow) * (1 + RECUT_GAIN):
         return cut, cut_split, True
     return kept, split, False
+
+
+def with_own_templates(plan: Plan, restore: Callable[[int], PipelineTemplate | None]) -> Plan:
+    """``plan`` with every pipeline re-cut for a slow node (``speed_aware_plan``) on the job's own template for
+    its node count again (``restore(n)``, e.g. ``TemplateSet.for_nodes``): what the reconfiguration of a loss or
+    a join starts from, since it places pipelines by the templates (the workers derive the state copies from
+    the layouts they actually hold)."""
+    pipelines = []
+    for p in plan.pipelines:
+        own = restore(p.template.num_nodes)
+        if own is not None and own != p.template and own.num_stages == p.template.num_stages:
+            p = dataclasses.replace(p, template=own)
+        pipelines.append(p)
+    return dataclasses.replace(plan, pipelines=tuple(pipelines))

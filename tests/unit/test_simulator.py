@@ -397,7 +397,10 @@ def test_a_node_slow_for_good_is_weighed_benched_and_taken_back_after_its_bench(
     """Nine one-node pipelines (GPT-2 on A40s): ``straggler_replan_after`` (60 s) after a 10x node was found,
     the plan of the eight others is predicted faster, so it is benched for ``straggler_bench`` (5 min) and
     then taken back like a join (the planner puts it in a two-node pipeline, where a re-split hides it: kept
-    when weighed again); a second bench of the same node would last 10 min."""
+    when weighed again); a second bench of the same node would last 10 min. Without the re-cut: with it, node2's
+    two-node pipeline gives node2 2 of its 26 layers, predicted as fast as the plan without node2, so it stays."""
+    recut_on = job
+    job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(job.fault_tolerance, straggler_recut=False))
     profile = profile_from_config(job)
     system = OobleckSystem(job, profile, FIXED)
     names = tuple(f"node{i + 1}" for i in range(9))
@@ -410,6 +413,11 @@ def test_a_node_slow_for_good_is_weighed_benched_and_taken_back_after_its_bench(
     assert system.st.bench(0.0, "node2") == 600.0, "benched again: twice as long"
     waits = simulate_system(OobleckSystem(job, profile, dataclasses.replace(FIXED, straggler_mitigation=False)), av)
     assert result.samples_per_s > waits.samples_per_s
+    cut = OobleckSystem(recut_on, profile, FIXED)
+    cut_result = simulate_system(cut, av)
+    check_invariants(cut_result, job.training.global_batch)
+    assert [what for _, n, what in cut.st.actions if n == "node2"] == ["found", "kept"]
+    assert cut_result.samples_per_s >= result.samples_per_s
 
 
 def test_data_skew_slows_the_contiguous_split_and_the_balancer_buys_it_back():

@@ -125,6 +125,14 @@ def test_the_re_cut_is_taken_only_where_it_beats_the_re_split_and_a_recovered_no
         assert gain > 1 + RECUT_GAIN and "re-cut for their speeds" in both.reason
         untouched = next(p for p in both.plan.pipelines if "node5" not in p.nodes)
         assert untouched.template == templates.for_nodes(untouched.template.num_nodes)
+        # A loss after the re-cut is planned from the job's templates (an emulated run stopped with "template_set
+        # has no template equal to pipeline 0's" when node1 was weighed for a bench after node5's re-cut).
+        from oobleck_mm.planning.planner import Planned, plan_reconfiguration, plan_without_stragglers
+
+        after, _ = plan_reconfiguration(job, profile, templates, 8, both.plan, ["node1"], [])
+        assert isinstance(after, Planned) and "node1" not in after.plan.nodes
+        weighed, _ = plan_without_stragglers(job, profile, templates, 8, both.plan, {"node5": 2.0}, ["node5"])
+        assert isinstance(weighed, Planned)
         recovered = split_for_speeds(job, both, {}, profile, templates)  # node5 back to speed: the layers return
         assert all(p.template == templates.for_nodes(p.template.num_nodes) for p in recovered.plan.pipelines)
         assert "speed cut" not in recovered.actions[len(both.actions):]
