@@ -50,9 +50,12 @@ def check_templates(job) -> None:
     node counts to cover every size), said before anything starts: the master would find out only once every
     agent registered and its workers built their layers (``llava_tiny`` on 4 nodes: 17 s of start-up, then
     exit 2). Only with the analytical profile: a measured one times the job's layers, which is the master's
-    work at start (seconds of it)."""
-    if job.planning.profile != "analytical":
-        return
+    work at start (seconds of it), and only once the data's shape is known (a ``llava_json`` file's is
+    measured by the master, which then checks its data first, naming a bad sample before any plan)."""
+    from oobleck_mm.config.job import shape_measured
+
+    if job.planning.profile != "analytical" or not shape_measured(job.data):
+        return  # a data file's token counts are measured by the master before it plans (data.check)
     from oobleck_mm.planning.costs import ClusterSpec
     from oobleck_mm.planning.stage_mapping import build_templates
     from oobleck_mm.profiling.load import load_profile
