@@ -407,6 +407,13 @@ def balance(args) -> dict:
     return out
 
 
+def _run_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """What every subcommand that launches MLLM-10B takes: config overrides, a timeout per launch, the JSON."""
+    parser.add_argument("--set", action="append", default=[], dest="sets")
+    parser.add_argument("--timeout", type=float, default=timeout)
+    parser.add_argument("--json", help="write the figures here")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -424,9 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--churn", default=DEFAULT_CHURN)
     ch.add_argument("--size-steps", type=int, default=25, help="steps of each failure-free run at a node count")
     ch.add_argument("--restart", action="store_true", help="also the same churn under --recovery restart")
-    ch.add_argument("--set", action="append", default=[], dest="sets")
-    ch.add_argument("--timeout", type=float, default=3600)
-    ch.add_argument("--json", help="write the figures here")
+    _run_flags(ch, timeout=3600)
     st = sub.add_parser("straggler", help="one node slowed for good: unslowed, detection only, mitigated")
     st.add_argument("--nodes", type=int, default=8)
     st.add_argument("--steps", type=int, default=70)
@@ -436,18 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--global-batch", type=int, default=64,
                     help="16 microbatches: a split of 8 bounds every mitigation near 89%% (docs/benchmarks.md)")
     st.add_argument("--only", action="append", default=[], help="run only the runs whose name ends so (repeatable)")
-    st.add_argument("--set", action="append", default=[], dest="sets")
-    st.add_argument("--timeout", type=float, default=3600)
-    st.add_argument("--json", help="write the figures here")
+    _run_flags(st, timeout=3600)
     jo = sub.add_parser("join", help="the survivors' longest step around a join, alone and after a loss")
     jo.add_argument("--nodes", type=int, default=8)
     jo.add_argument("--steps", type=int, default=30)
     jo.add_argument("--at", type=int, default=8, help="the step of the join (of the loss, then the join 3 later)")
     jo.add_argument("--runs", type=int, default=5)
     jo.add_argument("--global-batch", type=int, default=32)
-    jo.add_argument("--set", action="append", default=[], dest="sets")
-    jo.add_argument("--timeout", type=float, default=1800)
-    jo.add_argument("--json", help="write the figures here")
+    _run_flags(jo, timeout=1800)
     si = sub.add_parser("simulate", help="the simulator's prediction of a churn run's figures (item 4)")
     si.add_argument("churn_json", help="a `churn --json` output")
     si.add_argument("--json", help="write the figures here")
@@ -455,9 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ba.add_argument("--nodes", type=int, default=7)
     ba.add_argument("--steps", type=int, default=20)
     ba.add_argument("--global-batch", type=int, default=32)
-    ba.add_argument("--set", action="append", default=[], dest="sets")
-    ba.add_argument("--timeout", type=float, default=1800)
-    ba.add_argument("--json", help="write the figures here")
+    _run_flags(ba, timeout=1800)
     args = parser.parse_args(argv)
     if args.command == "balance":
         out = balance(args)
