@@ -367,6 +367,26 @@ def assert_resume_equals_reference(config: str, steps: int, checkpoint: str | Pa
     return start
 
 
+def windows_with_switches(windows: list[tuple[str | None, str, int]], events: str | Path) -> list:
+    """The ``verify.checkpoint_windows`` a generation switch trained in, and the last one.
+
+    A window from the run's own checkpoint of step ``a`` to the one of step ``b`` replays steps ``a..b-1``;
+    a generation that resumed at step ``s`` (a loss, a join, a leave, a re-split: its copies, its new
+    split) is judged by the window with ``a <= s < b``. The windows between switches replay what one
+    generation trained without a fault, as the failure-free tests do already, and each costs the reference
+    trainer ~75 ms a step on one core: a test whose run must be long enough for its faults to happen under
+    load compares where they happened."""
+    from oobleck_mm.runtime.checkpoint import read_meta
+
+    switched = {int(e["step"]) for e in read_events(events, "resumed")}
+    kept = []
+    for i, (start, end, step) in enumerate(windows):
+        first = int(read_meta(start)["step"]) if start else 0
+        if i >= len(windows) - 2 or any(first <= s < step for s in switched):
+            kept.append((start, end, step))
+    return kept
+
+
 def assert_replicas_identical(directory: Path) -> None:
     """Every replica of every layer hashed the same (``replicas/rank{r}.json`` of ``--save-final``)."""
     files = sorted((directory / "replicas").glob("rank*.json"))
