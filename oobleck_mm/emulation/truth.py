@@ -63,7 +63,15 @@ class TruthProfile:
     scale: float = 1.0
     """Every duration (compute, transfers, all-reduces, copies) times this: the known delay the emulation's
     calibration adds (+10% must cost 10% of the throughput, ``scripts/bench_emulated.py calibrate``)."""
+    odd_steps_scale: float = 1.0
+    """Every duration of the odd steps times this too: the known delay interleaved with undelayed steps of the
+    same run, so that whatever load the host carries falls on both alike (two runs side by side measured a
+    +10% delay as +11.6% on a host 79% busy during the second)."""
     source: str = "built-in"
+
+    def step_scale(self, step: int) -> float:
+        """What every duration of global step ``step`` is multiplied by."""
+        return self.scale * (self.odd_steps_scale if step % 2 else 1.0)
 
     def factor(self, spec: LayerSpec) -> float:
         for key in (f"{spec.modality}.{spec.kind}", spec.kind, spec.modality):
@@ -75,12 +83,15 @@ class TruthProfile:
         factors = ", ".join(f"{k} x{v:g}" for k, v in sorted(self.factors.items())) or "none"
         efficiency = "the planner's" if self.efficiency is None else f"{self.efficiency:g}"
         scale = f", every duration x{self.scale:g}" if self.scale != 1 else ""
+        if self.odd_steps_scale != 1:
+            scale += f", odd steps' x{self.odd_steps_scale:g}"
         return (f"truth {self.source}: analytical roofline at efficiency {efficiency}, factors {factors}, "
                 f"per-sample noise sigma {self.noise:g} (seed {self.seed}){scale}")
 
     def to_dict(self) -> dict:
         return {"factors": dict(self.factors), "noise": self.noise, "seed": self.seed,
-                "efficiency": self.efficiency, "scale": self.scale, "source": self.source}  # fmt: skip
+                "efficiency": self.efficiency, "scale": self.scale, "odd_steps_scale": self.odd_steps_scale,
+                "source": self.source}  # fmt: skip
 
 
 DEFAULT_TRUTH = TruthProfile(
@@ -92,7 +103,7 @@ DEFAULT_TRUTH = TruthProfile(
 )
 """The truth of an emulated run without ``cluster.emulate_profile``; the run prints it."""
 
-_PROFILE_KEYS = ("factors", "noise", "seed", "efficiency", "scale")
+_PROFILE_KEYS = ("factors", "noise", "seed", "efficiency", "scale", "odd_steps_scale")
 
 
 def load_truth(path: str | None) -> TruthProfile:
@@ -123,11 +134,12 @@ def load_truth(path: str | None) -> TruthProfile:
         raise TruthProfileError(f"{where}: seed must be an integer >= 0, got {seed!r}")
     if efficiency is not None and not (_number(efficiency) and 0 < efficiency <= 1):
         raise TruthProfileError(f"{where}: efficiency must be in (0, 1], got {efficiency!r}")
-    scale = raw.get("scale", 1.0)
-    if not _positive(scale):
-        raise TruthProfileError(f"{where}: scale must be a number > 0, got {scale!r}")
+    scale, odd = raw.get("scale", 1.0), raw.get("odd_steps_scale", 1.0)
+    for key, value in (("scale", scale), ("odd_steps_scale", odd)):
+        if not _positive(value):
+            raise TruthProfileError(f"{where}: {key} must be a number > 0, got {value!r}")
     return TruthProfile(factors={str(k): float(v) for k, v in factors.items()}, noise=float(noise), seed=seed,
-                        efficiency=efficiency, scale=float(scale), source=path)  # fmt: skip
+                        efficiency=efficiency, scale=float(scale), odd_steps_scale=float(odd), source=path)  # fmt: skip
 
 
 def _number(value) -> bool:
@@ -201,6 +213,13 @@ class Truth:
         self.input_grad = needs_input_grad(stub)
         self._features: dict[int, np.ndarray] = {}
         self._noise: dict[int, float] = {}
+        self.scale = self.profile.step_scale(0)
+        """Every duration's multiplier at the step ``at_step`` last named (``TruthProfile.step_scale``)."""
+
+    def at_step(self, step: int) -> Truth:
+        """The durations of global step ``step`` from now on (a profile's ``odd_steps_scale``)."""
+        self.scale = self.profile.step_scale(step)
+        return self
 
     # ------------------------------------------------------------------ samples
     def features(self, metas: Sequence[SampleMeta]) -> np.ndarray:
@@ -247,7 +266,7 @@ class Truth:
                 continue
             span = float(rows[:, g.quadratic].sum()) / tokens if g.quadratic is not None else None
             f, bw, bd = pass_seconds(g.spec, tokens, self.device, checkpointing, flash, attention_len=span)
-            scale = g.count * self.profile.factor(g.spec) * self.profile.scale * float(per_sample @ noise) / tokens
+            scale = g.count * self.profile.factor(g.spec) * self.scale * float(per_sample @ noise) / tokens
             forward += f * scale
             backward += ((bw if g.trainable else 0.0) + (bd if g.input_grad else 0.0)) * scale
         return forward, backward
@@ -266,7 +285,7 @@ class Truth:
 
     def transfer_s(self, num_bytes: float) -> float:
         """One stage-to-stage message between nodes (one GPU per stage: always across GPUs)."""
-        return self.profile.scale * self.cluster.transfer_s(num_bytes, cross_node=self.job.cluster.gpus_per_node == 1)
+        return self.scale * self.cluster.transfer_s(num_bytes, cross_node=self.job.cluster.gpus_per_node == 1)
 
     def grad_bytes(self, layers: Sequence[int]) -> float:
         """Bytes of ``layers``' gradients the layer-wise all-reduce sums (trainable layers only)."""
@@ -275,7 +294,7 @@ class Truth:
 
     def allreduce_s(self, layers: Sequence[int], pipelines: int) -> float:
         """The gradient all-reduce of a stage's ``layers`` across ``pipelines`` replicas (ring, between nodes)."""
-        return self.profile.scale * self.cluster.allreduce_s(self.grad_bytes(layers), pipelines, cross_node=True)
+        return self.scale * self.cluster.allreduce_s(self.grad_bytes(layers), pipelines, cross_node=True)
 
     def state_bytes(self, index: int) -> float:
         """Bytes of layer ``index``'s state a recovery copies: its master parameters, and their two Adam moments
@@ -285,7 +304,7 @@ class Truth:
 
     def copy_s(self, layers: Sequence[int]) -> float:
         """A receiver's copy of ``layers``' states over its one inter-node link."""
-        return self.profile.scale * self.cluster.transfer_s(sum(self.state_bytes(i) for i in layers), cross_node=True)
+        return self.scale * self.cluster.transfer_s(sum(self.state_bytes(i) for i in layers), cross_node=True)
 
 
 def describe_emulation(job: JobConfig) -> str:

@@ -60,9 +60,11 @@ class Emulation:
             self._metas.update(zip(missing, self.data.metas(missing)))
         return [self._metas[i] for i in ids]
 
-    def begin_step(self, interrupt=None) -> None:
-        """A step begins: this node's speed as the injector left it, the host in step with its device."""
+    def begin_step(self, step: int, interrupt=None) -> None:
+        """Global step ``step`` begins: this node's speed as the injector left it, the step's true durations,
+        the host in step with its device."""
         self.factor = self.speed.read()
+        self.truth.at_step(step)
         with _abandoned():
             self.clock.begin_step(interrupt)
 

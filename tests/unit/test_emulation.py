@@ -158,10 +158,11 @@ def test_transfers_and_copies_are_priced_from_the_real_models_bytes():
 
 @pytest.mark.parametrize("content, named", [
     ("{not json", "not JSON"),
-    ('{"factor": {}}', "unknown key 'factor'; valid: factors, noise, seed, efficiency, scale"),
+    ('{"factor": {}}', "unknown key 'factor'; valid: factors, noise, seed, efficiency, scale, odd_steps_scale"),
     ('{"noise": -1}', "noise must be a number in [0, 1)"),
     ('{"factors": {"block": 0}}', "factors must map a layer kind or modality to a number > 0"),
     ('{"scale": "x"}', "scale must be a number > 0"),
+    ('{"odd_steps_scale": 0}', "odd_steps_scale must be a number > 0, got 0"),
     ("[1]", "must be a JSON object"),
 ])  # fmt: skip
 def test_a_truth_profile_that_does_not_parse_is_named(tmp_path, content, named):
@@ -179,6 +180,23 @@ def test_a_truth_profile_file_is_read_and_stated(tmp_path):
     assert profile == TruthProfile(factors={"vision.block": 1.2}, noise=0.05, seed=2, scale=1.1, source=str(path))
     assert "vision.block x1.2" in profile.describe() and "every duration x1.1" in profile.describe()
     assert load_truth(None) is DEFAULT_TRUTH
+
+
+def test_odd_steps_scale_delays_every_duration_of_the_odd_steps_only():
+    """The calibration's interleaved known delay (``scripts/bench_emulated.py calibrate`` (a)): compute,
+    transfers, all-reduces and copies of an odd step x1.1 on top of ``scale``; an even step's untouched."""
+    job = text_job()
+    plain, delayed = Truth(job, TruthProfile(scale=2.0)), Truth(job, TruthProfile(scale=2.0, odd_steps_scale=1.1))
+    sample, layers = [SampleMeta(index=3, text_tokens=700)], [4, 5, 6]
+
+    def durations(truth):
+        return (*truth.stage_seconds(truth.groups(layers), sample), truth.transfer_s(1e6),
+                truth.allreduce_s(layers, 4), truth.copy_s(layers))
+
+    for step in range(4):
+        expected = [d * (1.1 if step % 2 else 1.0) for d in durations(plain.at_step(step))]
+        assert durations(delayed.at_step(step)) == pytest.approx(expected, rel=1e-12)
+    assert "odd steps' x1.1" in delayed.profile.describe()
 
 
 # --------------------------------------------------------------------------- the device clock
