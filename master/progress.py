@@ -252,7 +252,10 @@ class Progress:
     def _observe_compute(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics]) -> list[Verdict]:
         expected = self._expected.get(gen.number, {})
         nodes, works = gen.rank_nodes, stage_ranges(gen.layout)
-        ranks = [RankCompute(nodes[r.rank], r.forward_s + r.backward_s, expected.get(r.rank, 0.0), works.get(r.rank))
+        # Each rank's own samples' cost where it reported it (``StepMetrics.expected_compute_s``), else its plan's
+        # mean microbatch's (a worker of an older build, a report replayed from before).
+        ranks = [RankCompute(nodes[r.rank], r.forward_s + r.backward_s, r.expected_compute_s or expected.get(r.rank, 0.0),
+                             works.get(r.rank))
                  for r in reports if 0 <= r.rank < len(nodes)]  # fmt: skip
         return self.stragglers.observe(step, ranks)
 

@@ -7,9 +7,12 @@ can reuse it.
 What is measured: each rank's own forward and backward seconds of the step
 (``StepMetrics.forward_s + backward_s``), not its step time: a rank waiting for
 a slow peer has a long step but short compute, so only the slow node itself is
-flagged. What it is compared with: the cost model's seconds for the same work
-(the plan's stage times times the pipeline's microbatches,
-``expected_compute``). The model's absolute scale is off on any real machine
+flagged. What it is compared with: the cost model's seconds for the same work:
+the rank's stage over the step's own samples, which each worker reports
+(``runtime.balancing.ComputeExpectation``; pipelines get different samples each
+step, and the plan's mean microbatch read a node slowed exactly 2x at 1.2-2.8x
+step by step on emulated MLLM-10B), else the plan's stage times times the
+pipeline's microbatches (``expected_compute``). The model's absolute scale is off on any real machine
 (the balancer's predictions run ~2.5x below measured times here), so a node's
 *ratio* (measured over predicted) is compared with the median ratio of the
 other nodes of the step: ``factor`` = 1 for a node like the rest, 2 for one
@@ -106,7 +109,8 @@ class RankCompute:
     measured_s: float
     """Its forward and backward seconds, as its own timers measured them."""
     expected_s: float
-    """The cost model's seconds for the same work (> 0)."""
+    """The cost model's seconds for the same work (> 0): over the step's own samples where the rank reported
+    them (``runtime.balancing.ComputeExpectation``), else the plan's mean microbatch (``expected_compute``)."""
     work: tuple[int, int] | None = None
     """The layer range it ran (``[start, end)``), under which the model's error is learned; None: not
     calibrated (compared as measured)."""
@@ -119,7 +123,8 @@ class Verdict:
     node: str
     step: int
     factor: float
-    """The median of the node's factors over the steps that decided it (nan: it left the job)."""
+    """The node's speed factor: for ``detected``, the median of the window's factors since it slowed
+    (``slowed_median``); otherwise the median over the steps that decided it (nan: it left the job)."""
     evidence: tuple[float, ...]
     """Those factors, oldest first."""
     reason: str
@@ -176,10 +181,12 @@ class StragglerDetector:
             if track.since_report < track.dwell(self.rule.steps) and (track.flagged or track.cycles):
                 continue  # the last verdict stands a while: see the module docstring
             if not track.flagged and median >= self.rule.factor:
-                track.flagged, track.reported, track.since_report = True, median, 0
-                out.append(Verdict("detected", node, step, median, window,
+                speed = slowed_median(window, self.rule.clear_factor)
+                track.flagged, track.reported, track.since_report = True, speed, 0
+                out.append(Verdict("detected", node, step, speed, window,
                                    f"its compute took a median {median:.2f}x what the cost model predicts, relative "
-                                   f"to the other nodes, over the last {self.rule.steps} steps (>= {self.rule.factor:g}x)"))
+                                   f"to the other nodes, over the last {self.rule.steps} steps (>= {self.rule.factor:g}x); "
+                                   f"{speed:.2f}x since it slowed"))
             elif (track.flagged and median >= self.rule.clear_factor
                   and max(median / track.reported, track.reported / median) >= FACTOR_CHANGE):
                 before, track.reported, track.since_report = track.reported, median, 0
@@ -230,6 +237,20 @@ class StragglerDetector:
                 out.append(Verdict("cleared", node, step, float("nan"), (), "no longer in the plan"))
             self.latest.pop(node, None)
         return out
+
+
+def slowed_median(window: Sequence[float], floor: float) -> float:
+    """The median of the window's newest factors that are all at least ``floor`` (the clear threshold): the
+    node's speed since it slowed. The window that first crosses the threshold still holds the steps before
+    the slowdown (a node slowed 2x for good from a step is flagged with four of eight steps slowed: a window
+    median of 1.5), and the split sized for 1.5x gives it a third too much work; the "changed" verdict that
+    would correct it waits a whole window. The median of the window if its newest factor is below ``floor``."""
+    since = []
+    for factor in reversed(window):
+        if factor < floor:
+            break
+        since.append(factor)
+    return statistics.median(since) if since else statistics.median(window)
 
 
 def node_factors(ranks: Sequence[RankCompute]) -> dict[str, float]:

@@ -688,6 +688,7 @@ def step_metrics(a, plan: ExecutionPlan, engine: StageEngine, result) -> pb.Step
         generation=a.generation, step=result.step, rank=a.rank, loss=result.loss,
         samples_per_s=plan.global_batch / result.step_time_s, step_time_s=result.step_time_s,
         forward_s=result.forward_s, backward_s=result.backward_s, comm_s=result.comm_s, lr=result.lr,
+        expected_compute_s=result.expected_compute_s,
         grad_norm=result.grad_norm, tokens=result.tokens, peak_memory_bytes=peak_memory_bytes(engine.device),
         pipeline_s=result.pipeline_s, skipped=result.skipped, loss_scale=result.loss_scale,
         predicted_max_s=predicted.get("predicted_max_s", 0.0),

@@ -62,21 +62,83 @@ def step_balancer(job, data, specs, device: torch.device | str = "cpu", emulatio
     return StepBalancer(job, data, specs, device)
 
 
-class StepBalancer:
-    def __init__(self, job, data, specs, device: torch.device | str = "cpu"):
+class StageWork:
+    """The cost model's view of what a stage runs: each sample's features (from its metadata: nothing is
+    loaded; cached) and a microbatch slot's, for the balancer's timings and the straggler detector's
+    expectation alike."""
+
+    def __init__(self, job, data, specs):
         from oobleck_mm.profiling.analytical import profile_from_config
 
+        self.data = data
+        self.dims = ModelInputs.from_model(job.model)
+        self.model = CostModel.from_profile(profile_from_config(job), specs)
+        self._features: dict[int, np.ndarray] = {}
+
+    def features(self, ids) -> np.ndarray:
+        missing = [i for i in ids if i not in self._features]
+        if missing:
+            rows = sample_features(self.data.metas(missing), self.dims)
+            self._features.update(zip(missing, rows))
+        return np.stack([self._features[i] for i in ids])
+
+    def slot_features(self, stage, ids, llm_ids=None) -> np.ndarray:
+        """What ``stage`` computed for one microbatch slot of ``ids``. ``llm_ids``: with Entrain's deferral, the
+        samples the slot ran through the LLM's layers (and through the encoders' backward): encoder columns
+        weighted by the stage's forward share between ``ids`` (forward) and ``llm_ids`` (backward), LLM
+        columns of ``llm_ids``. The cost model is linear, so this is exact for it."""
+        feats = microbatch_features(self.features(list(ids)))
+        if llm_ids is not None and tuple(llm_ids) != tuple(ids):
+            share = self.model.forward_share(stage.layer_start, stage.layer_end)
+            after = microbatch_features(self.features(list(llm_ids)))
+            feats = share * feats + (1 - share) * after
+            feats[np.array(sorted(LLM_FEATURES))] = after[np.array(sorted(LLM_FEATURES))]
+            feats[0] = 1.0
+        return feats
+
+
+class ComputeExpectation:
+    """A rank's forward and backward seconds over the samples its stage ran, by the planner's own analytical
+    cost model (never refitted: a refit learns a slow node's layers as the model's error): what the master's
+    straggler detector divides the rank's measured compute by (``StepMetrics.expected_compute_s``).
+
+    Per sample, not the plan's mean microbatch: on emulated MLLM-10B (two pipelines given different samples
+    each step) the mean read a node slowed exactly 2x at 1.2-2.8x step by step, and it was flagged at 1.6x."""
+
+    def __init__(self, work: StageWork, fixed_s_per_layer: float = 0.0) -> None:
+        self.work = work
+        self.coefficients = CostCoefficients.initial(fixed_s_per_layer)
+
+    @classmethod
+    def for_job(cls, job, data, specs, emulation=None) -> ComputeExpectation:
+        """On an emulated device, the real job's model and samples (as ``step_balancer``)."""
+        if emulation is not None:
+            job, data, specs = emulation.job, emulation.data, emulation.truth.specs
+        return cls(StageWork(job, data, specs), job.balance.fixed_s_per_layer)
+
+    def seconds(self, stage, microbatches, llm_microbatches=None) -> float:
+        """One rank's share of ``stage``'s seconds over ``microbatches`` (a stage of d GPUs: 1/d each)."""
+        if not microbatches:
+            return 0.0
+        rows = np.stack([self.work.slot_features(stage, ids, llm_microbatches[k] if llm_microbatches else None)
+                         for k, ids in enumerate(microbatches)])  # fmt: skip
+        total = self.work.model.predict(self.coefficients, stage.layer_start, stage.layer_end, rows).sum()
+        return float(total) / max(1, stage.width)
+
+
+class StepBalancer:
+    def __init__(self, job, data, specs, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         """Where exchanged tensors live: the process group's device (NCCL needs CUDA tensors)."""
         self.config = job.balance
         self.data = data
-        self.dims = ModelInputs.from_model(job.model)
-        self.model = CostModel.from_profile(profile_from_config(job), specs)
+        self.work = StageWork(job, data, specs)
+        self.dims = self.work.dims
+        self.model = self.work.model
         self.coefficients = CostCoefficients.initial(self.config.fixed_s_per_layer)
         self.window: deque[StageTiming] = deque(maxlen=self.config.fit_window)
         self.fresh: list[StageTiming] = []
         """This rank's timings since the last fit."""
-        self._features: dict[int, np.ndarray] = {}
         self.last_metrics: dict[str, float] = {}
         warm_balancer(job)  # the compiled kernels now, not inside the first step (done already in a worker)
 
@@ -96,11 +158,7 @@ class StepBalancer:
         self.window.extend(StageTiming(int(a), int(b), tuple(f), float(s)) for a, b, f, s in state["window"])
 
     def features(self, ids) -> np.ndarray:
-        missing = [i for i in ids if i not in self._features]
-        if missing:
-            rows = sample_features(self.data.metas(missing), self.dims)
-            self._features.update(zip(missing, rows))
-        return np.stack([self._features[i] for i in ids])
+        return self.work.features(ids)
 
     def assign(self, step: int, ids, plan):
         """The step's assignment (and predicted metrics); identical on every rank."""
@@ -118,19 +176,10 @@ class StepBalancer:
     def observe(self, stage, microbatches, times, llm_microbatches=None) -> None:
         """Record this stage's (forward + backward) seconds of each microbatch of the step.
 
-        ``llm_microbatches``: with Entrain's deferral, the samples each slot ran through the LLM's layers (and
-        through the encoders' backward); the slot's features are then what the stage ran: encoder columns
-        weighted by the stage's forward share between ``microbatches`` (forward) and ``llm_microbatches``
-        (backward), LLM columns of ``llm_microbatches``. The cost model is linear, so this is exact for it."""
-        share = self.model.forward_share(stage.layer_start, stage.layer_end)
-        llm_columns = np.array(sorted(LLM_FEATURES))
+        ``llm_microbatches``: with Entrain's deferral, the samples each slot ran through the LLM's layers
+        (``StageWork.slot_features``)."""
         for k, (ids, (fwd, bwd)) in enumerate(zip(microbatches, times)):
-            feats = microbatch_features(self.features(list(ids)))
-            if llm_microbatches is not None and tuple(llm_microbatches[k]) != tuple(ids):
-                after = microbatch_features(self.features(list(llm_microbatches[k])))
-                feats = share * feats + (1 - share) * after
-                feats[llm_columns] = after[llm_columns]
-                feats[0] = 1.0
+            feats = self.work.slot_features(stage, ids, llm_microbatches[k] if llm_microbatches is not None else None)
             self.fresh.append(StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), fwd + bwd))
 
     def maybe_fit(self, step: int) -> bool:

@@ -39,7 +39,7 @@ from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import (build_layer, microbatch_loss, model_layer_specs, parameter_rows, tied_pair,
                                      tied_rows, trainable_mask)
-from oobleck_mm.runtime.balancing import step_balancer
+from oobleck_mm.runtime.balancing import ComputeExpectation, step_balancer
 from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
 from oobleck_mm.planning.transfers import gather_groups
@@ -76,6 +76,9 @@ class StepResult:
     step_time_s: float
     forward_s: float = 0.0
     backward_s: float = 0.0
+    expected_compute_s: float = 0.0
+    """The cost model's forward and backward seconds of this rank over the step's samples
+    (``balancing.ComputeExpectation``)."""
     comm_s: float = 0.0
     """Seconds in stage-to-stage transfers and the gradient all-reduce."""
     bytes_sent: int = 0
@@ -181,6 +184,11 @@ class StageEngine:
         if balancer is None and job.balance.enabled:
             balancer = step_balancer(job, self.data, self.specs, self.device, emulation)
         self.balancer = balancer
+        work = getattr(balancer, "work", None)
+        self.expectation = ComputeExpectation(work, job.balance.fixed_s_per_layer) if work is not None \
+            else ComputeExpectation.for_job(job, self.data, self.specs, emulation)  # fmt: skip
+        """What the cost model says this rank's compute of a step's samples takes (the master's straggler
+        detector's reference): with a balancer, over its cached features."""
         self.scaler = scaler if scaler is not None else LossScaler.for_training(job.training)
         """float16's loss scaler (None otherwise); handed on across plans like the balancer."""
         """Assigns samples to pipelines each step (None: contiguous); handed on across plans."""
@@ -294,7 +302,7 @@ class StageEngine:
         """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
         t0 = time.perf_counter()
         if self.emulation is not None:
-            self.emulation.begin_step(self.waiter.interrupt)
+            self.emulation.begin_step(step, self.waiter.interrupt)
         self._pipeline_mark = self.clock.start()
         ids = self.data.global_batch(step)
         if assignment is None and self.balancer is not None:
@@ -333,6 +341,8 @@ class StageEngine:
             self._result.pipeline_s = self.clock.seconds(self._pipeline_interval)
         self._result.forward_s = sum(f for f, _ in self._result.microbatch_times)
         self._result.backward_s = sum(b for _, b in self._result.microbatch_times)
+        self._result.expected_compute_s = self.expectation.seconds(
+            self.stage, self._microbatches, self._llm_microbatches if self._decoupled else None)
         if self.balancer is not None:
             # Packing is this stage's work for the microbatch too (it grows with images and text):
             # the balancer's cost model is fitted to all of it (emulated: inside the forward's window).

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import replace
 
 from master.stragglers import (CALIBRATION_CAP, CALIBRATION_WARMUP, RankCompute, StragglerDetector, StragglerRule,
-                               expected_compute, node_factors, stage_ranges)
+                               expected_compute, node_factors, slowed_median, stage_ranges)
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 
 RULE = StragglerRule(factor=1.5, clear_factor=1.2, steps=4)
@@ -57,6 +58,19 @@ def test_one_slow_step_in_a_row_of_fast_ones_is_noise_and_a_slow_node_read_noisi
     readings = [1.8, 1.4, 2.9, 1.3, 2.2, 1.9, 1.4, 2.0]
     verdicts = [v for step, f in enumerate(readings, start=40) for v in det.observe(step, step_ranks({"d": f}))]
     assert [(v.kind, v.node, v.step) for v in verdicts] == [("detected", "d", 42)]  # 1.0, 1.8, 1.4, 2.9: 1.6
+
+
+def test_a_node_slowed_for_good_is_reported_at_its_speed_since_the_slowdown_not_the_windows_median():
+    """Issue 48: emulated MLLM-10B, node5 slowed 2x from step 20, was flagged at 1.54-1.60x (the crossing
+    window's median, half of it from before the slowdown), and its pipeline's split sized for that."""
+    det = StragglerDetector(StragglerRule(1.5, 1.2, 8))
+    verdicts = [v for step in range(40) for v in det.observe(step, step_ranks({"b": 2.0} if step >= 20 else {}))]
+    [v] = verdicts
+    assert (v.kind, v.node, v.step) == ("detected", "b", 23)  # four slowed steps of eight: a median of 1.5
+    assert statistics.median(v.evidence) == 1.5 and math.isclose(v.factor, 2.0), v
+    assert "2.00x since it slowed" in v.reason
+    # The newest reading below the clear threshold (a dip, or no slowdown at all): the window's median.
+    assert slowed_median((1.0, 2.0, 2.0, 1.1), 1.2) == 1.55 and slowed_median((1.0, 1.3, 3.0), 1.2) == 2.15
 
 
 def test_ordinary_jitter_flags_nobody():
@@ -165,8 +179,9 @@ def test_a_node_that_turns_slow_on_a_range_of_its_own_is_found_within_a_window_a
     for step in range(100):
         det.observe(step, ranged({}))
     verdicts = [v for step in range(100, 110) for v in det.observe(step, ranged({"a": 2.0}))]
-    # Found once its window's median crossed 1.5 (two slow steps of four), then reported at its full factor.
-    assert [(v.kind, v.node, v.step) for v in verdicts] == [("detected", "a", 101), ("changed", "a", 105)]
+    # Found once its window's median crossed 1.5 (two slow steps of four), at its factor since it slowed (a
+    # window later, before ``slowed_median``: a "changed" verdict, a second re-split).
+    assert [(v.kind, v.node, v.step) for v in verdicts] == [("detected", "a", 101)]
     assert math.isclose(verdicts[-1].factor, 2.0 * 1.6 / CALIBRATION_CAP), "only the capped error is taken out"
     # Flagged, it no longer teaches its range: slow for 200 steps, it stays flagged at the same factor.
     later = [v for step in range(110, 310) for v in det.observe(step, ranged({"a": 2.0}))]
