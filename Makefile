@@ -47,7 +47,7 @@ test-fast: setup
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider -x
 
 bench: setup
-	$(PY) scripts/bench_planner.py --json docs/bench_planner.json
+	$(PY) scripts/bench_planner.py --json benchmarks/bench_planner.json
 
 # On a machine with a GPU: every CUDA test, then a short bench, one summary (scripts/gpu_check.py).
 gpu-check: setup

@@ -4,7 +4,7 @@
     python scripts/bench_straggler.py                         # x2 for good from step 50, 6 nodes
     python scripts/bench_straggler.py --slow x3+20s           # a transient x3 slowdown of 20 s
     python scripts/bench_straggler.py --loaded 2000           # false positives: 2,000 steps beside two `yes`
-    python scripts/bench_straggler.py --json docs/bench_straggler.json
+    python scripts/bench_straggler.py --json benchmarks/bench_straggler.json
     python scripts/bench_straggler.py --slow x16 --bench 5s    # also: weighed for a bench 5 s after found
 
 Runs ``oobleck-launch local`` on the built-in model (float64) three times, one

@@ -4,7 +4,7 @@
     python scripts/soak_churn.py                      # (a) built-in model, float64, 3+2-stage pipelines
     python scripts/soak_churn.py --killmaster         # (c) the same with the master killed inside a burst
     python scripts/soak_churn.py --hf                 # (b) a tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on
-    python scripts/soak_churn.py --json docs/soak_churn.json
+    python scripts/soak_churn.py --json benchmarks/soak_churn.json
     python scripts/soak_churn.py --size-control       # also failure-free at each node count the churned run had
 
 Runs ``oobleck-launch local`` twice with the same config: once without
