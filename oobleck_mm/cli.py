@@ -220,7 +220,7 @@ def _exit_code(text: str) -> int:
 
 
 def _add_worker_start(parser, local: bool = False) -> None:
-    from agent.workers import DEFAULT_WORKER_START, WORKER_START_METHODS
+    from oobleck_mm.agent.workers import DEFAULT_WORKER_START, WORKER_START_METHODS
 
     from oobleck_mm.runtime.template import SHARED_TEMPLATE
 
@@ -428,7 +428,7 @@ def _setup_logging(prefix: str, level: int = logging.INFO) -> None:
         level=logging.WARNING, format=f"%(asctime)s {prefix} %(levelname)s %(message)s", datefmt="%H:%M:%S",
         force=True,
     )  # fmt: skip
-    for name in ("master", "agent"):
+    for name in ("oobleck_mm.master", "oobleck_mm.agent"):
         logging.getLogger(name).setLevel(level)
 
 
@@ -489,13 +489,13 @@ def resumed_run_dir(run_dir: str) -> str:
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
-    from master.local import where_things_are
-    from master.server import MasterOptions, MasterServer
+    from oobleck_mm.master.local import where_things_are
+    from oobleck_mm.master.server import MasterOptions, MasterServer
     from oobleck_mm.runtime.limits import check_runnable
 
     journal = None
     if not args.resume_master and args.run_dir and not args.launched_by:
-        from master.journal import running_job
+        from oobleck_mm.master.journal import running_job
 
         if (generation := running_job(args.run_dir)) is not None:
             # The same command started again (a scheduler restarting a master that died): starting a new
@@ -562,7 +562,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
 def _journaled_job(args: argparse.Namespace):
     """(job, journal) of ``--resume-master RUN_DIR``: the job exactly as the lost master ran it."""
-    from master.journal import read_journal
+    from oobleck_mm.master.journal import read_journal
     from oobleck_mm.config import config_from_dict, parse_config_text
 
     given = [flag for flag, value in (("--config", args.config), ("--resume", args.resume), ("--steps", args.steps),
@@ -578,7 +578,7 @@ def _journaled_job(args: argparse.Namespace):
 
 def _dial_address(server) -> str:
     """Where agents reach the master: its address, or this host's name when it listens on every interface."""
-    from master.server import format_address
+    from oobleck_mm.master.server import format_address
 
     if server.options.host in ("", "0.0.0.0", "::", "[::]"):
         return format_address(socket.getfqdn(), server.port)
@@ -586,8 +586,8 @@ def _dial_address(server) -> str:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from agent.agent import Agent, AgentOptions
-    from agent.workers import DEFAULT_WORKER_TARGET
+    from oobleck_mm.agent.agent import Agent, AgentOptions
+    from oobleck_mm.agent.workers import DEFAULT_WORKER_TARGET
     from oobleck_mm.protocol.auth import resolve_token
 
     if args.gpus < 0:
@@ -598,7 +598,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     node = args.node or socket.gethostname().split(".")[0]
     if node == "-":  # a standby: the imports now, the name (and registration) when a join needs it
-        from agent.workers import start_worker_template
+        from oobleck_mm.agent.workers import start_worker_template
 
         start_worker_template(args.worker_start, args.worker_target or DEFAULT_WORKER_TARGET)
         node = sys.stdin.readline().strip()
@@ -637,7 +637,7 @@ def _resolve_resume(args: argparse.Namespace, job) -> None:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from master.local import LocalCluster, LocalOptions, where_things_are
+    from oobleck_mm.master.local import LocalCluster, LocalOptions, where_things_are
 
     from oobleck_mm.runtime.limits import check_runnable
 

@@ -5,7 +5,7 @@
 
 For each node count, one ``oobleck-launch master`` (tiny_mm, heartbeats every 1 s, a 3 s timeout) and
 that many emulated agents in a few processes: each registers with the job's token, opens its event
-stream and heartbeats every interval, as ``agent/agent.py`` does, but starts no worker (no torch: what is
+stream and heartbeats every interval, as ``oobleck_mm/agent/agent.py`` does, but starts no worker (no torch: what is
 measured is the master, not the workers). Printed per size:
 
 - registration: seconds until every node is registered and subscribed;
@@ -265,7 +265,7 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
 STORE_SERVER = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from master.store import serve_store_only
+from oobleck_mm.master.store import serve_store_only
 server, port = serve_store_only(sys.argv[2], max_waiters=int(sys.argv[3]))
 print(port, flush=True)
 sys.stdin.read()
@@ -304,13 +304,13 @@ def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: 
 
 def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: bool = True,
               siblings: bool = False) -> dict:  # fmt: skip
-    """One rendezvous of ``world`` ranks against the master's store server (``master.store``, a process of
+    """One rendezvous of ``world`` ranks against the master's store server (``oobleck_mm.master.store``, a process of
     its own): the store calls it took, the server's CPU seconds, and how long after the last rank arrived
     the last one was done (the wake-up latency that polling trades against calls)."""
     import secrets
 
     token = secrets.token_hex(16)
-    # As many long polls at once as the master allows a job of ``world`` one-GPU nodes (master/server.py).
+    # As many long polls at once as the master allows a job of ``world`` one-GPU nodes (oobleck_mm/master/server.py).
     waiters = max(4, world // 2)
     server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(ROOT), token, str(waiters)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip

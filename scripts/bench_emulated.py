@@ -33,7 +33,7 @@ bandwidth; ``--restart`` adds the same churn under checkpoint-restart.
 ``straggler`` slows one of 8 nodes 2x for good (``slow:NODE@stepNx2``) and prints
 the throughput from the slowdown on against the unslowed run, with detection only,
 with the re-split alone, and with the engine's whole mitigation (the re-split and the
-slow pipeline re-cut for its speeds, then the bench weighed: ``master/benching.py``);
+slow pipeline re-cut for its speeds, then the bench weighed: ``oobleck_mm/master/benching.py``);
 target 90%.
 
 ``join`` measures the survivors' longest step around a join, in median steps,
@@ -403,12 +403,58 @@ def balance(args) -> dict:
         print(f"balance {name}: exit {code}, median {out['runs'][name]['median_step_s']} s/step, mean "
               f"{out['runs'][name]['mean_step_s']} s/step; {out['runs'][name]['verdict'].get('reason')}", flush=True)
     off, on = out["runs"]["off"].get("mean_step_s"), out["runs"]["on"].get("mean_step_s")
+    layout = read_events(work / "on" / "events.jsonl", "plan_decided")
+    if layout:
+        from oobleck_mm.config import load_config
+
+        job = load_config(config, overrides=[*sets, *runs["on"], f"cluster.nodes={args.nodes}"])
+        out["exact"] = exact_balance(job, ExecutionPlan.from_dict(layout[0]["layout"]), range(WARMUP_STEPS + 1, args.steps))
+        print(f"the same steps' exact 1F1B compute under the truth (no transfers, all-reduce or host): off "
+              f"{out['exact']['off_s']:.3f} s, on {out['exact']['on_s']:.3f} s: x{out['exact']['speedup']:.3f}, the "
+              f"most these assignments give on perfect hosts", flush=True)  # fmt: skip
     if off and on:
         out["speedup"] = off / on
         print(f"balancer and deferral on vs off: x{out['speedup']:.3f} (mean step, steps {WARMUP_STEPS + 1}-"
               f"{args.steps}; target {BALANCE_TARGET}x: {'met' if out['speedup'] >= BALANCE_TARGET else 'missed'})",
               flush=True)  # fmt: skip
     return out
+
+
+def exact_balance(job, plan: ExecutionPlan, steps) -> dict:
+    """The mean over ``steps`` of the slowest pipeline's exact 1F1B compute (the emulation's truth of every
+    stage and microbatch, ``balance.schedule_time.iteration_time``) for the contiguous split and for the
+    balancer's assignment (its analytical cost model as at the start, with Entrain's deferral as the job
+    says): what the balancer's choices are worth before transfers, the gradient all-reduce and the hosts."""
+    from oobleck_mm.data.loader import TrainingData
+    from oobleck_mm.runtime.balancing import StepBalancer
+
+    truth, data = Truth(job), TrainingData(job)
+    balancer = StepBalancer(job, data, truth.specs)
+    seam = next((i for i, s in enumerate(truth.specs) if s.kind == "token_embed"), 0)
+
+    def slowest(pipelines, llm_of) -> float:
+        worst = 0.0
+        for k, (layout, microbatches) in enumerate(zip(plan.pipelines, pipelines)):
+            llm = llm_of(k, microbatches)
+            forward, backward = [], []
+            for stage in layout.stages:
+                encoder = truth.groups([i for i in stage.layers if i < seam])
+                decoder, every = truth.groups([i for i in stage.layers if i >= seam]), truth.groups(list(stage.layers))
+                forward.append([truth.stage_seconds(encoder, data.metas(mb))[0] + truth.stage_seconds(decoder, data.metas(l))[0]
+                                for mb, l in zip(microbatches, llm)])  # fmt: skip
+                backward.append([truth.stage_seconds(every, data.metas(l))[1] for l in llm])
+            worst = max(worst, iteration_time(np.array(forward), np.array(backward)))
+        return worst
+
+    off, on = [], []
+    for step in steps:
+        ids = data.global_batch(step)
+        off.append(slowest(contiguous_assignment(ids, [p.num_microbatches for p in plan.pipelines],
+                                                 plan.microbatch_size).pipelines, lambda k, mbs: mbs))  # fmt: skip
+        assignment = balancer.assign(step, ids, plan)
+        on.append(slowest(assignment.pipelines, lambda k, mbs: assignment.llm_microbatches(k)))
+    return {"off_s": statistics.fmean(off), "on_s": statistics.fmean(on),
+            "speedup": statistics.fmean(off) / statistics.fmean(on)}  # fmt: skip
 
 
 def _run_flags(parser: argparse.ArgumentParser, timeout: float) -> None:

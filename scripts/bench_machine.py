@@ -5,7 +5,7 @@
     python scripts/bench_machine.py --examples 0 --mutants        # only: each mutant of the machine must be caught
 
 The suite runs the same model shallowly (``OOBLECK_MACHINE_EXAMPLES``, 150 by
-default). ``--mutants`` copies ``master/`` to a temporary folder, breaks one
+default). ``--mutants`` copies ``oobleck_mm/`` to a temporary folder, breaks one
 guard at a time (each named below with the invariant that should catch it),
 and runs the model against the broken copy: a mutant the model does not catch
 is printed as ``SURVIVED`` and fails the script.
@@ -31,31 +31,31 @@ MUTANT_TESTS = "tests/unit/test_cp_machine.py"
 
 MUTANTS = [
     # (name, file, text, replacement, the invariant that should fail)
-    ("apply a plan the membership overtook", "master/generations.py",
+    ("apply a plan the membership overtook", "oobleck_mm/master/generations.py",
      "    if wanted(ctx) != request:  # holdings changed", "    if False:  # holdings changed",
      "no plan uses a node that is not live"),
-    ("supersede nothing", "master/generations.py",
+    ("supersede nothing", "oobleck_mm/master/generations.py",
      "        if want == pending.request:\n            return", "        if True:\n            return",
      "a second loss while planning cancels the stale call (test_a_plan_the_membership_overtook...)"),
-    ("hand a round on before popping every lost node", "master/machine.py",
+    ("hand a round on before popping every lost node", "oobleck_mm/master/machine.py",
      "        ctx.effects.append(EndStream(name))\n",
      "        ctx.effects.append(EndStream(name))\n        if s.phase is JobPhase.CHECKPOINTING:\n"
      "            stopping.round_lost(ctx, [name])\n",
      "nothing is sent to a node that is not registered"),
-    ("admit joiners before their workers are ready", "master/generations.py",
+    ("admit joiners before their workers are ready", "oobleck_mm/master/generations.py",
      "n in current.nodes or s.registry.nodes[n].all_ready]", "n in current.nodes or True]",
      "a joiner is admitted once its workers are ready"),
-    ("finish when any worker is done", "master/generations.py",
+    ("finish when any worker is done", "oobleck_mm/master/generations.py",
      "    if all(s.done.get(gpu, (0, -1)) >= finished for gpu in current.ranks):",
      "    if any(s.done.get(gpu, (0, -1)) >= (s.generation, 0) for gpu in current.ranks):",
      "exit 0 only once every worker of the last generation said done"),
-    ("forget to end a lost node's stream", "master/machine.py",
+    ("forget to end a lost node's stream", "oobleck_mm/master/machine.py",
      "        ctx.effects.append(EndStream(name))\n    for failure", "        pass\n    for failure",
      "a node the master dropped has had its stream ended"),
-    ("stop without the resume command", "master/stopping.py",
+    ("stop without the resume command", "oobleck_mm/master/stopping.py",
      'f"resume with: {options.resume_command} --resume {directory}")',
      'f"")', "exit 3 says how to resume"),
-    ("let the generation number go back on re-adoption", "master/generations.py",
+    ("let the generation number go back on re-adoption", "oobleck_mm/master/generations.py",
      "    s.generation = journal.generation\n", "    s.generation = max(0, journal.generation - 1)\n",
      "generations only grow; the job settles with every live node planned"),
 ]
@@ -73,7 +73,7 @@ def run_model(examples: int, root: Path, env_extra: dict | None = None, timeout:
 
 def mutant_tree(file: str, text: str, replacement: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="oobleck-mutant-"))
-    for part in ("master", "tests/unit", "configs", "data"):
+    for part in ("oobleck_mm", "tests/unit", "configs", "data"):
         shutil.copytree(ROOT / part, tmp / part, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml",):
         shutil.copy(ROOT / name, tmp / name)

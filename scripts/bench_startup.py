@@ -12,7 +12,7 @@ packages (absent: not imported at all). Run it from two trees in turns to
 compare them (``PYTHONPATH=TREE``): the machine's load hits both alike.
 
 ``--workers`` measures what an agent waits for instead (issue 31): the seconds
-from asking for a worker (``agent.workers.Worker``, the real worker entry and
+from asking for a worker (``oobleck_mm.agent.workers.Worker``, the real worker entry and
 configs/tiny_mm.yaml) to its ``ready`` report, for ``--worker-start spawn``
 (every worker a fresh interpreter) and ``forkserver`` (forks of the worker
 template): the first worker, whose template starts with it, and the next ones,
@@ -60,7 +60,7 @@ def one_start() -> dict:
 AGENT = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from agent.workers import Worker
+from oobleck_mm.agent.workers import Worker
 from oobleck_mm.protocol.pipe import recv_report
 
 if __name__ == "__main__":

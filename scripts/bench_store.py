@@ -65,7 +65,7 @@ def run(kind: str, world: int, generations: list[int]) -> list[float]:
     import torch.distributed as dist
 
     if kind == "grpc":
-        from master.store import serve_store_only
+        from oobleck_mm.master.store import serve_store_only
 
         server, port = serve_store_only(TOKEN)
     else:

@@ -273,8 +273,8 @@ class Procs:
 
 @contextlib.contextmanager
 def master_in_process(config: str, tmp_path: Path, **overrides: int) -> Iterator[Any]:
-    """A master in the test process (real gRPC and store, a ``master.server.MasterServer``), stopped on exit."""
-    from master.server import MasterOptions, MasterServer
+    """A master in the test process (real gRPC and store, a ``oobleck_mm.master.server.MasterServer``), stopped on exit."""
+    from oobleck_mm.master.server import MasterOptions, MasterServer
 
     job = apply_overrides(load_config(config), **overrides)
     server = MasterServer(job, MasterOptions(port=0, run_dir=str(tmp_path / "run")), progress=lambda line: None)

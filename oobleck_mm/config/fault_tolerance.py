@@ -29,7 +29,7 @@ class FaultToleranceConfig:
     """Simultaneous node failures the job must survive (f + 1 pipelines are kept)."""
     heartbeat_interval: timedelta = timedelta(milliseconds=500)
     """How often agents report to the master (and check their workers). The master takes about 2,000
-    heartbeats a second (``master/server.py::HEARTBEATS_PER_S_BUDGET``; it warns at start past that):
+    heartbeats a second (``oobleck_mm/master/server.py::HEARTBEATS_PER_S_BUDGET``; it warns at start past that):
     past 1,000 nodes, raise it."""
     heartbeat_timeout: timedelta = timedelta(seconds=3)
     """Silence after which a node is declared failed (a hung node whose sockets stay open); longer
@@ -76,7 +76,7 @@ class FaultToleranceConfig:
     straggler_factor: float = 1.5
     """A node is a straggler when its stages' compute, per unit of work the cost model predicts for
     them, is a median of at least this many times the other nodes' over the last ``straggler_steps``
-    steps (``master/stragglers.py``); 0: no detection. Compute times, not waits: a peer's slowness
+    steps (``oobleck_mm/master/stragglers.py``); 0: no detection. Compute times, not waits: a peer's slowness
     does not count against a node."""
     straggler_clear_factor: float = 1.2
     """A straggler is cleared once that median is below this: below ``straggler_factor``, so a node
@@ -163,7 +163,7 @@ class FaultToleranceConfig:
 
     def reports_silence_limit(self, step_s: float) -> timedelta:
         """How long after some rank reported a step of the current generation a rank of that generation
-        may go without reporting it before its node is lost (``reports_silent``, ``master.detector``):
+        may go without reporting it before its node is lost (``reports_silent``, ``oobleck_mm.master.detector``):
         ``max(REPORTS_SILENCE_STEPS * step_s, 2 * collective_timeout)``, ``step_s`` the job's median step
         time. Every rank reports every step and no step ends without every rank, so a rank that lags
         the job's reports by many steps is a node whose reports are kept from the master (its agent's

@@ -333,7 +333,7 @@ class Injector:
         pid = self.agents().get(name)
         log.warning("injected join of %s (agent pid %s)", name, pid)
         agent = _live_process(pid) if pid is not None else None
-        # When the agent process began: long before the join for a launcher's standby (master/local.py).
+        # When the agent process began: long before the join for a launcher's standby (oobleck_mm/master/local.py).
         started = _safe(agent.create_time, None) if agent is not None else None
         return self._write("injected", pids=[] if pid is None else [pid], agent_started=started, **common)
 
@@ -384,7 +384,7 @@ then not counted (a ``killworker`` right after a start found "1 workers" under l
 
 def worker_processes(agent: psutil.Process) -> list[psutil.Process]:
     """The agent's worker processes in local-rank order (the order it started them): its children
-    (``--worker-start spawn``), its worker template's (``forkserver``, agent/workers.py), or those
+    (``--worker-start spawn``), its worker template's (``forkserver``, oobleck_mm/agent/workers.py), or those
     of the template this launcher shares between its nodes that joined the agent's process group."""
     workers = _shared_template_workers(agent)
     for child in _safe(agent.children, []):

@@ -59,7 +59,7 @@ DEFAULT_SLOWDOWN = 2.0
 """``slow`` without ``xF``: the node runs at half speed."""
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-"""The master's rule for node names (``master/coordinator.py``)."""
+"""The master's rule for node names (``oobleck_mm/master/coordinator.py``)."""
 
 VALID_FORMS = (
     "kill:NODE@stepN, killworker:NODE[:gpuK]@stepN, stop:NODE@stepN, preempt:NODE@stepN[+Ts], "

@@ -25,7 +25,7 @@ class StageLayout:
     layer_end: int
     """Exclusive."""
     slowdown: float = 1.0
-    """Its node's measured slowness (``master/stragglers.py``): its work takes this many times what the
+    """Its node's measured slowness (``oobleck_mm/master/stragglers.py``): its work takes this many times what the
     cost model says, and the balancer prices it so (``balance.problem.PipelineShape``)."""
     shards: tuple[int, ...] = ()
     """The global ranks of the stage's other GPUs, in shard order after ``rank``: a stage of several GPUs

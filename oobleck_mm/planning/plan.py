@@ -65,7 +65,7 @@ def gradient_allreduce_s(templates: list[PipelineTemplate] | tuple[PipelineTempl
 
 
 def plan_to_dict(plan: Plan) -> dict:
-    """``plan`` as JSON-ready data (the master's journal holds data, never pickles: ``master.journal``)."""
+    """``plan`` as JSON-ready data (the master's journal holds data, never pickles: ``oobleck_mm.master.journal``)."""
     return {
         "global_batch": plan.global_batch, "microbatch_size": plan.microbatch_size, "allreduce_s": plan.allreduce_s,
         "pipelines": [{

@@ -6,7 +6,7 @@ sample still runs once per step, so the math is the same); only which
 pipeline runs how many microbatches moves.
 
 How a slow node is priced: the stages it runs take ``factor`` times the
-template's forward and backward seconds (``master/stragglers.py`` measures
+template's forward and backward seconds (``oobleck_mm/master/stragglers.py`` measures
 that factor on the node's own compute), and its pipeline's 1F1B time is read
 from that slowed template by the same exact ``iteration_time`` every other
 batch split uses (``planning/batch.py``). So a node slowed in a light stage

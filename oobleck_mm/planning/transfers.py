@@ -8,7 +8,7 @@ decides those copies, and every party calls it on the same inputs:
 
 - each worker (``runtime.state_transfer``), over ranks, to post its sends and
   receives: every rank derives the same list, so no message has to agree on it;
-- the master (``master.coordinator``), to log and count the copies of a generation;
+- the master (``oobleck_mm.master.coordinator``), to log and count the copies of a generation;
 - the planner (``planning.reconfigure``), over (node, GPU) pairs, for its report.
 
 The rule: destinations are served in the new plan's order (pipeline by

@@ -1,7 +1,7 @@
 """A control-plane message sent in parts that were serialized once: the shared plan of a generation.
 
 Every worker of a generation gets the same plan, base plan, ``previous_ranks`` and
-``rank_nodes`` (``master/assignments.py``): at 4,000 single-GPU nodes about 180 KB that
+``rank_nodes`` (``oobleck_mm/master/assignments.py``): at 4,000 single-GPU nodes about 180 KB that
 differs between two workers only in its ``rank`` and ``local_rank``. Built as one message
 per worker, the master copied it into 4,000 protobuf objects (each ``Assignment`` into its
 ``AgentEvent`` again) on its control thread, which stalled for 13-22 s at every plan

@@ -7,7 +7,7 @@ copy is the only work on the training thread. A background thread then writes
 one file per layer (a temporary file, fsync, rename, as ``save_layers`` does)
 and reports ``CheckpointDone`` with the generation; the master writes
 ``meta.json`` once every rank of that generation reported, which is what makes
-the checkpoint complete (``master/policies.py``). No process group is involved:
+the checkpoint complete (``oobleck_mm/master/policies.py``). No process group is involved:
 a failure while files are written costs that checkpoint, never the training.
 
 Why not ``torch.distributed.checkpoint``: its save plans collectively over the

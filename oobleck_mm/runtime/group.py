@@ -56,7 +56,7 @@ ARRIVAL_POLL_S = 0.01
 """Pauses double up to this (a joiner's worker can wait seconds for the survivors of a failure)."""
 ARRIVAL_PATIENT_S = 1.0
 """After this long without every worker arrived, pauses grow further, up to ``ARRIVAL_SLOW_POLL_S``: a joiner
-whose join generation a loss dropped (``master.recovery.plan_request`` leaves it for the generation after)
+whose join generation a loss dropped (``oobleck_mm.master.recovery.plan_request`` leaves it for the generation after)
 waits there until the next join reaches it, seconds under churn, and at 100 reads a second it took CPU
 from everyone (an HF churn soak with such joiners: 150.9 s for 82 events, then 131.6 s for 70 with these
 pauses; the churn's events come at wall-clock times, so a slower run meets more)."""
@@ -65,7 +65,7 @@ ARRIVAL_SLOW_POLL_S = 0.1
 prepared group is awaited)."""
 ARRIVAL_HOLD_S = 0.25
 """How long one held read of ``ARRIVED_ALL_KEY`` asks the server to wait (it caps it at
-``master.store.LONG_POLL_S``); a newer command ends it sooner (``ControlPlaneStore.read_within``)."""
+``oobleck_mm.master.store.LONG_POLL_S``); a newer command ends it sooner (``ControlPlaneStore.read_within``)."""
 ARRIVED_ALL_KEY = "arrived_all"
 """Set by the last worker to arrive in a generation (its ``add`` reached the world size): the others wait
 for it in held reads of the master's store (``_await_arrivals``)."""

@@ -2,14 +2,14 @@
 
 torch forms a generation's groups through a c10d store (``init_process_group(store=...)``,
 gloo's and NCCL's rendezvous). torch's ``TCPStore`` has no authentication, so the
-master serves the keys as its ``RendezvousStore`` service instead (``master/store.py``),
+master serves the keys as its ``RendezvousStore`` service instead (``oobleck_mm/master/store.py``),
 behind the job token like every control-plane call, and this class speaks it.
 torch accepts a Python subclass of ``dist.Store`` anywhere it takes a store
 (``PrefixStore`` included); the operations below are the ones c10d's rendezvous
 and ``join_generation`` use.
 
 Blocking operations (``get`` of a key not yet set, ``wait``) ask the server to
-hold the call until the key is set (a long poll of up to ``master.store.
+hold the call until the key is set (a long poll of up to ``oobleck_mm.master.store.
 LONG_POLL_S``), and ask again at once when it did; a server with no thread to
 spare answers at once, and then the client polls: the first polls quick (a
 rendezvous is usually complete within milliseconds), later ones backing off.
@@ -41,7 +41,7 @@ FIRST_POLL_S = 0.001
 LONGEST_POLL_S = 0.01
 """Pauses double up to this."""
 LONG_POLL_ASK_S = 0.25
-"""How long a ``get`` asks the server to hold it (the server caps it: ``master.store.LONG_POLL_S``)."""
+"""How long a ``get`` asks the server to hold it (the server caps it: ``oobleck_mm.master.store.LONG_POLL_S``)."""
 CALL_TIMEOUT_S = 10.0
 """Longest one store call may take (a master that stopped answering)."""
 RETRY_S = 0.2
@@ -187,7 +187,7 @@ class ControlPlaneStore(dist.Store):
 
     def read_within(self, key: str, seconds: float) -> bytes | None:
         """One read of ``key`` that the server holds until the key is set, up to ``seconds`` (capped by
-        ``master.store.LONG_POLL_S``): its value, or None when it was not set by then, the master did not
+        ``oobleck_mm.master.store.LONG_POLL_S``): its value, or None when it was not set by then, the master did not
         answer, or ``interrupt`` said the master re-planned (looked at every ``INTERRUPT_CHECK_S`` while
         the call is held, so a newer command ends the wait at once). Not a c10d operation: the arrival
         barrier's wait (``runtime.group._await_arrivals``), one call where reading its counter took ~100

@@ -1,7 +1,7 @@
 """The warm worker template: the standard library's ``forkserver`` with a worker's imports done once.
 
 One home for how a process that trains is started without paying torch's
-imports again: an agent's workers (``agent/workers.py``), the ranks of
+imports again: an agent's workers (``oobleck_mm/agent/workers.py``), the ranks of
 ``runtime.worker.run_local`` (the tests' multi-process groups, the benches).
 The template is an interpreter of its own (never a fork of a caller that may
 hold gRPC's or torch's threads), single-threaded, CUDA untouched

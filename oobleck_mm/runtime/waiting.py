@@ -9,7 +9,7 @@ interrupt turns the master's heartbeat verdict into an immediate, clean abort.
 
 A wait that polls for longer than ``stall_after`` calls ``on_stall``, and again
 every ``stall_after`` after: the worker tells the master, which then needs only
-half the heartbeat timeout of silence to call a peer hung (``master/detector.py``).
+half the heartbeat timeout of silence to call a peer hung (``oobleck_mm/master/detector.py``).
 
 Point-to-point requests cannot be polled on gloo (their ``is_completed`` only
 turns true inside ``wait``, and a ``wait`` that times out closes the

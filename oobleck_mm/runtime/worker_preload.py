@@ -1,4 +1,4 @@
-"""What an agent's worker template imports before it forks workers (``agent/workers.py``).
+"""What an agent's worker template imports before it forks workers (``oobleck_mm/agent/workers.py``).
 
 Only imports: no tensor is made, no thread started, the CUDA driver never
 initialised, so a fork of the template is as sound as a fresh interpreter
@@ -17,7 +17,7 @@ import os
 import signal
 
 # A scheduler's SIGTERM to the node's processes is its agent's notice; the template outlives it like the
-# workers (``agent.workers.worker_entry``), and ends with its agent. Before forkserver's own handlers:
+# workers (``oobleck_mm.agent.workers.worker_entry``), and ends with its agent. Before forkserver's own handlers:
 # its forks inherit this.
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 

@@ -76,7 +76,7 @@ class SimParams:
     slowest, as the baselines do."""
     joiner_start_stalls: bool = False
     """Survivors wait for a joining node's worker to start. The engine does not: the master plans a
-    joiner only once its workers report ready (``master/generations.py``), and the survivors train
+    joiner only once its workers report ready (``oobleck_mm/master/generations.py``), and the survivors train
     meanwhile (``scripts/bench_join.py`` measures their pause from that point). true: simulate a system
     that waits (the engine before issue 13 item 5)."""
     skew_batches: int = 0

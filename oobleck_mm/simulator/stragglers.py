@@ -8,7 +8,7 @@ this engine with ``SimParams.straggler_mitigation`` off, or in restart mode)
 stop there: they wait.
 
 This engine in live mode also acts, on the same rules and the same planner
-calls as the master (``master/stragglers.py``, ``master/benching.py``):
+calls as the master (``oobleck_mm/master/stragglers.py``, ``oobleck_mm/master/benching.py``):
 
 - a node slower than ``fault_tolerance.straggler_factor`` is found
   ``straggler_steps`` iterations after it slowed (the detector's window), and a
@@ -34,7 +34,7 @@ from oobleck_mm.planning.plan import PipelineInstance, Plan
 from oobleck_mm.planning.speed import predicted_samples_per_s, slowed_template
 
 FACTOR_CHANGE = 1.25
-"""As the master's (``master.stragglers.FACTOR_CHANGE``): a known factor is updated when it moved this much."""
+"""As the master's (``oobleck_mm.master.stragglers.FACTOR_CHANGE``): a known factor is updated when it moved this much."""
 
 
 def slowed_iteration_s(plan: Plan, nominal_s: float, speeds: Mapping[str, float]) -> float:

@@ -1,4 +1,4 @@
-"""The agent's workers' pipes (``agent.pipes``): no interleaving of a worker's replacement and the reports
+"""The agent's workers' pipes (``oobleck_mm.agent.pipes``): no interleaving of a worker's replacement and the reports
 thread's read can end that thread (issue 55), and a failure of the thread stops the node, never silences it.
 
 The race of issue 55: the main thread killed the workers (restart-mode recovery) and closed
@@ -22,9 +22,9 @@ from multiprocessing.connection import wait as real_wait
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import agent.pipes as pipes
-from agent.agent import Agent, AgentOptions
-from agent.pipes import ReportPipes
+import oobleck_mm.agent.pipes as pipes
+from oobleck_mm.agent.agent import Agent, AgentOptions
+from oobleck_mm.agent.pipes import ReportPipes
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.workers import Worker, stop_all
+from oobleck_mm.agent.workers import Worker, stop_all
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_a_worker_still_starting_is_killed_at_once_by_a_shutdown(worker):
 
 def test_a_shared_template_that_does_not_answer_leaves_the_agent_its_own(monkeypatch, worker):
     # local's template gone (or never there): the node starts one of its own and says so, never fails.
-    import agent.workers as workers_module
+    import oobleck_mm.agent.workers as workers_module
     from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV
 
     monkeypatch.setenv(SHARED_TEMPLATE_ENV, "/nonexistent/oobleck-template-listener")
@@ -131,7 +131,7 @@ def test_workers_die_with_a_killed_agent():
     # A stand-in agent process that starts a worker and then is SIGKILLed: nothing can clean
     # up after it, so the kernel's parent-death signal must.
     script = (
-        "import sys; sys.path[:0] = sys.argv[1:]; from agent.workers import Worker; "
+        "import sys; sys.path[:0] = sys.argv[1:]; from oobleck_mm.agent.workers import Worker; "
         f"w = Worker('{__name__}:idle', 'job.yaml', 'n', 0); w.conn.poll(20); w.conn.recv_bytes(); "
         "print(w.pid, flush=True); import time; time.sleep(60)"
     )

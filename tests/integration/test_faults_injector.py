@@ -1,7 +1,7 @@
 """The injector against real processes: stand-in agents with spawned workers, real signals, a real event log.
 
 A stand-in agent is a Python process that starts two ``spawn`` children the
-way ``agent/workers.py`` does (so it also has multiprocessing's resource
+way ``oobleck_mm/agent/workers.py`` does (so it also has multiprocessing's resource
 tracker, which is not a worker); progress is written into the event log by
 hand, as the master would.
 """

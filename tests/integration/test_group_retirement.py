@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import pytest
 
-from master.store import serve_store_only
+from oobleck_mm.master.store import serve_store_only
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ gRPC's core cancels calls that arrive while more than ``grpc.server.max_pending_
 (3,000 by default) wait for the server to pick them up. When 4,000 agents started at once, the master
 kept 2,740-2,979 event streams and the rest were cancelled (``scripts/bench_control_plane.py``); the
 same happened to a bare ``grpc.aio`` server. This test opens more streams than that default at once
-against the server the master builds (``master.server.aio_server``), with a servicer whose streams
+against the server the master builds (``oobleck_mm.master.server.aio_server``), with a servicer whose streams
 stay open, and asserts every one reached the servicer and none was cancelled; with gRPC's default
 options (the control) calls are cancelled or the count falls short, which shows the test can fail.
 """
@@ -17,7 +17,7 @@ import threading
 import grpc
 import pytest
 
-from master.server import aio_server
+from oobleck_mm.master.server import aio_server
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 

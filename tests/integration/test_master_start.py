@@ -5,7 +5,7 @@ The master checks the job (``check_runnable``), checks generated data
 torch on the master's machine. The limits check imported it (~1 s idle, 2-3 s
 beside a busy job), so did the data check through the data package, and so did
 opening TensorBoard, which now opens in the background
-(``master.metrics.OpeningWriter``). Checked in a fresh interpreter (a
+(``oobleck_mm.master.metrics.OpeningWriter``). Checked in a fresh interpreter (a
 subprocess): the test process has imported torch already.
 """
 
@@ -23,9 +23,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_mm.yaml"
 
 
 def test_the_masters_start_imports_no_torch(tmp_path):
-    code = ("import sys; import master.server, master.local; from oobleck_mm.runtime.limits import check_runnable; "
-            "from oobleck_mm.config.loading import load_config; from master.metrics import MetricsSink; "
-            "from master.server import _check_data; "
+    code = ("import sys; import oobleck_mm.master.server, oobleck_mm.master.local; from oobleck_mm.runtime.limits import check_runnable; "
+            "from oobleck_mm.config.loading import load_config; from oobleck_mm.master.metrics import MetricsSink; "
+            "from oobleck_mm.master.server import _check_data; "
             f"job = load_config({str(CONFIG)!r}); check_runnable(job, workers_here=False); _check_data(job, print); "
             f"MetricsSink({str(tmp_path)!r}, tensorboard=False); "
             "print('torch' in sys.modules)")  # fmt: skip

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from master.planning import PlannerPool
+from oobleck_mm.master.planning import PlannerPool
 
 pytestmark = pytest.mark.integration
 

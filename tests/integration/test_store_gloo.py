@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from master.store import serve_store_only
+from oobleck_mm.master.store import serve_store_only
 from oobleck_mm.runtime.store import ControlPlaneStore
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from master.store import serve_store_only
+from oobleck_mm.master.store import serve_store_only
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
 from oobleck_mm.protocol.pipe import recv_report, send_command

@@ -1,4 +1,4 @@
-"""The worker template (``agent/workers.py``, ``--worker-start forkserver``): what a forked worker inherits.
+"""The worker template (``oobleck_mm/agent/workers.py``, ``--worker-start forkserver``): what a forked worker inherits.
 
 A stand-in agent process (its own template, as a real agent has) starts the
 template with the real worker preload, forks a probe worker from it, kills the
@@ -45,7 +45,7 @@ import json, os, sys, time
 import psutil
 sys.path[:0] = sys.argv[1:]
 from multiprocessing import forkserver
-from agent.workers import Worker, start_worker_template
+from oobleck_mm.agent.workers import Worker, start_worker_template
 
 os.environ["OMP_NUM_THREADS"] = "4"  # a user's many threads per worker must not be the template's
 os.environ.pop("OPENBLAS_NUM_THREADS", None)

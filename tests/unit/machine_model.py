@@ -1,6 +1,6 @@
 """A model of the master's world for ``test_cp_machine.py`` and ``scripts/bench_machine.py``.
 
-Hypothesis drives ``master.machine.step`` with random orders of everything a
+Hypothesis drives ``oobleck_mm.master.machine.step`` with random orders of everything a
 master can see: agents registering, opening their streams, dying, hanging,
 giving notice; workers reporting steps, phases, aborted iterations and
 checkpoints (late, twice, from old generations); a planner answering late,
@@ -27,12 +27,12 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from master import machine
-from master.checkpointing import doomed_checkpoints, step_of
-from master.effects import AskPlanner, EndStream, Finished, PruneCheckpoints, Record, Send, WriteJournal, WriteMeta
-from master.inputs import (Adopt, Heartbeat, Leave, OpenStream, PlanAnswered, Register, Report, StopRequested,
+from oobleck_mm.master import machine
+from oobleck_mm.master.checkpointing import doomed_checkpoints, step_of
+from oobleck_mm.master.effects import AskPlanner, EndStream, Finished, PruneCheckpoints, Record, Send, WriteJournal, WriteMeta
+from oobleck_mm.master.inputs import (Adopt, Heartbeat, Leave, OpenStream, PlanAnswered, Register, Report, StopRequested,
                            Straggler, StreamEnded, Tick)  # fmt: skip
-from master.state import JobPhase, JobState, RunOptions, Settings
+from oobleck_mm.master.state import JobPhase, JobState, RunOptions, Settings
 from oobleck_mm.config import apply_overrides, load_config
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
@@ -312,7 +312,7 @@ class MachineModel(RuleBasedStateMachine):
 
     @rule(data=st.data(), detected=st.booleans(), factor=st.sampled_from([0.5, 1.6, 2.0, 3.5]))
     def straggler_verdict(self, data, detected: bool, factor: float) -> None:
-        """``master.stragglers`` found a node slow, or no longer (also a node gone, or never slow)."""
+        """``oobleck_mm.master.stragglers`` found a node slow, or no longer (also a node gone, or never slow)."""
         if self.world.agents or NAMES:
             name = data.draw(st.sampled_from(sorted(self.world.agents) or list(NAMES)))
             self.feed(Straggler(name, factor, detected))
@@ -493,7 +493,7 @@ class MachineModel(RuleBasedStateMachine):
             if self.feed(Register(agent.name, agent.session, 0, adopt_generation=adopt)).refused is not None:
                 del w.agents[agent.name]
                 continue
-            # The agent replays each worker's latest report of every kind (``agent.reports``).
+            # The agent replays each worker's latest report of every kind (``oobleck_mm.agent.reports``).
             if agent.ready:
                 self.report(agent, replayed=True, ready=pb.WorkerReady(startup_s=1.0))
             if agent.last_metrics is not None:

@@ -10,7 +10,7 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 
 
 def test_an_agent_removes_the_folders_of_agents_that_are_gone(tmp_path):
-    from agent.agent import remove_stale_work_dirs
+    from oobleck_mm.agent.agent import remove_stale_work_dirs
 
     for name in ("oobleck-agent-node1-111-abc", "oobleck-agent-my-node-222-def", "oobleck-agent-node2-333-ghi",
                  "oobleck-agent-odd", "other-111-xyz"):  # fmt: skip

@@ -1,8 +1,8 @@
-"""What an agent replays to a restarted master (``agent.reports``): the facts the lost master knew, in order."""
+"""What an agent replays to a restarted master (``oobleck_mm.agent.reports``): the facts the lost master knew, in order."""
 
 from __future__ import annotations
 
-from agent.reports import ReportLog
+from oobleck_mm.agent.reports import ReportLog
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 

@@ -64,7 +64,7 @@ def test_on_the_masters_store_the_waiting_workers_hold_one_read_each_and_go_the_
     10,500 store calls); now the last to arrive sets a key the others wait for in held reads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from master.store import serve_store_only
+    from oobleck_mm.master.store import serve_store_only
 
     server, port = serve_store_only("tok")
     try:
@@ -86,7 +86,7 @@ def test_on_the_masters_store_the_waiting_workers_hold_one_read_each_and_go_the_
 def test_a_newer_command_ends_a_held_read_at_once_and_is_returned():
     import threading
 
-    from master.store import serve_store_only
+    from oobleck_mm.master.store import serve_store_only
 
     server, port = serve_store_only("tok")
     replanned = threading.Event()

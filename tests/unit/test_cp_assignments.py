@@ -8,9 +8,9 @@ appended twice) or missing from both fails here.
 
 from __future__ import annotations
 
-from master.assignments import Sending, build_assignments
-from master.recovery import GenerationView
-from master.server import HEARTBEATS_PER_S_BUDGET, heartbeat_load_warning
+from oobleck_mm.master.assignments import Sending, build_assignments
+from oobleck_mm.master.recovery import GenerationView
+from oobleck_mm.master.server import HEARTBEATS_PER_S_BUDGET, heartbeat_load_warning
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from master.coordinator import Coordinator, JobPhase, RunOptions
-from master.coordinator import END_OF_STREAM
-from master.registry import Refused
+from oobleck_mm.master.coordinator import Coordinator, JobPhase, RunOptions
+from oobleck_mm.master.coordinator import END_OF_STREAM
+from oobleck_mm.master.registry import Refused
 from oobleck_mm.config import apply_overrides
 from oobleck_mm.config import load_config
 from oobleck_mm.events import EventLog, read_events
@@ -187,7 +187,7 @@ def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_ran
 
 def test_a_slow_run_dir_holds_no_handler_and_no_assignment_goes_out_before_its_journal(make):
     """On the shared storage a run dir lives on, a journal write can take seconds (NFS: a close waits for
-    the server). Written from the master's disk thread (``master.disk``), it holds neither the lock (a
+    the server). Written from the master's disk thread (``oobleck_mm.master.disk``), it holds neither the lock (a
     report, a heartbeat, a registration and a tick are applied at once meanwhile) nor the order: the
     generation's assignments, and the lines logged after its plan, go out only once its journal is on disk."""
     import threading
@@ -593,7 +593,7 @@ def test_nodes_that_fail_together_get_one_plan(make):
 def test_the_control_loop_wakes_when_a_loss_has_settled_not_a_tick_later(make):
     """The master's loop sleeps up to a detector tick (100 ms) between looks; a loss's plan waits
     ``SETTLE_S`` for others of the same failure, then must start at once: a failure's plan is ~10 ms."""
-    from master.coordinator import SETTLE_S
+    from oobleck_mm.master.coordinator import SETTLE_S
 
     j = make(nodes=4, steps=10)
     start(j, "a", "b", "c", "d")
@@ -646,7 +646,7 @@ def test_a_checkpoint_that_cannot_resume_this_job_is_refused_before_any_worker_s
     import os
     import zipfile
 
-    from master.checkpointing import resume_step
+    from oobleck_mm.master.checkpointing import resume_step
     from oobleck_mm.errors import UserError
     from oobleck_mm.model.layers import model_layer_specs
     from oobleck_mm.runtime.checkpoint import save_meta
@@ -752,7 +752,7 @@ def test_the_first_meta_json_uses_the_data_order_built_when_the_master_started(m
     """Building the data order ``meta.json`` records (its imports and the whole dataset) took 4.7-5.2 s, and the
     master did it under its lock at the first checkpoint: it answered nothing meanwhile ("the master did not run
     for 5.19s", on an H200). ``prepare_meta`` (the server calls it at start) builds it in the background."""
-    import master.checkpointing as checkpointing
+    import oobleck_mm.master.checkpointing as checkpointing
 
     j = make(nodes=2, steps=10, checkpoint_interval=2)
     j.c.prepare_meta()
@@ -853,7 +853,7 @@ def test_a_loss_behind_the_abandoned_iteration_is_a_recovery_not_a_reform(make):
 
 
 def test_an_iteration_abandoned_again_and_again_ends_the_job_naming_the_step(make):
-    from master.coordinator import MAX_REFORMS
+    from oobleck_mm.master.coordinator import MAX_REFORMS
 
     j = make(nodes=2, steps=10)
     start(j, "a", "b")
@@ -870,7 +870,7 @@ def test_an_iteration_abandoned_again_and_again_ends_the_job_naming_the_step(mak
 
 
 def test_a_completed_step_resets_the_reform_count(make):
-    from master.coordinator import MAX_REFORMS
+    from oobleck_mm.master.coordinator import MAX_REFORMS
 
     j = make(nodes=2, steps=20)
     start(j, "a", "b")
@@ -1108,7 +1108,7 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path,
     (hashed as it wrote, layers/<name>.sha256, gathered into meta.json) tells."""
     import torch
 
-    from master.checkpointing import resume_step
+    from oobleck_mm.master.checkpointing import resume_step
     from oobleck_mm.errors import UserError
     from oobleck_mm.model.layers import model_layer_specs
     from oobleck_mm.runtime import checkpoint
@@ -1159,7 +1159,7 @@ def _come_back(j: Job, name: str, generation: int, step: int, rank: int) -> None
 
 
 def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_anything(make, tmp_path):
-    from master.journal import read_journal, write_journal
+    from oobleck_mm.master.journal import read_journal, write_journal
 
     first = make(nodes=2, steps=10)
     journals = []
@@ -1176,7 +1176,7 @@ def test_a_restarted_master_re_adopts_the_journaled_generation_without_sending_a
 
     j = make(nodes=2, steps=10)  # the restarted master, appending to the lost one's event log
     j.events.write_text(first.events.read_text())
-    from master import planning
+    from oobleck_mm.master import planning
 
     planning._TEMPLATES.clear()  # a new master's helper holds no templates
     j.c.adopt(journal)
@@ -1225,7 +1225,7 @@ def test_a_step_the_lost_master_received_but_never_logged_is_logged_once_by_the_
 
 
 def test_the_steps_a_lost_master_logged_are_read_from_the_end_of_its_event_log(tmp_path):
-    from master.progress import logged_steps
+    from oobleck_mm.master.progress import logged_steps
 
     path = tmp_path / "events.jsonl"
     assert logged_steps(str(path)) == {}  # no log yet: a master that never logged anything
@@ -1297,7 +1297,7 @@ def test_a_restarted_master_that_finds_no_node_back_says_so_instead_of_planning_
 
 
 def test_a_journal_of_an_ended_job_is_never_re_adopted_and_the_same_command_starts_a_new_job(make, tmp_path):
-    from master.journal import end_journal, read_journal, running_job, write_journal
+    from oobleck_mm.master.journal import end_journal, read_journal, running_job, write_journal
     from oobleck_mm.errors import UserError
 
     journal, _ = _lost_master(make, nodes=2, steps=10, trained=0)
@@ -1321,7 +1321,7 @@ def test_the_journal_is_owner_only_json_and_a_planted_or_broken_file_is_refused_
     import pickle
     import stat
 
-    from master.journal import JOURNAL_FILE, read_journal, write_journal
+    from oobleck_mm.master.journal import JOURNAL_FILE, read_journal, write_journal
     from oobleck_mm.errors import UserError
 
     journal, _ = _lost_master(make, nodes=2, steps=10)
@@ -1353,8 +1353,8 @@ def test_the_journal_is_owner_only_json_and_a_planted_or_broken_file_is_refused_
 
 
 def test_cut_short_names_a_checkpoint_only_when_a_lost_writer_had_not_reported():
-    from master.checkpointing import CheckpointBook, cut_short
-    from master.recovery import GenerationView
+    from oobleck_mm.master.checkpointing import CheckpointBook, cut_short
+    from oobleck_mm.master.recovery import GenerationView
 
     gen = GenerationView(1, None, {("a", 0): 0, ("b", 0): 1, ("c", 0): 2})
     book = CheckpointBook(last=("/c/step00000004", 4))
@@ -1372,7 +1372,7 @@ def test_a_tick_woken_by_a_change_does_not_look_at_every_nodes_health_again(make
     26 s to register them all, heartbeats unread meanwhile, every node lost (bench_control_plane.py). A
     tick detects only once ``detector_tick`` passed since the last detection, or when a node's health
     changed (its stream ended, a worker failed: seen at once, as before)."""
-    from master.registry import Registry
+    from oobleck_mm.master.registry import Registry
 
     looks = []
     health = Registry.health
@@ -1391,7 +1391,7 @@ def test_a_tick_woken_by_a_change_does_not_look_at_every_nodes_health_again(make
 
 
 def test_the_masters_hold_point_names_a_generation_and_a_bad_entry_by_its_text():
-    from master.disk import journal_hold
+    from oobleck_mm.master.disk import journal_hold
 
     assert journal_hold(3, "journal3:4") == 4.0 and journal_hold(2, "journal3:4") == 0.0
     assert journal_hold(12, "journal1:1, journal12:0.5") == 0.5 and journal_hold(1, "") == 0.0

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from master.detector import (
+from oobleck_mm.master.detector import (
     HEARTBEAT_LATE_PEERS_STALLED,
     HEARTBEAT_TIMEOUT,
     REPORTS_SILENT,
@@ -104,7 +104,7 @@ def test_bad_inputs_are_refused():
 
 def test_silence_takes_every_node_at_once_only_after_twice_the_timeout():
     """Under load at start-up every agent of a replay went 3.09 s silent against 3 s: all lost, exit 3."""
-    from master.detector import ALL_SILENT_GRACE
+    from oobleck_mm.master.detector import ALL_SILENT_GRACE
 
     nodes = {name: NodeHealth(last_heartbeat=96.9) for name in ("a", "b", "c")}
     assert detect_failures(100.0, nodes, TIMEOUT) == []  # all silent 3.1 s: not all lost yet

@@ -1,7 +1,7 @@
 """The master's state machine under random event orders (hypothesis' stateful testing).
 
 ``machine_model.MachineModel`` plays the agents, the workers, the planner, the
-clock and the operator around ``master.machine.step``; after every event the
+clock and the operator around ``oobleck_mm.master.machine.step``; after every event the
 invariants hold (no exception, generations only grow, no plan uses a node
 that is not live, a finish is stated and its exit code fits the state), and
 when the chaos stops the job settles: every live node in the plan, or a stated
@@ -17,9 +17,9 @@ import os
 from hypothesis import HealthCheck, Phase, settings
 
 from machine_model import FakePlan, MachineModel, answer
-from master.inputs import PlanAnswered
+from oobleck_mm.master.inputs import PlanAnswered
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from master.effects import AskPlanner
+from oobleck_mm.master.effects import AskPlanner
 
 EXAMPLES = int(os.environ.get("OOBLECK_MACHINE_EXAMPLES", "150"))
 SHRINK = os.environ.get("OOBLECK_MACHINE_SHRINK", "1") != "0"
@@ -40,8 +40,8 @@ def test_the_fake_planner_uses_every_node_once_in_two_node_pipelines():
 
 def test_a_plan_the_membership_overtook_is_superseded_and_the_latest_membership_planned_once():
     """Issue 27 item 5: a second loss while a plan is computed no longer waits for the stale plan."""
-    from master.effects import CancelPlan
-    from master.inputs import PlanAnswered
+    from oobleck_mm.master.effects import CancelPlan
+    from oobleck_mm.master.inputs import PlanAnswered
 
     m = MachineModel()
     m.start(steps=100, recovery="live", interval=0, started=6)  # 4 planned, 2 joining
@@ -92,7 +92,7 @@ def test_a_straggler_verdict_re_splits_the_batch_at_a_boundary_and_its_clearing_
     """Issue 29: the machine plans the same nodes again with the slow node's factor (``AskPlanner.slow``), not a
     failure (the assignments go out ``at_boundary``); when the node is cleared, the split for the templates'
     own speeds (``slow=()``); with ``straggler_resplit`` off, nothing is planned."""
-    from master.inputs import PlanAnswered, Straggler
+    from oobleck_mm.master.inputs import PlanAnswered, Straggler
 
     m = MachineModel()
     m.start(steps=100, recovery="live", interval=0, started=4)
@@ -131,7 +131,7 @@ def test_a_straggler_still_slow_after_replan_after_is_weighed_once_benched_at_a_
     is planned out at an iteration boundary (nothing abandoned), told ``Bench``, kept out for
     ``straggler_bench`` (10 s) and then taken back like a join once its fresh workers are ready. Benched
     again, it stays out twice as long. A 2x node is weighed, kept, and never weighed again while slow."""
-    from master.inputs import PlanAnswered, Straggler
+    from oobleck_mm.master.inputs import PlanAnswered, Straggler
     from oobleck_mm.protocol import oobleck_pb2 as pb
 
     m = MachineModel()
@@ -216,7 +216,7 @@ def test_a_speed_change_that_only_marks_a_stage_slow_switches_only_when_the_bala
     healthy node's factor wandered past 1.5x and back, re-planning 8 times in 150 steps)."""
     import dataclasses
 
-    from master.inputs import PlanAnswered, Straggler
+    from oobleck_mm.master.inputs import PlanAnswered, Straggler
 
     for balanced in (False, True):
         m = MachineModel()
@@ -243,9 +243,9 @@ def test_a_restarted_master_stops_waiting_for_a_missing_node_once_the_generation
     (``adopt_window``) waits for it, which costs nothing while the workers train, but once a worker of the
     generation aborted (its peer is gone) every survivor waits idle for a plan: soak (c) lost 4 s so.
     Adoption then ends ``ADOPT_QUIET_INTERVALS`` heartbeat intervals after the last node came back."""
-    from master.generations import ADOPT_QUIET_INTERVALS
-    from master.inputs import PlanAnswered
-    from master.state import JobPhase
+    from oobleck_mm.master.generations import ADOPT_QUIET_INTERVALS
+    from oobleck_mm.master.inputs import PlanAnswered
+    from oobleck_mm.master.state import JobPhase
     from oobleck_mm.protocol import oobleck_pb2 as pb
 
     for broken in (False, True):
@@ -285,7 +285,7 @@ def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_fro
     deleted step 4 under the restarted workers, which stopped the job with exit 2. Now step 4 stays pinned
     until generation 2 completes a step, and once generation 2's fresh workers report (generation 1's are gone
     then, and no newer checkpoint can follow) one restart takes the newest (step 10)."""
-    from master.effects import PruneCheckpoints, Send
+    from oobleck_mm.master.effects import PruneCheckpoints, Send
 
     m = MachineModel()
     m.start(steps=100, recovery="restart", interval=2, started=5)

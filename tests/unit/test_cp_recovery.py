@@ -1,11 +1,11 @@
-"""The master's recovery decisions (``master.recovery``), on generations and holdings built by hand."""
+"""The master's recovery decisions (``oobleck_mm.master.recovery``), on generations and holdings built by hand."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from master.recovery import (
+from oobleck_mm.master.recovery import (
     GenerationView,
     Holdings,
     Request,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from master.store import KeyValueStore
+from oobleck_mm.master.store import KeyValueStore
 
 
 def test_set_get_add_and_check_behave_as_torchs_tcpstore():
@@ -42,7 +42,7 @@ def test_a_client_waits_for_a_master_that_is_away_and_fails_fast_on_one_that_res
     import pytest
     import torch.distributed as dist
 
-    from master.store import serve_store_only
+    from oobleck_mm.master.store import serve_store_only
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     server, port = serve_store_only("tok")
@@ -58,8 +58,8 @@ def test_a_client_waits_for_a_master_that_is_away_and_fails_fast_on_one_that_res
 
             import grpc
 
-            from master.service import TokenInterceptor
-            from master.store import KeyValueStore, RendezvousStoreService
+            from oobleck_mm.master.service import TokenInterceptor
+            from oobleck_mm.master.store import KeyValueStore, RendezvousStoreService
             from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 
             again = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
@@ -96,7 +96,7 @@ def test_a_wait_bounded_by_its_caller_ends_then_and_names_that_bound():
     import pytest
     import torch.distributed as dist
 
-    from master.store import serve_store_only
+    from oobleck_mm.master.store import serve_store_only
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     server, port = serve_store_only("tok")
@@ -120,7 +120,7 @@ def test_a_get_waits_on_the_server_and_wakes_when_the_key_is_set_while_a_full_se
     import time
     from datetime import timedelta
 
-    from master.store import KeyValueStore, RendezvousStoreService, serve_store_only
+    from oobleck_mm.master.store import KeyValueStore, RendezvousStoreService, serve_store_only
     from oobleck_mm.protocol import oobleck_pb2 as pb
     from oobleck_mm.runtime.store import ControlPlaneStore
 
@@ -161,7 +161,7 @@ def test_a_get_after_the_wait_for_its_key_reuses_what_the_wait_read_and_nothing_
     between (a set, an add, another get) makes the next get ask the server."""
     from datetime import timedelta
 
-    from master.store import serve_store_only
+    from oobleck_mm.master.store import serve_store_only
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     server, port = serve_store_only("tok")
@@ -215,7 +215,7 @@ def test_gloos_waits_for_one_groups_addresses_take_one_call_when_they_are_all_se
     instead of k. Only keys this client has not written since: its next write forgets them."""
     from datetime import timedelta
 
-    from master.store import serve_store_only
+    from oobleck_mm.master.store import serve_store_only
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     server, port = serve_store_only("tok")

@@ -1,4 +1,4 @@
-"""The master's control-loop watch (``master/stalls.py``): when a pass counts as stalled, and what it writes."""
+"""The master's control-loop watch (``oobleck_mm/master/stalls.py``): when a pass counts as stalled, and what it writes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from master.stalls import PAUSED_FRACTION, StallRule, StallWatch
+from oobleck_mm.master.stalls import PAUSED_FRACTION, StallRule, StallWatch
 
 
 def test_a_pass_under_the_threshold_is_no_stall_and_a_longer_one_is_dumped_once():

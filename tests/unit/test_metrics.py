@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from master.metrics import COLUMNS, MetricsSink
-from master.progress import Progress, StepFacts, format_duration, format_step, step_row
-from master.recovery import GenerationView
+from oobleck_mm.master.metrics import COLUMNS, MetricsSink
+from oobleck_mm.master.progress import Progress, StepFacts, format_duration, format_step, step_row
+from oobleck_mm.master.recovery import GenerationView
 from oobleck_mm.config import load_config
 from oobleck_mm.config.shape import layer_specs, matmul_param_count
 from oobleck_mm.events import EventLog, read_events
@@ -156,10 +156,10 @@ def test_model_flops_count_forward_and_both_backward_halves_once():
 
 
 def test_a_node_whose_compute_is_slow_is_named_in_the_console_the_log_and_every_row(tmp_path):
-    """Progress feeds each step's per-rank compute to ``master.stragglers``, each rank under its stage's layer
+    """Progress feeds each step's per-rank compute to ``oobleck_mm.master.stragglers``, each rank under its stage's layer
     range: rank 4 (node4) computes twice what the cost model predicts relative to the others from step 20 (its
     range's first CALIBRATION_WARMUP records taught it the healthy speed), and is flagged after ``straggler_steps``."""
-    from master.stragglers import CALIBRATION_WARMUP, StragglerRule
+    from oobleck_mm.master.stragglers import CALIBRATION_WARMUP, StragglerRule
 
     lines: list[str] = []
     facts = StepFacts(global_batch=16, stragglers=StragglerRule(factor=1.5, clear_factor=1.2, steps=3))
@@ -195,7 +195,7 @@ def test_tensorboard_opens_in_the_background_and_keeps_what_was_written_meanwhil
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from master.metrics import OpeningWriter
+    from oobleck_mm.master.metrics import OpeningWriter
 
     lock = threading.Lock()
     with lock:  # the opening thread needs it to write the queue: nothing can be written through yet

@@ -47,7 +47,7 @@ def test_a_straggler_is_benched_only_when_the_plan_without_it_is_predicted_faste
 
     import yaml
 
-    from master.planning import plan_nodes, replan_nodes
+    from oobleck_mm.master.planning import plan_nodes, replan_nodes
     from oobleck_mm.config import load_config
 
     job = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tiny_mm.yaml"))

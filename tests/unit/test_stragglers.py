@@ -1,4 +1,4 @@
-"""Straggler detection (``master.stragglers``): per-rank compute against the cost model, relative to the job."""
+"""Straggler detection (``oobleck_mm.master.stragglers``): per-rank compute against the cost model, relative to the job."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import statistics
 from dataclasses import replace
 
-from master.stragglers import (CALIBRATION_CAP, CALIBRATION_WARMUP, RankCompute, StragglerDetector, StragglerRule,
+from oobleck_mm.master.stragglers import (CALIBRATION_CAP, CALIBRATION_WARMUP, RankCompute, StragglerDetector, StragglerRule,
                                expected_compute, node_factors, slowed_median, stage_ranges)
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 

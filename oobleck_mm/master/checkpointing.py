@@ -3,7 +3,7 @@
 One owner for checkpoint decisions, answering in values: ``CheckpointBook``
 records the workers' shares of periodic checkpoints and says when one is
 complete; ``CheckpointRound`` and ``round_verdict`` decide a stop's round. The
-machine (``master.machine``) turns their answers into effects; the I/O
+machine (``oobleck_mm.master.machine``) turns their answers into effects; the I/O
 (``write_meta``, ``prune_checkpoints``, ``resume_step``) runs in the shell.
 
 Below (f+1)*n0 nodes the job cannot keep training, but its state is still in
@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from master.recovery import GenerationView, orphan_layers, surviving_ranks
+from oobleck_mm.master.recovery import GenerationView, orphan_layers, surviving_ranks
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb

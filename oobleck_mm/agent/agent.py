@@ -10,7 +10,7 @@ main thread, in the order the inbox delivers it:
   this node (it was declared lost: it registers again and joins, as when its
   stream ends), goes into the inbox.
 - ``reports``: reads every worker pipe and forwards reports to the master; the only thread that
-  closes a pipe (``agent.pipes``), and a failure of its own stops the node as a fault.
+  closes a pipe (``oobleck_mm.agent.pipes``), and a failure of its own stops the node as a fault.
 - the main thread: starts workers (one per GPU, once registered; they report
   ``ready`` once imported and warmed up, and a joining node is admitted then),
   hands later assignments (and checkpoint commands) over their pipes, checks
@@ -29,7 +29,7 @@ it stops like on any other signal.
 
 When the master is lost (its stream breaks, or it is silent past
 ``master_silence_limit``) the workers train on: nothing of a running
-generation needs the master. The agent keeps their reports (``agent.reports``)
+generation needs the master. The agent keeps their reports (``oobleck_mm.agent.reports``)
 and tries every heartbeat interval to reach the master again: the same one
 (it was only paused: heartbeats answer again) or one restarted with
 ``--resume-master`` (a new registration naming the generation the workers
@@ -63,9 +63,9 @@ from typing import Callable
 import grpc
 import psutil
 
-from agent.pipes import ReportPipes
-from agent.reports import ReportLog
-from agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, REPORTS_DRAIN_S, Worker, WorkerFault,
+from oobleck_mm.agent.pipes import ReportPipes
+from oobleck_mm.agent.reports import ReportLog
+from oobleck_mm.agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, REPORTS_DRAIN_S, Worker, WorkerFault,
                            start_worker_template, stop_all)
 from oobleck_mm.config import FaultToleranceConfig, parse_config_text, section_from_dict
 from oobleck_mm.errors import ExitCode, UserError
@@ -126,7 +126,7 @@ class Agent:
         self.workers: dict[int, Worker] = {}
         self._workers_lock = threading.Lock()  # the reports thread reads the worker list
         self._pipes = ReportPipes(self._on_report_bytes, self._on_worker_eof)
-        """The workers' pipes: read, and closed, on the reports thread only (``agent.pipes`` says why)."""
+        """The workers' pipes: read, and closed, on the reports thread only (``oobleck_mm.agent.pipes`` says why)."""
         self._stopping = threading.Event()
         self._channel: grpc.Channel | None = None
         self._stream = None

@@ -1,13 +1,13 @@
-"""The master's whole state as plain data: what ``master.machine.step`` reads and changes, and nothing else.
+"""The master's whole state as plain data: what ``oobleck_mm.master.machine.step`` reads and changes, and nothing else.
 
-No locks, queues, clocks, files or sockets here: the shell (``master.coordinator``)
+No locks, queues, clocks, files or sockets here: the shell (``oobleck_mm.master.coordinator``)
 owns those and feeds the machine events. A test (``tests/unit/test_cp_machine.py``)
 builds a ``JobState``, drives it with thousands of event orders and reads it back.
 
 Phases (``JobPhase``): ``waiting`` (for ``num_nodes`` agents with open
 streams), or ``adopting`` (a restarted master waits for the nodes of its
-journal: ``master.journal``) -> ``running`` (generation 1 and every later one)
--> ``checkpointing`` (a round of ``master.checkpointing``: the survivors write
+journal: ``oobleck_mm.master.journal``) -> ``running`` (generation 1 and every later one)
+-> ``checkpointing`` (a round of ``oobleck_mm.master.checkpointing``: the survivors write
 their layers, then the job stops) -> ``finished`` (exit code decided).
 """
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from master.assignments import Sending
-from master.checkpointing import CheckpointBook, CheckpointRound
-from master.progress import Incident
-from master.recovery import GenerationView, Holdings, Request
-from master.registry import Registry
+from oobleck_mm.master.assignments import Sending
+from oobleck_mm.master.checkpointing import CheckpointBook, CheckpointRound
+from oobleck_mm.master.progress import Incident
+from oobleck_mm.master.recovery import GenerationView, Holdings, Request
+from oobleck_mm.master.registry import Registry
 from oobleck_mm.config import dump_config
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu
 
@@ -63,7 +63,7 @@ class RunOptions:
     checkpoint_root: str = "."
     """Where below-threshold checkpoints (and restart mode's) are written."""
     recovery: str = "live"
-    """``live`` or ``restart`` (``master.policies``)."""
+    """``live`` or ``restart`` (``oobleck_mm.master.policies``)."""
     checkpoint_interval: int = 0
     """Steps between periodic checkpoints."""
     resume_command: str = "oobleck-launch local --config CONFIG"
@@ -88,7 +88,7 @@ class Settings:
     @classmethod
     def of(cls, job, *, num_nodes: int, steps: int, store_host: str, store_port: int,
            options: RunOptions) -> Settings:  # fmt: skip
-        from master.policies import policy_for
+        from oobleck_mm.master.policies import policy_for
 
         policy = policy_for(options.recovery)
         periodic = policy.periodic_checkpoints
@@ -146,7 +146,7 @@ class PendingPlan:
 
 @dataclass(slots=True)
 class JobState:
-    """Everything the master's decisions depend on. Changed only by ``master.machine.step``."""
+    """Everything the master's decisions depend on. Changed only by ``oobleck_mm.master.machine.step``."""
 
     phase: JobPhase = JobPhase.WAITING
     generation: int = 0
@@ -196,7 +196,7 @@ class JobState:
     reforms: int = 0
     """Re-forms since the last completed step (``machine.MAX_REFORMS``)."""
     slow: dict[str, float] = field(default_factory=dict)
-    """Nodes ``master.stragglers`` found slow, with their factor: the batch split gives their pipelines less."""
+    """Nodes ``oobleck_mm.master.stragglers`` found slow, with their factor: the batch split gives their pipelines less."""
     slow_since: dict[str, float] = field(default_factory=dict)
     """Clock when each node of ``slow`` was found slow: it is weighed for a bench ``straggler_replan_after`` later."""
     weighed: set[str] = field(default_factory=set)

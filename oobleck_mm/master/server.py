@@ -18,14 +18,14 @@ from typing import Callable
 
 import grpc
 
-from master.checkpointing import resume_step
-from master.coordinator import Coordinator, RunOptions
-from master.journal import Journal, end_journal, write_journal
-from master.metrics import MetricsSink
-from master.planning import PlannerPool
-from master.stalls import StallWatch
-from master.service import AioTokenInterceptor, CoordinatorService, add_coordinator_service
-from master.store import KeyValueStore, RendezvousStoreService
+from oobleck_mm.master.checkpointing import resume_step
+from oobleck_mm.master.coordinator import Coordinator, RunOptions
+from oobleck_mm.master.journal import Journal, end_journal, write_journal
+from oobleck_mm.master.metrics import MetricsSink
+from oobleck_mm.master.planning import PlannerPool
+from oobleck_mm.master.stalls import StallWatch
+from oobleck_mm.master.service import AioTokenInterceptor, CoordinatorService, add_coordinator_service
+from oobleck_mm.master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.events import EventLog
 from oobleck_mm.protocol import MESSAGE_OPTIONS
@@ -39,7 +39,7 @@ UNARY_THREADS = 32
 """Threads for the unary calls (registrations, heartbeats, reports, store operations), beyond the store's
 long polls: each is short; the nodes' event streams take none (coroutines on the server's loop)."""
 MAX_STORE_WAITERS = 512
-"""Most store ``get``s held on the server at once (a long poll each); more waiters poll (``master/store.py``)."""
+"""Most store ``get``s held on the server at once (a long poll each); more waiters poll (``oobleck_mm/master/store.py``)."""
 MAX_PENDING_CALLS = 1 << 20
 """Calls gRPC's core may hold before the server's loop picks them up (``grpc.server.max_pending_requests``
 and its ``_hard_limit``). gRPC's defaults, 1,000 and 3,000, cancel every call past them: when 4,000 agents
@@ -55,7 +55,7 @@ about 0.25 ms of the master's CPU per beat; 4,000 nodes every 1 s were not held 
 any was stopped). The master's gRPC runs on one event loop, so the budget does not grow with its cores."""
 STALL_LOG = "master-stalls.log"
 """In the run dir: every thread's stack, each time a control-loop pass (a tick, then a wait of at most
-``detector_tick``) has not come back after ``fault_tolerance.heartbeat_timeout`` (``master/stalls.py``); the
+``detector_tick``) has not come back after ``fault_tolerance.heartbeat_timeout`` (``oobleck_mm/master/stalls.py``); the
 console gets one line saying so. A stall that long delays a failure's detection by a whole timeout; shorter
 ones (1-3 s on two shared cores) are only logged as ``master_stalled``, which says how long."""
 SERVER_CALL_S = 30.0
@@ -156,7 +156,7 @@ class MasterServer:
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
         # Long polls of the rendezvous store may hold up to this many of the unary calls' threads (the event
-        # streams hold none: they are coroutines, master/service.py); the others poll (master/store.py).
+        # streams hold none: they are coroutines, oobleck_mm/master/service.py); the others poll (oobleck_mm/master/store.py).
         waiters = max(4, min(MAX_STORE_WAITERS, self.num_nodes // 2 + 4))
         threads = UNARY_THREADS + waiters
         self._loop = asyncio.new_event_loop()
@@ -173,7 +173,7 @@ class MasterServer:
         if not self.port:
             raise UserError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
         # The workers' rendezvous keys: served here, behind the token, instead of by torch's TCPStore
-        # (which answers anyone who reaches its port; master/store.py).
+        # (which answers anyone who reaches its port; oobleck_mm/master/store.py).
         self._store = KeyValueStore()
         self.events.subscribe(self._forget_old_rendezvous)
         # Started from this (the main) thread: the helper's parent-death signal follows it.

@@ -1,11 +1,11 @@
-"""Part of the machine (``master.machine``): how the job stops with nothing lost, and periodic checkpoints.
+"""Part of the machine (``oobleck_mm.master.machine``): how the job stops with nothing lost, and periodic checkpoints.
 
 A job that cannot go on (too few nodes for f+1 replicas, a stop request,
 nodes on notice holding the last copies) stops at a checkpoint: a *round*
 (``checkpointing.CheckpointRound``) in which the nodes that hold the state
 write it, or the newest complete periodic checkpoint, or, with neither, a
 message that says so. Exit 3 and the resume command in every case with a
-checkpoint. The decisions about checkpoints are ``master.checkpointing``'s,
+checkpoint. The decisions about checkpoints are ``oobleck_mm.master.checkpointing``'s,
 answered in values; this module turns them into effects.
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 
-from master.checkpointing import (CheckpointRound, RoundFailed, RoundPending, RoundWritten, round_directory,
+from oobleck_mm.master.checkpointing import (CheckpointRound, RoundFailed, RoundPending, RoundWritten, round_directory,
                                   round_verdict)  # fmt: skip
-from master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
-from master.effects import PruneCheckpoints, WriteMeta
-from master.policies import ROUND, keep_checkpoints
-from master.recovery import GenerationView, Request
-from master.state import TRAINING, JobPhase
+from oobleck_mm.master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
+from oobleck_mm.master.effects import PruneCheckpoints, WriteMeta
+from oobleck_mm.master.policies import ROUND, keep_checkpoints
+from oobleck_mm.master.recovery import GenerationView, Request
+from oobleck_mm.master.state import TRAINING, JobPhase
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas

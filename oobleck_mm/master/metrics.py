@@ -1,7 +1,7 @@
 """The run's metrics for people: ``metrics.csv`` (one row per step) and TensorBoard event files.
 
 Both are written from the master's event log as it is written (``EventLog.subscribe``):
-the ``step`` event already is the row (``master/progress.py`` builds it from every
+the ``step`` event already is the row (``oobleck_mm/master/progress.py`` builds it from every
 rank's report), and the recovery events (a node lost or joining, a plan, the
 workers' rendezvous, state copy and resume, checkpoints) go to TensorBoard as
 text and scalars at the step they happened, so a loss curve and its incidents
@@ -37,7 +37,7 @@ wall-clock seconds since the previous step completed, ``step_time_s`` plus whate
 between the two (a recovery, a join's switch); a recovery row's time lost, and a join's survivors'
 pause, are these gaps less the run's median (``oobleck_mm.faults.report``). ``stragglers``: nodes flagged
 slow after this step; ``slowest_node_factor``: the highest node's compute over the other nodes' per unit
-of predicted work in this step (``master/stragglers.py``; 1 for a node like the rest). ``emulated_*``: an
+of predicted work in this step (``oobleck_mm/master/stragglers.py``; 1 for a node like the rest). ``emulated_*``: an
 emulated run's ops on its emulated devices this step, those that ended late and the worst lateness over its
 op's duration (``oobleck_mm/emulation/clock.py``; empty when not emulated)."""
 

@@ -226,7 +226,7 @@ class Worker:
         child_conn.close()
         self.pid = self.process.pid
         self.eof = False
-        """The worker's end of the pipe is closed (set by the agent's reports thread, ``agent.pipes``)."""
+        """The worker's end of the pipe is closed (set by the agent's reports thread, ``oobleck_mm.agent.pipes``)."""
         self.ready = False
         """The worker said ``ready`` (set by the agent's reports thread): until then it is importing and
         reads no command, and holds nothing a shutdown could save."""
@@ -276,7 +276,7 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILLs the worker and every process under it, and reaps the worker. Its pipe stays open: the
-        agent's reports thread closes it (``agent.pipes``), or ``close``."""
+        agent's reports thread closes it (``oobleck_mm.agent.pipes``), or ``close``."""
         tree = self.descendants()  # before the worker dies: orphans reparent and are lost to us
         for proc in [self._ps, *tree]:
             try:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_connections
 
-from agent.workers import Worker
+from oobleck_mm.agent.workers import Worker
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Part of the machine (``master.machine``): a straggler that stays slow is planned out for a while (issue 29).
+"""Part of the machine (``oobleck_mm.master.machine``): a straggler that stays slow is planned out for a while (issue 29).
 
-A node ``master.stragglers`` found slow first gets a batch split priced for its
+A node ``oobleck_mm.master.stragglers`` found slow first gets a batch split priced for its
 speed (``generations._with_speeds``). If it is still slow
 ``fault_tolerance.straggler_replan_after`` later, the planner weighs it once
 (``planning.planner.weigh_bench``): the job's samples/s with the node kept and
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from master.context import Context
-from master.recovery import GenerationView, orphan_layers, surviving_ranks
-from master.state import Bench
+from oobleck_mm.master.context import Context
+from oobleck_mm.master.recovery import GenerationView, orphan_layers, surviving_ranks
+from oobleck_mm.master.state import Bench
 from oobleck_mm.config.fault_tolerance import MAX_BENCH_DOUBLINGS
 from oobleck_mm.protocol import oobleck_pb2 as pb
 

@@ -1,8 +1,8 @@
-"""What the machine (``master.machine``) is fed: every event the master can see, as plain data.
+"""What the machine (``oobleck_mm.master.machine``) is fed: every event the master can see, as plain data.
 
-The gRPC handlers (``master.service`` through ``master.coordinator``), the
+The gRPC handlers (``oobleck_mm.master.service`` through ``oobleck_mm.master.coordinator``), the
 planning helper and the control thread's clock each turn what they saw into
-one of these; ``master.machine.step`` decides what it means. Each carries what
+one of these; ``oobleck_mm.master.machine.step`` decides what it means. Each carries what
 its source knew and nothing the machine could read itself: no clock (``step``
 is given ``now``), no queue, no socket.
 """
@@ -108,7 +108,7 @@ class PlanAnswered:
 
 @dataclass(frozen=True, slots=True)
 class Straggler:
-    """A verdict of ``master.stragglers`` on a node's speed: slow by ``factor`` (``detected``: found slow, or
+    """A verdict of ``oobleck_mm.master.stragglers`` on a node's speed: slow by ``factor`` (``detected``: found slow, or
     its factor changed), or no longer."""
 
     node: str
@@ -132,7 +132,7 @@ class Adopt:
     """A restarted master (``--resume-master``) takes over the generations of its journal."""
 
     journal: Any
-    """A ``master.journal.Journal``."""
+    """A ``oobleck_mm.master.journal.Journal``."""
     seconds_since_start: float
     """Wall seconds since the lost master planned generation 1 (the run is timed from it)."""
 

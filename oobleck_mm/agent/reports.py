@@ -1,6 +1,6 @@
 """What an agent keeps of its workers' reports so that a restarted master learns what the lost one knew.
 
-The master knows the states each worker holds (``master.recovery.Holdings``),
+The master knows the states each worker holds (``oobleck_mm.master.recovery.Holdings``),
 the step the job is at and which periodic checkpoints completed only from the
 workers' reports. When it dies, that knowledge dies with it, while the workers
 train on. So the agent keeps, per worker, its latest report of each kind that
@@ -8,7 +8,7 @@ feeds that knowledge (``latest``) and, while no master listens, every report in
 order (``unsent``). Registered again with a restarted master, it replays both:
 the latest ones flagged ``replayed`` (the lost master may have seen them: they
 update the master's facts but log no step twice), then the unsent ones as they
-came. Pure bookkeeping, no gRPC: ``agent.agent`` sends what ``replay`` returns.
+came. Pure bookkeeping, no gRPC: ``oobleck_mm.agent.agent`` sends what ``replay`` returns.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from master.recovery import GenerationView
+from oobleck_mm.master.recovery import GenerationView
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto

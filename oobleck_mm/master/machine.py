@@ -2,10 +2,10 @@
 
 Like torchft's lighthouse (``quorum_compute(now, state, opts)`` decides,
 ``_quorum_tick`` applies), every decision of the master is taken here, from
-the job's state (``master.state``), one event (``master.inputs``) and the
+the job's state (``oobleck_mm.master.state``), one event (``oobleck_mm.master.inputs``) and the
 clock reading it is given; what must happen outside (messages, planning
 calls, the journal, files, log lines) comes back as effects
-(``master.effects``) for the shell (``master.coordinator``) to carry out. No
+(``oobleck_mm.master.effects``) for the shell (``oobleck_mm.master.coordinator``) to carry out. No
 locks, threads, clocks or I/O: the same event order always gives the same
 state and effects, which is what ``tests/unit/test_cp_machine.py`` relies on
 to explore thousands of orders.
@@ -15,8 +15,8 @@ planner answer that the membership has overtaken, a stream of a node already
 lost) is logged or ignored with a reason, never a crash: ``assert`` is kept for
 what no event order can reach.
 
-Planning, adoption and the journal live in ``master.generations``; stops and
-checkpoint rounds in ``master.stopping``; both are parts of this machine.
+Planning, adoption and the journal live in ``oobleck_mm.master.generations``; stops and
+checkpoint rounds in ``oobleck_mm.master.stopping``; both are parts of this machine.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ import logging
 import statistics
 from collections.abc import Callable
 
-from master import benching, generations, stopping
-from master.generations import SETTLE_S
-from master.context import Context, Transition, add_to_incident, finish
-from master.stragglers import FACTOR_CHANGE
-from master.detector import (LATE_HEARTBEAT_SHARE, WORKER_FAILED, Failure, detect_failures, recent_stalls,
+from oobleck_mm.master import benching, generations, stopping
+from oobleck_mm.master.generations import SETTLE_S
+from oobleck_mm.master.context import Context, Transition, add_to_incident, finish
+from oobleck_mm.master.stragglers import FACTOR_CHANGE
+from oobleck_mm.master.detector import (LATE_HEARTBEAT_SHARE, WORKER_FAILED, Failure, detect_failures, recent_stalls,
                              silent_reporters)  # fmt: skip
-from master.effects import EndStream, ProgressMetrics, ProgressPhase
-from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
+from oobleck_mm.master.effects import EndStream, ProgressMetrics, ProgressPhase
+from oobleck_mm.master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
-from master.recovery import Holdings
-from master.registry import Refused
-from master.state import TRAINING, JobPhase, JobState, Settings
+from oobleck_mm.master.recovery import Holdings
+from oobleck_mm.master.registry import Refused
+from oobleck_mm.master.state import TRAINING, JobPhase, JobState, Settings
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -341,7 +341,7 @@ def _plan_answered(ctx: Context, ev: PlanAnswered) -> None:
 
 def _straggler(ctx: Context, ev: Straggler) -> None:
     """A node found slow (or no longer): the batch split follows its speed (``generations.wanted``); one
-    still slow ``straggler_replan_after`` later is weighed for a bench (``master.benching``)."""
+    still slow ``straggler_replan_after`` later is weighed for a bench (``oobleck_mm.master.benching``)."""
     s = ctx.s
     if ev.detected and s.registry.nodes.get(ev.node) is not None and ev.factor > 1:
         weighed_at = s.slow.get(ev.node, ev.factor)

@@ -1,10 +1,10 @@
 """The master's node registry: who is registered, under which session, and what each node's agent said.
 
-Part of the job's state (``master.state``): the machine (``master.machine``)
+Part of the job's state (``oobleck_mm.master.state``): the machine (``oobleck_mm.master.machine``)
 owns the decisions (who is lost, what to plan); this module only keeps the
 facts it decides on: a node's session, its event-stream state, its last
 heartbeat and a reported worker failure. Plain data, no I/O: the outboxes the
-Subscribe streams drain live in the shell (``master.coordinator``), and the
+Subscribe streams drain live in the shell (``oobleck_mm.master.coordinator``), and the
 session number comes in with the registration event. Calls that name an
 unknown node or a stale session are refused (``Refused`` carries the gRPC
 status name), so a node declared lost cannot act under its old registration.
@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from master.detector import NodeHealth
+from oobleck_mm.master.detector import NodeHealth
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

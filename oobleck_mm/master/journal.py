@@ -29,7 +29,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from master.recovery import GenerationView
+from oobleck_mm.master.recovery import GenerationView
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.planning.plan import plan_from_dict, plan_to_dict
@@ -39,7 +39,7 @@ VERSION = 2
 """2: the plan inside the JSON (1 named a pickle beside it: refused, never unpickled)."""
 KEEP_GENERATIONS = 3
 """Generations journaled: the current one and the two before it (a worker may still hold the one it
-came from while a recovery is under way: ``master.recovery``'s *base*)."""
+came from while a recovery is under way: ``oobleck_mm.master.recovery``'s *base*)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class Journal:
     host: str
     port: int
     options: dict[str, Any]
-    """``master.coordinator.RunOptions`` as a dict."""
+    """``oobleck_mm.master.coordinator.RunOptions`` as a dict."""
     generation: int
     template_nodes: int
     views: tuple[GenerationView, ...]
@@ -165,7 +165,7 @@ def _write_atomically(path: str, data: bytes) -> None:
     storage (NFS) writes through at close. What it cost: the journal is written in the control thread
     before every generation's assignments, and under churn, with the workers' periodic checkpoints
     filling the disk's queue, one fsync held the master 1.9-2.1 s (``master_stalled``, its stack then
-    printed by a stall dump, ``master/stalls.py``): no failure was detected and no plan sent meanwhile."""
+    printed by a stall dump, ``oobleck_mm/master/stalls.py``): no failure was detected and no plan sent meanwhile."""
     tmp = f"{path}.tmp"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
         fh.write(data)

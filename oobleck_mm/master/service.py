@@ -4,7 +4,7 @@ Handlers translate messages to ``Coordinator`` calls and ``Refused`` to status
 codes; they decide nothing. The token interceptor runs before any handler, so
 no method (not even Register) is reachable without the job token.
 
-The master serves them on an asyncio gRPC server (``grpc.aio``, ``master/server.py``):
+The master serves them on an asyncio gRPC server (``grpc.aio``, ``oobleck_mm/master/server.py``):
 every node holds a ``Subscribe`` stream for the whole job, and on gRPC's
 synchronous server each stream held a thread of its pool; at 4,000 nodes the
 master could not keep 4,000 streams and their heartbeats going. A stream is a
@@ -24,8 +24,8 @@ from typing import Callable
 
 import grpc
 
-from master.coordinator import END_OF_STREAM, Coordinator
-from master.registry import Refused
+from oobleck_mm.master.coordinator import END_OF_STREAM, Coordinator
+from oobleck_mm.master.registry import Refused
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import TOKEN_HEADER, token_matches

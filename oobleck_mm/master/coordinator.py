@@ -1,15 +1,15 @@
 """The shell around the master's state machine: threads, locks, outboxes, the planner and the files.
 
-Every decision is ``master.machine.step``'s; this class only feeds it events
+Every decision is ``oobleck_mm.master.machine.step``'s; this class only feeds it events
 and carries out the effects it returns, in order. The gRPC handlers
-(``master.service``) call ``register``, ``worker_report``, ``leave``... from
+(``oobleck_mm.master.service``) call ``register``, ``worker_report``, ``leave``... from
 their threads; one control thread calls ``tick`` in a loop. Each call turns
 into one event, applied under one lock, so events happen in one order.
 Heartbeats take no lock at all: they are collected and fed to the machine at
 the next tick with the time they arrived (a heartbeat must never wait for a
 tick applying a plan or writing events on a busy disk).
 
-The planner runs in a helper process (``master.planning``); its answers come
+The planner runs in a helper process (``oobleck_mm.master.planning``); its answers come
 back as ``PlanAnswered`` events. Every reading of time goes through the
 injected ``clock``, so tests drive the whole master by hand.
 """
@@ -27,20 +27,20 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Callable
 
-from master import machine
-from master.checkpointing import prune_checkpoints, start_meta_sampler, write_meta
-from master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCheckpoints, ProgressMetrics,
+from oobleck_mm.master import machine
+from oobleck_mm.master.checkpointing import prune_checkpoints, start_meta_sampler, write_meta
+from oobleck_mm.master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCheckpoints, ProgressMetrics,
                             ProgressPhase, Record, Say, Send, StartProgress, WarmPlanner, WriteJournal,
                             WriteMeta)  # fmt: skip
-from master.disk import HOLD_ENV, DiskQueue, journal_hold
-from master.generations import MAX_REFORMS, SETTLE_S
-from master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
+from oobleck_mm.master.disk import HOLD_ENV, DiskQueue, journal_hold
+from oobleck_mm.master.generations import MAX_REFORMS, SETTLE_S
+from oobleck_mm.master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
                            Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
-from master.journal import Journal
-from master.planning import InlinePlanner
-from master.progress import Progress, StepFacts, logged_steps
-from master.registry import RefusalCounter, Refused
-from master.state import Finish, JobPhase, JobState, RunOptions, Settings
+from oobleck_mm.master.journal import Journal
+from oobleck_mm.master.planning import InlinePlanner
+from oobleck_mm.master.progress import Progress, StepFacts, logged_steps
+from oobleck_mm.master.registry import RefusalCounter, Refused
+from oobleck_mm.master.state import Finish, JobPhase, JobState, RunOptions, Settings
 from oobleck_mm.events import EventLog
 from oobleck_mm.errors import UserError
 from oobleck_mm.protocol import MAX_MESSAGE_BYTES
@@ -92,7 +92,7 @@ class Coordinator:
         disk_thread: bool = False,
     ) -> None:
         """``disk_thread``: write the run dir's files (journal, meta.json, pruning) from a thread of their own,
-        outside the lock (``master.disk``; the server's master). Without it (a master driven by hand), each
+        outside the lock (``oobleck_mm.master.disk``; the server's master). Without it (a master driven by hand), each
         call has written them when it returns."""
         self.job = job
         self.num_nodes = num_nodes
@@ -129,7 +129,7 @@ class Coordinator:
         self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
         self._disk = DiskQueue(threaded=disk_thread)
         self.journal_to: Callable[[Journal], None] | None = None
-        """Writes the journal (``master.journal``) before every generation's assignments go out; the
+        """Writes the journal (``oobleck_mm.master.journal``) before every generation's assignments go out; the
         server sets it once it knows its address. None: no journal (tests)."""
 
     # ------------------------------------------------------------------ what the state says

@@ -1,8 +1,8 @@
-"""Part of the machine (``master.machine``): deciding what to plan, applying plans, the journal, re-adoption.
+"""Part of the machine (``oobleck_mm.master.machine``): deciding what to plan, applying plans, the journal, re-adoption.
 
 While waiting or running, whenever the live nodes differ from the current
 generation's (a node lost, a node joined), the machine asks its recovery
-policy (``master.policies``) what to plan and asks the planner (an
+policy (``oobleck_mm.master.policies``) what to plan and asks the planner (an
 ``AskPlanner`` effect). A plan the membership has overtaken while it was
 computed is superseded at once: the latest membership is asked for, the old
 call cancelled if it has not started, and its answer dropped when it comes
@@ -15,18 +15,18 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from master.assignments import build_assignments
-from master.checkpointing import cut_short
-from master import stopping
-from master.benching import bench, bench_candidates
-from master.context import Context, add_to_incident, finish, write_journal
-from master.effects import AskPlanner, CancelPlan, StartProgress, WarmPlanner
-from master.stragglers import expected_compute
-from master.inputs import PlanAnswered
-from master.journal import Journal
-from master.progress import Incident, layout_summary
-from master.recovery import GenerationView, Request, StateLost, committed, previous_ranks
-from master.state import Generation, JobPhase, PendingPlan
+from oobleck_mm.master.assignments import build_assignments
+from oobleck_mm.master.checkpointing import cut_short
+from oobleck_mm.master import stopping
+from oobleck_mm.master.benching import bench, bench_candidates
+from oobleck_mm.master.context import Context, add_to_incident, finish, write_journal
+from oobleck_mm.master.effects import AskPlanner, CancelPlan, StartProgress, WarmPlanner
+from oobleck_mm.master.stragglers import expected_compute
+from oobleck_mm.master.inputs import PlanAnswered
+from oobleck_mm.master.journal import Journal
+from oobleck_mm.master.progress import Incident, layout_summary
+from oobleck_mm.master.recovery import GenerationView, Request, StateLost, committed, previous_ranks
+from oobleck_mm.master.state import Generation, JobPhase, PendingPlan
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.planning.planner import Failed, Planned
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas

@@ -1,6 +1,6 @@
 """One step of the machine in progress: the state, the settings, the clock reading, the effects so far.
 
-``master.machine``, ``master.generations`` and ``master.stopping`` decide
+``oobleck_mm.master.machine``, ``oobleck_mm.master.generations`` and ``oobleck_mm.master.stopping`` decide
 through a ``Context``: they change ``ctx.s`` and append effects. The decisions
 all three share (``finish``, incidents, the journal, the base the live nodes
 hold) live here, so that the three never import each other in a circle.
@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from master.effects import CancelPlan, Effect, EndStream, Finished, Record, Say, Send, WriteJournal
-from master.journal import KEEP_GENERATIONS, Journal
-from master.policies import Facts, policy_for
-from master.progress import Incident
-from master.recovery import Base, choose_base
-from master.registry import Refused
-from master.state import Finish, JobPhase, JobState, Settings
+from oobleck_mm.master.effects import CancelPlan, Effect, EndStream, Finished, Record, Say, Send, WriteJournal
+from oobleck_mm.master.journal import KEEP_GENERATIONS, Journal
+from oobleck_mm.master.policies import Facts, policy_for
+from oobleck_mm.master.progress import Incident
+from oobleck_mm.master.recovery import Base, choose_base
+from oobleck_mm.master.registry import Refused
+from oobleck_mm.master.state import Finish, JobPhase, JobState, Settings
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.encoded import EncodedEvent
 
@@ -108,7 +108,7 @@ def base_held_by_everyone_alive(ctx: Context) -> Base | None:
 
 
 def write_journal(ctx: Context) -> None:
-    """Journals the current generation (``master.journal``); the shell adds its address and start time."""
+    """Journals the current generation (``oobleck_mm.master.journal``); the shell adds its address and start time."""
     s = ctx.s
     current = s.gens.get(s.generation)
     if current is None:

@@ -41,8 +41,8 @@ from typing import Sequence
 
 import psutil
 
-from master.journal import running_job
-from master.server import default_run_dir, make_run_dir
+from oobleck_mm.master.journal import running_job
+from oobleck_mm.master.server import default_run_dir, make_run_dir
 from oobleck_mm.config import dump_config
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events

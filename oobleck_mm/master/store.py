@@ -191,7 +191,7 @@ class RendezvousStoreService(pb_grpc.RendezvousStoreServicer):
 
 def serve_store_only(token: str, host: str = "127.0.0.1", max_waiters: int = 8) -> tuple[grpc.Server, int]:
     """A gRPC server with just the rendezvous store (tests and benchmarks that play the master): (server, port)."""
-    from master.service import TokenInterceptor
+    from oobleck_mm.master.service import TokenInterceptor
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * max_waiters + 8, thread_name_prefix="store"),
                          interceptors=[TokenInterceptor(token, lambda *_: None)])  # fmt: skip

@@ -1,6 +1,6 @@
 """How the job recovers from a lost node: ``live`` (reconfigure the survivors) or ``restart``, behind one interface.
 
-The machine (``master.machine``) runs the job; at the points where the two
+The machine (``oobleck_mm.master.machine``) runs the job; at the points where the two
 recovery modes differ it asks its policy (``fault_tolerance.recovery``). A
 policy keeps no state and calls nothing back: it reads ``Facts`` (a snapshot
 of the job's state) and answers in values:
@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from master.checkpointing import CheckpointBook
-from master.recovery import GenerationView, Holdings, Request, StateLost, plan_request
+from oobleck_mm.master.checkpointing import CheckpointBook
+from oobleck_mm.master.recovery import GenerationView, Holdings, Request, StateLost, plan_request
 from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 

@@ -1,6 +1,6 @@
-"""What the machine (``master.machine``) asks the shell to do: every side effect of a decision, as plain data.
+"""What the machine (``oobleck_mm.master.machine``) asks the shell to do: every side effect of a decision, as plain data.
 
-``master.coordinator`` carries them out in order: messages into the agents'
+``oobleck_mm.master.coordinator`` carries them out in order: messages into the agents'
 outboxes, calls to the planning helper, the journal, checkpoint files, the
 event log and the console. A test reads them instead.
 """
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from master.progress import Incident
-from master.recovery import GenerationView
+from oobleck_mm.master.progress import Incident
+from oobleck_mm.master.recovery import GenerationView
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.encoded import EncodedEvent
 
@@ -23,7 +23,7 @@ class Send:
 
     node: str
     event: pb.AgentEvent | EncodedEvent
-    """A message, or one in wire form (a generation's assignments: ``master/assignments.py``)."""
+    """A message, or one in wire form (a generation's assignments: ``oobleck_mm/master/assignments.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class WarmPlanner:
 
 @dataclass(frozen=True, slots=True)
 class WriteJournal:
-    """Write ``journal`` (a ``master.journal.Journal``; the shell adds its address) before any assignment."""
+    """Write ``journal`` (a ``oobleck_mm.master.journal.Journal``; the shell adds its address) before any assignment."""
 
     journal: Any
 
@@ -111,12 +111,12 @@ class PruneCheckpoints:
 
 @dataclass(frozen=True, slots=True)
 class StartProgress:
-    """Progress lines and phase events follow generation ``view`` (``master.progress``)."""
+    """Progress lines and phase events follow generation ``view`` (``oobleck_mm.master.progress``)."""
 
     view: GenerationView
     incident: Incident | None
     expected: Mapping[int, float] = field(default_factory=dict)
-    """Per rank, the cost model's compute seconds of a step (``master.stragglers.expected_compute``)."""
+    """Per rank, the cost model's compute seconds of a step (``oobleck_mm.master.stragglers.expected_compute``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from master.recovery import GenerationView
-from master.stragglers import RankCompute, StragglerDetector, StragglerRule, Verdict, stage_ranges
+from oobleck_mm.master.recovery import GenerationView
+from oobleck_mm.master.stragglers import RankCompute, StragglerDetector, StragglerRule, Verdict, stage_ranges
 from oobleck_mm.events import EventLog
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -65,7 +65,7 @@ class StepFacts:
     eta_window: int = 20
     """Steps the ETA's recent pace is averaged over (the current layout's speed, not the run's)."""
     stragglers: StragglerRule = StragglerRule()
-    """``fault_tolerance.straggler_*``: when a node's compute makes it a straggler (``master.stragglers``)."""
+    """``fault_tolerance.straggler_*``: when a node's compute makes it a straggler (``oobleck_mm.master.stragglers``)."""
 
     @classmethod
     def of(cls, job, log_every: int = 1) -> StepFacts:

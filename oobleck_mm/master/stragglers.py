@@ -52,7 +52,7 @@ above the threshold" missed it. A node that leaves the job is forgotten
 moved by ``FACTOR_CHANGE`` from the factor last reported, a full window after
 that report, is reported again (``changed``): the batch split follows the
 speed the node has now, and a node found slow at 1.6x that then runs at 5x is
-weighed for a bench again (``master.benching``).
+weighed for a bench again (``oobleck_mm.master.benching``).
 """
 
 from __future__ import annotations
