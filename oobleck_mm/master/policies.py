@@ -10,7 +10,9 @@ of the job's state) and answers in values:
 - ``fresh_start``: where workers that inherit no state start (checkpoint, step);
 - ``below_threshold``: what to do when the live nodes cannot keep f + 1 replicas
   (``ROUND``: the survivors write what they hold; ``STOP``: stop at the newest checkpoint);
-- ``complete_checkpoint``: a worker finished its share of a periodic checkpoint.
+- ``checkpoint_complete_by``: what completes a periodic checkpoint: ``SHARES`` (every rank of the
+  generation that wrote it reported its share) or ``BARRIER`` (one report: the workers wrote it
+  at a barrier); the machine keeps its checkpoint book by that rule.
 
 Live recovery (§2.5): survivors keep their states, the new generation is
 planned from the base they hold, joins are admitted at an iteration boundary,
@@ -32,10 +34,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from oobleck_mm.master.checkpointing import CheckpointBook
 from oobleck_mm.master.recovery import GenerationView, Holdings, Request, StateLost, plan_request
 from oobleck_mm.planning.layout import Gpu
-from oobleck_mm.protocol import oobleck_pb2 as pb
 
 def keep_checkpoints(recovery: str, configured: int) -> int:
     """Complete periodic checkpoints to keep (``fault_tolerance.keep_checkpoints``; 0: all): restart
@@ -48,6 +48,12 @@ ROUND = "round"
 """Below the threshold: the survivors write the layers they hold, then the job stops."""
 STOP = "stop"
 """Below the threshold: the job stops at the newest complete checkpoint (or says there is none)."""
+SHARES = "shares"
+"""A periodic checkpoint is complete once every rank of the generation that wrote it reported its share
+(``CheckpointBook.record_share``)."""
+BARRIER = "barrier"
+"""A periodic checkpoint is complete at its first report: written at a barrier
+(``CheckpointBook.record_barrier_checkpoint``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,7 @@ class LiveRecovery:
     name = "live"
     periodic_checkpoints = True
     asynchronous_checkpoints = True
+    checkpoint_complete_by = SHARES  # each owner writes its layers in the background and reports when done
     restarts_workers = False  # survivors keep training until the plan arrives at an iteration boundary
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
@@ -92,15 +99,13 @@ class LiveRecovery:
     def below_threshold(self, request: Request) -> str:
         return ROUND if request.base else STOP  # the survivors still hold every layer of the base
 
-    def complete_checkpoint(self, book: CheckpointBook, views: Mapping[int, GenerationView], gpu: Gpu,
-                            done: pb.CheckpointDone) -> bool:  # fmt: skip
-        return book.record_share(views, gpu, done)
 
 
 class RestartRecovery:
     name = "restart"
     periodic_checkpoints = True
     asynchronous_checkpoints = False  # a restart loads the newest checkpoint: written at a barrier
+    checkpoint_complete_by = BARRIER
     restarts_workers = True
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
@@ -118,9 +123,6 @@ class RestartRecovery:
     def below_threshold(self, request: Request) -> str:
         return STOP
 
-    def complete_checkpoint(self, book: CheckpointBook, views: Mapping[int, GenerationView], gpu: Gpu,
-                            done: pb.CheckpointDone) -> bool:  # fmt: skip
-        return book.record_barrier_checkpoint(done)
 
 
 def policy_for(recovery: str) -> LiveRecovery | RestartRecovery:

@@ -17,7 +17,7 @@ from oobleck_mm.master.checkpointing import (CheckpointRound, RoundFailed, Round
                                   round_verdict)  # fmt: skip
 from oobleck_mm.master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
 from oobleck_mm.master.effects import PruneCheckpoints, WriteMeta
-from oobleck_mm.master.policies import ROUND, keep_checkpoints
+from oobleck_mm.master.policies import ROUND, SHARES, keep_checkpoints
 from oobleck_mm.master.recovery import GenerationView, Request
 from oobleck_mm.master.state import TRAINING, JobPhase
 from oobleck_mm.errors import ExitCode
@@ -181,7 +181,9 @@ def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
     if not done.dir:
         ctx.because(f"a checkpoint report from {gpu[0]}/gpu{gpu[1]} naming no directory: ignored")
         return
-    if ctx.policy.complete_checkpoint(s.checkpoints, s.views(), gpu, done):  # a periodic checkpoint completed
+    completed = s.checkpoints.record_share(s.views(), gpu, done) if ctx.policy.checkpoint_complete_by == SHARES \
+        else s.checkpoints.record_barrier_checkpoint(done)  # fmt: skip
+    if completed:  # a periodic checkpoint completed
         ctx.effects.append(WriteMeta(done.dir, done.step))
         keep = keep_checkpoints(ctx.cfg.options.recovery, ctx.cfg.timeouts.keep_checkpoints)
         if keep:
