@@ -116,5 +116,5 @@ def write_journal(ctx: Context) -> None:
     views = tuple(s.gens[n].view for n in sorted(s.gens) if n > s.generation - KEEP_GENERATIONS)
     journal = Journal(config_yaml=ctx.cfg.config_yaml, host="", port=0, options=asdict(ctx.cfg.options),
                       generation=s.generation, template_nodes=current.template_nodes, views=views,
-                      plan=current.plan, last_checkpoint=s.checkpoints.last)  # fmt: skip
+                      plan=current.plan, last_checkpoint=s.checkpoints.last, pin=s.pin)  # fmt: skip
     ctx.effects.append(WriteJournal(journal))

@@ -337,13 +337,14 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
             + (f" ({moved} layer states to move from generation {request.base})" if base else "")
             + f": {layout.describe()}")  # fmt: skip
     ctx.effects.append(StartProgress(view, incident, expected_compute(planned.plan, layout)))
+    fresh = _fresh_start(ctx, view) if base is None else None  # its pin journaled with it
     write_journal(ctx)  # before any worker may run the generation: a restarted master knows it
     # Only nodes that left on notice (alive until the iteration in flight ends) are dropped: the
     # workers switch at the boundary instead of abandoning that iteration.
     leaving = set(s.registry.leaving())
     at_boundary = base is not None and request.base == number - 1 and set(request.lost) <= leaving
     again = _checkpoint_cut_short(ctx, request) if base is not None else None
-    _send_assignments(ctx, view, base, previous, at_boundary, checkpoint_again=again is not None)
+    _send_assignments(ctx, view, base, previous, at_boundary, checkpoint_again=again is not None, fresh=fresh)
     for name in sorted(leaving - set(view.nodes)):
         dismiss(ctx, name, "was planned out after its notice", at_boundary=at_boundary)
     for name in planned.benched:
@@ -370,13 +371,21 @@ def _checkpoint_cut_short(ctx: Context, request: Request) -> int | None:
     return step
 
 
+def _fresh_start(ctx: Context, view: GenerationView) -> tuple[str, int]:
+    """Where a generation nobody inherits state in starts (the job's start, a resume, or (restart mode) the
+    last checkpoint), pinned against pruning until it trained a step."""
+    resume_dir, start = ctx.policy.fresh_start(ctx.facts())
+    ctx.s.pin = (view.number, resume_dir, start) if resume_dir else None
+    return resume_dir, start
+
+
 def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView | None, previous: list[int],
-                      at_boundary: bool, checkpoint_again: bool = False) -> None:  # fmt: skip
+                      at_boundary: bool, checkpoint_again: bool = False,
+                      fresh: tuple[str, int] | None = None) -> None:  # fmt: skip
     if base is not None:
         resume_dir, start = "", ctx.s.next_step  # survivors carry the state (and agree on the step)
-    else:  # nobody inherits state: the job's start, a resume, or (restart mode) the last checkpoint
-        resume_dir, start = ctx.policy.fresh_start(ctx.facts())
-        ctx.s.pin = (view.number, resume_dir, start) if resume_dir else None
+    else:
+        resume_dir, start = fresh if fresh is not None else _fresh_start(ctx, view)
     for gpu, rank, event in build_assignments(
         view, ctx.cfg.sending, start_step=start, base=base, previous_ranks=previous if base else None,
         resume_dir=resume_dir, resume_chosen=bool(resume_dir) and resume_dir != ctx.cfg.options.resume_dir,
@@ -437,6 +446,7 @@ def adopt(ctx: Context, journal: Journal, seconds_since_start: float) -> None:
         ctx.effects.append(StartProgress(view, None, expected_compute(plan, view.layout)))
     s.generation = journal.generation
     s.checkpoints.last = journal.last_checkpoint
+    s.pin = journal.pin
     s.adopting = (ctx.now, ctx.now + ctx.cfg.timeouts.adopt_window.total_seconds())
     s.last_progress = ctx.now
     s.started_at = ctx.now - max(0.0, seconds_since_start)  # the run is timed from the lost master's first plan

@@ -58,6 +58,9 @@ class Journal:
     """The planning ``Plan`` of ``generation`` (the next reconfiguration starts from it)."""
     last_checkpoint: tuple[str, int] | None = None
     """(directory, step) of the newest complete periodic checkpoint."""
+    pin: tuple[int, str, int] | None = None
+    """``JobState.pin``: the checkpoint a generation that starts afresh was told to load, kept from pruning
+    until it trained a step; a restarted master must keep it too."""
     started_wall: float = 0.0
     """Unix time the first generation was planned: a restarted master times the run from it."""
 
@@ -74,6 +77,7 @@ def write_journal(run_dir: str, journal: Journal) -> None:
         "views": [_view_to_dict(v) for v in journal.views[-KEEP_GENERATIONS:]],
         "plan": plan_to_dict(journal.plan) if journal.plan is not None else None,
         "last_checkpoint": list(journal.last_checkpoint) if journal.last_checkpoint else None,
+        "pin": list(journal.pin) if journal.pin else None,
         "started_wall": journal.started_wall,
     }  # fmt: skip
     _write_atomically(os.path.join(run_dir, JOURNAL_FILE), json.dumps(record, indent=1).encode())
@@ -133,6 +137,7 @@ def read_journal(run_dir: str) -> Journal:
             options=dict(record["options"]), generation=int(record["generation"]),
             template_nodes=int(record["template_nodes"]), views=views, plan=plan,
             last_checkpoint=(checkpoint[0], int(checkpoint[1])) if checkpoint else None,
+            pin=(int(pin[0]), str(pin[1]), int(pin[2])) if (pin := record.get("pin")) else None,
             started_wall=float(record.get("started_wall") or 0.0),
         )  # fmt: skip
     except UserError:

@@ -185,6 +185,9 @@ def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
         else s.checkpoints.record_barrier_checkpoint(done)  # fmt: skip
     if completed:  # a periodic checkpoint completed
         ctx.effects.append(WriteMeta(done.dir, done.step))
+        # The journal names it before any older one is pruned (the shell's disk queue keeps this order): a
+        # master restarted from a journal naming a pruned checkpoint restarted from it.
+        write_journal(ctx)
         keep = keep_checkpoints(ctx.cfg.options.recovery, ctx.cfg.timeouts.keep_checkpoints)
         if keep:
             ctx.effects.append(PruneCheckpoints(done.dir, keep, s.pinned()))
