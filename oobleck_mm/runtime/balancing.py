@@ -37,6 +37,9 @@ from oobleck_mm.balance.work import LLM_FEATURES, NUM_FEATURES, microbatch_featu
 from oobleck_mm.data.dataset import ModelInputs
 
 
+_LLM_COLUMNS = np.array(sorted(LLM_FEATURES))
+"""The feature columns of a slot that are its LLM samples' (``StageWork.slot_features``)."""
+
 TIMING_COLUMNS = 3 + NUM_FEATURES
 """A timing as a tensor row: layer_start, layer_end, seconds, then the microbatch's features."""
 
@@ -92,7 +95,7 @@ class StageWork:
             share = self.model.forward_share(stage.layer_start, stage.layer_end)
             after = microbatch_features(self.features(list(llm_ids)))
             feats = share * feats + (1 - share) * after
-            feats[np.array(sorted(LLM_FEATURES))] = after[np.array(sorted(LLM_FEATURES))]
+            feats[_LLM_COLUMNS] = after[_LLM_COLUMNS]
             feats[0] = 1.0
         return feats
 
