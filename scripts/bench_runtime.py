@@ -27,6 +27,12 @@ global batch x timed steps / the sum over timed steps of each step's fastest
 round. Losses of engine and peer are compared step by step: equal at step 0
 proves the same weights and batch, close afterwards the same update.
 
+  (d) the engine with its gradient all-reduce overlapped with the last backward
+      (``training.grad_overlap``) vs the same engine without it vs DDP, three side by side,
+      4 pipelines x 1 stage, on a model whose all-reduce is a large share of the step
+      (COMM_HEAVY: many parameters, few tokens). Issue 52's targets: overlap / no overlap
+      >= 1.10, overlap / DDP >= 1.0.
+
 Without ``--config`` the model is configs/tiny_mm.yaml scaled up by BENCH_OVERRIDES
 (the tiny model is all overhead); ``--config FILE`` uses that job file as it is.
 Target: engine/peer >= 0.9 in every case. Exit status 1 if the losses disagree.
@@ -80,6 +86,13 @@ HF_TEXT = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 6,
 HF_VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
              "image_size": 48, "patch_size": 8}
 """Case (c)'s LLaVA: the size of case (a)'s model (the CLIP tower runs 2 of its 3 blocks)."""
+COMM_HEAVY = {
+    "model": {"llm": {"num_layers": 8, "hidden": 512, "num_heads": 8, "vocab_size": 256}},
+    "data": {"mean_images_per_sample": 0.5, "max_images_per_sample": 1, "mean_text_tokens": 8, "max_seq_len": 64},
+    "training": {"global_batch": 8, "microbatch_size": 1, "grad_bucket_mb": 4},
+}
+"""Case (d): ~26 M parameters (100 MB of float32 gradients per rank) and ~20 tokens a sample, two one-sample
+microbatches per pipeline: the all-reduce is most of the step. Buckets of 4 MB: about one LLM block each."""
 
 
 def hf_job_dict(raw: dict, directory: str) -> dict:
@@ -193,6 +206,54 @@ def run_case(key: str, name: str, engine: RunSpec, peer: RunSpec, rounds: int, w
     }
 
 
+def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict) -> dict:
+    """Case (d): engine with overlap, engine without, DDP; three side by side, the order rotated each round."""
+    on = config_from_dict(_merge(job_dict, {"training": {"grad_overlap": True}}))
+    off = config_from_dict(_merge(job_dict, {"training": {"grad_overlap": False}}))
+    plan, _ = plans(on)
+    m, d = on.model, on.data
+    print(f"(d) model: llm {m.llm.num_layers} blocks, hidden {m.llm.hidden}; text mean {d.mean_text_tokens:g} tokens, "
+          f"0..{d.max_images_per_sample} images; global batch {on.training.global_batch}, microbatch "
+          f"{on.training.microbatch_size}; buckets of {on.training.grad_bucket_mb:g} MB; {plan.describe()}", flush=True)
+    sides = {"overlap": RunSpec("engine", on, plan, **steps), "no overlap": RunSpec("engine", off, plan, **steps),
+             "ddp": RunSpec("ddp", on, plan, **steps)}  # fmt: skip
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    for r in range(rounds):
+        order = list(sides)[r % 3:] + list(sides)[: r % 3]
+        print(f"  (d) overlap: round {r + 1}/{rounds}, {' and '.join(order)} taking turns ...", flush=True)
+        for name, ranks in zip(order, launch([sides[n] for n in order], work / f"d{r}"), strict=True):
+            runs[name].append(summarise(sides[name], ranks))
+    best = {name: [min(x["step_s"][i] for x in rs) for i in range(steps["timed"])] for name, rs in runs.items()}
+    rates = {name: rate(sides[name], b) for name, b in best.items()}
+    losses = {name: rs[0]["losses"] for name, rs in runs.items()}
+    return {
+        "case": "(d) overlap 4 x 1 stage",
+        "engine": plan.describe(),
+        "samples_s": {name: round(v, 3) for name, v in rates.items()},
+        "overlap_over_no_overlap": round(rates["overlap"] / rates["no overlap"], 3),
+        "overlap_over_ddp": round(rates["overlap"] / rates["ddp"], 3),
+        "no_overlap_over_ddp": round(rates["no overlap"] / rates["ddp"], 3),
+        "rounds_samples_s": {name: [round(rate(sides[name], x["step_s"]), 3) for x in rs] for name, rs in runs.items()},
+        "step_s": {name: [[round(t, 4) for t in x["step_s"]] for x in rs] for name, rs in runs.items()},
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses["overlap"], losses["ddp"], strict=True)),
+        "overlap_equals_no_overlap": losses["overlap"] == losses["no overlap"],
+        "losses": losses,
+        "breakdown_s_per_step": {name: rs[0]["breakdown_s"] for name, rs in runs.items()},
+    }
+
+
+def print_overlap(c: dict) -> None:
+    r = c["samples_s"]
+    print(f"{c['case']}: samples/s overlap {r['overlap']:.2f}, no overlap {r['no overlap']:.2f}, DDP {r['ddp']:.2f}; "
+          f"overlap / no overlap {c['overlap_over_no_overlap']:.3f} (target >= 1.10), overlap / DDP "
+          f"{c['overlap_over_ddp']:.3f} (target >= 1.0), no overlap / DDP {c['no_overlap_over_ddp']:.3f}")
+    print(f"  per round: {c['rounds_samples_s']}; losses overlap == no overlap: {c['overlap_equals_no_overlap']}; "
+          f"max |overlap - DDP| loss {c['max_loss_diff']:.1e}")
+    for name, parts in c["breakdown_s_per_step"].items():
+        print(f"  {name} s/step per rank (round 1): " + " ".join(
+            "{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}" for b in parts))
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -242,7 +303,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs per case, fresh processes each, turn order flipped each round (default 2)")
-    ap.add_argument("--cases", default="ab", help="which cases to run: letters of abc (default ab; c: the HF LLaVA)")
+    ap.add_argument("--cases", default="ab",
+                    help="which cases to run: letters of abcd (default ab; c: the HF LLaVA; d: the overlap)")
     ap.add_argument("--config", help="job YAML used as is (default: configs/tiny_mm.yaml + BENCH_OVERRIDES)")
     args = ap.parse_args(argv)
     for name in ("steps", "rounds"):
@@ -250,8 +312,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name} must be >= 1")
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (step 0 is the loss check and pays one-off costs)")
-    if not args.cases or set(args.cases) - {"a", "b", "c"}:
-        ap.error(f"--cases must be letters of abc, got {args.cases!r}")
+    if not args.cases or set(args.cases) - {"a", "b", "c", "d"}:
+        ap.error(f"--cases must be letters of abcd, got {args.cases!r}")
     return args
 
 
@@ -301,11 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         for key, name, case_job, plan, peer in selected:
             cases.append(run_case(key, name, RunSpec("engine", case_job, plan, **steps),
                                   RunSpec(peer, case_job, plan, **steps), args.rounds, work))
+        overlap = run_overlap_case(_merge(raw, COMM_HEAVY), args.rounds, work, steps) if "d" in args.cases else None
     load.append(os.getloadavg()[0])
     wall_s = time.perf_counter() - started
     print(f"\nwall time {wall_s:.0f} s; 1-min load average at start {load[0]:.1f}, at end {load[1]:.1f} "
           "(2 cores; the end figure includes this benchmark's own workers)\n")
-    print_table(cases)
+    if cases:
+        print_table(cases)
+    if overlap is not None:
+        print_overlap(overlap)
+        cases.append(overlap)
     bad = [c["case"] for c in cases if c["max_loss_diff"] > LOSS_TOLERANCE]
     if bad:
         print(f"ERROR: engine and peer losses differ by more than {LOSS_TOLERANCE:g} in {bad}: not the same training")

@@ -507,6 +507,13 @@ class TrainingConfig:
     grad_reduce_dtype: str = "float32"
     """Dtype gradients are all-reduced in under mixed precision (``float32`` or ``bfloat16``,
     which halves the bytes); they are accumulated, clipped and applied in ``master_dtype``."""
+    grad_overlap: bool = True
+    """Start the cross-pipeline gradient all-reduce of each bucket (``grad_bucket_mb``) as soon as the step's
+    last backward has made its gradients, while earlier layers still compute (DDP's reducer idea), instead of
+    after the whole backward. The sums are the same values either way."""
+    grad_bucket_mb: float = 25.0
+    """Megabytes of gradients per all-reduce (whole layers, last layer first; DDP's ``bucket_cap_mb``): smaller
+    starts sooner and overlaps more, larger costs fewer collectives."""
     tf32: bool = False
     """``dtype: float32`` only: matmuls and convolutions on a GPU's TF32 tensor cores (Ampere and
     later; 10-bit mantissa inputs, fp32 accumulation). The workers set torch's ``fp32_precision``
@@ -550,6 +557,8 @@ class TrainingConfig:
                               f"(masters at least as precise as the compute), got {self.master_dtype!r}")
         check(self, "grad_reduce_dtype", as_choice, ("float32", "bfloat16"))
         check(self, "tf32", as_bool)
+        check(self, "grad_overlap", as_bool)
+        check(self, "grad_bucket_mb", as_float, positive=True, maximum=MAX_BUCKET_MB)
         if self.tf32 and self.dtype != "float32":
             raise ConfigError(f"training.tf32: true applies to training.dtype float32 (its matmuls run in TF32), "
                               f"got dtype {self.dtype!r}; remove tf32 or set dtype: float32")
@@ -569,6 +578,10 @@ MAX_COUNT = 2**53
 """The most steps (or samples in a batch) a job may ask for: counts travel as 64-bit integers and as
 JSON numbers (exact to 2**53); ``training.steps: 100000000000000000000000`` ended as an internal error."""
 
+MAX_BUCKET_MB = 2.0**20
+"""``training.grad_bucket_mb`` at most a terabyte: no stage's gradients come near. A bucket above a stage's
+gradients is legal (the stage's gradients go as one all-reduce, which starts when its backward ends); the
+default 25 MB is above every stage of the test models."""
 MAX_GLOBAL_BATCH = 2**20
 """The most samples a step may have: the batch split and the balancer hold each microbatch of a step, and
 ``training.global_batch: 1073741824`` made ``plan`` run out of host memory (an OOM kill of 23.5 GB, found

@@ -82,6 +82,10 @@ class StepResult:
     comm_s: float = 0.0
     """Seconds in stage-to-stage transfers and the gradient all-reduce."""
     bytes_sent: int = 0
+    grad_bytes: int = 0
+    """Bytes this rank all-reduced of its layers' gradients (the bucket sums, those over pieces, the tied one)."""
+    grad_bytes_overlapped: int = 0
+    """Of the buckets' bytes, those whose all-reduce started during the backward (``training.grad_overlap``)."""
     microbatch_times: list[tuple[float, float]] = field(default_factory=list)
     """(forward s, backward s) of each microbatch on this stage, in order."""
     pack_s: float = 0.0
@@ -262,8 +266,13 @@ class StageEngine:
         self.compute = self.mixed.compute if self.mixed is not None else self.layers
         """What forward and backward run: the masters, or their compute-dtype copies."""
         rows = parameter_rows(job, sharded_layers(plan, trainable), self.specs) if plan.sharded else None
+        layer_bytes = {i: sum(p.numel() * p.element_size() for p in trainable_params(m)) for i, m in self.layers.items()}
         self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs),
-                                 reduce_dtype(job.training), rows, tied_rows(job, self.specs) if plan.sharded else None)
+                                 reduce_dtype(job.training), rows, tied_rows(job, self.specs) if plan.sharded else None,
+                                 layer_bytes, job.training.grad_bucket_mb * 2**20)  # fmt: skip
+        # The emulated device prices the all-reduce after the backward (``timer.ready_for_allreduce``).
+        self.overlap = job.training.grad_overlap and emulation is None
+        """Start the gradient all-reduces during the step's last backward (``GradientSync.arm``)."""
         if self.stage.width > 1:
             self._shard(handed_over)
         self._dispatch: dict[type, Callable] = {
@@ -324,6 +333,7 @@ class StageEngine:
         self._grad_mb: dict[int, int] = {}  # buffer -> slot of the gradients SendGrad sends
         self._pack_s: dict[int, float] = {}
         self._next_forward = self._next_load = 0
+        self._backwards = 0  # BackwardPass instructions run this step: the last one arms the overlap
         self._intervals: list[list] = []  # per microbatch: [forward, backward] intervals of self.clock
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0, tokens=self.data.llm_tokens(ids),
@@ -566,13 +576,22 @@ class StageEngine:
             if self.side == "encoder":
                 outputs = {0: [t for group in groups for t in self._group_out.pop(group)]}
         if self.needs_backward:
-            for piece, piece_outputs in outputs.items():  # the forward's order
+            calls = []  # (outputs, their gradients) per piece, in the forward's order
+            for piece, piece_outputs in outputs.items():
                 if self.next_rank is None:
-                    piece_outputs[0].backward()
+                    calls.append(([piece_outputs[0]], None))
                 elif grads is not None:
                     pairs = [(o, g) for o, g in zip(piece_outputs, grads[piece], strict=True) if o.requires_grad]
                     if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                        calls.append(([o for o, _ in pairs], [g for _, g in pairs]))
+            last = self._backwards == len(self._microbatches) - 1
+            for n, (tensors, tensor_grads) in enumerate(calls):
+                if last and n == len(calls) - 1 and self.overlap and not overflow_injected(self._step, self.rank):
+                    # After this call no gradient changes: each bucket's sum may start as its layers finish.
+                    # (An injected overflow poisons the gradients after the backward: summed after it.)
+                    self.sync.arm(self.layers, self.compute)
+                torch.autograd.backward(tensors, tensor_grads)
+        self._backwards += 1
         mb = self._buffer_mb.pop(ins.buffer_id)
         self._grad_mb[ins.buffer_id] = mb
         if not self._decoupled:  # (decoupled batches are keyed by samples, not slots: kept for the step)
@@ -616,7 +635,8 @@ class StageEngine:
         self._pipeline_interval = self.clock.stop(self._pipeline_mark)
         if overflow_injected(self._step, self.rank):
             poison_gradients(self.layers)
-        self.sync.all_reduce(self.layers, self.waiter)
+        self._result.grad_bytes = self.sync.all_reduce(self.layers, self.waiter)
+        self._result.grad_bytes_overlapped = self.sync.overlapped_bytes
         if self.timer is not None:
             self.timer.allreduce(ready)
         self._result.comm_s += time.perf_counter() - t0
@@ -711,6 +731,7 @@ class StageEngine:
     def discard_iteration(self) -> None:
         """Forget a failed iteration: gradients, in-flight activations, packed microbatches. An
         ``unsettled`` step keeps its reduced gradients (on the masters) for ``settle``."""
+        self.sync.disarm()
         keep = {id(m) for m in self.layers.values()} if self.unsettled is not None else set()
         for module in (*self.layers.values(), *self.compute.values()):
             if id(module) not in keep:

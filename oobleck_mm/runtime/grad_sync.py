@@ -3,10 +3,10 @@
 Pipelines built from different templates cut the model differently, so a
 layer's replicas sit on ranks that hold different neighbours. Gradients are
 therefore all-reduced per layer, across exactly the ranks holding it, with
-layers sharing the same holder set flattened into one bucket. Every rank
-creates every group in the same order (torch.distributed requires it) and runs
-its buckets in one global order (by first layer), so the collectives cannot
-deadlock. The sum is the update: each microbatch's loss is already divided by
+layers sharing the same holder set forming one bucket. Every rank creates every
+group in the same order (torch.distributed requires it) and starts its buckets'
+all-reduces in one global order (last layer first; below), so the collectives
+cannot deadlock. The sum is the update: each microbatch's loss is already divided by
 the global number of loss tokens.
 
 Gradient-norm clipping counts each layer once: the first holder of a layer
@@ -26,6 +26,20 @@ piece among the one rank per pipeline holding its rows, pieces of equal rank
 sets flattened into one all-reduce. FSDP2's own reduce-scatter has already summed
 each rank's rows over its stage. The norm counts each row once: every rank of the
 owner's stage adds its own rows.
+
+The buckets' all-reduces overlap the step's last backward (``training.grad_overlap``, DDP's reducer idea):
+each bucket is cut into chunks of whole layers of about ``training.grad_bucket_mb``
+(``chunks``), and during the backward of the step's last microbatch a post-accumulate-grad hook
+on every parameter starts a chunk's all-reduce (asynchronous: gloo's worker thread, NCCL's
+stream) once all its parameters have their final gradient, while the layers below still
+compute. Every rank starts its chunks in one order, the last layer first, whatever order the
+hooks fire in (a chunk whose hook fired early waits for the chunks before it): every rank's
+order is part of one global order, so no two ranks can wait on each other's groups in a cycle,
+and the members of a group issue its chunks alike. A chunk some parameter of which got no
+gradient in that backward (a frozen path, a text-only microbatch) starts when the backward is
+over, with the rest. The sums are the same values as one all-reduce per bucket: each element
+is summed over the same ranks. The tied embedding's sum and the sums over pieces still run
+after the buckets' (they read the per-layer sums).
 """
 
 from __future__ import annotations
@@ -78,6 +92,33 @@ def piece_sums(plan: ExecutionPlan, trainable: tuple[bool, ...], rows: Mapping[i
                 if len(piece.ranks) > 1:
                     by_ranks.setdefault(piece.ranks, []).append((layer, k, piece.start, piece.end))
     return [PieceSum(ranks, tuple(entries)) for ranks, entries in by_ranks.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Layers of one bucket whose gradients go in one all-reduce."""
+
+    holders: tuple[int, ...]
+    layers: tuple[int, ...]
+    """Descending: the order the backward makes them."""
+
+
+def chunks(rank_buckets: Sequence[Bucket], layer_bytes: Mapping[int, int], cap_bytes: float) -> list[Chunk]:
+    """One rank's buckets cut into chunks of whole layers, each closed once it holds ``cap_bytes`` (a layer
+    larger than that is a chunk of its own), in the order they are started: the last layer first (pure;
+    every holder of a bucket cuts it alike, from the layers' gradient bytes)."""
+    out = []
+    for bucket in sorted(rank_buckets, key=lambda b: b.layers[0], reverse=True):
+        current, size = [], 0
+        for layer in sorted(bucket.layers, reverse=True):
+            current.append(layer)
+            size += layer_bytes[layer]
+            if size >= cap_bytes:
+                out.append(Chunk(bucket.holders, tuple(current)))
+                current, size = [], 0
+        if current:
+            out.append(Chunk(bucket.holders, tuple(current)))
+    return out
 
 
 def stage_meshes(plan: ExecutionPlan) -> list[tuple[int, ...]]:
@@ -149,28 +190,52 @@ def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple
     return out
 
 
+@dataclass(slots=True)
+class _Started:
+    """An all-reduce in flight: the tensors its result goes back into."""
+
+    tensors: list[torch.Tensor]
+    flat: torch.Tensor
+    work: object
+    what: str
+
+    @classmethod
+    @torch.no_grad()
+    def start(cls, tensors: Sequence[torch.Tensor], group, what: str, dtype: torch.dtype | None = None) -> _Started:
+        """Sum ``tensors`` (views included) over ``group`` in one all-reduce of their concatenation (in
+        ``dtype`` when given); ``finish`` writes the sums back."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if dtype is not None and flat.dtype != dtype:
+            flat = flat.to(dtype)
+        return cls(list(tensors), flat, dist.all_reduce(flat, group=group, async_op=True), what)
+
+    @torch.no_grad()
+    def finish(self, waiter: Waiter) -> int:
+        """Waits for the sum, writes it back into each tensor; returns the bytes reduced."""
+        waiter.wait(self.work, self.what)
+        offset = 0
+        for t in self.tensors:
+            t.copy_(self.flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return self.flat.numel() * self.flat.element_size()
+
+
 def _sum_in_place(tensors: Sequence[torch.Tensor], group, waiter: Waiter, what: str,
                   dtype: torch.dtype | None = None) -> int:
-    """Sum ``tensors`` (views included) over ``group`` in one all-reduce of their concatenation (in ``dtype``
-    when given), written back into each; returns the bytes reduced."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    if dtype is not None and flat.dtype != dtype:
-        flat = flat.to(dtype)
-    waiter.wait(dist.all_reduce(flat, group=group, async_op=True), what)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return flat.numel() * flat.element_size()
+    """Sum ``tensors`` over ``group`` now (``_Started``); returns the bytes reduced."""
+    return _Started.start(tensors, group, what, dtype).finish(waiter)
 
 
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
                  tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None,
-                 rows: Mapping[int, Sequence[int]] | None = None, tied_rows: int | None = None):
+                 rows: Mapping[int, Sequence[int]] | None = None, tied_rows: int | None = None,
+                 layer_bytes: Mapping[int, int] | None = None, bucket_bytes: float = float("inf")):
         """``tied``: (token embedding, LM head) layer indices whose weights are one parameter.
         ``reduce_dtype``: the all-reduce's dtype when it differs from the gradients' (bf16 reduction).
-        ``rows``: with stages of several GPUs, the first-dimension sizes of the sharded layers' parameters."""
+        ``rows``: with stages of several GPUs, the first-dimension sizes of the sharded layers' parameters.
+        ``layer_bytes``: the gradient bytes of each layer this rank holds, cut into chunks of ``bucket_bytes``
+        (``chunks``; without it, one chunk per bucket)."""
         self.rank = rank
         self.reduce_dtype = reduce_dtype
         self.plan = plan
@@ -207,22 +272,80 @@ class GradientSync:
             self.stage_group = mine[0] if mine else None
             every, formed = every[: -len(meshes)], formed[: -len(meshes)]
         self.groups = {ranks: group for ranks, group in zip(every, formed) if rank in ranks}
+        mine = [b for b in self.buckets if rank in b.holders]
+        self.alone = [layer for b in mine if len(b.holders) == 1 for layer in b.layers]
+        """Layers no other rank holds: nothing to sum."""
+        shared = [b for b in mine if len(b.holders) > 1]
+        sizes = layer_bytes if layer_bytes is not None else {layer: 0 for b in shared for layer in b.layers}
+        self.chunks = chunks(shared, sizes, bucket_bytes if layer_bytes is not None else float("inf"))
+        """This rank's all-reduces of whole layers, in the order it starts them."""
+        self._started: list[_Started] = []
+        self._ready: set[int] = set()
+        self._hooks: list = []
+        self._unfired = 0  # armed parameters still without their final gradient
+        self._early: list[_Started] = []
+        self.overlapped_bytes = 0
+        """Bytes of the last ``all_reduce`` whose sum started while some of this rank's gradients were still
+        being computed: what the overlap won back (a chunk started by the backward's last hook overlaps nothing)."""
+
+    def arm(self, layers: Mapping[int, nn.Module], compute: Mapping[int, nn.Module]) -> None:
+        """Before the step's last backward: start each chunk's all-reduce as soon as that backward has made
+        every gradient of it (module docstring). ``compute``: the modules the backward runs (``layers``
+        themselves, or their compute-dtype copies whose own hook has added each gradient into its master's
+        by the time these run: registered earlier, they run first)."""
+        self.disarm()
+        for k, chunk in enumerate(self.chunks):
+            params = [p for i in chunk.layers for p in trainable_params(compute[i])]
+            remaining = [len(params)]
+
+            def fired(_, k=k, remaining=remaining) -> None:
+                remaining[0] -= 1
+                self._unfired -= 1
+                if remaining[0] == 0:
+                    self._ready.add(k)
+                    self._start_ready(layers)
+
+            self._hooks += [p.register_post_accumulate_grad_hook(fired) for p in params]
+            self._unfired += len(params)
+
+    def disarm(self) -> None:
+        """Forget the step's hooks and its all-reduces in flight (an abandoned iteration's too)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._started, self._ready, self._early, self._unfired = [], [], set(), [], 0
+
+    def _start_ready(self, layers: Mapping[int, nn.Module]) -> None:
+        """Start the chunks that are ready, in order, up to the first that is not."""
+        while len(self._started) < len(self.chunks) and len(self._started) in self._ready:
+            self._start(len(self._started), layers)
+            if self._unfired > 0:
+                self._early.append(self._started[-1])
+
+    def _start(self, k: int, layers: Mapping[int, nn.Module]) -> None:
+        chunk = self.chunks[k]
+        for i in chunk.layers:
+            fill_missing_grads(layers[i])
+        grads = [p.grad for i in chunk.layers for p in trainable_params(layers[i])]
+        self._started.append(_Started.start(grads, self.groups[chunk.holders],
+                                            f"gradient all-reduce over ranks {chunk.holders}", self.reduce_dtype))
 
     def all_reduce(self, layers: Mapping[int, nn.Module], waiter: Waiter = Waiter()) -> int:
-        """Sum every held layer's gradients over its holders; returns bytes reduced."""
-        total = 0
-        for b in self.buckets:
-            if self.rank not in b.holders:
-                continue
-            mods = [layers[i] for i in b.layers]
-            for m in mods:
-                fill_missing_grads(m)
-            if len(b.holders) == 1:
-                continue
-            grads = [p.grad for m in mods for p in trainable_params(m)]
-            total += _sum_in_place(grads, self.groups[b.holders], waiter, f"gradient all-reduce over ranks {b.holders}",
-                                   self.reduce_dtype)  # fmt: skip
-        return total + self._reduce_pieces(layers, waiter) + self._reduce_tied(layers, waiter)
+        """Sum every held layer's gradients over its holders; returns bytes reduced. The chunks ``arm`` started
+        during the backward are waited for; the rest start now."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for layer in self.alone:
+            fill_missing_grads(layers[layer])
+        try:
+            while len(self._started) < len(self.chunks):
+                self._start(len(self._started), layers)
+            sums = [started.finish(waiter) for started in self._started]
+            early = {id(s) for s in self._early}
+            self.overlapped_bytes = sum(n for s, n in zip(self._started, sums) if id(s) in early)
+        finally:
+            self._started, self._ready, self._early, self._unfired = [], set(), [], 0
+        return sum(sums) + self._reduce_pieces(layers, waiter) + self._reduce_tied(layers, waiter)
 
     def _reduce_pieces(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
         """Sum the sharded layers' gradients over the refinement of their holders' cuts (module docstring)."""
