@@ -1,6 +1,6 @@
 # Two entry points, each doing all of its set-up on a fresh machine:
 #   make run   -- virtual environment + project, then the main job
-#   make test  -- the same plus the MindtPy chain and SLURM, then the import contracts and the whole suite
+#   make test  -- the same plus the MindtPy chain and SLURM, then ruff, the import contracts and the whole suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -39,6 +39,8 @@ run: setup
 TEST_WORKERS ?= 2
 
 test: minlp slurm
+	$(VENV)/bin/ruff check .              # lint (settings in pyproject.toml)
+	$(VENV)/bin/ruff format --check .     # the formatter's layout, no hand-kept exceptions
 	$(VENV)/bin/lint-imports --no-cache   # the package graph's contracts (.importlinter)
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=30 -n $(TEST_WORKERS) --dist worksteal
 

@@ -67,11 +67,23 @@ def build(model, data) -> list[CustomLayer]:
     h, vocab, ffn = llm.hidden, llm.vocab_size, llm.ffn_hidden
     tokens = data.mean_text_tokens
     common = dict(modality="text", hidden=h, tokens_per_sample=tokens)
-    layers = [CustomLayer(LayerSpec(name="llm.embed", kind="token_embed", in_features=vocab, vocab_size=vocab,
-                                    **common), lambda: Embed(vocab, h))]
+    layers = [
+        CustomLayer(
+            LayerSpec(name="llm.embed", kind="token_embed", in_features=vocab, vocab_size=vocab, **common),
+            lambda: Embed(vocab, h),
+        )
+    ]
     for i in range(llm.num_layers):
-        layers.append(CustomLayer(LayerSpec(name=f"llm.block{i}", kind="block", in_features=h, ffn_hidden=ffn,
-                                            gated_ffn=True, **common), lambda: CausalConvBlock(h, ffn)))
-    layers.append(CustomLayer(LayerSpec(name="llm.head", kind="lm_head", in_features=h, vocab_size=vocab, **common),
-                              lambda: Head(h, vocab)))
+        layers.append(
+            CustomLayer(
+                LayerSpec(name=f"llm.block{i}", kind="block", in_features=h, ffn_hidden=ffn, gated_ffn=True, **common),
+                lambda: CausalConvBlock(h, ffn),
+            )
+        )
+    layers.append(
+        CustomLayer(
+            LayerSpec(name="llm.head", kind="lm_head", in_features=h, vocab_size=vocab, **common),
+            lambda: Head(h, vocab),
+        )
+    )
     return layers

@@ -35,18 +35,23 @@ def main() -> None:
 
     nodes = [f"node{i}" for i in range(num_nodes)]
     plan = instantiate(templates, nodes, f, batch, micro, cluster)
-    print(f"plan: {[len(p.nodes) for p in plan.pipelines]} nodes per pipeline, "
-          f"{[p.num_microbatches for p in plan.pipelines]} microbatches, {plan.samples_per_s:.1f} samples/s")
+    print(
+        f"plan: {[len(p.nodes) for p in plan.pipelines]} nodes per pipeline, "
+        f"{[p.num_microbatches for p in plan.pipelines]} microbatches, {plan.samples_per_s:.1f} samples/s"
+    )
 
-    result = reconfigure(plan, lost=[nodes[-1]], joined=["spare0"], template_set=templates,
-                         fault_tolerance=f, cluster=cluster)
+    result = reconfigure(
+        plan, lost=[nodes[-1]], joined=["spare0"], template_set=templates, fault_tolerance=f, cluster=cluster
+    )
     if isinstance(result, CannotKeepReplicas):
         print(f"cannot keep {f + 1} replicas: {result.reason}")
         return
     for action in result.actions:
         print(f"  - {action}")
-    print(f"after losing {nodes[-1]} and adding spare0: {[list(p.nodes) for p in result.plan.pipelines]}, "
-          f"{result.layer_states_moved} layer states to copy")
+    print(
+        f"after losing {nodes[-1]} and adding spare0: {[list(p.nodes) for p in result.plan.pipelines]}, "
+        f"{result.layer_states_moved} layer states to copy"
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print pipeline templates, the best plan and a reconfiguration plan")
     plan.add_argument("--config", required=True, help="job config YAML (see configs/)")
-    plan.add_argument("--deepspeed", default=None, metavar="FILE",
-                       help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
+    plan.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="FILE",
+        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)",
+    )
     _add_set(plan)
     plan.add_argument("--nodes", type=int, default=None, help="number of nodes (default: cluster.nodes)")
     plan.add_argument(
@@ -66,8 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_control_plane_parsers(sub)
     from oobleck_mm.verify import build_parser as verify_parser
 
-    verify_parser(sub.add_parser("verify", help="replay a run on the single-process reference trainer and compare "
-                                                "its parameters (tolerance from the run's dtype)"))  # fmt: skip
+    verify_parser(
+        sub.add_parser(
+            "verify",
+            help="replay a run on the single-process reference trainer and compare "
+            "its parameters (tolerance from the run's dtype)",
+        )
+    )
     return parser
 
 
@@ -84,12 +93,23 @@ def _node_range(text: str) -> tuple[int, int | None]:
 
 
 def _add_set(parser) -> None:
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="override one config field, e.g. --set training.global_batch=64 (repeatable; "
-                             "the value is read as YAML and checked like the file)")
-    parser.add_argument("--skip-bad-samples", action="append_const", const="data.skip_bad_samples=true",
-                        dest="overrides", help="log and leave out samples whose record or files are bad instead "
-                                               "of stopping (= --set data.skip_bad_samples=true)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override one config field, e.g. --set training.global_batch=64 (repeatable; "
+        "the value is read as YAML and checked like the file)",
+    )
+    parser.add_argument(
+        "--skip-bad-samples",
+        action="append_const",
+        const="data.skip_bad_samples=true",
+        dest="overrides",
+        help="log and leave out samples whose record or files are bad instead "
+        "of stopping (= --set data.skip_bad_samples=true)",
+    )
 
 
 def _add_simulate_parser(sub) -> None:
@@ -99,29 +119,65 @@ def _add_simulate_parser(sub) -> None:
     _add_set(sim)
     source = sim.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", default=None, metavar="FILE", help="node-availability trace (data/traces/)")
-    source.add_argument("--failure-interval", default=None, metavar="DURATION",
-                        help="remove one node every DURATION (10m, 1h, 6h) until --until-nodes remain")
-    source.add_argument("--churn", default=None, metavar="SPEC",
-                        help="synthetic bursty churn, as local's --churn (RATE bursts per minute[,burst=K,min=N,"
-                             "max=M,seed=S,duration=S,...]) on --nodes (default cluster.nodes)")
-    sim.add_argument("--until-nodes", type=int, default=None, metavar="N",
-                     help="with --failure-interval: stop when N nodes remain (default half)")
-    sim.add_argument("--nodes", type=int, default=None, metavar="N",
-                     help="nodes at the start (--failure-interval; default cluster.nodes) or, with --trace, "
-                          "the trace scaled up to about N nodes at its peak (each node becomes k that come and go together)")
-    sim.add_argument("--system", nargs="+", default=["oobleck", "varuna", "bamboo", "restart"],
-                     metavar="NAME", help="oobleck, varuna, varuna-no-ckpt, bamboo, restart (default: all but varuna-no-ckpt)")
+    source.add_argument(
+        "--failure-interval",
+        default=None,
+        metavar="DURATION",
+        help="remove one node every DURATION (10m, 1h, 6h) until --until-nodes remain",
+    )
+    source.add_argument(
+        "--churn",
+        default=None,
+        metavar="SPEC",
+        help="synthetic bursty churn, as local's --churn (RATE bursts per minute[,burst=K,min=N,"
+        "max=M,seed=S,duration=S,...]) on --nodes (default cluster.nodes)",
+    )
+    sim.add_argument(
+        "--until-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --failure-interval: stop when N nodes remain (default half)",
+    )
+    sim.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="nodes at the start (--failure-interval; default cluster.nodes) or, with --trace, "
+        "the trace scaled up to about N nodes at its peak (each node becomes k that come and go together)",
+    )
+    sim.add_argument(
+        "--system",
+        nargs="+",
+        default=["oobleck", "varuna", "bamboo", "restart"],
+        metavar="NAME",
+        help="oobleck, varuna, varuna-no-ckpt, bamboo, restart (default: all but varuna-no-ckpt)",
+    )
     sim.add_argument("--hours", type=float, default=None, help="simulate only the first H hours")
-    sim.add_argument("--stragglers", default=None, metavar="SPEC",
-                     help="slow nodes: SHARE of the starting nodes[,min=1.5,max=3,seed=S,at=T,for=T], each slowed "
-                          "by a factor drawn from [min, max] at a random time (at=T: then), for good (for=T: that "
-                          "long); trace files may also have delta_ms,slow,node,F[,T] lines")
+    sim.add_argument(
+        "--stragglers",
+        default=None,
+        metavar="SPEC",
+        help="slow nodes: SHARE of the starting nodes[,min=1.5,max=3,seed=S,at=T,for=T], each slowed "
+        "by a factor drawn from [min, max] at a random time (at=T: then), for good (for=T: that "
+        "long); trace files may also have delta_ms,slow,node,F[,T] lines",
+    )
     sim.add_argument("--notice", action="store_true", help="preemption notices: the cloud warns before a removal")
     sim.add_argument("--grace", default="30s", metavar="DURATION", help="preemption notice lead time (default 30s)")
-    sim.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                     help="a simulator parameter (docs/simulator.md), e.g. --param rendezvous_s=5; repeatable")
-    sim.add_argument("--sweep", default=None, metavar="KNOB=V1,V2",
-                     help="repeat for each value of a knob: f, a simulator parameter or a dotted config path")
+    sim.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a simulator parameter (docs/simulator.md), e.g. --param rendezvous_s=5; repeatable",
+    )
+    sim.add_argument(
+        "--sweep",
+        default=None,
+        metavar="KNOB=V1,V2",
+        help="repeat for each value of a knob: f, a simulator parameter or a dotted config path",
+    )
     sim.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT (- for stdout)")
     sim.add_argument("--plot", default=None, metavar="OUT.png", help="throughput over time per system")
 
@@ -129,22 +185,46 @@ def _add_simulate_parser(sub) -> None:
 def _add_control_plane_parsers(sub) -> None:
     # Flags follow torchrun where they overlap; its spellings are accepted as aliases.
     master = sub.add_parser("master", help="run the job's master (one per job)")
-    master.add_argument("--config", default=None, help="job config YAML (see configs/); required unless "
-                                                          "--resume-master")
-    master.add_argument("--resume-master", default=None, metavar="RUN_DIR",
-                        help="restart a master that died: re-adopt the agents and workers still running its job, "
-                             "from the journal in its run dir (same config, token, address; docs/recovery.md)")
-    master.add_argument("--deepspeed", default=None, metavar="FILE",
-                       help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
+    master.add_argument(
+        "--config", default=None, help="job config YAML (see configs/); required unless --resume-master"
+    )
+    master.add_argument(
+        "--resume-master",
+        default=None,
+        metavar="RUN_DIR",
+        help="restart a master that died: re-adopt the agents and workers still running its job, "
+        "from the journal in its run dir (same config, token, address; docs/recovery.md)",
+    )
+    master.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="FILE",
+        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)",
+    )
     _add_set(master)
-    master.add_argument("--host", "--master-addr", default=None,
-                        help="address to listen on (default 127.0.0.1, or the journal's with --resume-master; "
-                             "0.0.0.0 for every interface)")
-    master.add_argument("--port", "--master-port", type=int, default=None,
-                        help="gRPC port (default 29400, or the journal's with --resume-master; 0: any free port)")
-    master.add_argument("--nodes", "--nnodes", type=_node_range, default=None, metavar="N|MIN:MAX",
-                        help="agents to wait for before planning (default cluster.nodes); MIN:MAX also refuses "
-                             "agents beyond MAX (cluster.max_nodes)")
+    master.add_argument(
+        "--host",
+        "--master-addr",
+        default=None,
+        help="address to listen on (default 127.0.0.1, or the journal's with --resume-master; "
+        "0.0.0.0 for every interface)",
+    )
+    master.add_argument(
+        "--port",
+        "--master-port",
+        type=int,
+        default=None,
+        help="gRPC port (default 29400, or the journal's with --resume-master; 0: any free port)",
+    )
+    master.add_argument(
+        "--nodes",
+        "--nnodes",
+        type=_node_range,
+        default=None,
+        metavar="N|MIN:MAX",
+        help="agents to wait for before planning (default cluster.nodes); MIN:MAX also refuses "
+        "agents beyond MAX (cluster.max_nodes)",
+    )
     master.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
     master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
@@ -157,18 +237,31 @@ def _add_control_plane_parsers(sub) -> None:
 
     agent = sub.add_parser("agent", help="run a node agent (one per node)")
     agent.add_argument("--master", "--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the master's address")
-    agent.add_argument("--gpus", "--nproc-per-node", type=int, default=0,
-                       help="workers (GPUs) on this node (default: the job's cluster.gpus_per_node)")
-    agent.add_argument("--node", default=None,
-                       help="node name, unique in the job (default: the host name); '-': a standby, which starts "
-                            "its worker template, then reads its name from stdin and only then registers (the "
-                            "local launcher keeps one for the next join); end of input: it exits")
+    agent.add_argument(
+        "--gpus",
+        "--nproc-per-node",
+        type=int,
+        default=0,
+        help="workers (GPUs) on this node (default: the job's cluster.gpus_per_node)",
+    )
+    agent.add_argument(
+        "--node",
+        default=None,
+        help="node name, unique in the job (default: the host name); '-': a standby, which starts "
+        "its worker template, then reads its name from stdin and only then registers (the "
+        "local launcher keeps one for the next join); end of input: it exits",
+    )
     agent.add_argument("--token-file", default=None, help="job token file (default: $OOBLECK_TOKEN)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
-    agent.add_argument("--left-exit-code", type=_exit_code, default=0, metavar="N",
-                       help="exit code after the node was planned out on its preemption notice while the job "
-                            "goes on (default 0; a Kubernetes Job needs a code its podFailurePolicy ignores, "
-                            "or it counts the pod as completed and never replaces it)")
+    agent.add_argument(
+        "--left-exit-code",
+        type=_exit_code,
+        default=0,
+        metavar="N",
+        help="exit code after the node was planned out on its preemption notice while the job "
+        "goes on (default 0; a Kubernetes Job needs a code its podFailurePolicy ignores, "
+        "or it counts the pod as completed and never replaces it)",
+    )
     agent.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)  # module:function, development only
     _add_worker_start(agent)
     _add_log_level(agent, "info")
@@ -176,34 +269,65 @@ def _add_control_plane_parsers(sub) -> None:
     export = sub.add_parser("export", help="write a checkpoint as a HuggingFace model directory (from_pretrained)")
     export.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint the engine wrote")
     export.add_argument("--to", required=True, metavar="OUT", help="new directory to write")
-    export.add_argument("--dtype", default=None, choices=("float32", "float64", "bfloat16", "float16"),
-                        help="weights' dtype (default: the source model's weights' dtype)")
+    export.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "float64", "bfloat16", "float16"),
+        help="weights' dtype (default: the source model's weights' dtype)",
+    )
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
     local = sub.add_parser("local", help="master, N agents and their workers on this machine")
     local.add_argument("--config", required=True, help="job config YAML (see configs/)")
-    local.add_argument("--deepspeed", default=None, metavar="FILE",
-                       help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)")
+    local.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="FILE",
+        help="a DeepSpeed JSON config mapped onto the job's training section (docs/runtime.md)",
+    )
     _add_set(local)
-    local.add_argument("--nodes", "--nnodes", type=_node_range, default=None, metavar="N|MIN:MAX",
-                       help="simulated nodes to start (default cluster.nodes); MIN:MAX starts MIN and accepts "
-                            "joins up to MAX (cluster.max_nodes)")
-    local.add_argument("--gpus-per-node", "--nproc-per-node", type=int, default=None,
-                       help="CPU worker processes per node (default cluster.gpus_per_node)")
+    local.add_argument(
+        "--nodes",
+        "--nnodes",
+        type=_node_range,
+        default=None,
+        metavar="N|MIN:MAX",
+        help="simulated nodes to start (default cluster.nodes); MIN:MAX starts MIN and accepts "
+        "joins up to MAX (cluster.max_nodes)",
+    )
+    local.add_argument(
+        "--gpus-per-node",
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="CPU worker processes per node (default cluster.gpus_per_node)",
+    )
     local.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
     local.add_argument("--run-dir", default="", help="logs folder (default runs/<model>-<time>-<pid>)")
     local.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
     _add_run_flags(local)
-    local.add_argument("--log-level", choices=LOG_LEVELS, default=None,
-                       help="log detail of the console and the agents' logs (default: warning on the console, "
-                            "info in agent-*.log)")
-    local.add_argument("--inject", action="append", default=[], metavar="SPEC",
-                       help="faults to inject, e.g. kill:node1@step4,stop:node2@t10s,join@step6 (repeatable)")
+    local.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=None,
+        help="log detail of the console and the agents' logs (default: warning on the console, info in agent-*.log)",
+    )
+    local.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="faults to inject, e.g. kill:node1@step4,stop:node2@t10s,join@step6 (repeatable)",
+    )
     local.add_argument("--trace", default=None, metavar="FILE", help="replay a spot-instance trace (kills, joins)")
     local.add_argument("--time-scale", type=float, default=1.0, help="trace seconds -> run seconds (default 1)")
-    local.add_argument("--churn", default=None, metavar="SPEC",
-                       help="synthetic bursty spot churn, RATE[,burst=K,min=N,max=M,seed=S,spread=S,preempt=SHARE,"
-                            "notice=S,duration=S,start=S] (RATE: bursts per minute of run time; oobleck_mm.faults.churn)")
+    local.add_argument(
+        "--churn",
+        default=None,
+        metavar="SPEC",
+        help="synthetic bursty spot churn, RATE[,burst=K,min=N,max=M,seed=S,spread=S,preempt=SHARE,"
+        "notice=S,duration=S,start=S] (RATE: bursts per minute of run time; oobleck_mm.faults.churn)",
+    )
     local.add_argument("--worker-target", default=None, help=argparse.SUPPRESS)
     _add_worker_start(local, local=True)
 
@@ -214,8 +338,10 @@ def _exit_code(text: str) -> int:
     except ValueError:
         code = -1
     if not 0 <= code <= 255 or code in (1, 2, 3):
-        raise argparse.ArgumentTypeError(f"expected an exit code 0 or 4-255 (1, 2 and 3 mean a failure, a bad "
-                                         f"input and a checkpoint to resume from), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected an exit code 0 or 4-255 (1, 2 and 3 mean a failure, a bad "
+            f"input and a checkpoint to resume from), got {text!r}"
+        )
     return code
 
 
@@ -225,41 +351,78 @@ def _add_worker_start(parser, local: bool = False) -> None:
     from oobleck_mm.runtime.template import SHARED_TEMPLATE
 
     if local:
-        parser.add_argument("--worker-start", choices=(SHARED_TEMPLATE, *WORKER_START_METHODS), default=SHARED_TEMPLATE,
-                            help="how the agents start their workers: forks of one worker template for all the "
-                                 "simulated nodes, which imported torch and the engine once (shared), of a "
-                                 "template per agent, as on a cluster (forkserver), or fresh interpreters (spawn) "
-                                 f"(default {SHARED_TEMPLATE})")  # fmt: skip
+        parser.add_argument(
+            "--worker-start",
+            choices=(SHARED_TEMPLATE, *WORKER_START_METHODS),
+            default=SHARED_TEMPLATE,
+            help="how the agents start their workers: forks of one worker template for all the "
+            "simulated nodes, which imported torch and the engine once (shared), of a "
+            "template per agent, as on a cluster (forkserver), or fresh interpreters (spawn) "
+            f"(default {SHARED_TEMPLATE})",
+        )
         return
-    parser.add_argument("--worker-start", choices=WORKER_START_METHODS, default=DEFAULT_WORKER_START,
-                        help="how an agent starts its workers: forks of a worker template that imported torch and "
-                             "the engine once (forkserver), or fresh interpreters (spawn) (default "
-                             f"{DEFAULT_WORKER_START})")
+    parser.add_argument(
+        "--worker-start",
+        choices=WORKER_START_METHODS,
+        default=DEFAULT_WORKER_START,
+        help="how an agent starts its workers: forks of a worker template that imported torch and "
+        "the engine once (forkserver), or fresh interpreters (spawn) (default "
+        f"{DEFAULT_WORKER_START})",
+    )
 
 
 def _add_log_level(parser, default: str) -> None:
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=default,
-                        help=f"log detail of this process (and its agents' in local) (default {default})")
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=default,
+        help=f"log detail of this process (and its agents' in local) (default {default})",
+    )
 
 
 def _add_run_flags(parser) -> None:
-    parser.add_argument("--log-every", type=int, default=1, metavar="N",
-                        help="a console line every N steps (default 1); metrics.csv, TensorBoard and the event "
-                             "log get every step")
-    parser.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
-                        help="no TensorBoard files (metrics.csv is always written in the run dir)")
-    parser.add_argument("--resume", default=None, metavar="DIR|latest",
-                        help="continue from this checkpoint (any node count; the same results as never stopping); "
-                             "a run dir: its newest complete checkpoint; latest: the newest of --run-dir, else of "
-                             "runs/<model>-*")
-    parser.add_argument("--save-final", default=None, metavar="DIR",
-                        help="write the final model and optimizer states here (python -m oobleck_mm.verify reads it)")
-    parser.add_argument("--recovery", choices=("live", "restart"), default=None,
-                        help="on a failure: reconfigure the survivors (live) or restart from the last checkpoint "
-                             "(default fault_tolerance.recovery)")
-    parser.add_argument("--checkpoint-interval", type=int, default=None, metavar="K",
-                        help="a periodic checkpoint every K steps, 0 for none (live mode writes it in the "
-                             "background; default fault_tolerance.checkpoint_interval)")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="a console line every N steps (default 1); metrics.csv, TensorBoard and the event log get every step",
+    )
+    parser.add_argument(
+        "--no-tensorboard",
+        dest="tensorboard",
+        action="store_false",
+        help="no TensorBoard files (metrics.csv is always written in the run dir)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR|latest",
+        help="continue from this checkpoint (any node count; the same results as never stopping); "
+        "a run dir: its newest complete checkpoint; latest: the newest of --run-dir, else of "
+        "runs/<model>-*",
+    )
+    parser.add_argument(
+        "--save-final",
+        default=None,
+        metavar="DIR",
+        help="write the final model and optimizer states here (python -m oobleck_mm.verify reads it)",
+    )
+    parser.add_argument(
+        "--recovery",
+        choices=("live", "restart"),
+        default=None,
+        help="on a failure: reconfigure the survivors (live) or restart from the last checkpoint "
+        "(default fault_tolerance.recovery)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=None,
+        metavar="K",
+        help="a periodic checkpoint every K steps, 0 for none (live mode writes it in the "
+        "background; default fault_tolerance.checkpoint_interval)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,8 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.BAD_INPUT
     except Exception as err:  # a bug: say so, with the traceback, never as the user's mistake
         traceback.print_exc(file=sys.stderr)
-        print(f"oobleck-launch: internal error (a bug, not your input): {err!r}; traceback above",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"oobleck-launch: internal error (a bug, not your input): {err!r}; traceback above",
+            file=sys.stderr,
+            flush=True,
+        )
         return ExitCode.ERROR
     raise AssertionError(f"unhandled command {args.command}")
 
@@ -348,8 +514,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from oobleck_mm.simulator import availability as av
     from oobleck_mm.simulator.params import SimParams
     from oobleck_mm.simulator.run import (
-        apply_knob, format_results, parse_sweep, plot_results, results_to_json, simulate,
-    )  # fmt: skip
+        apply_knob,
+        format_results,
+        parse_sweep,
+        plot_results,
+        results_to_json,
+        simulate,
+    )
 
     from oobleck_mm.data.check import ensure_shape
 
@@ -414,8 +585,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from oobleck_mm.export import export_checkpoint
 
     print(f"exporting {args.checkpoint} to {args.to}", file=sys.stderr, flush=True)
-    export_checkpoint(args.checkpoint, args.to, args.dtype, args.max_shard_size,
-                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    export_checkpoint(
+        args.checkpoint,
+        args.to,
+        args.dtype,
+        args.max_shard_size,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     return ExitCode.OK
 
 
@@ -425,9 +601,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _setup_logging(prefix: str, level: int = logging.INFO) -> None:
     # Our processes log at ``level``; libraries (the MILP solver's chatter) only warnings.
     logging.basicConfig(
-        level=logging.WARNING, format=f"%(asctime)s {prefix} %(levelname)s %(message)s", datefmt="%H:%M:%S",
+        level=logging.WARNING,
+        format=f"%(asctime)s {prefix} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
         force=True,
-    )  # fmt: skip
+    )
     for name in ("oobleck_mm.master", "oobleck_mm.agent"):
         logging.getLogger(name).setLevel(level)
 
@@ -449,10 +627,14 @@ def _load_job(args: argparse.Namespace):
         raise UserError(f"--checkpoint-interval: must be >= 0, got {args.checkpoint_interval}")
     nodes, most = args.nodes if args.nodes is not None else (None, None)
     return apply_overrides(
-        load_config(args.config, args.deepspeed, args.overrides), nodes=nodes, max_nodes=most,
-        gpus_per_node=getattr(args, "gpus_per_node", None), steps=args.steps, recovery=args.recovery,
+        load_config(args.config, args.deepspeed, args.overrides),
+        nodes=nodes,
+        max_nodes=most,
+        gpus_per_node=getattr(args, "gpus_per_node", None),
+        steps=args.steps,
+        recovery=args.recovery,
         checkpoint_interval=args.checkpoint_interval,
-    )  # fmt: skip
+    )
 
 
 def _resume_command(command: str, args: argparse.Namespace) -> str:
@@ -464,8 +646,12 @@ def _resume_command(command: str, args: argparse.Namespace) -> str:
     nodes = getattr(args, "nodes", None)
     if nodes is not None:
         named += f" --nodes {nodes[0]}" + (f":{nodes[1]}" if nodes[1] is not None else "")
-    for flag, attr in (("--gpus-per-node", "gpus_per_node"), ("--steps", "steps"), ("--recovery", "recovery"),
-                       ("--checkpoint-interval", "checkpoint_interval")):  # fmt: skip
+    for flag, attr in (
+        ("--gpus-per-node", "gpus_per_node"),
+        ("--steps", "steps"),
+        ("--recovery", "recovery"),
+        ("--checkpoint-interval", "checkpoint_interval"),
+    ):
         if (value := getattr(args, attr, None)) is not None:
             named += f" {flag} {shlex.quote(str(value))}"
     # Where the results go come along too: a user who copies the command gets the final model where the
@@ -500,9 +686,12 @@ def _cmd_master(args: argparse.Namespace) -> int:
         if (generation := running_job(args.run_dir)) is not None:
             # The same command started again (a scheduler restarting a master that died): starting a new
             # job would train the agents that wait for it from step 0.
-            print(f"{args.run_dir} has the journal of a job its master never ended (generation {generation}): "
-                  f"re-adopting it as with --resume-master {args.run_dir}, with the journal's config; give "
-                  "another --run-dir for a new job", flush=True)  # fmt: skip
+            print(
+                f"{args.run_dir} has the journal of a job its master never ended (generation {generation}): "
+                f"re-adopting it as with --resume-master {args.run_dir}, with the journal's config; give "
+                "another --run-dir for a new job",
+                flush=True,
+            )
             args.resume_master, args.config, args.run_dir, args.steps, args.nodes = args.run_dir, None, "", None, None
             args.overrides, args.resume, args.save_final, args.deepspeed = [], None, None, None
             args.port = args.port or None  # "any free port" would hide it from the agents: the journal's
@@ -517,14 +706,21 @@ def _cmd_master(args: argparse.Namespace) -> int:
     _setup_logging("master", _level(args.log_level))
     host = args.host if args.host is not None else journal.host if journal else "127.0.0.1"
     port = args.port if args.port is not None else journal.port if journal else 29400
-    resume_command = (journal.options["resume_command"] if journal
-                      else args.launched_by or _resume_command("master", args))  # fmt: skip
+    resume_command = (
+        journal.options["resume_command"] if journal else args.launched_by or _resume_command("master", args)
+    )
     options = MasterOptions(
-        host=host, port=port, run_dir=args.resume_master or args.run_dir,
-        token_file=args.token_file, event_log=args.event_log, resume_dir=args.resume or "",
-        save_final_dir=args.save_final or "", resume_command=resume_command,
-        log_every=args.log_every, tensorboard=args.tensorboard,
-    )  # fmt: skip
+        host=host,
+        port=port,
+        run_dir=args.resume_master or args.run_dir,
+        token_file=args.token_file,
+        event_log=args.event_log,
+        resume_dir=args.resume or "",
+        save_final_dir=args.save_final or "",
+        resume_command=resume_command,
+        log_every=args.log_every,
+        tensorboard=args.tensorboard,
+    )
     server = MasterServer(job, options, journal=journal)
     interrupted: list[int] = []
     # The handler only records the signal: the main loop ends the job (never from inside a handler).
@@ -532,10 +728,13 @@ def _cmd_master(args: argparse.Namespace) -> int:
     try:
         server.start()
         if not args.launched_by:
-            print(f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} "
-                  f"steps\n  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
-                  f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
-                  f"--token-file {server.token_file}", flush=True)  # fmt: skip
+            print(
+                f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} "
+                f"steps\n  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
+                f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
+                f"--token-file {server.token_file}",
+                flush=True,
+            )
         stop_requested = False
         while (code := server.wait(0.2)) is None:
             if interrupted:
@@ -543,8 +742,9 @@ def _cmd_master(args: argparse.Namespace) -> int:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGTERM and not stop_requested:  # a scheduler's stop: checkpoint, exit 3
                     stop_requested = True
-                    print(f"{name}: stopping after a checkpoint of the current step ({name} again: at once)",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{name}: stopping after a checkpoint of the current step ({name} again: at once)", flush=True
+                    )
                     server.request_stop(name)
                 else:
                     server.finish(ExitCode.ERROR, f"master interrupted by {name}")
@@ -565,13 +765,25 @@ def _journaled_job(args: argparse.Namespace):
     from oobleck_mm.master.journal import read_journal
     from oobleck_mm.config import config_from_dict, parse_config_text
 
-    given = [flag for flag, value in (("--config", args.config), ("--resume", args.resume), ("--steps", args.steps),
-                                      ("--nodes", args.nodes), ("--set", args.overrides), ("--run-dir", args.run_dir),
-                                      ("--save-final", args.save_final), ("--deepspeed", args.deepspeed))
-             if value]  # fmt: skip
+    given = [
+        flag
+        for flag, value in (
+            ("--config", args.config),
+            ("--resume", args.resume),
+            ("--steps", args.steps),
+            ("--nodes", args.nodes),
+            ("--set", args.overrides),
+            ("--run-dir", args.run_dir),
+            ("--save-final", args.save_final),
+            ("--deepspeed", args.deepspeed),
+        )
+        if value
+    ]
     if given:
-        raise UserError(f"--resume-master: {', '.join(given)} cannot change the job it re-adopts; the journal in "
-                        f"{args.resume_master} has its config and options")
+        raise UserError(
+            f"--resume-master: {', '.join(given)} cannot change the job it re-adopts; the journal in "
+            f"{args.resume_master} has its config and options"
+        )
     journal = read_journal(args.resume_master)
     return config_from_dict(parse_config_text(journal.config_yaml)), journal
 
@@ -606,10 +818,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             return ExitCode.OK  # the launcher ended without needing this node
     _setup_logging(f"agent {node}", _level(args.log_level))
     options = AgentOptions(
-        master=args.master, token=token, node=node, gpus=args.gpus,
-        worker_target=args.worker_target or DEFAULT_WORKER_TARGET, connect_timeout_s=args.connect_timeout,
-        worker_start=args.worker_start, left_exit_code=args.left_exit_code,
-    )  # fmt: skip
+        master=args.master,
+        token=token,
+        node=node,
+        gpus=args.gpus,
+        worker_target=args.worker_target or DEFAULT_WORKER_TARGET,
+        connect_timeout_s=args.connect_timeout,
+        worker_start=args.worker_start,
+        left_exit_code=args.left_exit_code,
+    )
     return Agent(options).run()
 
 
@@ -630,8 +847,10 @@ def _resolve_resume(args: argparse.Namespace, job) -> None:
         return
     found = newest_checkpoint(roots)
     if found is None:
-        raise UserError(f"--resume {args.resume}: no complete checkpoint (a folder with meta.json) under {where}; "
-                        "give a checkpoint folder, a run dir that has one, or --run-dir with latest")
+        raise UserError(
+            f"--resume {args.resume}: no complete checkpoint (a folder with meta.json) under {where}; "
+            "give a checkpoint folder, a run dir that has one, or --run-dir with latest"
+        )
     print(f"--resume {args.resume}: the newest complete checkpoint is {found[0]} (step {found[1]})", flush=True)
     args.resume = found[0]
 
@@ -650,12 +869,19 @@ def _cmd_local(args: argparse.Namespace) -> int:
     # Warnings by default: the console shows progress; details are in the event log.
     _setup_logging("local", _level(args.log_level or "warning"))
     options = LocalOptions(
-        run_dir=args.run_dir, event_log=args.event_log, worker_target=args.worker_target,
-        worker_start=args.worker_start, resume_dir=args.resume or "", save_final_dir=args.save_final or "",
-        resume_command=_resume_command("local", args), faults=faults, log_every=args.log_every,
-        tensorboard=args.tensorboard, log_level=args.log_level or "info",
+        run_dir=args.run_dir,
+        event_log=args.event_log,
+        worker_target=args.worker_target,
+        worker_start=args.worker_start,
+        resume_dir=args.resume or "",
+        save_final_dir=args.save_final or "",
+        resume_command=_resume_command("local", args),
+        faults=faults,
+        log_every=args.log_every,
+        tensorboard=args.tensorboard,
+        log_level=args.log_level or "info",
         master_log_level=args.log_level or "warning",
-    )  # fmt: skip
+    )
     cluster = LocalCluster(job, options)
     code = cluster.run()
     if cluster.message:  # the launcher ended the run; otherwise its master said why, on this console
@@ -668,7 +894,9 @@ def _trace_file(path: str) -> str:
     """``--trace``'s file, or a UserError saying what is there instead."""
     if not os.path.isfile(path):
         what = "a folder, not a file" if os.path.isdir(path) else "no such file"
-        raise UserError(f"--trace: {path!r} is {what}; give a trace file (data/traces/, delta_ms,add|remove,node lines)")
+        raise UserError(
+            f"--trace: {path!r} is {what}; give a trace file (data/traces/, delta_ms,add|remove,node lines)"
+        )
     return path
 
 
@@ -685,16 +913,23 @@ def _faults(args: argparse.Namespace, num_nodes: int) -> list:
     if args.trace is not None:
         start = len(starting_nodes(read_trace(_trace_file(args.trace))))
         if start != num_nodes:
-            print(f"--trace: the trace starts with {start} nodes and this run with {num_nodes} (--nodes / "
-                  f"cluster.nodes): its later adds and removes are replayed one for one on top of {num_nodes}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"--trace: the trace starts with {start} nodes and this run with {num_nodes} (--nodes / "
+                f"cluster.nodes): its later adds and removes are replayed one for one on top of {num_nodes}",
+                file=sys.stderr,
+                flush=True,
+            )
         faults += load_timeline(_trace_file(args.trace), _node_names(num_nodes), time_scale=args.time_scale)
     if churn is not None:
         timeline = churn_timeline(parse_churn(churn), _node_names(num_nodes))
         bursts = len({f.source.split(" event")[0] for f in timeline})
-        print(f"--churn: {len(timeline)} events in {bursts} bursts over "
-              f"{max((f.seconds or 0.0) for f in timeline) if timeline else 0.0:.0f} s after the first step "
-              f"({sum(f.kind == 'join' for f in timeline)} joins)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"--churn: {len(timeline)} events in {bursts} bursts over "
+            f"{max((f.seconds or 0.0) for f in timeline) if timeline else 0.0:.0f} s after the first step "
+            f"({sum(f.kind == 'join' for f in timeline)} joins)",
+            file=sys.stderr,
+            flush=True,
+        )
         faults += timeline
     check_targets(faults, _node_names(num_nodes))
     return faults
@@ -705,9 +940,11 @@ def _check_step_targets(faults: list, steps: int) -> None:
     a run ended with exit 0 and not a word about the fault)."""
     for fault in faults:
         if fault.step is not None and fault.step > steps:
-            raise UserError(f"--inject {fault.source or fault.describe()}: it fires once {fault.step} steps are "
-                            f"done, and this run trains {steps} (training.steps, --steps): it would never fire; "
-                            f"aim at a step from 0 to {steps}")  # fmt: skip
+            raise UserError(
+                f"--inject {fault.source or fault.describe()}: it fires once {fault.step} steps are "
+                f"done, and this run trains {steps} (training.steps, --steps): it would never fire; "
+                f"aim at a step from 0 to {steps}"
+            )
 
 
 def _check_phase_targets(faults: list, job, save_final: bool) -> None:
@@ -716,10 +953,12 @@ def _check_phase_targets(faults: list, job, save_final: bool) -> None:
         ft = job.fault_tolerance
         periodic = ft.checkpoint_interval > 0  # (checkpoint_every, 30 min by default, may never come)
         if fault.phase == "checkpoint" and ft.recovery == "live" and not (save_final or periodic):
-            raise UserError(f"--inject {fault.source or fault.describe()}: @phase:checkpoint needs a checkpoint, "
-                            "and this live-recovery run writes none: set fault_tolerance.checkpoint_interval "
-                            "(periodic checkpoints, written in the background) or --save-final DIR, or aim at "
-                            "copy, rendezvous, connect, forming or registered")  # fmt: skip
+            raise UserError(
+                f"--inject {fault.source or fault.describe()}: @phase:checkpoint needs a checkpoint, "
+                "and this live-recovery run writes none: set fault_tolerance.checkpoint_interval "
+                "(periodic checkpoints, written in the background) or --save-final DIR, or aim at "
+                "copy, rendezvous, connect, forming or registered"
+            )
 
 
 def _report_exit(code: int, message: str, logs: str) -> int:

@@ -36,13 +36,30 @@ from oobleck_mm.precision import torch_dtype
 from oobleck_mm.runtime.checkpoint import check_layer_files, load_params, read_meta
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                "chat_template.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json")  # fmt: skip
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-                      max_shard_size: str = "5GB", progress: Callable[[str], None] | None = None) -> dict:
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """Writes the HF directory; returns ``{"tensors", "bytes", "files"}``."""
     say = progress or (lambda line: None)
     checkpoint, out = Path(checkpoint), Path(out)
@@ -53,11 +70,15 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     model = (meta.get("config") or {}).get("model") or {}
     source = model.get("huggingface")
     if not source:
-        raise UserError(f"{checkpoint}: a checkpoint of a built-in model (model.name {model.get('name')!r}); "
-                        "export writes HuggingFace directories of model.huggingface jobs")
+        raise UserError(
+            f"{checkpoint}: a checkpoint of a built-in model (model.name {model.get('name')!r}); "
+            "export writes HuggingFace directories of model.huggingface jobs"
+        )
     if not os.path.isdir(source):
-        raise UserError(f"{checkpoint}: its model.huggingface directory {source!r} is gone; export copies its "
-                        "config.json and tokenizer files (restore it, or edit meta.json's config.model.huggingface)")
+        raise UserError(
+            f"{checkpoint}: its model.huggingface directory {source!r} is gone; export copies its "
+            "config.json and tokenizer files (restore it, or edit meta.json's config.model.huggingface)"
+        )
     job = config_from_dict(meta["config"], source=str(checkpoint / "meta.json"))
     if out.exists() and not out.is_dir():  # iterdir() on a file was an internal error (exit 1)
         raise UserError(f"--to: {out} exists and is a file; choose a new directory")
@@ -100,10 +121,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
 
 # In-memory names of transformers 5 (what from_pretrained loads directly) for a source without weights.
 _DEFAULT_PREFIXES = {
-    True: {"text": "model.language_model.", "head": "lm_head.", "vision": "model.vision_tower.",
-           "projector": "model.multi_modal_projector."},
+    True: {
+        "text": "model.language_model.",
+        "head": "lm_head.",
+        "vision": "model.vision_tower.",
+        "projector": "model.multi_modal_projector.",
+    },
     False: {"text": "model.", "head": "lm_head."},
-}  # fmt: skip
+}
 
 
 def _default_name(job, component: str, inside: str) -> str:
@@ -135,8 +160,10 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_si
         save_file({n: tensors[n] for n in names}, tmp, metadata={"format": "pt"})
         os.replace(tmp, out / file)
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": split.tensor_to_filename}  # fmt: skip
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": split.tensor_to_filename,
+        }
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
     return sorted(split.filename_to_tensors)
 

@@ -87,9 +87,14 @@ class LossScaler:
         c = training.fp16
         if c.loss_scale > 0:
             return cls(scale=c.loss_scale, dynamic=False)
-        return cls(scale=2.0**c.initial_scale_power, window=c.loss_scale_window, min_scale=c.min_loss_scale,
-                   delayed_shift=c.hysteresis, consecutive_hysteresis=c.consecutive_hysteresis,
-                   hysteresis=c.hysteresis)  # fmt: skip
+        return cls(
+            scale=2.0**c.initial_scale_power,
+            window=c.loss_scale_window,
+            min_scale=c.min_loss_scale,
+            delayed_shift=c.hysteresis,
+            consecutive_hysteresis=c.consecutive_hysteresis,
+            hysteresis=c.hysteresis,
+        )
 
     @staticmethod
     def overflowed(grad_norm_sq: float) -> bool:

@@ -95,21 +95,26 @@ class Verdict:
     def format(self) -> str:
         width = max(len(d.name) for d in self.layers)
         noisy = any(d.noise is not None for d in self.layers)
-        head = f"{'layer':<{width}}  {'max |diff|':>10}  {'max |ref|':>9}  {'relative':>9}" + ("  noise" if noisy else "")
+        head = f"{'layer':<{width}}  {'max |diff|':>10}  {'max |ref|':>9}  {'relative':>9}" + (
+            "  noise" if noisy else ""
+        )
         lines = [head]
         for d in self.layers:
             noise = f"  {d.noise:.2e}" if d.noise is not None else ""
             lines.append(f"{d.name:<{width}}  {d.abs_diff:>10.2e}  {d.ref_max:>9.3g}  {d.relative:>9.2e}{noise}")
         w = self.worst
-        lines.append(f"largest parameter difference {w.abs_diff:.3e} at {w.name}.{w.worst_tensor}: "
-                     f"{'within' if self.ok else 'OUTSIDE'} tolerance {self.tolerance:.1e} ({self.basis})")  # fmt: skip
+        lines.append(
+            f"largest parameter difference {w.abs_diff:.3e} at {w.name}.{w.worst_tensor}: "
+            f"{'within' if self.ok else 'OUTSIDE'} tolerance {self.tolerance:.1e} ({self.basis})"
+        )
         if self.warning:
             lines.append(self.warning)
         return "\n".join(lines)
 
 
-def compare(job, steps: int, directory: str, progress=print, start_dir: str | None = None,
-            tolerance: float | None = None) -> Verdict:  # fmt: skip
+def compare(
+    job, steps: int, directory: str, progress=print, start_dir: str | None = None, tolerance: float | None = None
+) -> Verdict:
     """The run's checkpoint ``directory`` against the reference after ``steps`` global steps."""
     import torch
 
@@ -165,7 +170,9 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
         worst, where, scale, drift = 0.0, "", 0.0, None
         for key, ref in reference.items():
             if key not in saved:
-                raise UserError(f"{directory}: layer {spec.name!r} has no tensor {key!r}; is it this model's checkpoint?")
+                raise UserError(
+                    f"{directory}: layer {spec.name!r} has no tensor {key!r}; is it this model's checkpoint?"
+                )
             diff = (saved[key].to(ref.dtype) - ref).abs().max().item() if ref.numel() else 0.0
             scale = max(scale, ref.abs().max().item() if ref.numel() else 0.0)
             if diff >= worst:
@@ -180,8 +187,11 @@ def compare(job, steps: int, directory: str, progress=print, start_dir: str | No
         return Verdict(tuple(layers), FLOAT64_TOLERANCE, "float64: equal up to reduction order")
     measured = max(d.noise or 0.0 for d in layers)
     floor = FLOOR_ULPS * torch.finfo(compute_dtype(job.training)).eps * max(d.ref_max for d in layers)
-    basis = (f"{job.training.dtype}: {NOISE_FACTOR:g} x the reference's own drift under a reversed summation "
-             f"order, {measured:.1e}" + (f"; at least {FLOOR_ULPS} ulps, {floor:.1e}" if floor > NOISE_FACTOR * measured else ""))  # fmt: skip
+    basis = (
+        f"{job.training.dtype}: {NOISE_FACTOR:g} x the reference's own drift under a reversed summation "
+        f"order, {measured:.1e}"
+        + (f"; at least {FLOOR_ULPS} ulps, {floor:.1e}" if floor > NOISE_FACTOR * measured else "")
+    )
     tolerance = max(NOISE_FACTOR * measured, floor)
     return Verdict(tuple(layers), tolerance, basis, _blind_spot(job, steps, tolerance))
 
@@ -194,9 +204,12 @@ def _moments(module, optimizer) -> dict:
 
     if optimizer is None:
         return {}
-    return {f"optimizer.{k}.{name}": value.detach()
-            for k, param in enumerate(trainable_params(module))
-            for name, value in optimizer.state.get(param, {}).items() if name != "step"}  # fmt: skip
+    return {
+        f"optimizer.{k}.{name}": value.detach()
+        for k, param in enumerate(trainable_params(module))
+        for name, value in optimizer.state.get(param, {}).items()
+        if name != "step"
+    }
 
 
 def checkpoint_windows(checkpoints_dir: str, final_dir: str | None = None) -> list[tuple[str | None, str, int]]:
@@ -221,8 +234,9 @@ def checkpoint_windows(checkpoints_dir: str, final_dir: str | None = None) -> li
     return windows
 
 
-def compare_windows(job, windows: list[tuple[str | None, str, int]], progress=print,
-                    tolerance: float | None = None) -> list[Verdict]:  # fmt: skip
+def compare_windows(
+    job, windows: list[tuple[str | None, str, int]], progress=print, tolerance: float | None = None
+) -> list[Verdict]:
     """``compare`` over each window: a long run judged where it can fail for a defect, never for drift.
 
     Over hundreds of steps a correct run drifts from the reference by reduction order alone (float64:
@@ -244,9 +258,11 @@ def _blind_spot(job, steps: int, tolerance: float) -> str:
     lr = lr_at(job.training, max(0, steps - 1))
     if steps == 0 or tolerance < lr:
         return ""
-    return (f"note: the tolerance is wider than one update at the last step's learning rate ({lr:.1e}): over "
-            f"{steps} {job.training.dtype} steps a run one update off would pass too. Check a window of the run "
-            "with --from CHECKPOINT, or rerun it in float64 (--set training.dtype=float64)")
+    return (
+        f"note: the tolerance is wider than one update at the last step's learning rate ({lr:.1e}): over "
+        f"{steps} {job.training.dtype} steps a run one update off would pass too. Check a window of the run "
+        "with --from CHECKPOINT, or rerun it in float64 (--set training.dtype=float64)"
+    )
 
 
 def _reference(job, directory: str, start_dir: str | None, reverse: bool = False) -> ReferenceTrainer:
@@ -312,24 +328,42 @@ def _noise_main(config: str, steps: int, start_dir: str | None, out: str) -> Non
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="python -m oobleck_mm.verify",
-                                               description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = parser or argparse.ArgumentParser(prog="python -m oobleck_mm.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the run's job config YAML")
     parser.add_argument("--deepspeed", default=None, metavar="FILE", help="the run's DeepSpeed JSON config, if any")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="the run's --set overrides, if any")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="the run's --set overrides, if any",
+    )
     parser.add_argument("--steps", type=int, required=True, help="global steps the run had trained at DIR")
     parser.add_argument("--against", required=True, metavar="DIR", help="the run's checkpoint to check")
-    parser.add_argument("--from", dest="start", default=None, metavar="DIR0",
-                        help="start the reference from this earlier checkpoint of the same run (its step), "
-                             "not from step 0: checks the steps in between")
-    parser.add_argument("--windows", default=None, metavar="CHECKPOINTS",
-                        help="judge the run window by window: between each pair of complete periodic checkpoints "
-                             "in this folder (<run dir>/checkpoints; keep them all with --set "
-                             "fault_tolerance.keep_checkpoints=0), then from the last one to --against")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest allowed difference (default: 1e-9 for float64 runs; for float32 and "
-                             f"the half types {NOISE_FACTOR:g} x the run's own reordering drift, measured)")
+    parser.add_argument(
+        "--from",
+        dest="start",
+        default=None,
+        metavar="DIR0",
+        help="start the reference from this earlier checkpoint of the same run (its step), "
+        "not from step 0: checks the steps in between",
+    )
+    parser.add_argument(
+        "--windows",
+        default=None,
+        metavar="CHECKPOINTS",
+        help="judge the run window by window: between each pair of complete periodic checkpoints "
+        "in this folder (<run dir>/checkpoints; keep them all with --set "
+        "fault_tolerance.keep_checkpoints=0), then from the last one to --against",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest allowed difference (default: 1e-9 for float64 runs; for float32 and "
+        f"the half types {NOISE_FACTOR:g} x the run's own reordering drift, measured)",
+    )
     return parser
 
 
@@ -347,8 +381,11 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         ran = ((read_meta(args.against).get("config") or {}).get("training") or {}).get("steps")
         set_here = any(o.split("=", 1)[0].strip() == "training.steps" for o in args.overrides)
         if ran is not None and int(ran) != job.training.steps and not set_here:
-            print(f"note: the run's schedule is over {int(ran)} steps (its checkpoint's training.steps), not the "
-                  f"file's {job.training.steps}: replayed so", file=sys.stderr)  # fmt: skip
+            print(
+                f"note: the run's schedule is over {int(ran)} steps (its checkpoint's training.steps), not the "
+                f"file's {job.training.steps}: replayed so",
+                file=sys.stderr,
+            )
             job = load_config(args.config, args.deepspeed, [*args.overrides, f"training.steps={int(ran)}"])
         # The samples the run left out (the master's check, data.skip_bad_samples) are left out here too.
         recorded = (read_meta(args.against).get("config") or {}).get("data") or {}
@@ -367,7 +404,9 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         if args.tolerance is not None and not args.tolerance >= 0:
             raise UserError(f"--tolerance: must be >= 0, got {args.tolerance}")
         if args.start and read_meta(args.start)["step"] > args.steps:
-            raise UserError(f"--from: {args.start} is at step {read_meta(args.start)['step']}, after --steps {args.steps}")
+            raise UserError(
+                f"--from: {args.start} is at step {read_meta(args.start)['step']}, after --steps {args.steps}"
+            )
         say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         if args.windows:
             if not os.path.isdir(args.windows):
@@ -375,14 +414,15 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
             windows = [w for w in checkpoint_windows(args.windows, args.against) if w[2] <= args.steps]
             verdicts = compare_windows(job, windows, progress=say, tolerance=args.tolerance)
             for (first, _, step), v in zip(windows, verdicts):
-                print(f"steps {int(read_meta(first)['step']) if first else 0}..{step}: largest difference "
-                      f"{v.worst.abs_diff:.3e} ({'within' if v.ok else 'OUTSIDE'} {v.tolerance:.1e})")
+                print(
+                    f"steps {int(read_meta(first)['step']) if first else 0}..{step}: largest difference "
+                    f"{v.worst.abs_diff:.3e} ({'within' if v.ok else 'OUTSIDE'} {v.tolerance:.1e})"
+                )
             ok = all(v.ok for v in verdicts)
             print(f"{len(verdicts)} windows, {'all within tolerance' if ok else 'NOT all within tolerance'}")
             print(f"verified in {time.perf_counter() - start:.1f} s", file=sys.stderr)
             return ExitCode.OK if ok else ExitCode.ERROR
-        verdict = compare(job, args.steps, args.against, start_dir=args.start, tolerance=args.tolerance,
-                          progress=say)  # fmt: skip
+        verdict = compare(job, args.steps, args.against, start_dir=args.start, tolerance=args.tolerance, progress=say)
     except UserError as error:  # a bad config, flag or checkpoint; anything else is a bug and raises
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.BAD_INPUT

@@ -103,8 +103,10 @@ def launch(specs: Sequence[RunSpec], out_dir: Path, timeout_s: float = 900.0) ->
         for _, p in procs:
             p.start()
         _wait_all(procs, out_dir, timeout_s)
-        return [[json.loads((out_dir / f"{i}-{s.system}-rank{r}.json").read_text()) for r in range(s.plan.world_size)]
-                for i, s in enumerate(specs)]
+        return [
+            [json.loads((out_dir / f"{i}-{s.system}-rank{r}.json").read_text()) for r in range(s.plan.world_size)]
+            for i, s in enumerate(specs)
+        ]
     finally:
         turns.abort()  # wakes any worker still waiting for its turn
         for _, p in procs:
@@ -189,8 +191,15 @@ def _add(breakdown: dict[str, float], key: str, seconds: float) -> None:
 def _join(job, rank: int, port: int, world_size: int) -> None:
     """Join this system's group on a store its rank 0 hosts."""
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=120))
-    join_generation(store, 0, rank, world_size, job.cluster.resolved_backend,
-                    collective_timeout=timedelta(seconds=300), arrival_timeout=timedelta(seconds=300))
+    join_generation(
+        store,
+        0,
+        rank,
+        world_size,
+        job.cluster.resolved_backend,
+        collective_timeout=timedelta(seconds=300),
+        arrival_timeout=timedelta(seconds=300),
+    )
 
 
 # --------------------------------------------------------------------------- engine
@@ -218,6 +227,7 @@ class EngineTrainer:
                 return fn(*args, **kwargs)
             finally:
                 _add(self.breakdown, key, time.perf_counter() - t0)
+
         return wrapper
 
     def step(self, step: int) -> float:
@@ -257,8 +267,9 @@ class DDPTrainer:
         # Unused parameters are real here: a microbatch without images leaves the vision encoder idle.
         self.model = DistributedDataParallel(WholeModel(spec.job), find_unused_parameters=True)
         hp = spec.job.training.optimizer.params
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
-                                           weight_decay=hp.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
+        )
         self.breakdown: dict[str, float] = {}
 
     def step(self, step: int) -> float:
@@ -319,12 +330,18 @@ class StaticBatch:
 
     def check(self, batch: PackedBatch) -> None:
         t, v = self.template, batch.vision
-        same = (torch.equal(t.positions, batch.positions) and torch.equal(t.segments, batch.segments)
-                and torch.equal(t.vision.grid, v.grid) and torch.equal(t.vision.segments, v.segments)
-                and torch.equal(t.vision.llm_positions, v.llm_positions))  # fmt: skip
+        same = (
+            torch.equal(t.positions, batch.positions)
+            and torch.equal(t.segments, batch.segments)
+            and torch.equal(t.vision.grid, v.grid)
+            and torch.equal(t.vision.segments, v.segments)
+            and torch.equal(t.vision.llm_positions, v.llm_positions)
+        )
         if not same:
-            raise ValueError(f"microbatch {batch.sample_ids} does not have the template's shapes; "
-                             "the DeepSpeed peer needs fixed-shape data")
+            raise ValueError(
+                f"microbatch {batch.sample_ids} does not have the template's shapes; "
+                "the DeepSpeed peer needs fixed-shape data"
+            )
 
 
 class PipeLayer(nn.Module):
@@ -360,8 +377,13 @@ class DeepSpeedTrainer:
 
         if len(spec.plan.pipelines) != 1:
             raise ValueError("the DeepSpeed peer runs one pipeline (no data parallelism)")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(spec.plan.world_size))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.plan.world_size),
+        )
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
         self.job, self.plan = spec.job, spec.plan
         self.data = TrainingData(spec.job)
@@ -373,14 +395,17 @@ class DeepSpeedTrainer:
         cuts = [s.layer_start for s in stages] + [stages[-1].layer_end]
         module = PipelineModule(
             layers=[LayerSpec(PipeLayer, spec.job, i, self.statics) for i in range(self.plan.num_layers)],
-            num_stages=len(stages), loss_fn=self._loss, partition_method="uniform",
+            num_stages=len(stages),
+            loss_fn=self._loss,
+            partition_method="uniform",
         )
         if list(module.parts) != cuts:
             raise ValueError(f"DeepSpeed cut the layers at {list(module.parts)}, the engine's plan at {cuts}")
         training = spec.job.training
         hp = training.optimizer.params
-        optimizer = torch.optim.AdamW(module.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
-                                      weight_decay=hp.weight_decay)
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
+        )
         config = {
             "train_micro_batch_size_per_gpu": self.mbs,
             "gradient_accumulation_steps": self.gas,
@@ -389,7 +414,10 @@ class DeepSpeedTrainer:
             "wall_clock_breakdown": False,
         }
         if training.scheduler is not None:  # our scheduler section is DeepSpeed's, keys and meaning
-            config["scheduler"] = {"type": training.scheduler.type, "params": training.scheduler.deepspeed_params(training.steps)}
+            config["scheduler"] = {
+                "type": training.scheduler.type,
+                "params": training.scheduler.deepspeed_params(training.steps),
+            }
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         self.breakdown: dict[str, float] = {}
         self._iter = self._microbatches()
@@ -446,7 +474,11 @@ class HFModel(nn.Module):
         self.model = auto.from_pretrained(job.model.huggingface, attn_implementation="sdpa", dtype=torch.float32)
         self.image_token, self.image = hf.image_token_id, IMAGE
         if hf.is_multimodal:
-            self.side, self.patch, self.channels = hf.vision["image_size"], hf.vision["patch_size"], hf.vision["num_channels"]
+            self.side, self.patch, self.channels = (
+                hf.vision["image_size"],
+                hf.vision["patch_size"],
+                hf.vision["num_channels"],
+            )
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         # The packed microbatch already holds each sample's sequence with its image slots expanded.
@@ -461,8 +493,9 @@ class HFModel(nn.Module):
         if batch.vision is not None and batch.vision.features.shape[0]:
             n, p, c = self.side // self.patch, self.patch, self.channels
             feats = batch.vision.features
-            kwargs["pixel_values"] = (feats.reshape(-1, n, n, c, p, p).permute(0, 3, 1, 4, 2, 5)
-                                      .reshape(-1, c, self.side, self.side))  # fmt: skip
+            kwargs["pixel_values"] = (
+                feats.reshape(-1, n, n, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(-1, c, self.side, self.side)
+            )
         logits = self.model(input_ids=input_ids, attention_mask=mask, **kwargs).logits
         return torch.cat([logits[k, : len(r)] for k, r in enumerate(rows)])
 
@@ -480,8 +513,9 @@ class HFDDPTrainer(DDPTrainer):
         self.model = DistributedDataParallel(model, find_unused_parameters=True)
         hp = spec.job.training.optimizer.params
         # The parameters the engine trains (CLIP's unused tail gets no gradient and AdamW skips it).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
-                                           weight_decay=hp.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay
+        )
         self.breakdown: dict[str, float] = {}
 
 

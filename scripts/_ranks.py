@@ -13,8 +13,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
-def run_ranks(target: Callable, args_of: Callable[[int, int], tuple], world: int, timeout_s: float,
-              store_timeout: timedelta = timedelta(seconds=120)) -> None:  # fmt: skip
+def run_ranks(
+    target: Callable,
+    args_of: Callable[[int, int], tuple],
+    world: int,
+    timeout_s: float,
+    store_timeout: timedelta = timedelta(seconds=120),
+) -> None:
     """``target(*args_of(rank, port))`` in ``world`` spawned processes; raises if any exits non-zero."""
     from oobleck_mm.runtime.worker import free_port
 

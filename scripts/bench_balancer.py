@@ -73,14 +73,22 @@ def skewed_metas(num: int, dims: ModelInputs, rng: np.random.Generator) -> list[
         if rng.random() < 0.2:
             step = dims.audio_downsample * dims.audio_merge
             clips = (int(rng.integers(100, 3001)) // step * step,)
-        metas.append(SampleMeta(index=i, text_tokens=text + images + len(clips),
-                                image_sizes=tuple(map(tuple, sides.tolist())), audio_frames=clips))  # fmt: skip
+        metas.append(
+            SampleMeta(
+                index=i,
+                text_tokens=text + images + len(clips),
+                image_sizes=tuple(map(tuple, sides.tolist())),
+                audio_frames=clips,
+            )
+        )
     return metas
 
 
 def cut_stages(cost_model, coefficients, mean_features, depth: int) -> tuple[tuple[int, int], ...]:
     """Stages of equal mean-sample cost (what a planner would aim at for the average sample)."""
-    per_layer = np.array([cost_model.predict(coefficients, l, l + 1, mean_features) for l in range(cost_model.num_layers)])
+    per_layer = np.array(
+        [cost_model.predict(coefficients, l, l + 1, mean_features) for l in range(cost_model.num_layers)]
+    )
     cum = np.cumsum(per_layer)
     cuts = [0]
     for k in range(1, depth):
@@ -149,9 +157,18 @@ def run(pipelines, per_pipeline, algorithms, repeats: int, seed: int = 0) -> lis
                 reps = repeats if problem.num_samples <= 8192 else 1
                 placement, ms, cpu_ms = timed(ALGORITHMS[name], problem, reps)
                 problem.check(placement)
-                rows.append({"pipelines": num_pipes, "samples": problem.num_samples, "samples_per_pipeline": per_pipe,
-                             "algorithm": name, "imbalance": imbalance(problem.predicted_times(placement)),
-                             "ms": ms, "cpu_ms": cpu_ms, "build_ms": build_ms})  # fmt: skip
+                rows.append(
+                    {
+                        "pipelines": num_pipes,
+                        "samples": problem.num_samples,
+                        "samples_per_pipeline": per_pipe,
+                        "algorithm": name,
+                        "imbalance": imbalance(problem.predicted_times(placement)),
+                        "ms": ms,
+                        "cpu_ms": cpu_ms,
+                        "build_ms": build_ms,
+                    }
+                )
     return rows
 
 
@@ -196,7 +213,9 @@ def run_deferral(seeds: int = 4) -> int:
             gains = []
             for seed in range(seeds):
                 pb = problem([depth], mbs, seed)
-                gains.append(balance(pb, "ours", 0.0).predicted_s[0] / balance(pb, "ours", 0.0, deferral=True).predicted_s[0])
+                gains.append(
+                    balance(pb, "ours", 0.0).predicted_s[0] / balance(pb, "ours", 0.0, deferral=True).predicted_s[0]
+                )
             print(f"  {mbs} samples/microbatch, depth {depth}: {' '.join(f'{g:.3f}' for g in gains)}")
     print("four pipelines of 8 microbatches: speed-up over the contiguous split: ours / + deferral / + placed again")
     for mbs in (2, 4):

@@ -38,9 +38,24 @@ WIDER = ["model.llm.hidden=256", "model.llm.num_heads=8", "model.vision.hidden=1
 def run(tmp: str, name: str, steps: int, interval: int) -> dict:
     run_dir = Path(tmp) / name
     sets = [*WIDER, f"fault_tolerance.checkpoint_interval={interval}"]
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(ROOT / "configs" / "tiny_mm.yaml"),
-           "--nodes", "4", "--steps", str(steps), "--run-dir", str(run_dir), "--log-every", "1000",
-           "--no-tensorboard", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "local",
+        "--config",
+        str(ROOT / "configs" / "tiny_mm.yaml"),
+        "--nodes",
+        "4",
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--log-every",
+        "1000",
+        "--no-tensorboard",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -49,7 +64,11 @@ def run(tmp: str, name: str, steps: int, interval: int) -> dict:
     times = [float(r["step_time_s"]) for r in rows]
     walls = [float(r["wall_time"]) for r in rows]
     saved = read_events(run_dir / "events.jsonl", "checkpoint_saved")
-    after = [float(r["step_time_s"]) for r in rows if interval and int(r["step"]) > 1 and (int(r["step"]) - 1) % interval == 0]
+    after = [
+        float(r["step_time_s"])
+        for r in rows
+        if interval and int(r["step"]) > 1 and (int(r["step"]) - 1) % interval == 0
+    ]
     return {
         "median_step_s": statistics.median(times),
         "median_step_after_snapshot_s": statistics.median(after) if after else None,
@@ -81,13 +100,19 @@ def main() -> int:
     on["snapshot_share_of_step"] = on["snapshot_s"] / off["median_step_s"]
     on["step_time_ratio"] = on["median_step_s"] / off["median_step_s"]
     on["wall_ratio"] = on["wall_s"] / off["wall_s"]
-    print(f"without checkpoints: median step {off['median_step_s'] * 1e3:.1f} ms, {args.steps} steps in {off['wall_s']:.2f} s")
-    print(f"checkpoint every {args.interval} steps ({on['checkpoints']:.0f} per run): median step "
-          f"{on['median_step_s'] * 1e3:.1f} ms ({on['step_time_ratio']:.3f}x), snapshot {on['snapshot_s'] * 1e3:.2f} ms "
-          f"({100 * on['snapshot_share_of_step']:.1f}% of a step), background write {on['write_s'] * 1e3:.1f} ms, "
-          f"{args.steps} steps in {on['wall_s']:.2f} s ({on['wall_ratio']:.3f}x)")  # fmt: skip
+    print(
+        f"without checkpoints: median step {off['median_step_s'] * 1e3:.1f} ms, {args.steps} steps in {off['wall_s']:.2f} s"
+    )
+    print(
+        f"checkpoint every {args.interval} steps ({on['checkpoints']:.0f} per run): median step "
+        f"{on['median_step_s'] * 1e3:.1f} ms ({on['step_time_ratio']:.3f}x), snapshot {on['snapshot_s'] * 1e3:.2f} ms "
+        f"({100 * on['snapshot_share_of_step']:.1f}% of a step), background write {on['write_s'] * 1e3:.1f} ms, "
+        f"{args.steps} steps in {on['wall_s']:.2f} s ({on['wall_ratio']:.3f}x)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=2) + "\n"
+        )
     return 0
 
 

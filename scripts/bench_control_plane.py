@@ -70,8 +70,11 @@ def emulated_agents(address: str, token: str, names: list[str], interval: float,
     async def heartbeats(stub) -> None:  # from the first registration on, as a real agent does
         while True:
             began = time.monotonic()
-            calls = [stub.Heartbeat(pb.HeartbeatRequest(node=ref), metadata=metadata, timeout=10)
-                     for name, ref in list(refs.items()) if name not in stopped]  # fmt: skip
+            calls = [
+                stub.Heartbeat(pb.HeartbeatRequest(node=ref), metadata=metadata, timeout=10)
+                for name, ref in list(refs.items())
+                if name not in stopped
+            ]
             await asyncio.gather(*calls, return_exceptions=True)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
@@ -89,8 +92,9 @@ def emulated_agents(address: str, token: str, names: list[str], interval: float,
             stub = pb_grpc.CoordinatorStub(channel)
             beating = asyncio.create_task(heartbeats(stub))
             for name in names:
-                reply = await stub.Register(pb.RegisterRequest(node=name, gpus=1, pid=os.getpid()),
-                                            metadata=metadata, timeout=60)  # fmt: skip
+                reply = await stub.Register(
+                    pb.RegisterRequest(node=name, gpus=1, pid=os.getpid()), metadata=metadata, timeout=60
+                )
                 refs[name] = pb.NodeRef(node=name, session=reply.session)
             streams = [asyncio.create_task(listen(stub, ref)) for ref in refs.values()]
             out.put(("subscribed", len(refs), 0, time.time()))
@@ -151,18 +155,41 @@ def wait(predicate, timeout: float, what: str):
 def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEARTBEAT_S) -> dict:
     timeout_s = TIMEOUT_S / HEARTBEAT_S * heartbeat_s  # the same 3 intervals
     work = Path(tempfile.mkdtemp(prefix=f"oobleck-cp-{nodes}-"))
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "master", "--config", str(CONFIG), "--nodes", str(nodes),
-           "--port", "0", "--run-dir", str(work / "run"), "--steps", "100000", "--log-level", "warning",
-           "--set", f"fault_tolerance.heartbeat_interval={heartbeat_s}s",
-           "--set", f"fault_tolerance.heartbeat_timeout={timeout_s}s",
-           "--set", f"cluster.max_nodes={max(nodes, 16)}", "--set", "fault_tolerance.straggler_factor=0",
-           "--set", f"training.global_batch={4 * nodes}"]  # every pipeline (at most one per node) a microbatch
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "master",
+        "--config",
+        str(CONFIG),
+        "--nodes",
+        str(nodes),
+        "--port",
+        "0",
+        "--run-dir",
+        str(work / "run"),
+        "--steps",
+        "100000",
+        "--log-level",
+        "warning",
+        "--set",
+        f"fault_tolerance.heartbeat_interval={heartbeat_s}s",
+        "--set",
+        f"fault_tolerance.heartbeat_timeout={timeout_s}s",
+        "--set",
+        f"cluster.max_nodes={max(nodes, 16)}",
+        "--set",
+        "fault_tolerance.straggler_factor=0",
+        "--set",
+        f"training.global_batch={4 * nodes}",
+    ]  # every pipeline (at most one per node) a microbatch
     log = open(work / "master.log", "w")
     master = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     agents, controls = [], []
     try:
-        found = wait(lambda: re.search(r"master listening on (\S+) ", (work / "master.log").read_text()), 60,
-                     "the master")  # fmt: skip
+        found = wait(
+            lambda: re.search(r"master listening on (\S+) ", (work / "master.log").read_text()), 60, "the master"
+        )
         address, token = found.group(1), (work / "run" / "token").read_text().strip()
         events = EventTail(work / "run" / "events.jsonl")
         out = mp.get_context("spawn").Queue()
@@ -171,8 +198,9 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
         began = time.time()
         for share in shares:
             control = mp.get_context("spawn").Queue()
-            p = mp.get_context("spawn").Process(target=emulated_agents,
-                                                args=(address, token, share, heartbeat_s, out, control), daemon=True)
+            p = mp.get_context("spawn").Process(
+                target=emulated_agents, args=(address, token, share, heartbeat_s, out, control), daemon=True
+            )
             p.start()
             agents.append(p)
             controls.append(control)
@@ -193,9 +221,11 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
             lost = events("lost")
             if lost:
                 late = len(events("heartbeat_late"))
-                raise NotHeld(f"{nodes} nodes heartbeating every {heartbeat_s:g} s not held: {len(lost)} lost "
-                              f"({lost[0]['reason']}: {lost[0]['detail']}) before any was stopped, {late} "
-                              f"heartbeat_late, while waiting for {what}")  # fmt: skip
+                raise NotHeld(
+                    f"{nodes} nodes heartbeating every {heartbeat_s:g} s not held: {len(lost)} lost "
+                    f"({lost[0]['reason']}: {lost[0]['detail']}) before any was stopped, {late} "
+                    f"heartbeat_late, while waiting for {what}"
+                )
 
         def all_subscribed():
             drain()
@@ -206,11 +236,16 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
         registered_s = time.time() - began
         first = wait(lambda: held("the first plan") or events("plan_decided"), 600, "the first plan")[0]
         planned = set(first["nodes"])
-        wait(lambda: held("generation 1's assignments") or drain() or all((n, 1) in assigned for n in planned), 300,
-             "every assignment of generation 1")  # fmt: skip
+        wait(
+            lambda: held("generation 1's assignments") or drain() or all((n, 1) in assigned for n in planned),
+            300,
+            "every assignment of generation 1",
+        )
         fan_out_1 = max(assigned[(n, 1)] for n in planned) - first["ts"]
-        say(f"{nodes} nodes: registered and subscribed in {registered_s:.1f} s; generation 1 planned on "
-            f"{len(planned)} nodes, every assignment received {fan_out_1:.3f} s after plan_decided")
+        say(
+            f"{nodes} nodes: registered and subscribed in {registered_s:.1f} s; generation 1 planned on "
+            f"{len(planned)} nodes, every assignment received {fan_out_1:.3f} s after plan_decided"
+        )
         proc = psutil.Process(master.pid)
         cpu0, t0 = proc.cpu_times(), time.monotonic()
         time.sleep(window)
@@ -218,39 +253,60 @@ def run_size(nodes: int, kill: int, window: float, say, heartbeat_s: float = HEA
         held("the CPU window to end")
         cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
         threads = proc.num_threads()
-        say(f"{nodes} nodes heartbeating every {heartbeat_s:g} s: the master used {cores:.2f} cores "
-            f"({threads} threads)")
+        say(
+            f"{nodes} nodes heartbeating every {heartbeat_s:g} s: the master used {cores:.2f} cores ({threads} threads)"
+        )
         victims = names[-kill:]
         stop_at = time.time()
         for control, share in zip(controls, shares):
             control.put(("stop", [n for n in victims if n in set(share)]))
-        lost = wait(lambda: (found := {e["node"]: e for e in events("lost")}) and
-                    all(v in found for v in victims) and found, timeout_s * 10 + 60, "every stopped node lost")
+        lost = wait(
+            lambda: (found := {e["node"]: e for e in events("lost")}) and all(v in found for v in victims) and found,
+            timeout_s * 10 + 60,
+            "every stopped node lost",
+        )
         detection = sorted(lost[v]["ts"] - stop_at for v in victims)
         # What the master saw: each node's silence when it was declared lost. Above, from the stop: that
         # also counts a beat an emulating process had in flight when the stop reached it (busy: one interval).
-        silence = sorted(float(m.group(1)) for v in victims
-                         if (m := re.search(r"no heartbeat for ([\d.]+)s", lost[v].get("detail", ""))))  # fmt: skip
+        silence = sorted(
+            float(m.group(1))
+            for v in victims
+            if (m := re.search(r"no heartbeat for ([\d.]+)s", lost[v].get("detail", "")))
+        )
         last_loss = max(lost[v]["ts"] for v in victims)
         # The first plan without any stopped node (a loss detected alone may be planned before the others).
-        second = wait(lambda: [e for e in events("plan_decided")
-                               if e["generation"] > 1 and not set(victims) & set(e["nodes"])], 300,
-                      "the recovery plan")[0]  # fmt: skip
+        second = wait(
+            lambda: [e for e in events("plan_decided") if e["generation"] > 1 and not set(victims) & set(e["nodes"])],
+            300,
+            "the recovery plan",
+        )[0]
         survivors = set(second["nodes"])
         gen = second["generation"]
         wait(lambda: drain() or all((n, gen) in assigned for n in survivors), 300, "every recovery assignment")
         fan_out_2 = max(assigned[(n, gen)] for n in survivors) - second["ts"]
-        say(f"{nodes} nodes: {kill} stopped (heartbeats only), lost after {detection[0]:.2f}-{detection[-1]:.2f} s "
+        say(
+            f"{nodes} nodes: {kill} stopped (heartbeats only), lost after {detection[0]:.2f}-{detection[-1]:.2f} s "
             f"(silent {silence[0]:.2f}-{silence[-1]:.2f} s when declared lost; heartbeat_timeout {timeout_s:g} s); "
             f"generation {gen} on {len(survivors)} nodes planned "
             f"{second['ts'] - last_loss:.2f} s after the last loss, every assignment received "
-            f"{fan_out_2:.3f} s after plan_decided")  # fmt: skip
-        return {"nodes": nodes, "held": True, "heartbeat_s": heartbeat_s, "heartbeat_timeout_s": timeout_s, "registered_s": round(registered_s, 2), "fan_out_1_s": round(fan_out_1, 4),
-                "master_cores": round(cores, 3), "master_threads": threads, "killed": kill,
-                "detection_s": [round(d, 3) for d in (detection[0], detection[len(detection) // 2], detection[-1])],
-                "silence_at_loss_s": [round(silence[0], 3), round(silence[-1], 3)],
-                "plan_after_last_loss_s": round(second["ts"] - last_loss, 3),
-                "fan_out_recovery_s": round(fan_out_2, 4), "survivors": len(survivors)}  # fmt: skip
+            f"{fan_out_2:.3f} s after plan_decided"
+        )
+        return {
+            "nodes": nodes,
+            "held": True,
+            "heartbeat_s": heartbeat_s,
+            "heartbeat_timeout_s": timeout_s,
+            "registered_s": round(registered_s, 2),
+            "fan_out_1_s": round(fan_out_1, 4),
+            "master_cores": round(cores, 3),
+            "master_threads": threads,
+            "killed": kill,
+            "detection_s": [round(d, 3) for d in (detection[0], detection[len(detection) // 2], detection[-1])],
+            "silence_at_loss_s": [round(silence[0], 3), round(silence[-1], 3)],
+            "plan_after_last_loss_s": round(second["ts"] - last_loss, 3),
+            "fan_out_recovery_s": round(fan_out_2, 4),
+            "survivors": len(survivors),
+        }
     finally:
         for control in controls:
             control.put(("exit", None))
@@ -272,8 +328,17 @@ sys.stdin.read()
 """
 
 
-def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: bool, reuse_waited: bool,
-                spread_s: float, out, siblings: bool = False) -> None:  # fmt: skip
+def store_ranks(
+    port: int,
+    token: str,
+    ranks: list[int],
+    world: int,
+    long_poll: bool,
+    reuse_waited: bool,
+    spread_s: float,
+    out,
+    siblings: bool = False,
+) -> None:
     """A share of one rendezvous' ranks, a thread each: arrive at a random moment within ``spread_s``, set
     its key, then read every rank's key as gloo's connect reads its peers' addresses (``wait([key])`` then
     ``get(key)``, its own included: logged from ``ProcessGroupGloo``'s construction on a store that records
@@ -284,8 +349,15 @@ def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: 
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     def rank(i: int) -> None:
-        store = ControlPlaneStore("127.0.0.1", port, token, timedelta(seconds=60), long_poll=long_poll,
-                                  reuse_waited=reuse_waited, siblings=siblings)  # fmt: skip
+        store = ControlPlaneStore(
+            "127.0.0.1",
+            port,
+            token,
+            timedelta(seconds=60),
+            long_poll=long_poll,
+            reuse_waited=reuse_waited,
+            siblings=siblings,
+        )
         time.sleep(random.Random(i).uniform(0, spread_s))
         store.set(f"group/rank/{i}", b"x")
         set_at = time.time()
@@ -302,8 +374,9 @@ def store_ranks(port: int, token: str, ranks: list[int], world: int, long_poll: 
         t.join()
 
 
-def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: bool = True,
-              siblings: bool = False) -> dict:  # fmt: skip
+def run_store(
+    world: int, long_poll: bool, spread_s: float, say, reuse_waited: bool = True, siblings: bool = False
+) -> dict:
     """One rendezvous of ``world`` ranks against the master's store server (``oobleck_mm.master.store``, a process of
     its own): the store calls it took, the server's CPU seconds, and how long after the last rank arrived
     the last one was done (the wake-up latency that polling trades against calls)."""
@@ -312,17 +385,24 @@ def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: b
     token = secrets.token_hex(16)
     # As many long polls at once as the master allows a job of ``world`` one-GPU nodes (oobleck_mm/master/server.py).
     waiters = max(4, world // 2)
-    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(ROOT), token, str(waiters)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-c", STORE_SERVER, str(ROOT), token, str(waiters)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(server.stdout.readline())
         cpu = psutil.Process(server.pid)
         before = cpu.cpu_times()
         out = mp.get_context("fork").Queue()
         shares = [list(range(world))[k::AGENT_PROCESSES] for k in range(AGENT_PROCESSES)]
-        procs = [mp.get_context("fork").Process(target=store_ranks, args=(port, token, share, world, long_poll,
-                                                                          reuse_waited, spread_s, out, siblings))
-                 for share in shares]  # fmt: skip
+        procs = [
+            mp.get_context("fork").Process(
+                target=store_ranks, args=(port, token, share, world, long_poll, reuse_waited, spread_s, out, siblings)
+            )
+            for share in shares
+        ]
         for p in procs:
             p.start()
         results = [out.get(timeout=120) for _ in range(world)]
@@ -334,16 +414,26 @@ def run_store(world: int, long_poll: bool, spread_s: float, say, reuse_waited: b
         server.wait(10)
     calls = sum(r[0] for r in results)
     last_set, last_done = max(r[1] for r in results), max(r[2] for r in results)
-    row = {"part": "store", "ranks": world, "long_poll": long_poll, "reuse_waited": reuse_waited, "siblings": siblings,
-           "server_long_polls": waiters, "arrivals_spread_s": spread_s, "calls": calls,
-           "calls_per_rank": round(calls / world, 1),
-           "server_cpu_s": round(after.user + after.system - before.user - before.system, 3),
-           "last_arrival_to_done_s": round(last_done - last_set, 4)}  # fmt: skip
-    say(f"store, {world} ranks arriving within {spread_s:g} s, {'long poll' if long_poll else 'polling only'}"
+    row = {
+        "part": "store",
+        "ranks": world,
+        "long_poll": long_poll,
+        "reuse_waited": reuse_waited,
+        "siblings": siblings,
+        "server_long_polls": waiters,
+        "arrivals_spread_s": spread_s,
+        "calls": calls,
+        "calls_per_rank": round(calls / world, 1),
+        "server_cpu_s": round(after.user + after.system - before.user - before.system, 3),
+        "last_arrival_to_done_s": round(last_done - last_set, 4),
+    }
+    say(
+        f"store, {world} ranks arriving within {spread_s:g} s, {'long poll' if long_poll else 'polling only'}"
         f"{', a wait read once' if reuse_waited else ', a wait read twice'}"
         f"{', siblings prefetched' if siblings else ''}: "
         f"{calls} calls ({row['calls_per_rank']} per rank), server CPU {row['server_cpu_s']:.2f} s, last rank "
-        f"done {row['last_arrival_to_done_s'] * 1000:.1f} ms after the last arrival")  # fmt: skip
+        f"done {row['last_arrival_to_done_s'] * 1000:.1f} ms after the last arrival"
+    )
     return row
 
 
@@ -352,14 +442,26 @@ def main() -> int:
     parser.add_argument("--nodes", default="100,1000")
     parser.add_argument("--kill", type=int, default=10)
     parser.add_argument("--window", type=float, default=10.0, help="seconds the master's CPU is measured over")
-    parser.add_argument("--store-ranks", default="", help="also one rendezvous of this many ranks (e.g. 16,64) "
-                                                             "against the store: polling only, long polls, long polls with a wait's read reused, and "
-                                                             "with a wait's siblings prefetched")
+    parser.add_argument(
+        "--store-ranks",
+        default="",
+        help="also one rendezvous of this many ranks (e.g. 16,64) "
+        "against the store: polling only, long polls, long polls with a wait's read reused, and "
+        "with a wait's siblings prefetched",
+    )
     parser.add_argument("--store-only", action="store_true", help="only the store part")
-    parser.add_argument("--store-spread", type=float, default=0.5,
-                        help="seconds over which the rendezvous' ranks arrive (0.02: the survivors of a loss)")
-    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT_S,
-                        help=f"heartbeat interval in seconds, the timeout 3 of them (default {HEARTBEAT_S:g})")
+    parser.add_argument(
+        "--store-spread",
+        type=float,
+        default=0.5,
+        help="seconds over which the rendezvous' ranks arrive (0.02: the survivors of a loss)",
+    )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=HEARTBEAT_S,
+        help=f"heartbeat interval in seconds, the timeout 3 of them (default {HEARTBEAT_S:g})",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     say = lambda line: print(line, flush=True)  # noqa: E731
@@ -372,10 +474,15 @@ def main() -> int:
             rows.append({"nodes": n, "heartbeat_s": args.heartbeat, "held": False, "why": str(err)})
             failed = True
     for world in [int(n) for n in args.store_ranks.split(",") if n]:
-        for long_poll, reuse, siblings in ((False, False, False), (True, False, False), (True, True, False),
-                                           (True, True, True)):  # side by side, in one run  # fmt: skip
-            rows.append(run_store(world, long_poll, spread_s=args.store_spread, say=say, reuse_waited=reuse,
-                                  siblings=siblings))  # fmt: skip
+        for long_poll, reuse, siblings in (
+            (False, False, False),
+            (True, False, False),
+            (True, True, False),
+            (True, True, True),
+        ):  # side by side, in one run
+            rows.append(
+                run_store(world, long_poll, spread_s=args.store_spread, say=say, reuse_waited=reuse, siblings=siblings)
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 1 if failed else 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import random
 import shutil
 import sys
@@ -32,8 +31,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORDS = ("the", "a", "red", "square", "circle", "picture", "shows", "blue", "next", "to", "small", "large",
-         "green", "triangle", "on", "left", "right", "above", "below", "image", "colour", "shape", "of", "and")
+WORDS = (
+    "the",
+    "a",
+    "red",
+    "square",
+    "circle",
+    "picture",
+    "shows",
+    "blue",
+    "next",
+    "to",
+    "small",
+    "large",
+    "green",
+    "triangle",
+    "on",
+    "left",
+    "right",
+    "above",
+    "below",
+    "image",
+    "colour",
+    "shape",
+    "of",
+    "and",
+)
 
 
 def write_records(path: Path, count: int, images: Path) -> None:
@@ -45,8 +68,10 @@ def write_records(path: Path, count: int, images: Path) -> None:
             with_image = rng.random() < 0.9
             question = ("<image>\n" if with_image else "") + "What is in the picture?"
             answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 150))) + "."
-            record = {"id": f"s{i}", "conversations": [{"from": "human", "value": question},
-                                                        {"from": "gpt", "value": answer}]}  # fmt: skip
+            record = {
+                "id": f"s{i}",
+                "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
+            }
             if with_image:
                 record["image"] = f"images/{rng.choice(names)}"
             fh.write(("," if i else "") + json.dumps(record))
@@ -99,20 +124,36 @@ def main(argv=None) -> int:
             if not path.exists():
                 began = time.perf_counter()
                 write_records(path, records, tmp / "images")
-                print(f"wrote {records} records ({path.stat().st_size / 2**20:.0f} MB) in "
-                      f"{time.perf_counter() - began:.1f} s", flush=True)  # fmt: skip
-            return {"model": {"huggingface": str(model)},
-                    "data": {"kind": "llava_json", "path": str(path), "max_seq_len": 512, "mean_text_tokens": 100,
-                             "mean_images_per_sample": 0.9, "cache_dir": cache},
-                    "training": {"global_batch": 16, "microbatch_size": 2}}  # fmt: skip
+                print(
+                    f"wrote {records} records ({path.stat().st_size / 2**20:.0f} MB) in "
+                    f"{time.perf_counter() - began:.1f} s",
+                    flush=True,
+                )
+            return {
+                "model": {"huggingface": str(model)},
+                "data": {
+                    "kind": "llava_json",
+                    "path": str(path),
+                    "max_seq_len": 512,
+                    "mean_text_tokens": 100,
+                    "mean_images_per_sample": 0.9,
+                    "cache_dir": cache,
+                },
+                "training": {"global_batch": 16, "microbatch_size": 2},
+            }
 
         cache = str(tmp / "cache")
-        for name, c in (("no cache", None), ("empty cache (the node's first rank)", cache),
-                        ("complete cache (the node's other ranks, joiners)", cache)):
+        for name, c in (
+            ("no cache", None),
+            ("empty cache (the node's first rank)", cache),
+            ("complete cache (the node's other ranks, joiners)", cache),
+        ):
             [(seconds, built, n, rss)] = run(job(args.records, c))
             rows[name] = {"seconds": round(seconds, 2), "built": built, "samples": n, "rss_mb": round(rss)}
-            print(f"{args.records} records, {name}: {seconds:.2f} s (tokenized here: {built}), RSS {rss:.0f} MB",
-                  flush=True)  # fmt: skip
+            print(
+                f"{args.records} records, {name}: {seconds:.2f} s (tokenized here: {built}), RSS {rss:.0f} MB",
+                flush=True,
+            )
         size = sum(f.stat().st_size for f in Path(cache).rglob("*") if f.is_file())
         rows["cache_mb"] = round(size / 2**20, 1)
         print(f"cache folder: {size / 2**20:.1f} MB", flush=True)
@@ -121,14 +162,27 @@ def main(argv=None) -> int:
             results = run(job(args.ranks_records, c), args.ranks)
             wall = time.perf_counter() - began
             rows[f"{args.ranks} ranks at once, {name}"] = {
-                "last_rank_s": round(max(r[0] for r in results), 2), "wall_s": round(wall, 2),
-                "tokenized_by": sum(1 for r in results if r[1])}  # fmt: skip
-            print(f"{args.ranks} ranks at once on {args.ranks_records} records, {name}: the last had them after "
-                  f"{max(r[0] for r in results):.2f} s; {sum(1 for r in results if r[1])} tokenized", flush=True)
+                "last_rank_s": round(max(r[0] for r in results), 2),
+                "wall_s": round(wall, 2),
+                "tokenized_by": sum(1 for r in results if r[1]),
+            }
+            print(
+                f"{args.ranks} ranks at once on {args.ranks_records} records, {name}: the last had them after "
+                f"{max(r[0] for r in results):.2f} s; {sum(1 for r in results if r[1])} tokenized",
+                flush=True,
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python scripts/bench_data_cache.py "
-                                               + " ".join(argv if argv is not None else sys.argv[1:]),
-                                               **rows}, indent=1) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": "python scripts/bench_data_cache.py "
+                    + " ".join(argv if argv is not None else sys.argv[1:]),
+                    **rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -78,21 +78,49 @@ WIDTHS = {"2.7b": (2560, 32), "6.7b": (4096, 32)}
 same CPU math (the compute copy is shrunk to the same width)."""
 
 
-def calibration_job(pipelines: int, profile: str, steps: int, microbatches: int = MICROBATCHES,
-                    width: str = "2.7b", coarsen: int | None = None):
+def calibration_job(
+    pipelines: int,
+    profile: str,
+    steps: int,
+    microbatches: int = MICROBATCHES,
+    width: str = "2.7b",
+    coarsen: int | None = None,
+):
     """GPT-3's blocks (``BLOCKS`` of them, ``width``), emulated on A100s, one pipeline of two stages per two
     nodes."""
     hidden, heads = WIDTHS[width]
-    return config_from_dict({
-        "model": {"name": "calibration-gpt", "llm": {"num_layers": BLOCKS, "hidden": hidden, "num_heads": heads,
-                                                     "ffn_hidden": 4 * hidden, "vocab_size": 50257}},
-        "data": {"kind": "synthetic", "mean_text_tokens": 2048, "max_seq_len": 2048, "num_samples": 4096},
-        "training": {"global_batch": MICROBATCH_SIZE * microbatches * pipelines, "microbatch_size": MICROBATCH_SIZE, "steps": steps,
-                     "dtype": "bfloat16", "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-4}}},
-        "fault_tolerance": {"f": 0},
-        "cluster": {"nodes": STAGES * pipelines, "gpus_per_node": 1, "device": "cpu", "emulate": "a100-80gb",
-                    "emulate_profile": profile, "inter_node_bandwidth": "400GB/s", "emulate_coarsen": coarsen},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "model": {
+                "name": "calibration-gpt",
+                "llm": {
+                    "num_layers": BLOCKS,
+                    "hidden": hidden,
+                    "num_heads": heads,
+                    "ffn_hidden": 4 * hidden,
+                    "vocab_size": 50257,
+                },
+            },
+            "data": {"kind": "synthetic", "mean_text_tokens": 2048, "max_seq_len": 2048, "num_samples": 4096},
+            "training": {
+                "global_batch": MICROBATCH_SIZE * microbatches * pipelines,
+                "microbatch_size": MICROBATCH_SIZE,
+                "steps": steps,
+                "dtype": "bfloat16",
+                "optimizer": {"type": "AdamW", "params": {"lr": 1.0e-4}},
+            },
+            "fault_tolerance": {"f": 0},
+            "cluster": {
+                "nodes": STAGES * pipelines,
+                "gpus_per_node": 1,
+                "device": "cpu",
+                "emulate": "a100-80gb",
+                "emulate_profile": profile,
+                "inter_node_bandwidth": "400GB/s",
+                "emulate_coarsen": coarsen,
+            },
+        }
+    )
 
 
 def write_profile(directory: Path, scale: float, odd_steps_scale: float = 1.0) -> str:
@@ -111,8 +139,7 @@ def predicted_step_s(truth: Truth, data, plan: ExecutionPlan, step: int) -> floa
         groups = [truth.groups(stage.layers) for stage in pipeline.stages]
         times = np.array([[truth.stage_seconds(g, data.metas(mb)) for mb in microbatches] for g in groups])
         slowest = max(slowest, iteration_time(times[:, :, 0], times[:, :, 1]))
-    allreduce = max(truth.allreduce_s(stage.layers, len(plan.pipelines))
-                    for p in plan.pipelines for stage in p.stages)  # fmt: skip
+    allreduce = max(truth.allreduce_s(stage.layers, len(plan.pipelines)) for p in plan.pipelines for stage in p.stages)
     return slowest + allreduce
 
 
@@ -124,7 +151,9 @@ def run(job, steps: int, workdir: Path) -> dict:
     from oobleck_mm.runtime.worker import run_local
 
     pipelines = job.cluster.nodes // STAGES
-    plan = ExecutionPlan.even(BLOCKS + 2, [STAGES] * pipelines, [MICROBATCHES] * pipelines, job.training.microbatch_size)
+    plan = ExecutionPlan.even(
+        BLOCKS + 2, [STAGES] * pipelines, [MICROBATCHES] * pipelines, job.training.microbatch_size
+    )
     cpu = HostCpu()
     began = time.time()
     outs = run_local(job, plan, steps, workdir, timeout_s=600)
@@ -135,8 +164,13 @@ def run(job, steps: int, workdir: Path) -> dict:
         for r in o["results"][WARMUP_STEPS:]:
             lateness.merge(r.lateness)
     timed = range(WARMUP_STEPS, steps)
-    rows = [{"emulated_ops": lateness.ops, "emulated_late_ops": lateness.late_ops,
-             "emulated_worst_lateness": lateness.worst}]  # fmt: skip
+    rows = [
+        {
+            "emulated_ops": lateness.ops,
+            "emulated_late_ops": lateness.late_ops,
+            "emulated_worst_lateness": lateness.worst,
+        }
+    ]
     verdict = judge(rows, cpu.share(began + sum(per_step[:WARMUP_STEPS]), time.time()))
     measured = statistics.median(per_step[s] for s in timed)
     truth, data = Truth(job), TrainingData(job)
@@ -146,11 +180,19 @@ def run(job, steps: int, workdir: Path) -> dict:
     # differ, so the delay shows as the odd steps' ratio over the even steps'.
     undelayed = {s: predicted_step_s(truth.at_step(0), data, plan, s) for s in timed}
     even, odd = ([per_step[s] / undelayed[s] for s in timed if s % 2 == parity] for parity in (0, 1))
-    return {"pipelines": pipelines, "measured_s": measured, "predicted_s": predicted,
-            "even_ratio": statistics.median(even), "odd_ratio": statistics.median(odd) if odd else None,
-            "ratio": measured / predicted, "valid": verdict.valid, "verdict": verdict.reason,
-            "deadlines_kept": lateness.valid, "cpu_share": verdict.cpu_share,
-            "lag_share": lateness.late_s / (len(outs) * sum(per_step[s] for s in timed))}  # fmt: skip
+    return {
+        "pipelines": pipelines,
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "even_ratio": statistics.median(even),
+        "odd_ratio": statistics.median(odd) if odd else None,
+        "ratio": measured / predicted,
+        "valid": verdict.valid,
+        "verdict": verdict.reason,
+        "deadlines_kept": lateness.valid,
+        "cpu_share": verdict.cpu_share,
+        "lag_share": lateness.late_s / (len(outs) * sum(per_step[s] for s in timed)),
+    }
 
 
 def calibrate(pipeline_counts: list[int], steps: int, delay_pipelines: int, **shape) -> dict:
@@ -161,19 +203,38 @@ def calibrate(pipeline_counts: list[int], steps: int, delay_pipelines: int, **sh
         for p in pipeline_counts:
             result = run(calibration_job(p, base, steps, **shape), steps, tmp / f"p{p}")
             scaling.append(result)
-            print(f"(b) {p:2d} pipelines: {result['measured_s']:.3f} s/step measured, {result['predicted_s']:.3f} "
-                  f"exact 1F1B: {100 * (result['ratio'] - 1):+.1f}%  [{result['verdict']}]", flush=True)
+            print(
+                f"(b) {p:2d} pipelines: {result['measured_s']:.3f} s/step measured, {result['predicted_s']:.3f} "
+                f"exact 1F1B: {100 * (result['ratio'] - 1):+.1f}%  [{result['verdict']}]",
+                flush=True,
+            )
         slow = run(calibration_job(delay_pipelines, delayed, steps, **shape), steps, tmp / "delayed")
-        delay = {"pipelines": delay_pipelines, "even_ratio": slow["even_ratio"], "odd_ratio": slow["odd_ratio"],
-                 "ratio": slow["odd_ratio"] / slow["even_ratio"], "valid": slow["valid"], "verdict": slow["verdict"]}
-        print(f"(a) every duration of the odd steps x1.1: even steps x{delay['even_ratio']:.4f}, odd steps "
-              f"x{delay['odd_ratio']:.4f} of their exact undelayed times: x{delay['ratio']:.4f} (target 1.10 +- "
-              f"0.015)  [{delay['verdict']}]", flush=True)
+        delay = {
+            "pipelines": delay_pipelines,
+            "even_ratio": slow["even_ratio"],
+            "odd_ratio": slow["odd_ratio"],
+            "ratio": slow["odd_ratio"] / slow["even_ratio"],
+            "valid": slow["valid"],
+            "verdict": slow["verdict"],
+        }
+        print(
+            f"(a) every duration of the odd steps x1.1: even steps x{delay['even_ratio']:.4f}, odd steps "
+            f"x{delay['odd_ratio']:.4f} of their exact undelayed times: x{delay['ratio']:.4f} (target 1.10 +- "
+            f"0.015)  [{delay['verdict']}]",
+            flush=True,
+        )
     return {"scaling": scaling, "delay": delay}
 
 
-MLLM_SETS = ["cluster.emulate=a100-80gb", "cluster.device=cpu", "cluster.backend=gloo", "cluster.gpus_per_node=1",
-             "cluster.max_gpus_per_stage=1", "cluster.inter_node_bandwidth=200Gbps", "training.microbatch_size=4"]
+MLLM_SETS = [
+    "cluster.emulate=a100-80gb",
+    "cluster.device=cpu",
+    "cluster.backend=gloo",
+    "cluster.gpus_per_node=1",
+    "cluster.max_gpus_per_stage=1",
+    "cluster.inter_node_bandwidth=200Gbps",
+    "training.microbatch_size=4",
+]
 """MLLM-10B as issue 48 measures it: emulated A100-80GB nodes of one GPU and a 200 Gb/s NIC, microbatches of 4
 (the compute copy's CPU per sample: 43 ms, against 69 ms for microbatches of 1; docs/benchmarks.md)."""
 DEFAULT_CHURN = "1,burst=3,min=6,max=9,seed=3,spread=0.8,preempt=0.3,notice=10,duration=700,start=30,warmup=10,calm=1.5"
@@ -210,13 +271,21 @@ def churn(args) -> dict:
     for name, extra in runs.items():
         code, _, wall = launch(config, args.nodes, args.steps, work / name, extra, sets, args.timeout)
         events = work / name / "events.jsonl"
-        out["runs"][name] = {"exit": code, "wall_s": round(wall, 1), "training_s": training_seconds(events),
-                             "sizes": steps_by_size(events), "copy_s": copy_seconds(events),
-                             "events": len(read_events(events, "injected")),
-                             "verdict": verdict_of(work / name)}  # fmt: skip
-        print(f"{name}: exit {code}, {out['runs'][name]['training_s']:.0f} s of training, "
-              f"{out['runs'][name]['events']} events, steps per node count {out['runs'][name]['sizes']}; "
-              f"{out['runs'][name]['verdict'].get('reason')}", flush=True)
+        out["runs"][name] = {
+            "exit": code,
+            "wall_s": round(wall, 1),
+            "training_s": training_seconds(events),
+            "sizes": steps_by_size(events),
+            "copy_s": copy_seconds(events),
+            "events": len(read_events(events, "injected")),
+            "verdict": verdict_of(work / name),
+        }
+        print(
+            f"{name}: exit {code}, {out['runs'][name]['training_s']:.0f} s of training, "
+            f"{out['runs'][name]['events']} events, steps per node count {out['runs'][name]['sizes']}; "
+            f"{out['runs'][name]['verdict'].get('reason')}",
+            flush=True,
+        )
     live = out["runs"]["live"]
     step_s: dict[int, float] = {}
     for size, n in sorted(live["sizes"].items()):
@@ -229,24 +298,28 @@ def churn(args) -> dict:
         code, _, _ = launch(config, size, args.size_steps, run, [], [*sets, "fault_tolerance.f=0"], args.timeout)
         if code == 0:
             step_s[size] = training_seconds(run / "events.jsonl") / max(1, args.size_steps - 1)
-            print(f"failure-free at {size} nodes: {step_s[size]:.2f} s/step; {verdict_of(run).get('reason')}",
-                  flush=True)
+            print(
+                f"failure-free at {size} nodes: {step_s[size]:.2f} s/step; {verdict_of(run).get('reason')}", flush=True
+            )
     same = same_size_seconds(live["sizes"], step_s)
     steps = sum(live["sizes"].values())
     out["failure_free_step_s"] = step_s
     out["vs_same_sizes"] = same / live["training_s"]
     out["vs_full_size"] = steps * step_s.get(args.nodes, float("nan")) / live["training_s"]
     out["copy_bound"] = same / (same + live["copy_s"])
-    print(f"churned: {out['vs_same_sizes']:.1%} of failure-free at the same node counts (time-weighted; target 95%, "
-          f"or within 2 points of the copies' bound {out['copy_bound']:.1%}: {live['copy_s']:.1f} s of layer-state "
-          f"copies at the configured bandwidth); {out['vs_full_size']:.1%} of the full-size failure-free run",
-          flush=True)
+    print(
+        f"churned: {out['vs_same_sizes']:.1%} of failure-free at the same node counts (time-weighted; target 95%, "
+        f"or within 2 points of the copies' bound {out['copy_bound']:.1%}: {live['copy_s']:.1f} s of layer-state "
+        f"copies at the configured bandwidth); {out['vs_full_size']:.1%} of the full-size failure-free run",
+        flush=True,
+    )
     out["simulator"] = simulator_check(out)
     if "restart" in out["runs"]:
         restart = out["runs"]["restart"]
         out["restart_vs_live"] = live["training_s"] / restart["training_s"] if restart["exit"] == 0 else None
-        print(f"checkpoint-restart: {restart['training_s']:.0f} s against live's {live['training_s']:.0f} s",
-              flush=True)
+        print(
+            f"checkpoint-restart: {restart['training_s']:.0f} s against live's {live['training_s']:.0f} s", flush=True
+        )
     return out
 
 
@@ -284,13 +357,21 @@ def simulator_check(result: dict) -> dict:
     sim = simulate(job, availability, ["oobleck"], params, iteration_of=iteration_of)[0]
     measured = sum(live["sizes"].values()) * job.training.global_batch / live["training_s"]
     # The simulation runs the churn's whole availability; the emulated run stopped at its last step.
-    out = {"nodes": result["nodes"], "simulated_samples_per_s": sim.samples_per_s,
-           "emulated_samples_per_s": measured, "ratio": sim.samples_per_s / measured,
-           "breakdown_s": {k: round(v, 1) for k, v in sim.breakdown.items() if v}, "params": EMULATED_PHASES}  # fmt: skip
+    out = {
+        "nodes": result["nodes"],
+        "simulated_samples_per_s": sim.samples_per_s,
+        "emulated_samples_per_s": measured,
+        "ratio": sim.samples_per_s / measured,
+        "breakdown_s": {k: round(v, 1) for k, v in sim.breakdown.items() if v},
+        "params": EMULATED_PHASES,
+    }
     met = abs(out["ratio"] - 1) <= SIMULATOR_TARGET
-    print(f"simulator at {result['nodes']} nodes: {sim.samples_per_s:.3f} samples/s predicted, {measured:.3f} "
-          f"emulated: x{out['ratio']:.3f} (target within {SIMULATOR_TARGET:.0%}: {'met' if met else 'missed'}); "
-          f"breakdown {out['breakdown_s']}", flush=True)  # fmt: skip
+    print(
+        f"simulator at {result['nodes']} nodes: {sim.samples_per_s:.3f} samples/s predicted, {measured:.3f} "
+        f"emulated: x{out['ratio']:.3f} (target within {SIMULATOR_TARGET:.0%}: {'met' if met else 'missed'}); "
+        f"breakdown {out['breakdown_s']}",
+        flush=True,
+    )
     return out
 
 
@@ -309,11 +390,15 @@ def straggler(args) -> dict:
     sets = [*MLLM_SETS, f"training.global_batch={args.global_batch}", *args.sets]
     config = ROOT / "configs" / "mllm_10b.yaml"
     slow = f"slow:{args.node}@step{args.at}x{args.factor:g}"
-    runs = {"unslowed": ([], []),
-            "slowed, detection only": (["--inject", slow], ["fault_tolerance.straggler_resplit=false"]),
-            "slowed, re-split only": (["--inject", slow], ["fault_tolerance.straggler_replan_after=null",
-                                                          "fault_tolerance.straggler_recut=false"]),
-            "slowed, mitigated": (["--inject", slow], [])}  # fmt: skip
+    runs = {
+        "unslowed": ([], []),
+        "slowed, detection only": (["--inject", slow], ["fault_tolerance.straggler_resplit=false"]),
+        "slowed, re-split only": (
+            ["--inject", slow],
+            ["fault_tolerance.straggler_replan_after=null", "fault_tolerance.straggler_recut=false"],
+        ),
+        "slowed, mitigated": (["--inject", slow], []),
+    }
     out: dict = {"nodes": args.nodes, "steps": args.steps, "slow": slow, "sets": sets, "runs": {}}
     for name, (extra, more) in runs.items():
         if args.only and not any(name.endswith(o) for o in args.only):
@@ -324,17 +409,28 @@ def straggler(args) -> dict:
         info = summary(run_dir / "events.jsonl", args.at) if code == 0 else {}
         info.update(exit=code, wall_s=round(time.perf_counter() - began, 1), verdict=verdict_of(run_dir))
         out["runs"][name] = info
-        print(f"{name}: exit {code}, {info.get('seconds_from_slowdown', float('nan')):.1f} s from step {args.at} to "
-              f"the end; detected {info.get('detected')}; benched {info.get('benched')}; "
-              f"{info['verdict'].get('reason')}", flush=True)  # fmt: skip
+        print(
+            f"{name}: exit {code}, {info.get('seconds_from_slowdown', float('nan')):.1f} s from step {args.at} to "
+            f"the end; detected {info.get('detected')}; benched {info.get('benched')}; "
+            f"{info['verdict'].get('reason')}",
+            flush=True,
+        )
     base = out["runs"].get("unslowed", {}).get("seconds_from_slowdown")
     for name, run in out["runs"].items():
         if name != "unslowed" and base and run.get("seconds_from_slowdown"):
             run["throughput_vs_unslowed"] = base / run["seconds_from_slowdown"]
-            met = "" if name != "slowed, mitigated" else (
-                f" (target {STRAGGLER_TARGET:.0%}: {'met' if run['throughput_vs_unslowed'] >= STRAGGLER_TARGET else 'missed'})")
-            print(f"{name}: {run['throughput_vs_unslowed']:.1%} of the unslowed throughput from step {args.at} on"
-                  f"{met}; splits {run.get('splits')}", flush=True)  # fmt: skip
+            met = (
+                ""
+                if name != "slowed, mitigated"
+                else (
+                    f" (target {STRAGGLER_TARGET:.0%}: {'met' if run['throughput_vs_unslowed'] >= STRAGGLER_TARGET else 'missed'})"
+                )
+            )
+            print(
+                f"{name}: {run['throughput_vs_unslowed']:.1%} of the unslowed throughput from step {args.at} on"
+                f"{met}; splits {run.get('splits')}",
+                flush=True,
+            )
     return out
 
 
@@ -346,34 +442,55 @@ def join(args) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="oobleck-emulated-join-"))
     sets = (*MLLM_SETS, f"training.global_batch={args.global_batch}", *args.sets)
-    scenarios = {"join alone": f"join@step{args.at}",
-                 "join after a loss": f"kill:node1@step{args.at},join@step{args.at + 3}"}  # fmt: skip
+    scenarios = {
+        "join alone": f"join@step{args.at}",
+        "join after a loss": f"kill:node1@step{args.at},join@step{args.at + 3}",
+    }
     out: dict = {"nodes": args.nodes, "steps": args.steps, "sets": list(sets), "scenarios": {}}
     for name, inject in scenarios.items():
         rows = []
         for r in range(args.runs):
             run_dir = work / f"{name.replace(' ', '_')}{r}"
-            row = one_run(inject, args.steps, run_dir, config=str(ROOT / "configs" / "mllm_10b.yaml"),
-                          nodes=args.nodes, sets=sets, timeout=args.timeout)  # fmt: skip
+            row = one_run(
+                inject,
+                args.steps,
+                run_dir,
+                config=str(ROOT / "configs" / "mllm_10b.yaml"),
+                nodes=args.nodes,
+                sets=sets,
+                timeout=args.timeout,
+            )
             row["verdict"] = verdict_of(run_dir)
             rows.append(row)
-            print(f"{name} #{r}: exit {row['exit']}, longest step {row['longest_median_steps'] or float('nan'):.2f} "
-                  f"median steps of {row['median_step_s'] or float('nan'):.2f} s, pause "
-                  f"{row['pause_s'] or float('nan'):.2f} s; {row['verdict'].get('reason')}", flush=True)  # fmt: skip
+            print(
+                f"{name} #{r}: exit {row['exit']}, longest step {row['longest_median_steps'] or float('nan'):.2f} "
+                f"median steps of {row['median_step_s'] or float('nan'):.2f} s, pause "
+                f"{row['pause_s'] or float('nan'):.2f} s; {row['verdict'].get('reason')}",
+                flush=True,
+            )
         longest = [r["longest_median_steps"] for r in rows if r["longest_median_steps"] is not None]
         out["scenarios"][name] = {
-            "inject": inject, "runs": rows, "worst_longest_median_steps": max(longest, default=None),
-            "target_met": len(longest) == len(rows) and max(longest) <= JOIN_TARGET_MEDIAN_STEPS}  # fmt: skip
-        print(f"{name}: longest step around the join, worst of {len(rows)}: "
-              f"{out['scenarios'][name]['worst_longest_median_steps']} median steps (target "
-              f"<= {JOIN_TARGET_MEDIAN_STEPS}: {'met' if out['scenarios'][name]['target_met'] else 'missed'})",
-              flush=True)  # fmt: skip
+            "inject": inject,
+            "runs": rows,
+            "worst_longest_median_steps": max(longest, default=None),
+            "target_met": len(longest) == len(rows) and max(longest) <= JOIN_TARGET_MEDIAN_STEPS,
+        }
+        print(
+            f"{name}: longest step around the join, worst of {len(rows)}: "
+            f"{out['scenarios'][name]['worst_longest_median_steps']} median steps (target "
+            f"<= {JOIN_TARGET_MEDIAN_STEPS}: {'met' if out['scenarios'][name]['target_met'] else 'missed'})",
+            flush=True,
+        )
     return out
 
 
 BALANCE_TARGET = 1.3
-SKEWED_DATA = ["data.text_length_sigma=2.0", "data.mean_images_per_sample=1.0", "data.max_images_per_sample=8",
-               "data.min_image_size=224"]
+SKEWED_DATA = [
+    "data.text_length_sigma=2.0",
+    "data.mean_images_per_sample=1.0",
+    "data.max_images_per_sample=8",
+    "data.min_image_size=224",
+]
 """A long-tailed image/audio/text mix: lognormal text with log-sigma 2 (most samples short, a few of thousands
 of tokens), 0-8 images of 224-448 px sides (mean 1), one clip of audio on 80% of samples."""
 
@@ -385,11 +502,9 @@ def balance(args) -> dict:
     from soak_churn import launch
 
     work = Path(tempfile.mkdtemp(prefix="oobleck-emulated-balance-"))
-    sets = [*MLLM_SETS, f"training.global_batch={args.global_batch}", "fault_tolerance.f=0", *SKEWED_DATA,
-            *args.sets]  # fmt: skip
+    sets = [*MLLM_SETS, f"training.global_batch={args.global_batch}", "fault_tolerance.f=0", *SKEWED_DATA, *args.sets]
     config = str(ROOT / "configs" / "mllm_10b.yaml")
-    runs = {"off": ["balance.enabled=false"],
-            "on": ["balance.enabled=true", "balance.deferral=true"]}  # fmt: skip
+    runs = {"off": ["balance.enabled=false"], "on": ["balance.enabled=true", "balance.deferral=true"]}
     out: dict = {"nodes": args.nodes, "steps": args.steps, "sets": sets, "runs": {}}
     for name, more in runs.items():
         run = work / name
@@ -397,26 +512,41 @@ def balance(args) -> dict:
         steps = sorted(float(e.get("finished_at") or e["ts"]) for e in read_events(run / "events.jsonl", "step"))
         gaps = [b - a for a, b in zip(steps, steps[1:])][WARMUP_STEPS:]
         plan = read_events(run / "events.jsonl", "plan_decided")
-        out["runs"][name] = {"exit": code, "wall_s": round(wall, 1), "median_step_s": statistics.median(gaps) if gaps else None,
-                             "mean_step_s": statistics.fmean(gaps) if gaps else None, "verdict": verdict_of(run),
-                             "plan": plan[0]["describe"] if plan else None}  # fmt: skip
-        print(f"balance {name}: exit {code}, median {out['runs'][name]['median_step_s']} s/step, mean "
-              f"{out['runs'][name]['mean_step_s']} s/step; {out['runs'][name]['verdict'].get('reason')}", flush=True)
+        out["runs"][name] = {
+            "exit": code,
+            "wall_s": round(wall, 1),
+            "median_step_s": statistics.median(gaps) if gaps else None,
+            "mean_step_s": statistics.fmean(gaps) if gaps else None,
+            "verdict": verdict_of(run),
+            "plan": plan[0]["describe"] if plan else None,
+        }
+        print(
+            f"balance {name}: exit {code}, median {out['runs'][name]['median_step_s']} s/step, mean "
+            f"{out['runs'][name]['mean_step_s']} s/step; {out['runs'][name]['verdict'].get('reason')}",
+            flush=True,
+        )
     off, on = out["runs"]["off"].get("mean_step_s"), out["runs"]["on"].get("mean_step_s")
     layout = read_events(work / "on" / "events.jsonl", "plan_decided")
     if layout:
         from oobleck_mm.config import load_config
 
         job = load_config(config, overrides=[*sets, *runs["on"], f"cluster.nodes={args.nodes}"])
-        out["exact"] = exact_balance(job, ExecutionPlan.from_dict(layout[0]["layout"]), range(WARMUP_STEPS + 1, args.steps))
-        print(f"the same steps' exact 1F1B compute under the truth (no transfers, all-reduce or host): off "
-              f"{out['exact']['off_s']:.3f} s, on {out['exact']['on_s']:.3f} s: x{out['exact']['speedup']:.3f}, the "
-              f"most these assignments give on perfect hosts", flush=True)  # fmt: skip
+        out["exact"] = exact_balance(
+            job, ExecutionPlan.from_dict(layout[0]["layout"]), range(WARMUP_STEPS + 1, args.steps)
+        )
+        print(
+            f"the same steps' exact 1F1B compute under the truth (no transfers, all-reduce or host): off "
+            f"{out['exact']['off_s']:.3f} s, on {out['exact']['on_s']:.3f} s: x{out['exact']['speedup']:.3f}, the "
+            f"most these assignments give on perfect hosts",
+            flush=True,
+        )
     if off and on:
         out["speedup"] = off / on
-        print(f"balancer and deferral on vs off: x{out['speedup']:.3f} (mean step, steps {WARMUP_STEPS + 1}-"
-              f"{args.steps}; target {BALANCE_TARGET}x: {'met' if out['speedup'] >= BALANCE_TARGET else 'missed'})",
-              flush=True)  # fmt: skip
+        print(
+            f"balancer and deferral on vs off: x{out['speedup']:.3f} (mean step, steps {WARMUP_STEPS + 1}-"
+            f"{args.steps}; target {BALANCE_TARGET}x: {'met' if out['speedup'] >= BALANCE_TARGET else 'missed'})",
+            flush=True,
+        )
     return out
 
 
@@ -440,8 +570,12 @@ def exact_balance(job, plan: ExecutionPlan, steps) -> dict:
             for stage in layout.stages:
                 encoder = truth.groups([i for i in stage.layers if i < seam])
                 decoder, every = truth.groups([i for i in stage.layers if i >= seam]), truth.groups(list(stage.layers))
-                forward.append([truth.stage_seconds(encoder, data.metas(mb))[0] + truth.stage_seconds(decoder, data.metas(l))[0]
-                                for mb, l in zip(microbatches, llm)])  # fmt: skip
+                forward.append(
+                    [
+                        truth.stage_seconds(encoder, data.metas(mb))[0] + truth.stage_seconds(decoder, data.metas(l))[0]
+                        for mb, l in zip(microbatches, llm)
+                    ]
+                )
                 backward.append([truth.stage_seconds(every, data.metas(l))[1] for l in llm])
             worst = max(worst, iteration_time(np.array(forward), np.array(backward)))
         return worst
@@ -449,12 +583,21 @@ def exact_balance(job, plan: ExecutionPlan, steps) -> dict:
     off, on = [], []
     for step in steps:
         ids = data.global_batch(step)
-        off.append(slowest(contiguous_assignment(ids, [p.num_microbatches for p in plan.pipelines],
-                                                 plan.microbatch_size).pipelines, lambda k, mbs: mbs))  # fmt: skip
+        off.append(
+            slowest(
+                contiguous_assignment(
+                    ids, [p.num_microbatches for p in plan.pipelines], plan.microbatch_size
+                ).pipelines,
+                lambda k, mbs: mbs,
+            )
+        )
         assignment = balancer.assign(step, ids, plan)
         on.append(slowest(assignment.pipelines, lambda k, mbs: assignment.llm_microbatches(k)))
-    return {"off_s": statistics.fmean(off), "on_s": statistics.fmean(on),
-            "speedup": statistics.fmean(off) / statistics.fmean(on)}  # fmt: skip
+    return {
+        "off_s": statistics.fmean(off),
+        "on_s": statistics.fmean(on),
+        "speedup": statistics.fmean(off) / statistics.fmean(on),
+    }
 
 
 def _run_flags(parser: argparse.ArgumentParser, timeout: float) -> None:
@@ -488,8 +631,12 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--node", default="node5")
     st.add_argument("--at", type=int, default=20, help="the step the slowdown begins (after the detector's warm-up)")
     st.add_argument("--factor", type=float, default=2.0)
-    st.add_argument("--global-batch", type=int, default=64,
-                    help="16 microbatches: a split of 8 bounds every mitigation near 89%% (docs/benchmarks.md)")
+    st.add_argument(
+        "--global-batch",
+        type=int,
+        default=64,
+        help="16 microbatches: a split of 8 bounds every mitigation near 89%% (docs/benchmarks.md)",
+    )
     st.add_argument("--only", action="append", default=[], help="run only the runs whose name ends so (repeatable)")
     _run_flags(st, timeout=3600)
     jo = sub.add_parser("join", help="the survivors' longest step around a join, alone and after a loss")
@@ -519,8 +666,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "churn":
         out = churn(args)
     if args.command == "calibrate":
-        out = calibrate([int(p) for p in args.pipelines.split(",")], args.steps, args.delay_pipelines,
-                        width=args.width, coarsen=args.coarsen)
+        out = calibrate(
+            [int(p) for p in args.pipelines.split(",")],
+            args.steps,
+            args.delay_pipelines,
+            width=args.width,
+            coarsen=args.coarsen,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -92,8 +92,15 @@ def _worker(directory: str, layers: list[int], out, init_first: str | None = Non
             load_hf_weights(layer, directory)
     seconds = time.perf_counter() - t0
     nbytes = sum(p.numel() * p.element_size() for m in held for p in m.parameters())
-    out.send({"layers": [specs[i].name for i in layers], "param_mb": nbytes / 2**20, "base_rss_mb": base,
-              "peak_rss_mb": _peak_rss_mb(), "load_s": seconds})
+    out.send(
+        {
+            "layers": [specs[i].name for i in layers],
+            "param_mb": nbytes / 2**20,
+            "base_rss_mb": base,
+            "peak_rss_mb": _peak_rss_mb(),
+            "load_s": seconds,
+        }
+    )
 
 
 def measure(directory: str, layers: list[int], init_first: str | None = None) -> dict:
@@ -117,15 +124,25 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024, help="text model width (default 1024)")
     ap.add_argument("--layers", type=int, default=8, help="text model blocks (default 8)")
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per case; the median is reported")
-    ap.add_argument("--compare-init", action="store_true",
-                    help="also measure each case with the random init run before the read (the earlier path)")
+    ap.add_argument(
+        "--compare-init",
+        action="store_true",
+        help="also measure each case with the random init run before the read (the earlier path)",
+    )
     args = ap.parse_args(argv)
 
     from oobleck_mm.config import config_from_dict
     from oobleck_mm.model.layers import model_layer_specs
+
     with tempfile.TemporaryDirectory(prefix="bench_hf_load_") as tmp:
-        text = {"hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers,
-                "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000}
+        text = {
+            "hidden_size": args.hidden,
+            "intermediate_size": 4 * args.hidden,
+            "num_hidden_layers": args.layers,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "vocab_size": 32000,
+        }
         directory = str(Path(tmp) / "llava")
         maker = mp.get_context("spawn").Process(target=_make_model, args=(directory, text))  # keeps this process small
         maker.start()
@@ -151,29 +168,44 @@ def main(argv=None) -> int:
             for way, results in runs.items():
                 r = sorted(results, key=lambda x: x["peak_rss_mb"])[len(results) // 2]
                 suffix = "" if way == "load" else "_init_first"
-                row.update({"layers": f"{r['layers'][0]}..{r['layers'][-1]}", "param_mb": round(r["param_mb"], 1),
-                            f"peak_rss_mb{suffix}": round(r["peak_rss_mb"], 1),
-                            f"base_rss_mb{suffix}": round(r["base_rss_mb"], 1),
-                            f"peak_minus_base_mb{suffix}": round(r["peak_rss_mb"] - r["base_rss_mb"], 1),
-                            f"load_s{suffix}": round(sorted(x["load_s"] for x in results)[len(results) // 2], 3)})
+                row.update(
+                    {
+                        "layers": f"{r['layers'][0]}..{r['layers'][-1]}",
+                        "param_mb": round(r["param_mb"], 1),
+                        f"peak_rss_mb{suffix}": round(r["peak_rss_mb"], 1),
+                        f"base_rss_mb{suffix}": round(r["base_rss_mb"], 1),
+                        f"peak_minus_base_mb{suffix}": round(r["peak_rss_mb"] - r["base_rss_mb"], 1),
+                        f"load_s{suffix}": round(sorted(x["load_s"] for x in results)[len(results) // 2], 3),
+                    }
+                )
             rows.append(row)
-            print(f"  {name:<14} {row['layers']:<34} params {row['param_mb']:7.1f} MiB  peak RSS {row['peak_rss_mb']:7.1f} "
-                  f"MiB  (+{row['peak_minus_base_mb']:.1f} over {row['base_rss_mb']:.0f} after imports)  "
-                  f"load {row['load_s']:.3f} s", flush=True)
+            print(
+                f"  {name:<14} {row['layers']:<34} params {row['param_mb']:7.1f} MiB  peak RSS {row['peak_rss_mb']:7.1f} "
+                f"MiB  (+{row['peak_minus_base_mb']:.1f} over {row['base_rss_mb']:.0f} after imports)  "
+                f"load {row['load_s']:.3f} s",
+                flush=True,
+            )
             if args.compare_init:
                 row["init_first_over_load"] = round(row["load_s_init_first"] / max(row["load_s"], 1e-9), 2)
-                print(f"  {'':<14} {'random init first (earlier path)':<34} {'':20} peak RSS "
-                      f"{row['peak_rss_mb_init_first']:7.1f} MiB  (+{row['peak_minus_base_mb_init_first']:.1f})  "
-                      f"load {row['load_s_init_first']:.3f} s  = {row['init_first_over_load']:.2f}x", flush=True)
+                print(
+                    f"  {'':<14} {'random init first (earlier path)':<34} {'':20} peak RSS "
+                    f"{row['peak_rss_mb_init_first']:7.1f} MiB  (+{row['peak_minus_base_mb_init_first']:.1f})  "
+                    f"load {row['load_s_init_first']:.3f} s  = {row['init_first_over_load']:.2f}x",
+                    flush=True,
+                )
     whole = rows[0]
     largest = max(rows[1:], key=lambda r: r["peak_minus_base_mb"])
-    print(f"largest stage: +{largest['peak_minus_base_mb']:.1f} MiB for {largest['param_mb']:.1f} MiB of parameters "
-          f"({largest['peak_minus_base_mb'] / whole['peak_minus_base_mb']:.2f} of the whole model's "
-          f"+{whole['peak_minus_base_mb']:.1f} MiB)")
+    print(
+        f"largest stage: +{largest['peak_minus_base_mb']:.1f} MiB for {largest['param_mb']:.1f} MiB of parameters "
+        f"({largest['peak_minus_base_mb'] / whole['peak_minus_base_mb']:.2f} of the whole model's "
+        f"+{whole['peak_minus_base_mb']:.1f} MiB)"
+    )
     if args.json:
         command = "python scripts/bench_hf_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.json).write_text(json.dumps({"command": command.strip(), "safetensors_mb": round(size_mb, 1),
-                                               "cases": rows}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"command": command.strip(), "safetensors_mb": round(size_mb, 1), "cases": rows}, indent=1)
+            + "\n"
+        )
         print(f"wrote {args.json}")
     return 0
 

@@ -47,15 +47,42 @@ GLOBAL_BATCH, MICROBATCH, FAULT_TOLERANCE = 1024, 2, 1  # GPT-3 rows of Table 2.
 def gpt_profile(num_layers: int, hidden: int = 2560, seq: int = 2048):
     """A GPT-3 2.7B-width decoder with ``num_layers`` layers (embedding and head included)."""
     blocks = num_layers - 2
-    specs = [LayerSpec(name="llm.embed", modality="text", kind="token_embed", hidden=hidden,
-                       in_features=50257, vocab_size=50257, tokens_per_sample=seq)]
+    specs = [
+        LayerSpec(
+            name="llm.embed",
+            modality="text",
+            kind="token_embed",
+            hidden=hidden,
+            in_features=50257,
+            vocab_size=50257,
+            tokens_per_sample=seq,
+        )
+    ]
     specs += [
-        LayerSpec(name=f"llm.block{i}", modality="text", kind="block", hidden=hidden, in_features=hidden,
-                  ffn_hidden=4 * hidden, num_heads=32, tokens_per_sample=seq, attention_len=seq)
+        LayerSpec(
+            name=f"llm.block{i}",
+            modality="text",
+            kind="block",
+            hidden=hidden,
+            in_features=hidden,
+            ffn_hidden=4 * hidden,
+            num_heads=32,
+            tokens_per_sample=seq,
+            attention_len=seq,
+        )
         for i in range(blocks)
     ]
-    specs.append(LayerSpec(name="llm.head", modality="text", kind="lm_head", hidden=hidden,
-                           in_features=hidden, vocab_size=50257, tokens_per_sample=seq))
+    specs.append(
+        LayerSpec(
+            name="llm.head",
+            modality="text",
+            kind="lm_head",
+            hidden=hidden,
+            in_features=hidden,
+            vocab_size=50257,
+            tokens_per_sample=seq,
+        )
+    )
     # Activation checkpointing as in the paper's runs (§2.7.1), so every cell has n0 = 1
     # and plans the full template range the table is about.
     return analytical_profile(specs, DEVICES["a40"], MICROBATCH, f"gpt-{num_layers}L", activation_checkpointing=True)
@@ -92,9 +119,15 @@ def time_instantiation(nodes: int, layers: int = 32, gpus: int = 1, repeats: int
         start = time.perf_counter()
         plan = instantiate(template_set, names, FAULT_TOLERANCE, GLOBAL_BATCH, MICROBATCH, spec)
         runs.append(time.perf_counter() - start)
-    return {"nodes": nodes, "layers": layers, "gpus_per_node": gpus, "pipelines": plan.num_pipelines,
-            "cold_seconds": round(runs[0], 4), "warm_seconds": round(min(runs[1:]), 4),
-            "template_build_seconds": round(build_s, 4)}
+    return {
+        "nodes": nodes,
+        "layers": layers,
+        "gpus_per_node": gpus,
+        "pipelines": plan.num_pipelines,
+        "cold_seconds": round(runs[0], 4),
+        "warm_seconds": round(min(runs[1:]), 4),
+        "template_build_seconds": round(build_s, 4),
+    }
 
 
 def main() -> int:
@@ -113,26 +146,42 @@ def main() -> int:
             continue
         for layers, paper_s in paper.items():
             seconds, count = time_cell(nodes, gpus, layers)
-            rows.append({"nodes": nodes, "gpus_per_node": gpus, "layers": layers,
-                         "seconds": round(seconds, 4), "paper_seconds": paper_s, "templates": count})
-            print(f"{nodes:>5} {gpus:>9} {layers:>6} {count:>9} {seconds:>9.3f} {paper_s:>9.2f} "
-                  f"{paper_s / seconds:>8.0f}x", flush=True)
+            rows.append(
+                {
+                    "nodes": nodes,
+                    "gpus_per_node": gpus,
+                    "layers": layers,
+                    "seconds": round(seconds, 4),
+                    "paper_seconds": paper_s,
+                    "templates": count,
+                }
+            )
+            print(
+                f"{nodes:>5} {gpus:>9} {layers:>6} {count:>9} {seconds:>9.3f} {paper_s:>9.2f} "
+                f"{paper_s / seconds:>8.0f}x",
+                flush=True,
+            )
 
     scale = []
     for layers in (32, 64, 96):
         for nodes in (64, 256):
             row = time_instantiation(nodes, layers=layers)
             scale.append(row)
-            print(f"instantiation + batch split (HiGHS), {nodes} nodes, {layers} layers, 1 GPU/node, f=1: "
-                  f"{row['pipelines']} pipelines, cold {row['cold_seconds']:.3f} s, warm {row['warm_seconds']:.3f} s "
-                  f"(target <= 1 s; templates built beforehand in {row['template_build_seconds']:.3f} s)", flush=True)
+            print(
+                f"instantiation + batch split (HiGHS), {nodes} nodes, {layers} layers, 1 GPU/node, f=1: "
+                f"{row['pipelines']} pipelines, cold {row['cold_seconds']:.3f} s, warm {row['warm_seconds']:.3f} s "
+                f"(target <= 1 s; templates built beforehand in {row['template_build_seconds']:.3f} s)",
+                flush=True,
+            )
 
     worst = max(r["seconds"] for r in rows)
     print(f"worst cell {worst:.3f} s (target <= 30 s)")
     big = [r for r in rows if (r["nodes"], r["gpus_per_node"], r["layers"]) == (24, 8, 96)]
     if big:
-        print(f"24 x 8 x 96: {big[0]['seconds']:.3f} s vs paper 3297.92 s: "
-              f"{3297.92 / big[0]['seconds']:.0f}x faster (target >= 100x)")
+        print(
+            f"24 x 8 x 96: {big[0]['seconds']:.3f} s vs paper 3297.92 s: "
+            f"{3297.92 / big[0]['seconds']:.0f}x faster (target >= 100x)"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
         args.json.with_name(args.json.stem + "_scale.json").write_text(json.dumps(scale, indent=2) + "\n")

@@ -60,11 +60,17 @@ def held_bytes(trainer: ReferenceTrainer) -> dict[str, int]:
 
     masters = [p for layer in trainer.layers for p in layer.parameters()]
     out = {"masters": count(masters)}
-    out["compute_copies"] = count(p for i, m in trainer.compute.items() if trainer.mixed is not None
-                                  for p in m.parameters())  # fmt: skip
+    out["compute_copies"] = count(
+        p for i, m in trainer.compute.items() if trainer.mixed is not None for p in m.parameters()
+    )
     out["gradients"] = count(p.grad for p in masters)
-    out["optimizer"] = count(v for opt in trainer.optimizers.values() for state in opt.state.values()
-                             for v in state.values() if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+    out["optimizer"] = count(
+        v
+        for opt in trainer.optimizers.values()
+        for state in opt.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     out["total"] = sum(out.values())
     return out
 
@@ -172,34 +178,53 @@ def main(argv=None) -> int:
         param_bytes = sum(p.numel() * p.element_size() for layer in trainer.layers for p in layer.parameters())
         saved, microbatches, saved_by_dtype = activation_bytes(trainer)
         predicted_acts = microbatches * sum(l.activation_bytes for l in profile.layers)
-        rows.append({"mode": mode, "held_bytes": held, "predicted_state_bytes": predicted,
-                     "activation_bytes": saved, "predicted_activation_bytes": predicted_acts,
-                     "activation_bytes_by_dtype": saved_by_dtype,
-                     "activations_over_predicted": round(saved / predicted_acts, 3),
-                     "held_over_predicted": round(held["total"] / predicted, 3),
-                     "median_step_s": round(statistics.median(times[mode][1:]), 4),
-                     "median_update_s": round(statistics.median(updates[mode][1:]), 5),
-                     "update_ns_per_master_byte": round(statistics.median(updates[mode][1:]) / param_bytes * 1e9, 3)})
+        rows.append(
+            {
+                "mode": mode,
+                "held_bytes": held,
+                "predicted_state_bytes": predicted,
+                "activation_bytes": saved,
+                "predicted_activation_bytes": predicted_acts,
+                "activation_bytes_by_dtype": saved_by_dtype,
+                "activations_over_predicted": round(saved / predicted_acts, 3),
+                "held_over_predicted": round(held["total"] / predicted, 3),
+                "median_step_s": round(statistics.median(times[mode][1:]), 4),
+                "median_update_s": round(statistics.median(updates[mode][1:]), 5),
+                "update_ns_per_master_byte": round(statistics.median(updates[mode][1:]) / param_bytes * 1e9, 3),
+            }
+        )
     base = rows[0]
-    print(f"{'mode':<9} {'held MiB':>9} {'predicted MiB':>13} {'held/pred':>9} {'step s':>8} {'update s':>9} "
-          f"{'update ns/B':>11}")
+    print(
+        f"{'mode':<9} {'held MiB':>9} {'predicted MiB':>13} {'held/pred':>9} {'step s':>8} {'update s':>9} "
+        f"{'update ns/B':>11}"
+    )
     for r in rows:
-        print(f"{r['mode']:<9} {r['held_bytes']['total'] / 2**20:9.2f} {r['predicted_state_bytes'] / 2**20:13.2f} "
-              f"{r['held_over_predicted']:9.3f} {r['median_step_s']:8.4f} {r['median_update_s']:9.5f} "
-              f"{r['update_ns_per_master_byte']:11.3f}")
+        print(
+            f"{r['mode']:<9} {r['held_bytes']['total'] / 2**20:9.2f} {r['predicted_state_bytes'] / 2**20:13.2f} "
+            f"{r['held_over_predicted']:9.3f} {r['median_step_s']:8.4f} {r['median_update_s']:9.5f} "
+            f"{r['update_ns_per_master_byte']:11.3f}"
+        )
         print("          held by kind (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in r["held_bytes"].items()))
-    print(f"{'mode':<9} {'activations MiB':>15} {'predicted MiB':>13} {'measured/pred':>13}   (one global batch, "
-          "saved for backward)")
+    print(
+        f"{'mode':<9} {'activations MiB':>15} {'predicted MiB':>13} {'measured/pred':>13}   (one global batch, "
+        "saved for backward)"
+    )
     for r in rows:
-        print(f"{r['mode']:<9} {r['activation_bytes'] / 2**20:15.2f} {r['predicted_activation_bytes'] / 2**20:13.2f} "
-              f"{r['activations_over_predicted']:13.3f}   by dtype (MiB): "
-              + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(r["activation_bytes_by_dtype"].items())))
+        print(
+            f"{r['mode']:<9} {r['activation_bytes'] / 2**20:15.2f} {r['predicted_activation_bytes'] / 2**20:13.2f} "
+            f"{r['activations_over_predicted']:13.3f}   by dtype (MiB): "
+            + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(r["activation_bytes_by_dtype"].items()))
+        )
     for r in rows[1:]:
-        print(f"{r['mode']} / {base['mode']}: activations {r['activation_bytes'] / base['activation_bytes']:.2f}x "
-              f"(predicted {r['predicted_activation_bytes'] / base['predicted_activation_bytes']:.2f}x)")
-        print(f"{r['mode']} / {base['mode']}: memory {r['held_bytes']['total'] / base['held_bytes']['total']:.2f}x, "
-              f"step time {r['median_step_s'] / base['median_step_s']:.2f}x, "
-              f"update time {r['median_update_s'] / base['median_update_s']:.2f}x")
+        print(
+            f"{r['mode']} / {base['mode']}: activations {r['activation_bytes'] / base['activation_bytes']:.2f}x "
+            f"(predicted {r['predicted_activation_bytes'] / base['predicted_activation_bytes']:.2f}x)"
+        )
+        print(
+            f"{r['mode']} / {base['mode']}: memory {r['held_bytes']['total'] / base['held_bytes']['total']:.2f}x, "
+            f"step time {r['median_step_s'] / base['median_step_s']:.2f}x, "
+            f"update time {r['median_update_s'] / base['median_update_s']:.2f}x"
+        )
     if args.json:
         command = "python scripts/bench_precision.py " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.json).write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=1) + "\n")

@@ -88,12 +88,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=8, help="SIGKILL node1 once this many steps are done")
     # Every failure 3 steps after restart mode's last checkpoint (5, 65, 85 with --checkpoint-interval 5):
     # restart mode redoes the same work for each, mid-interval, its expected case.
-    p.add_argument("--preempt-step", type=int, default=68,
-                   help="SIGTERM node3's agent once this many steps are done, SIGKILL 30 s later (0: none)")
+    p.add_argument(
+        "--preempt-step",
+        type=int,
+        default=68,
+        help="SIGTERM node3's agent once this many steps are done, SIGKILL 30 s later (0: none)",
+    )
     p.add_argument("--stop-step", type=int, default=88, help="SIGSTOP node2 once this many steps are done")
     p.add_argument("--join-step", type=int, default=2, help="start node4 once this many steps are done (0: none)")
-    p.add_argument("--master-kill-step", type=int, default=38,
-                   help="SIGKILL the master process once this many steps are done (0: none)")
+    p.add_argument(
+        "--master-kill-step",
+        type=int,
+        default=38,
+        help="SIGKILL the master process once this many steps are done (0: none)",
+    )
     p.add_argument("--checkpoint-interval", type=int, default=5, help="restart mode: steps between checkpoints")
     p.add_argument("--modes", default="live,restart", help="comma-separated recovery modes to run")
     p.add_argument("--runs-dir", default=None, help="where the runs go (default runs/bench-recovery-<time>)")
@@ -130,13 +138,31 @@ def job_file(args: argparse.Namespace, folder: Path, mode: str) -> Path:
 
 
 def launch_command(args: argparse.Namespace, config: Path, mode: str, run_dir: Path) -> list[str]:
-    return [
-        sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(config), "--nodes", str(NODES),
-        "--steps", str(args.steps), "--run-dir", str(run_dir), "--recovery", mode,
-        "--inject", f"kill:node1@step{args.kill_step}", "--inject", f"stop:node2@step{args.stop_step}",
-    ] + (["--inject", f"join:node{NODES}@step{args.join_step}"] if args.join_step else []) + (
-        ["--inject", f"preempt:node3@step{args.preempt_step}+30s"] if args.preempt_step else []) + (
-        ["--inject", f"killmaster@step{args.master_kill_step}"] if args.master_kill_step else [])  # fmt: skip
+    return (
+        [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "local",
+            "--config",
+            str(config),
+            "--nodes",
+            str(NODES),
+            "--steps",
+            str(args.steps),
+            "--run-dir",
+            str(run_dir),
+            "--recovery",
+            mode,
+            "--inject",
+            f"kill:node1@step{args.kill_step}",
+            "--inject",
+            f"stop:node2@step{args.stop_step}",
+        ]
+        + (["--inject", f"join:node{NODES}@step{args.join_step}"] if args.join_step else [])
+        + (["--inject", f"preempt:node3@step{args.preempt_step}+30s"] if args.preempt_step else [])
+        + (["--inject", f"killmaster@step{args.master_kill_step}"] if args.master_kill_step else [])
+    )
 
 
 def run_once(command: list[str], run_dir: Path) -> tuple[int, float]:
@@ -181,11 +207,15 @@ def measure(mode: str, run_dir: Path, code: int, wall_s: float) -> dict:
     if events:
         plot_run(events, str(run_dir / "run.png"), title=f"tiny_mm on {NODES} nodes, recovery {mode}")
     return {
-        "mode": mode, "exit_code": code, "wall_s": wall_s, "run_dir": str(run_dir),
-        "rows": [r.to_dict() for r in rows], "table": format_table(rows),
+        "mode": mode,
+        "exit_code": code,
+        "wall_s": wall_s,
+        "run_dir": str(run_dir),
+        "rows": [r.to_dict() for r in rows],
+        "table": format_table(rows),
         "failures": {kind: row.to_dict() for kind, row in failure_rows(rows).items()},
         "join_stall": join_stall(events, failure_rows(rows).get("join")),
-    }  # fmt: skip
+    }
 
 
 def _get(result: dict | None, kind: str, field: str):
@@ -204,14 +234,18 @@ def compare(results: dict[str, dict], heartbeat_timeout_s: float) -> dict:
         live_lost = _get(live, kind, "lost_s")
         restart_lost = _get(restart, kind, "lost_s") if kind != "join" else None
         out["per_event"][kind] = {
-            "detect_s": _get(live, kind, "detect_s"), "decide_s": _get(live, kind, "decide_s"),
-            "rendezvous_s": _get(live, kind, "rendezvous_s"), "copy_s": _get(live, kind, "copy_s"),
-            "copy_bytes": _get(live, kind, "copy_bytes"), "copy_mb_per_s": _get(live, kind, "copy_mb_per_s"),
-            "reconfigure_s": _get(live, kind, "reconfigure_s"), "live_lost_s": live_lost,
+            "detect_s": _get(live, kind, "detect_s"),
+            "decide_s": _get(live, kind, "decide_s"),
+            "rendezvous_s": _get(live, kind, "rendezvous_s"),
+            "copy_s": _get(live, kind, "copy_s"),
+            "copy_bytes": _get(live, kind, "copy_bytes"),
+            "copy_mb_per_s": _get(live, kind, "copy_mb_per_s"),
+            "reconfigure_s": _get(live, kind, "reconfigure_s"),
+            "live_lost_s": live_lost,
             "restart_lost_s": restart_lost,
             "restart_over_live": restart_lost / live_lost if live_lost and restart_lost else None,
             "abandoned_s": _get(live, kind, "abandoned_s"),
-        }  # fmt: skip
+        }
     if "join" in out["per_event"] and live is not None:
         out["per_event"]["join"].update(live["join_stall"])
     failures = {k: v for k, v in out["per_event"].items() if k in ("kill", "stop")}
@@ -224,15 +258,16 @@ def compare(results: dict[str, dict], heartbeat_timeout_s: float) -> dict:
         f"hang_detect_s<={hang_limit:g}": _meets(failures["stop"]["detect_s"], hang_limit),
         "reconfigure_excl_copy_s<=3": all(_meets(v["reconfigure_s"], TARGET_RECONFIGURE_S) for v in failures.values()),
         "restart/live>=5": all(r is not None and r >= TARGET_RATIO for r in ratios),
-    }  # fmt: skip
+    }
     if join:
         out["targets"][f"join_stall<={TARGET_JOIN_STALL:g}x"] = _meets(join.get("stall_ratio"), TARGET_JOIN_STALL)
     if preempt is not None:
         out["targets"]["preempt_abandoned_s==0"] = preempt["abandoned_s"] == 0.0
     master = out["per_event"].get("killmaster")
     if master is not None:
-        out["targets"][f"master_loss_lost_s<={TARGET_MASTER_LOSS_S:g}"] = _meets(master["live_lost_s"],
-                                                                                 TARGET_MASTER_LOSS_S)
+        out["targets"][f"master_loss_lost_s<={TARGET_MASTER_LOSS_S:g}"] = _meets(
+            master["live_lost_s"], TARGET_MASTER_LOSS_S
+        )
     return out
 
 
@@ -253,23 +288,38 @@ def print_summary(results: dict[str, dict], comparison: dict) -> None:
     print("  ".join(f"{h:>12}" for h in header))
     for kind, v in comparison["per_event"].items():
         mb = None if v["copy_bytes"] is None else v["copy_bytes"] / 1e6
-        cells = (kind, _fmt(v["detect_s"]), _fmt(v["decide_s"]), _fmt(v["rendezvous_s"]), _fmt(v["copy_s"]),
-                 _fmt(mb), _fmt(v["copy_mb_per_s"], 1), _fmt(v["live_lost_s"]), _fmt(v["restart_lost_s"]),
-                 _fmt(v["restart_over_live"], 1))  # fmt: skip
+        cells = (
+            kind,
+            _fmt(v["detect_s"]),
+            _fmt(v["decide_s"]),
+            _fmt(v["rendezvous_s"]),
+            _fmt(v["copy_s"]),
+            _fmt(mb),
+            _fmt(v["copy_mb_per_s"], 1),
+            _fmt(v["live_lost_s"]),
+            _fmt(v["restart_lost_s"]),
+            _fmt(v["restart_over_live"], 1),
+        )
         print("  ".join(f"{c:>12}" for c in cells))
     join = comparison["per_event"].get("join")
     if join and join.get("stall_ratio") is not None:
-        print(f"join stall: the survivors' pause {join['stall_s']:.2f} s = {join['stall_ratio']:.1f} median steps "
-              f"({join['median_step_s']:.3f} s)")  # fmt: skip
+        print(
+            f"join stall: the survivors' pause {join['stall_s']:.2f} s = {join['stall_ratio']:.1f} median steps "
+            f"({join['median_step_s']:.3f} s)"
+        )
     preempt = comparison["per_event"].get("preempt")
     if preempt:
-        print(f"preemption: iteration abandoned {_fmt(preempt['abandoned_s'])} s, time lost live "
-              f"{_fmt(preempt['live_lost_s'])} s vs restart {_fmt(preempt['restart_lost_s'])} s")  # fmt: skip
+        print(
+            f"preemption: iteration abandoned {_fmt(preempt['abandoned_s'])} s, time lost live "
+            f"{_fmt(preempt['live_lost_s'])} s vs restart {_fmt(preempt['restart_lost_s'])} s"
+        )
     master = comparison["per_event"].get("killmaster")
     if master:
-        print(f"master loss: the restarted master had every node back after {_fmt(master['detect_s'])} s; the "
-              f"workers lost {_fmt(master['live_lost_s'])} s live, {_fmt(master['restart_lost_s'])} s in restart "
-              "mode (they trained on meanwhile)")  # fmt: skip
+        print(
+            f"master loss: the restarted master had every node back after {_fmt(master['detect_s'])} s; the "
+            f"workers lost {_fmt(master['live_lost_s'])} s live, {_fmt(master['restart_lost_s'])} s in restart "
+            "mode (they trained on meanwhile)"
+        )
     print("targets: " + ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in comparison["targets"].items()))
 
 
@@ -287,23 +337,37 @@ def main(argv=None) -> int:
         print(f"running: {' '.join(command)}", flush=True)
         code, wall = run_once(command, run_dir)
         results[mode] = measure(mode, run_dir, code, wall)
-        wanted = ["kill", "stop"] + (["preempt"] if args.preempt_step else []) + (
-            ["join"] if mode == "live" and args.join_step else []) + (["killmaster"] if args.master_kill_step else [])
+        wanted = (
+            ["kill", "stop"]
+            + (["preempt"] if args.preempt_step else [])
+            + (["join"] if mode == "live" and args.join_step else [])
+            + (["killmaster"] if args.master_kill_step else [])
+        )
         missing = [k for k in wanted if k not in results[mode]["failures"]]
         if code != 0 or missing:
             ok = False
-            print(f"recovery {mode}: exit {code}, failures not in the event log: {missing or 'none'}; "
-                  f"logs in {run_dir} (launcher.log, events.jsonl, agent-*.log)", file=sys.stderr)  # fmt: skip
+            print(
+                f"recovery {mode}: exit {code}, failures not in the event log: {missing or 'none'}; "
+                f"logs in {run_dir} (launcher.log, events.jsonl, agent-*.log)",
+                file=sys.stderr,
+            )
     comparison = compare(results, timeout_s)
     print_summary(results, comparison)
     if args.json:
         document = {
-            "nodes": NODES, "config": args.config, "steps": args.steps, "kill_step": args.kill_step,
-            "stop_step": args.stop_step, "join_step": args.join_step, "preempt_step": args.preempt_step,
+            "nodes": NODES,
+            "config": args.config,
+            "steps": args.steps,
+            "kill_step": args.kill_step,
+            "stop_step": args.stop_step,
+            "join_step": args.join_step,
+            "preempt_step": args.preempt_step,
             "master_kill_step": args.master_kill_step,
             "checkpoint_interval": args.checkpoint_interval,
-            "heartbeat_timeout_s": timeout_s, "results": results, "comparison": comparison,
-        }  # fmt: skip
+            "heartbeat_timeout_s": timeout_s,
+            "results": results,
+            "comparison": comparison,
+        }
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     return 0 if ok else 1

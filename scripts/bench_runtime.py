@@ -77,14 +77,31 @@ BENCH_OVERRIDES = {
         "projector": {"num_layers": 1},
         "llm": {"num_layers": 6, "hidden": 192, "num_heads": 4, "vocab_size": 256},
     },
-    "data": {"image_size": 48, "min_image_size": 32, "mean_images_per_sample": 1, "max_images_per_sample": 2,
-             "mean_text_tokens": 32, "max_seq_len": 256},
+    "data": {
+        "image_size": 48,
+        "min_image_size": 32,
+        "mean_images_per_sample": 1,
+        "max_images_per_sample": 2,
+        "mean_text_tokens": 32,
+        "max_seq_len": 256,
+    },
     "training": {"global_batch": 32, "microbatch_size": 2, "dtype": "float32"},
 }
-HF_TEXT = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4,
-           "num_key_value_heads": 4}
-HF_VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
-             "image_size": 48, "patch_size": 8}
+HF_TEXT = {
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+HF_VISION = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "image_size": 48,
+    "patch_size": 8,
+}
 """Case (c)'s LLaVA: the size of case (a)'s model (the CLIP tower runs 2 of its 3 blocks)."""
 COMM_HEAVY = {
     "model": {"llm": {"num_layers": 8, "hidden": 512, "num_heads": 8, "vocab_size": 256}},
@@ -122,8 +139,13 @@ def base_job_dict(config: str | None) -> dict:
 def fixed_shape_job_dict(raw: dict) -> dict:
     """The same model on data where every sample has one image of the largest size and one text length."""
     data = raw["data"]
-    fixed = {"min_image_size": data["image_size"], "mean_images_per_sample": 1, "max_images_per_sample": 1,
-             "text_length_sigma": 0.0, "mean_text_tokens": round(data.get("mean_text_tokens", 32))}
+    fixed = {
+        "min_image_size": data["image_size"],
+        "mean_images_per_sample": 1,
+        "max_images_per_sample": 1,
+        "text_length_sigma": 0.0,
+        "mean_text_tokens": round(data.get("mean_text_tokens", 32)),
+    }
     return _merge(raw, {"data": fixed})
 
 
@@ -172,8 +194,9 @@ def run_case(key: str, name: str, engine: RunSpec, peer: RunSpec, rounds: int, w
     for r in range(rounds):
         order = [("engine", engine), ("peer", peer)]
         order = order if r % 2 == 0 else order[::-1]
-        print(f"  {name}: round {r + 1}/{rounds}, {' and '.join(s.system for _, s in order)} taking turns ...",
-              flush=True)
+        print(
+            f"  {name}: round {r + 1}/{rounds}, {' and '.join(s.system for _, s in order)} taking turns ...", flush=True
+        )
         reports = launch([spec for _, spec in order], work / f"{key}{r}")
         for (side, spec), ranks in zip(order, reports, strict=True):
             runs[side].append(summarise(spec, ranks))
@@ -212,14 +235,20 @@ def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict) -> di
     off = config_from_dict(_merge(job_dict, {"training": {"grad_overlap": False}}))
     plan, _ = plans(on)
     m, d = on.model, on.data
-    print(f"(d) model: llm {m.llm.num_layers} blocks, hidden {m.llm.hidden}; text mean {d.mean_text_tokens:g} tokens, "
-          f"0..{d.max_images_per_sample} images; global batch {on.training.global_batch}, microbatch "
-          f"{on.training.microbatch_size}; buckets of {on.training.grad_bucket_mb:g} MB; {plan.describe()}", flush=True)
-    sides = {"overlap": RunSpec("engine", on, plan, **steps), "no overlap": RunSpec("engine", off, plan, **steps),
-             "ddp": RunSpec("ddp", on, plan, **steps)}  # fmt: skip
+    print(
+        f"(d) model: llm {m.llm.num_layers} blocks, hidden {m.llm.hidden}; text mean {d.mean_text_tokens:g} tokens, "
+        f"0..{d.max_images_per_sample} images; global batch {on.training.global_batch}, microbatch "
+        f"{on.training.microbatch_size}; buckets of {on.training.grad_bucket_mb:g} MB; {plan.describe()}",
+        flush=True,
+    )
+    sides = {
+        "overlap": RunSpec("engine", on, plan, **steps),
+        "no overlap": RunSpec("engine", off, plan, **steps),
+        "ddp": RunSpec("ddp", on, plan, **steps),
+    }
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for r in range(rounds):
-        order = list(sides)[r % 3:] + list(sides)[: r % 3]
+        order = list(sides)[r % 3 :] + list(sides)[: r % 3]
         print(f"  (d) overlap: round {r + 1}/{rounds}, {' and '.join(order)} taking turns ...", flush=True)
         for name, ranks in zip(order, launch([sides[n] for n in order], work / f"d{r}"), strict=True):
             runs[name].append(summarise(sides[name], ranks))
@@ -244,14 +273,22 @@ def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict) -> di
 
 def print_overlap(c: dict) -> None:
     r = c["samples_s"]
-    print(f"{c['case']}: samples/s overlap {r['overlap']:.2f}, no overlap {r['no overlap']:.2f}, DDP {r['ddp']:.2f}; "
-          f"overlap / no overlap {c['overlap_over_no_overlap']:.3f} (target >= 1.10), overlap / DDP "
-          f"{c['overlap_over_ddp']:.3f} (target >= 1.0), no overlap / DDP {c['no_overlap_over_ddp']:.3f}")
-    print(f"  per round: {c['rounds_samples_s']}; losses overlap == no overlap: {c['overlap_equals_no_overlap']}; "
-          f"max |overlap - DDP| loss {c['max_loss_diff']:.1e}")
+    print(
+        f"{c['case']}: samples/s overlap {r['overlap']:.2f}, no overlap {r['no overlap']:.2f}, DDP {r['ddp']:.2f}; "
+        f"overlap / no overlap {c['overlap_over_no_overlap']:.3f} (target >= 1.10), overlap / DDP "
+        f"{c['overlap_over_ddp']:.3f} (target >= 1.0), no overlap / DDP {c['no_overlap_over_ddp']:.3f}"
+    )
+    print(
+        f"  per round: {c['rounds_samples_s']}; losses overlap == no overlap: {c['overlap_equals_no_overlap']}; "
+        f"max |overlap - DDP| loss {c['max_loss_diff']:.1e}"
+    )
     for name, parts in c["breakdown_s_per_step"].items():
-        print(f"  {name} s/step per rank (round 1): " + " ".join(
-            "{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}" for b in parts))
+        print(
+            f"  {name} s/step per rank (round 1): "
+            + " ".join(
+                "{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}" for b in parts
+            )
+        )
 
 
 # --------------------------------------------------------------------------- report
@@ -268,31 +305,43 @@ def describe_model(job, fixed_job) -> dict:
         "global_batch": t.global_batch,
         "microbatch_size": t.microbatch_size,
         "data_a": f"synthetic: 0..{d.max_images_per_sample} images (mean {d.mean_images_per_sample}) of "
-                  f"{d.min_image_size}..{d.image_size} px, text mean {d.mean_text_tokens} tokens "
-                  f"(lognormal sigma {d.text_length_sigma})",
+        f"{d.min_image_size}..{d.image_size} px, text mean {d.mean_text_tokens} tokens "
+        f"(lognormal sigma {d.text_length_sigma})",
         "data_b": f"fixed: 1 image of {fixed_job.data.image_size}x{fixed_job.data.image_size} px, "
-                  f"{fixed_job.data.mean_text_tokens:g} text tokens per sample",
+        f"{fixed_job.data.mean_text_tokens:g} text tokens per sample",
     }
 
 
 def print_table(cases: list[dict]) -> None:
-    head = (f"{'case':<26} {'engine samples/s':>16} {'peer':>10} {'peer samples/s':>14} {'ratio':>6} "
-            f"{'engine peak RSS MB':>18} {'peer peak RSS MB':>16}")
+    head = (
+        f"{'case':<26} {'engine samples/s':>16} {'peer':>10} {'peer samples/s':>14} {'ratio':>6} "
+        f"{'engine peak RSS MB':>18} {'peer peak RSS MB':>16}"
+    )
     print(head)
     print("-" * len(head))
     for c in cases:
-        print(f"{c['case']:<26} {c['engine_samples_s']:>16.2f} {c['peer']:>10} {c['peer_samples_s']:>14.2f} "
-              f"{c['ratio']:>6.2f} {c['engine_peak_rss_mb']:>18.0f} {c['peer_peak_rss_mb']:>16.0f}")
+        print(
+            f"{c['case']:<26} {c['engine_samples_s']:>16.2f} {c['peer']:>10} {c['peer_samples_s']:>14.2f} "
+            f"{c['ratio']:>6.2f} {c['engine_peak_rss_mb']:>18.0f} {c['peer_peak_rss_mb']:>16.0f}"
+        )
     print()
     for c in cases:
-        print(f"{c['case']}: peak RSS per rank (MB) engine {c['engine_rss_per_rank_mb']}, peer {c['peer_rss_per_rank_mb']}")
-        print(f"  samples/s per round: engine {c['engine_rounds_samples_s']}, peer {c['peer_rounds_samples_s']}; "
-              f"median over steps of peer step / engine step {c['median_step_ratio']:.2f}")
-        print(f"  step-0 loss engine {c['loss_step0']['engine']:.7f}, peer {c['loss_step0']['peer']:.7f}; "
-              f"max |engine - peer| loss over {len(c['losses']['engine'])} steps {c['max_loss_diff']:.1e}")
+        print(
+            f"{c['case']}: peak RSS per rank (MB) engine {c['engine_rss_per_rank_mb']}, peer {c['peer_rss_per_rank_mb']}"
+        )
+        print(
+            f"  samples/s per round: engine {c['engine_rounds_samples_s']}, peer {c['peer_rounds_samples_s']}; "
+            f"median over steps of peer step / engine step {c['median_step_ratio']:.2f}"
+        )
+        print(
+            f"  step-0 loss engine {c['loss_step0']['engine']:.7f}, peer {c['loss_step0']['peer']:.7f}; "
+            f"max |engine - peer| loss over {len(c['losses']['engine'])} steps {c['max_loss_diff']:.1e}"
+        )
         for side in ("engine", "peer"):
-            parts = ["{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}"
-                     for b in c[f"{side}_breakdown_s_per_step"]]
+            parts = [
+                "{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}"
+                for b in c[f"{side}_breakdown_s_per_step"]
+            ]
             print(f"  {side} s/step per rank (round 1): {' '.join(parts)}")
 
 
@@ -301,10 +350,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="runs per case, fresh processes each, turn order flipped each round (default 2)")
-    ap.add_argument("--cases", default="ab",
-                    help="which cases to run: letters of abcd (default ab; c: the HF LLaVA; d: the overlap)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs per case, fresh processes each, turn order flipped each round (default 2)",
+    )
+    ap.add_argument(
+        "--cases",
+        default="ab",
+        help="which cases to run: letters of abcd (default ab; c: the HF LLaVA; d: the overlap)",
+    )
     ap.add_argument("--config", help="job YAML used as is (default: configs/tiny_mm.yaml + BENCH_OVERRIDES)")
     args = ap.parse_args(argv)
     for name in ("steps", "rounds"):
@@ -319,11 +375,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_json(path: str, cases: list[dict], model: dict, settings: dict, argv: list[str] | None) -> None:
     command = "python scripts/bench_runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    settings = {**settings,
-                "method": "engine and peer in their own processes, taking turns step by step",
-                "samples_s": "global batch x timed steps / sum over timed steps of that step's fastest round; "
-                             "a step's time is its slowest rank's",
-                "rounds_samples_s": "per round: global batch / mean timed step"}
+    settings = {
+        **settings,
+        "method": "engine and peer in their own processes, taking turns step by step",
+        "samples_s": "global batch x timed steps / sum over timed steps of that step's fastest round; "
+        "a step's time is its slowest rank's",
+        "rounds_samples_s": "per round: global batch / mean timed step",
+    }
     out = {"cases": cases, "model": model, "command": command.strip(), "settings": settings}
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
@@ -339,19 +397,29 @@ def main(argv: list[str] | None = None) -> int:
     _, plan_b = plans(fixed_job)
     model = describe_model(job, fixed_job)
     print(f"model: {len(model['layers'])} layers; vision {model['vision']}; llm {model['llm']}; {model['dtype']}")
-    print(f"batch: global {model['global_batch']} samples, microbatch {model['microbatch_size']}; "
-          f"(a) {model['data_a']}; (b) {model['data_b']}")
+    print(
+        f"batch: global {model['global_batch']} samples, microbatch {model['microbatch_size']}; "
+        f"(a) {model['data_a']}; (b) {model['data_b']}"
+    )
     print(f"plans: (a) {plan_a.describe()}  (b) {plan_b.describe()}")
-    print(f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds, {WORLD} processes x 1 torch "
-          "thread", flush=True)
+    print(
+        f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds, {WORLD} processes x 1 torch thread",
+        flush=True,
+    )
 
     steps = {"warmup": args.warmup, "timed": args.steps}
     cases = []
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
         work = Path(tmp)
-        selected = [c for c in (("a", "(a) 4 pipelines x 1 stage", job, plan_a, "ddp"),
-                                ("b", "(b) 1 pipeline x 4 stages", fixed_job, plan_b, "deepspeed")) if c[0] in args.cases]
+        selected = [
+            c
+            for c in (
+                ("a", "(a) 4 pipelines x 1 stage", job, plan_a, "ddp"),
+                ("b", "(b) 1 pipeline x 4 stages", fixed_job, plan_b, "deepspeed"),
+            )
+            if c[0] in args.cases
+        ]
         if "c" in args.cases:
             from oobleck_mm.model.tiny_hf import make_tiny_model
 
@@ -361,13 +429,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(c) HuggingFace LLaVA: {len(model_layer_specs(hf_job))} layers, {hf_plan.describe()}", flush=True)
             selected.append(("c", "(c) HF LLaVA 4 x 1 stage", hf_job, hf_plan, "hf_ddp"))
         for key, name, case_job, plan, peer in selected:
-            cases.append(run_case(key, name, RunSpec("engine", case_job, plan, **steps),
-                                  RunSpec(peer, case_job, plan, **steps), args.rounds, work))
+            cases.append(
+                run_case(
+                    key,
+                    name,
+                    RunSpec("engine", case_job, plan, **steps),
+                    RunSpec(peer, case_job, plan, **steps),
+                    args.rounds,
+                    work,
+                )
+            )
         overlap = run_overlap_case(_merge(raw, COMM_HEAVY), args.rounds, work, steps) if "d" in args.cases else None
     load.append(os.getloadavg()[0])
     wall_s = time.perf_counter() - started
-    print(f"\nwall time {wall_s:.0f} s; 1-min load average at start {load[0]:.1f}, at end {load[1]:.1f} "
-          "(2 cores; the end figure includes this benchmark's own workers)\n")
+    print(
+        f"\nwall time {wall_s:.0f} s; 1-min load average at start {load[0]:.1f}, at end {load[1]:.1f} "
+        "(2 cores; the end figure includes this benchmark's own workers)\n"
+    )
     if cases:
         print_table(cases)
     if overlap is not None:
@@ -377,8 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"ERROR: engine and peer losses differ by more than {LOSS_TOLERANCE:g} in {bad}: not the same training")
     if args.json:
-        settings = {"processes": WORLD, "threads_per_process": 1, **steps, "rounds": args.rounds,
-                    "load_average_start_end": load, "wall_s": round(wall_s, 1)}
+        settings = {
+            "processes": WORLD,
+            "threads_per_process": 1,
+            **steps,
+            "rounds": args.rounds,
+            "load_average_start_end": load,
+            "wall_s": round(wall_s, 1),
+        }
         write_json(args.json, cases, model, settings, argv)
     return 1 if bad else 0
 

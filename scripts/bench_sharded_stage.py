@@ -108,9 +108,15 @@ def measure(job, width: int, steps: int) -> dict:
     per_rank = [max(r.state_bytes for r in o["results"]) for o in outs]
     times = [statistics.median(r.step_time_s for r in o["results"][1:]) for o in outs]
     bytes_pred, time_pred = predicted(job, width, microbatches)
-    return {"width": width, "state_bytes_per_rank": per_rank, "state_bytes_max": max(per_rank),
-            "predicted_bytes": bytes_pred, "bytes_ratio": max(per_rank) / bytes_pred,
-            "step_s": max(times), "predicted_step_s": time_pred}
+    return {
+        "width": width,
+        "state_bytes_per_rank": per_rank,
+        "state_bytes_max": max(per_rank),
+        "predicted_bytes": bytes_pred,
+        "bytes_ratio": max(per_rank) / bytes_pred,
+        "step_s": max(times),
+        "predicted_step_s": time_pred,
+    }
 
 
 def main() -> int:
@@ -122,27 +128,38 @@ def main() -> int:
     widths = [int(w) for w in args.widths.split(",")]
     job = job_for(max(widths))
     bandwidth = loopback_bandwidth()
-    print(f"gloo all-gather over loopback, 2 processes: {bandwidth / 1e9:.2f} GB/s in the cost model's terms "
-          f"(cluster.intra_node_bandwidth default {job.cluster.intra_node_bandwidth / 1e9:.0f} GB/s, an NVLink's)")
+    print(
+        f"gloo all-gather over loopback, 2 processes: {bandwidth / 1e9:.2f} GB/s in the cost model's terms "
+        f"(cluster.intra_node_bandwidth default {job.cluster.intra_node_bandwidth / 1e9:.0f} GB/s, an NVLink's)"
+    )
     measured_link = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, intra_node_bandwidth=bandwidth))
     rows = []
-    print(f"{'d':>2} {'state MB/rank':>14} {'predicted':>10} {'ratio':>6} {'step s':>8} {'predicted':>10} "
-          f"{'at loopback':>12} {'ratio':>6} {'vs d=1':>7}")
+    print(
+        f"{'d':>2} {'state MB/rank':>14} {'predicted':>10} {'ratio':>6} {'step s':>8} {'predicted':>10} "
+        f"{'at loopback':>12} {'ratio':>6} {'vs d=1':>7}"
+    )
     for width in widths:
         row = measure(job, width, args.steps)
-        row["predicted_step_s_loopback"] = predicted(measured_link, width, job.training.global_batch
-                                                     // job.training.microbatch_size)[1]
+        row["predicted_step_s_loopback"] = predicted(
+            measured_link, width, job.training.global_batch // job.training.microbatch_size
+        )[1]
         rows.append(row)
         base = rows[0]["step_s"]
-        print(f"{width:>2} {row['state_bytes_max'] / 1e6:>14.3f} {row['predicted_bytes'] / 1e6:>10.3f} "
-              f"{row['bytes_ratio']:>6.3f} {row['step_s']:>8.3f} {row['predicted_step_s']:>10.4f} "
-              f"{row['predicted_step_s_loopback']:>12.4f} {row['step_s'] / row['predicted_step_s_loopback']:>6.2f} "
-              f"{base / row['step_s']:>6.2f}x", flush=True)
-    print("CPU ceiling: 2 cores shared by the d processes (d = 4 cannot beat d = 2 here); predicted times are the "
-          "analytical CPU profile's")
+        print(
+            f"{width:>2} {row['state_bytes_max'] / 1e6:>14.3f} {row['predicted_bytes'] / 1e6:>10.3f} "
+            f"{row['bytes_ratio']:>6.3f} {row['step_s']:>8.3f} {row['predicted_step_s']:>10.4f} "
+            f"{row['predicted_step_s_loopback']:>12.4f} {row['step_s'] / row['predicted_step_s_loopback']:>6.2f} "
+            f"{base / row['step_s']:>6.2f}x",
+            flush=True,
+        )
+    print(
+        "CPU ceiling: 2 cores shared by the d processes (d = 4 cannot beat d = 2 here); predicted times are the "
+        "analytical CPU profile's"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "model": MODEL, "loopback_bytes_per_s": bandwidth},
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "model": MODEL, "loopback_bytes_per_s": bandwidth}, indent=1)
+        )
     return 0
 
 

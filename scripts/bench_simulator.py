@@ -44,15 +44,27 @@ FREQUENCIES = ("6h", "1h", "10m")
 
 # Dissertation Table 2.2 (samples/s); None: Bamboo out of memory.
 TABLE_2_2 = {
-    "bamboo": {"6h": (77.04, 17.47, None, None, None), "1h": (75.60, 17.13, None, None, None),
-               "10m": (69.84, 16.01, None, None, None)},
-    "varuna": {"6h": (260.11, 86.51, 29.50, 7.27, 4.14), "1h": (246.03, 85.17, 28.49, 6.53, 2.69),
-               "10m": (173.52, 76.39, 20.19, 1.76, 0.26)},
-    "oobleck": {"6h": (287.10, 85.59, 29.30, 7.29, 4.33), "1h": (286.28, 85.42, 29.21, 7.23, 4.22),
-                "10m": (282.11, 84.80, 28.70, 6.89, 3.55)},
-}  # fmt: skip
+    "bamboo": {
+        "6h": (77.04, 17.47, None, None, None),
+        "1h": (75.60, 17.13, None, None, None),
+        "10m": (69.84, 16.01, None, None, None),
+    },
+    "varuna": {
+        "6h": (260.11, 86.51, 29.50, 7.27, 4.14),
+        "1h": (246.03, 85.17, 28.49, 6.53, 2.69),
+        "10m": (173.52, 76.39, 20.19, 1.76, 0.26),
+    },
+    "oobleck": {
+        "6h": (287.10, 85.59, 29.30, 7.29, 4.33),
+        "1h": (286.28, 85.42, 29.21, 7.23, 4.22),
+        "10m": (282.11, 84.80, 28.70, 6.89, 3.55),
+    },
+}
 # Table 2.4's middle row: Varuna with no checkpointing overhead (BERT-Large and GPT-3 6.7B only).
-TABLE_2_4 = {"bert_large": {"6h": 275.88, "1h": 273.85, "10m": 264.16}, "gpt3_6.7b": {"6h": 4.61, "1h": 4.29, "10m": 1.98}}
+TABLE_2_4 = {
+    "bert_large": {"6h": 275.88, "1h": 273.85, "10m": 264.16},
+    "gpt3_6.7b": {"6h": 4.61, "1h": 4.29, "10m": 1.98},
+}
 BAMBOO_MICROBATCH = {"bert_large": 4, "gpt2": 1}  # Table 2.1: the largest the paper could run
 
 
@@ -63,18 +75,26 @@ def paper_part(say) -> list[dict]:
         for freq in FREQUENCIES:
             availability = from_trace(read_trace(TRACES / f"{freq}.csv"), f"{freq}.csv")
             systems = ["bamboo", "varuna", "oobleck"] + (["varuna-no-ckpt"] if model in TABLE_2_4 else [])
-            for result in simulate(job, availability, systems, SimParams(bamboo_microbatch=BAMBOO_MICROBATCH.get(model))):
+            for result in simulate(
+                job, availability, systems, SimParams(bamboo_microbatch=BAMBOO_MICROBATCH.get(model))
+            ):
                 if result.system == "varuna-no-ckpt":
                     paper = TABLE_2_4[model][freq]
                 else:
                     paper = TABLE_2_2[result.system][freq][m]
                 ours = result.samples_per_s
-                rows.append({
-                    "model": model, "failures": freq, "system": result.system, "samples_per_s": round(ours, 3),
-                    "paper": paper, "ratio": round(ours / paper, 3) if paper else None,
-                    "breakdown": {k: round(v / result.wall_s, 4) for k, v in result.breakdown.items()},
-                    "note": result.note,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "model": model,
+                        "failures": freq,
+                        "system": result.system,
+                        "samples_per_s": round(ours, 3),
+                        "paper": paper,
+                        "ratio": round(ours / paper, 3) if paper else None,
+                        "breakdown": {k: round(v / result.wall_s, 4) for k, v in result.breakdown.items()},
+                        "note": result.note,
+                    }
+                )
                 shown = f"{paper:.2f}" if paper else "OOM"
                 ratio = f"{ours / paper:.2f}x" if paper else ("OOM too" if ours == 0 else "runs (paper: OOM)")
                 say(f"{model:11s} {freq:>3s} {result.system:15s} {ours:9.3f}  paper {shown:>7s}  {ratio}")
@@ -90,8 +110,15 @@ def spot_part(say, plot_dir: Path | None) -> list[dict]:
             params = SimParams(preemption_notice=True, bamboo_microbatch=BAMBOO_MICROBATCH.get(model))
             results = simulate(job, availability, ["bamboo", "varuna", "oobleck"], params)
             for r in results:
-                rows.append({"trace": trace, "model": model, "system": r.system, "samples_per_s": round(r.samples_per_s, 3),
-                             "breakdown": {k: round(v / r.wall_s, 4) for k, v in r.breakdown.items()}})  # fmt: skip
+                rows.append(
+                    {
+                        "trace": trace,
+                        "model": model,
+                        "system": r.system,
+                        "samples_per_s": round(r.samples_per_s, 3),
+                        "breakdown": {k: round(v / r.wall_s, 4) for k, v in r.breakdown.items()},
+                    }
+                )
                 say(f"{trace:18s} {model:11s} {r.system:8s} {r.samples_per_s:9.3f} samples/s")
             if plot_dir is not None:
                 path = plot_dir / f"sim_{trace.split('.')[0]}_{model}.png"
@@ -110,10 +137,18 @@ def scale_part(say, sizes: list[int]) -> list[dict]:
         start = time.perf_counter()
         result = simulate(job, availability, ["oobleck"], SimParams())[0]
         seconds = time.perf_counter() - start
-        rows.append({"nodes": availability.peak_nodes, "changes": len(availability.changes), "simulate_s": round(seconds, 2),
-                     "samples_per_s": round(result.samples_per_s, 3)})  # fmt: skip
-        say(f"p3 x{round(nodes / peak)}: {availability.peak_nodes} nodes peak, {len(availability.changes)} changes: "
-            f"simulated 11.4 h in {seconds:.1f} s ({result.samples_per_s:.2f} samples/s)")  # fmt: skip
+        rows.append(
+            {
+                "nodes": availability.peak_nodes,
+                "changes": len(availability.changes),
+                "simulate_s": round(seconds, 2),
+                "samples_per_s": round(result.samples_per_s, 3),
+            }
+        )
+        say(
+            f"p3 x{round(nodes / peak)}: {availability.peak_nodes} nodes peak, {len(availability.changes)} changes: "
+            f"simulated 11.4 h in {seconds:.1f} s ({result.samples_per_s:.2f} samples/s)"
+        )
     return rows
 
 
@@ -124,21 +159,36 @@ def straggler_part(say) -> list[dict]:
     job = load_config(ROOT / "configs" / "paper" / "gpt3_2.7b.yaml")
     events = read_trace(TRACES / "p3-trace.csv")
     scaled = max(1, round(100 / from_trace(events, "p3").peak_nodes))
-    clusters = {"100 steady nodes": periodic(100, 1e9, 99).clipped(6.0),
-                "p3 trace x3": from_trace(events, "p3-trace.csv", scaled).clipped(6.0)}
+    clusters = {
+        "100 steady nodes": periodic(100, 1e9, 99).clipped(6.0),
+        "p3 trace x3": from_trace(events, "p3-trace.csv", scaled).clipped(6.0),
+    }
     spec = parse_stragglers("0.05,min=1.5,max=3,seed=1")
     for label, base in clusters.items():
         slowed = base.with_stragglers(spec)
-        for system, params in (("oobleck", SimParams()), ("oobleck, policy off", SimParams(straggler_mitigation=False)),
-                               ("varuna", SimParams()), ("restart", SimParams())):  # fmt: skip
+        for system, params in (
+            ("oobleck", SimParams()),
+            ("oobleck, policy off", SimParams(straggler_mitigation=False)),
+            ("varuna", SimParams()),
+            ("restart", SimParams()),
+        ):
             name = system.split(",")[0]
             clean = simulate(job, base, [name], params)[0].samples_per_s
             result = simulate(job, slowed, [name], params)[0]
-            rows.append({"cluster": label, "system": system, "samples_per_s": round(result.samples_per_s, 3),
-                         "without_stragglers": round(clean, 3), "ratio": round(result.samples_per_s / clean, 3),
-                         "actions": result.straggler_actions})  # fmt: skip
-            say(f"{label:17s} {system:20s} {result.samples_per_s:8.3f} samples/s, {result.samples_per_s / clean:6.1%} "
-                f"of {clean:.3f} without stragglers  {result.straggler_actions or ''}")
+            rows.append(
+                {
+                    "cluster": label,
+                    "system": system,
+                    "samples_per_s": round(result.samples_per_s, 3),
+                    "without_stragglers": round(clean, 3),
+                    "ratio": round(result.samples_per_s / clean, 3),
+                    "actions": result.straggler_actions,
+                }
+            )
+            say(
+                f"{label:17s} {system:20s} {result.samples_per_s:8.3f} samples/s, {result.samples_per_s / clean:6.1%} "
+                f"of {clean:.3f} without stragglers  {result.straggler_actions or ''}"
+            )
     return rows
 
 

@@ -42,8 +42,14 @@ HEAVY = ("torch", "deepspeed", "transformers", "numba", "grpc", "safetensors", "
 def one_start() -> dict:
     code = f"import {MODULE}, oobleck_mm; print(oobleck_mm.__file__)"
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
-                          check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     wall = time.perf_counter() - t0
     cumulative = {}
     for line in done.stderr.splitlines():  # "import time: self [us] | cumulative | imported package"
@@ -84,9 +90,14 @@ def worker_ready_times(method: str, count: int) -> list[float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "agent.py"  # a file, not -c: multiprocessing's children re-import __main__ by path
         script.write_text(AGENT)
-        done = subprocess.run([sys.executable, str(script), str(ROOT), method, str(count),
-                               str(ROOT / "configs/tiny_mm.yaml")], capture_output=True, text=True, cwd=ROOT,
-                              env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, timeout=600)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(script), str(ROOT), method, str(count), str(ROOT / "configs/tiny_mm.yaml")],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+            timeout=600,
+        )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     return json.loads(done.stdout.splitlines()[-1])
@@ -97,7 +108,7 @@ def bench_workers(repeats: int, count: int, load: int) -> dict:
     try:
         runs: dict[str, list[list[float]]] = {"spawn": [], "forkserver": []}
         for r in range(repeats):
-            for method in (("spawn", "forkserver") if r % 2 == 0 else ("forkserver", "spawn")):
+            for method in ("spawn", "forkserver") if r % 2 == 0 else ("forkserver", "spawn"):
                 runs[method].append(worker_ready_times(method, count))
                 print(f"  round {r} {method:10s} " + " ".join(f"{t:.2f}" for t in runs[method][-1]), flush=True)
     finally:
@@ -106,8 +117,10 @@ def bench_workers(repeats: int, count: int, load: int) -> dict:
             hog.wait()
     row = {}
     for method, times in runs.items():
-        row[method] = {"first_s": round(statistics.median(t[0] for t in times), 3),
-                       "next_s": round(statistics.median(x for t in times for x in t[1:]), 3)}  # fmt: skip
+        row[method] = {
+            "first_s": round(statistics.median(t[0] for t in times), 3),
+            "next_s": round(statistics.median(x for t in times for x in t[1:]), 3),
+        }
     return row
 
 
@@ -120,9 +133,29 @@ def local_run_seconds(method: str, nodes: int, steps: int) -> tuple[float, float
 
     with tempfile.TemporaryDirectory() as d:
         started = time.time()
-        subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "local", "--config", "configs/tiny_mm.yaml",
-                        "--nodes", str(nodes), "--steps", str(steps), "--worker-start", method, "--run-dir", d,
-                        "--no-tensorboard"], cwd=ROOT, check=True, capture_output=True, timeout=600)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "oobleck_mm.cli",
+                "local",
+                "--config",
+                "configs/tiny_mm.yaml",
+                "--nodes",
+                str(nodes),
+                "--steps",
+                str(steps),
+                "--worker-start",
+                method,
+                "--run-dir",
+                d,
+                "--no-tensorboard",
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         wall = time.time() - started
         first = read_events(Path(d) / "events.jsonl", "step")[0]["ts"] - started
     return wall, first
@@ -131,13 +164,17 @@ def local_run_seconds(method: str, nodes: int, steps: int) -> tuple[float, float
 def bench_local(repeats: int, nodes: int, steps: int) -> dict:
     runs: dict[str, list[tuple[float, float]]] = {"shared": [], "forkserver": []}
     for r in range(repeats):
-        for method in (("shared", "forkserver") if r % 2 == 0 else ("forkserver", "shared")):
+        for method in ("shared", "forkserver") if r % 2 == 0 else ("forkserver", "shared"):
             runs[method].append(local_run_seconds(method, nodes, steps))
             wall, first = runs[method][-1]
             print(f"  round {r} {method:10s} run {wall:.2f} s, first step at {first:.2f} s", flush=True)
-    return {method: {"run_s": round(statistics.median(w for w, _ in times), 3),
-                     "first_step_s": round(statistics.median(f for _, f in times), 3)}
-            for method, times in runs.items()}  # fmt: skip
+    return {
+        method: {
+            "run_s": round(statistics.median(w for w, _ in times), 3),
+            "first_step_s": round(statistics.median(f for _, f in times), 3),
+        }
+        for method, times in runs.items()
+    }
 
 
 def main(argv=None) -> int:
@@ -147,9 +184,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", action="store_true", help="time worker starts (spawn vs forkserver) instead")
     ap.add_argument("--count", type=int, default=3, help="--workers: workers per stand-in agent")
     ap.add_argument("--load", type=int, default=0, help="--workers: `yes > /dev/null` processes beside it")
-    ap.add_argument("--local", type=int, default=0, metavar="NODES",
-                    help="time whole `oobleck-launch local` runs of NODES nodes instead: one worker template for "
-                         "all nodes (--worker-start shared) against one per agent (forkserver)")  # fmt: skip
+    ap.add_argument(
+        "--local",
+        type=int,
+        default=0,
+        metavar="NODES",
+        help="time whole `oobleck-launch local` runs of NODES nodes instead: one worker template for "
+        "all nodes (--worker-start shared) against one per agent (forkserver)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="--local: training steps per run")
     args = ap.parse_args(argv)
     command = "python scripts/bench_startup.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -158,8 +200,10 @@ def main(argv=None) -> int:
         row = bench_local(args.repeats, args.local, args.steps)
         for method, r in row.items():
             print(f"  {method:10s} run {r['run_s']:.2f} s, first step {r['first_step_s']:.2f} s after launch (medians)")
-        print(f"  shared template: the run {row['forkserver']['run_s'] / row['shared']['run_s']:.2f}x faster, "
-              f"the first step {row['forkserver']['first_step_s'] / row['shared']['first_step_s']:.2f}x sooner")
+        print(
+            f"  shared template: the run {row['forkserver']['run_s'] / row['shared']['run_s']:.2f}x faster, "
+            f"the first step {row['forkserver']['first_step_s'] / row['shared']['first_step_s']:.2f}x sooner"
+        )
         if args.json:
             Path(args.json).write_text(json.dumps({"command": command, **row}, indent=1) + "\n")
         return 0
@@ -171,23 +215,41 @@ def main(argv=None) -> int:
         ratio = row["spawn"]["next_s"] / row["forkserver"]["next_s"]
         print(f"  a later worker: forkserver {ratio:.1f}x faster than spawn")
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": "python scripts/bench_startup.py "
-                                                   + " ".join(argv if argv is not None else sys.argv[1:]),
-                                                   **row}, indent=1) + "\n")  # fmt: skip
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "command": "python scripts/bench_startup.py "
+                        + " ".join(argv if argv is not None else sys.argv[1:]),
+                        **row,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
         return 0
     runs = [one_start() for _ in range(args.repeats)]
     print(f"{MODULE} from {Path(runs[0]['tree']).parent}: {args.repeats} fresh processes, medians")
-    row = {"process_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
-           "import_s": round(statistics.median(r["import"] for r in runs), 3)}  # fmt: skip
+    row = {
+        "process_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+        "import_s": round(statistics.median(r["import"] for r in runs), 3),
+    }
     print(f"  process (interpreter + imports) {row['process_wall_s']:.3f} s, the import {row['import_s']:.3f} s")
     for name in HEAVY:
         seen = [r[name] for r in runs if name in r]
         row[name] = round(statistics.median(seen), 3) if seen else None
         print(f"  {name:<12} " + (f"{row[name]:.3f} s" if seen else "not imported"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python scripts/bench_startup.py "
-                                               + " ".join(argv if argv is not None else sys.argv[1:]),
-                                               **row}, indent=1) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": "python scripts/bench_startup.py "
+                    + " ".join(argv if argv is not None else sys.argv[1:]),
+                    **row,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"wrote {args.json}")
     return 0
 

@@ -99,17 +99,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seconds: dict[str, list[float]] = {"tcpstore": [], "grpc": []}
     for round_ in range(2):  # alternate the order so that machine noise hits both stores alike
-        for kind in (("tcpstore", "grpc") if round_ == 0 else ("grpc", "tcpstore")):
+        for kind in ("tcpstore", "grpc") if round_ == 0 else ("grpc", "tcpstore"):
             # generation numbers from 2: the first generation of a process also pays gloo's warm-up
             seconds[kind] += run(kind, args.ranks, list(range(2, 2 + args.rounds)))[1:]
-    result = {kind: {"median_s": statistics.median(v), "max_s": max(v), "generations": len(v)}
-              for kind, v in seconds.items()}  # fmt: skip
+    result = {
+        kind: {"median_s": statistics.median(v), "max_s": max(v), "generations": len(v)} for kind, v in seconds.items()
+    }
     result["ratio_median"] = result["grpc"]["median_s"] / result["tcpstore"]["median_s"]
     result["ranks"] = args.ranks
     for kind in ("tcpstore", "grpc"):
         r = result[kind]
-        print(f"{kind:9s} rendezvous + 2 subgroups + all-reduce, {args.ranks} ranks: median {r['median_s'] * 1e3:.1f} ms, "
-              f"worst {r['max_s'] * 1e3:.1f} ms over {r['generations']} generations")
+        print(
+            f"{kind:9s} rendezvous + 2 subgroups + all-reduce, {args.ranks} ranks: median {r['median_s'] * 1e3:.1f} ms, "
+            f"worst {r['max_s'] * 1e3:.1f} ms over {r['generations']} generations"
+        )
     print(f"authenticated store / TCPStore (median): {result['ratio_median']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

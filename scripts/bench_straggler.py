@@ -43,10 +43,33 @@ SETS = ["training.dtype=float64", "training.global_batch=48"]
 """float64 (verifiable), and a batch of 24 microbatches: six pipelines of 4 leave room to move some."""
 
 
-def launch(run_dir: Path, nodes: int, steps: int, extra: list[str], sets: list[str], timeout: float,
-           config: Path = CONFIG, base_sets: list[str] = SETS) -> int:  # fmt: skip
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(config), "--nodes", str(nodes),
-           "--steps", str(steps), "--run-dir", str(run_dir), "--log-every", "100", *extra]  # fmt: skip
+def launch(
+    run_dir: Path,
+    nodes: int,
+    steps: int,
+    extra: list[str],
+    sets: list[str],
+    timeout: float,
+    config: Path = CONFIG,
+    base_sets: list[str] = SETS,
+) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "local",
+        "--config",
+        str(config),
+        "--nodes",
+        str(nodes),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--log-every",
+        "100",
+        *extra,
+    ]
     for s in [*base_sets, *sets]:
         cmd += ["--set", s]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout).returncode
@@ -63,9 +86,11 @@ def summary(events: Path, from_step: int) -> dict:
     slowed = read_events(events, "slowed")
     detected = read_events(events, "straggler_detected")
     steps = {e["step"]: e["ts"] for e in read_events(events, "step")}
-    out: dict = {"seconds_from_slowdown": round(seconds_from(events, from_step), 3),
-                 "detected": [(e["node"], e["step"], e["factor"]) for e in detected],
-                 "cleared": [(e["node"], e["step"]) for e in read_events(events, "straggler_cleared")]}  # fmt: skip
+    out: dict = {
+        "seconds_from_slowdown": round(seconds_from(events, from_step), 3),
+        "detected": [(e["node"], e["step"], e["factor"]) for e in detected],
+        "cleared": [(e["node"], e["step"]) for e in read_events(events, "straggler_cleared")],
+    }
     if slowed and detected:
         out["detection_steps"] = detected[0]["step"] - slowed[0]["step"]
         out["detection_s"] = round(steps.get(detected[0]["step"], detected[0]["ts"]) - slowed[0]["ts"], 3)
@@ -73,7 +98,9 @@ def summary(events: Path, from_step: int) -> dict:
     splits = [[p["num_microbatches"] for p in plan["layout"]["pipelines"]] for plan in plans]
     out["splits"] = splits
     out["returned_to_first_split"] = len(splits) > 1 and splits[-1] == splits[0]
-    out["benched"] = [(e["node"], e["generation"], round(e["factor"], 3)) for e in read_events(events, "straggler_benched")]
+    out["benched"] = [
+        (e["node"], e["generation"], round(e["factor"], 3)) for e in read_events(events, "straggler_benched")
+    ]
     out["kept"] = [e["reason"].rsplit("; ", 1)[-1] for e in read_events(events, "straggler_kept")]
     return out
 
@@ -85,13 +112,27 @@ def main() -> int:
     parser.add_argument("--node", default="node2")
     parser.add_argument("--at", type=int, default=50, help="the step the slowdown begins")
     parser.add_argument("--slow", default="x2", help="xF[+Ts]: the factor, and how long (default: for good)")
-    parser.add_argument("--loaded", type=int, default=0,
-                        help="instead: run this many steps unslowed beside two `yes > /dev/null` and count detections")
-    parser.add_argument("--bench", default=None, metavar="DURATION",
-                        help="also a run whose straggler is weighed for a bench DURATION after it was found "
-                             "(fault_tolerance.straggler_replan_after; the bench lasts the run)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                        help="a config override for every run, e.g. training.microbatch_size=1 (finer re-splits)")
+    parser.add_argument(
+        "--loaded",
+        type=int,
+        default=0,
+        help="instead: run this many steps unslowed beside two `yes > /dev/null` and count detections",
+    )
+    parser.add_argument(
+        "--bench",
+        default=None,
+        metavar="DURATION",
+        help="also a run whose straggler is weighed for a bench DURATION after it was found "
+        "(fault_tolerance.straggler_replan_after; the bench lasts the run)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="sets",
+        help="a config override for every run, e.g. training.microbatch_size=1 (finer re-splits)",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -99,13 +140,23 @@ def main() -> int:
     if args.loaded:
         return loaded(args, work)
     inject = ["--inject", f"slow:{args.node}@step{args.at}{args.slow}"]
-    runs = {"unslowed": ([], []), "slowed, detection only": (inject, ["fault_tolerance.straggler_resplit=false"]),
-            "slowed, re-split": (inject, ["fault_tolerance.straggler_replan_after=null"])}  # fmt: skip
+    runs = {
+        "unslowed": ([], []),
+        "slowed, detection only": (inject, ["fault_tolerance.straggler_resplit=false"]),
+        "slowed, re-split": (inject, ["fault_tolerance.straggler_replan_after=null"]),
+    }
     if args.bench:
-        runs["slowed, re-split and bench"] = (inject, [f"fault_tolerance.straggler_replan_after={args.bench}",
-                                                       "fault_tolerance.straggler_bench=1h"])  # fmt: skip
-    result = {"nodes": args.nodes, "steps": args.steps, "slow": f"{args.node}@step{args.at}{args.slow}",
-              "sets": [*SETS, *args.sets], "runs": {}}  # fmt: skip
+        runs["slowed, re-split and bench"] = (
+            inject,
+            [f"fault_tolerance.straggler_replan_after={args.bench}", "fault_tolerance.straggler_bench=1h"],
+        )
+    result = {
+        "nodes": args.nodes,
+        "steps": args.steps,
+        "slow": f"{args.node}@step{args.at}{args.slow}",
+        "sets": [*SETS, *args.sets],
+        "runs": {},
+    }
     for name, (extra, sets) in runs.items():
         run_dir = work / name.replace(" ", "_").replace(",", "")
         began = time.perf_counter()
@@ -113,8 +164,11 @@ def main() -> int:
         info = summary(run_dir / "events.jsonl", args.at) if code == 0 else {}
         info.update(exit=code, wall_s=round(time.perf_counter() - began, 1))
         result["runs"][name] = info
-        print(f"{name}: exit {code}, {info.get('seconds_from_slowdown', float('nan')):.1f} s from step {args.at} "
-              f"to the end; detected {info.get('detected')}; cleared {info.get('cleared')}", flush=True)
+        print(
+            f"{name}: exit {code}, {info.get('seconds_from_slowdown', float('nan')):.1f} s from step {args.at} "
+            f"to the end; detected {info.get('detected')}; cleared {info.get('cleared')}",
+            flush=True,
+        )
     base = result["runs"]["unslowed"].get("seconds_from_slowdown")
     slowed = [name for name in result["runs"] if name != "unslowed"]
     for name in slowed:
@@ -124,11 +178,16 @@ def main() -> int:
             run["seconds_lost"] = round(run["seconds_from_slowdown"] - base, 2)
     for name in slowed:
         run = result["runs"][name]
-        latency = (f"; detected after {run['detection_steps']} steps ({run['detection_s']:.2f} s)"
-                   if "detection_steps" in run else "; not detected")  # fmt: skip
-        print(f"{name}: {run.get('throughput_vs_unslowed', float('nan')):.1%} of the unslowed throughput "
-              f"({run.get('seconds_lost', float('nan')):+.1f} s){latency}; splits {run.get('splits')}; "
-              f"last split = first: {run.get('returned_to_first_split')}")
+        latency = (
+            f"; detected after {run['detection_steps']} steps ({run['detection_s']:.2f} s)"
+            if "detection_steps" in run
+            else "; not detected"
+        )
+        print(
+            f"{name}: {run.get('throughput_vs_unslowed', float('nan')):.1%} of the unslowed throughput "
+            f"({run.get('seconds_lost', float('nan')):+.1f} s){latency}; splits {run.get('splits')}; "
+            f"last split = first: {run.get('returned_to_first_split')}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if all(r.get("exit") == 0 for r in result["runs"].values()) else 1
@@ -148,13 +207,21 @@ def loaded(args, work: Path) -> int:
     detected = read_events(events, "straggler_detected")
     factors = [e.get("slowest_node_factor") for e in read_events(events, "step") if e.get("slowest_node_factor")]
     factors.sort()
-    result = {"nodes": args.nodes, "steps": args.loaded, "exit": code, "wall_s": round(time.perf_counter() - began, 1),
-              "false_positives": len(detected), "detected": [(e["node"], e["step"], e["factor"]) for e in detected],
-              "slowest_node_factor_p50": factors[len(factors) // 2] if factors else None,
-              "slowest_node_factor_p99": factors[int(len(factors) * 0.99)] if factors else None}  # fmt: skip
-    print(f"loaded run: exit {code}, {args.loaded} steps in {result['wall_s']} s beside two `yes`: "
-          f"{len(detected)} nodes flagged {result['detected']}; the slowest node's factor per step: "
-          f"median {result['slowest_node_factor_p50']:.2f}, p99 {result['slowest_node_factor_p99']:.2f}")
+    result = {
+        "nodes": args.nodes,
+        "steps": args.loaded,
+        "exit": code,
+        "wall_s": round(time.perf_counter() - began, 1),
+        "false_positives": len(detected),
+        "detected": [(e["node"], e["step"], e["factor"]) for e in detected],
+        "slowest_node_factor_p50": factors[len(factors) // 2] if factors else None,
+        "slowest_node_factor_p99": factors[int(len(factors) * 0.99)] if factors else None,
+    }
+    print(
+        f"loaded run: exit {code}, {args.loaded} steps in {result['wall_s']} s beside two `yes`: "
+        f"{len(detected)} nodes flagged {result['detected']}; the slowest node's factor per step: "
+        f"median {result['slowest_node_factor_p50']:.2f}, p99 {result['slowest_node_factor_p99']:.2f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if code == 0 else 1

@@ -38,8 +38,9 @@ CONFIG = str(ROOT / "configs" / "tiny_mm.yaml")
 
 def _cli(*args: str) -> tuple[float, subprocess.CompletedProcess]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=3600
+    )
     return time.perf_counter() - start, proc
 
 
@@ -49,9 +50,15 @@ def _verdict(proc: subprocess.CompletedProcess) -> dict:
     found = re.search(r"difference (\S+) at (\S+): (within|OUTSIDE) tolerance (\S+)", last)
     if not found:
         raise SystemExit(f"verify printed no verdict (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return {"exit": proc.returncode, "largest_difference": float(found.group(1)), "at": found.group(2),
-            "within": found.group(3) == "within", "tolerance": float(found.group(4)), "line": last,
-            "warned_blind": "note: the tolerance is wider than one update" in proc.stdout}  # fmt: skip
+    return {
+        "exit": proc.returncode,
+        "largest_difference": float(found.group(1)),
+        "at": found.group(2),
+        "within": found.group(3) == "within",
+        "tolerance": float(found.group(4)),
+        "line": last,
+        "warned_blind": "note: the tolerance is wider than one update" in proc.stdout,
+    }
 
 
 def main() -> int:
@@ -63,11 +70,25 @@ def main() -> int:
     first = args.steps - args.window
     with tempfile.TemporaryDirectory(prefix="bench-verify-") as tmp:
         mid, final = f"{tmp}/at{first}", f"{tmp}/at{args.steps}"
-        print(f"training tiny_mm (float32) for {first} + {args.window} steps on 4 nodes ...", file=sys.stderr, flush=True)
+        print(
+            f"training tiny_mm (float32) for {first} + {args.window} steps on 4 nodes ...", file=sys.stderr, flush=True
+        )
         for steps, extra in ((first, ()), (args.steps, ("--resume", mid))):
             out = mid if steps == first else final
-            seconds, proc = _cli("local", "--config", CONFIG, "--steps", str(steps), "--save-final", out,
-                                 "--run-dir", f"{tmp}/run{steps}", "--log-every", "1000", *extra)  # fmt: skip
+            seconds, proc = _cli(
+                "local",
+                "--config",
+                CONFIG,
+                "--steps",
+                str(steps),
+                "--save-final",
+                out,
+                "--run-dir",
+                f"{tmp}/run{steps}",
+                "--log-every",
+                "1000",
+                *extra,
+            )
             if proc.returncode:
                 raise SystemExit(f"training failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             print(f"  trained to step {steps} in {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -77,22 +98,29 @@ def main() -> int:
             "--tolerance 1e-2 (reference alone)": common + ("--steps", str(args.steps), "--tolerance", "1e-2"),
             f"--from step {first} (the last {args.window} steps)": common + ("--steps", str(args.steps), "--from", mid),
             "one step fewer, whole run (float32 drift may hide it)": common + ("--steps", str(args.steps - 1)),
-            f"one step fewer, --from step {first} (must be OUTSIDE)":
-                common + ("--steps", str(args.steps - 1), "--from", mid),
+            f"one step fewer, --from step {first} (must be OUTSIDE)": common
+            + ("--steps", str(args.steps - 1), "--from", mid),
         }
         results = {}
         for name, cmd in cases.items():
             seconds, proc = _cli(*cmd)
             results[name] = {"seconds": seconds, **_verdict(proc)}
             r = results[name]
-            print(f"{name:<58} {seconds:7.1f} s  diff {r['largest_difference']:.2e}  tol {r['tolerance']:.1e}  "
-                  f"{'within' if r['within'] else 'OUTSIDE'}", flush=True)  # fmt: skip
+            print(
+                f"{name:<58} {seconds:7.1f} s  diff {r['largest_difference']:.2e}  tol {r['tolerance']:.1e}  "
+                f"{'within' if r['within'] else 'OUTSIDE'}",
+                flush=True,
+            )
     # A fault-free run passes both ways; a step off is caught by the window check.
-    ok = (results[next(iter(cases))]["within"] and results[f"--from step {first} (the last {args.window} steps)"]["within"]
-          and not results[f"one step fewer, --from step {first} (must be OUTSIDE)"]["within"])
+    ok = (
+        results[next(iter(cases))]["within"]
+        and results[f"--from step {first} (the last {args.window} steps)"]["within"]
+        and not results[f"one step fewer, --from step {first} (must be OUTSIDE)"]["within"]
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": args.steps, "window": args.window, "cases": results,
-                                               "ok": ok}, indent=2) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"steps": args.steps, "window": args.window, "cases": results, "ok": ok}, indent=2) + "\n"
+        )
     return 0 if ok else 1
 
 

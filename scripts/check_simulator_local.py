@@ -47,8 +47,21 @@ LOCAL_PHASES = SimParams(detection_s=0.01, rendezvous_s=0.25, worker_start_s=2.8
 
 
 def launch(config: str, nodes: int, steps: int, run_dir: Path, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", config, "--nodes", str(nodes),
-           "--steps", str(steps), "--run-dir", str(run_dir), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "local",
+        "--config",
+        config,
+        "--nodes",
+        str(nodes),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode not in (0, 3):
         raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -93,8 +106,13 @@ def main() -> int:
                 runs[n].append(statistics.median(gaps))
             if rounds == 0:
                 say("replay (between the two calibrations)")
-                events = launch(args.config, args.nodes, args.steps, Path(tmp) / "replay",
-                                ["--trace", args.trace, "--time-scale", str(args.time_scale)])  # fmt: skip
+                events = launch(
+                    args.config,
+                    args.nodes,
+                    args.steps,
+                    Path(tmp) / "replay",
+                    ["--trace", args.trace, "--time-scale", str(args.time_scale)],
+                )
         seconds_by_nodes = {n: statistics.mean(v) for n, v in runs.items()}
         for n, (before, after) in runs.items():
             say(f"calibration: {n} nodes, {before:.3f} s per step before the replay, {after:.3f} after")
@@ -116,16 +134,31 @@ def main() -> int:
 
     result = simulate(job, availability, ["oobleck"], LOCAL_PHASES, iteration_of=iteration_of)[0]
     ratio = result.samples_per_s / real
-    say(f"simulated: {result.samples_per_s:.2f} samples/s ({len(result.incidents)} changes); "
-        f"measured {real:.2f}; simulated/measured = {ratio:.3f}")  # fmt: skip
+    say(
+        f"simulated: {result.samples_per_s:.2f} samples/s ({len(result.incidents)} changes); "
+        f"measured {real:.2f}; simulated/measured = {ratio:.3f}"
+    )
     say("breakdown: " + ", ".join(f"{k} {v:.1f} s" for k, v in result.breakdown.items() if v))
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "config": args.config, "trace": args.trace, "time_scale": args.time_scale, "nodes": args.nodes,
-            "measured_samples_per_s": real, "simulated_samples_per_s": result.samples_per_s, "ratio": ratio,
-            "seconds_per_step_by_nodes": seconds_by_nodes, "calibrations": runs, "wall_s": measured_s,
-            "breakdown": result.breakdown,
-        }, indent=2) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "trace": args.trace,
+                    "time_scale": args.time_scale,
+                    "nodes": args.nodes,
+                    "measured_samples_per_s": real,
+                    "simulated_samples_per_s": result.samples_per_s,
+                    "ratio": ratio,
+                    "seconds_per_step_by_nodes": seconds_by_nodes,
+                    "calibrations": runs,
+                    "wall_s": measured_s,
+                    "breakdown": result.breakdown,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0 if abs(ratio - 1) <= 0.2 else 1
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,25 +42,39 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-CUDA_TESTS = ["tests/integration/test_one_gpu.py", "tests/integration/test_engine_prefetch.py",
-              "tests/integration/test_cuda_smoke.py", "tests/unit/test_device_placement.py",
-              "tests/integration/test_worker_template.py"]  # fmt: skip
+CUDA_TESTS = [
+    "tests/integration/test_one_gpu.py",
+    "tests/integration/test_engine_prefetch.py",
+    "tests/integration/test_cuda_smoke.py",
+    "tests/unit/test_device_placement.py",
+    "tests/integration/test_worker_template.py",
+]
 # tiny_mm scaled until a step is GPU work, not launch overhead (~0.5 B parameters).
 BENCH_MODEL = {
     "vision": {"num_layers": 6, "hidden": 1024, "num_heads": 16, "patch_size": 16},
     "projector": {"num_layers": 1},
     "llm": {"num_layers": 8, "hidden": 2048, "num_heads": 16, "vocab_size": 32000},
 }
-BENCH_DATA = {"image_size": 336, "min_image_size": 224, "mean_images_per_sample": 1, "max_images_per_sample": 2,
-              "mean_text_tokens": 256, "max_seq_len": 1024}  # fmt: skip
+BENCH_DATA = {
+    "image_size": 336,
+    "min_image_size": 224,
+    "mean_images_per_sample": 1,
+    "max_images_per_sample": 2,
+    "mean_text_tokens": 256,
+    "max_seq_len": 1024,
+}
 BENCH_TRAINING = {"global_batch": 32, "microbatch_size": 4}
 
 
 def environment() -> dict:
     import importlib.metadata as md
 
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
     if torch.cuda.is_available():
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         free, total = torch.cuda.mem_get_info(0)
@@ -78,18 +91,27 @@ def run_tests(out_dir: Path) -> dict:
     """Every CUDA test in one pytest process; each test's outcome from its JUnit report."""
     report = out_dir / "gpu_tests.xml"
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-p", "no:cacheprovider", "-rfEs",
-                           f"--junitxml={report}"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={report}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     (out_dir / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
     outcomes = {}
     if report.exists():
         for case in ET.parse(report).iter("testcase"):
             name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
             kids = {child.tag for child in case}
-            outcomes[name] = ("failed" if kids & {"failure", "error"} else "skipped" if "skipped" in kids else "passed")
+            outcomes[name] = "failed" if kids & {"failure", "error"} else "skipped" if "skipped" in kids else "passed"
     counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failed", "skipped")}
-    return {"exit": proc.returncode, "seconds": round(time.perf_counter() - started, 1), **counts,
-            "tests": outcomes, "tail": (proc.stdout + proc.stderr)[-3000:]}  # fmt: skip
+    return {
+        "exit": proc.returncode,
+        "seconds": round(time.perf_counter() - started, 1),
+        **counts,
+        "tests": outcomes,
+        "tail": (proc.stdout + proc.stderr)[-3000:],
+    }
 
 
 def run_job(out_dir: Path, steps: int = 10) -> dict:
@@ -97,14 +119,38 @@ def run_job(out_dir: Path, steps: int = 10) -> dict:
     run_dir = out_dir / "job"
     started = time.perf_counter()
     sets = ["cluster.device=cuda", "cluster.accelerator=h100", "cluster.backend=auto", "fault_tolerance.f=0"]
-    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "local", "--config", "configs/tiny_mm.yaml",
-                           "--nodes", "1", "--steps", str(steps), "--checkpoint-interval", "5",
-                           "--run-dir", str(run_dir), "--save-final", str(run_dir / "final"),
-                           *(a for kv in sets for a in ("--set", kv))],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "local",
+            "--config",
+            "configs/tiny_mm.yaml",
+            "--nodes",
+            "1",
+            "--steps",
+            str(steps),
+            "--checkpoint-interval",
+            "5",
+            "--run-dir",
+            str(run_dir),
+            "--save-final",
+            str(run_dir / "final"),
+            *(a for kv in sets for a in ("--set", kv)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     (out_dir / "gpu_job.log").write_text(proc.stdout + proc.stderr)
-    result = {"exit": proc.returncode, "seconds": round(time.perf_counter() - started, 1),
-              "done": f"done: {steps} steps" in proc.stdout, "tail": (proc.stdout + proc.stderr)[-3000:]}  # fmt: skip
+    result = {
+        "exit": proc.returncode,
+        "seconds": round(time.perf_counter() - started, 1),
+        "done": f"done: {steps} steps" in proc.stdout,
+        "tail": (proc.stdout + proc.stderr)[-3000:],
+    }
     if proc.returncode == 0:
         from oobleck_mm.config import config_from_dict
         from oobleck_mm.runtime.reference import ReferenceTrainer
@@ -153,9 +199,15 @@ def run_bench(steps: int, warmup: int, out_dir: Path) -> dict:
     wait = timedelta(seconds=120)
     job0 = bench_job("float32")
     device = device_for(job0, 0)  # torch.cuda.set_device(0), before NCCL binds to it
-    join_generation(dist.FileStore(str(out_dir / "bench_store"), 1), 0, 0, 1, job0.cluster.resolved_backend,
-                    collective_timeout=wait,
-                    arrival_timeout=wait)  # fmt: skip
+    join_generation(
+        dist.FileStore(str(out_dir / "bench_store"), 1),
+        0,
+        0,
+        1,
+        job0.cluster.resolved_backend,
+        collective_timeout=wait,
+        arrival_timeout=wait,
+    )
     try:
         for dtype in ("float32", "bfloat16"):
             job = bench_job(dtype)
@@ -176,19 +228,26 @@ def run_bench(steps: int, warmup: int, out_dir: Path) -> dict:
                     tokens.append(_step_tokens(engine, step))
                     parts.append((result.pack_s, result.forward_s, result.backward_s, result.pipeline_s))
                 losses.append(result.loss)
-                print(f"  bench {dtype} step {step}: {time.perf_counter() - started:.3f} s, loss {result.loss:.4f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  bench {dtype} step {step}: {time.perf_counter() - started:.3f} s, loss {result.loss:.4f}",
+                    flush=True,
+                )
             median = statistics.median(times)
-            results[dtype] = {"parameters": params, "median_step_s": round(median, 4),
-                              "samples_per_s": round(job.training.global_batch / median, 1),
-                              "tokens_per_s": round(statistics.mean(tokens) / median),
-                              "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
-                              # Host seconds packing microbatches, device seconds of forward and
-                              # backward, and the 1F1B part of the step: where a step's time goes.
-                              **{f"median_{name}": round(statistics.median(p[k] for p in parts), 4)
-                                 for k, name in enumerate(("pack_s", "forward_s", "backward_s", "pipeline_s"))},
-                              "losses": [round(x, 5) for x in losses],
-                              "finite": all(x == x and abs(x) != float("inf") for x in losses)}  # fmt: skip
+            results[dtype] = {
+                "parameters": params,
+                "median_step_s": round(median, 4),
+                "samples_per_s": round(job.training.global_batch / median, 1),
+                "tokens_per_s": round(statistics.mean(tokens) / median),
+                "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+                # Host seconds packing microbatches, device seconds of forward and
+                # backward, and the 1F1B part of the step: where a step's time goes.
+                **{
+                    f"median_{name}": round(statistics.median(p[k] for p in parts), 4)
+                    for k, name in enumerate(("pack_s", "forward_s", "backward_s", "pipeline_s"))
+                },
+                "losses": [round(x, 5) for x in losses],
+                "finite": all(x == x and abs(x) != float("inf") for x in losses),
+            }
             del engine
     finally:
         leave_group()
@@ -244,7 +303,7 @@ def main(argv=None) -> int:
         try:
             summary["bench"] = bench = run_bench(args.bench_steps, args.bench_warmup, out_dir)
             failed |= not all(v["finite"] for v in bench.values() if isinstance(v, dict))
-        except Exception as error:  # noqa: BLE001 - reported in the summary, and the exit status says so
+        except Exception:  # noqa: BLE001 - reported in the summary, and the exit status says so
             import traceback
 
             summary["bench"] = {"error": traceback.format_exc()[-3000:]}
@@ -256,16 +315,20 @@ def main(argv=None) -> int:
     print(f"machine: {', '.join(env['gpus'])}; torch {env['torch']} CUDA {env['cuda']} NCCL {env.get('nccl')}")
     if "tests" in summary:
         t = summary["tests"]
-        print(f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped in {t['seconds']} s "
-              f"(pytest exit {t['exit']})")  # fmt: skip
+        print(
+            f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped in {t['seconds']} s "
+            f"(pytest exit {t['exit']})"
+        )
         for name, outcome in t["tests"].items():
             print(f"  {outcome:8s} {name}")
         if t["exit"] != 0:
             print(t["tail"])
     if "job" in summary:
         j = summary["job"]
-        print(f"job: {'ok' if j['ok'] else 'FAILED'} (exit {j.get('exit')}, {j.get('seconds')} s, final checkpoint "
-              f"read on the cpu at step {j.get('final_step_read_on_cpu')}, periodic {j.get('periodic_checkpoints')})")
+        print(
+            f"job: {'ok' if j['ok'] else 'FAILED'} (exit {j.get('exit')}, {j.get('seconds')} s, final checkpoint "
+            f"read on the cpu at step {j.get('final_step_read_on_cpu')}, periodic {j.get('periodic_checkpoints')})"
+        )
         if not j["ok"]:
             print(j["tail"])
     if "bench" in summary:
@@ -275,10 +338,12 @@ def main(argv=None) -> int:
         for dtype in ("float32", "bfloat16"):
             if dtype in b:
                 r = b[dtype]
-                print(f"bench {dtype:8s}: {r['parameters'] / 1e6:.0f} M params, step {r['median_step_s']:.3f} s, "
-                      f"{r['samples_per_s']} samples/s, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']} GiB; "
-                      f"pack {r['median_pack_s']:.3f} s, forward {r['median_forward_s']:.3f} s, "
-                      f"backward {r['median_backward_s']:.3f} s, 1F1B {r['median_pipeline_s']:.3f} s")  # fmt: skip
+                print(
+                    f"bench {dtype:8s}: {r['parameters'] / 1e6:.0f} M params, step {r['median_step_s']:.3f} s, "
+                    f"{r['samples_per_s']} samples/s, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']} GiB; "
+                    f"pack {r['median_pack_s']:.3f} s, forward {r['median_forward_s']:.3f} s, "
+                    f"backward {r['median_backward_s']:.3f} s, 1F1B {r['median_pipeline_s']:.3f} s"
+                )
         if "bf16_speedup" in b:
             print(f"bench bf16 speed-up over float32: {b['bf16_speedup']}x")
     print("gpu-check:", "FAILED" if failed else "passed")

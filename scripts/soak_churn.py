@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -67,10 +66,26 @@ over every layer (measured). A logic error (a step skipped or applied twice, a s
 layer by about lr = 1e-3, far above this bound."""
 
 
-def launch(config: str, nodes: int, steps: int, run_dir: Path, extra: list[str], sets: list[str],
-           timeout: float) -> tuple[int, str, float]:  # fmt: skip
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", config, "--nodes", str(nodes), "--steps",
-           str(steps), "--run-dir", str(run_dir), "--log-every", "50", *extra]  # fmt: skip
+def launch(
+    config: str, nodes: int, steps: int, run_dir: Path, extra: list[str], sets: list[str], timeout: float
+) -> tuple[int, str, float]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "local",
+        "--config",
+        config,
+        "--nodes",
+        str(nodes),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--log-every",
+        "50",
+        *extra,
+    ]
     for s in sets:
         cmd += ["--set", s]
     began = time.perf_counter()
@@ -87,8 +102,9 @@ optimizer warm-up, ``agent_worker.worker_main``), in one process that then exits
 other simulated nodes on this machine, without joining anything."""
 
 
-def launch_with_startups(config: str, nodes: int, steps: int, run_dir: Path, sets: list[str], timeout: float,
-                         at_seconds: list[float]) -> tuple[int, str, float]:  # fmt: skip
+def launch_with_startups(
+    config: str, nodes: int, steps: int, run_dir: Path, sets: list[str], timeout: float, at_seconds: list[float]
+) -> tuple[int, str, float]:
     """``launch`` (failure-free) while a phantom start-up (``PHANTOM_STARTUP``) begins at each of ``at_seconds``
     after the launch: the control that tells a churned run's recovery cost from its joiners' start-up CPU."""
     stop = threading.Event()
@@ -199,13 +215,22 @@ def slow_waits(events_path: Path) -> list[dict]:
     out = []
     for e in read_events(events_path):
         if e["event"] in ("rendezvous_done", "states_copied", "resumed") and e.get("spread_s", 0) > SLOW_WAIT_S:
-            out.append({"generation": e["generation"], "seconds": e["spread_s"],
-                        "what": f"generation {e['generation']} ({e.get('cause', '?')}): {e['event']} waited for "
-                                f"{e.get('last')}"})  # fmt: skip
+            out.append(
+                {
+                    "generation": e["generation"],
+                    "seconds": e["spread_s"],
+                    "what": f"generation {e['generation']} ({e.get('cause', '?')}): {e['event']} waited for "
+                    f"{e.get('last')}",
+                }
+            )
         elif e["event"] == "aborted" and e.get("leave_s", 0) > SLOW_WAIT_S:
-            out.append({"generation": e["generation"], "seconds": e["leave_s"],
-                        "what": f"generation {e['generation']}: {e['node']} left its groups slowly "
-                                f"({e['message'][:60]})"})  # fmt: skip
+            out.append(
+                {
+                    "generation": e["generation"],
+                    "seconds": e["leave_s"],
+                    "what": f"generation {e['generation']}: {e['node']} left its groups slowly ({e['message'][:60]})",
+                }
+            )
     return out
 
 
@@ -217,22 +242,35 @@ def main() -> int:
     parser.add_argument("--churn", default=DEFAULT_CHURN)
     parser.add_argument("--set", action="append", default=[], dest="sets", help="more --set overrides")
     parser.add_argument("--killmaster", action="store_true", help="also kill the master inside a burst")
-    parser.add_argument("--hf", action="store_true",
-                        help="soak (b): a tiny HF LLaVA (SigLIP + Qwen2, tied embeddings) with the balancer on")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="verify's bound per window (default 1e-9; 1e-6 with --hf: see HF_TOLERANCE)")
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="soak (b): a tiny HF LLaVA (SigLIP + Qwen2, tied embeddings) with the balancer on",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="verify's bound per window (default 1e-9; 1e-6 with --hf: see HF_TOLERANCE)",
+    )
     parser.add_argument("--checkpoint-interval", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=3000)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--size-control", action="store_true",
-                        help="also run the failure-free job at each node count the churned run trained at: on one "
-                             "machine's shared cores more simulated nodes make every step slower (the failure-free "
-                             "job took 0.102, 0.115 and 0.122 s a step on 6, 7 and 8 nodes here), which on a real "
-                             "cluster they make faster")
+    parser.add_argument(
+        "--size-control",
+        action="store_true",
+        help="also run the failure-free job at each node count the churned run trained at: on one "
+        "machine's shared cores more simulated nodes make every step slower (the failure-free "
+        "job took 0.102, 0.115 and 0.122 s a step on 6, 7 and 8 nodes here), which on a real "
+        "cluster they make faster",
+    )
     parser.add_argument("--size-control-steps", type=int, default=200)
-    parser.add_argument("--startup-control", action="store_true",
-                        help="also run the failure-free job with the churned run's joiners' start-ups beside it "
-                             "(no joins): how much of the loss is their CPU on this machine")
+    parser.add_argument(
+        "--startup-control",
+        action="store_true",
+        help="also run the failure-free job with the churned run's joiners' start-ups beside it "
+        "(no joins): how much of the loss is their CPU on this machine",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="oobleck-soak-"))
@@ -245,19 +283,26 @@ def main() -> int:
     print(f"  exit {code0}, {free_s:.1f} s of training ({wall0:.1f} s in all)", flush=True)
 
     extra = ["--churn", args.churn, "--save-final", str(work / "churn" / "final")]
-    churn_sets = [*sets, "fault_tolerance.keep_checkpoints=0",
-                  f"fault_tolerance.checkpoint_interval={args.checkpoint_interval}"]  # fmt: skip
+    churn_sets = [
+        *sets,
+        "fault_tolerance.keep_checkpoints=0",
+        f"fault_tolerance.checkpoint_interval={args.checkpoint_interval}",
+    ]
     if args.killmaster:
         extra += ["--inject", "killmaster@t20s"]
-    print(f"churned run: --churn {args.churn}{' + killmaster@t20s' if args.killmaster else ''} ({work}/churn)",
-          flush=True)
+    print(
+        f"churned run: --churn {args.churn}{' + killmaster@t20s' if args.killmaster else ''} ({work}/churn)", flush=True
+    )
     code1, out1, wall1 = launch(args.config, args.nodes, args.steps, work / "churn", extra, churn_sets, args.timeout)
     events = work / "churn" / "events.jsonl"
     churn_s = training_seconds(events)
     injected = read_events(events, "injected")
     skipped = read_events(events, "inject_skipped")
-    print(f"  exit {code1}, {churn_s:.1f} s of training ({wall1:.1f} s in all); {len(injected)} events injected, "
-          f"{len(skipped)} skipped; {len(read_events(events, 'plan_decided'))} generations", flush=True)
+    print(
+        f"  exit {code1}, {churn_s:.1f} s of training ({wall1:.1f} s in all); {len(injected)} events injected, "
+        f"{len(skipped)} skipped; {len(read_events(events, 'plan_decided'))} generations",
+        flush=True,
+    )
     if code1 != 0:
         print(out1[-5000:])
     outcomes = table_outcomes(events)
@@ -267,8 +312,20 @@ def main() -> int:
 
     verified, verify_out = False, ""
     if code1 == 0:
-        cmd = [sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", args.config, "--steps", str(args.steps),
-               "--against", str(work / "churn" / "final"), "--windows", str(work / "churn" / "checkpoints")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "verify",
+            "--config",
+            args.config,
+            "--steps",
+            str(args.steps),
+            "--against",
+            str(work / "churn" / "final"),
+            "--windows",
+            str(work / "churn" / "checkpoints"),
+        ]
         tolerance = args.tolerance if args.tolerance is not None else (HF_TOLERANCE if args.hf else None)
         if tolerance is not None:
             cmd += ["--tolerance", str(tolerance)]
@@ -282,14 +339,20 @@ def main() -> int:
     control_s = float("nan")
     if args.startup_control:
         joins = [e["seconds"] for e in injected if e["kind"] == "join"]
-        print(f"control: failure-free with {len(joins)} joiners' start-ups beside it, no joins ({work}/control)",
-              flush=True)
-        code2, _, wall2 = launch_with_startups(args.config, args.nodes, args.steps, work / "control", sets,
-                                               args.timeout, joins)  # fmt: skip
+        print(
+            f"control: failure-free with {len(joins)} joiners' start-ups beside it, no joins ({work}/control)",
+            flush=True,
+        )
+        code2, _, wall2 = launch_with_startups(
+            args.config, args.nodes, args.steps, work / "control", sets, args.timeout, joins
+        )
         control_s = training_seconds(work / "control" / "events.jsonl")
-        print(f"  exit {code2}, {control_s:.1f} s of training ({wall2:.1f} s in all): failure-free "
-              f"{free_s / control_s:.1%} of the failure-free run's throughput with the start-ups beside it; churned "
-              f"{control_s / churn_s:.1%} of this control", flush=True)
+        print(
+            f"  exit {code2}, {control_s:.1f} s of training ({wall2:.1f} s in all): failure-free "
+            f"{free_s / control_s:.1%} of the failure-free run's throughput with the start-ups beside it; churned "
+            f"{control_s / churn_s:.1%} of this control",
+            flush=True,
+        )
     same_size_s = float("nan")
     size_step_s: dict[int, float] = {}
     if args.size_control and churn_s == churn_s:
@@ -303,35 +366,54 @@ def main() -> int:
             if code == 0:
                 size_step_s[size] = training_seconds(run / "events.jsonl") / max(1, args.size_control_steps - 1)
         same_size_s = same_size_seconds(sizes, size_step_s)
-        print(f"size control: steps per node count {dict(sorted(sizes.items()))}; failure-free step time "
-              + ", ".join(f"{k} nodes {v * 1000:.0f} ms" for k, v in sorted(size_step_s.items()))
-              + f": {same_size_s:.1f} s failure-free at the churned run's sizes; churned "
-              f"{same_size_s / churn_s:.1%} of that", flush=True)  # fmt: skip
+        print(
+            f"size control: steps per node count {dict(sorted(sizes.items()))}; failure-free step time "
+            + ", ".join(f"{k} nodes {v * 1000:.0f} ms" for k, v in sorted(size_step_s.items()))
+            + f": {same_size_s:.1f} s failure-free at the churned run's sizes; churned "
+            f"{same_size_s / churn_s:.1%} of that",
+            flush=True,
+        )
     recoveries = burst_recoveries(events)
     waits = slow_waits(events)
     result = {
         "config": "tiny HF LLaVA (SigLIP + Qwen2, tied), balancer on" if args.hf else Path(args.config).name,
-        "nodes": args.nodes, "steps": args.steps, "churn": args.churn, "killmaster": args.killmaster,
-        "free_exit": code0, "free_training_s": round(free_s, 2), "churn_exit": code1,
-        "churn_training_s": round(churn_s, 2), "throughput_fraction": round(ratio, 3),
-        "events_injected": len(injected), "events_skipped": len(skipped),
-        "generations": len(read_events(events, "plan_decided")), "incidents": len(outcomes),
-        "incidents_without_outcome": len(no_outcome), "leftover_pids": left, "verified": verified,
+        "nodes": args.nodes,
+        "steps": args.steps,
+        "churn": args.churn,
+        "killmaster": args.killmaster,
+        "free_exit": code0,
+        "free_training_s": round(free_s, 2),
+        "churn_exit": code1,
+        "churn_training_s": round(churn_s, 2),
+        "throughput_fraction": round(ratio, 3),
+        "events_injected": len(injected),
+        "events_skipped": len(skipped),
+        "generations": len(read_events(events, "plan_decided")),
+        "incidents": len(outcomes),
+        "incidents_without_outcome": len(no_outcome),
+        "leftover_pids": left,
+        "verified": verified,
         "verify": verify_out.splitlines()[-1] if verify_out else "",
-        "burst_to_resumed_s": recoveries, "slow_waits": waits, "run_dir": str(work),
+        "burst_to_resumed_s": recoveries,
+        "slow_waits": waits,
+        "run_dir": str(work),
         "startup_control_training_s": round(control_s, 2) if control_s == control_s else None,
         "throughput_vs_startup_control": round(control_s / churn_s, 3) if control_s == control_s else None,
         "steps_by_live_nodes": steps_by_size(events),
         "size_control_step_s": {k: round(v, 4) for k, v in sorted(size_step_s.items())} or None,
         "same_size_failure_free_s": round(same_size_s, 2) if same_size_s == same_size_s else None,
         "throughput_vs_same_sizes": round(same_size_s / churn_s, 3) if same_size_s == same_size_s else None,
-    }  # fmt: skip
-    print(f"throughput {ratio:.1%} of failure-free; {len(outcomes)} incidents, {len(no_outcome)} without outcome; "
-          f"leftover processes {left or 'none'}; verified {verified}")
+    }
+    print(
+        f"throughput {ratio:.1%} of failure-free; {len(outcomes)} incidents, {len(no_outcome)} without outcome; "
+        f"leftover processes {left or 'none'}; verified {verified}"
+    )
     if recoveries:
         times = sorted(r["to_resumed_s"] for r in recoveries)
-        print(f"kill bursts: last event -> resumed, median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s "
-              f"over {len(times)} bursts")
+        print(
+            f"kill bursts: last event -> resumed, median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s "
+            f"over {len(times)} bursts"
+        )
     for wait in waits:
         print(f"  waited {wait['seconds']:.2f} s: {wait['what']}")
     if args.json:

@@ -29,10 +29,18 @@ from oobleck_mm.planning.stage_mapping import map_stages  # noqa: E402
 
 def random_profile(rng: random.Random, num_layers: int) -> ModelProfile:
     layers = tuple(
-        LayerCost(name=f"llm.block{i}", modality="text", forward_s=rng.uniform(0.2, 2),
-                  backward_weight_s=rng.uniform(0.2, 2), backward_input_s=rng.uniform(0.2, 2),
-                  param_bytes=0, grad_bytes=0, optimizer_bytes=0, activation_bytes=0,
-                  output_bytes=rng.choice([0, 10**8, 10**9]))
+        LayerCost(
+            name=f"llm.block{i}",
+            modality="text",
+            forward_s=rng.uniform(0.2, 2),
+            backward_weight_s=rng.uniform(0.2, 2),
+            backward_input_s=rng.uniform(0.2, 2),
+            param_bytes=0,
+            grad_bytes=0,
+            optimizer_bytes=0,
+            activation_bytes=0,
+            output_bytes=rng.choice([0, 10**8, 10**9]),
+        )
         for i in range(num_layers)
     )
     return ModelProfile(model_name="random", device="synthetic", microbatch_size=1, layers=layers)
@@ -45,8 +53,12 @@ def exact_optimum(profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, m
         bounds = (0, *cuts, L)
         costs = [stage_cost(prefix, cluster, bounds[k], bounds[k + 1], 1) for k in range(num_nodes)]
         sends = [cluster.transfer_s(c.output_bytes, cross_node=True) for c in costs[:-1]]
-        best = min(best, iteration_time_1f1b([c.forward_s for c in costs], [c.backward_s for c in costs],
-                                             sends, sends, microbatches))
+        best = min(
+            best,
+            iteration_time_1f1b(
+                [c.forward_s for c in costs], [c.backward_s for c in costs], sends, sends, microbatches
+            ),
+        )
     return best
 
 
@@ -76,8 +88,11 @@ def main() -> int:
             tuned.append(map_stages(profile, cluster, num_nodes, microbatches_hint=m).iteration_time(m) / best - 1)
         p, t = summary(plain), summary(tuned)
         rows.append({"ratio": ratio, "trials": args.trials, "lexicographic": p, "tuned": t})
-        print(f"{ratio:>4}  {p['mean']:>8.2%} {p['p90']:>8.2%} {p['max']:>8.2%}   "
-              f"{t['mean']:>8.2%} {t['p90']:>8.2%} {t['max']:>8.2%}", flush=True)
+        print(
+            f"{ratio:>4}  {p['mean']:>8.2%} {p['p90']:>8.2%} {p['max']:>8.2%}   "
+            f"{t['mean']:>8.2%} {t['p90']:>8.2%} {t['max']:>8.2%}",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

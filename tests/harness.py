@@ -94,8 +94,17 @@ class Launch:
     def __init__(self, tmp_path: Path, config: str, *args: str, name: str = "run") -> None:
         self.run_dir = tmp_path / name
         self.events_path = self.run_dir / "events.jsonl"
-        cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", config, "--run-dir", str(self.run_dir),
-               *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "local",
+            "--config",
+            config,
+            "--run-dir",
+            str(self.run_dir),
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen: dict[int, psutil.Process] = {}
         self.commands: dict[int, list[str]] = {}
@@ -119,7 +128,9 @@ class Launch:
         except subprocess.TimeoutExpired:
             self.kill_all()
             self.stdout, self.stderr = self.proc.communicate()
-            raise AssertionError(f"the launcher ran past {timeout:g}s:\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}")
+            raise AssertionError(
+                f"the launcher ran past {timeout:g}s:\n{self.stdout[-3000:]}\n{self.stderr[-3000:]}"
+            ) from None
         self._watch.join(1)
         return self.proc.returncode
 
@@ -133,9 +144,15 @@ class Launch:
         """Command lines of what the run started besides the launcher and its master process (agents,
         workers, the master's planning helper): empty when the master refused the job at once."""
         # A child caught between fork and exec still shows the launcher's command line: not a start.
-        return [" ".join(cmd)[:120] for pid, cmd in self.commands.items()
-                if pid != self.proc.pid and cmd[1:3] == ["-m", "oobleck_mm.cli"] and cmd[3:4] != ["master"]
-                and cmd[3:4] != ["local"] or "spawn_main" in " ".join(cmd)]  # fmt: skip
+        return [
+            " ".join(cmd)[:120]
+            for pid, cmd in self.commands.items()
+            if pid != self.proc.pid
+            and cmd[1:3] == ["-m", "oobleck_mm.cli"]
+            and cmd[3:4] != ["master"]
+            and cmd[3:4] != ["local"]
+            or "spawn_main" in " ".join(cmd)
+        ]
 
     def kill_all(self) -> None:
         for p in [*tree(self.proc.pid), *self.seen.values()]:
@@ -164,8 +181,9 @@ class Launch:
         fault = FaultEvent(kind=kind, node=node, step=0, local_rank=local_rank, source=f"test {kind}:{node}")
         log = EventLog(self.events_path)
         try:
-            injector = Injector([], event_log_path=self.events_path, events=log, agents=self.agent_pids,
-                                start_agent=lambda name: None)  # fmt: skip
+            injector = Injector(
+                [], event_log_path=self.events_path, events=log, agents=self.agent_pids, start_agent=lambda name: None
+            )
             [record] = injector.fire([fault])
         finally:
             log.close()
@@ -233,21 +251,27 @@ class Procs:
         self.started: list[subprocess.Popen] = []
         self.seen: list[psutil.Process] = []  # everything ever observed under them
 
-    def spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None,
-              wrap=lambda argv: argv) -> tuple[subprocess.Popen, Path]:
+    def spawn(
+        self, args: list[str], log_name: str, env: dict[str, str] | None = None, wrap=lambda argv: argv
+    ) -> tuple[subprocess.Popen, Path]:
         """``oobleck-launch ARGS`` logging to ``log_name``; ``wrap`` may run it elsewhere (a network namespace:
         ``tests/network.py``) as long as the pid stays the CLI's own."""
         log_path = self.tmp_path / log_name
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                wrap([sys.executable, "-m", "oobleck_mm.cli", *args]), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, cwd=ROOT, env={**os.environ, **(env or {})},
-            )  # fmt: skip
+                wrap([sys.executable, "-m", "oobleck_mm.cli", *args]),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env={**os.environ, **(env or {})},
+            )
         self.started.append(proc)
         return proc, log_path
 
-    def agent(self, address: str, node: str, token_file: str, network=None, extra: tuple[str, ...] = ()
-              ) -> tuple[subprocess.Popen, Path]:  # fmt: skip
+    def agent(
+        self, address: str, node: str, token_file: str, network=None, extra: tuple[str, ...] = ()
+    ) -> tuple[subprocess.Popen, Path]:
         """An agent (``extra``: more of its flags); with ``network`` (a ``tests/network.Network``) in ``node``'s
         namespace."""
         args = ["agent", "--master", address, "--node", node, "--token-file", token_file, *extra]
@@ -286,11 +310,14 @@ def master_in_process(config: str, tmp_path: Path, **overrides: int) -> Iterator
         server.stop()
 
 
-def start_master_process(procs: Procs, config: str, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, Path, str]:
+def start_master_process(
+    procs: Procs, config: str, tmp_path: Path, *extra: str
+) -> tuple[subprocess.Popen, str, Path, str]:
     """``oobleck-launch master`` as a subprocess: (process, address, event log, token file)."""
     run_dir = tmp_path / "run"
-    proc, log_path = procs.spawn(["master", "--config", config, "--port", "0", "--run-dir", str(run_dir), *extra],
-                                 "master.log")  # fmt: skip
+    proc, log_path = procs.spawn(
+        ["master", "--config", config, "--port", "0", "--run-dir", str(run_dir), *extra], "master.log"
+    )
     found = wait_for(lambda: re.search(r"master listening on (\S+) ", log_path.read_text()), 20, "the master")
     return proc, found.group(1), run_dir / "events.jsonl", str(run_dir / "token")
 

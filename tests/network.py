@@ -126,15 +126,39 @@ class Network:
         packet queues behind the ones before it. (This kernel has no ``sch_netem``, so no fixed delay; a
         bucket's queueing is the slow link that a shared or congested uplink is.)"""
         for where, device in self._both_ends(node):
-            subprocess.run([*where, "tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{kbit}kbit",
-                            "burst", "16kb", "latency", "2s"], check=True, capture_output=True, timeout=20)  # fmt: skip
+            subprocess.run(
+                [
+                    *where,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    device,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{kbit}kbit",
+                    "burst",
+                    "16kb",
+                    "latency",
+                    "2s",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=20,
+            )
 
     def throttled_packets(self, node: str) -> int:
         """Times the buckets of ``throttle`` held packets back (tc's ``overlimits``): > 0, the link was slow."""
         total = 0
         for where, device in self._both_ends(node):
-            shown = subprocess.run([*where, "tc", "-s", "qdisc", "show", "dev", device], check=True,
-                                   capture_output=True, text=True, timeout=20).stdout  # fmt: skip
+            shown = subprocess.run(
+                [*where, "tc", "-s", "qdisc", "show", "dev", device],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout
             total += sum(int(n) for n in re.findall(r"overlimits (\d+)", shown))
         return total
 

@@ -65,13 +65,24 @@ class SlurmCluster:
         key.chmod(0o400)
         self.munge_socket = r / "munge.sock"
         self.procs["munged"] = subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-             f"--pid-file={r / 'munged.pid'}", f"--log-file={r / 'munged.log'}", f"--seed-file={r / 'munge.seed'}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={r / 'munged.pid'}",
+                f"--log-file={r / 'munged.log'}",
+                f"--seed-file={r / 'munge.seed'}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         wait_for(lambda: self.munge_socket.exists(), 10, "munged's socket")
         nodes = self.network.nodes
-        node_lines = "\n".join(f"NodeName={n} NodeAddr={self.network.address(n)} CPUs={self.cpus} State=UNKNOWN"
-                               for n in nodes)  # fmt: skip
+        node_lines = "\n".join(
+            f"NodeName={n} NodeAddr={self.network.address(n)} CPUs={self.cpus} State=UNKNOWN" for n in nodes
+        )
         self.conf.write_text(f"""\
 ClusterName=oobtest
 SlurmctldHost={socket.gethostname()}({self.network.master_address})
@@ -82,11 +93,11 @@ CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 SlurmUser=root
 SlurmdUser=root
-StateSaveLocation={r / 'ctld'}
+StateSaveLocation={r / "ctld"}
 SlurmdSpoolDir={r}/slurmd.%n
-SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmctldPidFile={r / "slurmctld.pid"}
 SlurmdPidFile={r}/slurmd.%n.pid
-SlurmctldLogFile={r / 'slurmctld.log'}
+SlurmctldLogFile={r / "slurmctld.log"}
 SlurmdLogFile={r}/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -103,21 +114,29 @@ MessageTimeout=5
 KillWait=5
 InactiveLimit=0
 {node_lines}
-PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=test Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
-        self.procs["slurmctld"] = subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(self.conf)], env=self.env,
-                                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+        self.procs["slurmctld"] = subprocess.Popen(
+            ["slurmctld", "-D", "-i", "-f", str(self.conf)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         for n in nodes:
             (r / f"slurmd.{n}").mkdir(exist_ok=True)
             self.procs[f"slurmd.{n}"] = subprocess.Popen(
-                self.network.command(n, ["slurmd", "-D", "-N", n, "-f", str(self.conf)]), env=self.env,
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+                self.network.command(n, ["slurmd", "-D", "-N", n, "-f", str(self.conf)]),
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
         self.wait_idle()
 
     def resume(self, node: str) -> None:
         """A node back from DOWN is idle again now, not at the controller's next look at it."""
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=self.env, capture_output=True,
-                       timeout=20)  # fmt: skip
+        subprocess.run(
+            ["scontrol", "update", f"nodename={node}", "state=resume"], env=self.env, capture_output=True, timeout=20
+        )
         self.wait_idle()
 
     def wait_idle(self, timeout: float = 60) -> None:
@@ -125,8 +144,9 @@ PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP
         wait_for(lambda: self.idle_nodes() == set(self.network.nodes), timeout, "every node idle in sinfo")
 
     def sinfo(self) -> str:
-        return subprocess.run(["sinfo", "-N", "-h", "-o", "%N %t"], env=self.env, capture_output=True, text=True,
-                              timeout=20).stdout  # fmt: skip
+        return subprocess.run(
+            ["sinfo", "-N", "-h", "-o", "%N %t"], env=self.env, capture_output=True, text=True, timeout=20
+        ).stdout
 
     def idle_nodes(self) -> set[str]:
         return {n for n, state in (line.split() for line in self.sinfo().splitlines()) if state == "idle"}
@@ -135,8 +155,9 @@ PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP
         return dict(line.split() for line in self.sinfo().splitlines()).get(node, "")
 
     def close(self) -> None:
-        subprocess.run(["scancel", "--full", "--signal=KILL", "-u", "root"], env=self.env, capture_output=True,
-                       timeout=20)  # fmt: skip
+        subprocess.run(
+            ["scancel", "--full", "--signal=KILL", "-u", "root"], env=self.env, capture_output=True, timeout=20
+        )
         for name, proc in reversed(list(self.procs.items())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

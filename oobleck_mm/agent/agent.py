@@ -65,8 +65,15 @@ import psutil
 
 from oobleck_mm.agent.pipes import ReportPipes
 from oobleck_mm.agent.reports import ReportLog
-from oobleck_mm.agent.workers import (DEFAULT_WORKER_START, DEFAULT_WORKER_TARGET, REPORTS_DRAIN_S, Worker, WorkerFault,
-                           start_worker_template, stop_all)
+from oobleck_mm.agent.workers import (
+    DEFAULT_WORKER_START,
+    DEFAULT_WORKER_TARGET,
+    REPORTS_DRAIN_S,
+    Worker,
+    WorkerFault,
+    start_worker_template,
+    stop_all,
+)
 from oobleck_mm.config import FaultToleranceConfig, parse_config_text, section_from_dict
 from oobleck_mm.errors import ExitCode, UserError
 from oobleck_mm.protocol import MESSAGE_OPTIONS
@@ -155,10 +162,15 @@ class Agent:
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
         first, longest = RECONNECT_BACKOFF_MS
-        self._channel = grpc.insecure_channel(self.o.master, options=[
-            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
-            ("grpc.max_reconnect_backoff_ms", longest), *MESSAGE_OPTIONS,
-        ])  # fmt: skip
+        self._channel = grpc.insecure_channel(
+            self.o.master,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", first),
+                ("grpc.min_reconnect_backoff_ms", first),
+                ("grpc.max_reconnect_backoff_ms", longest),
+                *MESSAGE_OPTIONS,
+            ],
+        )
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         old_handlers = {}
         # The worker template imports torch and the engine while this agent registers.
@@ -177,11 +189,16 @@ class Agent:
             self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
             self.timeouts = _fault_tolerance(reply.config_yaml)
             self.interval = self.timeouts.heartbeat_interval.total_seconds()
-            log.info("registered as %s: %d GPUs, heartbeat every %.2fs, master given up after %.2fs of silence",
-                     self.o.node, reply.gpus, self.interval,
-                     self.timeouts.master_silence_limit.total_seconds())  # fmt: skip
-            self._reports_thread = threading.Thread(target=self._pipes.run, args=(self._stopping, self._on_reader_failure),
-                                                    name="reports", daemon=True)  # fmt: skip
+            log.info(
+                "registered as %s: %d GPUs, heartbeat every %.2fs, master given up after %.2fs of silence",
+                self.o.node,
+                reply.gpus,
+                self.interval,
+                self.timeouts.master_silence_limit.total_seconds(),
+            )
+            self._reports_thread = threading.Thread(
+                target=self._pipes.run, args=(self._stopping, self._on_reader_failure), name="reports", daemon=True
+            )
             self._reports_thread.start()
             self._start_threads()
             # The workers start now, not on the first assignment: they import and warm up while the
@@ -207,7 +224,10 @@ class Agent:
 
     def _register(self) -> pb.RegisterReply | int:
         request = pb.RegisterRequest(
-            node=self.o.node, gpus=self.o.gpus, memory_bytes=psutil.virtual_memory().total, pid=os.getpid(),
+            node=self.o.node,
+            gpus=self.o.gpus,
+            memory_bytes=psutil.virtual_memory().total,
+            pid=os.getpid(),
         )
         try:
             # wait_for_ready: an agent may start before its master listens.
@@ -257,8 +277,11 @@ class Agent:
                 if code is not None:
                     return code
             if self._leave_by is not None and time.monotonic() > self._leave_by:
-                log.error("not planned out within fault_tolerance.preempt_grace (%.0f s) of the preemption "
-                          "notice; stopping the node's workers", self.timeouts.preempt_grace.total_seconds())  # fmt: skip
+                log.error(
+                    "not planned out within fault_tolerance.preempt_grace (%.0f s) of the preemption "
+                    "notice; stopping the node's workers",
+                    self.timeouts.preempt_grace.total_seconds(),
+                )
                 return ExitCode.ERROR
             if kind == "worker_eof" or time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.interval
@@ -303,14 +326,19 @@ class Agent:
         """Planned out for being slow (issue 29): the workers finish the iteration in flight, as on a leave
         after a notice, and fresh ones start at once, so that the node is ready when the master takes it
         back. The node stays registered and heartbeats all along: a bench is not a failure."""
-        log.warning("benched: %s; the workers stop at the iteration boundary, fresh ones wait to join again",
-                    bench.reason)  # fmt: skip
+        log.warning(
+            "benched: %s; the workers stop at the iteration boundary, fresh ones wait to join again", bench.reason
+        )
         with self._workers_lock:
             workers = list(self.workers.values())
         # A slow node's iteration in flight is bounded like any collective of the job. The workers stay
         # in ``self.workers`` meanwhile: the reports thread forwards their last reports (a checkpoint share).
-        stop_all(workers, self.timeouts.collective_timeout.total_seconds(),
-                 pb.Shutdown(reason=bench.reason, at_boundary=True), drain_s=REPORTS_DRAIN_S)  # fmt: skip
+        stop_all(
+            workers,
+            self.timeouts.collective_timeout.total_seconds(),
+            pb.Shutdown(reason=bench.reason, at_boundary=True),
+            drain_s=REPORTS_DRAIN_S,
+        )
         with self._workers_lock:
             self.workers = {}
         self._pipes.retire(workers)
@@ -326,22 +354,33 @@ class Agent:
         assignment.store_host, assignment.store_port = self.master_host, self.master_port
         assignment.store_token = self.o.token
         worker = self.workers.get(local_rank) or self._start_worker(local_rank)  # restart mode killed it
-        log.info("generation %d: local rank %d is rank %d of %d",
-                 assignment.generation, local_rank, assignment.rank, assignment.world_size)  # fmt: skip
+        log.info(
+            "generation %d: local rank %d is rank %d of %d",
+            assignment.generation,
+            local_rank,
+            assignment.rank,
+            assignment.world_size,
+        )
         worker.send(pb.WorkerCommand(assignment=assignment))  # a dead worker is caught by supervision
 
     def _ask_to_leave(self) -> bool:
         """The preemption notice: the master plans this node out at the next iteration boundary."""
         grace = self.timeouts.preempt_grace.total_seconds()
         try:
-            self.stub.Leave(pb.LeaveRequest(node=self.ref, reason="preemption notice (SIGTERM to its agent)"),
-                            metadata=self.metadata, timeout=self.timeouts.report_rpc_timeout.total_seconds())  # fmt: skip
+            self.stub.Leave(
+                pb.LeaveRequest(node=self.ref, reason="preemption notice (SIGTERM to its agent)"),
+                metadata=self.metadata,
+                timeout=self.timeouts.report_rpc_timeout.total_seconds(),
+            )
         except grpc.RpcError as err:
             log.error("preemption notice: the master did not take it (%s)", err.code().name)
             return False
         self._leave_by = time.monotonic() + grace
-        log.warning("preemption notice (SIGTERM): leaving the job at the next step boundary; the workers stop "
-                    "in %.0f s at the latest (fault_tolerance.preempt_grace); another signal stops them now", grace)
+        log.warning(
+            "preemption notice (SIGTERM): leaving the job at the next step boundary; the workers stop "
+            "in %.0f s at the latest (fault_tolerance.preempt_grace); another signal stops them now",
+            grace,
+        )
         return True
 
     def _start_worker(self, local_rank: int, since: float | None = None) -> Worker:
@@ -366,8 +405,9 @@ class Agent:
             node=self.ref, local_rank=fault.local_rank, failure=fault.kind, message=fault.message
         )
         try:
-            self.stub.ReportWorkerFailure(request, metadata=self.metadata,
-                                          timeout=self.timeouts.report_rpc_timeout.total_seconds())
+            self.stub.ReportWorkerFailure(
+                request, metadata=self.metadata, timeout=self.timeouts.report_rpc_timeout.total_seconds()
+            )
         except grpc.RpcError as err:  # the master sees our stream close when we exit anyway
             log.warning("could not report the failure: %s", err.code().name)
         return ExitCode.ERROR
@@ -385,7 +425,9 @@ class Agent:
     # ------------------------------------------------------------------ observer threads
     def _start_threads(self, stream: bool = True) -> None:
         """The threads that talk to the master under the current registration (``_link``)."""
-        threading.Thread(target=self._heartbeat_loop, args=(self._link, self.ref), name="heartbeat", daemon=True).start()
+        threading.Thread(
+            target=self._heartbeat_loop, args=(self._link, self.ref), name="heartbeat", daemon=True
+        ).start()
         if stream:
             threading.Thread(target=self._stream_loop, args=(self.ref,), name="stream", daemon=True).start()
 
@@ -399,7 +441,9 @@ class Agent:
             self.inbox.put(("master_lost", (ref.session, "the master ended the event stream without a shutdown")))
         except grpc.RpcError as err:
             if not self._stopping.is_set():
-                self.inbox.put(("master_lost", (ref.session, f"lost the event stream to the master: {err.code().name}")))
+                self.inbox.put(
+                    ("master_lost", (ref.session, f"lost the event stream to the master: {err.code().name}"))
+                )
 
     def _heartbeat_loop(self, link: int, ref: pb.NodeRef) -> None:
         last_ok = time.monotonic()
@@ -417,16 +461,24 @@ class Agent:
                     # Declared lost (a hang, a partition, a host too busy to heartbeat): the same path as a
                     # stream the master ended, whichever of the two this agent sees first, so the node always
                     # registers again and joins (``_wait_for_master``), never exits on one and joins on the other.
-                    self.inbox.put(("master_lost", (ref.session, f"the master no longer knows this node "
-                                                                 f"({err.details()}): registering again")))
+                    self.inbox.put(
+                        (
+                            "master_lost",
+                            (ref.session, f"the master no longer knows this node ({err.details()}): registering again"),
+                        )
+                    )
                     return
                 silent = time.monotonic() - last_ok
                 log.warning("heartbeat failed (%s); no answer for %.2fs", err.code().name, silent)
                 # A dead master is seen at once (its stream breaks); see master_silence_limit for why
                 # silence is given this long.
                 if silent > silence_limit:
-                    self.inbox.put(("master_lost", (ref.session, f"the master has not answered for {silent:.1f}s "
-                                                                 f"({err.code().name})")))  # fmt: skip
+                    self.inbox.put(
+                        (
+                            "master_lost",
+                            (ref.session, f"the master has not answered for {silent:.1f}s ({err.code().name})"),
+                        )
+                    )
                     return
 
     def _on_report_bytes(self, worker: Worker, data: bytes) -> None:
@@ -438,8 +490,15 @@ class Agent:
     def _on_reader_failure(self, error: BaseException) -> None:
         """The reports thread failed: no later report of this node would reach the master, which would wait
         for them (issue 55). The node stops as on a fault of its own; the master replaces it."""
-        self.inbox.put(("fatal", (self.ref.session, f"the reports thread failed ({error!r}): no report of this "
-                                                    "node would reach the master")))  # fmt: skip
+        self.inbox.put(
+            (
+                "fatal",
+                (
+                    self.ref.session,
+                    f"the reports thread failed ({error!r}): no report of this node would reach the master",
+                ),
+            )
+        )
 
     def _checkpoint_without_master(self, why: str) -> int:
         """The master is gone: the workers finish the iteration in flight and write the step they are at
@@ -454,8 +513,10 @@ class Agent:
             workers = list(self.workers.values())
         for worker in workers:
             worker.send(pb.WorkerCommand(master_lost=pb.MasterLost(reason=why)))
-        deadline = time.monotonic() + (self.timeouts.checkpoint_round_timeout
-                                       + self.timeouts.collective_timeout).total_seconds()  # fmt: skip
+        deadline = (
+            time.monotonic()
+            + (self.timeouts.checkpoint_round_timeout + self.timeouts.collective_timeout).total_seconds()
+        )
         saved: dict[int, pb.CheckpointDone] = {}
         while len(saved) < len(workers) and time.monotonic() < deadline:
             try:
@@ -469,8 +530,13 @@ class Agent:
         done = list(saved.values())
         if len(done) == len(workers) and all(not d.error and d.step >= 0 for d in done):
             where, step = done[0].dir, done[0].step
-            log.error("the master is lost; the workers wrote the checkpoint of step %d to %s; resume with: %s "
-                      "--resume %s", step, where, self.resume_command, where)  # fmt: skip
+            log.error(
+                "the master is lost; the workers wrote the checkpoint of step %d to %s; resume with: %s --resume %s",
+                step,
+                where,
+                self.resume_command,
+                where,
+            )
             return ExitCode.NO_REPLICAS
         errors = "; ".join(d.error for d in done if d.error) or "no answer from every worker in time"
         log.error("the master is lost and the workers could not write a checkpoint (%s)", errors)
@@ -493,8 +559,9 @@ class Agent:
                 return
             request = pb.WorkerReportRequest(node=self.ref, local_rank=local_rank, report=report)
             try:
-                self.stub.ReportWorker(request, metadata=self.metadata,
-                                       timeout=self.timeouts.report_rpc_timeout.total_seconds())
+                self.stub.ReportWorker(
+                    request, metadata=self.metadata, timeout=self.timeouts.report_rpc_timeout.total_seconds()
+                )
             except grpc.RpcError as err:  # the heartbeat thread decides whether the master is gone
                 log.warning("could not forward a report of worker %d: %s", local_rank, err.code().name)
                 self._reports.hold(seq, local_rank, report)  # a restarted master gets it
@@ -506,9 +573,13 @@ class Agent:
             self._orphaned_at = time.monotonic()
         self._next_try = 0.0
         wait = self.timeouts.master_timeout.total_seconds()
-        log.error("%s; the workers train on while this agent waits up to %.0f s (fault_tolerance.master_timeout) "
-                  "for the master, or one restarted with: oobleck-launch master --resume-master RUN_DIR; then "
-                  "they write the step they are at", why, wait)  # fmt: skip
+        log.error(
+            "%s; the workers train on while this agent waits up to %.0f s (fault_tolerance.master_timeout) "
+            "for the master, or one restarted with: oobleck-launch master --resume-master RUN_DIR; then "
+            "they write the step they are at",
+            why,
+            wait,
+        )
 
     def _wait_for_master(self) -> int | None:
         """One try per heartbeat interval to reach a master again; past ``master_timeout`` the workers write
@@ -517,8 +588,9 @@ class Agent:
         assert self._orphaned_at is not None and self.timeouts.master_timeout is not None
         waited = now - self._orphaned_at
         if waited > self.timeouts.master_timeout.total_seconds():
-            return self._checkpoint_without_master(f"no master came back within {waited:.0f} s "
-                                                   "(fault_tolerance.master_timeout)")  # fmt: skip
+            return self._checkpoint_without_master(
+                f"no master came back within {waited:.0f} s (fault_tolerance.master_timeout)"
+            )
         if now < self._next_try:
             return None
         self._next_try = now + self.interval
@@ -530,8 +602,13 @@ class Agent:
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 return None  # nobody answers yet
-        request = pb.RegisterRequest(node=self.o.node, gpus=self.o.gpus, memory_bytes=psutil.virtual_memory().total,
-                                     pid=os.getpid(), adopt_generation=self._generation)  # fmt: skip
+        request = pb.RegisterRequest(
+            node=self.o.node,
+            gpus=self.o.gpus,
+            memory_bytes=psutil.virtual_memory().total,
+            pid=os.getpid(),
+            adopt_generation=self._generation,
+        )
         try:  # a restarted master: it answers NOT_FOUND to the lost one's registration
             reply = self.stub.Register(request, metadata=self.metadata, timeout=rpc_timeout)
         except grpc.RpcError as err:
@@ -549,11 +626,13 @@ class Agent:
                 self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
             pending = self._reports.replay(latest=reply is not None)  # the same master saw those
             for p in pending:
-                request = pb.WorkerReportRequest(node=self.ref, local_rank=p.local_rank, report=p.report,
-                                                 replayed=p.replayed)  # fmt: skip
+                request = pb.WorkerReportRequest(
+                    node=self.ref, local_rank=p.local_rank, report=p.report, replayed=p.replayed
+                )
                 try:
-                    self.stub.ReportWorker(request, metadata=self.metadata,
-                                           timeout=self.timeouts.report_rpc_timeout.total_seconds())
+                    self.stub.ReportWorker(
+                        request, metadata=self.metadata, timeout=self.timeouts.report_rpc_timeout.total_seconds()
+                    )
                 except grpc.RpcError as err:  # it went away again: the next loss is seen as usual
                     log.warning("could not replay a report of worker %d: %s", p.local_rank, err.code().name)
             self._orphaned_at = None
@@ -563,13 +642,20 @@ class Agent:
             # The master declared this node lost meanwhile (a partition, a host too busy to heartbeat): it
             # counts it as a new node, whose workers receive every layer they hold when it joins, so nothing
             # they trained on alone is kept (they are fenced by generation).
-            log.warning("registered again after %.1f s without the master, which counts node %s as new (it had "
-                        "declared it lost, or was restarted without it): it joins as a new node and its workers "
-                        "receive their layers from the others", waited, self.o.node)  # fmt: skip
+            log.warning(
+                "registered again after %.1f s without the master, which counts node %s as new (it had "
+                "declared it lost, or was restarted without it): it joins as a new node and its workers "
+                "receive their layers from the others",
+                waited,
+                self.o.node,
+            )
             return
-        log.warning("%s after %.1f s without it (%d reports sent again); the workers kept training",
-                    "re-adopted by a restarted master" if reply is not None else "the master answers again",
-                    waited, len(pending))  # fmt: skip
+        log.warning(
+            "%s after %.1f s without it (%d reports sent again); the workers kept training",
+            "re-adopted by a restarted master" if reply is not None else "the master answers again",
+            waited,
+            len(pending),
+        )
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -593,7 +679,7 @@ def remove_stale_work_dirs(root: str, pid_alive: Callable[[int], bool]) -> list[
     """Removes the folders under ``root`` of agents that are gone (a SIGKILLed agent cannot clean up)."""
     removed = []
     for name in os.listdir(root):
-        parts = name[len(WORK_DIR_PREFIX):].rsplit("-", 2) if name.startswith(WORK_DIR_PREFIX) else []
+        parts = name[len(WORK_DIR_PREFIX) :].rsplit("-", 2) if name.startswith(WORK_DIR_PREFIX) else []
         if len(parts) == 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
             path = os.path.join(root, name)
             shutil.rmtree(path, ignore_errors=True)

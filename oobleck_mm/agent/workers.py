@@ -41,8 +41,13 @@ import psutil
 
 from oobleck_mm.lifetime import die_with, die_with_parent
 from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.runtime.template import (SHARED_TEMPLATE_ENV, leave_shared_template, target_preload,
-                                         use_shared_template, warm_context)
+from oobleck_mm.runtime.template import (
+    SHARED_TEMPLATE_ENV,
+    leave_shared_template,
+    target_preload,
+    use_shared_template,
+    warm_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +58,15 @@ DEFAULT_WORKER_START = "forkserver"
 
 
 # ---------------------------------------------------------------------- inside the worker process
-def worker_entry(target: str, conn: Connection, config_path: str, node: str, local_rank: int, agent_pid: int,
-                 shared: SharedTemplateStart | None = None) -> None:
+def worker_entry(
+    target: str,
+    conn: Connection,
+    config_path: str,
+    node: str,
+    local_rank: int,
+    agent_pid: int,
+    shared: SharedTemplateStart | None = None,
+) -> None:
     """First code a worker runs: tie its life to the agent, then run ``target`` ("module:function").
 
     Its parent is the agent (``spawn``) or the agent's worker template (``forkserver``), which
@@ -190,8 +202,15 @@ reported ``worker_zombie`` instead of ``worker_exited`` by SIGKILL. Only the dea
 class Worker:
     """One worker process and the agent's end of its pipe."""
 
-    def __init__(self, target: str, config_path: str, node: str, local_rank: int,
-                 method: str = DEFAULT_WORKER_START, since: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        config_path: str,
+        node: str,
+        local_rank: int,
+        method: str = DEFAULT_WORKER_START,
+        since: float | None = None,
+    ) -> None:
         self.since = time.monotonic() if since is None else since
         """Monotonic time this worker's start began: its template's start, when the template was
         started for it (the imports a fork skips were paid there), else now."""
@@ -219,8 +238,9 @@ class Worker:
                 # shows it a zombie a moment before it can be reaped (seen on an H200: waitpid said
                 # "running" for a zombie). Ask again until ensure_running sees it and starts another.
                 if method == "spawn" or time.monotonic() > deadline:
-                    raise RuntimeError(f"could not start worker {local_rank}: the worker template "
-                                       f"({method}) keeps failing: {error!r}") from error  # fmt: skip
+                    raise RuntimeError(
+                        f"could not start worker {local_rank}: the worker template ({method}) keeps failing: {error!r}"
+                    ) from error
                 time.sleep(TEMPLATE_RETRY_S)
         # Our copy of the child's end must go, or a dead worker's pipe would never read EOF.
         child_conn.close()

@@ -54,7 +54,9 @@ class Assignment:
         """Raise unless every sample of the batch appears exactly once, with the plan's microbatch counts."""
         counts = [len(p) for p in self.pipelines]
         if counts != list(microbatches_per_pipeline):
-            raise ValueError(f"assignment has {counts} microbatches per pipeline, the plan {list(microbatches_per_pipeline)}")
+            raise ValueError(
+                f"assignment has {counts} microbatches per pipeline, the plan {list(microbatches_per_pipeline)}"
+            )
         if sorted(self.sample_ids()) != sorted(global_batch):
             raise ValueError("assignment does not hold every sample of the global batch exactly once")
 

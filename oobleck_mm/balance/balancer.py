@@ -27,8 +27,14 @@ import numpy as np
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.balance.baselines import mmscale, orchmllm_lpt, orchmllm_padded, orchmllm_quadratic, random_placement
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
-from oobleck_mm.balance.deferral import (Deferral, adjacent_deferral, decoupled_ticks, lhl_pairs, pairwise_deferral,
-                                         stratified_microbatches)  # fmt: skip
+from oobleck_mm.balance.deferral import (
+    Deferral,
+    adjacent_deferral,
+    decoupled_ticks,
+    lhl_pairs,
+    pairwise_deferral,
+    stratified_microbatches,
+)
 from oobleck_mm.balance.metrics import imbalance, modality_dist_ratios
 from oobleck_mm.balance.ours import ours, ours_fast, target_shares
 from oobleck_mm.balance.problem import BalanceProblem, PipelineShape, Placement, check_enough_samples
@@ -83,8 +89,9 @@ def get_algorithm(name: str) -> Callable[[BalanceProblem], Placement]:
     return ALGORITHMS[name]
 
 
-def balance(problem: BalanceProblem, algorithm: str = "ours", threshold: float = DEFAULT_THRESHOLD,
-            deferral: bool = False) -> BalanceResult:
+def balance(
+    problem: BalanceProblem, algorithm: str = "ours", threshold: float = DEFAULT_THRESHOLD, deferral: bool = False
+) -> BalanceResult:
     """Assign the problem's samples to pipelines and microbatches (see the module docstring); with
     ``deferral``, then Entrain's pairwise deferral inside every pipeline where it is predicted faster."""
     result = _balance(problem, algorithm, threshold)
@@ -124,8 +131,9 @@ def _balance(problem: BalanceProblem, algorithm: str, threshold: float) -> Balan
     if unbalanced is not None:
         reason += f" (contiguous {imbalance(base_times):.3f}, max {max(base_times):.4g} s -> {max(times):.4g} s)"
     reason += _heavy_note(problem, times)
-    return BalanceResult(_assignment(problem, placement, reason), times,
-                         base_times if unbalanced is not None else None, algorithm)  # fmt: skip
+    return BalanceResult(
+        _assignment(problem, placement, reason), times, base_times if unbalanced is not None else None, algorithm
+    )
 
 
 def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResult:
@@ -156,9 +164,14 @@ def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResu
                 gone = [tuple(order[slot][x] for x in plan.deferred[slot]) for slot in range(len(order))]
                 fwd, bwd = decoupled_ticks(enc, llm, problem.microbatch_cost[columns], [tuple(o) for o in order], gone)
                 share = problem.forward_share[columns][:, None]
-                seconds = float(iteration_times((fwd * share * problem.tick_s)[None],
-                                                (bwd * (1 - share) * problem.tick_s)[None],
-                                                [len(columns)], [len(order)])[0])  # fmt: skip
+                seconds = float(
+                    iteration_times(
+                        (fwd * share * problem.tick_s)[None],
+                        (bwd * (1 - share) * problem.tick_s)[None],
+                        [len(columns)],
+                        [len(order)],
+                    )[0]
+                )
                 if seconds < (best[0] if best else times[p] * (1 - IMPROVEMENT)):
                     best = (seconds, order, gone)
         if best is not None:
@@ -171,8 +184,10 @@ def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResu
         deferred.append(((),) * len(microbatches))
     if not changed:
         return result
-    reason = f"{result.assignment.reason}; deferral in {changed} of {len(pipelines)} pipeline(s), predicted max " \
-             f"{max(result.predicted_s):.4g} s -> {max(times):.4g} s"  # fmt: skip
+    reason = (
+        f"{result.assignment.reason}; deferral in {changed} of {len(pipelines)} pipeline(s), predicted max "
+        f"{max(result.predicted_s):.4g} s -> {max(times):.4g} s"
+    )
     assignment = Assignment(tuple(pipelines), reason=reason, deferred=tuple(deferred))
     return replace(result, assignment=assignment, predicted_s=tuple(times))
 
@@ -237,8 +252,11 @@ def step_metrics(problem: BalanceProblem, result: BalanceResult) -> dict[str, fl
         for mb in microbatches:
             pipeline[[position[i] for i in mb]] = p
     shares = np.maximum(target_shares(problem), 1e-12)
-    out = {"predicted_max_s": result.predicted_max_s, "predicted_mean_s": result.predicted_mean_s,
-           "predicted_imbalance": result.imbalance}  # fmt: skip
+    out = {
+        "predicted_max_s": result.predicted_max_s,
+        "predicted_mean_s": result.predicted_mean_s,
+        "predicted_imbalance": result.imbalance,
+    }
     for name, value in modality_dist_ratios(problem.features, pipeline, problem.num_pipelines, shares).items():
         out[f"dist_{name}"] = value
     return out
@@ -257,7 +275,9 @@ def _unbalanced(problem: BalanceProblem) -> Placement | None:
 
 def _contiguous(problem: BalanceProblem, reason: str) -> Assignment:
     """Exactly what the balancer-off path runs (sampler order inside each microbatch), with the reason."""
-    plain = contiguous_assignment(problem.sample_ids.tolist(), problem.num_microbatches.tolist(), problem.microbatch_size)
+    plain = contiguous_assignment(
+        problem.sample_ids.tolist(), problem.num_microbatches.tolist(), problem.microbatch_size
+    )
     return replace(plain, reason=reason)
 
 

@@ -37,7 +37,9 @@ def random_placement(problem: BalanceProblem) -> Placement:
     order = rng.permutation(problem.num_samples)
     m = problem.num_microbatches
     b = problem.microbatch_size
-    counts = m * b if b and int((m * b).sum()) == problem.num_samples else proportional_counts(problem.num_samples, m, m)
+    counts = (
+        m * b if b and int((m * b).sum()) == problem.num_samples else proportional_counts(problem.num_samples, m, m)
+    )
     pipeline = np.empty(problem.num_samples, dtype=np.int64)
     pipeline[order] = np.repeat(np.arange(problem.num_pipelines), counts)
     return Placement(pipeline, contiguous_split(problem, pipeline, order))
@@ -68,8 +70,9 @@ def orchmllm_padded(problem: BalanceProblem) -> Placement:
     micro = np.zeros(problem.num_samples, dtype=np.int64)
     for p in range(problem.num_pipelines):
         members = np.nonzero(pipeline == p)[0]
-        micro[members] = _fill_groups(_padded_groups(problem, members, length, int(problem.num_microbatches[p])),
-                                      int(problem.num_microbatches[p]))  # fmt: skip
+        micro[members] = _fill_groups(
+            _padded_groups(problem, members, length, int(problem.num_microbatches[p])), int(problem.num_microbatches[p])
+        )
     return Placement(pipeline, micro)
 
 
@@ -118,13 +121,17 @@ def orchmllm_quadratic(problem: BalanceProblem) -> Placement:
     paper; we use the mean length."""
     length = _llm_length(problem)
     tolerance = float(length.mean()) if len(length) else 0.0
-    pipeline = ensure_min_counts(problem, _tolerant_lpt(problem, np.arange(problem.num_samples), length,
-                                                        problem.num_pipelines, tolerance), length)  # fmt: skip
+    pipeline = ensure_min_counts(
+        problem,
+        _tolerant_lpt(problem, np.arange(problem.num_samples), length, problem.num_pipelines, tolerance),
+        length,
+    )
     micro = np.zeros(problem.num_samples, dtype=np.int64)
     for p in range(problem.num_pipelines):
         members = np.nonzero(pipeline == p)[0]
-        micro[members] = _tolerant_lpt(problem, members, length, int(problem.num_microbatches[p]), tolerance,
-                                       fill_empty=True)  # fmt: skip
+        micro[members] = _tolerant_lpt(
+            problem, members, length, int(problem.num_microbatches[p]), tolerance, fill_empty=True
+        )
     return Placement(pipeline, micro)
 
 
@@ -179,6 +186,8 @@ def _interleave_order(problem, pipeline, micro, size) -> np.ndarray:
         first = ascending.pop(0)
         tail = ascending[: max(0, min(s - 1, len(ascending)))]
         middle = sorted(ascending[len(tail) :], key=lambda i: (-loads[i], i))
-        new_position = {old: new for new, old in enumerate([first, *middle, *sorted(tail, key=lambda i: (-loads[i], i))])}
+        new_position = {
+            old: new for new, old in enumerate([first, *middle, *sorted(tail, key=lambda i: (-loads[i], i))])
+        }
         out[members] = [new_position[int(i)] for i in micro[members]]
     return out

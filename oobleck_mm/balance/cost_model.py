@@ -122,7 +122,9 @@ class CostModel:
         """``specs``: the model's layers in the profile's order (``config.shape.layer_specs``)."""
         names = tuple(layer.name for layer in profile.layers)
         if names != tuple(s.name for s in specs):
-            raise ValueError(f"profile layers {names[:3]}... do not match the layer specs {[s.name for s in specs][:3]}...")
+            raise ValueError(
+                f"profile layers {names[:3]}... do not match the layer specs {[s.name for s in specs][:3]}..."
+            )
         effective = effective_layers(profile)
         weights = np.zeros((len(specs), NUM_TERMS, NUM_FEATURES))
         for i, (spec, eff) in enumerate(zip(specs, effective)):

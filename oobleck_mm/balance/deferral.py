@@ -139,8 +139,8 @@ def pairwise_deferral(llm_work: list[np.ndarray]) -> Deferral:
     loads = [float(np.sum(w)) for w in llm_work]
     ranked = sorted(range(k_all), key=lambda k: (-loads[k], k))
     half = k_all // 2
-    over, under = ranked[:half], ranked[k_all - half:][::-1]  # under: lightest first
-    middle = ranked[half:k_all - half]
+    over, under = ranked[:half], ranked[k_all - half :][::-1]  # under: lightest first
+    middle = ranked[half : k_all - half]
     if not over:
         return Deferral(tuple(range(k_all)), ((),) * k_all, max(loads, default=0.0))
     sets: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -154,7 +154,9 @@ def pairwise_deferral(llm_work: list[np.ndarray]) -> Deferral:
             sets[i, j] = chosen
             value[i, j] = max(loads[i] - moved, loads[j] + moved)
     floor = max([loads[j] for j in under] + [loads[m] for m in middle])
-    candidates = sorted({v for v in value.values() if v >= floor} | {loads[i] for i in over if loads[i] >= floor} | {floor})
+    candidates = sorted(
+        {v for v in value.values() if v >= floor} | {loads[i] for i in over if loads[i] >= floor} | {floor}
+    )
     lo, hi = 0, len(candidates) - 1  # the largest candidate is always feasible: every overloaded slot alone
     best = _match(over, under, value, loads, candidates[hi])
     while lo < hi:
@@ -255,8 +257,9 @@ def llm_microbatches(encoder: list[tuple[int, ...]], deferred: list[tuple[int, .
     return out
 
 
-def decoupled_ticks(enc: np.ndarray, llm: np.ndarray, fixed: np.ndarray, encoder: list[tuple[int, ...]],
-                    deferred: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+def decoupled_ticks(
+    enc: np.ndarray, llm: np.ndarray, fixed: np.ndarray, encoder: list[tuple[int, ...]], deferred: list[tuple[int, ...]]
+) -> tuple[np.ndarray, np.ndarray]:
     """``(S, K)`` ticks of every stage and slot for its forward-side and backward-side samples.
 
     ``enc``, ``llm``: ``(N, S)`` per-sample ticks of the encoder and LLM layers of each stage; ``fixed``:

@@ -40,9 +40,11 @@ def dist_ratio(values: Sequence[float]) -> float:
 
 
 def modality_dist_ratios(
-    features: np.ndarray, pipeline_of_sample: Sequence[int], num_pipelines: int,
+    features: np.ndarray,
+    pipeline_of_sample: Sequence[int],
+    num_pipelines: int,
     weights: Sequence[float] | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Dist Ratio per modality of tokens per pipeline; ``weights`` (one per pipeline) normalise by share.
 
     A modality absent from the batch reports 0.0.

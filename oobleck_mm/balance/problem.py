@@ -48,11 +48,15 @@ def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
     """The shapes of an ``oobleck_mm.planning.layout.ExecutionPlan``'s pipelines. A stage of ``d`` GPUs splits
     every microbatch over them: priced as a stage ``d`` times as fast (its FSDP2 traffic left out)."""
     return tuple(
-        PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.stages),
-                      tuple(s.slowdown / s.width for s in p.stages)
-                      if any(s.slowdown != 1.0 or s.width > 1 for s in p.stages) else ())
+        PipelineShape(
+            p.num_microbatches,
+            tuple((s.layer_start, s.layer_end) for s in p.stages),
+            tuple(s.slowdown / s.width for s in p.stages)
+            if any(s.slowdown != 1.0 or s.width > 1 for s in p.stages)
+            else (),
+        )
         for p in plan.pipelines
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +122,10 @@ class BalanceProblem:
         if not pipelines:
             raise ValueError("need at least one pipeline")
         # A distinct stage is a layer range at a speed: a straggler's stage costs its factor times more.
-        keyed = [tuple((*stage, p.slowdowns[j] if p.slowdowns else 1.0) for j, stage in enumerate(p.stages))
-                 for p in pipelines]  # fmt: skip
+        keyed = [
+            tuple((*stage, p.slowdowns[j] if p.slowdowns else 1.0) for j, stage in enumerate(p.stages))
+            for p in pipelines
+        ]
         distinct = sorted({stage for stages in keyed for stage in stages})
         position = {stage: i for i, stage in enumerate(distinct)}
         vectors = np.zeros((len(distinct) + 1, NUM_FEATURES))
@@ -166,15 +172,20 @@ class BalanceProblem:
             for j in range(int(self.num_stages[p])):
                 index[p, j] = len(columns)
                 columns.append((int(self.stage_index[p, j]), float(factors[p])))
-            index[p, int(self.num_stages[p]):] = -1
+            index[p, int(self.num_stages[p]) :] = -1
         width = len(columns)
         index[index < 0] = width
         take = np.array([c for c, _ in columns] + [zero])
         scale = np.array([f for _, f in columns] + [0.0])
         scaled = lambda a: np.rint(a[..., take] * scale)  # noqa: E731
-        return dataclasses.replace(self, stage_index=index, cost=scaled(self.cost),
-                                   microbatch_cost=scaled(self.microbatch_cost), forward_share=self.forward_share[take],
-                                   llm_cost=scaled(self.llm_cost) if self.llm_cost is not None else None)  # fmt: skip
+        return dataclasses.replace(
+            self,
+            stage_index=index,
+            cost=scaled(self.cost),
+            microbatch_cost=scaled(self.microbatch_cost),
+            forward_share=self.forward_share[take],
+            llm_cost=scaled(self.llm_cost) if self.llm_cost is not None else None,
+        )
 
     # ------------------------------------------------------------------ derived costs
     def cost_at(self, positions: np.ndarray, columns: np.ndarray) -> np.ndarray:

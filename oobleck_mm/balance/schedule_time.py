@@ -71,7 +71,9 @@ def iteration_times(
     offset = (np.arange(num_pipes) * block)[None, None, :]
     steps = []
     for parity, n in zip((0, 1), pairs):
-        local = [_shape_tables(int(u // (m_max + 1)), int(u % (m_max + 1)), parity, n, num_steps, m_max) for u in shapes]
+        local = [
+            _shape_tables(int(u // (m_max + 1)), int(u % (m_max + 1)), parity, n, num_steps, m_max) for u in shapes
+        ]
         gate, lower, upper = (np.stack([t[i] for t in local])[which].transpose(1, 2, 0) for i in range(3))
         add = np.stack([np.take(b_pad.reshape(-1), lower + offset), np.take(f_pad.reshape(-1), upper + offset)], axis=2)
         steps.append((list(gate[:, :, None, :]), list(add)))
@@ -115,7 +117,9 @@ def _shape_tables(num_stages: int, num_micro: int, parity: int, num_pairs: int, 
 
 def _check(forward, backward, stages, micro) -> None:
     if forward.ndim != 3 or forward.shape != backward.shape:
-        raise ValueError(f"forward and backward must be equal (P, S, M) arrays, got {forward.shape} and {backward.shape}")
+        raise ValueError(
+            f"forward and backward must be equal (P, S, M) arrays, got {forward.shape} and {backward.shape}"
+        )
     num_pipes, s_max, m_max = forward.shape
     if stages.shape != (num_pipes,) or micro.shape != (num_pipes,):
         raise ValueError(f"num_stages and num_microbatches need {num_pipes} entries each")

@@ -379,8 +379,26 @@ def _fastest(exact, k, exclude):
 
 
 @njit(cache=CACHE)
-def _move_step(h, partners, members, counts, loads, exact, cost, weight, rank, stage_cols, num_stages, num_micro,
-               fixed, share, ticks, fill, micro_buf, ready):  # fmt: skip
+def _move_step(
+    h,
+    partners,
+    members,
+    counts,
+    loads,
+    exact,
+    cost,
+    weight,
+    rank,
+    stage_cols,
+    num_stages,
+    num_micro,
+    fixed,
+    share,
+    ticks,
+    fill,
+    micro_buf,
+    ready,
+):
     """The cheap polish step: slowest pipeline ``h`` gives one member to one of its ``partners`` fastest.
 
     Which member: the few whose first-order move to the fastest pipeline evens the pair best, and
@@ -399,10 +417,26 @@ def _move_step(h, partners, members, counts, loads, exact, cost, weight, rank, s
     sl0, ml0 = num_stages[l0], num_micro[l0]
     vh = np.empty(nh)
     vl = np.empty(nh)
-    _values(members[h], nh, cost, weight, stage_cols[h, _bottleneck(loads[h], sh)], mh,
-            exact[h] / max(_proxy(loads[h], sh, mh), 1e-300), vh)  # fmt: skip
-    _values(members[h], nh, cost, weight, stage_cols[l0, _bottleneck(loads[l0], sl0)], ml0,
-            exact[l0] / max(_proxy(loads[l0], sl0, ml0), 1e-300), vl)  # fmt: skip
+    _values(
+        members[h],
+        nh,
+        cost,
+        weight,
+        stage_cols[h, _bottleneck(loads[h], sh)],
+        mh,
+        exact[h] / max(_proxy(loads[h], sh, mh), 1e-300),
+        vh,
+    )
+    _values(
+        members[h],
+        nh,
+        cost,
+        weight,
+        stage_cols[l0, _bottleneck(loads[l0], sl0)],
+        ml0,
+        exact[l0] / max(_proxy(loads[l0], sl0, ml0), 1e-300),
+        vl,
+    )
     pick = np.empty((MOVE_CANDIDATES, 3))
     found = 0
     for i in range(1, nh):  # slot 0 (the heaviest) is always tried
@@ -419,8 +453,9 @@ def _move_step(h, partners, members, counts, loads, exact, cost, weight, rank, s
         gone[0] = members[h, slots[c]]
         _loads_after(loads[h], cost, stage_cols[h], sh, gone, gone[:0], new_h)
         n1 = _edit(members[h], nh, slots[c], -1, -1, -1, rank, row)
-        t_high[c] = _time_row(row, n1, new_h, cost, stage_cols[h, :sh], fixed[h, :sh], share[h, :sh], mh,
-                              ticks, fill, micro_buf, ready)  # fmt: skip
+        t_high[c] = _time_row(
+            row, n1, new_h, cost, stage_cols[h, :sh], fixed[h, :sh], share[h, :sh], mh, ticks, fill, micro_buf, ready
+        )
     order = np.argsort(t_high)
     estimate = np.empty(len(fast))
     new_l = np.empty(stage_cols.shape[1])
@@ -442,16 +477,47 @@ def _move_step(h, partners, members, counts, loads, exact, cost, weight, rank, s
                 continue
             _loads_after(loads[l], cost, stage_cols[l], sl, gone[:0], gone, new_l)
             n2 = _edit(members[l], nl, -1, -1, gone[0], -1, rank, row)
-            t_low = _time_row(row, n2, new_l, cost, stage_cols[l, :sl], fixed[l, :sl], share[l, :sl], ml,
-                              ticks, fill, micro_buf, ready)  # fmt: skip
+            t_low = _time_row(
+                row,
+                n2,
+                new_l,
+                cost,
+                stage_cols[l, :sl],
+                fixed[l, :sl],
+                share[l, :sl],
+                ml,
+                ticks,
+                fill,
+                micro_buf,
+                ready,
+            )
             if max(t_high[c], t_low) < exact[h]:
                 return (l, slots[c], -1, -1, t_high[c], t_low)
     return result
 
 
 @njit(cache=CACHE)
-def _polish_step(h, partners, forced, members, counts, loads, exact, cost, weight, rank, stage_cols, num_stages,
-                 num_micro, fixed, share, ticks, fill, micro_buf, ready):  # fmt: skip
+def _polish_step(
+    h,
+    partners,
+    forced,
+    members,
+    counts,
+    loads,
+    exact,
+    cost,
+    weight,
+    rank,
+    stage_cols,
+    num_stages,
+    num_micro,
+    fixed,
+    share,
+    ticks,
+    fill,
+    micro_buf,
+    ready,
+):
     """The best exchange between slowest pipeline ``h`` and one of its ``partners`` fastest, judged by
     exact times: ``(l, slot_h, slot_l1, slot_l2, t_h, t_l)``, ``l = -1`` when none lowers ``exact[h]``.
 
@@ -525,8 +591,20 @@ def _polish_step(h, partners, forced, members, counts, loads, exact, cost, weigh
             came[1] = members[l, b2] if b2 >= 0 else -1
             n1 = _edit(members[h], nh, a, -1, came[0], came[1], rank, row_h)
             _loads_after(loads[h], cost, stage_cols[h], sh, gone, came, new_h)
-            t_high[c] = _time_row(row_h, n1, new_h, cost, stage_cols[h, :sh], fixed[h, :sh], share[h, :sh], mh,
-                                  ticks, fill, micro_buf, ready)  # fmt: skip
+            t_high[c] = _time_row(
+                row_h,
+                n1,
+                new_h,
+                cost,
+                stage_cols[h, :sh],
+                fixed[h, :sh],
+                share[h, :sh],
+                mh,
+                ticks,
+                fill,
+                micro_buf,
+                ready,
+            )
             _loads_after(loads[l], cost, stage_cols[l], sl, came, gone, new_l)
             estimate[c] = max(t_high[c], scale_l * _proxy(new_l, sl, ml))
         order = np.argsort(estimate, kind="mergesort")
@@ -540,21 +618,44 @@ def _polish_step(h, partners, forced, members, counts, loads, exact, cost, weigh
             came[1] = members[l, b2] if b2 >= 0 else -1
             _loads_after(loads[l], cost, stage_cols[l], sl, came, gone, new_l)
             n2 = _edit(members[l], nl, b1, b2, gone[0], -1, rank, row_l)
-            t_low = _time_row(row_l, n2, new_l, cost, stage_cols[l, :sl], fixed[l, :sl], share[l, :sl], ml,
-                              ticks, fill, micro_buf, ready)  # fmt: skip
+            t_low = _time_row(
+                row_l,
+                n2,
+                new_l,
+                cost,
+                stage_cols[l, :sl],
+                fixed[l, :sl],
+                share[l, :sl],
+                ml,
+                ticks,
+                fill,
+                micro_buf,
+                ready,
+            )
             if max(t_high[c], t_low) < best:
                 best = max(t_high[c], t_low)
                 result = (l, a, b1, b2, t_high[c], t_low)
     return result
 
 
-
 # ---------------------------------------------------------------------- the search
 
 
 @njit(cache=CACHE)
-def _search(pipeline, order, cost, weight, stage_cols, num_stages, num_micro, fixed_cost, fwd_share, polish_steps,
-            good_enough, micro):  # fmt: skip
+def _search(
+    pipeline,
+    order,
+    cost,
+    weight,
+    stage_cols,
+    num_stages,
+    num_micro,
+    fixed_cost,
+    fwd_share,
+    polish_steps,
+    good_enough,
+    micro,
+):
     """Polish ``pipeline`` (per sample) in place, write every sample's microbatch into ``micro``;
     returns every pipeline's exact ticks and stage loads as kept by the search, and the steps taken."""
     num_pipes, s_max = stage_cols.shape
@@ -591,8 +692,20 @@ def _search(pipeline, order, cost, weight, stage_cols, num_stages, num_micro, fi
             for i in range(counts[p]):
                 load += cost[members[p, i], c]
             loads[p, k] = load
-        exact[p] = _time_row(members[p], counts[p], loads[p], cost, stage_cols[p, :s], fixed[p, :s], share[p, :s],
-                             num_micro[p], ticks, fill, micro_buf, ready)  # fmt: skip
+        exact[p] = _time_row(
+            members[p],
+            counts[p],
+            loads[p],
+            cost,
+            stage_cols[p, :s],
+            fixed[p, :s],
+            share[p, :s],
+            num_micro[p],
+            ticks,
+            fill,
+            micro_buf,
+            ready,
+        )
 
     row_h = np.empty(width, dtype=np.int64)
     row_l = np.empty(width, dtype=np.int64)
@@ -606,12 +719,48 @@ def _search(pipeline, order, cost, weight, stage_cols, num_stages, num_micro, fi
         if exact[h] <= (1 + good_enough) * exact.mean():
             break
         if level == 0:
-            move = _move_step(h, POLISH_PARTNERS, members, counts, loads, exact, cost, weight, rank, stage_cols,
-                              num_stages, num_micro, fixed, share, ticks, fill, micro_buf, ready)  # fmt: skip
+            move = _move_step(
+                h,
+                POLISH_PARTNERS,
+                members,
+                counts,
+                loads,
+                exact,
+                cost,
+                weight,
+                rank,
+                stage_cols,
+                num_stages,
+                num_micro,
+                fixed,
+                share,
+                ticks,
+                fill,
+                micro_buf,
+                ready,
+            )
         else:
-            move = _polish_step(h, POLISH_PARTNERS * level, level, members, counts, loads, exact, cost, weight,
-                                rank, stage_cols, num_stages, num_micro, fixed, share, ticks, fill, micro_buf,
-                                ready)  # fmt: skip
+            move = _polish_step(
+                h,
+                POLISH_PARTNERS * level,
+                level,
+                members,
+                counts,
+                loads,
+                exact,
+                cost,
+                weight,
+                rank,
+                stage_cols,
+                num_stages,
+                num_micro,
+                fixed,
+                share,
+                ticks,
+                fill,
+                micro_buf,
+                ready,
+            )
         steps += 1
         l, a, b1, b2, t_h, t_l = move
         if l < 0:
@@ -642,8 +791,9 @@ def _search(pipeline, order, cost, weight, stage_cols, num_stages, num_micro, fi
 
     for p in range(num_pipes):  # the final split, as timed
         s = num_stages[p]
-        split(members[p], counts[p], loads[p], cost, stage_cols[p, :s], fixed[p, :s], num_micro[p], ticks, fill,
-              micro_buf)  # fmt: skip
+        split(
+            members[p], counts[p], loads[p], cost, stage_cols[p, :s], fixed[p, :s], num_micro[p], ticks, fill, micro_buf
+        )
         for i in range(counts[p]):
             micro[members[p, i]] = micro_buf[i]
     return exact, steps, loads
@@ -676,10 +826,20 @@ def place(problem, share: np.ndarray, polish_steps: int, good_enough: float):
     pipeline = construct(weight, order, share, problem.num_pipelines)
     pipeline = ensure_min_counts(problem, pipeline, weight)
     micro = np.empty(problem.num_samples, dtype=np.int64)
-    exact, steps, loads = _search(pipeline, order, np.ascontiguousarray(problem.cost), weight,
-                    np.ascontiguousarray(problem.stage_index), problem.num_stages.astype(np.int64),
-                    problem.num_microbatches.astype(np.int64), np.ascontiguousarray(problem.microbatch_cost, dtype=float),
-                    np.ascontiguousarray(problem.forward_share, dtype=float), polish_steps, good_enough, micro)  # fmt: skip
+    exact, steps, loads = _search(
+        pipeline,
+        order,
+        np.ascontiguousarray(problem.cost),
+        weight,
+        np.ascontiguousarray(problem.stage_index),
+        problem.num_stages.astype(np.int64),
+        problem.num_microbatches.astype(np.int64),
+        np.ascontiguousarray(problem.microbatch_cost, dtype=float),
+        np.ascontiguousarray(problem.forward_share, dtype=float),
+        polish_steps,
+        good_enough,
+        micro,
+    )
     return SearchResult(pipeline, micro, exact * problem.tick_s, steps, loads)
 
 
@@ -696,12 +856,18 @@ def warm_up() -> float:
     cost = np.zeros((num, cols + 1))
     cost[:, :cols] = np.rint(rng.lognormal(8, 1, size=(num, cols)))
     problem = BalanceProblem(
-        sample_ids=np.arange(num, dtype=np.int64), features=np.zeros((num, 1)),
-        num_microbatches=np.array([4, 6], dtype=np.int64), num_stages=np.array([1, 3], dtype=np.int64),
-        stage_index=np.array([[3, 4, 4], [0, 1, 2]], dtype=np.int64), cost=cost,
-        microbatch_cost=np.array([10.0, 10.0, 10.0, 30.0, 0.0]), forward_share=np.full(cols + 1, 1 / 3),
-        microbatch_size=None, seed=0, tick_s=1e-9,
-    )  # fmt: skip
+        sample_ids=np.arange(num, dtype=np.int64),
+        features=np.zeros((num, 1)),
+        num_microbatches=np.array([4, 6], dtype=np.int64),
+        num_stages=np.array([1, 3], dtype=np.int64),
+        stage_index=np.array([[3, 4, 4], [0, 1, 2]], dtype=np.int64),
+        cost=cost,
+        microbatch_cost=np.array([10.0, 10.0, 10.0, 30.0, 0.0]),
+        forward_share=np.full(cols + 1, 1 / 3),
+        microbatch_size=None,
+        seed=0,
+        tick_s=1e-9,
+    )
     place(problem, np.array([0.4, 0.6]), 8, 0.0)
     return time.perf_counter() - start
 

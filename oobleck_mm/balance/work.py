@@ -82,8 +82,17 @@ def _row(meta: SampleMeta, dims: ModelDims) -> list[float]:
     vision_tokens = sum(p // dims.image_merge for p in patches)
     audio_tokens = sum(e // dims.audio_merge for e in enc)
     llm = meta.text_tokens - len(patches) - len(enc) + vision_tokens + audio_tokens
-    return [0.0, sum(patches), sum(p * p for p in patches), vision_tokens,
-            sum(enc), sum(e * e for e in enc), audio_tokens, llm, llm * llm]  # fmt: skip
+    return [
+        0.0,
+        sum(patches),
+        sum(p * p for p in patches),
+        vision_tokens,
+        sum(enc),
+        sum(e * e for e in enc),
+        audio_tokens,
+        llm,
+        llm * llm,
+    ]
 
 
 def microbatch_features(features: np.ndarray) -> np.ndarray:

@@ -18,12 +18,30 @@ from typing import Any
 
 from oobleck_mm.config.values import ConfigError
 
-FP16_KEYS = {"loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
-             "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
-             "consecutive_hysteresis": "consecutive_hysteresis", "min_loss_scale": "min_loss_scale"}  # fmt: skip
-NO_EFFECT = ("wall_clock_breakdown", "steps_per_print", "tensorboard", "wandb", "csv_monitor", "comet",
-             "flops_profiler", "comms_logger", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
-             "gradient_predivide_factor", "prescale_gradients", "sparse_gradients")  # fmt: skip
+FP16_KEYS = {
+    "loss_scale": "loss_scale",
+    "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window",
+    "hysteresis": "hysteresis",
+    "consecutive_hysteresis": "consecutive_hysteresis",
+    "min_loss_scale": "min_loss_scale",
+}
+NO_EFFECT = (
+    "wall_clock_breakdown",
+    "steps_per_print",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "flops_profiler",
+    "comms_logger",
+    "memory_breakdown",
+    "dump_state",
+    "zero_allow_untested_optimizer",
+    "gradient_predivide_factor",
+    "prescale_gradients",
+    "sparse_gradients",
+)
 """Keys that change how DeepSpeed logs or profiles, not what is trained."""
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 
@@ -70,8 +88,10 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
         raise ConfigError("training: expected a mapping of settings")
     notes: list[str] = []
     if autos:
-        notes.append(f"{name}: {', '.join(autos)}: \"auto\" takes the job's own value (its YAML, --set, or the "
-                     "default), as DeepSpeed's Hugging Face integration fills \"auto\" from the trainer's")
+        notes.append(
+            f'{name}: {", ".join(autos)}: "auto" takes the job\'s own value (its YAML, --set, or the '
+            "default), as DeepSpeed's Hugging Face integration fills \"auto\" from the trainer's"
+        )
     mapped: dict[tuple[str, ...], Any] = {}
 
     micro = ds.get("train_micro_batch_size_per_gpu")
@@ -81,8 +101,14 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
         mapped[("microbatch_size",)] = micro
     if total is not None:
         mapped[("global_batch",)] = total
-        if isinstance(micro, int) and isinstance(accumulation, int) and isinstance(total, int) and micro > 0 \
-                and accumulation > 0 and total % (micro * accumulation):
+        if (
+            isinstance(micro, int)
+            and isinstance(accumulation, int)
+            and isinstance(total, int)
+            and micro > 0
+            and accumulation > 0
+            and total % (micro * accumulation)
+        ):
             raise ConfigError(
                 f"deepspeed: {name}: train_batch_size ({total}) is not train_micro_batch_size_per_gpu ({micro}) x "
                 f"gradient_accumulation_steps ({accumulation}) x a whole number of data-parallel replicas; "
@@ -91,11 +117,15 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
             )
     elif isinstance(micro, int) and isinstance(accumulation, int):
         mapped[("global_batch",)] = micro * accumulation * world_size
-        notes.append(f"{name}: no train_batch_size; DeepSpeed's rule gives {micro} x {accumulation} x {world_size} "
-                     f"GPUs = {micro * accumulation * world_size}")
+        notes.append(
+            f"{name}: no train_batch_size; DeepSpeed's rule gives {micro} x {accumulation} x {world_size} "
+            f"GPUs = {micro * accumulation * world_size}"
+        )
     if accumulation is not None and total is not None:
-        notes.append(f"{name}: gradient_accumulation_steps is not used as such: each pipeline runs as many "
-                     "microbatches as the planner gives it")
+        notes.append(
+            f"{name}: gradient_accumulation_steps is not used as such: each pipeline runs as many "
+            "microbatches as the planner gives it"
+        )
     if "gradient_clipping" in ds:
         mapped[("gradient_clipping",)] = ds["gradient_clipping"]
 
@@ -111,13 +141,16 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
                 mapped[("fp16", field)] = ds["fp16"][key]
         extra = sorted(set(ds["fp16"]) - set(FP16_KEYS) - {"enabled", "auto_cast"})
         if extra:
-            raise ConfigError(f"deepspeed: {name}: fp16.{extra[0]} is not supported; supported: "
-                              + ", ".join(sorted(FP16_KEYS)))
+            raise ConfigError(
+                f"deepspeed: {name}: fp16.{extra[0]} is not supported; supported: " + ", ".join(sorted(FP16_KEYS))
+            )
     if "communication_data_type" in ds:
         reduce = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
         if ds["communication_data_type"] not in reduce:
-            raise ConfigError(f"deepspeed: {name}: communication_data_type {ds['communication_data_type']!r} is not "
-                              "supported; the gradient all-reduce runs in fp32 or bf16")
+            raise ConfigError(
+                f"deepspeed: {name}: communication_data_type {ds['communication_data_type']!r} is not "
+                "supported; the gradient all-reduce runs in fp32 or bf16"
+            )
         mapped[("grad_reduce_dtype",)] = reduce[ds["communication_data_type"]]
 
     if "optimizer" in ds:
@@ -126,8 +159,10 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
         mapped.update(_scheduler(ds["scheduler"], name))
     if "activation_checkpointing" in ds:
         mapped[("activation_checkpointing",)] = True
-        notes.append(f"{name}: activation_checkpointing: every layer recomputes its forward in backward "
-                     "(its partition/offload options have no effect here)")
+        notes.append(
+            f"{name}: activation_checkpointing: every layer recomputes its forward in backward "
+            "(its partition/offload options have no effect here)"
+        )
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else zero
     if stage not in (0, 1, 2, 3, None, False):
@@ -144,22 +179,39 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
         ignored = sorted(set(zero) - {"stage"})
         offloads = [k for k in ignored if k.startswith("offload")]
         if offloads:
-            raise ConfigError(f"deepspeed: {name}: zero_optimization.{offloads[0]} is not supported (nothing is "
-                              "offloaded to the host or NVMe here); remove it")
+            raise ConfigError(
+                f"deepspeed: {name}: zero_optimization.{offloads[0]} is not supported (nothing is "
+                "offloaded to the host or NVMe here); remove it"
+            )
         if ignored:
-            notes.append(f"{name}: zero_optimization.{', '.join(ignored)}: tuning knobs of DeepSpeed's own ZeRO "
-                         "with no effect here (accepted)")
+            notes.append(
+                f"{name}: zero_optimization.{', '.join(ignored)}: tuning knobs of DeepSpeed's own ZeRO "
+                "with no effect here (accepted)"
+            )
     for key in NO_EFFECT:
         if key in ds:
             notes.append(f"{name}: {key} has no effect on training here (accepted)")
 
-    known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "gradient_clipping", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "activation_checkpointing",
-             "zero_optimization", "communication_data_type", *NO_EFFECT}  # fmt: skip
+    known = {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "bf16",
+        "bfloat16",
+        "fp16",
+        "optimizer",
+        "scheduler",
+        "activation_checkpointing",
+        "zero_optimization",
+        "communication_data_type",
+        *NO_EFFECT,
+    }
     unknown = sorted(set(ds) - known)
     if unknown:
-        raise ConfigError(f"deepspeed: {name}: key {unknown[0]!r} is not supported; supported keys: "
-                          + ", ".join(sorted(known)))
+        raise ConfigError(
+            f"deepspeed: {name}: key {unknown[0]!r} is not supported; supported keys: " + ", ".join(sorted(known))
+        )
     for keys, value in mapped.items():
         _set(training, keys, value, name)
     return notes
@@ -176,8 +228,9 @@ def _optimizer(section: Any, name: str) -> dict[tuple[str, ...], Any]:
     kind = str(section["type"]).lower()
     params = dict(section.get("params") or {})
     if kind not in ("adam", "adamw"):
-        raise ConfigError(f"deepspeed: {name}: optimizer.type {section['type']!r} is not supported; supported: "
-                          "Adam, AdamW")
+        raise ConfigError(
+            f"deepspeed: {name}: optimizer.type {section['type']!r} is not supported; supported: Adam, AdamW"
+        )
     # DeepSpeed's Adam is AdamW unless adam_w_mode is false (its FusedAdam default).
     decoupled = kind == "adamw" or params.pop("adam_w_mode", True)
     params.pop("torch_adam", None)
@@ -186,8 +239,10 @@ def _optimizer(section: Any, name: str) -> dict[tuple[str, ...], Any]:
         if key in params:
             out[("optimizer", "params", key)] = params.pop(key)
     if params:
-        raise ConfigError(f"deepspeed: {name}: optimizer.params.{sorted(params)[0]} is not supported; supported: "
-                          "lr, betas, eps, weight_decay, adam_w_mode")
+        raise ConfigError(
+            f"deepspeed: {name}: optimizer.params.{sorted(params)[0]} is not supported; supported: "
+            "lr, betas, eps, weight_decay, adam_w_mode"
+        )
     return out
 
 
@@ -195,8 +250,10 @@ def _scheduler(section: Any, name: str) -> dict[tuple[str, ...], Any]:
     if not isinstance(section, Mapping) or "type" not in section:
         raise ConfigError(f"deepspeed: {name}: scheduler must be an object with a type")
     if section["type"] not in SCHEDULERS:
-        raise ConfigError(f"deepspeed: {name}: scheduler.type {section['type']!r} is not supported; supported: "
-                          + ", ".join(SCHEDULERS))
+        raise ConfigError(
+            f"deepspeed: {name}: scheduler.type {section['type']!r} is not supported; supported: "
+            + ", ".join(SCHEDULERS)
+        )
     params = dict(section.get("params") or {})
     params.pop("last_batch_iteration", None)  # -1: where DeepSpeed starts, which lr_at models
     return {("scheduler",): {"type": section["type"], "params": params}}
@@ -210,6 +267,8 @@ def _set(training: dict, keys: tuple[str, ...], value: Any, name: str) -> None:
             raise ConfigError(f"training.{'.'.join(keys[:-1])}: expected a mapping of settings")
     last = keys[-1]
     if last in target and target[last] != value:
-        raise ConfigError(f"training.{'.'.join(keys)}: {target[last]!r} in the job file but {value!r} from {name}; "
-                          "set it in one place")
+        raise ConfigError(
+            f"training.{'.'.join(keys)}: {target[last]!r} in the job file but {value!r} from {name}; "
+            "set it in one place"
+        )
     target[last] = value

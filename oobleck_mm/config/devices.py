@@ -72,8 +72,13 @@ class DeviceSpec:
         optimizer = 2 * master + (master if master != compute else 0)
         float32 = (self.tf32_flops if tf32 else None) or self.float32_flops
         peak = {"float32": float32, "float64": self.float64_flops}.get(dtype) or self.peak_flops
-        return replace(self, peak_flops=peak, bytes_per_param=compute, grad_bytes_per_param=master,
-                       optimizer_bytes_per_param=optimizer)  # fmt: skip
+        return replace(
+            self,
+            peak_flops=peak,
+            bytes_per_param=compute,
+            grad_bytes_per_param=master,
+            optimizer_bytes_per_param=optimizer,
+        )
 
 
 # dtype -> (bytes per weight/grad/activation, Adam bytes per parameter). Half types train
@@ -85,22 +90,57 @@ DEVICES: dict[str, DeviceSpec] = {
     for d in (
         # A desktop CPU core pool in fp32, one rate for every dtype; what the tiny test models run on
         # (their plans are made from measured layer times where it matters).
-        DeviceSpec(name="cpu", peak_flops=1e11, memory_bytes=24 * GiB, memory_bandwidth=20e9,
-                   efficiency=0.5, bytes_per_param=4, optimizer_bytes_per_param=8),
+        DeviceSpec(
+            name="cpu",
+            peak_flops=1e11,
+            memory_bytes=24 * GiB,
+            memory_bandwidth=20e9,
+            efficiency=0.5,
+            bytes_per_param=4,
+            optimizer_bytes_per_param=8,
+        ),
         # A40: dense bf16/fp16 149.7 TFLOPS (299.4 with 2:4 sparsity), TF32 74.8 (the dissertation's
         # runs, §2.7.1: its configs say dtype float32 with tf32), FP32 37.4, FP64 1/64 of it. 48 GB GDDR6.
-        DeviceSpec(name="a40", peak_flops=149.7e12, memory_bytes=48 * GiB, memory_bandwidth=696e9,
-                   tf32_flops=74.8e12, float32_flops=37.4e12, float64_flops=0.585e12),
+        DeviceSpec(
+            name="a40",
+            peak_flops=149.7e12,
+            memory_bytes=48 * GiB,
+            memory_bandwidth=696e9,
+            tf32_flops=74.8e12,
+            float32_flops=37.4e12,
+            float64_flops=0.585e12,
+        ),
         # A100: dense bf16/fp16 312 TFLOPS, TF32 156, FP32 19.5, FP64 tensor cores 19.5.
-        DeviceSpec(name="a100-40gb", peak_flops=312e12, memory_bytes=40 * GiB, memory_bandwidth=1555e9,
-                   tf32_flops=156e12, float32_flops=19.5e12, float64_flops=19.5e12),
-        DeviceSpec(name="a100-80gb", peak_flops=312e12, memory_bytes=80 * GiB, memory_bandwidth=2039e9,
-                   tf32_flops=156e12, float32_flops=19.5e12, float64_flops=19.5e12),
+        DeviceSpec(
+            name="a100-40gb",
+            peak_flops=312e12,
+            memory_bytes=40 * GiB,
+            memory_bandwidth=1555e9,
+            tf32_flops=156e12,
+            float32_flops=19.5e12,
+            float64_flops=19.5e12,
+        ),
+        DeviceSpec(
+            name="a100-80gb",
+            peak_flops=312e12,
+            memory_bytes=80 * GiB,
+            memory_bandwidth=2039e9,
+            tf32_flops=156e12,
+            float32_flops=19.5e12,
+            float64_flops=19.5e12,
+        ),
         # H100 SXM: dense bf16/fp16 989 TFLOPS, TF32 494.7, FP32 67, FP64 tensor cores 67; 80 GB HBM3 at 3.35 TB/s.
-        DeviceSpec(name="h100", peak_flops=989e12, memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
-                   tf32_flops=494.7e12, float32_flops=67e12, float64_flops=67e12),
+        DeviceSpec(
+            name="h100",
+            peak_flops=989e12,
+            memory_bytes=80 * GiB,
+            memory_bandwidth=3.35e12,
+            tf32_flops=494.7e12,
+            float32_flops=67e12,
+            float64_flops=67e12,
+        ),
     )
-}  # fmt: skip
+}
 
 
 def get_device(device: DeviceSpec | str) -> DeviceSpec:

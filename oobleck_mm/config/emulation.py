@@ -98,16 +98,21 @@ def coarsened_model(model: Any, factor: int) -> Any:
     vision = model.vision
     if vision is not None:
         vision = dataclasses.replace(vision, patch_size=vision.patch_size * factor)
-    audio = dataclasses.replace(model.audio, downsample=model.audio.downsample * factor) \
-        if model.audio is not None else None
+    audio = (
+        dataclasses.replace(model.audio, downsample=model.audio.downsample * factor)
+        if model.audio is not None
+        else None
+    )
     return dataclasses.replace(model, vision=vision, audio=audio)
 
 
 def _divide(path: str, value: int, divisor: int) -> int:
     shrunk = value // divisor
     if shrunk < 1:
-        raise ConfigError(f"cluster.emulate_shrink ({divisor}) leaves {path} ({value}) with no width; "
-                          f"valid: 1 to {value}, or leave it unset for the automatic choice")
+        raise ConfigError(
+            f"cluster.emulate_shrink ({divisor}) leaves {path} ({value}) with no width; "
+            f"valid: 1 to {value}, or leave it unset for the automatic choice"
+        )
     return shrunk
 
 
@@ -129,8 +134,11 @@ def _kv_heads(heads: int, kv_heads: int, divisor: int) -> int:
 def _tower(section: Any, prefix: str, divisor: int) -> Any:
     """An encoder's or the LLM's section with its widths divided."""
     hidden = _divide(f"{prefix}.hidden", section.hidden, divisor)
-    changes: dict[str, Any] = {"hidden": hidden, "num_heads": _heads(hidden, section.num_heads, divisor),
-                               "ffn_hidden": _divide(f"{prefix}.ffn_hidden", section.ffn_hidden, divisor)}
+    changes: dict[str, Any] = {
+        "hidden": hidden,
+        "num_heads": _heads(hidden, section.num_heads, divisor),
+        "ffn_hidden": _divide(f"{prefix}.ffn_hidden", section.ffn_hidden, divisor),
+    }
     if hasattr(section, "num_kv_heads"):
         changes["num_kv_heads"] = _kv_heads(changes["num_heads"], section.num_kv_heads, divisor)
     if hasattr(section, "vocab_size"):
@@ -184,8 +192,9 @@ def compute_job(job: Any) -> Any:
     # Its own shrink and coarsening are 1: a compute copy is its own compute copy (callers need not know
     # which of the two they hold).
     cluster = dataclasses.replace(job.cluster, emulate_shrink=1, emulate_coarsen=1)
-    return dataclasses.replace(job, model=compute_model(job), data=compute_data(job),
-                               training=compute_training(job.training), cluster=cluster)
+    return dataclasses.replace(
+        job, model=compute_model(job), data=compute_data(job), training=compute_training(job.training), cluster=cluster
+    )
 
 
 def compute_data(job: Any) -> Any:
@@ -198,5 +207,8 @@ def compute_data(job: Any) -> Any:
         return data
     # The longest sample shrinks with the mean: the lognormal tail cut at max_seq_len is where the CPU's
     # quadratic attention costs most (a 2,048-token sample overran its emulated forward 3x).
-    return dataclasses.replace(data, mean_text_tokens=max(2.0, data.mean_text_tokens / factor),
-                               max_seq_len=max(1, -(-data.max_seq_len // factor)))
+    return dataclasses.replace(
+        data,
+        mean_text_tokens=max(2.0, data.mean_text_tokens / factor),
+        max_seq_len=max(1, -(-data.max_seq_len // factor)),
+    )

@@ -10,8 +10,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar
 
-from oobleck_mm.config.values import (ConfigError, as_bool, as_choice, as_duration, as_float, as_int, check,
-                                      check_optional)  # fmt: skip
+from oobleck_mm.config.values import (
+    ConfigError,
+    as_bool,
+    as_choice,
+    as_duration,
+    as_float,
+    as_int,
+    check,
+    check_optional,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,9 +117,11 @@ class FaultToleranceConfig:
         check(self, "heartbeat_timeout", as_duration)
         check_optional(self, "confirmed_silence", as_duration)
         if self.confirmed_silence is not None and not timedelta(0) < self.confirmed_silence < self.heartbeat_timeout:
-            raise ConfigError(f"fault_tolerance.confirmed_silence: must be > 0 and < heartbeat_timeout "
-                              f"({self.heartbeat_timeout.total_seconds():g}s), or null to turn peer-confirmed "
-                              f"detection off, got {self.confirmed_silence.total_seconds():g}s")
+            raise ConfigError(
+                f"fault_tolerance.confirmed_silence: must be > 0 and < heartbeat_timeout "
+                f"({self.heartbeat_timeout.total_seconds():g}s), or null to turn peer-confirmed "
+                f"detection off, got {self.confirmed_silence.total_seconds():g}s"
+            )
         check(self, "rendezvous_timeout", as_duration)
         check(self, "stall_timeout", as_duration)
         check(self, "preempt_grace", as_duration)
@@ -122,12 +132,16 @@ class FaultToleranceConfig:
         check(self, "keep_checkpoints", as_int, minimum=0)
         check(self, "straggler_factor", as_float, minimum=0.0)
         if 0 < self.straggler_factor <= 1:
-            raise ConfigError(f"fault_tolerance.straggler_factor: must be > 1 (how many times slower than the "
-                              f"median), or 0 to turn detection off, got {self.straggler_factor}")
+            raise ConfigError(
+                f"fault_tolerance.straggler_factor: must be > 1 (how many times slower than the "
+                f"median), or 0 to turn detection off, got {self.straggler_factor}"
+            )
         check(self, "straggler_clear_factor", as_float, minimum=1.0)
         if self.straggler_factor and self.straggler_clear_factor >= self.straggler_factor:
-            raise ConfigError(f"fault_tolerance.straggler_clear_factor: must be < straggler_factor "
-                              f"({self.straggler_factor}), got {self.straggler_clear_factor}")
+            raise ConfigError(
+                f"fault_tolerance.straggler_clear_factor: must be < straggler_factor "
+                f"({self.straggler_factor}), got {self.straggler_clear_factor}"
+            )
         check(self, "straggler_steps", as_int, minimum=1)
         check(self, "straggler_resplit", as_bool)
         check(self, "straggler_recut", as_bool)

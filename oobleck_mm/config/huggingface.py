@@ -29,19 +29,54 @@ SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", *TEXT_MODELS)
 
 # Defaults of the transformers config classes for the keys a saved config.json may omit
 # (save_pretrained writes only non-default values for nested configs of some versions).
-_TEXT_DEFAULTS = {"llama": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                num_attention_heads=32, vocab_size=32000, tie_word_embeddings=False),
-                  "mistral": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                                  tie_word_embeddings=False),
-                  "qwen2": dict(hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=32, vocab_size=151936,
-                                tie_word_embeddings=False)}  # fmt: skip
-_VISION_DEFAULTS = {"clip_vision_model": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                              num_attention_heads=12, num_channels=3, image_size=224, patch_size=32),
-                    "siglip_vision_model": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                                num_attention_heads=12, num_channels=3, image_size=224,
-                                                patch_size=16)}  # fmt: skip
+_TEXT_DEFAULTS = {
+    "llama": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+}
+_VISION_DEFAULTS = {
+    "clip_vision_model": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_channels=3,
+        image_size=224,
+        patch_size=32,
+    ),
+    "siglip_vision_model": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_channels=3,
+        image_size=224,
+        patch_size=16,
+    ),
+}
 # LlavaConfig's defaults when config.json leaves the sub-configs out.
 _LLAVA_DEFAULT_TEXT, _LLAVA_DEFAULT_VISION = "llama", "clip_vision_model"
 
@@ -84,15 +119,28 @@ class HFModelShape:
         t = self.text
         heads = t["num_attention_heads"]
         out: dict[str, dict[str, Any]] = {
-            "llm": dict(num_layers=t["num_hidden_layers"], hidden=t["hidden_size"], num_heads=heads,
-                        num_kv_heads=t.get("num_key_value_heads") or heads, ffn_hidden=t["intermediate_size"],
-                        vocab_size=t["vocab_size"], gated_ffn=True, tie_embeddings=self.tie_word_embeddings),
-        }  # fmt: skip
+            "llm": dict(
+                num_layers=t["num_hidden_layers"],
+                hidden=t["hidden_size"],
+                num_heads=heads,
+                num_kv_heads=t.get("num_key_value_heads") or heads,
+                ffn_hidden=t["intermediate_size"],
+                vocab_size=t["vocab_size"],
+                gated_ffn=True,
+                tie_embeddings=self.tie_word_embeddings,
+            ),
+        }
         if self.vision is not None:
             v = self.vision
-            out["vision"] = dict(num_layers=self.vision_layers_used, hidden=v["hidden_size"],
-                                 num_heads=v["num_attention_heads"], ffn_hidden=v["intermediate_size"],
-                                 patch_size=v["patch_size"], in_channels=v["num_channels"], token_merge=1)  # fmt: skip
+            out["vision"] = dict(
+                num_layers=self.vision_layers_used,
+                hidden=v["hidden_size"],
+                num_heads=v["num_attention_heads"],
+                ffn_hidden=v["intermediate_size"],
+                patch_size=v["patch_size"],
+                in_channels=v["num_channels"],
+                token_merge=1,
+            )
             out["projector"] = dict(num_layers=2)  # LLaVA's linear_1, act, linear_2
         return out
 
@@ -100,14 +148,18 @@ class HFModelShape:
 def read_config_json(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
-        raise ConfigError(f"model.huggingface: {directory!r} is not a directory (a transformers model directory "
-                          "on disk; `python examples/make_tiny_llava.py DIR` writes a small random one)")
+        raise ConfigError(
+            f"model.huggingface: {directory!r} is not a directory (a transformers model directory "
+            "on disk; `python examples/make_tiny_llava.py DIR` writes a small random one)"
+        )
     try:
         with open(path, encoding="utf-8") as fh:
             raw = json.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"model.huggingface: {directory!r} has no config.json (a transformers model directory "
-                          "written by save_pretrained has one)") from None
+        raise ConfigError(
+            f"model.huggingface: {directory!r} has no config.json (a transformers model directory "
+            "written by save_pretrained has one)"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"model.huggingface: {path} is not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
@@ -129,25 +181,36 @@ def hf_model_shape(directory: str) -> HFModelShape:
         text_type = TEXT_MODELS[arch]
         text = {**_TEXT_DEFAULTS[text_type], **raw}
         _check_text(text, text_type, "config.json")
-        return HFModelShape(directory=directory, architecture=arch, text_type=text_type, text=text,
-                            tie_word_embeddings=bool(text.get("tie_word_embeddings")))  # fmt: skip
+        return HFModelShape(
+            directory=directory,
+            architecture=arch,
+            text_type=text_type,
+            text=text,
+            tie_word_embeddings=bool(text.get("tie_word_embeddings")),
+        )
     text_raw = raw.get("text_config") or {"model_type": _LLAVA_DEFAULT_TEXT}
     vision_raw = raw.get("vision_config") or {"model_type": _LLAVA_DEFAULT_VISION}
     text_type, vision_type = text_raw.get("model_type"), vision_raw.get("model_type")
     if text_type not in TEXT_TYPES:
-        raise ConfigError(f"model.huggingface: text_config.model_type {text_type!r} is not supported; "
-                          f"supported: {', '.join(TEXT_TYPES)}")
+        raise ConfigError(
+            f"model.huggingface: text_config.model_type {text_type!r} is not supported; "
+            f"supported: {', '.join(TEXT_TYPES)}"
+        )
     if vision_type not in VISION_TYPES:
-        raise ConfigError(f"model.huggingface: vision_config.model_type {vision_type!r} is not supported; "
-                          f"supported: {', '.join(VISION_TYPES)}")
+        raise ConfigError(
+            f"model.huggingface: vision_config.model_type {vision_type!r} is not supported; "
+            f"supported: {', '.join(VISION_TYPES)}"
+        )
     text = {**_TEXT_DEFAULTS[text_type], **text_raw}
     vision = {**_VISION_DEFAULTS[vision_type], **vision_raw}
     _check_text(text, text_type, "text_config")
     layers = vision["num_hidden_layers"]
     feature = raw.get("vision_feature_layer", -2)
     if not isinstance(feature, int) or isinstance(feature, bool) or not -layers - 1 <= feature <= layers:
-        raise ConfigError(f"model.huggingface: vision_feature_layer {feature!r} is not supported; one layer index "
-                          f"between {-layers - 1} and {layers} (a list of layers is not run by the engine yet)")
+        raise ConfigError(
+            f"model.huggingface: vision_feature_layer {feature!r} is not supported; one layer index "
+            f"between {-layers - 1} and {layers} (a list of layers is not run by the engine yet)"
+        )
     # hidden_states[0] is the embeddings' output and hidden_states[i] block i's: index k needs k blocks.
     used = feature if feature >= 0 else layers + 1 + feature
     strategy = raw.get("vision_feature_select_strategy", "default")
@@ -161,14 +224,24 @@ def hf_model_shape(directory: str) -> HFModelShape:
     image_token = raw.get("image_token_id", raw.get("image_token_index", 32000))
     tie = bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return HFModelShape(
-        directory=directory, architecture=arch, text_type=text_type, text=text, vision_type=vision_type,
-        vision=vision, vision_layers_used=used, drop_cls=cls_token, image_token_id=image_token,
+        directory=directory,
+        architecture=arch,
+        text_type=text_type,
+        text=text,
+        vision_type=vision_type,
+        vision=vision,
+        vision_layers_used=used,
+        drop_cls=cls_token,
+        image_token_id=image_token,
         projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-        projector_act=raw.get("projector_hidden_act", "gelu"), tie_word_embeddings=tie,
-    )  # fmt: skip
+        projector_act=raw.get("projector_hidden_act", "gelu"),
+        tie_word_embeddings=tie,
+    )
 
 
 def _check_text(text: dict[str, Any], text_type: str, where: str) -> None:
     if text.get("use_sliding_window"):
-        raise ConfigError(f"model.huggingface: {where}.use_sliding_window is true; sliding-window attention is not "
-                          "run by the engine yet (set it to false)")
+        raise ConfigError(
+            f"model.huggingface: {where}.use_sliding_window is true; sliding-window attention is not "
+            "run by the engine yet (set it to false)"
+        )

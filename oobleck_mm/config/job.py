@@ -193,8 +193,9 @@ class ModelConfig:
             raise ConfigError("model.builder: cannot be set together with model.huggingface; choose one")
         if self.huggingface is None:
             if self.llm is None:
-                raise ConfigError("model.llm: required but missing (or set model.huggingface to a local "
-                                  "transformers model directory)")
+                raise ConfigError(
+                    "model.llm: required but missing (or set model.huggingface to a local transformers model directory)"
+                )
             if not self.name:
                 raise ConfigError("model.name: required but missing")
             return
@@ -208,8 +209,10 @@ class ModelConfig:
         given = {"llm": (self.llm, llm), "vision": (self.vision, vision), "audio": (self.audio, None)}
         for key, (mine, theirs) in given.items():
             if mine is not None and mine != theirs:
-                raise ConfigError(f"model.{key}: cannot be set together with model.huggingface (the directory's "
-                                  "config.json gives the model's shape); remove one of them")
+                raise ConfigError(
+                    f"model.{key}: cannot be set together with model.huggingface (the directory's "
+                    "config.json gives the model's shape); remove one of them"
+                )
         self.llm, self.vision, self.projector = llm, vision, projector
         self.name = self.name or os.path.basename(self.huggingface.rstrip(os.sep))
 
@@ -306,8 +309,11 @@ class DataConfig:
         check(self, "text_length_sigma", as_float, minimum=0.0)
         check_optional(self, "mean_images_per_sample", as_float, minimum=0.0)
         check(self, "max_images_per_sample", as_int, minimum=0)
-        if self.kind == "synthetic" and (self.mean_images_per_sample or 0) > 0 and \
-                self.max_images_per_sample < max(1.0, self.mean_images_per_sample):  # fmt: skip
+        if (
+            self.kind == "synthetic"
+            and (self.mean_images_per_sample or 0) > 0
+            and self.max_images_per_sample < max(1.0, self.mean_images_per_sample)
+        ):
             raise ConfigError(
                 f"data.max_images_per_sample ({self.max_images_per_sample}) must be >= 1 and >= "
                 f"data.mean_images_per_sample ({self.mean_images_per_sample})"
@@ -330,10 +336,12 @@ class DataConfig:
         if self.cache_dir is not None:
             self.cache_dir = os.path.expanduser(self.cache_dir)
         if not isinstance(self.excluded_samples, (list, tuple)):
-            raise ConfigError(f"data.excluded_samples: expected a list of sample positions, got "
-                              f"{self.excluded_samples!r}")  # fmt: skip
-        self.excluded_samples = tuple(sorted({as_int(f"data.excluded_samples[{i}]", v, minimum=0)
-                                              for i, v in enumerate(self.excluded_samples)}))  # fmt: skip
+            raise ConfigError(
+                f"data.excluded_samples: expected a list of sample positions, got {self.excluded_samples!r}"
+            )
+        self.excluded_samples = tuple(
+            sorted({as_int(f"data.excluded_samples[{i}]", v, minimum=0) for i, v in enumerate(self.excluded_samples)})
+        )
 
     def _check_image_dir(self) -> None:
         # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.
@@ -543,25 +551,41 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "microbatch_size", "steps"):
-            check(self, name, as_int, minimum=1, maximum=MAX_COUNT, why="the steps and samples the control "
-                  "plane counts are 64-bit; no job comes near")  # fmt: skip
-        check(self, "global_batch", as_int, minimum=1, maximum=MAX_GLOBAL_BATCH,
-              why="planning holds every microbatch of a step; the largest published batches are ~10^4 samples")
+            check(
+                self,
+                name,
+                as_int,
+                minimum=1,
+                maximum=MAX_COUNT,
+                why="the steps and samples the control plane counts are 64-bit; no job comes near",
+            )
+        check(
+            self,
+            "global_batch",
+            as_int,
+            minimum=1,
+            maximum=MAX_GLOBAL_BATCH,
+            why="planning holds every microbatch of a step; the largest published batches are ~10^4 samples",
+        )
         check(self, "seed", as_int, minimum=0, maximum=2**63 - 1, why="a 64-bit seed")
         check(self, "dtype", as_choice, ("float32", "float64", "bfloat16", "float16"))
         # Left None when unset (oobleck_mm.precision.master_dtype resolves it), so a job copied with
         # another dtype (dataclasses.replace) keeps a consistent default.
         check_optional(self, "master_dtype", as_choice, ("float32", "float64"))
         if self.dtype == "float64" and self.master_dtype == "float32":
-            raise ConfigError("training.master_dtype: must be float64 when training.dtype is float64 "
-                              f"(masters at least as precise as the compute), got {self.master_dtype!r}")
+            raise ConfigError(
+                "training.master_dtype: must be float64 when training.dtype is float64 "
+                f"(masters at least as precise as the compute), got {self.master_dtype!r}"
+            )
         check(self, "grad_reduce_dtype", as_choice, ("float32", "bfloat16"))
         check(self, "tf32", as_bool)
         check(self, "grad_overlap", as_bool)
         check(self, "grad_bucket_mb", as_float, positive=True, maximum=MAX_BUCKET_MB)
         if self.tf32 and self.dtype != "float32":
-            raise ConfigError(f"training.tf32: true applies to training.dtype float32 (its matmuls run in TF32), "
-                              f"got dtype {self.dtype!r}; remove tf32 or set dtype: float32")
+            raise ConfigError(
+                f"training.tf32: true applies to training.dtype float32 (its matmuls run in TF32), "
+                f"got dtype {self.dtype!r}; remove tf32 or set dtype: float32"
+            )
         check(self, "gradient_clipping", as_float, minimum=0.0)
         check(self, "activation_checkpointing", as_bool)
         check(self, "flash_attention", as_bool)
@@ -645,10 +669,18 @@ class ClusterConfig:
         check(self, "nodes", as_int, minimum=1, maximum=MAX_NODES, why=_NODES_WHY)
         check_optional(self, "max_nodes", as_int, minimum=1, maximum=MAX_NODES, why=_NODES_WHY)
         if self.max_nodes is not None and self.max_nodes < self.nodes:
-            raise ConfigError(f"cluster.max_nodes ({self.max_nodes}) must be >= cluster.nodes ({self.nodes}), the nodes "
-                              "the job starts with")
-        check(self, "gpus_per_node", as_int, minimum=1, maximum=MAX_GPUS_PER_NODE,
-              why="the most GPUs one machine or NVLink domain has, with room to spare")
+            raise ConfigError(
+                f"cluster.max_nodes ({self.max_nodes}) must be >= cluster.nodes ({self.nodes}), the nodes "
+                "the job starts with"
+            )
+        check(
+            self,
+            "gpus_per_node",
+            as_int,
+            minimum=1,
+            maximum=MAX_GPUS_PER_NODE,
+            why="the most GPUs one machine or NVLink domain has, with room to spare",
+        )
         if isinstance(self.device, str) and self.device in DEVICES and self.device != "cpu":  # before the split
             raise ConfigError(
                 f"cluster.device: {self.device!r} is an accelerator kind, which is now cluster.accelerator (what the "
@@ -658,8 +690,10 @@ class ClusterConfig:
         check(self, "device", as_choice, RUN_DEVICES)
         if self.accelerator is None:
             if self.device == "cuda":
-                raise ConfigError("cluster.accelerator: required with cluster.device 'cuda' (the cost model's GPU); "
-                                  f"one of {', '.join(repr(d) for d in DEVICES)}")
+                raise ConfigError(
+                    "cluster.accelerator: required with cluster.device 'cuda' (the cost model's GPU); "
+                    f"one of {', '.join(repr(d) for d in DEVICES)}"
+                )
             self.accelerator = "cpu"
         check(self, "accelerator", as_choice, tuple(DEVICES))
         if self.device_memory is None:
@@ -683,8 +717,10 @@ class ClusterConfig:
         emulable = tuple(d for d in DEVICES if d != "cpu")
         check(self, "emulate", as_choice, emulable)
         if self.device != "cpu":
-            raise ConfigError(f"cluster.emulate: emulated accelerators run on CPU workers, cluster.device is "
-                              f"{self.device!r}; set device: cpu (or remove emulate to run on the real GPUs)")
+            raise ConfigError(
+                f"cluster.emulate: emulated accelerators run on CPU workers, cluster.device is "
+                f"{self.device!r}; set device: cpu (or remove emulate to run on the real GPUs)"
+            )
         if self.backend == "nccl":
             raise ConfigError("cluster.backend: 'nccl' cannot run emulated (CPU workers); use auto or gloo")
         self.accelerator = self.emulate
@@ -754,8 +790,12 @@ class BalanceConfig:
     def __post_init__(self) -> None:
         check(self, "enabled", as_bool)
         check(self, "deferral", as_bool)
-        check(self, "algorithm", as_choice,
-               ("ours", "ours_fast", "random", "orchmllm_lpt", "orchmllm_padded", "orchmllm_quadratic", "mmscale"))
+        check(
+            self,
+            "algorithm",
+            as_choice,
+            ("ours", "ours_fast", "random", "orchmllm_lpt", "orchmllm_padded", "orchmllm_quadratic", "mmscale"),
+        )
         check(self, "threshold", as_float, minimum=0.0)
         check(self, "fixed_s_per_layer", as_float, minimum=0.0)
         check(self, "fit_every", as_int, minimum=0)
@@ -782,7 +822,6 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able dict; ``config_from_dict(job.to_dict())`` gives an equal job."""
         return _to_plain(self)
-
 
 
 def validate(job: JobConfig) -> None:
@@ -826,18 +865,23 @@ def validate(job: JobConfig) -> None:
 def _validate_emulation(m: ModelConfig, d: DataConfig, c: ClusterConfig) -> None:
     if m.huggingface is not None or m.builder is not None:
         key = "model.huggingface" if m.huggingface is not None else "model.builder"
-        raise ConfigError(f"cluster.emulate: not yet available for a {key} model (its compute copy cannot be "
-                          "shrunk); valid: the built-in model sections (model.llm, model.vision, model.audio)")
+        raise ConfigError(
+            f"cluster.emulate: not yet available for a {key} model (its compute copy cannot be "
+            "shrunk); valid: the built-in model sections (model.llm, model.vision, model.audio)"
+        )
     if c.max_gpus_per_stage > 1:
-        raise ConfigError(f"cluster.max_gpus_per_stage ({c.max_gpus_per_stage}): emulation runs stages of one GPU; "
-                          "valid: 1")
+        raise ConfigError(
+            f"cluster.max_gpus_per_stage ({c.max_gpus_per_stage}): emulation runs stages of one GPU; valid: 1"
+        )
     shrunk_model(m, c.emulate_shrink or auto_shrink(m))  # a divisor that leaves no width is named here
     factors = valid_coarsenings(m, d)
     if c.emulate_coarsen is not None and c.emulate_coarsen not in factors:
-        raise ConfigError(f"cluster.emulate_coarsen ({c.emulate_coarsen}): a patch of {c.emulate_coarsen} x "
-                          f"{m.vision.patch_size} px does not tile data.image_size ({d.image_size}) and "
-                          f"data.min_image_size ({d.min_image_size}) exactly; valid: "
-                          f"{', '.join(map(str, factors[:12]))}")
+        raise ConfigError(
+            f"cluster.emulate_coarsen ({c.emulate_coarsen}): a patch of {c.emulate_coarsen} x "
+            f"{m.vision.patch_size} px does not tile data.image_size ({d.image_size}) and "
+            f"data.min_image_size ({d.min_image_size}) exactly; valid: "
+            f"{', '.join(map(str, factors[:12]))}"
+        )
 
 
 def _validate_scheduler(t: TrainingConfig) -> None:
@@ -848,8 +892,9 @@ def _validate_scheduler(t: TrainingConfig) -> None:
     if t.scheduler.type == "OneCycle":
         missing = [k for k in ("cycle_min_lr", "cycle_max_lr") if k not in params]
         if missing:
-            raise ConfigError(f"{path}.{missing[0]}: required by OneCycle (its lr cycles between cycle_min_lr "
-                              "and cycle_max_lr)")
+            raise ConfigError(
+                f"{path}.{missing[0]}: required by OneCycle (its lr cycles between cycle_min_lr and cycle_max_lr)"
+            )
         return
     warmup = params.get("warmup_num_steps", SCHEDULER_DEFAULT_WARMUP_STEPS)
     total = t.scheduler.total_steps(t.steps)
@@ -882,8 +927,7 @@ def derive_data_shape(m: ModelConfig, d: DataConfig) -> None:
     side from its config, synthetic data's means from their defaults. A ``llava_json`` file's means are
     left None here and measured by the master's pass over the data (``data.check.measure_shape``)."""
     if d.image_size is None:
-        d.image_size = m.hf.vision["image_size"] if m.hf is not None and m.hf.vision is not None \
-            else DEFAULT_IMAGE_SIZE  # fmt: skip
+        d.image_size = m.hf.vision["image_size"] if m.hf is not None and m.hf.vision is not None else DEFAULT_IMAGE_SIZE
     if d.min_image_size is None:
         d.min_image_size = d.image_size
     if d.min_image_size > d.image_size:
@@ -928,16 +972,19 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
             )
         specs = layer_specs(m, d)
     else:  # the layers' names and order do not depend on the means, still to be measured
-        specs = layer_specs(m, dataclasses.replace(d, mean_text_tokens=1.0,
-                                                   mean_images_per_sample=1.0 if m.vision else 0.0))  # fmt: skip
+        specs = layer_specs(
+            m, dataclasses.replace(d, mean_text_tokens=1.0, mean_images_per_sample=1.0 if m.vision else 0.0)
+        )
     try:
         frozen = resolve_frozen(m.frozen, specs)
     except ValueError as exc:
         raise ConfigError(f"model.frozen: {exc}") from None
     if m.llm.tie_embeddings and ("llm.embed" in frozen) != ("llm.head" in frozen):
         which = "llm.embed" if "llm.embed" in frozen else "llm.head"
-        raise ConfigError(f"model.frozen: freezes {which} but not its tied partner; the token embedding and the "
-                          "LM head are one matrix (tied embeddings): freeze both or neither")
+        raise ConfigError(
+            f"model.frozen: freezes {which} but not its tied partner; the token embedding and the "
+            "LM head are one matrix (tied embeddings): freeze both or neither"
+        )
 
 
 def _validate_hf_workload(hf: HFModelShape, d: DataConfig) -> None:
@@ -996,8 +1043,11 @@ def _build(cls: type, raw: Any, path: str) -> Any:
 def _to_plain(value: Any) -> Any:
     if isinstance(value, ModelConfig) and value.huggingface is not None:
         # The shape sections are derived from the directory; writing them back would conflict.
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.name not in ("llm", "vision", "audio", "projector")}
+        return {
+            f.name: _to_plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.name not in ("llm", "vision", "audio", "projector")
+        }
     if dataclasses.is_dataclass(value):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, timedelta):

@@ -65,8 +65,10 @@ def check_expansion(raw: Any, where: str, text_bytes: int = 0) -> None:
         return sizes[key]
 
     if size(raw) > limit:
-        raise ConfigError(f"{where}: its YAML aliases expand to more than {limit:,} values (an alias bomb?); "
-                          "write the values out, or use fewer nested aliases")
+        raise ConfigError(
+            f"{where}: its YAML aliases expand to more than {limit:,} values (an alias bomb?); "
+            "write the values out, or use fewer nested aliases"
+        )
 
 
 def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides: Sequence[str] = ()) -> JobConfig:
@@ -85,8 +87,10 @@ def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides
         check_expansion(raw, path, len(data))
     except UnicodeDecodeError as exc:
         utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
-        raise ConfigError(f"<file>: {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}"
-                          f"{': it is UTF-16' if utf16 else ''}); save it as UTF-8") from None
+        raise ConfigError(
+            f"<file>: {path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}"
+            f"{': it is UTF-16' if utf16 else ''}); save it as UTF-8"
+        ) from None
     except FileNotFoundError:
         raise ConfigError(f"<file>: config file {path!r} does not exist") from None
     except OSError as exc:
@@ -173,16 +177,21 @@ def apply_overrides(
     ft = job.fault_tolerance
     if recovery is not None or checkpoint_interval is not None:
         ft = dataclasses.replace(
-            ft, recovery=ft.recovery if recovery is None else recovery,
+            ft,
+            recovery=ft.recovery if recovery is None else recovery,
             checkpoint_interval=ft.checkpoint_interval if checkpoint_interval is None else checkpoint_interval,
-        )  # fmt: skip
+        )
         job = dataclasses.replace(job, fault_tolerance=ft)
     if nodes is not None or max_nodes is not None:
         cluster = job.cluster
-        job = dataclasses.replace(job, cluster=dataclasses.replace(
-            cluster, nodes=cluster.nodes if nodes is None else nodes,
-            max_nodes=cluster.max_nodes if max_nodes is None else max_nodes,
-        ))  # fmt: skip
+        job = dataclasses.replace(
+            job,
+            cluster=dataclasses.replace(
+                cluster,
+                nodes=cluster.nodes if nodes is None else nodes,
+                max_nodes=cluster.max_nodes if max_nodes is None else max_nodes,
+            ),
+        )
     if gpus_per_node is not None:
         job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=gpus_per_node))
     if steps is not None:

@@ -93,8 +93,14 @@ def matmul_param_count(spec: LayerSpec) -> int:
 def param_count(spec: LayerSpec) -> int:
     """Parameters the layer holds (a tied LM head counts its copy)."""
     h = spec.hidden
-    extra = {"patch_embed": h, "frame_embed": h, "projector": h, "block": 2 * h,
-             "token_embed": spec.vocab_size * h, "lm_head": h}  # fmt: skip
+    extra = {
+        "patch_embed": h,
+        "frame_embed": h,
+        "projector": h,
+        "block": 2 * h,
+        "token_embed": spec.vocab_size * h,
+        "lm_head": h,
+    }
     return matmul_param_count(spec) + extra[spec.kind]
 
 
@@ -145,8 +151,10 @@ def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
         images = SYNTHETIC_IMAGES_PER_SAMPLE if model.vision is not None else 0.0  # as config.job derives it
     if data.mean_text_tokens is None or images is None:
         missing = "mean_text_tokens" if data.mean_text_tokens is None else "mean_images_per_sample"
-        raise UserError(f"data.{missing}: not known yet: the master measures it over {data.path} before it "
-                        f"plans (data.check.measure_shape); to plan without reading the data, set it")  # fmt: skip
+        raise UserError(
+            f"data.{missing}: not known yet: the master measures it over {data.path} before it "
+            f"plans (data.check.measure_shape); to plan without reading the data, set it"
+        )
     vision = audio = per_image = vision_llm = audio_llm = 0.0
     if model.vision is not None:
         p = model.vision.patch_size
@@ -205,8 +213,10 @@ def load_builder(reference: str) -> Callable:
         else:
             module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UserError(f"model.builder: cannot import {module_name!r} ({exc}); it must be importable by every "
-                        "worker (installed, on PYTHONPATH, or given as a .py file path)") from None
+        raise UserError(
+            f"model.builder: cannot import {module_name!r} ({exc}); it must be importable by every "
+            "worker (installed, on PYTHONPATH, or given as a .py file path)"
+        ) from None
     builder = getattr(module, function, None)
     if not callable(builder):
         raise UserError(f"model.builder: {module_name!r} has no function {function!r}")
@@ -221,12 +231,15 @@ def custom_layers(model: ModelConfig, data: DataConfig) -> tuple[CustomLayer, ..
     except TypeError as exc:  # most often the signature: a bug in the builder gets its traceback below
         if "positional argument" not in str(exc) and "required" not in str(exc):
             raise
-        raise UserError(f"model.builder: {model.builder} is called as function(model, data) and failed: {exc}") \
-            from None
+        raise UserError(
+            f"model.builder: {model.builder} is called as function(model, data) and failed: {exc}"
+        ) from None
     layers = tuple(result) if isinstance(result, (list, tuple)) else ()
     if not layers or not all(isinstance(x, CustomLayer) for x in layers):
-        raise UserError(f"model.builder: {model.builder} must return a non-empty list of CustomLayer "
-                        f"(oobleck_mm.config.shape.CustomLayer), got {type(result).__name__}")
+        raise UserError(
+            f"model.builder: {model.builder} must return a non-empty list of CustomLayer "
+            f"(oobleck_mm.config.shape.CustomLayer), got {type(result).__name__}"
+        )
     names = [x.spec.name for x in layers]
     if len(set(names)) != len(names):
         raise UserError(f"model.builder: {model.builder} returned layers with the same name: {names}")

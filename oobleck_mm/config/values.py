@@ -34,8 +34,7 @@ def describe(value: Any) -> str:
     return f"{_SHORT.repr(value)} ({type(value).__name__})"
 
 
-def as_int(path: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-           why: str = "") -> int:
+def as_int(path: str, value: Any, *, minimum: int | None = None, maximum: int | None = None, why: str = "") -> int:
     # bool is an int subclass in Python; "true" for a batch size is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{path}: expected an integer, got {describe(value)}")
@@ -98,8 +97,18 @@ def as_choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 _DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_RE = re.compile(rf"^\s*{_NUMBER}\s*(us|ms|s|m|h)?\s*$")
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*([a-zA-Z]*)\s*$")
 _PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 # Case matters for bandwidths: "Gb" is gigabits, "GB" gigabytes.

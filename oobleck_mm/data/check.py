@@ -43,8 +43,11 @@ def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSampl
         build_dataset(job)
         return []
     # One pass that collects every bad sample, whether or not they are then left out.
-    collecting = job if job.data.skip_bad_samples else dataclasses.replace(
-        job, data=dataclasses.replace(job.data, skip_bad_samples=True))  # fmt: skip
+    collecting = (
+        job
+        if job.data.skip_bad_samples
+        else dataclasses.replace(job, data=dataclasses.replace(job.data, skip_bad_samples=True))
+    )
     dataset = build_dataset(collecting)
     bad = list(dataset.skipped)  # records and headers: already left out of ``dataset``
     decoded_bad = _decode_every_image(dataset, progress) if job.data.check_images == "decode" else []
@@ -55,8 +58,10 @@ def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSampl
             raise UserError(f"{bad[0].reason} (sample #{bad[0].position}); {skip.format('it')}")
         named = "\n".join(f"  #{b.position}: {b.reason}" for b in bad[:REPORTED])
         more = f"\n  ... and {len(bad) - REPORTED} more" if len(bad) > REPORTED else ""
-        raise UserError(f"{job.data.path}: {len(bad)} bad samples, each of which would stop the job on any "
-                        f"replica:\n{named}{more}\n{skip.format('them')}")  # fmt: skip
+        raise UserError(
+            f"{job.data.path}: {len(bad)} bad samples, each of which would stop the job on any "
+            f"replica:\n{named}{more}\n{skip.format('them')}"
+        )
     if bad:
         job.data.excluded_samples = tuple(sorted(set(job.data.excluded_samples) | {b.position for b in bad}))
         for b in bad[:SHOWN]:
@@ -65,9 +70,12 @@ def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSampl
             progress(f"data: ... and {len(bad) - SHOWN} more")
     kept = len(dataset) - len(decoded_bad)
     if kept < job.training.global_batch:
-        raise UserError(f"{job.data.path}: {kept} good samples left, fewer than training.global_batch "
-                        f"({job.training.global_batch})")  # fmt: skip
-    left_out = f", {len(job.data.excluded_samples)} left out (data.excluded_samples)" if job.data.excluded_samples else ""
+        raise UserError(
+            f"{job.data.path}: {kept} good samples left, fewer than training.global_batch ({job.training.global_batch})"
+        )
+    left_out = (
+        f", {len(job.data.excluded_samples)} left out (data.excluded_samples)" if job.data.excluded_samples else ""
+    )
     progress(f"data: {kept} samples of {job.data.path} checked in {time.perf_counter() - start:.1f} s{left_out}")
     measure_shape(job, dataset, {b.position for b in decoded_bad}, progress)
     return bad
@@ -124,7 +132,9 @@ def _decode_every_image(dataset, progress: Callable[[str], None]) -> list[BadSam
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S:
             rate = (index + 1) / (now - started)
-            progress(f"data: decoded the images of {index + 1}/{total} samples ({rate:.0f}/s, "
-                     f"{(total - index - 1) / rate:.0f} s left)")  # fmt: skip
+            progress(
+                f"data: decoded the images of {index + 1}/{total} samples ({rate:.0f}/s, "
+                f"{(total - index - 1) / rate:.0f} s left)"
+            )
             last = now
     return bad

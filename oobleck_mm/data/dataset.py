@@ -56,16 +56,19 @@ class ModelInputs:
         kwargs: dict = {"vocab_size": model.llm.vocab_size}
         if model.vision is not None:
             v = model.vision
-            kwargs.update(has_vision=True, patch_size=v.patch_size, in_channels=v.in_channels,
-                          image_merge=v.token_merge)  # fmt: skip
+            kwargs.update(
+                has_vision=True, patch_size=v.patch_size, in_channels=v.in_channels, image_merge=v.token_merge
+            )
         if model.audio is not None:
             a = model.audio
-            kwargs.update(has_audio=True, mel_bins=a.mel_bins, audio_downsample=a.downsample,
-                          audio_merge=a.token_merge)  # fmt: skip
+            kwargs.update(has_audio=True, mel_bins=a.mel_bins, audio_downsample=a.downsample, audio_merge=a.token_merge)
         if model.huggingface is not None:
             hf = model.hf
-            kwargs.update(huggingface=model.huggingface, image_token_id=hf.image_token_id,
-                          image_side=hf.vision["image_size"] if hf.vision else 0)  # fmt: skip
+            kwargs.update(
+                huggingface=model.huggingface,
+                image_token_id=hf.image_token_id,
+                image_side=hf.vision["image_size"] if hf.vision else 0,
+            )
         return cls(**kwargs)
 
     @property

@@ -75,8 +75,9 @@ class HFLlavaJsonDataset(JsonRecords):
         if data.cache_dir is None:
             super().__init__(data, inputs)
             return
-        self.cache_folder, self.built = record_cache.built_once(data.cache_dir, self._cache_key(data, inputs),
-                                                                lambda folder: self._build_into(folder, data, inputs))
+        self.cache_folder, self.built = record_cache.built_once(
+            data.cache_dir, self._cache_key(data, inputs), lambda folder: self._build_into(folder, data, inputs)
+        )
         if not self.built:
             self._read(self.cache_folder, data, inputs)
 
@@ -85,10 +86,12 @@ class HFLlavaJsonDataset(JsonRecords):
         images = [self._pixels(path, record.sample_id) for path in record.image_paths]
         # Copies: a cached record's arrays are read-only views of a file every rank of the node maps.
         return Sample(
-            meta=record.meta, tokens=torch.from_numpy(np.array(record.tokens, dtype=np.int64)), images=images,
+            meta=record.meta,
+            tokens=torch.from_numpy(np.array(record.tokens, dtype=np.int64)),
+            images=images,
             media=torch.from_numpy(np.array(record.media, dtype=bool)),
             targets=torch.from_numpy(np.array(record.targets, dtype=bool)) if record.targets is not None else None,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ the node's record cache
 
@@ -97,15 +100,24 @@ class HFLlavaJsonDataset(JsonRecords):
         import tokenizers
         import transformers
 
-        return record_cache.cache_key({
-            "reader": "hf_llava", "data": record_cache.fingerprint(data.path),
-            "image_dir": image_folder(data),
-            "model": record_cache.directory_fingerprint(inputs.huggingface),
-            "settings": [data.max_seq_len, data.loss_on, data.skip_bad_samples, list(data.excluded_samples)],
-            "inputs": [inputs.has_vision, inputs.image_side, inputs.patch_size, inputs.image_merge,
-                       inputs.image_token_id, inputs.in_channels],
-            "versions": [transformers.__version__, tokenizers.__version__],
-        })  # fmt: skip
+        return record_cache.cache_key(
+            {
+                "reader": "hf_llava",
+                "data": record_cache.fingerprint(data.path),
+                "image_dir": image_folder(data),
+                "model": record_cache.directory_fingerprint(inputs.huggingface),
+                "settings": [data.max_seq_len, data.loss_on, data.skip_bad_samples, list(data.excluded_samples)],
+                "inputs": [
+                    inputs.has_vision,
+                    inputs.image_side,
+                    inputs.patch_size,
+                    inputs.image_merge,
+                    inputs.image_token_id,
+                    inputs.in_channels,
+                ],
+                "versions": [transformers.__version__, tokenizers.__version__],
+            }
+        )
 
     def _build_into(self, folder: str, data: DataConfig, inputs: ModelInputs) -> None:
         """Tokenize every record (``JsonRecords``), then write them as flat arrays into ``folder``."""
@@ -121,22 +133,31 @@ class HFLlavaJsonDataset(JsonRecords):
             "media": np.concatenate([r.media for r in records]),
             "targets": np.concatenate([r.targets if r.targets is not None else empty for r in records]),
             "position": np.array([r.meta.index for r in records], dtype=np.int64),
-            "target_tokens": np.array([-1 if r.meta.target_tokens is None else r.meta.target_tokens
-                                       for r in records], dtype=np.int64),  # fmt: skip
+            "target_tokens": np.array(
+                [-1 if r.meta.target_tokens is None else r.meta.target_tokens for r in records], dtype=np.int64
+            ),
         }
         for name, array in arrays.items():
             np.save(os.path.join(folder, f"{name}.npy"), array)
         with open(os.path.join(folder, "strings.json"), "w", encoding="utf-8") as fh:
-            json.dump({"sample_id": [r.sample_id for r in records], "image_paths": [r.image_paths for r in records],
-                       "has_targets": records[0].targets is not None,
-                       "skipped": [[b.position, b.reason] for b in self.skipped]}, fh)  # fmt: skip
+            json.dump(
+                {
+                    "sample_id": [r.sample_id for r in records],
+                    "image_paths": [r.image_paths for r in records],
+                    "has_targets": records[0].targets is not None,
+                    "skipped": [[b.position, b.reason] for b in self.skipped],
+                },
+                fh,
+            )
 
     def _read(self, folder: str, data: DataConfig, inputs: ModelInputs) -> None:
         """The records another process wrote into ``folder``, their token arrays mapped, not read."""
         self.data, self.inputs = data, inputs
         self.image_dir = image_folder(data)
-        a = {name: np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r")
-             for name in ("offsets", "ids", "media", "targets")}  # fmt: skip
+        a = {
+            name: np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r")
+            for name in ("offsets", "ids", "media", "targets")
+        }
         position = np.load(os.path.join(folder, "position.npy")).tolist()
         target_tokens = np.load(os.path.join(folder, "target_tokens.npy")).tolist()
         offsets = a["offsets"].tolist()
@@ -147,10 +168,22 @@ class HFLlavaJsonDataset(JsonRecords):
         records = []
         for i, (sample_id, paths) in enumerate(zip(strings["sample_id"], strings["image_paths"])):
             start, end = offsets[i], offsets[i + 1]
-            meta = SampleMeta(index=position[i], text_tokens=end - start, image_sizes=(side,) * len(paths),
-                              target_tokens=None if target_tokens[i] < 0 else target_tokens[i])  # fmt: skip
-            records.append(_Record(sample_id, ids[start:end], media[start:end],
-                                   targets[start:end] if targets is not None else None, tuple(paths), meta))
+            meta = SampleMeta(
+                index=position[i],
+                text_tokens=end - start,
+                image_sizes=(side,) * len(paths),
+                target_tokens=None if target_tokens[i] < 0 else target_tokens[i],
+            )
+            records.append(
+                _Record(
+                    sample_id,
+                    ids[start:end],
+                    media[start:end],
+                    targets[start:end] if targets is not None else None,
+                    tuple(paths),
+                    meta,
+                )
+            )
         self._records = tuple(records)
         self.skipped = [BadSample(position, reason) for position, reason in strings["skipped"]]
 
@@ -180,9 +213,12 @@ class HFLlavaJsonDataset(JsonRecords):
         else:
             targets[0] = False
             targets_count = int(targets.sum())
-        meta = SampleMeta(index=position, text_tokens=len(ids),
-                          image_sizes=((self.inputs.image_side,) * 2,) * len(paths),
-                          target_tokens=targets_count)  # fmt: skip
+        meta = SampleMeta(
+            index=position,
+            text_tokens=len(ids),
+            image_sizes=((self.inputs.image_side,) * 2,) * len(paths),
+            target_tokens=targets_count,
+        )
         return _Record(sample_id, ids, media, targets, paths, meta)
 
     def _render(self, turns: list[tuple[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -201,8 +237,10 @@ class HFLlavaJsonDataset(JsonRecords):
         for message in messages:
             start = text.find(message["content"], cursor)
             if start < 0:
-                raise UserError(f"{where}: the chat template's text does not contain a turn's text as written; "
-                                "use data.loss_on: all with this template")
+                raise UserError(
+                    f"{where}: the chat template's text does not contain a turn's text as written; "
+                    "use data.loss_on: all with this template"
+                )
             cursor = start + len(message["content"])
             if message["role"] == "assistant" or message["role"] in ASSISTANT_ROLES:
                 spans.append((start, cursor))
@@ -252,8 +290,10 @@ class HFLlavaJsonDataset(JsonRecords):
         pixels = self.image_processor(image, return_tensors="pt")["pixel_values"][0]
         side = self.inputs.image_side
         if tuple(pixels.shape) != (self.inputs.in_channels, side, side):
-            raise UserError(f"{self.inputs.huggingface}: its image processor makes {list(pixels.shape)} images, the "
-                            f"vision tower takes [{self.inputs.in_channels}, {side}, {side}]")
+            raise UserError(
+                f"{self.inputs.huggingface}: its image processor makes {list(pixels.shape)} images, the "
+                f"vision tower takes [{self.inputs.in_channels}, {side}, {side}]"
+            )
         return pixels.float()
 
 
@@ -261,15 +301,19 @@ def load_tokenizer(directory: str):
     from transformers import AutoTokenizer
 
     if not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
-        raise UserError(f"model.huggingface: {directory} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-                        "data.kind llava_json tokenizes with the model's own tokenizer")
+        raise UserError(
+            f"model.huggingface: {directory} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+            "data.kind llava_json tokenizes with the model's own tokenizer"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"model.huggingface: cannot load the tokenizer of {directory}: {exc}") from None
     if not tokenizer.is_fast:
-        raise UserError(f"model.huggingface: the tokenizer of {directory} is not a fast (tokenizers) tokenizer; "
-                        "loss masks need its character offsets (save it with a tokenizer.json)")
+        raise UserError(
+            f"model.huggingface: the tokenizer of {directory} is not a fast (tokenizers) tokenizer; "
+            "loss masks need its character offsets (save it with a tokenizer.json)"
+        )
     return tokenizer
 
 
@@ -277,7 +321,9 @@ def load_image_processor(directory: str):
     from transformers import AutoImageProcessor
 
     if not os.path.exists(os.path.join(directory, "preprocessor_config.json")):
-        raise UserError(f"model.huggingface: {directory} has no preprocessor_config.json; data.kind llava_json "
-                        "prepares images with the model's own image processor")
+        raise UserError(
+            f"model.huggingface: {directory} has no preprocessor_config.json; data.kind llava_json "
+            "prepares images with the model's own image processor"
+        )
     # PIL: what transformers itself prefers for CLIP/SigLIP (same outputs as the slow processors), no torchvision.
     return AutoImageProcessor.from_pretrained(directory, local_files_only=True, backend="pil")

@@ -73,8 +73,10 @@ class JsonRecords:
         entries = _load_json(data.path)
         excluded = set(data.excluded_samples)
         if excluded and max(excluded) >= len(entries):
-            raise UserError(f"data.excluded_samples: position {max(excluded)} is past the end of {data.path} "
-                            f"({len(entries)} samples, positions 0..{len(entries) - 1})")  # fmt: skip
+            raise UserError(
+                f"data.excluded_samples: position {max(excluded)} is past the end of {data.path} "
+                f"({len(entries)} samples, positions 0..{len(entries) - 1})"
+            )
         self.skipped: list = []
         """Bad records left out under ``data.skip_bad_samples`` (``check.BadSample``)."""
         records = []
@@ -88,8 +90,9 @@ class JsonRecords:
                     raise UserError(f"{error} (data.skip_bad_samples: true leaves such samples out)") from None
                 self.skipped.append(BadSample(position, str(error)))
         if not records:
-            raise UserError(f"data.path: no sample of {data.path} is usable ({len(excluded)} excluded, "
-                            f"{len(self.skipped)} bad)")  # fmt: skip
+            raise UserError(
+                f"data.path: no sample of {data.path} is usable ({len(excluded)} excluded, {len(self.skipped)} bad)"
+            )
         self._records = tuple(records)
 
     def __len__(self) -> int:
@@ -110,8 +113,9 @@ class JsonRecords:
                 with Image.open(path) as im:
                     im.load()
             except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # PIL's decoders raise these
-                raise UserError(f"{self.data.path}: sample {record.sample_id!r}: cannot decode image "
-                                f"{path!r}: {exc}") from None  # fmt: skip
+                raise UserError(
+                    f"{self.data.path}: sample {record.sample_id!r}: cannot decode image {path!r}: {exc}"
+                ) from None
 
     def _entry(self, position: int, entry) -> tuple[str, str, list[tuple[str, str]], tuple[str, ...]]:
         """(sample id, where, turns, image paths under ``image_dir``) of a record, its common parts checked."""
@@ -148,8 +152,9 @@ class LlavaJsonDataset(JsonRecords):
             try:
                 images.append(_load_image(path, size, self.inputs.in_channels))
             except (OSError, UnidentifiedImageError) as exc:  # a header that read fine, a body that does not
-                raise UserError(f"{self.data.path}: sample {record.sample_id!r}: cannot decode image "
-                                f"{path!r}: {exc}") from None  # fmt: skip
+                raise UserError(
+                    f"{self.data.path}: sample {record.sample_id!r}: cannot decode image {path!r}: {exc}"
+                ) from None
         tokens = self._tokens(record)
         targets = None
         if record.targets is not None:
@@ -192,15 +197,14 @@ class LlavaJsonDataset(JsonRecords):
         # A sample whose answer is cut off entirely trains on nothing (as LLaVA's own training masks it).
         count = int(sum(t.sum() for t in targets)) + int(eos)
         meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes, target_tokens=count)
-        return _Record(sample_id=sample_id, texts=texts, image_paths=paths, meta=meta, targets=tuple(targets),
-                       eos_target=eos)
+        return _Record(
+            sample_id=sample_id, texts=texts, image_paths=paths, meta=meta, targets=tuple(targets), eos_target=eos
+        )
 
     def _image_size(self, path: str, where: str) -> tuple[int, int]:
         """(height, width) after preprocessing, from the file header only."""
         if self.inputs.in_channels not in _PIL_MODES:
-            raise UserError(
-                f"{where}: images need model.vision.in_channels 1 or 3, got {self.inputs.in_channels}"
-            )
+            raise UserError(f"{where}: images need model.vision.in_channels 1 or 3, got {self.inputs.in_channels}")
         size = self._header_sizes.get(path)
         if size is None:
             try:

@@ -43,8 +43,10 @@ class EncoderInput:
 
     def to(self, device: torch.device, non_blocking: bool = False) -> EncoderInput:
         spans = self.spans()  # on the host: no device sync for it later
-        return EncoderInput(*(_move(t, device, non_blocking) for t in
-                              (self.features, self.grid, self.segments, self.llm_positions)), _spans=spans)
+        return EncoderInput(
+            *(_move(t, device, non_blocking) for t in (self.features, self.grid, self.segments, self.llm_positions)),
+            _spans=spans,
+        )
 
     def attention_mask(self) -> torch.Tensor:
         """[tokens, tokens] bool: a token attends to every token of its own medium."""
@@ -105,13 +107,14 @@ class PackedBatch:
         spans = self.spans()
         return PackedBatch(
             sample_ids=self.sample_ids,
-            tokens=_move(self.tokens, device, non_blocking), labels=_move(self.labels, device, non_blocking),
+            tokens=_move(self.tokens, device, non_blocking),
+            labels=_move(self.labels, device, non_blocking),
             positions=_move(self.positions, device, non_blocking),
             segments=_move(self.segments, device, non_blocking),
             vision=self.vision.to(device, non_blocking) if self.vision is not None else None,
             audio=self.audio.to(device, non_blocking) if self.audio is not None else None,
             _spans=spans,
-        )  # fmt: skip
+        )
 
 
 def _move(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
@@ -204,8 +207,13 @@ class _EncoderParts:
         )
 
 
-def pack(samples: Sequence[Sample], spec: PackingSpec, dtype: torch.dtype = torch.float32,
-         vision_in: int = 0, audio_in: int = 0) -> PackedBatch:
+def pack(
+    samples: Sequence[Sample],
+    spec: PackingSpec,
+    dtype: torch.dtype = torch.float32,
+    vision_in: int = 0,
+    audio_in: int = 0,
+) -> PackedBatch:
     """One microbatch of ``samples`` (in that order); ``*_in`` size empty encoder inputs."""
     tokens, labels, positions, segments = [], [], [], []
     vision, audio = _EncoderParts(), _EncoderParts()

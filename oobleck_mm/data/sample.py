@@ -59,8 +59,9 @@ class SampleMeta:
         """Patches of each image for a vision encoder with this patch size."""
         return tuple((h // patch_size) * (w // patch_size) for h, w in self.image_sizes)
 
-    def llm_tokens(self, patch_size: int = 1, image_merge: int = 1, audio_downsample: int = 1,
-                   audio_merge: int = 1) -> int:
+    def llm_tokens(
+        self, patch_size: int = 1, image_merge: int = 1, audio_downsample: int = 1, audio_merge: int = 1
+    ) -> int:
         """Length of the sample's LLM sequence: text without placeholders plus media tokens."""
         media = sum(p // image_merge for p in self.image_patches(patch_size)) if self.image_sizes else 0
         media += sum(f // audio_downsample // audio_merge for f in self.audio_frames)

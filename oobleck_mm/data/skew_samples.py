@@ -18,8 +18,10 @@ def sampled_batches(job, batches: int, seed: int = 0):
     from oobleck_mm.data.synthetic import SyntheticDataset
 
     if job.data.kind != "synthetic":
-        raise UserError(f"pricing data skew (skew_batches) needs data.kind: synthetic, whose generator gives sample "
-                        f"shapes without files; got {job.data.kind!r}")  # fmt: skip
+        raise UserError(
+            f"pricing data skew (skew_batches) needs data.kind: synthetic, whose generator gives sample "
+            f"shapes without files; got {job.data.kind!r}"
+        )
     inputs = ModelInputs.from_model(job.model)
     dataset = SyntheticDataset(job.data, inputs)
     rng = np.random.default_rng(seed)

@@ -182,8 +182,14 @@ class SyntheticDataset:
                 clips, notes = (frames,), (int(note_draw * len(NOTES)),)
                 budget -= frames // unit
         text = self._text_length(length_draw)
-        return SamplePlan(index=index, images=tuple(images), clip_frames=clips, clip_notes=notes,
-                          text_bytes=max(0, min(text, budget + 2) - 2), count_from=count_from)  # fmt: skip
+        return SamplePlan(
+            index=index,
+            images=tuple(images),
+            clip_frames=clips,
+            clip_notes=notes,
+            text_bytes=max(0, min(text, budget + 2) - 2),
+            count_from=count_from,
+        )
 
     def _text_length(self, u: float) -> int:
         """BOS + text + EOS tokens: lognormal with mean data.mean_text_tokens."""

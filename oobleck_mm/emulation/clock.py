@@ -121,8 +121,9 @@ class DeviceClock:
         self.free_at = start + duration
         self.lateness.record(duration, lag)
         if duration >= GUARDED_S and lag > LATE_FRACTION * duration:
-            log.debug("late %s: the device idled %.1f ms for the host before a %.1f ms op", what, 1e3 * lag,
-                      1e3 * duration)  # fmt: skip
+            log.debug(
+                "late %s: the device idled %.1f ms for the host before a %.1f ms op", what, 1e3 * lag, 1e3 * duration
+            )
         return start, self.free_at
 
     def begin_step(self, interrupt: Callable[[], bool] | None = None) -> None:
@@ -151,8 +152,9 @@ class DeviceClock:
         if slept and covered > 0:  # a wake-up: how late, against the device time it waited out
             self.lateness.record(covered, now - deadline, device_time=False)
             if covered >= GUARDED_S and now - deadline > LATE_FRACTION * covered:
-                log.debug("late %s: woke %.1f ms after %.1f ms of device time", what, 1e3 * (now - deadline),
-                          1e3 * covered)  # fmt: skip
+                log.debug(
+                    "late %s: woke %.1f ms after %.1f ms of device time", what, 1e3 * (now - deadline), 1e3 * covered
+                )
         self.free_at = max(self.free_at, now)
         self._synced_at = self.free_at
         return now

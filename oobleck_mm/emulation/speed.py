@@ -56,5 +56,3 @@ class SpeedFile:
                 log.warning("emulated device now %gx slower", factor)
             self.factor, self._stamp = factor, stamp
         return self.factor
-
-

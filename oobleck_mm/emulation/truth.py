@@ -85,13 +85,21 @@ class TruthProfile:
         scale = f", every duration x{self.scale:g}" if self.scale != 1 else ""
         if self.odd_steps_scale != 1:
             scale += f", odd steps' x{self.odd_steps_scale:g}"
-        return (f"truth {self.source}: analytical roofline at efficiency {efficiency}, factors {factors}, "
-                f"per-sample noise sigma {self.noise:g} (seed {self.seed}){scale}")
+        return (
+            f"truth {self.source}: analytical roofline at efficiency {efficiency}, factors {factors}, "
+            f"per-sample noise sigma {self.noise:g} (seed {self.seed}){scale}"
+        )
 
     def to_dict(self) -> dict:
-        return {"factors": dict(self.factors), "noise": self.noise, "seed": self.seed,
-                "efficiency": self.efficiency, "scale": self.scale, "odd_steps_scale": self.odd_steps_scale,
-                "source": self.source}  # fmt: skip
+        return {
+            "factors": dict(self.factors),
+            "noise": self.noise,
+            "seed": self.seed,
+            "efficiency": self.efficiency,
+            "scale": self.scale,
+            "odd_steps_scale": self.odd_steps_scale,
+            "source": self.source,
+        }
 
 
 DEFAULT_TRUTH = TruthProfile(
@@ -138,8 +146,15 @@ def load_truth(path: str | None) -> TruthProfile:
     for key, value in (("scale", scale), ("odd_steps_scale", odd)):
         if not _positive(value):
             raise TruthProfileError(f"{where}: {key} must be a number > 0, got {value!r}")
-    return TruthProfile(factors={str(k): float(v) for k, v in factors.items()}, noise=float(noise), seed=seed,
-                        efficiency=efficiency, scale=float(scale), odd_steps_scale=float(odd), source=path)  # fmt: skip
+    return TruthProfile(
+        factors={str(k): float(v) for k, v in factors.items()},
+        noise=float(noise),
+        seed=seed,
+        efficiency=efficiency,
+        scale=float(scale),
+        odd_steps_scale=float(odd),
+        source=path,
+    )
 
 
 def _number(value) -> bool:
@@ -206,10 +221,22 @@ class Truth:
         self.dims = _Dims.of(job.model)
         frozen = resolve_frozen(job.model.frozen, self.specs)
         self.trainable = tuple(param_count(s) > 0 and s.name not in frozen for s in self.specs)
-        stub = tuple(LayerCost(name=s.name, modality=s.modality, forward_s=0.0, backward_weight_s=0.0,
-                               backward_input_s=0.0, param_bytes=0, grad_bytes=0, optimizer_bytes=0,
-                               activation_bytes=0, output_bytes=0, trainable=t)
-                     for s, t in zip(self.specs, self.trainable))  # fmt: skip
+        stub = tuple(
+            LayerCost(
+                name=s.name,
+                modality=s.modality,
+                forward_s=0.0,
+                backward_weight_s=0.0,
+                backward_input_s=0.0,
+                param_bytes=0,
+                grad_bytes=0,
+                optimizer_bytes=0,
+                activation_bytes=0,
+                output_bytes=0,
+                trainable=t,
+            )
+            for s, t in zip(self.specs, self.trainable)
+        )
         self.input_grad = needs_input_grad(stub)
         self._features: dict[int, np.ndarray] = {}
         self._noise: dict[int, float] = {}
@@ -241,14 +268,25 @@ class Truth:
         for i in layers:
             spec = self.specs[i]
             key = replace(spec, name="")
-            if groups and replace(groups[-1].spec, name="") == key and groups[-1].trainable == self.trainable[i] \
-                    and groups[-1].input_grad == self.input_grad[i]:
+            if (
+                groups
+                and replace(groups[-1].spec, name="") == key
+                and groups[-1].trainable == self.trainable[i]
+                and groups[-1].input_grad == self.input_grad[i]
+            ):
                 groups[-1] = replace(groups[-1], count=groups[-1].count + 1)
                 continue
             quadratic = QUADRATIC_FEATURE[spec.modality] if spec.kind == "block" and spec.attention_len else None
-            groups.append(_Group(spec, 1, self.trainable[i], self.input_grad[i],
-                                 F[LINEAR_FEATURE[(spec.modality, spec.kind)]],
-                                 F[quadratic] if quadratic is not None else None))  # fmt: skip
+            groups.append(
+                _Group(
+                    spec,
+                    1,
+                    self.trainable[i],
+                    self.input_grad[i],
+                    F[LINEAR_FEATURE[(spec.modality, spec.kind)]],
+                    F[quadratic] if quadratic is not None else None,
+                )
+            )
         return groups
 
     def stage_seconds(self, groups: Sequence[_Group], metas: Sequence[SampleMeta]) -> tuple[float, float]:
@@ -315,7 +353,9 @@ def describe_emulation(job: JobConfig) -> str:
     c = job.cluster
     shrink = c.emulate_shrink or auto_shrink(job.model)
     coarsen = c.emulate_coarsen or auto_coarsen(job.model, job.data)
-    return (f"emulating {c.emulate} ({job.cluster.nodes} nodes x {c.gpus_per_node} GPUs; stages and transfers "
-            f"end when the real model's would; control plane in real time). "
-            f"{load_truth(c.emulate_profile).describe()}. Compute copy: widths / {shrink}, encoder tokens {coarsen}x "
-            f"coarser, text {coarsen}x shorter, float32 (config.emulation).")
+    return (
+        f"emulating {c.emulate} ({job.cluster.nodes} nodes x {c.gpus_per_node} GPUs; stages and transfers "
+        f"end when the real model's would; control plane in real time). "
+        f"{load_truth(c.emulate_profile).describe()}. Compute copy: widths / {shrink}, encoder tokens {coarsen}x "
+        f"coarser, text {coarsen}x shorter, float32 (config.emulation)."
+    )

@@ -40,8 +40,14 @@ class Verdict:
     cpu_share: float | None
 
     def to_dict(self) -> dict:
-        return {"valid": self.valid, "reason": self.reason, "ops": self.ops, "late_ops": self.late_ops,
-                "worst_lateness": self.worst_lateness, "cpu_share": self.cpu_share}  # fmt: skip
+        return {
+            "valid": self.valid,
+            "reason": self.reason,
+            "ops": self.ops,
+            "late_ops": self.late_ops,
+            "worst_lateness": self.worst_lateness,
+            "cpu_share": self.cpu_share,
+        }
 
 
 def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
@@ -65,15 +71,18 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     if ops == 0:
         problems.append("no emulated op was judged (no step ran, or every op was under the judged length)")
     elif late > LATE_SHARE * ops:
-        problems.append(f"{late} of {ops} ops ({100 * late / ops:.1f}%) ended more than {100 * LATE_FRACTION:.0f}% "
-                        f"of their duration late (at most {100 * LATE_SHARE:.0f}% may)")
+        problems.append(
+            f"{late} of {ops} ops ({100 * late / ops:.1f}%) ended more than {100 * LATE_FRACTION:.0f}% "
+            f"of their duration late (at most {100 * LATE_SHARE:.0f}% may)"
+        )
     if cpu_share is not None and cpu_share > CPU_LIMIT:
         problems.append(f"the host's CPU was {100 * cpu_share:.0f}% busy (at most {100 * CPU_LIMIT:.0f}%)")
     cpu = f", host CPU {100 * cpu_share:.0f}% busy" if cpu_share is not None else ""
     if problems:
         return Verdict(False, "INVALID: " + "; ".join(problems) + cpu, ops, late, worst, cpu_share)
-    return Verdict(True, f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}", ops, late,
-                   worst, cpu_share)
+    return Verdict(
+        True, f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}", ops, late, worst, cpu_share
+    )
 
 
 class HostCpu:

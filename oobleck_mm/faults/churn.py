@@ -42,8 +42,10 @@ from typing import Sequence
 from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import FaultEvent, node_number
 
-GRAMMAR = ("RATE[,burst=K,min=N,max=M,seed=S,spread=SECONDS,preempt=SHARE,notice=SECONDS,duration=SECONDS,"
-           "start=SECONDS,warmup=SECONDS,calm=SECONDS] (RATE: bursts per minute)")
+GRAMMAR = (
+    "RATE[,burst=K,min=N,max=M,seed=S,spread=SECONDS,preempt=SHARE,notice=SECONDS,duration=SECONDS,"
+    "start=SECONDS,warmup=SECONDS,calm=SECONDS] (RATE: bursts per minute)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +69,15 @@ class ChurnSpec:
 
 
 _INT_KEYS = {"burst": "burst", "min": "min_nodes", "max": "max_nodes", "seed": "seed"}
-_FLOAT_KEYS = {"spread": "spread_s", "preempt": "preempt_share", "notice": "notice_s", "duration": "duration_s",
-               "start": "start_s", "warmup": "warmup_s", "calm": "calm_s"}
+_FLOAT_KEYS = {
+    "spread": "spread_s",
+    "preempt": "preempt_share",
+    "notice": "notice_s",
+    "duration": "duration_s",
+    "start": "start_s",
+    "warmup": "warmup_s",
+    "calm": "calm_s",
+}
 
 
 def parse_churn(text: str) -> ChurnSpec:
@@ -88,12 +97,14 @@ def parse_churn(text: str) -> ChurnSpec:
         try:
             fields[_INT_KEYS.get(key) or _FLOAT_KEYS[key]] = int(value) if key in _INT_KEYS else float(value)
         except ValueError:
-            raise UserError(f"--churn: {key} must be a {'whole ' if key in _INT_KEYS else ''}number, "
-                            f"got {value!r}") from None  # fmt: skip
+            raise UserError(
+                f"--churn: {key} must be a {'whole ' if key in _INT_KEYS else ''}number, got {value!r}"
+            ) from None
     for key, value in fields.items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--churn: {key.removesuffix('_s').removesuffix('_share')} must be a finite number, "
-                            f"got {value}")  # fmt: skip
+            raise UserError(
+                f"--churn: {key.removesuffix('_s').removesuffix('_share')} must be a finite number, got {value}"
+            )
     spec = ChurnSpec(rate, **fields)
     if spec.burst < 1:
         raise UserError(f"--churn: burst must be >= 1 event, got {spec.burst}")
@@ -145,8 +156,9 @@ def churn_timeline(spec: ChurnSpec, nodes: Sequence[str]) -> list[FaultEvent]:
                 live.remove(victim)
                 last_failure = at
                 kind = "preempt" if rng.random() < spec.preempt_share else "kill"
-                out.append(FaultEvent(kind=kind, node=victim, seconds=round(at, 3), notice_s=spec.notice_s,
-                                      source=source))  # fmt: skip
+                out.append(
+                    FaultEvent(kind=kind, node=victim, seconds=round(at, 3), notice_s=spec.notice_s, source=source)
+                )
             at += rng.uniform(0.05, spec.spread_s) if spec.spread_s > 0 else 0.0
         t = max(t + rng.expovariate(spec.rate_per_min / 60.0), at)  # bursts never overlap
         if t > spec.start_s + spec.duration_s:

@@ -221,8 +221,15 @@ class Injector:
         records = []
         for _, fault, procs in due:
             alive = [p for p in procs if _signal(p, signal.SIGKILL)]
-            records.append(self._write("preempt_kill", node=fault.node, pids=[p.pid for p in alive],
-                                       after_s=fault.notice_s, source=fault.source))  # fmt: skip
+            records.append(
+                self._write(
+                    "preempt_kill",
+                    node=fault.node,
+                    pids=[p.pid for p in alive],
+                    after_s=fault.notice_s,
+                    source=fault.source,
+                )
+            )
         return records
 
     def _restore(self, now: float) -> list[dict[str, Any]]:
@@ -234,8 +241,16 @@ class Injector:
                 continue
             slowdown.end()
             del self._slowdowns[node]
-            records.append(self._write("slow_restored", node=node, factor=slowdown.factor, cycles=slowdown.cycles,
-                                       step=self.progress.steps_done, seconds=self.progress.elapsed(time.time())))
+            records.append(
+                self._write(
+                    "slow_restored",
+                    node=node,
+                    factor=slowdown.factor,
+                    cycles=slowdown.cycles,
+                    step=self.progress.steps_done,
+                    seconds=self.progress.elapsed(time.time()),
+                )
+            )
         return records
 
     def fire(self, faults: Sequence[FaultEvent]) -> list[dict[str, Any]]:
@@ -304,8 +319,14 @@ class Injector:
 
     def _record(self, target: _Target) -> dict[str, Any]:
         fault = target.fault
-        common = dict(kind=fault.kind, node=fault.node, step=self.progress.steps_done,
-                      seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        common = dict(
+            kind=fault.kind,
+            node=fault.node,
+            step=self.progress.steps_done,
+            seconds=self.progress.elapsed(time.time()),
+            batch=self._batch,
+            source=fault.source,
+        )
         if fault.phase is not None:
             common["phase"] = fault.phase
         if fault.kind == "killworker":
@@ -319,8 +340,14 @@ class Injector:
     def _join(self, target: _Target) -> dict[str, Any]:
         fault = target.fault
         name = fault.node or self._next_name()
-        common = dict(kind="join", node=name, step=self.progress.steps_done,
-                      seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        common = dict(
+            kind="join",
+            node=name,
+            step=self.progress.steps_done,
+            seconds=self.progress.elapsed(time.time()),
+            batch=self._batch,
+            source=fault.source,
+        )
         if fault.phase is not None:
             common["phase"] = fault.phase
         if name in self.agents() and _live_process(self.agents()[name]) is not None:
@@ -338,13 +365,22 @@ class Injector:
         return self._write("injected", pids=[] if pid is None else [pid], agent_started=started, **common)
 
     def _slow(self, fault: FaultEvent) -> dict[str, Any]:
-        common = dict(kind="slow", node=fault.node, step=self.progress.steps_done,
-                      seconds=self.progress.elapsed(time.time()), batch=self._batch, source=fault.source)  # fmt: skip
+        common = dict(
+            kind="slow",
+            node=fault.node,
+            step=self.progress.steps_done,
+            seconds=self.progress.elapsed(time.time()),
+            batch=self._batch,
+            source=fault.source,
+        )
         pids = dict(self.agents())
         agent = _live_process(pids[fault.node]) if fault.node in pids else None
         if agent is None:
-            why = (f"node {fault.node} is already gone" if fault.node in pids
-                   else f"unknown node {fault.node!r}; the launcher started {sorted(pids)}")  # fmt: skip
+            why = (
+                f"node {fault.node} is already gone"
+                if fault.node in pids
+                else f"unknown node {fault.node!r}; the launcher started {sorted(pids)}"
+            )
             log.warning("fault %s skipped: %s", fault.describe(), why)
             return self._write("inject_skipped", reason=why, **common)
         previous = self._slowdowns.pop(fault.node, None)
@@ -361,8 +397,13 @@ class Injector:
             slowdown = Slowdown(fault.node, fault.factor, lookup, ends_at=ends_at).start()
         self._slowdowns[fault.node] = slowdown
         log.warning("injected %s", fault.describe())
-        return self._write("slowed", factor=fault.factor, duration_s=fault.duration_s,
-                           pids=[p.pid for p in worker_processes(agent)], **common)  # fmt: skip
+        return self._write(
+            "slowed",
+            factor=fault.factor,
+            duration_s=fault.duration_s,
+            pids=[p.pid for p in worker_processes(agent)],
+            **common,
+        )
 
     def _next_name(self) -> str:
         used = [*self.agents(), *self._joined]

@@ -184,10 +184,20 @@ def _detection(events: Sequence[Event], incident: _Incident) -> tuple[float | No
     if incident.join:
         return _join_ready(events, incident)
     # Tolerance: a log written before the injector logged ahead of its signals can show the loss first.
-    found = [min((e for e in (_first(events, name, incident.ts - _SAME_MOMENT_S, node=node)
-                              for name in ("lost", "leaving"))  # leaving: a preemption notice taken
-                  if e is not None), key=lambda e: e["ts"], default=None)
-             for node in incident.nodes]  # fmt: skip
+    found = [
+        min(
+            (
+                e
+                for e in (
+                    _first(events, name, incident.ts - _SAME_MOMENT_S, node=node) for name in ("lost", "leaving")
+                )  # leaving: a preemption notice taken
+                if e is not None
+            ),
+            key=lambda e: e["ts"],
+            default=None,
+        )
+        for node in incident.nodes
+    ]
     found = [e for e in found if e is not None]
     if not found:
         return None, None
@@ -215,7 +225,12 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     detect_ts, reason = _detection(events, incident)
     if incident.join and detect_ts is None:
         return _never_joined(events, incident)
-    if incident.injected and not incident.join and incident.kind != "killmaster" and not _was_training(events, incident):
+    if (
+        incident.injected
+        and not incident.join
+        and incident.kind != "killmaster"
+        and not _was_training(events, incident)
+    ):
         return _not_training(incident)
     since = detect_ts if detect_ts is not None else incident.ts
     # A restarted master plans nothing: the workers never stopped (a later plan answers another incident).
@@ -233,8 +248,14 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     # A step of the old generation can still complete just after the plan (a join or a notice is
     # applied at the boundary after it): the resumed step is the new generation's first.
     newer = (plan or {}).get("generation")
-    first_new = next((e for e in _steps(events) if e["ts"] > after and e["step"] >= wanted
-                      and (newer is None or e.get("generation", newer) >= newer)), None)  # fmt: skip
+    first_new = next(
+        (
+            e
+            for e in _steps(events)
+            if e["ts"] > after and e["step"] >= wanted and (newer is None or e.get("generation", newer) >= newer)
+        ),
+        None,
+    )
     if planned_change and plan is None:
         first_new = None  # never planned (the job ended, or stopped at a checkpoint, first): nothing resumed
     if incident.kind == "preempt" and first_new is not None:
@@ -242,27 +263,43 @@ def _row(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
         last_old = _last_before([e for e in _steps(events) if e["step"] < first_new["step"]], "step", first_new["ts"])
     generation = None if plan is None else plan.get("generation")
     phases = _phase_times(events, generation, plan)
-    durations = _chain(incident.ts, [
-        ("detect", detect_ts), ("decide", None if plan is None else plan["ts"]),
-        ("rendezvous", phases["rendezvous_done"]), ("copy", phases["states_copied"]),
-        ("resume", phases["resumed"] or (None if first_new is None else first_new["ts"])),
-    ])  # fmt: skip
+    durations = _chain(
+        incident.ts,
+        [
+            ("detect", detect_ts),
+            ("decide", None if plan is None else plan["ts"]),
+            ("rendezvous", phases["rendezvous_done"]),
+            ("copy", phases["states_copied"]),
+            ("resume", phases["resumed"] or (None if first_new is None else first_new["ts"])),
+        ],
+    )
     copy_bytes, copy_seconds = _copied(events, generation)
     copy_window = copy_seconds or durations["copy"]
     return RecoveryRow(
-        kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts,
-        step=(first_new["step"] if first_new is not None else None) if planned_change else (wanted if last_old else None),
-        reason=reason, generation=generation if first_new is not None else None,
-        detect_s=durations["detect"], decide_s=durations["decide"], rendezvous_s=durations["rendezvous"],
-        copy_s=durations["copy"], copy_bytes=copy_bytes,
+        kind=incident.kind,
+        nodes=incident.nodes,
+        at_ts=incident.ts,
+        step=(first_new["step"] if first_new is not None else None)
+        if planned_change
+        else (wanted if last_old else None),
+        reason=reason,
+        generation=generation if first_new is not None else None,
+        detect_s=durations["detect"],
+        decide_s=durations["decide"],
+        rendezvous_s=durations["rendezvous"],
+        copy_s=durations["copy"],
+        copy_bytes=copy_bytes,
         copy_mb_per_s=(copy_bytes / 1e6 / copy_window) if copy_bytes and copy_window else None,
         resume_s=durations["resume"],
         abandoned_s=None if incident.join or last_old is None else _abandoned(events, incident, last_old, plan),
         lost_s=survivors_pause(events, since, first_new) if incident.join else _time_lost(last_old, first_new),
-        startup_pause_s=(survivors_pause(events, incident.ts, first_new, until_ts=since)
-                         if incident.join and first_new is not None else None),
+        startup_pause_s=(
+            survivors_pause(events, incident.ts, first_new, until_ts=since)
+            if incident.join and first_new is not None
+            else None
+        ),
         outcome=_outcome(events, incident, first_new),
-    )  # fmt: skip
+    )
 
 
 def _was_training(events: Sequence[Event], incident: _Incident) -> bool:
@@ -274,14 +311,26 @@ def _was_training(events: Sequence[Event], incident: _Incident) -> bool:
 
 def _not_training(incident: _Incident) -> RecoveryRow:
     """A failure of nodes no plan had taken in (a joiner still starting, a spare): the job lost nothing."""
-    return RecoveryRow(kind=incident.kind, nodes=incident.nodes, at_ts=incident.ts, step=None, lost_s=0.0,
-                       outcome="not training: nothing lost")  # fmt: skip
+    return RecoveryRow(
+        kind=incident.kind,
+        nodes=incident.nodes,
+        at_ts=incident.ts,
+        step=None,
+        lost_s=0.0,
+        outcome="not training: nothing lost",
+    )
 
 
 def _never_joined(events: Sequence[Event], incident: _Incident) -> RecoveryRow:
     """A join whose node was never ready: killed first, or the job ended first."""
-    failed = [e for e in events if phase_name(e) == "injected" and e["ts"] >= incident.ts
-              and e.get("kind") in FAILURE_KINDS and str(e.get("node")) in incident.nodes]  # fmt: skip
+    failed = [
+        e
+        for e in events
+        if phase_name(e) == "injected"
+        and e["ts"] >= incident.ts
+        and e.get("kind") in FAILURE_KINDS
+        and str(e.get("node")) in incident.nodes
+    ]
     outcome = "never joined (killed before it was ready)" if failed else _outcome(events, incident, None)
     if outcome == "not resumed":
         outcome = "never joined"
@@ -324,8 +373,14 @@ def _recovery_plan(events: Sequence[Event], since: float, nodes: Sequence[str] =
 def _phase_times(events: Sequence[Event], generation: Any, plan: Event | None) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name in ("rendezvous_done", "states_copied", "resumed"):
-        times = [e["ts"] for e in events if phase_name(e) == name and plan is not None and e["ts"] >= plan["ts"]
-                 and (generation is None or e.get("generation", generation) == generation)]  # fmt: skip
+        times = [
+            e["ts"]
+            for e in events
+            if phase_name(e) == name
+            and plan is not None
+            and e["ts"] >= plan["ts"]
+            and (generation is None or e.get("generation", generation) == generation)
+        ]
         out[name] = max(times) if times else None  # done when the last worker is
     return out
 
@@ -349,8 +404,11 @@ def _copied(events: Sequence[Event], generation: Any) -> tuple[int | None, float
     Copy seconds are the transfers alone (``transfer_seconds``: after every rank had built the
     layers it receives into) where the log has them, else the whole phase.
     """
-    copies = [e for e in events if phase_name(e) == "states_copied"
-              and (generation is None or e.get("generation", generation) == generation)]  # fmt: skip
+    copies = [
+        e
+        for e in events
+        if phase_name(e) == "states_copied" and (generation is None or e.get("generation", generation) == generation)
+    ]
     if generation is None or not copies:
         return None, None
     if all("bytes_transferred" in e for e in copies):
@@ -375,8 +433,9 @@ def median_step_gap(events: Sequence[Event]) -> float | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
-def survivors_pause(events: Sequence[Event], since: float, until_step: Event | None,
-                    until_ts: float | None = None) -> float | None:
+def survivors_pause(
+    events: Sequence[Event], since: float, until_step: Event | None, until_ts: float | None = None
+) -> float | None:
     """Seconds the survivors lost from ``since`` to the completion of ``until_step`` (or to ``until_ts``):
     each gap between consecutive step completions ending in that window, less the run's median gap,
     summed where positive."""
@@ -412,11 +471,22 @@ def _outcome(events: Sequence[Event], incident: _Incident, first_new: Event | No
 
 # ---------------------------------------------------------------------- text
 COLUMNS = (
-    ("#", None), ("kind", "kind"), ("nodes", "nodes"), ("step", "step"), ("detect s", "detect_s"),
-    ("reason", "reason"), ("plan s", "decide_s"), ("rdv s", "rendezvous_s"), ("copy s", "copy_s"),
-    ("MB", "copy_bytes"), ("MB/s", "copy_mb_per_s"), ("resume s", "resume_s"), ("abandoned s", "abandoned_s"),
-    ("lost s", "lost_s"), ("outcome", "outcome"),
-)  # fmt: skip
+    ("#", None),
+    ("kind", "kind"),
+    ("nodes", "nodes"),
+    ("step", "step"),
+    ("detect s", "detect_s"),
+    ("reason", "reason"),
+    ("plan s", "decide_s"),
+    ("rdv s", "rendezvous_s"),
+    ("copy s", "copy_s"),
+    ("MB", "copy_bytes"),
+    ("MB/s", "copy_mb_per_s"),
+    ("resume s", "resume_s"),
+    ("abandoned s", "abandoned_s"),
+    ("lost s", "lost_s"),
+    ("outcome", "outcome"),
+)
 
 
 def _cell(field: str | None, row: RecoveryRow, index: int) -> str:
@@ -480,9 +550,13 @@ def throughput_series(events: Iterable[Event], window: int = WALL_WINDOW_STEPS) 
     return xs, reported, wall
 
 
-PHASE_SPANS = (("detect", "detection", "tab:purple"), ("decide", "planning", "tab:orange"),
-               ("rendezvous", "rendezvous", "gold"), ("copy", "state copy", "tab:cyan"),
-               ("resume", "first step", "tab:gray"))  # fmt: skip
+PHASE_SPANS = (
+    ("detect", "detection", "tab:purple"),
+    ("decide", "planning", "tab:orange"),
+    ("rendezvous", "rendezvous", "gold"),
+    ("copy", "state copy", "tab:cyan"),
+    ("resume", "first step", "tab:gray"),
+)
 """RecoveryRow durations shaded on the run's figure: (field, legend, colour), in the order they happen."""
 JOINER_STARTUP_SPAN = ("joiner start-up", "tab:green")
 """A join's "detection" is its joiner starting while the others train: shaded as that, not as detection."""
@@ -519,8 +593,9 @@ def plot_run(events: Iterable[Event], path: str, title: str = "") -> str:
     top.set_ylabel("loss")
     # Wall clock: samples over the time since the previous step, so downtime shows; the step's own
     # rate as dots only, since a line joining the dots across a failure would hide the gap.
-    bottom.step(xs, wall, where="pre", lw=1.2, color="tab:blue",
-                label=f"samples/s (wall clock, {WALL_WINDOW_STEPS} steps)")  # fmt: skip
+    bottom.step(
+        xs, wall, where="pre", lw=1.2, color="tab:blue", label=f"samples/s (wall clock, {WALL_WINDOW_STEPS} steps)"
+    )
     bottom.plot(xs, reported, ".", ms=4, color="black", label="samples/s (step time)")
     bottom.set_ylabel("samples/s")
     bottom.set_ylim(bottom=0)
@@ -534,18 +609,29 @@ def plot_run(events: Iterable[Event], path: str, title: str = "") -> str:
     for row in recovery_rows(ordered):
         for label, color, start, end in recovery_spans(row):
             for ax in (top, bottom):
-                ax.axvspan(start - t0, end - t0, color=color, alpha=0.25, lw=0, label=once(label) if ax is bottom else None)
+                ax.axvspan(
+                    start - t0, end - t0, color=color, alpha=0.25, lw=0, label=once(label) if ax is bottom else None
+                )
     for incident in incidents(ordered):
         color, label = ("green", "join") if incident.join else ("red", "failure")
         for ax in (top, bottom):
             ax.axvline(incident.ts - t0, color=color, lw=1.2, label=once(label) if ax is bottom else None)
-        top.annotate(f"{incident.kind}:{','.join(incident.nodes)}", (incident.ts - t0, 1),
-                     xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
-                     color=color)  # fmt: skip
+        top.annotate(
+            f"{incident.kind}:{','.join(incident.nodes)}",
+            (incident.ts - t0, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color=color,
+        )
     for e in ordered:
         if phase_name(e) == "lost":
             for ax in (top, bottom):
-                ax.axvline(e["ts"] - t0, color="tab:purple", ls=":", lw=1, label=once("detected") if ax is bottom else None)
+                ax.axvline(
+                    e["ts"] - t0, color="tab:purple", ls=":", lw=1, label=once("detected") if ax is bottom else None
+                )
     bottom.set_xlabel("seconds since training started")
     top.set_title(title or "training run")
     bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=8, frameon=False)  # off the data
@@ -569,7 +655,9 @@ def summarize(event_log: str, plot: str | None = None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oobleck_mm.faults.report", description=__doc__.splitlines()[0])
     parser.add_argument("event_log", help="a run's events.jsonl")
-    parser.add_argument("--plot", default=None, help="write the run's figure (loss and samples/s over time, incidents marked) here")
+    parser.add_argument(
+        "--plot", default=None, help="write the run's figure (loss and samples/s over time, incidents marked) here"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     if args.json:

@@ -131,7 +131,9 @@ class SignalFreezer:
 def freezer_for() -> Freezer:
     """The best freezer this machine lets us create."""
     for root in CGROUP_ROOTS:
-        if os.path.exists(os.path.join(root, "cgroup.procs")) and os.path.exists(os.path.join(root, "cgroup.subtree_control")):
+        if os.path.exists(os.path.join(root, "cgroup.procs")) and os.path.exists(
+            os.path.join(root, "cgroup.subtree_control")
+        ):
             try:
                 return CgroupFreezer(root, v2=True)
             except OSError:
@@ -147,8 +149,16 @@ def freezer_for() -> Freezer:
 class Slowdown:
     """Runs the processes ``lookup`` returns at ``1/factor`` of their speed until ``end()``."""
 
-    def __init__(self, node: str, factor: float, lookup: WorkerLookup, *, period_s: float = PERIOD_S,
-                 ends_at: float | None = None, freezer: Freezer | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node: str,
+        factor: float,
+        lookup: WorkerLookup,
+        *,
+        period_s: float = PERIOD_S,
+        ends_at: float | None = None,
+        freezer: Freezer | None = None,
+    ) -> None:
         if not factor > 1:
             raise ValueError(f"slowdown factor must be > 1, got {factor}")
         self.node, self.factor, self.ends_at = node, factor, ends_at

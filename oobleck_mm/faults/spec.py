@@ -112,15 +112,18 @@ class FaultEvent:
         if sum(x is not None for x in (self.step, self.seconds, self.phase)) != 1:
             raise UserError(f"fault {self.source or self.kind!r}: give exactly one of step, seconds and phase")
         if self.phase is not None and (self.phase not in PHASES or self.kind not in FAILURE_KINDS):
-            raise UserError(f"fault {self.source or self.kind!r}: @phase:P is for failures, P one of "
-                            f"{', '.join(PHASES)}")  # fmt: skip
+            raise UserError(
+                f"fault {self.source or self.kind!r}: @phase:P is for failures, P one of {', '.join(PHASES)}"
+            )
         if self.kind == "killmaster" and (self.node != MASTER or self.phase is not None):
             raise UserError(f"fault {self.source or self.kind!r}: killmaster takes no node and no @phase")
         if self.node is None and self.kind != "join":
             raise UserError(f"fault {self.source or self.kind!r}: {self.kind} needs a node")
         if self.kind == "slow" and not self.factor > 1:
-            raise UserError(f"fault {self.source or self.kind!r}: the slowdown factor must be > 1 (x2: half "
-                            f"speed), got {self.factor:g}")
+            raise UserError(
+                f"fault {self.source or self.kind!r}: the slowdown factor must be > 1 (x2: half "
+                f"speed), got {self.factor:g}"
+            )
 
     @property
     def is_failure(self) -> bool:
@@ -147,8 +150,13 @@ class FaultEvent:
         target = "" if self.kind == "killmaster" else self.node or ""
         if self.kind == "killworker":
             target += f":gpu{self.local_rank}"
-        when = (f"step{self.step}" if self.step is not None else f"phase:{self.phase}" if self.phase is not None
-                else f"t{self.seconds:g}s")
+        when = (
+            f"step{self.step}"
+            if self.step is not None
+            else f"phase:{self.phase}"
+            if self.phase is not None
+            else f"t{self.seconds:g}s"
+        )
         if self.kind == "preempt":
             when += f"+{self.notice_s:g}s"
         if self.kind == "slow":
@@ -199,8 +207,18 @@ def parse_token(token: str) -> FaultEvent:
     node, local_rank = _parse_target(token, kind, parts)
     if phase is not None and kind not in FAILURE_KINDS:
         _bad(token, "@phase:P is for failures (kill, killworker, stop, preempt)")
-    return FaultEvent(kind=kind, node=node, step=step, seconds=seconds, phase=phase, local_rank=local_rank,
-                      notice_s=notice_s, factor=factor, duration_s=duration_s, source=token)  # fmt: skip
+    return FaultEvent(
+        kind=kind,
+        node=node,
+        step=step,
+        seconds=seconds,
+        phase=phase,
+        local_rank=local_rank,
+        notice_s=notice_s,
+        factor=factor,
+        duration_s=duration_s,
+        source=token,
+    )
 
 
 def _parse_when(token: str, when: str) -> tuple[int | None, float | None, str | None]:

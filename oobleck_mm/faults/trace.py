@@ -96,7 +96,9 @@ def _parse_slow(parts: list[str], number: int, where: str) -> TraceEvent:
         f = float(factor)
         t = float(duration[0]) if duration else None
     except ValueError:
-        raise UserError(f"{where}: F and T must be numbers, got {factor!r}" + (f", {duration[0]!r}" if duration else ""))
+        raise UserError(
+            f"{where}: F and T must be numbers, got {factor!r}" + (f", {duration[0]!r}" if duration else "")
+        ) from None
     if not f > 1 or (t is not None and not t >= 0) or not node:
         raise UserError(f"{where}: need a node, F > 1 and T >= 0 (got {node!r}, {f:g}, {t})")
     return TraceEvent(int(ms), "slow", node, number, f, t)
@@ -134,8 +136,16 @@ def trace_timeline(
         if event.action == "slow":
             if live:
                 duration = event.duration_s * time_scale if event.duration_s is not None else None
-                out.append(FaultEvent(kind="slow", node=max(live, key=_order_key), seconds=seconds,
-                                      factor=event.factor, duration_s=duration, source=source))  # fmt: skip
+                out.append(
+                    FaultEvent(
+                        kind="slow",
+                        node=max(live, key=_order_key),
+                        seconds=seconds,
+                        factor=event.factor,
+                        duration_s=duration,
+                        source=source,
+                    )
+                )
         elif event.action == "remove":
             if not live:
                 continue
@@ -151,13 +161,15 @@ def trace_timeline(
 
 
 def load_timeline(
-    path: str | os.PathLike, nodes: Sequence[str], time_scale: float = 1.0,
-    start_s: float | None = None, end_s: float | None = None,
-) -> list[FaultEvent]:  # fmt: skip
+    path: str | os.PathLike,
+    nodes: Sequence[str],
+    time_scale: float = 1.0,
+    start_s: float | None = None,
+    end_s: float | None = None,
+) -> list[FaultEvent]:
     """``read_trace`` + ``trace_timeline``: what ``--trace FILE --time-scale X`` replays."""
     name = os.path.basename(os.fspath(path))
     return trace_timeline(read_trace(path), nodes, time_scale, start_s, end_s, name=name)
-
 
 
 def starting_nodes(events: Sequence[TraceEvent], start_s: float | None = None) -> list[str]:

@@ -58,17 +58,28 @@ def build_assignments(
     periodic checkpoint was cut short by the loss ``gen`` recovers from: take the next one at once.
     """
     shared = pb.Assignment(
-        generation=gen.number, world_size=gen.layout.world_size, store_host=sending.store_host,
-        store_port=sending.store_port, start_step=start_step, steps=sending.steps, plan=plan_to_proto(gen.layout),
-        resume_dir=resume_dir, resume_chosen=resume_chosen, save_final_dir=sending.save_final_dir,
-        checkpoint_interval=sending.checkpoint_interval, checkpoint_dir=sending.checkpoint_dir,
-        checkpoint_async=sending.checkpoint_async, rank_nodes=gen.rank_nodes,
+        generation=gen.number,
+        world_size=gen.layout.world_size,
+        store_host=sending.store_host,
+        store_port=sending.store_port,
+        start_step=start_step,
+        steps=sending.steps,
+        plan=plan_to_proto(gen.layout),
+        resume_dir=resume_dir,
+        resume_chosen=resume_chosen,
+        save_final_dir=sending.save_final_dir,
+        checkpoint_interval=sending.checkpoint_interval,
+        checkpoint_dir=sending.checkpoint_dir,
+        checkpoint_async=sending.checkpoint_async,
+        rank_nodes=gen.rank_nodes,
         checkpoint_after_first_step=checkpoint_after_first_step,
-    )  # fmt: skip
+    )
     if base is not None:
         if previous_ranks is None or len(previous_ranks) != gen.layout.world_size:
-            raise ValueError(f"previous_ranks: expected one per rank of generation {gen.number} "
-                             f"({gen.layout.world_size}), got {previous_ranks!r}")  # fmt: skip
+            raise ValueError(
+                f"previous_ranks: expected one per rank of generation {gen.number} "
+                f"({gen.layout.world_size}), got {previous_ranks!r}"
+            )
         shared.previous_generation = base.number
         shared.previous_plan.CopyFrom(plan_to_proto(base.layout))
         shared.previous_ranks.extend(previous_ranks)

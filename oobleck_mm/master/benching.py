@@ -33,9 +33,14 @@ def bench_candidates(ctx: Context, current: GenerationView, keeps_replicas_from:
     s, after = ctx.s, ctx.cfg.timeouts.straggler_replan_after
     if after is None or not ctx.cfg.timeouts.straggler_resplit or keeps_replicas_from <= 0:
         return ()
-    due = sorted((n for n in current.nodes if n in s.slow and n not in s.weighed
-                  and ctx.now - s.slow_since.get(n, ctx.now) >= after.total_seconds()),
-                 key=lambda n: (-s.slow[n], n))  # fmt: skip
+    due = sorted(
+        (
+            n
+            for n in current.nodes
+            if n in s.slow and n not in s.weighed and ctx.now - s.slow_since.get(n, ctx.now) >= after.total_seconds()
+        ),
+        key=lambda n: (-s.slow[n], n),
+    )
     out: list[str] = []
     for node in due:  # the slowest first
         others = [n for n in current.nodes if n != node and n not in out]
@@ -58,12 +63,21 @@ def bench(ctx: Context, node: str, why: str) -> None:
     s.benched[node] = Bench(ctx.now + seconds, times)
     s.forget(node)  # what its workers hold is of no later generation; its speed is measured again on return
     entry.ready.clear()  # fresh workers report ready again
-    ctx.send(node, pb.AgentEvent(bench=pb.Bench(reason=f"node {node} is slow ({factor:.2f}x): planned out for "
-                                                       f"{seconds:.0f} s", seconds=seconds)))  # fmt: skip
-    ctx.record("straggler_benched", node=node, factor=factor, seconds=seconds, times=times,
-               generation=s.generation, reason=why)  # fmt: skip
-    ctx.say(f"node {node} is slow ({factor:.2f}x) and the job is predicted faster without it: benched for "
-            f"{seconds:.0f} s from generation {s.generation}, then taken back like a join")  # fmt: skip
+    ctx.send(
+        node,
+        pb.AgentEvent(
+            bench=pb.Bench(
+                reason=f"node {node} is slow ({factor:.2f}x): planned out for {seconds:.0f} s", seconds=seconds
+            )
+        ),
+    )
+    ctx.record(
+        "straggler_benched", node=node, factor=factor, seconds=seconds, times=times, generation=s.generation, reason=why
+    )
+    ctx.say(
+        f"node {node} is slow ({factor:.2f}x) and the job is predicted faster without it: benched for "
+        f"{seconds:.0f} s from generation {s.generation}, then taken back like a join"
+    )
 
 
 def check_bench_returns(ctx: Context) -> None:

@@ -54,8 +54,12 @@ class CheckpointRound:
         return surviving_ranks(self.gen, self.writers)
 
     def command(self) -> pb.AgentEvent:
-        c = pb.Checkpoint(dir=self.directory, generation=self.gen.number, surviving_ranks=self.surviving,
-                          at_boundary=len(self.surviving) == len(self.gen.ranks))  # nobody lost: every rank steps on
+        c = pb.Checkpoint(
+            dir=self.directory,
+            generation=self.gen.number,
+            surviving_ranks=self.surviving,
+            at_boundary=len(self.surviving) == len(self.gen.ranks),
+        )  # nobody lost: every rank steps on
         return pb.AgentEvent(checkpoint=c)
 
     def expected(self) -> set[Gpu]:
@@ -73,8 +77,9 @@ class CheckpointRound:
         writers = tuple(n for n in self.writers if n != node)
         if orphan_layers(self.gen.layout, surviving_ranks(self.gen, writers)):
             return None
-        return CheckpointRound(self.directory, self.gen, writers, self.reason, self.started, self.deadline,
-                               requested=self.requested)  # fmt: skip
+        return CheckpointRound(
+            self.directory, self.gen, writers, self.reason, self.started, self.deadline, requested=self.requested
+        )
 
     def step(self) -> tuple[int | None, str]:
         """The step every writer reported (the next one to run), or None with what is wrong."""
@@ -105,8 +110,10 @@ def round_verdict(r: CheckpointRound, now: float) -> RoundPending | RoundFailed 
     """Where a round stands at clock ``now``."""
     if not r.complete():
         if now > r.deadline:
-            return RoundFailed(f"the checkpoint to {r.directory} did not complete: "
-                               f"{len(r.reports)} of {len(r.expected())} workers answered")  # fmt: skip
+            return RoundFailed(
+                f"the checkpoint to {r.directory} did not complete: "
+                f"{len(r.reports)} of {len(r.expected())} workers answered"
+            )
         return RoundPending()
     step, problem = r.step()
     if step is None:
@@ -158,8 +165,10 @@ class CheckpointBook:
         if set(shares) != set(gen.ranks):
             return False
         del self.shares[done.dir]
-        self.last_timing = {"snapshot_seconds": max(d.snapshot_seconds for d in shares.values()),
-                            "write_seconds": max(d.seconds for d in shares.values())}  # fmt: skip
+        self.last_timing = {
+            "snapshot_seconds": max(d.snapshot_seconds for d in shares.values()),
+            "write_seconds": max(d.seconds for d in shares.values()),
+        }
         if self.last is None or done.step > self.last[1]:
             self.last, self.last_generation = (done.dir, done.step), done.generation
         self.shares = {d: s for d, s in self.shares.items() if step_of(d) > done.step}  # older: abandoned
@@ -176,8 +185,9 @@ class CheckpointBook:
         return False
 
 
-def cut_short(book: CheckpointBook, gens: Mapping[int, GenerationView], interval: int, next_step: int,
-              lost: Collection[str]) -> int | None:  # fmt: skip
+def cut_short(
+    book: CheckpointBook, gens: Mapping[int, GenerationView], interval: int, next_step: int, lost: Collection[str]
+) -> int | None:
     """The step of the newest periodic checkpoint that losing ``lost`` leaves without ``meta.json``, or None.
 
     Workers snapshot after every step that makes ``next_step`` a multiple of ``interval`` and write in
@@ -218,15 +228,24 @@ def prune_checkpoints(directory: str, keep: int, pinned: Collection[str] = ()) -
     checkpoint, and a newer one that completed after the plan deleted the one the restarted workers were
     about to open)."""
     parent = os.path.dirname(directory)
-    steps = [s for s in map(step_of, (os.path.join(parent, n) for n in os.listdir(parent))) if s >= 0
-             ] if os.path.isdir(parent) else []  # fmt: skip
+    steps = (
+        [s for s in map(step_of, (os.path.join(parent, n) for n in os.listdir(parent))) if s >= 0]
+        if os.path.isdir(parent)
+        else []
+    )
     complete = {s for s in steps if os.path.exists(os.path.join(parent, f"step{s:08d}", "meta.json"))}
     for path in doomed_checkpoints(parent, steps, complete, keep, pinned, upto=step_of(directory)):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def doomed_checkpoints(parent: str, steps: Collection[int], complete: Collection[int], keep: int,
-                       pinned: Collection[str] = (), upto: int | None = None) -> list[str]:  # fmt: skip
+def doomed_checkpoints(
+    parent: str,
+    steps: Collection[int],
+    complete: Collection[int],
+    keep: int,
+    pinned: Collection[str] = (),
+    upto: int | None = None,
+) -> list[str]:
     """What ``prune_checkpoints`` removes under ``parent`` (its ``stepN`` folders: ``steps``, of which
     ``complete`` have meta.json): every one older than the ``keep``-th newest complete one up to ``upto``,
     but ``pinned``.
@@ -341,11 +360,14 @@ def _model_shape_changes(saved: dict, job) -> list[str]:
         ours = dataclasses.asdict(ours) if ours is not None else None
         theirs = saved[section]
         if (ours is None) != (theirs is None):
-            changes.append(f"model.{section}: {'absent' if theirs is None else 'set'} in the checkpoint, "
-                           f"{'absent' if ours is None else 'set'} in the config")  # fmt: skip
+            changes.append(
+                f"model.{section}: {'absent' if theirs is None else 'set'} in the checkpoint, "
+                f"{'absent' if ours is None else 'set'} in the config"
+            )
             continue
         for key in sorted(set(ours or {}) | set(theirs or {})):
             if (ours or {}).get(key) != (theirs or {}).get(key):
-                changes.append(f"model.{section}.{key}: {theirs.get(key)!r} in the checkpoint, "
-                               f"{ours.get(key)!r} in the config")  # fmt: skip
+                changes.append(
+                    f"model.{section}.{key}: {theirs.get(key)!r} in the checkpoint, {ours.get(key)!r} in the config"
+                )
     return changes

@@ -59,9 +59,18 @@ class Context:
     def facts(self, abandoned: bool = False) -> Facts:
         s, options = self.s, self.cfg.options
         current = s.gens.get(s.generation)
-        return Facts(s.views(), s.holdings, abandoned, s.next_step, self.cfg.steps, options.resume_dir,
-                     options.resume_step, s.checkpoints.last,
-                     current.keeps_replicas_from if current is not None else 0, s.newer_checkpoint())  # fmt: skip
+        return Facts(
+            s.views(),
+            s.holdings,
+            abandoned,
+            s.next_step,
+            self.cfg.steps,
+            options.resume_dir,
+            options.resume_step,
+            s.checkpoints.last,
+            current.keeps_replicas_from if current is not None else 0,
+            s.newer_checkpoint(),
+        )
 
     def transition(self) -> Transition:
         return Transition(self.s, tuple(self.effects), "; ".join(self.reasons), self.answer, self.refused)
@@ -114,7 +123,16 @@ def write_journal(ctx: Context) -> None:
     if current is None:
         return
     views = tuple(s.gens[n].view for n in sorted(s.gens) if n > s.generation - KEEP_GENERATIONS)
-    journal = Journal(config_yaml=ctx.cfg.config_yaml, host="", port=0, options=asdict(ctx.cfg.options),
-                      generation=s.generation, template_nodes=current.template_nodes, views=views,
-                      plan=current.plan, last_checkpoint=s.checkpoints.last, pin=s.pin)  # fmt: skip
+    journal = Journal(
+        config_yaml=ctx.cfg.config_yaml,
+        host="",
+        port=0,
+        options=asdict(ctx.cfg.options),
+        generation=s.generation,
+        template_nodes=current.template_nodes,
+        views=views,
+        plan=current.plan,
+        last_checkpoint=s.checkpoints.last,
+        pin=s.pin,
+    )
     ctx.effects.append(WriteJournal(journal))

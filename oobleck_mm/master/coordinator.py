@@ -29,13 +29,40 @@ from typing import Callable
 
 from oobleck_mm.master import machine
 from oobleck_mm.master.checkpointing import prune_checkpoints, start_meta_sampler, write_meta
-from oobleck_mm.master.effects import (AskPlanner, CancelPlan, EndStream, Finished, PruneCheckpoints, ProgressMetrics,
-                            ProgressPhase, Record, Say, Send, StartProgress, WarmPlanner, WriteJournal,
-                            WriteMeta)  # fmt: skip
+from oobleck_mm.master.effects import (
+    AskPlanner,
+    CancelPlan,
+    EndStream,
+    Finished,
+    PruneCheckpoints,
+    ProgressMetrics,
+    ProgressPhase,
+    Record,
+    Say,
+    Send,
+    StartProgress,
+    WarmPlanner,
+    WriteJournal,
+    WriteMeta,
+)
 from oobleck_mm.master.disk import HOLD_ENV, DiskQueue, journal_hold
 from oobleck_mm.master.generations import MAX_REFORMS, SETTLE_S
-from oobleck_mm.master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
-                           Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
+from oobleck_mm.master.inputs import (
+    Adopt,
+    Event,
+    FinishRequested,
+    Heartbeat,
+    Leave,
+    OpenStream,
+    PlanAnswered,
+    Register,
+    Report,
+    StopRequested,
+    Straggler,
+    StreamEnded,
+    Tick,
+    WorkerFailure,
+)
 from oobleck_mm.master.journal import Journal
 from oobleck_mm.master.planning import InlinePlanner
 from oobleck_mm.master.progress import Progress, StepFacts, logged_steps
@@ -105,14 +132,17 @@ class Coordinator:
         self.timeouts = job.fault_tolerance
         self._last_detection = -math.inf
         """When the control loop last looked for failed nodes (``Tick.detect``)."""
-        self.settings = Settings.of(job, num_nodes=num_nodes, steps=steps, store_host=store_host,
-                                    store_port=store_port, options=options)  # fmt: skip
+        self.settings = Settings.of(
+            job, num_nodes=num_nodes, steps=steps, store_host=store_host, store_port=store_port, options=options
+        )
         self.config_yaml = self.settings.config_yaml
         size = len(self.config_yaml.encode())
         if size > MAX_MESSAGE_BYTES // 2:  # the rest of a RegisterReply is small; half leaves room for growth
-            raise UserError(f"the job's config is {size / 2**20:.0f} MiB as the agents receive it, more than "
-                            f"{MAX_MESSAGE_BYTES // 2 // 2**20} MiB: shorten its longest lists (data.excluded_samples "
-                            f"has {len(job.data.excluded_samples):,} entries)")
+            raise UserError(
+                f"the job's config is {size / 2**20:.0f} MiB as the agents receive it, more than "
+                f"{MAX_MESSAGE_BYTES // 2 // 2**20} MiB: shorten its longest lists (data.excluded_samples "
+                f"has {len(job.data.excluded_samples):,} entries)"
+            )
         self.state = JobState(next_step=options.resume_step, last_progress=clock())
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -158,8 +188,9 @@ class Coordinator:
         return self.state.registry
 
     # ------------------------------------------------------------------ calls from agents
-    def register(self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str,
-                 adopt_generation: int = 0) -> tuple[int, int, bool]:  # fmt: skip
+    def register(
+        self, node: str, gpus: int, memory_bytes: int, pid: int, peer: str, adopt_generation: int = 0
+    ) -> tuple[int, int, bool]:
         """(session, gpus to run, adopted) for a new agent, or one coming back with its workers running
         ``adopt_generation``: adopted (they train on as they are) by a restarted master that journaled that
         generation, else a join like any new node's; raises Refused."""
@@ -170,8 +201,11 @@ class Coordinator:
             before = self._outboxes.get(node)
             self._outboxes[node] = (session, Outbox())
             try:
-                return self._handle(Register(node, session, gpus, memory_bytes, pid, peer, adopt_generation),
-                                    peer=peer, method="Register")  # fmt: skip
+                return self._handle(
+                    Register(node, session, gpus, memory_bytes, pid, peer, adopt_generation),
+                    peer=peer,
+                    method="Register",
+                )
             except Refused:
                 if before is None:
                     self._outboxes.pop(node, None)
@@ -198,8 +232,9 @@ class Coordinator:
         self._beats[node] = (session, self.clock())
         return self.state.generation
 
-    def worker_report(self, node: str, session: int, local_rank: int, report: pb.WorkerReport,
-                      replayed: bool = False) -> None:  # fmt: skip
+    def worker_report(
+        self, node: str, session: int, local_rank: int, report: pb.WorkerReport, replayed: bool = False
+    ) -> None:
         with self._lock:
             self._handle(Report(node, session, local_rank, report, replayed))
 
@@ -280,15 +315,21 @@ class Coordinator:
         if isinstance(event, (StreamEnded, WorkerFailure)):
             self._last_detection = -math.inf  # a node's health changed: the next tick looks (a kill is seen at once)
         self._carry_out(transition.effects)
-        while (verdicts := self._progress.take_verdicts()):  # found in the steps just logged
+        while verdicts := self._progress.take_verdicts():  # found in the steps just logged
             for v in verdicts:
-                self._carry_out(machine.step(self.state, Straggler(v.node, v.factor, v.kind != "cleared", v.step),
-                                             self.clock(), self.settings).effects)  # fmt: skip
+                self._carry_out(
+                    machine.step(
+                        self.state,
+                        Straggler(v.node, v.factor, v.kind != "cleared", v.step),
+                        self.clock(),
+                        self.settings,
+                    ).effects
+                )
         if transition.refused is not None:
             if peer:
                 self.refused(peer, method, str(transition.refused))
             raise transition.refused
-        while (ready := [i for i, f in self._futures.items() if f.done()]):
+        while ready := [i for i, f in self._futures.items() if f.done()]:
             for plan_id in ready:
                 self._answer(plan_id, self._futures.pop(plan_id))
         self._changed.notify_all()
@@ -302,8 +343,9 @@ class Coordinator:
         except Exception as exc:  # a bug in planning, or the helper process died: nothing the user can fix
             log.error("the planner failed", exc_info=exc)
             outcome, error = None, repr(exc)
-        self._carry_out(machine.step(self.state, PlanAnswered(plan_id, outcome, error), self.clock(),
-                                     self.settings).effects)  # fmt: skip
+        self._carry_out(
+            machine.step(self.state, PlanAnswered(plan_id, outcome, error), self.clock(), self.settings).effects
+        )
 
     def _carry_out(self, effects) -> None:
         for effect in effects:
@@ -343,8 +385,9 @@ class Coordinator:
         if e.call == "fresh":
             future = self.planner.fresh(self.config_yaml, e.names, e.slow)
         else:
-            future = self.planner.reconfigure(self.config_yaml, e.template_nodes, e.base, e.lost, e.joined, e.slow,
-                                              e.bench)  # fmt: skip
+            future = self.planner.reconfigure(
+                self.config_yaml, e.template_nodes, e.base, e.lost, e.joined, e.slow, e.bench
+            )
         self._futures[e.id] = future
         future.add_done_callback(lambda _: self._wake())
 
@@ -369,8 +412,12 @@ class Coordinator:
                 write(journal)
             except OSError as exc:  # a full disk: the job goes on; only a restarted master could not re-adopt it
                 self.events.write("journal_failed", generation=journal.generation, error=str(exc))
-                log.warning("cannot write the master's journal (generation %d): %s; a restarted master could "
-                            "not re-adopt the running workers", journal.generation, exc)  # fmt: skip
+                log.warning(
+                    "cannot write the master's journal (generation %d): %s; a restarted master could "
+                    "not re-adopt the running workers",
+                    journal.generation,
+                    exc,
+                )
 
         self._disk.submit(work)
 
@@ -399,16 +446,22 @@ class Coordinator:
                 os.replace(e.written_to, e.directory)
             except OSError as exc:
                 directory = e.written_to
-                log.warning("the checkpoint of step %d stays in %s (not renamed to %s: %s)", e.step, e.written_to,
-                            e.directory, exc)  # fmt: skip
+                log.warning(
+                    "the checkpoint of step %d stays in %s (not renamed to %s: %s)",
+                    e.step,
+                    e.written_to,
+                    e.directory,
+                    exc,
+                )
         elif e.written_to:
             directory = e.written_to
             log.warning("the checkpoint of step %d stays in %s: %s exists", e.step, e.written_to, e.directory)
         try:
             self._sampler = write_meta(directory, self.job, e.step, self._sampler)
         except OSError as exc:
-            self.events.write("checkpoint_failed", dir=directory, step=e.step, node="master", local_rank=-1,
-                              error=f"meta.json: {exc}")  # fmt: skip
+            self.events.write(
+                "checkpoint_failed", dir=directory, step=e.step, node="master", local_rank=-1, error=f"meta.json: {exc}"
+            )
             log.warning("cannot complete the checkpoint %s: %s", e.directory, exc)
 
     def _prune(self, e: PruneCheckpoints) -> None:
@@ -429,11 +482,19 @@ class Coordinator:
 
 
 _EFFECTS: dict[type, Callable[[Coordinator, object], None]] = {
-    Send: Coordinator._send, EndStream: Coordinator._end_stream, Record: Coordinator._record, Say: Coordinator._say,
-    AskPlanner: Coordinator._ask_planner, CancelPlan: Coordinator._cancel_plan,
-    WarmPlanner: Coordinator._warm_planner, WriteJournal: Coordinator._write_journal,
-    WriteMeta: Coordinator._write_meta, PruneCheckpoints: Coordinator._prune,
-    StartProgress: Coordinator._start_progress, ProgressMetrics: Coordinator._progress_metrics,
-    ProgressPhase: Coordinator._progress_phase, Finished: Coordinator._finished,
-}  # fmt: skip
+    Send: Coordinator._send,
+    EndStream: Coordinator._end_stream,
+    Record: Coordinator._record,
+    Say: Coordinator._say,
+    AskPlanner: Coordinator._ask_planner,
+    CancelPlan: Coordinator._cancel_plan,
+    WarmPlanner: Coordinator._warm_planner,
+    WriteJournal: Coordinator._write_journal,
+    WriteMeta: Coordinator._write_meta,
+    PruneCheckpoints: Coordinator._prune,
+    StartProgress: Coordinator._start_progress,
+    ProgressMetrics: Coordinator._progress_metrics,
+    ProgressPhase: Coordinator._progress_phase,
+    Finished: Coordinator._finished,
+}
 """How the shell carries out each effect (a dispatch table; an unknown one is a bug)."""

@@ -86,8 +86,12 @@ class Failure:
     detail: str
 
 
-def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeouts: FaultToleranceConfig,
-                    stalls: Mapping[str, float] | None = None) -> list[Failure]:  # fmt: skip
+def detect_failures(
+    now: float,
+    nodes: Mapping[str, NodeHealth],
+    timeouts: FaultToleranceConfig,
+    stalls: Mapping[str, float] | None = None,
+) -> list[Failure]:
     """The lost nodes among ``nodes`` at clock ``now``, sorted by name, each with its reason.
 
     ``timeouts``: the job's fault-tolerance section (``heartbeat_timeout`` and
@@ -110,13 +114,21 @@ def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeouts: Fault
             out.append(Failure(name, HEARTBEAT_TIMEOUT, f"no heartbeat for {silent:.2f}s (timeout {limit:g}s)"))
         elif now - health.last_heartbeat > confirmed:
             # A stall reported after this node's last heartbeat, and recently: the job waits while it is silent.
-            witnesses = sorted(peer for peer, at in (stalls or {}).items()
-                               if peer != name and health.last_heartbeat < at and now - at <= limit)  # fmt: skip
+            witnesses = sorted(
+                peer
+                for peer, at in (stalls or {}).items()
+                if peer != name and health.last_heartbeat < at and now - at <= limit
+            )
             if witnesses:
                 silent = now - health.last_heartbeat
-                out.append(Failure(name, HEARTBEAT_LATE_PEERS_STALLED,
-                                   f"no heartbeat for {silent:.2f}s while {', '.join(witnesses)} waited on a "
-                                   f"collective (timeout {limit:g}s, {confirmed:g}s with a stalled peer)"))  # fmt: skip
+                out.append(
+                    Failure(
+                        name,
+                        HEARTBEAT_LATE_PEERS_STALLED,
+                        f"no heartbeat for {silent:.2f}s while {', '.join(witnesses)} waited on a "
+                        f"collective (timeout {limit:g}s, {confirmed:g}s with a stalled peer)",
+                    )
+                )
     silent_only = all(f.reason == HEARTBEAT_TIMEOUT for f in out)
     if out and silent_only and len(out) == len(nodes) > 1:
         quietest = min(now - nodes[f.node].last_heartbeat for f in out)
@@ -125,15 +137,22 @@ def detect_failures(now: float, nodes: Mapping[str, NodeHealth], timeouts: Fault
     return out
 
 
-def recent_stalls(now: float, stalls: Mapping[str, float], nodes: Collection[str],
-                  timeouts: FaultToleranceConfig) -> dict[str, float]:  # fmt: skip
+def recent_stalls(
+    now: float, stalls: Mapping[str, float], nodes: Collection[str], timeouts: FaultToleranceConfig
+) -> dict[str, float]:
     """The stall reports ``detect_failures`` may still use: of live ``nodes``, no older than the timeout."""
     limit = timeouts.heartbeat_timeout.total_seconds()
     return {node: at for node, at in stalls.items() if node in nodes and now - at <= limit}
 
 
-def silent_reporters(now: float, generation: int, gpus: Collection[Gpu], latest: Mapping[Gpu, tuple[int, int]],
-                     first_seen: Mapping[tuple[int, int], float], limit: float) -> list[Failure]:  # fmt: skip
+def silent_reporters(
+    now: float,
+    generation: int,
+    gpus: Collection[Gpu],
+    latest: Mapping[Gpu, tuple[int, int]],
+    first_seen: Mapping[tuple[int, int], float],
+    limit: float,
+) -> list[Failure]:
     """Nodes of generation ``generation`` (its ranks: ``gpus``) whose reports lag the job's: some rank
     reported a step that one of theirs has not, and the first report of that step came over ``limit``
     seconds ago.
@@ -151,8 +170,11 @@ def silent_reporters(now: float, generation: int, gpus: Collection[Gpu], latest:
             continue
         step, at = missed
         said = f"after step {own}" if own >= 0 else f"of generation {generation}"
-        out[gpu[0]] = Failure(gpu[0], REPORTS_SILENT,
-                              f"no report from local rank {gpu[1]} {said}, while the job reported step {step} "
-                              f"{now - at:.1f}s ago (limit {limit:.1f}s): its agent heartbeats, but its workers' "
-                              f"reports do not reach the master")  # fmt: skip
+        out[gpu[0]] = Failure(
+            gpu[0],
+            REPORTS_SILENT,
+            f"no report from local rank {gpu[1]} {said}, while the job reported step {step} "
+            f"{now - at:.1f}s ago (limit {limit:.1f}s): its agent heartbeats, but its workers' "
+            f"reports do not reach the master",
+        )
     return [out[name] for name in sorted(out)]

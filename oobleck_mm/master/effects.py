@@ -140,5 +140,19 @@ class Finished:
     message: str
 
 
-Effect = (Send | EndStream | Record | Say | AskPlanner | CancelPlan | WarmPlanner | WriteJournal | WriteMeta
-          | PruneCheckpoints | StartProgress | ProgressMetrics | ProgressPhase | Finished)  # fmt: skip
+Effect = (
+    Send
+    | EndStream
+    | Record
+    | Say
+    | AskPlanner
+    | CancelPlan
+    | WarmPlanner
+    | WriteJournal
+    | WriteMeta
+    | PruneCheckpoints
+    | StartProgress
+    | ProgressMetrics
+    | ProgressPhase
+    | Finished
+)

@@ -109,31 +109,48 @@ def maybe_plan(ctx: Context) -> None:
         # The membership (or the survivors' states) changed while it was planned: its answer could
         # only be thrown away. Drop it now, and ask for the latest membership once it settled.
         ctx.effects.append(CancelPlan(pending.id))
-        ctx.record("plan_superseded", id=pending.id, nodes=list(pending.request.live),
-                   asked_s=ctx.now - pending.asked_at, reason="the job changed while planning")  # fmt: skip
+        ctx.record(
+            "plan_superseded",
+            id=pending.id,
+            nodes=list(pending.request.live),
+            asked_s=ctx.now - pending.asked_at,
+            reason="the job changed while planning",
+        )
         ctx.because(f"plan {pending.id} superseded")
         s.planning = None
     if ctx.now < s.settle_until:
         return  # other nodes of the same failure may still be on their way out
     if want is None:
         if s.phase is JobPhase.RUNNING and s.incident is not None and s.incident.cause == "lost" and s.planning is None:
-            empty = [n for n in s.incident.nodes
-                     if (e := s.registry.nodes.get(n)) is not None and e.adopt_generation != s.generation]
+            empty = [
+                n
+                for n in s.incident.nodes
+                if (e := s.registry.nodes.get(n)) is not None and e.adopt_generation != s.generation
+            ]
             if empty and s.abandoned is None:
                 # Back, but as a new agent whose workers run nothing of this generation (a rebooted
                 # machine under the same name): the generation cannot go on with it. It re-forms from
                 # the states the others hold, and the node starts empty (found by the model test).
-                s.abandoned = (ctx.now - ctx.cfg.timeouts.reform_after.total_seconds(),
-                               f"{', '.join(empty)} came back without workers of generation {s.generation}")
+                s.abandoned = (
+                    ctx.now - ctx.cfg.timeouts.reform_after.total_seconds(),
+                    f"{', '.join(empty)} came back without workers of generation {s.generation}",
+                )
                 ctx.because(f"{', '.join(empty)} back without this generation's workers: re-form")
                 maybe_plan(ctx)
                 return
             # Declared lost, and back (registered again, its workers still in this generation and saying
             # so) before anything was planned without it: the generation goes on as it was.
-            ctx.record("incident_closed", cause=s.incident.cause, nodes=list(s.incident.nodes),
-                       generation=s.generation, reason="the nodes are back before a plan was needed")  # fmt: skip
-            ctx.say(f"{', '.join(s.incident.nodes)} back before a new generation was needed: generation "
-                    f"{s.generation} goes on")  # fmt: skip
+            ctx.record(
+                "incident_closed",
+                cause=s.incident.cause,
+                nodes=list(s.incident.nodes),
+                generation=s.generation,
+                reason="the nodes are back before a plan was needed",
+            )
+            ctx.say(
+                f"{', '.join(s.incident.nodes)} back before a new generation was needed: generation "
+                f"{s.generation} goes on"
+            )
             s.incident = None
         return
     if isinstance(want, StateLost):
@@ -165,14 +182,27 @@ def maybe_plan(ctx: Context) -> None:
     source = s.gens.get(want.plan_from)
     if want.reform and source is not None and source.plan is not None:
         # The same nodes, the same plan: only a new generation (group, store prefix). Answered here.
-        why = (f"generation {s.generation} abandoned step {s.next_step} with no node lost: the same nodes and "
-               "plan again") if counted else (f"the nodes that joined generation {s.generation} are gone: the "
-                                              f"nodes of generation {want.plan_from} again, with its plan")  # fmt: skip
+        why = (
+            (f"generation {s.generation} abandoned step {s.next_step} with no node lost: the same nodes and plan again")
+            if counted
+            else (
+                f"the nodes that joined generation {s.generation} are gone: the "
+                f"nodes of generation {want.plan_from} again, with its plan"
+            )
+        )
         if not counted and (s.incident is not None and s.incident.cause == "checkpoint"):
             why = "a newer checkpoint completed: the same nodes and plan again, from it"
-        answer = Planned(source.plan, source.view.layout, dict(source.view.ranks), source.template_nodes,
-                         fresh=False, actions=("re-form",), seconds=0.0, reason=why,
-                         keeps_replicas_from=source.keeps_replicas_from)  # fmt: skip
+        answer = Planned(
+            source.plan,
+            source.view.layout,
+            dict(source.view.ranks),
+            source.template_nodes,
+            fresh=False,
+            actions=("re-form",),
+            seconds=0.0,
+            reason=why,
+            keeps_replicas_from=source.keeps_replicas_from,
+        )
         apply(ctx, PlanAnswered(pending.id, answer))
         return
     if want.plan_from == 0 or source is None or source.plan is None:  # start, or journaled without its plan
@@ -182,9 +212,18 @@ def maybe_plan(ctx: Context) -> None:
     else:
         # The source's split was for slow nodes: a plan without any is split for the templates' speeds again.
         slow = want.slow if want.slow or source.slow else None
-        ctx.effects.append(AskPlanner(pending.id, "reconfigure", template_nodes=source.template_nodes,
-                                      base=source.plan, lost=want.lost, joined=want.joined, slow=slow,
-                                      bench=want.bench))  # fmt: skip
+        ctx.effects.append(
+            AskPlanner(
+                pending.id,
+                "reconfigure",
+                template_nodes=source.template_nodes,
+                base=source.plan,
+                lost=want.lost,
+                joined=want.joined,
+                slow=slow,
+                bench=want.bench,
+            )
+        )
     ctx.because(f"plan {pending.id} asked for {len(want.live)} nodes")
 
 
@@ -198,8 +237,10 @@ def _restart_workers(ctx: Context, request: Request) -> None:
     if request.lost:
         reason = f"restart recovery after losing {', '.join(request.lost)}"
     elif newer is not None and s.abandoned is None:
-        reason = (f"restart from the newer checkpoint of step {newer[1]}, completed after generation {s.generation} "
-                  f"was told to load step {s.pin[2] if s.pin else '?'}")  # fmt: skip
+        reason = (
+            f"restart from the newer checkpoint of step {newer[1]}, completed after generation {s.generation} "
+            f"was told to load step {s.pin[2] if s.pin else '?'}"
+        )
     else:
         reason = "restart recovery after an iteration abandoned with no node lost"
     for node in request.live:
@@ -214,13 +255,19 @@ def _may_reform(ctx: Context) -> bool:
     s = ctx.s
     message = s.abandoned[1] if s.abandoned is not None else "no message"
     if s.reforms >= MAX_REFORMS:
-        finish(ctx, ExitCode.ERROR, f"step {s.next_step} was abandoned in {s.reforms + 1} generations in a row "
-                                    f"with every node alive (the last: {message}); see the agents' logs")  # fmt: skip
+        finish(
+            ctx,
+            ExitCode.ERROR,
+            f"step {s.next_step} was abandoned in {s.reforms + 1} generations in a row "
+            f"with every node alive (the last: {message}); see the agents' logs",
+        )
         return False
     s.reforms += 1
     ctx.record("reform", generation=s.generation, step=s.next_step, attempt=s.reforms, message=message)
-    ctx.say(f"generation {s.generation} abandoned step {s.next_step + 1} with every node alive ({message}); "
-            "the same nodes re-form")  # fmt: skip
+    ctx.say(
+        f"generation {s.generation} abandoned step {s.next_step + 1} with every node alive ({message}); "
+        "the same nodes re-form"
+    )
     return True
 
 
@@ -253,8 +300,10 @@ def apply(ctx: Context, ev: PlanAnswered) -> None:
         benched = tuple(n for n in outcome.benched if n in request.bench)
         if request.bench and not benched:
             ctx.record("straggler_kept", nodes=list(request.bench), generation=s.generation, reason=outcome.reason)
-            ctx.say(f"{', '.join(request.bench)} stay{'s' if len(request.bench) == 1 else ''} in the job, "
-                    f"slow: {outcome.reason.rsplit('; ', 1)[-1]}")
+            ctx.say(
+                f"{', '.join(request.bench)} stay{'s' if len(request.bench) == 1 else ''} in the job, "
+                f"slow: {outcome.reason.rsplit('; ', 1)[-1]}"
+            )
         if not benched and _same_split(ctx, request, outcome):
             return
         _start_generation(ctx, request, replace(outcome, benched=benched))
@@ -270,8 +319,14 @@ def _same_split(ctx: Context, request: Request, planned: Planned) -> bool:
     workers' balancer keeps the factor it was sent (``StageLayout.slowdown``) until the next switch."""
     s = ctx.s
     current = s.gens.get(s.generation)
-    if (current is None or request.failure or request.lost or request.joined or request.plan_from != s.generation
-            or dict(planned.ranks) != dict(current.view.ranks)):  # fmt: skip
+    if (
+        current is None
+        or request.failure
+        or request.lost
+        or request.joined
+        or request.plan_from != s.generation
+        or dict(planned.ranks) != dict(current.view.ranks)
+    ):
         return False
     weighs_speeds = ctx.cfg.job.balance.enabled
     if _shape(planned.layout, weighs_speeds) != _shape(current.view.layout, weighs_speeds):
@@ -279,8 +334,9 @@ def _same_split(ctx: Context, request: Request, planned: Planned) -> bool:
     split = [p.num_microbatches for p in planned.layout.pipelines]
     s.gens[s.generation] = replace(current, slow=request.slow)
     s.incident = None
-    ctx.record("speed_split_unchanged", generation=s.generation, slow=[list(x) for x in request.slow],
-               microbatches=split)  # fmt: skip
+    ctx.record(
+        "speed_split_unchanged", generation=s.generation, slow=[list(x) for x in request.slow], microbatches=split
+    )
     ctx.because(f"the split for the speeds {request.slow} is generation {s.generation}'s: no switch")
     return True
 
@@ -290,9 +346,14 @@ def _shape(layout, weighs_speeds: bool) -> list:
     ``StageLayout.slowdown``) which of its stages are slowed, not by how much. Without the balancer a
     stage's slowdown changes no work: the same microbatches are the same plan (on shared cores, a node whose
     factor wandered past 1.5x and back re-planned 8 times in 150 steps, each a switch for nothing)."""
-    return [(p.num_microbatches, tuple(s.slowdown != 1.0 for s in p.stages) if weighs_speeds else (),
-             tuple((s.layer_start, s.layer_end) for s in p.stages))  # a re-cut for the speeds moves layers
-            for p in layout.pipelines]
+    return [
+        (
+            p.num_microbatches,
+            tuple(s.slowdown != 1.0 for s in p.stages) if weighs_speeds else (),
+            tuple((s.layer_start, s.layer_end) for s in p.stages),
+        )  # a re-cut for the speeds moves layers
+        for p in layout.pipelines
+    ]
 
 
 def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
@@ -313,8 +374,9 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     # A re-form reuses its source's plan as it is: its split is the one planned for the source's speeds.
     slow = source.slow if request.reform and source is not None else request.slow
     slow = tuple((n, f) for n, f in slow if n not in planned.benched)
-    s.gens[number] = Generation(view, planned.plan, planned.template_nodes, planned.keeps_replicas_from, slow,
-                                base=request.base)  # fmt: skip
+    s.gens[number] = Generation(
+        view, planned.plan, planned.template_nodes, planned.keeps_replicas_from, slow, base=request.base
+    )
     incident = s.incident if s.phase is JobPhase.RUNNING else None
     # This plan answers the incident: the next loss or join is a new one, timed from itself.
     s.incident = None
@@ -324,18 +386,30 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     if number == 1:
         s.started_at = ctx.now
     ctx.record(
-        "plan_decided", generation=number, nodes=list(view.nodes), layout=layout.to_dict(),
-        describe=layout.describe(), predicted_samples_per_s=planned.samples_per_s, seconds=planned.seconds,
-        previous_generation=request.base, lost=list(request.lost), joined=list(request.joined),
-        layer_states_moved=moved, transfers=[[t.layer, t.src, t.dst] for t in transfers],
-        fresh=planned.fresh, reason=planned.reason, actions=list(planned.actions),
+        "plan_decided",
+        generation=number,
+        nodes=list(view.nodes),
+        layout=layout.to_dict(),
+        describe=layout.describe(),
+        predicted_samples_per_s=planned.samples_per_s,
+        seconds=planned.seconds,
+        previous_generation=request.base,
+        lost=list(request.lost),
+        joined=list(request.joined),
+        layer_states_moved=moved,
+        transfers=[[t.layer, t.src, t.dst] for t in transfers],
+        fresh=planned.fresh,
+        reason=planned.reason,
+        actions=list(planned.actions),
         cause=incident.cause if incident else "start",
         since_detected_s=ctx.now - incident.detected_at if incident else None,
-    )  # fmt: skip
-    ctx.say(f"generation {number}: {layout_summary(layout)} on {len(view.nodes)} nodes, planned in "
-            f"{planned.seconds:.2f} s"
-            + (f" ({moved} layer states to move from generation {request.base})" if base else "")
-            + f": {layout.describe()}")  # fmt: skip
+    )
+    ctx.say(
+        f"generation {number}: {layout_summary(layout)} on {len(view.nodes)} nodes, planned in "
+        f"{planned.seconds:.2f} s"
+        + (f" ({moved} layer states to move from generation {request.base})" if base else "")
+        + f": {layout.describe()}"
+    )
     ctx.effects.append(StartProgress(view, incident, expected_compute(planned.plan, layout)))
     fresh = _fresh_start(ctx, view) if base is None else None  # its pin journaled with it
     write_journal(ctx)  # before any worker may run the generation: a restarted master knows it
@@ -350,8 +424,10 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
     for name in planned.benched:
         bench(ctx, name, planned.reason)
     if number == 1:
-        ctx.say(f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
-                "(the first step follows)")  # fmt: skip
+        ctx.say(
+            f"starting {view.layout.world_size} workers: each builds its layers, then they meet "
+            "(the first step follows)"
+        )
     ctx.because(f"generation {number} started on {len(view.nodes)} nodes")
 
 
@@ -364,10 +440,17 @@ def _checkpoint_cut_short(ctx: Context, request: Request) -> int | None:
     s = ctx.s
     step = cut_short(s.checkpoints, s.views(), sending.checkpoint_interval, s.next_step, request.lost)
     if step is not None:
-        ctx.record("checkpoint_cut_short", step=step, lost=list(request.lost), generation=s.generation,
-                   again_after_step=s.next_step)  # fmt: skip
-        ctx.say(f"the checkpoint of step {step} lost a writer ({', '.join(request.lost)}): generation "
-                f"{s.generation} checkpoints again after its first step")  # fmt: skip
+        ctx.record(
+            "checkpoint_cut_short",
+            step=step,
+            lost=list(request.lost),
+            generation=s.generation,
+            again_after_step=s.next_step,
+        )
+        ctx.say(
+            f"the checkpoint of step {step} lost a writer ({', '.join(request.lost)}): generation "
+            f"{s.generation} checkpoints again after its first step"
+        )
     return step
 
 
@@ -379,21 +462,39 @@ def _fresh_start(ctx: Context, view: GenerationView) -> tuple[str, int]:
     return resume_dir, start
 
 
-def _send_assignments(ctx: Context, view: GenerationView, base: GenerationView | None, previous: list[int],
-                      at_boundary: bool, checkpoint_again: bool = False,
-                      fresh: tuple[str, int] | None = None) -> None:  # fmt: skip
+def _send_assignments(
+    ctx: Context,
+    view: GenerationView,
+    base: GenerationView | None,
+    previous: list[int],
+    at_boundary: bool,
+    checkpoint_again: bool = False,
+    fresh: tuple[str, int] | None = None,
+) -> None:
     if base is not None:
         resume_dir, start = "", ctx.s.next_step  # survivors carry the state (and agree on the step)
     else:
         resume_dir, start = fresh if fresh is not None else _fresh_start(ctx, view)
     for gpu, rank, event in build_assignments(
-        view, ctx.cfg.sending, start_step=start, base=base, previous_ranks=previous if base else None,
-        resume_dir=resume_dir, resume_chosen=bool(resume_dir) and resume_dir != ctx.cfg.options.resume_dir,
-        at_boundary=at_boundary, checkpoint_after_first_step=checkpoint_again,
-    ):  # fmt: skip
+        view,
+        ctx.cfg.sending,
+        start_step=start,
+        base=base,
+        previous_ranks=previous if base else None,
+        resume_dir=resume_dir,
+        resume_chosen=bool(resume_dir) and resume_dir != ctx.cfg.options.resume_dir,
+        at_boundary=at_boundary,
+        checkpoint_after_first_step=checkpoint_again,
+    ):
         ctx.send(gpu[0], event)
-        ctx.record("assignment_sent", generation=view.number, node=gpu[0], local_rank=gpu[1],
-                   rank=rank, previous_rank=previous[rank] if base else -1)  # fmt: skip
+        ctx.record(
+            "assignment_sent",
+            generation=view.number,
+            node=gpu[0],
+            local_rank=gpu[1],
+            rank=rank,
+            previous_rank=previous[rank] if base else -1,
+        )
 
 
 def dismiss(ctx: Context, node: str, why: str, at_boundary: bool = True) -> None:
@@ -420,13 +521,16 @@ def check_done(ctx: Context) -> None:
     finished = (s.generation, ctx.cfg.steps - 1)
     if all(s.done.get(gpu, (0, -1)) >= finished for gpu in current.ranks):
         seconds = ctx.now - s.started_at
-        ctx.record("done", generation=s.generation, steps=ctx.cfg.steps, last_step=ctx.cfg.steps - 1,
-                   seconds=seconds)  # fmt: skip
+        ctx.record("done", generation=s.generation, steps=ctx.cfg.steps, last_step=ctx.cfg.steps - 1, seconds=seconds)
         first = ctx.cfg.options.resume_step
         if first > 0:  # a resumed run: what it trained, and the step the job reached
-            finish(ctx, ExitCode.OK, f"done: {ctx.cfg.steps - first} steps trained in {seconds:.1f} s, steps "
-                                     f"{first + 1}-{ctx.cfg.steps} (resumed at step {first}): the job reached "
-                                     f"step {ctx.cfg.steps} of {ctx.cfg.steps}")  # fmt: skip
+            finish(
+                ctx,
+                ExitCode.OK,
+                f"done: {ctx.cfg.steps - first} steps trained in {seconds:.1f} s, steps "
+                f"{first + 1}-{ctx.cfg.steps} (resumed at step {first}): the job reached "
+                f"step {ctx.cfg.steps} of {ctx.cfg.steps}",
+            )
         else:
             finish(ctx, ExitCode.OK, f"done: {ctx.cfg.steps} steps in {seconds:.1f} s")
 
@@ -457,8 +561,10 @@ def adopt(ctx: Context, journal: Journal, seconds_since_start: float) -> None:
     nodes = list(journal.current.nodes)
     window = ctx.cfg.timeouts.adopt_window.total_seconds()
     ctx.record("adopting", generation=journal.generation, nodes=nodes, window_s=window)
-    ctx.say(f"re-adopting generation {journal.generation} on {len(nodes)} nodes ({', '.join(nodes)}): "
-            f"waiting up to {window:.0f} s for their agents")
+    ctx.say(
+        f"re-adopting generation {journal.generation} on {len(nodes)} nodes ({', '.join(nodes)}): "
+        f"waiting up to {window:.0f} s for their agents"
+    )
 
 
 ADOPT_QUIET_INTERVALS = 3
@@ -500,21 +606,36 @@ def check_adopted(ctx: Context) -> None:
     s.adopting = None
     s.phase = JobPhase.RUNNING
     s.last_progress = now
-    ctx.record("adopted", generation=s.generation, nodes=back, missing=missing, other_generation=other,
-               next_step=s.next_step, seconds=now - began)  # fmt: skip
+    ctx.record(
+        "adopted",
+        generation=s.generation,
+        nodes=back,
+        missing=missing,
+        other_generation=other,
+        next_step=s.next_step,
+        seconds=now - began,
+    )
     window = ctx.cfg.timeouts.adopt_window.total_seconds()
     if not back:  # the job ended, or its agents gave up waiting (master_timeout) and wrote a checkpoint
         why = f"none of generation {s.generation}'s nodes came back within {window:g} s (fault_tolerance.adopt_window)"
-        stopping.state_lost(ctx, why, f"{why}: nothing runs to re-adopt (the job ended, or its agents stopped: "
-                                      "their logs name the checkpoint their workers wrote)")  # fmt: skip
+        stopping.state_lost(
+            ctx,
+            why,
+            f"{why}: nothing runs to re-adopt (the job ended, or its agents stopped: "
+            "their logs name the checkpoint their workers wrote)",
+        )
         return
-    ctx.say(f"re-adopted generation {s.generation} on {len(back)} of {len(current.nodes)} nodes in "
-            f"{now - began:.2f} s: training goes on at step {s.next_step + 1}"
-            + (f"; not back: {', '.join(missing)}" if missing else ""))  # fmt: skip
+    ctx.say(
+        f"re-adopted generation {s.generation} on {len(back)} of {len(current.nodes)} nodes in "
+        f"{now - began:.2f} s: training goes on at step {s.next_step + 1}"
+        + (f"; not back: {', '.join(missing)}" if missing else "")
+    )
     for name in missing:
         add_to_incident(ctx, "lost", name)
     if missing:
         s.settle_until = now + SETTLE_S
     if other:
-        s.abandoned = (now - ctx.cfg.timeouts.reform_after.total_seconds(),
-                       f"{', '.join(other)} came back running another generation than {s.generation}")
+        s.abandoned = (
+            now - ctx.cfg.timeouts.reform_after.total_seconds(),
+            f"{', '.join(other)} came back running another generation than {s.generation}",
+        )

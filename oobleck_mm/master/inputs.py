@@ -137,5 +137,18 @@ class Adopt:
     """Wall seconds since the lost master planned generation 1 (the run is timed from it)."""
 
 
-Event = (Register | OpenStream | StreamEnded | Heartbeat | Report | WorkerFailure | Leave | StopRequested
-         | FinishRequested | PlanAnswered | Straggler | Tick | Adopt)  # fmt: skip
+Event = (
+    Register
+    | OpenStream
+    | StreamEnded
+    | Heartbeat
+    | Report
+    | WorkerFailure
+    | Leave
+    | StopRequested
+    | FinishRequested
+    | PlanAnswered
+    | Straggler
+    | Tick
+    | Adopt
+)

@@ -72,14 +72,19 @@ class Journal:
 def write_journal(run_dir: str, journal: Journal) -> None:
     """Atomically (temp file, rename): a master killed while writing leaves the previous journal."""
     record = {
-        "version": VERSION, "config_yaml": journal.config_yaml, "host": journal.host, "port": journal.port,
-        "options": journal.options, "generation": journal.generation, "template_nodes": journal.template_nodes,
+        "version": VERSION,
+        "config_yaml": journal.config_yaml,
+        "host": journal.host,
+        "port": journal.port,
+        "options": journal.options,
+        "generation": journal.generation,
+        "template_nodes": journal.template_nodes,
         "views": [_view_to_dict(v) for v in journal.views[-KEEP_GENERATIONS:]],
         "plan": plan_to_dict(journal.plan) if journal.plan is not None else None,
         "last_checkpoint": list(journal.last_checkpoint) if journal.last_checkpoint else None,
         "pin": list(journal.pin) if journal.pin else None,
         "started_wall": journal.started_wall,
-    }  # fmt: skip
+    }
     _write_atomically(os.path.join(run_dir, JOURNAL_FILE), json.dumps(record, indent=1).encode())
 
 
@@ -112,34 +117,46 @@ def read_journal(run_dir: str) -> Journal:
     if not os.path.isdir(run_dir):
         raise UserError(f"--resume-master: {run_dir!r} is not a folder; give the run dir of the master to resume")
     if not os.path.exists(path):
-        raise UserError(f"--resume-master: no {JOURNAL_FILE} in {run_dir!r}: its master never sent a plan "
-                        "(nothing runs to re-adopt; start the job again, with --resume DIR if it checkpointed)")
+        raise UserError(
+            f"--resume-master: no {JOURNAL_FILE} in {run_dir!r}: its master never sent a plan "
+            "(nothing runs to re-adopt; start the job again, with --resume DIR if it checkpointed)"
+        )
     try:
         with open(path, encoding="utf-8") as fh:
             record = json.load(fh)
         if not isinstance(record, dict) or record.get("version") != VERSION:
             version = record.get("version") if isinstance(record, dict) else None
-            raise ValueError(f"version {version!r}, this master reads {VERSION}"
-                             + (" (version 1 kept the plan in a pickle, which this master never loads)"
-                                if version == 1 else ""))  # fmt: skip
+            raise ValueError(
+                f"version {version!r}, this master reads {VERSION}"
+                + (" (version 1 kept the plan in a pickle, which this master never loads)" if version == 1 else "")
+            )
         if "ended" in record:
             if record["ended"] == 0:
-                raise UserError(f"--resume-master: the job in {run_dir!r} finished (exit 0): no master is to be "
-                                "resumed and nothing runs to re-adopt; to train on, start a new job with --resume "
-                                "DIR, DIR its final save (--save-final) or a checkpoint it wrote")  # fmt: skip
-            raise UserError(f"--resume-master: the job in {run_dir!r} ended (exit {record['ended']}): nothing runs "
-                            "to re-adopt; a checkpoint it wrote resumes with --resume DIR")
+                raise UserError(
+                    f"--resume-master: the job in {run_dir!r} finished (exit 0): no master is to be "
+                    "resumed and nothing runs to re-adopt; to train on, start a new job with --resume "
+                    "DIR, DIR its final save (--save-final) or a checkpoint it wrote"
+                )
+            raise UserError(
+                f"--resume-master: the job in {run_dir!r} ended (exit {record['ended']}): nothing runs "
+                "to re-adopt; a checkpoint it wrote resumes with --resume DIR"
+            )
         plan = plan_from_dict(record["plan"]) if record.get("plan") is not None else None
         views = tuple(_view_from_dict(v) for v in record["views"])
         checkpoint = record.get("last_checkpoint")
         return Journal(
-            config_yaml=record["config_yaml"], host=record["host"], port=int(record["port"]),
-            options=dict(record["options"]), generation=int(record["generation"]),
-            template_nodes=int(record["template_nodes"]), views=views, plan=plan,
+            config_yaml=record["config_yaml"],
+            host=record["host"],
+            port=int(record["port"]),
+            options=dict(record["options"]),
+            generation=int(record["generation"]),
+            template_nodes=int(record["template_nodes"]),
+            views=views,
+            plan=plan,
             last_checkpoint=(checkpoint[0], int(checkpoint[1])) if checkpoint else None,
             pin=(int(pin[0]), str(pin[1]), int(pin[2])) if (pin := record.get("pin")) else None,
             started_wall=float(record.get("started_wall") or 0.0),
-        )  # fmt: skip
+        )
     except UserError:
         raise  # said as it is (a UserError is a ValueError: it was re-wrapped as unreadable, issue 54 item 6)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -151,8 +168,11 @@ def options_dict(options) -> dict[str, Any]:
 
 
 def _view_to_dict(view: GenerationView) -> dict[str, Any]:
-    return {"number": view.number, "layout": view.layout.to_dict(),
-            "ranks": [[node, gpu, rank] for (node, gpu), rank in sorted(view.ranks.items(), key=lambda kv: kv[1])]}
+    return {
+        "number": view.number,
+        "layout": view.layout.to_dict(),
+        "ranks": [[node, gpu, rank] for (node, gpu), rank in sorted(view.ranks.items(), key=lambda kv: kv[1])],
+    }
 
 
 def _view_from_dict(d: dict[str, Any]) -> GenerationView:

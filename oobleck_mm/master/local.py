@@ -51,8 +51,13 @@ from oobleck_mm.emulation.truth import describe_emulation
 from oobleck_mm.emulation.validity import HostCpu, judge
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
-from oobleck_mm.runtime.template import (SHARED_TEMPLATE, SHARED_TEMPLATE_ENV, TEMPLATE_JOB_ENV, start_shared_template,
-                                         target_preload)
+from oobleck_mm.runtime.template import (
+    SHARED_TEMPLATE,
+    SHARED_TEMPLATE_ENV,
+    TEMPLATE_JOB_ENV,
+    start_shared_template,
+    target_preload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +139,11 @@ class LocalCluster:
             code = self._wait_master_listening(master_started)
             if code is not None:
                 return code
-            print(f"master on {self.address} (pid {self.master.pid}); run dir {self.run_dir}; "
-                  f"event log {self.event_log_path}", flush=True)  # fmt: skip
+            print(
+                f"master on {self.address} (pid {self.master.pid}); run dir {self.run_dir}; "
+                f"event log {self.event_log_path}",
+                flush=True,
+            )
             if self.job.cluster.emulate is not None:
                 self._host_cpu = HostCpu()
                 print(describe_emulation(self.job), flush=True)
@@ -163,18 +171,52 @@ class LocalCluster:
     # ------------------------------------------------------------------ the master process
     def _master_command(self) -> list[str]:
         o = self.options
-        cmd = [sys.executable, "-m", "oobleck_mm.cli", "master", "--config", self.job_file, "--host", "127.0.0.1",
-               "--port", "0", "--run-dir", self.run_dir, "--event-log", self.event_log_path,
-               "--log-every", str(o.log_every), "--log-level", o.master_log_level, "--launched-by", o.resume_command]
+        cmd = [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "master",
+            "--config",
+            self.job_file,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--run-dir",
+            self.run_dir,
+            "--event-log",
+            self.event_log_path,
+            "--log-every",
+            str(o.log_every),
+            "--log-level",
+            o.master_log_level,
+            "--launched-by",
+            o.resume_command,
+        ]
         cmd += ["--resume", o.resume_dir] if o.resume_dir else []
         cmd += ["--save-final", o.save_final_dir] if o.save_final_dir else []
         return cmd + ([] if o.tensorboard else ["--no-tensorboard"])
 
     def _restart_command(self) -> list[str]:
         port = self.address.rpartition(":")[2]
-        return [sys.executable, "-m", "oobleck_mm.cli", "master", "--resume-master", self.run_dir, "--port", port,
-                "--event-log", self.event_log_path, "--log-every", str(self.options.log_every),
-                "--log-level", self.options.master_log_level, "--launched-by", self.options.resume_command]
+        return [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "master",
+            "--resume-master",
+            self.run_dir,
+            "--port",
+            port,
+            "--event-log",
+            self.event_log_path,
+            "--log-every",
+            str(self.options.log_every),
+            "--log-level",
+            self.options.master_log_level,
+            "--launched-by",
+            self.options.resume_command,
+        ]
 
     def _start_master(self, cmd: list[str]) -> int | None:
         """Starts the master and waits until it listens (its ``master_started`` event); its exit code if
@@ -226,8 +268,10 @@ class LocalCluster:
             self.message = f"the master died ({name}) for the {self.master_restarts + 1}th time; giving up"
             return ExitCode.ERROR
         self.master_restarts += 1
-        print(f"the master died ({name}); restarting it: it re-adopts the running agents, whose workers train on",
-              flush=True)  # fmt: skip
+        print(
+            f"the master died ({name}); restarting it: it re-adopts the running agents, whose workers train on",
+            flush=True,
+        )
         return self._start_master(self._restart_command())
 
     def _kill_master(self) -> None:
@@ -247,9 +291,14 @@ class LocalCluster:
             proc = self._name_standby(standby, node, log_path) if standby is not None else None
             if proc is None:
                 with open(log_path, "ab") as out:
-                    proc = subprocess.Popen(self._agent_command(node), stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self._agent_env(),
-                                            process_group=0)  # fmt: skip
+                    proc = subprocess.Popen(
+                        self._agent_command(node),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=self._agent_env(),
+                        process_group=0,
+                    )
             self.agents[node] = (proc, log_path)
             if self.injector is not None:  # a join
                 self._joins_left -= 1
@@ -280,9 +329,22 @@ class LocalCluster:
         return proc
 
     def _agent_command(self, node: str) -> list[str]:
-        cmd = [sys.executable, "-m", "oobleck_mm.cli", "agent", "--master", self.address, "--node", node,
-               "--gpus", str(self.job.cluster.gpus_per_node), "--token-file", self.token_file,
-               "--log-level", self.options.log_level]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "agent",
+            "--master",
+            self.address,
+            "--node",
+            node,
+            "--gpus",
+            str(self.job.cluster.gpus_per_node),
+            "--token-file",
+            self.token_file,
+            "--log-level",
+            self.options.log_level,
+        ]
         if self.options.worker_target:
             cmd += ["--worker-target", self.options.worker_target]
         method = self.options.worker_start
@@ -313,8 +375,14 @@ class LocalCluster:
         self._standbys += 1
         log_path = os.path.join(self.run_dir, f"agent-standby{self._standbys}.log")
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(self._agent_command("-"), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.PIPE, env=self._agent_env(), process_group=0)  # fmt: skip
+            proc = subprocess.Popen(
+                self._agent_command("-"),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE,
+                env=self._agent_env(),
+                process_group=0,
+            )
         self._standby = (proc, log_path)
 
     def _stop_standby(self) -> None:
@@ -351,10 +419,14 @@ class LocalCluster:
         # Its own writer on the master's event log: each record is one line appended in one write.
         self._injector_events = EventLog(self.event_log_path)
         self.injector = Injector(
-            list(self.options.faults), event_log_path=self.event_log_path, events=self._injector_events,
-            agents=self.agent_pids, start_agent=self.start_agent, master=self.master_pid,
+            list(self.options.faults),
+            event_log_path=self.event_log_path,
+            events=self._injector_events,
+            agents=self.agent_pids,
+            start_agent=self.start_agent,
+            master=self.master_pid,
             emulate_dir=self.emulate_dir if self.job.cluster.emulate is not None else None,
-        )  # fmt: skip
+        )
         self.injector.start()
 
     def _wait(self) -> int:
@@ -383,8 +455,9 @@ class LocalCluster:
                 for node, (proc, log_path) in agents:
                     # Before the plan a dead agent is never missed by the master: it would wait forever.
                     if proc.poll() is not None:
-                        self.message = (f"agent {node} exited with code {proc.returncode} before the job started; "
-                                        f"see {log_path}")  # fmt: skip
+                        self.message = (
+                            f"agent {node} exited with code {proc.returncode} before the job started; see {log_path}"
+                        )
                         self.master.send_signal(signal.SIGINT)
                         self.master.wait()
                         return ExitCode.ERROR

@@ -29,11 +29,31 @@ from oobleck_mm.master import benching, generations, stopping
 from oobleck_mm.master.generations import SETTLE_S
 from oobleck_mm.master.context import Context, Transition, add_to_incident, finish
 from oobleck_mm.master.stragglers import FACTOR_CHANGE
-from oobleck_mm.master.detector import (LATE_HEARTBEAT_SHARE, WORKER_FAILED, Failure, detect_failures, recent_stalls,
-                             silent_reporters)  # fmt: skip
+from oobleck_mm.master.detector import (
+    LATE_HEARTBEAT_SHARE,
+    WORKER_FAILED,
+    Failure,
+    detect_failures,
+    recent_stalls,
+    silent_reporters,
+)
 from oobleck_mm.master.effects import EndStream, ProgressMetrics, ProgressPhase
-from oobleck_mm.master.inputs import (Adopt, Event, FinishRequested, Heartbeat, Leave, OpenStream, PlanAnswered, Register,
-                           Report, StopRequested, Straggler, StreamEnded, Tick, WorkerFailure)  # fmt: skip
+from oobleck_mm.master.inputs import (
+    Adopt,
+    Event,
+    FinishRequested,
+    Heartbeat,
+    Leave,
+    OpenStream,
+    PlanAnswered,
+    Register,
+    Report,
+    StopRequested,
+    Straggler,
+    StreamEnded,
+    Tick,
+    WorkerFailure,
+)
 from oobleck_mm.master.recovery import Holdings
 from oobleck_mm.master.registry import Refused
 from oobleck_mm.master.state import TRAINING, JobPhase, JobState, Settings
@@ -42,7 +62,6 @@ from oobleck_mm.planning.layout import Gpu
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 log = logging.getLogger(__name__)
-
 
 
 def step(state: JobState, event: Event, now: float, settings: Settings) -> Transition:
@@ -69,15 +88,26 @@ def _register(ctx: Context, ev: Register) -> None:
         raise Refused("FAILED_PRECONDITION", f"the job is {s.phase.value}")
     most = job.cluster.max_nodes
     if most is not None and len(s.registry.nodes) >= most:  # registered, streams open or not
-        raise Refused("RESOURCE_EXHAUSTED", f"the job already runs on {most} nodes, its maximum "
-                                            f"(cluster.max_nodes, --nodes MIN:MAX); node {ev.node} is not needed")
+        raise Refused(
+            "RESOURCE_EXHAUSTED",
+            f"the job already runs on {most} nodes, its maximum "
+            f"(cluster.max_nodes, --nodes MIN:MAX); node {ev.node} is not needed",
+        )
     current = s.current_view()
     adopted = s.phase is JobPhase.ADOPTING and current is not None and ev.node in current.nodes
     spare = s.phase is not JobPhase.WAITING and not adopted
     added = s.registry.add(ev.node, ev.session, want, ctx.now)
     added.adopt_generation = ev.adopt_generation
-    ctx.record("registered", node=ev.node, gpus=want, memory_bytes=ev.memory_bytes, pid=ev.pid, peer=ev.peer,
-               spare=spare, adopt_generation=ev.adopt_generation)  # fmt: skip
+    ctx.record(
+        "registered",
+        node=ev.node,
+        gpus=want,
+        memory_bytes=ev.memory_bytes,
+        pid=ev.pid,
+        peer=ev.peer,
+        spare=spare,
+        adopt_generation=ev.adopt_generation,
+    )
     count, num_nodes = len(s.registry.nodes), ctx.cfg.num_nodes
     if adopted:
         ctx.say(f"node {ev.node} is back (its workers run generation {ev.adopt_generation})")
@@ -147,14 +177,24 @@ def _report(ctx: Context, ev: Report) -> None:
         s.stalls[ev.node] = ctx.now  # evidence for the detector: this node's worker waits on its peers
     elif kind == "failed":
         failed = report.failed
-        ctx.record("worker_failed", node=ev.node, local_rank=ev.local_rank, message=failed.message,
-                   user_error=failed.user_error, bug=failed.bug)  # fmt: skip
+        ctx.record(
+            "worker_failed",
+            node=ev.node,
+            local_rank=ev.local_rank,
+            message=failed.message,
+            user_error=failed.user_error,
+            bug=failed.bug,
+        )
         if failed.user_error:  # the same on every replica: stop once, naming the cause
             finish(ctx, ExitCode.BAD_INPUT, f"{ev.node}/gpu{ev.local_rank}: {failed.message}")
         elif failed.bug:  # every replica would meet it again: recovering would only repeat it
-            finish(ctx, ExitCode.ERROR, f"{ev.node}/gpu{ev.local_rank} stopped the job: "
-                                        f"{failed.message.splitlines()[0] if failed.message else 'no message'} "
-                                        f"(traceback in {ev.node}'s log)")  # fmt: skip
+            finish(
+                ctx,
+                ExitCode.ERROR,
+                f"{ev.node}/gpu{ev.local_rank} stopped the job: "
+                f"{failed.message.splitlines()[0] if failed.message else 'no message'} "
+                f"(traceback in {ev.node}'s log)",
+            )
         elif entry.worker_failure is None:
             entry.worker_failure = WORKER_FAILED
             entry.detail = f"local rank {ev.local_rank}: {failed.message}"
@@ -176,7 +216,7 @@ def _on_metrics(ctx: Context, gpu: Gpu, m: pb.StepMetrics, replayed: bool) -> No
     _check_base_held(ctx, gpu)
     s.next_step = max(s.next_step, m.step + 1)
     _stepped(ctx, gpu, m.generation, m.step)
-    s.recent_step_s = [*s.recent_step_s[-(RECENT_STEPS - 1):], m.step_time_s]
+    s.recent_step_s = [*s.recent_step_s[-(RECENT_STEPS - 1) :], m.step_time_s]
     # Replayed or not: the lost master may have died before logging the step, and ``Progress`` drops a
     # step it (or the lost master, ``progress.logged_steps``) logged already.
     ctx.effects.append(ProgressMetrics(m))
@@ -202,8 +242,9 @@ def _stepped(ctx: Context, gpu: Gpu, generation: int, step: int, seen_at: float 
 def _on_phase(ctx: Context, gpu: Gpu, p: pb.PhaseDone, replayed: bool) -> None:
     s = ctx.s
     if p.phase == "holding":  # a hold point (tests, --inject @phase:P): what the injector fires on
-        ctx.record("holding", node=gpu[0], local_rank=gpu[1], generation=p.generation, point=p.message,
-                   seconds=p.seconds)  # fmt: skip
+        ctx.record(
+            "holding", node=gpu[0], local_rank=gpu[1], generation=p.generation, point=p.message, seconds=p.seconds
+        )
         return
     s.last_progress = ctx.now
     if p.phase == "aborted" and p.bad_checkpoint and p.generation == s.generation:
@@ -233,8 +274,14 @@ def _checkpoint_unreadable(ctx: Context, gpu: Gpu, p: pb.PhaseDone) -> bool:
     if p.bad_checkpoint in ctx.s.checkpoints.unreadable:
         return False  # another worker's report of it
     s.checkpoints.unreadable.add(p.bad_checkpoint)
-    ctx.record("checkpoint_unreadable", dir=p.bad_checkpoint, node=gpu[0], local_rank=gpu[1], generation=p.generation,
-               message=p.message)  # fmt: skip
+    ctx.record(
+        "checkpoint_unreadable",
+        dir=p.bad_checkpoint,
+        node=gpu[0],
+        local_rank=gpu[1],
+        generation=p.generation,
+        message=p.message,
+    )
     last = s.checkpoints.last
     if last is not None and last[0] != p.bad_checkpoint:
         ctx.because(f"{p.bad_checkpoint} cannot be read; the restart takes the newer {last[0]}")
@@ -242,15 +289,24 @@ def _checkpoint_unreadable(ctx: Context, gpu: Gpu, p: pb.PhaseDone) -> bool:
     s.checkpoints.last = None
     options = ctx.cfg.options
     why = p.message.splitlines()[0] if p.message else "no message"
-    headline = (f"cannot restart: the checkpoint {p.bad_checkpoint} that generation {p.generation} was told to "
-                f"load cannot be read ({why}), and no other complete checkpoint of this run is left")  # fmt: skip
+    headline = (
+        f"cannot restart: the checkpoint {p.bad_checkpoint} that generation {p.generation} was told to "
+        f"load cannot be read ({why}), and no other complete checkpoint of this run is left"
+    )
     if options.resume_dir:  # true, if costly: the steps since that resume are lost
-        finish(ctx, ExitCode.NO_REPLICAS, f"{headline}.\nThe run started from {options.resume_dir}; the steps since "
-                                          f"are lost. resume with: {options.resume_command} --resume "
-                                          f"{options.resume_dir}")  # fmt: skip
+        finish(
+            ctx,
+            ExitCode.NO_REPLICAS,
+            f"{headline}.\nThe run started from {options.resume_dir}; the steps since "
+            f"are lost. resume with: {options.resume_command} --resume "
+            f"{options.resume_dir}",
+        )
     else:
-        finish(ctx, ExitCode.NO_REPLICAS, f"{headline}. No checkpoint to resume from: the run starts again with "
-                                          f"{options.resume_command}")  # fmt: skip
+        finish(
+            ctx,
+            ExitCode.NO_REPLICAS,
+            f"{headline}. No checkpoint to resume from: the run starts again with {options.resume_command}",
+        )
     return True
 
 
@@ -268,11 +324,14 @@ def _check_base_held(ctx: Context, gpu: Gpu) -> None:
     base = s.gens.get(current.base)
     if current.base in held or gpu not in current.view.ranks or base is None or gpu not in base.view.ranks:
         return  # still holds the base; or not a survivor the generation takes states from
-    why = (f"{gpu[0]} completed a step of generation {max(held)} and no longer holds generation {current.base}, "
-           f"which generation {s.generation} was planned from")  # fmt: skip
+    why = (
+        f"{gpu[0]} completed a step of generation {max(held)} and no longer holds generation {current.base}, "
+        f"which generation {s.generation} was planned from"
+    )
     s.abandoned = (ctx.now - ctx.cfg.timeouts.reform_after.total_seconds(), why)
-    ctx.record("base_dropped", generation=s.generation, base=current.base, node=gpu[0], local_rank=gpu[1],
-               holds=sorted(held))  # fmt: skip
+    ctx.record(
+        "base_dropped", generation=s.generation, base=current.base, node=gpu[0], local_rank=gpu[1], holds=sorted(held)
+    )
     ctx.because(why + ": re-form now")
 
 
@@ -286,11 +345,15 @@ def _on_ready(ctx: Context, entry, local_rank: int, ready: pb.WorkerReady) -> No
     ctx.record("node_ready", node=entry.name, startup_s=ready.startup_s, joining=joining)
     bench = ctx.s.benched.get(entry.name)
     if joining and bench is not None and ctx.now < bench.until:
-        ctx.say(f"node {entry.name}'s fresh workers are ready (started in {ready.startup_s:.1f} s): it joins "
-                f"once its bench ends, in {bench.until - ctx.now:.0f} s")  # fmt: skip
+        ctx.say(
+            f"node {entry.name}'s fresh workers are ready (started in {ready.startup_s:.1f} s): it joins "
+            f"once its bench ends, in {bench.until - ctx.now:.0f} s"
+        )
     elif joining:
-        ctx.say(f"node {entry.name} ready (its workers started in {ready.startup_s:.1f} s): it joins at the "
-                "next step boundary")  # fmt: skip
+        ctx.say(
+            f"node {entry.name} ready (its workers started in {ready.startup_s:.1f} s): it joins at the "
+            "next step boundary"
+        )
 
 
 def _worker_failure(ctx: Context, ev: WorkerFailure) -> None:
@@ -310,8 +373,9 @@ def _leave(ctx: Context, ev: Leave) -> None:
         return
     entry.leaving = ev.reason or "preemption notice"
     in_plan = s.phase in TRAINING and s.in_plan(ev.node)
-    ctx.record("leaving", node=ev.node, reason=entry.leaving, phase=s.phase.value, in_plan=in_plan,
-               generation=s.generation)  # fmt: skip
+    ctx.record(
+        "leaving", node=ev.node, reason=entry.leaving, phase=s.phase.value, in_plan=in_plan, generation=s.generation
+    )
     log.warning("node %s leaves: %s", ev.node, entry.leaving)
     if s.phase is JobPhase.CHECKPOINTING:
         ctx.because("a checkpoint round runs: it decides, and the job ends with it")
@@ -321,8 +385,10 @@ def _leave(ctx: Context, ev: Leave) -> None:
         generations.dismiss(ctx, ev.node, "left before it was planned in")
     else:
         s.settle_until = ctx.now + SETTLE_S  # a zone's notices come together
-        ctx.say(f"node {ev.node} leaves ({entry.leaving}): planning generation {s.generation + 1} "
-                "without it, at the next step boundary")  # fmt: skip
+        ctx.say(
+            f"node {ev.node} leaves ({entry.leaving}): planning generation {s.generation + 1} "
+            "without it, at the next step boundary"
+        )
         add_to_incident(ctx, "left", ev.node)
 
 
@@ -392,8 +458,12 @@ def _check_stall(ctx: Context) -> None:
     s, limit = ctx.s, ctx.cfg.timeouts.stall_timeout.total_seconds()
     silent = ctx.now - s.last_progress
     if silent > limit:
-        finish(ctx, ExitCode.ERROR, f"no progress for {silent:.0f} s (fault_tolerance.stall_timeout {limit:g} s): "
-                                    f"generation {s.generation}, next step {s.next_step}; see the agents' logs")
+        finish(
+            ctx,
+            ExitCode.ERROR,
+            f"no progress for {silent:.0f} s (fault_tolerance.stall_timeout {limit:g} s): "
+            f"generation {s.generation}, next step {s.next_step}; see the agents' logs",
+        )
 
 
 def _detect(ctx: Context) -> None:
@@ -447,8 +517,15 @@ def declare_lost(ctx: Context, failures: list[Failure]) -> None:
         name = failure.node
         s.registry.pop(name)
         in_plan[name] = s.in_plan(name)
-        ctx.record("lost", node=name, reason=failure.reason, detail=failure.detail, phase=s.phase.value,
-                   in_plan=in_plan[name], generation=s.generation)  # fmt: skip
+        ctx.record(
+            "lost",
+            node=name,
+            reason=failure.reason,
+            detail=failure.detail,
+            phase=s.phase.value,
+            in_plan=in_plan[name],
+            generation=s.generation,
+        )
         log.warning("node %s lost: %s (%s)", name, failure.reason, failure.detail)
         s.forget(name)
         # Tell it nothing: a hung (stopped) node must not find orders when it wakes. Ending
@@ -465,11 +542,20 @@ def declare_lost(ctx: Context, failures: list[Failure]) -> None:
 
 
 _HANDLERS: dict[type, Callable[[Context, object], None]] = {
-    Register: _register, OpenStream: _open_stream, StreamEnded: _stream_ended, Heartbeat: _heartbeat,
-    Report: _report, WorkerFailure: _worker_failure, Leave: _leave, StopRequested: _stop_requested,
-    FinishRequested: _finish_requested, PlanAnswered: _plan_answered, Straggler: _straggler, Tick: _tick,
+    Register: _register,
+    OpenStream: _open_stream,
+    StreamEnded: _stream_ended,
+    Heartbeat: _heartbeat,
+    Report: _report,
+    WorkerFailure: _worker_failure,
+    Leave: _leave,
+    StopRequested: _stop_requested,
+    FinishRequested: _finish_requested,
+    PlanAnswered: _plan_answered,
+    Straggler: _straggler,
+    Tick: _tick,
     Adopt: _adopt,
-}  # fmt: skip
+}
 """One handler per event type (a dispatch table, like DeepSpeed's pipeline executor)."""
 
 __all__ = ["SETTLE_S", "Transition", "step"]

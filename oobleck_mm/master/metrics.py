@@ -21,12 +21,39 @@ from typing import Any, Mapping
 log = logging.getLogger(__name__)
 
 COLUMNS = (
-    "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s", "generation",
-    "live_nodes", "gpus", "pipelines", "mfu", "peak_memory_mb", "balancer", "predicted_max_s",
-    "predicted_mean_s", "predicted_contiguous_max_s", "measured_max_s", "measured_mean_s", "prediction_error", "deferred", "skipped",
-    "loss_scale", "elapsed_s", "wall_gap_s", "wall_time", "stragglers", "slowest_node",
-    "slowest_node_factor", "emulated_ops", "emulated_late_ops", "emulated_worst_lateness",
-)  # fmt: skip
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "tokens_per_s",
+    "step_time_s",
+    "generation",
+    "live_nodes",
+    "gpus",
+    "pipelines",
+    "mfu",
+    "peak_memory_mb",
+    "balancer",
+    "predicted_max_s",
+    "predicted_mean_s",
+    "predicted_contiguous_max_s",
+    "measured_max_s",
+    "measured_mean_s",
+    "prediction_error",
+    "deferred",
+    "skipped",
+    "loss_scale",
+    "elapsed_s",
+    "wall_gap_s",
+    "wall_time",
+    "stragglers",
+    "slowest_node",
+    "slowest_node_factor",
+    "emulated_ops",
+    "emulated_late_ops",
+    "emulated_worst_lateness",
+)
 """``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
 slowest and mean pipeline's 1F1B seconds, measured with the balancer on or off; ``prediction_error``:
@@ -42,30 +69,50 @@ emulated run's ops on its emulated devices this step, those that ended late and 
 op's duration (``oobleck_mm/emulation/clock.py``; empty when not emulated)."""
 
 SCALARS = {
-    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "samples_per_s": "throughput/samples_per_s",
-    "tokens_per_s": "throughput/tokens_per_s", "step_time_s": "throughput/step_time_s", "mfu": "throughput/mfu",
-    "live_nodes": "cluster/live_nodes", "gpus": "cluster/gpus", "generation": "cluster/generation",
-    "peak_memory_mb": "memory/peak_mb", "predicted_max_s": "balance/predicted_max_s",
-    "predicted_mean_s": "balance/predicted_mean_s", "predicted_contiguous_max_s": "balance/predicted_contiguous_max_s",
-    "measured_max_s": "balance/measured_max_s", "measured_mean_s": "balance/measured_mean_s",
-    "prediction_error": "balance/prediction_error", "loss_scale": "train/loss_scale", "stragglers": "stragglers/count",
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "samples_per_s": "throughput/samples_per_s",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "step_time_s": "throughput/step_time_s",
+    "mfu": "throughput/mfu",
+    "live_nodes": "cluster/live_nodes",
+    "gpus": "cluster/gpus",
+    "generation": "cluster/generation",
+    "peak_memory_mb": "memory/peak_mb",
+    "predicted_max_s": "balance/predicted_max_s",
+    "predicted_mean_s": "balance/predicted_mean_s",
+    "predicted_contiguous_max_s": "balance/predicted_contiguous_max_s",
+    "measured_max_s": "balance/measured_max_s",
+    "measured_mean_s": "balance/measured_mean_s",
+    "prediction_error": "balance/prediction_error",
+    "loss_scale": "train/loss_scale",
+    "stragglers": "stragglers/count",
     "slowest_node_factor": "stragglers/slowest_node_factor",
-}  # fmt: skip
+}
 """Row column -> TensorBoard tag (empty values are not written)."""
 
 RECOVERY_EVENTS = {
-    "lost": ("node", "reason"), "registered": ("node", "spare"), "injected": ("kind", "nodes"),
+    "lost": ("node", "reason"),
+    "registered": ("node", "spare"),
+    "injected": ("kind", "nodes"),
     "plan_decided": ("generation", "cause", "describe", "seconds", "layer_states_moved"),
     "rendezvous_done": ("generation", "seconds", "since_detected_s"),
     "states_copied": ("generation", "seconds", "bytes", "since_detected_s"),
-    "resumed": ("generation", "step", "since_detected_s"), "checkpoint_saved": ("dir", "step"),
+    "resumed": ("generation", "step", "since_detected_s"),
+    "checkpoint_saved": ("dir", "step"),
     "aborted": ("generation", "node", "message"),
-    "straggler_detected": ("node", "factor", "step", "reason"), "straggler_cleared": ("node", "factor", "reason"),
-}  # fmt: skip
+    "straggler_detected": ("node", "factor", "step", "reason"),
+    "straggler_cleared": ("node", "factor", "reason"),
+}
 """Events shown in TensorBoard's text tab (with these fields) at the step they happened."""
 
-PHASE_SCALARS = {"plan_decided": "seconds", "rendezvous_done": "since_detected_s",
-                 "states_copied": "since_detected_s", "resumed": "since_detected_s"}  # fmt: skip
+PHASE_SCALARS = {
+    "plan_decided": "seconds",
+    "rendezvous_done": "since_detected_s",
+    "states_copied": "since_detected_s",
+    "resumed": "since_detected_s",
+}
 """Recovery phase -> the field plotted as ``recovery/<phase>_s`` (seconds since the incident was seen)."""
 
 

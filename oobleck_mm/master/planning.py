@@ -37,8 +37,15 @@ from typing import Any, Optional, Sequence
 
 from oobleck_mm.config import config_from_dict, parse_config_text
 from oobleck_mm.lifetime import die_with_parent
-from oobleck_mm.planning.planner import (Planned, plan_as_is, plan_fresh, plan_job, plan_reconfiguration,
-                                        plan_without_stragglers, split_for_speeds)  # fmt: skip
+from oobleck_mm.planning.planner import (
+    Planned,
+    plan_as_is,
+    plan_fresh,
+    plan_job,
+    plan_reconfiguration,
+    plan_without_stragglers,
+    split_for_speeds,
+)
 from oobleck_mm.profiling.load import load_profile
 
 _TEMPLATES: dict[tuple[str, int], Any] = {}
@@ -60,8 +67,15 @@ def plan_nodes(config_yaml: str, names: Sequence[str], slow: Slow = None):
     return split_for_speeds(job, outcome, _speeds(slow), profile, templates)
 
 
-def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str], joined: Sequence[str],
-                 slow: Slow = None, bench: Sequence[str] = ()):  # fmt: skip
+def replan_nodes(
+    config_yaml: str,
+    template_nodes: int,
+    base,
+    lost: Sequence[str],
+    joined: Sequence[str],
+    slow: Slow = None,
+    bench: Sequence[str] = (),
+):
     """The reconfiguration of planning ``Plan`` ``base`` after ``lost`` leave and ``joined`` arrive (nobody:
     ``base`` as it is); with ``slow``, its batch split for those speeds (``()``: the templates' own). With
     ``bench`` (slow nodes of an unchanged membership), that plan or the one without them, whichever is
@@ -70,20 +84,24 @@ def replan_nodes(config_yaml: str, template_nodes: int, base, lost: Sequence[str
     templates = _template_set(config_yaml, job, template_nodes)
     if not lost and not joined:
         if not bench:
-            return split_for_speeds(job, plan_as_is(job, templates, template_nodes, base), _speeds(slow),
-                                    _profile(config_yaml, job), templates)  # fmt: skip
-        chosen, fresh_templates = plan_without_stragglers(job, _profile(config_yaml, job), templates, template_nodes,
-                                                          base, _speeds(slow) or {}, list(bench))  # fmt: skip
+            return split_for_speeds(
+                job,
+                plan_as_is(job, templates, template_nodes, base),
+                _speeds(slow),
+                _profile(config_yaml, job),
+                templates,
+            )
+        chosen, fresh_templates = plan_without_stragglers(
+            job, _profile(config_yaml, job), templates, template_nodes, base, _speeds(slow) or {}, list(bench)
+        )
     else:
         chosen, fresh_templates = plan_reconfiguration(
             job, _profile(config_yaml, job), templates, template_nodes, base, lost, joined
         )
-        chosen = split_for_speeds(job, chosen, _speeds(slow), _profile(config_yaml, job),
-                                  fresh_templates or templates)  # fmt: skip
+        chosen = split_for_speeds(job, chosen, _speeds(slow), _profile(config_yaml, job), fresh_templates or templates)
     if fresh_templates is not None and isinstance(chosen, Planned):
         _TEMPLATES[(config_yaml, chosen.template_nodes)] = fresh_templates
     return chosen
-
 
 
 def _speeds(slow) -> dict[str, float] | None:
@@ -121,8 +139,7 @@ class InlinePlanner:
     def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:
         return _done(plan_nodes, config_yaml, list(names), slow)
 
-    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None,
-                    bench=()) -> Future:  # fmt: skip
+    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None, bench=()) -> Future:
         return _done(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow, tuple(bench))
 
     def warm(self, config_yaml: str, template_nodes: int) -> Future:
@@ -157,10 +174,10 @@ class PlannerPool:
     def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:
         return self._submit(plan_nodes, config_yaml, list(names), slow)
 
-    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None,
-                    bench=()) -> Future:  # fmt: skip
-        return self._submit(replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow,
-                            tuple(bench))  # fmt: skip
+    def reconfigure(self, config_yaml: str, template_nodes: int, base, lost, joined, slow=None, bench=()) -> Future:
+        return self._submit(
+            replan_nodes, config_yaml, template_nodes, base, list(lost), list(joined), slow, tuple(bench)
+        )
 
     def warm(self, config_yaml: str, template_nodes: int) -> Future:
         """Build the templates a reconfiguration will need, ahead of it (``warm_templates``)."""

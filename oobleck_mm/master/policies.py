@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from oobleck_mm.master.recovery import GenerationView, Holdings, Request, StateLost, plan_request
 from oobleck_mm.planning.layout import Gpu
 
+
 def keep_checkpoints(recovery: str, configured: int) -> int:
     """Complete periodic checkpoints to keep (``fault_tolerance.keep_checkpoints``; 0: all): restart
     mode only ever loads the newest one, so it keeps one unless told to keep all."""
     if configured == 0:
         return 0
     return 1 if recovery == "restart" else configured
+
 
 ROUND = "round"
 """Below the threshold: the survivors write the layers they hold, then the job stops."""
@@ -84,8 +86,7 @@ class LiveRecovery:
     restarts_workers = False  # survivors keep training until the plan arrives at an iteration boundary
 
     def wanted(self, facts: Facts, current: GenerationView, live: list[str]) -> Request | StateLost | None:
-        wanted, _ = plan_request(current, facts.views, facts.holdings, live, facts.abandoned,
-                                 facts.keeps_replicas_from)
+        wanted, _ = plan_request(current, facts.views, facts.holdings, live, facts.abandoned, facts.keeps_replicas_from)
         if isinstance(wanted, Request) and not wanted.failure and facts.next_step >= facts.steps:
             return None  # every step is done: a node joining now has nothing left to train
         if isinstance(wanted, Request) and wanted.base == 0 and facts.next_step > facts.resume_step:
@@ -98,7 +99,6 @@ class LiveRecovery:
 
     def below_threshold(self, request: Request) -> str:
         return ROUND if request.base else STOP  # the survivors still hold every layer of the base
-
 
 
 class RestartRecovery:
@@ -122,7 +122,6 @@ class RestartRecovery:
 
     def below_threshold(self, request: Request) -> str:
         return STOP
-
 
 
 def policy_for(recovery: str) -> LiveRecovery | RestartRecovery:

@@ -22,8 +22,14 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
 # Worker phase name -> the job-level event written when every rank reported it.
-CAUSE_WORDS = {"lost": "loss", "joined": "join", "abandoned": "abandoned iteration", "left": "notice to leave",
-               "straggler": "change of speed", "checkpoint": "newer checkpoint"}
+CAUSE_WORDS = {
+    "lost": "loss",
+    "joined": "join",
+    "abandoned": "abandoned iteration",
+    "left": "notice to leave",
+    "straggler": "change of speed",
+    "checkpoint": "newer checkpoint",
+}
 """An incident's cause as a noun, for the console."""
 PHASE_EVENTS = {"rendezvous": "rendezvous_done", "states_copied": "states_copied", "resumed": "resumed"}
 
@@ -71,8 +77,14 @@ class StepFacts:
     def of(cls, job, log_every: int = 1) -> StepFacts:
         from oobleck_mm.profiling.analytical import model_flops_per_sample, peak_flops
 
-        return cls(job.training.global_batch, model_flops_per_sample(job), peak_flops(job),
-                   job.balance.enabled, log_every, stragglers=StragglerRule.of(job.fault_tolerance))  # fmt: skip
+        return cls(
+            job.training.global_batch,
+            model_flops_per_sample(job),
+            peak_flops(job),
+            job.balance.enabled,
+            log_every,
+            stragglers=StragglerRule.of(job.fault_tolerance),
+        )
 
 
 def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], facts: StepFacts) -> dict:
@@ -93,27 +105,43 @@ def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], fact
     samples_per_s = facts.global_batch / step_time if step_time > 0 else 0.0
     peak_total = facts.peak_flops * gpus
     row = {
-        "generation": gen.number, "step": step, "loss": first.loss, "lr": first.lr, "grad_norm": first.grad_norm,
-        "samples_per_s": samples_per_s, "tokens_per_s": first.tokens / step_time if step_time > 0 else 0.0,
-        "step_time_s": step_time, "forward_s": max(r.forward_s for r in reports),
-        "backward_s": max(r.backward_s for r in reports), "comm_s": max(r.comm_s for r in reports),
-        "live_nodes": len(gen.nodes), "gpus": gpus, "pipelines": len(gen.layout.pipelines),
+        "generation": gen.number,
+        "step": step,
+        "loss": first.loss,
+        "lr": first.lr,
+        "grad_norm": first.grad_norm,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": first.tokens / step_time if step_time > 0 else 0.0,
+        "step_time_s": step_time,
+        "forward_s": max(r.forward_s for r in reports),
+        "backward_s": max(r.backward_s for r in reports),
+        "comm_s": max(r.comm_s for r in reports),
+        "live_nodes": len(gen.nodes),
+        "gpus": gpus,
+        "pipelines": len(gen.layout.pipelines),
         "mfu": facts.flops_per_sample * samples_per_s / peak_total if peak_total > 0 else None,
-        "peak_memory_mb": max(r.peak_memory_bytes for r in reports) / 2**20, "balancer": facts.balancer,
+        "peak_memory_mb": max(r.peak_memory_bytes for r in reports) / 2**20,
+        "balancer": facts.balancer,
         "measured_max_s": max(measured) if measured else None,
         "measured_mean_s": sum(measured) / len(measured) if measured else None,
-        "skipped": first.skipped, "loss_scale": first.loss_scale or None,
+        "skipped": first.skipped,
+        "loss_scale": first.loss_scale or None,
         "finished_at": max(r.finished_at for r in reports) or None,
-    }  # fmt: skip
+    }
     if any(r.emulated_s > 0 for r in reports):  # an emulated device: did the host keep its deadlines?
-        row.update(emulated_ops=sum(r.emulated_ops for r in reports),
-                   emulated_late_ops=sum(r.emulated_late_ops for r in reports),
-                   emulated_worst_lateness=max(r.emulated_worst_lateness for r in reports),
-                   emulated_late_s=sum(r.emulated_late_s for r in reports))  # fmt: skip
+        row.update(
+            emulated_ops=sum(r.emulated_ops for r in reports),
+            emulated_late_ops=sum(r.emulated_late_ops for r in reports),
+            emulated_worst_lateness=max(r.emulated_worst_lateness for r in reports),
+            emulated_late_s=sum(r.emulated_late_s for r in reports),
+        )
     if facts.balancer:
-        row.update(predicted_max_s=first.predicted_max_s, predicted_mean_s=first.predicted_mean_s,
-                   predicted_contiguous_max_s=first.predicted_contiguous_max_s or None,
-                   deferred=first.deferred)  # fmt: skip
+        row.update(
+            predicted_max_s=first.predicted_max_s,
+            predicted_mean_s=first.predicted_mean_s,
+            predicted_contiguous_max_s=first.predicted_contiguous_max_s or None,
+            deferred=first.deferred,
+        )
         if first.predicted_max_s > 0 and measured:
             # The cost model is fitted to measured compute, so this is what it misses: transfers, waits, and
             # its own error; a user reads it as "how far to trust predicted_*".
@@ -126,9 +154,11 @@ def format_step(row: dict, steps: int, elapsed_s: float, eta_s: float | None) ->
     norm = "overflow" if row["skipped"] else f"{row['grad_norm']:.3g}"
     mfu = f"  mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
     eta = f", eta {format_duration(eta_s)}" if eta_s is not None else ""
-    return (f"step {row['step'] + 1}/{steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  gnorm {norm}  "
-            f"{row['samples_per_s']:.1f} samples/s  {_si(row['tokens_per_s'])} tok/s  {row['step_time_s']:.3f} s/step"
-            f"{mfu}  [{format_duration(elapsed_s)}{eta}]")  # fmt: skip
+    return (
+        f"step {row['step'] + 1}/{steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  gnorm {norm}  "
+        f"{row['samples_per_s']:.1f} samples/s  {_si(row['tokens_per_s'])} tok/s  {row['step_time_s']:.3f} s/step"
+        f"{mfu}  [{format_duration(elapsed_s)}{eta}]"
+    )
 
 
 def format_duration(seconds: float) -> str:
@@ -149,8 +179,9 @@ def _si(value: float) -> str:
 class Progress:
     """Per-step lines and per-generation phase events for the generation being collected."""
 
-    def __init__(self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float],
-                 facts: StepFacts) -> None:  # fmt: skip
+    def __init__(
+        self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float], facts: StepFacts
+    ) -> None:
         self.events, self.steps, self.say, self.clock = events, steps, say, clock
         self.facts = facts
         self.started = clock()
@@ -239,7 +270,7 @@ class Progress:
         extra = {"partial": True, "ranks_reported": len(reports)} if partial else {}
         self.events.write("step", **row, **extra)
         self._verdicts(verdicts)
-        self._recent = [*self._recent[-(self.facts.eta_window - 1):], (step, now)] if self.facts.eta_window > 1 else []
+        self._recent = [*self._recent[-(self.facts.eta_window - 1) :], (step, now)] if self.facts.eta_window > 1 else []
         eta = None
         if len(self._recent) >= 2 and self._recent[-1][0] > self._recent[0][0]:
             pace = (self._recent[-1][1] - self._recent[0][1]) / (self._recent[-1][0] - self._recent[0][0])
@@ -254,9 +285,16 @@ class Progress:
         nodes, works = gen.rank_nodes, stage_ranges(gen.layout)
         # Each rank's own samples' cost where it reported it (``StepMetrics.expected_compute_s``), else its plan's
         # mean microbatch's (a worker of an older build, a report replayed from before).
-        ranks = [RankCompute(nodes[r.rank], r.forward_s + r.backward_s, r.expected_compute_s or expected.get(r.rank, 0.0),
-                             works.get(r.rank))
-                 for r in reports if 0 <= r.rank < len(nodes)]  # fmt: skip
+        ranks = [
+            RankCompute(
+                nodes[r.rank],
+                r.forward_s + r.backward_s,
+                r.expected_compute_s or expected.get(r.rank, 0.0),
+                works.get(r.rank),
+            )
+            for r in reports
+            if 0 <= r.rank < len(nodes)
+        ]
         return self.stragglers.observe(step, ranks)
 
     def take_verdicts(self) -> list[Verdict]:
@@ -268,11 +306,19 @@ class Progress:
         self.verdicts += verdicts
         for v in verdicts:
             factor = round(v.factor, 3) if v.factor == v.factor else None
-            self.events.write(f"straggler_{v.kind}", node=v.node, step=v.step, factor=factor,
-                              evidence=[round(f, 3) for f in v.evidence], reason=v.reason)  # fmt: skip
+            self.events.write(
+                f"straggler_{v.kind}",
+                node=v.node,
+                step=v.step,
+                factor=factor,
+                evidence=[round(f, 3) for f in v.evidence],
+                reason=v.reason,
+            )
             if v.kind == "detected":
-                self.say(f"node {v.node} is a straggler: its compute ran a median {v.factor:.2f}x the other nodes' "
-                         f"(per unit of predicted work) over the last {len(v.evidence)} steps, up to step {v.step + 1}")
+                self.say(
+                    f"node {v.node} is a straggler: its compute ran a median {v.factor:.2f}x the other nodes' "
+                    f"(per unit of predicted work) over the last {len(v.evidence)} steps, up to step {v.step + 1}"
+                )
             elif v.kind == "changed":
                 self.say(f"straggler {v.node} now runs {v.reason}")
             else:
@@ -281,12 +327,21 @@ class Progress:
     def phase(self, node: str, local_rank: int, rank: int | None, p: pb.PhaseDone) -> None:
         """Records one worker's phase; writes the job-level event when the generation's last rank is through."""
         if p.phase == "aborted":
-            self.events.write("aborted", generation=p.generation, node=node, local_rank=local_rank, rank=rank,
-                              step=p.step, message=p.message, leave_s=round(p.seconds, 4))  # fmt: skip
+            self.events.write(
+                "aborted",
+                generation=p.generation,
+                node=node,
+                local_rank=local_rank,
+                rank=rank,
+                step=p.step,
+                message=p.message,
+                leave_s=round(p.seconds, 4),
+            )
             return
         if p.phase == "settled":  # this rank applied a step its peers completed while it gave up inside it
-            self.events.write("step_settled", generation=p.generation, node=node, local_rank=local_rank, rank=rank,
-                              step=p.step)  # fmt: skip
+            self.events.write(
+                "step_settled", generation=p.generation, node=node, local_rank=local_rank, rank=rank, step=p.step
+            )
             return
         gen = self._views.get(p.generation)
         if gen is None or p.generation not in self._incidents or rank is None or p.phase not in PHASE_EVENTS:
@@ -301,8 +356,12 @@ class Progress:
         reports = [r for r, _, _ in arrivals]
         first, (_, last_at, last_node) = min(t for _, t, _ in arrivals), max(arrivals, key=lambda a: a[1])
         # Which node was the generation waiting for: the last to report, and how long after the first.
-        fields = {"generation": gen.number, "seconds": max(r.seconds for r in reports), "last": last_node,
-                  "spread_s": round(last_at - first, 4)}  # fmt: skip
+        fields = {
+            "generation": gen.number,
+            "seconds": max(r.seconds for r in reports),
+            "last": last_node,
+            "spread_s": round(last_at - first, 4),
+        }
         incident = self._incidents.get(gen.number)
         if incident is not None:
             fields.update(cause=incident.cause, since_detected_s=self.clock() - incident.detected_at)
@@ -315,14 +374,18 @@ class Progress:
             fields["step"] = min(r.step for r in reports)
         self.events.write(PHASE_EVENTS[phase], **fields)
         if phase == "rendezvous" and gen.number == 1:
-            self.say(f"all {gen.layout.world_size} workers ready {self.clock() - self._gen_started:.1f} s "
-                     "after their assignments; training")  # fmt: skip
+            self.say(
+                f"all {gen.layout.world_size} workers ready {self.clock() - self._gen_started:.1f} s "
+                "after their assignments; training"
+            )
         if phase == "resumed":
             self._settle_steps(gen.number, fields["step"])
         if phase == "resumed" and incident is not None:
-            self.say(f"generation {gen.number} resumed at step {fields['step'] + 1} "
-                     f"{self.clock() - incident.detected_at:.2f} s after the "
-                     f"{CAUSE_WORDS.get(incident.cause, incident.cause)} of {', '.join(incident.nodes)}")  # fmt: skip
+            self.say(
+                f"generation {gen.number} resumed at step {fields['step'] + 1} "
+                f"{self.clock() - incident.detected_at:.2f} s after the "
+                f"{CAUSE_WORDS.get(incident.cause, incident.cause)} of {', '.join(incident.nodes)}"
+            )
             self._incidents[gen.number] = None
 
 

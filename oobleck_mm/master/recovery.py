@@ -38,7 +38,6 @@ from oobleck_mm.planning.layout import ExecutionPlan, Gpu
 from oobleck_mm.planning.report import format_ranges
 
 
-
 @dataclass(frozen=True, slots=True)
 class GenerationView:
     """What the decisions need to know about one generation the master sent."""
@@ -250,15 +249,21 @@ def plan_request(
     fresh = [n for n in live if n not in in_base]
     if failure and _survivors_suffice(live, fresh, keeps_replicas_from):
         waiting = [n for n in fresh if n in planned]
-        named = ", ".join([n for n in fresh if n not in planned]
-                          + ([f"{', '.join(waiting)} (planned to join generation {current.number}, not switched to)"]
-                             if waiting else []))  # fmt: skip
+        named = ", ".join(
+            [n for n in fresh if n not in planned]
+            + (
+                [f"{', '.join(waiting)} (planned to join generation {current.number}, not switched to)"]
+                if waiting
+                else []
+            )
+        )
         live, deferred = _defer(live, fresh, named, keeps_replicas_from)
     lost = tuple(n for n in base_nodes if n not in holders)
     joined = tuple(n for n in live if n not in in_base or n in stale)
     request = Request(base.generation, base.generation, lost, joined, tuple(live), failure=failure)
     return request, why + deferred + (
-        "; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else "")
+        "; the iteration was abandoned with no node lost: the nodes re-form" if abandoned else ""
+    )
 
 
 def _survivors_suffice(live: Sequence[str], joiners: Sequence[str], keeps_replicas_from: int) -> bool:
@@ -270,8 +275,10 @@ def _defer(live: Sequence[str], joiners: Sequence[str], named: str, keeps_replic
     """``live`` without ``joiners``, and the reason's words for leaving them to the next generation."""
     out = set(joiners)
     kept = [n for n in live if n not in out]
-    return kept, (f"; {named} join once the recovery's generation completed a step: {len(kept)} survivors keep "
-                  f"f + 1 replicas (>= {keeps_replicas_from} nodes)")
+    return kept, (
+        f"; {named} join once the recovery's generation completed a step: {len(kept)} survivors keep "
+        f"f + 1 replicas (>= {keeps_replicas_from} nodes)"
+    )
 
 
 def previous_ranks(

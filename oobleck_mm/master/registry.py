@@ -21,6 +21,7 @@ from oobleck_mm.master.detector import NodeHealth
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
+
 class Refused(Exception):
     """A call the master rejects; ``code`` names the gRPC status (``INVALID_ARGUMENT``, ``NOT_FOUND``...)."""
 
@@ -102,13 +103,17 @@ class Registry:
 
     def names(self) -> list[str]:
         """Nodes that can take part in the next plan (stream open, no notice to leave), in registration order."""
-        return [n.name for n in sorted(self.nodes.values(), key=lambda n: n.order)
-                if n.stream == "open" and not n.leaving]  # fmt: skip
+        return [
+            n.name for n in sorted(self.nodes.values(), key=lambda n: n.order) if n.stream == "open" and not n.leaving
+        ]
 
     def leaving(self) -> list[str]:
         """Nodes that gave notice, are not dismissed yet and can still hand over their state."""
-        return [n.name for n in sorted(self.nodes.values(), key=lambda n: n.order)
-                if n.stream == "open" and n.leaving and not n.dismissed]  # fmt: skip
+        return [
+            n.name
+            for n in sorted(self.nodes.values(), key=lambda n: n.order)
+            if n.stream == "open" and n.leaving and not n.dismissed
+        ]
 
     def health(self) -> dict[str, NodeHealth]:
         """Every node the detector watches: a dismissed one owes the job nothing."""

@@ -46,8 +46,10 @@ and its ``_hard_limit``). gRPC's defaults, 1,000 and 3,000, cancel every call pa
 registered and subscribed at once, the master's streams stopped at 2,740-2,979 and the rest were
 cancelled (CANCELLED at the agents), found with a bare ``grpc.aio`` server that yields once per stream
 (``docs/benchmarks.md``). A node's call waits here instead; each pending call costs gRPC a few KB."""
-SERVER_OPTIONS = MESSAGE_OPTIONS + [("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-                                    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)]  # fmt: skip
+SERVER_OPTIONS = MESSAGE_OPTIONS + [
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+]
 HEARTBEATS_PER_S_BUDGET = 2000.0
 """Heartbeats a second past which the master warns at start. Measured (``scripts/bench_control_plane.py``,
 2 cores shared with the emulated agents): 1,000 nodes every 0.5 s (2,000 a second) held at 0.50 cores,
@@ -101,11 +103,13 @@ def heartbeat_load_warning(nodes: int, interval_s: float) -> str | None:
     if rate <= HEARTBEATS_PER_S_BUDGET:
         return None
     fits = nodes / HEARTBEATS_PER_S_BUDGET
-    return (f"{nodes} nodes heartbeating every {interval_s:g}s send the master {rate:,.0f} heartbeats a second, "
-            f"past the {HEARTBEATS_PER_S_BUDGET:,.0f} it was measured to keep up with (about 0.25 ms each); "
-            f"a master behind on heartbeats declares healthy nodes lost. Set "
-            f"fault_tolerance.heartbeat_interval to at least {fits:g}s (and heartbeat_timeout to several "
-            f"intervals).")
+    return (
+        f"{nodes} nodes heartbeating every {interval_s:g}s send the master {rate:,.0f} heartbeats a second, "
+        f"past the {HEARTBEATS_PER_S_BUDGET:,.0f} it was measured to keep up with (about 0.25 ms each); "
+        f"a master behind on heartbeats declares healthy nodes lost. Set "
+        f"fault_tolerance.heartbeat_interval to at least {fits:g}s (and heartbeat_timeout to several "
+        f"intervals)."
+    )
 
 
 def default_run_dir(job_name: str) -> str:
@@ -117,8 +121,9 @@ def format_address(host: str, port: int) -> str:
 
 
 class MasterServer:
-    def __init__(self, job, options: MasterOptions, progress: Callable[[str], None] = print,
-                 journal: Journal | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, job, options: MasterOptions, progress: Callable[[str], None] = print, journal: Journal | None = None
+    ) -> None:
         """``journal``: a restarted master (``--resume-master``) re-adopts the job it describes; ``job``
         is then the journal's and ``options.run_dir`` the run dir it was read from."""
         # Command-line overrides are already in ``job`` (config.apply_overrides): one source of truth.
@@ -179,10 +184,17 @@ class MasterServer:
         # Started from this (the main) thread: the helper's parent-death signal follows it.
         self._planner = PlannerPool()
         self.coordinator = Coordinator(
-            self.job, num_nodes=self.num_nodes, steps=self.steps, store_host=advertised, store_port=self.port,
-            events=self.events, progress=self.progress, planner=self._planner, options=self.run_options,
+            self.job,
+            num_nodes=self.num_nodes,
+            steps=self.steps,
+            store_host=advertised,
+            store_port=self.port,
+            events=self.events,
+            progress=self.progress,
+            planner=self._planner,
+            options=self.run_options,
             disk_thread=True,
-        )  # fmt: skip
+        )
         self.coordinator.journal_to = self._write_journal
         self.coordinator.prepare_meta()
         if self.journal is not None:
@@ -191,11 +203,16 @@ class MasterServer:
         pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(self._store, waiters), self._server)
         self._on_loop(self._server.start())
         self.events.write(
-            "master_started", address=self.address, nodes=self.num_nodes, steps=self.steps, pid=os.getpid(),
-        )  # fmt: skip
+            "master_started",
+            address=self.address,
+            nodes=self.num_nodes,
+            steps=self.steps,
+            pid=os.getpid(),
+        )
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
-        warning = heartbeat_load_warning(self.job.cluster.max_nodes or self.num_nodes,
-                                         self.job.fault_tolerance.heartbeat_interval.total_seconds())  # fmt: skip
+        warning = heartbeat_load_warning(
+            self.job.cluster.max_nodes or self.num_nodes, self.job.fault_tolerance.heartbeat_interval.total_seconds()
+        )
         if warning:
             log.warning("%s", warning)
 
@@ -218,8 +235,9 @@ class MasterServer:
         result = None
         watch = None
         if self.options.stall_dumps:
-            watch = StallWatch(os.path.join(self.run_dir, STALL_LOG), timeouts.heartbeat_timeout.total_seconds(),
-                               log.warning).start()  # fmt: skip
+            watch = StallWatch(
+                os.path.join(self.run_dir, STALL_LOG), timeouts.heartbeat_timeout.total_seconds(), log.warning
+            ).start()
         try:
             while True:
                 if watch is not None:

@@ -79,6 +79,7 @@ def _denying_handler(handler, method: str, reason: str, on_refused):
 
     if handler is None:
         return None  # unknown method: gRPC answers UNIMPLEMENTED
+
     def deny_stream(request, context):
         deny(request, context)
         yield  # never reached; a generator, as the aio server runs a streaming handler
@@ -124,8 +125,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 request.node, request.gpus, request.memory_bytes, request.pid, context.peer(), request.adopt_generation
             )
         # The agent reads its timeouts from the config's fault_tolerance section, like everyone.
-        return pb.RegisterReply(node=request.node, session=session, gpus=gpus, config_yaml=self.c.config_yaml,
-                                resume_command=self.c.options.resume_command, adopted=adopted)  # fmt: skip
+        return pb.RegisterReply(
+            node=request.node,
+            session=session,
+            gpus=gpus,
+            config_yaml=self.c.config_yaml,
+            resume_command=self.c.options.resume_command,
+            adopted=adopted,
+        )
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         # On the event loop itself, not the unary pool: ``Coordinator.heartbeat`` takes no lock and does
@@ -163,8 +170,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def ReportWorker(self, request: pb.WorkerReportRequest, context) -> pb.Ack:
         with _refusals(context):
-            self.c.worker_report(request.node.node, request.node.session, request.local_rank, request.report,
-                                 request.replayed)
+            self.c.worker_report(
+                request.node.node, request.node.session, request.local_rank, request.report, request.replayed
+            )
         return pb.Ack()
 
     def ReportWorkerFailure(self, request: pb.WorkerFailureRequest, context) -> pb.Ack:
@@ -172,9 +180,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if reason is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"failure: unknown kind {request.failure}")
         with _refusals(context):
-            self.c.worker_failure(
-                request.node.node, request.node.session, request.local_rank, reason, request.message
-            )
+            self.c.worker_failure(request.node.node, request.node.session, request.local_rank, reason, request.message)
         return pb.Ack()
 
     def Leave(self, request: pb.LeaveRequest, context) -> pb.Ack:

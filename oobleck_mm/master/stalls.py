@@ -103,8 +103,10 @@ class StallWatch:
 
     def _dump(self, stalled_s: float) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
-        lines = [f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: the control loop's pass has not come back for "
-                 f"{stalled_s:.1f} s; every thread's stack:\n"]  # fmt: skip
+        lines = [
+            f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: the control loop's pass has not come back for "
+            f"{stalled_s:.1f} s; every thread's stack:\n"
+        ]
         for ident, frame in sys._current_frames().items():
             lines.append(f"\nthread {names.get(ident, '?')} ({ident}):\n")
             lines.extend(traceback.format_stack(frame))

@@ -86,18 +86,20 @@ class Settings:
     """The job as the workers and the planner read it (absolute paths, overrides applied)."""
 
     @classmethod
-    def of(cls, job, *, num_nodes: int, steps: int, store_host: str, store_port: int,
-           options: RunOptions) -> Settings:  # fmt: skip
+    def of(cls, job, *, num_nodes: int, steps: int, store_host: str, store_port: int, options: RunOptions) -> Settings:
         from oobleck_mm.master.policies import policy_for
 
         policy = policy_for(options.recovery)
         periodic = policy.periodic_checkpoints
         sending = Sending(
-            store_host=store_host, store_port=store_port, steps=steps, save_final_dir=options.save_final_dir,
+            store_host=store_host,
+            store_port=store_port,
+            steps=steps,
+            save_final_dir=options.save_final_dir,
             checkpoint_interval=options.checkpoint_interval if periodic else 0,
             checkpoint_dir=f"{options.checkpoint_root}/checkpoints" if periodic else "",
             checkpoint_async=policy.asynchronous_checkpoints,
-        )  # fmt: skip
+        )
         # What the workers read: the job with its overrides and absolute paths, whatever their file system.
         config_yaml = dump_config(job)
         return cls(job, num_nodes, steps, options, sending, config_yaml)

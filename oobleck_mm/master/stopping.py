@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import os
 
-from oobleck_mm.master.checkpointing import (CheckpointRound, RoundFailed, RoundPending, RoundWritten, round_directory,
-                                  round_verdict)  # fmt: skip
+from oobleck_mm.master.checkpointing import (
+    CheckpointRound,
+    RoundFailed,
+    RoundPending,
+    RoundWritten,
+    round_directory,
+    round_verdict,
+)
 from oobleck_mm.master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
 from oobleck_mm.master.effects import PruneCheckpoints, WriteMeta
 from oobleck_mm.master.policies import ROUND, SHARES, keep_checkpoints
@@ -56,8 +62,13 @@ def below_threshold(ctx: Context, request: Request, cannot: CannotKeepReplicas) 
     base = s.gens.get(request.base)
     if ctx.policy.below_threshold(request) == ROUND and base is not None:
         writers = tuple(n for n in base.view.nodes if n not in request.lost and n in s.registry.nodes)
-        _start_round(ctx, base.view, writers, why,
-                     f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for f+1 replicas")
+        _start_round(
+            ctx,
+            base.view,
+            writers,
+            why,
+            f"only {cannot.live_nodes} nodes left, {cannot.needed} needed for f+1 replicas",
+        )
     else:
         stop_below_threshold(ctx, why, s.checkpoints.last, "no worker had completed a step")
 
@@ -74,30 +85,44 @@ def checkpoint_before_leaving(ctx: Context, why: str) -> bool:
         return False
     detail = why.removeprefix("the model state is gone: ")
     reason = f"{', '.join(leaving)} leave on notice with the last copies of some layers ({detail})"
-    _start_round(ctx, s.gens[base.generation].view, base.holding_nodes, reason,
-                 f"{', '.join(leaving)} leave on notice holding the last copies of some layers")  # fmt: skip
+    _start_round(
+        ctx,
+        s.gens[base.generation].view,
+        base.holding_nodes,
+        reason,
+        f"{', '.join(leaving)} leave on notice holding the last copies of some layers",
+    )
     return True
 
 
-def _start_round(ctx: Context, gen: GenerationView, writers: tuple[str, ...], why: str, headline: str,
-                 requested: bool = False) -> None:  # fmt: skip
+def _start_round(
+    ctx: Context, gen: GenerationView, writers: tuple[str, ...], why: str, headline: str, requested: bool = False
+) -> None:
     s = ctx.s
     if s.planning is not None:  # no plan is applied while the round runs; the job ends with it
         cancel_planning(ctx)
-    directory = round_directory(ctx.cfg.options.checkpoint_root, s.generation, s.next_step,
-                                avoid=ctx.cfg.options.resume_dir)  # fmt: skip
+    directory = round_directory(
+        ctx.cfg.options.checkpoint_root, s.generation, s.next_step, avoid=ctx.cfg.options.resume_dir
+    )
     deadline = ctx.now + ctx.cfg.timeouts.checkpoint_round_timeout.total_seconds()
     s.round = CheckpointRound(directory, gen, writers, why, ctx.now, deadline, requested=requested)
     s.phase = JobPhase.CHECKPOINTING
     _send_round(ctx, s.round)
     held = f" (held as generation {gen.number})" if gen.number != s.generation else ""
-    ctx.say(f"{headline}: checkpointing the state after step {s.next_step}{held} (or after the step in flight, "
-            f"if it completes first) to {os.path.dirname(directory)}")  # fmt: skip
+    ctx.say(
+        f"{headline}: checkpointing the state after step {s.next_step}{held} (or after the step in flight, "
+        f"if it completes first) to {os.path.dirname(directory)}"
+    )
 
 
 def _send_round(ctx: Context, r: CheckpointRound) -> None:
-    ctx.record("checkpoint_requested", dir=r.directory, generation=r.gen.number, writers=list(r.writers),
-               surviving_ranks=r.surviving)  # fmt: skip
+    ctx.record(
+        "checkpoint_requested",
+        dir=r.directory,
+        generation=r.gen.number,
+        writers=list(r.writers),
+        surviving_ranks=r.surviving,
+    )
     for node in r.writers:
         ctx.send(node, r.command())
 
@@ -135,11 +160,18 @@ def check_round(ctx: Context) -> None:
     assert isinstance(verdict, RoundWritten)
     # Named by the step the workers wrote: the round began at ``next_step``, and an iteration in flight may have
     # completed before the writes (the folder is renamed then, ``WriteMeta.written_to``).
-    directory = round_directory(ctx.cfg.options.checkpoint_root, s.generation, verdict.step,
-                                avoid=ctx.cfg.options.resume_dir)  # fmt: skip
+    directory = round_directory(
+        ctx.cfg.options.checkpoint_root, s.generation, verdict.step, avoid=ctx.cfg.options.resume_dir
+    )
     ctx.effects.append(WriteMeta(directory, verdict.step, written_to=r.directory if directory != r.directory else ""))
-    ctx.record("checkpoint_written", dir=directory, step=verdict.step, layers=verdict.layers,
-               seconds=verdict.seconds, generation=r.gen.number)  # fmt: skip
+    ctx.record(
+        "checkpoint_written",
+        dir=directory,
+        step=verdict.step,
+        layers=verdict.layers,
+        seconds=verdict.seconds,
+        generation=r.gen.number,
+    )
     stop_below_threshold(ctx, r.reason, (directory, verdict.step), headline=r.reason if r.requested else None)
 
 
@@ -152,18 +184,23 @@ def state_lost(ctx: Context, why: str, without_checkpoint: str) -> None:
         finish(ctx, ExitCode.ERROR, without_checkpoint)
 
 
-def stop_below_threshold(ctx: Context, why: str, checkpoint: tuple[str, int] | None, detail: str = "",
-                         headline: str | None = None) -> None:  # fmt: skip
+def stop_below_threshold(
+    ctx: Context, why: str, checkpoint: tuple[str, int] | None, detail: str = "", headline: str | None = None
+) -> None:
     """Ends the job with exit 3, saying how to resume (from ``checkpoint``, or the run's own resume point)."""
     options = ctx.cfg.options
     headline = headline or f"cannot keep f+1 replicas: {why}"
     if checkpoint is not None:
         directory, step = checkpoint
-        message = (f"{headline}.\nCheckpoint of step {step} written to {directory}\n"
-                   f"resume with: {options.resume_command} --resume {directory}")  # fmt: skip
+        message = (
+            f"{headline}.\nCheckpoint of step {step} written to {directory}\n"
+            f"resume with: {options.resume_command} --resume {directory}"
+        )
     elif options.resume_dir:
-        message = (f"{headline}.\nNo step was completed since the resume\n"
-                   f"resume with: {options.resume_command} --resume {options.resume_dir}")  # fmt: skip
+        message = (
+            f"{headline}.\nNo step was completed since the resume\n"
+            f"resume with: {options.resume_command} --resume {options.resume_dir}"
+        )
     else:
         message = f"{headline}. No checkpoint to resume from{': ' + detail if detail else ''}"
     finish(ctx, ExitCode.NO_REPLICAS, message)
@@ -181,8 +218,11 @@ def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
     if not done.dir:
         ctx.because(f"a checkpoint report from {gpu[0]}/gpu{gpu[1]} naming no directory: ignored")
         return
-    completed = s.checkpoints.record_share(s.views(), gpu, done) if ctx.policy.checkpoint_complete_by == SHARES \
-        else s.checkpoints.record_barrier_checkpoint(done)  # fmt: skip
+    completed = (
+        s.checkpoints.record_share(s.views(), gpu, done)
+        if ctx.policy.checkpoint_complete_by == SHARES
+        else s.checkpoints.record_barrier_checkpoint(done)
+    )
     if completed:  # a periodic checkpoint completed
         ctx.effects.append(WriteMeta(done.dir, done.step))
         # The journal names it before any older one is pruned (the shell's disk queue keeps this order): a
@@ -191,8 +231,9 @@ def on_checkpoint_done(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
         keep = keep_checkpoints(ctx.cfg.options.recovery, ctx.cfg.timeouts.keep_checkpoints)
         if keep:
             ctx.effects.append(PruneCheckpoints(done.dir, keep, s.pinned()))
-        ctx.record("checkpoint_saved", dir=done.dir, step=done.step, generation=s.generation,
-                   **s.checkpoints.last_timing)  # fmt: skip
+        ctx.record(
+            "checkpoint_saved", dir=done.dir, step=done.step, generation=s.generation, **s.checkpoints.last_timing
+        )
         write_journal(ctx)
 
 
@@ -209,5 +250,7 @@ def _checkpoint_failed(ctx: Context, gpu: Gpu, done: pb.CheckpointDone) -> None:
         return  # said once per checkpoint, not once per worker
     s.failed_checkpoints.add(done.dir)
     last = s.checkpoints.last
-    ctx.say(f"checkpoint of step {done.step} could not be written on {where}: {done.error}; training goes on"
-            f" (the last complete checkpoint: {f'step {last[1]} in {last[0]}' if last else 'none'})")
+    ctx.say(
+        f"checkpoint of step {done.step} could not be written on {where}: {done.error}; training goes on"
+        f" (the last complete checkpoint: {f'step {last[1]} in {last[0]}' if last else 'none'})"
+    )

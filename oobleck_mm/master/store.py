@@ -29,19 +29,18 @@ survivors forming a group within 20 ms (``scripts/bench_control_plane.py
 
 from __future__ import annotations
 
+import secrets
 import threading
 from concurrent import futures
 
-import secrets
-
 import grpc
+
+from oobleck_mm.protocol import oobleck_pb2 as pb
+from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 
 LONG_POLL_S = 0.25
 """Longest a ``get`` waits on the server: the client checks between two calls whether its worker gave the
 rendezvous up (the master re-planned), so this bounds how late it notices."""
-
-from oobleck_mm.protocol import oobleck_pb2 as pb
-from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 
 
 class KeyValueStore:
@@ -193,8 +192,10 @@ def serve_store_only(token: str, host: str = "127.0.0.1", max_waiters: int = 8) 
     """A gRPC server with just the rendezvous store (tests and benchmarks that play the master): (server, port)."""
     from oobleck_mm.master.service import TokenInterceptor
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * max_waiters + 8, thread_name_prefix="store"),
-                         interceptors=[TokenInterceptor(token, lambda *_: None)])  # fmt: skip
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2 * max_waiters + 8, thread_name_prefix="store"),
+        interceptors=[TokenInterceptor(token, lambda *_: None)],
+    )
     pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(KeyValueStore(), max_waiters), server)
     port = server.add_insecure_port(f"{host}:0")
     server.start()

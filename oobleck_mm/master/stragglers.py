@@ -183,21 +183,47 @@ class StragglerDetector:
             if not track.flagged and median >= self.rule.factor:
                 speed = slowed_median(window, self.rule.clear_factor)
                 track.flagged, track.reported, track.since_report = True, speed, 0
-                out.append(Verdict("detected", node, step, speed, window,
-                                   f"its compute took a median {median:.2f}x what the cost model predicts, relative "
-                                   f"to the other nodes, over the last {self.rule.steps} steps (>= {self.rule.factor:g}x); "
-                                   f"{speed:.2f}x since it slowed"))
-            elif (track.flagged and median >= self.rule.clear_factor
-                  and max(median / track.reported, track.reported / median) >= FACTOR_CHANGE):
+                out.append(
+                    Verdict(
+                        "detected",
+                        node,
+                        step,
+                        speed,
+                        window,
+                        f"its compute took a median {median:.2f}x what the cost model predicts, relative "
+                        f"to the other nodes, over the last {self.rule.steps} steps (>= {self.rule.factor:g}x); "
+                        f"{speed:.2f}x since it slowed",
+                    )
+                )
+            elif (
+                track.flagged
+                and median >= self.rule.clear_factor
+                and max(median / track.reported, track.reported / median) >= FACTOR_CHANGE
+            ):
                 before, track.reported, track.since_report = track.reported, median, 0
-                out.append(Verdict("changed", node, step, median, window,
-                                   f"a median {median:.2f}x over the last {self.rule.steps} steps (was {before:.2f}x)"))
+                out.append(
+                    Verdict(
+                        "changed",
+                        node,
+                        step,
+                        median,
+                        window,
+                        f"a median {median:.2f}x over the last {self.rule.steps} steps (was {before:.2f}x)",
+                    )
+                )
             elif track.flagged and median < self.rule.clear_factor:
                 track.flagged, track.since_report = False, 0
                 track.cycles += 1
-                out.append(Verdict("cleared", node, step, median, window,
-                                   f"a median {median:.2f}x over the last {self.rule.steps} steps "
-                                   f"(< {self.rule.clear_factor:g}x)"))  # fmt: skip
+                out.append(
+                    Verdict(
+                        "cleared",
+                        node,
+                        step,
+                        median,
+                        window,
+                        f"a median {median:.2f}x over the last {self.rule.steps} steps (< {self.rule.clear_factor:g}x)",
+                    )
+                )
         return out
 
     def _calibrated_factors(self, ranks: Sequence[RankCompute]) -> dict[str, float]:

@@ -29,10 +29,12 @@ INDEX_FILE = "model.safetensors.index.json"
 _PROBES = {
     "text": ("embed_tokens.weight", ("model.language_model.", "language_model.model.", "model.", "language_model.")),
     "head": ("weight", ("lm_head.", "language_model.lm_head.")),
-    "vision": ("embeddings.patch_embedding.weight", ("model.vision_tower.vision_model.", "model.vision_tower.",
-                                                     "vision_tower.vision_model.", "vision_tower.")),
+    "vision": (
+        "embeddings.patch_embedding.weight",
+        ("model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.vision_model.", "vision_tower."),
+    ),
     "projector": ("linear_1.weight", ("model.multi_modal_projector.", "multi_modal_projector.")),
-}  # fmt: skip
+}
 
 
 class HFWeights:
@@ -54,7 +56,9 @@ class HFWeights:
     def name(self, component: str, inside: str) -> str:
         return self.prefix(component) + inside
 
-    def read(self, names: Mapping[str, tuple[str, str]], expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def read(
+        self, names: Mapping[str, tuple[str, str]], expected: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """``{local name: tensor}`` for ``names`` (local -> (component, inside)), checked against ``expected``'s shapes."""
         keys = {}
         for local, (component, inside) in names.items():
@@ -68,8 +72,10 @@ class HFWeights:
             want = tuple(expected[local].shape)
             if tuple(tensors[key].shape) != want:
                 path = os.path.join(self.directory, self.file_of[key])
-                raise UserError(f"{path}: tensor {key!r} has shape {list(tensors[key].shape)}, the model's "
-                                f"config.json makes it {list(want)}")
+                raise UserError(
+                    f"{path}: tensor {key!r} has shape {list(tensors[key].shape)}, the model's "
+                    f"config.json makes it {list(want)}"
+                )
             out[local] = tensors[key]
         return out
 

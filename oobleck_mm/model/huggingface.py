@@ -77,8 +77,7 @@ def hf_config(model_type: str, values: dict, dtype: torch.dtype, attention: str)
 # --------------------------------------------------------------------------- packed attention
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     packed_spans=None, **kwargs):
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_spans=None, **kwargs):
     """SDPA over each ``(start, end)`` span of the packed sequence separately (causal inside it).
 
     Per span, not one masked pass: a microbatch then costs the sum of its samples' squares, as the
@@ -91,10 +90,19 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         raise RuntimeError(f"{PACKED_ATTENTION} attention needs packed_spans (the engine's text layers pass them)")
     kwargs.pop("sliding_window", None)  # validate() keeps samples within Mistral's window
     outs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
-                               dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+        sdpa_attention_forward(
+            module,
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **kwargs,
+        )[0]
         for s, e in packed_spans
-    ]  # fmt: skip
+    ]
     return torch.cat(outs, dim=1), None
 
 
@@ -121,7 +129,7 @@ class HFLayer(nn.Module):
         for name in self.state_dict():
             for local, component, inside in self.hf_parts:
                 if name.startswith(local):
-                    out[name] = (component, inside + name[len(local):])
+                    out[name] = (component, inside + name[len(local) :])
                     break
             else:
                 raise KeyError(f"{type(self).__name__}: parameter {name!r} has no checkpoint name")
@@ -145,8 +153,11 @@ class VisionEmbed(HFLayer):
         feats = batch.vision.features  # [images * patches, C*p*p], row-major patches, (c, py, px) each
         n_side, p, c = self.side // self.patch, self.patch, self.channels
         images = feats.shape[0] // (n_side * n_side)
-        pixels = (feats.reshape(images, n_side, n_side, c, p, p).permute(0, 3, 1, 4, 2, 5)
-                  .reshape(images, c, self.side, self.side))  # fmt: skip
+        pixels = (
+            feats.reshape(images, n_side, n_side, c, p, p)
+            .permute(0, 3, 1, 4, 2, 5)
+            .reshape(images, c, self.side, self.side)
+        )
         x = self.embeddings(pixels)
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
@@ -233,8 +244,9 @@ class DecoderBlock(HFLayer):
         x = acts[-1].unsqueeze(0)
         positions = batch.positions.unsqueeze(0)
         cos_sin = self.rotary(x, positions)
-        out = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
-                         packed_spans=batch.spans())
+        out = self.layer(
+            x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin, packed_spans=batch.spans()
+        )
         out = out[0] if isinstance(out, tuple) else out
         return (out.squeeze(0),)
 
@@ -245,7 +257,9 @@ class Head(HFLayer):
         self.norm = _hf_class(shape.text_type, "RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Tied checkpoints store the matrix once, as the embedding.
-        head = ("lm_head.weight", "text", "embed_tokens.weight") if shape.tie_word_embeddings else ("lm_head.", "head", "")
+        head = (
+            ("lm_head.weight", "text", "embed_tokens.weight") if shape.tie_word_embeddings else ("lm_head.", "head", "")
+        )
         self.hf_parts = (("norm.", "text", "norm."), head)
 
     @property
@@ -262,8 +276,9 @@ class Head(HFLayer):
 # --------------------------------------------------------------------------- building
 
 
-def build_hf_layer(shape: HFModelShape, specs: Sequence[LayerSpec], index: int, dtype: torch.dtype,
-                   initialize: bool = True) -> HFLayer:
+def build_hf_layer(
+    shape: HFModelShape, specs: Sequence[LayerSpec], index: int, dtype: torch.dtype, initialize: bool = True
+) -> HFLayer:
     """Layer ``index`` of the HF model, initialised as transformers initialises that model.
 
     The caller seeds the generator per layer (any rank builds any layer identically);
@@ -299,7 +314,7 @@ def build_hf_layer(shape: HFModelShape, specs: Sequence[LayerSpec], index: int, 
 
 
 def _layer_number(name: str) -> int:
-    digits = name[len(name.rstrip("0123456789")):]
+    digits = name[len(name.rstrip("0123456789")) :]
     return int(digits) if digits else 0
 
 

@@ -147,7 +147,9 @@ class EncoderEmbed(nn.Module):
         x = self.proj(enc.features)
         h = x.shape[-1]
         if self.modality == "vision":  # 2-D: half the width for the row, half for the column
-            pos = torch.cat([_sinusoid(enc.grid[:, 0], h // 2, x.dtype), _sinusoid(enc.grid[:, 1], h - h // 2, x.dtype)], -1)
+            pos = torch.cat(
+                [_sinusoid(enc.grid[:, 0], h // 2, x.dtype), _sinusoid(enc.grid[:, 1], h - h // 2, x.dtype)], -1
+            )
         else:
             pos = _sinusoid(enc.grid[:, 0], h, x.dtype)
         return (*acts, x + pos)
@@ -230,7 +232,6 @@ def model_layer_specs(job) -> tuple[LayerSpec, ...]:
     return layer_specs(job.model, job.data)
 
 
-
 def import_layer_code(job, specs: Sequence[LayerSpec] | None = None) -> int:
     """Builds one layer of each kind of the job's model on the ``meta`` device (no memory, no weights read),
     so that the code its layers run is imported; returns how many it built.
@@ -250,8 +251,9 @@ def import_layer_code(job, specs: Sequence[LayerSpec] | None = None) -> int:
     return len(first)
 
 
-def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initialize: bool = True,
-                weights: bool = True) -> nn.Module:
+def build_layer(
+    job, index: int, specs: Sequence[LayerSpec] | None = None, initialize: bool = True, weights: bool = True
+) -> nn.Module:
     """Layer ``index`` of the job's model with its deterministic initial weights, in the master dtype
     (``training.master_dtype``: what the optimizer updates and checkpoints hold).
 
@@ -268,7 +270,7 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initi
     loaded = job.model.hf is not None and bool(hf_weights(job.model.huggingface))
     skip = (loaded or not initialize) and job.model.builder is None
     # One generator per (seed, layer): any rank builds the same layer without talking to others.
-    with torch.random.fork_rng(devices=[]), (skipping_random_init() if skip else nullcontext()):
+    with torch.random.fork_rng(devices=[]), skipping_random_init() if skip else nullcontext():
         torch.manual_seed(job.training.seed * 1_000_003 + index)
         if job.model.hf is not None:
             layer = build_hf_layer(job.model.hf, specs, index, master_dtype(job.training), initialize=not skip)
@@ -277,8 +279,10 @@ def build_layer(job, index: int, specs: Sequence[LayerSpec] | None = None, initi
         elif job.model.builder is not None:
             layer = custom_layers(job.model, job.data)[index].build()
             if not isinstance(layer, nn.Module):
-                raise UserError(f"model.builder: layer {spec.name!r}'s build() returned {type(layer).__name__}, "
-                                "not a torch.nn.Module")
+                raise UserError(
+                    f"model.builder: layer {spec.name!r}'s build() returned {type(layer).__name__}, "
+                    "not a torch.nn.Module"
+                )
         elif spec.kind in ("patch_embed", "frame_embed"):
             layer = EncoderEmbed(spec)
         elif spec.kind == "block":

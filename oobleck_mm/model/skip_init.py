@@ -45,10 +45,19 @@ import torch.nn.init as init
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-SKIPPED_FILLS = frozenset({
-    init.uniform_, init.normal_, init.trunc_normal_, init.kaiming_uniform_, init.kaiming_normal_,
-    init.xavier_uniform_, init.xavier_normal_, init.orthogonal_, init.sparse_,
-})  # fmt: skip
+SKIPPED_FILLS = frozenset(
+    {
+        init.uniform_,
+        init.normal_,
+        init.trunc_normal_,
+        init.kaiming_uniform_,
+        init.kaiming_normal_,
+        init.xavier_uniform_,
+        init.xavier_normal_,
+        init.orthogonal_,
+        init.sparse_,
+    }
+)
 """``torch.nn.init``'s random fills. Those that dispatch through ``__torch_function__`` (in
 torch 2.13: ``uniform_``, ``normal_``, ``kaiming_uniform_``) are skipped whole; the others never
 reach the mode as themselves and run in full (see the module's docstring)."""
@@ -75,10 +84,11 @@ def marked_as_loaded(module: nn.Module) -> Iterator[None]:
     """transformers' ``initialization`` functions skip the module's parameters and persistent
     buffers (what a load writes) while active; the marks are removed after."""
     tensors = list(module.parameters()) + [
-        b for sub in module.modules()
+        b
+        for sub in module.modules()
         for name, b in sub.named_buffers(recurse=False)
         if b is not None and name not in sub._non_persistent_buffers_set
-    ]  # fmt: skip
+    ]
     for t in tensors:
         setattr(t, HF_FLAG, True)
     try:

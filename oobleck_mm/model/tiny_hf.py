@@ -19,9 +19,19 @@ VISION_KINDS = ("clip", "siglip")
 def tiny_text_config(kind: str, tie: bool = False, vocab_size: int = 320, **sizes):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab_size, tie_word_embeddings=tie,
-                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     common.update(sizes)
     if kind == "llama":
         return LlamaConfig(**common)
@@ -35,8 +45,14 @@ def tiny_text_config(kind: str, tie: bool = False, vocab_size: int = 320, **size
 def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8, **sizes):
     from transformers import CLIPVisionConfig, SiglipVisionConfig
 
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                  image_size=image_size, patch_size=patch_size)  # fmt: skip
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
     common.update(sizes)
     if kind == "clip":
         return CLIPVisionConfig(**common)
@@ -45,8 +61,10 @@ def tiny_vision_config(kind: str, image_size: int = 32, patch_size: int = 8, **s
     raise ValueError(f"vision tower {kind!r}: choose one of {', '.join(VISION_KINDS)}")
 
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}ASSISTANT: "
-                 "{{ m['content'] }}{{ eos_token }}{% else %}USER: {{ m['content'] }} {% endif %}{% endfor %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}ASSISTANT: "
+    "{{ m['content'] }}{{ eos_token }}{% else %}USER: {{ m['content'] }} {% endif %}{% endfor %}"
+)
 """Vicuna's (LLaVA-1.5's) turn format."""
 
 
@@ -59,13 +77,25 @@ def tiny_tokenizer(vocab_size: int = 320):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["What is in the picture? A red square, a blue circle and a green triangle. Name both shapes. "
-              "What is 2 + 2? 4. The quick brown fox jumps over the lazy dog. USER: ASSISTANT:"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [
+        "What is in the picture? A red square, a blue circle and a green triangle. Name both shapes. "
+        "What is 2 + 2? 4. The quick brown fox jumps over the lazy dog. USER: ASSISTANT:"
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
     fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
     return fast
 
@@ -79,9 +109,17 @@ def tiny_image_processor(kind: str, side: int):
     return SiglipImageProcessorPil(size={"height": side, "width": side})
 
 
-def make_tiny_model(out: str | os.PathLike, text: str = "llama", vision: str | None = "clip", tie: bool = False,
-                    seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
-                    text_sizes: dict | None = None, vision_sizes: dict | None = None) -> str:
+def make_tiny_model(
+    out: str | os.PathLike,
+    text: str = "llama",
+    vision: str | None = "clip",
+    tie: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    text_sizes: dict | None = None,
+    vision_sizes: dict | None = None,
+) -> str:
     """Writes a random LLaVA (``vision`` set) or text-only causal LM to ``out``; returns ``out``.
 
     ``text_sizes`` / ``vision_sizes`` override the tiny defaults (``hidden_size``, ``num_hidden_layers``,
@@ -97,9 +135,13 @@ def make_tiny_model(out: str | os.PathLike, text: str = "llama", vision: str | N
         model = cls(text_cfg)
     else:
         vision_cfg = tiny_vision_config(vision, **(vision_sizes or {}))
-        cfg = LlavaConfig(vision_config=vision_cfg, text_config=text_cfg,
-                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=tie,
-                          vision_feature_select_strategy="default" if vision == "clip" else "full")  # fmt: skip
+        cfg = LlavaConfig(
+            vision_config=vision_cfg,
+            text_config=text_cfg,
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            tie_word_embeddings=tie,
+            vision_feature_select_strategy="default" if vision == "clip" else "full",
+        )
         model = LlavaForConditionalGeneration(cfg)
         tiny_image_processor(vision, vision_cfg.image_size).save_pretrained(os.fspath(out))
     model = model.to(dtype)

@@ -277,8 +277,9 @@ def _split_highs(templates: Sequence[PipelineTemplate], total: int, time_limit_s
     if sum(qmax) > MILP_MAX_BINARIES:
         # HiGHS does not keep to its time limit in a model this large (a fuzzed global batch of 1.4 M
         # ran for over ten minutes): the exact threshold search is min-max optimal without it.
-        return min_max_split(templates, total), (f"{sum(qmax)} binaries exceed the MILP's {MILP_MAX_BINARIES}; "
-                                                 "used the exact threshold search")  # fmt: skip
+        return min_max_split(templates, total), (
+            f"{sum(qmax)} binaries exceed the MILP's {MILP_MAX_BINARIES}; used the exact threshold search"
+        )
     times = [[t(q) for q in range(1, c + 1)] for t, c in zip(tables, qmax)]
     weight = 0.5 * _smallest_gap(sorted(v for row in times for v in row), 1e-9 * upper) / upper
     pairs = [(j, q) for j, c in enumerate(qmax) for q in range(1, c + 1)]

@@ -63,7 +63,8 @@ def instantiate(
         raise TooFewNodes(
             f"{num_nodes} nodes cannot hold fault_tolerance + 1 = {f + 1} pipelines of at least "
             f"min_nodes = {n0} nodes: need at least {(f + 1) * n0} nodes",
-            live_nodes=num_nodes, needed=(f + 1) * n0,
+            live_nodes=num_nodes,
+            needed=(f + 1) * n0,
         )
     # Every combination has at least this many pipelines; each needs a microbatch.
     fewest = max(f + 1, -(-num_nodes // template_set.max_nodes))
@@ -137,12 +138,14 @@ def best_template_counts(
     table = _capacity_table(caps, sizes, num_nodes, most + 1, saturate=False)
     count = next(k for k in range(f + 1, most + 1) if table[num_nodes, k] >= total)
     light = _without_heavy_templates(template_set, caps, sizes, num_nodes, count, total)
-    return _backtrack(_capacity_table(light, sizes, num_nodes, count + 1, saturate=False), light, sizes, num_nodes,
-                      count)  # fmt: skip
+    return _backtrack(
+        _capacity_table(light, sizes, num_nodes, count + 1, saturate=False), light, sizes, num_nodes, count
+    )
 
 
-def _without_heavy_templates(template_set: TemplateSet, caps: np.ndarray, sizes: np.ndarray, num_nodes: int,
-                             count: int, total: int) -> np.ndarray:  # fmt: skip
+def _without_heavy_templates(
+    template_set: TemplateSet, caps: np.ndarray, sizes: np.ndarray, num_nodes: int, count: int, total: int
+) -> np.ndarray:
     """``caps`` with as many of the templates of heaviest stage left out (capacity 0) as ``count`` pipelines of
     the rest allow to still take ``total`` microbatches. Leaving out more only lowers capacity, so the deepest
     level that works is found by bisection: a few capacity tables, not one per template."""
@@ -155,8 +158,9 @@ def _without_heavy_templates(template_set: TemplateSet, caps: np.ndarray, sizes:
         return out
 
     def works(level: int) -> bool:
-        return bool(_capacity_table(without(level), sizes, num_nodes, count + 1, saturate=False)[num_nodes, count]
-                    >= total)  # fmt: skip
+        return bool(
+            _capacity_table(without(level), sizes, num_nodes, count + 1, saturate=False)[num_nodes, count] >= total
+        )
 
     low, high = 0, len(heavy_first) - 1  # level 0 works (the caller checked); all left out cannot
     while low < high:
@@ -165,9 +169,7 @@ def _without_heavy_templates(template_set: TemplateSet, caps: np.ndarray, sizes:
     return without(low)
 
 
-def _capacity_table(
-    caps: np.ndarray, sizes: np.ndarray, num_nodes: int, num_counts: int, saturate: bool
-) -> np.ndarray:
+def _capacity_table(caps: np.ndarray, sizes: np.ndarray, num_nodes: int, num_counts: int, saturate: bool) -> np.ndarray:
     """``table[n, k]``: most microbatches ``k`` pipelines covering exactly ``n`` nodes can take.
 
     Unbounded knapsack over node counts; only templates with ``caps >= 1`` may

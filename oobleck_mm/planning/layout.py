@@ -106,13 +106,17 @@ class ExecutionPlan:
                 raise ValueError(f"execution plan: pipeline {i} ends at layer {expected_start}, not {self.num_layers}")
             widths = [s.width for s in p.stages]
             if any(p.pieces % w for w in widths):
-                raise ValueError(f"execution plan: pipeline {i} has stages of {widths} GPUs; each must divide the "
-                                 f"widest ({p.pieces}): widths are 1, 2, 4 or 8")
+                raise ValueError(
+                    f"execution plan: pipeline {i} has stages of {widths} GPUs; each must divide the "
+                    f"widest ({p.pieces}): widths are 1, 2, 4 or 8"
+                )
             if p.pieces > self.microbatch_size:
-                raise ValueError(f"execution plan: pipeline {i} has a stage of {p.pieces} GPUs, which splits every "
-                                 f"microbatch's samples over them, but a microbatch holds {self.microbatch_size} "
-                                 f"(training.microbatch_size); raise it to at least {p.pieces} or lower "
-                                 f"cluster.max_gpus_per_stage")
+                raise ValueError(
+                    f"execution plan: pipeline {i} has a stage of {p.pieces} GPUs, which splits every "
+                    f"microbatch's samples over them, but a microbatch holds {self.microbatch_size} "
+                    f"(training.microbatch_size); raise it to at least {p.pieces} or lower "
+                    f"cluster.max_gpus_per_stage"
+                )
 
     # ------------------------------------------------------------------ queries
     @property
@@ -203,8 +207,15 @@ class ExecutionPlan:
             stages = []
             for spec in instance.template.stages:
                 node = instance.nodes[spec.node]
-                stages.append(StageLayout(ranks[(node, spec.gpus[0])], spec.layer_start, spec.layer_end,
-                                          (slow or {}).get(node, 1.0), tuple(ranks[(node, g)] for g in spec.gpus[1:])))
+                stages.append(
+                    StageLayout(
+                        ranks[(node, spec.gpus[0])],
+                        spec.layer_start,
+                        spec.layer_end,
+                        (slow or {}).get(node, 1.0),
+                        tuple(ranks[(node, g)] for g in spec.gpus[1:]),
+                    )
+                )
             pipelines.append(PipelineLayout(tuple(stages), instance.num_microbatches))
         return cls(tuple(pipelines), plan.pipelines[0].template.num_layers, plan.microbatch_size)
 
@@ -213,21 +224,33 @@ class ExecutionPlan:
             "num_layers": self.num_layers,
             "microbatch_size": self.microbatch_size,
             "pipelines": [
-                {"num_microbatches": p.num_microbatches,
-                 "stages": [[s.rank, s.layer_start, s.layer_end,
-                             *([s.slowdown] if s.slowdown != 1.0 or s.shards else []),
-                             *([list(s.shards)] if s.shards else [])]
-                            for s in p.stages]}
+                {
+                    "num_microbatches": p.num_microbatches,
+                    "stages": [
+                        [
+                            s.rank,
+                            s.layer_start,
+                            s.layer_end,
+                            *([s.slowdown] if s.slowdown != 1.0 or s.shards else []),
+                            *([list(s.shards)] if s.shards else []),
+                        ]
+                        for s in p.stages
+                    ],
+                }
                 for p in self.pipelines
             ],
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ExecutionPlan:
         pipelines = tuple(
-            PipelineLayout(tuple(StageLayout(*map(int, s[:3]), *map(float, s[3:4]), *(tuple(map(int, x)) for x in s[4:5]))
-                                 for s in p["stages"]),
-                           int(p["num_microbatches"]))
+            PipelineLayout(
+                tuple(
+                    StageLayout(*map(int, s[:3]), *map(float, s[3:4]), *(tuple(map(int, x)) for x in s[4:5]))
+                    for s in p["stages"]
+                ),
+                int(p["num_microbatches"]),
+            )
             for p in d["pipelines"]
         )
         return cls(pipelines, int(d["num_layers"]), int(d["microbatch_size"]))
@@ -235,8 +258,11 @@ class ExecutionPlan:
     def describe(self) -> str:
         parts = []
         for p in self.pipelines:
-            stages = "|".join(f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
-                              + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "") for s in p.stages)
+            stages = "|".join(
+                f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
+                + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "")
+                for s in p.stages
+            )
             parts.append(f"[{stages}]x{p.num_microbatches}mb")
         return " ".join(parts)
 

@@ -308,9 +308,7 @@ def _sweep_whole(
     if costs.num_stages <= _SCALAR_MAX_STAGES:
         return _sweep_scalar(ready, costs, num_microbatches, num_steps, first_step)
     snapshots = np.empty(((num_steps - first_step) // 2, ready.shape[1]))
-    tables = [
-        _increments(costs, np.arange(first_step + p, num_steps, 2)[:, None], num_microbatches, p) for p in (0, 1)
-    ]
+    tables = [_increments(costs, np.arange(first_step + p, num_steps, 2)[:, None], num_microbatches, p) for p in (0, 1)]
     for i, step in enumerate(range(first_step, num_steps)):
         parity = step % 2
         _apply_step(ready, parity, *(table[i // 2] for table in tables[parity]))

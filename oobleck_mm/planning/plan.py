@@ -67,17 +67,36 @@ def gradient_allreduce_s(templates: list[PipelineTemplate] | tuple[PipelineTempl
 def plan_to_dict(plan: Plan) -> dict:
     """``plan`` as JSON-ready data (the master's journal holds data, never pickles: ``oobleck_mm.master.journal``)."""
     return {
-        "global_batch": plan.global_batch, "microbatch_size": plan.microbatch_size, "allreduce_s": plan.allreduce_s,
-        "pipelines": [{
-            "nodes": list(p.nodes), "num_microbatches": p.num_microbatches,
-            "template": {
-                "num_nodes": p.template.num_nodes, "gpus_per_node": p.template.gpus_per_node,
-                "send_activation_s": list(p.template.send_activation_s), "send_grad_s": list(p.template.send_grad_s),
-                "stages": [[s.layer_start, s.layer_end, s.node, list(s.gpus), s.forward_s, s.backward_s,
-                            s.memory_bytes, s.grad_bytes] for s in p.template.stages],
-            },
-        } for p in plan.pipelines],
-    }  # fmt: skip
+        "global_batch": plan.global_batch,
+        "microbatch_size": plan.microbatch_size,
+        "allreduce_s": plan.allreduce_s,
+        "pipelines": [
+            {
+                "nodes": list(p.nodes),
+                "num_microbatches": p.num_microbatches,
+                "template": {
+                    "num_nodes": p.template.num_nodes,
+                    "gpus_per_node": p.template.gpus_per_node,
+                    "send_activation_s": list(p.template.send_activation_s),
+                    "send_grad_s": list(p.template.send_grad_s),
+                    "stages": [
+                        [
+                            s.layer_start,
+                            s.layer_end,
+                            s.node,
+                            list(s.gpus),
+                            s.forward_s,
+                            s.backward_s,
+                            s.memory_bytes,
+                            s.grad_bytes,
+                        ]
+                        for s in p.template.stages
+                    ],
+                },
+            }
+            for p in plan.pipelines
+        ],
+    }
 
 
 def plan_from_dict(d: dict) -> Plan:
@@ -85,14 +104,21 @@ def plan_from_dict(d: dict) -> Plan:
     pipelines = []
     for p in d["pipelines"]:
         t = p["template"]
-        stages = tuple(StageSpec(int(a), int(b), int(node), tuple(int(g) for g in gpus), float(f), float(bw),
-                                 float(mem), float(grad))
-                       for a, b, node, gpus, f, bw, mem, grad in t["stages"])  # fmt: skip
+        stages = tuple(
+            StageSpec(
+                int(a), int(b), int(node), tuple(int(g) for g in gpus), float(f), float(bw), float(mem), float(grad)
+            )
+            for a, b, node, gpus, f, bw, mem, grad in t["stages"]
+        )
         if not stages or len(t["send_activation_s"]) != len(stages) - 1 or len(t["send_grad_s"]) != len(stages) - 1:
             raise ValueError(f"a template of {len(stages)} stages needs {max(0, len(stages) - 1)} send times each")
-        template = PipelineTemplate(int(t["num_nodes"]), int(t["gpus_per_node"]), stages,
-                                    tuple(float(x) for x in t["send_activation_s"]),
-                                    tuple(float(x) for x in t["send_grad_s"]))  # fmt: skip
+        template = PipelineTemplate(
+            int(t["num_nodes"]),
+            int(t["gpus_per_node"]),
+            stages,
+            tuple(float(x) for x in t["send_activation_s"]),
+            tuple(float(x) for x in t["send_grad_s"]),
+        )
         nodes = tuple(str(n) for n in p["nodes"])
         if len(nodes) != template.num_nodes:
             raise ValueError(f"a pipeline names {len(nodes)} nodes, its template has {template.num_nodes}")

@@ -82,10 +82,15 @@ class PlanningResult:
         ]
         rec = self.reconfiguration
         if isinstance(rec, Reconfiguration):
-            what = ", ".join(filter(None, [
-                f"lost {', '.join(self.lost)}" if self.lost else "",
-                f"joined {', '.join(self.joined)}" if self.joined else "",
-            ]))
+            what = ", ".join(
+                filter(
+                    None,
+                    [
+                        f"lost {', '.join(self.lost)}" if self.lost else "",
+                        f"joined {', '.join(self.joined)}" if self.joined else "",
+                    ],
+                )
+            )
             parts.append(
                 f"reconfiguration after {what}: {len(rec.actions)} actions, "
                 f"{rec.layer_states_moved} layer states to copy\n"
@@ -224,8 +229,15 @@ def plan_fresh(job, profile: ModelProfile, names: Sequence[str]) -> tuple[PlanOu
     start = time.perf_counter()
     try:
         result = plan_job(job, profile, list(names))
-        planned = _planned(result.plan, len(names), True, (), f"instantiated on {len(names)} nodes", start,
-                           _keeps_replicas_from(job, result.template_set))
+        planned = _planned(
+            result.plan,
+            len(names),
+            True,
+            (),
+            f"instantiated on {len(names)} nodes",
+            start,
+            _keeps_replicas_from(job, result.template_set),
+        )
     except TooFewNodes as exc:
         return CannotKeepReplicas(live_nodes=exc.live_nodes, needed=exc.needed, reason=str(exc)), None
     except UserError as exc:
@@ -256,9 +268,15 @@ def plan_reconfiguration(
     base = with_own_templates(base, template_set.for_nodes)  # a pipeline re-cut for a straggler: its template
     try:
         rec = reconfigure(
-            base, lost, joined, template_set, job.fault_tolerance.f, ClusterSpec.from_config(job.cluster),
-            solver=job.planning.solver, replan_gain=math.inf if gain is None else gain,
-        )  # fmt: skip
+            base,
+            lost,
+            joined,
+            template_set,
+            job.fault_tolerance.f,
+            ClusterSpec.from_config(job.cluster),
+            solver=job.planning.solver,
+            replan_gain=math.inf if gain is None else gain,
+        )
     except UserError as exc:
         live = [n for n in base.nodes if n not in set(lost)] + [n for n in joined if n not in base.nodes or n in lost]
         outcome, templates = plan_fresh(job, profile, live)
@@ -268,12 +286,18 @@ def plan_reconfiguration(
         return outcome, templates
     if isinstance(rec, CannotKeepReplicas):
         return rec, None
-    return _planned(rec.plan, template_nodes, False, rec.actions, rec.reason, start,
-                    _keeps_replicas_from(job, template_set)), None
+    return _planned(
+        rec.plan, template_nodes, False, rec.actions, rec.reason, start, _keeps_replicas_from(job, template_set)
+    ), None
 
 
-def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None, profile: ModelProfile | None = None,
-                     template_set: TemplateSet | None = None) -> PlanOutcome:  # fmt: skip
+def split_for_speeds(
+    job,
+    outcome: PlanOutcome,
+    slow: Mapping[str, float] | None,
+    profile: ModelProfile | None = None,
+    template_set: TemplateSet | None = None,
+) -> PlanOutcome:
     """``outcome``'s plan with its batch re-split for the slow nodes' speeds (``planning.speed``): the same
     pipelines and ranks, fewer microbatches for the pipelines of slow nodes; ``{}``: the split for the
     templates' own speeds (a straggler recovered). ``None``, or anything but a ``Planned``, passes through.
@@ -296,14 +320,19 @@ def split_for_speeds(job, outcome: PlanOutcome, slow: Mapping[str, float] | None
     described = ", ".join(f"{n} x{f:.2f}" for n, f in sorted(slow.items())) or "every node at its templates' speed"
     reason = f"{outcome.reason}; batch split for the measured speeds ({described}): microbatches {split.microbatches}"
     if cut:
-        cuts = "; ".join(" | ".join(f"{st.layer_start}-{st.layer_end - 1}" for st in p.template.stages)
-                         for p in plan.pipelines if any(n in slow for n in p.nodes))  # fmt: skip
+        cuts = "; ".join(
+            " | ".join(f"{st.layer_start}-{st.layer_end - 1}" for st in p.template.stages)
+            for p in plan.pipelines
+            if any(n in slow for n in p.nodes)
+        )
         reason += f", the slow nodes' pipelines re-cut for their speeds (layers {cuts})"
     actions = (*outcome.actions, "speed split", *(("speed cut",) if cut else ()))
     return dataclasses.replace(
-        _planned(plan, outcome.template_nodes, outcome.fresh, actions, reason, start, outcome.keeps_replicas_from, slow),
+        _planned(
+            plan, outcome.template_nodes, outcome.fresh, actions, reason, start, outcome.keeps_replicas_from, slow
+        ),
         seconds=outcome.seconds + time.perf_counter() - start,
-    )  # fmt: skip
+    )
 
 
 BENCH_GAIN = 0.05
@@ -322,17 +351,31 @@ def weigh_bench(keep: Planned, without: PlanOutcome, slow: Mapping[str, float], 
         return dataclasses.replace(keep, reason=f"{keep.reason}; {names} kept: without them, {why}")
     rest = {n: f for n, f in slow.items() if n not in bench}
     alone = predicted_samples_per_s(without.plan, rest)
-    compared = (f"predicted {alone:.3g} samples/s without {names}, {kept:.3g} with "
-                f"{'them' if len(bench) > 1 else 'it'} re-split")
+    compared = (
+        f"predicted {alone:.3g} samples/s without {names}, {kept:.3g} with "
+        f"{'them' if len(bench) > 1 else 'it'} re-split"
+    )
     if alone >= kept * (1 + BENCH_GAIN):
-        return dataclasses.replace(without, benched=tuple(bench), actions=("bench", *without.actions),
-                                   reason=f"{names} benched ({compared}): {without.reason}")
-    return dataclasses.replace(keep, reason=f"{keep.reason}; {names} kept: {compared} (a bench needs "
-                                            f"{BENCH_GAIN:.0%} more)")
+        return dataclasses.replace(
+            without,
+            benched=tuple(bench),
+            actions=("bench", *without.actions),
+            reason=f"{names} benched ({compared}): {without.reason}",
+        )
+    return dataclasses.replace(
+        keep, reason=f"{keep.reason}; {names} kept: {compared} (a bench needs {BENCH_GAIN:.0%} more)"
+    )
 
 
-def plan_without_stragglers(job, profile: ModelProfile, template_set: TemplateSet, template_nodes: int, base: Plan,
-                            slow: Mapping[str, float], bench: Sequence[str]) -> tuple[Planned, TemplateSet | None]:  # fmt: skip
+def plan_without_stragglers(
+    job,
+    profile: ModelProfile,
+    template_set: TemplateSet,
+    template_nodes: int,
+    base: Plan,
+    slow: Mapping[str, float],
+    bench: Sequence[str],
+) -> tuple[Planned, TemplateSet | None]:
     """``base``'s nodes with slow ``bench`` kept (its batch split for ``slow``) or planned out, whichever
     ``weigh_bench`` predicts faster; the second value holds new templates when the plan without them
     needed a fresh plan (as ``plan_reconfiguration``'s). The master's planning helper and the simulator
@@ -340,27 +383,48 @@ def plan_without_stragglers(job, profile: ModelProfile, template_set: TemplateSe
     keep = split_for_speeds(job, plan_as_is(job, template_set, template_nodes, base), dict(slow), profile, template_set)
     without, templates = plan_reconfiguration(job, profile, template_set, template_nodes, base, list(bench), [])
     rest = {n: f for n, f in slow.items() if n not in set(bench)}
-    chosen = weigh_bench(keep, split_for_speeds(job, without, rest, profile, templates or template_set), slow,
-                         list(bench))  # fmt: skip
+    chosen = weigh_bench(
+        keep, split_for_speeds(job, without, rest, profile, templates or template_set), slow, list(bench)
+    )
     return chosen, templates if chosen.benched else None
 
 
 def plan_as_is(job, template_set: TemplateSet, template_nodes: int, base: Plan) -> Planned:
     """``base`` again, nodes and pipelines unchanged (a change of the nodes' speeds re-splits it next)."""
-    return _planned(base, template_nodes, False, (), "the same nodes and pipelines", time.perf_counter(),
-                    _keeps_replicas_from(job, template_set))  # fmt: skip
+    return _planned(
+        base,
+        template_nodes,
+        False,
+        (),
+        "the same nodes and pipelines",
+        time.perf_counter(),
+        _keeps_replicas_from(job, template_set),
+    )
 
 
 def _keeps_replicas_from(job, template_set: TemplateSet) -> int:
     return (job.fault_tolerance.f + 1) * template_set.min_nodes
 
 
-def _planned(plan: Plan, template_nodes: int, fresh: bool, actions, reason: str, start: float,
-             keeps_replicas_from: int, slow: Mapping[str, float] | None = None) -> Planned:  # fmt: skip
+def _planned(
+    plan: Plan,
+    template_nodes: int,
+    fresh: bool,
+    actions,
+    reason: str,
+    start: float,
+    keeps_replicas_from: int,
+    slow: Mapping[str, float] | None = None,
+) -> Planned:
     ranks = rank_table(plan)
     return Planned(
-        plan=plan, layout=ExecutionPlan.from_plan(plan, ranks, slow), ranks=ranks, template_nodes=template_nodes,
-        fresh=fresh, actions=tuple(actions), reason=reason, seconds=time.perf_counter() - start,
+        plan=plan,
+        layout=ExecutionPlan.from_plan(plan, ranks, slow),
+        ranks=ranks,
+        template_nodes=template_nodes,
+        fresh=fresh,
+        actions=tuple(actions),
+        reason=reason,
+        seconds=time.perf_counter() - start,
         keeps_replicas_from=keeps_replicas_from,
-    )  # fmt: skip
-
+    )

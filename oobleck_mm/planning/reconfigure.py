@@ -541,7 +541,9 @@ def _fresh_layout(
     return groups
 
 
-def fill_greedily(sizes: Iterable[int], remaining: list[list[str]], pool: list[str]) -> list[tuple[list[str], list[int]]]:
+def fill_greedily(
+    sizes: Iterable[int], remaining: list[list[str]], pool: list[str]
+) -> list[tuple[list[str], list[int]]]:
     """For each size in turn: nodes taken, in their old order, from the old pipeline with the most
     unassigned nodes left (the first of equals), then the next, then from ``pool``; with the old
     pipelines each new one drew from. Consumes ``remaining`` and ``pool``; ``sizes`` must sum to

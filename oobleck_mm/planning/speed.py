@@ -32,8 +32,10 @@ def slowed_template(instance: PipelineInstance, slow: Mapping[str, float]) -> Pi
     factors = [slow.get(instance.nodes[stage.node], 1.0) for stage in template.stages]
     if all(f == 1.0 for f in factors):
         return template
-    stages = tuple(dataclasses.replace(s, forward_s=s.forward_s * f, backward_s=s.backward_s * f)
-                   for s, f in zip(template.stages, factors))  # fmt: skip
+    stages = tuple(
+        dataclasses.replace(s, forward_s=s.forward_s * f, backward_s=s.backward_s * f)
+        for s, f in zip(template.stages, factors)
+    )
     return dataclasses.replace(template, stages=stages)
 
 
@@ -63,8 +65,13 @@ Recut = Callable[[PipelineTemplate, list[float], int], PipelineTemplate]
 (``planning.stage_mapping.recut_for_speeds``)."""
 
 
-def speed_aware_plan(plan: Plan, slow: Mapping[str, float], solver: str = "highs", recut: Recut | None = None,
-                     restore: Callable[[int], PipelineTemplate | None] | None = None) -> tuple[Plan, BatchSplit, bool]:  # fmt: skip
+def speed_aware_plan(
+    plan: Plan,
+    slow: Mapping[str, float],
+    solver: str = "highs",
+    recut: Recut | None = None,
+    restore: Callable[[int], PipelineTemplate | None] | None = None,
+) -> tuple[Plan, BatchSplit, bool]:
     """``plan`` for the nodes' speeds: the batch re-split (``speed_aware_split``) and, with ``recut``, each slow
     node's pipeline re-cut so its stage takes fewer layers, whichever is predicted faster (by ``RECUT_GAIN``);
     the third value says the re-cut was taken.

@@ -127,8 +127,9 @@ def map_stages(
     return planner.template(num_nodes, microbatches_hint)
 
 
-def recut_for_speeds(profile: ModelProfile, cluster: ClusterSpec, template: PipelineTemplate,
-                     factors: Sequence[float], microbatches: int) -> PipelineTemplate:  # fmt: skip
+def recut_for_speeds(
+    profile: ModelProfile, cluster: ClusterSpec, template: PipelineTemplate, factors: Sequence[float], microbatches: int
+) -> PipelineTemplate:
     """``template``'s stages on the same nodes and GPUs, their layer boundaries moved for the stages' speeds
     (``factors[k]``: stage k runs that many times slower than the cost model says): fewer layers on a slow
     node's stage, more on the others. The min-max of each stage's slowed time (its memory with 1F1B's
@@ -148,7 +149,7 @@ def recut_for_speeds(profile: ModelProfile, cluster: ClusterSpec, template: Pipe
     choices: list[np.ndarray] = []
     for k in range(S - 1, -1, -1):
         node, _, d = shape[k]
-        after = sum(g for _, _, g in shape[k + 1:])
+        after = sum(g for _, _, g in shape[k + 1 :])
         kind = _LAST if k == S - 1 else (_CROSS if shape[k + 1][0] != node else _INTRA)
         incoming = tables.incoming[_CROSS if k > 0 and shape[k - 1][0] != node else _INTRA]
         cost = (tables.masked_time(d, kind, after) + incoming[:, None]) * factors[k]
@@ -167,8 +168,10 @@ def recut_for_speeds(profile: ModelProfile, cluster: ClusterSpec, template: Pipe
     assert w == L, (w, cuts)
 
     def slowed_time(candidate: PipelineTemplate) -> float:
-        slowed = tuple(dataclasses.replace(st, forward_s=st.forward_s * f, backward_s=st.backward_s * f)
-                       for st, f in zip(candidate.stages, factors))  # fmt: skip
+        slowed = tuple(
+            dataclasses.replace(st, forward_s=st.forward_s * f, backward_s=st.backward_s * f)
+            for st, f in zip(candidate.stages, factors)
+        )
         return dataclasses.replace(candidate, stages=slowed).iteration_time(microbatches)
 
     candidate = planner._assemble(template.num_nodes, cuts)
@@ -229,7 +232,8 @@ def build_templates(
             f"num_nodes ({num_nodes}) < (fault_tolerance ({f}) + 1) x min_nodes ({n0}) = {(f + 1) * n0}: "
             f"{f + 1} replica(s) of model {profile.model_name!r} need at least {(f + 1) * n0} nodes; "
             f"use cluster.nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1),
-            live_nodes=num_nodes, needed=(f + 1) * n0,
+            live_nodes=num_nodes,
+            needed=(f + 1) * n0,
         )
     budget_max = num_nodes - f * n0
     n_max = planner.last_feasible_from(n0, budget_max)

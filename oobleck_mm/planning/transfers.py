@@ -149,21 +149,25 @@ def gather_groups(old: ExecutionPlan | None, previous_ranks: Sequence[int]) -> l
         return []
     new_of = {previous: rank for rank, previous in enumerate(previous_ranks) if previous >= 0}
     complete = _complete_stages(old, previous_ranks)
-    return [tuple(new_of[r] for r in s.ranks) for p in old.pipelines for s in p.stages
-            if s.width > 1 and s.ranks in complete]  # fmt: skip
+    return [
+        tuple(new_of[r] for r in s.ranks)
+        for p in old.pipelines
+        for s in p.stages
+        if s.width > 1 and s.ranks in complete
+    ]
 
 
-def missing_states(
-    old: ExecutionPlan | None, new: ExecutionPlan, previous_ranks: Sequence[int]
-) -> int:
+def missing_states(old: ExecutionPlan | None, new: ExecutionPlan, previous_ranks: Sequence[int]) -> int:
     """(layer, new rank) pairs whose worker does not hold the layer yet: states to copy, load or create."""
     count = 0
     complete = _complete_stages(old, previous_ranks)
     for stage in (s for p in new.pipelines for s in p.stages):
         for rank in stage.ranks:  # every GPU of a stage holds (its shard of) every layer of it
             previous = previous_ranks[rank]
-            held = (old.stage(previous).layers if old is not None and previous >= 0
-                    and old.stage(previous).ranks in complete else range(0))  # fmt: skip
+            held = (
+                old.stage(previous).layers
+                if old is not None and previous >= 0 and old.stage(previous).ranks in complete
+                else range(0)
+            )
             count += sum(1 for layer in stage.layers if layer not in held)
     return count
-

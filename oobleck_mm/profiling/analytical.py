@@ -135,8 +135,14 @@ def _activation_bytes(spec: LayerSpec, tokens: float, bpa: int, checkpointing: b
     return tokens * spec.in_features * bpa  # patch/frame embedding: its input
 
 
-def pass_seconds(spec: LayerSpec, tokens: float, dev: DeviceSpec, checkpointing: bool, flash: bool,
-                 attention_len: float | None = None) -> tuple[float, float, float]:
+def pass_seconds(
+    spec: LayerSpec,
+    tokens: float,
+    dev: DeviceSpec,
+    checkpointing: bool,
+    flash: bool,
+    attention_len: float | None = None,
+) -> tuple[float, float, float]:
     """(forward, backward weight-grad, backward input-grad) seconds of ``spec`` over ``tokens`` tokens on
     ``dev``. ``attention_len``: the mean span its attention covers per token (default the spec's mean);
     a microbatch of spans L_i has ``tokens = sum(L_i)`` and ``attention_len = sum(L_i^2) / sum(L_i)``.
@@ -157,9 +163,7 @@ def output_width(spec: LayerSpec) -> int:
     return _out_width(spec)
 
 
-def _layer_cost(
-    spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool
-) -> LayerCost:
+def _layer_cost(spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool) -> LayerCost:
     tokens = spec.tokens_per_sample * microbatch_size
     forward, b_weight, b_input = pass_seconds(spec, tokens, dev, checkpointing, flash)
     params = param_count(spec)

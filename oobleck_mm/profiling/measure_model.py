@@ -47,7 +47,9 @@ def measure_job_profile(job, progress: Callable[[str], None] | None = None) -> M
     )
     # Exact layer names (the profiler's frozen entries are prefixes: "llm.block1" would catch "llm.block10").
     frozen = frozen_layers(job, specs)
-    return replace(profile, layers=tuple(replace(c, trainable=c.trainable and c.name not in frozen) for c in profile.layers))
+    return replace(
+        profile, layers=tuple(replace(c, trainable=c.trainable and c.name not in frozen) for c in profile.layers)
+    )
 
 
 def _plain(section) -> dict:

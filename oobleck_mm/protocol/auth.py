@@ -39,9 +39,7 @@ def read_token(path: str) -> str:
     except OSError as exc:
         raise UserError(f"--token-file: cannot read {path!r}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UserError(
-            f"--token-file: {path!r} is accessible by other users (mode {oct(mode & 0o777)}); chmod 600 it"
-        )
+        raise UserError(f"--token-file: {path!r} is accessible by other users (mode {oct(mode & 0o777)}); chmod 600 it")
     if not token:
         raise UserError(f"--token-file: {path!r} is empty")
     return token

@@ -17,9 +17,16 @@ def plan_to_proto(plan: ExecutionPlan) -> pb.ExecutionPlan:
         pipelines=[
             pb.Pipeline(
                 num_microbatches=p.num_microbatches,
-                stages=[pb.Stage(rank=s.rank, layer_start=s.layer_start, layer_end=s.layer_end, slowdown=s.slowdown,
-                                 shards=list(s.shards))
-                        for s in p.stages],
+                stages=[
+                    pb.Stage(
+                        rank=s.rank,
+                        layer_start=s.layer_start,
+                        layer_end=s.layer_end,
+                        slowdown=s.slowdown,
+                        shards=list(s.shards),
+                    )
+                    for s in p.stages
+                ],
             )
             for p in plan.pipelines
         ],
@@ -30,7 +37,9 @@ def plan_from_proto(msg: pb.ExecutionPlan) -> ExecutionPlan:
     """The plan a message carries; raises ValueError (from ``ExecutionPlan``) if it is inconsistent."""
     pipelines = tuple(
         PipelineLayout(
-            tuple(StageLayout(s.rank, s.layer_start, s.layer_end, s.slowdown or 1.0, tuple(s.shards)) for s in p.stages),
+            tuple(
+                StageLayout(s.rank, s.layer_start, s.layer_end, s.slowdown or 1.0, tuple(s.shards)) for s in p.stages
+            ),
             p.num_microbatches,
         )
         for p in msg.pipelines

@@ -65,7 +65,7 @@ from oobleck_mm.runtime.checkpoint import (
     save_layers,
     write_error,
 )
-from oobleck_mm.model.layers import import_layer_code, model_layer_specs, tied_pair, trainable_mask
+from oobleck_mm.model.layers import import_layer_code, model_layer_specs
 from oobleck_mm.runtime.emulated import Emulation
 from oobleck_mm.runtime.engine import StageEngine, engine_subgroups
 from oobleck_mm.runtime.balancing import warm_balancer
@@ -214,15 +214,20 @@ class WorkerLoop:
         self.current: Generation | None = None
         self.next_step: int | None = None  # first step not yet applied to this worker's layers
         self.timeouts = job.fault_tolerance
-        self.waiter = Waiter(self.timeouts.collective_timeout, self.commands.replanned.is_set, on_stall=self._stalled,
-                             stall_after=self.timeouts.stall_report_after.total_seconds())  # fmt: skip
+        self.waiter = Waiter(
+            self.timeouts.collective_timeout,
+            self.commands.replanned.is_set,
+            on_stall=self._stalled,
+            stall_after=self.timeouts.stall_report_after.total_seconds(),
+        )
         self._send_lock = threading.Lock()  # the checkpoint writer reports from its own thread
         self.checkpointer = AsyncCheckpointer(self._checkpoint_written, self._checkpoint_failed, node=node)
         self.assigned_generation = 0
         """The generation of the assignment in hand (from its rendezvous on)."""
         # A hold point (runtime/hold.py, tests and --inject @phase:P) is reported before it holds.
-        set_announcer(lambda point, seconds: self.phase(self.assigned_generation, "holding", seconds=seconds,
-                                                        message=point))  # fmt: skip
+        set_announcer(
+            lambda point, seconds: self.phase(self.assigned_generation, "holding", seconds=seconds, message=point)
+        )
 
     # ------------------------------------------------------------------ reports
     def report(self, **kind) -> None:
@@ -230,19 +235,45 @@ class WorkerLoop:
             send_report(self.conn, pb.WorkerReport(**kind))
 
     def _checkpoint_written(self, directory: str, step: int, layers: int, generation: int, seconds: float) -> None:
-        self.report(checkpoint_done=pb.CheckpointDone(
-            dir=directory, step=step, layers=layers, generation=generation, seconds=seconds,
-            snapshot_seconds=self.checkpointer.snapshot_s))  # fmt: skip
+        self.report(
+            checkpoint_done=pb.CheckpointDone(
+                dir=directory,
+                step=step,
+                layers=layers,
+                generation=generation,
+                seconds=seconds,
+                snapshot_seconds=self.checkpointer.snapshot_s,
+            )
+        )
 
     def _checkpoint_failed(self, directory: str, step: int, generation: int, error: str) -> None:
         self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=step, generation=generation, error=error))
 
-    def phase(self, generation: int, name: str, step: int = -1, seconds: float = 0.0, nbytes: int = 0,
-              message: str = "", transfer_seconds: float = 0.0, formed_ahead: bool = False,
-              bad_checkpoint: str = "") -> None:
-        self.report(phase=pb.PhaseDone(generation=generation, phase=name, step=step, seconds=seconds,
-                                       bytes=nbytes, message=message, transfer_seconds=transfer_seconds,
-                                       formed_ahead=formed_ahead, bad_checkpoint=bad_checkpoint))  # fmt: skip
+    def phase(
+        self,
+        generation: int,
+        name: str,
+        step: int = -1,
+        seconds: float = 0.0,
+        nbytes: int = 0,
+        message: str = "",
+        transfer_seconds: float = 0.0,
+        formed_ahead: bool = False,
+        bad_checkpoint: str = "",
+    ) -> None:
+        self.report(
+            phase=pb.PhaseDone(
+                generation=generation,
+                phase=name,
+                step=step,
+                seconds=seconds,
+                bytes=nbytes,
+                message=message,
+                transfer_seconds=transfer_seconds,
+                formed_ahead=formed_ahead,
+                bad_checkpoint=bad_checkpoint,
+            )
+        )
 
     def _stalled(self, what: str, waited: float) -> None:
         generation = self.current.number if self.current is not None else 0
@@ -272,8 +303,11 @@ class WorkerLoop:
         30); and a leave on notice switches at an iteration boundary, which may be a checkpoint step whose
         share the leaving worker has just snapshotted (seen in ``test_partition.py``)."""
         if not self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds()):
-            log.warning("%s: the background checkpoint write did not finish within checkpoint_round_timeout; "
-                        "its folder stays incomplete (no meta.json)", when)  # fmt: skip
+            log.warning(
+                "%s: the background checkpoint write did not finish within checkpoint_round_timeout; "
+                "its folder stays incomplete (no meta.json)",
+                when,
+            )
 
     def run_generation(self, command):
         """Train generation ``command.assignment``; returns the next command to act on (None: the agent is gone)."""
@@ -294,8 +328,12 @@ class WorkerLoop:
                 return pending
             engine, start = self.adopt(a, plan, arrival)
         except PeerFailure as error:
-            return self.abort(a.generation, self.next_step or a.start_step, str(error),
-                              bad_checkpoint=error.directory if isinstance(error, UnreadableCheckpoint) else "")
+            return self.abort(
+                a.generation,
+                self.next_step or a.start_step,
+                str(error),
+                bad_checkpoint=error.directory if isinstance(error, UnreadableCheckpoint) else "",
+            )
         gen = Generation(a.generation, plan, a.rank, engine)
         self.current = gen
         engine.command_waiting = self.commands.waiting
@@ -310,9 +348,12 @@ class WorkerLoop:
                 asked = time.perf_counter()
                 pending = self.commands.get_within(self.timeouts.collective_timeout.total_seconds())
                 if (waited := time.perf_counter() - asked) > SLOW_PREPARE_S:
-                    log.warning("generation %d: waited %.1f s at the switch for the next command", a.generation,
-                                waited)  # fmt: skip
-                if pending is not NOT_ARRIVED and pending is not None and pending.WhichOneof("command") == "master_lost":
+                    log.warning("generation %d: waited %.1f s at the switch for the next command", a.generation, waited)
+                if (
+                    pending is not NOT_ARRIVED
+                    and pending is not None
+                    and pending.WhichOneof("command") == "master_lost"
+                ):
                     return self.checkpoint_without_master(a, engine)
                 if pending is not NOT_ARRIVED:  # (else the master sent us nothing: a peer's step will fail)
                     leave_group()
@@ -344,22 +385,37 @@ class WorkerLoop:
                     if again:  # this rank may still write the checkpoint the loss cut short: not skipped
                         self.checkpointer.wait(self.timeouts.checkpoint_round_timeout.total_seconds())
                     owned = [i for i in engine.layers if plan.checkpoint_owner(i) == a.rank]
-                    self.checkpointer.save(directory, engine.held(), owned, engine.specs, self.next_step,
-                                           a.generation, engine.shared_state())  # fmt: skip
+                    self.checkpointer.save(
+                        directory,
+                        engine.held(),
+                        owned,
+                        engine.specs,
+                        self.next_step,
+                        a.generation,
+                        engine.shared_state(),
+                    )
                     continue
                 try:
                     saved = save_checkpoint(directory, engine, self.next_step, self.node)
                 except RuntimeError as error:  # a peer died mid-save: the step stands, the checkpoint does not
                     return self.abort(a.generation, self.next_step, f"checkpoint: {str(error).splitlines()[0]}")
                 if saved.error:  # the disk refused this rank's share: said as such, training goes on
-                    self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
-                                                                  generation=a.generation, error=saved.error))
+                    self.report(
+                        checkpoint_done=pb.CheckpointDone(
+                            dir=directory, step=self.next_step, generation=a.generation, error=saved.error
+                        )
+                    )
                 elif saved.complete:  # the generation: the master tells a gone generation's late one (issue 56)
-                    self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step,
-                                                                  layers=len(engine.layers), generation=a.generation))
+                    self.report(
+                        checkpoint_done=pb.CheckpointDone(
+                            dir=directory, step=self.next_step, layers=len(engine.layers), generation=a.generation
+                        )
+                    )
         if a.save_final_dir:
             try:
-                saved = save_checkpoint(a.save_final_dir, engine, a.steps, self.node)  # its hold point (kill@phase:checkpoint)
+                saved = save_checkpoint(
+                    a.save_final_dir, engine, a.steps, self.node
+                )  # its hold point (kill@phase:checkpoint)
             except RuntimeError as error:  # the next generation (no steps left) saves it again
                 return self.abort(a.generation, a.steps, f"final save: {str(error).splitlines()[0]}")
             if saved.error:  # every step trained; the disk refused the model: the user's to fix, named
@@ -383,11 +439,20 @@ class WorkerLoop:
         except RuntimeError as error:  # a peer died too: nothing complete to offer
             saved = SaveOutcome(False, f"a peer failed during the checkpoint: {str(error).splitlines()[0]}")
         if saved.complete:
-            self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step, layers=len(engine.layers),
-                                                          generation=a.generation))  # fmt: skip
+            self.report(
+                checkpoint_done=pb.CheckpointDone(
+                    dir=directory, step=self.next_step, layers=len(engine.layers), generation=a.generation
+                )
+            )
         else:
-            self.report(checkpoint_done=pb.CheckpointDone(dir=directory, step=self.next_step, generation=a.generation,
-                                                          error=saved.error or "another rank could not write"))  # fmt: skip
+            self.report(
+                checkpoint_done=pb.CheckpointDone(
+                    dir=directory,
+                    step=self.next_step,
+                    generation=a.generation,
+                    error=saved.error or "another rank could not write",
+                )
+            )
         leave_group()
         return pb.WorkerCommand(shutdown=pb.Shutdown(reason="the master is lost"))
 
@@ -396,8 +461,14 @@ class WorkerLoop:
         t0 = time.perf_counter()
         leave_group(abort=True)  # closes our connections: peers blocked on us fail fast instead of timing out
         # (seconds: the leave itself; a slow one holds this rank out of the next generation's rendezvous)
-        self.phase(generation, "aborted", step=step, message=message[:500], seconds=time.perf_counter() - t0,
-                   bad_checkpoint=bad_checkpoint)
+        self.phase(
+            generation,
+            "aborted",
+            step=step,
+            message=message[:500],
+            seconds=time.perf_counter() - t0,
+            bad_checkpoint=bad_checkpoint,
+        )
         return self.commands.get()
 
     # ------------------------------------------------------------------ generation set-up
@@ -412,14 +483,21 @@ class WorkerLoop:
         timeouts, specs = self.timeouts, model_layer_specs(self.job)
         return PreparedGroup(
             lambda: connect_store(a.store_host, a.store_port, a.store_token, timeout=timeouts.rendezvous_timeout),
-            a.generation, a.rank, a.world_size, collective_timeout=timeouts.collective_timeout,
+            a.generation,
+            a.rank,
+            a.world_size,
+            collective_timeout=timeouts.collective_timeout,
             arrival_timeout=timeouts.rendezvous_timeout,
-            subgroups=engine_subgroups(self.job, plan_from_proto(a.plan), specs,
-                                       plan_from_proto(a.previous_plan) if a.previous_generation else None,
-                                       list(a.previous_ranks)),
+            subgroups=engine_subgroups(
+                self.job,
+                plan_from_proto(a.plan),
+                specs,
+                plan_from_proto(a.previous_plan) if a.previous_generation else None,
+                list(a.previous_ranks),
+            ),
             before=lambda: hold("forming", self.node),
             gated=a.rank < len(a.previous_ranks) and a.previous_ranks[a.rank] < 0,  # a joiner: see PreparedGroup
-        )  # fmt: skip
+        )
 
     def rendezvous(self, a, prepared: PreparedGroup | None = None):
         """Join generation ``a.generation``; returns a newer command instead if one arrives while waiting."""
@@ -428,21 +506,41 @@ class WorkerLoop:
         leave_group()
         if a.previous_generation:
             hold("rendezvous", self.node)
-        os.environ.update(torchrun_environment(
-            a.rank, a.world_size, self.local_rank, self.node, list(a.rank_nodes), a.store_host, a.store_port,
-        ))  # fmt: skip
-        store = None if prepared is not None else connect_store(
-            a.store_host, a.store_port, a.store_token, timeout=self.timeouts.rendezvous_timeout,
-            interrupt=self.commands.replanned.is_set,  # a peer lost before it connected: do not wait it out
-        )  # fmt: skip
+        os.environ.update(
+            torchrun_environment(
+                a.rank,
+                a.world_size,
+                self.local_rank,
+                self.node,
+                list(a.rank_nodes),
+                a.store_host,
+                a.store_port,
+            )
+        )
+        store = (
+            None
+            if prepared is not None
+            else connect_store(
+                a.store_host,
+                a.store_port,
+                a.store_token,
+                timeout=self.timeouts.rendezvous_timeout,
+                interrupt=self.commands.replanned.is_set,  # a peer lost before it connected: do not wait it out
+            )
+        )
         try:
             pending = join_generation(
-                store, a.generation, a.rank, a.world_size, self.job.cluster.resolved_backend,
-                collective_timeout=self.timeouts.collective_timeout, arrival_timeout=self.timeouts.rendezvous_timeout,
+                store,
+                a.generation,
+                a.rank,
+                a.world_size,
+                self.job.cluster.resolved_backend,
+                collective_timeout=self.timeouts.collective_timeout,
+                arrival_timeout=self.timeouts.rendezvous_timeout,
                 poll=self.commands.poll,  # the master re-planned while we waited (a failure during recovery)
                 prepared=prepared,
                 before_connect=(lambda: hold("connect", self.node)) if a.previous_generation else None,
-            )  # fmt: skip
+            )
         except dist.DistStoreError as error:  # the master (its store) went away or restarted: not a bug
             raise PeerFailure(f"generation {a.generation}: rendezvous: {str(error).splitlines()[0]}") from error
         if pending is not None:
@@ -469,8 +567,17 @@ class WorkerLoop:
         if survivor and engine is None:
             return None  # adopt says what is wrong
         try:
-            return prepare_arrival(self.job, engine, plan_from_proto(a.previous_plan), plan, list(a.previous_ranks),
-                                   a.rank, list(a.rank_nodes), self.device, self.emulation)  # fmt: skip
+            return prepare_arrival(
+                self.job,
+                engine,
+                plan_from_proto(a.previous_plan),
+                plan,
+                list(a.previous_ranks),
+                a.rank,
+                list(a.rank_nodes),
+                self.device,
+                self.emulation,
+            )
         except RuntimeError as error:
             if is_out_of_memory(error):
                 raise OutOfMemory(self.node, self.local_rank, a.start_step, error) from error
@@ -497,17 +604,32 @@ class WorkerLoop:
                 hold("copy", self.node)
                 old_plan = plan_from_proto(a.previous_plan)
                 engine, transfers, moved, transfer_s = adopt_plan(
-                    self.job, old_engine, old_plan, plan, list(a.previous_ranks), a.rank, list(a.rank_nodes),
-                    self.device, self.waiter, arrival, self.emulation,
-                )  # fmt: skip
+                    self.job,
+                    old_engine,
+                    old_plan,
+                    plan,
+                    list(a.previous_ranks),
+                    a.rank,
+                    list(a.rank_nodes),
+                    self.device,
+                    self.waiter,
+                    arrival,
+                    self.emulation,
+                )
             else:
                 held = {}
                 if a.resume_dir:
                     specs = layer_specs(self.job.model, self.job.data)
-                    held = _read_resume(a, lambda: {i: load_layer(a.resume_dir, self.job, i, specs, self.device)
-                                                    for i in plan.stage(a.rank).layers})  # fmt: skip
-                engine = StageEngine(self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter,
-                                     emulation=self.emulation)
+                    held = _read_resume(
+                        a,
+                        lambda: {
+                            i: load_layer(a.resume_dir, self.job, i, specs, self.device)
+                            for i in plan.stage(a.rank).layers
+                        },
+                    )
+                engine = StageEngine(
+                    self.job, plan, a.rank, device=self.device, held=held, waiter=self.waiter, emulation=self.emulation
+                )
                 if a.resume_dir and held:  # float16's scale and the balancer's model go on from the checkpoint
                     shared = _read_resume(a, lambda: read_shared_state(a.resume_dir, specs[min(held)].name))
                     engine.load_shared_state(shared)
@@ -516,8 +638,15 @@ class WorkerLoop:
             raise
         except RuntimeError as error:
             raise PeerFailure(f"generation {a.generation}: state copy failed: {error}") from error
-        self.phase(a.generation, "states_copied", step=start, seconds=time.perf_counter() - t0, nbytes=moved,
-                   message=f"{len(transfers)} layer transfers in the generation", transfer_seconds=transfer_s)
+        self.phase(
+            a.generation,
+            "states_copied",
+            step=start,
+            seconds=time.perf_counter() - t0,
+            nbytes=moved,
+            message=f"{len(transfers)} layer transfers in the generation",
+            transfer_seconds=transfer_s,
+        )
         self.next_step = start
         return engine, start
 
@@ -525,8 +654,11 @@ class WorkerLoop:
         """Survivors' next step, else the checkpoint's or the assignment's. Survivors one step apart
         (the previous generation's last collective ended on some ranks only) settle it first: the
         ranks behind apply the update the others applied (``_settle``); ``engine``: this survivor's."""
-        value = torch.tensor([mine if mine is not None else -1, -(mine if mine is not None else 1 << 40)],
-                             dtype=torch.int64, device=self.device)
+        value = torch.tensor(
+            [mine if mine is not None else -1, -(mine if mine is not None else 1 << 40)],
+            dtype=torch.int64,
+            device=self.device,
+        )
         try:
             self.waiter.wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), "start-step agreement")
         except RuntimeError as error:
@@ -558,22 +690,31 @@ class WorkerLoop:
             raise PeerFailure(f"generation {a.generation}: {error}") from error
         norm_sq = float(value[0])
         if norm_sq == -math.inf:  # a rank that completed the collective has the norm: none did?
-            raise RuntimeError(f"survivors disagree on the step to resume ({step} vs {step + 1}) and none of "
-                               f"them has step {step}'s gradient norm")  # fmt: skip
+            raise RuntimeError(
+                f"survivors disagree on the step to resume ({step} vs {step + 1}) and none of "
+                f"them has step {step}'s gradient norm"
+            )
         if engine is None:
             return
         if mine != step:
             engine.settle(None)  # ahead: a later step it may have begun was not completed anywhere
             return
         if engine.unsettled != step:
-            raise RuntimeError(f"this rank is at step {step} while others applied it, but it holds no "
-                               f"reduced gradients of that step (unsettled: {engine.unsettled})")  # fmt: skip
+            raise RuntimeError(
+                f"this rank is at step {step} while others applied it, but it holds no "
+                f"reduced gradients of that step (unsettled: {engine.unsettled})"
+            )
         engine.settle(norm_sq)
         self.next_step = step + 1
-        log.warning("generation %d: step %d completed on other ranks while this one gave up inside its last "
-                    "collective; applied its update here too", a.generation, step)
-        self.phase(a.generation, "settled", step=step,
-                   message=f"step {step}'s update applied at the next generation's start")  # fmt: skip
+        log.warning(
+            "generation %d: step %d completed on other ranks while this one gave up inside its last "
+            "collective; applied its update here too",
+            a.generation,
+            step,
+        )
+        self.phase(
+            a.generation, "settled", step=step, message=f"step {step}'s update applied at the next generation's start"
+        )
 
     # ------------------------------------------------------------------ below threshold
     def checkpoint(self, c) -> None:
@@ -606,6 +747,7 @@ def worker_main(conn, config_path: str, node: str, local_rank: int) -> None:
     # rendezvous it made a joiner's 0.11-0.15 s against the survivors' 0.06 s, and the survivors wait
     # for the last to arrive (4 ranks, one run each: 0.05-0.065 s with the import paid here).
     import oobleck_mm.runtime.store  # noqa: F401
+
     try:
         loop = WorkerLoop(conn, load_config(config_path), node, local_rank)
         import_layer_code(loop.job)  # an HF model's modules: at start-up, not in a recovery's copy
@@ -644,8 +786,11 @@ def _read_resume(a, read: Callable[[], Any]) -> Any:
     except (UserError, OSError) as error:
         if not a.resume_chosen:
             raise
-        raise UnreadableCheckpoint(a.resume_dir, f"generation {a.generation}: the run's checkpoint {a.resume_dir} "
-                                                 f"cannot be read: {str(error).splitlines()[0]}") from error
+        raise UnreadableCheckpoint(
+            a.resume_dir,
+            f"generation {a.generation}: the run's checkpoint {a.resume_dir} "
+            f"cannot be read: {str(error).splitlines()[0]}",
+        ) from error
 
 
 def _process_start() -> float:
@@ -685,23 +830,40 @@ def step_metrics(a, plan: ExecutionPlan, engine: StageEngine, result) -> pb.Step
     """What the master logs of one step on this rank (metrics.csv, TensorBoard, the console)."""
     predicted = engine.balancer.last_metrics if engine.balancer is not None else {}
     return pb.StepMetrics(
-        generation=a.generation, step=result.step, rank=a.rank, loss=result.loss,
-        samples_per_s=plan.global_batch / result.step_time_s, step_time_s=result.step_time_s,
-        forward_s=result.forward_s, backward_s=result.backward_s, comm_s=result.comm_s, lr=result.lr,
+        generation=a.generation,
+        step=result.step,
+        rank=a.rank,
+        loss=result.loss,
+        samples_per_s=plan.global_batch / result.step_time_s,
+        step_time_s=result.step_time_s,
+        forward_s=result.forward_s,
+        backward_s=result.backward_s,
+        comm_s=result.comm_s,
+        lr=result.lr,
         expected_compute_s=result.expected_compute_s,
-        grad_norm=result.grad_norm, tokens=result.tokens, peak_memory_bytes=peak_memory_bytes(engine.device),
-        pipeline_s=result.pipeline_s, skipped=result.skipped, loss_scale=result.loss_scale,
+        grad_norm=result.grad_norm,
+        tokens=result.tokens,
+        peak_memory_bytes=peak_memory_bytes(engine.device),
+        pipeline_s=result.pipeline_s,
+        skipped=result.skipped,
+        loss_scale=result.loss_scale,
         predicted_max_s=predicted.get("predicted_max_s", 0.0),
         predicted_mean_s=predicted.get("predicted_mean_s", 0.0),
-        predicted_contiguous_max_s=predicted.get("predicted_contiguous_max_s", 0.0), finished_at=time.time(),
-        deferred=result.deferred, **_lateness_fields(result.lateness),
-    )  # fmt: skip
+        predicted_contiguous_max_s=predicted.get("predicted_contiguous_max_s", 0.0),
+        finished_at=time.time(),
+        deferred=result.deferred,
+        **_lateness_fields(result.lateness),
+    )
 
 
 def _lateness_fields(lateness) -> dict:
     """An emulated step's ``emulation.clock.Lateness`` as ``StepMetrics`` fields (none when not emulated)."""
     if lateness is None:
         return {}
-    return dict(emulated_ops=lateness.ops, emulated_late_ops=lateness.late_ops,
-                emulated_worst_lateness=lateness.worst, emulated_s=lateness.emulated_s,
-                emulated_late_s=lateness.late_s)  # fmt: skip
+    return dict(
+        emulated_ops=lateness.ops,
+        emulated_late_ops=lateness.late_ops,
+        emulated_worst_lateness=lateness.worst,
+        emulated_s=lateness.emulated_s,
+        emulated_late_s=lateness.late_s,
+    )

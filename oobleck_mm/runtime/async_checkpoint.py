@@ -36,8 +36,12 @@ log = logging.getLogger(__name__)
 class AsyncCheckpointer:
     """One background writer per worker; a snapshot while the previous write runs is skipped."""
 
-    def __init__(self, on_written: Callable[[str, int, int, int, float], None],
-                 on_failed: Callable[[str, int, int, str], None] | None = None, node: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        on_written: Callable[[str, int, int, int, float], None],
+        on_failed: Callable[[str, int, int, str], None] | None = None,
+        node: str = "",
+    ) -> None:
         """``node``: this worker's, for the ``checkpoint`` hold point (after the files, before the report)."""
         self.node = node
         self.on_written = on_written
@@ -52,8 +56,16 @@ class AsyncCheckpointer:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def save(self, directory: str, held: Mapping, owned: list[int], specs, step: int, generation: int,
-             shared: dict | None = None) -> bool:  # fmt: skip
+    def save(
+        self,
+        directory: str,
+        held: Mapping,
+        owned: list[int],
+        specs,
+        step: int,
+        generation: int,
+        shared: dict | None = None,
+    ) -> bool:
         """Snapshot ``owned`` layers now and write them in the background; False if still writing the last."""
         if self.busy:
             log.warning("checkpoint of step %d skipped: the previous one is still being written", step)
@@ -61,8 +73,9 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         payloads = {specs[i].name: layer_payload(held[i], shared, copy=True) for i in owned}
         self.snapshot_s = time.perf_counter() - start
-        self._thread = threading.Thread(target=self._write, args=(directory, payloads, step, generation),
-                                        name=f"checkpoint-{step}", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._write, args=(directory, payloads, step, generation), name=f"checkpoint-{step}", daemon=True
+        )
         self._thread.start()
         return True
 

@@ -123,8 +123,12 @@ class ComputeExpectation:
         """One rank's share of ``stage``'s seconds over ``microbatches`` (a stage of d GPUs: 1/d each)."""
         if not microbatches:
             return 0.0
-        rows = np.stack([self.work.slot_features(stage, ids, llm_microbatches[k] if llm_microbatches else None)
-                         for k, ids in enumerate(microbatches)])  # fmt: skip
+        rows = np.stack(
+            [
+                self.work.slot_features(stage, ids, llm_microbatches[k] if llm_microbatches else None)
+                for k, ids in enumerate(microbatches)
+            ]
+        )
         total = self.work.model.predict(self.coefficients, stage.layer_start, stage.layer_end, rows).sum()
         return float(total) / max(1, stage.width)
 
@@ -149,11 +153,16 @@ class StepBalancer:
         """The fitted cost model and the timings it was fitted to (plain numbers: checkpoints load
         them with ``weights_only``)."""
         coefficients = self.coefficients.to_dict()
-        coefficients = {"scales": {k: float(v) for k, v in coefficients["scales"].items()},
-                        "num_observations": int(coefficients["num_observations"])}  # fmt: skip
-        return {"coefficients": coefficients,
-                "window": [[t.layer_start, t.layer_end, [float(x) for x in t.features], float(t.seconds)]
-                           for t in self.window]}  # fmt: skip
+        coefficients = {
+            "scales": {k: float(v) for k, v in coefficients["scales"].items()},
+            "num_observations": int(coefficients["num_observations"]),
+        }
+        return {
+            "coefficients": coefficients,
+            "window": [
+                [t.layer_start, t.layer_end, [float(x) for x in t.features], float(t.seconds)] for t in self.window
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.coefficients = CostCoefficients.from_dict(state["coefficients"])
@@ -165,12 +174,14 @@ class StepBalancer:
 
     def assign(self, step: int, ids, plan):
         """The step's assignment (and predicted metrics); identical on every rank."""
-        problem = BalanceProblem.build(ids, self.features(ids), pipeline_shapes(plan), self.model,
-                                       self.coefficients, plan.microbatch_size, step)
+        problem = BalanceProblem.build(
+            ids, self.features(ids), pipeline_shapes(plan), self.model, self.coefficients, plan.microbatch_size, step
+        )
         # Entrain's deferral regroups whole microbatches at the LLM's first layer; on a pipeline whose
         # stages split microbatches over several GPUs it does not run yet (the engine refuses it).
-        result = balance(problem, self.config.algorithm, self.config.threshold,
-                         self.config.deferral and not plan.sharded)
+        result = balance(
+            problem, self.config.algorithm, self.config.threshold, self.config.deferral and not plan.sharded
+        )
         self.last_metrics = step_metrics(problem, result)
         if result.unbalanced_s is not None:
             self.last_metrics["predicted_contiguous_max_s"] = max(result.unbalanced_s)
@@ -183,7 +194,9 @@ class StepBalancer:
         (``StageWork.slot_features``)."""
         for k, (ids, (fwd, bwd)) in enumerate(zip(microbatches, times)):
             feats = self.work.slot_features(stage, ids, llm_microbatches[k] if llm_microbatches is not None else None)
-            self.fresh.append(StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), fwd + bwd))
+            self.fresh.append(
+                StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), fwd + bwd)
+            )
 
     def maybe_fit(self, step: int) -> bool:
         """Collective every ``fit_every`` steps (every rank of the group calls it at the same step)."""
@@ -203,8 +216,11 @@ class StepBalancer:
     def share_from(self, src: int) -> None:
         """Collective: every rank takes ``src``'s coefficients and timing window (a joiner has none)."""
         self.coefficients = self._broadcast_coefficients(self.coefficients, src)
-        rows = torch.tensor(_timing_rows(self.window) if dist.get_rank() == src else np.zeros((0, TIMING_COLUMNS)),
-                            dtype=torch.float64, device=self.device)  # fmt: skip
+        rows = torch.tensor(
+            _timing_rows(self.window) if dist.get_rank() == src else np.zeros((0, TIMING_COLUMNS)),
+            dtype=torch.float64,
+            device=self.device,
+        )
         count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
         dist.broadcast(count, src=src)
         if dist.get_rank() != src:
@@ -227,8 +243,9 @@ class StepBalancer:
         return [_timings(r[: int(c.item())].cpu().numpy()) for r, c in zip(rows, counts)]
 
     def _broadcast_coefficients(self, coefficients: CostCoefficients, src: int) -> CostCoefficients:
-        vector = torch.tensor([coefficients.num_observations, *coefficients.scales], dtype=torch.float64,
-                              device=self.device)  # fmt: skip
+        vector = torch.tensor(
+            [coefficients.num_observations, *coefficients.scales], dtype=torch.float64, device=self.device
+        )
         dist.broadcast(vector, src=src)
         values = vector.cpu().tolist()
         return CostCoefficients(tuple(values[1 : 1 + NUM_TERMS]), int(values[0]))

@@ -54,8 +54,13 @@ loss scaler and the balancer's fitted cost model, so a resume goes on with both 
 shard a worker loads (``read_shared_state``) instead of starting them cold."""
 
 
-def save_layers(directory: str | os.PathLike, held: Mapping[int, HeldLayer], layers: Iterable[int], specs,
-                shared: Mapping | None = None) -> None:
+def save_layers(
+    directory: str | os.PathLike,
+    held: Mapping[int, HeldLayer],
+    layers: Iterable[int],
+    specs,
+    shared: Mapping | None = None,
+) -> None:
     """Write ``layers`` (indices into ``held``) atomically, one file each, each with ``shared``."""
     for i in layers:
         write_layer_file(Path(directory), specs[i].name, layer_payload(held[i], shared))
@@ -67,8 +72,11 @@ def layer_payload(h: HeldLayer, shared: Mapping | None = None, copy: bool = Fals
     take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach().cpu())
     return {
         "params": {k: take(v) for k, v in h.module.state_dict().items()},
-        "optimizer": ({k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
-                      if h.optimizer is not None else None),
+        "optimizer": (
+            {k: v.detach().cpu().clone() for k, v in optimizer_state(h.optimizer).items()}
+            if h.optimizer is not None
+            else None
+        ),
         **{key: (shared or {}).get(key) for key in SHARED_KEYS},
     }
 
@@ -120,8 +128,10 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
     directory = Path(directory)
     missing = [s.name for s in specs if not _layer_file(directory, s.name).exists()]
     if missing:
-        raise FileNotFoundError(f"{directory}: not complete, no file of layer(s) {', '.join(missing[:5])}"
-                                f"{' ...' if len(missing) > 5 else ''}: meta.json not written")  # fmt: skip
+        raise FileNotFoundError(
+            f"{directory}: not complete, no file of layer(s) {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}: meta.json not written"
+        )
     meta = {
         "format": FORMAT,
         "step": step,
@@ -130,8 +140,11 @@ def save_meta(directory: str | os.PathLike, job, step: int, specs, sampler=None)
         "layer_bytes": {s.name: _size(_layer_file(directory, s.name)) for s in specs},
         "layer_sha256": {s.name: digest for s in specs if (digest := _recorded_digest(directory, s.name))},
         "config": job.to_dict(),  # config_from_dict reads it back (export does)
-        "sampler": ({"epoch": sampler.epoch_of(step), "steps_per_epoch": sampler.steps_per_epoch}
-                    if sampler is not None else None),
+        "sampler": (
+            {"epoch": sampler.epoch_of(step), "steps_per_epoch": sampler.steps_per_epoch}
+            if sampler is not None
+            else None
+        ),
     }
     tmp = directory / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
@@ -182,8 +195,9 @@ PROGRESS_EVERY_S = 5.0
 """``check_layer_files`` says how far it got at most this often (reading a large checkpoint takes a while)."""
 
 
-def check_layer_files(directory: str | os.PathLike, meta: Mapping,
-                      progress: Callable[[str], None] | None = None) -> None:
+def check_layer_files(
+    directory: str | os.PathLike, meta: Mapping, progress: Callable[[str], None] | None = None
+) -> None:
     """Raises ``UserError`` naming the first layer file that is missing, not the recorded size, no zip
     archive, or not the recorded sha256.
 
@@ -212,8 +226,10 @@ def check_layer_files(directory: str | os.PathLike, meta: Mapping,
         if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
             last = time.monotonic()
             of = f" of {total / 2**30:.2f}" if total else ""
-            progress(f"checkpoint {directory}: checked {k}/{len(names)} shards ({done / 2**30:.2f}{of} GiB, "
-                     f"{done / 2**20 / max(last - started, 1e-9):.0f} MiB/s)")  # fmt: skip
+            progress(
+                f"checkpoint {directory}: checked {k}/{len(names)} shards ({done / 2**30:.2f}{of} GiB, "
+                f"{done / 2**20 / max(last - started, 1e-9):.0f} MiB/s)"
+            )
 
 
 def _recorded_digest(directory: Path, name: str) -> str:
@@ -250,8 +266,9 @@ def load_layer(directory: str | os.PathLike, job, index: int, specs, device="cpu
     try:
         held.module.load_state_dict(payload["params"])
     except RuntimeError as exc:  # shapes or names differ: a checkpoint of another model, not a peer failure
-        raise UserError(f"{path}: does not fit layer {specs[index].name!r} of this model: "
-                        f"{str(exc).splitlines()[-1].strip()}") from None
+        raise UserError(
+            f"{path}: does not fit layer {specs[index].name!r} of this model: {str(exc).splitlines()[-1].strip()}"
+        ) from None
     if held.optimizer is not None:
         if payload["optimizer"] is None:
             raise UserError(f"{path}: layer {specs[index].name!r} is trainable but was saved without optimizer state")

@@ -36,6 +36,7 @@ from oobleck_mm.emulation.speed import SpeedFile
 from oobleck_mm.emulation.truth import Truth
 from oobleck_mm.runtime.waiting import PeerFailure
 
+
 class Emulation:
     """One worker's emulated accelerator, shared by its engines across generations."""
 
@@ -92,8 +93,10 @@ class StageTimer:
         LLM layers ``llm_ids`` (the same samples unless Entrain's deferral decoupled them). Returns its seconds
         on the device (what a CUDA event pair would measure)."""
         metas = self.emulation.metas
-        seconds = self.truth.stage_seconds(self.encoder, metas(encoder_ids))[0] + \
-            self.truth.stage_seconds(self.llm, metas(llm_ids))[0]  # fmt: skip
+        seconds = (
+            self.truth.stage_seconds(self.encoder, metas(encoder_ids))[0]
+            + self.truth.stage_seconds(self.llm, metas(llm_ids))[0]
+        )
         start, end = self.clock.run(issued, seconds * self.emulation.factor, "forward")
         return end - start
 
@@ -142,8 +145,9 @@ class StageTimer:
         """The layer-wise gradient all-reduces of this rank's buckets (``ready_for_allreduce``), one after the
         other on its device, each from when its holders were all ready; the real ones ran meanwhile."""
         for when, layers, holders in ready:
-            self.clock.run(max(when, self.clock.free_at), self.truth.allreduce_s(layers, holders), "all-reduce",
-                           judged=False)
+            self.clock.run(
+                max(when, self.clock.free_at), self.truth.allreduce_s(layers, holders), "all-reduce", judged=False
+            )
 
 
 @contextlib.contextmanager

@@ -37,8 +37,15 @@ from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.data.packing import PackedBatch
-from oobleck_mm.model.layers import (build_layer, microbatch_loss, model_layer_specs, parameter_rows, tied_pair,
-                                     tied_rows, trainable_mask)
+from oobleck_mm.model.layers import (
+    build_layer,
+    microbatch_loss,
+    model_layer_specs,
+    parameter_rows,
+    tied_pair,
+    tied_rows,
+    trainable_mask,
+)
 from oobleck_mm.runtime.balancing import ComputeExpectation, step_balancer
 from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
@@ -137,8 +144,9 @@ def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu",
     return HeldLayer(module, build_layer_optimizer(params, job.training) if params else None)
 
 
-def engine_subgroups(job, plan: ExecutionPlan, specs=None, old_plan: ExecutionPlan | None = None,
-                     previous_ranks=()) -> list[tuple[int, ...]]:
+def engine_subgroups(
+    job, plan: ExecutionPlan, specs=None, old_plan: ExecutionPlan | None = None, previous_ranks=()
+) -> list[tuple[int, ...]]:
     """The ranks of every process group a generation forms on ``plan``, in order: what a ``runtime.group.
     PreparedGroup`` forms ahead of a switch. First the state copy's (``old_plan``: the generation before, with
     ``previous_ranks``; ``planning.transfers.gather_groups``), then a ``StageEngine``'s (``grad_sync.
@@ -158,8 +166,7 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
             handler = table.get(type(instruction))
             if handler is None:
                 raise RuntimeError(
-                    f"no handler for pipeline instruction {instruction!r}; handled: "
-                    f"{sorted(t.__name__ for t in table)}"
+                    f"no handler for pipeline instruction {instruction!r}; handled: {sorted(t.__name__ for t in table)}"
                 )
             handler(instruction)
             count += 1
@@ -167,9 +174,19 @@ def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, 
 
 
 class StageEngine:
-    def __init__(self, job, plan: ExecutionPlan, rank: int, data: TrainingData | None = None,
-                 device: torch.device | str = "cpu", held: Mapping[int, HeldLayer] | None = None,
-                 waiter: Waiter | None = None, balancer=None, scaler: LossScaler | None = None, emulation=None):
+    def __init__(
+        self,
+        job,
+        plan: ExecutionPlan,
+        rank: int,
+        data: TrainingData | None = None,
+        device: torch.device | str = "cpu",
+        held: Mapping[int, HeldLayer] | None = None,
+        waiter: Waiter | None = None,
+        balancer=None,
+        scaler: LossScaler | None = None,
+        emulation=None,
+    ):
         """``held``: layers this worker already holds (after a reconfiguration, with their optimizers);
         every other layer of the stage is built fresh from the seed. ``emulation``: the worker's emulated
         accelerator (``runtime.emulated.Emulation``) when ``cluster.emulate`` is set: ``job`` is then the
@@ -189,8 +206,11 @@ class StageEngine:
             balancer = step_balancer(job, self.data, self.specs, self.device, emulation)
         self.balancer = balancer
         work = getattr(balancer, "work", None)
-        self.expectation = ComputeExpectation(work, job.balance.fixed_s_per_layer) if work is not None \
-            else ComputeExpectation.for_job(job, self.data, self.specs, emulation)  # fmt: skip
+        self.expectation = (
+            ComputeExpectation(work, job.balance.fixed_s_per_layer)
+            if work is not None
+            else ComputeExpectation.for_job(job, self.data, self.specs, emulation)
+        )
         """What the cost model says this rank's compute of a step's samples takes (the master's straggler
         detector's reference): with a balancer, over its cached features."""
         self.scaler = scaler if scaler is not None else LossScaler.for_training(job.training)
@@ -239,8 +259,13 @@ class StageEngine:
         self.seam = embeds[0] if embeds and embeds[0] > 0 else None
         """The LLM's first layer (``llm.embed``), where encoder outputs become the LLM's input: the
         boundary Entrain's deferral regroups samples at (None: no encoder before it)."""
-        self.side = ("encoder" if self.seam is not None and self.stage.layer_end <= self.seam else
-                     "seam" if self.seam is not None and self.stage.layer_start <= self.seam else "llm")  # fmt: skip
+        self.side = (
+            "encoder"
+            if self.seam is not None and self.stage.layer_end <= self.seam
+            else "seam"
+            if self.seam is not None and self.stage.layer_start <= self.seam
+            else "llm"
+        )
         """Which microbatches this stage runs when the LLM's microbatches are decoupled (see ``_decouple``)."""
         self._decoupled = False
         self.timer = emulation.stage(self.stage.layers, self.seam, len(plan.pipelines)) if emulation else None
@@ -261,15 +286,29 @@ class StageEngine:
         """The master layers: what the optimizer updates and what moves, checkpoints and verifies."""
         self.optimizers = {i: held[i].optimizer for i in self.stage.layers if held[i].optimizer is not None}
         # (a stage of several GPUs: FSDP2's mixed precision instead, runtime/sharding.py)
-        self.mixed = (ComputeCopies(self.layers, compute_dtype(job.training))
-                      if is_mixed(job.training) and self.stage.width == 1 else None)  # fmt: skip
+        self.mixed = (
+            ComputeCopies(self.layers, compute_dtype(job.training))
+            if is_mixed(job.training) and self.stage.width == 1
+            else None
+        )
         self.compute = self.mixed.compute if self.mixed is not None else self.layers
         """What forward and backward run: the masters, or their compute-dtype copies."""
         rows = parameter_rows(job, sharded_layers(plan, trainable), self.specs) if plan.sharded else None
-        layer_bytes = {i: sum(p.numel() * p.element_size() for p in trainable_params(m)) for i, m in self.layers.items()}
-        self.sync = GradientSync(plan, rank, trainable, self.waiter.timeout, tied_pair(self.specs),
-                                 reduce_dtype(job.training), rows, tied_rows(job, self.specs) if plan.sharded else None,
-                                 layer_bytes, job.training.grad_bucket_mb * 2**20)  # fmt: skip
+        layer_bytes = {
+            i: sum(p.numel() * p.element_size() for p in trainable_params(m)) for i, m in self.layers.items()
+        }
+        self.sync = GradientSync(
+            plan,
+            rank,
+            trainable,
+            self.waiter.timeout,
+            tied_pair(self.specs),
+            reduce_dtype(job.training),
+            rows,
+            tied_rows(job, self.specs) if plan.sharded else None,
+            layer_bytes,
+            job.training.grad_bucket_mb * 2**20,
+        )
         # The emulated device prices the all-reduce after the backward (``timer.ready_for_allreduce``).
         self.overlap = job.training.grad_overlap and emulation is None
         """Start the gradient all-reduces during the step's last backward (``GradientSync.arm``)."""
@@ -336,14 +375,26 @@ class StageEngine:
         self._backwards = 0  # BackwardPass instructions run this step: the last one arms the overlap
         self._intervals: list[list] = []  # per microbatch: [forward, backward] intervals of self.clock
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._result = StepResult(step, 0.0, 0.0, 0.0, 0.0, tokens=self.data.llm_tokens(ids),
-                                  microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p),
-                                  pieces=tuple(piece for layout, p in zip(self.plan.pipelines, assignment.pipelines)
-                                               for mb in p for k in range(layout.pieces)
-                                               if (piece := piece_samples(mb, layout.pieces, k))),
-                                  deferred=sum(len(d) for p in assignment.deferred for d in p))
-        schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=self.num_stages,
-                                    stage_id=self.stage_index)
+        self._result = StepResult(
+            step,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            tokens=self.data.llm_tokens(ids),
+            microbatches=tuple(tuple(mb) for p in assignment.pipelines for mb in p),
+            pieces=tuple(
+                piece
+                for layout, p in zip(self.plan.pipelines, assignment.pipelines)
+                for mb in p
+                for k in range(layout.pieces)
+                if (piece := piece_samples(mb, layout.pieces, k))
+            ),
+            deferred=sum(len(d) for p in assignment.deferred for d in p),
+        )
+        schedule = ds.TrainSchedule(
+            micro_batches=len(self._microbatches), stages=self.num_stages, stage_id=self.stage_index
+        )
         execute(schedule.steps(), self._dispatch)
         # The microbatches' times, read once the step's work is done (CUDA events: one sync here).
         self._result.microbatch_times = [(self.clock.seconds(f), self.clock.seconds(b)) for f, b in self._intervals]
@@ -352,7 +403,8 @@ class StageEngine:
         self._result.forward_s = sum(f for f, _ in self._result.microbatch_times)
         self._result.backward_s = sum(b for _, b in self._result.microbatch_times)
         self._result.expected_compute_s = self.expectation.seconds(
-            self.stage, self._microbatches, self._llm_microbatches if self._decoupled else None)
+            self.stage, self._microbatches, self._llm_microbatches if self._decoupled else None
+        )
         if self.balancer is not None:
             # Packing is this stage's work for the microbatch too (it grows with images and text):
             # the balancer's cost model is fitted to all of it (emulated: inside the forward's window).
@@ -360,8 +412,9 @@ class StageEngine:
             times = [(f + pack.get(mb, 0.0), b) for mb, (f, b) in enumerate(self._result.microbatch_times)]
             if self.rank == self.stage.rank:  # a stage of d GPUs: its first rank's share, as one GPU's seconds
                 times = [(f * self.stage.width, b * self.stage.width) for f, b in times]
-                self.balancer.observe(self.stage, self._microbatches, times,
-                                      self._llm_microbatches if self._decoupled else None)
+                self.balancer.observe(
+                    self.stage, self._microbatches, times, self._llm_microbatches if self._decoupled else None
+                )
         if self.emulation is not None:
             self._result.lateness = self.emulation.take()
         self._result.step_time_s = time.perf_counter() - t0
@@ -410,15 +463,19 @@ class StageEngine:
             self._llm_microbatches = self._microbatches
             return
         if self.pipeline.pieces > 1:
-            raise ValueError(f"pipeline {p} has a stage of {self.pipeline.pieces} GPUs; Entrain's deferral does not run "
-                             f"on such pipelines yet (balance.deferral: false)")  # fmt: skip
+            raise ValueError(
+                f"pipeline {p} has a stage of {self.pipeline.pieces} GPUs; Entrain's deferral does not run "
+                f"on such pipelines yet (balance.deferral: false)"
+            )
         if self._deferred[-1]:
-            raise ValueError(f"the last microbatch of pipeline {p} defers samples {self._deferred[-1]}: "
-                             f"nothing runs after it")  # fmt: skip
+            raise ValueError(
+                f"the last microbatch of pipeline {p} defers samples {self._deferred[-1]}: nothing runs after it"
+            )
         self._llm_microbatches = assignment.llm_microbatches(p)
         # kept_k: L_k without what it received from slot k - 1 (llm_microbatches puts those last)
-        self._kept = [lm[: len(lm) - len(self._deferred[k - 1])] if k else lm
-                      for k, lm in enumerate(self._llm_microbatches)]  # fmt: skip
+        self._kept = [
+            lm[: len(lm) - len(self._deferred[k - 1])] if k else lm for k, lm in enumerate(self._llm_microbatches)
+        ]
         self._group_in: dict[tuple[int, str], tuple] = {}
         self._group_out: dict[tuple[int, str], tuple] = {}
         self._held: dict[int, tuple] = {}
@@ -600,8 +657,9 @@ class StageEngine:
         if self.timer is None:
             self._intervals[mb][1] = self.clock.stop(mark)
         else:
-            self._intervals[mb][1] = self.timer.backward(began, self._llm_microbatches[mb]) if self.needs_backward \
-                else 0.0
+            self._intervals[mb][1] = (
+                self.timer.backward(began, self._llm_microbatches[mb]) if self.needs_backward else 0.0
+            )
 
     def _send_grad(self, ins) -> None:
         if self._decoupled and self.side != "llm":
@@ -617,8 +675,7 @@ class StageEngine:
             arrival = self.timer.arrival(self.stage.layer_start - 1, self._llm_microbatches[mb])
         for piece, piece_inputs in inputs.items():
             grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
-            self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter,
-                                                    arrival)
+            self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter, arrival)
         self._result.comm_s += time.perf_counter() - t0
 
     def _reduce_tied_grads(self, ins) -> None:
@@ -653,16 +710,24 @@ class StageEngine:
         self.before_reduce()
         try:
             norm_sq, extras = self.sync.global_grad_sq(
-                self.layers, self.device, waiter=self.waiter,
-                extras=(self._loss, 1.0 if self.command_waiting() else 0.0, 1.0 if self.checkpoint_due() else 0.0,
-                        float(self._digest)),
-            )  # fmt: skip
+                self.layers,
+                self.device,
+                waiter=self.waiter,
+                extras=(
+                    self._loss,
+                    1.0 if self.command_waiting() else 0.0,
+                    1.0 if self.checkpoint_due() else 0.0,
+                    float(self._digest),
+                ),
+            )
             loss, waiting, due, digests = extras
             world = torch.distributed.get_world_size(self.sync.step_group)
             if not assignments_agree(digests, world, self._digest):
-                raise RanksDisagree(f"step {self._step}: the {world} ranks did not all run the same assignment of the "
-                                    f"global batch (this rank's digest {self._digest}, sum {digests:.0f}); no update "
-                                    f"applied. A balancing decision is not deterministic across processes: a bug")
+                raise RanksDisagree(
+                    f"step {self._step}: the {world} ranks did not all run the same assignment of the "
+                    f"global batch (this rank's digest {self._digest}, sum {digests:.0f}); no update "
+                    f"applied. A balancing decision is not deterministic across processes: a bug"
+                )
             self.last_reduced = (self._step, norm_sq)
             self._result.loss = loss
             self._result.switch = waiting > 0
@@ -688,8 +753,12 @@ class StageEngine:
                     optimizer.zero_grad(set_to_none=True)
                 self._result.skipped, self._result.grad_norm = True, math.inf
                 self._result.lr = lr_at(self.job.training, self._step)
-                log.warning("step %d: float16 gradients overflowed at loss scale %g; step skipped on every "
-                            "rank, scale now %g", self._step, scale, self.scaler.scale)
+                log.warning(
+                    "step %d: float16 gradients overflowed at loss scale %g; step skipped on every rank, scale now %g",
+                    self._step,
+                    scale,
+                    self.scaler.scale,
+                )
                 return
         self._result.grad_norm, self._result.lr = apply_update(
             self.layers, self.optimizers, norm_sq, self._step, self.job.training, grad_scale=scale
@@ -724,8 +793,12 @@ class StageEngine:
         self._result.pipeline_s = self.clock.seconds(self._pipeline_interval)  # the step's one sync, a bit early
         times[self.pipeline_index] = self._result.pipeline_s
         times = times.to(self.device)
-        self.waiter.wait(torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX, group=self.sync.step_group,
-                                                      async_op=True), "pipeline time all-reduce")  # fmt: skip
+        self.waiter.wait(
+            torch.distributed.all_reduce(
+                times, op=torch.distributed.ReduceOp.MAX, group=self.sync.step_group, async_op=True
+            ),
+            "pipeline time all-reduce",
+        )
         self._result.pipeline_times = [float(t) for t in times.cpu()]
 
     def discard_iteration(self) -> None:
@@ -736,8 +809,18 @@ class StageEngine:
         for module in (*self.layers.values(), *self.compute.values()):
             if id(module) not in keep:
                 module.zero_grad(set_to_none=True)
-        for name in ("_batches", "_inputs", "_outputs", "_grads", "_buffer_mb", "_grad_mb", "_group_in", "_group_out",
-                     "_held", "_backward_groups"):
+        for name in (
+            "_batches",
+            "_inputs",
+            "_outputs",
+            "_grads",
+            "_buffer_mb",
+            "_grad_mb",
+            "_group_in",
+            "_group_out",
+            "_held",
+            "_backward_groups",
+        ):
             if hasattr(self, name):
                 getattr(self, name).clear()
 
@@ -747,8 +830,10 @@ class StageEngine:
 
     def shared_state(self) -> dict:
         """What every checkpoint shard carries besides its layer (``checkpoint.SHARED_KEYS``)."""
-        return {"loss_scaler": self.scaler_state(),
-                "balancer": self.balancer.state_dict() if self.balancer is not None else None}  # fmt: skip
+        return {
+            "loss_scaler": self.scaler_state(),
+            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
+        }
 
     def load_shared_state(self, state: dict) -> None:
         """A checkpoint's ``shared_state``: training goes on with its loss scale and fitted cost model."""
@@ -776,13 +861,20 @@ class StageEngine:
         GPUs): what the cost model calls a stage's resident bytes per GPU (``planning.costs.stage_cost``)."""
         tensors = [local(p) for m in self.layers.values() for p in m.parameters()]
         tensors += [local(p.grad) for m in self.layers.values() for p in m.parameters() if p.grad is not None]
-        tensors += [local(v) for opt in self.optimizers.values() for state in opt.state.values() for v in state.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
+        tensors += [
+            local(v)
+            for opt in self.optimizers.values()
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s whole state; on a stage of several GPUs gathered from its shards (collective over
         the stage: its every rank asks for the same layers in the same order)."""
         over = Gather.of_stage(self.sync.stage_group, self.stage.ranks) if self.stage.width > 1 else None
-        return {k: (gathered(v, over) if isinstance(v, DTensor) else v).detach().cpu().clone()
-                for k, v in self.layers[index].state_dict().items()}  # fmt: skip
+        return {
+            k: (gathered(v, over) if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in self.layers[index].state_dict().items()
+        }

@@ -66,8 +66,11 @@ class Bucket:
 
 def sharded_layers(plan: ExecutionPlan, trainable: tuple[bool, ...]) -> tuple[int, ...]:
     """Trainable layers some stage of several GPUs holds: summed over pieces of rows, not in buckets."""
-    return tuple(layer for layer in range(plan.num_layers)
-                 if trainable[layer] and any(len(h) > 1 for h in plan.shard_holders(layer)))  # fmt: skip
+    return tuple(
+        layer
+        for layer in range(plan.num_layers)
+        if trainable[layer] and any(len(h) > 1 for h in plan.shard_holders(layer))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +148,9 @@ def tied_holders(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[i
     return tuple(sorted(set(plan.holders(tied[0])) | set(plan.holders(tied[1]))))
 
 
-def tied_pieces(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None,
-                tied_rows: int) -> list[Piece]:  # fmt: skip
+def tied_pieces(
+    plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None, tied_rows: int
+) -> list[Piece]:
     """On a plan with stages of several GPUs, the tied embedding's rows cut at every holding stage's chunks (a
     stage holding both the embedding and the head counted once), each naming the one rank per holding stage
     whose chunk holds it (``planning.shards.reduction_pieces``); empty when nothing is tied or either side is
@@ -157,9 +161,13 @@ def tied_pieces(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[in
     return reduction_pieces(tied_rows, stages)
 
 
-def subgroup_ranks(plan: ExecutionPlan, trainable: tuple[bool, ...], tied: tuple[int, int] | None = None,
-                   rows: Mapping[int, Sequence[int]] | None = None,
-                   tied_rows: int | None = None) -> list[tuple[int, ...]]:  # fmt: skip
+def subgroup_ranks(
+    plan: ExecutionPlan,
+    trainable: tuple[bool, ...],
+    tied: tuple[int, int] | None = None,
+    rows: Mapping[int, Sequence[int]] | None = None,
+    tied_rows: int | None = None,
+) -> list[tuple[int, ...]]:
     """The ranks of every process group ``GradientSync`` forms, in the order it forms them (pure):
     ``runtime.group.PreparedGroup`` forms the same ones ahead of a switch.
 
@@ -220,17 +228,27 @@ class _Started:
         return self.flat.numel() * self.flat.element_size()
 
 
-def _sum_in_place(tensors: Sequence[torch.Tensor], group, waiter: Waiter, what: str,
-                  dtype: torch.dtype | None = None) -> int:
+def _sum_in_place(
+    tensors: Sequence[torch.Tensor], group, waiter: Waiter, what: str, dtype: torch.dtype | None = None
+) -> int:
     """Sum ``tensors`` over ``group`` now (``_Started``); returns the bytes reduced."""
     return _Started.start(tensors, group, what, dtype).finish(waiter)
 
 
 class GradientSync:
-    def __init__(self, plan: ExecutionPlan, rank: int, trainable: tuple[bool, ...], timeout: timedelta | None = None,
-                 tied: tuple[int, int] | None = None, reduce_dtype: torch.dtype | None = None,
-                 rows: Mapping[int, Sequence[int]] | None = None, tied_rows: int | None = None,
-                 layer_bytes: Mapping[int, int] | None = None, bucket_bytes: float = float("inf")):
+    def __init__(
+        self,
+        plan: ExecutionPlan,
+        rank: int,
+        trainable: tuple[bool, ...],
+        timeout: timedelta | None = None,
+        tied: tuple[int, int] | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        rows: Mapping[int, Sequence[int]] | None = None,
+        tied_rows: int | None = None,
+        layer_bytes: Mapping[int, int] | None = None,
+        bucket_bytes: float = float("inf"),
+    ):
         """``tied``: (token embedding, LM head) layer indices whose weights are one parameter.
         ``reduce_dtype``: the all-reduce's dtype when it differs from the gradients' (bf16 reduction).
         ``rows``: with stages of several GPUs, the first-dimension sizes of the sharded layers' parameters.
@@ -268,7 +286,7 @@ class GradientSync:
         """The group of this rank's stage when it spans several GPUs: its FSDP2 mesh is made from it."""
         meshes = stage_meshes(plan)
         if meshes:
-            mine = [g for ranks, g in zip(every[-len(meshes):], formed[-len(meshes):]) if rank in ranks]
+            mine = [g for ranks, g in zip(every[-len(meshes) :], formed[-len(meshes) :]) if rank in ranks]
             self.stage_group = mine[0] if mine else None
             every, formed = every[: -len(meshes)], formed[: -len(meshes)]
         self.groups = {ranks: group for ranks, group in zip(every, formed) if rank in ranks}
@@ -326,8 +344,11 @@ class GradientSync:
         for i in chunk.layers:
             fill_missing_grads(layers[i])
         grads = [p.grad for i in chunk.layers for p in trainable_params(layers[i])]
-        self._started.append(_Started.start(grads, self.groups[chunk.holders],
-                                            f"gradient all-reduce over ranks {chunk.holders}", self.reduce_dtype))
+        self._started.append(
+            _Started.start(
+                grads, self.groups[chunk.holders], f"gradient all-reduce over ranks {chunk.holders}", self.reduce_dtype
+            )
+        )
 
     def all_reduce(self, layers: Mapping[int, nn.Module], waiter: Waiter = Waiter()) -> int:
         """Sum every held layer's gradients over its holders; returns bytes reduced. The chunks ``arm`` started
@@ -362,8 +383,13 @@ class GradientSync:
                 grad = local(trainable_params(module)[k].grad)
                 first = self._shard_start.get((layer, k), 0)
                 views.append(grad[start - first : end - first] if grad.dim() else grad.view(1))
-            total += _sum_in_place(views, self.groups[piece_sum.ranks], waiter,
-                                   f"sharded gradient all-reduce over ranks {piece_sum.ranks}", self.reduce_dtype)
+            total += _sum_in_place(
+                views,
+                self.groups[piece_sum.ranks],
+                waiter,
+                f"sharded gradient all-reduce over ranks {piece_sum.ranks}",
+                self.reduce_dtype,
+            )
         return total
 
     def _reduce_tied(self, layers: Mapping[int, nn.Module], waiter: Waiter) -> int:
@@ -381,8 +407,10 @@ class GradientSync:
             if i in layers and self.plan.holders(i)[0] == self.rank:
                 total += layers[i].tied_weight.grad
         if self.tied_group is not None:
-            waiter.wait(dist.all_reduce(total, group=self.tied_group, async_op=True),
-                        f"tied-embedding all-reduce over ranks {self.tied_holders}")
+            waiter.wait(
+                dist.all_reduce(total, group=self.tied_group, async_op=True),
+                f"tied-embedding all-reduce over ranks {self.tied_holders}",
+            )
         for weight in mine:
             weight.grad.copy_(total)
         return total.numel() * total.element_size() if self.tied_group is not None else 0
@@ -410,15 +438,21 @@ class GradientSync:
         moved = 0
         for ranks, parts in by_ranks.items():  # in the pieces' order: the same on every member
             if len(ranks) > 1:
-                moved += _sum_in_place([t for _, t in parts], self.groups[ranks], waiter,
-                                       f"tied-embedding all-reduce over ranks {ranks}")
+                moved += _sum_in_place(
+                    [t for _, t in parts], self.groups[ranks], waiter, f"tied-embedding all-reduce over ranks {ranks}"
+                )
             for rows, t in parts:
                 for i in mine:
                     grads[i][rows].copy_(t)
         return moved
 
-    def global_grad_sq(self, layers: Mapping[int, nn.Module], device, extras: Sequence[torch.Tensor | float] = (),
-                       waiter: Waiter = Waiter()) -> tuple[float, list[float]]:  # fmt: skip
+    def global_grad_sq(
+        self,
+        layers: Mapping[int, nn.Module],
+        device,
+        extras: Sequence[torch.Tensor | float] = (),
+        waiter: Waiter = Waiter(),
+    ) -> tuple[float, list[float]]:
         """Squared global gradient norm, each layer counted once (by its owner), and the sum over
         all ranks of each of ``extras`` (scalars), in the same collective: ``(norm_sq, sums)``."""
         local = torch.zeros(1 + len(extras), dtype=torch.float64, device=device)  # on the device: one sync

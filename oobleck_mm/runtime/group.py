@@ -75,8 +75,9 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 """What torchrun gives every worker; ours are set for the current generation (``torchrun_environment``)."""
 
 
-def torchrun_environment(rank: int, world_size: int, local_rank: int, node: str, rank_nodes: Sequence[str],
-                         store_host: str, store_port: int) -> dict[str, str]:  # fmt: skip
+def torchrun_environment(
+    rank: int, world_size: int, local_rank: int, node: str, rank_nodes: Sequence[str], store_host: str, store_port: int
+) -> dict[str, str]:
     """torchrun's variables for one worker in one generation, so user code that reads them (a
     model builder, a data pipeline, a logger) sees the generation it runs in. ``MASTER_ADDR`` and
     ``MASTER_PORT`` name the generation's rendezvous store, as torchrun's do; ``LOCAL_WORLD_SIZE``
@@ -86,8 +87,9 @@ def torchrun_environment(rank: int, world_size: int, local_rank: int, node: str,
     return {name: str(value) for name, value in zip(TORCHRUN_VARIABLES, values)}
 
 
-def connect_store(host: str, port: int, token: str, timeout: timedelta,
-                  interrupt: Callable[[], bool] | None = None) -> dist.Store:  # fmt: skip
+def connect_store(
+    host: str, port: int, token: str, timeout: timedelta, interrupt: Callable[[], bool] | None = None
+) -> dist.Store:
     """A client of the master's rendezvous store at ``host:port``; ``timeout`` bounds each of its operations,
     ``interrupt`` (the master re-planned) ends its waits for a key at once."""
     from oobleck_mm.runtime.store import ControlPlaneStore
@@ -126,16 +128,16 @@ def join_generation(
     if prepared is not None:
         return _install(prepared, poll, arrival_timeout)
     prefixed = dist.PrefixStore(f"gen{generation}", store)
-    pending = _await_arrivals(prefixed, generation, world_size, arrival_timeout, poll,
-                              _arrival_reader(store, generation))  # fmt: skip
+    pending = _await_arrivals(
+        prefixed, generation, world_size, arrival_timeout, poll, _arrival_reader(store, generation)
+    )
     if pending is not None:
         return pending
     if before_connect is not None:
         before_connect()
     dist.distributed_c10d._world.group_count = 0  # see the module docstring
     try:
-        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                                timeout=collective_timeout)  # fmt: skip
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=collective_timeout)
     except RuntimeError as error:
         raise PeerFailure(f"generation {generation}: rendezvous failed: {error}") from error
     _keep_store(store)
@@ -152,8 +154,14 @@ def _arrival_reader(store, generation: int) -> Callable[[float], bytes | None] |
     return lambda seconds: read_within(key, seconds)
 
 
-def _await_arrivals(prefixed: dist.Store, generation: int, world_size: int, timeout: timedelta,
-                    poll: Callable[[], Any] | None, read_all: Callable[[float], bytes | None] | None = None) -> Any:
+def _await_arrivals(
+    prefixed: dist.Store,
+    generation: int,
+    world_size: int,
+    timeout: timedelta,
+    poll: Callable[[], Any] | None,
+    read_all: Callable[[float], bytes | None] | None = None,
+) -> Any:
     """The arrival barrier: counts this worker in and waits for ``world_size``; ``poll``'s answer if it has one.
 
     ``read_all`` (``_arrival_reader``): the last worker to arrive sets ``ARRIVED_ALL_KEY`` and the others
@@ -223,10 +231,19 @@ class PreparedGroup:
     NCCL needs none of this: its communicators are formed at their first collective.
     """
 
-    def __init__(self, connect: Callable[[], dist.Store], generation: int, rank: int, world_size: int, *,
-                 collective_timeout: timedelta, arrival_timeout: timedelta,
-                 subgroups: Sequence[Sequence[int]] = (), before: Callable[[], None] | None = None,
-                 gated: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        connect: Callable[[], dist.Store],
+        generation: int,
+        rank: int,
+        world_size: int,
+        *,
+        collective_timeout: timedelta,
+        arrival_timeout: timedelta,
+        subgroups: Sequence[Sequence[int]] = (),
+        before: Callable[[], None] | None = None,
+        gated: bool = False,
+    ) -> None:
         """``subgroups``: the ranks of each subgroup the generation will form after its default group,
         in order (``runtime.grad_sync.subgroup_ranks``); those this rank is in are formed here too.
         ``before``: called first, in the background thread (the ``forming`` hold point).
@@ -256,16 +273,28 @@ class PreparedGroup:
                 self.gate.wait(self.arrival_timeout.total_seconds())
             self.store = connect()
             prefixed = dist.PrefixStore(f"gen{self.generation}", self.store)
-            _await_arrivals(prefixed, self.generation, self.world_size, self.arrival_timeout, None,
-                            _arrival_reader(self.store, self.generation))  # fmt: skip
+            _await_arrivals(
+                prefixed,
+                self.generation,
+                self.world_size,
+                self.arrival_timeout,
+                None,
+                _arrival_reader(self.store, self.generation),
+            )
             prepared = dist.PrefixStore("prepared", prefixed)
             backends = [dist.ProcessGroupGloo(prepared, self.rank, self.world_size, self.collective_timeout)]
             # Every member forms its subgroups in the same global order: the lowest one still forming
             # has all its members at it, so they cannot wait on each other in a cycle.
             for k, ranks in enumerate(self.subgroups):
                 if self.rank in ranks:
-                    backends.append(dist.ProcessGroupGloo(dist.PrefixStore(f"sub{k}", prepared), ranks.index(self.rank),
-                                                          len(ranks), self.collective_timeout))  # fmt: skip
+                    backends.append(
+                        dist.ProcessGroupGloo(
+                            dist.PrefixStore(f"sub{k}", prepared),
+                            ranks.index(self.rank),
+                            len(ranks),
+                            self.collective_timeout,
+                        )
+                    )
             self.backends = backends
         except Exception as error:  # noqa: BLE001 - a peer gone meanwhile; said when the switch comes
             self.error = error
@@ -294,17 +323,22 @@ def _install(prepared: PreparedGroup, poll: Callable[[], Any] | None, timeout: t
             return pending
         if time.monotonic() > deadline:
             prepared.abandoned = True
-            raise PeerFailure(f"generation {prepared.generation}: the group formed in the background was not "
-                              f"ready within {timeout}")  # fmt: skip
+            raise PeerFailure(
+                f"generation {prepared.generation}: the group formed in the background was not ready within {timeout}"
+            )
     if prepared.error is not None or not prepared.backends:
         raise PeerFailure(f"generation {prepared.generation}: rendezvous failed: {prepared.error}")
     _handed_out[:] = prepared.backends
     prepared.backends = []  # torch holds them from here
     dist.distributed_c10d._world.group_count = 0  # see the module docstring
     try:
-        dist.init_process_group(PREPARED_BACKEND, store=dist.PrefixStore(f"gen{prepared.generation}", prepared.store),
-                                rank=prepared.rank, world_size=prepared.world_size,
-                                timeout=prepared.collective_timeout)  # fmt: skip
+        dist.init_process_group(
+            PREPARED_BACKEND,
+            store=dist.PrefixStore(f"gen{prepared.generation}", prepared.store),
+            rank=prepared.rank,
+            world_size=prepared.world_size,
+            timeout=prepared.collective_timeout,
+        )
     except RuntimeError as error:
         _retire_prepared()
         raise PeerFailure(f"generation {prepared.generation}: rendezvous failed: {error}") from error
@@ -406,8 +440,7 @@ class RetiredGroups:
             # found with py-spy).
             while done:  # each started under the lock: ``close`` joins only started threads
                 with self._lock:
-                    thread = threading.Thread(target=_destroy, args=([done.pop()],), name="destroy-group",
-                                              daemon=True)  # fmt: skip
+                    thread = threading.Thread(target=_destroy, args=([done.pop()],), name="destroy-group", daemon=True)
                     self._destroyers.append(thread)
                     thread.start()
 
@@ -463,8 +496,9 @@ def leave_group(abort: bool = False) -> None:
         worker.start()
         worker.join(NCCL_ABORT_WAIT.total_seconds())
         if worker.is_alive():
-            log.warning("NCCL abort still running after %.0f s; leaving the group without it",
-                        NCCL_ABORT_WAIT.total_seconds())
+            log.warning(
+                "NCCL abort still running after %.0f s; leaving the group without it", NCCL_ABORT_WAIT.total_seconds()
+            )
         if not dist.is_initialized():
             return
     try:

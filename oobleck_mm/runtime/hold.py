@@ -96,6 +96,5 @@ def holds(value: str | None = None) -> dict[tuple[str, str | None], float]:
         except ValueError:
             raise ValueError(f"{ENV}: expected point[@node]:seconds, got {entry!r}") from None
         if not (point in POINTS[:-1] or _is_step(point)) or out[(point, node or None)] < 0:
-            raise ValueError(f"{ENV}: {entry!r}: the point must be one of {', '.join(POINTS)} (N a step), "
-                             "seconds >= 0")
+            raise ValueError(f"{ENV}: {entry!r}: the point must be one of {', '.join(POINTS)} (N a step), seconds >= 0")
     return out

@@ -61,8 +61,9 @@ def check_templates(job) -> None:
     from oobleck_mm.profiling.load import load_profile
 
     try:
-        build_templates(load_profile(job), ClusterSpec.from_config(job.cluster), job.cluster.nodes,
-                        job.fault_tolerance.f)  # fmt: skip
+        build_templates(
+            load_profile(job), ClusterSpec.from_config(job.cluster), job.cluster.nodes, job.fault_tolerance.f
+        )
     except UserError as exc:
         raise UserError(f"no pipeline templates for {job.cluster.nodes} nodes (cluster.nodes): {exc}") from None
 

@@ -40,8 +40,9 @@ class ComputeCopies:
     def _copy(self, master: nn.Module) -> nn.Module:
         mine = copy.deepcopy(master)
         # remove_duplicate=False: a parameter shared inside a layer is paired once per use.
-        pairs = zip(mine.named_parameters(remove_duplicate=False), master.named_parameters(remove_duplicate=False),
-                    strict=True)
+        pairs = zip(
+            mine.named_parameters(remove_duplicate=False), master.named_parameters(remove_duplicate=False), strict=True
+        )
         for (_, p), (_, q) in pairs:
             p.data = q.detach().to(self.dtype)
             self._pairs.append((p, q))

@@ -85,7 +85,9 @@ def _warmup_gamma(iteration: int, warmup_steps: int, warmup_type: str) -> float:
     return iteration / warmup_steps
 
 
-def _warmup_cosine_lr(base_lr: float, iteration: int, warmup_steps: int, warmup_type: str, total_steps: int, p) -> float:
+def _warmup_cosine_lr(
+    base_lr: float, iteration: int, warmup_steps: int, warmup_type: str, total_steps: int, p
+) -> float:
     """DeepSpeed's WarmupCosineLR: ratios of the optimizer's lr, not absolute lrs."""
     if iteration < 0:
         return 0.0  # DeepSpeed returns lr 0 before the scheduler "has started".
@@ -117,9 +119,12 @@ def _one_cycle(training: TrainingConfig, step: int) -> tuple[float, tuple[float,
     """
     from deepspeed.runtime.lr_schedules import OneCycle
 
-    probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=training.optimizer.params.lr,
-                              betas=training.optimizer.params.betas)  # fmt: skip
-    schedule = OneCycle(probe, last_batch_iteration=-1 if step == 0 else step - 1, **training.scheduler.deepspeed_params(training.steps))
+    probe = torch.optim.AdamW(
+        [torch.zeros(1, requires_grad=True)], lr=training.optimizer.params.lr, betas=training.optimizer.params.betas
+    )
+    schedule = OneCycle(
+        probe, last_batch_iteration=-1 if step == 0 else step - 1, **training.scheduler.deepspeed_params(training.steps)
+    )
     if step == 0:
         group = probe.param_groups[0]
         return group["lr"], (tuple(group["betas"]) if schedule.cycle_momentum else None)
@@ -205,7 +210,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]
     for index, param in enumerate(_params(optimizer)):
         state = optimizer.state.get(param) or _fresh_state(param)
         # Catches an optimizer (or a torch version) holding state this module would silently drop.
-        assert tuple(sorted(state)) == _ADAM_STATE_KEYS, f"optimizer state keys {sorted(state)}, expected {_ADAM_STATE_KEYS}"
+        assert tuple(sorted(state)) == _ADAM_STATE_KEYS, (
+            f"optimizer state keys {sorted(state)}, expected {_ADAM_STATE_KEYS}"
+        )
         for key in _ADAM_STATE_KEYS:
             out[f"{index}.{key}"] = state[key]
     return out
@@ -229,7 +236,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, torc
             value = state[f"{index}.{key}"].detach()
             if key == "step":
                 if value.numel() != 1:
-                    raise ValueError(f"optimizer state '{index}.step': expected a scalar, got shape {tuple(value.shape)}")
+                    raise ValueError(
+                        f"optimizer state '{index}.step': expected a scalar, got shape {tuple(value.shape)}"
+                    )
                 # torch keeps a non-capturable step on the CPU and reads it with .item().
                 loaded[key] = value.reshape(()).to(device="cpu", dtype=_step_dtype(), copy=True)
             else:

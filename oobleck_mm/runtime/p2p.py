@@ -54,8 +54,13 @@ def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ..
     return out
 
 
-def send_tensors(tensors: Sequence[torch.Tensor], dst: int, device: torch.device | str = "cpu",
-                 waiter: Waiter = _BLOCKING, arrival_s: float = 0.0) -> int:
+def send_tensors(
+    tensors: Sequence[torch.Tensor],
+    dst: int,
+    device: torch.device | str = "cpu",
+    waiter: Waiter = _BLOCKING,
+    arrival_s: float = 0.0,
+) -> int:
     """Send ``tensors`` to global rank ``dst``; returns the payload bytes. ``arrival_s``: the emulated arrival
     time the receiver waits for (0: none)."""
     # The tensors stay referenced here until every request completes.
@@ -71,8 +76,9 @@ def recv_tensors(src: int, device: torch.device | str = "cpu", waiter: Waiter = 
     return recv_tensors_timed(src, device, waiter)[0]
 
 
-def recv_tensors_timed(src: int, device: torch.device | str = "cpu",
-                       waiter: Waiter = _BLOCKING) -> tuple[tuple[torch.Tensor, ...], float]:
+def recv_tensors_timed(
+    src: int, device: torch.device | str = "cpu", waiter: Waiter = _BLOCKING
+) -> tuple[tuple[torch.Tensor, ...], float]:
     """``recv_tensors``, and the emulated arrival time the sender wrote (0.0: none)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     waiter.wait(dist.irecv(header, src), f"receive from rank {src}", pollable=False)

@@ -51,8 +51,9 @@ class ReferenceTrainer:
             if params:
                 self.optimizers[i] = build_layer_optimizer(params, job.training)
         # The layers above are the masters; mixed precision computes on copies (as the engine does).
-        self.mixed = ComputeCopies(dict(enumerate(self.layers)), compute_dtype(job.training)) \
-            if is_mixed(job.training) else None
+        self.mixed = (
+            ComputeCopies(dict(enumerate(self.layers)), compute_dtype(job.training)) if is_mixed(job.training) else None
+        )
         self.compute = self.mixed.compute if self.mixed is not None else dict(enumerate(self.layers))
         self.scaler = LossScaler.for_training(job.training)
 
@@ -100,8 +101,7 @@ class ReferenceTrainer:
                 for optimizer in self.optimizers.values():
                     optimizer.zero_grad(set_to_none=True)
                 return total
-        apply_update(dict(enumerate(self.layers)), self.optimizers, norm_sq, step, self.job.training,
-                     grad_scale=scale)
+        apply_update(dict(enumerate(self.layers)), self.optimizers, norm_sq, step, self.job.training, grad_scale=scale)
         if self.mixed is not None:
             self.mixed.sync()
         return total

@@ -39,9 +39,13 @@ def shard_layer(module: nn.Module, mesh, training, state: Mapping[str, torch.Ten
 
     from oobleck_mm.precision import compute_dtype, is_mixed, reduce_dtype
 
-    policy = (MixedPrecisionPolicy(param_dtype=compute_dtype(training), reduce_dtype=reduce_dtype(training),
-                                   cast_forward_inputs=False)  # the packed batches are in the compute dtype already
-              if is_mixed(training) else MixedPrecisionPolicy())  # fmt: skip
+    policy = (
+        MixedPrecisionPolicy(
+            param_dtype=compute_dtype(training), reduce_dtype=reduce_dtype(training), cast_forward_inputs=False
+        )  # the packed batches are in the compute dtype already
+        if is_mixed(training)
+        else MixedPrecisionPolicy()
+    )
     fully_shard(module, mesh=mesh, reshard_after_forward=training.zero_stage == 3, mp_policy=policy)
     module.set_gradient_divide_factor(1.0)  # a sum: the engine's losses are already divided by the global tokens
     # ... as a plain SUM: with factor 1, float32/bfloat16 gradients otherwise reduce with PREMUL_SUM(1.0), which

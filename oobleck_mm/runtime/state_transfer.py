@@ -54,7 +54,9 @@ def _sharded(held: HeldLayer) -> list[bool]:
     return out
 
 
-def _rows(tensors: Sequence[torch.Tensor], sharded: Sequence[bool], shard: tuple[int, int] | None) -> list[torch.Tensor]:
+def _rows(
+    tensors: Sequence[torch.Tensor], sharded: Sequence[bool], shard: tuple[int, int] | None
+) -> list[torch.Tensor]:
     """``tensors`` as a copy to a GPU holding chunk ``shard = (k, width)`` carries them: its rows of each
     sharded one (views), the others whole; all of them when ``shard`` is None."""
     if shard is None:
@@ -185,8 +187,9 @@ class Receiver:
         are never read)."""
         whole = _tensors(fresh)
         targets = _rows(whole, _sharded(fresh), shard)
-        return cls(fresh, targets, torch.empty(sum(_nbytes(x) for x in targets), dtype=torch.uint8, device=device),
-                   whole)
+        return cls(
+            fresh, targets, torch.empty(sum(_nbytes(x) for x in targets), dtype=torch.uint8, device=device), whole
+        )
 
     def load(self) -> HeldLayer:
         """The layer, holding the state that arrived."""
@@ -215,15 +218,27 @@ class Arrival:
     balancer: object = None
 
 
-def prepare_arrival(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
-                    rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", emulation=None) -> Arrival:
+def prepare_arrival(
+    job,
+    engine,
+    old_plan,
+    new_plan,
+    previous_ranks: Sequence[int],
+    new_rank: int,
+    rank_nodes: Sequence[str] = (),
+    device: torch.device | str = "cpu",
+    emulation=None,
+) -> Arrival:
     """Build what ``adopt_plan`` will need on this rank that no peer is involved in (no collective)."""
     transfers = rank_transfers(old_plan, new_plan, previous_ranks, rank_nodes)
     specs = engine.specs if engine is not None else model_layer_specs(job)
     # What arrives is the whole state (every value of the layer and its optimizer): no random init.
     shard = shard_of(new_plan)(new_rank)
-    receive = {t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device, initialize=False), device, shard)
-               for t in transfers if t.dst == new_rank}  # fmt: skip
+    receive = {
+        t.layer: Receiver.for_layer(fresh_layer(job, t.layer, specs, device, initialize=False), device, shard)
+        for t in transfers
+        if t.dst == new_rank
+    }
     if engine is not None:
         return Arrival(transfers, receive)
     data = TrainingData(job)
@@ -256,9 +271,19 @@ def _held_whole(engine, old_plan, previous_ranks: Sequence[int], new_rank: int, 
     return engine.held(Gather.of_stage(group, ranks))
 
 
-def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], new_rank: int,
-               rank_nodes: Sequence[str] = (), device: torch.device | str = "cpu", waiter: Waiter = Waiter(),
-               arrival: Arrival | None = None, emulation=None):
+def adopt_plan(
+    job,
+    engine,
+    old_plan,
+    new_plan,
+    previous_ranks: Sequence[int],
+    new_rank: int,
+    rank_nodes: Sequence[str] = (),
+    device: torch.device | str = "cpu",
+    waiter: Waiter = Waiter(),
+    arrival: Arrival | None = None,
+    emulation=None,
+):
     """Move a surviving worker from ``engine`` (old plan) to ``new_plan``, keeping every layer it still needs.
 
     Call after joining the new generation's process group, on every rank of it (a
@@ -270,12 +295,14 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
     transfers, bytes moved here, transfer seconds).
     """
     if arrival is None:
-        arrival = prepare_arrival(job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device,
-                                  emulation)
+        arrival = prepare_arrival(
+            job, engine, old_plan, new_plan, previous_ranks, new_rank, rank_nodes, device, emulation
+        )
     transfers = arrival.transfers
     held = _held_whole(engine, old_plan, previous_ranks, new_rank, waiter) if engine is not None else {}
-    received, moved, seconds = transfer_layers(transfers, new_rank, held, arrival.receive.pop, device, waiter,
-                                               shard_of(new_plan))
+    received, moved, seconds = transfer_layers(
+        transfers, new_rank, held, arrival.receive.pop, device, waiter, shard_of(new_plan)
+    )
     if emulation is not None and received:  # the copy began once every rank was ready (transfer_layers' barrier)
         began = time.monotonic() - seconds
         copy_wait(emulation, sorted(received), began, waiter.interrupt)
@@ -285,8 +312,18 @@ def adopt_plan(job, engine, old_plan, new_plan, previous_ranks: Sequence[int], n
     data = engine.data if engine is not None else arrival.data
     balancer = engine.balancer if engine is not None else arrival.balancer  # the cost model carries over
     scaler = engine.scaler if engine is not None else None  # so does float16's loss scale
-    engine = StageEngine(job, new_plan, new_rank, data=data, device=device, held=keep, waiter=waiter,
-                         balancer=balancer, scaler=scaler, emulation=emulation)
+    engine = StageEngine(
+        job,
+        new_plan,
+        new_rank,
+        data=data,
+        device=device,
+        held=keep,
+        waiter=waiter,
+        balancer=balancer,
+        scaler=scaler,
+        emulation=emulation,
+    )
     survivors = [rank for rank, previous in enumerate(previous_ranks) if previous >= 0]
     if engine.balancer is not None and survivors:
         # Joiners start with the initial cost model: every rank must use the survivors' one.

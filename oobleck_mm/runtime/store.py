@@ -55,9 +55,17 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class ControlPlaneStore(dist.Store):
     """c10d's store operations as ``RendezvousStore.Call`` RPCs to ``host:port``, with ``token``."""
 
-    def __init__(self, host: str, port: int, token: str, timeout: timedelta,
-                 interrupt: Callable[[], bool] | None = None, long_poll: bool = True,
-                 reuse_waited: bool = True, siblings: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        timeout: timedelta,
+        interrupt: Callable[[], bool] | None = None,
+        long_poll: bool = True,
+        reuse_waited: bool = True,
+        siblings: bool = True,
+    ) -> None:
         """``interrupt``: asked between two reads of a key not yet set; True ends the wait with
         ``DistStoreError`` (the worker's master re-planned: the peer it waits for is gone). ``long_poll``:
         False polls only; ``reuse_waited``: False reads again what a wait read; ``siblings``: False asks
@@ -71,9 +79,14 @@ class ControlPlaneStore(dist.Store):
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self.address = address
         # Reconnect within a second of a master coming back (gRPC's default backoff grows to 2 minutes).
-        self._channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 100),
-                                                                ("grpc.min_reconnect_backoff_ms", 100),
-                                                                ("grpc.max_reconnect_backoff_ms", 1000)])
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
         self._stub = pb_grpc.RendezvousStoreStub(self._channel)
         self._metadata = call_metadata(token)
         self._timeout = timeout
@@ -165,22 +178,24 @@ class ControlPlaneStore(dist.Store):
         while True:
             ask = min(self._ask_s, max(0.0, deadline - time.monotonic() - 0.05))
             try:
-                reply = self._call(pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask, siblings=self._siblings),
-                                   deadline)  # fmt: skip
+                reply = self._call(
+                    pb.StoreRequest(op=pb.STORE_GET, key=key, wait_s=ask, siblings=self._siblings), deadline
+                )
             except _Unanswered as error:
                 # The wait's bound passed while the call was out (a busy server answered after the RPC's
                 # deadline): the same timeout as a wait the server ended, naming the bound the caller set.
-                raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key "
-                                          f"{key!r} ({error})") from None  # fmt: skip
+                raise dist.DistStoreError(
+                    f"store {self.address}: timed out after {timeout} waiting for key {key!r} ({error})"
+                ) from None
             if reply.found:
                 self._known.update(reply.siblings)
                 return reply.value
             if time.monotonic() + pause > deadline:
-                raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key "
-                                          f"{key!r}")  # fmt: skip
+                raise dist.DistStoreError(f"store {self.address}: timed out after {timeout} waiting for key {key!r}")
             if self._interrupt is not None and self._interrupt():
-                raise dist.DistStoreError(f"store {self.address}: waiting for key {key!r} abandoned: the master "
-                                          "re-planned")  # fmt: skip
+                raise dist.DistStoreError(
+                    f"store {self.address}: waiting for key {key!r} abandoned: the master re-planned"
+                )
             if not reply.held:  # the server had no thread to spare: poll
                 time.sleep(pause)
                 pause = min(2 * pause, LONGEST_POLL_S)
@@ -217,9 +232,11 @@ class ControlPlaneStore(dist.Store):
 
     def _check_instance(self, reply: pb.StoreReply, request: pb.StoreRequest) -> None:
         if reply.instance and self._instance and reply.instance != self._instance:
-            raise dist.DistStoreError(f"store {self.address}: the master restarted and its rendezvous store "
-                                      f"with it: the keys this rendezvous set are gone "
-                                      f"({pb.StoreOp.Name(request.op)} {request.key!r})")  # fmt: skip
+            raise dist.DistStoreError(
+                f"store {self.address}: the master restarted and its rendezvous store "
+                f"with it: the keys this rendezvous set are gone "
+                f"({pb.StoreOp.Name(request.op)} {request.key!r})"
+            )
         self._instance = self._instance or reply.instance
 
     def _call(self, request: pb.StoreRequest, deadline: float | None = None) -> pb.StoreReply:
@@ -241,8 +258,10 @@ class ControlPlaneStore(dist.Store):
     def _failed(self, request: pb.StoreRequest, err: grpc.RpcError) -> dist.DistStoreError:
         """The error of a call that failed for good: ``_Unanswered`` when the master was away, else refused."""
         kind = _Unanswered if err.code() in _UNREACHABLE else dist.DistStoreError
-        return kind(f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} failed: "
-                    f"{err.code().name} {err.details() or ''}".rstrip())
+        return kind(
+            f"store {self.address}: {pb.StoreOp.Name(request.op)} {request.key!r} failed: "
+            f"{err.code().name} {err.details() or ''}".rstrip()
+        )
 
 
 class _Unanswered(dist.DistStoreError):
@@ -251,4 +270,3 @@ class _Unanswered(dist.DistStoreError):
 
 def _bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
-

@@ -152,7 +152,11 @@ def use_shared_template(value: str) -> None:
     with server._lock:
         global _own
         if _own is None:
-            _own = (server._forkserver_address, server._forkserver_alive_fd, getattr(server, "_forkserver_authkey", None))
+            _own = (
+                server._forkserver_address,
+                server._forkserver_alive_fd,
+                getattr(server, "_forkserver_authkey", None),
+            )
         server._forkserver_address = address
         if key:
             server._forkserver_authkey = bytes.fromhex(key)

@@ -33,7 +33,7 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers, save_meta, write_error
 from oobleck_mm.runtime.emulated import Emulation
 from oobleck_mm.runtime.engine import StageEngine, StepResult, engine_subgroups
-from oobleck_mm.model.layers import model_layer_specs, tied_pair, trainable_mask
+from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.runtime.group import PreparedGroup, join_generation
 from oobleck_mm.runtime.hold import hold
 from oobleck_mm.runtime.optim import optimizer_state
@@ -49,8 +49,10 @@ def device_for(job, local_rank: int) -> torch.device:
     if job.cluster.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
-        raise UserError(f"cluster.device: 'cuda', but this machine's torch sees {torch.cuda.device_count()} GPU(s) "
-                        f"and worker {local_rank} needs GPU {local_rank} (set cluster.device: cpu to run on the cpu)")
+        raise UserError(
+            f"cluster.device: 'cuda', but this machine's torch sees {torch.cuda.device_count()} GPU(s) "
+            f"and worker {local_rank} needs GPU {local_rank} (set cluster.device: cpu to run on the cpu)"
+        )
     torch.cuda.set_device(local_rank)
     set_float32_precision(job)
     return torch.device("cuda", local_rank)
@@ -65,8 +67,16 @@ def set_float32_precision(job) -> None:
     torch.backends.cudnn.fp32_precision = precision
 
 
-def train(job, plan: ExecutionPlan, rank: int, start_step: int, steps: int, device: torch.device,
-          on_step: Callable[[StepResult], None] | None = None, held=None) -> StageEngine:
+def train(
+    job,
+    plan: ExecutionPlan,
+    rank: int,
+    start_step: int,
+    steps: int,
+    device: torch.device,
+    on_step: Callable[[StepResult], None] | None = None,
+    held=None,
+) -> StageEngine:
     """Build this rank's stage (``held``: layers it starts from, e.g. a checkpoint's) and run ``steps``
     iterations from ``start_step``."""
     emulation = Emulation.for_job(job, f"rank{rank}")  # an emulated job: its compute copy runs, timed as the real
@@ -171,16 +181,34 @@ class Phase:
         return out
 
 
-def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out_dir: str, threads: int,
-                 phases: Sequence[Phase] = (), save_final: str | None = None, timeout_s: float = 120.0,
-                 resume: str | None = None) -> None:
+def _local_entry(
+    job,
+    plan: ExecutionPlan,
+    rank: int,
+    port: int,
+    steps: int,
+    out_dir: str,
+    threads: int,
+    phases: Sequence[Phase] = (),
+    save_final: str | None = None,
+    timeout_s: float = 120.0,
+    resume: str | None = None,
+) -> None:
     torch.set_num_threads(threads)
     # No master watches a local run: its waits are bounded by the run's own timeout instead.
     bound = timedelta(seconds=timeout_s)
 
     def join(generation: int, rank: int, world_size: int, prepared: PreparedGroup | None = None) -> None:
-        join_generation(store, generation, rank, world_size, job.cluster.resolved_backend,
-                        collective_timeout=bound, arrival_timeout=bound, prepared=prepared)  # fmt: skip
+        join_generation(
+            store,
+            generation,
+            rank,
+            world_size,
+            job.cluster.resolved_backend,
+            collective_timeout=bound,
+            arrival_timeout=bound,
+            prepared=prepared,
+        )
         backends.append(dist.get_backend())
 
     def previous_plan(generation: int) -> ExecutionPlan:
@@ -190,13 +218,22 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
 
     def prepare(generation: int) -> PreparedGroup | None:
         """The groups of phase ``generation``, formed now if it says so, while this generation trains."""
-        if generation > len(phases) or not phases[generation - 1].prepared or rank not in phases[generation - 1].survivors:
+        if (
+            generation > len(phases)
+            or not phases[generation - 1].prepared
+            or rank not in phases[generation - 1].survivors
+        ):
             return None
         phase, specs = phases[generation - 1], model_layer_specs(job)
-        return PreparedGroup(lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound), generation,
-                             phase.survivors[rank], phase.plan.world_size, collective_timeout=bound,
-                             arrival_timeout=bound, subgroups=engine_subgroups(job, phase.plan, specs, previous_plan(generation),
-                                                               phase.previous_ranks))  # fmt: skip
+        return PreparedGroup(
+            lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound),
+            generation,
+            phase.survivors[rank],
+            phase.plan.world_size,
+            collective_timeout=bound,
+            arrival_timeout=bound,
+            subgroups=engine_subgroups(job, phase.plan, specs, previous_plan(generation), phase.previous_ranks),
+        )
 
     backends: list[str] = []
 
@@ -222,8 +259,9 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
             plan = phase.plan
             join(generation, rank, plan.world_size, prepared)
             prepared = prepare(generation + 1)
-            engine, moves, _, _ = adopt_plan(job, engine, old_plan, plan, phase.previous_ranks, rank,
-                                             phase.rank_nodes, device)  # fmt: skip
+            engine, moves, _, _ = adopt_plan(
+                job, engine, old_plan, plan, phase.previous_ranks, rank, phase.rank_nodes, device
+            )
             transfers.append(moves)
             for s in range(step, step + phase.steps):
                 results.append(engine.train_step(s))
@@ -233,17 +271,34 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
                 raise OSError(saved.error or f"another rank could not write its share of {save_final}")
         states = {engine.specs[i].name: engine.layer_state(i) for i in engine.layers}
         # A stage of several GPUs holds shards: gathered whole (engine.held), every rank of it at once.
-        optim = {engine.specs[i].name: optimizer_state(h.optimizer)
-                 for i, h in sorted(engine.held().items()) if h.optimizer is not None}  # fmt: skip
-        torch.save({"losses": [r.loss for r in results], "states": states, "optimizer_states": optim,
-                    "optimizer_state_sizes": {k: len(opt.state) for k, opt in
-                                              ((engine.specs[i].name, o) for i, o in engine.optimizers.items())},
-                    "results": results, "transfers": transfers, "loss_scaler": engine.scaler_state(),
-                    "backends": backends,
-                    "balancer": (None if engine.balancer is None else
-                                 {"coefficients": engine.balancer.coefficients.to_dict(),
-                                  "metrics": engine.balancer.last_metrics})},
-                   Path(out_dir) / f"rank{rank}.pt")
+        optim = {
+            engine.specs[i].name: optimizer_state(h.optimizer)
+            for i, h in sorted(engine.held().items())
+            if h.optimizer is not None
+        }
+        torch.save(
+            {
+                "losses": [r.loss for r in results],
+                "states": states,
+                "optimizer_states": optim,
+                "optimizer_state_sizes": {
+                    k: len(opt.state) for k, opt in ((engine.specs[i].name, o) for i, o in engine.optimizers.items())
+                },
+                "results": results,
+                "transfers": transfers,
+                "loss_scaler": engine.scaler_state(),
+                "backends": backends,
+                "balancer": (
+                    None
+                    if engine.balancer is None
+                    else {
+                        "coefficients": engine.balancer.coefficients.to_dict(),
+                        "metrics": engine.balancer.last_metrics,
+                    }
+                ),
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -251,9 +306,17 @@ def _local_entry(job, plan: ExecutionPlan, rank: int, port: int, steps: int, out
         raise
 
 
-def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, threads: int = 1,
-              timeout_s: float = 120.0, phases: Sequence[Phase] = (), save_final: str | None = None,
-              resume: str | None = None) -> list[dict]:
+def run_local(
+    job,
+    plan: ExecutionPlan,
+    steps: int,
+    out_dir: str | os.PathLike,
+    threads: int = 1,
+    timeout_s: float = 120.0,
+    phases: Sequence[Phase] = (),
+    save_final: str | None = None,
+    resume: str | None = None,
+) -> list[dict]:
     """Train ``plan`` for ``steps`` with one OS process per rank, then each of ``phases``; ``resume``: from
     that checkpoint (its step, its layers and optimizer states), as workers resume.
 
@@ -262,11 +325,14 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     # Forks of a template that imported torch and the engine once: ~2 s less per rank than a spawn.
-    procs = [warm_process(_local_entry, job, plan, r, port, steps, str(out_dir), threads, tuple(phases), save_final,
-                          timeout_s, resume) for r in range(plan.world_size)]  # fmt: skip
+    procs = [
+        warm_process(
+            _local_entry, job, plan, r, port, steps, str(out_dir), threads, tuple(phases), save_final, timeout_s, resume
+        )
+        for r in range(plan.world_size)
+    ]
     final = phases[-1].plan if phases else plan
     try:
         for p in procs:
@@ -287,4 +353,3 @@ def run_local(job, plan: ExecutionPlan, steps: int, out_dir: str | os.PathLike, 
                     p.kill()
                 p.join(5)
         del store
-

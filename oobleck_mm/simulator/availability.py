@@ -123,7 +123,9 @@ def parse_stragglers(text: str) -> StragglerSpec:
             fields["at_s" if key == "at" else "duration_s"] = parse_duration(value)
     spec = StragglerSpec(share, text=text, **fields)
     if not 1 < spec.low <= spec.high:
-        raise UserError(f"--stragglers: need 1 < min <= max (how many times slower), got min={spec.low} max={spec.high}")
+        raise UserError(
+            f"--stragglers: need 1 < min <= max (how many times slower), got min={spec.low} max={spec.high}"
+        )
     return spec
 
 
@@ -221,9 +223,7 @@ def periodic(nodes: int, interval_s: float, until_nodes: int | None = None) -> A
     if not 0 <= until < nodes:
         raise UserError(f"--until-nodes: must be in [0, {nodes - 1}] for {nodes} nodes, got {until}")
     names = tuple(f"node{i + 1}" for i in range(nodes))
-    changes = tuple(
-        Change((k + 1) * interval_s, (), (names[nodes - 1 - k],)) for k in range(nodes - until)
-    )
+    changes = tuple(Change((k + 1) * interval_s, (), (names[nodes - 1 - k],)) for k in range(nodes - until))
     return Availability(names, changes, changes[-1].seconds, f"1 of {nodes} nodes lost every {interval_s:g} s")
 
 

@@ -101,9 +101,7 @@ class SimParams:
         if self.varuna_checkpoint_every < 1:
             raise UserError(f"simulator: varuna_checkpoint_every must be >= 1, got {self.varuna_checkpoint_every}")
         if self.restart_checkpoint_every is not None and self.restart_checkpoint_every < 1:
-            raise UserError(
-                f"simulator: restart_checkpoint_every must be >= 1, got {self.restart_checkpoint_every}"
-            )
+            raise UserError(f"simulator: restart_checkpoint_every must be >= 1, got {self.restart_checkpoint_every}")
         if self.bamboo_microbatch is not None and self.bamboo_microbatch < 1:
             raise UserError(f"simulator: bamboo_microbatch must be >= 1, got {self.bamboo_microbatch}")
         if not self.bamboo_memory_factor >= 1:

@@ -60,9 +60,11 @@ def simulate(
         system = make_system(name, job, profile, params, peak, iteration_of, skew_samples)
         result = simulate_system(system, availability, params.preemption_notice, params.preempt_grace_s)
         acted = ", ".join(f"{k} {v}" for k, v in result.straggler_actions.items())
-        say(f"{result.system}: {result.samples_per_s:.3f} samples/s over {result.wall_s / 3600:.2f} h, "
+        say(
+            f"{result.system}: {result.samples_per_s:.3f} samples/s over {result.wall_s / 3600:.2f} h, "
             f"{len(result.incidents)} changes acted on{f' (stragglers: {acted})' if acted else ''}, simulated in "
-            f"{time.perf_counter() - start:.2f} s")  # fmt: skip
+            f"{time.perf_counter() - start:.2f} s"
+        )
         out.append(result)
     return out
 
@@ -86,7 +88,9 @@ def format_results(results: Sequence[SimResult], availability: Availability) -> 
     return "\n".join(lines)
 
 
-def results_to_json(results: Sequence[SimResult], availability: Availability, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def results_to_json(
+    results: Sequence[SimResult], availability: Availability, extra: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     base = {"availability": availability.source, **(extra or {})}
     return [{**r.to_dict(), **base} for r in results]
 

@@ -62,8 +62,10 @@ class SkewPricer:
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        shapes = tuple(PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.template.stages))
-                       for p in plan.pipelines)  # fmt: skip
+        shapes = tuple(
+            PipelineShape(p.num_microbatches, tuple((s.layer_start, s.layer_end) for s in p.template.stages))
+            for p in plan.pipelines
+        )
         key = (shapes, plan.microbatch_size, mode)
         if key not in self._cache:
             self._cache[key] = float(np.mean([self._one(f, shapes, plan.microbatch_size, mode) for f in self.features]))
@@ -79,7 +81,9 @@ class SkewPricer:
         fill = sum(s.num_microbatches for s in shapes) * microbatch_size == len(features)
         size = microbatch_size if fill else None
         mean = np.repeat(features.mean(axis=0, keepdims=True), len(features), axis=0)
-        uniform = balance(BalanceProblem.build(ids, mean, shapes, self._model, coefficients, size), "ours", threshold=1e9)
+        uniform = balance(
+            BalanceProblem.build(ids, mean, shapes, self._model, coefficients, size), "ours", threshold=1e9
+        )
         problem = BalanceProblem.build(ids, features, shapes, self._model, coefficients, size)
         if mode == "off" and fill:
             skewed = balance(problem, "ours", threshold=1e9)  # always kept contiguous

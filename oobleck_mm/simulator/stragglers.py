@@ -46,12 +46,15 @@ def slowed_iteration_s(plan: Plan, nominal_s: float, speeds: Mapping[str, float]
     return nominal_s * (plan.global_batch / predicted_samples_per_s(plan, slow)) / plan.iteration_time_s
 
 
-def grid_iteration_s(template, groups: Sequence[Sequence[str]], per_pipeline: int, nominal_s: float,
-                     speeds: Mapping[str, float]) -> float:  # fmt: skip
+def grid_iteration_s(
+    template, groups: Sequence[Sequence[str]], per_pipeline: int, nominal_s: float, speeds: Mapping[str, float]
+) -> float:
     """A P x D grid's iteration (every pipeline ``per_pipeline`` microbatches) at the nodes' speeds."""
     full = template.iteration_time(per_pipeline)
-    slowest = max(slowed_template(PipelineInstance(template, tuple(g), per_pipeline), speeds).iteration_time(per_pipeline)
-                  for g in groups)  # fmt: skip
+    slowest = max(
+        slowed_template(PipelineInstance(template, tuple(g), per_pipeline), speeds).iteration_time(per_pipeline)
+        for g in groups
+    )
     return nominal_s - full + slowest
 
 
@@ -140,8 +143,11 @@ class StragglerState:
     def to_weigh(self, now: float, nodes: Sequence[str]) -> list[str]:
         if self.replan_after is None:
             return []
-        return sorted(n for n in nodes if n in self.known and n not in self.weighed
-                      and now - self.found_at[n] >= self.replan_after)  # fmt: skip
+        return sorted(
+            n
+            for n in nodes
+            if n in self.known and n not in self.weighed and now - self.found_at[n] >= self.replan_after
+        )
 
     def next_weigh(self, now: float) -> float | None:
         """Delay to the next weighing of a found node not weighed yet."""

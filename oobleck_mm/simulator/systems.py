@@ -72,7 +72,9 @@ def largest_stage_bytes(profile: ModelProfile, templates: Sequence[PipelineTempl
     return out
 
 
-def copy_seconds(old: Plan, new: Plan, live: Sequence[str], profile: ModelProfile, cluster: ClusterSpec) -> tuple[float, int]:
+def copy_seconds(
+    old: Plan, new: Plan, live: Sequence[str], profile: ModelProfile, cluster: ClusterSpec
+) -> tuple[float, int]:
     """Seconds and bytes of the layer-state copies from ``old`` to ``new``: ``plan_transfers``
     decides who sends what (the workers' rule); each GPU sends and receives at once (full
     duplex), NVLink inside a node, the node's link across nodes; copies run in parallel, so
@@ -136,8 +138,14 @@ class OobleckSystem:
     acts_on_stragglers = True
     """Live mode re-splits for a straggler and may bench it (``simulator.stragglers``); restart mode waits."""
 
-    def __init__(self, job, profile: ModelProfile, params: SimParams,
-                 iteration_of: Callable[[Plan], float] | None = None, skew_samples=None):  # fmt: skip
+    def __init__(
+        self,
+        job,
+        profile: ModelProfile,
+        params: SimParams,
+        iteration_of: Callable[[Plan], float] | None = None,
+        skew_samples=None,
+    ):
         self.job, self.profile, self.params = job, profile, params
         self.iteration_of = iteration_of
         """Measured seconds per iteration of a plan (a calibrated cluster); None: the planner's prediction."""
@@ -147,8 +155,10 @@ class OobleckSystem:
             from oobleck_mm.simulator.skew import SkewPricer, mode_of
 
             if not skew_samples:
-                raise UserError("skew_batches > 0 needs the sampled batches (oobleck_mm.data.skew_samples.sampled_batches; "
-                                "`oobleck-launch simulate` samples them)")  # fmt: skip
+                raise UserError(
+                    "skew_batches > 0 needs the sampled batches (oobleck_mm.data.skew_samples.sampled_batches; "
+                    "`oobleck-launch simulate` samples them)"
+                )
             self.skew, self.skew_mode = SkewPricer(job, profile, skew_samples), mode_of(job.balance)
         self.cluster = ClusterSpec.from_config(job.cluster)
         self.timed = _Timed(params)
@@ -209,7 +219,8 @@ class OobleckSystem:
         if back:  # like a join: its fresh workers have been ready since the bench began
             self.planner_calls += 1
             (outcome, templates), seconds = self.timed(
-                plan_reconfiguration, self.job, self.profile, self.templates, self.template_nodes, self.plan, [], back)
+                plan_reconfiguration, self.job, self.profile, self.templates, self.template_nodes, self.plan, [], back
+            )
             if isinstance(outcome, Planned):
                 pause += self._replace(outcome.plan, templates, live, seconds)
         if st.detect(now, self.plan.nodes):  # found, changed or cleared: the batch split again
@@ -223,8 +234,16 @@ class OobleckSystem:
             st.weighed.add(node)
             known = {n: f for n, f in st.known.items() if n in set(self.plan.nodes)}
             self.planner_calls += 1
-            (chosen, templates), seconds = self.timed(plan_without_stragglers, self.job, self.profile, self.templates,
-                                                      self.template_nodes, self.plan, known, [node])  # fmt: skip
+            (chosen, templates), seconds = self.timed(
+                plan_without_stragglers,
+                self.job,
+                self.profile,
+                self.templates,
+                self.template_nodes,
+                self.plan,
+                known,
+                [node],
+            )
             if chosen.benched:
                 timers.append(st.bench(now, node))
                 pause += self._replace(chosen.plan, templates, live, seconds)
@@ -272,14 +291,24 @@ class OobleckSystem:
             if not isinstance(outcome, Planned):
                 return Response(Down(_reason(outcome)), detect)
             start = self.params.worker_start_s + seconds + self.params.rendezvous_s
-            return Response(self._layout(outcome), detect + (("restart", start),), restart_from_scratch=True,
-                            note="started again from scratch")  # fmt: skip
+            return Response(
+                self._layout(outcome),
+                detect + (("restart", start),),
+                restart_from_scratch=True,
+                note="started again from scratch",
+            )
         old = self.plan
         self.planner_calls += 1
         (outcome, templates), seconds = self.timed(
-            plan_reconfiguration, self.job, self.profile, self.templates, self.template_nodes, old,
-            node_order(lost), node_order(joined),
-        )  # fmt: skip
+            plan_reconfiguration,
+            self.job,
+            self.profile,
+            self.templates,
+            self.template_nodes,
+            old,
+            node_order(lost),
+            node_order(joined),
+        )
         if not isinstance(outcome, Planned):
             # The run ends (exit 3). With no checkpoint in live mode, the best a supervisor can
             # do is start it again at once, from scratch, when the live nodes can hold a plan.
@@ -309,10 +338,18 @@ class RestartSystem(OobleckSystem):
     joins_at_boundary = False
     acts_on_stragglers = False
 
-    def __init__(self, job, profile: ModelProfile, params: SimParams,
-                 iteration_of: Callable[[Plan], float] | None = None, skew_samples=None):  # fmt: skip
+    def __init__(
+        self,
+        job,
+        profile: ModelProfile,
+        params: SimParams,
+        iteration_of: Callable[[Plan], float] | None = None,
+        skew_samples=None,
+    ):
         super().__init__(job, profile, params, iteration_of, skew_samples)
-        every = params.restart_checkpoint_every or job.fault_tolerance.checkpoint_interval or params.varuna_checkpoint_every
+        every = (
+            params.restart_checkpoint_every or job.fault_tolerance.checkpoint_interval or params.varuna_checkpoint_every
+        )
         self.checkpoint_every = every
         self.save_s = 0.0
         self.load_s = 0.0
@@ -325,7 +362,9 @@ class RestartSystem(OobleckSystem):
     def _io(self) -> None:
         if self.plan is not None:
             stage = largest_stage_bytes(self.profile, [p.template for p in self.plan.pipelines])
-            self.checkpoint_save_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_write_bandwidth)
+            self.checkpoint_save_s = checkpoint_io_s(
+                self.profile, stage, self.cluster, self.params.storage_write_bandwidth
+            )
             self.load_s = checkpoint_io_s(self.profile, stage, self.cluster, self.params.storage_read_bandwidth)
 
     def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool, now: float = 0.0) -> Response:
@@ -381,7 +420,9 @@ class _GridPlanner:
         return best
 
 
-def _grid_layout(grid: Grid, global_batch: int, per_pipeline: int = 0, speeds: dict[str, float] | None = None) -> Layout:
+def _grid_layout(
+    grid: Grid, global_batch: int, per_pipeline: int = 0, speeds: dict[str, float] | None = None
+) -> Layout:
     """The grid at the nodes' speeds (``speeds``; none: full speed): every pipeline waits for the slowest."""
     used = frozenset(n for group in grid.nodes for n in group)
     seconds = grid.iteration_s
@@ -505,8 +546,10 @@ def bamboo_profile(job, params: SimParams, max_nodes: int) -> tuple[ModelProfile
         except UserError:
             continue
         return profile, f"microbatch {size}"
-    return None, (f"OOM: model state and activations x{params.bamboo_memory_factor:g}, without activation checkpointing, "
-                  f"fit no pipeline of up to {max_nodes} nodes even at microbatch 1")
+    return None, (
+        f"OOM: model state and activations x{params.bamboo_memory_factor:g}, without activation checkpointing, "
+        f"fit no pipeline of up to {max_nodes} nodes even at microbatch 1"
+    )
 
 
 def _powers_of_two_down(limit: int) -> list[int]:
@@ -545,7 +588,9 @@ class BambooSystem(VarunaSystem):
             return Response(layout, detect + (("restart", restart),))
         stage = largest_stage_bytes(self.profile, [grid.template]) / self.params.bamboo_memory_factor
         copy = self.cluster.transfer_s(stage, cross_node=True)
-        return Response(layout, detect + (("reconfiguration", seconds + self.params.rendezvous_s), ("state_copy", copy)))
+        return Response(
+            layout, detect + (("reconfiguration", seconds + self.params.rendezvous_s), ("state_copy", copy))
+        )
 
 
 def _adjacent_lost(grid: Grid, lost: set[str]) -> bool:

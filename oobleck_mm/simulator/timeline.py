@@ -95,8 +95,9 @@ class SystemModel(Protocol):
 
     def start(self, live: list[str]) -> Response: ...
 
-    def change(self, live: list[str], lost: list[str], joined: list[str], noticed: bool,
-               now: float = 0.0) -> Response: ...
+    def change(
+        self, live: list[str], lost: list[str], joined: list[str], noticed: bool, now: float = 0.0
+    ) -> Response: ...
 
     def speeds_changed(self, now: float, live: list[str], slowed: dict[str, float]) -> Response | None:
         """Nodes run ``slowed[node]`` times slower from now (1.0: full speed again); None: nothing changes."""
@@ -294,8 +295,9 @@ class _Run:
 
     # ------------------------------------------------------------------ changes
 
-    def apply(self, response: Response, at: float, lost: list[str], joined: list[str], live_nodes: int,
-              thrown: float) -> None:  # fmt: skip
+    def apply(
+        self, response: Response, at: float, lost: list[str], joined: list[str], live_nodes: int, thrown: float
+    ) -> None:
         if response.rollback:
             thrown += self.relabel_fallback(self.uncommitted)
             self.commit()
@@ -328,8 +330,9 @@ class _Run:
         self.pause_end = at
 
 
-def simulate_system(system: SystemModel, availability: Availability, preemption_notice: bool = False,
-                    grace_s: float = 0.0) -> SimResult:  # fmt: skip
+def simulate_system(
+    system: SystemModel, availability: Availability, preemption_notice: bool = False, grace_s: float = 0.0
+) -> SimResult:
     """Run ``system`` through ``availability``; every wall second lands in one segment."""
     run = _Run(system)
     live = list(availability.initial)
@@ -432,8 +435,9 @@ def simulate_system(system: SystemModel, availability: Availability, preemption_
     actions: dict[str, int] = {}
     for _, _, what in getattr(getattr(system, "st", None), "actions", ()):
         actions[what] = actions.get(what, 0) + 1
-    return SimResult(system.name, end, run.samples, run.segments, run.incidents, start_label,
-                     getattr(system, "note", ""), actions)  # fmt: skip
+    return SimResult(
+        system.name, end, run.samples, run.segments, run.incidents, start_label, getattr(system, "note", ""), actions
+    )
 
 
 def _switch(run: _Run, response: Response, at: float, live_nodes: int, next_event: float) -> None:

@@ -35,4 +35,3 @@ def bug(conn, config_path: str, node: str, local_rank: int) -> None:
 def out_of_memory(conn, config_path: str, node: str, local_rank: int) -> None:
     _breaking(lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     agent_worker.worker_main(conn, config_path, node, local_rank)
-

@@ -112,8 +112,12 @@ def test_skip_bad_samples_leaves_them_out_on_every_rank_and_the_run_equals_the_r
     assert "data: measured over 22 samples for the planner" in said, said[-3000:]
     assert meta["config"]["data"]["mean_images_per_sample"] == round(22 / 22, 4)
     assert meta["config"]["data"]["mean_text_tokens"] > 0
-    done = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", config, "--steps", "3",
-                           "--against", str(final)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", config, "--steps", "3", "--against", str(final)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     run.assert_all_gone()
 
@@ -138,12 +142,17 @@ def test_an_image_that_breaks_mid_file_stops_the_job_once_with_exit_2_naming_it(
 @pytest.mark.parametrize(
     "target, code, words",
     [
-        ("bug", 1, ["{node}/gpu0 stopped the job: KeyError: 'a missing key in the engine'", "traceback in {node}'s log"]),
+        (
+            "bug",
+            1,
+            ["{node}/gpu0 stopped the job: KeyError: 'a missing key in the engine'", "traceback in {node}'s log"],
+        ),
         ("out_of_memory", 2, ["out of memory on {node}/gpu0 in step 2", "lower training.microbatch_size"]),
     ],
 )
-def test_a_bug_or_an_out_of_memory_stops_the_job_once_instead_of_recovering_from_it(launches, tmp_path, target,
-                                                                                      code, words):
+def test_a_bug_or_an_out_of_memory_stops_the_job_once_instead_of_recovering_from_it(
+    launches, tmp_path, target, code, words
+):
     """Recovery would meet it again on the next replica: the job ends at once, with the cause."""
     config = write_config(tmp_path, nodes=2, steps=5)
     run = Launch(tmp_path, config, "--worker-target", f"tests.e2e.broken_worker:{target}", name=target)

@@ -43,8 +43,11 @@ def llava_config(tmp_path, balance: bool, text: str, vision: str, tie: bool) -> 
     return str(path)
 
 
-@pytest.mark.parametrize("balance,text,vision,tie", [(False, "llama", "clip", False), (True, "qwen2", "siglip", True)],
-                         ids=["clip-llama", "siglip-qwen2-tied-balancer"])
+@pytest.mark.parametrize(
+    "balance,text,vision,tie",
+    [(False, "llama", "clip", False), (True, "qwen2", "siglip", True)],
+    ids=["clip-llama", "siglip-qwen2-tied-balancer"],
+)
 def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_path, balance, text, vision, tie):
     config = llava_config(tmp_path, balance, text, vision, tie)
     final = tmp_path / "final"
@@ -53,20 +56,40 @@ def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_
     if balance:  # decoupled microbatches ran, before and after the kill, and the update is the reference's
         deferred = [e.get("deferred", 0) for e in run.events("step")]
         assert sum(deferred) > 0, deferred
-    verify = subprocess.run([sys.executable, "-m", "oobleck_mm.verify", "--config", config, "--steps", str(STEPS),
-                             "--against", str(final)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    verify = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.verify", "--config", config, "--steps", str(STEPS), "--against", str(final)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     if tie:  # the head's copy of the embedding took every update the embedding took, recovery included
-        assert torch.equal(load_params(final, "llm.embed")["embed_tokens.weight"],
-                           load_params(final, "llm.head")["lm_head.weight"])
+        assert torch.equal(
+            load_params(final, "llm.embed")["embed_tokens.weight"], load_params(final, "llm.head")["lm_head.weight"]
+        )
     if balance:
         check_export(config, final, tmp_path / "exported")
 
 
 def check_export(config: str, final, out) -> None:
     """The exported directory loads with from_pretrained; its logits are the trained layers'."""
-    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "export", "--checkpoint", str(final), "--to",
-                           str(out), "--dtype", "float64"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oobleck_mm.cli",
+            "export",
+            "--checkpoint",
+            str(final),
+            "--to",
+            str(out),
+            "--dtype",
+            "float64",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     job = load_config(config)
     specs = model_layer_specs(job)

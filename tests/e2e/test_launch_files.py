@@ -10,7 +10,6 @@ drives: every command parses, the ports and the token source agree.
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 
 import psutil
@@ -27,6 +26,8 @@ FAKE_SSH = """#!/usr/bin/env bash
 shift
 exec bash -c "$*"
 """
+
+
 def _shims(tmp_path, **scripts: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -38,8 +39,9 @@ def _shims(tmp_path, **scripts: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:  # everything the script started, even on a timeout
@@ -92,8 +94,9 @@ def test_kubernetes_manifest_is_valid_for_the_api_server_and_its_commands_volume
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     by_kind = lambda kind: [d for d in docs if d["kind"] == kind]  # noqa: E731
     [service] = by_kind("Service")
-    master_job, agents_job = (next(d for d in by_kind("Job") if d["metadata"]["name"] == n)
-                              for n in ("oobleck-master", "oobleck-agents"))  # fmt: skip
+    master_job, agents_job = (
+        next(d for d in by_kind("Job") if d["metadata"]["name"] == n) for n in ("oobleck-master", "oobleck-agents")
+    )
     master_pod, agent_pod = master_job["spec"]["template"]["spec"], agents_job["spec"]["template"]["spec"]
     [master], [agent] = master_pod["containers"], agent_pod["containers"]
     assert master["command"][0] == agent["command"][0] == "oobleck-launch"
@@ -117,8 +120,10 @@ def test_kubernetes_manifest_is_valid_for_the_api_server_and_its_commands_volume
 
     def mounts(pod, container):
         volumes = {v["name"]: v for v in pod["volumes"]}
-        return {m_["mountPath"]: volumes[m_["name"]].get("persistentVolumeClaim", {}).get("claimName")
-                for m_ in container["volumeMounts"]}  # fmt: skip
+        return {
+            m_["mountPath"]: volumes[m_["name"]].get("persistentVolumeClaim", {}).get("claimName")
+            for m_ in container["volumeMounts"]
+        }
 
     run_mount = next(path for path in mounts(master_pod, master) if m.run_dir.startswith(path + "/"))
     run_claim = mounts(master_pod, master)[run_mount]
@@ -134,12 +139,16 @@ def test_kubernetes_manifest_is_valid_for_the_api_server_and_its_commands_volume
     assert agents_job["spec"]["parallelism"] == agents_job["spec"]["completions"] == m.nodes[0]
     assert agent_pod["restartPolicy"] == master_pod["restartPolicy"] == "Never"
     rules = agents_job["spec"]["podFailurePolicy"]["rules"]
-    assert {"action": "Ignore", "onExitCodes": {"containerName": agent["name"], "operator": "In",
-                                                "values": [a.left_exit_code]}} in rules and a.left_exit_code > 3
+    assert {
+        "action": "Ignore",
+        "onExitCodes": {"containerName": agent["name"], "operator": "In", "values": [a.left_exit_code]},
+    } in rules and a.left_exit_code > 3
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
     # The master: retried when killed (the same command re-adopts the workers from the run dir's journal),
     # never when it exited by itself.
     master_rules = master_job["spec"]["podFailurePolicy"]["rules"]
     assert master_job["spec"]["backoffLimit"] >= 1
-    assert {"action": "FailJob", "onExitCodes": {"containerName": master["name"], "operator": "In",
-                                                 "values": [1, 2, 3]}} in master_rules  # fmt: skip
+    assert {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": master["name"], "operator": "In", "values": [1, 2, 3]},
+    } in master_rules

@@ -21,7 +21,9 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generation 1: 2 pipelines (stages 3,2;" in out, out[:2000]  # heterogeneous depths
-    assert re.search(r"^1\s+kill\s+node4\s+1\d\s.*resumed at step", out, re.M), out[-2000:]  # step 11 or after (1-based)
+    assert re.search(r"^1\s+kill\s+node4\s+1\d\s.*resumed at step", out, re.M), out[
+        -2000:
+    ]  # step 11 or after (1-based)
     assert re.search(r"^2\s+join\s+node5\s.*resumed at step", out, re.M), out[-2000:]
     assert re.search(r"done: 80 steps in", out)
     # Start-up says what it waits for; the layout is printed when it changes, not on every step.
@@ -48,15 +50,26 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     joined = nodes.index(4) + nodes[nodes.index(4) :].index(5)
     after_join = rows[joined:]
     assert sum(int(r["deferred"]) for r in after_join) > 0, [r["deferred"] for r in rows]
-    assert all(1 + float(r["prediction_error"]) == pytest.approx(float(r["measured_max_s"]) / float(r["predicted_max_s"]),
-                                                                 rel=1e-4) for r in rows)  # fmt: skip
+    assert all(
+        1 + float(r["prediction_error"])
+        == pytest.approx(float(r["measured_max_s"]) / float(r["predicted_max_s"]), rel=1e-4)
+        for r in rows
+    )
 
 
 def test_set_overrides_reach_the_master_and_the_workers(tmp_path, launches):
     from harness import Launch
 
-    run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nodes", "2",
-                 "--set", "training.global_batch=32", "--set", "training.steps=3")  # fmt: skip
+    run = Launch(
+        tmp_path,
+        str(ROOT / "configs" / "tiny_mm.yaml"),
+        "--nodes",
+        "2",
+        "--set",
+        "training.global_batch=32",
+        "--set",
+        "training.steps=3",
+    )
     launches.append(run)
     assert run.wait(timeout=120) == 0, run.stderr[-3000:]
     [plan] = run.events("plan_decided")
@@ -103,13 +116,20 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
     builder = tmp_path / "recording_model.py"
     builder.write_text(RECORDING_BUILDER.format(example=str(ROOT / "examples" / "custom_model.py"), out=str(out)))
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"name": "conv_lm", "builder": f"{builder}:build",
-                  "llm": {"num_layers": 2, "hidden": 32, "num_heads": 1, "vocab_size": 256}},
-        "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256},
-        "training": {"global_batch": 8, "microbatch_size": 2, "steps": 2},
-        "cluster": {"nodes": 2},
-    }))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "name": "conv_lm",
+                    "builder": f"{builder}:build",
+                    "llm": {"num_layers": 2, "hidden": 32, "num_heads": 1, "vocab_size": 256},
+                },
+                "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256},
+                "training": {"global_batch": 8, "microbatch_size": 2, "steps": 2},
+                "cluster": {"nodes": 2},
+            }
+        )
+    )
     run = Launch(tmp_path, str(config))
     launches.append(run)
     assert run.wait(timeout=120) == 0, run.stderr[-3000:]
@@ -129,8 +149,22 @@ def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, 
     # Three joiners for two free places; 200 steps leave every joiner's workers time to start under load
     # (a joiner is admitted once they are ready; the second starts a fresh agent: step 71 of 400 in CI,
     # next to another test).
-    run = Launch(tmp_path, str(ROOT / "configs" / "tiny_mm.yaml"), "--nnodes", "2:4", "--steps", "200",
-                 "--log-every", "50", "--inject", "join@step3", "--inject", "join@step5", "--inject", "join@step7")  # fmt: skip
+    run = Launch(
+        tmp_path,
+        str(ROOT / "configs" / "tiny_mm.yaml"),
+        "--nnodes",
+        "2:4",
+        "--steps",
+        "200",
+        "--log-every",
+        "50",
+        "--inject",
+        "join@step3",
+        "--inject",
+        "join@step5",
+        "--inject",
+        "join@step7",
+    )
     launches.append(run)
     assert run.wait(timeout=240) == 0, run.stderr[-3000:]
     plans = run.events("plan_decided")

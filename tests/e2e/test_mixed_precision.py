@@ -16,8 +16,9 @@ from oobleck_mm.runtime.checkpoint import load_params
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("dtype,master,memory,tolerance", [("float32", "float64", 8_000_000, 1e-9),
-                                                          ("bfloat16", "float32", 4_500_000, 1e-3)])
+@pytest.mark.parametrize(
+    "dtype,master,memory,tolerance", [("float32", "float64", 8_000_000, 1e-9), ("bfloat16", "float32", 4_500_000, 1e-3)]
+)
 def test_mixed_precision_recovers_from_a_killed_node(launches, tmp_path, dtype, master, memory, tolerance):
     config = write_config(tmp_path, nodes=5, memory=memory, training={"dtype": dtype, "master_dtype": master})
     final = tmp_path / "final"

@@ -15,8 +15,16 @@ import time
 
 import pytest
 
-from harness import (TIMEOUT_S, assert_all_gone, send, start_master_process, wait_event, wait_for,
-                     windows_with_switches, write_config)
+from harness import (
+    TIMEOUT_S,
+    assert_all_gone,
+    send,
+    start_master_process,
+    wait_event,
+    wait_for,
+    windows_with_switches,
+    write_config,
+)
 from network import Network, unavailable
 from oobleck_mm.events import read_events
 
@@ -56,13 +64,23 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     # waits out an 8 s collective timeout first): idle, with the arrival barrier's held reads, they reached
     # step 205 of 220 by then, 108 under CI's load.
     final, steps = tmp_path / "final", 330
-    config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"},
-                          fault_tolerance={"checkpoint_interval": 55, "keep_checkpoints": 0})  # fmt: skip
-    master, address, events, token = start_master_process(procs, config, tmp_path, "--host", network.master_address,
-                                                           "--save-final", str(final))  # fmt: skip
+    config = write_config(
+        tmp_path,
+        nodes=3,
+        steps=steps,
+        training={"dtype": "float64"},
+        fault_tolerance={"checkpoint_interval": 55, "keep_checkpoints": 0},
+    )
+    master, address, events, token = start_master_process(
+        procs, config, tmp_path, "--host", network.master_address, "--save-final", str(final)
+    )
     assert address.startswith(network.master_address), address
-    agents = {node: procs.agent(address, node, token, network=network,
-                                extra=("--left-exit-code", "75") if node == "node1" else ()) for node in NODES}
+    agents = {
+        node: procs.agent(
+            address, node, token, network=network, extra=("--left-exit-code", "75") if node == "node1" else ()
+        )
+        for node in NODES
+    }
     wait_event(events, "step", step=2, timeout=120)
     for agent, _ in agents.values():
         procs.remember(agent.pid)
@@ -95,9 +113,15 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
         assert isolated[0].is_running(), "a partition kills nothing: node2's agent lives on"
     finally:
         network.heal("node2")
-    back = wait_for(lambda: [e for e in read_events(events, "plan_decided")
-                             if e["generation"] > lost["generation"] and "node2" in e["joined"]],
-                    120, "node2 joining again")  # fmt: skip
+    back = wait_for(
+        lambda: [
+            e
+            for e in read_events(events, "plan_decided")
+            if e["generation"] > lost["generation"] and "node2" in e["joined"]
+        ],
+        120,
+        "node2 joining again",
+    )
     wait_event(events, "step", generation=back[0]["generation"], timeout=60)
 
     # 3. a notice, and the exit code a Kubernetes Job replaces

@@ -68,8 +68,11 @@ def recovery_from(run: Launch, victim: str, timeout: float = 60.0) -> tuple[dict
     plan against the loss: a generation planned from states the survivors kept (no restart)."""
     lost = run.wait_event("lost", node=victim, timeout=timeout)
     assert lost["in_plan"], lost
-    decided = wait_for(lambda: next((e for e in run.events("plan_decided") if victim in e.get("lost", [])), None),
-                       timeout, f"the plan without {victim}")  # fmt: skip
+    decided = wait_for(
+        lambda: next((e for e in run.events("plan_decided") if victim in e.get("lost", [])), None),
+        timeout,
+        f"the plan without {victim}",
+    )
     assert decided["generation"] >= 2 and victim not in decided["nodes"]
     assert decided["previous_generation"] >= 1  # survivors kept their states: no restart
     resumed = run.wait_event("resumed", generation=decided["generation"], timeout=timeout)
@@ -179,7 +182,8 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
 
 
 def test_a_notice_planned_before_a_join_is_switched_to_and_sent_after_it_is_planned_again_from_the_join(
-        launches, tmp_path, monkeypatch):  # fmt: skip
+    launches, tmp_path, monkeypatch
+):
     """The order that stopped a churned job at exit 3 with 9 nodes live (issue 27): the master planned a join
     (generation 2), then a notice's generation 3 from generation 1 (no report of 2 had come), and sent 3 late;
     the workers had switched to 2 meanwhile, and each survivor that 3 named as one of generation 1 raised.
@@ -223,8 +227,17 @@ def test_two_nodes_killed_at_once_and_one_inside_the_final_save(launches, tmp_pa
     left, saves again, equal to the reference."""
     config = write_config(tmp_path, nodes=5)  # five one-node pipelines; 2 are enough for f + 1 = 2
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final),
-                "--inject", "kill:node1@step3,kill:node2@step3", "--inject", "kill:node3@phase:checkpoint")  # fmt: skip
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--save-final",
+        str(final),
+        "--inject",
+        "kill:node1@step3,kill:node2@step3",
+        "--inject",
+        "kill:node3@phase:checkpoint",
+    )
     finish_ok(run)
     lost = {e["node"]: e for e in run.events("lost")}
     assert sorted(lost) == ["node1", "node2", "node3"] and all(e["in_plan"] for e in lost.values())
@@ -253,15 +266,15 @@ def test_below_threshold_checkpoint_then_resume_on_another_node_count(launches, 
     assert written["dir"] == checkpoint and written["step"] == stopped_at and written["layers"] == 10
 
     final = tmp_path / "final"
-    again = start(launches, tmp_path, config, "--nodes", "3", "--resume", checkpoint, "--save-final", str(final),
-                  name="resumed")  # fmt: skip
+    again = start(
+        launches, tmp_path, config, "--nodes", "3", "--resume", checkpoint, "--save-final", str(final), name="resumed"
+    )
     finish_ok(again)
     assert [e["step"] for e in again.events("step")] == list(range(stopped_at, 8))
     check_final(config, 8, final)
 
 
-def test_restart_mode_under_the_fault_tour_redoes_the_steps_since_the_last_checkpoint(launches, tmp_path,
-                                                                                     monkeypatch):  # fmt: skip
+def test_restart_mode_under_the_fault_tour_redoes_the_steps_since_the_last_checkpoint(launches, tmp_path, monkeypatch):
     """Restart mode (the checkpoint-restart baseline) under the events of ``scripts/bench_recovery.py``, in
     short: a join, a kill, the master killed, a preemption notice, a SIGSTOPped node. Each loss restarts
     every worker from the newest checkpoint (the kill's restart takes the joiner in); the steps since it run
@@ -274,14 +287,33 @@ def test_restart_mode_under_the_fault_tour_redoes_the_steps_since_the_last_check
     steps = 24
     config = write_config(tmp_path, nodes=4, steps=steps)
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
-                "--checkpoint-interval", "2", "--inject", "join:node4@step1", "--inject", "kill:node1@step5",
-                "--inject", "killmaster@step9", "--inject", "preempt:node3@step13+300s",
-                "--inject", "stop:node2@step17")  # fmt: skip
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--save-final",
+        str(final),
+        "--recovery",
+        "restart",
+        "--checkpoint-interval",
+        "2",
+        "--inject",
+        "join:node4@step1",
+        "--inject",
+        "kill:node1@step5",
+        "--inject",
+        "killmaster@step9",
+        "--inject",
+        "preempt:node3@step13+300s",
+        "--inject",
+        "stop:node2@step17",
+    )
     finish_ok(run)
     assert len(run.events("master_started")) == 2 and run.events("adopted")
-    assert {e["node"]: e["reason"] for e in run.events("lost")} == {"node1": "stream_closed",
-                                                                      "node2": "heartbeat_timeout"}
+    assert {e["node"]: e["reason"] for e in run.events("lost")} == {
+        "node1": "stream_closed",
+        "node2": "heartbeat_timeout",
+    }
     assert [e["node"] for e in run.events("left")] == ["node3"]
     # The kill's restart, then the notice's and the hang's: one restart for both when they come while the
     # restarted master re-adopts (seen under load)
@@ -310,8 +342,19 @@ def test_restart_mode_survives_a_node_lost_inside_a_checkpoint(launches, tmp_pat
     monkeypatch.setenv("OOBLECK_HOLD_AT", "checkpoint@node1:3")
     config = write_config(tmp_path, nodes=3)
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
-                "--checkpoint-interval", "2", "--inject", "kill:node1@step4")  # fmt: skip
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--save-final",
+        str(final),
+        "--recovery",
+        "restart",
+        "--checkpoint-interval",
+        "2",
+        "--inject",
+        "kill:node1@step4",
+    )
     finish_ok(run)
     # The kill landed inside the checkpoint of step 4: fired once step 4 was done, before that checkpoint was
     # complete (node1 writing its layer files, or holding after them, while the survivors wait in the agreement).
@@ -339,12 +382,16 @@ def test_restart_mode_a_checkpoint_the_disk_refuses_is_said_as_such_and_training
     step2.mkdir(parents=True)
     (step2 / "llm.block0.tmp").symlink_to("/dev/full")
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart",
-                "--checkpoint-interval", "2")  # fmt: skip
+    run = start(
+        launches, tmp_path, config, "--save-final", str(final), "--recovery", "restart", "--checkpoint-interval", "2"
+    )
     finish_ok(run)
     [failed] = run.events("checkpoint_failed")
-    assert failed["step"] == 2 and failed["error"].startswith("No space left on device: ") and str(step2.parent) \
-        in failed["error"], failed
+    assert (
+        failed["step"] == 2
+        and failed["error"].startswith("No space left on device: ")
+        and str(step2.parent) in failed["error"]
+    ), failed
     assert [e["step"] for e in run.events("checkpoint_saved")] == [4, 6]
     assert not (step2.parent / "meta.json").exists()
     assert not run.events("worker_failed") and not run.events("lost") and not run.events("aborted")
@@ -368,8 +415,17 @@ def _second_loss_inside_the_recovery(launches, tmp_path, phase: str):
     steps = 10
     config = write_config(tmp_path, nodes=4, steps=steps)
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node0@step3",
-                "--inject", f"kill:node1@phase:{phase}")  # fmt: skip
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--save-final",
+        str(final),
+        "--inject",
+        "kill:node0@step3",
+        "--inject",
+        f"kill:node1@phase:{phase}",
+    )
     finish_ok(run)
     holding = assert_killed_in_phase(run, "node1", phase)
     assert holding["generation"] == 2
@@ -415,8 +471,17 @@ def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches,
     steps = 60  # the job still trains when the joiner's worker is ready (the standby's: warm), loaded too
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2",
-                "--inject", "kill:node1@phase:forming")  # fmt: skip
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--save-final",
+        str(final),
+        "--inject",
+        "join@step2",
+        "--inject",
+        "kill:node1@phase:forming",
+    )
     finish_ok(run)
     assert_killed_in_phase(run, "node1", "forming")
     joining = run.events("plan_decided", generation=2)[0]
@@ -437,8 +502,17 @@ def test_a_joiner_killed_right_after_it_registered_costs_the_survivors_nothing(l
     steps = 12
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
-    run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join:node3@step2",
-                "--inject", "kill:node3@phase:registered")  # fmt: skip
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--save-final",
+        str(final),
+        "--inject",
+        "join:node3@step2",
+        "--inject",
+        "kill:node3@phase:registered",
+    )
     finish_ok(run)
     [registered] = run.events("registered", node="node3")
     [killed] = run.events("injected", node="node3", kind="kill")
@@ -476,8 +550,9 @@ def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_ho
     check_final(config, steps, final)
 
 
-def test_an_iteration_every_worker_abandons_with_no_node_lost_is_rerun_by_the_same_nodes(launches, tmp_path,
-                                                                                      monkeypatch):  # fmt: skip
+def test_an_iteration_every_worker_abandons_with_no_node_lost_is_rerun_by_the_same_nodes(
+    launches, tmp_path, monkeypatch
+):
     """node1's worker stops before step 3 for longer than the collective timeout while its agent
     heartbeats (runtime/hold.py): every peer's collective times out, every worker abandons step 3, and
     no node is lost. The same nodes re-form (no wait for a plan that never comes) and the run equals
@@ -513,8 +588,13 @@ def test_a_preempted_node_leaves_at_a_step_boundary_and_nothing_is_lost(launches
     its agent forwards the report before hanging up), and resumes to the reference. Before, node1's
     worker returned at once and the checkpoint never got its meta.json."""
     steps = 30
-    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,  # pipelines of 3 + 2 nodes
-                          fault_tolerance={"checkpoint_interval": 10, "keep_checkpoints": 0})  # fmt: skip
+    config = write_config(
+        tmp_path,
+        nodes=5,
+        steps=steps,
+        memory=SMALL_GPU,  # pipelines of 3 + 2 nodes
+        fault_tolerance={"checkpoint_interval": 10, "keep_checkpoints": 0},
+    )
     final = tmp_path / "final"
     # node1 holds 3 s before step 9 (0-based; the notice fires once steps 0-8 are done): the notice is
     # planned while every rank is in step 9, so the switch follows step 9, after which (10 steps done) a
@@ -551,10 +631,15 @@ def test_preempted_nodes_holding_the_last_copies_checkpoint_the_step_they_are_at
     everyone, the leaving nodes too, writes the step they are at before leaving (exit 3); resumed from
     there (in this process) it loses no step and equals the reference."""
     steps = 30
-    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,
-                          fault_tolerance={"checkpoint_interval": 0})  # fmt: skip
-    run = start(launches, tmp_path, config, "--inject", ",".join(f"preempt:node{i}@step6+30s" for i in range(1, 5)),
-                name="first")  # fmt: skip
+    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU, fault_tolerance={"checkpoint_interval": 0})
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--inject",
+        ",".join(f"preempt:node{i}@step6+30s" for i in range(1, 5)),
+        name="first",
+    )
     code = run.wait(timeout=240)
     assert code == 3, f"exit {code}\n{run.stderr[-3000:]}"
     run.assert_all_gone()
@@ -598,8 +683,7 @@ def test_sigterm_to_local_checkpoints_the_current_step_and_the_resume_equals_the
     exit 3 with the resume command; resumed from there (in this process) no step is rerun and the
     result equals the reference."""
     steps = 30
-    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU,
-                          fault_tolerance={"checkpoint_interval": 0})  # fmt: skip
+    config = write_config(tmp_path, nodes=5, steps=steps, memory=SMALL_GPU, fault_tolerance={"checkpoint_interval": 0})
     run = start(launches, tmp_path, config, name="first")
     run.wait_steps(4)
     run.proc.send_signal(signal.SIGTERM)
@@ -617,10 +701,15 @@ def test_losing_every_copy_stops_at_the_last_live_checkpoint_and_the_resume_equa
     """4 of 5 nodes at once in live mode, periodic checkpoints every 4 steps: exit 3 at the newest one
     (never 1 while a checkpoint exists); resumed from it (in this process) it equals the reference."""
     # 30 steps after the kill: it lands before training ends even when a busy machine stalls the launcher.
-    config = write_config(tmp_path, nodes=5, steps=40, memory=SMALL_GPU,
-                          fault_tolerance={"checkpoint_interval": 4})  # fmt: skip
-    run = start(launches, tmp_path, config, "--inject", "kill:node1@step10,kill:node2@step10,kill:node3@step10,"
-                "kill:node4@step10", name="first")  # fmt: skip
+    config = write_config(tmp_path, nodes=5, steps=40, memory=SMALL_GPU, fault_tolerance={"checkpoint_interval": 4})
+    run = start(
+        launches,
+        tmp_path,
+        config,
+        "--inject",
+        "kill:node1@step10,kill:node2@step10,kill:node3@step10,kill:node4@step10",
+        name="first",
+    )
     code = run.wait(timeout=240)
     assert code == 3, f"exit {code}\n{run.stderr[-3000:]}"
     run.assert_all_gone()
@@ -646,8 +735,9 @@ def test_a_writer_killed_inside_a_periodic_checkpoint_is_made_up_after_the_next_
     from oobleck_mm.verify import checkpoint_windows, compare_windows
 
     steps = 14
-    config = write_config(tmp_path, nodes=4, steps=steps,
-                          fault_tolerance={"checkpoint_interval": 4, "keep_checkpoints": 0})  # fmt: skip
+    config = write_config(
+        tmp_path, nodes=4, steps=steps, fault_tolerance={"checkpoint_interval": 4, "keep_checkpoints": 0}
+    )
     final = tmp_path / "final"
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "kill:node1@phase:checkpoint")
     finish_ok(run)
@@ -670,8 +760,9 @@ def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equal
     last collective, so every owner snapshots after the same step and the checkpoints complete; the
     newest, resumed (in this process), equals the reference."""
     steps = 60
-    config = write_config(tmp_path, nodes=3, steps=steps,
-                          fault_tolerance={"checkpoint_interval": 0, "checkpoint_every": "1s"})  # fmt: skip
+    config = write_config(
+        tmp_path, nodes=3, steps=steps, fault_tolerance={"checkpoint_interval": 0, "checkpoint_every": "1s"}
+    )
     run = start(launches, tmp_path, config, name="timed")
     finish_ok(run)
     saved = [e["step"] for e in run.events("checkpoint_saved")]

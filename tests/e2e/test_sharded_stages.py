@@ -19,13 +19,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 20
 SCALED = {
-    "model": {"vision": dict(num_layers=2, hidden=32, ffn_hidden=64, num_heads=2),
-              "audio": dict(num_layers=2, hidden=32, ffn_hidden=64, num_heads=2),
-              "llm": dict(num_layers=4, hidden=64, ffn_hidden=128, num_heads=4, num_kv_heads=2, vocab_size=256)},
+    "model": {
+        "vision": dict(num_layers=2, hidden=32, ffn_hidden=64, num_heads=2),
+        "audio": dict(num_layers=2, hidden=32, ffn_hidden=64, num_heads=2),
+        "llm": dict(num_layers=4, hidden=64, ffn_hidden=128, num_heads=4, num_kv_heads=2, vocab_size=256),
+    },
     "data": dict(image_size=56, mean_text_tokens=16, mean_audio_seconds=0.5, max_seq_len=256),
     "training": dict(global_batch=16, microbatch_size=2, dtype="float64", activation_checkpointing=False, steps=STEPS),
-    "cluster": dict(device="cpu", backend="gloo", gpus_per_node=2, max_gpus_per_stage=2, nodes=8,
-                    device_memory=3_500_000),
+    "cluster": dict(
+        device="cpu", backend="gloo", gpus_per_node=2, max_gpus_per_stage=2, nodes=8, device_memory=3_500_000
+    ),
 }
 """``configs/mllm_10b.yaml`` scaled down (its structure: vision, audio and a GQA, gated LLM; every layer trained)
 to two simulated GPUs per node and CPU sizes; at 3.5 MB of device memory its plans on 7 and 8 nodes put LLM

@@ -25,11 +25,14 @@ def _needs_a_freezer() -> None:
 
 def _microbatches_by_node(plan: dict) -> dict[str, int]:
     """One GPU per node: rank r is ``plan["nodes"][r]``."""
-    return {plan["nodes"][stage[0]]: p["num_microbatches"] for p in plan["layout"]["pipelines"] for stage in p["stages"]}
+    return {
+        plan["nodes"][stage[0]]: p["num_microbatches"] for p in plan["layout"]["pipelines"] for stage in p["stages"]
+    }
 
 
 def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run_equals_the_reference(
-        launches, tmp_path):  # fmt: skip
+    launches, tmp_path
+):
     _needs_a_freezer()
     steps = 140
     # Threshold 2, node2 slowed 8x: on two shared cores a node beside other load reads 1.4-2.2 on single
@@ -37,8 +40,18 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     # time reads 2-4 there, since the others take the core it leaves.
     config = write_config(tmp_path, nodes=4, steps=steps, fault_tolerance={"straggler_factor": 2.0})
     final = tmp_path / "final"
-    run = Launch(tmp_path, config, "--nodes", "4", "--steps", str(steps), "--save-final", str(final),
-                 "--inject", "slow:node2@step20x8+6s")  # fmt: skip
+    run = Launch(
+        tmp_path,
+        config,
+        "--nodes",
+        "4",
+        "--steps",
+        str(steps),
+        "--save-final",
+        str(final),
+        "--inject",
+        "slow:node2@step20x8+6s",
+    )
     launches.append(run)
     code = run.wait(timeout=150)
     assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
@@ -54,17 +67,22 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     assert slowed["node2"] < min(q for n, q in slowed.items() if n != "node2"), slowed
     assert len(set(even.values())) == 1, f"back to the even split once cleared: {even}"
     # The plan carries the factor to the workers' balancer (``StageLayout.slowdown``), and no more once cleared.
-    carried = {slowed_split["nodes"][s[0]]: s[3] for p in slowed_split["layout"]["pipelines"] for s in p["stages"]
-               if len(s) > 3}  # fmt: skip
+    carried = {
+        slowed_split["nodes"][s[0]]: s[3]
+        for p in slowed_split["layout"]["pipelines"]
+        for s in p["stages"]
+        if len(s) > 3
+    }
     assert list(carried) == ["node2"] and carried["node2"] >= 2.0, carried
     # Once cleared, the split is for the templates' own speeds: a plan without the factor, or, when the split
     # was even already (a "changed" factor near 1 re-split it first), no switch at all: without the balancer
     # the factor alone changes no work (``generations._same_split``), and the generation's speeds are emptied.
     cleared_ts = run.events("straggler_cleared")[0]["ts"]
     kept = [e for e in run.events("speed_split_unchanged") if e["ts"] >= cleared_ts]
-    assert (even_again["ts"] >= cleared_ts and all(len(s) == 3 for p in even_again["layout"]["pipelines"]
-                                                   for s in p["stages"])) or (kept and kept[0]["slow"] == []), (
-        even_again, kept)  # fmt: skip
+    assert (
+        even_again["ts"] >= cleared_ts
+        and all(len(s) == 3 for p in even_again["layout"]["pipelines"] for s in p["stages"])
+    ) or (kept and kept[0]["slow"] == []), (even_again, kept)
     for plan in (*slowed_splits, even_again):
         assert sum(p["num_microbatches"] for p in plan["layout"]["pipelines"]) * plan["layout"]["microbatch_size"] == 16
         assert sorted(plan["nodes"]) == ["node0", "node1", "node2", "node3"] and plan["layer_states_moved"] == 0
@@ -74,7 +92,8 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
 
 
 def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_run_equals_the_reference(
-        launches, tmp_path):  # fmt: skip
+    launches, tmp_path
+):
     """Issue 29 item 3(b). Three one-stage pipelines of two one-sample microbatches each: a re-split cannot
     give node2's pipeline less than one microbatch, so once node2 (frozen 15/16 of the time from step 10, for good) is
     still slow ``straggler_replan_after`` (1 s) after it was found, the planner predicts the job faster on
@@ -88,12 +107,26 @@ def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_
     other's second alone), was found a straggler, and once, on a busy CI machine, benched."""
     _needs_a_freezer()
     steps = 150
-    config = write_config(tmp_path, nodes=3, steps=steps, training={"global_batch": 6, "microbatch_size": 1},
-                          fault_tolerance={"straggler_factor": 1.5, "straggler_replan_after": "1s",
-                                           "straggler_bench": "3s"})  # fmt: skip
+    config = write_config(
+        tmp_path,
+        nodes=3,
+        steps=steps,
+        training={"global_batch": 6, "microbatch_size": 1},
+        fault_tolerance={"straggler_factor": 1.5, "straggler_replan_after": "1s", "straggler_bench": "3s"},
+    )
     final = tmp_path / "final"
-    run = Launch(tmp_path, config, "--nodes", "3", "--steps", str(steps), "--save-final", str(final),
-                 "--inject", "slow:node2@step10x16")  # fmt: skip
+    run = Launch(
+        tmp_path,
+        config,
+        "--nodes",
+        "3",
+        "--steps",
+        str(steps),
+        "--save-final",
+        str(final),
+        "--inject",
+        "slow:node2@step10x16",
+    )
     launches.append(run)
     code = run.wait(timeout=150)
     assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"

@@ -47,8 +47,16 @@ def _env(slurm, **more: str) -> dict[str, str]:
     """The submitting shell's environment, which sbatch exports to the job: where the repository is, the
     master's port (free here), the address agents dial (n0's), the interface gloo binds."""
     port = free_port()
-    return {**slurm.env, **slurm.network.env(), "PORT": str(port), "MASTER_ADDR": slurm.network.address("n0"),
-            "REPO": str(ROOT), "AGENT_GRACE": "3", "POLL_S": "1", **more}  # fmt: skip
+    return {
+        **slurm.env,
+        **slurm.network.env(),
+        "PORT": str(port),
+        "MASTER_ADDR": slurm.network.address("n0"),
+        "REPO": str(ROOT),
+        "AGENT_GRACE": "3",
+        "POLL_S": "1",
+        **more,
+    }
 
 
 def _steps(run) -> list[dict]:
@@ -75,7 +83,8 @@ def _what_the_jobs_said(tmp_path: Path, base: Path) -> str:
 
 
 def test_a_failed_node_is_down_for_slurm_and_planned_out_then_a_notice_checkpoints_and_the_wrapper_resumes(
-        slurm, tmp_path):  # fmt: skip
+    slurm, tmp_path
+):
     """One job through both things SLURM does to a run (one launch: two took 140 s of CI's 15 minutes):
 
     1. Node n2's link cut while the job trains: SLURM sets the node DOWN and, with ``--no-kill`` and a step
@@ -97,22 +106,37 @@ def test_a_failed_node_is_down_for_slurm_and_planned_out_then_a_notice_checkpoin
     steps, base, final = 300, tmp_path / "base", tmp_path / "final"
     config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"})
     slurm.wait_idle()
-    wrapper = subprocess.Popen([str(LAUNCH / "slurm_resume.sh"), *NO_GPUS, f"--output={tmp_path}/slurm-%j.out", "--",
-                                config, "--save-final", str(final)],
-                               env=_env(slurm, BASE=str(base)), cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wrapper = subprocess.Popen(
+        [
+            str(LAUNCH / "slurm_resume.sh"),
+            *NO_GPUS,
+            f"--output={tmp_path}/slurm-%j.out",
+            "--",
+            config,
+            "--save-final",
+            str(final),
+        ],
+        env=_env(slurm, BASE=str(base)),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first = base / "try1"
     try:
         try:
             wait_for(lambda: any(e["step"] >= 2 for e in _steps(first)), 180, "try 1's step 2")
-            jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm.env, capture_output=True, text=True,
-                                  timeout=20).stdout.split()  # fmt: skip
+            jobs = subprocess.run(
+                ["squeue", "-h", "-o", "%i"], env=slurm.env, capture_output=True, text=True, timeout=20
+            ).stdout.split()
             assert len(jobs) == 1, jobs
             slurm.network.cut("n2")
             wait_for(lambda: slurm.node_state("n2").startswith("down"), 60, f"SLURM setting n2 down: {slurm.sinfo()}")
             assert wrapper.poll() is None and not (base / "try2").exists(), "SLURM ended the job with its failed node"
             wait_for(lambda: read_events(first / "events.jsonl", "lost"), 30, "the master finding n2 lost")
-            assert max(e["step"] for e in _steps(first)) < steps - 1, "the job had finished before SLURM saw the failure"
+            assert max(e["step"] for e in _steps(first)) < steps - 1, (
+                "the job had finished before SLURM saw the failure"
+            )
             subprocess.run(["scancel", "--signal=TERM", jobs[0]], env=slurm.env, check=True, timeout=20)
             wait_for(lambda: read_events(first / "events.jsonl", "shutdown"), 120, "try 1's master stopping")
         finally:
@@ -125,10 +149,16 @@ def test_a_failed_node_is_down_for_slurm_and_planned_out_then_a_notice_checkpoin
     assert [e["node"] for e in read_events(events, "lost")] == ["n2"]
     assert sorted(read_events(events, "plan_decided")[-1]["nodes"]) == ["n0", "n1"]
     stopped = max(e["step"] for e in _steps(first))
-    assert "try 1 stopped with a checkpoint (exit 3)" in out and f"resuming from the newest checkpoint in {first}" in out
+    assert (
+        "try 1 stopped with a checkpoint (exit 3)" in out and f"resuming from the newest checkpoint in {first}" in out
+    )
     assert stopped < steps and not (base / "try3").exists()
     second = read_events(base / "try2" / "events.jsonl", "step")
-    assert second[0]["step"] == stopped + 1 and second[-1]["step"] == steps - 1, (stopped, second[0], second[-1])  # 0-based
+    assert second[0]["step"] == stopped + 1 and second[-1]["step"] == steps - 1, (
+        stopped,
+        second[0],
+        second[-1],
+    )  # 0-based
     assert sorted(read_events(base / "try2" / "events.jsonl", "plan_decided")[0]["nodes"]) == ["n0", "n1", "n2"]
     [checkpoint] = [m.parent for m in first.glob("**/meta.json")]
     [verdict] = compare_windows(load_config(config), [(str(checkpoint), str(final), steps)], progress=lambda line: None)
@@ -140,9 +170,14 @@ def test_the_wrapper_stops_on_a_bad_config_with_its_exit_2_and_never_resubmits(s
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "configs" / "tiny_mm.yaml").read_text().replace("global_batch: 16", "global_batch: -1"))
     slurm.wait_idle()
-    done = subprocess.run([str(LAUNCH / "slurm_resume.sh"), *NO_GPUS, f"--output={tmp_path}/slurm-%j.out", "--",
-                           str(bad)], env=_env(slurm, BASE=str(tmp_path / "base")), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [str(LAUNCH / "slurm_resume.sh"), *NO_GPUS, f"--output={tmp_path}/slurm-%j.out", "--", str(bad)],
+        env=_env(slurm, BASE=str(tmp_path / "base")),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "try 1 exited 2: not resubmitting" in done.stderr and not (tmp_path / "base" / "try2").exists()
     assert "training.global_batch" in (tmp_path / "base" / "try1" / "master.log").read_text()

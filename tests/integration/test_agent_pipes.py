@@ -12,7 +12,6 @@ real OS pipes, some of them between the reader's ``wait`` and its read.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from multiprocessing import Pipe
@@ -125,8 +124,9 @@ class End:
         self.exited = False
 
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["start", "report", "exit", "retire"]), st.integers(0, 3),
-                             st.booleans()), max_size=40)  # fmt: skip
+ACTIONS = st.lists(
+    st.tuples(st.sampled_from(["start", "report", "exit", "retire"]), st.integers(0, 3), st.booleans()), max_size=40
+)
 """(what, which worker, whether it lands between the reader's wait and its read)."""
 
 

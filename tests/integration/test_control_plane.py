@@ -108,9 +108,11 @@ def test_a_wrong_or_missing_token_is_refused_and_never_gets_a_plan(tmp_path, pro
         assert "intruder" not in {e["node"] for e in read_events(log, "registered")}
         refused = read_events(log, "refused")
         assert {(e["method"], e["reason"]) for e in refused} >= {
-            ("Register", "wrong token"), ("Register", "missing token"), ("Heartbeat", "wrong token"),
+            ("Register", "wrong token"),
+            ("Register", "missing token"),
+            ("Heartbeat", "wrong token"),
             ("Subscribe", "missing token"),
-        }  # fmt: skip
+        }
         assert all("not-the-job-token" not in str(e) for e in refused)  # secrets stay out of logs
 
 
@@ -171,15 +173,17 @@ def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, p
 
 
 def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_resume_equals_the_reference(
-        tmp_path, procs):
+    tmp_path, procs
+):
     """SIGKILL of the master mid-run, and none restarted: every agent sees its stream break, its workers
     train on for ``master_timeout``, then finish the iteration in flight and write that step together (a complete checkpoint without a master: issue 13), the agents
     exit 3 naming the resume command, nothing is left running, and the resumed run equals the reference."""
     from oobleck_mm.runtime.checkpoint import read_meta
 
     # No master comes back within master_timeout: the workers train on until then, and write that step.
-    config = write_config(tmp_path, nodes=2, steps=1000, training={"dtype": "float64"},
-                          fault_tolerance={"master_timeout": "2s"})  # fmt: skip
+    config = write_config(
+        tmp_path, nodes=2, steps=1000, training={"dtype": "float64"}, fault_tolerance={"master_timeout": "2s"}
+    )
     master, address, events, token = start_master_process(procs, config, tmp_path)
     agents = [procs.agent(address, node, token) for node in ("node0", "node1")]
     workers = [worker_pid(log) for _, log in agents]
@@ -191,8 +195,10 @@ def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_res
         assert agent.wait(TIMEOUT_S + 60) == 3
     assert_all_gone(started, 5)
     assert time.time() - killed_at < TIMEOUT_S + 60
-    said = [re.search(r"wrote the checkpoint of step (\d+) to (\S+); resume with: (.+) --resume (\S+)",
-                      log.read_text()) for _, log in agents]  # fmt: skip
+    said = [
+        re.search(r"wrote the checkpoint of step (\d+) to (\S+); resume with: (.+) --resume (\S+)", log.read_text())
+        for _, log in agents
+    ]
     assert all(said), [log.read_text()[-2000:] for _, log in agents]
     step, directory = int(said[0].group(1)), said[0].group(2)
     assert {(int(m.group(1)), m.group(2)) for m in said} == {(step, directory)}, "one checkpoint, one step"
@@ -215,8 +221,9 @@ def test_a_restarted_master_re_adopts_the_running_workers_and_the_run_equals_the
     from oobleck_mm.verify import compare
 
     final = tmp_path / "final"
-    config = write_config(tmp_path, nodes=2, steps=RESTART_STEPS, training={"dtype": "float64"},
-                          fault_tolerance={"master_timeout": "5m"})  # fmt: skip
+    config = write_config(
+        tmp_path, nodes=2, steps=RESTART_STEPS, training={"dtype": "float64"}, fault_tolerance={"master_timeout": "5m"}
+    )
     master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
     agents = [procs.agent(address, node, token) for node in ("node0", "node1")]
     workers = [worker_pid(log) for _, log in agents]
@@ -230,8 +237,11 @@ def test_a_restarted_master_re_adopts_the_running_workers_and_the_run_equals_the
     time.sleep(1.0)
     assert all(agent.poll() is None for agent, _ in agents)
     run_dir = tmp_path / "run"
-    command = (["--resume-master", str(run_dir)] if restart == "--resume-master" else
-               ["--config", config, "--port", "0", "--run-dir", str(run_dir), "--save-final", str(final)])
+    command = (
+        ["--resume-master", str(run_dir)]
+        if restart == "--resume-master"
+        else ["--config", config, "--port", "0", "--run-dir", str(run_dir), "--save-final", str(final)]
+    )
     again, again_log = procs.spawn(["master", *command], "master-again.log")
     assert again.wait(180) == 0, again_log.read_text()[-3000:]
     assert ("re-adopting it as with --resume-master" in again_log.read_text()) == (restart == "the same command")
@@ -301,8 +311,18 @@ def _started_pids(run_dir) -> list[int]:
 
 def test_local_trains_three_nodes_and_exits_0(tmp_path):
     run_dir = tmp_path / "run"
-    done = _launch("local", "--config", str(ROOT / "configs" / "tiny_mm.yaml"), "--nodes", "3", "--steps", "5",
-                   "--run-dir", str(run_dir), timeout=60)  # fmt: skip
+    done = _launch(
+        "local",
+        "--config",
+        str(ROOT / "configs" / "tiny_mm.yaml"),
+        "--nodes",
+        "3",
+        "--steps",
+        "5",
+        "--run-dir",
+        str(run_dir),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert [f"step {i}/5" in done.stdout for i in range(1, 6)] == [True] * 5
     steps = read_events(run_dir / "events.jsonl", "step")
@@ -316,8 +336,16 @@ def test_local_trains_three_nodes_and_exits_0(tmp_path):
 
 def test_local_nodes_fork_one_template_die_as_nodes_and_an_interrupt_kills_every_child(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", write_config(tmp_path, nodes=3, steps=1000),
-           "--run-dir", str(run_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "local",
+        "--config",
+        write_config(tmp_path, nodes=3, steps=1000),
+        "--run-dir",
+        str(run_dir),
+    ]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_event(run_dir / "events.jsonl", "assignment_sent", timeout=30)
@@ -327,8 +355,11 @@ def test_local_nodes_fork_one_template_die_as_nodes_and_an_interrupt_kills_every
         [template] = {psutil.Process(pid).ppid() for pid in workers.values()}
         assert psutil.Process(template).ppid() == launcher.pid and template not in agents.values()
         # A node's processes are one process group (the injector stops and kills them together)...
-        wait_for(lambda: {node: os.getpgid(pid) for node, pid in workers.items()} == agents, 20,
-                 "each worker in its agent's process group")  # (a fork joins it first thing in its entry)
+        wait_for(
+            lambda: {node: os.getpgid(pid) for node, pid in workers.items()} == agents,
+            20,
+            "each worker in its agent's process group",
+        )  # (a fork joins it first thing in its entry)
         # ...and a worker still dies with its agent, SIGKILL included, though the agent is not its parent.
         doomed = psutil.Process(workers["node2"])
         os.kill(agents["node2"], signal.SIGKILL)
@@ -369,8 +400,11 @@ def _running(pid: int) -> bool:
 
 def _listening_ports() -> set[tuple[str, int]]:
     # gRPC may listen on an IPv6 socket for an IPv4 address (::ffff:127.0.0.1): the same thing.
-    return {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    return {
+        (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 def test_the_workers_rendezvous_store_is_behind_the_job_token_on_the_masters_one_port(tmp_path):
@@ -398,8 +432,9 @@ def test_the_workers_rendezvous_store_is_behind_the_job_token_on_the_masters_one
             store.wait(["gen1/never"], timedelta(seconds=0.5))
         assert time.monotonic() - started < 5
         # torch forms a real group through it (the workers' path: PrefixStore, gloo's rendezvous).
-        dist.init_process_group("gloo", store=dist.PrefixStore("gen7", store), rank=0, world_size=1,
-                                timeout=timedelta(seconds=10))  # fmt: skip
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("gen7", store), rank=0, world_size=1, timeout=timedelta(seconds=10)
+        )
         try:
             x = torch.ones(2)
             dist.all_reduce(x)
@@ -419,8 +454,13 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
 
     final = tmp_path / "final"
     steps = 90  # node2 is back (a fork of its warm worker template) within a few steps of its resume
-    config = write_config(tmp_path, nodes=3, steps=steps, training={"dtype": "float64"},
-                          fault_tolerance={"checkpoint_interval": 45, "keep_checkpoints": 0})
+    config = write_config(
+        tmp_path,
+        nodes=3,
+        steps=steps,
+        training={"dtype": "float64"},
+        fault_tolerance={"checkpoint_interval": 45, "keep_checkpoints": 0},
+    )
     master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
     agents = {node: procs.agent(address, node, token) for node in ("node0", "node1", "node2")}
     wait_event(events, "step", step=2, timeout=120)
@@ -434,9 +474,15 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
         for p in reversed(paused):  # workers before their agent: an agent that wakes first takes a still
             with contextlib.suppress(psutil.NoSuchProcess):  # stopped worker for a hung node (worker_stopped)
                 p.resume()
-    back = wait_for(lambda: [e for e in read_events(events, "plan_decided")
-                             if e["generation"] > lost["generation"] and "node2" in e["joined"]],
-                    120, "node2 joining again")  # fmt: skip
+    back = wait_for(
+        lambda: [
+            e
+            for e in read_events(events, "plan_decided")
+            if e["generation"] > lost["generation"] and "node2" in e["joined"]
+        ],
+        120,
+        "node2 joining again",
+    )
     assert master.wait(240) == 0, agents["node2"][1].read_text()[-3000:]
     for node, (agent, log) in agents.items():
         assert agent.wait(30) == 0, f"{node}: {log.read_text()[-2000:]}"
@@ -470,6 +516,9 @@ def test_a_config_past_grpcs_default_4_mib_registers(tmp_path, procs):
         with grpc.insecure_channel(master.address) as channel:  # gRPC's default 4 MiB
             stub = pb_grpc.CoordinatorStub(channel)
             with pytest.raises(grpc.RpcError) as err:
-                stub.Register(pb.RegisterRequest(node="node1", gpus=1),
-                              metadata=call_metadata(read_token(master.token_file)), timeout=30)  # fmt: skip
+                stub.Register(
+                    pb.RegisterRequest(node="node1", gpus=1),
+                    metadata=call_metadata(read_token(master.token_file)),
+                    timeout=30,
+                )
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -20,8 +20,7 @@ from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.runtime.reference import ReferenceTrainer
 from oobleck_mm.runtime.worker import run_local
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -32,8 +31,9 @@ def test_two_stage_pipeline_on_two_gpus_with_nccl(tmp_path, dtype):
     d["cluster"].update(device="cuda", accelerator="a100-80gb", backend="auto")
     job = config_from_dict(d)
     assert job.cluster.resolved_backend == "nccl"
-    trainer = ReferenceTrainer(dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cpu",
-                                                                                    backend="gloo")))  # fmt: skip
+    trainer = ReferenceTrainer(
+        dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cpu", backend="gloo"))
+    )
     ref_losses = [loss for _, loss in trainer.train(3)]
     plan = ExecutionPlan.even(len(trainer.specs), [2], [8], job.training.microbatch_size)
     outs = run_local(job, plan, 3, tmp_path)
@@ -48,8 +48,9 @@ def test_a_two_gpu_sharded_stage_with_nccl_equals_the_cpu_reference_in_float64(t
     d["training"].update(dtype="float64", steps=3)
     d["cluster"].update(device="cuda", accelerator="a100-80gb", backend="auto", gpus_per_node=2, max_gpus_per_stage=2)
     job = config_from_dict(d)
-    trainer = ReferenceTrainer(dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cpu",
-                                                                                    backend="gloo")))  # fmt: skip
+    trainer = ReferenceTrainer(
+        dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cpu", backend="gloo"))
+    )
     ref_losses = [loss for _, loss in trainer.train(3)]
     plan = ExecutionPlan.even(len(trainer.specs), [1], [8], job.training.microbatch_size, widths=[[2]])
     outs = run_local(job, plan, 3, tmp_path)

@@ -37,8 +37,10 @@ def run(job, prefetch: bool, steps: int = 3):
     engine.prefetch = prefetch
     order = []  # ("pack", mb) and ("forward done", mb) as they happen
     pack, forward = engine._batch, engine._dispatch
-    engine._batch = lambda mb, piece=0: (order.append(("pack", mb)) if (mb, piece) not in engine._batches else None,
-                                         pack(mb, piece))[1]  # fmt: skip
+    engine._batch = lambda mb, piece=0: (
+        order.append(("pack", mb)) if (mb, piece) not in engine._batches else None,
+        pack(mb, piece),
+    )[1]
     forward_handler = forward[next(t for t in forward if t.__name__ == "ForwardPass")]
 
     def traced_forward(ins):
@@ -57,8 +59,9 @@ def run(job, prefetch: bool, steps: int = 3):
 
 def join_one_rank(tmp_path, backend: str) -> None:
     wait = timedelta(seconds=60)
-    join_generation(dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, backend, collective_timeout=wait,
-                    arrival_timeout=wait)  # fmt: skip
+    join_generation(
+        dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, backend, collective_timeout=wait, arrival_timeout=wait
+    )
 
 
 @pytest.fixture
@@ -69,8 +72,10 @@ def one_rank(tmp_path):
     leave_group()
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU suite checks "
-                                                                       "the same with prefetch forced on the CPU)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (the CPU suite checks the same with prefetch forced on the CPU)",
+)
 
 
 def test_prefetching_the_next_microbatch_changes_when_it_is_packed_and_nothing_else(one_rank):
@@ -90,8 +95,16 @@ def test_prefetching_the_next_microbatch_changes_when_it_is_packed_and_nothing_e
 
 
 # Calls that make the host wait for a device tensor's value (on a GPU: a stream synchronisation).
-HOST_WAITS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-              torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}  # fmt: skip
+HOST_WAITS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+}
 PACKAGE = os.path.dirname(oobleck_mm.__file__) + os.sep
 # Where the device's tensors are used: the runtime and the model. (``data/`` works on the host by
 # design: it packs microbatches, and their spans, before one asynchronous copy to the device.)
@@ -146,8 +159,9 @@ def test_on_one_gpu_the_engine_synchronises_per_step_not_per_microbatch(tmp_path
     from oobleck_mm.runtime.worker import device_for
 
     job = tiny_job(dtype)
-    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cuda", accelerator="h100",
-                                                               backend="auto"))  # fmt: skip
+    job = dataclasses.replace(
+        job, cluster=dataclasses.replace(job.cluster, device="cuda", accelerator="h100", backend="auto")
+    )
     device = device_for(job, 0)  # torch.cuda.set_device(0), before NCCL binds to it
     join_one_rank(tmp_path, job.cluster.resolved_backend)
     try:
@@ -164,8 +178,7 @@ def test_on_one_gpu_the_engine_synchronises_per_step_not_per_microbatch(tmp_path
                     losses[count].append(engine.train_step(1).loss)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            waits[count] = collections.Counter((w.filename, w.lineno) for w in caught
-                                               if "synchroniz" in str(w.message))  # fmt: skip
+            waits[count] = collections.Counter((w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message))
     finally:
         leave_group()
     assert waits[16] == waits[4], f"synchronisations that grow with the microbatches: {waits[16] - waits[4]}"

@@ -26,7 +26,9 @@ def test_activation_checkpointing_gives_the_same_gradients(tmp_path):
     from oobleck_mm.runtime.group import join_generation
 
     wait = timedelta(seconds=60)
-    join_generation(dist.FileStore(str(tmp_path / "s"), 1), 0, 0, 1, "gloo", collective_timeout=wait, arrival_timeout=wait)
+    join_generation(
+        dist.FileStore(str(tmp_path / "s"), 1), 0, 0, 1, "gloo", collective_timeout=wait, arrival_timeout=wait
+    )
     try:
         states = []
         for ckpt in (False, True):

@@ -99,8 +99,7 @@ def test_events_fire_when_due_with_real_signals_and_are_logged(cluster, tmp_path
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
     faults = parse_inject("killworker:node2:gpu1@step1,kill:node0@step2,stop:node1@step2,kill:node7@step2,join@step3")
-    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents,
-                        start_agent=cluster.start_agent)  # fmt: skip
+    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents, start_agent=cluster.start_agent)
     log.write("plan_decided", generation=1)
     assert injector.poll(time.time()) == []
 
@@ -134,15 +133,25 @@ def test_events_fire_when_due_with_real_signals_and_are_logged(cluster, tmp_path
         eventually(lambda: dead(pid))
     logged = [e for e in read_events(path) if e["event"] in ("injected", "inject_skipped")]
     assert [(e["kind"], e["node"]) for e in logged] == [
-        ("killworker", "node2"), ("kill", "node0"), ("stop", "node1"), ("kill", "node7"), ("join", "node3"),
-    ]  # fmt: skip
+        ("killworker", "node2"),
+        ("kill", "node0"),
+        ("stop", "node1"),
+        ("kill", "node7"),
+        ("join", "node3"),
+    ]
 
 
 def test_the_thread_fires_time_events_after_the_first_step_and_ends_with_the_job(cluster, tmp_path):
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
-    injector = Injector(parse_inject("kill:node0@t0.3s,kill:node1@step50"), event_log_path=path, events=log,
-                        agents=cluster.agents, start_agent=cluster.start_agent, poll_s=0.01)  # fmt: skip
+    injector = Injector(
+        parse_inject("kill:node0@t0.3s,kill:node1@step50"),
+        event_log_path=path,
+        events=log,
+        agents=cluster.agents,
+        start_agent=cluster.start_agent,
+        poll_s=0.01,
+    )
     injector.start()
     try:
         time.sleep(0.4)
@@ -168,7 +177,7 @@ def test_the_tail_returns_whole_lines_only(tmp_path):
         fh.write('{"event": "a"}\n{"event": "b", "x"')
         fh.flush()
         assert [e["event"] for e in tail.poll()] == ["a"]
-        fh.write(': 1}\nnot json\n')
+        fh.write(": 1}\nnot json\n")
         fh.flush()
         assert tail.poll() == [{"event": "b", "x": 1}]
 
@@ -177,9 +186,13 @@ def test_phase_events_fire_when_the_master_logs_the_node_there(cluster, tmp_path
     """@phase:P: the kill lands when the event log says the node's worker holds in P (or registered)."""
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
-    injector = Injector(parse_inject("kill:node1@phase:copy,kill:node3@phase:registered,join:node3@step1"),
-                        event_log_path=path, events=log, agents=cluster.agents,
-                        start_agent=cluster.start_agent)  # fmt: skip
+    injector = Injector(
+        parse_inject("kill:node1@phase:copy,kill:node3@phase:registered,join:node3@step1"),
+        event_log_path=path,
+        events=log,
+        agents=cluster.agents,
+        start_agent=cluster.start_agent,
+    )
     log.write("plan_decided", generation=1)
     log.write("holding", node="node2", local_rank=0, generation=2, point="copy")  # another node
     log.write("holding", node="node1", local_rank=0, generation=2, point="checkpoint")  # another phase
@@ -201,16 +214,19 @@ def test_a_node_joined_and_killed_in_one_batch_is_started_then_killed_not_unknow
 
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
-    faults = [FaultEvent("join", "node3", seconds=1.0, source="t"), FaultEvent("kill", "node3", seconds=1.0, source="t")]
-    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents,
-                        start_agent=cluster.start_agent)  # fmt: skip
+    faults = [
+        FaultEvent("join", "node3", seconds=1.0, source="t"),
+        FaultEvent("kill", "node3", seconds=1.0, source="t"),
+    ]
+    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents, start_agent=cluster.start_agent)
     log.write("plan_decided", generation=1)
     log.write("step", generation=1, step=0)
     records = injector.poll(time.time() + 5)
-    assert [(r["event"], r["kind"], r["node"]) for r in records] == [("injected", "join", "node3"),
-                                                                     ("injected", "kill", "node3")]
+    assert [(r["event"], r["kind"], r["node"]) for r in records] == [
+        ("injected", "join", "node3"),
+        ("injected", "kill", "node3"),
+    ]
     assert cluster.procs["node3"].wait(15) == -9
-
 
 
 TIMED_AGENT = """
@@ -232,8 +248,11 @@ if __name__ == "__main__":
 
 
 def _unit_seconds(path, since: float, until: float) -> float:
-    units = [float(b) for a, b in (line.split() for line in path.read_text().splitlines() if line.count(" ") == 1)
-             if since <= float(a) < until]  # fmt: skip
+    units = [
+        float(b)
+        for a, b in (line.split() for line in path.read_text().splitlines() if line.count(" ") == 1)
+        if since <= float(a) < until
+    ]
     assert len(units) >= 5, f"only {len(units)} units of work between {since} and {until}"
     return sum(units) / len(units)  # the mean: a unit shorter than a freeze cycle may fall between two freezes
 
@@ -255,8 +274,13 @@ def test_a_slowdown_makes_the_nodes_own_compute_take_factor_times_as_long_and_ne
         worker = int(agent.stdout.readline())
         path = tmp_path / "events.jsonl"
         log = EventLog(path)
-        injector = Injector(parse_inject("slow:node0@step1x3+1.5s"), event_log_path=path, events=log,
-                            agents=lambda: {"node0": agent.pid}, start_agent=lambda name: None)  # fmt: skip
+        injector = Injector(
+            parse_inject("slow:node0@step1x3+1.5s"),
+            event_log_path=path,
+            events=log,
+            agents=lambda: {"node0": agent.pid},
+            start_agent=lambda name: None,
+        )
         log.write("plan_decided", generation=1)
         time.sleep(1.0)
         before = time.time()
@@ -269,8 +293,9 @@ def test_a_slowdown_makes_the_nodes_own_compute_take_factor_times_as_long_and_ne
             time.sleep(0.003)
         assert psutil.STATUS_STOPPED not in seen, "frozen, never stopped: the agent would call it a failure"
         restored = []
-        eventually(lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored")
-                   or restored)  # fmt: skip
+        eventually(
+            lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored") or restored
+        )
         normal = _unit_seconds(units, before - 1.0, before)
         slow = _unit_seconds(units, before + 0.2, before + 1.4)
         # Idle, x3 reads 2.5-3.5x. Under load it reads anything from 1.61x (a CI run beside another test
@@ -328,8 +353,7 @@ def test_a_slowdown_stops_only_the_nodes_workers_for_its_share_of_the_time_then_
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
     faults = parse_inject("slow:node1@step1x2+2s,slow:node2@step1x4,slow:node9@step1")
-    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents,
-                        start_agent=cluster.start_agent)  # fmt: skip
+    injector = Injector(faults, event_log_path=path, events=log, agents=cluster.agents, start_agent=cluster.start_agent)
     log.write("plan_decided", generation=1)
     log.write("step", generation=1, step=0)
     half, quarter, skipped = injector.poll(time.time())
@@ -344,8 +368,9 @@ def test_a_slowdown_stops_only_the_nodes_workers_for_its_share_of_the_time_then_
     assert agent == 0 and other == 0, "neither the slowed node's agent nor another node is touched"
 
     restored = []
-    eventually(lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored")
-               or restored)  # fmt: skip
+    eventually(
+        lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored") or restored
+    )
     assert [(r["node"], r["factor"]) for r in restored] == [("node1", 2.0)] and restored[0]["cycles"] > 10
     assert injector.done, "the slowdown for good needs no more polls"
     assert _frozen_share(cluster.workers["node1"], 0.3) == [0.0, 0.0], "node1 runs at full speed again"

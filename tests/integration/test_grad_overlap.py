@@ -28,8 +28,9 @@ def job(overlap: bool = True, **training):
     with open("configs/tiny_mm.yaml") as f:
         d = yaml.safe_load(f)
     frozen, tied = training.pop("frozen", ()), training.pop("tied", False)
-    d["training"].update({"dtype": "float64", "steps": STEPS, "grad_overlap": overlap,
-                          "grad_bucket_mb": TINY_BUCKET_MB, **training})
+    d["training"].update(
+        {"dtype": "float64", "steps": STEPS, "grad_overlap": overlap, "grad_bucket_mb": TINY_BUCKET_MB, **training}
+    )
     d["model"]["frozen"] = list(frozen)
     d["model"]["llm"]["tie_embeddings"] = tied
     return config_from_dict(d)
@@ -44,8 +45,11 @@ def worst_against_reference(outs, j, steps: int) -> float:
     for _ in trainer.train(steps):  # (a generator: one step per item)
         pass
     names = [s.name for s in trainer.specs]
-    return max((value - trainer.layer_state(names.index(name))[key]).abs().max().item()
-               for (_, name), state in states(outs).items() for key, value in state.items())  # fmt: skip
+    return max(
+        (value - trainer.layer_state(names.index(name))[key]).abs().max().item()
+        for (_, name), state in states(outs).items()
+        for key, value in state.items()
+    )
 
 
 def overlapped(outs) -> tuple[int, int]:
@@ -87,9 +91,14 @@ def test_overlapped_sums_survive_a_lost_node_and_equal_the_reference(tmp_path):
     overlapped sums go on equal to the reference."""
     j = job(True)
     before = ExecutionPlan.even(10, [2, 3, 1], [3, 3, 2], j.training.microbatch_size)  # ranks 0-1 | 2-4 | 5
-    after = ExecutionPlan((PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 4),
-                           PipelineLayout((StageLayout(2, 0, 4), StageLayout(3, 4, 7), StageLayout(4, 7, 10)), 4)),
-                          10, 2)  # fmt: skip
+    after = ExecutionPlan(
+        (
+            PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 4),
+            PipelineLayout((StageLayout(2, 0, 4), StageLayout(3, 4, 7), StageLayout(4, 7, 10)), 4),
+        ),
+        10,
+        2,
+    )
     outs = run_local(j, before, 2, tmp_path, phases=[Phase(after, 2, {r: r for r in range(5)})])
     early, total = overlapped(outs)
     assert early > 0 and total > early

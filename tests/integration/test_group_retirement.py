@@ -48,8 +48,7 @@ def _rank(rank: int, port: int, results, finished, pending_on: str) -> None:
     from oobleck_mm.runtime.group import RETIRED, connect_store, join_generation, leave_group
 
     store = connect_store("127.0.0.1", port, TOKEN, timeout=timedelta(seconds=30))
-    join_generation(store, 1, rank, 2, "gloo", collective_timeout=GROUP_TIMEOUT,
-                    arrival_timeout=timedelta(seconds=30))  # fmt: skip
+    join_generation(store, 1, rank, 2, "gloo", collective_timeout=GROUP_TIMEOUT, arrival_timeout=timedelta(seconds=30))
     sub = dist.new_group([0, 1], timeout=GROUP_TIMEOUT)
     dist.barrier()
     if rank == 1:  # never joins rank 0's all-reduce; stays alive (its sockets open) until rank 0 is done
@@ -95,8 +94,9 @@ def test_an_abandoned_operation_does_not_hold_the_thread_that_drops_its_group(pe
     store, port = serve_store_only(TOKEN)
     ctx = mp.get_context("spawn")
     results, finished = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_rank, args=(rank, port, results, finished, pending_on), daemon=True)
-             for rank in (0, 1)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_rank, args=(rank, port, results, finished, pending_on), daemon=True) for rank in (0, 1)
+    ]
     try:
         for p in procs:
             p.start()
@@ -118,5 +118,3 @@ def test_an_abandoned_operation_does_not_hold_the_thread_that_drops_its_group(pe
     assert dropped_s < 1.0, f"dropping the engine took {dropped_s:.2f} s (the group's timeout is {GROUP_TIMEOUT})"
     # ... and the group is still destroyed, in the background, once its operation ended.
     assert left == 0, f"{left} retired groups still not destroyed after {destroyed_after_s:.1f} s"
-
-

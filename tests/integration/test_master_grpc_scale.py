@@ -94,6 +94,8 @@ def test_the_masters_server_keeps_every_stream_opened_at_once_past_grpcs_pending
 def test_grpcs_default_server_options_cancel_streams_opened_at_once_the_control():
     opened, failed, seen = _run(lambda: grpc.aio.server())
     if opened == STREAMS:
-        pytest.skip("gRPC's defaults kept every stream this time (its server picked them up as fast as they "
-                    "came): the control could not show the limit on this run")
+        pytest.skip(
+            "gRPC's defaults kept every stream this time (its server picked them up as fast as they "
+            "came): the control could not show the limit on this run"
+        )
     assert failed.get("CANCELLED", 0) > 0 and seen < STREAMS, (opened, failed, seen)

@@ -23,11 +23,13 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_mm.yaml"
 
 
 def test_the_masters_start_imports_no_torch(tmp_path):
-    code = ("import sys; import oobleck_mm.master.server, oobleck_mm.master.local; from oobleck_mm.runtime.limits import check_runnable; "
-            "from oobleck_mm.config.loading import load_config; from oobleck_mm.master.metrics import MetricsSink; "
-            "from oobleck_mm.master.server import _check_data; "
-            f"job = load_config({str(CONFIG)!r}); check_runnable(job, workers_here=False); _check_data(job, print); "
-            f"MetricsSink({str(tmp_path)!r}, tensorboard=False); "
-            "print('torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys; import oobleck_mm.master.server, oobleck_mm.master.local; from oobleck_mm.runtime.limits import check_runnable; "
+        "from oobleck_mm.config.loading import load_config; from oobleck_mm.master.metrics import MetricsSink; "
+        "from oobleck_mm.master.server import _check_data; "
+        f"job = load_config({str(CONFIG)!r}); check_runnable(job, workers_here=False); _check_data(job, print); "
+        f"MetricsSink({str(tmp_path)!r}, tensorboard=False); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False", f"torch was imported before the master listens: {out.stderr[-2000:]}"

@@ -31,8 +31,9 @@ STEPS = 4
 
 
 def on_gpu(job):
-    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device="cuda", accelerator="h100",
-                                                                backend="auto"))  # fmt: skip
+    return dataclasses.replace(
+        job, cluster=dataclasses.replace(job.cluster, device="cuda", accelerator="h100", backend="auto")
+    )
 
 
 def worst_param_diff(out, trainer) -> float:
@@ -45,9 +46,12 @@ def worst_param_diff(out, trainer) -> float:
 
 
 def train_on_one_gpu(job, tmp_path, save_final: str | None = None) -> dict:
-    plan = ExecutionPlan.even(len(ReferenceTrainer(job).specs), [1], [job.training.global_batch //
-                                                                     job.training.microbatch_size],
-                              job.training.microbatch_size)  # fmt: skip
+    plan = ExecutionPlan.even(
+        len(ReferenceTrainer(job).specs),
+        [1],
+        [job.training.global_batch // job.training.microbatch_size],
+        job.training.microbatch_size,
+    )
     (out,) = run_local(on_gpu(job), plan, STEPS, tmp_path / "run", save_final=save_final)
     assert out["backends"] == ["nccl"]
     return out
@@ -71,11 +75,26 @@ def test_a_huggingface_model_with_tied_embeddings_on_a_gpu_equals_the_cpu_refere
     from oobleck_mm.model.tiny_hf import make_tiny_model
 
     directory = make_tiny_model(tmp_path / "model", "qwen2", "siglip", tie=True)
-    job = config_from_dict({"model": {"huggingface": str(directory)},
-                            "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256,
-                                     "mean_images_per_sample": 1, "max_images_per_sample": 2, "image_size": 32},
-                            "training": {"global_batch": 8, "microbatch_size": 2, "dtype": "float64", "steps": STEPS,
-                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}})  # fmt: skip
+    job = config_from_dict(
+        {
+            "model": {"huggingface": str(directory)},
+            "data": {
+                "mean_text_tokens": 16,
+                "max_seq_len": 96,
+                "num_samples": 256,
+                "mean_images_per_sample": 1,
+                "max_images_per_sample": 2,
+                "image_size": 32,
+            },
+            "training": {
+                "global_batch": 8,
+                "microbatch_size": 2,
+                "dtype": "float64",
+                "steps": STEPS,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            },
+        }
+    )
     trainer = ReferenceTrainer(job)
     ref_losses = [loss for _, loss in trainer.train(STEPS)]
     out = train_on_one_gpu(job, tmp_path)
@@ -97,6 +116,7 @@ def test_mixed_precision_on_a_gpu_trains_close_to_the_cpu(tmp_path, dtype):
     assert out["losses"] == pytest.approx(ref_losses, abs=2e-2)  # as test_runtime_mixed_precision's CPU runs
     assert (out["loss_scaler"] is not None) == (dtype == "float16")
     # The master weights stay float32 on the GPU and end near the CPU's.
-    assert all(v.dtype == torch.float32 for state in out["states"].values() for v in state.values()
-               if v.is_floating_point())  # fmt: skip
+    assert all(
+        v.dtype == torch.float32 for state in out["states"].values() for v in state.values() if v.is_floating_point()
+    )
     assert worst_param_diff(out, trainer) < 1e-2

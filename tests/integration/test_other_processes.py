@@ -33,7 +33,10 @@ def test_bad_config_exits_2_naming_the_field(tmp_path):
     bad.write_text(Path(TINY).read_text().replace("microbatch_size: 2", "microbatch_size: -2"))
     proc = subprocess.run(
         [sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(bad)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
@@ -43,22 +46,37 @@ def test_bad_config_exits_2_naming_the_field(tmp_path):
 def test_reading_the_command_line_imports_no_torch():
     """Every agent, including a joining node's, parses its flags first: seconds of torch imports there
     delay every join (a join that misses the end of training never happens)."""
-    code = ("import sys; from oobleck_mm.cli import build_parser; build_parser().parse_args(['agent', '--master', "
-            "'h:1']); heavy = sorted(m for m in ('torch', 'numpy', 'grpc') if m in sys.modules); print(heavy)")
+    code = (
+        "import sys; from oobleck_mm.cli import build_parser; build_parser().parse_args(['agent', '--master', "
+        "'h:1']); heavy = sorted(m for m in ('torch', 'numpy', 'grpc') if m in sys.modules); print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_config_imports_no_other_project_module():
     """The leaf of the import graph, checked here as in `make test`'s lint-imports run."""
-    code = ("import sys, oobleck_mm.config; "
-            "print(sorted(m for m in sys.modules if m.startswith(('oobleck_mm', 'master', 'agent'))))")  # fmt: skip
+    code = (
+        "import sys, oobleck_mm.config; "
+        "print(sorted(m for m in sys.modules if m.startswith(('oobleck_mm', 'master', 'agent'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert out.strip() == str(["oobleck_mm", "oobleck_mm.config", "oobleck_mm.config.deepspeed",
-                               "oobleck_mm.config.devices", "oobleck_mm.config.emulation",
-                               "oobleck_mm.config.fault_tolerance",
-                               "oobleck_mm.config.huggingface", "oobleck_mm.config.job", "oobleck_mm.config.loading",
-                               "oobleck_mm.config.shape", "oobleck_mm.config.values", "oobleck_mm.errors"])  # fmt: skip
+    assert out.strip() == str(
+        [
+            "oobleck_mm",
+            "oobleck_mm.config",
+            "oobleck_mm.config.deepspeed",
+            "oobleck_mm.config.devices",
+            "oobleck_mm.config.emulation",
+            "oobleck_mm.config.fault_tolerance",
+            "oobleck_mm.config.huggingface",
+            "oobleck_mm.config.job",
+            "oobleck_mm.config.loading",
+            "oobleck_mm.config.shape",
+            "oobleck_mm.config.values",
+            "oobleck_mm.errors",
+        ]
+    )
 
 
 def test_another_process_generates_the_same_samples():
@@ -115,20 +133,30 @@ def test_without_numba_the_same_code_gives_the_same_placement(mllm, tmp_path):
 def test_a_worker_imports_numba_only_when_its_balancer_runs_ours():
     """numba is ~0.23 s of a worker's ~2.3 s start-up (scripts/bench_startup.py): a job without the
     balancer must not pay it, and one with it must still get the kernels (warm_up at its start)."""
-    code = ("import sys, oobleck_mm.runtime.agent_worker, oobleck_mm.runtime.engine\n"
-            "assert 'numba' not in sys.modules, 'the worker imported numba'\n"
-            "from oobleck_mm.balance.balancer import balance\n"
-            "assert 'numba' not in sys.modules, 'the balancer module imported numba'\n"
-            "from oobleck_mm.balance import search\n"
-            "print(search.njit.__module__)\n")  # fmt: skip
+    code = (
+        "import sys, oobleck_mm.runtime.agent_worker, oobleck_mm.runtime.engine\n"
+        "assert 'numba' not in sys.modules, 'the worker imported numba'\n"
+        "from oobleck_mm.balance.balancer import balance\n"
+        "assert 'numba' not in sys.modules, 'the balancer module imported numba'\n"
+        "from oobleck_mm.balance import search\n"
+        "print(search.njit.__module__)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().startswith("numba"), "the search's kernels are not numba's"
 
 
 def test_export_refuses_a_missing_checkpoint_and_a_nonempty_target(tmp_path):
-    cmd = [sys.executable, "-m", "oobleck_mm.cli", "export", "--checkpoint", str(tmp_path / "nope"), "--to",
-           str(tmp_path / "o")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "oobleck_mm.cli",
+        "export",
+        "--checkpoint",
+        str(tmp_path / "nope"),
+        "--to",
+        str(tmp_path / "o"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
     source = make_tiny_model(tmp_path / "src", "llama", None)
@@ -154,15 +182,26 @@ def test_cli_exits_2_naming_an_unsupported_architecture_and_profiles_hf_layers(t
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"model": {"huggingface": "gpt2"}}))
-    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(bad)], cwd=root,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(bad)], cwd=root, capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "'GPT2LMHeadModel'; supported architectures" in proc.stderr, proc.stderr
     good = tmp_path / "good.yaml"  # the measured profiler runs transformers' modules
     model = make_tiny_model(tmp_path / "qwen2-siglip", text="qwen2", vision="siglip", tie=False)
-    good.write_text(yaml.safe_dump({"model": {"huggingface": model},
-                                    "data": {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 96,
-                                             "mean_text_tokens": 16},
-                                    "planning": {"profile": "measured"}, "cluster": {"nodes": 2}}))
-    proc = subprocess.run([sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(good)], cwd=root,
-                          capture_output=True, text=True)  # fmt: skip
+    good.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"huggingface": model},
+                "data": {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 96, "mean_text_tokens": 16},
+                "planning": {"profile": "measured"},
+                "cluster": {"nodes": 2},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(good)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and "profiled 11 layers (measured" in proc.stderr, proc.stderr[-2000:]

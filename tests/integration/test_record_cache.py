@@ -39,13 +39,20 @@ def _rank(raw: dict, start, out) -> None:
 def test_ranks_starting_together_tokenize_once_and_read_the_same_records(tmp_path):
     directory = make_tiny_model(tmp_path / "model", text="llama", vision="clip")
     entries = json.loads(open(os.path.join(FIXTURE, "llava.json")).read())
-    (tmp_path / "data.json").write_text(json.dumps([dict(e, id=f"{e['id']}-{k}") for k in range(200)
-                                                    for e in entries]))  # fmt: skip
+    (tmp_path / "data.json").write_text(json.dumps([dict(e, id=f"{e['id']}-{k}") for k in range(200) for e in entries]))
     shutil.copytree(os.path.join(FIXTURE, "images"), tmp_path / "images")
-    raw = {"model": {"huggingface": str(directory)},
-           "data": {"kind": "llava_json", "path": str(tmp_path / "data.json"), "max_seq_len": 128,
-                    "mean_text_tokens": 20, "mean_images_per_sample": 1, "cache_dir": str(tmp_path / "cache")},
-           "training": {"global_batch": 4, "microbatch_size": 2}}  # fmt: skip
+    raw = {
+        "model": {"huggingface": str(directory)},
+        "data": {
+            "kind": "llava_json",
+            "path": str(tmp_path / "data.json"),
+            "max_seq_len": 128,
+            "mean_text_tokens": 20,
+            "mean_images_per_sample": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+        "training": {"global_batch": 4, "microbatch_size": 2},
+    }
     ctx = mp.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(raw, start, out)) for _ in range(RANKS)]

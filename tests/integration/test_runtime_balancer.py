@@ -47,7 +47,8 @@ def test_balancer_continues_across_a_lost_node(tmp_path):
     before = ExecutionPlan.even(10, [2, 2], [4, 4], 2)
     after = ExecutionPlan(
         (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
-        10, 2,
+        10,
+        2,
     )
     outs = run_local(job, before, 3, tmp_path, phases=[Phase(after, 2, {0: 0, 1: 1, 2: 2})])
     assert max_param_diff(outs, trainer) < 1e-10
@@ -74,12 +75,14 @@ def test_the_balancers_exchange_is_tensors_and_loses_nothing(tmp_path):
 
     job = balanced_job()
     wait = timedelta(seconds=60)
-    join_generation(dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, "gloo", collective_timeout=wait,
-                    arrival_timeout=wait)  # fmt: skip
+    join_generation(
+        dist.FileStore(str(tmp_path / "store"), 1), 0, 0, 1, "gloo", collective_timeout=wait, arrival_timeout=wait
+    )
     try:
         balancer = StepBalancer(job, TrainingData(job), layer_specs(job.model, job.data))
-        timings = [StageTiming(i, i + 3, tuple(0.1 * k + i / 7 for k in range(NUM_FEATURES)), 1 / (i + 3))
-                   for i in range(5)]  # fmt: skip
+        timings = [
+            StageTiming(i, i + 3, tuple(0.1 * k + i / 7 for k in range(NUM_FEATURES)), 1 / (i + 3)) for i in range(5)
+        ]
         assert balancer._all_gather_timings(timings) == [timings]
         assert balancer._all_gather_timings([]) == [[]]
         coefficients = CostCoefficients(tuple(0.5 + k / 3 for k in range(len(balancer.coefficients.scales))), 41)

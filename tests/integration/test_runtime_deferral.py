@@ -34,10 +34,14 @@ def deferral_job(steps=STEPS, frozen=(), images_per_sample=2.7, tied=False):
 
 
 SEAMS = ExecutionPlan(
-    (PipelineLayout((StageLayout(0, 0, 2), StageLayout(1, 2, 4), StageLayout(2, 4, 10)), 4),  # at a boundary
-     PipelineLayout((StageLayout(3, 0, 3), StageLayout(4, 3, 10)), 4),  # inside a stage fed by another rank
-     PipelineLayout((StageLayout(5, 0, 10),), 4)),  # inside the only stage
-    10, 2)  # fmt: skip
+    (
+        PipelineLayout((StageLayout(0, 0, 2), StageLayout(1, 2, 4), StageLayout(2, 4, 10)), 4),  # at a boundary
+        PipelineLayout((StageLayout(3, 0, 3), StageLayout(4, 3, 10)), 4),  # inside a stage fed by another rank
+        PipelineLayout((StageLayout(5, 0, 10),), 4),
+    ),  # inside the only stage
+    10,
+    2,
+)
 
 
 def test_deferred_microbatches_equal_the_reference_on_every_seam(tmp_path):
@@ -56,9 +60,13 @@ def test_deferral_with_a_frozen_tower_tied_embeddings_and_across_a_lost_node(tmp
     job = deferral_job(frozen=["vision"], tied=True)
     trainer, ref_losses = reference(job)
     after = ExecutionPlan(
-        (PipelineLayout((StageLayout(0, 0, 4), StageLayout(1, 4, 10)), 6),
-         PipelineLayout((StageLayout(2, 0, 5), StageLayout(3, 5, 10)), 6)),
-        10, 2)  # fmt: skip
+        (
+            PipelineLayout((StageLayout(0, 0, 4), StageLayout(1, 4, 10)), 6),
+            PipelineLayout((StageLayout(2, 0, 5), StageLayout(3, 5, 10)), 6),
+        ),
+        10,
+        2,
+    )
     outs = run_local(job, SEAMS, 2, tmp_path, phases=[Phase(after, STEPS - 2, {0: 0, 1: 1, 2: 2, 3: 3})])
     assert sum(r.deferred for r in outs[0]["results"]) > 0
     assert max_param_diff(outs, trainer) < 1e-10

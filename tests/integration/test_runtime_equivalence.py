@@ -150,16 +150,28 @@ def test_one_cycle_schedule_with_momentum_cycling_equals_reference(tmp_path):
     rank take the same ones as the reference."""
     with open("configs/tiny_mm.yaml") as f:
         d = yaml.safe_load(f)
-    d["training"].update(dtype="float64", steps=STEPS, scheduler={"type": "OneCycle", "params": {
-        "cycle_min_lr": 1e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 2, "cycle_min_mom": 0.8,
-        "cycle_max_mom": 0.95}})
+    d["training"].update(
+        dtype="float64",
+        steps=STEPS,
+        scheduler={
+            "type": "OneCycle",
+            "params": {
+                "cycle_min_lr": 1e-4,
+                "cycle_max_lr": 3e-3,
+                "cycle_first_step_size": 2,
+                "cycle_min_mom": 0.8,
+                "cycle_max_mom": 0.95,
+            },
+        },
+    )
     job = config_from_dict(d)
     trainer, ref_losses = reference(job)
     plan = ExecutionPlan.even(len(trainer.specs), [2, 3], [4, 4], job.training.microbatch_size)
     outs = run_local(job, plan, STEPS, tmp_path)
     assert max_param_diff(outs, trainer) < 1e-10
-    assert [r.lr for r in outs[0]["results"]] == pytest.approx([1e-4, 1e-4 + 0.5 * 2.9e-3, 3e-3,
-                                                                 1e-4 + 0.5 * 2.9e-3, 1e-4], rel=1e-9)
+    assert [r.lr for r in outs[0]["results"]] == pytest.approx(
+        [1e-4, 1e-4 + 0.5 * 2.9e-3, 3e-3, 1e-4 + 0.5 * 2.9e-3, 1e-4], rel=1e-9
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])

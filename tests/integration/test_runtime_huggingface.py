@@ -29,9 +29,20 @@ def hf_job(directory, multimodal: bool, balance: bool = False):
     data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256}
     if multimodal:
         data.update(mean_images_per_sample=1, max_images_per_sample=2, image_size=32)
-    return config_from_dict({"model": {"huggingface": str(directory)}, "data": data, "balance": {"enabled": balance},
-                             "training": {"global_batch": 8, "microbatch_size": 2, "dtype": "float64",
-                                          "steps": STEPS, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}})
+    return config_from_dict(
+        {
+            "model": {"huggingface": str(directory)},
+            "data": data,
+            "balance": {"enabled": balance},
+            "training": {
+                "global_batch": 8,
+                "microbatch_size": 2,
+                "dtype": "float64",
+                "steps": STEPS,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            },
+        }
+    )
 
 
 def compare(job, stages, tmp_path):
@@ -52,16 +63,22 @@ def compare(job, stages, tmp_path):
     return outs
 
 
-@pytest.mark.parametrize("text,vision,tie,balance", [("llama", "clip", False, False), ("qwen2", "siglip", True, True),
-                                                     ("qwen2", None, True, False)])
+@pytest.mark.parametrize(
+    "text,vision,tie,balance",
+    [("llama", "clip", False, False), ("qwen2", "siglip", True, True), ("qwen2", None, True, False)],
+)
 def test_hf_model_on_heterogeneous_pipelines_equals_reference(tmp_path, text, vision, tie, balance):
     directory = make_tiny_model(tmp_path / "model", text, vision, tie=tie)
     job = hf_job(directory, vision is not None, balance)
     outs = compare(job, [2, 3], tmp_path / "run")
     if tie:  # every copy of the tied matrix, on every stage of every pipeline, is the same tensor
-        copies = [state[key] for out in outs for name, state in out["states"].items()
-                  for key in state if (name, key) in {("llm.embed", "embed_tokens.weight"),
-                                                      ("llm.head", "lm_head.weight")}]  # fmt: skip
+        copies = [
+            state[key]
+            for out in outs
+            for name, state in out["states"].items()
+            for key in state
+            if (name, key) in {("llm.embed", "embed_tokens.weight"), ("llm.head", "lm_head.weight")}
+        ]
         assert len(copies) == 4 and all(torch.equal(c, copies[0]) for c in copies)
 
 
@@ -74,8 +91,13 @@ def test_built_in_model_with_tied_embeddings_equals_reference(tmp_path):
     specs = model_layer_specs(job)
     assert specs[-1].tied_embedding
     outs = compare(job, [1, 2], tmp_path / "run")  # the 1-stage pipeline holds both copies on one rank
-    copies = [state[key] for out in outs for name, state in out["states"].items()
-              for key in state if (name, key) in {("llm.embed", "embed.weight"), ("llm.head", "out.weight")}]
+    copies = [
+        state[key]
+        for out in outs
+        for name, state in out["states"].items()
+        for key in state
+        if (name, key) in {("llm.embed", "embed.weight"), ("llm.head", "out.weight")}
+    ]
     assert len(copies) == 4 and all(torch.equal(c, copies[0]) for c in copies)
 
 
@@ -83,11 +105,17 @@ def test_built_in_model_with_tied_embeddings_equals_reference(tmp_path):
 
 
 def builder_job(builder="examples/custom_model.py:build"):
-    return config_from_dict({"model": {"name": "conv_lm", "builder": builder,
-                                       "llm": {"num_layers": 4, "hidden": 32, "num_heads": 1, "vocab_size": 256}},
-                             "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256},
-                             "training": {"global_batch": 8, "microbatch_size": 2, "dtype": "float64",
-                                          "steps": STEPS}})  # fmt: skip
+    return config_from_dict(
+        {
+            "model": {
+                "name": "conv_lm",
+                "builder": builder,
+                "llm": {"num_layers": 4, "hidden": 32, "num_heads": 1, "vocab_size": 256},
+            },
+            "data": {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256},
+            "training": {"global_batch": 8, "microbatch_size": 2, "dtype": "float64", "steps": STEPS},
+        }
+    )
 
 
 def test_your_own_model_from_model_builder_equals_reference(tmp_path):
@@ -97,14 +125,17 @@ def test_your_own_model_from_model_builder_equals_reference(tmp_path):
     compare(job, [2, 3], tmp_path / "run")
 
 
-@pytest.mark.parametrize("builder,message", [
-    ("examples/custom_model.py", "must be 'package.module:function'"),
-    ("examples/nope.py:build", "file 'examples/nope.py' does not exist"),
-    ("no_such_package.mod:build", "cannot import 'no_such_package.mod'"),
-    ("examples/custom_model.py:missing", "has no function 'missing'"),
-    ("json:dumps", r"is called as function\(model, data\) and failed"),
-    ("operator:eq", "must return a non-empty list of CustomLayer.*got bool"),
-])
+@pytest.mark.parametrize(
+    "builder,message",
+    [
+        ("examples/custom_model.py", "must be 'package.module:function'"),
+        ("examples/nope.py:build", "file 'examples/nope.py' does not exist"),
+        ("no_such_package.mod:build", "cannot import 'no_such_package.mod'"),
+        ("examples/custom_model.py:missing", "has no function 'missing'"),
+        ("json:dumps", r"is called as function\(model, data\) and failed"),
+        ("operator:eq", "must return a non-empty list of CustomLayer.*got bool"),
+    ],
+)
 def test_model_builder_mistakes_are_named(builder, message):
     from oobleck_mm.config import ConfigError
 

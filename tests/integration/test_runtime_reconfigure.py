@@ -31,7 +31,8 @@ def test_lose_a_node_mid_pipeline_then_continue(tmp_path, prepared):
     # layers 5-9 from rank 1; the batch is re-split 5 + 3
     after = ExecutionPlan(
         (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
-        10, 2,
+        10,
+        2,
     )
     outs = run_local(job, before, 2, tmp_path, phases=[Phase(after, 3, {0: 0, 1: 1, 2: 2}, prepared=prepared)])
     assert max_param_diff(outs, trainer) < 1e-10
@@ -55,7 +56,8 @@ def test_first_stage_lost_and_survivors_renumbered(tmp_path):
     before = ExecutionPlan.even(10, [1, 1, 2], [3, 3, 2], 2)  # ranks 0 | 1 | 2,3
     after = ExecutionPlan(  # old 1 -> 0, old 2 -> 1, old 3 -> 2
         (PipelineLayout((StageLayout(0, 0, 10),), 4), PipelineLayout((StageLayout(1, 0, 4), StageLayout(2, 4, 10)), 4)),
-        10, 2,
+        10,
+        2,
     )
     outs = run_local(job, before, 3, tmp_path, phases=[Phase(after, 2, {1: 0, 2: 1, 3: 2})])
     assert max_param_diff(outs, trainer) < 1e-10
@@ -71,10 +73,14 @@ def test_a_layer_is_copied_from_the_receivers_own_node(tmp_path):
     before = ExecutionPlan.even(10, [2, 2, 2], [3, 3, 2], 2)  # ranks 0,1 | 2,3 | 4,5
     # rank 5 is lost: rank 4 runs a whole 1-stage pipeline and needs layers 5-9, held by ranks 1 and 3
     after = ExecutionPlan(
-        (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 3),
-         PipelineLayout((StageLayout(2, 0, 5), StageLayout(3, 5, 10)), 3), PipelineLayout((StageLayout(4, 0, 10),), 2)),
-        10, 2,
-    )  # fmt: skip
+        (
+            PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 3),
+            PipelineLayout((StageLayout(2, 0, 5), StageLayout(3, 5, 10)), 3),
+            PipelineLayout((StageLayout(4, 0, 10),), 2),
+        ),
+        10,
+        2,
+    )
     nodes = ("nodeA", "nodeA", "nodeB", "nodeC", "nodeC")  # ranks 3 and 4 share a node
     outs = run_local(job, before, 2, tmp_path, phases=[Phase(after, 3, {r: r for r in range(5)}, nodes)])
     assert max_param_diff(outs, trainer) < 1e-10

@@ -26,12 +26,22 @@ pytestmark = pytest.mark.integration
 PLANS = {
     # name: (stages per pipeline, microbatches per pipeline, GPUs of each stage, microbatch size, job change)
     "2-GPU first stage + three 1-GPU stages": ([2, 3], [4, 4], [[2, 1], [1, 1, 1]], 2, {}),
-    "2-GPU LLM stage, frozen vision, each pipeline sharded elsewhere": ([2, 2], [4, 4], [[2, 1], [1, 2]], 2,
-                                                                         {"frozen": ("vision",)}),
+    "2-GPU LLM stage, frozen vision, each pipeline sharded elsewhere": (
+        [2, 2],
+        [4, 4],
+        [[2, 1], [1, 2]],
+        2,
+        {"frozen": ("vision",)},
+    ),
     "4-GPU stage next to 2-GPU stages": ([2, 2], [2, 2], [[4, 1], [2, 2]], 4, {}),
     "2-GPU stage with the balancer": ([2, 2], [4, 4], [[2, 1], [1, 1]], 2, {"balance": True}),
-    "2-GPU stages at ZeRO stage 2 (parameters kept gathered to the backward)": ([2, 2], [4, 4], [[2, 1], [1, 2]], 2,
-                                                                               {"zero_stage": 2}),
+    "2-GPU stages at ZeRO stage 2 (parameters kept gathered to the backward)": (
+        [2, 2],
+        [4, 4],
+        [[2, 1], [1, 2]],
+        2,
+        {"zero_stage": 2},
+    ),
     # float32 reduces through another FSDP2 path (gloo refused its PREMUL_SUM: every float64 case passed)
     "2-GPU stage in float32": ([2, 2], [4, 4], [[2, 1], [1, 1]], 2, {"dtype": "float32"}),
 }
@@ -39,8 +49,12 @@ PLANS = {
 
 def _job(microbatch_size: int, change: dict):
     job = tiny_job(change.get("dtype", "float64"), frozen=change.get("frozen", ()))
-    job = dataclasses.replace(job, training=dataclasses.replace(job.training, microbatch_size=microbatch_size,
-                                                                zero_stage=change.get("zero_stage", 3)))
+    job = dataclasses.replace(
+        job,
+        training=dataclasses.replace(
+            job.training, microbatch_size=microbatch_size, zero_stage=change.get("zero_stage", 3)
+        ),
+    )
     if change.get("balance"):
         job = dataclasses.replace(job, balance=dataclasses.replace(job.balance, enabled=True))
     return job
@@ -72,10 +86,14 @@ def test_a_sharded_stage_trains_as_the_reference_in_float64(name, tmp_path):
 
 CHECKPOINT_CASES = {
     # name: (first plan's stages and GPUs, resumed plan's), microbatch size 2, 16 samples a step
-    "written by a 2-GPU stage, resumed on one-GPU stages": (([2, 2], [4, 4], [[2, 1], [1, 2]]),
-                                                             ([2, 3], [4, 4], [[1, 1], [1, 1, 1]])),
-    "written by one-GPU stages, resumed on a 2-GPU stage": (([2, 3], [4, 4], [[1, 1], [1, 1, 1]]),
-                                                             ([1, 2], [4, 4], [[2], [1, 2]])),
+    "written by a 2-GPU stage, resumed on one-GPU stages": (
+        ([2, 2], [4, 4], [[2, 1], [1, 2]]),
+        ([2, 3], [4, 4], [[1, 1], [1, 1, 1]]),
+    ),
+    "written by one-GPU stages, resumed on a 2-GPU stage": (
+        ([2, 3], [4, 4], [[1, 1], [1, 1, 1]]),
+        ([1, 2], [4, 4], [[2], [1, 2]]),
+    ),
 }
 
 
@@ -87,8 +105,9 @@ def test_a_checkpoint_resumes_on_another_shard_layout_and_the_run_equals_the_ref
     (first, second) = CHECKPOINT_CASES[name]
     job = tiny_job()
     trainer, ref_losses = reference(job)
-    plans = [ExecutionPlan.even(len(trainer.specs), stages, mbs, 2, widths=widths) for stages, mbs, widths in
-             (first, second)]  # fmt: skip
+    plans = [
+        ExecutionPlan.even(len(trainer.specs), stages, mbs, 2, widths=widths) for stages, mbs, widths in (first, second)
+    ]
     checkpoint = tmp_path / "ckpt"
     run_local(job, plans[0], 3, tmp_path / "a", save_final=str(checkpoint), timeout_s=240)
     assert (checkpoint / "meta.json").exists()
@@ -175,8 +194,11 @@ def test_a_hugging_face_llava_on_sharded_stages_equals_the_reference(text, visio
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
 
 
-@pytest.mark.parametrize("widths", [[[2, 1], [1, 2]], [[2, 2], [1, 1]]], ids=["embed 2-GPU, head 1/2-GPU",
-                                                                              "both sides of one pipeline 2-GPU"])
+@pytest.mark.parametrize(
+    "widths",
+    [[[2, 1], [1, 2]], [[2, 2], [1, 1]]],
+    ids=["embed 2-GPU, head 1/2-GPU", "both sides of one pipeline 2-GPU"],
+)
 def test_tied_embeddings_on_sharded_stages_equal_the_reference(widths, tmp_path):
     """A Qwen2 LLaVA (SigLIP tower) whose LM head is tied to its token embedding: the two gradients are summed
     over the common refinement of every holding stage's rows (``grad_sync.tied_pieces``), the embedding's

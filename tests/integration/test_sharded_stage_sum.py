@@ -37,8 +37,9 @@ def _layer():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    config = LlamaConfig(hidden_size=6, intermediate_size=11, hidden_act="silu", num_attention_heads=2,
-                         num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=6, intermediate_size=11, hidden_act="silu", num_attention_heads=2, num_key_value_heads=2
+    )
     torch.manual_seed(0)
     layer = torch.nn.Sequential(LlamaRMSNorm(6), LlamaMLP(config)).double()
     with torch.no_grad():
@@ -59,7 +60,6 @@ def _loss(layer, x):
 
 def _rank(rank: int, port: int, results) -> None:
     try:
-        import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -67,8 +67,7 @@ def _rank(rank: int, port: int, results) -> None:
 
         from oobleck_mm.planning.shards import chunk_rows, reduction_groups, reduction_pieces
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
-                                timeout=TIMEOUT)  # fmt: skip
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=TIMEOUT)
         layer = _layer()
         reference = _layer()
         _loss(reference, _batch()).backward()

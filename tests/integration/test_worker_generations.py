@@ -32,9 +32,18 @@ TOKEN = "test-token"
 
 
 def assignment(gen, rank, plan, port, previous=None, previous_ranks=(), save_final="", steps=STEPS):
-    a = pb.Assignment(generation=gen, rank=rank, world_size=plan.world_size, store_host="127.0.0.1",
-                      store_port=port, store_token=TOKEN, start_step=0, steps=steps, plan=plan_to_proto(plan),
-                      save_final_dir=save_final)
+    a = pb.Assignment(
+        generation=gen,
+        rank=rank,
+        world_size=plan.world_size,
+        store_host="127.0.0.1",
+        store_port=port,
+        store_token=TOKEN,
+        start_step=0,
+        steps=steps,
+        plan=plan_to_proto(plan),
+        save_final_dir=save_final,
+    )
     if previous is not None:
         a.previous_generation = gen - 1
         a.previous_plan.CopyFrom(plan_to_proto(previous))
@@ -89,7 +98,9 @@ def _verify_catches_a_changed_moment_and_a_flipped_byte(job, final, tmp_path) ->
 
     def moments(path):
         payload = torch.load(path, weights_only=True)
-        keys = [k for k in (payload["optimizer"] or {}) if "exp_avg_sq" in k and payload["optimizer"][k].abs().max() > 0]
+        keys = [
+            k for k in (payload["optimizer"] or {}) if "exp_avg_sq" in k and payload["optimizer"][k].abs().max() > 0
+        ]
         return payload, keys
 
     name = next(p.stem for p in sorted((final / "layers").glob("*.pt")) if moments(p)[1])
@@ -106,8 +117,9 @@ def _verify_catches_a_changed_moment_and_a_flipped_byte(job, final, tmp_path) ->
     meta["layer_sha256"][name], meta["layer_bytes"][name] = digest, path.stat().st_size
     (moved / "meta.json").write_text(json.dumps(meta))
     verdict = compare(job, STEPS, str(moved), progress=lambda line: None)
-    assert not verdict.ok and verdict.worst.name == name and "exp_avg_sq" in verdict.worst.worst_tensor, \
+    assert not verdict.ok and verdict.worst.name == name and "exp_avg_sq" in verdict.worst.worst_tensor, (
         verdict.format()
+    )
     flipped = tmp_path / "flipped"
     shutil.copytree(final, flipped)
     path = flipped / "layers" / f"{name}.pt"
@@ -135,16 +147,24 @@ def test_killed_worker_survivors_reform_and_match_reference(tmp_path):
         time.sleep(1.0)  # the master's detection (heartbeat timeout 1 s; a killed agent's stream closes at once)
         # generation 2: rank 2 alone is a 1-stage pipeline and needs layers 5-9 from rank 1
         gen2 = ExecutionPlan(
-            (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
-            10, 2,
+            (
+                PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5),
+                PipelineLayout((StageLayout(2, 0, 10),), 3),
+            ),
+            10,
+            2,
         )
         final = tmp_path / "final"
         for rank in range(3):
-            send_command(pipes[rank], assignment(2, rank, gen2, port, previous=gen1, previous_ranks=[0, 1, 2],
-                                                 save_final=str(final)))
+            send_command(
+                pipes[rank],
+                assignment(2, rank, gen2, port, previous=gen1, previous_ranks=[0, 1, 2], save_final=str(final)),
+            )
         aborted = {}
         for rank in range(3):
-            seen = reports_until(pipes[rank], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "aborted")
+            seen = reports_until(
+                pipes[rank], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "aborted"
+            )
             aborted[rank] = seen[-1].phase.step
         unblocked_s = time.monotonic() - started
         # The new plan interrupts the survivors' waits; what may not be interrupted (a gloo point-to-point
@@ -203,8 +223,10 @@ def test_a_last_collective_completed_on_some_ranks_only_is_settled_at_the_next_g
             send_command(conn, assignment(1, rank, plan, port))
         reports_until(pipes[0], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "holding")
         reports_until(pipes[3], lambda r: r.WhichOneof("report") == "stalled" and "gradient-norm" in r.stalled.what)
-        again = [assignment(2, rank, plan, port, previous=plan, previous_ranks=[0, 1, 2, 3], save_final=str(final))
-                 for rank in range(4)]  # fmt: skip
+        again = [
+            assignment(2, rank, plan, port, previous=plan, previous_ranks=[0, 1, 2, 3], save_final=str(final))
+            for rank in range(4)
+        ]
         send_command(pipes[3], again[3])  # the master re-planned: rank 3 gives up inside the collective
         seen3 = reports_until(pipes[3], lambda r: r.WhichOneof("report") == "phase" and r.phase.phase == "aborted")
         assert seen3[-1].phase.step == 0 and "re-planned" in seen3[-1].phase.message, seen3[-1].phase

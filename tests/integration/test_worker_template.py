@@ -27,13 +27,17 @@ def probe(conn, config_path: str, node: str, local_rank: int) -> None:
     import torch
 
     parent = psutil.Process(os.getppid())
-    found = {"pid": os.getpid(), "parent": parent.pid, "grandparent": parent.ppid(),
-             "parent_threads": parent.num_threads(),
-             "preloaded": "oobleck_mm.runtime.worker_preload" in sys.modules,
-             "deepspeed_imported": "deepspeed" in sys.modules,
-             "cuda_initialised_at_start": torch.cuda.is_initialized(),
-             "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
-             "cuda_sum": None}  # fmt: skip
+    found = {
+        "pid": os.getpid(),
+        "parent": parent.pid,
+        "grandparent": parent.ppid(),
+        "parent_threads": parent.num_threads(),
+        "preloaded": "oobleck_mm.runtime.worker_preload" in sys.modules,
+        "deepspeed_imported": "deepspeed" in sys.modules,
+        "cuda_initialised_at_start": torch.cuda.is_initialized(),
+        "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+        "cuda_sum": None,
+    }
     if torch.cuda.is_available():  # on a GPU: the device first (as runtime.worker.device_for), then work
         torch.cuda.set_device(local_rank)
         found["cuda_sum"] = torch.ones(4, device="cuda").sum().item()
@@ -71,8 +75,9 @@ def test_a_forked_worker_inherits_the_imports_and_nothing_that_a_fork_breaks_and
     # tracker) stay, else the next test to use multiprocessing in this process warns "resource_tracker:
     # process died unexpectedly" (the suite's one warning, seen at a CLI test).
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, *sys.path], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, *sys.path], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         out, err = agent.communicate(timeout=240)
     finally:
@@ -99,13 +104,13 @@ def test_a_forked_worker_inherits_the_imports_and_nothing_that_a_fork_breaks_and
     assert second["parent"] != first["parent"], "the killed template was not replaced"
 
 
-SHARED = f"""
+SHARED = """
 import json, os, sys
 import psutil
 sys.path[:0] = sys.argv[1:]
 from oobleck_mm.runtime.template import start_shared_template
 
-environ = {{k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}}
+environ = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
 environ["OPENBLAS_NUM_THREADS"] = "3"  # the caller's choice stays
 start_shared_template(environ)
 template, = (p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline()))
@@ -118,8 +123,9 @@ def test_the_shared_template_asks_nvml_whatever_environment_its_agents_have():
     switch: a template that asked the CUDA driver instead left every worker forked from it unable to
     use CUDA ("Cannot re-initialize CUDA in forked subprocess", on an H200)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
-    out = subprocess.run([sys.executable, "-c", SHARED, *sys.path], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SHARED, *sys.path], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     template_env = json.loads(out.stdout.splitlines()[-1])
     assert template_env.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
@@ -143,8 +149,7 @@ def test_the_template_never_asks_whether_there_is_a_gpu():
     """Even NVML's answer to ``torch.cuda.is_available`` starts a driver thread in the asking process (an
     H200's template had two threads), and a template must fork from one: its preload decides from
     torch's build alone. This checks the preload of a GPU build, whose engine imports stay out."""
-    out = subprocess.run([sys.executable, "-c", ASKS, *sys.path], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", ASKS, *sys.path], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == []
 
@@ -183,8 +188,13 @@ def test_a_worker_imports_its_hf_models_code_before_it_is_ready(tmp_path):
     device, so that an HF model's modules are imported there and not in the layers a joiner builds to receive
     a state copy, while a recovery's survivors wait (0.73 s -> 0.03 s for the tiny LLaVA's 11 layers)."""
     config = tiny_llava_config(tmp_path)
-    out = subprocess.run([sys.executable, "-c", LAYER_CODE, str(config), *sys.path], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", LAYER_CODE, str(config), *sys.path],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout.splitlines()[-1])
     assert found["before"] == []
@@ -220,11 +230,20 @@ def test_a_local_runs_template_imports_its_hf_models_code(tmp_path):
     unbalanced = tmp_path / "unbalanced.yaml"
     unbalanced.write_text(yaml.safe_dump({**raw, "balance": {**raw["balance"], "enabled": False}}))
     found = {}
-    for case, extra in (("job", {TEMPLATE_JOB_ENV: str(config)}), ("unbalanced", {TEMPLATE_JOB_ENV: str(unbalanced)}),
-                        ("none", {})):  # fmt: skip
+    for case, extra in (
+        ("job", {TEMPLATE_JOB_ENV: str(config)}),
+        ("unbalanced", {TEMPLATE_JOB_ENV: str(unbalanced)}),
+        ("none", {}),
+    ):
         env = {**{k: v for k, v in os.environ.items() if k != TEMPLATE_JOB_ENV}, **extra}
-        out = subprocess.run([sys.executable, "-c", TEMPLATE_PRELOAD, *sys.path], cwd=ROOT, capture_output=True,
-                             text=True, timeout=120, env=env)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", TEMPLATE_PRELOAD, *sys.path],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         found[case] = json.loads(out.stdout.splitlines()[-1])
     assert "transformers.models.qwen2.modeling_qwen2" in found["job"]["models"]

@@ -29,9 +29,29 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from oobleck_mm.master import machine
 from oobleck_mm.master.checkpointing import doomed_checkpoints, step_of
-from oobleck_mm.master.effects import AskPlanner, EndStream, Finished, PruneCheckpoints, Record, Send, WriteJournal, WriteMeta
-from oobleck_mm.master.inputs import (Adopt, Heartbeat, Leave, OpenStream, PlanAnswered, Register, Report, StopRequested,
-                           Straggler, StreamEnded, Tick)  # fmt: skip
+from oobleck_mm.master.effects import (
+    AskPlanner,
+    EndStream,
+    Finished,
+    PruneCheckpoints,
+    Record,
+    Send,
+    WriteJournal,
+    WriteMeta,
+)
+from oobleck_mm.master.inputs import (
+    Adopt,
+    Heartbeat,
+    Leave,
+    OpenStream,
+    PlanAnswered,
+    Register,
+    Report,
+    StopRequested,
+    Straggler,
+    StreamEnded,
+    Tick,
+)
 from oobleck_mm.master.state import JobPhase, JobState, RunOptions, Settings
 from oobleck_mm.config import apply_overrides, load_config
 from oobleck_mm.errors import ExitCode
@@ -60,7 +80,7 @@ def fake_plan(nodes: tuple[str, ...], fresh: bool, slow=()) -> Planned | CannotK
     for the speeds; the fake keeps no global batch)."""
     if len(nodes) < NEEDED:
         return CannotKeepReplicas(len(nodes), NEEDED, f"{len(nodes)} nodes cannot hold 2 replicas of 2-node pipelines")
-    groups = [list(nodes[i:i + 2]) for i in range(0, len(nodes) - len(nodes) % 2, 2)]
+    groups = [list(nodes[i : i + 2]) for i in range(0, len(nodes) - len(nodes) % 2, 2)]
     if len(nodes) % 2:
         groups[-1].append(nodes[-1])
     pipelines, ranks = [], {}
@@ -72,8 +92,17 @@ def fake_plan(nodes: tuple[str, ...], fresh: bool, slow=()) -> Planned | CannotK
             stages.append(StageLayout(ranks[(node, 0)], bounds[i], bounds[i + 1]))
         pipelines.append(PipelineLayout(tuple(stages), 1 if set(group) & {n for n, _ in slow} else 2))
     layout = ExecutionPlan(tuple(pipelines), NUM_LAYERS, 1)
-    return Planned(FakePlan(nodes), layout, ranks, NEEDED, fresh=fresh, actions=(), reason="fake", seconds=0.0,
-                   keeps_replicas_from=NEEDED)
+    return Planned(
+        FakePlan(nodes),
+        layout,
+        ranks,
+        NEEDED,
+        fresh=fresh,
+        actions=(),
+        reason="fake",
+        seconds=0.0,
+        keeps_replicas_from=NEEDED,
+    )
 
 
 BENCH_FROM = 3.0
@@ -142,15 +171,27 @@ class MachineModel(RuleBasedStateMachine):
         self.settings: Settings | None = None
 
     # ------------------------------------------------------------------ plumbing
-    @initialize(steps=st.sampled_from([3, 10, 30, 100, 1000]), recovery=st.sampled_from(["live", "live", "restart"]),
-                interval=st.sampled_from([0, 2, 5]), started=st.sampled_from([0, 4, 5, 6, 6, 7]))  # fmt: skip
+    @initialize(
+        steps=st.sampled_from([3, 10, 30, 100, 1000]),
+        recovery=st.sampled_from(["live", "live", "restart"]),
+        interval=st.sampled_from([0, 2, 5]),
+        started=st.sampled_from([0, 4, 5, 6, 6, 7]),
+    )
     def start(self, steps: int, recovery: str, interval: int, started: int, resplit: bool = True) -> None:
         """A job with ``started`` nodes trained its first step (0: the events of the start-up too)."""
-        job = apply_overrides(load_config(TINY), nodes=4, gpus_per_node=1, steps=steps, recovery=recovery,
-                              checkpoint_interval=interval)  # fmt: skip
-        job = dataclasses.replace(job, fault_tolerance=dataclasses.replace(
-            job.fault_tolerance, f=1, straggler_resplit=resplit, straggler_replan_after=timedelta(seconds=2),
-            straggler_bench=timedelta(seconds=10)))  # a bench of 80 s at most: the settling clock sees it end
+        job = apply_overrides(
+            load_config(TINY), nodes=4, gpus_per_node=1, steps=steps, recovery=recovery, checkpoint_interval=interval
+        )
+        job = dataclasses.replace(
+            job,
+            fault_tolerance=dataclasses.replace(
+                job.fault_tolerance,
+                f=1,
+                straggler_resplit=resplit,
+                straggler_replan_after=timedelta(seconds=2),
+                straggler_bench=timedelta(seconds=10),
+            ),
+        )  # a bench of 80 s at most: the settling clock sees it end
         options = RunOptions(checkpoint_root="/run", recovery=recovery, checkpoint_interval=interval)
         self.settings = Settings.of(job, num_nodes=4, steps=steps, store_host="h", store_port=1, options=options)
         self.state = JobState(last_progress=self.now)
@@ -191,7 +232,9 @@ class MachineModel(RuleBasedStateMachine):
             elif kind == "checkpoint":
                 agent.checkpoint = event.checkpoint
             elif kind == "shutdown" and s.registry.nodes[effect.node].dismissed:
-                agent.dismissed = True  # a leaving node: it hangs up once its workers stopped (at a boundary or at once)
+                agent.dismissed = (
+                    True  # a leaving node: it hangs up once its workers stopped (at a boundary or at once)
+                )
             elif kind == "restart":
                 agent.assignment = None
             elif kind == "bench":  # the workers finish the iteration in flight; fresh ones start up
@@ -211,8 +254,9 @@ class MachineModel(RuleBasedStateMachine):
         elif isinstance(effect, PruneCheckpoints):
             parent = "/run/checkpoints"
             steps = {step_of(d) for d in w.disk}
-            doomed = set(doomed_checkpoints(parent, steps, steps, effect.keep, effect.pinned,
-                                            upto=step_of(effect.directory)))  # fmt: skip
+            doomed = set(
+                doomed_checkpoints(parent, steps, steps, effect.keep, effect.pinned, upto=step_of(effect.directory))
+            )
             w.disk -= doomed
             w.pruned |= doomed
         elif isinstance(effect, Finished):
@@ -233,8 +277,11 @@ class MachineModel(RuleBasedStateMachine):
             assert not benched, f"generation {number} takes {benched}, still on the bench"
             before = s.gens.get(number - 1)
             if number > 1 and before is not None:  # a newcomer is admitted once its workers are up, never before
-                unready = [n for n in effect.fields["joined"]
-                           if n not in before.view.nodes and not s.registry.nodes[n].all_ready]
+                unready = [
+                    n
+                    for n in effect.fields["joined"]
+                    if n not in before.view.nodes and not s.registry.nodes[n].all_ready
+                ]
                 assert not unready, f"generation {number} admits {unready} before their workers are ready"
         return []
 
@@ -345,7 +392,8 @@ class MachineModel(RuleBasedStateMachine):
         for agent, a in out:  # the workers open the checkpoint they were told to load: it must be there
             if a.resume_dir.startswith("/run/") and self.state.progress() < 0:
                 assert a.resume_dir in self.world.disk, (
-                    f"generation {a.generation} loads {a.resume_dir}, which is gone (on disk: {sorted(self.world.disk)})")
+                    f"generation {a.generation} loads {a.resume_dir}, which is gone (on disk: {sorted(self.world.disk)})"
+                )
         return out
 
     @rule(phases=st.booleans())
@@ -404,8 +452,9 @@ class MachineModel(RuleBasedStateMachine):
         if workers:
             step = self.state.next_step
             for agent, a in workers:
-                done = pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=a.generation, step=step,
-                                         layers=1)  # fmt: skip
+                done = pb.CheckpointDone(
+                    dir=f"/run/checkpoints/step{step:08d}", generation=a.generation, step=step, layers=1
+                )
                 self.report(agent, checkpoint_done=done)
 
     @rule(data=st.data(), ahead=st.integers(0, 12))
@@ -417,8 +466,9 @@ class MachineModel(RuleBasedStateMachine):
         if agents and s.generation > 1 and self.settings.options.checkpoint_interval:
             agent = data.draw(st.sampled_from(agents))
             step = min(s.next_step + ahead, self.settings.steps - 1)
-            done = pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=s.generation - 1, step=step,
-                                     layers=1)  # fmt: skip
+            done = pb.CheckpointDone(
+                dir=f"/run/checkpoints/step{step:08d}", generation=s.generation - 1, step=step, layers=1
+            )
             self.report(agent, checkpoint_done=done)
 
     @rule(ahead=st.integers(1, 12))
@@ -439,8 +489,13 @@ class MachineModel(RuleBasedStateMachine):
         if told:
             agent = data.draw(st.sampled_from(told))
             c, agent.checkpoint = agent.checkpoint, None
-            done = pb.CheckpointDone(dir=c.dir, generation=c.generation, step=self.state.next_step, layers=1,
-                                     error="disk full" if fails and data.draw(st.integers(0, 9)) == 0 else "")
+            done = pb.CheckpointDone(
+                dir=c.dir,
+                generation=c.generation,
+                step=self.state.next_step,
+                layers=1,
+                error="disk full" if fails and data.draw(st.integers(0, 9)) == 0 else "",
+            )
             self.report(agent, checkpoint_done=done)
 
     # ------------------------------------------------------------------ the planner, the clock, the operator
@@ -525,8 +580,9 @@ class MachineModel(RuleBasedStateMachine):
             assert "resume with:" in message or "No checkpoint to resume from" in message, message
         elif code == ExitCode.ERROR and not self.world.stop_requested:
             # Exit 1 only when the state is gone with no checkpoint, a round failed, or re-forms ran out.
-            assert ("gone" in message or "checkpoint" in message or "abandoned" in message
-                    or "came back" in message), message  # fmt: skip
+            assert "gone" in message or "checkpoint" in message or "abandoned" in message or "came back" in message, (
+                message
+            )
 
     @invariant()
     def a_lost_node_is_told(self) -> None:
@@ -537,7 +593,8 @@ class MachineModel(RuleBasedStateMachine):
         for agent in self.world.agents.values():
             entry = self.state.registry.nodes.get(agent.name)
             assert not agent.stream or (entry is not None and entry.session == agent.session), (
-                f"{agent.name}'s stream is open, but the master dropped its registration without ending it")
+                f"{agent.name}'s stream is open, but the master dropped its registration without ending it"
+            )
 
     @invariant()
     def running_has_a_generation(self) -> None:
@@ -573,8 +630,12 @@ class MachineModel(RuleBasedStateMachine):
                 self.report(agent, ready=pb.WorkerReady(startup_s=1.0))
             elif agent.checkpoint is not None and not agent.hung:
                 c, agent.checkpoint = agent.checkpoint, None
-                self.report(agent, checkpoint_done=pb.CheckpointDone(
-                    dir=c.dir, generation=c.generation, step=self.state.next_step, layers=1))
+                self.report(
+                    agent,
+                    checkpoint_done=pb.CheckpointDone(
+                        dir=c.dir, generation=c.generation, step=self.state.next_step, layers=1
+                    ),
+                )
         self.train_a_step(phases=True)
         self.time_passes(0.25)
 
@@ -599,13 +660,15 @@ class MachineModel(RuleBasedStateMachine):
         if mute and set(mute) == planned:
             return  # every node of the generation mute: no evidence against any; stall_timeout ends the job
         assert not mute, (
-            f"{mute} of generation {s.generation} report nothing while the others trained on: the job waits for them")
+            f"{mute} of generation {s.generation} report nothing while the others trained on: the job waits for them"
+        )
         # A mute node outside the plan is never seen ready, so never admitted: it idles, harming nothing.
         live -= {a.name for a in self.world.agents.values() if a.mute}
         # Restart mode admits joins only at its next restart (restarting for them would redo steps).
         admitted = planned <= live if self.settings.options.recovery == "restart" else planned == live
         assert current is not None and admitted, (
-            f"settled on generation {s.generation} with nodes {sorted(planned)}; live {sorted(live)}")
+            f"settled on generation {s.generation} with nodes {sorted(planned)}; live {sorted(live)}"
+        )
         if len(live) < NEEDED:
             raise AssertionError(f"running on {len(live)} nodes, {NEEDED} needed for f+1 replicas")
         if self.settings.options.recovery == "live" and s.next_step < self.settings.steps:
@@ -613,4 +676,5 @@ class MachineModel(RuleBasedStateMachine):
             # nodes it runs, with the factors last measured.
             slow = tuple(sorted((n, f) for n, f in s.slow.items() if n in planned))
             assert s.gens[s.generation].slow == slow or s.gens[s.generation].plan is None, (
-                f"generation {s.generation} split for {s.gens[s.generation].slow}, nodes slow now {slow}")
+                f"generation {s.generation} split for {s.gens[s.generation].slow}, nodes slow now {slow}"
+            )

@@ -12,13 +12,24 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 def test_an_agent_removes_the_folders_of_agents_that_are_gone(tmp_path):
     from oobleck_mm.agent.agent import remove_stale_work_dirs
 
-    for name in ("oobleck-agent-node1-111-abc", "oobleck-agent-my-node-222-def", "oobleck-agent-node2-333-ghi",
-                 "oobleck-agent-odd", "other-111-xyz"):  # fmt: skip
+    for name in (
+        "oobleck-agent-node1-111-abc",
+        "oobleck-agent-my-node-222-def",
+        "oobleck-agent-node2-333-ghi",
+        "oobleck-agent-odd",
+        "other-111-xyz",
+    ):
         (tmp_path / name).mkdir()
     removed = remove_stale_work_dirs(str(tmp_path), pid_alive=lambda pid: pid == 333)
-    assert sorted(os.path.basename(p) for p in removed) == ["oobleck-agent-my-node-222-def", "oobleck-agent-node1-111-abc"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["oobleck-agent-node2-333-ghi", "oobleck-agent-odd",
-                                                           "other-111-xyz"]  # fmt: skip
+    assert sorted(os.path.basename(p) for p in removed) == [
+        "oobleck-agent-my-node-222-def",
+        "oobleck-agent-node1-111-abc",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "oobleck-agent-node2-333-ghi",
+        "oobleck-agent-odd",
+        "other-111-xyz",
+    ]
 
 
 def test_torchrun_environment_names_the_generation_a_worker_runs_in():
@@ -26,8 +37,14 @@ def test_torchrun_environment_names_the_generation_a_worker_runs_in():
 
     env = torchrun_environment(5, 8, 1, "nodeB", ["nodeA"] * 4 + ["nodeB"] * 3 + ["nodeC"], "10.0.0.1", 29500)
     assert tuple(env) == TORCHRUN_VARIABLES
-    assert env == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "3",
-                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    assert env == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "3",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
 
 
 def test_only_commands_that_mean_a_peer_is_gone_interrupt_the_iteration_in_flight():

@@ -31,13 +31,22 @@ def test_a_restarted_master_gets_the_latest_of_each_kind_flagged_then_every_unse
         log.hold(sent(log, 0, metrics(step)), 0, metrics(step))
     assert log.unsent == 2
     out = log.replay()
-    described = [(p.local_rank, p.report.WhichOneof("report"), p.report.metrics.step if p.report.HasField("metrics")
-                  else p.report.phase.phase, p.replayed) for p in out]  # fmt: skip
+    described = [
+        (
+            p.local_rank,
+            p.report.WhichOneof("report"),
+            p.report.metrics.step if p.report.HasField("metrics") else p.report.phase.phase,
+            p.replayed,
+        )
+        for p in out
+    ]
     assert described == [
-        (0, "phase", "states_copied", True), (0, "phase", "resumed", True),
+        (0, "phase", "states_copied", True),
+        (0, "phase", "resumed", True),
         (1, "metrics", 2, True),  # worker 0's step 2 is superseded by its unsent steps
-        (0, "metrics", 3, False), (0, "metrics", 4, False),
-    ]  # fmt: skip
+        (0, "metrics", 3, False),
+        (0, "metrics", 4, False),
+    ]
     assert log.unsent == 0 and [p.replayed for p in log.replay()] == [True, True, True, True]
 
 

@@ -32,8 +32,17 @@ COMPUTE_BOUND = DeviceSpec(name="ideal", peak_flops=1e12, memory_bytes=2**40, me
 
 
 def block(**overrides) -> LayerSpec:
-    base = dict(name="llm.block0", modality="text", kind="block", hidden=64, in_features=64, ffn_hidden=256,
-                num_heads=4, tokens_per_sample=100, attention_len=100)  # fmt: skip
+    base = dict(
+        name="llm.block0",
+        modality="text",
+        kind="block",
+        hidden=64,
+        in_features=64,
+        ffn_hidden=256,
+        num_heads=4,
+        tokens_per_sample=100,
+        attention_len=100,
+    )
     return LayerSpec(**{**base, **overrides})
 
 
@@ -88,9 +97,17 @@ def test_backward_splits_into_weight_and_input_grads_summing_to_twice_forward():
     gated=st.booleans(),
 )
 def test_backward_is_twice_forward_for_any_block_shape(heads, kv_div, head_dim, ffn, tokens, span, causal, gated):
-    spec = block(hidden=heads * head_dim, in_features=heads * head_dim, num_heads=heads,
-                 num_kv_heads=max(1, heads // kv_div), ffn_hidden=ffn, tokens_per_sample=tokens,
-                 attention_len=span, causal=causal, gated_ffn=gated)  # fmt: skip
+    spec = block(
+        hidden=heads * head_dim,
+        in_features=heads * head_dim,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // kv_div),
+        ffn_hidden=ffn,
+        tokens_per_sample=tokens,
+        attention_len=span,
+        causal=causal,
+        gated_ffn=gated,
+    )
     forward, b_weight, b_input = seconds_of(spec)
     assert b_weight + b_input == pytest.approx(2 * forward)
     assert b_weight <= b_input and b_weight == pytest.approx(2 * matmul_param_count(spec) * tokens / 1e12)
@@ -165,11 +182,16 @@ def test_state_bytes_follow_parameter_counts_and_dtype():
 def test_each_compute_dtype_is_priced_at_its_own_rate():
     """torch multiplies float32 without TF32 by default: an A100 gives 19.5 TFLOP/s, 156 with
     ``training.tf32``, 312 in bf16."""
-    rates = {"a100-80gb": (312e12, 156e12, 19.5e12, 19.5e12), "h100": (989e12, 494.7e12, 67e12, 67e12),
-             "a40": (149.7e12, 74.8e12, 37.4e12, 0.585e12)}  # fmt: skip
+    rates = {
+        "a100-80gb": (312e12, 156e12, 19.5e12, 19.5e12),
+        "h100": (989e12, 494.7e12, 67e12, 67e12),
+        "a40": (149.7e12, 74.8e12, 37.4e12, 0.585e12),
+    }
     for name, (half, tf32, fp32, fp64) in rates.items():
         device = DEVICES[name]
-        assert device.with_dtype("bfloat16").peak_flops == device.with_dtype("float16").peak_flops == pytest.approx(half)
+        assert (
+            device.with_dtype("bfloat16").peak_flops == device.with_dtype("float16").peak_flops == pytest.approx(half)
+        )
         assert device.with_dtype("float32", tf32=True).peak_flops == pytest.approx(tf32)
         assert device.with_dtype("float32").peak_flops == pytest.approx(fp32)
         assert device.with_dtype("float64").peak_flops == pytest.approx(fp64)
@@ -194,7 +216,9 @@ def test_tf32_is_a_float32_switch_and_sets_torchs_float32_precision():
     from oobleck_mm.config import ConfigError
     from oobleck_mm.runtime.worker import set_float32_precision
 
-    with pytest.raises(ConfigError, match="training.tf32: true applies to training.dtype float32.*got dtype 'bfloat16'"):
+    with pytest.raises(
+        ConfigError, match="training.tf32: true applies to training.dtype float32.*got dtype 'bfloat16'"
+    ):
         replace(job("mllm_10b").training, tf32=True)
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
     try:

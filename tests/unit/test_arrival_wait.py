@@ -54,8 +54,9 @@ def _barrier(port: int, generation: int, world: int, interrupt=None, poll=None):
     client = ControlPlaneStore("127.0.0.1", port, "tok", timedelta(seconds=20), interrupt)
     prefixed = dist.PrefixStore(f"gen{generation}", client)
     began = time.monotonic()
-    result = group._await_arrivals(prefixed, generation, world, timedelta(seconds=20), poll,
-                                   group._arrival_reader(client, generation))  # fmt: skip
+    result = group._await_arrivals(
+        prefixed, generation, world, timedelta(seconds=20), poll, group._arrival_reader(client, generation)
+    )
     return {"result": result, "calls": client.calls, "returned_at": time.monotonic(), "began": began}
 
 

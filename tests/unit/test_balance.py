@@ -140,7 +140,9 @@ def test_a_sample_heavier_than_a_pipeline_share_is_placed_not_refused(mllm):
 def test_too_few_samples_for_the_microbatches_is_an_error_naming_the_numbers(mllm):
     metas = skewed_metas(np.random.default_rng(10), 9, mllm[2])
     problem = make_problem(mllm, [2, 2], [5, 5], metas=metas)
-    with pytest.raises(ValueError, match=r"9 samples cannot give each of the 10 microbatches \(per pipeline: \[5, 5\]\)"):
+    with pytest.raises(
+        ValueError, match=r"9 samples cannot give each of the 10 microbatches \(per pipeline: \[5, 5\]\)"
+    ):
         balance(problem, "ours")
 
 
@@ -158,8 +160,15 @@ def test_balance_batch_runs_from_dataset_metadata_and_an_execution_plan():
     dataset = build_dataset(job)
     plan = ExecutionPlan.even(model.num_layers, [2, 3], [3, 5], 2)
     ids = list(range(100, 100 + plan.global_batch))
-    result = balance_batch(ids, [dataset.meta(i) for i in ids], ModelInputs.from_model(job.model),
-                           pipeline_shapes(plan), model, CostCoefficients.initial(), plan.microbatch_size)  # fmt: skip
+    result = balance_batch(
+        ids,
+        [dataset.meta(i) for i in ids],
+        ModelInputs.from_model(job.model),
+        pipeline_shapes(plan),
+        model,
+        CostCoefficients.initial(),
+        plan.microbatch_size,
+    )
     result.assignment.check_covers(ids, [3, 5])
 
 
@@ -237,8 +246,13 @@ def test_a_pipeline_with_a_straggler_stage_gets_less_of_the_work(mllm):
     assert abs(even_a - even_b) < 0.02 * (even_a + even_b)
     # The last stage (the bottleneck of this model) of pipeline 1 on a node at half speed.
     slow_stage = dataclasses.replace(plan.pipelines[1].stages[3], slowdown=2.0)
-    slowed = dataclasses.replace(plan, pipelines=(
-        plan.pipelines[0], dataclasses.replace(plan.pipelines[1], stages=(*plan.pipelines[1].stages[:3], slow_stage))))
+    slowed = dataclasses.replace(
+        plan,
+        pipelines=(
+            plan.pipelines[0],
+            dataclasses.replace(plan.pipelines[1], stages=(*plan.pipelines[1].stages[:3], slow_stage)),
+        ),
+    )
     assert pipeline_shapes(slowed)[1].slowdowns == (1.0, 1.0, 1.0, 2.0) and pipeline_shapes(plan)[1].slowdowns == ()
     (fast, slow), result = work_per_pipeline(slowed)
     assert slow < 0.8 * fast, (even_a, even_b, fast, slow)

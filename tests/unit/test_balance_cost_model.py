@@ -40,7 +40,9 @@ def dims(job):
 def big():
     """MLLM-10B: images of up to 4096 patches and long texts, where attention is a real share of the time."""
     job = load_config(CONFIGS / "mllm_10b.yaml")
-    return CostModel.from_profile(profile_from_config(job), layer_specs(job.model, job.data)), ModelInputs.from_model(job.model)
+    return CostModel.from_profile(profile_from_config(job), layer_specs(job.model, job.data)), ModelInputs.from_model(
+        job.model
+    )
 
 
 def random_metas(rng, num, dims, max_side=32, max_text=120, max_clip_units=20):
@@ -130,9 +132,17 @@ def test_stage_vectors_add_up_over_any_cut(model):
 
 # Every term is a visible share of some stage times (a fixed cost of ~1 ms a layer, attention
 # up to half of a long sample's time): what a term never contributes cannot be measured.
-TRUE_SCALES = {"vision.fixed": 1e-3, "vision.linear": 1.6, "vision.quadratic": 2.0, "audio.fixed": 5e-4,
-               "audio.linear": 0.8, "audio.quadratic": 2.5, "text.fixed": 2e-3, "text.linear": 1.3,
-               "text.quadratic": 3.0}  # fmt: skip
+TRUE_SCALES = {
+    "vision.fixed": 1e-3,
+    "vision.linear": 1.6,
+    "vision.quadratic": 2.0,
+    "audio.fixed": 5e-4,
+    "audio.linear": 0.8,
+    "audio.quadratic": 2.5,
+    "text.fixed": 2e-3,
+    "text.linear": 1.3,
+    "text.quadratic": 3.0,
+}
 
 
 def synthetic_timings(model, dims, rng, num, truth, noise=0.03, outliers=0.1):
@@ -168,7 +178,9 @@ def test_fit_recovers_known_coefficients_from_noisy_timings_with_outliers(big):
     assert np.allclose(fitted.scales, without.scales, rtol=0.03)
     # What matters to the balancer: predictions on stages and microbatches never measured.
     fresh = synthetic_timings(model, dims, np.random.default_rng(5), 200, truth, noise=0.0, outliers=0.0)
-    errors = [abs(model.predict(fitted, t.layer_start, t.layer_end, np.array(t.features)) / t.seconds - 1) for t in fresh]
+    errors = [
+        abs(model.predict(fitted, t.layer_start, t.layer_end, np.array(t.features)) / t.seconds - 1) for t in fresh
+    ]
     assert np.median(errors) < 0.01 and max(errors) < 0.05
 
 
@@ -178,9 +190,16 @@ def test_fit_keeps_terms_the_timings_do_not_exercise(big):
     rng = np.random.default_rng(6)
     truth = CostCoefficients(tuple(TRUE_SCALES[t] for t in TERMS))
     timings = [t for t in synthetic_timings(model, dims, rng, 300, truth, outliers=0.0)]
-    no_audio = [replace(t, features=tuple(0.0 if i in (F["audio_tokens_enc"], F["audio_tokens_enc_sq"],
-                                                        F["audio_tokens"]) else v for i, v in enumerate(t.features)))
-                for t in timings]  # fmt: skip
+    no_audio = [
+        replace(
+            t,
+            features=tuple(
+                0.0 if i in (F["audio_tokens_enc"], F["audio_tokens_enc_sq"], F["audio_tokens"]) else v
+                for i, v in enumerate(t.features)
+            ),
+        )
+        for t in timings
+    ]
     prior = CostCoefficients.initial()
     fitted = model.fit(prior, no_audio)
     assert fitted.scale("audio.linear") == prior.scale("audio.linear")

@@ -20,13 +20,19 @@ def deepspeed_time(forward: np.ndarray, backward: np.ndarray) -> float:
     rendezvous of zero duration, paired in order on each directed channel.
     """
     num_stages, num_micro = forward.shape
-    streams = [[c for step in ds.TrainSchedule(micro_batches=num_micro, stages=num_stages, stage_id=k) for c in step]
-               for k in range(num_stages)]  # fmt: skip
+    streams = [
+        [c for step in ds.TrainSchedule(micro_batches=num_micro, stages=num_stages, stage_id=k) for c in step]
+        for k in range(num_stages)
+    ]
     pc, clock = [0] * num_stages, [0.0] * num_stages
     done_f, done_b = [0] * num_stages, [0] * num_stages
     waiting: dict[tuple[str, int, bool], int] = {}  # (channel, boundary, is_sender) -> blocked stage
-    channel = {ds.SendActivation: ("act", 0, True), ds.RecvActivation: ("act", -1, False),
-               ds.SendGrad: ("grad", -1, True), ds.RecvGrad: ("grad", 0, False)}  # fmt: skip
+    channel = {
+        ds.SendActivation: ("act", 0, True),
+        ds.RecvActivation: ("act", -1, False),
+        ds.SendGrad: ("grad", -1, True),
+        ds.RecvGrad: ("grad", 0, False),
+    }
     while any(pc[k] < len(streams[k]) for k in range(num_stages)):
         progressed = False
         for k in range(num_stages):
@@ -92,7 +98,9 @@ def test_batched_pipelines_of_any_shape_equal_one_by_one_bit_for_bit():
     stages = rng.integers(1, s_max + 1, num)
     micro = rng.integers(1, m_max + 1, num)
     batched = iteration_times(forward, backward, stages, micro)
-    single = [iteration_time(forward[i, : stages[i], : micro[i]], backward[i, : stages[i], : micro[i]]) for i in range(num)]
+    single = [
+        iteration_time(forward[i, : stages[i], : micro[i]], backward[i, : stages[i], : micro[i]]) for i in range(num)
+    ]
     assert batched.tolist() == single
 
 

@@ -99,5 +99,3 @@ def test_descending_order_breaks_ties_by_sample_id_on_either_path():
     assert descending(weight, ids).tolist() == [3, 1, 2, 0, 4]
     huge = weight * 2.0**60  # past the packed int64 key: the lexsort path
     assert descending(huge, ids).tolist() == [3, 1, 2, 0, 4]
-
-

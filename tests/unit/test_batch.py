@@ -314,8 +314,12 @@ def test_time_table_is_seamless_between_short_and_long_runs():
     )
     table = TimeTable(template)
     values = [table(q) for q in (40, 3, 12, 11, 13, 1, 200)]  # out of order: both parts grow on demand
-    exact = [iteration_time_1f1b([f for f, _ in stages], [b for _, b in stages], template.send_activation_s,
-                                 template.send_grad_s, q) for q in (40, 3, 12, 11, 13, 1, 200)]
+    exact = [
+        iteration_time_1f1b(
+            [f for f, _ in stages], [b for _, b in stages], template.send_activation_s, template.send_grad_s, q
+        )
+        for q in (40, 3, 12, 11, 13, 1, 200)
+    ]
     assert values == pytest.approx(exact, rel=1e-11)
     series = [table(q) for q in range(1, 60)]
     assert all(a <= b for a, b in zip(series, series[1:]))

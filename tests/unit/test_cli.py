@@ -33,7 +33,9 @@ def assert_plan_valid(plan: dict, live_nodes: set[str]) -> None:
 def test_plan_json_is_complete_and_consistent(capsys):
     doc = run_json(capsys, "--nodes", "5", "--fail-nodes", "node1", "3")
     num_layers = len(doc["profile"]["layers"])
-    assert [t["nodes"] for t in doc["templates"]] == list(range(doc["min_nodes"], doc["min_nodes"] + len(doc["templates"])))
+    assert [t["nodes"] for t in doc["templates"]] == list(
+        range(doc["min_nodes"], doc["min_nodes"] + len(doc["templates"]))
+    )
     assert all(t["stages"][-1]["layers"][1] == num_layers for t in doc["templates"])
     assert_plan_valid(doc["plan"], {f"node{i}" for i in range(5)})
     rec = doc["reconfiguration"]
@@ -56,8 +58,14 @@ def test_losing_too_many_nodes_reports_cannot_keep_replicas(capsys):
 def test_text_output_names_templates_plan_and_reconfiguration(capsys):
     assert main(["plan", "--config", TINY, "--fail-nodes", "node3"]) == 0
     out = capsys.readouterr().out
-    for expected in ("pipeline templates:", "plan: 4 pipelines on 4 nodes", "samples/s", "microbatches",
-                     "reconfiguration after lost node3", "new plan: 3 pipelines on 3 nodes"):
+    for expected in (
+        "pipeline templates:",
+        "plan: 4 pipelines on 4 nodes",
+        "samples/s",
+        "microbatches",
+        "reconfiguration after lost node3",
+        "new plan: 3 pipelines on 3 nodes",
+    ):
         assert expected in out
 
 
@@ -98,21 +106,31 @@ def test_a_bug_exits_1_with_its_traceback_never_as_bad_input(capsys, monkeypatch
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--inject", "kill:node9@step2"], "--inject kill:node9@step2: node 'node9' is not in this run (nodes node0, "
-                                           "node1, node2)"),
-        (["--inject", "join@step1,kill:node4@step2"], "node 'node4' is not in this run (nodes node0, node1, node2; "
-                                                      "joins add node3)"),
+        (
+            ["--inject", "kill:node9@step2"],
+            "--inject kill:node9@step2: node 'node9' is not in this run (nodes node0, node1, node2)",
+        ),
+        (
+            ["--inject", "join@step1,kill:node4@step2"],
+            "node 'node4' is not in this run (nodes node0, node1, node2; joins add node3)",
+        ),
         (["--trace", "TMP"], "is a folder, not a file"),
         (["--run-dir", "TMP/file"], "--run-dir: 'TMP/file' is a file; give a folder"),
-        (["--inject", "kill:node1@phase:checkpoint"], "@phase:checkpoint needs a checkpoint, and this "
-                                                      "live-recovery run writes none: set "
-                                                      "fault_tolerance.checkpoint_interval"),
+        (
+            ["--inject", "kill:node1@phase:checkpoint"],
+            "@phase:checkpoint needs a checkpoint, and this "
+            "live-recovery run writes none: set "
+            "fault_tolerance.checkpoint_interval",
+        ),
         (["--churn", "5,burst=0"], "--churn: burst must be >= 1"),
         # issue 54 item 5: a fault past the last step never fires; such a run said nothing of it
-        (["--inject", "kill:node1@step50"], "--inject kill:node1@step50: it fires once 50 steps are done, and "
-                                            "this run trains 2 (training.steps, --steps): it would never fire"),
+        (
+            ["--inject", "kill:node1@step50"],
+            "--inject kill:node1@step50: it fires once 50 steps are done, and "
+            "this run trains 2 (training.steps, --steps): it would never fire",
+        ),
     ],
-)  # fmt: skip
+)
 def test_local_refuses_bad_flags_before_starting_anything(capsys, tmp_path, args, message):
     (tmp_path / "file").write_text("not a folder")
     args = [a.replace("TMP", str(tmp_path)) for a in args]
@@ -132,8 +150,9 @@ def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
     names = [s.name for s in layer_specs(load_config(TINY).model, load_config(TINY).data)]
     (tmp_path / "layers").mkdir()
     (tmp_path / "layers" / f"{names[0]}.pt").write_bytes(b"PK\x03\x04 truncated")
-    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0, "num_layers": len(names),
-                                                    "layer_names": names}))  # fmt: skip
+    (tmp_path / "meta.json").write_text(
+        json.dumps({"format": 1, "step": 0, "num_layers": len(names), "layer_names": names})
+    )
     assert verify(["--config", TINY, "--steps", "0", "--against", str(tmp_path)]) == 2
     assert "not a readable layer shard" in capsys.readouterr().err  # the manifest check, before any tensor
     (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 0}))
@@ -141,10 +160,19 @@ def test_verify_exits_2_on_an_unreadable_checkpoint(tmp_path, capsys):
     assert "lacks num_layers, layer_names" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("config,message", [
-    ("configs/mllm_10b.yaml", "cluster.max_gpus_per_stage: 8 (stages of up to 8 GPUs on nodes of 8), but training.microbatch_size is 1"),
-    ("configs/gpt3_2.7b.yaml", "cluster.device: 'cuda' with cluster.gpus_per_node 1, but this machine's torch sees"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (
+            "configs/mllm_10b.yaml",
+            "cluster.max_gpus_per_stage: 8 (stages of up to 8 GPUs on nodes of 8), but training.microbatch_size is 1",
+        ),
+        (
+            "configs/gpt3_2.7b.yaml",
+            "cluster.device: 'cuda' with cluster.gpus_per_node 1, but this machine's torch sees",
+        ),
+    ],
+)
 def test_local_refuses_what_the_workers_could_not_run_before_starting_anything(capsys, config, message):
     if "gpt3" in config:
         import torch
@@ -175,8 +203,9 @@ def test_set_overrides_a_field_and_is_checked_like_the_yaml(capsys):
 def test_the_resume_command_repeats_the_set_overrides():
     from oobleck_mm.cli import _resume_command, build_parser
 
-    args = build_parser().parse_args(["local", "--config", TINY, "--set", "training.global_batch=32",
-                                      "--set", "data.path=my data.json"])  # fmt: skip
+    args = build_parser().parse_args(
+        ["local", "--config", TINY, "--set", "training.global_batch=32", "--set", "data.path=my data.json"]
+    )
     command = _resume_command("local", args)
     assert command.endswith("--set training.global_batch=32 --set 'data.path=my data.json'")
 
@@ -185,8 +214,21 @@ def test_the_resume_command_keeps_the_named_flags_that_change_the_job():
     """Issue 30: a resumed ``--steps 3000`` run stopped at the file's 20 steps."""
     from oobleck_mm.cli import _resume_command, build_parser
 
-    args = build_parser().parse_args(["local", "--config", TINY, "--steps", "3000", "--nodes", "2:6",
-                                      "--recovery", "restart", "--checkpoint-interval", "50"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "local",
+            "--config",
+            TINY,
+            "--steps",
+            "3000",
+            "--nodes",
+            "2:6",
+            "--recovery",
+            "restart",
+            "--checkpoint-interval",
+            "50",
+        ]
+    )
     command = _resume_command("local", args)
     assert command.endswith(f"--config {TINY} --nodes 2:6 --steps 3000 --recovery restart --checkpoint-interval 50")
     master = build_parser().parse_args(["master", "--config", TINY, "--steps", "3000", "--nodes", "4"])
@@ -198,8 +240,9 @@ def test_the_resume_command_keeps_where_the_final_model_and_the_logs_go(tmp_path
     copied it got no final model. The resumed run's logs go beside the first run's, not into them."""
     from oobleck_mm.cli import _resume_command, build_parser, resumed_run_dir
 
-    args = build_parser().parse_args(["local", "--config", TINY, "--save-final", "out/final", "--run-dir",
-                                      str(tmp_path / "my run")])  # fmt: skip
+    args = build_parser().parse_args(
+        ["local", "--config", TINY, "--save-final", "out/final", "--run-dir", str(tmp_path / "my run")]
+    )
     command = _resume_command("local", args)
     final = os.path.abspath("out/final")
     assert f" --save-final {final}" in command
@@ -236,8 +279,20 @@ def test_verify_windows_judges_every_window_with_the_given_tolerance(monkeypatch
         return SimpleNamespace(ok=True, tolerance=tolerance, worst=SimpleNamespace(abs_diff=2e-7))
 
     monkeypatch.setattr(verify, "compare", compare)
-    code = verify.main(["--config", TINY, "--steps", "4", "--against", str(tmp_path), "--windows", str(tmp_path),
-                        "--tolerance", "1e-6"])  # fmt: skip
+    code = verify.main(
+        [
+            "--config",
+            TINY,
+            "--steps",
+            "4",
+            "--against",
+            str(tmp_path),
+            "--windows",
+            str(tmp_path),
+            "--tolerance",
+            "1e-6",
+        ]
+    )
     assert seen == [1e-6, 1e-6], seen
     assert code == 0 and "2 windows, all within tolerance" in capsys.readouterr().out
 
@@ -290,8 +345,9 @@ def test_verify_replays_the_schedule_the_run_had_not_the_files_steps(monkeypatch
     import oobleck_mm.verify as verify
 
     seen = []
-    monkeypatch.setattr("oobleck_mm.runtime.checkpoint.read_meta",
-                        lambda directory: {"step": 6, "config": {"training": {"steps": 6}}})  # fmt: skip
+    monkeypatch.setattr(
+        "oobleck_mm.runtime.checkpoint.read_meta", lambda directory: {"step": 6, "config": {"training": {"steps": 6}}}
+    )
 
     def compare(job, step, end, progress=None, start_dir=None, tolerance=None):
         from types import SimpleNamespace
@@ -302,7 +358,8 @@ def test_verify_replays_the_schedule_the_run_had_not_the_files_steps(monkeypatch
     monkeypatch.setattr(verify, "compare", compare)
     assert verify.main(["--config", TINY, "--steps", "6", "--against", str(tmp_path)]) == 0
     assert "the run's schedule is over 6 steps (its checkpoint's training.steps), not the file's 20" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert verify.main(["--config", TINY, "--steps", "6", "--against", str(tmp_path), "--set", "training.steps=9"]) == 0
     assert seen == [6, 9]
 
@@ -313,8 +370,19 @@ def test_local_refuses_a_cluster_the_templates_cannot_cover_before_anything_star
     import time
 
     began = time.perf_counter()
-    code = main(["local", "--config", TINY, "--nodes", "4", "--set", "cluster.device_memory=4MB",
-                 "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    code = main(
+        [
+            "local",
+            "--config",
+            TINY,
+            "--nodes",
+            "4",
+            "--set",
+            "cluster.device_memory=4MB",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert "no pipeline templates for 4 nodes (cluster.nodes)" in err and "consecutive counts" in err, err

@@ -28,8 +28,10 @@ def test_a_ranks_expectation_is_the_cost_models_seconds_of_its_microbatches_over
     ids = data.global_batch(3)
     microbatches = [ids[i : i + 4] for i in range(0, 16, 4)]
     stage = StageLayout(0, 70, 90)
-    by_hand = sum(float(work.model.predict(expect.coefficients, 70, 90, microbatch_features(work.features(mb))))
-                  for mb in microbatches)  # fmt: skip
+    by_hand = sum(
+        float(work.model.predict(expect.coefficients, 70, 90, microbatch_features(work.features(mb))))
+        for mb in microbatches
+    )
     assert expect.seconds(stage, microbatches) == pytest.approx(by_hand, rel=1e-12) and by_hand > 0
     assert expect.seconds(StageLayout(0, 70, 90, shards=(1,)), microbatches) == pytest.approx(by_hand / 2, rel=1e-12)
     assert expect.seconds(stage, []) == 0.0
@@ -55,8 +57,9 @@ def test_per_sample_it_follows_what_each_step_costs_where_the_plans_mean_microba
     expect = ComputeExpectation(StageWork(job, data, truth.specs))
     stage = StageLayout(0, 78, 87)  # an LLM stage of the bench's plan ([r1:78-86])
     groups = truth.groups(stage.layers)
-    mean = statistics.mean(expect.seconds(stage, [data.global_batch(s)[i : i + 4]]) for s in range(40)
-                           for i in range(0, 32, 4))  # fmt: skip
+    mean = statistics.mean(
+        expect.seconds(stage, [data.global_batch(s)[i : i + 4]]) for s in range(40) for i in range(0, 32, 4)
+    )
     per_sample, per_mean = [], []
     for step in range(40):
         for pipeline in contiguous_assignment(data.global_batch(step), [4, 4], 4).pipelines:

@@ -14,7 +14,9 @@ from oobleck_mm.config.devices import DEVICES
 from oobleck_mm.planning.costs import ClusterSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml")))
+CONFIGS = sorted(
+    glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "paper", "*.yaml"))
+)
 TINY = os.path.join(ROOT, "configs", "tiny_mm.yaml")
 DELETE = object()
 
@@ -59,7 +61,11 @@ def test_shipped_paper_configs_match_their_setups():
     gpt = load_config(os.path.join(ROOT, "configs", "gpt3_2.7b.yaml"))
     assert (gpt.training.global_batch, gpt.training.microbatch_size, gpt.data.max_seq_len) == (1024, 2, 2048)
     assert (gpt.cluster.nodes, gpt.cluster.gpus_per_node, gpt.cluster.device, gpt.cluster.accelerator) == (
-        30, 1, "cuda", "a40")
+        30,
+        1,
+        "cuda",
+        "a40",
+    )
     assert gpt.cluster.device_memory == 40 * 10**9 and gpt.fault_tolerance.f == 1
     orch = load_config(os.path.join(ROOT, "configs", "mllm_84b.yaml"))
     assert (orch.cluster.accelerator, orch.cluster.gpus_per_node, orch.model.llm.num_layers) == ("h100", 8, 80)
@@ -70,10 +76,14 @@ def test_shipped_paper_configs_match_their_setups():
 
 @pytest.mark.parametrize(
     "name, layers, hidden, seq, batch, microbatch",
-    [("bert_large", 24, 1024, 512, 8192, 32), ("gpt2", 24, 1024, 1024, 8192, 32),
-     ("gpt3_medium", 24, 1024, 2048, 8192, 16), ("gpt3_2.7b", 32, 2560, 2048, 1024, 2),
-     ("gpt3_6.7b", 32, 4096, 2048, 1024, 2)],
-)  # fmt: skip
+    [
+        ("bert_large", 24, 1024, 512, 8192, 32),
+        ("gpt2", 24, 1024, 1024, 8192, 32),
+        ("gpt3_medium", 24, 1024, 2048, 8192, 16),
+        ("gpt3_2.7b", 32, 2560, 2048, 1024, 2),
+        ("gpt3_6.7b", 32, 4096, 2048, 1024, 2),
+    ],
+)
 def test_the_simulators_paper_configs_are_table_2_1(name, layers, hidden, seq, batch, microbatch):
     job = load_config(os.path.join(ROOT, "configs", "paper", f"{name}.yaml"))
     assert (job.model.llm.num_layers, job.model.llm.hidden, job.data.max_seq_len) == (layers, hidden, seq)
@@ -117,8 +127,11 @@ def test_device_memory_defaults_to_the_accelerator_kind():
 
 
 def test_an_old_device_kind_says_how_to_migrate():
-    with pytest.raises(ConfigError, match=r"cluster.device: 'h100' is an accelerator kind.*`device: cuda` and "
-                                          r"`accelerator: h100`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.device: 'h100' is an accelerator kind.*`device: cuda` and "
+        r"`accelerator: h100`",
+    ):
         config_from_dict(with_value(MINIMAL, "cluster", {"device": "h100"}))
     with pytest.raises(ConfigError, match=r"cluster.accelerator: required with cluster.device 'cuda'.*'a40'"):
         config_from_dict(with_value(MINIMAL, "cluster", {"device": "cuda"}))
@@ -126,9 +139,18 @@ def test_an_old_device_kind_says_how_to_migrate():
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("500ms", 0.5), ("3s", 3.0), ("2m", 120.0), ("1h", 3600.0), ("250us", 250e-6), (2, 2.0), (0.25, 0.25),
-     ("1.5s", 1.5), ("4", 4.0)],
-)  # fmt: skip
+    [
+        ("500ms", 0.5),
+        ("3s", 3.0),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        ("250us", 250e-6),
+        (2, 2.0),
+        (0.25, 0.25),
+        ("1.5s", 1.5),
+        ("4", 4.0),
+    ],
+)
 def test_durations_parse(text, seconds):
     d = with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": text, "heartbeat_timeout": 10_000})
     job = config_from_dict(d)
@@ -137,9 +159,16 @@ def test_durations_parse(text, seconds):
 
 @pytest.mark.parametrize(
     ("text", "num_bytes"),
-    [("40GiB", 40 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20), ("1.5TB", 1.5e12), (123456, 123456),
-     ("48 GB", 48 * 10**9), ("1024", 1024)],
-)  # fmt: skip
+    [
+        ("40GiB", 40 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5TB", 1.5e12),
+        (123456, 123456),
+        ("48 GB", 48 * 10**9),
+        ("1024", 1024),
+    ],
+)
 def test_sizes_parse(text, num_bytes):
     job = config_from_dict(with_value(MINIMAL, "cluster", {"device_memory": text}))
     assert job.cluster.device_memory == int(num_bytes)
@@ -147,9 +176,16 @@ def test_sizes_parse(text, num_bytes):
 
 @pytest.mark.parametrize(
     ("text", "rate"),
-    [("100Gbps", 12.5e9), ("200Gb/s", 25e9), ("25GB/s", 25e9), ("25GBps", 25e9), ("1GiB/s", 2**30),
-     (1e9, 1e9), ("400Mbps", 50e6)],
-)  # fmt: skip
+    [
+        ("100Gbps", 12.5e9),
+        ("200Gb/s", 25e9),
+        ("25GB/s", 25e9),
+        ("25GBps", 25e9),
+        ("1GiB/s", 2**30),
+        (1e9, 1e9),
+        ("400Mbps", 50e6),
+    ],
+)
 def test_bandwidths_parse(text, rate):
     job = config_from_dict(with_value(MINIMAL, "cluster", {"inter_node_bandwidth": text}))
     assert job.cluster.inter_node_bandwidth == pytest.approx(rate)
@@ -172,8 +208,9 @@ def test_yaml_float_without_dot_is_accepted_for_float_fields():
 
 
 def test_scheduler_params_follow_deepspeed_and_total_defaults_to_steps():
-    d = with_value(MINIMAL, "training", {"steps": 50, "scheduler": {"type": "WarmupDecayLR",
-                                                                    "params": {"warmup_num_steps": 5}}})  # fmt: skip
+    d = with_value(
+        MINIMAL, "training", {"steps": 50, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}}
+    )
     job = config_from_dict(d)
     assert job.training.scheduler.params == {"warmup_num_steps": 5}
     assert job.training.scheduler.total_steps(job.training.steps) == 50
@@ -184,8 +221,9 @@ def test_scheduler_params_follow_deepspeed_and_total_defaults_to_steps():
     from oobleck_mm.runtime.optim import lr_at
 
     assert lr_at(longer.training, 100) > lr_at(longer.training, 119) > lr_at(longer.training, 120)
-    cosine = with_value(d, "training.scheduler", {"type": "WarmupCosineLR",
-                                                  "params": {"warmup_num_steps": 5, "cos_min_ratio": 0.1}})  # fmt: skip
+    cosine = with_value(
+        d, "training.scheduler", {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "cos_min_ratio": 0.1}}
+    )
     assert config_from_dict(cosine).training.scheduler.params["cos_min_ratio"] == 0.1
 
 
@@ -197,7 +235,12 @@ BAD = [
     ("training.global_batch", "abc", "training.global_batch:", "expected an integer, got 'abc' (str)"),
     ("training.global_batch", True, "training.global_batch:", "expected an integer, got True (bool)"),
     ("training.microbatch_size", 0, "training.microbatch_size:", "must be >= 1, got 0"),
-    ("training.global_batch", 15, "training.global_batch (15)", "microbatch_size (2); nearest valid global batches: 14 or 16"),
+    (
+        "training.global_batch",
+        15,
+        "training.global_batch (15)",
+        "microbatch_size (2); nearest valid global batches: 14 or 16",
+    ),
     ("planning.replan_gain", -0.1, "planning.replan_gain:", "must be >= 0.0, got -0.1"),
     ("training.dtype", "fp8", "training.dtype:", "'float32', 'float64', 'bfloat16', 'float16'"),
     ("training.gradient_clipping", -1, "training.gradient_clipping:", "must be >= 0.0, got -1.0"),
@@ -208,18 +251,38 @@ BAD = [
     ("training.optimizer.params.lr", 0, "training.optimizer.params.lr:", "must be > 0"),
     ("training.scheduler", {"type": "Noam"}, "training.scheduler.type:", "'WarmupLR', 'WarmupDecayLR'"),
     ("training.scheduler", {"type": "OneCycle"}, "training.scheduler.params.cycle_min_lr:", "required by OneCycle"),
-    ("training.scheduler", {"type": "WarmupLR", "params": {"total_num_steps": 5}},
-     "unknown key 'training.scheduler.params.total_num_steps'", "valid keys for WarmupLR"),
-    ("training.scheduler", {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1000}},
-     "training.scheduler.params.total_num_steps (20, training.steps: its default)", "warmup_num_steps (1000)"),
-    ("training.scheduler", {"type": "WarmupLR", "params": {"warmup_type": "cubic"}},
-     "training.scheduler.params.warmup_type:", "'log', 'linear'"),
-    ("training.scheduler", {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1}},
-     "training.scheduler.params.warmup_min_lr (0.1)", "warmup peak lr (0.001)"),
+    (
+        "training.scheduler",
+        {"type": "WarmupLR", "params": {"total_num_steps": 5}},
+        "unknown key 'training.scheduler.params.total_num_steps'",
+        "valid keys for WarmupLR",
+    ),
+    (
+        "training.scheduler",
+        {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1000}},
+        "training.scheduler.params.total_num_steps (20, training.steps: its default)",
+        "warmup_num_steps (1000)",
+    ),
+    (
+        "training.scheduler",
+        {"type": "WarmupLR", "params": {"warmup_type": "cubic"}},
+        "training.scheduler.params.warmup_type:",
+        "'log', 'linear'",
+    ),
+    (
+        "training.scheduler",
+        {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1}},
+        "training.scheduler.params.warmup_min_lr (0.1)",
+        "warmup peak lr (0.001)",
+    ),
     ("fault_tolerance.f", 4, "fault_tolerance.f (4)", "needs at least 5 nodes, cluster.nodes is 4"),
     ("fault_tolerance.f", -1, "fault_tolerance.f:", "must be >= 0"),
-    ("fault_tolerance.heartbeat_interval", "5s", "fault_tolerance.heartbeat_interval (5.0s)",
-     "shorter than fault_tolerance.heartbeat_timeout (2.0s)"),
+    (
+        "fault_tolerance.heartbeat_interval",
+        "5s",
+        "fault_tolerance.heartbeat_interval (5.0s)",
+        "shorter than fault_tolerance.heartbeat_timeout (2.0s)",
+    ),
     ("fault_tolerance.heartbeat_timeout", "3 parsecs", "fault_tolerance.heartbeat_timeout:", "'500ms'"),
     ("fault_tolerance.heartbeat_timeout", "0s", "fault_tolerance.heartbeat_timeout:", "positive duration"),
     ("fault_tolerance.recovery", "pray", "fault_tolerance.recovery:", "'live', 'restart'"),
@@ -254,10 +317,14 @@ BAD = [
     ("data.mean_text_tokens", "many", "data.mean_text_tokens:", "expected a finite number, got 'many' (str)"),
     ("model", DELETE, "model:", "required"),
     ("training", [1, 2], "training:", "expected a mapping"),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("field", "value", "prefix", "fragment"), BAD, ids=[f"{b[0]}=<deleted>" if b[1] is DELETE else f"{b[0]}={b[1]!r}" for b in BAD])
+@pytest.mark.parametrize(
+    ("field", "value", "prefix", "fragment"),
+    BAD,
+    ids=[f"{b[0]}=<deleted>" if b[1] is DELETE else f"{b[0]}={b[1]!r}" for b in BAD],
+)
 def test_each_bad_field_gets_its_own_message(field, value, prefix, fragment):
     with pytest.raises(ConfigError) as info:
         config_from_dict(with_value(tiny_dict(), field, value))
@@ -300,36 +367,68 @@ def test_relative_data_path_is_relative_to_the_config_file(tmp_path):
 def test_sections_validate_when_built_in_code():
     job = load_config(TINY)
     with pytest.raises(ConfigError, match=r"^training.global_batch \(15\)"):
-        JobConfig(model=job.model, data=job.data, training=type(job.training)(global_batch=15, microbatch_size=4,
-                                                                              steps=1), cluster=job.cluster)  # fmt: skip
+        JobConfig(
+            model=job.model,
+            data=job.data,
+            training=type(job.training)(global_batch=15, microbatch_size=4, steps=1),
+            cluster=job.cluster,
+        )
 
 
 def test_every_timeout_derives_from_the_two_heartbeat_settings_by_its_documented_formula():
-    ft = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "250ms",
-                                                                   "heartbeat_timeout": "4s"})).fault_tolerance
-    seconds = {name: getattr(ft, name).total_seconds() for name in (
-        "collective_timeout", "stall_report_after", "master_stall_threshold", "detector_tick",
-        "shutdown_grace", "checkpoint_round_timeout", "heartbeat_rpc_timeout", "report_rpc_timeout",
-        "master_silence_limit", "worker_stop_timeout", "agent_exit_timeout", "rendezvous_timeout",
-        "reform_after")}  # fmt: skip
+    ft = config_from_dict(
+        with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "250ms", "heartbeat_timeout": "4s"})
+    ).fault_tolerance
+    seconds = {
+        name: getattr(ft, name).total_seconds()
+        for name in (
+            "collective_timeout",
+            "stall_report_after",
+            "master_stall_threshold",
+            "detector_tick",
+            "shutdown_grace",
+            "checkpoint_round_timeout",
+            "heartbeat_rpc_timeout",
+            "report_rpc_timeout",
+            "master_silence_limit",
+            "worker_stop_timeout",
+            "agent_exit_timeout",
+            "rendezvous_timeout",
+            "reform_after",
+        )
+    }
     assert seconds == {
-        "collective_timeout": 9.0, "stall_report_after": 0.5,
-        "master_stall_threshold": 2.0, "detector_tick": 0.1, "shutdown_grace": 4.0,
-        "checkpoint_round_timeout": 68.0, "heartbeat_rpc_timeout": 2.0, "report_rpc_timeout": 4.0,
-        "master_silence_limit": 8.0, "worker_stop_timeout": 4.0, "agent_exit_timeout": 6.0,
-        "rendezvous_timeout": 300.0, "reform_after": 4.0,
-    }  # fmt: skip
-    short = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "100ms",
-                                                                      "heartbeat_timeout": "500ms"})).fault_tolerance
+        "collective_timeout": 9.0,
+        "stall_report_after": 0.5,
+        "master_stall_threshold": 2.0,
+        "detector_tick": 0.1,
+        "shutdown_grace": 4.0,
+        "checkpoint_round_timeout": 68.0,
+        "heartbeat_rpc_timeout": 2.0,
+        "report_rpc_timeout": 4.0,
+        "master_silence_limit": 8.0,
+        "worker_stop_timeout": 4.0,
+        "agent_exit_timeout": 6.0,
+        "rendezvous_timeout": 300.0,
+        "reform_after": 4.0,
+    }
+    short = config_from_dict(
+        with_value(MINIMAL, "fault_tolerance", {"heartbeat_interval": "100ms", "heartbeat_timeout": "500ms"})
+    ).fault_tolerance
     assert short.detector_tick.total_seconds() == pytest.approx(0.05) and short.shutdown_grace.total_seconds() == 2.0
     assert ft.confirmed_silence is None  # peer-confirmed detection is off unless set (a slow link looks the same)
 
 
 @pytest.mark.parametrize("value", ["3s", "5s"])
 def test_a_confirmed_silence_not_shorter_than_the_timeout_is_refused_naming_both(value):
-    with pytest.raises(ConfigError, match=r"^fault_tolerance.confirmed_silence: must be > 0 and < heartbeat_timeout "
-                                          r"\(3s\).*got " + value[:-1]):
-        config_from_dict(with_value(MINIMAL, "fault_tolerance", {"heartbeat_timeout": "3s", "confirmed_silence": value}))
+    with pytest.raises(
+        ConfigError,
+        match=r"^fault_tolerance.confirmed_silence: must be > 0 and < heartbeat_timeout "
+        r"\(3s\).*got " + value[:-1],
+    ):
+        config_from_dict(
+            with_value(MINIMAL, "fault_tolerance", {"heartbeat_timeout": "3s", "confirmed_silence": value})
+        )
     ft = config_from_dict(with_value(MINIMAL, "fault_tolerance", {"confirmed_silence": "1.5s"})).fault_tolerance
     assert ft.confirmed_silence.total_seconds() == 1.5
 
@@ -339,8 +438,6 @@ def test_the_rendezvous_timeout_is_a_setting_a_user_may_raise():
     assert job.fault_tolerance.rendezvous_timeout.total_seconds() == 900.0
     with pytest.raises(ConfigError, match="fault_tolerance.rendezvous_timeout: must be a positive duration"):
         config_from_dict(with_value(MINIMAL, "fault_tolerance", {"rendezvous_timeout": "0s"}))
-
-
 
 
 def test_inputs_that_were_internal_errors_are_config_errors_naming_the_file_or_field(tmp_path):

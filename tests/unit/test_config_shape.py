@@ -24,10 +24,21 @@ def specs_of(name: str):
 def test_layer_order_vision_audio_then_llm():
     names = [s.name for s in specs_of("tiny_mm_audio")]
     assert names == [
-        "vision.embed", "vision.block0", "vision.block1", "vision.projector",
-        "audio.embed", "audio.block0", "audio.block1", "audio.projector",
-        "llm.embed", "llm.block0", "llm.block1", "llm.block2", "llm.block3", "llm.head",
-    ]  # fmt: skip
+        "vision.embed",
+        "vision.block0",
+        "vision.block1",
+        "vision.projector",
+        "audio.embed",
+        "audio.block0",
+        "audio.block1",
+        "audio.projector",
+        "llm.embed",
+        "llm.block0",
+        "llm.block1",
+        "llm.block2",
+        "llm.block3",
+        "llm.head",
+    ]
     kinds = [s.kind for s in specs_of("tiny_mm_audio")]
     assert kinds[0] == "patch_embed" and kinds[4] == "frame_embed" and kinds[8] == "token_embed"
     assert kinds[-1] == "lm_head" and kinds[3] == kinds[7] == "projector"
@@ -84,8 +95,14 @@ def test_token_merge_shrinks_what_the_llm_sees_but_not_the_encoder():
 
 def test_more_images_mean_proportionally_more_vision_work():
     j = job("tiny_mm")
-    double = DataConfig(mean_text_tokens=16, mean_images_per_sample=2, image_size=32, min_image_size=16,
-                        max_images_per_sample=3, max_seq_len=128)
+    double = DataConfig(
+        mean_text_tokens=16,
+        mean_images_per_sample=2,
+        image_size=32,
+        min_image_size=16,
+        max_images_per_sample=3,
+        max_seq_len=128,
+    )
     one = {s.name: s for s in layer_specs(j.model, j.data)}
     two = {s.name: s for s in layer_specs(j.model, double)}
     assert two["vision.block0"].tokens_per_sample == 2 * one["vision.block0"].tokens_per_sample
@@ -119,8 +136,12 @@ def test_layer_names_are_exact_not_prefixes():
     assert resolve_frozen(["llm.block1"], specs) == {"llm.block1"}  # not llm.block10 / llm.block11
     assert resolve_frozen(["vision.projector"], specs) == {"vision.projector0", "vision.projector1"}
     assert len(resolve_frozen(["llm.block"], specs)) == 12
-    assert resolve_frozen(["llm.head", "vision"], specs) == {"llm.head", "vision.embed", "vision.block0",
-                                                             "vision.block1"}  # fmt: skip
+    assert resolve_frozen(["llm.head", "vision"], specs) == {
+        "llm.head",
+        "vision.embed",
+        "vision.block0",
+        "vision.block1",
+    }
 
 
 @pytest.mark.parametrize("entry", ["audio", "llm.block12", "vision.blk", "llm.", "everything"])
@@ -183,9 +204,12 @@ def test_orchmllm_sizes_near_table_1(config, total, llm, vision, audio):
 @pytest.mark.parametrize(
     ("config", "llm", "vision", "audio"),
     # Cornstarch Table 3.1. Its "1b" Llama-3 small is Llama-3.2-1B, 1.24B with tied embeddings.
-    [("cornstarch_mllm_sss", 1.24e9, 0.6e9, 0.5e9), ("cornstarch_mllm_mmm", 8e9, 3.9e9, 3.4e9),
-     ("cornstarch_mllm_lll", 32e9, 11.6e9, 12.4e9)],
-)  # fmt: skip
+    [
+        ("cornstarch_mllm_sss", 1.24e9, 0.6e9, 0.5e9),
+        ("cornstarch_mllm_mmm", 8e9, 3.9e9, 3.4e9),
+        ("cornstarch_mllm_lll", 32e9, 11.6e9, 12.4e9),
+    ],
+)
 def test_cornstarch_sizes_near_table_3_1(config, llm, vision, audio):
     specs = specs_of(config)
     llm_unique = model_param_count([s for s in specs if s.name.startswith("llm.")])

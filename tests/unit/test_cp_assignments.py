@@ -15,22 +15,49 @@ from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayou
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_to_proto
 
-SENDING = Sending(store_host="10.0.0.1", store_port=29400, steps=500, save_final_dir="/final", checkpoint_interval=50,
-                  checkpoint_dir="/ckpt", checkpoint_async=True)  # fmt: skip
+SENDING = Sending(
+    store_host="10.0.0.1",
+    store_port=29400,
+    steps=500,
+    save_final_dir="/final",
+    checkpoint_interval=50,
+    checkpoint_dir="/ckpt",
+    checkpoint_async=True,
+)
 # gen 1: [a b] and [c d]; gen 2 after losing d: [a b] and c alone, two GPUs on node a
-BASE = GenerationView(1, ExecutionPlan.even(10, [2, 2], [4, 4], 2), {("a", 0): 0, ("b", 0): 1, ("c", 0): 2,
-                                                                      ("d", 0): 3})  # fmt: skip
-GEN = GenerationView(2, ExecutionPlan((PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5),
-                                       PipelineLayout((StageLayout(2, 0, 10),), 3)), 10, 2),
-                     {("a", 1): 0, ("b", 0): 1, ("c", 0): 2})  # fmt: skip
+BASE = GenerationView(
+    1, ExecutionPlan.even(10, [2, 2], [4, 4], 2), {("a", 0): 0, ("b", 0): 1, ("c", 0): 2, ("d", 0): 3}
+)
+GEN = GenerationView(
+    2,
+    ExecutionPlan(
+        (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
+        10,
+        2,
+    ),
+    {("a", 1): 0, ("b", 0): 1, ("c", 0): 2},
+)
 
 
 def whole(rank: int, local_rank: int, previous: list[int] | None) -> pb.AgentEvent:
     """The message as it was built before the shared part was encoded once: every field, one object."""
-    a = pb.Assignment(generation=2, rank=rank, world_size=3, store_host="10.0.0.1", store_port=29400, start_step=7,
-                      steps=500, plan=plan_to_proto(GEN.layout), resume_dir="", save_final_dir="/final",
-                      checkpoint_interval=50, checkpoint_dir="/ckpt", checkpoint_async=True,
-                      rank_nodes=GEN.rank_nodes, checkpoint_after_first_step=True)  # fmt: skip
+    a = pb.Assignment(
+        generation=2,
+        rank=rank,
+        world_size=3,
+        store_host="10.0.0.1",
+        store_port=29400,
+        start_step=7,
+        steps=500,
+        plan=plan_to_proto(GEN.layout),
+        resume_dir="",
+        save_final_dir="/final",
+        checkpoint_interval=50,
+        checkpoint_dir="/ckpt",
+        checkpoint_async=True,
+        rank_nodes=GEN.rank_nodes,
+        checkpoint_after_first_step=True,
+    )
     if previous is not None:
         a.previous_generation = 1
         a.previous_plan.CopyFrom(plan_to_proto(BASE.layout))
@@ -41,8 +68,15 @@ def whole(rank: int, local_rank: int, previous: list[int] | None) -> pb.AgentEve
 
 def test_every_worker_parses_the_message_built_whole_with_its_own_rank_and_local_rank():
     previous = [0, 1, 2]
-    out = build_assignments(GEN, SENDING, start_step=7, base=BASE, previous_ranks=previous, at_boundary=True,
-                            checkpoint_after_first_step=True)  # fmt: skip
+    out = build_assignments(
+        GEN,
+        SENDING,
+        start_step=7,
+        base=BASE,
+        previous_ranks=previous,
+        at_boundary=True,
+        checkpoint_after_first_step=True,
+    )
     assert [(gpu, rank) for gpu, rank, _ in out] == [(("a", 1), 0), (("b", 0), 1), (("c", 0), 2)]
     for (node, local_rank), rank, event in out:
         parsed = pb.AgentEvent.FromString(event.SerializeToString())
@@ -52,8 +86,9 @@ def test_every_worker_parses_the_message_built_whole_with_its_own_rank_and_local
 
 
 def test_a_fresh_generation_carries_no_previous_plan():
-    for (node, local_rank), rank, event in build_assignments(GEN, SENDING, start_step=7,
-                                                             checkpoint_after_first_step=True):  # fmt: skip
+    for (node, local_rank), rank, event in build_assignments(
+        GEN, SENDING, start_step=7, checkpoint_after_first_step=True
+    ):
         parsed = event.decoded()
         assert parsed == whole(rank, local_rank, None)
         assert not parsed.assignment.assignment.HasField("previous_plan")

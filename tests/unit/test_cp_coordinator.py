@@ -86,8 +86,12 @@ class Job:
         """Every worker of ``generation`` reports ``step`` done (and ``resumed`` on its first)."""
         for gpu, a in self.assigned.items():
             if a.generation == generation:
-                self.report(gpu, metrics=pb.StepMetrics(generation=generation, step=step, rank=a.rank, loss=1.0,
-                                                        samples_per_s=10.0, step_time_s=0.1))  # fmt: skip
+                self.report(
+                    gpu,
+                    metrics=pb.StepMetrics(
+                        generation=generation, step=step, rank=a.rank, loss=1.0, samples_per_s=10.0, step_time_s=0.1
+                    ),
+                )
                 self.report(gpu, phase=pb.PhaseDone(generation=generation, phase="resumed", step=step))
 
     def heartbeat_all(self) -> None:
@@ -110,12 +114,29 @@ class Job:
 def make(tmp_path):
     made = []
 
-    def build(nodes: int = 2, gpus: int = 1, steps: int = 3, options: RunOptions | None = None, memory=None,
-              recovery: str | None = None, checkpoint_interval: int | None = None, f: int | None = None,
-              stall_s: float | None = None, max_nodes: int | None = None,
-              confirmed_silence: float | None = None, disk_thread: bool = False) -> Job:  # fmt: skip
-        job = apply_overrides(load_config(TINY), nodes=nodes, gpus_per_node=gpus, steps=steps, recovery=recovery,
-                              checkpoint_interval=checkpoint_interval, max_nodes=max_nodes)  # fmt: skip
+    def build(
+        nodes: int = 2,
+        gpus: int = 1,
+        steps: int = 3,
+        options: RunOptions | None = None,
+        memory=None,
+        recovery: str | None = None,
+        checkpoint_interval: int | None = None,
+        f: int | None = None,
+        stall_s: float | None = None,
+        max_nodes: int | None = None,
+        confirmed_silence: float | None = None,
+        disk_thread: bool = False,
+    ) -> Job:
+        job = apply_overrides(
+            load_config(TINY),
+            nodes=nodes,
+            gpus_per_node=gpus,
+            steps=steps,
+            recovery=recovery,
+            checkpoint_interval=checkpoint_interval,
+            max_nodes=max_nodes,
+        )
         if memory is not None:  # a smaller GPU: the model needs n0 = 2 nodes, so pipelines span nodes
             job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device_memory=memory))
         if f is not None:
@@ -126,13 +147,25 @@ def make(tmp_path):
         if confirmed_silence is not None:
             ft = dataclasses.replace(job.fault_tolerance, confirmed_silence=timedelta(seconds=confirmed_silence))
             job = dataclasses.replace(job, fault_tolerance=ft)
-        options = options or RunOptions(checkpoint_root=str(tmp_path), recovery=job.fault_tolerance.recovery,
-                                        checkpoint_interval=job.fault_tolerance.checkpoint_interval)  # fmt: skip
+        options = options or RunOptions(
+            checkpoint_root=str(tmp_path),
+            recovery=job.fault_tolerance.recovery,
+            checkpoint_interval=job.fault_tolerance.checkpoint_interval,
+        )
         clock, lines = Clock(), []
         events_path = tmp_path / f"events{len(made)}.jsonl"
-        c = Coordinator(job, num_nodes=nodes, steps=steps, store_host="10.0.0.1", store_port=4321,
-                        events=EventLog(events_path), clock=clock, progress=lines.append, options=options,
-                        disk_thread=disk_thread)  # fmt: skip
+        c = Coordinator(
+            job,
+            num_nodes=nodes,
+            steps=steps,
+            store_host="10.0.0.1",
+            store_port=4321,
+            events=EventLog(events_path),
+            clock=clock,
+            progress=lines.append,
+            options=options,
+            disk_thread=disk_thread,
+        )
         made.append(c)
         return Job(c, clock, lines, events_path)
 
@@ -181,7 +214,9 @@ def test_plans_when_enough_streams_are_open_and_assigns_every_gpu_a_distinct_ran
         assert sorted(a.rank_nodes) == ["a", "a", "b", "b"]
     decided = read_events(j.events, "plan_decided")
     assert decided[0]["nodes"] == ["a", "b"] and decided[0]["layout"] == plan.to_dict()
-    assert len(read_events(j.events, "assignment_sent")) == 4 and any(line.startswith("generation 1: ") for line in j.lines)
+    assert len(read_events(j.events, "assignment_sent")) == 4 and any(
+        line.startswith("generation 1: ") for line in j.lines
+    )
     assert j.lines[:2] == ["agent a registered (1/2)", "agent b registered (2/2)"]  # start-up progress
 
 
@@ -241,7 +276,9 @@ def test_refusals_name_the_problem_and_are_logged(make):
 
 
 def test_a_peer_waiting_on_a_collective_confirms_a_silent_node_at_half_the_timeout(make):
-    j = make(nodes=3, steps=10, confirmed_silence=load_config(TINY).fault_tolerance.heartbeat_timeout.total_seconds() / 2)
+    j = make(
+        nodes=3, steps=10, confirmed_silence=load_config(TINY).fault_tolerance.heartbeat_timeout.total_seconds() / 2
+    )
     start(j, "a", "b", "c")
     j.train(1, 0)
     timeout = j.c.timeouts.heartbeat_timeout.total_seconds()
@@ -311,8 +348,9 @@ def test_a_joining_node_waits_for_a_completed_step_then_gets_every_layer(make):
     assert decided["cause"] == "joined" and decided["joined"] == ["late"] and decided["layer_states_moved"] == 10
     # the master logs the copies the workers derive: the joiner receives all ten layers from survivors
     assert sorted(t[0] for t in decided["transfers"]) == list(range(10))
-    assert all(t[2] == joiner.rank and t[1] != joiner.rank and joiner.previous_ranks[t[1]] >= 0
-               for t in decided["transfers"])  # fmt: skip
+    assert all(
+        t[2] == joiner.rank and t[1] != joiner.rank and joiner.previous_ranks[t[1]] >= 0 for t in decided["transfers"]
+    )
 
 
 def test_a_joiner_lost_after_its_generation_was_planned_takes_the_survivors_back_to_their_own_plan(make):
@@ -415,8 +453,9 @@ def test_progress_waits_for_every_rank_and_all_done_ends_the_job(make):
     for step in range(2):
         for rank, gpu in sorted(ranks.items()):
             assert not any(f"step {step + 1}/2" in line for line in j.lines)  # not before the last rank
-            metrics = pb.StepMetrics(generation=1, step=step, rank=rank, loss=3.0 - step, samples_per_s=50.0,
-                                     step_time_s=0.1 * (rank + 1))  # fmt: skip
+            metrics = pb.StepMetrics(
+                generation=1, step=step, rank=rank, loss=3.0 - step, samples_per_s=50.0, step_time_s=0.1 * (rank + 1)
+            )
             j.report(gpu, metrics=metrics)
         assert any(f"step {step + 1}/2  loss {3.0 - step:.4f}" in line for line in j.lines)
     steps = read_events(j.events, "step")
@@ -491,8 +530,9 @@ def test_restart_mode_restarts_every_worker_from_the_last_checkpoint(make):
 
 
 def test_resume_and_save_final_reach_every_assignment(make, tmp_path):
-    options = RunOptions(resume_dir="/ckpt/x", resume_step=5, save_final_dir="/out/final",
-                         checkpoint_root=str(tmp_path))  # fmt: skip
+    options = RunOptions(
+        resume_dir="/ckpt/x", resume_step=5, save_final_dir="/out/final", checkpoint_root=str(tmp_path)
+    )
     j = make(nodes=2, steps=10, options=options)
     start(j, "a", "b")
     for a in j.assigned.values():
@@ -626,9 +666,17 @@ def test_a_full_disk_under_the_event_log_neither_stops_nor_hangs_the_master(tmp_
     """/dev/full answers every write with ENOSPC: the events are dropped (and said so), the job goes on."""
     job = apply_overrides(load_config(TINY), nodes=2, steps=3)
     full = EventLog("/dev/full")
-    c = Coordinator(job, num_nodes=2, steps=3, store_host="h", store_port=1, events=full, clock=Clock(),
-                    progress=lambda line: None,
-                    options=RunOptions(checkpoint_root=str(tmp_path)))  # fmt: skip
+    c = Coordinator(
+        job,
+        num_nodes=2,
+        steps=3,
+        store_host="h",
+        store_port=1,
+        events=full,
+        clock=Clock(),
+        progress=lambda line: None,
+        options=RunOptions(checkpoint_root=str(tmp_path)),
+    )
     for name in ("a", "b"):
         session, _, _ = c.register(name, 1, 0, 1, "peer")
         c.open_stream(name, session)
@@ -768,8 +816,7 @@ def test_the_first_meta_json_uses_the_data_order_built_when_the_master_started(m
     assert j.c._sampler is built
 
 
-def test_a_periodic_checkpoint_cut_short_by_a_loss_is_taken_again_after_the_next_generations_first_step(
-        make, tmp_path):  # fmt: skip
+def test_a_periodic_checkpoint_cut_short_by_a_loss_is_taken_again_after_the_next_generations_first_step(make, tmp_path):
     """Issue 27 9(iii): a writer lost before its share was on disk leaves the checkpoint of step 2
     without meta.json; the next generation checkpoints after its first step (3), not at step 4."""
     j = make(nodes=4, steps=10, checkpoint_interval=2)
@@ -808,8 +855,15 @@ def test_a_periodic_checkpoint_cut_short_by_a_loss_is_taken_again_after_the_next
 def _abandon(j: Job, generation: int, step: int) -> None:
     for gpu, a in j.assigned.items():
         if a.generation == generation:
-            j.report(gpu, phase=pb.PhaseDone(generation=generation, phase="aborted", step=step,
-                                             message="Connection closed by peer [127.0.0.1]:1234"))  # fmt: skip
+            j.report(
+                gpu,
+                phase=pb.PhaseDone(
+                    generation=generation,
+                    phase="aborted",
+                    step=step,
+                    message="Connection closed by peer [127.0.0.1]:1234",
+                ),
+            )
 
 
 def test_an_iteration_abandoned_with_every_node_alive_reforms_the_same_nodes_after_reform_after(make):
@@ -943,8 +997,10 @@ def test_a_plan_whose_base_a_survivor_dropped_is_re_formed_at_once_from_what_the
     assert j.c.generation == 3 and read_events(j.events, "plan_decided")[-1]["previous_generation"] == 1
     j.drain_all()
     for gpu, a in join.items():  # the workers had switched to 2 meanwhile: a step of it
-        j.report(gpu, metrics=pb.StepMetrics(generation=2, step=1, rank=a.rank, loss=1.0, samples_per_s=10.0,
-                                             step_time_s=0.1))  # fmt: skip
+        j.report(
+            gpu,
+            metrics=pb.StepMetrics(generation=2, step=1, rank=a.rank, loss=1.0, samples_per_s=10.0, step_time_s=0.1),
+        )
         j.report(gpu, phase=pb.PhaseDone(generation=2, phase="resumed", step=1))
     j.c.tick()
     # Its switch is logged although generation 3 was planned after it (the recovery table's row of the join).
@@ -1079,8 +1135,12 @@ def test_a_checkpoint_the_disk_refused_is_reported_once_and_training_goes_on(mak
     start(j, "a", "b")
     j.train(1, 0)
     for name in ("a", "b"):
-        j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir="/ckpt/step00000002", step=2, generation=1,
-                                                               error="No space left on device: /ckpt/step00000002/a.pt"))
+        j.report(
+            (name, 0),
+            checkpoint_done=pb.CheckpointDone(
+                dir="/ckpt/step00000002", step=2, generation=1, error="No space left on device: /ckpt/step00000002/a.pt"
+            ),
+        )
     failed = read_events(j.events, "checkpoint_failed")
     assert [e["node"] for e in failed] == ["a", "b"] and "No space left" in failed[0]["error"]
     said = [line for line in j.lines if "could not be written" in line]
@@ -1097,8 +1157,12 @@ def test_a_below_threshold_checkpoint_the_disk_refused_ends_the_job_naming_the_d
     j.advance(0.3)
     assert j.c.phase == JobPhase.CHECKPOINTING
     [command] = [e for e in j.drain("a") if e is not END_OF_STREAM and e.WhichOneof("event") == "checkpoint"]
-    j.report(("a", 0), checkpoint_done=pb.CheckpointDone(dir=command.checkpoint.dir, step=1,
-                                                         error=f"No space left on device: {command.checkpoint.dir}"))
+    j.report(
+        ("a", 0),
+        checkpoint_done=pb.CheckpointDone(
+            dir=command.checkpoint.dir, step=1, error=f"No space left on device: {command.checkpoint.dir}"
+        ),
+    )
     result = j.c.tick()
     assert result.exit_code == 1 and "could not be written on a/gpu0: No space left on device" in result.message
 
@@ -1117,8 +1181,9 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path,
     job = load_config(TINY)
     specs = model_layer_specs(job)
     for spec in specs:
-        digest = write_layer_file(tmp_path, spec.name, {"params": {"w": torch.arange(4096, dtype=torch.float32)},
-                                                        "optimizer": None})  # fmt: skip
+        digest = write_layer_file(
+            tmp_path, spec.name, {"params": {"w": torch.arange(4096, dtype=torch.float32)}, "optimizer": None}
+        )
         assert (tmp_path / "layers" / f"{spec.name}.sha256").read_text().strip() == digest
     save_meta(tmp_path, job, 4, specs)
     meta = json.loads((tmp_path / "meta.json").read_text())
@@ -1152,8 +1217,7 @@ def _lost_master(make, nodes: int, steps: int, trained: int = 1):
 def _come_back(j: Job, name: str, generation: int, step: int, rank: int) -> None:
     """An agent registering again with a restarted master: its worker's latest reports, then its stream."""
     j.sessions[name], _, _ = j.c.register(name, 0, 1 << 30, 123, "ipv4:127.0.0.1:1", adopt_generation=generation)
-    metrics = pb.StepMetrics(generation=generation, step=step, rank=rank, loss=1.0, samples_per_s=10.0,
-                             step_time_s=0.1)  # fmt: skip
+    metrics = pb.StepMetrics(generation=generation, step=step, rank=rank, loss=1.0, samples_per_s=10.0, step_time_s=0.1)
     j.c.worker_report(name, j.sessions[name], 0, pb.WorkerReport(metrics=metrics), replayed=True)
     j.boxes[name] = j.c.open_stream(name, j.sessions[name])
 

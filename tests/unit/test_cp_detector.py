@@ -61,8 +61,10 @@ def test_a_stall_only_confirms_a_silence_that_covers_it(stalls, why):
 def test_by_default_a_stalled_peer_never_shortens_the_timeout():
     """A slow link: the node's heartbeats queue behind its transfers while its peers wait for them."""
     nodes = {"a": NodeHealth(last_heartbeat=100.0), "b": NodeHealth(last_heartbeat=97.5)}  # silent 2.5 s
-    assert detect_failures(100.0, nodes, FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3)),
-                           stalls={"a": 99.9}) == []  # fmt: skip
+    assert (
+        detect_failures(100.0, nodes, FaultToleranceConfig(heartbeat_timeout=timedelta(seconds=3)), stalls={"a": 99.9})
+        == []
+    )
 
 
 def test_a_stalled_peer_never_shortens_silence_below_half_the_timeout():
@@ -91,8 +93,10 @@ def test_every_lost_node_is_reported_once_in_name_order():
     }
     failures = detect_failures(100.0, nodes, TIMEOUT)
     assert [(f.node, f.reason) for f in failures] == [
-        ("n0", WORKER_EXITED), ("n2", HEARTBEAT_TIMEOUT), ("n3", STREAM_CLOSED),
-    ]  # fmt: skip
+        ("n0", WORKER_EXITED),
+        ("n2", HEARTBEAT_TIMEOUT),
+        ("n3", STREAM_CLOSED),
+    ]
 
 
 def test_bad_inputs_are_refused():

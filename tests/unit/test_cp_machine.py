@@ -26,9 +26,13 @@ SHRINK = os.environ.get("OOBLECK_MACHINE_SHRINK", "1") != "0"
 """``scripts/bench_machine.py --mutants`` only asks whether a mutant is caught: no shrinking there."""
 
 TestMachine = MachineModel.TestCase
-TestMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=50, deadline=None,
-                                suppress_health_check=[HealthCheck.too_slow],
-                                phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate])
+TestMachine.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate],
+)
 
 
 def test_the_fake_planner_uses_every_node_once_in_two_node_pipelines():
@@ -204,9 +208,13 @@ def _slowed_without_a_new_split(planned, current, slow_node: str):
 
     rank = dict(planned.ranks)[(slow_node, 0)]
     pipelines = tuple(
-        dataclasses.replace(p, num_microbatches=c.num_microbatches, stages=tuple(
-            dataclasses.replace(s, slowdown=2.0 if s.rank == rank else 1.0) for s in p.stages))
-        for p, c in zip(planned.layout.pipelines, current.layout.pipelines))  # fmt: skip
+        dataclasses.replace(
+            p,
+            num_microbatches=c.num_microbatches,
+            stages=tuple(dataclasses.replace(s, slowdown=2.0 if s.rank == rank else 1.0) for s in p.stages),
+        )
+        for p, c in zip(planned.layout.pipelines, current.layout.pipelines)
+    )
     return dataclasses.replace(planned, layout=dataclasses.replace(planned.layout, pipelines=pipelines))
 
 
@@ -222,8 +230,9 @@ def test_a_speed_change_that_only_marks_a_stage_slow_switches_only_when_the_bala
         m = MachineModel()
         m.start(steps=100, recovery="live", interval=0, started=4)
         job = m.settings.job
-        m.settings = dataclasses.replace(m.settings, job=dataclasses.replace(
-            job, balance=dataclasses.replace(job.balance, enabled=balanced)))  # fmt: skip
+        m.settings = dataclasses.replace(
+            m.settings, job=dataclasses.replace(job, balance=dataclasses.replace(job.balance, enabled=balanced))
+        )
         m.train_a_step(phases=True)
         m.feed(Straggler("n1", 2.0, detected=True, step=3))
         [ask] = m.world.asked.values()
@@ -264,14 +273,19 @@ def test_a_restarted_master_stops_waiting_for_a_missing_node_once_the_generation
         assert m.state.phase is JobPhase.ADOPTING
         if broken:
             generation = m.state.generation
-            m.report(m.world.agents["n0"], phase=pb.PhaseDone(generation=generation, phase="aborted", step=1,
-                                                              message="receive from rank 5: connection reset"))  # fmt: skip
+            m.report(
+                m.world.agents["n0"],
+                phase=pb.PhaseDone(
+                    generation=generation, phase="aborted", step=1, message="receive from rank 5: connection reset"
+                ),
+            )
         m.time_passes(quiet)
         if not broken:
             assert m.state.phase is JobPhase.ADOPTING, "the workers train on: the window runs its course"
             continue
         assert m.state.phase is not JobPhase.ADOPTING and m.now - restarted < window, (
-            f"still adopting {m.now - restarted:.1f} s after the restart (window {window:g} s)")
+            f"still adopting {m.now - restarted:.1f} s after the restart (window {window:g} s)"
+        )
         m.time_passes(0.1)  # the settle window of the loss, then its plan
         [ask] = m.world.asked.values()
         assert ask.lost == ("n5",), ask
@@ -312,8 +326,12 @@ def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_fro
     m.carry_out = watch
     agent = next(a for a in m.world.agents.values() if not a.hung)
     for step in (6, 8, 10):  # generation 1's shares, written while its agents had no restart yet
-        m.report(agent, checkpoint_done=pb.CheckpointDone(dir=f"/run/checkpoints/step{step:08d}", generation=1,
-                                                          step=step, layers=1))  # fmt: skip
+        m.report(
+            agent,
+            checkpoint_done=pb.CheckpointDone(
+                dir=f"/run/checkpoints/step{step:08d}", generation=1, step=step, layers=1
+            ),
+        )
         m.time_passes(0.6)
     assert pins and all("/run/checkpoints/step00000004" in p for p in pins), pins
     assert "/run/checkpoints/step00000004" in m.world.disk and m.state.generation == 2, "kept; no restart yet"
@@ -327,7 +345,8 @@ def test_restart_mode_keeps_the_checkpoint_it_planned_from_and_restarts_once_fro
     assert "newer checkpoint of step 10" in restarts[0], restarts
     assert m.state.generation == 3 and m.state.pin == (3, "/run/checkpoints/step00000010", 10)
     assert {a.assignment.resume_dir for a in m.world.agents.values() if a.assignment} == {
-        "/run/checkpoints/step00000010"}
+        "/run/checkpoints/step00000010"
+    }
     m.train_a_step(phases=True)
     # A step of generation 3 completed (every rank loaded it): only the newest complete one stays pinned
     assert m.state.pinned() == (m.state.checkpoints.last[0],)
@@ -379,12 +398,21 @@ def test_a_checkpoint_the_run_chose_and_cannot_read_is_never_exit_2():
             m.feed(PlanAnswered(plan_id, answer(m.world.asked.pop(plan_id))))
         assert m.state.pin == (2, "/run/checkpoints/step00000004", 4)
         if newer:  # a late share of generation 1 completes step 6
-            m.report(m.world.agents["n0"], checkpoint_done=pb.CheckpointDone(
-                dir="/run/checkpoints/step00000006", generation=1, step=6, layers=1))
+            m.report(
+                m.world.agents["n0"],
+                checkpoint_done=pb.CheckpointDone(dir="/run/checkpoints/step00000006", generation=1, step=6, layers=1),
+            )
         for agent in [a for a in m.world.agents.values() if a.assignment is not None]:
             assert agent.assignment.resume_chosen, "the master says the checkpoint is its own choice"
-            m.report(agent, phase=pb.PhaseDone(generation=2, phase="aborted", bad_checkpoint="/run/checkpoints/"
-                                               "step00000004", message="not a complete checkpoint (no meta.json)"))
+            m.report(
+                agent,
+                phase=pb.PhaseDone(
+                    generation=2,
+                    phase="aborted",
+                    bad_checkpoint="/run/checkpoints/step00000004",
+                    message="not a complete checkpoint (no meta.json)",
+                ),
+            )
         return m
 
     m = restarted_from_step_4(newer=False)

@@ -27,8 +27,15 @@ def view(number: int, layout: ExecutionPlan, nodes: list[str]) -> GenerationView
 # gen 1: pipelines [a b] and [c d], layers 0-4 | 5-9 each
 GEN1 = view(1, ExecutionPlan.even(10, [2, 2], [4, 4], 2), ["a", "b", "c", "d"])
 # gen 2 after losing d: [a b] unchanged, c alone holds every layer (needs 0-4 copied)
-GEN2 = view(2, ExecutionPlan((PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5),
-                              PipelineLayout((StageLayout(2, 0, 10),), 3)), 10, 2), ["a", "b", "c"])  # fmt: skip
+GEN2 = view(
+    2,
+    ExecutionPlan(
+        (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
+        10,
+        2,
+    ),
+    ["a", "b", "c"],
+)
 GENS = {1: GEN1, 2: GEN2}
 
 
@@ -101,8 +108,9 @@ def test_nobody_trained_yet_means_a_fresh_start():
     base, _ = choose_base(GENS, {}, live=["a", "b"])
     assert base.generation == 0
     request, _ = plan_request(GEN1, GENS, {}, live=["a", "b", "e"])  # c and d lost, e joined
-    assert request == Request(base=0, plan_from=1, lost=("c", "d"), joined=("e",), live=("a", "b", "e"),
-                              failure=True)  # the layout is still planned from generation 1's
+    assert request == Request(
+        base=0, plan_from=1, lost=("c", "d"), joined=("e",), live=("a", "b", "e"), failure=True
+    )  # the layout is still planned from generation 1's
 
 
 def test_joins_wait_for_a_committed_generation_then_join_the_base():
@@ -164,8 +172,11 @@ def test_a_chosen_base_is_held_by_its_survivors_and_covers_every_layer(pairs, al
     for other in {1, 2} - {base.generation}:
         holders = [n for n in live if all(other in h[g].held() for g in gens[other].gpus_of(n))]
         usable = not orphan_layers(gens[other].layout, [gens[other].ranks[(n, 0)] for n in holders])
-        assert not usable or len(holders) < len(base.holding_nodes) or (
-            len(holders) == len(base.holding_nodes) and other < base.generation)
+        assert (
+            not usable
+            or len(holders) < len(base.holding_nodes)
+            or (len(holders) == len(base.holding_nodes) and other < base.generation)
+        )
 
 
 def test_a_loss_plans_the_survivors_alone_when_they_keep_f_plus_one_replicas_and_the_joiner_follows():
@@ -207,8 +218,9 @@ def test_a_plan_from_the_generation_before_a_join_the_workers_switched_to_meanwh
     # the others: a survivor of the base, not a joiner to defer (deferred, it joined again in a generation of
     # its own and received every layer: tests/e2e/test_recovery.py's reproduction, before the change).
     gen3 = view(3, ExecutionPlan.even(10, [2, 1], [4, 4], 2), ["a", "b", "c"])
-    request, why = plan_request(gen3, {1: GEN1, 2: gen2, 3: gen3}, h, ["a", "b", "c", "e"], abandoned=True,
-                                keeps_replicas_from=2)  # fmt: skip
+    request, why = plan_request(
+        gen3, {1: GEN1, 2: gen2, 3: gen3}, h, ["a", "b", "c", "e"], abandoned=True, keeps_replicas_from=2
+    )
     assert request == Request(base=2, plan_from=2, lost=("d",), joined=(), live=("a", "b", "c", "e"), failure=True), why
 
 

@@ -62,8 +62,9 @@ def test_a_client_waits_for_a_master_that_is_away_and_fails_fast_on_one_that_res
             from oobleck_mm.master.store import KeyValueStore, RendezvousStoreService
             from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 
-            again = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                                interceptors=[TokenInterceptor("tok", lambda *_: None)])  # fmt: skip
+            again = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=4), interceptors=[TokenInterceptor("tok", lambda *_: None)]
+            )
             pb_grpc.add_RendezvousStoreServicer_to_server(RendezvousStoreService(KeyValueStore()), again)
             again.add_insecure_port(f"127.0.0.1:{port}")
             again.start()
@@ -198,8 +199,11 @@ def test_the_store_answers_a_keys_siblings_by_parent_and_forgets_them_with_the_k
     for key in ("g/0//cpu//0/0", "g/0//cpu//0/1", "g/0//cpu//0/2", "g/1//cpu//0/0", "top"):
         s.set(key, key.encode())
     s.add("g/0//cpu//0/count", 1)
-    assert s.siblings("g/0//cpu//0/1") == {"g/0//cpu//0/0": b"g/0//cpu//0/0", "g/0//cpu//0/2": b"g/0//cpu//0/2",
-                                           "g/0//cpu//0/count": b"1"}  # fmt: skip
+    assert s.siblings("g/0//cpu//0/1") == {
+        "g/0//cpu//0/0": b"g/0//cpu//0/0",
+        "g/0//cpu//0/2": b"g/0//cpu//0/2",
+        "g/0//cpu//0/count": b"1",
+    }
     assert s.siblings("g/1//cpu//0/0") == {} and s.siblings("absent/x") == {} and s.siblings("other") == {"top": b"top"}
     assert s.delete("g/0//cpu//0/0")
     assert set(s.siblings("g/0//cpu//0/1")) == {"g/0//cpu//0/2", "g/0//cpu//0/count"}
@@ -268,8 +272,11 @@ def test_a_wait_a_busy_store_answers_too_late_still_names_the_bound():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with pytest.raises(dist.DistStoreError, match=r"timed out after 0:00:00.200000 waiting for key 'gen4/0' "
-                                                      r"\(.*DEADLINE_EXCEEDED"):  # fmt: skip
+        with pytest.raises(
+            dist.DistStoreError,
+            match=r"timed out after 0:00:00.200000 waiting for key 'gen4/0' "
+            r"\(.*DEADLINE_EXCEEDED",
+        ):
             ControlPlaneStore("127.0.0.1", port, "tok", timedelta(milliseconds=200)).get("gen4/0")
     finally:
         server.stop(0)

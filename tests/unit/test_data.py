@@ -92,8 +92,7 @@ def segments(tokens: torch.Tensor) -> list[tuple[int, str]]:
 
 def colours_in(image: torch.Tensor) -> set[str]:
     return {
-        name for name, rgb in COLOURS.items()
-        if ((image - torch.tensor(rgb)[:, None, None]).abs().amax(0) < 1e-6).any()
+        name for name, rgb in COLOURS.items() if ((image - torch.tensor(rgb)[:, None, None]).abs().amax(0) < 1e-6).any()
     }
 
 
@@ -224,8 +223,14 @@ def test_an_image_shared_by_several_samples_has_its_header_read_once(tmp_path, m
     several conversations per image. The sizes stay each sample's own (another file, another size)."""
     from oobleck_mm.data import llava as llava_module
 
-    samples = [{"id": f"s{i}", "image": "images/red_square.png" if i % 3 else "images/blue_circle.png",
-                "conversations": GOOD_TURNS} for i in range(9)]  # fmt: skip
+    samples = [
+        {
+            "id": f"s{i}",
+            "image": "images/red_square.png" if i % 3 else "images/blue_circle.png",
+            "conversations": GOOD_TURNS,
+        }
+        for i in range(9)
+    ]
     path = tmp_path / "shared.json"
     path.write_text(json.dumps(samples))
     opened = []
@@ -276,18 +281,29 @@ def test_bad_llava_samples_are_left_out_with_skip_bad_samples_and_the_batches_ne
     data = (tmp_path / "images" / "red_square.png").read_bytes()
     (tmp_path / "images" / "cut.png").write_bytes(data[: len(data) // 2])  # its header reads, its pixels do not
     good = [{"id": f"ok{k}", "image": "images/red_square.png", "conversations": GOOD_TURNS} for k in range(10)]
-    samples = good[:2] + [{"id": "gone", "image": "missing.png", "conversations": GOOD_TURNS}] + good[2:5] + [
-        {"id": "cut", "image": "images/cut.png", "conversations": GOOD_TURNS}] + good[5:]
+    samples = (
+        good[:2]
+        + [{"id": "gone", "image": "missing.png", "conversations": GOOD_TURNS}]
+        + good[2:5]
+        + [{"id": "cut", "image": "images/cut.png", "conversations": GOOD_TURNS}]
+        + good[5:]
+    )
     path = write_samples(tmp_path, samples)
     raw = job_dict(kind="llava_json", path=path, image_size=64, max_seq_len=64, mean_images_per_sample=1)
     raw["training"].update(global_batch=4, microbatch_size=2)
     # Without skip_bad_samples: both in one refusal (issue 30: one per launch before), the flag suggested.
-    with pytest.raises(ValueError, match=r"(?s)2 bad samples.*#2: .*sample 'gone': cannot read image.*#6: .*sample "
-                                         r"'cut': cannot decode image .*cut.png.*--skip-bad-samples"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)2 bad samples.*#2: .*sample 'gone': cannot read image.*#6: .*sample "
+        r"'cut': cannot decode image .*cut.png.*--skip-bad-samples",
+    ):
         check_samples(config_from_dict(raw), progress=lambda line: None)
     raw["data"]["excluded_samples"] = [2]
-    with pytest.raises(ValueError, match=r"sample 'cut': cannot decode image .*cut.png.* \(sample #6\); "
-                                         r"data.skip_bad_samples: true \(or --skip-bad-samples\) leaves it out"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 'cut': cannot decode image .*cut.png.* \(sample #6\); "
+        r"data.skip_bad_samples: true \(or --skip-bad-samples\) leaves it out",
+    ):
         check_samples(config_from_dict(raw), progress=lambda line: None)
     raw["data"].update(excluded_samples=[], skip_bad_samples=True)
     job, lines = config_from_dict(raw), []
@@ -309,10 +325,18 @@ def test_too_few_good_samples_for_a_global_batch_are_refused(tmp_path):
     from oobleck_mm.data.check import check_samples
 
     shutil.copytree(os.path.join(FIXTURE, "images"), tmp_path / "images")
-    samples = [{"id": f"s{k}", "image": "images/red_square.png" if k < 3 else "missing.png",
-                "conversations": GOOD_TURNS} for k in range(6)]  # fmt: skip
-    raw = job_dict(kind="llava_json", path=write_samples(tmp_path, samples), image_size=64, max_seq_len=64,
-                   mean_images_per_sample=1, skip_bad_samples=True)  # fmt: skip
+    samples = [
+        {"id": f"s{k}", "image": "images/red_square.png" if k < 3 else "missing.png", "conversations": GOOD_TURNS}
+        for k in range(6)
+    ]
+    raw = job_dict(
+        kind="llava_json",
+        path=write_samples(tmp_path, samples),
+        image_size=64,
+        max_seq_len=64,
+        mean_images_per_sample=1,
+        skip_bad_samples=True,
+    )
     raw["training"].update(global_batch=4, microbatch_size=2)
     with pytest.raises(ValueError, match=r"3 good samples left, fewer than training.global_batch \(4\)"):
         check_samples(config_from_dict(raw), progress=lambda line: None)
@@ -415,9 +439,14 @@ def test_a_llava_json_jobs_planning_shape_is_measured_over_its_samples_by_the_ma
 def test_a_vision_model_over_data_without_images_is_refused_once_measured(tmp_path):
     from oobleck_mm.data.check import check_samples
 
-    samples = [{"id": f"t{k}", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}
-               for k in range(3)]  # fmt: skip
+    samples = [
+        {"id": f"t{k}", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}
+        for k in range(3)
+    ]
     job = _measured_job(write_samples(tmp_path, samples))
-    with pytest.raises(ValueError, match=r"data\.mean_images_per_sample \(0\.0, as measured over .*bad\.json\) must "
-                                         r"be > 0 exactly when model\.vision is set"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"data\.mean_images_per_sample \(0\.0, as measured over .*bad\.json\) must "
+        r"be > 0 exactly when model\.vision is set",
+    ):
         check_samples(job, progress=lambda line: None)

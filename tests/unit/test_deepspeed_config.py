@@ -12,8 +12,10 @@ import yaml
 from oobleck_mm.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = {"model": {"name": "m", "llm": {"num_layers": 2, "hidden": 16, "num_heads": 2, "vocab_size": 200}},
-       "cluster": {"nodes": 4}}  # fmt: skip
+JOB = {
+    "model": {"name": "m", "llm": {"num_layers": 2, "hidden": 16, "num_heads": 2, "vocab_size": 200}},
+    "cluster": {"nodes": 4},
+}
 
 
 def files(tmp_path, ds: dict, **job):
@@ -34,34 +36,55 @@ def test_the_shipped_example_maps_onto_the_training_section(tmp_path, caplog):
 
 
 def test_fp16_keys_adam_mode_reduction_dtype_and_deepspeeds_batch_rule(tmp_path):
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
-          "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 200,
-                   "hysteresis": 4, "min_loss_scale": 2},
-          "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "adam_w_mode": False}},
-          "communication_data_type": "bf16", "activation_checkpointing": {"partition_activations": False}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 200,
+            "hysteresis": 4,
+            "min_loss_scale": 2,
+        },
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "adam_w_mode": False}},
+        "communication_data_type": "bf16",
+        "activation_checkpointing": {"partition_activations": False},
+    }
     job = load_config(*files(tmp_path, ds))
     t = job.training
     assert t.global_batch == 2 * 3 * 4  # micro x accumulation x 4 nodes' GPUs, as DeepSpeed computes it
-    assert t.dtype == "float16" and (t.fp16.initial_scale_power, t.fp16.loss_scale_window, t.fp16.hysteresis,
-                                     t.fp16.min_loss_scale) == (12, 200, 4, 2.0)  # fmt: skip
+    assert t.dtype == "float16" and (
+        t.fp16.initial_scale_power,
+        t.fp16.loss_scale_window,
+        t.fp16.hysteresis,
+        t.fp16.min_loss_scale,
+    ) == (12, 200, 4, 2.0)
     assert t.optimizer.type == "Adam"  # adam_w_mode false: L2, not decoupled decay
     assert t.grad_reduce_dtype == "bfloat16" and t.activation_checkpointing
     ds["optimizer"]["params"].pop("adam_w_mode")
     assert load_config(*files(tmp_path, ds)).training.optimizer.type == "AdamW"  # DeepSpeed's Adam default
 
 
-@pytest.mark.parametrize("ds,message", [
-    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage 4: expected 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-     r"zero_optimization.offload_optimizer is not supported \(nothing is offloaded"),
-    ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler.params.cycle_min_lr: required by OneCycle"),
-    ({"scheduler": {"type": "Noam", "params": {}}}, r"scheduler.type 'Noam' is not supported"),
-    ({"amp": {"enabled": True}}, r"key 'amp' is not supported; supported keys:"),
-    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
-     r"train_batch_size \(10\) is not train_micro_batch_size_per_gpu \(2\) x gradient_accumulation_steps \(2\)"),
-    ({"optimizer": {"type": "Lamb", "params": {}}}, r"optimizer.type 'Lamb' is not supported"),
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both true"),
-])
+@pytest.mark.parametrize(
+    "ds,message",
+    [
+        ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage 4: expected 0, 1, 2 or 3"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+            r"zero_optimization.offload_optimizer is not supported \(nothing is offloaded",
+        ),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler.params.cycle_min_lr: required by OneCycle"),
+        ({"scheduler": {"type": "Noam", "params": {}}}, r"scheduler.type 'Noam' is not supported"),
+        ({"amp": {"enabled": True}}, r"key 'amp' is not supported; supported keys:"),
+        (
+            {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+            r"train_batch_size \(10\) is not train_micro_batch_size_per_gpu \(2\) x gradient_accumulation_steps \(2\)",
+        ),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, r"optimizer.type 'Lamb' is not supported"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both true"),
+    ],
+)
 def test_what_cannot_be_honoured_is_refused_naming_the_key(tmp_path, ds, message):
     with pytest.raises(ConfigError, match=message):
         load_config(*files(tmp_path, ds))
@@ -89,14 +112,31 @@ def test_deepspeed_key_in_the_yaml_is_relative_to_it(tmp_path):
 def test_auto_values_of_a_config_written_for_hugging_face_take_the_jobs_own(tmp_path, caplog):
     """Issue 30: ``"auto"`` (what HF's Trainer fills in) failed as ``lr: expected a finite number, got 'auto'``.
     It now means "the job decides": the YAML's value, or the default, and a note names every such key."""
-    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                    "weight_decay": "auto"}},
-          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                            "warmup_num_steps": 3, "total_num_steps": "auto"}}}
-    job_yaml, ds_json = files(tmp_path, ds, training={"global_batch": 32, "microbatch_size": 4, "steps": 40,
-                                                      "optimizer": {"params": {"lr": 5e-4}}})
+    ds = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": 3,
+                "total_num_steps": "auto",
+            },
+        },
+    }
+    job_yaml, ds_json = files(
+        tmp_path,
+        ds,
+        training={"global_batch": 32, "microbatch_size": 4, "steps": 40, "optimizer": {"params": {"lr": 5e-4}}},
+    )
     with caplog.at_level(logging.WARNING):
         t = load_config(job_yaml, ds_json).training
     assert (t.global_batch, t.microbatch_size, t.optimizer.params.lr, t.dtype) == (32, 4, 5e-4, "float32")

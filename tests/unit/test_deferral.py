@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 
 from oobleck_mm.balance.balancer import balance
-from oobleck_mm.balance.deferral import (SUBSET_UNITS, closest_subset, decoupled_ticks, llm_microbatches,
-                                         pairwise_deferral)  # fmt: skip
+from oobleck_mm.balance.deferral import (
+    SUBSET_UNITS,
+    closest_subset,
+    decoupled_ticks,
+    llm_microbatches,
+    pairwise_deferral,
+)
 from oobleck_mm.balance.problem import Placement
 
 from test_balance import check_valid, make_problem, mllm  # noqa: F401  (fixture)
@@ -38,7 +43,7 @@ def _brute_bottleneck(work):
     loads = [float(w.sum()) for w in work]
     ranked = sorted(range(len(work)), key=lambda k: (-loads[k], k))
     half = len(work) // 2
-    over, under, middle = ranked[:half], ranked[len(work) - half:], ranked[half:len(work) - half]
+    over, under, middle = ranked[:half], ranked[len(work) - half :], ranked[half : len(work) - half]
     best = np.inf
     for perm in itertools.permutations(under):
         worst = max([loads[m] for m in middle], default=0.0)
@@ -143,14 +148,24 @@ def test_every_process_reaches_the_same_deferral_whatever_its_hash_seed():
     import subprocess
     import sys
 
-    code = ("import numpy as np\nfrom oobleck_mm.balance.deferral import pairwise_deferral\n"
-            "rng = np.random.default_rng(3)\n"
-            "for _ in range(40):\n"
-            "    k = int(rng.integers(4, 12))\n"
-            "    work = [np.array([float(x) for x in rng.integers(1, 4, size=int(rng.integers(1, 5)))]) for _ in range(k)]\n"
-            "    print(pairwise_deferral(work))\n")  # fmt: skip
-    outputs = {subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
-                              capture_output=True, text=True, check=True).stdout for seed in range(6)}  # fmt: skip
+    code = (
+        "import numpy as np\nfrom oobleck_mm.balance.deferral import pairwise_deferral\n"
+        "rng = np.random.default_rng(3)\n"
+        "for _ in range(40):\n"
+        "    k = int(rng.integers(4, 12))\n"
+        "    work = [np.array([float(x) for x in rng.integers(1, 4, size=int(rng.integers(1, 5)))]) for _ in range(k)]\n"
+        "    print(pairwise_deferral(work))\n"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(6)
+    }
     assert len(outputs) == 1, "the decision depends on the process's hash seed"
 
 

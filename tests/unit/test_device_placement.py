@@ -70,8 +70,16 @@ def test_a_packed_batch_moves_whole_with_its_spans_computed_on_the_host():
     data = TrainingData(job)
     batch = data.microbatch(data.global_batch(0)[:4])
     moved = batch.to(META)
-    fields = [moved.tokens, moved.labels, moved.positions, moved.segments, moved.vision.features, moved.vision.grid,
-              moved.vision.segments, moved.vision.llm_positions]  # fmt: skip
+    fields = [
+        moved.tokens,
+        moved.labels,
+        moved.positions,
+        moved.segments,
+        moved.vision.features,
+        moved.vision.grid,
+        moved.vision.segments,
+        moved.vision.llm_positions,
+    ]
     assert all(t.device == META for t in fields)
     # spans are host tuples (a meta tensor has no values: computing them there would fail)
     assert moved.spans() == batch.spans() and moved.vision.spans() == batch.vision.spans()

@@ -25,8 +25,14 @@ from oobleck_mm.emulation.truth import DEFAULT_TRUTH, Truth, TruthProfile, Truth
 from oobleck_mm.emulation.validity import judge
 from oobleck_mm.profiling.analytical import profile_from_config
 
-EMULATED = {"cluster.device": "cpu", "cluster.backend": "gloo", "cluster.emulate": "a100-80gb",
-            "cluster.gpus_per_node": 1, "cluster.max_gpus_per_stage": 1, "cluster.nodes": 16}  # fmt: skip
+EMULATED = {
+    "cluster.device": "cpu",
+    "cluster.backend": "gloo",
+    "cluster.emulate": "a100-80gb",
+    "cluster.gpus_per_node": 1,
+    "cluster.max_gpus_per_stage": 1,
+    "cluster.nodes": 16,
+}
 
 
 def load(path: str, **overrides):
@@ -78,14 +84,23 @@ def test_a_job_that_is_not_emulated_is_its_own_compute_copy():
     assert compute_job(job) is job
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ({"cluster.emulate": "tpu-v9"}, "cluster.emulate: must be one of 'a40', 'a100-40gb', 'a100-80gb', 'h100'"),
-    ({"cluster.emulate": "cpu"}, "cluster.emulate: must be one of"),
-    ({"cluster.device": "cuda"}, "cluster.emulate: emulated accelerators run on CPU workers, cluster.device is 'cuda'"),
-    ({"cluster.emulate_shrink": 5000}, "cluster.emulate_shrink (5000) leaves model.llm.hidden (3584) with no width"),
-    ({"cluster.emulate_coarsen": 3}, "cluster.emulate_coarsen (3): a patch of 3 x 14 px does not tile"),
-    ({"cluster.max_gpus_per_stage": 8, "cluster.gpus_per_node": 8}, "emulation runs stages of one GPU"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"cluster.emulate": "tpu-v9"}, "cluster.emulate: must be one of 'a40', 'a100-40gb', 'a100-80gb', 'h100'"),
+        ({"cluster.emulate": "cpu"}, "cluster.emulate: must be one of"),
+        (
+            {"cluster.device": "cuda"},
+            "cluster.emulate: emulated accelerators run on CPU workers, cluster.device is 'cuda'",
+        ),
+        (
+            {"cluster.emulate_shrink": 5000},
+            "cluster.emulate_shrink (5000) leaves model.llm.hidden (3584) with no width",
+        ),
+        ({"cluster.emulate_coarsen": 3}, "cluster.emulate_coarsen (3): a patch of 3 x 14 px does not tile"),
+        ({"cluster.max_gpus_per_stage": 8, "cluster.gpus_per_node": 8}, "emulation runs stages of one GPU"),
+    ],
+)
 def test_a_bad_emulation_setting_names_the_key_and_what_is_valid(overrides, named):
     with pytest.raises(ConfigError) as caught:
         mllm(**overrides)
@@ -124,7 +139,8 @@ def test_a_kind_factor_changes_exactly_its_layers():
     for i, spec in enumerate(plain.specs):
         factor = {"lm_head": 2.0, "block": 1.5}.get(spec.kind, 1.0)
         assert skewed.stage_seconds(skewed.groups([i]), sample)[0] == pytest.approx(
-            factor * plain.stage_seconds(plain.groups([i]), sample)[0], rel=1e-12)
+            factor * plain.stage_seconds(plain.groups([i]), sample)[0], rel=1e-12
+        )
 
 
 def test_sample_noise_is_the_same_everywhere_and_has_mean_one():
@@ -143,7 +159,8 @@ def test_a_microbatch_costs_its_summed_tokens_weighted_by_each_samples_noise():
     n1, n2 = sample_noise(5, 1, 0.3), sample_noise(5, 2, 0.3)
     # A block's time is not linear in tokens (attention), so the weight is applied to the pair's own roofline.
     assert truth.stage_seconds(block, [a, b])[0] == pytest.approx(
-        quiet.stage_seconds(block, [a, b])[0] * (300 * n1 + 900 * n2) / 1200, rel=1e-12)
+        quiet.stage_seconds(block, [a, b])[0] * (300 * n1 + 900 * n2) / 1200, rel=1e-12
+    )
 
 
 def test_transfers_and_copies_are_priced_from_the_real_models_bytes():
@@ -156,15 +173,18 @@ def test_transfers_and_copies_are_priced_from_the_real_models_bytes():
     assert truth.copy_s([10, 11]) == pytest.approx(20e-6 + 2 * block_state / job.cluster.inter_node_bandwidth)
 
 
-@pytest.mark.parametrize("content, named", [
-    ("{not json", "not JSON"),
-    ('{"factor": {}}', "unknown key 'factor'; valid: factors, noise, seed, efficiency, scale, odd_steps_scale"),
-    ('{"noise": -1}', "noise must be a number in [0, 1)"),
-    ('{"factors": {"block": 0}}', "factors must map a layer kind or modality to a number > 0"),
-    ('{"scale": "x"}', "scale must be a number > 0"),
-    ('{"odd_steps_scale": 0}', "odd_steps_scale must be a number > 0, got 0"),
-    ("[1]", "must be a JSON object"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        ("{not json", "not JSON"),
+        ('{"factor": {}}', "unknown key 'factor'; valid: factors, noise, seed, efficiency, scale, odd_steps_scale"),
+        ('{"noise": -1}', "noise must be a number in [0, 1)"),
+        ('{"factors": {"block": 0}}', "factors must map a layer kind or modality to a number > 0"),
+        ('{"scale": "x"}', "scale must be a number > 0"),
+        ('{"odd_steps_scale": 0}', "odd_steps_scale must be a number > 0, got 0"),
+        ("[1]", "must be a JSON object"),
+    ],
+)
 def test_a_truth_profile_that_does_not_parse_is_named(tmp_path, content, named):
     path = tmp_path / "truth.json"
     path.write_text(content)
@@ -190,8 +210,12 @@ def test_odd_steps_scale_delays_every_duration_of_the_odd_steps_only():
     sample, layers = [SampleMeta(index=3, text_tokens=700)], [4, 5, 6]
 
     def durations(truth):
-        return (*truth.stage_seconds(truth.groups(layers), sample), truth.transfer_s(1e6),
-                truth.allreduce_s(layers, 4), truth.copy_s(layers))
+        return (
+            *truth.stage_seconds(truth.groups(layers), sample),
+            truth.transfer_s(1e6),
+            truth.allreduce_s(layers, 4),
+            truth.copy_s(layers),
+        )
 
     for step in range(4):
         expected = [d * (1.1 if step % 2 else 1.0) for d in durations(plain.at_step(step))]

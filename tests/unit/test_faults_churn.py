@@ -36,16 +36,19 @@ def test_churn_stays_within_its_bounds_hits_only_live_nodes_and_comes_in_bursts(
     assert churn_timeline(parse_churn("30,min=4,max=7,seed=6,duration=240"), NODES) != timeline
 
 
-@pytest.mark.parametrize("text, message", [
-    ("fast", "RATE must be bursts per minute"),
-    ("0", "must be a finite number > 0"),
-    ("inf,duration=1", "must be a finite number > 0"),  # issue 54 item 5: accepted, where nan was refused
-    ("5,duration=inf", "duration must be a finite number"),
-    ("5,bursts=2", "unknown part 'bursts=2'"),
-    ("5,burst=two", "burst must be a whole number"),
-    ("5,burst=0", "burst must be >= 1"),
-    ("5,preempt=2", r"preempt must be a share in \[0, 1\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("fast", "RATE must be bursts per minute"),
+        ("0", "must be a finite number > 0"),
+        ("inf,duration=1", "must be a finite number > 0"),  # issue 54 item 5: accepted, where nan was refused
+        ("5,duration=inf", "duration must be a finite number"),
+        ("5,bursts=2", "unknown part 'bursts=2'"),
+        ("5,burst=two", "burst must be a whole number"),
+        ("5,burst=0", "burst must be >= 1"),
+        ("5,preempt=2", r"preempt must be a share in \[0, 1\]"),
+    ],
+)
 def test_a_bad_churn_spec_is_refused_naming_the_part(text, message):
     with pytest.raises(UserError, match=message):
         parse_churn(text)
@@ -69,8 +72,9 @@ def test_the_simulator_replays_the_same_churn_as_a_trace():
     timeline = churn_timeline(spec, NODES)
     trace = churn_trace(spec, NODES)
     assert [e.node for e in trace[:6]] == NODES and all(e.ms == 0 for e in trace[:6])
-    assert [(e.action, e.node) for e in trace[6:]] == [("add" if f.kind == "join" else "remove", f.node)
-                                                       for f in timeline]  # fmt: skip
+    assert [(e.action, e.node) for e in trace[6:]] == [
+        ("add" if f.kind == "join" else "remove", f.node) for f in timeline
+    ]
     a = av.from_trace(trace, "churn")
     assert a.peak_nodes <= 7 and len(trace) - 6 == len(timeline)
 

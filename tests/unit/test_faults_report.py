@@ -8,8 +8,14 @@ import pytest
 
 from oobleck_mm.events import read_events
 from oobleck_mm.faults.report import (
-    format_table, plot_run, recovery_rows, recovery_spans, summarize, survivors_pause, throughput_series,
-)  # fmt: skip
+    format_table,
+    plot_run,
+    recovery_rows,
+    recovery_spans,
+    summarize,
+    survivors_pause,
+    throughput_series,
+)
 
 STEP_S = 0.25
 BATCH = 16
@@ -31,8 +37,9 @@ class Log:
         t = start
         for step in range(first, first + count):
             t += step_s
-            self.at(t, "step", generation=generation, step=step, loss=1.0,
-                    samples_per_s=BATCH / step_s, step_time_s=step_s)  # fmt: skip
+            self.at(
+                t, "step", generation=generation, step=step, loss=1.0, samples_per_s=BATCH / step_s, step_time_s=step_s
+            )
         return t
 
     def recovery(self, generation: int, plan_t: float, ranks: int = 3, nbytes: int = 2_000_000, copy_s: float = 0.1):
@@ -42,8 +49,14 @@ class Log:
             self.at(plan_t + 0.2 + 0.05 * rank, "rendezvous_done", generation=generation, rank=rank, seconds=0.2)
         for rank in range(ranks):
             # each moved byte is counted by its sender and its receiver
-            self.at(plan_t + 0.45 + 0.025 * rank, "states_copied", generation=generation, rank=rank,
-                    bytes=nbytes if rank < 2 else 0, seconds=copy_s)  # fmt: skip
+            self.at(
+                plan_t + 0.45 + 0.025 * rank,
+                "states_copied",
+                generation=generation,
+                rank=rank,
+                bytes=nbytes if rank < 2 else 0,
+                seconds=copy_s,
+            )
         for rank in range(ranks):
             self.at(plan_t + 0.8, "resumed", generation=generation, rank=rank, step=0)
 
@@ -200,8 +213,9 @@ def test_throughput_dips_over_downtime_and_the_plot_is_a_png(tmp_path):
     spans = recovery_spans(row)
     assert [s[0] for s in spans] == ["detection", "planning", "rendezvous", "state copy", "first step"]
     assert spans[0][2] == row.at_ts and all(a[3] == pytest.approx(b[2]) for a, b in zip(spans, spans[1:]))
-    assert spans[-1][3] == pytest.approx(row.at_ts + sum(getattr(row, f"{k}_s") for k in ("detect", "decide",
-                                         "rendezvous", "copy", "resume")))  # fmt: skip
+    assert spans[-1][3] == pytest.approx(
+        row.at_ts + sum(getattr(row, f"{k}_s") for k in ("detect", "decide", "rendezvous", "copy", "resume"))
+    )
 
 
 def test_steps_logged_together_do_not_spike_the_wall_clock_rate():
@@ -230,8 +244,10 @@ def test_the_masters_one_event_per_phase_is_read_like_per_worker_events():
     per_worker = recovery_rows(log.events)[0]
     merged = [e for e in log.events if e["event"] not in ("rendezvous_done", "states_copied", "resumed")]
     copies = [e for e in log.events if e["event"] == "states_copied"]
-    last = {name: max((e for e in log.events if e["event"] == name), key=lambda e: e["ts"])
-            for name in ("rendezvous_done", "states_copied", "resumed")}  # fmt: skip
+    last = {
+        name: max((e for e in log.events if e["event"] == name), key=lambda e: e["ts"])
+        for name in ("rendezvous_done", "states_copied", "resumed")
+    }
     for name, e in last.items():
         fields = {"generation": 2, "seconds": 0.1, "cause": "lost"}
         if name == "states_copied":
@@ -271,8 +287,15 @@ def test_a_killed_master_costs_what_the_workers_clocks_say_not_when_a_restarted_
     log.at(end + 0.1, "injected", kind="killmaster", node="master", step=4, pids=[7], batch=1)
     replay_t = end + 3.0
     for step in range(4, 10):  # trained at the usual pace while no master ran, logged at the replay
-        log.at(replay_t, "step", generation=1, step=step, loss=1.0, step_time_s=STEP_S,
-               finished_at=end + STEP_S * (step - 3))  # fmt: skip
+        log.at(
+            replay_t,
+            "step",
+            generation=1,
+            step=step,
+            loss=1.0,
+            step_time_s=STEP_S,
+            finished_at=end + STEP_S * (step - 3),
+        )
     log.at(replay_t + 0.1, "adopted", generation=1, nodes=["node0", "node1"], missing=[], next_step=10)
     log.steps(1, 10, 2, replay_t + 0.1)
     [row] = recovery_rows(log.events)
@@ -341,8 +364,13 @@ def test_a_joiner_killed_before_it_registered_never_joined_and_its_kill_cost_not
     log.recovery(2, end + 0.4, ranks=1)
     log.steps(2, 8, 3, end + 1.2)
     join, kill6, kill1 = recovery_rows(log.events)
-    assert (join.kind, join.nodes, kill6.kind, kill6.nodes, kill1.nodes) == ("join", ("node6",), "kill", ("node6",),
-                                                                            ("node1",))  # fmt: skip
+    assert (join.kind, join.nodes, kill6.kind, kill6.nodes, kill1.nodes) == (
+        "join",
+        ("node6",),
+        "kill",
+        ("node6",),
+        ("node1",),
+    )
     assert join.generation is None and join.lost_s is None and join.step is None
     assert join.outcome == "never joined (killed before it was ready)", join.outcome
     assert kill6.generation is None and kill6.lost_s == 0.0 and kill6.abandoned_s is None

@@ -19,8 +19,15 @@ NODES4 = [f"node{i}" for i in range(4)]
 
 # ---------------------------------------------------------------------- specs
 def test_every_form_parses_to_its_kind_target_and_time():
-    events = parse_inject(["kill:node1@step4,killworker:node2@step6", "killworker:node2:gpu3@t1.5s",
-                           "stop:node3@step8", "join@step10", "join:node9@t0s"])  # fmt: skip
+    events = parse_inject(
+        [
+            "kill:node1@step4,killworker:node2@step6",
+            "killworker:node2:gpu3@t1.5s",
+            "stop:node3@step8",
+            "join@step10",
+            "join:node9@t0s",
+        ]
+    )
     assert [(e.kind, e.node, e.local_rank, e.step, e.seconds) for e in events] == [
         ("kill", "node1", 0, 4, None),
         ("killworker", "node2", 0, 6, None),
@@ -36,7 +43,10 @@ def test_a_preemption_is_a_notice_then_a_kill_after_its_seconds():
     a, b = parse_inject("preempt:node1@step4+12.5s,preempt:node2@t3s")
     assert (a.kind, a.node, a.step, a.notice_s, a.is_failure) == ("preempt", "node1", 4, 12.5, True)
     assert (b.seconds, b.notice_s) == (3.0, 30.0)  # GCP's 30 s notice unless told
-    for bad, names in (("kill:node1@step4+5s", "for preempt and slow only"), ("preempt:node1@step4+5", "bad notice '5'")):
+    for bad, names in (
+        ("kill:node1@step4+5s", "for preempt and slow only"),
+        ("preempt:node1@step4+5", "bad notice '5'"),
+    ):
         with pytest.raises(ValueError, match=names):
             parse_token(bad)
 
@@ -46,9 +56,14 @@ def test_a_slowdown_has_a_factor_and_a_duration_and_is_neither_a_failure_nor_a_j
     assert (a.kind, a.node, a.step, a.factor, a.duration_s, a.is_failure) == ("slow", "node1", 50, 2.5, 20.0, False)
     assert (b.seconds, b.factor, b.duration_s) == (3.0, 2.0, None)  # half speed, for good, unless told
     assert (c.factor, c.duration_s) == (2.0, 1.5)
-    for bad, names in (("slow:node1@step4x1", "bad slowdown 'x1'"), ("slow:node1@step4x0.5", "F > 1"),
-                       ("slow:node1@step4+5", "bad duration '5'"), ("slow:node1@phase:copy", "for failures"),
-                       ("kill:node1@step4x2", "bad time 'step4x2'"), ("slow@step3", "slow takes exactly one node")):
+    for bad, names in (
+        ("slow:node1@step4x1", "bad slowdown 'x1'"),
+        ("slow:node1@step4x0.5", "F > 1"),
+        ("slow:node1@step4+5", "bad duration '5'"),
+        ("slow:node1@phase:copy", "for failures"),
+        ("kill:node1@step4x2", "bad time 'step4x2'"),
+        ("slow@step3", "slow takes exactly one node"),
+    ):
         with pytest.raises(ValueError, match=re.escape(names)):
             parse_token(bad)
     with pytest.raises(ValueError, match="node 'node5' is not in this run"):
@@ -56,14 +71,28 @@ def test_a_slowdown_has_a_factor_and_a_duration_and_is_neither_a_failure_nor_a_j
 
 
 def test_describe_round_trips():
-    for token in ("kill:node1@step4", "killworker:node2:gpu1@step6", "stop:n-3.a@t12.5s", "join@step0",
-                  "join:node7@t3s", "preempt:node3@step2+7.5s", "slow:node1@step3x3+4s", "slow:node2@t1sx1.5"):
+    for token in (
+        "kill:node1@step4",
+        "killworker:node2:gpu1@step6",
+        "stop:n-3.a@t12.5s",
+        "join@step0",
+        "join:node7@t3s",
+        "preempt:node3@step2+7.5s",
+        "slow:node1@step3x3+4s",
+        "slow:node2@t1sx1.5",
+    ):
         event = parse_token(token)
         assert parse_token(event.describe()) == FaultEvent(
-            kind=event.kind, node=event.node, step=event.step, seconds=event.seconds,
-            local_rank=event.local_rank, notice_s=event.notice_s, factor=event.factor, duration_s=event.duration_s,
+            kind=event.kind,
+            node=event.node,
+            step=event.step,
+            seconds=event.seconds,
+            local_rank=event.local_rank,
+            notice_s=event.notice_s,
+            factor=event.factor,
+            duration_s=event.duration_s,
             source=event.describe(),
-        )  # fmt: skip
+        )
 
 
 def test_same_step_events_are_due_together_and_time_events_wait_for_the_first_step():
@@ -114,18 +143,25 @@ def test_trace_lines_are_validated_with_file_and_line():
 def test_simultaneous_trace_events_keep_file_order_after_sorting():
     events = parse_trace(["20,remove,b", "10,add,a", "20,remove,a", "10,add,b"])
     assert [(e.ms, e.action, e.node) for e in events] == [
-        (10, "add", "a"), (10, "add", "b"), (20, "remove", "b"), (20, "remove", "a"),
-    ]  # fmt: skip
+        (10, "add", "a"),
+        (10, "add", "b"),
+        (20, "remove", "b"),
+        (20, "remove", "a"),
+    ]
 
 
 def test_timeline_kills_the_newest_live_node_and_names_joins_after_the_highest():
-    events = parse_trace(["0,add,x1", "0,add,x2", "1000,remove,x1", "1000,remove,x2", "3000,add,x3",
-                          "4000,remove,x3", "5000,add,x4"])  # fmt: skip
+    events = parse_trace(
+        ["0,add,x1", "0,add,x2", "1000,remove,x1", "1000,remove,x2", "3000,add,x3", "4000,remove,x3", "5000,add,x4"]
+    )
     timeline = trace_timeline(events, ["node0", "node1", "node2", "node10"], time_scale=0.5)
     assert [(e.kind, e.node, e.seconds) for e in timeline] == [
-        ("kill", "node10", 0.5), ("kill", "node2", 0.5),  # node10 sorts after node2 (numbers, not text)
-        ("join", "node11", 1.5), ("kill", "node11", 2.0), ("join", "node12", 2.5),
-    ]  # fmt: skip
+        ("kill", "node10", 0.5),
+        ("kill", "node2", 0.5),  # node10 sorts after node2 (numbers, not text)
+        ("join", "node11", 1.5),
+        ("kill", "node11", 2.0),
+        ("join", "node12", 2.5),
+    ]
     assert all(e.seconds is not None and e.step is None for e in timeline)
 
 
@@ -133,11 +169,17 @@ def test_a_trace_slows_the_newest_live_node_for_its_scaled_duration():
     events = parse_trace(["0,add,x1", "0,add,x2", "1000,slow,x1,3,20", "2000,slow,x2,1.5", "3000,remove,x2"])
     timeline = trace_timeline(events, ["node0", "node1"], time_scale=0.5)
     assert [(e.kind, e.node, e.seconds, e.factor, e.duration_s) for e in timeline] == [
-        ("slow", "node1", 0.5, 3.0, 10.0), ("slow", "node1", 1.0, 1.5, None), ("kill", "node1", 1.5, 2.0, None),
-    ]  # fmt: skip
+        ("slow", "node1", 0.5, 3.0, 10.0),
+        ("slow", "node1", 1.0, 1.5, None),
+        ("kill", "node1", 1.5, 2.0, None),
+    ]
     assert starting_nodes(events) == ["x1", "x2"], "a slowdown is no member of the population"
-    for bad, words in (("5,slow,x1", "F[,T]"), ("5,slow,x1,0.5", "F > 1"), ("5,slow,x1,abc", "must be numbers"),
-                       ("5,slow,x1,2,-1", "T >= 0")):  # fmt: skip
+    for bad, words in (
+        ("5,slow,x1", "F[,T]"),
+        ("5,slow,x1,0.5", "F > 1"),
+        ("5,slow,x1,abc", "must be numbers"),
+        ("5,slow,x1,2,-1", "T >= 0"),
+    ):
         with pytest.raises(ValueError, match=re.escape(words)):
             parse_trace([bad], name="t.csv")
 
@@ -194,17 +236,28 @@ def test_phase_triggers_parse_for_failures_and_say_which_workers_hold():
     from oobleck_mm.faults.spec import PHASE_HOLD_S, hold_points
     from oobleck_mm.runtime.hold import holds
 
-    faults = parse_inject("kill:node1@phase:copy,stop:node2@phase:rendezvous,kill:node3@phase:registered,"
-                          "preempt:node0@phase:checkpoint+5s")  # fmt: skip
+    faults = parse_inject(
+        "kill:node1@phase:copy,stop:node2@phase:rendezvous,kill:node3@phase:registered,"
+        "preempt:node0@phase:checkpoint+5s"
+    )
     assert [(f.kind, f.node, f.phase) for f in faults] == [
-        ("kill", "node1", "copy"), ("stop", "node2", "rendezvous"), ("kill", "node3", "registered"),
-        ("preempt", "node0", "checkpoint")]  # fmt: skip
-    assert [f.describe() for f in faults][:3] == ["kill:node1@phase:copy", "stop:node2@phase:rendezvous",
-                                                  "kill:node3@phase:registered"]  # fmt: skip
+        ("kill", "node1", "copy"),
+        ("stop", "node2", "rendezvous"),
+        ("kill", "node3", "registered"),
+        ("preempt", "node0", "checkpoint"),
+    ]
+    assert [f.describe() for f in faults][:3] == [
+        "kill:node1@phase:copy",
+        "stop:node2@phase:rendezvous",
+        "kill:node3@phase:registered",
+    ]
     assert not any(f.due(100, 100.0) for f in faults), "never by steps or time"
     # The node's worker holds in its phase (registered is the master's event: nothing to hold).
-    assert holds(hold_points(faults)) == {("copy", "node1"): PHASE_HOLD_S, ("rendezvous", "node2"): PHASE_HOLD_S,
-                                          ("checkpoint", "node0"): PHASE_HOLD_S}  # fmt: skip
+    assert holds(hold_points(faults)) == {
+        ("copy", "node1"): PHASE_HOLD_S,
+        ("rendezvous", "node2"): PHASE_HOLD_S,
+        ("checkpoint", "node0"): PHASE_HOLD_S,
+    }
     copy, _, registered, _ = faults
     assert copy.reached({"event": "holding", "node": "node1", "point": "copy"})
     assert not copy.reached({"event": "holding", "node": "node2", "point": "copy"})
@@ -212,11 +265,17 @@ def test_phase_triggers_parse_for_failures_and_say_which_workers_hold():
     assert registered.reached({"event": "registered", "node": "node3"})
 
 
-@pytest.mark.parametrize("token, words", [
-    ("join:node4@phase:copy", "@phase:P is for failures"),
-    ("kill:node1@phase:barrier", "unknown phase 'barrier': one of copy, rendezvous, connect, checkpoint, forming, registered"),
-    ("kill:node1@phase:", "unknown phase ''"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "token, words",
+    [
+        ("join:node4@phase:copy", "@phase:P is for failures"),
+        (
+            "kill:node1@phase:barrier",
+            "unknown phase 'barrier': one of copy, rendezvous, connect, checkpoint, forming, registered",
+        ),
+        ("kill:node1@phase:", "unknown phase ''"),
+    ],
+)
 def test_bad_phase_triggers_name_the_token(token, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         parse_inject(token)

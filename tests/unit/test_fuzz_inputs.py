@@ -42,12 +42,21 @@ def _leaves(tree, prefix=()):
             yield prefix + (key,)
 
 
-FIELDS = sorted(_leaves(TINY)) + [("data", "skip_bad_samples"), ("data", "excluded_samples"),
-                                  ("data", "check_images"), ("training", "grad_reduce_dtype")]  # fmt: skip
+FIELDS = sorted(_leaves(TINY)) + [
+    ("data", "skip_bad_samples"),
+    ("data", "excluded_samples"),
+    ("data", "check_images"),
+    ("training", "grad_reduce_dtype"),
+]
 JUNK = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.sampled_from(["1h", "5ms", "-3s", "64MiB", "bfloat16", "cuda", "a100", "", "nan"]),
-    st.lists(st.integers(-3, 50), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["1h", "5ms", "-3s", "64MiB", "bfloat16", "cuda", "a100", "", "nan"]),
+    st.lists(st.integers(-3, 50), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 
 
@@ -84,20 +93,35 @@ def test_a_global_batch_past_a_million_samples_is_refused_naming_it_instead_of_e
     assert "training.global_batch" in capsys.readouterr().err
 
 
-TEXT = st.one_of(st.text(max_size=30), st.sampled_from(["<image>\nWhat?", "Red.", "<image><image>", "", "\u00e9\u4e2d"]))
+TEXT = st.one_of(
+    st.text(max_size=30), st.sampled_from(["<image>\nWhat?", "Red.", "<image><image>", "", "\u00e9\u4e2d"])
+)
 TURN = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "human", "gpt", "system", "x"]), "value": TEXT})
-IMAGE = st.one_of(st.none(), st.sampled_from(["images/red_square.png", "images/blue_circle.png", "missing.png",
-                                              "cut.png", "notes.txt", "", "images"]),
-                  st.lists(st.sampled_from(["images/red_square.png", "images/green_triangle.png", "cut.png"]),
-                           max_size=3))  # fmt: skip
-WELL_FORMED = st.fixed_dictionaries({"id": st.text(max_size=6), "conversations": st.lists(TURN, min_size=1, max_size=3)},
-                                    optional={"image": IMAGE})  # fmt: skip
+IMAGE = st.one_of(
+    st.none(),
+    st.sampled_from(
+        ["images/red_square.png", "images/blue_circle.png", "missing.png", "cut.png", "notes.txt", "", "images"]
+    ),
+    st.lists(st.sampled_from(["images/red_square.png", "images/green_triangle.png", "cut.png"]), max_size=3),
+)
+WELL_FORMED = st.fixed_dictionaries(
+    {"id": st.text(max_size=6), "conversations": st.lists(TURN, min_size=1, max_size=3)}, optional={"image": IMAGE}
+)
 JUNK_RECORD = st.one_of(
-    st.fixed_dictionaries({}, optional={"id": st.integers(), "image": st.one_of(IMAGE, st.integers()),
-                                        "conversations": st.one_of(st.lists(st.one_of(TURN, st.integers()), max_size=2),
-                                                                   st.text(max_size=3), st.none())}),
-    st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=2),
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "id": st.integers(),
+            "image": st.one_of(IMAGE, st.integers()),
+            "conversations": st.one_of(
+                st.lists(st.one_of(TURN, st.integers()), max_size=2), st.text(max_size=3), st.none()
+            ),
+        },
+    ),
+    st.integers(),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
 RECORD = st.one_of(WELL_FORMED, WELL_FORMED, WELL_FORMED, JUNK_RECORD)
 
 
@@ -117,8 +141,11 @@ def test_any_llava_records_load_or_are_refused_naming_the_file_and_sample(data_d
     from oobleck_mm.data.check import check_samples
     from oobleck_mm.data.loader import TrainingData
 
-    good = {"id": "good", "image": "images/red_square.png",
-            "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Red."}]}  # fmt: skip
+    good = {
+        "id": "good",
+        "image": "images/red_square.png",
+        "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Red."}],
+    }
     path = data_dir / "data.json"
     path.write_text(json.dumps([good] * 4 + records))
     raw = copy.deepcopy(TINY)

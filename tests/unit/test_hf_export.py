@@ -25,8 +25,13 @@ def job_of(directory, dtype="float32"):
     data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 64}
     if "vision_config" in open(os.path.join(directory, "config.json")).read():
         data.update(mean_images_per_sample=1, image_size=32)
-    return config_from_dict({"model": {"huggingface": str(directory)}, "data": data,
-                             "training": {"global_batch": 4, "microbatch_size": 2, "dtype": dtype}})
+    return config_from_dict(
+        {
+            "model": {"huggingface": str(directory)},
+            "data": data,
+            "training": {"global_batch": 4, "microbatch_size": 2, "dtype": dtype},
+        }
+    )
 
 
 def checkpoint_without_training(job, directory):
@@ -47,10 +52,15 @@ def tensors(directory):
     return out
 
 
-@pytest.mark.parametrize("text,vision,dtype,tie", [("llama", "clip", torch.float32, False),
-                                                   ("qwen2", "siglip", torch.bfloat16, False),
-                                                   ("mistral", None, torch.float32, False),
-                                                   ("qwen2", None, torch.float32, True)])
+@pytest.mark.parametrize(
+    "text,vision,dtype,tie",
+    [
+        ("llama", "clip", torch.float32, False),
+        ("qwen2", "siglip", torch.bfloat16, False),
+        ("mistral", None, torch.float32, False),
+        ("qwen2", None, torch.float32, True),
+    ],
+)
 def test_load_then_export_is_bit_equal_to_the_input_files(tmp_path, text, vision, dtype, tie):
     source = make_tiny_model(tmp_path / "src", text, vision, tie=tie, dtype=dtype, max_shard_size="150KB")
     ckpt = checkpoint_without_training(job_of(source), tmp_path / "ckpt")
@@ -83,5 +93,3 @@ def test_export_loads_with_from_pretrained_and_holds_the_checkpoints_values(tmp_
     # every tensor the engine trains moved by exactly the change; CLIP's unused last block did not
     assert changed == shifted and len(changed) > 0
     assert not any(".encoder.layers.2." in n for n in changed)
-
-

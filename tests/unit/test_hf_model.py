@@ -27,8 +27,16 @@ from oobleck_mm.model.hf_weights import hf_name  # noqa: E402
 from oobleck_mm.model.layers import build_layer, model_layer_specs  # noqa: E402
 from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
 
-CASES = [("llama", "clip", False), ("qwen2", "siglip", False), ("mistral", "clip", False), ("llama", None, False),
-         ("qwen2", None, False), ("mistral", None, False), ("qwen2", None, True), ("llama", "siglip", True)]  # fmt: skip
+CASES = [
+    ("llama", "clip", False),
+    ("qwen2", "siglip", False),
+    ("mistral", "clip", False),
+    ("llama", None, False),
+    ("qwen2", None, False),
+    ("mistral", None, False),
+    ("qwen2", None, True),
+    ("llama", "siglip", True),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -55,13 +63,18 @@ def hf_job(directory, **training):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {case: make_tiny_model(root / "-".join(map(str, case)), text=case[0], vision=case[1], tie=case[2])
-            for case in CASES}
+    return {
+        case: make_tiny_model(root / "-".join(map(str, case)), text=case[0], vision=case[1], tie=case[2])
+        for case in CASES
+    }
 
 
 def unsplit(directory):
-    model = transformers.AutoModelForImageTextToText if "vision" in open(f"{directory}/config.json").read() \
+    model = (
+        transformers.AutoModelForImageTextToText
+        if "vision" in open(f"{directory}/config.json").read()
         else transformers.AutoModelForCausalLM
+    )
     return model.from_pretrained(directory, dtype=torch.float64, attn_implementation="sdpa").eval()
 
 
@@ -172,8 +185,14 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
 
 def test_huggingface_and_builtin_sections_are_exclusive(models):
     with pytest.raises(ConfigError, match=r"model\.llm: cannot be set together with model\.huggingface"):
-        config_from_dict({"model": {"huggingface": models[("llama", None, False)],
-                                    "llm": {"num_layers": 1, "hidden": 8, "num_heads": 1, "vocab_size": 16}}})
+        config_from_dict(
+            {
+                "model": {
+                    "huggingface": models[("llama", None, False)],
+                    "llm": {"num_layers": 1, "hidden": 8, "num_heads": 1, "vocab_size": 16},
+                }
+            }
+        )
 
 
 def test_image_size_is_the_towers_read_from_its_config_and_another_is_refused(models):
@@ -181,8 +200,9 @@ def test_image_size_is_the_towers_read_from_its_config_and_another_is_refused(mo
     job = config_from_dict({"model": {"huggingface": models[("llama", "clip", False)]}, "data": {"max_seq_len": 96}})
     assert (job.data.image_size, job.data.min_image_size, job.data.mean_images_per_sample) == (32, 32, 1.0)
     with pytest.raises(ConfigError, match=r"data\.image_size \(224\).*must both be 32"):
-        config_from_dict({"model": {"huggingface": models[("llama", "clip", False)]},
-                          "data": {"image_size": 224, "max_seq_len": 96}})
+        config_from_dict(
+            {"model": {"huggingface": models[("llama", "clip", False)]}, "data": {"image_size": 224, "max_seq_len": 96}}
+        )
 
 
 def test_job_round_trips_through_to_dict(models):
@@ -238,8 +258,7 @@ def test_a_config_only_llava_7b_plans_with_the_real_models_sizes():
     config = transformers.AutoConfig.from_pretrained("configs/hf/llava-1.5-7b")
     with torch.device("meta"):
         model = transformers.LlavaForConditionalGeneration(config)
-    unused = sum(p.numel() for n, p in model.named_parameters()
-                 if ".encoder.layers.23." in n or "post_layernorm" in n)  # fmt: skip
+    unused = sum(p.numel() for n, p in model.named_parameters() if ".encoder.layers.23." in n or "post_layernorm" in n)
     real = sum(p.numel() for p in model.parameters()) - unused
     assert 7.0e9 < real < 7.1e9
     assert abs(model_param_count(specs) - real) / real < 0.001  # biases of CLIP: the planner omits them
@@ -249,21 +268,38 @@ def test_a_config_only_llava_7b_plans_with_the_real_models_sizes():
 
 def test_freezing_one_half_of_a_tied_embedding_is_refused(models):
     with pytest.raises(ConfigError, match=r"model\.frozen: freezes llm\.head but not its tied partner"):
-        config_from_dict({"model": {"huggingface": models[("qwen2", None, True)], "frozen": ["llm.head"]},
-                          "data": {"mean_text_tokens": 16, "max_seq_len": 96}})
+        config_from_dict(
+            {
+                "model": {"huggingface": models[("qwen2", None, True)], "frozen": ["llm.head"]},
+                "data": {"mean_text_tokens": 16, "max_seq_len": 96},
+            }
+        )
 
 
 def test_frozen_modules_of_an_hf_model(models):
-    job = config_from_dict({"model": {"huggingface": models[("llama", "clip", False)], "frozen": ["vision"]},
-                            "data": {"mean_text_tokens": 16, "max_seq_len": 96, "mean_images_per_sample": 1,
-                                     "image_size": 32}})
+    job = config_from_dict(
+        {
+            "model": {"huggingface": models[("llama", "clip", False)], "frozen": ["vision"]},
+            "data": {"mean_text_tokens": 16, "max_seq_len": 96, "mean_images_per_sample": 1, "image_size": 32},
+        }
+    )
     specs = model_layer_specs(job)
-    trainable = {s.name: any(p.requires_grad for p in build_layer(job, i, specs).parameters())
-                 for i, s in enumerate(specs)}
-    assert trainable == {"vision.embed": False, "vision.block0": False, "vision.block1": False,
-                         "vision.projector0": True, "vision.projector1": True, "llm.embed": True,
-                         "llm.block0": True, "llm.block1": True, "llm.block2": True, "llm.block3": True,
-                         "llm.head": True}  # fmt: skip
+    trainable = {
+        s.name: any(p.requires_grad for p in build_layer(job, i, specs).parameters()) for i, s in enumerate(specs)
+    }
+    assert trainable == {
+        "vision.embed": False,
+        "vision.block0": False,
+        "vision.block1": False,
+        "vision.projector0": True,
+        "vision.projector1": True,
+        "llm.embed": True,
+        "llm.block0": True,
+        "llm.block1": True,
+        "llm.block2": True,
+        "llm.block3": True,
+        "llm.head": True,
+    }
 
 
 # --------------------------------------------------------------------------- llava_json with the model's tokenizer
@@ -275,9 +311,13 @@ def llava_json_job(directory, path=FIXTURE, **data):
     """A worker's job: the data's planning shape measured, as the master does before it ships the job."""
     from oobleck_mm.data.check import ensure_shape
 
-    job = config_from_dict({"model": {"huggingface": str(directory)},
-                            "data": {"kind": "llava_json", "path": str(path), "max_seq_len": 128, **data},
-                            "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"}})
+    job = config_from_dict(
+        {
+            "model": {"huggingface": str(directory)},
+            "data": {"kind": "llava_json", "path": str(path), "max_seq_len": 128, **data},
+            "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"},
+        }
+    )
     ensure_shape(job, progress=lambda line: None)
     return job
 
@@ -289,8 +329,10 @@ def test_llava_json_uses_the_models_tokenizer_template_and_image_processor(model
     data = TrainingData(llava_json_job(directory))
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     sample = data.dataset[0]
-    messages = [{"role": "user", "content": "<image>\nWhat is in the picture?"},
-                {"role": "assistant", "content": "A red square."}]
+    messages = [
+        {"role": "user", "content": "<image>\nWhat is in the picture?"},
+        {"role": "assistant", "content": "A red square."},
+    ]
     assert sample.tokens.tolist() == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert tokenizer.decode(sample.tokens[sample.targets]) == " A red square.</s>"  # the answer and its end
     assert data.dataset.meta(0).loss_tokens == int(sample.targets.sum())
@@ -336,8 +378,6 @@ def test_llava_json_bad_input_names_the_file_or_sample(tmp_path, models):
         TrainingData(llava_json_job(models[("llama", "clip", False)], max_seq_len=30, mean_text_tokens=8))
 
 
-
-
 def _same_samples(a, b) -> None:
     assert len(a) == len(b) and a.skipped == b.skipped
     for i in range(len(a)):
@@ -378,6 +418,8 @@ def test_the_tokenized_records_are_built_once_and_mapped_after_and_a_change_is_a
     os.utime(path, ns=(1, 1))  # the file changed (its modification time is in the key)
     touched = build_dataset(job(cache_dir=cache))
     assert touched.built and touched.cache_folder not in (first.cache_folder, shorter.cache_folder)
-    assert sorted(os.listdir(cache)) == sorted(os.path.basename(f) + suffix for f in
-                                               (first.cache_folder, shorter.cache_folder, touched.cache_folder)
-                                               for suffix in ("", ".lock")), "no .tmp folder left"  # fmt: skip
+    assert sorted(os.listdir(cache)) == sorted(
+        os.path.basename(f) + suffix
+        for f in (first.cache_folder, shorter.cache_folder, touched.cache_folder)
+        for suffix in ("", ".lock")
+    ), "no .tmp folder left"

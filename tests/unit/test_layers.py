@@ -58,5 +58,3 @@ def test_packed_samples_do_not_see_each_other():
     alone, _ = run_model(job, [6])
     rows = batch.segments == 1
     assert (together[rows] - alone).abs().max() < 1e-12
-
-

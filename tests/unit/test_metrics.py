@@ -36,11 +36,23 @@ FACTS = StepFacts(global_batch=16, flops_per_sample=1e9, peak_flops=1e11, balanc
 def reports(step: int = 4) -> list[pb.StepMetrics]:
     pipeline_s = [0.30, 0.25, 0.20, 0.10, 0.40]  # pipeline 0's slowest stage 0.30, pipeline 1's 0.40
     return [
-        pb.StepMetrics(generation=2, step=step, rank=r, loss=2.5, lr=3e-4, grad_norm=1.25, tokens=4000,
-                       step_time_s=0.5 + 0.1 * (r == 3), pipeline_s=pipeline_s[r], peak_memory_bytes=(r + 1) * 2**20,
-                       predicted_max_s=0.35, predicted_mean_s=0.33, predicted_contiguous_max_s=0.45)
+        pb.StepMetrics(
+            generation=2,
+            step=step,
+            rank=r,
+            loss=2.5,
+            lr=3e-4,
+            grad_norm=1.25,
+            tokens=4000,
+            step_time_s=0.5 + 0.1 * (r == 3),
+            pipeline_s=pipeline_s[r],
+            peak_memory_bytes=(r + 1) * 2**20,
+            predicted_max_s=0.35,
+            predicted_mean_s=0.33,
+            predicted_contiguous_max_s=0.45,
+        )
         for r in range(5)
-    ]  # fmt: skip
+    ]
 
 
 def test_step_row_takes_the_slowest_rank_and_each_pipelines_slowest_stage():
@@ -113,12 +125,17 @@ def test_metrics_csv_and_tensorboard_hold_every_step_and_the_recovery_at_its_ste
     sink = MetricsSink(str(tmp_path))
     events.subscribe(sink)
     for step in range(3):
-        events.write("step", **{**step_row(GEN, step, reports(step), FACTS), "finished_at": 100.0 + step},
-                     elapsed_s=1.0 + step, wall_time=1.8e9)  # fmt: skip
+        events.write(
+            "step",
+            **{**step_row(GEN, step, reports(step), FACTS), "finished_at": 100.0 + step},
+            elapsed_s=1.0 + step,
+            wall_time=1.8e9,
+        )
     events.write("lost", node="node4", reason="stream_closed")
     events.write("resumed", generation=3, step=3, since_detected_s=0.42, seconds=0.1)
-    events.write("step", **{**step_row(GEN, 3, reports(3), FACTS), "finished_at": 105.0}, elapsed_s=5.0,
-                 wall_time=1.8e9 + 5)  # fmt: skip
+    events.write(
+        "step", **{**step_row(GEN, 3, reports(3), FACTS), "finished_at": 105.0}, elapsed_s=5.0, wall_time=1.8e9 + 5
+    )
     events.close()
     sink.close()
 
@@ -181,7 +198,9 @@ def test_a_node_whose_compute_is_slow_is_named_in_the_console_the_log_and_every_
     assert [r["stragglers"] for r in rows] == [0] * (slow_from + 1) + [1] * 7
     assert rows[-1]["slowest_node"] == "node4" and rows[-1]["slowest_node_factor"] == pytest.approx(2.0)
     # node4 planned out: forgotten, and cleared with the reason.
-    progress.start(GenerationView(3, LAYOUT, {(f"node{r}", 0): r for r in range(4)} | {("node5", 0): 4}), None, expected)
+    progress.start(
+        GenerationView(3, LAYOUT, {(f"node{r}", 0): r for r in range(4)} | {("node5", 0): 4}), None, expected
+    )
     [cleared] = read_events(tmp_path / "e.jsonl", "straggler_cleared")
     assert (cleared["node"], cleared["reason"]) == ("node4", "no longer in the plan")
 
@@ -210,4 +229,3 @@ def test_tensorboard_opens_in_the_background_and_keeps_what_was_written_meanwhil
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
-

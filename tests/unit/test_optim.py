@@ -23,7 +23,6 @@ from oobleck_mm.runtime.optim import (
 )
 
 
-
 def training(lr: float = 1e-3, scheduler: SchedulerConfig | None = None, steps: int = 10, **opt) -> TrainingConfig:
     optimizer = OptimizerConfig(type=opt.pop("type", "AdamW"), params=OptimizerParams(lr=lr, **opt))
     return TrainingConfig(steps=steps, optimizer=optimizer, scheduler=scheduler)
@@ -82,13 +81,25 @@ def test_deepspeed_defaults_when_params_are_absent(kind):
     assert [lr_at(t, s) for s in range(1210)] == pytest.approx(expected, rel=1e-13, abs=1e-16)
 
 
-@pytest.mark.parametrize("params", [
-    {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 5},
-    {"cycle_min_lr": 0.0, "cycle_max_lr": 3e-3, "cycle_first_step_size": 6, "cycle_second_step_size": 3,
-     "cycle_first_stair_count": 2, "decay_step_size": 2, "decay_lr_rate": 0.1, "cycle_min_mom": 0.85,
-     "cycle_max_mom": 0.95, "decay_mom_rate": 0.05},
-    {"cycle_min_lr": 1e-3, "cycle_max_lr": 2e-3, "cycle_first_step_size": 4, "cycle_momentum": False},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 5},
+        {
+            "cycle_min_lr": 0.0,
+            "cycle_max_lr": 3e-3,
+            "cycle_first_step_size": 6,
+            "cycle_second_step_size": 3,
+            "cycle_first_stair_count": 2,
+            "decay_step_size": 2,
+            "decay_lr_rate": 0.1,
+            "cycle_min_mom": 0.85,
+            "cycle_max_mom": 0.95,
+            "decay_mom_rate": 0.05,
+        },
+        {"cycle_min_lr": 1e-3, "cycle_max_lr": 2e-3, "cycle_first_step_size": 4, "cycle_momentum": False},
+    ],
+)
 def test_one_cycle_lr_and_momentum_are_deepspeeds(params):
     """OneCycle driven like DeepSpeed's engine (stepped after each optimizer step) on AdamW."""
     t = training(lr=1e-3, scheduler=SchedulerConfig(type="OneCycle", params=params), betas=(0.9, 0.999))
@@ -146,8 +157,10 @@ def test_adam_type_is_decoupled_weight_decay_like_deepspeed():
         opt.step()
         return p.detach()
 
-    ours = {k: one_step(lambda ps, k=k: build_layer_optimizer(ps, training(lr=0.1, type=k, weight_decay=0.5)))
-            for k in ("Adam", "AdamW")}
+    ours = {
+        k: one_step(lambda ps, k=k: build_layer_optimizer(ps, training(lr=0.1, type=k, weight_decay=0.5)))
+        for k in ("Adam", "AdamW")
+    }
     coupled = one_step(lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.5))
     decoupled = one_step(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5))
     assert torch.equal(ours["Adam"], decoupled) and torch.equal(ours["AdamW"], decoupled)
@@ -183,7 +196,10 @@ def test_clip_coefficient_edges():
 
 def layer_params(seed: int = 0) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(*shape, generator=gen, dtype=torch.float64)) for shape in ((4, 3), (3,), (2, 2, 2))]
+    return [
+        torch.nn.Parameter(torch.randn(*shape, generator=gen, dtype=torch.float64))
+        for shape in ((4, 3), (3,), (2, 2, 2))
+    ]
 
 
 def train_steps(params, opt, t, steps: range, skip_grad: int | None = None) -> None:
@@ -199,8 +215,12 @@ def train_steps(params, opt, t, steps: range, skip_grad: int | None = None) -> N
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("steps_before", [0, 1, 3])
 def test_loaded_state_continues_bit_identically(weight_decay, steps_before):
-    t = training(lr=0.05, weight_decay=weight_decay, type="Adam",
-                 scheduler=SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": 4, "warmup_type": "linear"}))
+    t = training(
+        lr=0.05,
+        weight_decay=weight_decay,
+        type="Adam",
+        scheduler=SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": 4, "warmup_type": "linear"}),
+    )
     params = layer_params()
     opt = build_layer_optimizer(params, t)
     # Parameter 2 never had a gradient: it has no state while the others do.

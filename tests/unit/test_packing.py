@@ -66,8 +66,10 @@ def test_block_attention_equals_attention_under_the_packed_mask(data, flash):
 
     torch.manual_seed(0)
     batch = data.microbatch(data.global_batch(3)[:5])
-    for tokens, spans, mask, causal in ((batch.tokens, batch.spans(), batch.attention_mask(), True),
-                                        (batch.vision.segments, batch.vision.spans(), batch.vision.attention_mask(), False)):  # fmt: skip
+    for tokens, spans, mask, causal in (
+        (batch.tokens, batch.spans(), batch.attention_mask(), True),
+        (batch.vision.segments, batch.vision.spans(), batch.vision.attention_mask(), False),
+    ):
         assert len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == len(tokens)
         attn = Attention(32, 4, 4, flash).double()
         x = torch.randn(len(tokens), 32, dtype=torch.float64)
@@ -125,5 +127,3 @@ def test_dispatch_table_raises_on_unknown_instruction():
     assert execute([[ds.ForwardPass(0)], [ds.BackwardPass(0)]], table) == 2
     with pytest.raises(RuntimeError, match="no handler for pipeline instruction.*SendGrad"):
         execute([[ds.ForwardPass(0), ds.SendGrad(1)]], table)
-
-

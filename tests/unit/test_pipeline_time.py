@@ -106,7 +106,9 @@ def test_tables_extrapolate_the_period_exactly(monkeypatch, num_stages, max_micr
         assert period is not None and len(states) < max_microbatches // 2  # the shortcut really ran
     else:
         assert period is None and len(states) == max_microbatches
-    probes = sorted({1, num_stages, len(states), min(len(states) + 1, max_microbatches), max_microbatches // 2, max_microbatches})
+    probes = sorted(
+        {1, num_stages, len(states), min(len(states) + 1, max_microbatches), max_microbatches // 2, max_microbatches}
+    )
     for batched in (0, 10**9):
         monkeypatch.setattr(pt, "_BATCHED_TAIL_CELLS", batched)
         table = pt.iteration_times(*pipeline, max_microbatches)

@@ -112,14 +112,20 @@ def test_the_masters_planning_answers_with_one_of_three_typed_outcomes():
     # the layout is the plan's, rank by rank
     assert sorted(planned.ranks.values()) == list(range(planned.layout.world_size))
     for instance, layout in zip(planned.plan.pipelines, planned.layout.pipelines):
-        assert [planned.ranks[(instance.nodes[s.node], s.gpus[0])] for s in instance.template.stages] == list(layout.ranks)
+        assert [planned.ranks[(instance.nodes[s.node], s.gpus[0])] for s in instance.template.stages] == list(
+            layout.ranks
+        )
     # below (f + 1) * n0 nodes: the job cannot keep its replicas (exit 3 territory, not a bad config)
     cannot, none = plan_fresh(job, load_profile(job), ["a"])
     assert isinstance(cannot, CannotKeepReplicas) and (cannot.live_nodes, cannot.needed) == (1, 2) and none is None
     # a model that fits no device: the user must change the config
     small = tiny(device_memory="1KiB")
     failed, _ = plan_fresh(small, load_profile(small), nodes)
-    assert isinstance(failed, Failed) and "does not fit" in failed.message and "cluster.device_memory 1024 bytes" in failed.message
+    assert (
+        isinstance(failed, Failed)
+        and "does not fit" in failed.message
+        and "cluster.device_memory 1024 bytes" in failed.message
+    )
     # a reconfiguration, and losing too many: typed too
     again, _ = plan_reconfiguration(job, load_profile(job), templates, 3, planned.plan, ["c"], [])
     assert isinstance(again, Planned) and not again.fresh and sorted(again.plan.nodes) == ["a", "b"]

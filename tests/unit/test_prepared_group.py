@@ -13,8 +13,9 @@ def _prepared(gated: bool, connected: threading.Event) -> PreparedGroup:
         connected.set()
         raise ConnectionError("no store in this test")  # ends the background thread here
 
-    return PreparedGroup(connect, 2, 3, 4, collective_timeout=timedelta(seconds=5), arrival_timeout=timedelta(seconds=5),
-                         gated=gated)  # fmt: skip
+    return PreparedGroup(
+        connect, 2, 3, 4, collective_timeout=timedelta(seconds=5), arrival_timeout=timedelta(seconds=5), gated=gated
+    )
 
 
 def test_a_gated_group_arrives_only_after_may_arrive():

@@ -20,8 +20,13 @@ from oobleck_mm.planning.costs import ClusterSpec
 from oobleck_mm.planning.instantiate import best_template_counts, enumerate_template_counts
 from oobleck_mm.planning.layout import ExecutionPlan, rank_table
 from oobleck_mm.planning.plan import PipelineInstance, Plan, gradient_allreduce_s
-from oobleck_mm.planning.reconfigure import (DEFAULT_REPLAN_GAIN, CannotKeepReplicas, Reconfiguration, fill_greedily,
-                                             reconfigure)  # fmt: skip
+from oobleck_mm.planning.reconfigure import (
+    DEFAULT_REPLAN_GAIN,
+    CannotKeepReplicas,
+    Reconfiguration,
+    fill_greedily,
+    reconfigure,
+)
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 from oobleck_mm.planning.transfers import rank_transfers
 
@@ -61,9 +66,7 @@ def make_set(n0: int, num_nodes: int, f: int, gpus: int) -> TemplateSet:
     """What stage_mapping builds for ``num_nodes`` nodes: templates n0 .. N - f*n0 (§2.4.1.1)."""
     n_max = num_nodes - f * n0
     num_layers = 2 * n_max * gpus + 1  # every stage gets a layer; uneven splits exercise the counting
-    return TemplateSet(
-        min_nodes=n0, templates=tuple(make_template(n, gpus, num_layers) for n in range(n0, n_max + 1))
-    )
+    return TemplateSet(min_nodes=n0, templates=tuple(make_template(n, gpus, num_layers) for n in range(n0, n_max + 1)))
 
 
 def make_plan(template_set: TemplateSet, sizes: list[int], global_batch: int = GLOBAL_BATCH) -> Plan:
@@ -182,9 +185,7 @@ def scenarios(draw):
     return template_set, f, make_plan(template_set, sizes)
 
 
-events = st.lists(
-    st.tuples(st.lists(st.integers(0, 10_000), max_size=3), st.integers(0, 3)), min_size=1, max_size=4
-)
+events = st.lists(st.tuples(st.lists(st.integers(0, 10_000), max_size=3), st.integers(0, 3)), min_size=1, max_size=4)
 
 
 # --- appendix A.1: coverage -------------------------------------------------------------------
@@ -530,8 +531,11 @@ def test_the_best_counts_pick_the_templates_whose_stages_all_reduce_fastest():
     plan = make_plan(template_set, [3, 5, 5, 5, 5])
     result = run(plan, [], [], template_set, 2, replan_gain=0.0)
     best = best_plan_time(template_set, 23, 2, result.plan)
-    assert result.plan.iteration_time_s <= best * (1 + 1e-9), (sorted(len(p.nodes) for p in result.plan.pipelines),
-                                                               result.plan.iteration_time_s, best)  # fmt: skip
+    assert result.plan.iteration_time_s <= best * (1 + 1e-9), (
+        sorted(len(p.nodes) for p in result.plan.pipelines),
+        result.plan.iteration_time_s,
+        best,
+    )
 
 
 # --------------------------------------------------------------------------- the fresh layout's greedy fill

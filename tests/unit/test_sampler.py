@@ -61,5 +61,3 @@ def test_bad_arguments_name_the_value():
         GlobalBatchSampler(10, 2, -1)
     with pytest.raises(ValueError, match="step must be an integer >= 0, got -3"):
         GlobalBatchSampler(10, 2, 0).batch(-3)
-
-

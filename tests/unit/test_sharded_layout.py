@@ -36,7 +36,10 @@ def test_a_wide_plan_survives_json_and_protobuf():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 50), min_size=1, max_size=20).map(lambda xs: list(dict.fromkeys(xs))), st.sampled_from([1, 2, 4, 8]))
+@given(
+    st.lists(st.integers(0, 50), min_size=1, max_size=20).map(lambda xs: list(dict.fromkeys(xs))),
+    st.sampled_from([1, 2, 4, 8]),
+)
 def test_the_pieces_in_order_are_the_microbatch(samples, pieces):
     parts = [piece_samples(samples, pieces, k) for k in range(pieces)]
     assert [s for part in parts for s in part] == samples
@@ -57,8 +60,9 @@ def test_every_rank_of_a_stage_runs_as_many_pieces_and_each_piece_has_one_sender
 
 def test_widths_that_do_not_divide_the_widest_or_exceed_the_microbatch_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"stages of \[2, 3\] GPUs"):
-        ExecutionPlan((PipelineLayout((StageLayout(0, 0, 5, shards=(1,)), StageLayout(2, 5, 10, shards=(3, 4))), 8),),
-                      10, 8)  # fmt: skip
+        ExecutionPlan(
+            (PipelineLayout((StageLayout(0, 0, 5, shards=(1,)), StageLayout(2, 5, 10, shards=(3, 4))), 8),), 10, 8
+        )
     with pytest.raises(ValueError, match=r"training.microbatch_size\); raise it to at least 4"):
         ExecutionPlan.even(10, [2], [8], 2, widths=[[4, 1]])
     with pytest.raises(ValueError, match="each once"):
@@ -73,14 +77,18 @@ def test_a_planning_plans_multi_gpu_stage_maps_to_its_gpus_ranks():
         return StageSpec(start, end, node, gpus, 1.0, 2.0, 1e6)
 
     # a 2-node template: node 0's two GPUs one stage, node 1's GPU 0 alone, then its GPU 1
-    wide = PipelineTemplate(2, 2, (stage(0, 4, 0, (0, 1)), stage(4, 7, 1, (0,)), stage(7, 10, 1, (1,))),
-                            (0.1, 0.1), (0.1, 0.1))  # fmt: skip
+    wide = PipelineTemplate(
+        2, 2, (stage(0, 4, 0, (0, 1)), stage(4, 7, 1, (0,)), stage(7, 10, 1, (1,))), (0.1, 0.1), (0.1, 0.1)
+    )
     narrow = PipelineTemplate(1, 2, (stage(0, 5, 0, (0,)), stage(5, 10, 0, (1,))), (0.1,), (0.1,))
     plan = Plan((PipelineInstance(wide, ("b", "c"), 4), PipelineInstance(narrow, ("a",), 4)), 16, 2, 0.0)
     table = rank_table(plan)
     layout = ExecutionPlan.from_plan(plan, table, slow={"b": 2.0})
-    assert [s.ranks for s in layout.pipelines[0].stages] == [(table[("b", 0)], table[("b", 1)]), (table[("c", 0)],),
-                                                             (table[("c", 1)],)]  # fmt: skip
+    assert [s.ranks for s in layout.pipelines[0].stages] == [
+        (table[("b", 0)], table[("b", 1)]),
+        (table[("c", 0)],),
+        (table[("c", 1)],),
+    ]
     assert layout.pipelines[0].stages[0].slowdown == 2.0 and layout.world_size == 6
     assert layout.describe().startswith("[r0+1:0-3(slow x2.00)|r2:4-6|r3:7-9]x4mb")
 
@@ -132,16 +140,27 @@ def test_a_custom_layer_that_cannot_be_sharded_is_refused_before_anything_starts
         "        block.scale = torch.nn.Parameter(torch.tensor(1.0))\n"
         "        return block\n"
         "    layers[1] = CustomLayer(layers[1].spec, scaled)\n"
-        "    return layers\n")
+        "    return layers\n"
+    )
 
     def job(max_gpus: int):
-        return config_from_dict({"model": {"name": "conv_lm", "builder": f"{tmp_path / 'scaled_model.py'}:build",
-                                           "llm": {"num_layers": 2, "hidden": 32, "num_heads": 1, "vocab_size": 256}},
-                                 "data": {"mean_text_tokens": 16, "max_seq_len": 96},
-                                 "cluster": {"gpus_per_node": 2, "max_gpus_per_stage": max_gpus, "nodes": 2}})
+        return config_from_dict(
+            {
+                "model": {
+                    "name": "conv_lm",
+                    "builder": f"{tmp_path / 'scaled_model.py'}:build",
+                    "llm": {"num_layers": 2, "hidden": 32, "num_heads": 1, "vocab_size": 256},
+                },
+                "data": {"mean_text_tokens": 16, "max_seq_len": 96},
+                "cluster": {"gpus_per_node": 2, "max_gpus_per_stage": max_gpus, "nodes": 2},
+            }
+        )
 
-    with pytest.raises(UserError, match=r"layer 'llm.block0' has a scalar parameter 'scale'.*1-D tensor of one "
-                                        r"element.*cluster.max_gpus_per_stage: 1"):
+    with pytest.raises(
+        UserError,
+        match=r"layer 'llm.block0' has a scalar parameter 'scale'.*1-D tensor of one "
+        r"element.*cluster.max_gpus_per_stage: 1",
+    ):
         check_runnable(job(2), workers_here=False)
     check_runnable(job(1), workers_here=False)
 
@@ -165,4 +184,5 @@ def test_a_copy_to_a_gpu_of_a_wide_stage_carries_only_its_rows():
     sent = _rows(_tensors(layer), _sharded(layer), (1, 2))
     kept = [t for t, cut in zip(_tensors(layer), _sharded(layer)) if cut]
     assert [tuple(t.shape) for t, cut in zip(sent, _sharded(layer)) if cut] == [
-        (t.shape[0] - (t.shape[0] + 1) // 2, *t.shape[1:]) for t in kept]
+        (t.shape[0] - (t.shape[0] + 1) // 2, *t.shape[1:]) for t in kept
+    ]

@@ -19,7 +19,7 @@ def test_chunk_rows_cuts_as_torch_chunk_cuts_the_first_dimension(rows, width):
     got = chunk_rows(rows, width)
     assert len(got) == width
     assert [c for c in got if c[1] > c[0]] == expected
-    assert all(start == end for start, end in got[len(expected):])
+    assert all(start == end for start, end in got[len(expected) :])
 
 
 def _holders(widths: list[int]) -> list[tuple[int, ...]]:
@@ -59,7 +59,11 @@ def test_a_two_gpu_stage_beside_a_one_gpu_stage():
     assert reduction_pieces(7, [(0, 1), (2,)]) == [Piece(0, 4, (0, 2)), Piece(4, 7, (1, 2))]
     # widths 2 and 4 over 8 rows: the 4-GPU cut refines the 2-GPU one
     assert reduction_pieces(8, [(0, 1), (2, 3, 4, 5)]) == [
-        Piece(0, 2, (0, 2)), Piece(2, 4, (0, 3)), Piece(4, 6, (1, 4)), Piece(6, 8, (1, 5))]
+        Piece(0, 2, (0, 2)),
+        Piece(2, 4, (0, 3)),
+        Piece(4, 6, (1, 4)),
+        Piece(6, 8, (1, 5)),
+    ]
     # equal layouts: one piece per chunk, as a plain all-reduce of the shards
     assert reduction_pieces(6, [(0, 1), (2, 3)]) == [Piece(0, 3, (0, 2)), Piece(3, 6, (1, 3))]
     # a single row: the second chunk of the 2-GPU stage is empty and takes part in nothing

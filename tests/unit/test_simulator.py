@@ -57,12 +57,24 @@ def check_invariants(result, global_batch: int) -> None:
 
 
 def test_a_trace_groups_simultaneous_events_and_starts_with_the_first_timestamp():
-    events = parse_trace(["5000,add,a", "5000,add,b", "5000,add,c", "65000,remove,b", "65000,remove,c",
-                          "125000,add,d", "125000,remove,zzz", "185000,remove,a"])  # fmt: skip
+    events = parse_trace(
+        [
+            "5000,add,a",
+            "5000,add,b",
+            "5000,add,c",
+            "65000,remove,b",
+            "65000,remove,c",
+            "125000,add,d",
+            "125000,remove,zzz",
+            "185000,remove,a",
+        ]
+    )
     av = from_trace(events, "t")
     assert av.initial == ("a", "b", "c")
     assert [(c.seconds, c.added, c.removed) for c in av.changes] == [
-        (60.0, (), ("b", "c")), (120.0, ("d",), ()), (180.0, (), ("a",)),
+        (60.0, (), ("b", "c")),
+        (120.0, ("d",), ()),
+        (180.0, (), ("a",)),
     ]  # the removal of an absent node is dropped
     assert av.end_s == 180.0 and av.peak_nodes == 3
     scaled = from_trace(events, "t", replicas=3)
@@ -201,8 +213,9 @@ def test_varuna_saves_on_a_notice_and_keeps_its_work_when_the_save_fits_the_grac
 
 def test_losing_every_replica_ends_the_run_and_a_later_start_begins_from_scratch(job, profile):
     three = ("node1", "node2", "node3")
-    av = Availability(three, (Change(1000.0, (), ("node2", "node3")), Change(2000.0, ("node4", "node5"), ())),
-                      3000.0, "zone loss")  # fmt: skip
+    av = Availability(
+        three, (Change(1000.0, (), ("node2", "node3")), Change(2000.0, ("node4", "node5"), ())), 3000.0, "zone loss"
+    )
     system = OobleckSystem(job, profile, FIXED)
     result = simulate_system(system, av)
     check_invariants(result, 8192)
@@ -273,8 +286,26 @@ def test_invariants_on_spot_traces(job, system, trace, notice):
 
 def test_simulate_command_prints_the_table_and_writes_json_and_a_plot(tmp_path, capsys):
     out, plot = tmp_path / "sim.json", tmp_path / "sim.png"
-    code = main(["simulate", "--config", str(GPT2), "--failure-interval", "1h", "--nodes", "8",
-                 "--system", "oobleck", "varuna", "--param", "planning_s=0", "--json", str(out), "--plot", str(plot)])  # fmt: skip
+    code = main(
+        [
+            "simulate",
+            "--config",
+            str(GPT2),
+            "--failure-interval",
+            "1h",
+            "--nodes",
+            "8",
+            "--system",
+            "oobleck",
+            "varuna",
+            "--param",
+            "planning_s=0",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "| oobleck |" in text and "| varuna |" in text
@@ -288,8 +319,28 @@ def test_simulate_command_prints_the_table_and_writes_json_and_a_plot(tmp_path, 
 
 def test_a_sweep_over_f_repeats_the_simulation_per_value(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    assert main(["simulate", "--config", str(GPT2), "--failure-interval", "1h", "--nodes", "8", "--system", "oobleck",
-                 "--sweep", "f=0,2", "--param", "planning_s=0", "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                "--config",
+                str(GPT2),
+                "--failure-interval",
+                "1h",
+                "--nodes",
+                "8",
+                "--system",
+                "oobleck",
+                "--sweep",
+                "f=0,2",
+                "--param",
+                "planning_s=0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert [d["sweep"] for d in doc] == ["f=0", "f=2"]
 
@@ -335,9 +386,11 @@ def test_slow_lines_of_a_trace_and_a_straggler_distribution_become_changes_of_sp
     events = parse_trace(["0,add,a", "0,add,b", "0,add,c", "10000,slow,b,3,20", "50000,slow,c,2", "60000,remove,a"])
     av = from_trace(events, "t")
     assert [(c.seconds, c.added, c.removed, c.slowed) for c in av.changes] == [
-        (10.0, (), (), (("b", 3.0),)), (30.0, (), (), (("b", 1.0),)), (50.0, (), (), (("c", 2.0),)),
+        (10.0, (), (), (("b", 3.0),)),
+        (30.0, (), (), (("b", 1.0),)),
+        (50.0, (), (), (("c", 2.0),)),
         (60.0, (), ("a",), ()),
-    ]  # fmt: skip
+    ]
     nodes = periodic(100, 3600.0, 99)
     spec = parse_stragglers("0.05,min=1.5,max=3,seed=4,for=10m")
     slowed = nodes.with_stragglers(spec)
@@ -430,8 +483,12 @@ def test_data_skew_slows_the_contiguous_split_and_the_balancer_buys_it_back():
     av = periodic(4, 1800.0, 3)
     samples = sampled_batches(base, 3)
     rates = {}
-    for name, skew, enabled, deferral in (("mean", 0, False, False), ("off", 3, False, False),
-                                          ("dp", 3, True, False), ("dp+deferral", 3, True, True)):  # fmt: skip
+    for name, skew, enabled, deferral in (
+        ("mean", 0, False, False),
+        ("off", 3, False, False),
+        ("dp", 3, True, False),
+        ("dp+deferral", 3, True, True),
+    ):
         job = dataclasses.replace(base, balance=dataclasses.replace(base.balance, enabled=enabled, deferral=deferral))
         result = simulate(job, av, ["oobleck"], dataclasses.replace(FIXED, skew_batches=skew), skew_samples=samples)[0]
         check_invariants(result, job.training.global_batch)

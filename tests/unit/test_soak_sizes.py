@@ -24,7 +24,8 @@ def test_each_size_is_priced_at_its_own_step_time_else_the_nearest_measured(soak
     step_s = {6: 0.10, 8: 0.12}
     # 7 is as near to 6 as to 8: the smaller (cheaper) one, so the control never flatters the churned run.
     assert soak.same_size_seconds({6: 100, 8: 50, 7: 10, 9: 2}, step_s) == pytest.approx(
-        100 * 0.10 + 50 * 0.12 + 10 * 0.10 + 2 * 0.12)
+        100 * 0.10 + 50 * 0.12 + 10 * 0.10 + 2 * 0.12
+    )
 
 
 def test_steps_are_counted_by_the_live_nodes_each_reported(soak, tmp_path):

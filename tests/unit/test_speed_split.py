@@ -10,8 +10,12 @@ from tests.unit.test_batch import make_template
 
 # Three identical two-stage pipelines on six nodes: stage 0 (node 0 of the template) is the light one.
 TEMPLATE = make_template(2, forward=(0.25, 0.5), backward=(0.5, 1.0))
-PLAN = Plan(tuple(PipelineInstance(TEMPLATE, (f"n{2 * i}", f"n{2 * i + 1}"), 4) for i in range(3)),
-            global_batch=24, microbatch_size=2, allreduce_s=0.0)  # fmt: skip
+PLAN = Plan(
+    tuple(PipelineInstance(TEMPLATE, (f"n{2 * i}", f"n{2 * i + 1}"), 4) for i in range(3)),
+    global_batch=24,
+    microbatch_size=2,
+    allreduce_s=0.0,
+)
 
 
 @pytest.mark.parametrize("solver", ["python", "highs"])
@@ -72,9 +76,16 @@ def _mllm_on_8(global_batch: int):
     from oobleck_mm.planning.planner import plan_job
     from oobleck_mm.profiling.load import load_profile
 
-    sets = ["cluster.emulate=a100-80gb", "cluster.device=cpu", "cluster.backend=gloo", "cluster.gpus_per_node=1",
-            "cluster.max_gpus_per_stage=1", "cluster.inter_node_bandwidth=200Gbps", "training.microbatch_size=4",
-            f"training.global_batch={global_batch}"]  # fmt: skip
+    sets = [
+        "cluster.emulate=a100-80gb",
+        "cluster.device=cpu",
+        "cluster.backend=gloo",
+        "cluster.gpus_per_node=1",
+        "cluster.max_gpus_per_stage=1",
+        "cluster.inter_node_bandwidth=200Gbps",
+        "training.microbatch_size=4",
+        f"training.global_batch={global_batch}",
+    ]
     job = load_config("configs/mllm_10b.yaml", overrides=sets)
     profile = load_profile(job)
     result = plan_job(job, profile, [f"node{i}" for i in range(8)])
@@ -97,17 +108,23 @@ def test_a_slow_stage_is_re_cut_to_fewer_layers_on_the_same_nodes_and_its_pipeli
     assert [st.layer_start for st in cut.stages[1:]] == [st.layer_end for st in cut.stages[:-1]]
     assert cut.stages[0].layer_start == 0 and cut.stages[-1].layer_end == pipeline.template.num_layers
     assert all(st.memory_bytes <= cluster.usable_memory_bytes for st in cut.stages)
-    slowed = lambda t: slowed_template(PipelineInstance(t, pipeline.nodes, pipeline.num_microbatches),  # noqa: E731
-                                       {"node5": 2.0}).iteration_time(pipeline.num_microbatches)
+
+    def slowed(t):
+        instance = PipelineInstance(t, pipeline.nodes, pipeline.num_microbatches)
+        return slowed_template(instance, {"node5": 2.0}).iteration_time(pipeline.num_microbatches)
+
     assert slowed(cut) < 0.95 * slowed(pipeline.template)
     # At its templates' speed the job's own cut is kept: nothing is faster.
     same = recut_for_speeds(profile, cluster, pipeline.template, [1.0] * len(factors), pipeline.num_microbatches)
-    assert same.iteration_time(pipeline.num_microbatches) >= pipeline.template.iteration_time(pipeline.num_microbatches) * (1 - 1e-9)
+    assert same.iteration_time(pipeline.num_microbatches) >= pipeline.template.iteration_time(
+        pipeline.num_microbatches
+    ) * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("global_batch, cut_taken", [(32, False), (64, True)])
 def test_the_re_cut_is_taken_only_where_it_beats_the_re_split_and_a_recovered_node_gets_its_template_back(
-        global_batch, cut_taken):
+    global_batch, cut_taken
+):
     """MLLM-10B on 8 emulated A100s (2 pipelines of 4 stages), node5 2x slow. At 8 microbatches the split's
     whole microbatches bound both to the same prediction (89% of unslowed): the layers stay. At 16 the re-cut
     pipeline is predicted 92% against the re-split's 82%."""
@@ -135,6 +152,6 @@ def test_the_re_cut_is_taken_only_where_it_beats_the_re_split_and_a_recovered_no
         assert isinstance(weighed, Planned)
         recovered = split_for_speeds(job, both, {}, profile, templates)  # node5 back to speed: the layers return
         assert all(p.template == templates.for_nodes(p.template.num_nodes) for p in recovered.plan.pipelines)
-        assert "speed cut" not in recovered.actions[len(both.actions):]
+        assert "speed cut" not in recovered.actions[len(both.actions) :]
     else:
         assert both.plan == split_only.plan and gain == pytest.approx(1.0)

@@ -314,8 +314,11 @@ def test_model_that_never_fits_names_model_bytes_and_memory():
 def test_a_node_with_more_gpus_than_the_model_has_layers_says_so_not_infinite_memory():
     profile = profile_of([layer(f"l{i}", state=GB // 8) for i in range(3)], name="short")
     cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=80 * GB)
-    with pytest.raises(ValueError, match=r"'short' has 3 layers, but a node of cluster.gpus_per_node=4 GPUs needs at "
-                                         r"least 4 stages .*cluster.max_gpus_per_stage=1"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"'short' has 3 layers, but a node of cluster.gpus_per_node=4 GPUs needs at "
+        r"least 4 stages .*cluster.max_gpus_per_stage=1",
+    ):
         min_nodes(profile, cluster)
 
 
@@ -366,8 +369,9 @@ def test_template_iteration_time_equals_simulating_deepspeeds_schedule(gpus_per_
     from oobleck_mm.planning.simulate import simulate_train_schedule
 
     layers = [layer(fwd=0.2 + 0.05 * (i % 4), bw=0.3, bd=0.1 + 0.1 * (i % 3), out=10**8) for i in range(12)]
-    cluster = ClusterSpec(gpus_per_node=gpus_per_node, device_memory_bytes=10**15, max_gpus_per_stage=max_gpus,
-                          inter_node_bandwidth=1e9)
+    cluster = ClusterSpec(
+        gpus_per_node=gpus_per_node, device_memory_bytes=10**15, max_gpus_per_stage=max_gpus, inter_node_bandwidth=1e9
+    )
     template = map_stages(profile_of(layers), cluster, num_nodes)
     latencies = (
         [s.forward_s for s in template.stages],
@@ -384,11 +388,9 @@ def test_a_wide_stage_is_priced_as_fsdp2_runs_it_gathers_of_parameters_and_a_red
     """Issue 28: the runtime shards a d-GPU stage with FSDP2, so the planner prices what that costs: compute,
     state and activations over d; per layer an all-gather of its parameters before the forward and again
     before the backward, a reduce-scatter of its gradients after it; nothing for the activations' size."""
-    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=80 * GB, intra_node_bandwidth=100e9,
-                          p2p_latency_s=1e-5)  # fmt: skip
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=80 * GB, intra_node_bandwidth=100e9, p2p_latency_s=1e-5)
     trained = layer(fwd=2.0, bw=1.0, bd=1.0, state=4 * GB, act=8 * GB, out=GB)
-    frozen_first = layer(name="vision.block", modality="vision", fwd=1.0, state=2 * GB, act=GB, out=GB,
-                         trainable=False)  # fmt: skip
+    frozen_first = layer(name="vision.block", modality="vision", fwd=1.0, state=2 * GB, act=GB, out=GB, trainable=False)
     prefix = LayerPrefix(effective_layers(profile_of([frozen_first, trained])))
     gather = lambda b, d: cluster.allgather_s(b, d, cross_node=False)  # noqa: E731
     for d in (2, 4):
@@ -407,4 +409,5 @@ def test_a_wide_stage_is_priced_as_fsdp2_runs_it_gathers_of_parameters_and_a_red
         bigger_activations = LayerPrefix(effective_layers(profile_of([frozen_first, wider])))
         assert stage_cost(bigger_activations, cluster, 1, 2, d).forward_s == pytest.approx(cost.forward_s)
     assert cluster.allgather_s(4 * GB, 4, cross_node=False) == pytest.approx(
-        cluster.allreduce_s(4 * GB, 4, cross_node=False) / 2)
+        cluster.allreduce_s(4 * GB, 4, cross_node=False) / 2
+    )

@@ -7,8 +7,17 @@ import random
 import statistics
 from dataclasses import replace
 
-from oobleck_mm.master.stragglers import (CALIBRATION_CAP, CALIBRATION_WARMUP, RankCompute, StragglerDetector, StragglerRule,
-                               expected_compute, node_factors, slowed_median, stage_ranges)
+from oobleck_mm.master.stragglers import (
+    CALIBRATION_CAP,
+    CALIBRATION_WARMUP,
+    RankCompute,
+    StragglerDetector,
+    StragglerRule,
+    expected_compute,
+    node_factors,
+    slowed_median,
+    stage_ranges,
+)
 from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
 
 RULE = StragglerRule(factor=1.5, clear_factor=1.2, steps=4)
@@ -107,10 +116,16 @@ class _Instance:
 
 
 def test_expected_compute_is_the_stage_time_per_microbatch_times_the_pipelines_microbatches():
-    layout = ExecutionPlan((PipelineLayout((StageLayout(0, 0, 3), StageLayout(1, 3, 4)), 4),
-                            PipelineLayout((StageLayout(2, 0, 4),), 2)), 4, 1)  # fmt: skip
-    plan = type("P", (), {"pipelines": (_Instance((_Stage(0.1, 0.2), _Stage(0.05, 0.1)), 4),
-                                        _Instance((_Stage(0.15, 0.3),), 2))})()  # fmt: skip
+    layout = ExecutionPlan(
+        (PipelineLayout((StageLayout(0, 0, 3), StageLayout(1, 3, 4)), 4), PipelineLayout((StageLayout(2, 0, 4),), 2)),
+        4,
+        1,
+    )
+    plan = type(
+        "P",
+        (),
+        {"pipelines": (_Instance((_Stage(0.1, 0.2), _Stage(0.05, 0.1)), 4), _Instance((_Stage(0.15, 0.3),), 2))},
+    )()
     expected = expected_compute(plan, layout)
     assert {r: round(s, 9) for r, s in expected.items()} == {0: 1.2, 1: 0.6, 2: 0.9}
     # A generation read from a journal has no plan: each layer counts the same.
@@ -120,8 +135,11 @@ def test_expected_compute_is_the_stage_time_per_microbatch_times_the_pipelines_m
 def test_a_flagged_nodes_factor_is_reported_again_when_it_moved_a_quarter_a_window_after_the_last_report():
     """Found slow at 1.6x (the window still held fast steps), then at 5x: the split and the bench must see 5x."""
     det = StragglerDetector(RULE)
-    verdicts = [v for step, f in enumerate([1.6, 1.6, 1.6, 1.6, 5, 5, 5, 5, 5.5, 5.2, 4.8, 5.1])
-                for v in det.observe(step, step_ranks({"b": f}))]  # fmt: skip
+    verdicts = [
+        v
+        for step, f in enumerate([1.6, 1.6, 1.6, 1.6, 5, 5, 5, 5, 5.5, 5.2, 4.8, 5.1])
+        for v in det.observe(step, step_ranks({"b": f}))
+    ]
     assert [(v.kind, v.step, round(v.factor, 2)) for v in verdicts] == [("detected", 3, 1.6), ("changed", 7, 5.0)]
 
 
@@ -217,6 +235,12 @@ def test_a_ranges_error_outlives_its_node_and_the_generation():
 
 
 def test_stage_ranges_give_every_gpu_of_a_stage_its_layers():
-    layout = ExecutionPlan((PipelineLayout((StageLayout(0, 0, 3, shards=(1,)), StageLayout(2, 3, 4)), 4),
-                            PipelineLayout((StageLayout(3, 0, 4),), 2)), 4, 2)  # fmt: skip
+    layout = ExecutionPlan(
+        (
+            PipelineLayout((StageLayout(0, 0, 3, shards=(1,)), StageLayout(2, 3, 4)), 4),
+            PipelineLayout((StageLayout(3, 0, 4),), 2),
+        ),
+        4,
+        2,
+    )
     assert stage_ranges(layout) == {0: (0, 3), 1: (0, 3), 2: (3, 4), 3: (0, 4)}

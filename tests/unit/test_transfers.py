@@ -14,8 +14,9 @@ GEN1 = ExecutionPlan.even(10, [2, 2], [4, 4], 2)
 # gen 2 after losing r3: [r0 r1] unchanged, r2 alone holds every layer (needs 5-9 copied)
 GEN2 = ExecutionPlan(
     (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
-    10, 2,
-)  # fmt: skip
+    10,
+    2,
+)
 
 
 def test_transfers_spread_over_surviving_holders():
@@ -91,8 +92,9 @@ def test_every_missing_state_is_copied_once_from_a_survivor_that_holds_it(old_si
         assert previous[t.src] >= 0 and t.layer in old.stage(previous[t.src]).layers
         assert t.layer in new.stage(t.dst).layers
         assert previous[t.dst] < 0 or t.layer not in old.stage(previous[t.dst]).layers
-        same_node = [r for r, p in enumerate(previous)
-                     if p >= 0 and nodes[r] == nodes[t.dst] and t.layer in old.stage(p).layers]  # fmt: skip
+        same_node = [
+            r for r, p in enumerate(previous) if p >= 0 and nodes[r] == nodes[t.dst] and t.layer in old.stage(p).layers
+        ]
         if same_node:
             assert nodes[t.src] == nodes[t.dst], (t, "a holder on the destination's node was passed over")
 
@@ -123,8 +125,9 @@ def _reference_transfers(held, needed, node_of, rank_of):
 )
 def test_plan_transfers_equals_the_brute_force_rule(nodes, gpus, layers, data):
     everyone = [(n, g) for n in range(nodes) for g in range(gpus)]
-    held = {gpu: data.draw(st.sets(st.integers(0, layers - 1), min_size=1)) for gpu in everyone
-            if data.draw(st.booleans())}  # fmt: skip
+    held = {
+        gpu: data.draw(st.sets(st.integers(0, layers - 1), min_size=1)) for gpu in everyone if data.draw(st.booleans())
+    }
     assume(set().union(*held.values()) == set(range(layers)) if held else False)
     needed = {gpu: data.draw(st.sets(st.integers(0, layers - 1))) for gpu in everyone}
     node_of = lambda gpu: gpu[0]  # noqa: E731
@@ -138,8 +141,13 @@ def test_a_packed_layer_unpacks_to_the_same_tensors_whatever_their_dtypes_and_la
 
     from oobleck_mm.runtime.state_transfer import ALIGN_BYTES, pack, unpack
 
-    tensors = [torch.randn(3, 5, dtype=torch.bfloat16), torch.tensor(7.0), torch.arange(5, dtype=torch.int64),
-               torch.randn(4, 4, dtype=torch.float64).t(), torch.randn(3, dtype=torch.float16)]  # fmt: skip
+    tensors = [
+        torch.randn(3, 5, dtype=torch.bfloat16),
+        torch.tensor(7.0),
+        torch.arange(5, dtype=torch.int64),
+        torch.randn(4, 4, dtype=torch.float64).t(),
+        torch.randn(3, dtype=torch.float16),
+    ]
     packed = pack(tensors, "cpu")
     assert packed.dtype == torch.uint8 and packed.numel() % ALIGN_BYTES == 0
     out = unpack(packed, tensors)
@@ -155,7 +163,8 @@ def test_subgroups_are_every_multi_holder_bucket_then_the_tied_pair_in_order():
 
     plan = ExecutionPlan(
         (PipelineLayout((StageLayout(0, 0, 5), StageLayout(1, 5, 10)), 5), PipelineLayout((StageLayout(2, 0, 10),), 3)),
-        10, 2,
+        10,
+        2,
     )
     trainable = (True,) * 10
     everyone = (0, 1, 2)  # the step group, last
