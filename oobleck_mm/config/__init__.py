@@ -3,9 +3,14 @@
 The leaf of the import graph: nothing here imports another project module but
 ``oobleck_mm.errors`` (an import-linter contract in ``.importlinter`` keeps it so).
 
-- ``job``: the sections, the cross-field rules, building them from plain dicts;
-- ``fault_tolerance``: that section and the named timeouts derived from it
-  (``FaultToleranceConfig``'s properties);
+Three rooms. Declarations, one module per section, each field's docstring its
+reference and each ``__post_init__`` checking its own fields: ``model``, ``data``,
+``training``, ``fault_tolerance`` (with the named timeouts derived from it,
+``FaultToleranceConfig``'s properties), ``cluster`` (with ``planning`` and
+``balance``). Validation: ``validation``, the rules that relate fields of several
+sections. Loading: ``job`` (the sections as one ``JobConfig``, built from plain
+dicts) and ``loading`` (below). Beside them:
+
 - ``loading``: the file, ``--deepspeed``, ``--set`` and the named flags, in that
   order (``load_config``, ``apply_overrides``), and the job's YAML text;
 - ``values``: field checks and units (durations, sizes, bandwidths), ``ConfigError``;
@@ -14,28 +19,19 @@ The leaf of the import graph: nothing here imports another project module but
   (``LayerSpec``), the workload's token counts and ``model.frozen``'s names.
 """
 
-from oobleck_mm.config.job import (
-    FROZEN_MODULES,
+from oobleck_mm.config.cluster import BalanceConfig, ClusterConfig, PlanningConfig
+from oobleck_mm.config.data import DataConfig
+from oobleck_mm.config.job import JobConfig, config_from_dict, section_from_dict
+from oobleck_mm.config.model import FROZEN_MODULES, AudioConfig, LLMConfig, ModelConfig, ProjectorConfig, VisionConfig
+from oobleck_mm.config.training import (
     SCHEDULER_DEFAULT_WARMUP_STEPS,
     WARMUP_DECAY_DEFAULT_MAX_LR,
-    AudioConfig,
-    BalanceConfig,
-    ClusterConfig,
-    DataConfig,
-    JobConfig,
-    LLMConfig,
-    ModelConfig,
     OptimizerConfig,
     OptimizerParams,
-    PlanningConfig,
-    ProjectorConfig,
     SchedulerConfig,
     TrainingConfig,
-    VisionConfig,
-    config_from_dict,
-    section_from_dict,
-    validate,
 )
+from oobleck_mm.config.validation import validate
 from oobleck_mm.config.fault_tolerance import FaultToleranceConfig
 from oobleck_mm.config.loading import apply_overrides, dump_config, load_config, parse_config_text
 from oobleck_mm.config.values import ConfigError

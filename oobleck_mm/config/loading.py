@@ -2,7 +2,7 @@
 
 One precedence for every setting (file < ``--deepspeed`` < ``--set`` < named flags such as ``--steps``),
 and no default derived from another setting is filled in before all of them were applied: a section
-derives what it needs when it is built (``config.job``), and is built again after each step. Also the
+derives what it needs when it is built (``config.validation``), and is built again after each step. Also the
 job's YAML text as the master ships it to agents and workers (``dump_config``, ``parse_config_text``).
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from oobleck_mm.config.deepspeed import apply_deepspeed
-from oobleck_mm.config.job import ClusterConfig, JobConfig, config_from_dict
+from oobleck_mm.config.cluster import ClusterConfig
+from oobleck_mm.config.job import JobConfig, config_from_dict
 from oobleck_mm.config.values import ConfigError
 
 log = logging.getLogger(__name__)

@@ -20,12 +20,11 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from oobleck_mm.config.data import DEFAULT_IMAGE_SIZE, SYNTHETIC_IMAGES_PER_SAMPLE, DataConfig
+from oobleck_mm.config.model import ModelConfig
 from oobleck_mm.errors import UserError
-
-if TYPE_CHECKING:
-    from oobleck_mm.config.job import DataConfig, ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,18 +136,10 @@ class SequenceTokens:
         return self.text + self.vision_llm + self.audio_llm
 
 
-DEFAULT_IMAGE_SIZE = 224
-"""``data.image_size`` of a model whose vision tower does not name one (the built-in model)."""
-SYNTHETIC_TEXT_TOKENS = 32.0
-"""``data.mean_text_tokens`` of synthetic data when not given."""
-SYNTHETIC_IMAGES_PER_SAMPLE = 1.0
-"""``data.mean_images_per_sample`` of synthetic data for a model with a vision encoder, when not given."""
-
-
 def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
     images = data.mean_images_per_sample
     if images is None and (data.kind == "synthetic" or model.vision is None):
-        images = SYNTHETIC_IMAGES_PER_SAMPLE if model.vision is not None else 0.0  # as config.job derives it
+        images = SYNTHETIC_IMAGES_PER_SAMPLE if model.vision is not None else 0.0  # as config.validation derives it
     if data.mean_text_tokens is None or images is None:
         missing = "mean_text_tokens" if data.mean_text_tokens is None else "mean_images_per_sample"
         raise UserError(

@@ -84,7 +84,7 @@ def check_samples(job, progress: Callable[[str], None] = print) -> list[BadSampl
 def ensure_shape(job, progress: Callable[[str], None] = print) -> None:
     """``measure_shape`` for a command that plans without the master's check (``plan``, ``simulate``,
     ``verify`` of a run without recorded means): one pass over the records, no image decoded."""
-    from oobleck_mm.config.job import shape_measured
+    from oobleck_mm.config.validation import shape_measured
 
     if not shape_measured(job.data):
         measure_shape(job, build_dataset(job), progress=progress)
@@ -96,7 +96,7 @@ def measure_shape(job, dataset, left_out: set[int] = frozenset(), progress: Call
     the media placeholders, as ``config.shape.sequence_tokens`` counts them) and ``data.mean_images_per_sample``.
     A value the user set is kept (a user may plan for data to come). The job is validated again with them:
     the rules that need the means (``data.max_seq_len`` against the mean sequence, an idle vision tower)."""
-    from oobleck_mm.config.job import shape_measured, validate
+    from oobleck_mm.config.validation import shape_measured, validate
 
     d = job.data
     if shape_measured(d):

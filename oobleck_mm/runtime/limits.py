@@ -52,7 +52,7 @@ def check_templates(job) -> None:
     exit 2). Only with the analytical profile: a measured one times the job's layers, which is the master's
     work at start (seconds of it), and only once the data's shape is known (a ``llava_json`` file's is
     measured by the master, which then checks its data first, naming a bad sample before any plan)."""
-    from oobleck_mm.config.job import shape_measured
+    from oobleck_mm.config.validation import shape_measured
 
     if job.planning.profile != "analytical" or not shape_measured(job.data):
         return  # a data file's token counts are measured by the master before it plans (data.check)

@@ -65,6 +65,8 @@ def test_config_imports_no_other_project_module():
         [
             "oobleck_mm",
             "oobleck_mm.config",
+            "oobleck_mm.config.cluster",
+            "oobleck_mm.config.data",
             "oobleck_mm.config.deepspeed",
             "oobleck_mm.config.devices",
             "oobleck_mm.config.emulation",
@@ -72,7 +74,10 @@ def test_config_imports_no_other_project_module():
             "oobleck_mm.config.huggingface",
             "oobleck_mm.config.job",
             "oobleck_mm.config.loading",
+            "oobleck_mm.config.model",
             "oobleck_mm.config.shape",
+            "oobleck_mm.config.training",
+            "oobleck_mm.config.validation",
             "oobleck_mm.config.values",
             "oobleck_mm.errors",
         ]
