@@ -4,7 +4,7 @@ takes when a field is left out. Declarations (cross-field rules: ``config.valida
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from oobleck_mm.config.values import (
@@ -27,16 +27,30 @@ SYNTHETIC_IMAGES_PER_SAMPLE = 1.0
 """``data.mean_images_per_sample`` of synthetic data for a model with a vision encoder, when not given."""
 
 
+DATA_KINDS = ("synthetic", "llava_json", "hf_datasets")
+COLUMN_ROLES = ("id", "conversations", "text", "image")
+"""What ``data.columns`` may map (``oobleck_mm.data.hf_datasets``)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     _PATH: ClassVar[str] = "data"
     kind: str = "synthetic"
-    """``synthetic`` (generated from the shape below) or ``llava_json`` (a LLaVA-style JSON file)."""
+    """``synthetic`` (generated from the shape below), ``llava_json`` (a LLaVA-style JSON file) or
+    ``hf_datasets`` (a HuggingFace ``datasets`` folder or Parquet files, ``oobleck_mm.data.hf_datasets``).
+    What this section says of ``llava_json`` holds for ``hf_datasets`` too."""
     path: str | None = None
-    """Dataset file; required for ``llava_json``."""
+    """Dataset file (``llava_json``), or ``save_to_disk`` folder, Parquet file or folder of them
+    (``hf_datasets``); required for both."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """``hf_datasets``: which column holds what, ``{role: column}`` for the roles ``id``, ``conversations``
+    (LLaVA turns or chat messages), ``text`` (a caption, instead of ``conversations``) and ``image``
+    (``datasets`` Images or paths, one or a list). Default: the columns named like the roles."""
+    split: str = "train"
+    """``hf_datasets``: the split of a ``DatasetDict`` folder."""
     image_dir: str | None = None
     """Folder the ``llava_json`` image paths are relative to; a relative folder is taken relative
-    to the JSON file's folder. Default: the JSON file's folder."""
+    to the JSON file's folder (``hf_datasets``: the dataset folder). Default: that folder."""
     seed: int = 0
     """Seed of the synthetic samples (each sample is a function of (seed, index) only)."""
     num_samples: int = 100000
@@ -87,7 +101,16 @@ class DataConfig:
     every rank and every resume leaves out the same ones; may also be set by hand."""
 
     def __post_init__(self) -> None:
-        check(self, "kind", as_choice, ("synthetic", "llava_json"))
+        check(self, "kind", as_choice, DATA_KINDS)
+        if not isinstance(self.columns, dict) or not all(isinstance(v, str) and v for v in self.columns.values()):
+            raise ConfigError(f"data.columns: expected a mapping of role to column name, got {self.columns!r}")
+        if unknown := sorted(set(self.columns) - set(COLUMN_ROLES)):
+            raise ConfigError(
+                f"data.columns: unknown role {unknown[0]!r}; valid: {', '.join(COLUMN_ROLES)} (each naming a column)"
+            )
+        if "conversations" in self.columns and "text" in self.columns:
+            raise ConfigError("data.columns: name either 'conversations' or 'text' (a caption), not both")
+        check(self, "split", as_str)
         check_optional(self, "path", as_str)
         if self.path is not None:
             self.path = os.path.expanduser(self.path)
@@ -143,6 +166,7 @@ class DataConfig:
         # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.
         if self.path is None:
             return
-        folder = os.path.join(os.path.dirname(os.path.abspath(self.path)), self.image_dir)
+        base = self.path if os.path.isdir(self.path) else os.path.dirname(os.path.abspath(self.path))
+        folder = os.path.join(base, self.image_dir)
         if not os.path.isdir(folder):
             raise ConfigError(f"data.image_dir: folder {folder!r} does not exist")

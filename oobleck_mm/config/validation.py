@@ -157,8 +157,8 @@ def shape_measured(d: DataConfig) -> bool:
 
 
 def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
-    if d.kind == "llava_json" and d.path is None:
-        raise ConfigError("data.path: required when data.kind is 'llava_json'")
+    if d.kind != "synthetic" and d.path is None:
+        raise ConfigError(f"data.path: required when data.kind is {d.kind!r}")
     derive_data_shape(m, d)
     # An encoder with no input would be costed as idle, silently skewing the plan.
     if d.mean_images_per_sample is not None and (m.vision is None) != (d.mean_images_per_sample == 0):

@@ -18,6 +18,11 @@ def build_dataset(job) -> Dataset:
     inputs = ModelInputs.from_model(job.model)
     if job.data.kind == "synthetic":
         return SyntheticDataset(job.data, inputs)
+    if job.data.kind == "hf_datasets":  # the same records, from a datasets folder or Parquet files
+        from oobleck_mm.data.hf_datasets import DatasetsHFLlavaDataset, DatasetsLlavaDataset
+
+        cls = DatasetsHFLlavaDataset if job.model.huggingface is not None else DatasetsLlavaDataset
+        return cls(job.data, inputs)
     if job.data.kind == "llava_json":
         if job.model.huggingface is not None:  # the model's own tokenizer and image processor
             from oobleck_mm.data.hf_llava import HFLlavaJsonDataset
@@ -26,4 +31,4 @@ def build_dataset(job) -> Dataset:
         from oobleck_mm.data.llava import LlavaJsonDataset
 
         return LlavaJsonDataset(job.data, inputs)
-    raise UserError(f"data.kind: must be 'synthetic' or 'llava_json', got {job.data.kind!r}")
+    raise UserError(f"data.kind: must be 'synthetic', 'llava_json' or 'hf_datasets', got {job.data.kind!r}")

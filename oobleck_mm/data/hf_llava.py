@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
 from oobleck_mm.config import DataConfig
 from oobleck_mm.data import record_cache
@@ -192,7 +192,7 @@ class HFLlavaJsonDataset(JsonRecords):
     def _record(self, position: int, entry) -> _Record:
         sample_id, where, turns, paths = self._entry(position, entry)
         for path in paths:
-            if not os.path.isfile(path):
+            if not self.image_exists(path):
                 raise UserError(f"{where}: cannot read image {path!r}: no such file")
         text, answers = self._render(turns, where)
         # The tokenizers backend itself, as the transformers call ends in it (the same ids and
@@ -283,7 +283,7 @@ class HFLlavaJsonDataset(JsonRecords):
 
     def _pixels(self, path: str, sample_id: str) -> torch.Tensor:
         try:
-            with Image.open(path) as im:
+            with self.open_image(path) as im:
                 image = im.convert("RGB")
         except (OSError, UnidentifiedImageError) as exc:
             raise UserError(f"{self.data.path}: sample {sample_id!r}: cannot decode image {path!r}: {exc}") from None

@@ -63,14 +63,16 @@ class _Record:
 
 class JsonRecords:
     """The records of a LLaVA-style JSON file: what both readers (byte-level, a model's own tokenizer)
-    share. A subclass sets up what ``_record(position, entry)`` needs, then calls ``__init__``."""
+    share. A subclass sets up what ``_record(position, entry)`` needs, then calls ``__init__``. Where the
+    records and their images come from is ``_entries`` and ``open_image`` (``data.hf_datasets`` reads
+    them from a ``datasets`` folder instead)."""
 
     def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
         if data.path is None:
-            raise UserError("data.path: required when data.kind is 'llava_json'")
+            raise UserError(f"data.path: required when data.kind is {data.kind!r}")
         self.data, self.inputs = data, inputs
         self.image_dir = image_folder(data)
-        entries = _load_json(data.path)
+        entries = self._entries(data)
         excluded = set(data.excluded_samples)
         if excluded and max(excluded) >= len(entries):
             raise UserError(
@@ -95,6 +97,21 @@ class JsonRecords:
             )
         self._records = tuple(records)
 
+    def _entries(self, data: DataConfig):
+        """The records as JSON entries, in file order (a sequence)."""
+        return _load_json(data.path)
+
+    def open_image(self, path: str):
+        """The image a record names, opened (PIL, lazily: the header is read, the pixels when loaded)."""
+        return Image.open(path)
+
+    def image_exists(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def _image_path(self, name: str) -> str:
+        """Where a record's image is: relative to ``data.image_dir``."""
+        return os.path.join(self.image_dir, name)
+
     def __len__(self) -> int:
         return len(self._records)
 
@@ -110,7 +127,7 @@ class JsonRecords:
         record = self._records[check_index(index, len(self))]
         for path in record.image_paths:
             try:
-                with Image.open(path) as im:
+                with self.open_image(path) as im:
                     im.load()
             except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # PIL's decoders raise these
                 raise UserError(
@@ -130,7 +147,7 @@ class JsonRecords:
             raise UserError(f"{where} has {markers} '{MARKER}' markers but {len(paths)} images")
         if paths and not self.inputs.has_vision:
             raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
-        return sample_id, where, turns, tuple(os.path.join(self.image_dir, p) for p in paths)
+        return sample_id, where, turns, tuple(self._image_path(p) for p in paths)
 
 
 class LlavaJsonDataset(JsonRecords):
@@ -150,7 +167,8 @@ class LlavaJsonDataset(JsonRecords):
         images = []
         for path, size in zip(record.image_paths, record.meta.image_sizes):
             try:
-                images.append(_load_image(path, size, self.inputs.in_channels))
+                with self.open_image(path) as im:
+                    images.append(_pixels(im, size, self.inputs.in_channels))
             except (OSError, UnidentifiedImageError) as exc:  # a header that read fine, a body that does not
                 raise UserError(
                     f"{self.data.path}: sample {record.sample_id!r}: cannot decode image {path!r}: {exc}"
@@ -208,7 +226,7 @@ class LlavaJsonDataset(JsonRecords):
         size = self._header_sizes.get(path)
         if size is None:
             try:
-                with Image.open(path) as im:
+                with self.open_image(path) as im:
                     size = self._header_sizes[path] = im.size
             except (OSError, UnidentifiedImageError) as exc:
                 raise UserError(f"{where}: cannot read image {path!r}: {exc}") from None
@@ -289,9 +307,8 @@ def _image_paths(image, where: str) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _load_image(path: str, size: tuple[int, int], channels: int) -> torch.Tensor:
+def _pixels(im: Image.Image, size: tuple[int, int], channels: int) -> torch.Tensor:
     height, width = size
-    with Image.open(path) as im:
-        pixels = im.convert(_PIL_MODES[channels]).resize((width, height), Image.Resampling.BICUBIC)
+    pixels = im.convert(_PIL_MODES[channels]).resize((width, height), Image.Resampling.BICUBIC)
     array = np.asarray(pixels, dtype=np.float32).reshape(height, width, channels) / 255.0
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
