@@ -79,6 +79,15 @@ def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides
     JSON config mapped onto the training section (``oobleck_mm.config.deepspeed``); its notes
     (keys accepted without effect) are logged as warnings. ``overrides``: ``--set KEY=VALUE``
     items (``apply_set``), applied last, checked like the file."""
+    raw = read_config_dict(path, deepspeed)
+    if overrides and isinstance(raw, dict):
+        apply_set(raw, overrides)
+    return config_from_dict(raw, source=os.fspath(path))
+
+
+def read_config_dict(path: str | os.PathLike, deepspeed: str | None = None) -> Any:
+    """``load_config``'s plain dict before it is built: the file's paths made absolute (relative to the file),
+    ``deepspeed`` mapped in; nothing derived or checked yet (``oobleck_mm.api`` edits it first)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as fh:
@@ -123,9 +132,7 @@ def load_config(path: str | os.PathLike, deepspeed: str | None = None, overrides
         module, sep, function = model["builder"].rpartition(":")
         if sep and module.endswith(".py"):  # a file path: absolute, so every worker finds it
             model["builder"] = os.path.join(here, os.path.expanduser(module)) + ":" + function
-    if overrides and isinstance(raw, dict):
-        apply_set(raw, overrides)
-    return config_from_dict(raw, source=path)
+    return raw
 
 
 # Paths given on the command line are relative to where the command runs, not to the YAML file.
