@@ -8,6 +8,7 @@ code once the coordinator finished, ``stop()`` releases everything.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
@@ -116,6 +117,21 @@ def default_run_dir(job_name: str) -> str:
     return os.path.join("runs", f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
+def _quiet_poller_at_exit(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's exception handler: gRPC's asyncio poller reads its notification socket after gRPC closed it
+    when the process exits with the loop still running (an error exit, a signal), and asyncio logged that as
+    an ERROR with a traceback after the job's own message (grpc/grpc#25364 is its multi-loop cousin; Cirq
+    filters it the same way). Only that read is dropped; every other error is logged as asyncio would."""
+    error = context.get("exception")
+    if isinstance(error, OSError) and error.errno in (errno.EBADF, errno.EAGAIN):
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and "completion_queue" in tb.tb_frame.f_code.co_filename:
+            return
+    loop.default_exception_handler(context)
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -165,6 +181,7 @@ class MasterServer:
         waiters = max(4, min(MAX_STORE_WAITERS, self.num_nodes // 2 + 4))
         threads = UNARY_THREADS + waiters
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_poller_at_exit)
         threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True).start()
 
         async def bind() -> tuple[grpc.aio.Server, int]:
