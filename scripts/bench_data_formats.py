@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Records/s a rank reads from each data format: LLaVA JSON with image files, a ``datasets`` folder with the
-images inside, and Parquet.
+images inside, Parquet, and WebDataset tar shards.
 
     python scripts/bench_data_formats.py [--records 20000] [--loads 2000] [--json OUT]
 
 The same ``--records`` LLaVA-style records (a question with an image in nine of ten, answers of 15-150
-words; 64 distinct 24-48 px PNGs, as LLaVA's mixes reuse their images) are written three ways, then each
+words; 64 distinct 24-48 px PNGs, as LLaVA's mixes reuse their images) are written four ways (the shards:
+10 tars of ``.json`` turns and ``.png`` members, indexed on first read, index kept out of the timing's
+cache: ``data.cache_dir: null``), then each
 is read in a fresh process (as a rank is) by both readers: the built-in model's byte-level one and a tiny
 HF LLaVA's own tokenizer and image processor (``data.cache_dir: null``: every rank's cost without the
 node's cache). Two figures each: the records built per second (what a rank does before its first step)
@@ -20,6 +22,7 @@ import json
 import multiprocessing as mp
 import random
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -68,10 +71,23 @@ def write_all(folder: Path, count: int) -> dict[str, str]:
     ds = datasets.Dataset.from_dict(table, features=features)
     ds.save_to_disk(str(folder / "folder"))
     ds.to_parquet(str(folder / "data.parquet"))
+    per_shard = -(-count // 10)
+    (folder / "shards").mkdir()
+    for k in range(0, count, per_shard):
+        with tarfile.open(folder / "shards" / f"part-{k // per_shard:02d}.tar", "w") as tar:
+            for row in rows[k : k + per_shard]:
+                members = [(".json", json.dumps({"conversations": row["conversations"]}).encode())]
+                if "image" in row:
+                    members.append((".png", (folder / row["image"]).read_bytes()))
+                for ext, data in members:
+                    info = tarfile.TarInfo(row["id"] + ext)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
     return {
         "llava_json": str(folder / "data.json"),
         "hf_datasets folder": str(folder / "folder"),
         "hf_datasets parquet": str(folder / "data.parquet"),
+        "webdataset shards": str(folder / "shards" / "part-{00..09}.tar"),
     }
 
 
@@ -120,7 +136,7 @@ def main(argv=None) -> int:
         readers = {
             "byte-level (tiny_mm)": lambda data: {
                 **_tiny_mm(),
-                "data": {**data, "image_size": 32, "max_seq_len": 512},
+                "data": {**data, "image_size": 32, "max_seq_len": 512, "cache_dir": None},
             },
             "HF tokenizer + image processor": lambda data: {
                 "model": {"huggingface": str(model)},

@@ -27,7 +27,7 @@ SYNTHETIC_IMAGES_PER_SAMPLE = 1.0
 """``data.mean_images_per_sample`` of synthetic data for a model with a vision encoder, when not given."""
 
 
-DATA_KINDS = ("synthetic", "llava_json", "hf_datasets")
+DATA_KINDS = ("synthetic", "llava_json", "hf_datasets", "webdataset")
 COLUMN_ROLES = ("id", "conversations", "text", "image")
 """What ``data.columns`` may map (``oobleck_mm.data.hf_datasets``)."""
 
@@ -37,15 +37,18 @@ class DataConfig:
     _PATH: ClassVar[str] = "data"
     kind: str = "synthetic"
     """``synthetic`` (generated from the shape below), ``llava_json`` (a LLaVA-style JSON file) or
-    ``hf_datasets`` (a HuggingFace ``datasets`` folder or Parquet files, ``oobleck_mm.data.hf_datasets``).
-    What this section says of ``llava_json`` holds for ``hf_datasets`` too."""
+    ``hf_datasets`` (a HuggingFace ``datasets`` folder or Parquet files, ``oobleck_mm.data.hf_datasets``) or
+    ``webdataset`` (tar shards, ``oobleck_mm.data.webdataset``). What this section says of ``llava_json``
+    holds for the last two too."""
     path: str | None = None
     """Dataset file (``llava_json``), or ``save_to_disk`` folder, Parquet file or folder of them
-    (``hf_datasets``); required for both."""
+    (``hf_datasets``), or the shards: a brace pattern, a glob, a tar or a folder of them (``webdataset``);
+    required for all three."""
     columns: dict[str, str] = field(default_factory=dict)
     """``hf_datasets``: which column holds what, ``{role: column}`` for the roles ``id``, ``conversations``
     (LLaVA turns or chat messages), ``text`` (a caption, instead of ``conversations``) and ``image``
-    (``datasets`` Images or paths, one or a list). Default: the columns named like the roles."""
+    (``datasets`` Images or paths, one or a list). Default: the columns named like the roles.
+    ``webdataset``: the member extension of each role (defaults: ``txt``, ``json``, an image's)."""
     split: str = "train"
     """``hf_datasets``: the split of a ``DatasetDict`` folder."""
     image_dir: str | None = None
@@ -114,7 +117,8 @@ class DataConfig:
         check_optional(self, "path", as_str)
         if self.path is not None:
             self.path = os.path.expanduser(self.path)
-            if not os.path.exists(self.path):
+            # (WebDataset shards are a pattern: its reader names a pattern that matches nothing, or a missing shard)
+            if not os.path.exists(self.path) and self.kind != "webdataset":
                 raise ConfigError(f"data.path: file {self.path!r} does not exist")
         check_optional(self, "image_dir", as_str)
         if self.image_dir is not None:
@@ -164,7 +168,7 @@ class DataConfig:
 
     def _check_image_dir(self) -> None:
         # Only checkable once the JSON file is known: a relative folder hangs off the JSON's folder.
-        if self.path is None:
+        if self.path is None or self.kind == "webdataset":  # (shards hold their images)
             return
         base = self.path if os.path.isdir(self.path) else os.path.dirname(os.path.abspath(self.path))
         folder = os.path.join(base, self.image_dir)

@@ -23,6 +23,11 @@ def build_dataset(job) -> Dataset:
 
         cls = DatasetsHFLlavaDataset if job.model.huggingface is not None else DatasetsLlavaDataset
         return cls(job.data, inputs)
+    if job.data.kind == "webdataset":  # the same records, from tar shards through their index
+        from oobleck_mm.data.webdataset import ShardsHFLlavaDataset, ShardsLlavaDataset
+
+        cls = ShardsHFLlavaDataset if job.model.huggingface is not None else ShardsLlavaDataset
+        return cls(job.data, inputs)
     if job.data.kind == "llava_json":
         if job.model.huggingface is not None:  # the model's own tokenizer and image processor
             from oobleck_mm.data.hf_llava import HFLlavaJsonDataset
@@ -31,4 +36,4 @@ def build_dataset(job) -> Dataset:
         from oobleck_mm.data.llava import LlavaJsonDataset
 
         return LlavaJsonDataset(job.data, inputs)
-    raise UserError(f"data.kind: must be 'synthetic', 'llava_json' or 'hf_datasets', got {job.data.kind!r}")
+    raise UserError(f"data.kind: must be one of synthetic, llava_json, hf_datasets, webdataset; got {job.data.kind!r}")

@@ -211,20 +211,7 @@ class DatasetsHFLlavaDataset(_FromDatasetRows, HFLlavaJsonDataset):
         self.rows = DatasetRows(data)
         super().__init__(data, inputs)
 
-    @staticmethod
-    def _cache_key(data: DataConfig, inputs: ModelInputs) -> str:
-        data_files = (
-            record_cache.directory_fingerprint(data.path)
-            if os.path.isdir(data.path)
-            else [record_cache.fingerprint(data.path)]
-        )
-        return record_cache.cache_key(
-            {
-                "reader": "hf_datasets",
-                "hf_llava": HFLlavaJsonDataset._cache_key(data, inputs),
-                "data_files": data_files,
-                "columns": sorted(data.columns.items()),
-                "split": data.split,
-                "image_dir": dataset_image_folder(data),
-            }
-        )
+    def _data_fingerprint(self, data: DataConfig):
+        if os.path.isdir(data.path):
+            return record_cache.directory_fingerprint(data.path)
+        return record_cache.fingerprint(data.path)

@@ -95,15 +95,20 @@ class HFLlavaJsonDataset(JsonRecords):
 
     # ------------------------------------------------------------------ the node's record cache
 
-    @staticmethod
-    def _cache_key(data: DataConfig, inputs: ModelInputs) -> str:
+    def _data_fingerprint(self, data: DataConfig):
+        """What the records are read from, for the cache key (a reader of other files says which)."""
+        return record_cache.fingerprint(data.path)
+
+    def _cache_key(self, data: DataConfig, inputs: ModelInputs) -> str:
         import tokenizers
         import transformers
 
         return record_cache.cache_key(
             {
-                "reader": "hf_llava",
-                "data": record_cache.fingerprint(data.path),
+                "reader": type(self).__name__,
+                "data": self._data_fingerprint(data),
+                "columns": sorted(data.columns.items()),
+                "split": data.split,
                 "image_dir": image_folder(data),
                 "model": record_cache.directory_fingerprint(inputs.huggingface),
                 "settings": [data.max_seq_len, data.loss_on, data.skip_bad_samples, list(data.excluded_samples)],

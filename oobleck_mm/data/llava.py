@@ -140,6 +140,8 @@ class JsonRecords:
             raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
         sample_id = str(entry.get("id", f"#{position}"))
         where = f"{self.data.path}: sample {sample_id!r}"
+        if entry.get("error"):  # a reader of another format found the record unusable (``webdataset``)
+            raise UserError(f"{where} {entry['error']}")
         turns = conversation_turns(entry.get("conversations"), where)
         paths = _image_paths(entry.get("image"), where)
         markers = sum(value.count(MARKER) for _, value in turns)

@@ -1,5 +1,5 @@
-"""Training from a ``datasets`` folder (images as bytes inside it) equals the reference, through a lost
-node and a resume from a checkpoint (float64, real gloo processes)."""
+"""Training from a ``datasets`` folder (images as bytes inside it) or from WebDataset shards equals the
+reference, through a lost node and a resume from a checkpoint (float64, real gloo processes)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import yaml
 
 pytest.importorskip("datasets")
+pytest.importorskip("braceexpand")
 
 from tests.integration.test_grad_overlap import worst_against_reference  # noqa: E402
 
@@ -22,23 +23,27 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def job(folder: str, steps: int):
+def job(folder: str, steps: int, kind: str):
     from tests.unit.test_hf_datasets import hf_dataset, records
+    from tests.unit.test_webdataset import one_image_records, write_shards
 
-    if not os.path.exists(folder):
+    path = folder
+    if kind == "hf_datasets":
         hf_dataset(records(48, seed=5)).save_to_disk(folder)
+    else:
+        path = write_shards(folder, one_image_records(48, seed=5), per_shard=20)
     with open(os.path.join(ROOT, "configs", "tiny_mm.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
-    raw["data"] = {"kind": "hf_datasets", "path": folder, "image_size": 32, "max_seq_len": 256}
+    raw["data"] = {"kind": kind, "path": path, "image_size": 32, "max_seq_len": 256}
     raw["training"].update(dtype="float64", steps=steps)
     j = config_from_dict(raw)
     ensure_shape(j, progress=lambda _: None)  # as the master measures the data before it plans
     return j
 
 
-def test_a_datasets_folder_trains_through_a_lost_node_and_a_resume_equal_to_the_reference(tmp_path):
-    folder = str(tmp_path / "data")
-    j = job(folder, 6)
+@pytest.mark.parametrize("kind", ["hf_datasets", "webdataset"])
+def test_a_datasets_folder_or_shards_train_through_a_lost_node_and_a_resume_equal_to_the_reference(tmp_path, kind):
+    j = job(str(tmp_path / "data"), 6, kind)
     assert j.data.mean_images_per_sample > 0.5, "the rows' images are read"
     before = ExecutionPlan.even(10, [2, 3, 1], [3, 3, 2], j.training.microbatch_size)  # ranks 0-1 | 2-4 | 5
     after = ExecutionPlan(
