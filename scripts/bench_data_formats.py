@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         tmp = Path(d)
         began = time.perf_counter()
         paths = write_all(tmp / "data", args.records)
-        print(f"wrote {args.records} records three ways in {time.perf_counter() - began:.1f} s", flush=True)
+        print(f"wrote {args.records} records four ways in {time.perf_counter() - began:.1f} s", flush=True)
         model = make_tiny_model(tmp / "model", text="llama", vision="clip")
         readers = {
             "byte-level (tiny_mm)": lambda data: {
