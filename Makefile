@@ -1,6 +1,6 @@
 # Two entry points, each doing all of its set-up on a fresh machine:
 #   make run   -- virtual environment + project, then the main job
-#   make test  -- the same plus the MindtPy chain and SLURM, then ruff, the import contracts and the whole suite
+#   make test  -- the same plus the MindtPy chain, SLURM and Chromium, then ruff, the import contracts and the suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # an importable torch is never replaced).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup minlp slurm run test test-fast bench gpu-check proto clean
+.PHONY: setup minlp slurm chromium run test test-fast bench gpu-check proto clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ minlp: setup
 slurm:
 	bash scripts/install_slurm.sh
 
+# Debian's Chromium for the status page's browser test (needs root: elsewhere that check skips).
+chromium:
+	bash scripts/install_chromium.sh
+
 # The main job: pipelines of different depths, the balancer on, a node killed and one joining.
 RUN_ARGS := local --config configs/mission.yaml --inject kill:node4@step10,join@step12
 
@@ -38,7 +42,7 @@ run: setup
 # (waits on heartbeats, timeouts, joins), and every test must pass next to other load anyway.
 TEST_WORKERS ?= 2
 
-test: minlp slurm
+test: minlp slurm chromium
 	$(VENV)/bin/ruff check .              # lint (settings in pyproject.toml)
 	$(VENV)/bin/ruff format --check .     # the formatter's layout, no hand-kept exceptions
 	$(VENV)/bin/lint-imports --no-cache   # the package graph's contracts (.importlinter)

@@ -226,6 +226,17 @@ def _add_control_plane_parsers(sub) -> None:
         "agents beyond MAX (cluster.max_nodes)",
     )
     master.add_argument("--steps", type=int, default=None, help="training steps (default training.steps)")
+    master.add_argument(
+        "--status-port",
+        type=int,
+        default=0,
+        help="port of the live status page, behind the job's token (default 0: a free one; -1: no page)",
+    )
+    master.add_argument(
+        "--status-host",
+        default="127.0.0.1",
+        help="address of the status page (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)",
+    )
     master.add_argument("--run-dir", default="", help="token and event log folder (default runs/<model>-<time>-<pid>)")
     master.add_argument("--token-file", default=None, help="job token file: read if it exists, else written (0600)")
     master.add_argument("--event-log", default=None, help="JSONL event log (default <run-dir>/events.jsonl)")
@@ -720,6 +731,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
         resume_command=resume_command,
         log_every=args.log_every,
         tensorboard=args.tensorboard,
+        status_host=args.status_host,
+        status_port=args.status_port,
     )
     server = MasterServer(job, options, journal=journal)
     interrupted: list[int] = []
@@ -732,7 +745,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
                 f"master listening on {server.address} for {job.cluster.nodes} nodes, {job.training.steps} "
                 f"steps\n  token file: {server.token_file}\n  event log:  {server.event_log_path}\n"
                 f"  start each node with: oobleck-launch agent --master {_dial_address(server)} "
-                f"--token-file {server.token_file}",
+                f"--token-file {server.token_file}"
+                + (f"\n  status page: {server.status.url()}?token=<the token file's>" if server.status else ""),
                 flush=True,
             )
         stop_requested = False

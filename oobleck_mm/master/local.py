@@ -108,6 +108,8 @@ class LocalCluster:
         with open(os.open(self.job_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as fh:
             dump_config(job, fh)
         self.address = ""
+        self.status_port: int | None = None
+        """The master's live status page (``master/status.py``), once it listens."""
         self.master: subprocess.Popen | None = None
         self._master_lock = threading.Lock()  # the injector reads the master's pid
         self.master_restarts = 0
@@ -144,6 +146,9 @@ class LocalCluster:
                 f"event log {self.event_log_path}",
                 flush=True,
             )
+            if self.status_port:
+                with open(self.token_file, encoding="utf-8") as fh:  # this console is the job owner's
+                    print(f"status page: http://127.0.0.1:{self.status_port}/?token={fh.read().strip()}", flush=True)
             if self.job.cluster.emulate is not None:
                 self._host_cpu = HostCpu()
                 print(describe_emulation(self.job), flush=True)
@@ -244,6 +249,7 @@ class LocalCluster:
             started = read_events(self.event_log_path, "master_started") if os.path.exists(self.event_log_path) else []
             if len(started) > seen:
                 self.address = started[-1]["address"]
+                self.status_port = started[-1].get("status_port")
                 return None
             time.sleep(0.05)
         self.message = f"the master did not start listening within {MASTER_START_TIMEOUT_S:.0f} s"

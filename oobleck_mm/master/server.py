@@ -25,10 +25,11 @@ from oobleck_mm.master.journal import Journal, end_journal, write_journal
 from oobleck_mm.master.metrics import MetricsSink
 from oobleck_mm.master.planning import PlannerPool
 from oobleck_mm.master.stalls import StallWatch
+from oobleck_mm.master.status import StatusBoard, StatusServer
 from oobleck_mm.master.service import AioTokenInterceptor, CoordinatorService, add_coordinator_service
 from oobleck_mm.master.store import KeyValueStore, RendezvousStoreService
 from oobleck_mm.errors import ExitCode, UserError
-from oobleck_mm.events import EventLog
+from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.protocol import MESSAGE_OPTIONS
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
 from oobleck_mm.protocol.auth import new_token, read_token, write_token
@@ -85,6 +86,10 @@ class MasterOptions:
     """Console lines every N steps (``--log-every``)."""
     tensorboard: bool = True
     """TensorBoard event files in ``<run dir>/tensorboard`` next to ``metrics.csv``."""
+    status_host: str = "127.0.0.1"
+    """Where the live status page listens (``master.status``): this machine only by default."""
+    status_port: int = 0
+    """Its port: 0 a free one, -1 no page."""
     stall_dumps: bool = True
     """Write every thread's stack to ``RUN_DIR/master-stalls.log`` when a control-loop pass stalls
     (``STALL_LOG``)."""
@@ -168,6 +173,8 @@ class MasterServer:
         self._done = threading.Event()
         self._exit_code = ExitCode.ERROR
         self.coordinator: Coordinator | None = None
+        self.status: StatusServer | None = None
+        """The live status page (``master/status.py``); None with ``status_port`` -1."""
 
     @property
     def address(self) -> str:
@@ -192,6 +199,21 @@ class MasterServer:
                 return server, 0
 
         self._server, self.port = self._on_loop(bind())
+        if self.options.status_port >= 0:
+            board = StatusBoard(self.job.model.name, self.steps)
+            if os.path.exists(self.event_log_path):  # a restarted master's page shows the job from its start
+                for record in read_events(self.event_log_path):
+                    board(record)
+            self.events.subscribe(board)
+            try:
+                self.status = StatusServer(
+                    board, self.token, self.options.status_host, self.options.status_port
+                ).start()
+            except OSError as error:
+                raise UserError(
+                    f"--status-port: cannot listen on {self.options.status_host}:{self.options.status_port} "
+                    f"({error.strerror}); another port, 0 for a free one, or -1 for no page"
+                ) from None
         if not self.port:
             raise UserError(f"--port: cannot listen on {format_address(host, self.options.port)} (in use?)")
         # The workers' rendezvous keys: served here, behind the token, instead of by torch's TCPStore
@@ -225,6 +247,7 @@ class MasterServer:
             nodes=self.num_nodes,
             steps=self.steps,
             pid=os.getpid(),
+            status_port=self.status.port if self.status else None,
         )
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         warning = heartbeat_load_warning(
@@ -308,6 +331,9 @@ class MasterServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
         if self._server is not None:
             self._on_loop(self._server.stop(grace=0.5))
             self._server = None

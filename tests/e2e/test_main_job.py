@@ -5,8 +5,13 @@ from __future__ import annotations
 import csv
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 from harness import ROOT
@@ -15,11 +20,27 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_join(tmp_path):
+    """Also the live status page (issue 51 item 4), in a real headless Chromium while the job runs: it
+    shows the kill's node lost and the generation that replaced it, and refuses a request without the
+    token (a new scenario joins this launch instead of starting a cluster of its own)."""
     [args] = re.findall(r"^RUN_ARGS := (.+)$", (ROOT / "Makefile").read_text(), re.M)
     command = [sys.executable, "-m", "oobleck_mm.cli", *shlex.split(args), "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    out = proc.stdout
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    try:
+        reader.start()
+        page = _status_page_checked(lines, tmp_path)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    assert page is None or "node4" in page, page
     assert "generation 1: 2 pipelines (stages 3,2;" in out, out[:2000]  # heterogeneous depths
     assert re.search(r"^1\s+kill\s+node4\s+1\d\s.*resumed at step", out, re.M), out[
         -2000:
@@ -55,6 +76,50 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
         == pytest.approx(float(r["measured_max_s"]) / float(r["predicted_max_s"]), rel=1e-4)
         for r in rows
     )
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _status_page_checked(lines: list[str], tmp_path) -> str | None:
+    """Once the launcher prints the page's address: refused without the token; then, in headless Chromium,
+    the page shows node4 lost and a later generation. Its text (None where Chromium is missing: the page's
+    HTTP answers are still checked)."""
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("status page: ") for line in lines):
+        assert time.monotonic() < deadline, "no status page address printed:\n" + "".join(lines)[-2000:]
+        time.sleep(0.1)
+    url = next(line for line in lines if line.startswith("status page: ")).split(": ", 1)[1].strip()
+    bare = url.split("?")[0]
+    for address in (bare, bare + "status.json", bare + "status.json?token=wrong"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(address, timeout=10)
+        assert refused.value.code == 401 and b"token" in refused.value.read(), address
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        playwright = None
+    else:
+        playwright = sync_playwright
+    if CHROMIUM is None or playwright is None:
+        return None
+    with playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            tab = browser.new_page()
+            tab.goto(url)
+            # The kill fires at step 10; the page polls every second.
+            tab.wait_for_function(
+                "() => document.querySelector('#nodes').innerText.includes('lost') && "
+                "/generation [2-9]/.test(document.querySelector('#generation').innerText)",
+                timeout=120_000,
+            )
+            tab.screenshot(path=str(tmp_path / "status.png"), full_page=True)
+            text = tab.inner_text("body")
+        finally:
+            browser.close()
+    assert re.search(r"node4\s+lost", text), text
+    return text
 
 
 def test_set_overrides_reach_the_master_and_the_workers(tmp_path, launches):
