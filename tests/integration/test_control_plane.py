@@ -408,15 +408,22 @@ def _listening_ports() -> set[tuple[str, int]]:
 
 
 def test_the_workers_rendezvous_store_is_behind_the_job_token_on_the_masters_one_port(tmp_path):
-    """No unauthenticated TCPStore: the master opens one port (gRPC, on --host), and its rendezvous store
-    answers only callers with the job token."""
+    """No unauthenticated TCPStore: the master opens one port for the job (gRPC, on --host), its rendezvous
+    store answers only callers with the job token, and the only other port is the status page's, on
+    loopback, which answers nothing without the token either."""
+    import urllib.error
+    import urllib.request
+
     import torch.distributed as dist
 
     from oobleck_mm.runtime.store import ControlPlaneStore
 
     before = _listening_ports()
     with master_in_process(write_config(tmp_path, nodes=2, steps=3), tmp_path) as master:
-        assert _listening_ports() - before == {("127.0.0.1", master.port)}
+        assert _listening_ports() - before == {("127.0.0.1", master.port), ("127.0.0.1", master.status.port)}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{master.status.port}/status.json", timeout=10)
+        assert refused.value.code == 401
         wrong = ControlPlaneStore("127.0.0.1", master.port, "0" * 64, timeout=timedelta(seconds=5))
         for attempt in (lambda: wrong.set("gen1/x", b"1"), lambda: wrong.get("gen1/x"), lambda: wrong.num_keys()):
             with pytest.raises(dist.DistStoreError, match="UNAUTHENTICATED"):
