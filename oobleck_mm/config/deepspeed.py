@@ -176,7 +176,29 @@ def apply_deepspeed(raw: dict[str, Any], path: str, world_size: int) -> list[str
             "them (stages of one GPU shard nothing)"
         )
     if isinstance(zero, Mapping):
-        ignored = sorted(set(zero) - {"stage"})
+        # The gradient sums' overlap with the backward and their bucket size are the engine's too (its
+        # cross-pipeline all-reduce, runtime/grad_sync.py): DeepSpeed's are taken, its bucket counted in
+        # elements of the reduction's dtype.
+        if "overlap_comm" in zero:
+            mapped[("grad_overlap",)] = zero["overlap_comm"]
+            notes.append(
+                f"{name}: zero_optimization.overlap_comm {zero['overlap_comm']}: training.grad_overlap "
+                "(the cross-pipeline gradient all-reduce during the last backward)"
+            )
+        if "reduce_bucket_size" in zero:
+            size = zero["reduce_bucket_size"]
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0:
+                raise ConfigError(
+                    f"deepspeed: {name}: zero_optimization.reduce_bucket_size {size!r}: expected a number of "
+                    "elements > 0"
+                )
+            element = 2 if ds.get("communication_data_type") in ("bf16", "bfloat16", "fp16") else 4
+            mapped[("grad_bucket_mb",)] = size * element / 2**20
+            notes.append(
+                f"{name}: zero_optimization.reduce_bucket_size {size:g} elements: training.grad_bucket_mb "
+                f"{size * element / 2**20:g}"
+            )
+        ignored = sorted(set(zero) - {"stage", "overlap_comm", "reduce_bucket_size"})
         offloads = [k for k in ignored if k.startswith("offload")]
         if offloads:
             raise ConfigError(

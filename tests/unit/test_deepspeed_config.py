@@ -148,12 +148,17 @@ def test_auto_values_of_a_config_written_for_hugging_face_take_the_jobs_own(tmp_
 def test_zero_stages_shard_inside_wide_stages_and_say_that_replicas_stay_whole(tmp_path, caplog, stage):
     import logging
 
-    ds = {"zero_optimization": {"stage": stage, "overlap_comm": True}}
+    ds = {"zero_optimization": {"stage": stage, "overlap_comm": False, "reduce_bucket_size": 5e8, "round_robin": 1}}
     with caplog.at_level(logging.INFO):
         job = load_config(*files(tmp_path, ds))
     assert job.training.zero_stage == stage
+    # DeepSpeed's overlap and bucket are the engine's gradient sync's: 5e8 float32 elements = 1907.35 MB
+    assert job.training.grad_overlap is False and job.training.grad_bucket_mb == pytest.approx(5e8 * 4 / 2**20)
     said = caplog.text
     assert f"zero_optimization.stage {stage}: shards inside each pipeline stage of several GPUs" in said
     assert "replicas in different pipelines stay whole, since recovery copies a lost layer" in said
-    assert "zero_optimization.overlap_comm: tuning knobs of DeepSpeed's own ZeRO" in said
+    assert "zero_optimization.overlap_comm False: training.grad_overlap" in said
+    assert "zero_optimization.round_robin: tuning knobs of DeepSpeed's own ZeRO" in said
+    with pytest.raises(Exception, match=r"zero_optimization.reduce_bucket_size 0: expected a number of elements"):
+        load_config(*files(tmp_path, {"zero_optimization": {"reduce_bucket_size": 0}}))
     assert load_config(*files(tmp_path, {"zero_optimization": {"stage": 0}})).training.zero_stage == 3  # the default
