@@ -65,7 +65,8 @@ import yaml  # noqa: E402
 
 from oobleck_mm.config import load_config  # noqa: E402
 from oobleck_mm.events import read_events  # noqa: E402
-from oobleck_mm.faults.report import RecoveryRow, format_table, plot_run, median_step_gap, recovery_rows  # noqa: E402
+from oobleck_mm.faults.figure import plot_run  # noqa: E402
+from oobleck_mm.faults.report import RecoveryRow, format_table, median_step_gap, recovery_rows  # noqa: E402
 
 NODES = 4
 RUN_TIMEOUT_S = 420.0

@@ -94,7 +94,7 @@ def launch(
 
 
 PHANTOM_STARTUP = (
-    "import time; t = time.time(); import oobleck_mm.cli, agent.agent, oobleck_mm.runtime.agent_worker, torch; "
+    "import time; t = time.time(); import oobleck_mm.cli, oobleck_mm.agent.agent, oobleck_mm.runtime.agent_worker, torch; "
     "torch.optim.AdamW([torch.zeros(1, requires_grad=True)]); import oobleck_mm.runtime.store"
 )
 """What a joining node's processes do before it can join (its agent's imports, then its worker's imports and

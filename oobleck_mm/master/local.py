@@ -516,7 +516,8 @@ class LocalCluster:
         if not self.options.report:
             return
         try:
-            from oobleck_mm.faults.report import format_table, plot_run, recovery_rows
+            from oobleck_mm.faults.figure import plot_run
+            from oobleck_mm.faults.report import format_table, recovery_rows
 
             self.summary = format_table(recovery_rows(events))
             print(self.summary, flush=True)

@@ -25,7 +25,7 @@ import logging
 import statistics
 from collections.abc import Callable
 
-from oobleck_mm.master import benching, generations, stopping
+from oobleck_mm.master import adoption, benching, generations, stopping
 from oobleck_mm.master.generations import SETTLE_S
 from oobleck_mm.master.context import Context, Transition, add_to_incident, finish
 from oobleck_mm.master.stragglers import FACTOR_CHANGE
@@ -427,7 +427,7 @@ def _straggler(ctx: Context, ev: Straggler) -> None:
 
 
 def _adopt(ctx: Context, ev: Adopt) -> None:
-    generations.adopt(ctx, ev.journal, ev.seconds_since_start)
+    adoption.adopt(ctx, ev.journal, ev.seconds_since_start)
 
 
 # ---------------------------------------------------------------------- the clock
@@ -450,7 +450,7 @@ def _advance(ctx: Context) -> None:
     if s.phase is JobPhase.CHECKPOINTING:
         stopping.check_round(ctx)
     if s.phase is JobPhase.ADOPTING:
-        generations.check_adopted(ctx)
+        adoption.check_adopted(ctx)
 
 
 def _check_stall(ctx: Context) -> None:

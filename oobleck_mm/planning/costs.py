@@ -286,7 +286,7 @@ def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, 
     microbatches and reduce-scattering once (``reshard_after_forward=False``, gradient sync on
     the last microbatch only) would trade memory for fewer collectives, and is to be priced
     if the runtime does that. Left out, so
-    that the cost stays additive over layers (``stage_mapping._CostTables``): the one
+    that the cost stays additive over layers (``stage_tables._CostTables``): the one
     layer's gathered parameters held while it runs (the memory headroom covers it), and
     microbatches smaller than d (a GPU with no sample idles).
     """

@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 import os
 
@@ -36,10 +35,8 @@ from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
 
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
 from oobleck_mm.data.loader import TrainingData
-from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import (
     build_layer,
-    microbatch_loss,
     model_layer_specs,
     parameter_rows,
     tied_pair,
@@ -47,133 +44,30 @@ from oobleck_mm.model.layers import (
     trainable_mask,
 )
 from oobleck_mm.runtime.balancing import ComputeExpectation, step_balancer
-from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers, subgroup_ranks
+from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
-from oobleck_mm.planning.transfers import gather_groups
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
 from oobleck_mm.runtime.mixed import ComputeCopies, overflow_injected, poison_gradients
-from oobleck_mm.runtime.optim import build_layer_optimizer, lr_at, optimizer_state
+from oobleck_mm.runtime.optim import lr_at, optimizer_state
 from oobleck_mm.runtime.sharding import Gather, gathered, shard_layer, whole_layer
-from oobleck_mm.runtime.p2p import recv_tensors_timed, send_tensors
 from oobleck_mm.runtime.timing import Stopwatch
 from oobleck_mm.runtime.update import apply_update, local, trainable_params
 from oobleck_mm.runtime.waiting import Waiter
+from oobleck_mm.runtime.microbatch_flow import MicrobatchFlow
+from oobleck_mm.runtime.stage_parts import (  # noqa: F401 - engine_subgroups: read from here by its users
+    HeldLayer,
+    RanksDisagree,
+    StepResult,
+    assignments_agree,
+    engine_subgroups,
+    execute,
+    fresh_layer,
+)
 
 log = logging.getLogger(__name__)
 
 
-class RanksDisagree(Exception):
-    """Ranks ran different assignments of one step: a decision that is not a function of the shared inputs
-    (a bug; reported as one, never retried as a peer failure)."""
-
-
-def assignments_agree(digest_sum: float, world: int, mine: int) -> bool:
-    """Whether every rank's assignment digest equals this rank's, from their sum (exact in float64: 31-bit
-    digests summed over fewer than 2**22 ranks). Any disagreement shows on every rank."""
-    return digest_sum == float(world) * float(mine)
-
-
-@dataclass(slots=True)
-class StepResult:
-    step: int
-    loss: float
-    """Mean token loss of the whole global batch (all-reduced)."""
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    expected_compute_s: float = 0.0
-    """The cost model's forward and backward seconds of this rank over the step's samples
-    (``balancing.ComputeExpectation``)."""
-    comm_s: float = 0.0
-    """Seconds in stage-to-stage transfers and the gradient all-reduce."""
-    bytes_sent: int = 0
-    grad_bytes: int = 0
-    """Bytes this rank all-reduced of its layers' gradients (the bucket sums, those over pieces, the tied one)."""
-    grad_bytes_overlapped: int = 0
-    """Of the buckets' bytes, those whose all-reduce started during the backward (``training.grad_overlap``)."""
-    microbatch_times: list[tuple[float, float]] = field(default_factory=list)
-    """(forward s, backward s) of each microbatch on this stage, in order."""
-    pack_s: float = 0.0
-    """Seconds packing (rendering, decoding) microbatches on this stage."""
-    pipeline_s: float = 0.0
-    """Seconds from the step's start to this stage's gradient all-reduce (its 1F1B part)."""
-    pipeline_times: list[float] = field(default_factory=list)
-    """Measured 1F1B seconds of every pipeline (with the balancer on)."""
-    skipped: bool = False
-    """float16: the gradients overflowed on some rank, so no rank updated anything this step."""
-    loss_scale: float = 0.0
-    """float16: the loss scale of the step (0 otherwise)."""
-    tokens: int = 0
-    """LLM tokens of the whole global batch (text and media tokens), for tokens/s."""
-    switch: bool = False
-    """Some rank held a command when the step's last collective ran: every rank applies it after
-    this step (one boundary for all, whoever received the command first)."""
-    checkpoint_due: bool = False
-    """Some rank's clock said a periodic checkpoint is due (``fault_tolerance.checkpoint_every``):
-    every rank checkpoints after this step, the same step everywhere."""
-    deferred: int = 0
-    """Samples of the whole step whose LLM work ran one microbatch after their encoders' (Entrain's deferral)."""
-    pieces: tuple[tuple[int, ...], ...] = ()
-    """The sample groups every forward of the step ran, pipeline by pipeline: ``microbatches``, except that a
-    pipeline with a stage of several GPUs ran each microbatch as pieces (``PipelineLayout.pieces``; a piece
-    without samples left out). What a reference replays where compute rounds per group (float32)."""
-    state_bytes: int = 0
-    """This rank's parameters, gradients and optimizer state once its gradients were summed (``state_bytes``)."""
-    microbatches: tuple[tuple[int, ...], ...] = ()
-    """Sample ids of every microbatch of every pipeline this step (the reference trainer can replay
-    them: float32 compute rounds differently for another microbatch composition)."""
-    lateness: object = None
-    """An emulated run (``cluster.emulate``): this rank's ``emulation.clock.Lateness`` of the step."""
-
-
-@dataclass(slots=True)
-class HeldLayer:
-    """A layer a worker holds: its module and its optimizer (None when frozen). Moves as one unit."""
-
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
-
-
-def fresh_layer(job, index: int, specs=None, device: torch.device | str = "cpu", initialize: bool = True) -> HeldLayer:
-    """Layer ``index`` and its optimizer on ``device``; ``initialize=False`` when the caller writes
-    every value next (``build_layer``)."""
-    module = build_layer(job, index, specs, initialize).to(device)
-    params = trainable_params(module)
-    return HeldLayer(module, build_layer_optimizer(params, job.training) if params else None)
-
-
-def engine_subgroups(
-    job, plan: ExecutionPlan, specs=None, old_plan: ExecutionPlan | None = None, previous_ranks=()
-) -> list[tuple[int, ...]]:
-    """The ranks of every process group a generation forms on ``plan``, in order: what a ``runtime.group.
-    PreparedGroup`` forms ahead of a switch. First the state copy's (``old_plan``: the generation before, with
-    ``previous_ranks``; ``planning.transfers.gather_groups``), then a ``StageEngine``'s (``grad_sync.
-    subgroup_ranks``)."""
-    specs = specs if specs is not None else model_layer_specs(job)
-    trainable = trainable_mask(job, specs)
-    rows = parameter_rows(job, sharded_layers(plan, trainable), specs) if plan.sharded else None
-    vocab = tied_rows(job, specs) if plan.sharded else None
-    return gather_groups(old_plan, previous_ranks) + subgroup_ranks(plan, trainable, tied_pair(specs), rows, vocab)
-
-
-def execute(steps: Iterable[Iterable[ds.PipeInstruction]], table: Mapping[type, Callable]) -> int:
-    """Run an instruction stream through a dispatch table; an instruction without a handler raises."""
-    count = 0
-    for instructions in steps:
-        for instruction in instructions:
-            handler = table.get(type(instruction))
-            if handler is None:
-                raise RuntimeError(
-                    f"no handler for pipeline instruction {instruction!r}; handled: {sorted(t.__name__ for t in table)}"
-                )
-            handler(instruction)
-            count += 1
-    return count
-
-
-class StageEngine:
+class StageEngine(MicrobatchFlow):
     def __init__(
         self,
         job,
@@ -419,264 +313,6 @@ class StageEngine:
             self._result.lateness = self.emulation.take()
         self._result.step_time_s = time.perf_counter() - t0
         return self._result
-
-    def _batch(self, mb: int, piece: int = 0) -> PackedBatch:
-        if self._decoupled:  # packed per group (see _forward_decoupled); only the first/last stage's load
-            return self._pack(mb, self._llm_microbatches[mb] if self.side == "llm" else self._microbatches[mb])
-        if (mb, piece) not in self._batches:
-            t0 = time.perf_counter()
-            ids = self._piece_ids(mb, piece)
-            # Built on the host, then copied to the stage's device (pinned, asynchronous on a GPU).
-            self._batches[(mb, piece)] = self.data.microbatch(ids).to(self.device, non_blocking=True)
-            spent = time.perf_counter() - t0
-            self._pack_s[mb] = self._pack_s.get(mb, 0.0) + spent
-            self._result.pack_s += spent
-        return self._batches[(mb, piece)]
-
-    def _piece_ids(self, mb: int, piece: int) -> tuple[int, ...]:
-        """The samples piece ``piece`` of microbatch ``mb`` runs. A piece left without samples (the balancer
-        made the microbatch smaller than the pipeline's pieces) runs the microbatch's first sample with its
-        loss weighted 0 (``_filler``): the ranks of a stage of several GPUs must all run FSDP2's collectives."""
-        ids = piece_samples(self._microbatches[mb], self.pipeline.pieces, piece)
-        return ids if ids else tuple(self._microbatches[mb][:1])
-
-    def _filler(self, mb: int, piece: int) -> bool:
-        """Whether piece ``piece`` of microbatch ``mb`` has no samples of its own (``_piece_ids``)."""
-        return not piece_samples(self._microbatches[mb], self.pipeline.pieces, piece)
-
-    # ------------------------------------------------------------------ decoupled microbatches (deferral)
-    def _decouple(self, assignment: Assignment) -> None:
-        """Entrain's decoupled microbatches (``balance/deferral.py``). Slot k's encoder microbatch ``E_k`` is
-        ``assignment.pipelines[p][k]``; its LLM microbatch is ``L_k = kept_k + D_{k-1}`` with ``kept_k = E_k -
-        D_k``. Stages before the LLM's first layer run ``E_k`` as two groups, ``kept_k`` and ``D_k`` (each its
-        own packed batch and autograd graph, so their backwards run apart: Entrain's split backward); the stage
-        holding ``llm.embed`` runs its encoder layers on those groups, keeps ``D_k``'s outputs for the next
-        slot, and runs its LLM layers on ``L_k``; later stages run ``L_k``. Backward of slot k reaches the
-        groups whose LLM work ran in slot k: ``kept_k`` and ``D_{k-1}``. Every transfer keeps DeepSpeed's 1F1B
-        instruction order; only what a message holds changes, and every rank derives that from the
-        assignment. Samples are independent (block-diagonal attention, per-sample loss over the global token
-        count), so the update is the undecoupled one up to summation order."""
-        p = self.pipeline_index
-        self._deferred = assignment.deferred[p] if assignment.deferred else ()
-        self._decoupled = self.seam is not None and any(self._deferred)
-        if not self._decoupled:
-            self._llm_microbatches = self._microbatches
-            return
-        if self.pipeline.pieces > 1:
-            raise ValueError(
-                f"pipeline {p} has a stage of {self.pipeline.pieces} GPUs; Entrain's deferral does not run "
-                f"on such pipelines yet (balance.deferral: false)"
-            )
-        if self._deferred[-1]:
-            raise ValueError(
-                f"the last microbatch of pipeline {p} defers samples {self._deferred[-1]}: nothing runs after it"
-            )
-        self._llm_microbatches = assignment.llm_microbatches(p)
-        # kept_k: L_k without what it received from slot k - 1 (llm_microbatches puts those last)
-        self._kept = [
-            lm[: len(lm) - len(self._deferred[k - 1])] if k else lm for k, lm in enumerate(self._llm_microbatches)
-        ]
-        self._group_in: dict[tuple[int, str], tuple] = {}
-        self._group_out: dict[tuple[int, str], tuple] = {}
-        self._held: dict[int, tuple] = {}
-        self._backward_groups: dict[int, list[tuple[int, str]]] = {}
-
-    def _pack(self, slot: int, ids: tuple[int, ...]) -> PackedBatch:
-        key = tuple(ids)
-        if key not in self._batches:
-            t0 = time.perf_counter()
-            self._batches[key] = self.data.microbatch(key).to(self.device, non_blocking=True)
-            spent = time.perf_counter() - t0
-            self._pack_s[slot] = self._pack_s.get(slot, 0.0) + spent
-            self._result.pack_s += spent
-        return self._batches[key]
-
-    def _forward_groups(self, k: int) -> list[tuple[int, str]]:
-        """The encoder groups slot k's forward runs: its kept samples, then its deferred ones."""
-        return [(k, "kept")] + ([(k, "deferred")] if self._deferred[k] else [])
-
-    def _backward_groups_of(self, k: int) -> list[tuple[int, str]]:
-        """The encoder groups slot k's backward reaches: its kept samples, then the previous slot's deferred."""
-        return [(k, "kept")] + ([(k - 1, "deferred")] if k > 0 and self._deferred[k - 1] else [])
-
-    def _group_ids(self, group: tuple[int, str]) -> tuple[int, ...]:
-        k, part = group
-        return self._kept[k] if part == "kept" else tuple(self._deferred[k])
-
-    def _run_layers(self, layers, acts, batch):
-        ckpt = self.job.training.activation_checkpointing and self.needs_backward
-        for i in layers:
-            if ckpt:
-                acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, batch, use_reentrant=False)
-            else:
-                acts = self.compute[i](acts, batch)
-        return acts
-
-    def _forward_decoupled(self, ins, mb: int) -> None:
-        groups = self._forward_groups(mb)
-        received = self._inputs.pop(ins.buffer_id, {}).get(0, ()) if self.prev_rank is not None else ()
-        per = len(received) // len(groups)
-        encoder_layers = [i for i in self.stage.layers if i < self.seam]
-        with torch.set_grad_enabled(self.needs_backward):
-            outs = {}
-            for n, group in enumerate(groups):
-                acts = tuple(received[n * per : (n + 1) * per])
-                self._group_in[group] = acts
-                if encoder_layers:  # (a seam stage starting at llm.embed packs only L_k, below)
-                    acts = self._run_layers(encoder_layers, acts, self._pack(mb, self._group_ids(group)))
-                outs[group] = acts
-            if self.side == "encoder":
-                self._group_out.update(outs)
-                self._outputs[ins.buffer_id] = {0: tuple(t for g in groups for t in outs[g])}
-                return
-            # The seam: L_k's encoder outputs are kept_k's, then D_{k-1}'s (held since the last slot).
-            if (mb, "deferred") in outs:
-                self._held[mb] = outs[(mb, "deferred")]
-            acts = outs[(mb, "kept")]
-            if mb - 1 in self._held:
-                acts = tuple(torch.cat([a, b]) for a, b in zip(acts, self._held.pop(mb - 1), strict=True))
-            batch = self._pack(mb, self._llm_microbatches[mb])
-            acts = self._run_layers([i for i in self.stage.layers if i >= self.seam], acts, batch)
-            self._outputs[ins.buffer_id] = {0: self._maybe_loss(acts, batch)}
-
-    def _maybe_loss(self, acts, batch, weight: float = 1.0):
-        """``weight`` 0: a filler piece (``_piece_ids``), whose loss and gradients are exact zeros."""
-        if self.next_rank is not None:
-            return acts
-        loss = microbatch_loss(acts[0], batch, self._loss_tokens) * weight
-        self._loss += loss.detach().double()  # stays on the device: no sync per microbatch
-        return (loss * self.scaler.scale,) if self.scaler is not None else (loss,)
-
-    # ------------------------------------------------------------------ instructions
-    def _load_microbatch(self, ins) -> None:
-        # Only the first and last stages get this instruction; every stage packs lazily in _batch.
-        if not self._decoupled:  # (decoupled: packed per group, in _forward_decoupled)
-            for piece in self.pieces:
-                self._batch(self._next_load, piece)
-        self._next_load += 1
-
-    def _recv_activation(self, ins) -> None:
-        t0 = time.perf_counter()
-        received = {}
-        for piece, src in self.prev_ranks.items():  # every rank in piece order: the senders' order too
-            acts = self._receive(src)
-            if self.needs_input_grad:
-                acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
-            received[piece] = acts
-        self._inputs[ins.buffer_id] = received
-        self._result.comm_s += time.perf_counter() - t0
-
-    def _forward(self, ins) -> None:
-        mark = self.clock.start()
-        began = time.monotonic()
-        mb = self._next_forward
-        self._next_forward += 1
-        self._buffer_mb[ins.buffer_id] = mb
-        if self._decoupled and self.side != "llm":
-            self._forward_decoupled(ins, mb)
-            self._intervals.append([self._forward_time(mark, began, mb), None])
-            return
-        received = self._inputs.get(ins.buffer_id, {})
-        outputs = {}
-        for piece in self.pieces:  # a stage's ranks run as many pieces each: their FSDP2 collectives pair up
-            batch = self._batch(mb, piece)
-            with torch.set_grad_enabled(self.needs_backward):
-                acts = self._run_layers(self.stage.layers, received.get(piece, ()), batch)
-                outputs[piece] = self._maybe_loss(acts, batch, 0.0 if self._filler(mb, piece) else 1.0)
-        self._outputs[ins.buffer_id] = outputs
-        self._intervals.append([self._forward_time(mark, began, mb), None])
-        if self.prefetch and not self._decoupled and mb + 1 < len(self._microbatches):
-            for piece in self.pieces:
-                self._batch(mb + 1, piece)
-
-    def _forward_time(self, mark, began: float, mb: int):
-        """The forward's interval for ``self.clock.seconds``: on an emulated device, its device seconds."""
-        if self.timer is None:
-            return self.clock.stop(mark)
-        return self.timer.forward(began, self._microbatches[mb], self._llm_microbatches[mb])
-
-    def _send_activation(self, ins) -> None:
-        t0 = time.perf_counter()
-        arrival = 0.0
-        if self.timer is not None:
-            mb, last = self._buffer_mb[ins.buffer_id], self.stage.layer_end - 1
-            ids = self._microbatches[mb] if self.seam is not None and last < self.seam else self._llm_microbatches[mb]
-            arrival = self.timer.arrival(last, ids)
-        for piece, acts in self._outputs[ins.buffer_id].items():
-            self._result.bytes_sent += send_tensors(acts, self.next_ranks[piece], self.device, self.waiter, arrival)
-        self._result.comm_s += time.perf_counter() - t0
-
-    def _receive(self, src: int) -> tuple:
-        """A message from rank ``src``; on an emulated device, once its emulated arrival time has come."""
-        tensors, arrival = recv_tensors_timed(src, self.device, self.waiter)
-        if self.timer is not None:
-            self.timer.received(arrival)
-        return tensors
-
-    def _recv_grad(self, ins) -> None:
-        if not self.next_needs_grad:
-            return
-        t0 = time.perf_counter()
-        self._grads[ins.buffer_id] = {piece: self._receive(src) for piece, src in self.next_ranks.items()}
-        self._result.comm_s += time.perf_counter() - t0
-
-    def _backward(self, ins) -> None:
-        mark = self.clock.start()
-        began = time.monotonic()
-        outputs = self._outputs.pop(ins.buffer_id)
-        grads = self._grads.pop(ins.buffer_id, None)
-        if self._decoupled and self.side != "llm":
-            # The groups whose LLM work ran in this slot (their input gradients go back in _send_grad); an
-            # encoder stage's outputs are theirs, the gradients arrive in _backward_groups_of's order.
-            groups = self._backward_groups_of(self._buffer_mb[ins.buffer_id])
-            self._backward_groups[ins.buffer_id] = groups
-            if self.side == "encoder":
-                outputs = {0: [t for group in groups for t in self._group_out.pop(group)]}
-        if self.needs_backward:
-            calls = []  # (outputs, their gradients) per piece, in the forward's order
-            for piece, piece_outputs in outputs.items():
-                if self.next_rank is None:
-                    calls.append(([piece_outputs[0]], None))
-                elif grads is not None:
-                    pairs = [(o, g) for o, g in zip(piece_outputs, grads[piece], strict=True) if o.requires_grad]
-                    if pairs:
-                        calls.append(([o for o, _ in pairs], [g for _, g in pairs]))
-            last = self._backwards == len(self._microbatches) - 1
-            for n, (tensors, tensor_grads) in enumerate(calls):
-                if last and n == len(calls) - 1 and self.overlap and not overflow_injected(self._step, self.rank):
-                    # After this call no gradient changes: each bucket's sum may start as its layers finish.
-                    # (An injected overflow poisons the gradients after the backward: summed after it.)
-                    self.sync.arm(self.layers, self.compute)
-                torch.autograd.backward(tensors, tensor_grads)
-        self._backwards += 1
-        mb = self._buffer_mb.pop(ins.buffer_id)
-        self._grad_mb[ins.buffer_id] = mb
-        if not self._decoupled:  # (decoupled batches are keyed by samples, not slots: kept for the step)
-            for piece in self.pieces:
-                self._batches.pop((mb, piece), None)
-        if self.timer is None:
-            self._intervals[mb][1] = self.clock.stop(mark)
-        else:
-            self._intervals[mb][1] = (
-                self.timer.backward(began, self._llm_microbatches[mb]) if self.needs_backward else 0.0
-            )
-
-    def _send_grad(self, ins) -> None:
-        if self._decoupled and self.side != "llm":
-            inputs = {0: tuple(t for g in self._backward_groups.pop(ins.buffer_id) for t in self._group_in.pop(g))}
-        else:
-            inputs = self._inputs.pop(ins.buffer_id)
-        mb = self._grad_mb.pop(ins.buffer_id, None)
-        if not self.needs_input_grad:
-            return
-        t0 = time.perf_counter()
-        arrival = 0.0
-        if self.timer is not None and mb is not None:  # the gradient of the previous stage's output, over L_k
-            arrival = self.timer.arrival(self.stage.layer_start - 1, self._llm_microbatches[mb])
-        for piece, piece_inputs in inputs.items():
-            grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
-            self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter, arrival)
-        self._result.comm_s += time.perf_counter() - t0
 
     def _reduce_tied_grads(self, ins) -> None:
         pass  # done after the per-layer sums, in GradientSync.all_reduce (see its docstring)

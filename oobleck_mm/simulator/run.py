@@ -17,7 +17,8 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.profiling.analytical import profile_from_config
 from oobleck_mm.simulator.availability import Availability
 from oobleck_mm.simulator.params import SYSTEMS, SimParams
-from oobleck_mm.simulator.systems import BambooSystem, OobleckSystem, RestartSystem, VarunaSystem, bamboo_profile
+from oobleck_mm.simulator.grid_systems import BambooSystem, VarunaSystem, bamboo_profile
+from oobleck_mm.simulator.systems import OobleckSystem, RestartSystem
 from oobleck_mm.simulator.timeline import KINDS, SimResult, simulate_system
 
 

@@ -10,7 +10,7 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 
 
 def test_an_agent_removes_the_folders_of_agents_that_are_gone(tmp_path):
-    from oobleck_mm.agent.agent import remove_stale_work_dirs
+    from oobleck_mm.agent.workdir import remove_stale_work_dirs
 
     for name in (
         "oobleck-agent-node1-111-abc",
@@ -50,7 +50,7 @@ def test_torchrun_environment_names_the_generation_a_worker_runs_in():
 def test_only_commands_that_mean_a_peer_is_gone_interrupt_the_iteration_in_flight():
     """A checkpoint with every rank alive (a stop on request, nodes leaving on notice) and MasterLost wait for
     the boundary every rank reaches together; interrupting would leave ranks on either side of the update."""
-    from oobleck_mm.runtime.agent_worker import _drops_peers
+    from oobleck_mm.runtime.worker_machine import drops_peers as _drops_peers
 
     assert _drops_peers(pb.WorkerCommand(checkpoint=pb.Checkpoint(dir="d", generation=2, surviving_ranks=[0])))
     assert not _drops_peers(pb.WorkerCommand(checkpoint=pb.Checkpoint(dir="d", generation=2, at_boundary=True)))
@@ -67,7 +67,7 @@ def test_a_plan_whose_groups_form_in_the_background_is_not_switched_to_before_th
     import time
 
     from oobleck_mm.protocol.pipe import send_command
-    from oobleck_mm.runtime.agent_worker import CommandReader
+    from oobleck_mm.runtime.commands import CommandReader
 
     class Forming:  # stands for runtime.group.PreparedGroup, formed by peers in the real runs
         def __init__(self):

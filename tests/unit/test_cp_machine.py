@@ -252,7 +252,7 @@ def test_a_restarted_master_stops_waiting_for_a_missing_node_once_the_generation
     (``adopt_window``) waits for it, which costs nothing while the workers train, but once a worker of the
     generation aborted (its peer is gone) every survivor waits idle for a plan: soak (c) lost 4 s so.
     Adoption then ends ``ADOPT_QUIET_INTERVALS`` heartbeat intervals after the last node came back."""
-    from oobleck_mm.master.generations import ADOPT_QUIET_INTERVALS
+    from oobleck_mm.master.adoption import ADOPT_QUIET_INTERVALS
     from oobleck_mm.master.inputs import PlanAnswered
     from oobleck_mm.master.state import JobPhase
     from oobleck_mm.protocol import oobleck_pb2 as pb

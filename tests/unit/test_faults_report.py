@@ -7,15 +7,8 @@ import json
 import pytest
 
 from oobleck_mm.events import read_events
-from oobleck_mm.faults.report import (
-    format_table,
-    plot_run,
-    recovery_rows,
-    recovery_spans,
-    summarize,
-    survivors_pause,
-    throughput_series,
-)
+from oobleck_mm.faults.figure import plot_run, recovery_spans, throughput_series
+from oobleck_mm.faults.report import format_table, recovery_rows, summarize, survivors_pause
 
 STEP_S = 0.25
 BATCH = 16

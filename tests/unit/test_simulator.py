@@ -18,7 +18,8 @@ from oobleck_mm.simulator import systems as systems_module
 from oobleck_mm.simulator.availability import Availability, Change, from_trace, parse_duration, periodic
 from oobleck_mm.simulator.params import SimParams
 from oobleck_mm.simulator.run import simulate
-from oobleck_mm.simulator.systems import BambooSystem, OobleckSystem, RestartSystem, VarunaSystem, bamboo_profile
+from oobleck_mm.simulator.grid_systems import BambooSystem, VarunaSystem, bamboo_profile
+from oobleck_mm.simulator.systems import OobleckSystem, RestartSystem
 from oobleck_mm.simulator.timeline import KINDS, Layout, simulate_system
 
 ROOT = Path(__file__).resolve().parents[2]
