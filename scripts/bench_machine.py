@@ -175,6 +175,13 @@ WORKER_MUTANTS = [
         "a share written in the background is finished before the worker says done",
     ),
     (
+        "answer MasterLost between generations with a share in flight",
+        "oobleck_mm/runtime/worker_machine.py",
+        '        _finish_shares(state, out, "the master is lost")\n        out.effects.append(ReportNothing())',
+        "        out.effects.append(ReportNothing())",
+        "a share written in the background is finished before the worker stops (found at depth)",
+    ),
+    (
         "answer MasterLost at a switch with nothing",
         "oobleck_mm/runtime/worker_machine.py",
         '    if command is not None and command.WhichOneof("command") == "master_lost":',

@@ -357,6 +357,10 @@ def _on_taken(state: WorkerState, event: Taken, out: _Out) -> None:
     elif kind == "checkpoint":
         out.effects.extend([BelowThreshold(command.checkpoint), NextCommand()])
     elif kind == "master_lost":
+        # A share still written in the background reports itself first: the agent keeps each worker's last
+        # answer, and "nothing" must be it (no meta.json completes that share without a master). Found by the
+        # model at depth: a step-0 share, the next step failed, then MasterLost between generations.
+        _finish_shares(state, out, "the master is lost")
         out.effects.append(ReportNothing())
         _stop(state, out)
     elif kind == "assignment":

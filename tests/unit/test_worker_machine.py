@@ -125,7 +125,7 @@ class WorkerModel(RuleBasedStateMachine):
         elif isinstance(effect, wm.ReportDone):
             assert self.in_flight == 0, "done said while a background share is still being written"
         elif isinstance(effect, (wm.LeaveGroup, wm.Abort)):
-            self.failed_step = False
+            self.failed_step = self.switch_pending = False
             self.joined = False
             self.start = self.last_trained = None
         elif isinstance(effect, wm.WriteWithoutMaster):
@@ -266,3 +266,21 @@ def test_a_final_save_a_peer_cut_short_is_abandoned_and_the_next_generation_save
     assert _run(state, wm.StepDone(0, switch=False))[-1] == wm.SaveFinal()
     effects = _run(state, wm.WriteFailed(1, "final save: peer gone"))
     assert effects == [wm.Abort(2, 1, "final save: peer gone"), wm.NextCommand()]
+
+
+def test_master_lost_between_generations_finishes_a_background_share_before_answering_nothing():
+    """Found by the model at depth: a step-0 share in the background, the next step failed (abandoned), then
+    MasterLost between generations. The share's own report must come before "nothing", the worker's last answer
+    the agent keeps; before, the worker stopped with the write in flight."""
+    state = wm.WorkerState()
+    a = pb.WorkerCommand(
+        assignment=pb.Assignment(
+            generation=1, steps=4, checkpoint_after_first_step=True, checkpoint_dir="/c", checkpoint_async=True
+        )
+    )
+    _run(state, wm.Taken(a))
+    _run(state, wm.Adopted(0))
+    assert wm.WriteShare(1, background=True, finish_first=True) in _run(state, wm.StepDone(0, switch=False))
+    assert _run(state, wm.StepFailed(1, "peer gone")) == [wm.Abort(1, 1, "peer gone", discard=True), wm.NextCommand()]
+    lost = pb.WorkerCommand(master_lost=pb.MasterLost(reason="gone"))
+    assert _run(state, wm.Taken(lost)) == [wm.FinishShares("the master is lost"), wm.ReportNothing(), wm.Stop()]
