@@ -28,7 +28,7 @@ SYNTHETIC_IMAGES_PER_SAMPLE = 1.0
 
 
 DATA_KINDS = ("synthetic", "llava_json", "hf_datasets", "webdataset")
-COLUMN_ROLES = ("id", "conversations", "text", "image")
+COLUMN_ROLES = ("id", "conversations", "text", "image", "audio")
 """What ``data.columns`` may map (``oobleck_mm.data.hf_datasets``)."""
 
 
@@ -77,10 +77,15 @@ class DataConfig:
     min_image_size: int | None = None
     """Smallest side of a synthetic image (rounded up to the patch size); sides are drawn between it
     and ``image_size``, so images need not be square. Default: ``image_size`` (fixed size)."""
-    mean_audio_seconds: float = 0.0
-    """Mean audio seconds per sample; must be > 0 exactly when the model has an audio encoder."""
+    mean_audio_seconds: float | None = None
+    """Mean audio seconds per sample; > 0 exactly when the model has an audio encoder. Synthetic data: 0
+    without an audio encoder, required with one. A dataset's (``llava_json``, ``hf_datasets``,
+    ``webdataset``): measured over its clips by the master when not given."""
     audio_frames_per_second: float = 100.0
     """Mel frames per second of audio (10 ms hop)."""
+    max_audio_seconds: float = 30.0
+    """Records' audio clips (``llava_json``, ``hf_datasets``, ``webdataset``): a longer clip is cut to its
+    first this many seconds (Whisper's 30 s window by default)."""
     max_seq_len: int = 2048
     """Longest LLM sequence (text + projected image/audio tokens) a sample may have."""
     loss_on: str = "assistant"
@@ -149,8 +154,9 @@ class DataConfig:
             raise ConfigError(
                 f"data.min_image_size ({self.min_image_size}) must be <= data.image_size ({self.image_size})"
             )
-        check(self, "mean_audio_seconds", as_float, minimum=0.0)
+        check_optional(self, "mean_audio_seconds", as_float, minimum=0.0)
         check(self, "audio_frames_per_second", as_float, positive=True)
+        check(self, "max_audio_seconds", as_float, positive=True)
         check(self, "max_seq_len", as_int, minimum=1)
         check(self, "loss_on", as_choice, ("assistant", "all"))
         check(self, "check_images", as_choice, ("decode", "header"))

@@ -58,7 +58,7 @@ def encoder_spans(model: Any, data: Any) -> dict[str, float]:
         side = data.image_size or 224
         spans["vision"] = float((side // model.vision.patch_size) ** 2)
     if model.audio is not None:
-        spans["audio"] = data.mean_audio_seconds * data.audio_frames_per_second / model.audio.downsample
+        spans["audio"] = (data.mean_audio_seconds or 0.0) * data.audio_frames_per_second / model.audio.downsample
     return spans
 
 

@@ -140,8 +140,17 @@ def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
     images = data.mean_images_per_sample
     if images is None and (data.kind == "synthetic" or model.vision is None):
         images = SYNTHETIC_IMAGES_PER_SAMPLE if model.vision is not None else 0.0  # as config.validation derives it
-    if data.mean_text_tokens is None or images is None:
-        missing = "mean_text_tokens" if data.mean_text_tokens is None else "mean_images_per_sample"
+    seconds = data.mean_audio_seconds
+    if seconds is None and model.audio is None:
+        seconds = 0.0
+    if data.mean_text_tokens is None or images is None or seconds is None:
+        missing = (
+            "mean_text_tokens"
+            if data.mean_text_tokens is None
+            else "mean_images_per_sample"
+            if images is None
+            else "mean_audio_seconds"
+        )
         raise UserError(
             f"data.{missing}: not known yet: the master measures it over {data.path} before it "
             f"plans (data.check.measure_shape); to plan without reading the data, set it"
@@ -158,7 +167,7 @@ def sequence_tokens(model: ModelConfig, data: DataConfig) -> SequenceTokens:
         vision = images * per_image
         vision_llm = vision / model.vision.token_merge
     if model.audio is not None:
-        audio = data.mean_audio_seconds * data.audio_frames_per_second / model.audio.downsample
+        audio = seconds * data.audio_frames_per_second / model.audio.downsample
         audio_llm = audio / model.audio.token_merge
     return SequenceTokens(
         vision_encoder=vision,

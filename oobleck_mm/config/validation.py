@@ -149,11 +149,13 @@ def derive_data_shape(m: ModelConfig, d: DataConfig) -> None:
         raise ConfigError(f"data.min_image_size ({d.min_image_size}) must be <= data.image_size ({d.image_size})")
     if d.kind == "synthetic" and d.mean_images_per_sample is None:
         d.mean_images_per_sample = SYNTHETIC_IMAGES_PER_SAMPLE if m.vision is not None else 0.0
+    if d.mean_audio_seconds is None and (m.audio is None or d.kind == "synthetic"):
+        d.mean_audio_seconds = 0.0  # (synthetic with an audio encoder: the rule below asks for it)
 
 
 def shape_measured(d: DataConfig) -> bool:
     """Whether the data's means are known (a ``llava_json`` file's once the master read it)."""
-    return d.mean_text_tokens is not None and d.mean_images_per_sample is not None
+    return d.mean_text_tokens is not None and d.mean_images_per_sample is not None and d.mean_audio_seconds is not None
 
 
 def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
@@ -167,10 +169,11 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
             f"data.mean_images_per_sample ({d.mean_images_per_sample}{measured}) must be > 0 exactly when "
             f"model.vision is set (model.vision is {'set' if m.vision else 'not set'})"
         )
-    if (m.audio is None) != (d.mean_audio_seconds == 0):
+    if d.mean_audio_seconds is not None and (m.audio is None) != (d.mean_audio_seconds == 0):
+        measured = "" if d.kind == "synthetic" else f", as measured over {d.path}"
         raise ConfigError(
-            f"data.mean_audio_seconds ({d.mean_audio_seconds}) must be > 0 exactly when model.audio is set "
-            f"(model.audio is {'set' if m.audio else 'not set'})"
+            f"data.mean_audio_seconds ({d.mean_audio_seconds}{measured}) must be > 0 exactly when model.audio is "
+            f"set (model.audio is {'set' if m.audio else 'not set'})"
         )
     if m.vision is not None and d.image_size % m.vision.patch_size:
         raise ConfigError(
@@ -188,7 +191,13 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
         specs = layer_specs(m, d)
     else:  # the layers' names and order do not depend on the means, still to be measured
         specs = layer_specs(
-            m, dataclasses.replace(d, mean_text_tokens=1.0, mean_images_per_sample=1.0 if m.vision else 0.0)
+            m,
+            dataclasses.replace(
+                d,
+                mean_text_tokens=1.0,
+                mean_images_per_sample=1.0 if m.vision else 0.0,
+                mean_audio_seconds=1.0 if m.audio else 0.0,
+            ),
         )
     try:
         frozen = resolve_frozen(m.frozen, specs)

@@ -101,13 +101,14 @@ def measure_shape(job, dataset, left_out: set[int] = frozenset(), progress: Call
     d = job.data
     if shape_measured(d):
         return
-    text = images = count = 0
+    text = images = frames = count = 0
     for i in range(len(dataset)):
         meta = dataset.meta(i)
         if meta.index in left_out:
             continue
         count += 1
         images += meta.num_images
+        frames += sum(meta.audio_frames)
         text += meta.text_tokens - meta.num_images - meta.num_audio
     measured = []
     if d.mean_text_tokens is None:
@@ -116,6 +117,9 @@ def measure_shape(job, dataset, left_out: set[int] = frozenset(), progress: Call
     if d.mean_images_per_sample is None:
         d.mean_images_per_sample = round(images / count, 4)
         measured.append(f"data.mean_images_per_sample {d.mean_images_per_sample:g}")
+    if d.mean_audio_seconds is None:
+        d.mean_audio_seconds = round(frames / d.audio_frames_per_second / count, 4)
+        measured.append(f"data.mean_audio_seconds {d.mean_audio_seconds:g}")
     progress(f"data: measured over {count} samples for the planner: {', '.join(measured)}")
     validate(job)
 

@@ -13,12 +13,14 @@ of every image work as for ``llava_json``. ``data.columns`` says which column ho
   ``{"type": "image"}``, each image part a marker); or instead
 - ``text``: a caption: a user turn holding one marker per image, then the caption as the answer;
 - ``image``: a ``datasets`` ``Image`` (its bytes or its path), a list of them, a path or a list of paths
-  (relative to ``data.image_dir``, itself relative to the dataset folder; default the folder).
+  (relative to ``data.image_dir``, itself relative to the dataset folder; default the folder);
+- ``audio``: a ``datasets`` ``Audio`` (its bytes or its path: 16 kHz WAV) or a path to a .wav or .npy clip,
+  or a list of them (``<audio>`` markers in the text; ``oobleck_mm.data.audio``).
 
 Images stored in the dataset are read from its Arrow file only when a sample needs them (their header at
 construction, their pixels when loaded); a record names such an image ``row:<row>/<k>``. The balancer
 splits each batch before loading, so every rank must be able to read every row: a folder on each node's
-disk or on a shared file system. Audio columns are not read yet (a model with an audio encoder is refused).
+disk or on a shared file system. Clips stored in the dataset are read like its images (``arow:<row>/<k>``).
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from oobleck_mm.config.data import COLUMN_ROLES
 from oobleck_mm.data import record_cache
 from oobleck_mm.data.dataset import ModelInputs
 from oobleck_mm.data.hf_llava import HFLlavaJsonDataset
-from oobleck_mm.data.llava import MARKER, LlavaJsonDataset
+from oobleck_mm.data.llava import AUDIO_MARKER, MARKER, LlavaJsonDataset
 from oobleck_mm.errors import UserError
 
 ROW_REF = "row:"
 """How a record names an image stored in the dataset: ``row:<row>/<k>``, the k-th image of that row."""
+AUDIO_ROW_REF = "arow:"
+"""How a record names a clip stored in the dataset: ``arow:<row>/<k>.<ext>`` (the extension says how it is read)."""
 ROWS_PER_READ = 1024
 """Rows read from Arrow at once while the records are built."""
 
@@ -77,7 +81,7 @@ class DatasetRows:
         self.dataset = open_rows(data)
         names = set(self.dataset.column_names)
         self.columns = {role: data.columns.get(role, role) for role in COLUMN_ROLES}
-        for role in ("id", "image"):
+        for role in ("id", "image", "audio"):
             if self.columns[role] not in names:
                 if role in data.columns:
                     raise UserError(self._missing(role, names))
@@ -100,6 +104,7 @@ class DatasetRows:
         arrow = self.dataset.with_format("arrow")  # rows as Arrow tables: images stay bytes, nothing decoded
         self._records = arrow.select_columns([c for c in self.columns.values() if c is not None])
         self._images = arrow.select_columns([self.columns["image"]]) if self.columns["image"] else None
+        self._clips = arrow.select_columns([self.columns["audio"]]) if self.columns["audio"] else None
 
     def _missing(self, role: str, names: set) -> str:
         return (
@@ -121,14 +126,17 @@ class DatasetRows:
 
     def entry(self, position: int, row: dict) -> dict:
         images = self._image_names(position, row.get(self.columns["image"]) if self.columns["image"] else None)
+        clips = self._clip_names(position, row.get(self.columns["audio"]) if self.columns["audio"] else None)
         entry: dict = {"image": images}
+        if clips:
+            entry["audio"] = clips
         if self.columns["id"] is not None and row.get(self.columns["id"]) is not None:
             entry["id"] = str(row[self.columns["id"]])
         if self.columns["conversations"] is not None:
             entry["conversations"] = _turns(row[self.columns["conversations"]])
         else:
             caption = row[self.columns["text"]]
-            markers = "\n".join([MARKER] * len(images))
+            markers = "\n".join([MARKER] * len(images) + [AUDIO_MARKER] * len(clips))
             entry["conversations"] = [{"from": "human", "value": markers}, {"from": "gpt", "value": caption}]
         return entry
 
@@ -143,6 +151,25 @@ class DatasetRows:
             else:
                 names.append(item)  # a path, or what the record's check refuses by name
         return names
+
+    def _clip_names(self, position: int, value) -> list:
+        values = [] if value is None else value if isinstance(value, list) else [value]
+        names = []
+        for k, item in enumerate(values):
+            if isinstance(item, dict) and item.get("bytes") is not None:
+                path = str(item.get("path") or "")
+                ext = ".npy" if path.lower().endswith(".npy") else ".wav"  # an Audio's bytes: its file's
+                names.append(f"{AUDIO_ROW_REF}{position}/{k}{ext}")
+            elif isinstance(item, dict) and isinstance(item.get("path"), str):
+                names.append(item["path"])
+            else:
+                names.append(item)
+        return names
+
+    def clip_bytes(self, ref: str) -> bytes:
+        position, k = (int(x) for x in ref[len(AUDIO_ROW_REF) :].split(".")[0].split("/"))
+        value = self._clips[position].to_pylist()[0][self.columns["audio"]]
+        return (value if isinstance(value, list) else [value])[k]["bytes"]
 
     def image_bytes(self, ref: str) -> bytes:
         position, k = (int(x) for x in ref[len(ROW_REF) :].split("/"))
@@ -159,13 +186,18 @@ def _turns(value) -> list:
         if isinstance(turn, dict) and "role" in turn and "from" not in turn:
             content = turn.get("content")
             if isinstance(content, list):  # HF's multimodal parts
-                content = "".join(
-                    MARKER if isinstance(p, dict) and p.get("type") == "image" else str((p or {}).get("text") or "")
-                    for p in content
-                )
+                content = "".join(_part(p) for p in content)
             turn = {"from": turn["role"], "value": content}
         turns.append(turn)
     return turns
+
+
+def _part(part) -> str:
+    """One part of an HF chat message's content as text: a marker for an image or an audio part."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("image", "audio"):
+        return MARKER if kind == "image" else AUDIO_MARKER
+    return str((part or {}).get("text") or "")
 
 
 class _FromDatasetRows:
@@ -174,12 +206,17 @@ class _FromDatasetRows:
     rows: DatasetRows
 
     def _entries(self, data: DataConfig):
-        if self.inputs.has_audio:
-            raise UserError("data.kind: hf_datasets does not read audio columns yet; the model has an audio encoder")
         return self.rows
 
     def _image_path(self, name: str) -> str:
-        return name if name.startswith(ROW_REF) else os.path.join(dataset_image_folder(self.data), name)
+        if name.startswith((ROW_REF, AUDIO_ROW_REF)):
+            return name
+        return os.path.join(dataset_image_folder(self.data), name)
+
+    def open_audio(self, path: str):
+        if path.startswith(AUDIO_ROW_REF):
+            return io.BytesIO(self.rows.clip_bytes(path))
+        return open(path, "rb")
 
     def open_image(self, path: str):
         if path.startswith(ROW_REF):

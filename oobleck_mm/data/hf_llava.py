@@ -195,7 +195,7 @@ class HFLlavaJsonDataset(JsonRecords):
     # ------------------------------------------------------------------ construction
 
     def _record(self, position: int, entry) -> _Record:
-        sample_id, where, turns, paths = self._entry(position, entry)
+        sample_id, where, turns, paths, _ = self._entry(position, entry)  # (its models have no audio)
         for path in paths:
             if not self.image_exists(path):
                 raise UserError(f"{where}: cannot read image {path!r}: no such file")

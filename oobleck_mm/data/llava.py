@@ -3,12 +3,16 @@
 The file is a list of records::
 
     {"id": "0001", "image": "imgs/cat.png" (or a list of paths, or absent),
-     "conversations": [{"from": "human", "value": "<image>\\nWhat is this?"},
-                       {"from": "gpt", "value": "A cat."}]}
+     "audio": "clips/meow.wav" (or a list of .wav / .npy paths, or absent),
+     "conversations": [{"from": "human", "value": "<image>\\n<audio>\\nWhat is this?"},
+                       {"from": "gpt", "value": "A cat, meowing."}]}
 
 The text is every turn as ``"<from>: <value>\\n"``, concatenated; each ``<image>``
-marker becomes an ``IMAGE`` placeholder, and the markers must match the images
-in number. With ``data.loss_on: assistant`` (the default) the loss covers the
+marker becomes an ``IMAGE`` placeholder and each ``<audio>`` marker an ``AUDIO``
+one, and the markers must match the images and the clips in number (each kind
+in its own order). Clips (``oobleck_mm.data.audio``: 16 kHz WAV or log-mel
+``.npy``) need a model with an audio encoder; their frames come from the file
+header, cut to ``data.max_audio_seconds``. With ``data.loss_on: assistant`` (the default) the loss covers the
 assistant's turns only (``from`` is ``gpt`` or ``assistant``: their value and
 newline, and the final EOS after an assistant turn); ``all`` trains on every
 text token. A model from ``model.huggingface`` reads the same files with its
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,11 +42,14 @@ from PIL import Image, UnidentifiedImageError
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
+from oobleck_mm.data import audio
 from oobleck_mm.data.dataset import BadSample, ModelInputs, check_index
-from oobleck_mm.data.sample import BOS, EOS, IMAGE, Sample, SampleMeta
+from oobleck_mm.data.sample import AUDIO, BOS, EOS, IMAGE, Sample, SampleMeta
 from oobleck_mm.data.tokenizer import encode, num_tokens
 
 MARKER = "<image>"
+AUDIO_MARKER = "<audio>"
+_MARKERS = re.compile(rb"<image>|<audio>")
 _PIL_MODES = {1: "L", 3: "RGB"}
 
 
@@ -53,12 +61,15 @@ ASSISTANT_ROLES = ("gpt", "assistant")
 class _Record:
     sample_id: str
     texts: tuple[str, ...]
-    """Text around the image markers: one more than there are images."""
+    """Text around the media markers: one more than there are images and clips."""
     image_paths: tuple[str, ...]
     meta: SampleMeta
     targets: tuple[np.ndarray, ...] | None = None
     """Per text piece, per byte (= token): is it a loss target; None: all are."""
     eos_target: bool = True
+    audio_paths: tuple[str, ...] = ()
+    placeholders: tuple[int, ...] = ()
+    """``IMAGE`` or ``AUDIO`` for each marker, in text order (empty: every marker is an image's)."""
 
 
 class JsonRecords:
@@ -108,6 +119,37 @@ class JsonRecords:
     def image_exists(self, path: str) -> bool:
         return os.path.isfile(path)
 
+    def open_audio(self, path: str):
+        """The clip a record names, as a binary file (``oobleck_mm.data.audio`` reads its header or its body)."""
+        return open(path, "rb")
+
+    def _clip_frames(self, path: str, where: str) -> int:
+        """Frames of the clip the model sees (``audio.usable_frames``), from its header only."""
+        d = self.data
+        try:
+            audio.suffix(path)
+            with self.open_audio(path) as f:
+                frames = audio.header_frames(path, f, d.audio_frames_per_second, self.inputs.mel_bins)
+        except (OSError, audio.BadClip) as exc:
+            raise UserError(f"{where}: cannot read audio clip {path!r}: {exc}") from None
+        usable = audio.usable_frames(frames, self.inputs.frames_unit, d.max_audio_seconds, d.audio_frames_per_second)
+        if usable == 0:
+            raise UserError(
+                f"{where}: audio clip {path!r} has {frames} frames, fewer than one LLM token's "
+                f"{self.inputs.frames_unit} (model.audio.downsample x token_merge)"
+            )
+        return usable
+
+    def _clip_features(self, record: _Record, path: str, frames: int) -> torch.Tensor:
+        try:
+            with self.open_audio(path) as f:
+                features = audio.load_features(path, f, frames, self.data.audio_frames_per_second, self.inputs.mel_bins)
+        except (OSError, audio.BadClip, ValueError) as exc:
+            raise UserError(
+                f"{self.data.path}: sample {record.sample_id!r}: cannot decode audio {path!r}: {exc}"
+            ) from None
+        return torch.from_numpy(features)
+
     def _image_path(self, name: str) -> str:
         """Where a record's image is: relative to ``data.image_dir``."""
         return os.path.join(self.image_dir, name)
@@ -122,9 +164,11 @@ class JsonRecords:
         return self._records[check_index(index, len(self))].sample_id
 
     def decode_images(self, index: int) -> None:
-        """Decodes every image of sample ``index`` once (pixels, not just the header); ``UserError``
-        naming the sample and the file when one does not decode."""
+        """Decodes every image and clip of sample ``index`` once (pixels and samples, not just the header);
+        ``UserError`` naming the sample and the file when one does not decode."""
         record = self._records[check_index(index, len(self))]
+        for path, frames in zip(record.audio_paths, record.meta.audio_frames):
+            self._clip_features(record, path, frames)
         for path in record.image_paths:
             try:
                 with self.open_image(path) as im:
@@ -134,8 +178,9 @@ class JsonRecords:
                     f"{self.data.path}: sample {record.sample_id!r}: cannot decode image {path!r}: {exc}"
                 ) from None
 
-    def _entry(self, position: int, entry) -> tuple[str, str, list[tuple[str, str]], tuple[str, ...]]:
-        """(sample id, where, turns, image paths under ``image_dir``) of a record, its common parts checked."""
+    def _entry(self, position: int, entry) -> tuple[str, str, list[tuple[str, str]], tuple[str, ...], tuple[str, ...]]:
+        """(sample id, where, turns, image paths, clip paths) of a record (paths under ``image_dir``), its
+        common parts checked."""
         if not isinstance(entry, dict):
             raise UserError(f"{self.data.path}: entry {position} must be an object, got {type(entry).__name__}")
         sample_id = str(entry.get("id", f"#{position}"))
@@ -149,7 +194,13 @@ class JsonRecords:
             raise UserError(f"{where} has {markers} '{MARKER}' markers but {len(paths)} images")
         if paths and not self.inputs.has_vision:
             raise UserError(f"{where} has {len(paths)} images but the model has no vision encoder")
-        return sample_id, where, turns, tuple(self._image_path(p) for p in paths)
+        clips = _image_paths(entry.get("audio"), where, "audio")
+        heard = sum(value.count(AUDIO_MARKER) for _, value in turns)
+        if heard != len(clips):
+            raise UserError(f"{where} has {heard} '{AUDIO_MARKER}' markers but {len(clips)} audio clips")
+        if clips and not self.inputs.has_audio:
+            raise UserError(f"{where} has {len(clips)} audio clips but the model has no audio encoder")
+        return sample_id, where, turns, tuple(self._image_path(p) for p in paths), tuple(map(self._image_path, clips))
 
 
 class LlavaJsonDataset(JsonRecords):
@@ -175,50 +226,60 @@ class LlavaJsonDataset(JsonRecords):
                 raise UserError(
                     f"{self.data.path}: sample {record.sample_id!r}: cannot decode image {path!r}: {exc}"
                 ) from None
+        clips = [self._clip_features(record, p, f) for p, f in zip(record.audio_paths, record.meta.audio_frames)]
         tokens = self._tokens(record)
         targets = None
         if record.targets is not None:
             parts = [np.zeros(1, dtype=bool)]  # BOS
             for i, mask in enumerate(record.targets):
                 if i:
-                    parts.append(np.zeros(1, dtype=bool))  # the image placeholder
+                    parts.append(np.zeros(1, dtype=bool))  # the medium's placeholder
                 parts.append(mask)
             parts.append(np.array([record.eos_target]))
             targets = torch.from_numpy(np.concatenate(parts))
-        return Sample(meta=record.meta, tokens=tokens, images=images, targets=targets)
+        return Sample(meta=record.meta, tokens=tokens, images=images, audio=clips, targets=targets)
 
     # ------------------------------------------------------------------ construction
 
     def _record(self, position: int, entry) -> _Record:
-        sample_id, where, turns, paths = self._entry(position, entry)
+        sample_id, where, turns, paths, clips = self._entry(position, entry)
         text, mask = _conversation_bytes(turns)
-        pieces = text.split(MARKER.encode())
+        pieces = _MARKERS.split(text)
+        found = _MARKERS.findall(text)
+        placeholders = tuple(AUDIO if m == AUDIO_MARKER.encode() else IMAGE for m in found) if clips else ()
         texts = tuple(p.decode("utf-8") for p in pieces)
         sizes = tuple(self._image_size(p, where) for p in paths)
+        frames = tuple(self._clip_frames(p, where) for p in clips)
         media = sum(self.inputs.image_llm_tokens(h, w) for h, w in sizes)
+        media += sum(self.inputs.clip_llm_tokens(f) for f in frames)
         budget = self.data.max_seq_len - 2 - media  # BOS and EOS
         if budget < 0:
             raise UserError(
-                f"{where}: its {len(paths)} images take {media} LLM tokens, which with BOS/EOS exceed "
-                f"data.max_seq_len ({self.data.max_seq_len}); raise it to at least {media + 2} or lower "
-                f"data.image_size ({self.data.image_size})"
+                f"{where}: its {len(paths)} images and {len(clips)} clips take {media} LLM tokens, which with "
+                f"BOS/EOS exceed data.max_seq_len ({self.data.max_seq_len}); raise it to at least {media + 2} or "
+                f"lower data.image_size ({self.data.image_size}) or data.max_audio_seconds "
+                f"({self.data.max_audio_seconds:g})"
             )
         text = min(budget, sum(num_tokens(t) for t in texts))
+        placed = 2 + len(paths) + len(clips) + text
+        media_fields = dict(image_paths=paths, audio_paths=clips, placeholders=placeholders)
         if self.data.loss_on == "all":
-            meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes)
-            return _Record(sample_id=sample_id, texts=texts, image_paths=paths, meta=meta)
+            meta = SampleMeta(index=position, text_tokens=placed, image_sizes=sizes, audio_frames=frames)
+            return _Record(sample_id=sample_id, texts=texts, meta=meta, **media_fields)
         targets, start, left = [], 0, text
-        for piece in pieces:  # the byte mask cut like the text: each piece, then what fits of it
+        for k, piece in enumerate(pieces):  # the byte mask cut like the text: each piece, then what fits of it
             targets.append(mask[start : start + len(piece)][: max(0, left)])
             left -= len(targets[-1])
-            start += len(piece) + len(MARKER)
+            start += len(piece) + (len(found[k]) if k < len(found) else 0)
         # The EOS ends the answer only when nothing was cut off before it.
         eos = turns[-1][0] in ASSISTANT_ROLES and text == sum(len(p) for p in pieces)
         # A sample whose answer is cut off entirely trains on nothing (as LLaVA's own training masks it).
         count = int(sum(t.sum() for t in targets)) + int(eos)
-        meta = SampleMeta(index=position, text_tokens=2 + len(paths) + text, image_sizes=sizes, target_tokens=count)
+        meta = SampleMeta(
+            index=position, text_tokens=placed, image_sizes=sizes, audio_frames=frames, target_tokens=count
+        )
         return _Record(
-            sample_id=sample_id, texts=texts, image_paths=paths, meta=meta, targets=tuple(targets), eos_target=eos
+            sample_id=sample_id, texts=texts, meta=meta, targets=tuple(targets), eos_target=eos, **media_fields
         )
 
     def _image_size(self, path: str, where: str) -> tuple[int, int]:
@@ -238,11 +299,11 @@ class LlavaJsonDataset(JsonRecords):
     # ------------------------------------------------------------------ loading
 
     def _tokens(self, record: _Record) -> torch.Tensor:
-        budget = record.meta.text_tokens - 2 - record.meta.num_images
+        budget = record.meta.text_tokens - 2 - record.meta.num_images - record.meta.num_audio
         ids = [BOS]
         for i, text in enumerate(record.texts):
             if i:
-                ids.append(IMAGE)
+                ids.append(record.placeholders[i - 1] if record.placeholders else IMAGE)
             part = encode(text, self.inputs.vocab_size)[: max(0, budget)]
             budget -= len(part)
             ids += part
@@ -300,12 +361,12 @@ def _conversation_bytes(turns: list[tuple[str, str]]) -> tuple[bytes, np.ndarray
     return b"".join(text), np.concatenate(mask)
 
 
-def _image_paths(image, where: str) -> tuple[str, ...]:
+def _image_paths(image, where: str, field: str = "image") -> tuple[str, ...]:
     if image is None:
         return ()
     paths = [image] if isinstance(image, str) else image
     if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise UserError(f"{where}: 'image' must be a path or a list of paths, got {image!r}")
+        raise UserError(f"{where}: {field!r} must be a path or a list of paths, got {image!r}")
     return tuple(paths)
 
 

@@ -6,6 +6,7 @@ sample is the run of consecutive members sharing a key (the member's path up to 
 file name), as WebDataset writes them; ``data.columns`` names the extension that holds each role:
 
 - ``image`` (default: the first of ``jpg``, ``jpeg``, ``png``, ``webp`` a sample has): one image;
+- ``audio`` (default: the first of ``wav``, ``npy`` a sample has): one clip (``oobleck_mm.data.audio``);
 - ``text`` (default ``txt``): a caption, trained on as the answer to a turn holding the image; or
 - ``conversations`` (default ``json`` when the sample has one): a JSON of LLaVA turns, chat messages, or an
   object holding them under ``conversations`` or ``messages``;
@@ -42,12 +43,13 @@ from oobleck_mm.config import DataConfig
 from oobleck_mm.data import record_cache
 from oobleck_mm.data.dataset import ModelInputs
 from oobleck_mm.data.hf_llava import HFLlavaJsonDataset
-from oobleck_mm.data.llava import MARKER, LlavaJsonDataset
+from oobleck_mm.data.llava import AUDIO_MARKER, MARKER, LlavaJsonDataset
 from oobleck_mm.errors import UserError
 
 TAR_REF = "tar:"
 """How a record names an image inside a shard: ``tar:<shard>:<offset>:<size>``."""
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+AUDIO_EXTENSIONS = ("wav", "npy")
 TEXT_LIMIT = 1 << 20
 """Largest text member (caption, JSON) read into the index; a larger one is a bad sample."""
 INDEX_FORMAT = 1
@@ -93,7 +95,7 @@ def index_shard(path: str) -> list[dict]:
                 if not samples or samples[-1]["key"] != key:
                     samples.append({"key": key, "members": {}, "texts": {}})
                 samples[-1]["members"][ext] = [member.offset_data, member.size]
-                if ext not in IMAGE_EXTENSIONS and member.size <= TEXT_LIMIT:
+                if ext not in IMAGE_EXTENSIONS + AUDIO_EXTENSIONS and member.size <= TEXT_LIMIT:
                     data = tar.extractfile(member).read()
                     if len(data) != member.size:
                         raise tarfile.ReadError("unexpected end of data")
@@ -160,6 +162,11 @@ class ShardSamples:
         if image_ext is not None and image_ext in members:
             offset, size = members[image_ext]
             images.append(f"{TAR_REF}{shard}:{offset}:{size}")
+        audio_ext = self.columns.get("audio") or next((e for e in AUDIO_EXTENSIONS if e in members), None)
+        clips = []
+        if audio_ext is not None and audio_ext in members:
+            offset, size = members[audio_ext]
+            clips.append(f"{TAR_REF}{shard}:{offset}:{size}.{audio_ext}")  # the extension says how it is read
         name = f"{os.path.basename(self.shards[shard])}:{sample['key']}"  # the shard and the key: where it is
         entry: dict = {"id": texts.get(self.columns["id"], "").strip() or name if "id" in self.columns else name}
         if self.talk is not None:
@@ -170,15 +177,18 @@ class ShardSamples:
         else:
             caption_ext = self.columns.get("text", "txt")
             caption = texts.get(caption_ext)
-            markers = "\n".join([MARKER] * len(images))
+            markers = "\n".join([MARKER] * len(images) + [AUDIO_MARKER] * len(clips))
             if caption is None:
                 return {"id": entry["id"], "error": f"has no '.{caption_ext}' member (data.columns.text)"}
             entry["conversations"] = [{"from": "human", "value": markers}, {"from": "gpt", "value": caption.strip()}]
         entry["image"] = images
+        if clips:
+            entry["audio"] = clips
         return entry
 
     def image_bytes(self, ref: str) -> bytes:
-        shard, offset, size = (int(x) for x in ref[len(TAR_REF) :].split(":"))
+        """The bytes of the member ``ref`` names (an image, or a clip: ``...:<size>.<ext>``)."""
+        shard, offset, size = (int(x) for x in ref[len(TAR_REF) :].split(".")[0].split(":"))
         with open(self.shards[shard], "rb") as fh:
             fh.seek(offset)
             data = fh.read(size)
@@ -208,8 +218,6 @@ class _FromShards:
     shards: ShardSamples
 
     def _entries(self, data: DataConfig):
-        if self.inputs.has_audio:
-            raise UserError("data.kind: webdataset does not read audio members yet; the model has an audio encoder")
         return self.shards
 
     def _image_path(self, name: str) -> str:
@@ -220,6 +228,9 @@ class _FromShards:
 
     def image_exists(self, path: str) -> bool:
         return path.startswith(TAR_REF)
+
+    def open_audio(self, path: str):
+        return io.BytesIO(self.shards.image_bytes(path))
 
 
 class ShardsLlavaDataset(_FromShards, LlavaJsonDataset):
