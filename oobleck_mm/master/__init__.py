@@ -5,8 +5,9 @@ progress. Imported as ``oobleck_mm.master`` (only the CLI imports it: ``.importl
 The decisions, pure (plain data in and out, no threads, gRPC or files):
 
 - ``machine``: ``step(state, event, now) -> Transition``, the one entry point; its parts
-  ``generations`` (what to plan, applying plans, re-adoption), ``stopping`` (stopping with
-  nothing lost, periodic checkpoints), ``benching`` (a straggler planned out for a while);
+  ``generations`` (what to plan, applying plans), ``adoption`` (a restarted master re-adopting
+  the journal's generation), ``stopping`` (stopping with nothing lost, periodic checkpoints),
+  ``benching`` (a straggler planned out for a while);
 - ``state`` (the whole state), ``inputs`` (every event), ``effects`` (every side effect asked
   for), ``context`` (one step in progress);
 - ``detector`` (failure detection), ``recovery`` (which generation to plan from),

@@ -17,7 +17,6 @@ injected ``clock``, so tests drive the whole master by hand.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import secrets
@@ -130,7 +129,6 @@ class Coordinator:
         self.planner = planner or InlinePlanner()
         self.options = options
         self.timeouts = job.fault_tolerance
-        self._last_detection = -math.inf
         """When the control loop last looked for failed nodes (``Tick.detect``)."""
         self.settings = Settings.of(
             job, num_nodes=num_nodes, steps=steps, store_host=store_host, store_port=store_port, options=options
@@ -278,11 +276,7 @@ class Coordinator:
             for node in list(self._beats):
                 session, at = self._beats.pop(node)
                 self._handle(Heartbeat(node, session, at))
-            now = self.clock()
-            detect = now - self._last_detection >= self.timeouts.detector_tick.total_seconds()
-            if detect:
-                self._last_detection = now
-            self._handle(Tick(detect))
+            self._handle(Tick())  # the machine decides whether it detects (``Tick.detect``)
             return self.state.finish
 
     def wait_for_change(self, timeout: float) -> None:
@@ -312,8 +306,6 @@ class Coordinator:
         """One event through the machine, its effects carried out, then the planner's finished answers
         (an inline planner answers at once: its answer is applied in the same call)."""
         transition = machine.step(self.state, event, self.clock(), self.settings)
-        if isinstance(event, (StreamEnded, WorkerFailure)):
-            self._last_detection = -math.inf  # a node's health changed: the next tick looks (a kill is seen at once)
         self._carry_out(transition.effects)
         while verdicts := self._progress.take_verdicts():  # found in the steps just logged
             for v in verdicts:

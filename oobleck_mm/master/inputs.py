@@ -121,10 +121,12 @@ class Straggler:
 class Tick:
     """The clock moved: detect failures, plan, check rounds, adoption, the end."""
 
-    detect: bool = True
-    """Look for silent and failed nodes (every node's health: O(nodes)). The shell ticks on every change
-    (a registration, a report) but detects only every ``detector_tick``: at 4,000 nodes a detection per
-    registration made the start-up quadratic (26 s to register, heartbeats unread meanwhile)."""
+    detect: bool | None = None
+    """Look for silent and failed nodes (every node's health: O(nodes)): None (the shell's ticks) lets the
+    machine's cadence decide: every ``detector_tick``, and at the first tick after a node's health changed (a
+    stream ended, a worker failed: a kill is seen at once). The shell ticks on every change (a registration, a
+    report): at 4,000 nodes a detection per registration made the start-up quadratic (26 s to register,
+    heartbeats unread meanwhile). True or False: forced (the model's tests)."""
 
 
 @dataclass(frozen=True, slots=True)

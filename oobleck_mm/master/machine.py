@@ -129,6 +129,7 @@ def _open_stream(ctx: Context, ev: OpenStream) -> None:
 
 def _stream_ended(ctx: Context, ev: StreamEnded) -> None:
     s = ctx.s
+    s.next_detection = float("-inf")  # a node's health changed: the next tick looks (a kill is seen at once)
     entry = s.registry.nodes.get(ev.node)
     if entry is None or entry.session != ev.session:
         ctx.because(f"the stream of a registration of {ev.node} that is gone: nothing to do")
@@ -357,6 +358,7 @@ def _on_ready(ctx: Context, entry, local_rank: int, ready: pb.WorkerReady) -> No
 
 
 def _worker_failure(ctx: Context, ev: WorkerFailure) -> None:
+    ctx.s.next_detection = float("-inf")  # the next tick looks
     entry = ctx.s.registry.live(ev.node, ev.session)
     if entry.worker_failure is None:
         entry.worker_failure = ev.reason
@@ -432,8 +434,13 @@ def _adopt(ctx: Context, ev: Adopt) -> None:
 
 # ---------------------------------------------------------------------- the clock
 def _tick(ctx: Context, ev: Tick) -> None:
-    """Detects failures, plans when membership changed, checks rounds, adoption, the end."""
-    if ctx.s.phase is not JobPhase.FINISHED and ev.detect:
+    """Detects failures (at the machine's cadence: ``Tick.detect``), plans when membership changed, checks
+    rounds, adoption, the end."""
+    s = ctx.s
+    detect = ev.detect if ev.detect is not None else ctx.now >= s.next_detection
+    if detect:
+        s.next_detection = ctx.now + ctx.cfg.timeouts.detector_tick.total_seconds()
+    if ctx.s.phase is not JobPhase.FINISHED and detect:
         _detect(ctx)
         benching.check_bench_returns(ctx)
     _advance(ctx)

@@ -442,3 +442,24 @@ def test_pruning_never_removes_the_checkpoint_the_master_would_restart_from():
     m.kill_named(sorted(m.state.current_view().nodes)[-1])
     m.settle()
     assert m.state.pin is not None and m.state.pin[1] == "/run/checkpoints/step00000006"
+
+
+def test_the_machine_detects_every_detector_tick_and_at_once_after_a_stream_ended():
+    """Issue 53 item 2: the detection cadence is the machine's (it was the shell's): a tick detects once
+    ``detector_tick`` passed since the last detection, or at the first tick after a node's health changed."""
+    from oobleck_mm.master.inputs import StreamEnded, Tick
+
+    m = MachineModel()
+    m.start(steps=100, recovery="live", interval=0, started=4)
+    tick = m.settings.timeouts.detector_tick.total_seconds()
+    m.feed(Tick())
+    assert m.state.next_detection == m.now + tick
+    m.now += tick / 2
+    m.feed(Tick())
+    assert m.state.next_detection == m.now - tick / 2 + tick, "half a tick later: no detection"
+    victim = m.world.agents.pop("n2")
+    m.feed(StreamEnded(victim.name, victim.session))
+    assert m.state.next_detection == float("-inf")
+    m.now += 0.001
+    m.feed(Tick())
+    assert m.state.next_detection == m.now + tick, "the first tick after a stream ended detects"
