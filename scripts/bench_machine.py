@@ -91,6 +91,13 @@ MASTER_MUTANTS = [
         "    s.generation = max(0, journal.generation - 1)\n",
         "generations only grow; the job settles with every live node planned",
     ),
+    (
+        "wait a whole detector tick after a stream ended",
+        "oobleck_mm/master/machine.py",
+        '    s.next_detection = float("-inf")  # a node\'s health changed',
+        "    pass  # a node's health changed",
+        "the first tick after a stream ended detects (test_the_machine_detects_every_detector_tick...)",
+    ),
 ]
 
 AGENT_MUTANTS = [

@@ -4,7 +4,7 @@ journal's generation while its nodes' agents register again, then counts the mis
 
 from __future__ import annotations
 
-from oobleck_mm.master import stopping
+from oobleck_mm.master import slow_nodes, stopping
 from oobleck_mm.master.context import Context, add_to_incident
 from oobleck_mm.master.effects import StartProgress, WarmPlanner
 from oobleck_mm.master.generations import SETTLE_S
@@ -25,6 +25,7 @@ def adopt(ctx: Context, journal: Journal, seconds_since_start: float) -> None:
         plan = journal.plan if view.number == journal.generation else None
         s.gens[view.number] = Generation(view, plan, journal.template_nodes)
         ctx.effects.append(StartProgress(view, None, expected_compute(plan, view.layout)))
+        slow_nodes.keep_only(ctx, view.nodes)
     s.generation = journal.generation
     s.checkpoints.last = journal.last_checkpoint
     s.pin = journal.pin

@@ -34,6 +34,7 @@ from oobleck_mm.master.effects import (
     EndStream,
     Finished,
     PruneCheckpoints,
+    LogStep,
     ProgressMetrics,
     ProgressPhase,
     Record,
@@ -57,7 +58,7 @@ from oobleck_mm.master.inputs import (
     Register,
     Report,
     StopRequested,
-    Straggler,
+    StepCompleted,
     StreamEnded,
     Tick,
     WorkerFailure,
@@ -154,7 +155,7 @@ class Coordinator:
         self._sampler = None  # the data order meta.json records (building it reads the whole dataset)
         self._sampler_ready: Future | None = None
         """``prepare_meta``'s build of ``_sampler``, in the background."""
-        self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every))
+        self._progress = Progress(events, steps, progress, clock, StepFacts.of(job, options.log_every), judged=True)
         self._disk = DiskQueue(threaded=disk_thread)
         self.journal_to: Callable[[Journal], None] | None = None
         """Writes the journal (``oobleck_mm.master.journal``) before every generation's assignments go out; the
@@ -307,16 +308,10 @@ class Coordinator:
         (an inline planner answers at once: its answer is applied in the same call)."""
         transition = machine.step(self.state, event, self.clock(), self.settings)
         self._carry_out(transition.effects)
-        while verdicts := self._progress.take_verdicts():  # found in the steps just logged
-            for v in verdicts:
-                self._carry_out(
-                    machine.step(
-                        self.state,
-                        Straggler(v.node, v.factor, v.kind != "cleared", v.step),
-                        self.clock(),
-                        self.settings,
-                    ).effects
-                )
+        while completed := self._progress.take_completed():  # judged by the machine, then logged (``LogStep``)
+            for generation, step, ranks in completed:
+                event = StepCompleted(generation, step, ranks)
+                self._carry_out(machine.step(self.state, event, self.clock(), self.settings).effects)
         if transition.refused is not None:
             if peer:
                 self.refused(peer, method, str(transition.refused))
@@ -465,6 +460,9 @@ class Coordinator:
     def _progress_metrics(self, e: ProgressMetrics) -> None:
         self._progress.metrics(e.metrics)
 
+    def _log_step(self, e: LogStep) -> None:
+        self._progress.log_step(e.generation, e.step, e.stragglers, e.latest)
+
     def _progress_phase(self, e: ProgressPhase) -> None:
         self._progress.phase(e.node, e.local_rank, e.rank, e.phase)
 
@@ -486,6 +484,7 @@ _EFFECTS: dict[type, Callable[[Coordinator, object], None]] = {
     PruneCheckpoints: Coordinator._prune,
     StartProgress: Coordinator._start_progress,
     ProgressMetrics: Coordinator._progress_metrics,
+    LogStep: Coordinator._log_step,
     ProgressPhase: Coordinator._progress_phase,
     Finished: Coordinator._finished,
 }

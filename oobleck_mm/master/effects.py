@@ -125,6 +125,17 @@ class ProgressMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class LogStep:
+    """Log step ``step`` of ``generation`` (its row: the event log, metrics.csv, the console), judged: the
+    nodes flagged slow (None: the straggler rule is off) and each node's latest factor."""
+
+    generation: int
+    step: int
+    stragglers: int | None
+    latest: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
 class ProgressPhase:
     node: str
     local_rank: int
@@ -153,6 +164,7 @@ Effect = (
     | PruneCheckpoints
     | StartProgress
     | ProgressMetrics
+    | LogStep
     | ProgressPhase
     | Finished
 )

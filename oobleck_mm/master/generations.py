@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from oobleck_mm.master.assignments import build_assignments
 from oobleck_mm.master.checkpointing import cut_short
-from oobleck_mm.master import stopping
+from oobleck_mm.master import slow_nodes, stopping
 from oobleck_mm.master.benching import bench, bench_candidates
 from oobleck_mm.master.context import Context, finish, write_journal
 from oobleck_mm.master.effects import AskPlanner, CancelPlan, StartProgress
@@ -412,6 +412,7 @@ def _start_generation(ctx: Context, request: Request, planned: Planned) -> None:
         + f": {layout.describe()}"
     )
     ctx.effects.append(StartProgress(view, incident, expected_compute(planned.plan, layout)))
+    slow_nodes.keep_only(ctx, view.nodes)
     fresh = _fresh_start(ctx, view) if base is None else None  # its pin journaled with it
     write_journal(ctx)  # before any worker may run the generation: a restarted master knows it
     # Only nodes that left on notice (alive until the iteration in flight ends) are dropped: the

@@ -118,6 +118,16 @@ class Straggler:
 
 
 @dataclass(frozen=True, slots=True)
+class StepCompleted:
+    """Every rank of ``generation`` reported ``step`` (the shell's progress collects the reports): each rank's
+    compute against its prediction, which the machine judges (``oobleck_mm.master.slow_nodes``)."""
+
+    generation: int
+    step: int
+    ranks: tuple  # of ``oobleck_mm.master.stragglers.RankCompute``
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """The clock moved: detect failures, plan, check rounds, adoption, the end."""
 
@@ -151,6 +161,7 @@ Event = (
     | FinishRequested
     | PlanAnswered
     | Straggler
+    | StepCompleted
     | Tick
     | Adopt
 )

@@ -25,10 +25,9 @@ import logging
 import statistics
 from collections.abc import Callable
 
-from oobleck_mm.master import adoption, benching, generations, stopping
+from oobleck_mm.master import adoption, benching, generations, slow_nodes, stopping
 from oobleck_mm.master.generations import SETTLE_S
 from oobleck_mm.master.context import Context, Transition, add_to_incident, finish
-from oobleck_mm.master.stragglers import FACTOR_CHANGE
 from oobleck_mm.master.detector import (
     LATE_HEARTBEAT_SHARE,
     WORKER_FAILED,
@@ -49,6 +48,7 @@ from oobleck_mm.master.inputs import (
     Register,
     Report,
     StopRequested,
+    StepCompleted,
     Straggler,
     StreamEnded,
     Tick,
@@ -408,23 +408,19 @@ def _plan_answered(ctx: Context, ev: PlanAnswered) -> None:
 
 
 def _straggler(ctx: Context, ev: Straggler) -> None:
-    """A node found slow (or no longer): the batch split follows its speed (``generations.wanted``); one
-    still slow ``straggler_replan_after`` later is weighed for a bench (``oobleck_mm.master.benching``)."""
-    s = ctx.s
-    if ev.detected and s.registry.nodes.get(ev.node) is not None and ev.factor > 1:
-        weighed_at = s.slow.get(ev.node, ev.factor)
-        s.slow[ev.node] = float(ev.factor)
-        s.slow_since.setdefault(ev.node, ctx.now)
-        if ev.factor >= FACTOR_CHANGE * weighed_at:
-            s.weighed.discard(ev.node)  # much slower than last measured: a bench is weighed again
-    elif not ev.detected:
-        s.slow.pop(ev.node, None)
-        s.slow_since.pop(ev.node, None)
-        s.weighed.discard(ev.node)  # found slow again later: weighed again
-    else:
-        ctx.because(f"straggler verdict on {ev.node} (factor {ev.factor}) ignored: not a live node, or not slower")
-        return
-    if s.phase in (JobPhase.WAITING, JobPhase.RUNNING):
+    """A verdict given from outside (a test's): applied as the machine's own are (``slow_nodes``)."""
+    if slow_nodes.apply(ctx, ev.node, ev.factor, ev.detected):
+        _replan_for_speeds(ctx)
+
+
+def _step_completed(ctx: Context, ev: StepCompleted) -> None:
+    """A completed step, judged for stragglers (``slow_nodes``): the verdicts are a function of these events."""
+    if slow_nodes.step_completed(ctx, ev):
+        _replan_for_speeds(ctx)
+
+
+def _replan_for_speeds(ctx: Context) -> None:
+    if ctx.s.phase in (JobPhase.WAITING, JobPhase.RUNNING):
         generations.maybe_plan(ctx)
 
 
@@ -560,6 +556,7 @@ _HANDLERS: dict[type, Callable[[Context, object], None]] = {
     FinishRequested: _finish_requested,
     PlanAnswered: _plan_answered,
     Straggler: _straggler,
+    StepCompleted: _step_completed,
     Tick: _tick,
     Adopt: _adopt,
 }

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from oobleck_mm.master.recovery import GenerationView
-from oobleck_mm.master.stragglers import RankCompute, StragglerDetector, StragglerRule, Verdict, stage_ranges
+from oobleck_mm.master.stragglers import RankCompute, stage_ranges
 from oobleck_mm.events import EventLog
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol import oobleck_pb2 as pb
@@ -70,8 +70,6 @@ class StepFacts:
     """Console lines every N steps (and the first, the last, and the first of each generation)."""
     eta_window: int = 20
     """Steps the ETA's recent pace is averaged over (the current layout's speed, not the run's)."""
-    stragglers: StragglerRule = StragglerRule()
-    """``fault_tolerance.straggler_*``: when a node's compute makes it a straggler (``oobleck_mm.master.stragglers``)."""
 
     @classmethod
     def of(cls, job, log_every: int = 1) -> StepFacts:
@@ -83,7 +81,6 @@ class StepFacts:
             peak_flops(job),
             job.balance.enabled,
             log_every,
-            stragglers=StragglerRule.of(job.fault_tolerance),
         )
 
 
@@ -180,8 +177,16 @@ class Progress:
     """Per-step lines and per-generation phase events for the generation being collected."""
 
     def __init__(
-        self, events: EventLog, steps: int, say: Callable[[str], None], clock: Callable[[], float], facts: StepFacts
+        self,
+        events: EventLog,
+        steps: int,
+        say: Callable[[str], None],
+        clock: Callable[[], float],
+        facts: StepFacts,
+        judged: bool = False,
     ) -> None:
+        """``judged``: a completed step is logged once the master's machine judged it (``take_completed``,
+        ``log_step``: its row holds the straggler columns); without a machine (tests), at once."""
         self.events, self.steps, self.say, self.clock = events, steps, say, clock
         self.facts = facts
         self.started = clock()
@@ -196,11 +201,15 @@ class Progress:
         """(step, clock) of the latest steps logged: the ETA's pace."""
         self._printed_generation = 0
         self._gen_started = self.started
-        self.stragglers = StragglerDetector(facts.stragglers)
+        self.judged = judged
         self._expected: dict[int, dict[int, float]] = {}
         """Per generation, each rank's predicted compute seconds of a step (``StartProgress.expected``)."""
-        self.verdicts: list[Verdict] = []
-        """Straggler verdicts not yet taken by the master's machine (``take_verdicts``)."""
+        self.completed: list[tuple[int, int, tuple[RankCompute, ...]]] = []
+        """Steps every rank reported, not yet judged by the machine (``take_completed``)."""
+        self._judging: dict[tuple[int, int], tuple[GenerationView, list[pb.StepMetrics]]] = {}
+        """(generation, step) -> its reports, until the machine's judgement logs it (``log_step``)."""
+        self._flagged: int | None = None
+        """Nodes flagged slow at the latest judged step (a partial step's row says the same)."""
         self._logged: dict[int, int] = {}
         """Per generation, the last step logged. A generation's steps are logged in order (a step
         needs every rank's report, and each agent reports in order), so a report at or below it is
@@ -226,7 +235,6 @@ class Progress:
         self._incidents = {n: i for n, i in self._incidents.items() if n >= gen.number - PHASES_KEPT_FOR}
         self._incidents[gen.number] = incident
         self._phases = {k: v for k, v in self._phases.items() if k[0] >= gen.number - PHASES_KEPT_FOR}
-        self._verdicts(self.stragglers.keep_only(gen.nodes, max(self._logged.values(), default=-1)))
 
     def metrics(self, m: pb.StepMetrics) -> None:
         gen = self._views.get(m.generation)
@@ -238,7 +246,25 @@ class Progress:
         reports[m.rank] = m
         if len(reports) == gen.layout.world_size:
             del self._steps[(m.generation, m.step)]
-            self._print_step(gen, m.step, list(reports.values()))
+            if not self.judged:
+                self._print_step(gen, m.step, list(reports.values()))
+                return
+            self._logged[gen.number] = max(m.step, self._logged.get(gen.number, -1))  # (a report seen twice)
+            self._judging[(gen.number, m.step)] = (gen, list(reports.values()))
+            self.completed.append((gen.number, m.step, self._ranks(gen, list(reports.values()))))
+
+    def take_completed(self) -> list[tuple[int, int, tuple[RankCompute, ...]]]:
+        """The steps completed since the last call (the shell feeds them to the machine as ``StepCompleted``)."""
+        out, self.completed = self.completed, []
+        return out
+
+    def log_step(self, generation: int, step: int, flagged: int | None, latest: Mapping[str, float]) -> None:
+        """The machine judged the step (``LogStep``): its row, with the straggler columns."""
+        judging = self._judging.pop((generation, step), None)
+        if judging is None:
+            return
+        self._flagged = flagged
+        self._print_step(judging[0], step, judging[1], latest=latest)
 
     def _settle_steps(self, generation: int, resumed_at: int) -> None:
         """Generation ``generation`` resumed at step ``resumed_at``: every step below it committed.
@@ -255,21 +281,26 @@ class Progress:
         self._expected = {n: e for n, e in self._expected.items() if n >= generation}
         self._logged = {n: step for n, step in self._logged.items() if n >= generation}
 
-    def _print_step(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics], partial: bool = False) -> None:
+    def _print_step(
+        self,
+        gen: GenerationView,
+        step: int,
+        reports: list[pb.StepMetrics],
+        partial: bool = False,
+        latest: Mapping[str, float] | None = None,
+    ) -> None:
         row = step_row(gen, step, reports, self.facts)
         self._logged[gen.number] = max(step, self._logged.get(gen.number, -1))
         now = self.clock()
         elapsed = now - self.started
         row["elapsed_s"] = elapsed
         row["wall_time"] = time.time()
-        verdicts = [] if partial else self._observe_compute(gen, step, reports)
-        row["stragglers"] = len(self.stragglers.flagged) if self.stragglers.rule.enabled else None
-        latest = self.stragglers.latest if not partial else {}
+        row["stragglers"] = self._flagged
+        latest = latest or {}
         slowest = max(latest, key=latest.__getitem__, default=None)
         row["slowest_node"], row["slowest_node_factor"] = slowest, latest.get(slowest) if slowest else None
         extra = {"partial": True, "ranks_reported": len(reports)} if partial else {}
         self.events.write("step", **row, **extra)
-        self._verdicts(verdicts)
         self._recent = [*self._recent[-(self.facts.eta_window - 1) :], (step, now)] if self.facts.eta_window > 1 else []
         eta = None
         if len(self._recent) >= 2 and self._recent[-1][0] > self._recent[0][0]:
@@ -280,12 +311,13 @@ class Progress:
             self._printed_generation = gen.number
             self.say(format_step(row, self.steps, elapsed, eta))
 
-    def _observe_compute(self, gen: GenerationView, step: int, reports: list[pb.StepMetrics]) -> list[Verdict]:
+    def _ranks(self, gen: GenerationView, reports: list[pb.StepMetrics]) -> tuple[RankCompute, ...]:
+        """Each rank's compute against its prediction, under its stage's layer range (what the machine judges)."""
         expected = self._expected.get(gen.number, {})
         nodes, works = gen.rank_nodes, stage_ranges(gen.layout)
         # Each rank's own samples' cost where it reported it (``StepMetrics.expected_compute_s``), else its plan's
         # mean microbatch's (a worker of an older build, a report replayed from before).
-        ranks = [
+        return tuple(
             RankCompute(
                 nodes[r.rank],
                 r.forward_s + r.backward_s,
@@ -294,35 +326,7 @@ class Progress:
             )
             for r in reports
             if 0 <= r.rank < len(nodes)
-        ]
-        return self.stragglers.observe(step, ranks)
-
-    def take_verdicts(self) -> list[Verdict]:
-        """The straggler verdicts since the last call (the shell feeds them to the machine as events)."""
-        out, self.verdicts = self.verdicts, []
-        return out
-
-    def _verdicts(self, verdicts: list[Verdict]) -> None:
-        self.verdicts += verdicts
-        for v in verdicts:
-            factor = round(v.factor, 3) if v.factor == v.factor else None
-            self.events.write(
-                f"straggler_{v.kind}",
-                node=v.node,
-                step=v.step,
-                factor=factor,
-                evidence=[round(f, 3) for f in v.evidence],
-                reason=v.reason,
-            )
-            if v.kind == "detected":
-                self.say(
-                    f"node {v.node} is a straggler: its compute ran a median {v.factor:.2f}x the other nodes' "
-                    f"(per unit of predicted work) over the last {len(v.evidence)} steps, up to step {v.step + 1}"
-                )
-            elif v.kind == "changed":
-                self.say(f"straggler {v.node} now runs {v.reason}")
-            else:
-                self.say(f"node {v.node} is no longer a straggler ({v.reason})")
+        )
 
     def phase(self, node: str, local_rank: int, rank: int | None, p: pb.PhaseDone) -> None:
         """Records one worker's phase; writes the job-level event when the generation's last rank is through."""

@@ -23,6 +23,7 @@ from oobleck_mm.master.checkpointing import CheckpointBook, CheckpointRound
 from oobleck_mm.master.progress import Incident
 from oobleck_mm.master.recovery import GenerationView, Holdings, Request
 from oobleck_mm.master.registry import Registry
+from oobleck_mm.master.stragglers import StragglerDetector
 from oobleck_mm.config import dump_config
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu
 
@@ -205,6 +206,8 @@ class JobState:
     """Nodes ``oobleck_mm.master.stragglers`` found slow, with their factor: the batch split gives their pipelines less."""
     slow_since: dict[str, float] = field(default_factory=dict)
     """Clock when each node of ``slow`` was found slow: it is weighed for a bench ``straggler_replan_after`` later."""
+    stragglers: StragglerDetector | None = None
+    """The job's straggler detection (``oobleck_mm.master.slow_nodes``: made at its first use)."""
     weighed: set[str] = field(default_factory=set)
     """Slow nodes the planner already weighed benching (once per time a node is found slow: no flapping)."""
     benched: dict[str, Bench] = field(default_factory=dict)

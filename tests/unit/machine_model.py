@@ -39,6 +39,7 @@ from oobleck_mm.master.effects import (
     WriteJournal,
     WriteMeta,
 )
+from oobleck_mm.master.stragglers import RankCompute
 from oobleck_mm.master.inputs import (
     Adopt,
     Heartbeat,
@@ -48,6 +49,7 @@ from oobleck_mm.master.inputs import (
     Register,
     Report,
     StopRequested,
+    StepCompleted,
     Straggler,
     StreamEnded,
     Tick,
@@ -169,6 +171,7 @@ class MachineModel(RuleBasedStateMachine):
         self.now = 1000.0
         self.state: JobState | None = None
         self.settings: Settings | None = None
+        self.steps_judged = 0
 
     # ------------------------------------------------------------------ plumbing
     @initialize(
@@ -363,6 +366,18 @@ class MachineModel(RuleBasedStateMachine):
         if self.world.agents or NAMES:
             name = data.draw(st.sampled_from(sorted(self.world.agents) or list(NAMES)))
             self.feed(Straggler(name, factor, detected))
+
+    @rule(data=st.data(), factor=st.sampled_from([1.0, 1.3, 2.0, 4.0]))
+    def a_step_completes(self, data, factor: float) -> None:
+        """Every rank of the current generation reported a step: the machine judges each node's compute (one
+        node ``factor`` x slower than the rest), so its own verdicts meet every other event order too."""
+        view = self.state.current_view()
+        if view is None or not view.rank_nodes:
+            return
+        slow = data.draw(st.sampled_from(sorted(set(view.rank_nodes))))
+        ranks = tuple(RankCompute(node, (factor if node == slow else 1.0) * 0.1, 0.1) for node in view.rank_nodes)
+        self.steps_judged += 1
+        self.feed(StepCompleted(view.number, self.steps_judged, ranks))
 
     @rule(data=st.data())
     def dismissed_hang_up(self, data) -> None:

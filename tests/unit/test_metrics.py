@@ -172,15 +172,46 @@ def test_model_flops_count_forward_and_both_backward_halves_once():
     assert flops == pytest.approx(expected, rel=1e-12)
 
 
-def test_a_node_whose_compute_is_slow_is_named_in_the_console_the_log_and_every_row(tmp_path):
-    """Progress feeds each step's per-rank compute to ``oobleck_mm.master.stragglers``, each rank under its stage's layer
-    range: rank 4 (node4) computes twice what the cost model predicts relative to the others from step 20 (its
-    range's first CALIBRATION_WARMUP records taught it the healthy speed), and is flagged after ``straggler_steps``."""
-    from oobleck_mm.master.stragglers import CALIBRATION_WARMUP, StragglerRule
+def test_a_node_whose_compute_is_slow_is_judged_by_the_machine_and_named_in_the_console_the_log_and_every_row(
+    tmp_path,
+):
+    """Progress hands each completed step's per-rank compute to the machine (``StepCompleted``), whose part
+    ``slow_nodes`` judges it with ``oobleck_mm.master.stragglers`` and has the row logged with the judgement
+    (``LogStep``), as the coordinator wires them: rank 4 (node4) computes twice what the cost model predicts
+    relative to the others from step 20 (its range's first CALIBRATION_WARMUP records taught it the healthy
+    speed), and is flagged after ``straggler_steps``. The verdicts are a function of the events: the same
+    events through a fresh state give the same ones."""
+    from oobleck_mm.master import slow_nodes
+    from oobleck_mm.master.context import Context
+    from oobleck_mm.master.effects import LogStep, Record, Say
+    from oobleck_mm.master.inputs import StepCompleted
+    from oobleck_mm.master.state import JobState, RunOptions, Settings
+    from oobleck_mm.master.stragglers import CALIBRATION_WARMUP, StragglerDetector, StragglerRule
 
+    job = load_config(str(CONFIGS / "tiny_mm.yaml"))
+    settings = Settings.of(job, num_nodes=5, steps=40, store_host="h", store_port=1, options=RunOptions())
     lines: list[str] = []
-    facts = StepFacts(global_batch=16, stragglers=StragglerRule(factor=1.5, clear_factor=1.2, steps=3))
-    progress = Progress(EventLog(tmp_path / "e.jsonl"), 40, lines.append, lambda: 0.0, facts)
+    events = EventLog(tmp_path / "e.jsonl")
+    progress = Progress(events, 40, lines.append, lambda: 0.0, StepFacts(global_batch=16), judged=True)
+    state = JobState(stragglers=StragglerDetector(StragglerRule(factor=1.5, clear_factor=1.2, steps=3)))
+    fed: list[StepCompleted] = []
+
+    def carry_out(effects) -> None:  # as the coordinator does
+        for e in effects:
+            if isinstance(e, LogStep):
+                progress.log_step(e.generation, e.step, e.stragglers, e.latest)
+            elif isinstance(e, Record):
+                events.write(e.kind, **e.fields)
+            elif isinstance(e, Say):
+                lines.append(e.text)
+
+    def judge() -> None:
+        for generation, step, ranks in progress.take_completed():
+            fed.append(StepCompleted(generation, step, ranks))
+            ctx = Context(state, settings, 0.0)
+            slow_nodes.step_completed(ctx, fed[-1])
+            carry_out(ctx.effects)
+
     expected = {r: 0.1 * (r + 1) for r in range(5)}
     progress.start(GEN, None, expected)
     slow_from = 20
@@ -191,16 +222,25 @@ def test_a_node_whose_compute_is_slow_is_named_in_the_console_the_log_and_every_
             m.forward_s, m.backward_s = expected[m.rank] * slow, expected[m.rank] * slow * 2  # 3x the model's scale
             m.step_time_s = 0.5 * (2.0 if step >= slow_from else 1.0)  # everyone waits for node4: its compute counts
             progress.metrics(m)
+            judge()
     [detected] = read_events(tmp_path / "e.jsonl", "straggler_detected")
     assert (detected["node"], detected["step"], detected["factor"]) == ("node4", slow_from + 1, 2.0)  # median 1, 2, 2
     assert any("node node4 is a straggler" in line and "2.00x" in line for line in lines)
     rows = read_events(tmp_path / "e.jsonl", "step")
     assert [r["stragglers"] for r in rows] == [0] * (slow_from + 1) + [1] * 7
     assert rows[-1]["slowest_node"] == "node4" and rows[-1]["slowest_node_factor"] == pytest.approx(2.0)
+    # Replayed through a fresh state: the same verdicts (the machine decides from its events alone).
+    again = JobState(stragglers=StragglerDetector(StragglerRule(factor=1.5, clear_factor=1.2, steps=3)))
+    replayed = []
+    for event in fed:
+        ctx = Context(again, settings, 0.0)
+        slow_nodes.step_completed(ctx, event)
+        replayed += [e.fields for e in ctx.effects if isinstance(e, Record)]
+    assert replayed == [{k: v for k, v in detected.items() if k not in ("ts", "event")}]
     # node4 planned out: forgotten, and cleared with the reason.
-    progress.start(
-        GenerationView(3, LAYOUT, {(f"node{r}", 0): r for r in range(4)} | {("node5", 0): 4}), None, expected
-    )
+    ctx = Context(state, settings, 0.0)
+    slow_nodes.keep_only(ctx, ["node0", "node1", "node2", "node3", "node5"])
+    carry_out(ctx.effects)
     [cleared] = read_events(tmp_path / "e.jsonl", "straggler_cleared")
     assert (cleared["node"], cleared["reason"]) == ("node4", "no longer in the plan")
 
