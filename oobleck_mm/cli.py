@@ -30,6 +30,14 @@ import traceback
 from typing import Sequence
 
 from oobleck_mm.cli_args import build_parser
+from oobleck_mm.cli_faults import (
+    check_phase_targets,
+    check_step_targets,
+    faults_of,
+    node_names,
+    parse_fail_nodes,
+    trace_file,
+)
 from oobleck_mm.errors import ExitCode, UserError
 
 
@@ -66,23 +74,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def _node_names(num_nodes: int) -> list[str]:
-    return [f"node{i}" for i in range(num_nodes)]
-
-
-def _parse_fail_nodes(values: list[str], names: list[str]) -> list[str]:
-    out: list[str] = []
-    for value in values:
-        for item in filter(None, (v.strip() for v in value.split(","))):
-            name = f"node{item}" if item.isdigit() else item
-            if name not in names:
-                raise UserError(f"--fail-nodes: unknown node {item!r}; valid nodes are {names[0]}..{names[-1]}")
-            if name in out:
-                raise UserError(f"--fail-nodes: node {name!r} listed twice")
-            out.append(name)
-    return out
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     from oobleck_mm.config import load_config
     from oobleck_mm.planning.planner import plan_job
@@ -95,8 +86,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     num_nodes = job.cluster.nodes if args.nodes is None else args.nodes
     if num_nodes < 1:
         raise UserError(f"--nodes: must be >= 1, got {num_nodes}")
-    names = _node_names(num_nodes)
-    lost = _parse_fail_nodes(args.fail_nodes, names)
+    names = node_names(num_nodes)
+    lost = parse_fail_nodes(args.fail_nodes, names)
     if args.join_nodes < 0:
         raise UserError(f"--join-nodes: must be >= 0, got {args.join_nodes}")
     joined = [f"node{num_nodes + i}" for i in range(args.join_nodes)]
@@ -135,7 +126,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     job = load_config(args.config, args.deepspeed, args.overrides)
     ensure_shape(job, lambda line: print(line, file=sys.stderr, flush=True))
     if args.trace:
-        events = read_trace(_trace_file(args.trace))
+        events = read_trace(trace_file(args.trace))
         name = os.path.basename(args.trace)
         peak = av.from_trace(events, name).peak_nodes
         replicas = 1 if args.nodes is None else max(1, round(args.nodes / peak))
@@ -144,7 +135,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         from oobleck_mm.faults.churn import churn_trace, parse_churn
 
         nodes = job.cluster.nodes if args.nodes is None else args.nodes
-        availability = av.from_trace(churn_trace(parse_churn(args.churn), _node_names(nodes)), f"churn {args.churn}")
+        availability = av.from_trace(churn_trace(parse_churn(args.churn), node_names(nodes)), f"churn {args.churn}")
     else:
         nodes = job.cluster.nodes if args.nodes is None else args.nodes
         availability = av.periodic(nodes, av.parse_duration(args.failure_interval), args.until_nodes)
@@ -283,7 +274,7 @@ def resumed_run_dir(run_dir: str) -> str:
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
-    from oobleck_mm.master.local import where_things_are
+    from oobleck_mm.master.metrics import where_things_are
     from oobleck_mm.master.server import MasterOptions, MasterServer
     from oobleck_mm.runtime.limits import check_runnable
 
@@ -409,7 +400,8 @@ def _dial_address(server) -> str:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from oobleck_mm.agent.agent import Agent, AgentOptions
+    from oobleck_mm.agent.agent import Agent
+    from oobleck_mm.agent.options import AgentOptions
     from oobleck_mm.agent.workers import DEFAULT_WORKER_TARGET
     from oobleck_mm.protocol.auth import resolve_token
 
@@ -467,16 +459,17 @@ def _resolve_resume(args: argparse.Namespace, job) -> None:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from oobleck_mm.master.local import LocalCluster, LocalOptions, where_things_are
+    from oobleck_mm.master.local import LocalCluster, LocalOptions
+    from oobleck_mm.master.metrics import where_things_are
 
     from oobleck_mm.runtime.limits import check_runnable
 
     job = _load_job(args)
     _resolve_resume(args, job)
     check_runnable(job, workers_here=True)
-    faults = _faults(args, job.cluster.nodes)
-    _check_phase_targets(faults, job, bool(args.save_final))
-    _check_step_targets(faults, job.training.steps)
+    faults = faults_of(args, job.cluster.nodes)
+    check_phase_targets(faults, job, bool(args.save_final))
+    check_step_targets(faults, job.training.steps)
     # Warnings by default: the console shows progress; details are in the event log.
     _setup_logging("local", _level(args.log_level or "warning"))
     options = LocalOptions(
@@ -499,77 +492,6 @@ def _cmd_local(args: argparse.Namespace) -> int:
         _report_exit(code, cluster.message, ", ".join([cluster.event_log_path, *cluster.log_paths()]))
     print(where_things_are(cluster.run_dir, cluster.event_log_path, args.tensorboard), flush=True)
     return code
-
-
-def _trace_file(path: str) -> str:
-    """``--trace``'s file, or a UserError saying what is there instead."""
-    if not os.path.isfile(path):
-        what = "a folder, not a file" if os.path.isdir(path) else "no such file"
-        raise UserError(
-            f"--trace: {path!r} is {what}; give a trace file (data/traces/, delta_ms,add|remove,node lines)"
-        )
-    return path
-
-
-def _faults(args: argparse.Namespace, num_nodes: int) -> list:
-    """``--inject``, ``--trace`` and ``--churn`` as one list of ``FaultEvent`` (UserError names the bad flag)."""
-    churn = getattr(args, "churn", None)
-    if not args.inject and args.trace is None and churn is None:
-        return []
-    from oobleck_mm.faults.churn import churn_timeline, parse_churn
-    from oobleck_mm.faults.spec import check_targets, parse_inject
-    from oobleck_mm.faults.trace import load_timeline, read_trace, starting_nodes
-
-    faults = parse_inject(args.inject) if args.inject else []
-    if args.trace is not None:
-        start = len(starting_nodes(read_trace(_trace_file(args.trace))))
-        if start != num_nodes:
-            print(
-                f"--trace: the trace starts with {start} nodes and this run with {num_nodes} (--nodes / "
-                f"cluster.nodes): its later adds and removes are replayed one for one on top of {num_nodes}",
-                file=sys.stderr,
-                flush=True,
-            )
-        faults += load_timeline(_trace_file(args.trace), _node_names(num_nodes), time_scale=args.time_scale)
-    if churn is not None:
-        timeline = churn_timeline(parse_churn(churn), _node_names(num_nodes))
-        bursts = len({f.source.split(" event")[0] for f in timeline})
-        print(
-            f"--churn: {len(timeline)} events in {bursts} bursts over "
-            f"{max((f.seconds or 0.0) for f in timeline) if timeline else 0.0:.0f} s after the first step "
-            f"({sum(f.kind == 'join' for f in timeline)} joins)",
-            file=sys.stderr,
-            flush=True,
-        )
-        faults += timeline
-    check_targets(faults, _node_names(num_nodes))
-    return faults
-
-
-def _check_step_targets(faults: list, steps: int) -> None:
-    """A fault at stepN fires once N steps are done: past the job's last step it never would (issue 54: such
-    a run ended with exit 0 and not a word about the fault)."""
-    for fault in faults:
-        if fault.step is not None and fault.step > steps:
-            raise UserError(
-                f"--inject {fault.source or fault.describe()}: it fires once {fault.step} steps are "
-                f"done, and this run trains {steps} (training.steps, --steps): it would never fire; "
-                f"aim at a step from 0 to {steps}"
-            )
-
-
-def _check_phase_targets(faults: list, job, save_final: bool) -> None:
-    """A failure aimed at a phase this run never enters would never fire: refuse it up front."""
-    for fault in faults:
-        ft = job.fault_tolerance
-        periodic = ft.checkpoint_interval > 0  # (checkpoint_every, 30 min by default, may never come)
-        if fault.phase == "checkpoint" and ft.recovery == "live" and not (save_final or periodic):
-            raise UserError(
-                f"--inject {fault.source or fault.describe()}: @phase:checkpoint needs a checkpoint, "
-                "and this live-recovery run writes none: set fault_tolerance.checkpoint_interval "
-                "(periodic checkpoints, written in the background) or --save-final DIR, or aim at "
-                "copy, rendezvous, connect, forming or registered"
-            )
 
 
 def _report_exit(code: int, message: str, logs: str) -> int:

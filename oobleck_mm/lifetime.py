@@ -10,9 +10,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+
+import psutil
 
 _PR_SET_PDEATHSIG = 1
 
@@ -75,3 +78,30 @@ def _exists(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
+    """SIGTERM (the agent then kills its workers), SIGKILL after ``grace_s``, then any survivor below it.
+
+    A stopped (SIGSTOP) agent cannot act on SIGTERM: it and its tree get SIGKILL at once.
+    """
+    try:
+        root = psutil.Process(proc.pid)
+        tree = root.children(recursive=True)
+        stopped = root.status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        tree, stopped = [], False
+    if stopped:
+        proc.kill()
+    else:
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

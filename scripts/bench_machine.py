@@ -50,7 +50,7 @@ MASTER_MUTANTS = [
     ),
     (
         "hand a round on before popping every lost node",
-        "oobleck_mm/master/machine.py",
+        "oobleck_mm/master/losses.py",
         "        ctx.effects.append(EndStream(name))\n",
         "        ctx.effects.append(EndStream(name))\n        if s.phase is JobPhase.CHECKPOINTING:\n"
         "            stopping.round_lost(ctx, [name])\n",
@@ -72,7 +72,7 @@ MASTER_MUTANTS = [
     ),
     (
         "forget to end a lost node's stream",
-        "oobleck_mm/master/machine.py",
+        "oobleck_mm/master/losses.py",
         "        ctx.effects.append(EndStream(name))\n    for failure",
         "        pass\n    for failure",
         "a node the master dropped has had its stream ended",

@@ -38,7 +38,6 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import psutil
@@ -47,18 +46,16 @@ from oobleck_mm.agent import effects as fx
 from oobleck_mm.agent import inputs as ev
 from oobleck_mm.agent import machine
 from oobleck_mm.agent.workdir import WORK_DIR_PREFIX, remove_stale_work_dirs, write_private
+from oobleck_mm.agent.options import AgentOptions, fault_tolerance_of, split_address
 from oobleck_mm.agent.pipes import ReportPipes
 from oobleck_mm.agent.reports import ReportLog
 from oobleck_mm.agent.workers import (
-    DEFAULT_WORKER_START,
-    DEFAULT_WORKER_TARGET,
     REPORTS_DRAIN_S,
     Worker,
     start_worker_template,
     stop_all,
 )
-from oobleck_mm.config import FaultToleranceConfig, parse_config_text, section_from_dict
-from oobleck_mm.errors import ExitCode, UserError
+from oobleck_mm.errors import ExitCode
 from oobleck_mm.protocol import MESSAGE_OPTIONS
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol import oobleck_pb2_grpc as pb_grpc
@@ -86,31 +83,10 @@ restarted master must find every agent back within ``fault_tolerance.adopt_windo
 backoff a long outage grew."""
 
 
-@dataclass(frozen=True, slots=True)
-class AgentOptions:
-    master: str
-    """HOST:PORT of the master."""
-    token: str
-    node: str
-    gpus: int = 0
-    """Workers to run; 0: as many as the job's cluster.gpus_per_node."""
-    worker_target: str = DEFAULT_WORKER_TARGET
-    """"module:function" each worker process runs (see agent.workers.worker_entry)."""
-    connect_timeout_s: float = 60.0
-    """How long registration waits for the master to come up."""
-    worker_start: str = DEFAULT_WORKER_START
-    """``forkserver`` (forks of a pre-imported worker template) or ``spawn`` (agent.workers)."""
-    left_exit_code: int = 0
-    """Exit code when the master planned this node out after its preemption notice while the job goes on.
-    0 by default; a Kubernetes Job counts a pod that exits 0 as one of its completions and never replaces
-    it, so its manifest gives a code its ``podFailurePolicy`` ignores (the pod is replaced, nothing is
-    counted against the Job's retries)."""
-
-
 class Agent:
     def __init__(self, options: AgentOptions) -> None:
         self.o = options
-        self.master_host, self.master_port = _split_address(options.master)
+        self.master_host, self.master_port = split_address(options.master)
         self.metadata = call_metadata(options.token)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
         self.workers: dict[int, Worker] = {}
@@ -168,7 +144,7 @@ class Agent:
             self.config_path = write_private(os.path.join(self._work_dir, "job.yaml"), reply.config_yaml)
             self.resume_command = reply.resume_command or "oobleck-launch master --config CONFIG"
             self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
-            self.timeouts = _fault_tolerance(reply.config_yaml)
+            self.timeouts = fault_tolerance_of(reply.config_yaml)
             self.interval = self.timeouts.heartbeat_interval.total_seconds()
             self.settings = machine.Settings.of(self.timeouts, self.o.left_exit_code, self.resume_command)
             log.info(
@@ -535,16 +511,3 @@ _EFFECTS = {
     fx.Supervise: Agent._do_supervise,
     fx.Exit: Agent._do_exit,
 }
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise UserError(f"--master: expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def _fault_tolerance(config_yaml: str) -> FaultToleranceConfig:
-    """The job's fault-tolerance section (every timeout the agent uses derives from it)."""
-    raw = parse_config_text(config_yaml) or {}
-    return section_from_dict(FaultToleranceConfig, raw.get("fault_tolerance"), "fault_tolerance")

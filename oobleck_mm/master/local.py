@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import psutil
 
+from oobleck_mm.lifetime import stop_tree
 from oobleck_mm.master.journal import running_job
 from oobleck_mm.master.server import default_run_dir, make_run_dir
 from oobleck_mm.config import dump_config
@@ -284,7 +284,7 @@ class LocalCluster:
         proc = self.master
         if proc is not None and proc.poll() is None:
             log.warning("master still running; stopping it")
-            _stop_tree(proc, grace_s=self.job.fault_tolerance.shutdown_grace.total_seconds() + 2.0)
+            stop_tree(proc, grace_s=self.job.fault_tolerance.shutdown_grace.total_seconds() + 2.0)
 
     # ------------------------------------------------------------------ what the fault injector uses
     def start_agent(self, node: str) -> None:
@@ -329,7 +329,7 @@ class LocalCluster:
             proc.stdin.write(f"{node}\n".encode())
             proc.stdin.close()
         except OSError:  # it died meanwhile
-            _stop_tree(proc)
+            stop_tree(proc)
             return None
         os.rename(standby_log, log_path)  # it keeps writing to the same file
         return proc
@@ -403,7 +403,7 @@ class LocalCluster:
             proc.stdin.close()
             proc.wait(5.0)
         except (OSError, subprocess.TimeoutExpired):
-            _stop_tree(proc)
+            stop_tree(proc)
         if proc.returncode == 0:
             os.remove(log_path)
 
@@ -493,7 +493,7 @@ class LocalCluster:
         for node, (proc, _) in agents:
             if proc.poll() is None:
                 log.warning("agent %s still running; stopping it", node)
-                _stop_tree(proc)
+                stop_tree(proc)
 
     def _judge_emulation(self, events: list[dict]) -> None:
         """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the
@@ -527,43 +527,3 @@ class LocalCluster:
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signal = signum
-
-
-def where_things_are(run_dir: str, event_log_path: str, tensorboard: bool) -> str:
-    """The closing lines of a run: where its figure, metrics and logs are, and how to look at them."""
-    figure = os.path.join(run_dir, "run.png")
-    lines = [f"figure:      {figure}"] if os.path.exists(figure) else []
-    lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.csv')} (one row per step)")
-    if tensorboard:
-        lines.append(f"tensorboard: tensorboard --logdir {os.path.join(run_dir, 'tensorboard')}")
-    lines.append(f"event log:   {event_log_path}")
-    if any(name.startswith("agent-") for name in os.listdir(run_dir)):
-        lines.append(f"agent logs:  {os.path.join(run_dir, 'agent-*.log')}")
-    return "\n".join(lines)
-
-
-def _stop_tree(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
-    """SIGTERM (the agent then kills its workers), SIGKILL after ``grace_s``, then any survivor below it.
-
-    A stopped (SIGSTOP) agent cannot act on SIGTERM: it and its tree get SIGKILL at once.
-    """
-    try:
-        root = psutil.Process(proc.pid)
-        tree = root.children(recursive=True)
-        stopped = root.status() == psutil.STATUS_STOPPED
-    except psutil.NoSuchProcess:
-        tree, stopped = [], False
-    if stopped:
-        proc.kill()
-    else:
-        proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass

@@ -257,3 +257,16 @@ def _cell(value: Any, column: str = "") -> Any:
     if isinstance(value, float):
         return f"{value:.6g}"
     return value
+
+
+def where_things_are(run_dir: str, event_log_path: str, tensorboard: bool) -> str:
+    """The closing lines of a run: where its figure, metrics and logs are, and how to look at them."""
+    figure = os.path.join(run_dir, "run.png")
+    lines = [f"figure:      {figure}"] if os.path.exists(figure) else []
+    lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.csv')} (one row per step)")
+    if tensorboard:
+        lines.append(f"tensorboard: tensorboard --logdir {os.path.join(run_dir, 'tensorboard')}")
+    lines.append(f"event log:   {event_log_path}")
+    if any(name.startswith("agent-") for name in os.listdir(run_dir)):
+        lines.append(f"agent logs:  {os.path.join(run_dir, 'agent-*.log')}")
+    return "\n".join(lines)

@@ -192,7 +192,7 @@ class JobState:
     started_at: float = 0.0
     """Clock when generation 1 was planned (a restarted master: when the lost master planned it)."""
     last_detect: float | None = None
-    """Clock of the previous detection pass (``machine._forgive_own_stall`` measures the master's own stalls)."""
+    """Clock of the previous detection pass (``losses._forgive_own_stall`` measures the master's own stalls)."""
     next_detection: float = float("-inf")
     """Clock from which a tick detects again (``Tick.detect``): ``detector_tick`` after the last detection,
     or at once after a node's health changed."""

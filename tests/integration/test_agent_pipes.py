@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oobleck_mm.agent.pipes as pipes
-from oobleck_mm.agent.agent import Agent, AgentOptions
+from oobleck_mm.agent.agent import Agent
+from oobleck_mm.agent.options import AgentOptions
 from oobleck_mm.agent.pipes import ReportPipes
 from oobleck_mm.protocol import oobleck_pb2 as pb
 
