@@ -114,7 +114,6 @@ class Agent:
         self._reports = ReportLog()
         self._reports_lock = threading.Lock()
         """Orders forwarding (the reports thread) against replaying to a new master (the main thread)."""
-        self.resume_command = "oobleck-launch master --config CONFIG"
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -142,11 +141,10 @@ class Agent:
             remove_stale_work_dirs(tempfile.gettempdir(), psutil.pid_exists)  # left by SIGKILLed agents
             self._work_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{self.o.node}-{os.getpid()}-")
             self.config_path = write_private(os.path.join(self._work_dir, "job.yaml"), reply.config_yaml)
-            self.resume_command = reply.resume_command or "oobleck-launch master --config CONFIG"
             self.ref = pb.NodeRef(node=self.o.node, session=reply.session)
             self.timeouts = fault_tolerance_of(reply.config_yaml)
             self.interval = self.timeouts.heartbeat_interval.total_seconds()
-            self.settings = machine.Settings.of(self.timeouts, self.o.left_exit_code, self.resume_command)
+            self.settings = machine.Settings.of(self.timeouts, self.o.left_exit_code, reply.resume_command)
             log.info(
                 "registered as %s: %d GPUs, heartbeat every %.2fs, master given up after %.2fs of silence",
                 self.o.node,

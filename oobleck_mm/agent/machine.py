@@ -89,6 +89,10 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 # ---------------------------------------------------------------------- settings and state
 
 
+DEFAULT_RESUME_COMMAND = "oobleck-launch master --config CONFIG"
+"""Printed before ``--resume DIR`` when the master did not say how it was started."""
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The timeouts the agent decides with (all from the job's ``fault_tolerance``, in seconds)."""
@@ -105,7 +109,7 @@ class Settings:
     write_without_master: float
     """``checkpoint_round_timeout + collective_timeout``: the workers' write of the step they are at."""
     left_exit_code: int = 0
-    resume_command: str = "oobleck-launch master --config CONFIG"
+    resume_command: str = DEFAULT_RESUME_COMMAND
 
     @classmethod
     def of(cls, ft, left_exit_code: int = 0, resume_command: str = "") -> Settings:
@@ -118,7 +122,7 @@ class Settings:
             collective=ft.collective_timeout.total_seconds(),
             write_without_master=(ft.checkpoint_round_timeout + ft.collective_timeout).total_seconds(),
             left_exit_code=left_exit_code,
-            resume_command=resume_command or "oobleck-launch master --config CONFIG",
+            resume_command=resume_command or DEFAULT_RESUME_COMMAND,
         )
 
 
@@ -259,7 +263,8 @@ def _on_shutdown(ctx: _Context, event: Shutdown) -> None:
     else:
         ctx.effects.append(Quiet())
     ctx.effects.append(StopWorkers(grace, shutdown, drain=shutdown.at_boundary))
-    ctx.effects.append(Quiet())
+    if shutdown.at_boundary:  # (otherwise quiet already)
+        ctx.effects.append(Quiet())
     state.workers.clear()
     if shutdown.at_boundary and settings.left_exit_code:
         ctx.say(logging.INFO, f"left the job after the notice: exit {settings.left_exit_code} (--left-exit-code)")

@@ -141,40 +141,42 @@ class DatasetRows:
         return entry
 
     def _image_names(self, position: int, value) -> list:
-        values = [] if value is None else value if isinstance(value, list) else [value]
-        names = []
-        for k, item in enumerate(values):
-            if isinstance(item, dict) and item.get("bytes") is not None:
-                names.append(f"{ROW_REF}{position}/{k}")
-            elif isinstance(item, dict) and isinstance(item.get("path"), str):
-                names.append(item["path"])
-            else:
-                names.append(item)  # a path, or what the record's check refuses by name
-        return names
+        return _media_names(value, lambda k, item: f"{ROW_REF}{position}/{k}")
 
     def _clip_names(self, position: int, value) -> list:
-        values = [] if value is None else value if isinstance(value, list) else [value]
-        names = []
-        for k, item in enumerate(values):
-            if isinstance(item, dict) and item.get("bytes") is not None:
-                path = str(item.get("path") or "")
-                ext = ".npy" if path.lower().endswith(".npy") else ".wav"  # an Audio's bytes: its file's
-                names.append(f"{AUDIO_ROW_REF}{position}/{k}{ext}")
-            elif isinstance(item, dict) and isinstance(item.get("path"), str):
-                names.append(item["path"])
-            else:
-                names.append(item)
-        return names
+        def ref(k: int, item: dict) -> str:  # an Audio's bytes are read as its file's kind
+            ext = ".npy" if str(item.get("path") or "").lower().endswith(".npy") else ".wav"
+            return f"{AUDIO_ROW_REF}{position}/{k}{ext}"
+
+        return _media_names(value, ref)
 
     def clip_bytes(self, ref: str) -> bytes:
-        position, k = (int(x) for x in ref[len(AUDIO_ROW_REF) :].split(".")[0].split("/"))
-        value = self._clips[position].to_pylist()[0][self.columns["audio"]]
-        return (value if isinstance(value, list) else [value])[k]["bytes"]
+        return _stored_bytes(self._clips, self.columns["audio"], ref[len(AUDIO_ROW_REF) :].split(".")[0])
 
     def image_bytes(self, ref: str) -> bytes:
-        position, k = (int(x) for x in ref[len(ROW_REF) :].split("/"))
-        value = self._images[position].to_pylist()[0][self.columns["image"]]
-        return (value if isinstance(value, list) else [value])[k]["bytes"]
+        return _stored_bytes(self._images, self.columns["image"], ref[len(ROW_REF) :])
+
+
+def _media_names(value, stored_ref) -> list:
+    """A row's images or clips as record names: ``stored_ref(k, item)`` for one stored as bytes, its path
+    for one stored as a path, else the value itself (what the record's check refuses by name)."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    names = []
+    for k, item in enumerate(values):
+        if isinstance(item, dict) and item.get("bytes") is not None:
+            names.append(stored_ref(k, item))
+        elif isinstance(item, dict) and isinstance(item.get("path"), str):
+            names.append(item["path"])
+        else:
+            names.append(item)
+    return names
+
+
+def _stored_bytes(table, column: str, where: str) -> bytes:
+    """The bytes of the k-th image or clip of a row, ``where`` being ``<row>/<k>``."""
+    position, k = (int(x) for x in where.split("/"))
+    value = table[position].to_pylist()[0][column]
+    return (value if isinstance(value, list) else [value])[k]["bytes"]
 
 
 def _turns(value) -> list:

@@ -92,8 +92,6 @@ class WorkerState:
     """None: between generations (waiting for a command)."""
     committed: int | None = None
     """The last generation in which a step completed (kept until the next one completes one)."""
-    shares_started: int = 0
-    """Checkpoint shares handed to the background writer since the last ``FinishShares``."""
     stopped: bool = False
 
 
@@ -340,7 +338,6 @@ def _stop(state: WorkerState, out: _Out) -> None:
 
 def _finish_shares(state: WorkerState, out: _Out, when: str) -> None:
     out.effects.append(FinishShares(when))
-    state.shares_started = 0
 
 
 def _on_taken(state: WorkerState, event: Taken, out: _Out) -> None:
@@ -419,8 +416,6 @@ def _on_step_done(state: WorkerState, event: StepDone, out: _Out) -> None:
         # A directory per step: a save cut short by a lost peer leaves a directory without meta.json next
         # to the last complete checkpoint, never a mix of two steps in one.
         out.effects.append(WriteShare(run.next, run.checkpoint_async, finish_first=bool(again)))
-        if run.checkpoint_async:
-            state.shares_started += 1
     _next(state, out)
 
 
