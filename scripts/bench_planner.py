@@ -85,7 +85,7 @@ def gpt_profile(num_layers: int, hidden: int = 2560, seq: int = 2048):
     )
     # Activation checkpointing as in the paper's runs (§2.7.1), so every cell has n0 = 1
     # and plans the full template range the table is about.
-    return analytical_profile(specs, DEVICES["a40"], MICROBATCH, f"gpt-{num_layers}L", activation_checkpointing=True)
+    return analytical_profile(specs, DEVICES["a40"], MICROBATCH, f"gpt-{num_layers}L", recompute="always")
 
 
 def cluster(gpus_per_node: int) -> ClusterSpec:

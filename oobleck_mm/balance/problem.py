@@ -36,12 +36,24 @@ class PipelineShape:
     slowdowns: tuple[float, ...] = ()
     """Per stage, how many times the cost model's seconds its node takes (a straggler's measured factor);
     empty: every stage as modelled."""
+    recompute: tuple[bool, ...] = ()
+    """Per stage, whether it recomputes its activations in backward (one more forward per microbatch, the
+    plan's ``StageLayout.recompute``); empty: none does."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage")
+        for name in ("slowdowns", "recompute"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.stages):
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {len(self.stages)} stages")
+
+
+def recompute_factor(forward_share: float) -> float:
+    """How many times its modelled seconds a stage takes when it recomputes its activations: the forward
+    (``forward_share`` of forward + backward) runs once more, in the backward."""
+    return 1.0 + forward_share
 
 
 def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
@@ -54,6 +66,7 @@ def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
             tuple(s.slowdown / s.width for s in p.stages)
             if any(s.slowdown != 1.0 or s.width > 1 for s in p.stages)
             else (),
+            tuple(s.recompute for s in p.stages) if any(s.recompute for s in p.stages) else (),
         )
         for p in plan.pipelines
     )
@@ -121,18 +134,24 @@ class BalanceProblem:
             raise ValueError("sample_ids must be distinct")
         if not pipelines:
             raise ValueError("need at least one pipeline")
-        # A distinct stage is a layer range at a speed: a straggler's stage costs its factor times more.
+        # A distinct stage is a layer range at a speed, recomputing or not: a straggler's stage costs its
+        # factor times more, a recomputing one its forward once more (``recompute_factor``).
         keyed = [
-            tuple((*stage, p.slowdowns[j] if p.slowdowns else 1.0) for j, stage in enumerate(p.stages))
+            tuple(
+                (*stage, p.slowdowns[j] if p.slowdowns else 1.0, bool(p.recompute and p.recompute[j]))
+                for j, stage in enumerate(p.stages)
+            )
             for p in pipelines
         ]
         distinct = sorted({stage for stages in keyed for stage in stages})
         position = {stage: i for i, stage in enumerate(distinct)}
         vectors = np.zeros((len(distinct) + 1, NUM_FEATURES))
         share = np.ones(len(distinct) + 1)
-        for i, (start, end, slowdown) in enumerate(distinct):
-            vectors[i] = model.stage_vector(coefficients, start, end) * slowdown
-            share[i] = model.forward_share(start, end)
+        for i, (start, end, slowdown, recompute) in enumerate(distinct):
+            forward = model.forward_share(start, end)
+            factor = recompute_factor(forward) if recompute else 1.0
+            vectors[i] = model.stage_vector(coefficients, start, end) * slowdown * factor
+            share[i] = forward / factor
         s_max = max(len(p.stages) for p in pipelines)
         stage_index = np.full((len(pipelines), s_max), len(distinct), dtype=np.int64)
         for i, stages in enumerate(keyed):

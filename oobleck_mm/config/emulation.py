@@ -176,7 +176,8 @@ def compute_training(training: Any) -> Any:
     """The compute copy's training section: a half compute dtype becomes float32 (a CPU has no fast half
     matmuls: bfloat16 cost the shrunk MLLM-10B 1.8x the CPU time of float32), and activation checkpointing
     is off (the shrunk copy has memory to spare, and recomputing every forward cost a third more CPU). The
-    math of an update does not depend on either; the emulated time does charge the real job's choices."""
+    math of an update does not depend on either; the emulated time does charge the real job's choices (the
+    plan's per-stage recomputation, ``StageSpec.recompute``)."""
     dtype = "float32" if training.dtype in HALF_TYPES else training.dtype
     master = training.master_dtype if training.master_dtype not in (None, dtype) or dtype == "float32" else None
     return dataclasses.replace(training, dtype=dtype, master_dtype=master, activation_checkpointing=False)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from oobleck_mm.config.values import (
     ConfigError,
     as_bool,
+    as_bool_or_auto,
     as_choice,
     as_float,
     as_int,
@@ -211,8 +212,10 @@ class TrainingConfig:
     """Learning-rate schedule; absent keeps the optimizer's lr constant."""
     gradient_clipping: float = 0.0
     """Global gradient-norm clip; 0 turns clipping off."""
-    activation_checkpointing: bool = False
-    """Keep only each layer's input from forward and recompute the rest in backward."""
+    activation_checkpointing: bool | str = "auto"
+    """Recompute activations in backward (each layer keeps only its input from forward): ``auto`` (the
+    planner decides per stage: a stage whose activations fit keeps them, a tight one recomputes, and the
+    template's time counts it), ``true`` (every stage recomputes), ``false`` (none does)."""
     flash_attention: bool = True
     """Attention that never materialises the score matrix (FlashAttention / torch SDPA): the
     cost model then keeps no quadratic activation memory. false models eager attention."""
@@ -266,7 +269,7 @@ class TrainingConfig:
                 f"got dtype {self.dtype!r}; remove tf32 or set dtype: float32"
             )
         check(self, "gradient_clipping", as_float, minimum=0.0)
-        check(self, "activation_checkpointing", as_bool)
+        check(self, "activation_checkpointing", as_bool_or_auto)
         check(self, "flash_attention", as_bool)
         check(self, "zero_stage", as_int, minimum=1, maximum=3)
         # No derived default is written into the scheduler's params: ``total_num_steps`` left unset follows

@@ -81,6 +81,13 @@ def as_bool(path: str, value: Any) -> bool:
     return value
 
 
+def as_bool_or_auto(path: str, value: Any) -> bool | str:
+    """true, false, or the string ``auto`` (the engine decides)."""
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise ConfigError(f"{path}: expected auto, true or false, got {describe(value)}")
+
+
 def as_str(path: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{path}: expected a non-empty string, got {describe(value)}")

@@ -289,13 +289,16 @@ class Truth:
             )
         return groups
 
-    def stage_seconds(self, groups: Sequence[_Group], metas: Sequence[SampleMeta]) -> tuple[float, float]:
+    def stage_seconds(
+        self, groups: Sequence[_Group], metas: Sequence[SampleMeta], recompute: bool = False
+    ) -> tuple[float, float]:
         """(forward, backward) true seconds of a stage's ``groups`` over one microbatch of ``metas``. The
         backward is Cornstarch's eq. 3.2: weight gradients of trainable layers, input gradients where a
-        trainable layer precedes."""
+        trainable layer precedes; a stage that ``recompute``s (the plan's ``StageSpec.recompute``) runs
+        every such layer's forward again first."""
         rows = self.features(metas)
         noise = self._noise_of(metas)
-        checkpointing, flash = self.job.training.activation_checkpointing, self.job.training.flash_attention
+        flash = self.job.training.flash_attention
         forward = backward = 0.0
         for g in groups:
             per_sample = rows[:, g.linear]
@@ -303,10 +306,11 @@ class Truth:
             if tokens <= 0:
                 continue
             span = float(rows[:, g.quadratic].sum()) / tokens if g.quadratic is not None else None
-            f, bw, bd = pass_seconds(g.spec, tokens, self.device, checkpointing, flash, attention_len=span)
+            f, bw, bd = pass_seconds(g.spec, tokens, self.device, flash, attention_len=span)
             scale = g.count * self.profile.factor(g.spec) * self.scale * float(per_sample @ noise) / tokens
             forward += f * scale
-            backward += ((bw if g.trainable else 0.0) + (bd if g.input_grad else 0.0)) * scale
+            again = f if recompute and (g.trainable or g.input_grad) else 0.0
+            backward += ((bw if g.trainable else 0.0) + (bd if g.input_grad else 0.0) + again) * scale
         return forward, backward
 
     def output_bytes(self, last: int, metas: Sequence[SampleMeta]) -> float:

@@ -20,6 +20,15 @@ from dataclasses import dataclass, replace
 # of them, so a trainable encoder layer makes every later text layer back-propagate.
 MODALITIES = ("vision", "audio", "text")
 
+RECOMPUTE_POLICIES = ("auto", "always", "never")
+
+
+def recompute_policy(activation_checkpointing: bool | str) -> str:
+    """``training.activation_checkpointing`` (auto / true / false) as a profile's ``recompute``."""
+    if activation_checkpointing == "auto":
+        return "auto"
+    return "always" if activation_checkpointing else "never"
+
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
@@ -43,6 +52,9 @@ class LayerCost:
     output_bytes: int
     """Bytes of the layer's output for one microbatch (what a p2p send carries)."""
     trainable: bool = True
+    kept_bytes: int | None = None
+    """Bytes kept from forward to backward when the layer recomputes its forward in backward (activation
+    checkpointing: its inputs). None: no saving known, the same as ``activation_bytes``."""
 
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
@@ -51,6 +63,8 @@ class LayerCost:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"layer {self.name!r}: {name} must be a finite number >= 0, got {value}")
+        if self.kept_bytes is not None and self.kept_bytes < 0:
+            raise ValueError(f"layer {self.name!r}: kept_bytes must be >= 0 or None, got {self.kept_bytes}")
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"layer {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
@@ -58,6 +72,11 @@ class LayerCost:
     @property
     def backward_s(self) -> float:
         return self.backward_weight_s + self.backward_input_s
+
+    @property
+    def recompute_bytes(self) -> int:
+        """Bytes kept per microbatch when recomputing: never more than keeping everything."""
+        return self.activation_bytes if self.kept_bytes is None else min(self.kept_bytes, self.activation_bytes)
 
     @property
     def state_bytes(self) -> int:
@@ -75,8 +94,14 @@ class ModelProfile:
     layers: tuple[LayerCost, ...]
     source: str = "analytical"
     """``measured`` or ``analytical``."""
+    recompute: str = "auto"
+    """Which stages recompute activations in backward (``training.activation_checkpointing``): ``auto``, the
+    planner decides per stage (a stage keeps its activations when they fit and recomputes when only that
+    fits); ``always``; ``never``. The layer costs themselves are always those of keeping."""
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES}, got {self.recompute!r}")
         if not self.layers:
             raise ValueError(f"profile of {self.model_name!r} has no layers")
         if self.microbatch_size < 1:
@@ -143,6 +168,10 @@ class EffectiveLayer:
     """Bytes all-reduced across replicas each iteration (0 when frozen)."""
     param_bytes: int = 0
     """The parameters alone: what a sharded stage all-gathers before the layer runs (``stage_cost``)."""
+    kept_bytes: int = 0
+    """Kept per in-flight microbatch when the layer recomputes (0 when it runs no backward)."""
+    recompute_s: float = 0.0
+    """What recomputing adds to the backward: one forward (0 when the layer runs no backward)."""
 
 
 def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
@@ -162,6 +191,8 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
                 output_bytes=layer.output_bytes,
                 grad_bytes=layer.grad_bytes if layer.trainable else 0,
                 param_bytes=layer.param_bytes,
+                kept_bytes=layer.recompute_bytes if runs_backward else 0,
+                recompute_s=layer.forward_s if runs_backward else 0.0,
             )
         )
     return tuple(out)
@@ -255,7 +286,7 @@ class StageCost:
 class LayerPrefix:
     """Prefix sums over effective layers, so any stage [u, v) costs O(1)."""
 
-    __slots__ = ("layers", "fwd", "bwd", "resident", "act", "grad")
+    __slots__ = ("layers", "fwd", "bwd", "resident", "act", "grad", "kept", "recompute")
 
     def __init__(self, layers: tuple[EffectiveLayer, ...]):
         self.layers = layers
@@ -264,6 +295,8 @@ class LayerPrefix:
         self.resident = _prefix([l.resident_bytes for l in layers])
         self.act = _prefix([l.activation_bytes for l in layers])
         self.grad = _prefix([l.grad_bytes for l in layers])
+        self.kept = _prefix([l.kept_bytes for l in layers])
+        self.recompute = _prefix([l.recompute_s for l in layers])
 
 
 def _prefix(values: list[float]) -> list[float]:
@@ -273,8 +306,15 @@ def _prefix(values: list[float]) -> list[float]:
     return out
 
 
-def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, num_gpus: int) -> StageCost:
+def stage_cost(
+    prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, num_gpus: int, recompute: bool = False
+) -> StageCost:
     """Costs of layers [start, end) run as one stage on ``num_gpus`` GPUs of one node.
+
+    ``recompute``: every layer of the stage keeps only its inputs from the forward and runs its forward
+    again in the backward (activation checkpointing, layer by layer as the runtime does it): activations
+    fall to ``kept_bytes`` and the backward gains one forward of every layer that runs one. The one
+    layer's recomputed activations alive during its backward are left to the memory headroom.
 
     With d > 1 GPUs the stage is sharded as FSDP2 shards it (the mechanism the runtime
     uses, ``docs/runtime.md``): each GPU holds 1/d of every layer's state and runs 1/d of
@@ -294,6 +334,9 @@ def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, 
     d = num_gpus
     forward = (prefix.fwd[end] - prefix.fwd[start]) / d
     backward = (prefix.bwd[end] - prefix.bwd[start]) / d
+    if recompute:
+        backward += (prefix.recompute[end] - prefix.recompute[start]) / d
+    activations = prefix.kept if recompute else prefix.act
     if d > 1:
         for layer in prefix.layers[start:end]:
             gather = cluster.allgather_s(layer.param_bytes, d, cross_node=False)
@@ -304,7 +347,7 @@ def stage_cost(prefix: LayerPrefix, cluster: ClusterSpec, start: int, end: int, 
         forward_s=forward,
         backward_s=backward,
         resident_bytes=(prefix.resident[end] - prefix.resident[start]) / d,
-        activation_bytes=(prefix.act[end] - prefix.act[start]) / d,
+        activation_bytes=(activations[end] - activations[start]) / d,
         output_bytes=prefix.layers[end - 1].output_bytes,
         grad_bytes=(prefix.grad[end] - prefix.grad[start]) / d,
     )

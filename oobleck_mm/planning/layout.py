@@ -31,6 +31,9 @@ class StageLayout:
     """The global ranks of the stage's other GPUs, in shard order after ``rank``: a stage of several GPUs
     (always inside one node) holds its layers sharded over ``ranks`` with FSDP2 and each rank runs part of
     every microbatch (docs/runtime.md, "Stages of several GPUs"). Empty: one GPU."""
+    recompute: bool = False
+    """Recompute the stage's activations in backward, each layer keeping only its input (the planner's
+    per-stage choice, ``planning.template.StageSpec.recompute``)."""
 
     @property
     def layers(self) -> range:
@@ -175,9 +178,11 @@ class ExecutionPlan:
         microbatches: Sequence[int],
         microbatch_size: int,
         widths: Sequence[Sequence[int]] | None = None,
+        recompute: Sequence[Sequence[bool]] | None = None,
     ) -> ExecutionPlan:
         """Pipelines cutting the layers into near-equal stages; ranks numbered pipeline by pipeline.
-        ``widths``: GPUs of each stage of each pipeline (default 1 each)."""
+        ``widths``: GPUs of each stage of each pipeline (default 1 each); ``recompute``: which stages of each
+        pipeline recompute their activations (default none)."""
         if len(stages_per_pipeline) != len(microbatches):
             raise ValueError(
                 f"stages_per_pipeline has {len(stages_per_pipeline)} entries, microbatches {len(microbatches)}"
@@ -190,9 +195,14 @@ class ExecutionPlan:
             stage_widths = list(widths[p]) if widths is not None else [1] * num_stages
             if len(stage_widths) != num_stages:
                 raise ValueError(f"widths of pipeline {p}: {stage_widths} for {num_stages} stages")
+            stage_recompute = list(recompute[p]) if recompute is not None else [False] * num_stages
+            if len(stage_recompute) != num_stages:
+                raise ValueError(f"recompute of pipeline {p}: {stage_recompute} for {num_stages} stages")
             stages = []
-            for (start, end), width in zip(zip(cuts, cuts[1:]), stage_widths):
-                stages.append(StageLayout(rank, start, end, shards=tuple(range(rank + 1, rank + width))))
+            for (start, end), width, again in zip(zip(cuts, cuts[1:]), stage_widths, stage_recompute):
+                stages.append(
+                    StageLayout(rank, start, end, shards=tuple(range(rank + 1, rank + width)), recompute=again)
+                )
                 rank += width
             pipelines.append(PipelineLayout(tuple(stages), mbs))
         return cls(tuple(pipelines), num_layers, microbatch_size)
@@ -214,6 +224,7 @@ class ExecutionPlan:
                         spec.layer_end,
                         (slow or {}).get(node, 1.0),
                         tuple(ranks[(node, g)] for g in spec.gpus[1:]),
+                        spec.recompute,
                     )
                 )
             pipelines.append(PipelineLayout(tuple(stages), instance.num_microbatches))
@@ -231,8 +242,9 @@ class ExecutionPlan:
                             s.rank,
                             s.layer_start,
                             s.layer_end,
-                            *([s.slowdown] if s.slowdown != 1.0 or s.shards else []),
-                            *([list(s.shards)] if s.shards else []),
+                            *([s.slowdown] if s.slowdown != 1.0 or s.shards or s.recompute else []),
+                            *([list(s.shards)] if s.shards or s.recompute else []),
+                            *([True] if s.recompute else []),
                         ]
                         for s in p.stages
                     ],
@@ -246,7 +258,12 @@ class ExecutionPlan:
         pipelines = tuple(
             PipelineLayout(
                 tuple(
-                    StageLayout(*map(int, s[:3]), *map(float, s[3:4]), *(tuple(map(int, x)) for x in s[4:5]))
+                    StageLayout(
+                        *map(int, s[:3]),
+                        *map(float, s[3:4]),
+                        *(tuple(map(int, x)) for x in s[4:5]),
+                        *(bool(x) for x in s[5:6]),
+                    )
                     for s in p["stages"]
                 ),
                 int(p["num_microbatches"]),
@@ -261,6 +278,7 @@ class ExecutionPlan:
             stages = "|".join(
                 f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
                 + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "")
+                + ("(r)" if s.recompute else "")
                 for s in p.stages
             )
             parts.append(f"[{stages}]x{p.num_microbatches}mb")

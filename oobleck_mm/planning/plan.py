@@ -89,6 +89,7 @@ def plan_to_dict(plan: Plan) -> dict:
                             s.backward_s,
                             s.memory_bytes,
                             s.grad_bytes,
+                            s.recompute,
                         ]
                         for s in p.template.stages
                     ],
@@ -99,17 +100,25 @@ def plan_to_dict(plan: Plan) -> dict:
     }
 
 
+def _stage_from_row(row: list) -> StageSpec:
+    # A journal written before per-stage recomputation has 8 fields: those stages kept their activations.
+    a, b, node, gpus, f, bw, mem, grad, *rest = row
+    if len(rest) > 1:
+        raise ValueError(f"a stage row has 8 or 9 fields, got {len(row)}")
+    recompute = rest[0] if rest else False
+    if not isinstance(recompute, bool):
+        raise ValueError(f"a stage's recompute must be true or false, got {recompute!r}")
+    return StageSpec(
+        int(a), int(b), int(node), tuple(int(g) for g in gpus), float(f), float(bw), float(mem), float(grad), recompute
+    )
+
+
 def plan_from_dict(d: dict) -> Plan:
     """The ``Plan`` ``plan_to_dict`` wrote; ``KeyError``/``TypeError``/``ValueError`` when ``d`` is not one."""
     pipelines = []
     for p in d["pipelines"]:
         t = p["template"]
-        stages = tuple(
-            StageSpec(
-                int(a), int(b), int(node), tuple(int(g) for g in gpus), float(f), float(bw), float(mem), float(grad)
-            )
-            for a, b, node, gpus, f, bw, mem, grad in t["stages"]
-        )
+        stages = tuple(_stage_from_row(row) for row in t["stages"])
         if not stages or len(t["send_activation_s"]) != len(stages) - 1 or len(t["send_grad_s"]) != len(stages) - 1:
             raise ValueError(f"a template of {len(stages)} stages needs {max(0, len(stages) - 1)} send times each")
         template = PipelineTemplate(

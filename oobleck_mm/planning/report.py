@@ -24,6 +24,7 @@ def template_to_dict(template: PipelineTemplate, microbatches: int) -> dict[str,
                 "forward_s": s.forward_s,
                 "backward_s": s.backward_s,
                 "memory_bytes": s.memory_bytes,
+                "recompute": s.recompute,
             }
             for s in template.stages
         ],
@@ -48,7 +49,12 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 "samples": p.num_microbatches * plan.microbatch_size,
                 "iteration_time_s": p.iteration_time_s,
                 "stages": [
-                    {"layers": [s.layer_start, s.layer_end], "node": p.nodes[s.node], "gpus": list(s.gpus)}
+                    {
+                        "layers": [s.layer_start, s.layer_end],
+                        "node": p.nodes[s.node],
+                        "gpus": list(s.gpus),
+                        "recompute": s.recompute,
+                    }
                     for s in p.template.stages
                 ],
             }
@@ -65,11 +71,13 @@ def format_templates(template_set: TemplateSet, layer_names: list[str], microbat
     lines = [
         f"pipeline templates: {len(template_set.templates)} (nodes {template_set.min_nodes}"
         f"..{template_set.max_nodes}; n0 = {template_set.min_nodes})",
-        f"  {'nodes':>5} {'stages':>6}  {'iter time @' + str(microbatches) + ' mb':>18}  stage layout",
+        f"  {'nodes':>5} {'stages':>6}  {'iter time @' + str(microbatches) + ' mb':>18}  stage layout "
+        "((r): the stage recomputes its activations in backward)",
     ]
     for t in template_set.templates:
         layout = " | ".join(
             f"{_layer_range(layer_names, s.layer_start, s.layer_end)}@n{s.node}g{'+'.join(map(str, s.gpus))}"
+            + ("(r)" if s.recompute else "")
             for s in t.stages
         )
         lines.append(f"  {t.num_nodes:>5} {t.num_stages:>6}  {_ms(t.iteration_time(microbatches)):>18}  {layout}")
@@ -101,7 +109,7 @@ def format_plan(plan: Plan, layer_names: list[str], title: str) -> str:
                 f"    stage {k}: layers {s.layer_start}-{s.layer_end - 1} "
                 f"({_layer_range(layer_names, s.layer_start, s.layer_end)}) on {p.nodes[s.node]} "
                 f"gpu {','.join(map(str, s.gpus))}; fwd {_ms(s.forward_s)}, bwd {_ms(s.backward_s)}, "
-                f"mem {s.memory_bytes / 2**30:.2f} GiB"
+                f"mem {s.memory_bytes / 2**30:.2f} GiB" + (", recomputes activations" if s.recompute else "")
             )
     return "\n".join(lines)
 

@@ -69,6 +69,13 @@ GPU is one stage) and never an underestimate otherwise, so a mapping the DP
 accepts always fits; with wider stages it may reject a few mappings that
 would fit. The reported ``StageSpec.memory_bytes`` uses the exact ``S - k``.
 
+Recomputation (``profile.recompute``, from ``training.activation_checkpointing``) is a per-stage
+variant: under ``auto`` every stage ``[w, w')`` costs its keep-everything time where that fits
+memory and its recomputing time (one more forward in the backward, only inputs kept) where only
+that fits, so the DP picks cuts and recomputation together, exactly (a stage's variant changes
+nothing outside it). The template's ``StageSpec.recompute`` is re-decided with the exact in-flight
+count, so a stage the conservative count made recompute may keep its activations after all.
+
 Pure: numpy only; no torch, no torch.distributed, no grpc.
 """
 
@@ -81,7 +88,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from oobleck_mm.planning.errors import InfeasiblePlan, TooFewNodes
-from oobleck_mm.planning.costs import ClusterSpec, ModelProfile, stage_cost
+from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
 from oobleck_mm.planning.stage_tables import _CROSS, _INTRA, _LAST, _CostTables, _shift_boundary, _SuffixChain
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 
@@ -412,11 +419,13 @@ class _Planner:
         return template
 
     def _assemble(self, num_nodes: int, cuts: list[tuple[int, int, int, int, int]]) -> PipelineTemplate:
-        """Turns DP cuts into StageSpecs with costs straight from ``stage_cost``."""
+        """Turns DP cuts into StageSpecs with costs straight from ``stage_cost``, each stage recomputing only
+        when its activations would not fit otherwise (``_CostTables.stage``)."""
         num_stages = len(cuts)
         stages, sends = [], []
         for k, (start, end, node, first_gpu, d) in enumerate(cuts):
-            cost = stage_cost(self.tables.prefix, self.cluster, start, end, d)
+            in_flight = num_stages - k  # exact 1F1B in-flight count
+            cost, recompute = self.tables.stage(start, end, d, in_flight)
             stages.append(
                 StageSpec(
                     layer_start=start,
@@ -425,8 +434,9 @@ class _Planner:
                     gpus=tuple(range(first_gpu, first_gpu + d)),
                     forward_s=cost.forward_s,
                     backward_s=cost.backward_s,
-                    memory_bytes=cost.memory_bytes(num_stages - k),  # exact 1F1B in-flight count
+                    memory_bytes=cost.memory_bytes(in_flight),
                     grad_bytes=cost.grad_bytes,
+                    recompute=recompute,
                 )
             )
             if k + 1 < num_stages:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, ModelProfile, effective_layers, stage_cost
+from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, ModelProfile, StageCost, effective_layers, stage_cost
 
 _INTRA, _CROSS, _LAST = 0, 1, 2
 """A stage's outgoing transfer: to a stage on the same node, on another node, or none (the last stage)."""
@@ -32,6 +32,9 @@ class _CostTables:
         self.num_layers = L = profile.num_layers
         self.options = cluster.stage_gpu_options
         self.usable = cluster.usable_memory_bytes
+        # The stage variants the planner may pick from, cheapest first: keep the activations (no
+        # recomputation) wherever they fit, recompute where only that fits (profile.recompute).
+        self.modes: tuple[bool, ...] = {"auto": (False, True), "always": (True,), "never": (False,)}[profile.recompute]
         upper = np.triu(np.ones((L + 1, L + 1), dtype=bool), k=1)  # w < w': a stage has >= 1 layer
         out_bytes = [self.prefix.layers[max(v - 1, 0)].output_bytes for v in range(L + 1)]
         comm = {
@@ -41,17 +44,18 @@ class _CostTables:
         }
         # A stage starting at layer w receives layer w-1's output (nothing when w == 0).
         self.incoming = {kind: np.concatenate(([0.0], vec[1:])) for kind, vec in comm.items() if kind != _LAST}
-        self.time: dict[tuple[int, int], np.ndarray] = {}
+        self.time: dict[tuple[int, int, bool], np.ndarray] = {}
         self._resident: dict[int, np.ndarray] = {}
-        self._activation: dict[int, np.ndarray] = {}
+        self._activation: dict[tuple[int, bool], np.ndarray] = {}
         for d in self.options:
-            per_layer = [stage_cost(self.prefix, cluster, k, k + 1, d) for k in range(L)]
-            compute = _range_sums([c.forward_s + c.backward_s for c in per_layer], upper)
-            for kind, vec in comm.items():
-                self.time[(d, kind)] = compute + vec[None, :]
-            self._resident[d] = _range_sums([c.resident_bytes for c in per_layer], upper)
-            self._activation[d] = _range_sums([c.activation_bytes for c in per_layer], upper)
-        self._feasible: dict[tuple[int, int], np.ndarray] = {}
+            for recompute in self.modes:
+                per_layer = [stage_cost(self.prefix, cluster, k, k + 1, d, recompute) for k in range(L)]
+                compute = _range_sums([c.forward_s + c.backward_s for c in per_layer], upper)
+                for kind, vec in comm.items():
+                    self.time[(d, kind, recompute)] = compute + vec[None, :]
+                self._resident[d] = _range_sums([c.resident_bytes for c in per_layer], upper)
+                self._activation[(d, recompute)] = _range_sums([c.activation_bytes for c in per_layer], upper)
+        self._choice: dict[tuple[int, int], np.ndarray] = {}
         self._masked: dict[tuple[int, int, int], np.ndarray] = {}
 
     def in_flight(self, gpus_after: int) -> np.ndarray:
@@ -59,36 +63,61 @@ class _CostTables:
         ends = np.arange(self.num_layers + 1)
         return np.minimum(1 + gpus_after, 1 + self.num_layers - ends)
 
-    def memory(self, d: int, gpus_after: int) -> np.ndarray:
-        """Peak bytes per GPU of every stage ``[w, w')`` on ``d`` GPUs (inf where w >= w')."""
-        return self._resident[d] + self._activation[d] * self.in_flight(gpus_after)[None, :]
+    def memory(self, d: int, gpus_after: int, recompute: bool | None = None) -> np.ndarray:
+        """Peak bytes per GPU of every stage ``[w, w')`` on ``d`` GPUs (inf where w >= w'): with or without
+        recomputation, or (None) the least of the variants the profile allows."""
+        modes = self.modes if recompute is None else (recompute,)
+        flight = self.in_flight(gpus_after)[None, :]
+        return np.minimum.reduce([self._resident[d] + self._activation[(d, r)] * flight for r in modes])
 
-    def feasible(self, d: int, gpus_after: int) -> np.ndarray:
+    def choice(self, d: int, gpus_after: int) -> np.ndarray:
+        """Per stage ``[w, w')``: the index into ``modes`` of its cheapest variant that fits memory, or
+        ``len(modes)`` where none does."""
         # Beyond L - 1 GPUs after, in_flight no longer depends on gpus_after.
         key = (d, min(gpus_after, self.num_layers - 1))
-        mask = self._feasible.get(key)
-        if mask is None:
-            mask = self.memory(d, gpus_after) <= self.usable
-            # Neighbouring counts usually give the same mask: share the object so that
+        choice = self._choice.get(key)
+        if choice is None:
+            choice = np.full((self.num_layers + 1, self.num_layers + 1), len(self.modes), dtype=np.int8)
+            for index in reversed(range(len(self.modes))):
+                fits = self.memory(d, gpus_after, self.modes[index]) <= self.usable
+                choice[fits] = index
+            # Neighbouring counts usually give the same choices: share the object so that
             # masked_time can cache by it.
-            previous = self._feasible.get((d, key[1] - 1))
-            if previous is not None and np.array_equal(previous, mask):
-                mask = previous
-            self._feasible[key] = mask
-        return mask
+            previous = self._choice.get((d, key[1] - 1))
+            if previous is not None and np.array_equal(previous, choice):
+                choice = previous
+            self._choice[key] = choice
+        return choice
+
+    def feasible(self, d: int, gpus_after: int) -> np.ndarray:
+        return self.choice(d, gpus_after) < len(self.modes)
 
     def masked_time(self, d: int, kind: int, gpus_after: int) -> np.ndarray:
-        """Stage seconds of every ``[w, w')`` on ``d`` GPUs, inf where memory does not fit.
+        """Stage seconds of every ``[w, w')`` on ``d`` GPUs, of its cheapest variant that fits memory (inf
+        where none fits): a per-stage choice that is exact for the DP, because a stage's variant changes
+        nothing outside the stage.
 
         Every template's chains ask for the same matrices again; computed once per
-        distinct feasibility mask.
+        distinct choice matrix.
         """
-        mask = self.feasible(d, gpus_after)
-        key = (d, kind, id(mask))
+        choice = self.choice(d, gpus_after)
+        key = (d, kind, id(choice))
         masked = self._masked.get(key)
         if masked is None:
-            masked = self._masked[key] = np.where(mask, self.time[(d, kind)], np.inf)
+            masked = np.full(choice.shape, np.inf)
+            for index, recompute in enumerate(self.modes):
+                masked = np.where(choice == index, self.time[(d, kind, recompute)], masked)
+            self._masked[key] = masked
         return masked
+
+    def stage(self, start: int, end: int, d: int, in_flight: int) -> tuple[StageCost, bool]:
+        """The cost of stage ``[start, end)`` on ``d`` GPUs holding ``in_flight`` microbatches, in its cheapest
+        variant that fits memory (the last variant when none does), and whether it recomputes."""
+        for recompute in self.modes:
+            cost = stage_cost(self.prefix, self.cluster, start, end, d, recompute)
+            if cost.memory_bytes(in_flight) <= self.usable:
+                break
+        return cost, recompute
 
 
 def _shift_boundary(cuts: list, k: int, shift: int) -> list | None:

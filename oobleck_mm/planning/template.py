@@ -29,6 +29,9 @@ class StageSpec:
     """Peak bytes per GPU with the activations 1F1B keeps in flight on this stage."""
     grad_bytes: float = 0.0
     """Per GPU: gradient bytes this stage all-reduces with other replicas each iteration."""
+    recompute: bool = False
+    """The stage keeps only each layer's inputs from the forward and recomputes the rest in the backward
+    (activation checkpointing); ``backward_s`` and ``memory_bytes`` already count it."""
 
     @property
     def num_layers(self) -> int:

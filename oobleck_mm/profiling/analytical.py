@@ -38,10 +38,11 @@ produces. Per layer and microbatch of ``b`` samples (``s`` = b * tokens per samp
   extra half of the attention forward is not counted). Linear layers keep their
   input (+ output for the projector's activation); the LM head keeps its input, its
   norm's input and fp32 logits; the token embedding keeps only the int64 ids.
-* Activation checkpointing: a layer keeps only its input, and backward re-runs the
-  forward, charged to B_w and B_d in proportion to their sizes. A layer running both
-  pays exactly one forward; one running only B_d (frozen, gradients passing through)
-  is charged just B_d's share, an underestimate the B_w/B_d split cannot avoid.
+* Activation checkpointing: the profile holds the costs of keeping the activations, and each
+  layer's ``kept_bytes``, its input (the ids for the token embedding), which is all a layer
+  keeps when it recomputes. The planner decides per stage whether to recompute
+  (``planning.costs.stage_cost``: one more forward in the backward of every layer that runs
+  one, frozen layers passing gradients through included).
 * Output: ``s*h`` activations (logits for the head) plus, for an encoder branch
   that follows another one, the already projected tokens of the earlier branch,
   which must travel with it to the LLM.
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING
 
 from oobleck_mm.config.devices import DeviceSpec, get_device
 from oobleck_mm.config.shape import LayerSpec, layer_specs, matmul_param_count, param_count, resolve_frozen
-from oobleck_mm.planning.costs import LayerCost, ModelProfile
+from oobleck_mm.planning.costs import LayerCost, ModelProfile, recompute_policy
 
 if TYPE_CHECKING:
     from oobleck_mm.config import JobConfig
@@ -139,7 +140,6 @@ def pass_seconds(
     spec: LayerSpec,
     tokens: float,
     dev: DeviceSpec,
-    checkpointing: bool,
     flash: bool,
     attention_len: float | None = None,
 ) -> tuple[float, float, float]:
@@ -150,11 +150,6 @@ def pass_seconds(
     if attention_len is not None and spec.attention_len:
         spec = replace(spec, attention_len=attention_len)
     forward, b_weight, b_input = (w.seconds(dev) for w in _passes(spec, tokens, dev, flash))
-    if checkpointing and b_weight + b_input > 0:
-        # Recompute runs once before either half; charge it in proportion so that a layer
-        # running both halves pays exactly one forward.
-        share = b_weight / (b_weight + b_input)
-        b_weight, b_input = b_weight + forward * share, b_input + forward * (1 - share)
     return forward, b_weight, b_input
 
 
@@ -163,9 +158,9 @@ def output_width(spec: LayerSpec) -> int:
     return _out_width(spec)
 
 
-def _layer_cost(spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpointing: bool, flash: bool) -> LayerCost:
+def _layer_cost(spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, flash: bool) -> LayerCost:
     tokens = spec.tokens_per_sample * microbatch_size
-    forward, b_weight, b_input = pass_seconds(spec, tokens, dev, checkpointing, flash)
+    forward, b_weight, b_input = pass_seconds(spec, tokens, dev, flash)
     params = param_count(spec)
     return LayerCost(
         name=spec.name,
@@ -176,7 +171,8 @@ def _layer_cost(spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, checkpoi
         param_bytes=params * dev.bytes_per_param,
         grad_bytes=params * dev.grad_bytes,
         optimizer_bytes=params * dev.optimizer_bytes_per_param,
-        activation_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, checkpointing, flash)),
+        activation_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, False, flash)),
+        kept_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, True, flash)),
         output_bytes=math.ceil(tokens * _out_width(spec) * dev.bytes_per_param),
     )
 
@@ -186,17 +182,18 @@ def analytical_profile(
     device: DeviceSpec | str,
     microbatch_size: int,
     model_name: str,
-    activation_checkpointing: bool = False,
+    recompute: str = "auto",
     flash_attention: bool = False,
 ) -> ModelProfile:
     """Costs of every layer for one microbatch of ``microbatch_size`` samples on ``device``.
 
     ``flash_attention=False`` (the default) keeps Korthikanti's materialised attention scores.
+    ``recompute``: which stages may recompute activations (``ModelProfile.recompute``).
     """
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
     dev = get_device(device)
-    own = [_layer_cost(spec, dev, microbatch_size, activation_checkpointing, flash_attention) for spec in specs]
+    own = [_layer_cost(spec, dev, microbatch_size, flash_attention) for spec in specs]
     layers: list[LayerCost] = []
     carried = 0  # bytes of finished encoder branches' projected tokens, en route to the LLM
     for i, (spec, cost) in enumerate(zip(specs, own)):
@@ -211,6 +208,7 @@ def analytical_profile(
         microbatch_size=microbatch_size,
         layers=tuple(layers),
         source="analytical",
+        recompute=recompute,
     )
 
 
@@ -227,7 +225,7 @@ def profile_from_config(job: JobConfig) -> ModelProfile:
         device,
         t.microbatch_size,
         job.model.name,
-        activation_checkpointing=t.activation_checkpointing,
+        recompute=recompute_policy(t.activation_checkpointing),
         flash_attention=t.flash_attention,
     )
     # Exact names, not costs.with_frozen's prefixes: "llm.block1" must not freeze "llm.block10".

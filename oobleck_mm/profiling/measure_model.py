@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 
 from torch import nn
 
-from oobleck_mm.planning.costs import ModelProfile
+from oobleck_mm.planning.costs import ModelProfile, recompute_policy
 
 
 class _BoundLayer(nn.Module):
@@ -48,7 +48,9 @@ def measure_job_profile(job, progress: Callable[[str], None] | None = None) -> M
     # Exact layer names (the profiler's frozen entries are prefixes: "llm.block1" would catch "llm.block10").
     frozen = frozen_layers(job, specs)
     return replace(
-        profile, layers=tuple(replace(c, trainable=c.trainable and c.name not in frozen) for c in profile.layers)
+        profile,
+        layers=tuple(replace(c, trainable=c.trainable and c.name not in frozen) for c in profile.layers),
+        recompute=recompute_policy(job.training.activation_checkpointing),
     )
 
 

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 STATISTICS = ("median", "trimmed_mean")
 """Robust statistics ``profile_layers`` can summarize the timed runs with."""
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 """Bumped whenever the cached fields or their meaning change, so old files miss."""
 
 _TRIM_FRACTION = 0.2
@@ -80,6 +80,8 @@ class LayerMeasurement:
     """Adam state of those parameters when the layer trains (see ``_optimizer_bytes``)."""
     activation_bytes: int
     output_bytes: int
+    input_bytes: int = 0
+    """Bytes of the layer's inputs: what it keeps for backward when it recomputes its forward there."""
 
 
 def profile_layers(
@@ -203,6 +205,7 @@ def measure_layer(
         optimizer_bytes=_optimizer_bytes(trainable_params),
         activation_bytes=activation_bytes,
         output_bytes=_tensor_bytes(outputs),
+        input_bytes=_tensor_bytes(inputs),
     )
     return measurement, outputs
 
@@ -369,6 +372,7 @@ def _layer_cost(name: str, modality: str, m: LayerMeasurement, *, is_frozen: boo
         activation_bytes=m.activation_bytes,
         output_bytes=m.output_bytes,
         trainable=trainable,
+        kept_bytes=m.input_bytes,
     )
 
 

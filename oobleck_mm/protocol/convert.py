@@ -24,6 +24,7 @@ def plan_to_proto(plan: ExecutionPlan) -> pb.ExecutionPlan:
                         layer_end=s.layer_end,
                         slowdown=s.slowdown,
                         shards=list(s.shards),
+                        recompute=s.recompute,
                     )
                     for s in p.stages
                 ],
@@ -38,7 +39,8 @@ def plan_from_proto(msg: pb.ExecutionPlan) -> ExecutionPlan:
     pipelines = tuple(
         PipelineLayout(
             tuple(
-                StageLayout(s.rank, s.layer_start, s.layer_end, s.slowdown or 1.0, tuple(s.shards)) for s in p.stages
+                StageLayout(s.rank, s.layer_start, s.layer_end, s.slowdown or 1.0, tuple(s.shards), s.recompute)
+                for s in p.stages
             ),
             p.num_microbatches,
         )

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from oobleck_mm.balance.balancer import balance, step_metrics
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel, StageTiming
-from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
+from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes, recompute_factor
 from oobleck_mm.balance.cost_model import NUM_TERMS
 from oobleck_mm.balance.work import LLM_FEATURES, NUM_FEATURES, microbatch_features, sample_features
 from oobleck_mm.data.dataset import ModelInputs
@@ -130,6 +130,8 @@ class ComputeExpectation:
             ]
         )
         total = self.work.model.predict(self.coefficients, stage.layer_start, stage.layer_end, rows).sum()
+        if stage.recompute:  # its forward runs again in the backward: not a straggler for that
+            total *= recompute_factor(self.work.model.forward_share(stage.layer_start, stage.layer_end))
         return float(total) / max(1, stage.width)
 
 
@@ -192,10 +194,13 @@ class StepBalancer:
 
         ``llm_microbatches``: with Entrain's deferral, the samples each slot ran through the LLM's layers
         (``StageWork.slot_features``)."""
+        # A recomputing stage's seconds include a second forward the cost model's layers do not: fitted as
+        # the stage would take without it, so that one fit serves every stage (problem.recompute_factor).
+        again = recompute_factor(self.model.forward_share(stage.layer_start, stage.layer_end)) if stage.recompute else 1
         for k, (ids, (fwd, bwd)) in enumerate(zip(microbatches, times)):
             feats = self.work.slot_features(stage, ids, llm_microbatches[k] if llm_microbatches is not None else None)
             self.fresh.append(
-                StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), fwd + bwd)
+                StageTiming(stage.layer_start, stage.layer_end, tuple(float(x) for x in feats), (fwd + bwd) / again)
             )
 
     def maybe_fit(self, step: int) -> bool:

@@ -72,15 +72,19 @@ class Emulation:
     def take(self) -> Lateness:
         return self.clock.take()
 
-    def stage(self, layers: Sequence[int], seam: int | None, pipelines: int) -> StageTimer:
-        return StageTimer(self, layers, seam, pipelines)
+    def stage(self, layers: Sequence[int], seam: int | None, pipelines: int, recompute: bool = False) -> StageTimer:
+        return StageTimer(self, layers, seam, pipelines, recompute)
 
 
 class StageTimer:
     """One stage's ops on the emulated device (``emulation.clock.DeviceClock``): forward, backward, sends,
     receives, the all-reduce, and the syncs where the host waits for the device."""
 
-    def __init__(self, emulation: Emulation, layers: Sequence[int], seam: int | None, pipelines: int) -> None:
+    def __init__(
+        self, emulation: Emulation, layers: Sequence[int], seam: int | None, pipelines: int, recompute: bool = False
+    ) -> None:
+        self.recompute = recompute
+        """The plan's ``StageSpec.recompute``: the real device would run the stage's forward again in backward."""
         self.emulation, self.truth, self.clock = emulation, emulation.truth, emulation.clock
         self.layers = list(layers)
         self.encoder = self.truth.groups([i for i in layers if seam is not None and i < seam])
@@ -103,7 +107,7 @@ class StageTimer:
     def backward(self, issued: float, ids: Sequence[int]) -> float:
         """A microbatch's backward over ``ids`` (its LLM samples: with deferral, the encoder groups it reaches
         are exactly those), issued at ``issued``; returns its seconds on the device."""
-        seconds = self.truth.stage_seconds(self.everything, self.emulation.metas(ids))[1]
+        seconds = self.truth.stage_seconds(self.everything, self.emulation.metas(ids), self.recompute)[1]
         start, end = self.clock.run(issued, seconds * self.emulation.factor, "backward")
         return end - start
 

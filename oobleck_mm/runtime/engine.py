@@ -162,7 +162,11 @@ class StageEngine(MicrobatchFlow):
         )
         """Which microbatches this stage runs when the LLM's microbatches are decoupled (see ``_decouple``)."""
         self._decoupled = False
-        self.timer = emulation.stage(self.stage.layers, self.seam, len(plan.pipelines)) if emulation else None
+        self.timer = (
+            emulation.stage(self.stage.layers, self.seam, len(plan.pipelines), self.stage.recompute)
+            if emulation
+            else None
+        )
         """The stage's ops on the emulated device (None: not emulated)."""
 
         trainable = trainable_mask(job, self.specs)

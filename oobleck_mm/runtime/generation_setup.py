@@ -323,7 +323,8 @@ class OutOfMemory(UserError):
         super().__init__(
             f"out of memory on {node}/gpu{local_rank} in step {step} ({str(error).splitlines()[0]}); lower "
             f"training.microbatch_size or cluster.device_memory (the planner then uses more, smaller stages), "
-            f"or turn on training.activation_checkpointing"
+            f"or set training.activation_checkpointing: true (auto recomputes only on the stages the plan's "
+            f"memory model finds tight)"
         )
 
 

@@ -105,10 +105,13 @@ class MicrobatchFlow:
         return self._kept[k] if part == "kept" else tuple(self._deferred[k])
 
     def _run_layers(self, layers, acts, batch):
-        ckpt = self.job.training.activation_checkpointing and self.needs_backward
+        # The plan decides per stage (StageSpec.recompute); an emulated job's compute copy never recomputes
+        # (config.emulation.compute_training: its emulated time still charges the stage's recomputation).
+        ckpt = self.stage.recompute and self.job.training.activation_checkpointing is not False and self.needs_backward
         for i in layers:
             if ckpt:
                 acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, batch, use_reentrant=False)
+                self._result.recomputed += 1
             else:
                 acts = self.compute[i](acts, batch)
         return acts

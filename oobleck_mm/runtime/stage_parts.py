@@ -65,6 +65,9 @@ class StepResult:
     """Seconds from the step's start to this stage's gradient all-reduce (its 1F1B part)."""
     pipeline_times: list[float] = field(default_factory=list)
     """Measured 1F1B seconds of every pipeline (with the balancer on)."""
+    recomputed: int = 0
+    """Layer forwards this rank ran under activation checkpointing this step, each run again in its backward
+    (the plan's per-stage choice, ``StageLayout.recompute``)."""
     skipped: bool = False
     """float16: the gradients overflowed on some rank, so no rank updated anything this step."""
     loss_scale: float = 0.0

@@ -32,9 +32,10 @@ def test_activation_checkpointing_gives_the_same_gradients(tmp_path):
     try:
         states = []
         for ckpt in (False, True):
-            job = job_with(activation_checkpointing=ckpt)
-            engine = StageEngine(job, ExecutionPlan.even(len(model_layer_specs(job)), [1], [8], 2), 0)
-            engine.train_step(0)
+            job = job_with()
+            plan = ExecutionPlan.even(len(model_layer_specs(job)), [1], [8], 2, recompute=[[ckpt]])
+            engine = StageEngine(job, plan, 0)
+            assert engine.train_step(0).recomputed == (8 * len(engine.layers) if ckpt else 0)
             states.append([engine.layer_state(i) for i in engine.layers])
         for a, b in zip(*states):
             assert all((a[k] - b[k]).abs().max() < 1e-12 for k in a)

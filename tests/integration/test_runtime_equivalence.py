@@ -59,9 +59,10 @@ def ref64():
 
 
 PLANS = {
-    "1 pipeline x 4 stages": ([4], [8]),
-    "2-stage + 3-stage": ([2, 3], [4, 4]),
-    "1 + 1 + 2 stages": ([1, 1, 2], [3, 3, 2]),
+    "1 pipeline x 4 stages": ([4], [8], None),
+    # The planner's per-stage recomputation: each pipeline recomputes on some stages and keeps on others.
+    "2-stage + 3-stage, recomputing on some stages": ([2, 3], [4, 4], [[True, False], [False, True, True]]),
+    "1 + 1 + 2 stages": ([1, 1, 2], [3, 3, 2], None),
 }
 
 
@@ -69,10 +70,15 @@ PLANS = {
 def test_float64_equals_reference(name, ref64, tmp_path):
     job = tiny_job()
     trainer, ref_losses = ref64
-    stages, microbatches = PLANS[name]
-    plan = ExecutionPlan.even(len(trainer.specs), stages, microbatches, job.training.microbatch_size)
+    stages, microbatches, recompute = PLANS[name]
+    plan = ExecutionPlan.even(len(trainer.specs), stages, microbatches, job.training.microbatch_size, recompute=recompute)
     outs = run_local(job, plan, STEPS, tmp_path)
     every_layer_held(outs, plan, trainer)
+    # Recomputation ran exactly on the stages the plan said, once per layer forward, and nowhere else.
+    for rank, out in enumerate(outs):
+        stage, microbatches = plan.stage(rank), plan.pipelines[plan.position(rank)[0]].num_microbatches
+        expected = len(stage.layers) * microbatches if stage.recompute else 0
+        assert [r.recomputed for r in out["results"]] == [expected] * STEPS, (rank, stage)
     assert max_param_diff(outs, trainer) < 1e-10
     for out in outs:  # the all-reduced loss is the global batch's, on every rank
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from oobleck_mm.config import load_config
 from oobleck_mm.config.shape import LayerSpec, layer_specs, matmul_param_count, param_count
-from oobleck_mm.planning.costs import effective_layers
+from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, effective_layers, stage_cost
 from oobleck_mm.config.devices import DEVICES, DeviceSpec, get_device
 from oobleck_mm.profiling.analytical import analytical_profile, peak_flops, profile_from_config
 
@@ -154,9 +154,15 @@ def test_gpt3_block_matches_korthikanti_activation_memory():
 def test_profile_from_config_applies_checkpointing_and_attention_choices():
     j = job("gpt3_2.7b")  # activation checkpointing on, eager attention
     specs = layer_specs(j.model, j.data)
-    from_config = by_name(profile_from_config(j))["llm.block0"]
-    direct = by_name(analytical_profile(specs, "a40", 2, "gpt", activation_checkpointing=True))["llm.block0"]
-    assert from_config.activation_bytes == direct.activation_bytes == 2 * 2048 * 2560 * 2
+    profile = profile_from_config(j)
+    assert profile.recompute == "always"
+    from_config = by_name(profile)["llm.block0"]
+    direct = by_name(analytical_profile(specs, "a40", 2, "gpt"))["llm.block0"]
+    assert from_config.kept_bytes == direct.kept_bytes == 2 * 2048 * 2560 * 2
+    assert from_config.activation_bytes == direct.activation_bytes > 10 * from_config.kept_bytes
+    for setting, policy in (("auto", "auto"), (False, "never")):
+        j.training.activation_checkpointing = setting
+        assert profile_from_config(j).recompute == policy
     j.training.activation_checkpointing = False
     j.training.flash_attention = True
     flash = by_name(profile_from_config(j))["llm.block0"]
@@ -254,12 +260,16 @@ def test_later_encoder_branch_carries_the_earlier_branch_tokens():
 def test_activation_checkpointing_trades_memory_for_one_recomputed_forward():
     j = job("gpt3_2.7b")
     specs = layer_specs(j.model, j.data)
-    plain = by_name(analytical_profile(specs, "a40", 2, "gpt"))["llm.block3"]
-    ckpt = by_name(analytical_profile(specs, "a40", 2, "gpt", activation_checkpointing=True))["llm.block3"]
+    profile = analytical_profile(specs, "a40", 2, "gpt")
+    index = [layer.name for layer in profile.layers].index("llm.block3")
+    prefix = LayerPrefix(effective_layers(profile))
+    cluster = ClusterSpec(gpus_per_node=1, device_memory_bytes=80 * 2**30)
+    plain = stage_cost(prefix, cluster, index, index + 1, 1)
+    ckpt = stage_cost(prefix, cluster, index, index + 1, 1, recompute=True)
     assert ckpt.activation_bytes == 2 * 2048 * 2560 * 2  # only the block's input
     assert ckpt.activation_bytes < plain.activation_bytes / 10
     assert ckpt.backward_s == pytest.approx(plain.backward_s + plain.forward_s)
-    assert ckpt.forward_s == plain.forward_s
+    assert ckpt.forward_s == plain.forward_s and ckpt.resident_bytes == plain.resident_bytes
 
 
 # --------------------------------------------------------------------------- frozen effects

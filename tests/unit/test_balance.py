@@ -11,7 +11,7 @@ from oobleck_mm.balance.assignment import contiguous_assignment
 from oobleck_mm.balance.balancer import ALGORITHMS, balance, balance_batch, step_metrics
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
 from oobleck_mm.balance.metrics import dist_ratio, imbalance, modality_dist_ratios
-from oobleck_mm.balance.problem import BalanceProblem, pipeline_shapes
+from oobleck_mm.balance.problem import BalanceProblem, PipelineShape, pipeline_shapes
 from oobleck_mm.balance.work import sample_features
 from oobleck_mm.config import load_config
 from oobleck_mm.data.dataset import ModelInputs
@@ -257,3 +257,35 @@ def test_a_pipeline_with_a_straggler_stage_gets_less_of_the_work(mllm):
     (fast, slow), result = work_per_pipeline(slowed)
     assert slow < 0.8 * fast, (even_a, even_b, fast, slow)
     assert result.assignment.pipelines and result.imbalance < 1.1
+
+
+def test_a_recomputing_stage_is_priced_with_its_second_forward(mllm):
+    """``StageLayout.recompute`` (the planner's per-stage activation checkpointing): that stage's samples cost
+    ``1 + forward share`` times as much (its forward runs again in the backward), and the forward's share of
+    the stage falls accordingly; nothing else changes."""
+    import dataclasses
+
+    from oobleck_mm.balance.problem import recompute_factor
+
+    model, coefficients, dims = mllm
+    plan = ExecutionPlan.even(model.num_layers, [4, 4], [12, 12], 2)
+    metas = skewed_metas(np.random.default_rng(3), plan.global_batch, dims)
+    ids, features = [m.index for m in metas], sample_features(metas, dims)
+    kept = dataclasses.replace(plan.pipelines[1].stages[0], recompute=True)
+    recomputing = dataclasses.replace(
+        plan,
+        pipelines=(plan.pipelines[0], dataclasses.replace(plan.pipelines[1], stages=(kept, *plan.pipelines[1].stages[1:]))),
+    )
+    assert pipeline_shapes(recomputing)[1].recompute == (True, False, False, False)
+    assert pipeline_shapes(recomputing)[0].recompute == ()
+    plain = BalanceProblem.build(ids, features, pipeline_shapes(plan), model, coefficients, 2, 0)
+    again = BalanceProblem.build(ids, features, pipeline_shapes(recomputing), model, coefficients, 2, 0)
+    share = model.forward_share(kept.layer_start, kept.layer_end)
+    assert 0 < share < 1
+    first = again.stage_index[1, 0]
+    assert first != again.stage_index[0, 0]  # a distinct stage: same layers, recomputing
+    plain_first = plain.stage_index[1, 0]
+    np.testing.assert_allclose(again.cost[:, first], plain.cost[:, plain_first] * recompute_factor(share), rtol=1e-6)
+    assert again.forward_share[first] == pytest.approx(share / (1 + share))
+    with pytest.raises(ValueError, match="recompute has 2 entries for 4 stages"):
+        PipelineShape(4, pipeline_shapes(plan)[0].stages, recompute=(True, False))

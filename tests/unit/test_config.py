@@ -109,7 +109,7 @@ def test_defaults_fill_a_minimal_config():
     assert job.model.vision is None and job.model.audio is None and job.model.frozen == ()
     assert job.data.kind == "synthetic" and job.training.optimizer.type == "AdamW"
     assert job.training.scheduler is None and job.training.optimizer.params.betas == (0.9, 0.999)
-    assert job.training.flash_attention and not job.training.activation_checkpointing
+    assert job.training.flash_attention and job.training.activation_checkpointing == "auto"
     assert job.cluster.device_memory == DEVICES["cpu"].memory_bytes
     assert job.cluster.resolved_backend == "gloo"
     assert job.fault_tolerance.heartbeat_interval < job.fault_tolerance.heartbeat_timeout
@@ -244,7 +244,8 @@ BAD = [
     ("planning.replan_gain", -0.1, "planning.replan_gain:", "must be >= 0.0, got -0.1"),
     ("training.dtype", "fp8", "training.dtype:", "'float32', 'float64', 'bfloat16', 'float16'"),
     ("training.gradient_clipping", -1, "training.gradient_clipping:", "must be >= 0.0, got -1.0"),
-    ("training.activation_checkpointing", 1, "training.activation_checkpointing:", "expected true or false"),
+    ("training.activation_checkpointing", 1, "training.activation_checkpointing:", "expected auto, true or false"),
+    ("training.activation_checkpointing", "sometimes", "training.activation_checkpointing:", "got 'sometimes'"),
     ("training.optimizer.type", "SGD", "training.optimizer.type:", "'AdamW', 'Adam'"),
     ("training.optimizer.params.betas", [0.9], "training.optimizer.params.betas:", "two numbers"),
     ("training.optimizer.params.betas", [0.9, 1.0], "training.optimizer.params.betas[1]:", "must be < 1.0"),

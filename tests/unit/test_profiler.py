@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from oobleck_mm.planning.costs import effective_layers, needs_input_grad
+from oobleck_mm.profiling import profiler
 from oobleck_mm.profiling.profiler import measure_layer, profile_layers
 
 VOCAB, D_MODEL, BATCH, SEQ = 64, 32, 2, 16
@@ -134,6 +135,15 @@ def test_activation_bytes_grow_with_sequence_length():
     assert 0 < short < long
     # Everything saved grows at least linearly with tokens, attention scores quadratically.
     assert long >= 3 * short
+
+
+def test_a_recomputing_layer_keeps_only_its_inputs():
+    # What torch.utils.checkpoint keeps of a block is its input: far less than the block saves without it.
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    profile = _profile([("llm.block0", "text", _encoder_layer())], example=x)
+    (layer,) = profile.layers
+    assert layer.kept_bytes == layer.recompute_bytes == x.numel() * 4
+    assert layer.activation_bytes > 3 * layer.kept_bytes
 
 
 def test_activation_bytes_count_saved_tensors_not_parameters():
@@ -276,7 +286,7 @@ def test_corrupt_cache_warns_and_profiles_again(tmp_path, caplog, damage):
     assert calls[0] > 0
     assert any("unreadable" in record.getMessage() for record in caplog.records)
     assert [layer.param_bytes for layer in again.layers] == [layer.param_bytes for layer in first.layers]
-    assert json.loads(path.read_text())["format"] == 1  # rewritten whole
+    assert json.loads(path.read_text())["format"] == profiler._CACHE_FORMAT  # rewritten whole
 
 
 @pytest.mark.parametrize(
