@@ -297,9 +297,11 @@ def _or_fault_tolerance(largest: int) -> str:
 
 def _describe(template: PipelineTemplate) -> str:
     costs = _stage_objective(template)
+    recomputing = sum(s.recompute for s in template.stages)
     return (
         f"template {template.num_nodes} nodes: {template.num_stages} stages, "
         f"bottleneck {max(costs):.4g} s, sum {sum(costs):.4g} s"
+        + (f", {recomputing} recomputing activations" if recomputing else "")
     )
 
 

@@ -264,10 +264,12 @@ def test_a_scaled_cornstarch_config_trains_on_the_planners_wide_stages_as_the_re
     planned = plan_job(job, load_profile(job), [f"node{i}" for i in range(6)]).plan
     plan = ExecutionPlan.from_plan(planned, rank_table(planned))
     assert plan.sharded, plan.describe()
+    assert all(s.recompute for p in plan.pipelines for s in p.stages)  # activation_checkpointing: true
     trainer = ReferenceTrainer(job)
     ref_losses = [loss for _, loss in trainer.train(4)]
     outs = run_local(job, plan, 4, tmp_path, timeout_s=240)
     assert max_param_diff(outs, trainer) < 1e-10
+    assert all(r.recomputed > 0 for out in outs for r in out["results"])  # on FSDP2 stages too
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
 
