@@ -18,6 +18,7 @@
 # 400-step runs ~210 s, ten join runs ~130 s, the soak ~270 s; 15 device minutes hold both calls and a start,
 # not a rerun. (The soak's churn is timed in seconds: on a core per node its 600 steps end before 60 events land.)
 #   GPU_T       make gpu-check's script (GPU_ARGS: its options, e.g. --no-bench)         all CUDA tests, the job
+#   PROFILE_T   scripts/gpu_profile.py (PROFILE_ARGS): engine vs plain loop, 1.1 B Llama, issue 52 item 4 (~3 min)
 #   STRAGGLER_T scripts/bench_straggler.py --slow x2 (STRAGGLER_ARGS)                   issue 29: 6 nodes, 400 steps
 #   JOIN_T      scripts/bench_join.py --runs 5, idle (JOIN_ARGS)                        issue 31 item 3
 #   JOIN_LOAD_T the same beside two `yes > /dev/null`                                   issue 31 item 3
@@ -53,6 +54,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run one bench under its limit, its log
 {
   part gpu_check "$GPU_T" python3 scripts/gpu_check.py $GPU_ARGS --json "$OUT/gpu_check.json"
   [ -n "$GPU_T" ] && cp /tmp/gpu_check_*/job/agent-node0.log "$OUT/" 2>/dev/null  # a failed job's worker traceback
+  part gpu_profile "$PROFILE_T" python3 scripts/gpu_profile.py $PROFILE_ARGS --json "$OUT/gpu_profile.json"
   part straggler "$STRAGGLER_T" python3 scripts/bench_straggler.py --slow x2 $STRAGGLER_ARGS --json "$OUT/straggler.json"
   part join "$JOIN_T" python3 scripts/bench_join.py --runs 5 $JOIN_ARGS --json "$OUT/join.json"
   part join_load "$JOIN_LOAD_T" python3 scripts/bench_join.py --runs 5 --load 2 $JOIN_ARGS --json "$OUT/join_load.json"

@@ -71,7 +71,9 @@ def test_float64_equals_reference(name, ref64, tmp_path):
     job = tiny_job()
     trainer, ref_losses = ref64
     stages, microbatches, recompute = PLANS[name]
-    plan = ExecutionPlan.even(len(trainer.specs), stages, microbatches, job.training.microbatch_size, recompute=recompute)
+    plan = ExecutionPlan.even(
+        len(trainer.specs), stages, microbatches, job.training.microbatch_size, recompute=recompute
+    )
     outs = run_local(job, plan, STEPS, tmp_path)
     every_layer_held(outs, plan, trainer)
     # Recomputation ran exactly on the stages the plan said, once per layer forward, and nowhere else.

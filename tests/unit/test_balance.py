@@ -274,7 +274,10 @@ def test_a_recomputing_stage_is_priced_with_its_second_forward(mllm):
     kept = dataclasses.replace(plan.pipelines[1].stages[0], recompute=True)
     recomputing = dataclasses.replace(
         plan,
-        pipelines=(plan.pipelines[0], dataclasses.replace(plan.pipelines[1], stages=(kept, *plan.pipelines[1].stages[1:]))),
+        pipelines=(
+            plan.pipelines[0],
+            dataclasses.replace(plan.pipelines[1], stages=(kept, *plan.pipelines[1].stages[1:])),
+        ),
     )
     assert pipeline_shapes(recomputing)[1].recompute == (True, False, False, False)
     assert pipeline_shapes(recomputing)[0].recompute == ()

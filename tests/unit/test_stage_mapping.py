@@ -26,9 +26,7 @@ from oobleck_mm.planning.template import PipelineTemplate
 GB = 2**30
 
 
-def layer(
-    name="llm.block", modality="text", fwd=1.0, bw=1.0, bd=1.0, state=0, act=0, out=0, trainable=True, kept=None
-):
+def layer(name="llm.block", modality="text", fwd=1.0, bw=1.0, bd=1.0, state=0, act=0, out=0, trainable=True, kept=None):
     return LayerCost(
         name=name,
         modality=modality,
@@ -94,9 +92,7 @@ def all_mappings(profile, cluster, num_nodes):
                         send = 2 * cluster.transfer_s(cost.output_bytes, cross_node=gpu_stages[k + 1][0] != node)
                     if k > 0:
                         previous = stage_cost(prefix, cluster, bounds[k - 1], bounds[k], gpu_stages[k - 1][1])
-                        receive = 2 * cluster.transfer_s(
-                            previous.output_bytes, cross_node=gpu_stages[k - 1][0] != node
-                        )
+                        receive = 2 * cluster.transfer_s(previous.output_bytes, cross_node=gpu_stages[k - 1][0] != node)
                     objective.append(cost.forward_s + cost.backward_s + send + receive)
                 yield objective, max(memory)
 
