@@ -91,15 +91,18 @@ def dense_mask(bits: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
 
 def _summaries(bits: torch.Tensor, segments: torch.Tensor, block: int) -> list[tuple[int, int, int, int, bool, int]]:
     """Per block: (first sample, last sample, start, end, any causal token, OR of span bits)."""
-    out = []
-    for start in range(0, bits.numel(), block):
-        end = min(start + block, bits.numel())
-        b = bits[start:end]
-        spans = 0
-        for word in torch.unique(b & SPANS).tolist():
-            spans |= word
-        out.append((int(segments[start]), int(segments[end - 1]), start, end, bool(((b & CAUSAL) != 0).any()), spans))
-    return out
+    import numpy as np
+
+    words = bits.cpu().numpy()
+    seg = segments.cpu().numpy()
+    starts = np.arange(0, words.size, block)
+    ends = np.minimum(starts + block, words.size)
+    spans = np.bitwise_or.reduceat(words & SPANS, starts)
+    causal = np.logical_or.reduceat((words & CAUSAL) != 0, starts)
+    return [
+        (int(seg[a]), int(seg[b - 1]), int(a), int(b), bool(c), int(w))
+        for a, b, c, w in zip(starts, ends, causal, spans)
+    ]
 
 
 def _may_attend(q: tuple, k: tuple) -> bool:
@@ -112,24 +115,46 @@ def _may_attend(q: tuple, k: tuple) -> bool:
 
 
 def block_workload(bits: torch.Tensor, segments: torch.Tensor, block: int) -> list[int]:
-    """For each query block, how many key blocks it computes (the others are skipped)."""
+    """For each query block, how many key blocks it computes (the others are skipped): the same predicate
+    as ``_may_attend``, over every block pair at once (a 64k-token sequence has 512 blocks of 128)."""
+    rows = block_matrix(bits, segments, block)
+    return [int(x) for x in rows.sum(axis=1)]
+
+
+def block_matrix(bits: torch.Tensor, segments: torch.Tensor, block: int):
+    """numpy bool ``[blocks, blocks]``: which query block computes which key block."""
+    import numpy as np
+
     blocks = _summaries(bits, segments, block)
-    return [sum(_may_attend(q, k) for k in blocks) for q in blocks]
+    first, last, start, end = (np.array([b[i] for b in blocks], dtype=np.int64) for i in range(4))
+    causal = np.array([b[4] for b in blocks], dtype=bool)
+    spans = np.array([b[5] for b in blocks], dtype=np.int64)
+    common = (last[:, None] >= first[None, :]) & (last[None, :] >= first[:, None])
+    earlier = causal[:, None] & (start[None, :] < end[:, None])
+    shared = (spans[:, None] & spans[None, :]) != 0
+    return common & (earlier | shared)
 
 
 def blocked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, segments: torch.Tensor, block: int = 128
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bits: torch.Tensor,
+    segments: torch.Tensor,
+    block: int = 128,
+    rows=None,
 ) -> torch.Tensor:
     """Attention of ``q``, ``k``, ``v`` (``[heads, T, dim]``) under the words, block by block: block pairs that
     cannot attend are skipped, the rest merged with an online softmax. A query that attends to nothing (a
-    padding token with no bit) gets zeros."""
+    padding token with no bit) gets zeros. ``rows``: only these query blocks (a context-parallel rank's share,
+    every key visible, as all-gather context parallelism computes them); the other rows stay zero."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     scale = 1.0 / math.sqrt(q.shape[-1])
     pos = torch.arange(bits.numel(), device=q.device)
     blocks = _summaries(bits, segments, block)
     out = torch.zeros_like(q)
-    for qb in blocks:
+    for qb in blocks if rows is None else [blocks[r] for r in rows]:
         qs, qe = qb[2], qb[3]
         qq = q[:, qs:qe] * scale
         running_max = torch.full(qq.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)

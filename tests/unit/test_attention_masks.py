@@ -15,6 +15,7 @@ from oobleck_mm.model.attention_masks import (
     CAUSAL,
     SPAN_BITS,
     batch_bits,
+    block_matrix,
     block_workload,
     blocked_attention,
     dense_attention,
@@ -74,6 +75,19 @@ def test_blocked_attention_over_the_words_equals_dense_masked_attention_in_float
     blocks = -(-segments.numel() // block)
     work = block_workload(bits, segments, block)
     assert len(work) == blocks and all(0 <= w <= blocks for w in work)
+    # Every block pair with an allowed query-key pair is computed (and counted in the workload).
+    padded = torch.nn.functional.pad(mask, (0, blocks * block - mask.shape[1], 0, blocks * block - mask.shape[0]))
+    needed = padded.reshape(blocks, block, blocks, block).any(dim=3).any(dim=1).numpy()
+    computed = block_matrix(bits, segments, block)
+    assert not (needed & ~computed).any() and list(computed.sum(axis=1)) == work
+    # A context-parallel rank's rows: its query blocks only, every key visible, equal to those rows of the whole.
+    rows = sorted(set(range(0, blocks, 2)))
+    part = blocked_attention(q, k, v, bits, segments, block, rows=rows)
+    mine = torch.zeros(segments.numel(), dtype=torch.bool)
+    for r in rows:
+        mine[r * block : (r + 1) * block] = True
+    torch.testing.assert_close(part[:, mine], dense_attention(q, k, v, mask)[:, mine], rtol=0, atol=1e-12)
+    assert not part[:, ~mine].any()
 
 
 def test_packed_samples_and_causal_text_skip_blocks():
