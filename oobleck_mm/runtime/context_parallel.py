@@ -1,0 +1,87 @@
+"""All-gather context parallelism's attention (Cornstarch §3.4.3): each rank its query blocks, every key.
+
+A sequence too long for one GPU is split over the ``d`` ranks of a context-parallel group by 128-token
+blocks (``balance.context_blocks``: Cornstarch's LPT over the mask's per-row work, or the zigzag and
+contiguous baselines). Every rank holds the queries, keys and values of its own blocks; ``context_attention``
+all-gathers the keys and values of the whole sequence (``_GatherTokens``: its backward sums every rank's
+gradient of them and keeps this rank's own), then computes the attention of its own rows under the
+sequence's mask words (``model.attention_masks.blocked_attention``, skipping empty block pairs). Everything
+else in a transformer block (projections, MLP, norms) is per token and runs on the local tokens as is.
+
+Written here because torch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``)
+is ring attention over causal or full masks with its own contiguous or round-robin layout; it takes no
+multimodal mask and no chosen token layout.
+
+What is still to come (issue 50 items 2 and 4): the stage that runs its layers this way
+(``cluster.context_parallel``), the planner's prices and memory for it, and its recovery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from oobleck_mm.model.attention_masks import blocked_attention
+
+
+def block_tokens(blocks: Sequence[int], block: int, tokens: int) -> torch.Tensor:
+    """The sequence positions of ``blocks`` (ascending), the last block cut at ``tokens``: a rank's tokens in the
+    order it holds them."""
+    parts = [torch.arange(b * block, min((b + 1) * block, tokens)) for b in sorted(blocks)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``[heads, n_r, dim]`` on every rank -> ``[heads, T, dim]`` in sequence order. Backward: the sum over
+    ranks of the gradient of the whole, at this rank's positions (an all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, positions: list[torch.Tensor], rank: int, tokens: int, group) -> torch.Tensor:
+        ctx.positions, ctx.rank, ctx.group = positions, rank, group
+        width = max(len(p) for p in positions)
+        padded = local.new_zeros(local.shape[0], width, local.shape[2])
+        padded[:, : local.shape[1]] = local
+        gathered = [torch.empty_like(padded) for _ in positions]
+        dist.all_gather(gathered, padded.contiguous(), group=group)
+        whole = local.new_empty(local.shape[0], tokens, local.shape[2])
+        for where, part in zip(positions, gathered):
+            whole[:, where.to(local.device)] = part[:, : len(where)]
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[:, ctx.positions[ctx.rank].to(grad.device)], None, None, None, None
+
+
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    assignment: Sequence[Sequence[int]],
+    rank: int,
+    bits: torch.Tensor,
+    segments: torch.Tensor,
+    block: int = 128,
+    group=None,
+) -> torch.Tensor:
+    """Attention of this rank's tokens (``q``, ``k``, ``v``: ``[heads, n_rank, dim]``, its blocks' tokens in
+    order) against the whole sequence's keys and values, under its mask words ``bits`` and samples
+    ``segments`` (``[T]`` each, every rank the same). ``assignment``: every rank's blocks. Returns
+    ``[heads, n_rank, dim]``; differentiable in ``q``, ``k`` and ``v`` on every rank."""
+    tokens = bits.numel()
+    positions = [block_tokens(blocks, block, tokens) for blocks in assignment]
+    mine = positions[rank].to(q.device)
+    if q.shape[1] != len(mine):
+        raise ValueError(
+            f"rank {rank} holds {q.shape[1]} tokens, but its blocks {list(assignment[rank])} have {len(mine)}"
+        )
+    whole_k = _GatherTokens.apply(k, positions, rank, tokens, group)
+    whole_v = _GatherTokens.apply(v, positions, rank, tokens, group)
+    # Only this rank's rows are computed; the query tensor is laid out over the whole sequence for that.
+    whole_q = q.new_zeros(q.shape[0], tokens, q.shape[2]).index_copy(1, mine, q)
+    out = blocked_attention(whole_q, whole_k, whole_v, bits, segments, block, rows=sorted(assignment[rank]))
+    return out[:, mine]
