@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,10 @@ class EncoderInput:
     """int64 [tokens // merge]: where each projected token goes in the packed LLM sequence."""
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
+    context: Any = field(default=None, repr=False)
+    """Under context parallelism: this rank's share of the sequence (``runtime.context_parallel.ContextShard``):
+    the LLM fields above hold only its tokens, and its ``attend(q, k, v)`` computes their attention against the
+    whole sequence. None: the whole microbatch is here."""
 
     def to(self, device: torch.device, non_blocking: bool = False) -> EncoderInput:
         spans = self.spans()  # on the host: no device sync for it later
@@ -76,6 +81,10 @@ class PackedBatch:
     audio: EncoderInput | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
+    context: Any = field(default=None, repr=False)
+    """Under context parallelism: this rank's share of the sequence (``runtime.context_parallel.ContextShard``):
+    the LLM fields above hold only its tokens, and its ``attend(q, k, v)`` computes their attention against the
+    whole sequence. None: the whole microbatch is here."""
 
     @property
     def num_loss_tokens(self) -> int:

@@ -68,11 +68,15 @@ class Attention(nn.Module):
         self.v = nn.Linear(hidden, kv, bias=False)
         self.o = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, spans, causal: bool, positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, spans, causal: bool, positions: torch.Tensor | None, context=None
+    ) -> torch.Tensor:
         """Attention within each ``(start, end)`` span of the packed tokens (causal inside it when
         ``causal``), nothing across spans: block-diagonal, so a microbatch costs the sum of its
         spans' squares, as the balancer's cost model says (a varlen flash kernel does the same);
-        a dense mask over the packed sequence would cost the square of the sum."""
+        a dense mask over the packed sequence would cost the square of the sum. ``context``: under
+        context parallelism (``PackedBatch.context``) ``x`` is this rank's tokens and ``context.attend``
+        computes their attention against the whole sequence."""
         t = x.shape[0]
         q = self.q(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
         k = self.k(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -82,7 +86,10 @@ class Attention(nn.Module):
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        out = torch.cat([self._block(q[:, s:e], k[:, s:e], v[:, s:e], causal) for s, e in spans], dim=1)
+        if context is not None:
+            out = context.attend(q, k, v)
+        else:
+            out = torch.cat([self._block(q[:, s:e], k[:, s:e], v[:, s:e], causal) for s, e in spans], dim=1)
         return self.o(out.transpose(0, 1).reshape(t, -1))
 
     def _block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -115,11 +122,12 @@ class Block(nn.Module):
         x = acts[-1]
         if x.shape[0] == 0:  # no image/clip in this microbatch: nothing to attend
             return (*acts[:-1], x + zero_of(self))
+        context = None
         if self.stream == "text":
-            spans, causal, positions = batch.spans(), True, batch.positions
+            spans, causal, positions, context = batch.spans(), True, batch.positions, batch.context
         else:
             spans, causal, positions = batch.encoder(self.stream).spans(), False, None
-        x = x + self.attn(self.norm1(x), spans, causal, positions)
+        x = x + self.attn(self.norm1(x), spans, causal, positions, context)
         y = self.norm2(x)
         y = F.silu(self.gate(y)) * self.fc1(y) if self.gated else F.gelu(self.fc1(y))
         return (*acts[:-1], x + self.fc2(y))

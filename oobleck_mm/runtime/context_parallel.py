@@ -12,18 +12,26 @@ Written here because torch's own context parallelism (``torch.distributed.tensor
 is ring attention over causal or full masks with its own contiguous or round-robin layout; it takes no
 multimodal mask and no chosen token layout.
 
+``shard_batch`` gives a rank its share of a packed microbatch's LLM sequence with a ``ContextShard`` on it
+(``PackedBatch.context``): the built-in model's text blocks then attend through it (``model.layers.Attention``),
+and everything per token runs on the rank's tokens. The built-in LLM attends causally inside each sample
+(images and clips too, as LLaVA does), so its words carry no span bits.
+
 What is still to come (issue 50 items 2 and 4): the stage that runs its layers this way
-(``cluster.context_parallel``), the planner's prices and memory for it, and its recovery.
+(``cluster.context_parallel``: the embedding and head on a rank's tokens, the loss summed over the group,
+the gradients summed over it), the planner's prices and memory for it, and its recovery.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from oobleck_mm.model.attention_masks import blocked_attention
+from oobleck_mm.data.packing import PackedBatch
+from oobleck_mm.model.attention_masks import blocked_attention, token_bits
 
 
 def block_tokens(blocks: Sequence[int], block: int, tokens: int) -> torch.Tensor:
@@ -85,3 +93,44 @@ def context_attention(
     whole_q = q.new_zeros(q.shape[0], tokens, q.shape[2]).index_copy(1, mine, q)
     out = blocked_attention(whole_q, whole_k, whole_v, bits, segments, block, rows=sorted(assignment[rank]))
     return out[:, mine]
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """One rank's share of a sequence under context parallelism, as the model's attention needs it."""
+
+    assignment: tuple[tuple[int, ...], ...]
+    """Every rank's blocks (``balance.context_blocks``)."""
+    rank: int
+    bits: torch.Tensor
+    """The whole sequence's mask words (``model.attention_masks``)."""
+    segments: torch.Tensor
+    """The whole sequence's sample ids."""
+    block: int = 128
+    group: object = None
+    """The context-parallel process group (None: the default group)."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """This rank's tokens' places in the sequence, in the order it holds them."""
+        return block_tokens(self.assignment[self.rank], self.block, self.bits.numel())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_attention(q, k, v, self.assignment, self.rank, self.bits, self.segments, self.block, self.group)
+
+
+def shard_batch(batch: PackedBatch, assignment: Sequence[Sequence[int]], rank: int, block: int = 128, group=None):
+    """This rank's share of ``batch``'s LLM sequence: its blocks' tokens, labels, positions and sample ids, and
+    the ``ContextShard`` its text blocks attend through. The encoders' inputs are not carried: context
+    parallelism runs in LLM stages, after the media are merged into the sequence."""
+    bits = token_bits(batch.segments.cpu(), [])  # causal inside each sample, as the built-in LLM attends
+    shard = ContextShard(tuple(tuple(a) for a in assignment), rank, bits, batch.segments.cpu(), block, group)
+    mine = shard.positions.to(batch.tokens.device)
+    return PackedBatch(
+        sample_ids=batch.sample_ids,
+        tokens=batch.tokens[mine],
+        labels=batch.labels[mine],
+        positions=batch.positions[mine],
+        segments=batch.segments[mine],
+        context=shard,
+    )

@@ -1,10 +1,13 @@
-"""All-gather context-parallel attention on real gloo processes equals one process's dense attention (float64).
+"""All-gather context-parallel attention on real gloo processes equals one process's attention (float64).
 
 Three ranks split a packed multimodal sequence (two samples: causal text with an image span and an audio
 span, Cornstarch Figure 3.5c) by LPT over its blocks' work; each holds its own tokens' queries, keys and
 values, all-gathers the keys and values, and computes its rows. Its outputs, and the gradients of a loss of
 every rank's outputs with respect to its own q, k and v, must equal those rows of the whole sequence's
 dense masked attention on one process: the gradient of the keys and values summed over every rank's rows.
+Then a whole transformer block of the built-in LLM on two ranks, each holding half the blocks of a packed
+microbatch (``shard_batch``): its outputs, its input gradients and its parameters' gradients summed over the
+ranks equal the block on the whole microbatch.
 """
 
 from __future__ import annotations
@@ -71,6 +74,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_ranks(target, ranks: int) -> list[tuple]:
+    """``target(rank, port, results)`` on ``ranks`` spawned processes; their results by rank; all joined or killed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, results), daemon=True) for rank in range(ranks)]
+    try:
+        for p in procs:
+            p.start()
+        outcomes = sorted((results.get(timeout=180) for _ in procs), key=lambda o: o[0])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failed = [o for o in outcomes if len(o) == 2]
+    assert not failed, f"rank {failed[0][0]} failed:\n{failed[0][1]}"
+    return outcomes
+
+
 def test_each_rank_computes_its_rows_of_the_whole_sequence_and_their_gradients(monkeypatch):
     import torch
 
@@ -90,21 +113,7 @@ def test_each_rank_computes_its_rows_of_the_whole_sequence_and_their_gradients(m
     reference = dense_attention(*whole, dense_mask(bits, segments))
     (reference * weights).sum().backward()
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(rank, port, results), daemon=True) for rank in range(RANKS)]
-    try:
-        for p in procs:
-            p.start()
-        outcomes = sorted((results.get(timeout=180) for _ in procs), key=lambda o: o[0])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    failed = [o for o in outcomes if len(o) == 2]
-    assert not failed, f"rank {failed[0][0]} failed:\n{failed[0][1]}"
+    outcomes = _run_ranks(_rank, RANKS)
     covered = torch.zeros(TOKENS, dtype=torch.bool)
     for rank, out, dq, dk, dv in outcomes:
         mine = block_tokens(assignment[rank], BLOCK, TOKENS)
@@ -113,3 +122,86 @@ def test_each_rank_computes_its_rows_of_the_whole_sequence_and_their_gradients(m
         for got, ref in ((dq, whole[0].grad), (dk, whole[1].grad), (dv, whole[2].grad)):
             torch.testing.assert_close(got, ref[:, mine], rtol=0, atol=1e-12)
     assert covered.all()  # every token on exactly one rank (block_tokens of a partition)
+
+
+# --------------------------------------------------------------------------- a whole block of the built-in LLM
+
+BLOCK_RANKS, TEXT_BLOCK = 2, 8
+
+
+def _block_case():
+    import dataclasses
+
+    import torch
+
+    from oobleck_mm.config import load_config
+    from oobleck_mm.data.loader import TrainingData
+    from oobleck_mm.model.layers import build_layer, model_layer_specs
+
+    job = load_config("configs/tiny_mm.yaml")
+    job = dataclasses.replace(job, training=dataclasses.replace(job.training, dtype="float64"))
+    specs = model_layer_specs(job)
+    index = next(i for i, s in enumerate(specs) if s.name == "llm.block0")
+    layer = build_layer(job, index, specs)
+    data = TrainingData(job)
+    batch = data.microbatch(data.global_batch(0)[:3])  # three packed samples
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(batch.tokens.numel(), specs[index].hidden, generator=g, dtype=torch.float64)
+    weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    return layer, batch, x, weights
+
+
+def _block_assignment(batch):
+    from oobleck_mm.balance.context_blocks import lpt
+    from oobleck_mm.model.attention_masks import block_workload, token_bits
+
+    bits = token_bits(batch.segments, [])
+    return lpt(block_workload(bits, batch.segments, TEXT_BLOCK), BLOCK_RANKS)
+
+
+def _block_rank(rank: int, port: int, results) -> None:
+    try:
+        import torch.distributed as dist
+
+        from oobleck_mm.runtime.context_parallel import shard_batch
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=BLOCK_RANKS, timeout=TIMEOUT
+        )
+        layer, batch, x, weights = _block_case()
+        local = shard_batch(batch, _block_assignment(batch), rank, TEXT_BLOCK)
+        mine = local.context.positions
+        x_local = x[mine].clone().requires_grad_(True)
+        (out,) = layer((x_local,), local)
+        (out * weights[mine]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        for g in grads.values():  # the parameters are replicated over the group: their gradients sum
+            dist.all_reduce(g)
+        results.put((rank, out.detach(), x_local.grad, grads))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, traceback.format_exc()))
+
+
+def test_a_transformer_block_split_over_two_ranks_equals_the_block_on_the_whole_microbatch(monkeypatch):
+    import torch
+
+    from oobleck_mm.runtime.context_parallel import block_tokens
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    layer, batch, x, weights = _block_case()
+    assignment = _block_assignment(batch)
+    assert len(batch.spans()) == 3 and all(len(a) > 1 for a in assignment)
+    whole_x = x.clone().requires_grad_(True)
+    (reference,) = layer((whole_x,), batch)
+    (reference * weights).sum().backward()
+    outcomes = _run_ranks(_block_rank, BLOCK_RANKS)
+    tokens = batch.tokens.numel()
+    for rank, out, dx, grads in outcomes:
+        mine = block_tokens(assignment[rank], TEXT_BLOCK, tokens)
+        torch.testing.assert_close(out, reference.detach()[mine], rtol=0, atol=1e-12)
+        torch.testing.assert_close(dx, whole_x.grad[mine], rtol=0, atol=1e-12)
+        for name, p in layer.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-12)
