@@ -34,6 +34,11 @@ class StageLayout:
     recompute: bool = False
     """Recompute the stage's activations in backward, each layer keeping only its input (the planner's
     per-stage choice, ``planning.template.StageSpec.recompute``)."""
+    context_parallel: bool = False
+    """A stage of several GPUs that splits every microbatch's *tokens* over ``ranks`` instead of sharding its
+    layers: each rank holds every layer whole and its share of the sequence's 128-token blocks, and attention
+    gathers the others' keys and values (``runtime.context_parallel``). A pipeline with such a stage has only
+    such stages, all as wide: rank ``k`` of every stage runs share ``k`` (a lane)."""
 
     @property
     def layers(self) -> range:
@@ -48,6 +53,11 @@ class StageLayout:
     def width(self) -> int:
         """GPUs of the stage."""
         return 1 + len(self.shards)
+
+    @property
+    def sharded(self) -> bool:
+        """Its layers are sharded over its GPUs (FSDP2): several GPUs, not context-parallel."""
+        return self.width > 1 and not self.context_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +123,14 @@ class ExecutionPlan:
                     f"execution plan: pipeline {i} has stages of {widths} GPUs; each must divide the "
                     f"widest ({p.pieces}): widths are 1, 2, 4 or 8"
                 )
-            if p.pieces > self.microbatch_size:
+            if any(s.context_parallel for s in p.stages):
+                if any(not s.context_parallel or s.width != p.pieces for s in p.stages):
+                    raise ValueError(
+                        f"execution plan: pipeline {i} has a context-parallel stage; every stage of it must be "
+                        f"context-parallel over as many GPUs (widths {widths}, context-parallel "
+                        f"{[s.context_parallel for s in p.stages]})"
+                    )
+            elif p.pieces > self.microbatch_size:
                 raise ValueError(
                     f"execution plan: pipeline {i} has a stage of {p.pieces} GPUs, which splits every "
                     f"microbatch's samples over them, but a microbatch holds {self.microbatch_size} "
@@ -128,7 +145,12 @@ class ExecutionPlan:
 
     @property
     def sharded(self) -> bool:
-        """Some stage spans several GPUs."""
+        """Some stage shards its layers over several GPUs (FSDP2)."""
+        return any(s.sharded for p in self.pipelines for s in p.stages)
+
+    @property
+    def wide(self) -> bool:
+        """Some stage spans several GPUs (sharded or context-parallel): its ranks get a group of their own."""
         return any(s.width > 1 for p in self.pipelines for s in p.stages)
 
     @property
@@ -148,12 +170,26 @@ class ExecutionPlan:
         return self.pipelines[i].stages[j]
 
     def holders(self, layer: int) -> tuple[int, ...]:
-        """Ranks holding ``layer``, one per pipeline (a stage's first rank), in pipeline order."""
-        return tuple(s.rank for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
+        """Ranks holding ``layer`` whole, in pipeline order: one per pipeline (a sharded stage's first rank),
+        every rank of a context-parallel stage."""
+        return tuple(
+            r
+            for p in self.pipelines
+            for s in p.stages
+            if s.layer_start <= layer < s.layer_end
+            for r in (s.ranks if s.context_parallel else (s.rank,))
+        )
 
     def shard_holders(self, layer: int) -> tuple[tuple[int, ...], ...]:
-        """Per pipeline, in pipeline order, the ranks of the stage holding ``layer`` in shard order."""
-        return tuple(s.ranks for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
+        """The ranks of each copy of ``layer``, in pipeline order: a sharded stage's ranks in shard order, each
+        rank of a context-parallel stage alone (it holds the layer whole)."""
+        return tuple(
+            ranks
+            for p in self.pipelines
+            for s in p.stages
+            if s.layer_start <= layer < s.layer_end
+            for ranks in (tuple((r,) for r in s.ranks) if s.context_parallel else (s.ranks,))
+        )
 
     def checkpoint_owner(self, layer: int) -> int:
         """The one rank that writes ``layer`` in a periodic checkpoint: its replicas take turns by layer
@@ -179,10 +215,12 @@ class ExecutionPlan:
         microbatch_size: int,
         widths: Sequence[Sequence[int]] | None = None,
         recompute: Sequence[Sequence[bool]] | None = None,
+        context_parallel: Sequence[bool] | None = None,
     ) -> ExecutionPlan:
         """Pipelines cutting the layers into near-equal stages; ranks numbered pipeline by pipeline.
         ``widths``: GPUs of each stage of each pipeline (default 1 each); ``recompute``: which stages of each
-        pipeline recompute their activations (default none)."""
+        pipeline recompute their activations (default none); ``context_parallel``: which pipelines split tokens
+        over their stages' GPUs instead of sharding layers (default none)."""
         if len(stages_per_pipeline) != len(microbatches):
             raise ValueError(
                 f"stages_per_pipeline has {len(stages_per_pipeline)} entries, microbatches {len(microbatches)}"
@@ -200,8 +238,16 @@ class ExecutionPlan:
                 raise ValueError(f"recompute of pipeline {p}: {stage_recompute} for {num_stages} stages")
             stages = []
             for (start, end), width, again in zip(zip(cuts, cuts[1:]), stage_widths, stage_recompute):
+                cp = bool(context_parallel and context_parallel[p])
                 stages.append(
-                    StageLayout(rank, start, end, shards=tuple(range(rank + 1, rank + width)), recompute=again)
+                    StageLayout(
+                        rank,
+                        start,
+                        end,
+                        shards=tuple(range(rank + 1, rank + width)),
+                        recompute=again,
+                        context_parallel=cp,
+                    )
                 )
                 rank += width
             pipelines.append(PipelineLayout(tuple(stages), mbs))
@@ -244,7 +290,8 @@ class ExecutionPlan:
                             s.layer_end,
                             *([s.slowdown] if s.slowdown != 1.0 or s.shards or s.recompute else []),
                             *([list(s.shards)] if s.shards or s.recompute else []),
-                            *([True] if s.recompute else []),
+                            *([s.recompute] if s.recompute or s.context_parallel else []),
+                            *([True] if s.context_parallel else []),
                         ]
                         for s in p.stages
                     ],
@@ -262,7 +309,7 @@ class ExecutionPlan:
                         *map(int, s[:3]),
                         *map(float, s[3:4]),
                         *(tuple(map(int, x)) for x in s[4:5]),
-                        *(bool(x) for x in s[5:6]),
+                        *(bool(x) for x in s[5:7]),
                     )
                     for s in p["stages"]
                 ),
@@ -279,6 +326,7 @@ class ExecutionPlan:
                 f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
                 + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "")
                 + ("(r)" if s.recompute else "")
+                + ("(cp)" if s.context_parallel else "")
                 for s in p.stages
             )
             parts.append(f"[{stages}]x{p.num_microbatches}mb")

@@ -150,10 +150,7 @@ def gather_groups(old: ExecutionPlan | None, previous_ranks: Sequence[int]) -> l
     new_of = {previous: rank for rank, previous in enumerate(previous_ranks) if previous >= 0}
     complete = _complete_stages(old, previous_ranks)
     return [
-        tuple(new_of[r] for r in s.ranks)
-        for p in old.pipelines
-        for s in p.stages
-        if s.width > 1 and s.ranks in complete
+        tuple(new_of[r] for r in s.ranks) for p in old.pipelines for s in p.stages if s.sharded and s.ranks in complete
     ]
 
 

@@ -25,6 +25,7 @@ def plan_to_proto(plan: ExecutionPlan) -> pb.ExecutionPlan:
                         slowdown=s.slowdown,
                         shards=list(s.shards),
                         recompute=s.recompute,
+                        context_parallel=s.context_parallel,
                     )
                     for s in p.stages
                 ],
@@ -39,7 +40,15 @@ def plan_from_proto(msg: pb.ExecutionPlan) -> ExecutionPlan:
     pipelines = tuple(
         PipelineLayout(
             tuple(
-                StageLayout(s.rank, s.layer_start, s.layer_end, s.slowdown or 1.0, tuple(s.shards), s.recompute)
+                StageLayout(
+                    s.rank,
+                    s.layer_start,
+                    s.layer_end,
+                    s.slowdown or 1.0,
+                    tuple(s.shards),
+                    s.recompute,
+                    s.context_parallel,
+                )
                 for s in p.stages
             ),
             p.num_microbatches,

@@ -38,20 +38,22 @@ STORE_DELETE: StoreOp
 STORE_NUM_KEYS: StoreOp
 
 class Stage(_message.Message):
-    __slots__ = ("rank", "layer_start", "layer_end", "slowdown", "shards", "recompute")
+    __slots__ = ("rank", "layer_start", "layer_end", "slowdown", "shards", "recompute", "context_parallel")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     rank: int
     layer_start: int
     layer_end: int
     slowdown: float
     shards: _containers.RepeatedScalarFieldContainer[int]
     recompute: bool
-    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., slowdown: _Optional[float] = ..., shards: _Optional[_Iterable[int]] = ..., recompute: _Optional[bool] = ...) -> None: ...
+    context_parallel: bool
+    def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., slowdown: _Optional[float] = ..., shards: _Optional[_Iterable[int]] = ..., recompute: _Optional[bool] = ..., context_parallel: _Optional[bool] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("num_microbatches", "stages")

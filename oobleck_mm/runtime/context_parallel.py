@@ -33,6 +33,9 @@ import torch.distributed as dist
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.attention_masks import blocked_attention, token_bits
 
+BLOCK = 128
+"""Tokens per block of a context-parallel split (Cornstarch's N_B)."""
+
 
 def block_tokens(blocks: Sequence[int], block: int, tokens: int) -> torch.Tensor:
     """The sequence positions of ``blocks`` (ascending), the last block cut at ``tokens``: a rank's tokens in the
@@ -73,7 +76,7 @@ def context_attention(
     rank: int,
     bits: torch.Tensor,
     segments: torch.Tensor,
-    block: int = 128,
+    block: int = BLOCK,
     group=None,
 ) -> torch.Tensor:
     """Attention of this rank's tokens (``q``, ``k``, ``v``: ``[heads, n_rank, dim]``, its blocks' tokens in
@@ -119,7 +122,38 @@ class ContextShard:
         return context_attention(q, k, v, self.assignment, self.rank, self.bits, self.segments, self.block, self.group)
 
 
-def shard_batch(batch: PackedBatch, assignment: Sequence[Sequence[int]], rank: int, block: int = 128, group=None):
+def context_share(batch: PackedBatch, lane: int, ranks: int, group=None, block: int = BLOCK) -> PackedBatch:
+    """Lane ``lane``'s share of ``batch`` on a context-parallel stage of ``ranks`` GPUs: blocks assigned by
+    Cornstarch's LPT over the microbatch's attention work (``balance.context_blocks.lpt``), which every rank
+    computes alike from the same microbatch."""
+    from oobleck_mm.balance.context_blocks import lpt
+    from oobleck_mm.model.attention_masks import block_workload
+
+    bits = token_bits(batch.segments.cpu(), [])
+    assignment = lpt(block_workload(bits, batch.segments.cpu(), block), ranks)
+    return shard_batch(batch, assignment, lane, block, group)
+
+
+def check_context_parallel(job, specs, stage) -> None:
+    """What a context-parallel stage cannot run yet: layers other than the built-in LLM's (encoders, whose
+    inputs are media rather than the sequence's tokens; HuggingFace or ``model.builder`` layers, whose attention
+    the engine does not replace), a ``UserError`` naming them."""
+    from oobleck_mm.errors import UserError
+
+    if job.model.huggingface or job.model.builder:
+        raise UserError(
+            "a context-parallel stage runs the built-in model's LLM layers only; model.huggingface and "
+            "model.builder layers attend with their own attention (issue 50 item 2 is to replace it)"
+        )
+    others = [specs[i].name for i in stage.layers if specs[i].modality != "text"]
+    if others:
+        raise UserError(
+            f"a context-parallel stage holds encoder layers {others[:3]}: context parallelism splits the LLM's "
+            "sequence; a model with model.vision or model.audio cannot run a context-parallel pipeline yet"
+        )
+
+
+def shard_batch(batch: PackedBatch, assignment: Sequence[Sequence[int]], rank: int, block: int = BLOCK, group=None):
     """This rank's share of ``batch``'s LLM sequence: its blocks' tokens, labels, positions and sample ids, and
     the ``ContextShard`` its text blocks attend through. The encoders' inputs are not carried: context
     parallelism runs in LLM stages, after the media are merged into the sequence."""

@@ -44,6 +44,7 @@ from oobleck_mm.model.layers import (
     trainable_mask,
 )
 from oobleck_mm.runtime.balancing import ComputeExpectation, step_balancer
+from oobleck_mm.runtime.context_parallel import check_context_parallel
 from oobleck_mm.runtime.grad_sync import GradientSync, sharded_layers
 from oobleck_mm.planning.layout import ExecutionPlan, piece_samples
 from oobleck_mm.precision import LossScaler, compute_dtype, is_mixed, reduce_dtype
@@ -186,7 +187,7 @@ class StageEngine(MicrobatchFlow):
         # (a stage of several GPUs: FSDP2's mixed precision instead, runtime/sharding.py)
         self.mixed = (
             ComputeCopies(self.layers, compute_dtype(job.training))
-            if is_mixed(job.training) and self.stage.width == 1
+            if is_mixed(job.training) and not self.stage.sharded
             else None
         )
         self.compute = self.mixed.compute if self.mixed is not None else self.layers
@@ -210,8 +211,10 @@ class StageEngine(MicrobatchFlow):
         # The emulated device prices the all-reduce after the backward (``timer.ready_for_allreduce``).
         self.overlap = job.training.grad_overlap and emulation is None
         """Start the gradient all-reduces during the step's last backward (``GradientSync.arm``)."""
-        if self.stage.width > 1:
+        if self.stage.sharded:
             self._shard(handed_over)
+        if self.stage.context_parallel:
+            check_context_parallel(job, self.specs, self.stage)
         self._dispatch: dict[type, Callable] = {
             ds.LoadMicroBatch: self._load_microbatch,
             ds.RecvActivation: self._recv_activation,
@@ -285,8 +288,8 @@ class StageEngine(MicrobatchFlow):
                 piece
                 for layout, p in zip(self.plan.pipelines, assignment.pipelines)
                 for mb in p
-                for k in range(layout.pieces)
-                if (piece := piece_samples(mb, layout.pieces, k))
+                for k in range(1 if layout.stages[0].context_parallel else layout.pieces)
+                if (piece := piece_samples(mb, 1 if layout.stages[0].context_parallel else layout.pieces, k))
             ),
             deferred=sum(len(d) for p in assignment.deferred for d in p),
         )
@@ -487,7 +490,7 @@ class StageEngine(MicrobatchFlow):
         copy, ``sharding.whole_layer``): collective over the stage, its every rank calls it at once (every
         checkpoint path does, before picking the layers it writes; so does a recovery's state copy, ``over``
         a group of the new generation)."""
-        if self.stage.width == 1:
+        if not self.stage.sharded:
             return {i: HeldLayer(m, self.optimizers.get(i)) for i, m in self.layers.items()}
         over = over or Gather.of_stage(self.sync.stage_group, self.stage.ranks)
         out = {}
@@ -513,7 +516,7 @@ class StageEngine(MicrobatchFlow):
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s whole state; on a stage of several GPUs gathered from its shards (collective over
         the stage: its every rank asks for the same layers in the same order)."""
-        over = Gather.of_stage(self.sync.stage_group, self.stage.ranks) if self.stage.width > 1 else None
+        over = Gather.of_stage(self.sync.stage_group, self.stage.ranks) if self.stage.sharded else None
         return {
             k: (gathered(v, over) if isinstance(v, DTensor) else v).detach().cpu().clone()
             for k, v in self.layers[index].state_dict().items()

@@ -125,7 +125,8 @@ def chunks(rank_buckets: Sequence[Bucket], layer_bytes: Mapping[int, int], cap_b
 
 
 def stage_meshes(plan: ExecutionPlan) -> list[tuple[int, ...]]:
-    """The ranks of every stage of several GPUs, pipeline by pipeline: each is FSDP2's mesh for its stage."""
+    """The ranks of every stage of several GPUs, pipeline by pipeline: each is FSDP2's mesh for its stage, or
+    the group a context-parallel stage gathers its keys and values over."""
     return [s.ranks for p in plan.pipelines for s in p.stages if s.width > 1]
 
 
@@ -190,6 +191,7 @@ def subgroup_ranks(
         out += [s.ranks for s in piece_sums(plan, trainable, rows)]
         pieces = tied_pieces(plan, trainable, tied, tied_rows or 0) if tied_holders(plan, trainable, tied) else []
         out += list(dict.fromkeys(p.ranks for p in pieces if len(p.ranks) > 1))
+    if plan.wide:
         out += stage_meshes(plan)
     tied_ranks = tied_holders(plan, trainable, tied)
     if len(tied_ranks) > 1 and not plan.sharded:
@@ -264,7 +266,7 @@ class GradientSync:
         self._shard_start = {}  # (layer, parameter index) -> the first global row of this rank's chunk
         for p in plan.pipelines:
             for s in p.stages:
-                if rank in s.ranks and s.width > 1:
+                if rank in s.ranks and s.sharded:
                     for layer in s.layers:
                         for k, size in enumerate((rows or {}).get(layer, ())):
                             self._shard_start[(layer, k)] = chunk_rows(size, s.width)[s.ranks.index(rank)][0]

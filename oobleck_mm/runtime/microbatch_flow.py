@@ -17,6 +17,7 @@ from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.model.layers import microbatch_loss
 from oobleck_mm.planning.layout import piece_samples
 from oobleck_mm.runtime.mixed import overflow_injected
+from oobleck_mm.runtime.context_parallel import context_share
 from oobleck_mm.runtime.p2p import recv_tensors_timed, send_tensors
 
 
@@ -28,7 +29,10 @@ class MicrobatchFlow:
             t0 = time.perf_counter()
             ids = self._piece_ids(mb, piece)
             # Built on the host, then copied to the stage's device (pinned, asynchronous on a GPU).
-            self._batches[(mb, piece)] = self.data.microbatch(ids).to(self.device, non_blocking=True)
+            batch = self.data.microbatch(ids).to(self.device, non_blocking=True)
+            if self.stage.context_parallel:  # this lane's share of the sequence's tokens
+                batch = context_share(batch, piece, self.stage.width, self.sync.stage_group)
+            self._batches[(mb, piece)] = batch
             spent = time.perf_counter() - t0
             self._pack_s[mb] = self._pack_s.get(mb, 0.0) + spent
             self._result.pack_s += spent
@@ -37,12 +41,17 @@ class MicrobatchFlow:
     def _piece_ids(self, mb: int, piece: int) -> tuple[int, ...]:
         """The samples piece ``piece`` of microbatch ``mb`` runs. A piece left without samples (the balancer
         made the microbatch smaller than the pipeline's pieces) runs the microbatch's first sample with its
-        loss weighted 0 (``_filler``): the ranks of a stage of several GPUs must all run FSDP2's collectives."""
+        loss weighted 0 (``_filler``): the ranks of a stage of several GPUs must all run FSDP2's collectives.
+        A context-parallel pipeline's pieces share every sample of the microbatch (they split its tokens)."""
+        if self.stage.context_parallel:
+            return tuple(self._microbatches[mb])
         ids = piece_samples(self._microbatches[mb], self.pipeline.pieces, piece)
         return ids if ids else tuple(self._microbatches[mb][:1])
 
     def _filler(self, mb: int, piece: int) -> bool:
         """Whether piece ``piece`` of microbatch ``mb`` has no samples of its own (``_piece_ids``)."""
+        if self.stage.context_parallel:
+            return False
         return not piece_samples(self._microbatches[mb], self.pipeline.pieces, piece)
 
     # ------------------------------------------------------------------ decoupled microbatches (deferral)

@@ -251,7 +251,7 @@ def shard_of(plan) -> Callable[[int], tuple[int, int] | None]:
 
     def of(rank: int) -> tuple[int, int] | None:
         stage = plan.stage(rank)
-        return (stage.ranks.index(rank), stage.width) if stage.width > 1 else None
+        return (stage.ranks.index(rank), stage.width) if stage.sharded else None
 
     return of
 
@@ -262,7 +262,7 @@ def _held_whole(engine, old_plan, previous_ranks: Sequence[int], new_rank: int, 
     forms every one, in order); one that lost a rank holds nothing whole."""
     groups = gather_groups(old_plan, previous_ranks)
     formed = [dist.new_group(list(ranks), timeout=waiter.timeout) for ranks in groups]
-    if engine.stage.width == 1:
+    if not engine.stage.sharded:
         return engine.held()
     mine = [(ranks, group) for ranks, group in zip(groups, formed) if new_rank in ranks]
     if not mine:

@@ -1,0 +1,53 @@
+"""A context-parallel pipeline trains the built-in LLM equal to the reference trainer (float64, real gloo processes).
+
+Pipeline 0 splits every microbatch's tokens over two lanes (two stages of two GPUs each, context-parallel:
+rank k of each stage holds lane k's 128-token blocks, chosen by Cornstarch's LPT, and gathers the other
+lane's keys and values in every attention); pipeline 1 is one ordinary stage. Every layer's copies (two per
+context-parallel stage, one in pipeline 1) are summed by the layer-wise all-reduce, so after 3 steps every
+rank's layers must equal the single-process reference, and the losses too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from oobleck_mm.config import config_from_dict
+from oobleck_mm.planning.layout import ExecutionPlan
+from oobleck_mm.runtime.reference import ReferenceTrainer
+from oobleck_mm.runtime.worker import run_local
+
+pytestmark = pytest.mark.integration
+STEPS = 3
+
+
+def text_job():
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    for part in ("vision", "projector"):
+        d["model"].pop(part)
+    # ~200-token samples: a microbatch of two spans several 128-token blocks, so both lanes get some.
+    d["data"].update(mean_text_tokens=200, max_seq_len=512, mean_images_per_sample=0, max_images_per_sample=0)
+    d["training"].update(dtype="float64", steps=STEPS)
+    return config_from_dict(d)
+
+
+def test_a_context_parallel_pipeline_beside_an_ordinary_one_equals_the_reference(tmp_path):
+    job = text_job()
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(STEPS)]
+    layers = len(trainer.specs)
+    plan = ExecutionPlan.even(layers, [2, 1], [4, 4], 2, widths=[[2, 2], [1]], context_parallel=[True, False])
+    assert not plan.sharded and plan.holders(0) == (0, 1, 4)
+    outs = run_local(job, plan, STEPS, tmp_path, timeout_s=240)
+    names = [s.name for s in trainer.specs]
+    held = [name for out in outs for name in out["states"]]
+    assert sorted(held.count(n) for n in names) == [3] * layers  # two lanes' copies and pipeline 1's
+    worst = 0.0
+    for out in outs:
+        for name, state in out["states"].items():
+            ref = trainer.layer_state(names.index(name))
+            worst = max(worst, max((v - ref[k]).abs().max().item() for k, v in state.items()))
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+    assert worst < 1e-10
+    assert ref_losses[-1] < ref_losses[0]
