@@ -68,6 +68,8 @@ def validate(job: Sections) -> None:
         raise ConfigError(
             f"cluster.max_gpus_per_stage ({c.max_gpus_per_stage}) exceeds cluster.gpus_per_node ({c.gpus_per_node})"
         )
+    if c.context_parallel > 1:
+        _validate_context_parallel(m, c)
     if c.backend == "nccl" and c.device == "cpu":
         raise ConfigError("cluster.backend: 'nccl' needs a GPU device, cluster.device is 'cpu'")
     _validate_scheduler(t)
@@ -75,6 +77,36 @@ def validate(job: Sections) -> None:
     _validate_workload(m, d)
     if c.emulate is not None:
         _validate_emulation(m, d, c)
+
+
+def _validate_context_parallel(m: ModelConfig, c: ClusterConfig) -> None:
+    """What context parallelism runs on today (``runtime.context_parallel``): the built-in LLM's sequence."""
+    where = f"cluster.context_parallel ({c.context_parallel})"
+    if c.context_parallel > c.gpus_per_node:
+        raise ConfigError(f"{where} exceeds cluster.gpus_per_node ({c.gpus_per_node}): its GPUs share a node")
+    if c.gpus_per_node % c.context_parallel:
+        raise ConfigError(
+            f"{where} must divide cluster.gpus_per_node ({c.gpus_per_node}): every stage spans that many GPUs"
+        )
+    if c.max_gpus_per_stage > 1:
+        raise ConfigError(
+            f"{where} and cluster.max_gpus_per_stage ({c.max_gpus_per_stage}): a stage either shards its layers "
+            "or splits its tokens, not both yet; set cluster.max_gpus_per_stage: 1"
+        )
+    if m.huggingface is not None or m.builder is not None:
+        key = "model.huggingface" if m.huggingface is not None else "model.builder"
+        raise ConfigError(
+            f"{where}: a {key} model attends with its own attention, which the engine does not replace yet; "
+            "valid: the built-in model (model.llm)"
+        )
+    encoders = [name for name in ("vision", "audio") if getattr(m, name) is not None]
+    if encoders:
+        raise ConfigError(
+            f"{where}: model.{encoders[0]} is set; context parallelism splits the LLM's sequence and runs "
+            "text-only models today; remove model.vision and model.audio or set cluster.context_parallel: 1"
+        )
+    if c.emulate is not None:
+        raise ConfigError(f"{where}: emulation runs stages of one GPU; valid: 1")
 
 
 def _validate_emulation(m: ModelConfig, d: DataConfig, c: ClusterConfig) -> None:

@@ -90,7 +90,7 @@ class Attention(nn.Module):
             out = context.attend(q, k, v)
         else:
             out = torch.cat([self._block(q[:, s:e], k[:, s:e], v[:, s:e], causal) for s, e in spans], dim=1)
-        return self.o(out.transpose(0, 1).reshape(t, -1))
+        return self.o(out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
     def _block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         if self.flash:
@@ -120,7 +120,9 @@ class Block(nn.Module):
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = acts[-1]
-        if x.shape[0] == 0:  # no image/clip in this microbatch: nothing to attend
+        # No image/clip in this microbatch: nothing to attend. (A context-parallel lane without tokens still
+        # attends: its peers gather from it, and its gather must pair with theirs.)
+        if x.shape[0] == 0 and (self.stream != "text" or batch.context is None):
             return (*acts[:-1], x + zero_of(self))
         context = None
         if self.stream == "text":

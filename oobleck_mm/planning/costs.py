@@ -55,6 +55,9 @@ class LayerCost:
     kept_bytes: int | None = None
     """Bytes kept from forward to backward when the layer recomputes its forward in backward (activation
     checkpointing: its inputs). None: no saving known, the same as ``activation_bytes``."""
+    kv_bytes: int = 0
+    """Bytes of the keys and values its attention computes for one microbatch (0: no attention over the
+    sequence): what a context-parallel stage all-gathers (``stage_cost``)."""
 
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
@@ -170,6 +173,8 @@ class EffectiveLayer:
     """The parameters alone: what a sharded stage all-gathers before the layer runs (``stage_cost``)."""
     kept_bytes: int = 0
     """Kept per in-flight microbatch when the layer recomputes (0 when it runs no backward)."""
+    kv_bytes: int = 0
+    """Its keys and values for one microbatch (``LayerCost.kv_bytes``)."""
     recompute_s: float = 0.0
     """What recomputing adds to the backward: one forward (0 when the layer runs no backward)."""
 
@@ -192,6 +197,7 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
                 grad_bytes=layer.grad_bytes if layer.trainable else 0,
                 param_bytes=layer.param_bytes,
                 kept_bytes=layer.recompute_bytes if runs_backward else 0,
+                kv_bytes=layer.kv_bytes,
                 recompute_s=layer.forward_s if runs_backward else 0.0,
             )
         )
@@ -214,6 +220,9 @@ class ClusterSpec:
     """Largest GPU count of one stage (1, 2, 4 or 8 and <= gpus_per_node)."""
     memory_headroom: float = 0.9
     """Fraction of device memory the planner may fill (the rest: allocator, workspace)."""
+    context_parallel: int = 1
+    """Above 1: every stage spans this many GPUs of a node that split each microbatch's tokens (all-gather
+    context parallelism) instead of sharding the layers (``stage_cost``)."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -224,6 +233,13 @@ class ClusterSpec:
             raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes}")
         if not 0 < self.memory_headroom <= 1:
             raise ValueError(f"memory_headroom must be in (0, 1], got {self.memory_headroom}")
+        if self.context_parallel not in (1, 2, 4, 8) or self.gpus_per_node % self.context_parallel:
+            raise ValueError(
+                f"context_parallel must be 1, 2, 4 or 8 and divide gpus_per_node ({self.gpus_per_node}), "
+                f"got {self.context_parallel}"
+            )
+        if self.context_parallel > 1 and self.max_gpus_per_stage > 1:
+            raise ValueError("context_parallel and max_gpus_per_stage above 1 do not combine yet")
 
     @classmethod
     def from_config(cls, cluster) -> ClusterSpec:
@@ -234,11 +250,14 @@ class ClusterSpec:
             intra_node_bandwidth=cluster.intra_node_bandwidth,
             inter_node_bandwidth=cluster.inter_node_bandwidth,
             max_gpus_per_stage=cluster.max_gpus_per_stage,
+            context_parallel=cluster.context_parallel,
         )
 
     @property
     def stage_gpu_options(self) -> tuple[int, ...]:
-        """GPU counts a stage may use on this cluster."""
+        """GPU counts a stage may use on this cluster: under context parallelism exactly its degree."""
+        if self.context_parallel > 1:
+            return (self.context_parallel,)
         return tuple(d for d in (1, 2, 4, 8) if d <= min(self.max_gpus_per_stage, self.gpus_per_node))
 
     @property
@@ -337,6 +356,25 @@ def stage_cost(
     if recompute:
         backward += (prefix.recompute[end] - prefix.recompute[start]) / d
     activations = prefix.kept if recompute else prefix.act
+    if d > 1 and cluster.context_parallel > 1:
+        # Context parallelism: each GPU runs 1/d of every microbatch's tokens with every layer whole (state
+        # and gradients not divided); each attention gathers the keys and values of the whole sequence
+        # before its forward (again when recomputing) and sums their gradients over the GPUs in its backward
+        # (an all-reduce: ``runtime.context_parallel``).
+        for layer in prefix.layers[start:end]:
+            if layer.kv_bytes:
+                gather = cluster.allgather_s(layer.kv_bytes, d, cross_node=False)
+                forward += gather
+                if layer.backward_s > 0:
+                    backward += cluster.allreduce_s(layer.kv_bytes, d, cross_node=False) + (gather if recompute else 0)
+        return StageCost(
+            forward_s=forward,
+            backward_s=backward,
+            resident_bytes=prefix.resident[end] - prefix.resident[start],
+            activation_bytes=(activations[end] - activations[start]) / d,
+            output_bytes=prefix.layers[end - 1].output_bytes,
+            grad_bytes=prefix.grad[end] - prefix.grad[start],
+        )
     if d > 1:
         for layer in prefix.layers[start:end]:
             gather = cluster.allgather_s(layer.param_bytes, d, cross_node=False)

@@ -271,6 +271,7 @@ class ExecutionPlan:
                         (slow or {}).get(node, 1.0),
                         tuple(ranks[(node, g)] for g in spec.gpus[1:]),
                         spec.recompute,
+                        spec.context_parallel,
                     )
                 )
             pipelines.append(PipelineLayout(tuple(stages), instance.num_microbatches))

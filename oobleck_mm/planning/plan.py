@@ -57,9 +57,10 @@ def gradient_allreduce_s(templates: list[PipelineTemplate] | tuple[PipelineTempl
     Every layer is all-reduced across all r replicas (layer-wise, §2.6.1). The
     replicas of a layer sit on different nodes, so the ring runs over the
     inter-node links; each GPU reduces its own stage's gradients in parallel
-    with the others, so the slowest stage bounds the phase.
+    with the others, so the slowest stage bounds the phase. Under context parallelism every GPU of a stage
+    holds a whole copy: d copies per pipeline take part.
     """
-    replicas = len(templates)
+    replicas = len(templates) * getattr(cluster, "context_parallel", 1)
     worst = max(s.grad_bytes for t in templates for s in t.stages)
     return cluster.allreduce_s(worst, replicas, cross_node=True)
 
@@ -90,6 +91,7 @@ def plan_to_dict(plan: Plan) -> dict:
                             s.memory_bytes,
                             s.grad_bytes,
                             s.recompute,
+                            s.context_parallel,
                         ]
                         for s in p.template.stages
                     ],
@@ -101,15 +103,26 @@ def plan_to_dict(plan: Plan) -> dict:
 
 
 def _stage_from_row(row: list) -> StageSpec:
-    # A journal written before per-stage recomputation has 8 fields: those stages kept their activations.
+    # A journal written before per-stage recomputation has 8 fields (those stages kept their activations), one
+    # before context parallelism 9.
     a, b, node, gpus, f, bw, mem, grad, *rest = row
-    if len(rest) > 1:
-        raise ValueError(f"a stage row has 8 or 9 fields, got {len(row)}")
-    recompute = rest[0] if rest else False
-    if not isinstance(recompute, bool):
-        raise ValueError(f"a stage's recompute must be true or false, got {recompute!r}")
+    if len(rest) > 2:
+        raise ValueError(f"a stage row has 8 to 10 fields, got {len(row)}")
+    recompute, context_parallel = (*rest, False, False)[:2]
+    for name, value in (("recompute", recompute), ("context_parallel", context_parallel)):
+        if not isinstance(value, bool):
+            raise ValueError(f"a stage's {name} must be true or false, got {value!r}")
     return StageSpec(
-        int(a), int(b), int(node), tuple(int(g) for g in gpus), float(f), float(bw), float(mem), float(grad), recompute
+        int(a),
+        int(b),
+        int(node),
+        tuple(int(g) for g in gpus),
+        float(f),
+        float(bw),
+        float(mem),
+        float(grad),
+        recompute,
+        context_parallel,
     )
 
 

@@ -25,6 +25,7 @@ def template_to_dict(template: PipelineTemplate, microbatches: int) -> dict[str,
                 "backward_s": s.backward_s,
                 "memory_bytes": s.memory_bytes,
                 "recompute": s.recompute,
+                "context_parallel": s.context_parallel,
             }
             for s in template.stages
         ],
@@ -72,12 +73,13 @@ def format_templates(template_set: TemplateSet, layer_names: list[str], microbat
         f"pipeline templates: {len(template_set.templates)} (nodes {template_set.min_nodes}"
         f"..{template_set.max_nodes}; n0 = {template_set.min_nodes})",
         f"  {'nodes':>5} {'stages':>6}  {'iter time @' + str(microbatches) + ' mb':>18}  stage layout "
-        "((r): the stage recomputes its activations in backward)",
+        "((r): the stage recomputes its activations in backward; (cp): its GPUs split the tokens)",
     ]
     for t in template_set.templates:
         layout = " | ".join(
             f"{_layer_range(layer_names, s.layer_start, s.layer_end)}@n{s.node}g{'+'.join(map(str, s.gpus))}"
             + ("(r)" if s.recompute else "")
+            + ("(cp)" if s.context_parallel else "")
             for s in t.stages
         )
         lines.append(f"  {t.num_nodes:>5} {t.num_stages:>6}  {_ms(t.iteration_time(microbatches)):>18}  {layout}")
@@ -109,7 +111,9 @@ def format_plan(plan: Plan, layer_names: list[str], title: str) -> str:
                 f"    stage {k}: layers {s.layer_start}-{s.layer_end - 1} "
                 f"({_layer_range(layer_names, s.layer_start, s.layer_end)}) on {p.nodes[s.node]} "
                 f"gpu {','.join(map(str, s.gpus))}; fwd {_ms(s.forward_s)}, bwd {_ms(s.backward_s)}, "
-                f"mem {s.memory_bytes / 2**30:.2f} GiB" + (", recomputes activations" if s.recompute else "")
+                f"mem {s.memory_bytes / 2**30:.2f} GiB"
+                + (", recomputes activations" if s.recompute else "")
+                + (", context-parallel" if s.context_parallel else "")
             )
     return "\n".join(lines)
 

@@ -316,7 +316,7 @@ def _min_stages_per_node(gpus_per_node: int, options: tuple[int, ...]) -> int:
     """Fewest stages whose GPU counts (from ``options``) add up to one node."""
     best = [0] + [math.inf] * gpus_per_node
     for x in range(1, gpus_per_node + 1):
-        best[x] = 1 + min(best[x - d] for d in options if d <= x)
+        best[x] = 1 + min((best[x - d] for d in options if d <= x), default=math.inf)
     return int(best[gpus_per_node])
 
 
@@ -439,6 +439,7 @@ class _Planner:
                     memory_bytes=cost.memory_bytes(in_flight),
                     grad_bytes=cost.grad_bytes,
                     recompute=recompute,
+                    context_parallel=d > 1 and self.cluster.context_parallel > 1,
                 )
             )
             if k + 1 < num_stages:

@@ -201,6 +201,12 @@ class _SuffixChain:
             best_vals.append(candidates[self._rows, ends])
             best_ends.append(ends)
             gpu_counts.append(d)
+        if not best_vals:  # no stage width fits here (context parallelism: only d-GPU stages)
+            L = self.tables.num_layers
+            self.values.append(np.full(L + 1, np.inf))
+            if self.keep_argmin:
+                self.choice.append((np.zeros(L + 1, dtype=np.int64), np.zeros(L + 1, dtype=np.int64)))
+            return
         stacked = np.stack(best_vals)
         pick = np.argmin(stacked, axis=0)
         self.values.append(stacked[pick, self._rows])

@@ -32,6 +32,8 @@ class StageSpec:
     recompute: bool = False
     """The stage keeps only each layer's inputs from the forward and recomputes the rest in the backward
     (activation checkpointing); ``backward_s`` and ``memory_bytes`` already count it."""
+    context_parallel: bool = False
+    """Its GPUs split every microbatch's tokens (``cluster.context_parallel``) instead of sharding its layers."""
 
     @property
     def num_layers(self) -> int:

@@ -173,6 +173,8 @@ def _layer_cost(spec: LayerSpec, dev: DeviceSpec, microbatch_size: int, flash: b
         optimizer_bytes=params * dev.optimizer_bytes_per_param,
         activation_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, False, flash)),
         kept_bytes=math.ceil(_activation_bytes(spec, tokens, dev.bytes_per_param, True, flash)),
+        # Keys and values after grouped-query projection, what context parallelism gathers.
+        kv_bytes=math.ceil(2 * tokens * spec.kv_hidden * dev.bytes_per_param) if spec.attention_len else 0,
         output_bytes=math.ceil(tokens * _out_width(spec) * dev.bytes_per_param),
     )
 

@@ -90,12 +90,30 @@ def context_attention(
         raise ValueError(
             f"rank {rank} holds {q.shape[1]} tokens, but its blocks {list(assignment[rank])} have {len(mine)}"
         )
-    whole_k = _GatherTokens.apply(k, positions, rank, tokens, group)
-    whole_v = _GatherTokens.apply(v, positions, rank, tokens, group)
+    # Keys and values in one gather (one collective each way: every rank's backward then meets its peers'
+    # in the same order, layer after layer).
+    whole = _GatherTokens.apply(torch.cat([k, v], dim=-1), positions, rank, tokens, group)
+    whole_k, whole_v = whole.split([k.shape[-1], v.shape[-1]], dim=-1)
     # Only this rank's rows are computed; the query tensor is laid out over the whole sequence for that.
     whole_q = q.new_zeros(q.shape[0], tokens, q.shape[2]).index_copy(1, mine, q)
     out = blocked_attention(whole_q, whole_k, whole_v, bits, segments, block, rows=sorted(assignment[rank]))
-    return out[:, mine]
+    # A rank without rows computes nothing from the gathered keys and values; its backward must still take
+    # part in the gather's all-reduce, so the output is tied to them.
+    return _Tie.apply(out[:, mine], whole)
+
+
+class _Tie(torch.autograd.Function):
+    """``out`` as it is, with ``anchor`` in its graph (a zero gradient): the anchor's backward always runs."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)  # not the tensor: nothing kept alive
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.anchor
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)

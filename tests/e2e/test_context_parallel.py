@@ -1,0 +1,47 @@
+"""Context parallelism on the local cluster: two simulated GPUs per node split every sample's tokens, a kill and a
+join, equal to the reference trainer in float64 (issue 50 item 2).
+
+Real launcher, agents and workers (two per node), real gloo groups. ``cluster.context_parallel: 2``: every stage
+spans a node's two GPUs, each holding the stage's layers whole and its LPT share of each microbatch's 128-token
+blocks; attention gathers the other lane's keys and values. A node is killed at step 4 (the survivors re-form
+from the templates and copy its layers from a replica: every lane of a context-parallel stage holds them whole)
+and a node joins at step 8. The final checkpoint equals the reference trainer, every replica the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from harness import INTERVAL, ROOT, TIMEOUT, Launch, assert_matches_reference, assert_replicas_identical
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 12
+
+
+def text_config(tmp_path) -> str:
+    raw = yaml.safe_load((ROOT / "configs" / "tiny_mm.yaml").read_text())
+    for part in ("vision", "projector"):
+        raw["model"].pop(part)
+    # ~200-token samples: a microbatch of two spans several blocks (and sometimes one: a lane without tokens).
+    raw["data"].update(mean_text_tokens=200, max_seq_len=512, mean_images_per_sample=0, max_images_per_sample=0)
+    raw["training"].update(dtype="float64", steps=STEPS)
+    raw["cluster"].update(nodes=4, gpus_per_node=2, context_parallel=2)
+    raw["fault_tolerance"].update(heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT, straggler_factor=0)
+    path = tmp_path / "text_cp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_a_context_parallel_job_trains_through_a_kill_and_a_join_equal_to_the_reference(launches, tmp_path):
+    config = text_config(tmp_path)
+    final = tmp_path / "final"
+    run = Launch(tmp_path, config, "--inject", "kill:node3@step4,join@step8", "--save-final", str(final))
+    launches.append(run)
+    assert run.wait(timeout=300) == 0, run.stderr[-3000:]
+    layouts = [p["describe"] for p in run.events("plan_decided")]
+    assert len(layouts) >= 3, layouts  # the first plan, the kill's, the join's
+    assert all("(cp)" in layout for layout in layouts), f"every plan is context-parallel: {layouts}"
+    assert [e["node"] for e in run.events("lost")] == ["node3"]
+    assert_matches_reference(config, STEPS, final)
+    assert_replicas_identical(final)

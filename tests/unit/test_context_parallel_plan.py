@@ -1,0 +1,122 @@
+"""Context parallelism in the config, the cost model, the planner and the plans it ships (issue 50 items 2, 4)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from oobleck_mm.config import ConfigError, config_from_dict
+from oobleck_mm.errors import UserError
+from oobleck_mm.planning.costs import ClusterSpec, LayerCost, LayerPrefix, ModelProfile, effective_layers, stage_cost
+from oobleck_mm.planning.layout import ExecutionPlan, rank_table
+from oobleck_mm.planning.plan import plan_from_dict, plan_to_dict
+from oobleck_mm.planning.planner import plan_job
+from oobleck_mm.planning.stage_mapping import min_nodes
+from oobleck_mm.profiling.analytical import profile_from_config
+from oobleck_mm.protocol.convert import plan_from_proto, plan_to_proto
+
+
+def text_job(**cluster):
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    for part in ("vision", "projector"):
+        d["model"].pop(part)
+    d["data"].update(mean_text_tokens=200, max_seq_len=512, mean_images_per_sample=0, max_images_per_sample=0)
+    d["training"].update(dtype="float64")
+    d["cluster"].update(cluster)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"cluster": {"context_parallel": 3, "gpus_per_node": 4}},
+            "cluster.context_parallel: must be 1, 2, 4 or 8, got 3",
+        ),
+        (
+            {"cluster": {"context_parallel": 2, "gpus_per_node": 1}},
+            r"cluster.context_parallel \(2\) exceeds cluster.gpus_per_node \(1\)",
+        ),
+        ({"cluster": {"context_parallel": 4, "gpus_per_node": 6}}, r"must divide cluster.gpus_per_node \(6\)"),
+        (
+            {"cluster": {"context_parallel": 2, "gpus_per_node": 2, "max_gpus_per_stage": 2}},
+            r"a stage either shards its layers or splits its tokens.*max_gpus_per_stage: 1",
+        ),
+        (
+            {
+                "cluster": {"context_parallel": 2, "gpus_per_node": 2},
+                "model": {"vision": {"num_layers": 1, "hidden": 32, "num_heads": 2, "patch_size": 8}},
+            },
+            r"cluster.context_parallel \(2\): model.vision is set",
+        ),
+    ],
+)
+def test_bad_context_parallel_settings_name_the_field_and_what_would_do(change, message):
+    d = text_job()
+    for section, values in change.items():
+        d[section].update(copy.deepcopy(values))
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(d)
+
+
+def test_a_context_parallel_stage_divides_the_work_and_the_activations_but_not_the_state():
+    layer = LayerCost("llm.block0", "text", 4.0, 2.0, 2.0, 100, 100, 200, 800, 10, kv_bytes=64)
+    prefix = LayerPrefix(effective_layers(ModelProfile("m", "test", 1, (layer, layer))))
+    one = stage_cost(prefix, ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9), 0, 2, 1)
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9, context_parallel=4)
+    four = stage_cost(prefix, cluster, 0, 2, 4)
+    gather = cluster.allgather_s(64, 4, cross_node=False)
+    assert four.forward_s == pytest.approx(one.forward_s / 4 + 2 * gather)
+    assert four.backward_s == pytest.approx(one.backward_s / 4 + 2 * cluster.allreduce_s(64, 4, cross_node=False))
+    assert four.activation_bytes == one.activation_bytes / 4
+    assert four.resident_bytes == one.resident_bytes and four.grad_bytes == one.grad_bytes
+    assert cluster.stage_gpu_options == (4,)
+
+
+def test_a_sample_four_times_longer_than_a_stage_holds_fits_with_context_parallel_4():
+    """At this memory no mapping of the model fits a 4x longer sample on one GPU per stage; on stages of four
+    GPUs that split its tokens it does, every stage context-parallel, and the plan carries that to the ranks."""
+    d = text_job(nodes=4, gpus_per_node=4, device_memory=6_000_000)
+    d["data"].update(mean_text_tokens=200, max_seq_len=512)
+    short = config_from_dict(copy.deepcopy(d))
+    assert min_nodes(profile_from_config(short), ClusterSpec.from_config(short.cluster)) == 1
+    d["data"].update(mean_text_tokens=800, max_seq_len=2048)
+    long = config_from_dict(copy.deepcopy(d))
+    with pytest.raises(UserError, match="does not fit"):
+        min_nodes(profile_from_config(long), ClusterSpec.from_config(long.cluster))
+    d["cluster"].update(context_parallel=4)
+    d["fault_tolerance"]["f"] = 0
+    job = config_from_dict(d)
+    assert min_nodes(profile_from_config(job), ClusterSpec.from_config(job.cluster)) == 2
+    planned = plan_job(job, profile_from_config(job), ["n0", "n1", "n2", "n3"]).plan
+    stages = [s for p in planned.pipelines for s in p.template.stages]
+    assert stages and all(s.context_parallel and s.gpus == (0, 1, 2, 3) for s in stages)
+    assert plan_from_dict(plan_to_dict(planned)) == planned
+    layout = ExecutionPlan.from_plan(planned, rank_table(planned))
+    assert all(s.context_parallel and s.width == 4 for p in layout.pipelines for s in p.stages)
+    assert "(cp)" in layout.describe() and not layout.sharded and layout.wide
+    assert ExecutionPlan.from_dict(layout.to_dict()) == layout
+    assert plan_from_proto(plan_to_proto(layout)) == layout
+    # every lane holds the layers whole: each is a holder of its own
+    assert len(layout.holders(0)) == 4 * len(layout.pipelines)
+
+
+def test_a_journal_stage_row_from_before_context_parallelism_still_reads():
+    job = config_from_dict(text_job(nodes=2))
+    planned = plan_job(job, profile_from_config(job), ["n0", "n1"]).plan
+    d = plan_to_dict(planned)
+    for p in d["pipelines"]:
+        p["template"]["stages"] = [row[:8] for row in p["template"]["stages"]]
+    assert plan_from_dict(d) == planned
+    p = d["pipelines"][0]["template"]["stages"][0]
+    d["pipelines"][0]["template"]["stages"][0] = [*p, False, "yes"]
+    with pytest.raises(ValueError, match="context_parallel must be true or false, got 'yes'"):
+        plan_from_dict(d)
+
+
+def test_a_pipeline_cannot_mix_context_parallel_and_other_stages():
+    with pytest.raises(ValueError, match="every stage of it must be context-parallel over as many GPUs"):
+        ExecutionPlan.even(6, [2], [4], 2, widths=[[2, 1]], context_parallel=[True])
