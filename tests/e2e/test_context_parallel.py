@@ -5,14 +5,23 @@ Real launcher, agents and workers (two per node), real gloo groups. ``cluster.co
 spans a node's two GPUs, each holding the stage's layers whole and its LPT share of each microbatch's 128-token
 blocks; attention gathers the other lane's keys and values. A node is killed at step 4 (the survivors re-form
 from the templates and copy its layers from a replica: every lane of a context-parallel stage holds them whole)
-and a node joins at step 8. The final checkpoint equals the reference trainer, every replica the same.
+and a node joins at step 8. The final checkpoint equals the reference trainer, every replica the same, and
+resumes without context parallelism.
 """
 
 from __future__ import annotations
 
 import pytest
 import yaml
-from harness import INTERVAL, ROOT, TIMEOUT, Launch, assert_matches_reference, assert_replicas_identical
+from harness import (
+    INTERVAL,
+    ROOT,
+    TIMEOUT,
+    Launch,
+    assert_matches_reference,
+    assert_replicas_identical,
+    assert_resume_equals_reference,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,3 +54,6 @@ def test_a_context_parallel_job_trains_through_a_kill_and_a_join_equal_to_the_re
     assert [e["node"] for e in run.events("lost")] == ["node3"]
     assert_matches_reference(config, STEPS, final)
     assert_replicas_identical(final)
+    # The checkpoint holds every layer whole: it resumes without context parallelism (the reference trainer,
+    # one process) and trains on equal to the uninterrupted run.
+    assert assert_resume_equals_reference(config, STEPS + 3, final) == STEPS
