@@ -15,8 +15,7 @@ naming the count (the bitfield's limit; Cornstarch's too).
 
 ``blocked_attention`` computes attention block by block, skipping every block pair whose tokens cannot
 attend to each other (told from per-block summaries: the samples a block spans, its earliest and latest
-positions, the OR of its span bits), with an online softmax across key blocks (flash attention's
-recurrence); ``block_workload`` counts the non-empty blocks of each query block, the work Cornstarch's
+positions, the OR of its span bits): each query block's computed key blocks in one masked softmax; ``block_workload`` counts the non-empty blocks of each query block, the work Cornstarch's
 token distribution balances (Algorithm 1). ``dense_mask`` is the reference both are tested against in
 float64 (``tests/unit/test_attention_masks.py``).
 
@@ -145,7 +144,7 @@ def blocked_attention(
     rows=None,
 ) -> torch.Tensor:
     """Attention of ``q``, ``k``, ``v`` (``[heads, T, dim]``) under the words, block by block: block pairs that
-    cannot attend are skipped, the rest merged with an online softmax. A query that attends to nothing (a
+    cannot attend are skipped, the rest in one masked softmax per query block. A query that attends to nothing (a
     padding token with no bit) gets zeros. ``rows``: only these query blocks (a context-parallel rank's share,
     every key visible, as all-gather context parallelism computes them); the other rows stay zero."""
     if block < 1:
@@ -156,24 +155,19 @@ def blocked_attention(
     out = torch.zeros_like(q)
     for qb in blocks if rows is None else [blocks[r] for r in rows]:
         qs, qe = qb[2], qb[3]
-        qq = q[:, qs:qe] * scale
-        running_max = torch.full(qq.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
-        total = torch.zeros_like(running_max)
-        acc = torch.zeros_like(qq)
-        for kb in blocks:
-            if not _may_attend(qb, kb):
-                continue
-            ks, ke = kb[2], kb[3]
-            mask = allowed(bits[qs:qe], segments[qs:qe], pos[qs:qe], bits[ks:ke], segments[ks:ke], pos[ks:ke])
-            scores = (qq @ k[:, ks:ke].transpose(-1, -2)).masked_fill(~mask, -math.inf)
-            new_max = torch.maximum(running_max, scores.amax(dim=-1))
-            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            weights = torch.exp(scores - safe[..., None])
-            correction = torch.exp(torch.where(torch.isinf(running_max), -math.inf, running_max - safe))
-            total = total * correction + weights.sum(dim=-1)
-            acc = acc * correction[..., None] + weights @ v[:, ks:ke]
-            running_max = new_max
-        out[:, qs:qe] = torch.where(total[..., None] > 0, acc / total.clamp_min(1e-300)[..., None], 0.0)
+        keys = [kb for kb in blocks if _may_attend(qb, kb)]
+        if not keys:
+            continue
+        # The key blocks this query block computes, as one index: one matmul and one masked softmax per query
+        # block (a GPU kernel would merge them block by block with flash attention's online softmax; on the
+        # CPU, one call over them all spends far less time in Python: the same values).
+        idx = torch.cat([pos[kb[2] : kb[3]] for kb in keys])
+        mask = allowed(bits[qs:qe], segments[qs:qe], pos[qs:qe], bits[idx], segments[idx], idx)
+        scores = ((q[:, qs:qe] * scale) @ k[:, idx].transpose(-1, -2)).masked_fill(~mask, -math.inf)
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        total = weights.sum(dim=-1, keepdim=True)
+        out[:, qs:qe] = torch.where(total > 0, (weights @ v[:, idx]) / total.clamp_min(1e-300), 0.0)
     return out
 
 

@@ -45,7 +45,9 @@ def drops_peers(command) -> bool:
     a = command.assignment
     if not a.previous_generation or a.at_boundary:
         return False
-    old_world = sum(len(p.stages) for p in a.previous_plan.pipelines)
+    # Ranks, not stages: a stage of several GPUs (sharded or context-parallel) has a rank per GPU. (Counting
+    # stages read a lost node of two-GPU stages as nobody lost: the survivors waited out the collective timeout.)
+    old_world = sum(1 + len(s.shards) for p in a.previous_plan.pipelines for s in p.stages)
     kept = len({r for r in a.previous_ranks if r >= 0})
     return kept < old_world or a.world_size == old_world
 

@@ -203,3 +203,31 @@ def test_reference_continues_from_an_engine_checkpoint_as_if_never_stopped(tmp_p
     for i in range(len(straight.specs)):
         for key, value in straight.layer_state(i).items():
             assert torch.allclose(resumed.layer_state(i)[key], value, rtol=0, atol=1e-12), (straight.specs[i].name, key)
+
+
+def test_a_planned_template_that_recomputes_on_some_stages_equals_the_reference(ref64, tmp_path):
+    """``training.activation_checkpointing: auto`` at 4 MB a GPU: the planner's 3-stage template recomputes on
+    its first two stages (3 and 2 microbatches in flight) and keeps its activations on the last; the engine
+    runs that template as planned, equal to the reference in float64."""
+    import dataclasses
+
+    from oobleck_mm.planning.costs import ClusterSpec
+    from oobleck_mm.planning.layout import PipelineLayout, StageLayout
+    from oobleck_mm.planning.stage_mapping import map_stages
+    from oobleck_mm.profiling.analytical import profile_from_config
+
+    trainer, ref_losses = ref64
+    job = tiny_job()
+    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, device_memory=4_000_000))
+    assert job.training.activation_checkpointing == "auto"
+    count = job.training.global_batch // job.training.microbatch_size
+    template = map_stages(profile_from_config(job), ClusterSpec.from_config(job.cluster), 3, microbatches_hint=count)
+    assert [s.recompute for s in template.stages] == [True, True, False]
+    stages = tuple(
+        StageLayout(k, s.layer_start, s.layer_end, recompute=s.recompute) for k, s in enumerate(template.stages)
+    )
+    plan = ExecutionPlan((PipelineLayout(stages, count),), template.num_layers, job.training.microbatch_size)
+    outs = run_local(job, plan, STEPS, tmp_path)
+    assert max_param_diff(outs, trainer) < 1e-10
+    assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-12)
+    assert [out["results"][0].recomputed > 0 for out in outs] == [True, True, False]

@@ -58,6 +58,31 @@ def test_only_commands_that_mean_a_peer_is_gone_interrupt_the_iteration_in_fligh
     assert _drops_peers(pb.WorkerCommand(shutdown=pb.Shutdown(reason="done")))
 
 
+def test_a_lost_node_of_two_gpu_stages_interrupts_the_iteration_and_a_join_does_not():
+    """Four pipelines of one 2-GPU stage each (8 ranks); a node lost leaves 6 of them: the survivors must give
+    up their collectives at once (counting stages, 4, read 6 survivors as more than the old world)."""
+    from oobleck_mm.planning.layout import ExecutionPlan
+    from oobleck_mm.protocol.convert import plan_to_proto
+    from oobleck_mm.runtime.worker_machine import drops_peers as _drops_peers
+
+    for cp in (True, False):
+        old = plan_to_proto(ExecutionPlan.even(6, [1] * 4, [2] * 4, 2, widths=[[2]] * 4, context_parallel=[cp] * 4))
+
+        def assignment(previous_ranks, world):
+            return pb.WorkerCommand(
+                assignment=pb.Assignment(
+                    generation=2,
+                    previous_generation=1,
+                    previous_plan=old,
+                    previous_ranks=previous_ranks,
+                    world_size=world,
+                )
+            )
+
+        assert _drops_peers(assignment([0, 1, 2, 3, 4, 5, -1, -1], 6))  # a node lost
+        assert not _drops_peers(assignment(list(range(8)), 10))  # a node joined: the iteration finishes
+
+
 def test_a_plan_whose_groups_form_in_the_background_is_not_switched_to_before_they_are_ready():
     """The step's "I hold a command" waits for the next generation's groups (the old one trains on), unless
     another command came after it; what was prepared is handed over once; a failing preparation only costs
