@@ -61,7 +61,9 @@ def _rank(rank: int, port: int, results) -> None:
         local = [t[:, mine].clone().requires_grad_(True) for t in (q, k, v)]
         out = context_attention(*local, assignment, rank, bits, segments, BLOCK)
         (out * weights[:, mine]).sum().backward()
-        results.put((rank, out.detach(), *(t.grad for t in local)))
+        # numpy arrays travel by value: a torch tensor travels as a shared-memory handle, which the parent
+        # could not open once this process had exited (a race seen on a loaded machine)
+        results.put((rank, out.detach().numpy(), *(t.grad.numpy() for t in local)))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -117,6 +119,7 @@ def test_each_rank_computes_its_rows_of_the_whole_sequence_and_their_gradients(m
     outcomes = _run_ranks(_rank, RANKS)
     covered = torch.zeros(TOKENS, dtype=torch.bool)
     for rank, out, dq, dk, dv in outcomes:
+        out, dq, dk, dv = (torch.from_numpy(a) for a in (out, dq, dk, dv))
         mine = block_tokens(assignment[rank], BLOCK, TOKENS)
         covered[mine] = True
         torch.testing.assert_close(out, reference.detach()[:, mine], rtol=0, atol=1e-12)
@@ -180,7 +183,7 @@ def _block_rank(rank: int, port: int, results, block: int = TEXT_BLOCK) -> None:
         grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in layer.named_parameters()}
         for g in grads.values():  # the parameters are replicated over the group: their gradients sum
             dist.all_reduce(g)
-        results.put((rank, out.detach(), x_local.grad, grads))
+        results.put((rank, out.detach().numpy(), x_local.grad.numpy(), {n: g.numpy() for n, g in grads.items()}))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -207,6 +210,7 @@ def test_a_transformer_block_split_over_two_ranks_equals_the_block_on_the_whole_
     outcomes = _run_ranks(_block_rank, BLOCK_RANKS, block)
     tokens = batch.tokens.numel()
     for rank, out, dx, grads in outcomes:
+        out, dx, grads = torch.from_numpy(out), torch.from_numpy(dx), {n: torch.from_numpy(g) for n, g in grads.items()}
         mine = block_tokens(assignment[rank], block, tokens)
         torch.testing.assert_close(out, reference.detach()[mine], rtol=0, atol=1e-12)
         torch.testing.assert_close(dx, whole_x.grad[mine], rtol=0, atol=1e-12)
