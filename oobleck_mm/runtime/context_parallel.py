@@ -17,9 +17,10 @@ multimodal mask and no chosen token layout.
 and everything per token runs on the rank's tokens. The built-in LLM attends causally inside each sample
 (images and clips too, as LLaVA does), so its words carry no span bits.
 
-What is still to come (issue 50 items 2 and 4): the stage that runs its layers this way
-(``cluster.context_parallel``: the embedding and head on a rank's tokens, the loss summed over the group,
-the gradients summed over it), the planner's prices and memory for it, and its recovery.
+A stage with ``StageLayout.context_parallel`` (``cluster.context_parallel: d``) runs its lanes this way:
+``context_share`` cuts each microbatch by LPT, the embedding, head and loss run on a lane's tokens, and the
+layer-wise all-reduce sums the lanes' gradients with the other pipelines' (docs/runtime.md, "Context
+parallelism"). Not yet: HuggingFace layers, encoders, and the built-in LLM's media spans as bidirectional.
 """
 
 from __future__ import annotations
