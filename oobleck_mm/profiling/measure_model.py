@@ -47,9 +47,20 @@ def measure_job_profile(job, progress: Callable[[str], None] | None = None) -> M
     )
     # Exact layer names (the profiler's frozen entries are prefixes: "llm.block1" would catch "llm.block10").
     frozen = frozen_layers(job, specs)
+    # The keys and values a text block's attention makes over this microbatch's sequence (what context
+    # parallelism gathers): the profiler times modules, it does not see inside their attention.
+    width = batch.tokens.new_empty(0, dtype=data.dtype).element_size()
+    kv = {
+        s.name: 2 * batch.tokens.numel() * s.kv_hidden * width
+        for s in specs
+        if s.modality == "text" and s.attention_len
+    }
     return replace(
         profile,
-        layers=tuple(replace(c, trainable=c.trainable and c.name not in frozen) for c in profile.layers),
+        layers=tuple(
+            replace(c, trainable=c.trainable and c.name not in frozen, kv_bytes=kv.get(c.name, 0))
+            for c in profile.layers
+        ),
         recompute=recompute_policy(job.training.activation_checkpointing),
     )
 

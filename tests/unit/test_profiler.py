@@ -339,5 +339,10 @@ def test_measured_profile_of_the_runtime_model(tmp_path):
     trainable = {c.name: c.trainable for c in profile.layers}
     assert not trainable["vision.embed"] and not trainable["vision.block1"]
     assert trainable["vision.projector"] and trainable["llm.block0"]
+    # what a context-parallel stage would gather: keys and values of the microbatch's sequence, float32
+    by_name = {c.name: c for c in profile.layers}
+    block = next(s for s in specs if s.name == "llm.block0")
+    assert by_name["llm.block0"].kv_bytes > 0 and by_name["llm.block0"].kv_bytes % (2 * block.kv_hidden * 4) == 0
+    assert by_name["llm.head"].kv_bytes == 0 and by_name["vision.block1"].kv_bytes == 0
     again = load_profile(job, lines.append)
     assert again == profile and any("loaded profile" in line for line in lines)
