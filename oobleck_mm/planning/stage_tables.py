@@ -53,7 +53,8 @@ class _CostTables:
                 compute = _range_sums([c.forward_s + c.backward_s for c in per_layer], upper)
                 for kind, vec in comm.items():
                     self.time[(d, kind, recompute)] = compute + vec[None, :]
-                self._resident[d] = _range_sums([c.resident_bytes for c in per_layer], upper)
+                if d not in self._resident:  # the same whichever the variant
+                    self._resident[d] = _range_sums([c.resident_bytes for c in per_layer], upper)
                 self._activation[(d, recompute)] = _range_sums([c.activation_bytes for c in per_layer], upper)
         self._choice: dict[tuple[int, int], np.ndarray] = {}
         self._masked: dict[tuple[int, int, int], np.ndarray] = {}

@@ -26,7 +26,7 @@ parallelism"). Not yet: HuggingFace layers, encoders, and the built-in LLM's med
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -84,20 +84,26 @@ def context_attention(
     order) against the whole sequence's keys and values, under its mask words ``bits`` and samples
     ``segments`` (``[T]`` each, every rank the same). ``assignment``: every rank's blocks. Returns
     ``[heads, n_rank, dim]``; differentiable in ``q``, ``k`` and ``v`` on every rank."""
-    tokens = bits.numel()
-    positions = [block_tokens(blocks, block, tokens) for blocks in assignment]
-    mine = positions[rank].to(q.device)
-    if q.shape[1] != len(mine):
+    positions = [block_tokens(blocks, block, bits.numel()) for blocks in assignment]
+    if q.shape[1] != len(positions[rank]):
         raise ValueError(
-            f"rank {rank} holds {q.shape[1]} tokens, but its blocks {list(assignment[rank])} have {len(mine)}"
+            f"rank {rank} holds {q.shape[1]} tokens, but its blocks {list(assignment[rank])} have "
+            f"{len(positions[rank])}"
         )
+    return _attend(q, k, v, positions, sorted(assignment[rank]), rank, bits, segments, block, group)
+
+
+def _attend(q, k, v, positions: list[torch.Tensor], rows: list[int], rank: int, bits, segments, block, group):
+    """``context_attention`` with every rank's token positions and this rank's rows already known."""
+    tokens = bits.numel()
+    mine = positions[rank].to(q.device)
     # Keys and values in one gather (one collective each way: every rank's backward then meets its peers'
     # in the same order, layer after layer).
     whole = _GatherTokens.apply(torch.cat([k, v], dim=-1), positions, rank, tokens, group)
     whole_k, whole_v = whole.split([k.shape[-1], v.shape[-1]], dim=-1)
     # Only this rank's rows are computed; the query tensor is laid out over the whole sequence for that.
     whole_q = q.new_zeros(q.shape[0], tokens, q.shape[2]).index_copy(1, mine, q)
-    out = blocked_attention(whole_q, whole_k, whole_v, bits, segments, block, rows=sorted(assignment[rank]))
+    out = blocked_attention(whole_q, whole_k, whole_v, bits, segments, block, rows=rows)
     # A rank without rows computes nothing from the gathered keys and values; its backward must still take
     # part in the gather's all-reduce, so the output is tied to them.
     return _Tie.apply(out[:, mine], whole)
@@ -128,17 +134,24 @@ class ContextShard:
     """The whole sequence's mask words (``model.attention_masks``)."""
     segments: torch.Tensor
     """The whole sequence's sample ids."""
-    block: int = 128
+    block: int = BLOCK
     group: object = None
     """The context-parallel process group (None: the default group)."""
+    lanes: tuple[torch.Tensor, ...] = field(init=False)
+    """Every rank's tokens' places in the sequence: computed once, read by every attention of the microbatch."""
+
+    def __post_init__(self) -> None:
+        lanes = tuple(block_tokens(blocks, self.block, self.bits.numel()) for blocks in self.assignment)
+        object.__setattr__(self, "lanes", lanes)
 
     @property
     def positions(self) -> torch.Tensor:
         """This rank's tokens' places in the sequence, in the order it holds them."""
-        return block_tokens(self.assignment[self.rank], self.block, self.bits.numel())
+        return self.lanes[self.rank]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_attention(q, k, v, self.assignment, self.rank, self.bits, self.segments, self.block, self.group)
+        rows = sorted(self.assignment[self.rank])
+        return _attend(q, k, v, list(self.lanes), rows, self.rank, self.bits, self.segments, self.block, self.group)
 
 
 def context_share(batch: PackedBatch, lane: int, ranks: int, group=None, block: int = BLOCK) -> PackedBatch:
@@ -150,7 +163,7 @@ def context_share(batch: PackedBatch, lane: int, ranks: int, group=None, block: 
 
     bits = token_bits(batch.segments.cpu(), [])
     assignment = lpt(block_workload(bits, batch.segments.cpu(), block), ranks)
-    return shard_batch(batch, assignment, lane, block, group)
+    return shard_batch(batch, assignment, lane, block, group, bits)
 
 
 def check_context_parallel(job, specs, stage) -> None:
@@ -172,11 +185,20 @@ def check_context_parallel(job, specs, stage) -> None:
         )
 
 
-def shard_batch(batch: PackedBatch, assignment: Sequence[Sequence[int]], rank: int, block: int = BLOCK, group=None):
+def shard_batch(
+    batch: PackedBatch,
+    assignment: Sequence[Sequence[int]],
+    rank: int,
+    block: int = BLOCK,
+    group=None,
+    bits: torch.Tensor | None = None,
+):
     """This rank's share of ``batch``'s LLM sequence: its blocks' tokens, labels, positions and sample ids, and
-    the ``ContextShard`` its text blocks attend through. The encoders' inputs are not carried: context
-    parallelism runs in LLM stages, after the media are merged into the sequence."""
-    bits = token_bits(batch.segments.cpu(), [])  # causal inside each sample, as the built-in LLM attends
+    the ``ContextShard`` its text blocks attend through (``bits``: the sequence's mask words, if made already).
+    The encoders' inputs are not carried: context parallelism runs in LLM stages, after the media are merged
+    into the sequence."""
+    if bits is None:
+        bits = token_bits(batch.segments.cpu(), [])  # causal inside each sample, as the built-in LLM attends
     shard = ContextShard(tuple(tuple(a) for a in assignment), rank, bits, batch.segments.cpu(), block, group)
     mine = shard.positions.to(batch.tokens.device)
     return PackedBatch(

@@ -13,11 +13,12 @@ ranks equal the block on the whole microbatch.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
+
+from oobleck_mm.runtime.worker import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -70,18 +71,12 @@ def _rank(rank: int, port: int, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(target, ranks: int, *extra) -> list[tuple]:
     """``target(rank, port, results, *extra)`` on ``ranks`` spawned processes; their results by rank; all joined
     or killed."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(rank, port, results, *extra), daemon=True) for rank in range(ranks)]
     try:
         for p in procs:
