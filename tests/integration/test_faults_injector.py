@@ -257,9 +257,9 @@ def _unit_seconds(path, since: float, until: float) -> float:
     return sum(units) / len(units)  # the mean: a unit shorter than a freeze cycle may fall between two freezes
 
 
-def test_a_slowdown_makes_the_nodes_own_compute_take_factor_times_as_long_and_never_looks_stopped(tmp_path):
-    """``slow:NODE@WHEN[xF][+Ts]``: a freeze/thaw duty cycle; the worker's own timer sees each unit of work take
-    longer (about F times as long on an idle machine), its agent is never frozen, and it never looks stopped
+def test_a_slowdown_holds_the_nodes_own_worker_for_its_share_and_never_looks_stopped(tmp_path):
+    """``slow:NODE@WHEN[xF][+Ts]``: a freeze/thaw duty cycle holds the worker (its own timer sees each unit of
+    work take about F times as long on an idle machine), its agent is never frozen, and it never looks stopped
     (its agent would report that as a failure, ``worker_stopped``), then it runs at full speed again."""
     from oobleck_mm.faults.slowdown import SignalFreezer, freezer_for
 
@@ -287,23 +287,25 @@ def test_a_slowdown_makes_the_nodes_own_compute_take_factor_times_as_long_and_ne
         log.write("step", generation=1, step=0)
         [slowed] = injector.poll(time.time())
         assert slowed["event"] == "slowed" and slowed["pids"] == [worker]
-        seen = set()
+        seen, samples, held = set(), 0, 0
         while time.time() < before + 1.2:
             seen |= {status(worker), status(agent.pid)}
+            samples, held = samples + 1, held + _frozen(worker)
             time.sleep(0.003)
         assert psutil.STATUS_STOPPED not in seen, "frozen, never stopped: the agent would call it a failure"
+        # x3 holds the worker 2/3 of the time. The freezer's own thread competes for the cores under load, so
+        # only "held a good share of the window" is asserted; freezing the wrong process reads 0.
+        assert held / samples > 0.3, f"x3: the worker was seen held {held / samples:.2f} of the window"
         restored = []
         eventually(
             lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored") or restored
         )
-        normal = _unit_seconds(units, before - 1.0, before)
-        slow = _unit_seconds(units, before + 0.2, before + 1.4)
-        # Idle, x3 reads 2.5-3.5x. Under load it reads anything from 1.61x (a CI run beside another test
-        # process: a worker that other processes keep off the cores loses less by being frozen) to 4.64x
-        # (another CI run: the load rose between the two windows). So only "slowed at all" is asserted here,
-        # which a freeze of the wrong process fails; the duty cycle itself is asserted exactly by the test
-        # above, and "never stopped" and "restored" below are structural.
-        assert slow / normal > 1.3, f"x3: a unit took {slow / normal:.2f}x as long"
+        # The worker's own timer sees its units slowed: idle, x3 reads 2.5-3.5x. Under load it has read
+        # anything from 0.94x (a CI run: the load fell between the two windows, so the unslowed units were
+        # the slow ones) to 4.64x (the load rose), so the ratio is no assertion; its units in the window are
+        # counted (the worker kept running) and the freeze itself is asserted by the held share above.
+        _unit_seconds(units, before - 1.0, before)
+        _unit_seconds(units, before + 0.2, before + 1.4)
         # Restored means never held again and back in the cgroup it came from. Not a timing ratio: a CI run
         # read 1.56x for the restored worker's units only because the machine's load changed between windows.
         assert _frozen_share([worker], 0.5) == [0.0], "restored, yet still frozen part of the time"
