@@ -576,7 +576,7 @@ def exact_balance(job, plan: ExecutionPlan, steps) -> dict:
                         for mb, l in zip(microbatches, llm)
                     ]
                 )
-                backward.append([truth.stage_seconds(every, data.metas(l))[1] for l in llm])
+                backward.append([truth.stage_seconds(every, data.metas(l), stage.recompute)[1] for l in llm])
             worst = max(worst, iteration_time(np.array(forward), np.array(backward)))
         return worst
 

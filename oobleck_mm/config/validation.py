@@ -80,7 +80,8 @@ def validate(job: Sections) -> None:
 
 
 def _validate_context_parallel(m: ModelConfig, c: ClusterConfig) -> None:
-    """What context parallelism runs on today (``runtime.context_parallel``): the built-in LLM's sequence."""
+    """What context parallelism runs on (``runtime.context_parallel``): the built-in or a HuggingFace model's
+    sequence (their encoders run on whole media on every lane)."""
     where = f"cluster.context_parallel ({c.context_parallel})"
     if c.context_parallel > c.gpus_per_node:
         raise ConfigError(f"{where} exceeds cluster.gpus_per_node ({c.gpus_per_node}): its GPUs share a node")
@@ -93,17 +94,10 @@ def _validate_context_parallel(m: ModelConfig, c: ClusterConfig) -> None:
             f"{where} and cluster.max_gpus_per_stage ({c.max_gpus_per_stage}): a stage either shards its layers "
             "or splits its tokens, not both yet; set cluster.max_gpus_per_stage: 1"
         )
-    if m.huggingface is not None or m.builder is not None:
-        key = "model.huggingface" if m.huggingface is not None else "model.builder"
+    if m.builder is not None:
         raise ConfigError(
-            f"{where}: a {key} model attends with its own attention, which the engine does not replace yet; "
-            "valid: the built-in model (model.llm)"
-        )
-    encoders = [name for name in ("vision", "audio") if getattr(m, name) is not None]
-    if encoders:
-        raise ConfigError(
-            f"{where}: model.{encoders[0]} is set; context parallelism splits the LLM's sequence and runs "
-            "text-only models today; remove model.vision and model.audio or set cluster.context_parallel: 1"
+            f"{where}: a model.builder model attends with its own attention, which the engine cannot replace; "
+            "valid: the built-in model (model.llm) or a model.huggingface one"
         )
     if c.emulate is not None:
         raise ConfigError(f"{where}: emulation runs stages of one GPU; valid: 1")

@@ -15,7 +15,8 @@ layers, with the engine's call shape ``layer(acts, batch) -> acts``:
   token's position *inside its sample*, and attention is restricted to each
   sample's span (``packed_attention``, registered in transformers'
   ``AttentionInterface``), so a packed microbatch computes exactly what the HF
-  model computes on each sample alone.
+  model computes on each sample alone; under context parallelism the row holds
+  this rank's tokens and attends through ``PackedBatch.context``.
 
 Every layer knows the names its tensors have in the HF checkpoint
 (``HFLayer.hf_names``), so a worker reads only its own stage's tensors from the
@@ -77,15 +78,32 @@ def hf_config(model_type: str, values: dict, dtype: torch.dtype, attention: str)
 # --------------------------------------------------------------------------- packed attention
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_spans=None, **kwargs):
+def packed_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_spans=None, context=None, **kwargs
+):
     """SDPA over each ``(start, end)`` span of the packed sequence separately (causal inside it).
 
     Per span, not one masked pass: a microbatch then costs the sum of its samples' squares, as the
     balancer's cost model says (a varlen flash kernel does the same), and each span computes what
     transformers' own SDPA path computes on that sample alone. ``query`` is ``[1, heads, T, d]``.
+
+    ``context`` (a ``runtime.context_parallel.ContextShard``): the layer holds this rank's tokens of the
+    sequence only; it attends through the shard (the whole sequence's keys and values gathered, the same
+    per-sample causal mask), which returns this rank's rows.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if context is not None:
+        head_dim = query.shape[-1]
+        if scaling is not None and abs(scaling * head_dim**0.5 - 1) > 1e-12:
+            raise ValueError(
+                f"context-parallel attention scales scores by 1/sqrt(head_dim); this layer asks {scaling} "
+                f"(head_dim {head_dim})"
+            )
+        if dropout:
+            raise ValueError(f"context-parallel attention runs without attention dropout; this layer asks {dropout}")
+        out = context.attend(query[0], key[0], value[0])  # [heads, n_rank, d]
+        return out.transpose(0, 1).unsqueeze(0).contiguous(), None
     if packed_spans is None:
         raise RuntimeError(f"{PACKED_ATTENTION} attention needs packed_spans (the engine's text layers pass them)")
     kwargs.pop("sliding_window", None)  # validate() keeps samples within Mistral's window
@@ -242,13 +260,26 @@ class DecoderBlock(HFLayer):
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = acts[-1].unsqueeze(0)
+        if batch.context is not None and x.shape[1] == 0:
+            return (self._attend_from_nowhere(x, batch.context),)
         positions = batch.positions.unsqueeze(0)
         cos_sin = self.rotary(x, positions)
-        out = self.layer(
-            x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin, packed_spans=batch.spans()
-        )
+        # Under context parallelism ``batch`` is this rank's tokens: its attention goes through the shard.
+        extra = {"context": batch.context} if batch.context is not None else {"packed_spans": batch.spans()}
+        out = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin, **extra)
         out = out[0] if isinstance(out, tuple) else out
         return (out.squeeze(0),)
+
+    def _attend_from_nowhere(self, x: torch.Tensor, shard) -> torch.Tensor:
+        """A context-parallel lane without tokens (a microbatch shorter than its lanes): its peers gather keys and
+        values from every lane and sum their gradients in the backward, so it takes part in both with none of
+        its own. (transformers' attention cannot reshape 0 tokens; the empty projections here can.)"""
+        attn = self.layer.self_attn
+        h, d = x[0], attn.head_dim
+        q = attn.q_proj(h).reshape(0, attn.config.num_attention_heads, d).transpose(0, 1)
+        k = attn.k_proj(h).reshape(0, attn.config.num_key_value_heads, d).transpose(0, 1)
+        v = attn.v_proj(h).reshape(0, attn.config.num_key_value_heads, d).transpose(0, 1)
+        return x[0] + shard.attend(q, k, v).sum() + zero_of(self)
 
 
 class Head(HFLayer):

@@ -177,6 +177,9 @@ class EffectiveLayer:
     """Its keys and values for one microbatch (``LayerCost.kv_bytes``)."""
     recompute_s: float = 0.0
     """What recomputing adds to the backward: one forward (0 when the layer runs no backward)."""
+    sequence: bool = True
+    """It runs on the LLM's sequence, which a context-parallel stage splits over its GPUs; an encoder layer
+    (vision, audio, their projectors) runs whole media on every GPU of such a stage."""
 
 
 def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
@@ -199,6 +202,7 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
                 kept_bytes=layer.recompute_bytes if runs_backward else 0,
                 kv_bytes=layer.kv_bytes,
                 recompute_s=layer.forward_s if runs_backward else 0.0,
+                sequence=layer.modality == "text",
             )
         )
     return tuple(out)
@@ -360,9 +364,15 @@ def stage_cost(
         # Context parallelism: each GPU runs 1/d of every microbatch's tokens with every layer whole (state
         # and gradients not divided); each attention gathers the keys and values of the whole sequence
         # before its forward (again when recomputing) and sums their gradients over the GPUs in its backward
-        # (an all-reduce: ``runtime.context_parallel``).
+        # (an all-reduce: ``runtime.context_parallel``). Encoder layers run whole media on every GPU: their
+        # time and activations are not divided.
+        activations_whole = 0.0
         for layer in prefix.layers[start:end]:
-            if layer.kv_bytes:
+            if not layer.sequence:  # the 1/d taken above, given back
+                forward += (1 - 1 / d) * layer.forward_s
+                backward += (1 - 1 / d) * (layer.backward_s + (layer.recompute_s if recompute else 0.0))
+                activations_whole += (1 - 1 / d) * (layer.kept_bytes if recompute else layer.activation_bytes)
+            elif layer.kv_bytes:
                 gather = cluster.allgather_s(layer.kv_bytes, d, cross_node=False)
                 forward += gather
                 if layer.backward_s > 0:
@@ -371,7 +381,7 @@ def stage_cost(
             forward_s=forward,
             backward_s=backward,
             resident_bytes=prefix.resident[end] - prefix.resident[start],
-            activation_bytes=(activations[end] - activations[start]) / d,
+            activation_bytes=(activations[end] - activations[start]) / d + activations_whole,
             output_bytes=prefix.layers[end - 1].output_bytes,
             grad_bytes=prefix.grad[end] - prefix.grad[start],
         )

@@ -13,14 +13,18 @@ is ring attention over causal or full masks with its own contiguous or round-rob
 multimodal mask and no chosen token layout.
 
 ``shard_batch`` gives a rank its share of a packed microbatch's LLM sequence with a ``ContextShard`` on it
-(``PackedBatch.context``): the built-in model's text blocks then attend through it (``model.layers.Attention``),
-and everything per token runs on the rank's tokens. The built-in LLM attends causally inside each sample
-(images and clips too, as LLaVA does), so its words carry no span bits.
+(``PackedBatch.context``): the text blocks then attend through it (the built-in ``model.layers.Attention``,
+and HuggingFace decoder layers through ``model.huggingface.packed_attention``), and everything per token runs
+on the rank's tokens. Both attend causally inside each sample (images and clips too, as LLaVA does), so the
+words carry no span bits.
 
 A stage with ``StageLayout.context_parallel`` (``cluster.context_parallel: d``) runs its lanes this way:
 ``context_share`` cuts each microbatch by LPT, the embedding, head and loss run on a lane's tokens, and the
 layer-wise all-reduce sums the lanes' gradients with the other pipelines' (docs/runtime.md, "Context
-parallelism"). Not yet: HuggingFace layers, encoders, and the built-in LLM's media spans as bidirectional.
+parallelism"). Encoder layers (and the token embedding that merges their outputs into the sequence) run on
+the whole microbatch on every lane (``ContextShard.whole``): an image's patches attend to each other, not
+to the sequence, so there is nothing to gather; each lane's copy then receives gradients from its own tokens
+only, and the lanes' sum is the whole gradient. Not yet: media spans as bidirectional, encoders split.
 """
 
 from __future__ import annotations
@@ -101,6 +105,13 @@ def _attend(q, k, v, positions: list[torch.Tensor], rows: list[int], rank: int, 
     # in the same order, layer after layer).
     whole = _GatherTokens.apply(torch.cat([k, v], dim=-1), positions, rank, tokens, group)
     whole_k, whole_v = whole.split([k.shape[-1], v.shape[-1]], dim=-1)
+    if whole_k.shape[0] != q.shape[0]:
+        # Grouped-query attention (Llama, Mistral, Qwen2): the key-value heads are gathered, then repeated for
+        # their query heads as transformers' ``repeat_kv`` does (head j reads key-value head j // groups).
+        if q.shape[0] % whole_k.shape[0]:
+            raise ValueError(f"{q.shape[0]} query heads cannot share {whole_k.shape[0]} key-value heads")
+        groups = q.shape[0] // whole_k.shape[0]
+        whole_k, whole_v = whole_k.repeat_interleave(groups, dim=0), whole_v.repeat_interleave(groups, dim=0)
     # Only this rank's rows are computed; the query tensor is laid out over the whole sequence for that.
     whole_q = q.new_zeros(q.shape[0], tokens, q.shape[2]).index_copy(1, mine, q)
     out = blocked_attention(whole_q, whole_k, whole_v, bits, segments, block, rows=rows)
@@ -137,6 +148,9 @@ class ContextShard:
     block: int = BLOCK
     group: object = None
     """The context-parallel process group (None: the default group)."""
+    whole: PackedBatch | None = None
+    """The microbatch this is a share of: the encoders and the token embedding of a stage before the sequence
+    is split run on it (every lane alike), and the embedding's output is then cut to this rank's tokens."""
     lanes: tuple[torch.Tensor, ...] = field(init=False)
     """Every rank's tokens' places in the sequence: computed once, read by every attention of the microbatch."""
 
@@ -149,7 +163,13 @@ class ContextShard:
         """This rank's tokens' places in the sequence, in the order it holds them."""
         return self.lanes[self.rank]
 
+    def narrow(self, acts: tuple) -> tuple:
+        """The whole sequence's activations (the token embedding's output) cut to this rank's tokens."""
+        mine = self.positions.to(acts[0].device)
+        return tuple(a[mine] for a in acts)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (``q``: ``[heads, n_rank, dim]``; ``k``, ``v``: the same or fewer key-value heads)."""
         rows = sorted(self.assignment[self.rank])
         return _attend(q, k, v, list(self.lanes), rows, self.rank, self.bits, self.segments, self.block, self.group)
 
@@ -157,31 +177,27 @@ class ContextShard:
 def context_share(batch: PackedBatch, lane: int, ranks: int, group=None, block: int = BLOCK) -> PackedBatch:
     """Lane ``lane``'s share of ``batch`` on a context-parallel stage of ``ranks`` GPUs: blocks assigned by
     Cornstarch's LPT over the microbatch's attention work (``balance.context_blocks.lpt``), which every rank
-    computes alike from the same microbatch."""
+    computes alike from the same microbatch. A microbatch shorter than ``ranks`` blocks is cut into ``ranks``
+    smaller ones, so that no lane idles (LPT's equal counts give each at least one)."""
     from oobleck_mm.balance.context_blocks import lpt
     from oobleck_mm.model.attention_masks import block_workload
 
+    block = max(1, min(block, batch.segments.numel() // ranks))
     bits = token_bits(batch.segments.cpu(), [])
     assignment = lpt(block_workload(bits, batch.segments.cpu(), block), ranks)
     return shard_batch(batch, assignment, lane, block, group, bits)
 
 
 def check_context_parallel(job, specs, stage) -> None:
-    """What a context-parallel stage cannot run yet: layers other than the built-in LLM's (encoders, whose
-    inputs are media rather than the sequence's tokens; HuggingFace or ``model.builder`` layers, whose attention
-    the engine does not replace), a ``UserError`` naming them."""
+    """What a context-parallel stage cannot run: ``model.builder`` layers, whose attention the engine cannot
+    replace (a ``UserError``). Built-in and HuggingFace layers can: their text attention goes through
+    ``ContextShard.attend``, and encoders run on whole media before the sequence is split."""
     from oobleck_mm.errors import UserError
 
-    if job.model.huggingface or job.model.builder:
+    if job.model.builder:
         raise UserError(
-            "a context-parallel stage runs the built-in model's LLM layers only; model.huggingface and "
-            "model.builder layers attend with their own attention (issue 50 item 2 is to replace it)"
-        )
-    others = [specs[i].name for i in stage.layers if specs[i].modality != "text"]
-    if others:
-        raise UserError(
-            f"a context-parallel stage holds encoder layers {others[:3]}: context parallelism splits the LLM's "
-            "sequence; a model with model.vision or model.audio cannot run a context-parallel pipeline yet"
+            "a context-parallel stage runs the built-in or a model.huggingface model's layers; model.builder "
+            "layers attend with their own attention, which the engine cannot replace"
         )
 
 
@@ -195,11 +211,11 @@ def shard_batch(
 ):
     """This rank's share of ``batch``'s LLM sequence: its blocks' tokens, labels, positions and sample ids, and
     the ``ContextShard`` its text blocks attend through (``bits``: the sequence's mask words, if made already).
-    The encoders' inputs are not carried: context parallelism runs in LLM stages, after the media are merged
-    into the sequence."""
+    The encoders' inputs stay on the shard's ``whole`` batch: the encoders run on whole media (every lane the
+    same), and the sequence is split after the token embedding merges them into it."""
     if bits is None:
         bits = token_bits(batch.segments.cpu(), [])  # causal inside each sample, as the built-in LLM attends
-    shard = ContextShard(tuple(tuple(a) for a in assignment), rank, bits, batch.segments.cpu(), block, group)
+    shard = ContextShard(tuple(tuple(a) for a in assignment), rank, bits, batch.segments.cpu(), block, group, batch)
     mine = shard.positions.to(batch.tokens.device)
     return PackedBatch(
         sample_ids=batch.sample_ids,

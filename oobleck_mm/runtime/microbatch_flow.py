@@ -117,12 +117,18 @@ class MicrobatchFlow:
         # The plan decides per stage (StageSpec.recompute); an emulated job's compute copy never recomputes
         # (config.emulation.compute_training: its emulated time still charges the stage's recomputation).
         ckpt = self.stage.recompute and self.job.training.activation_checkpointing is not False and self.needs_backward
+        shard = batch.context
         for i in layers:
+            # A context-parallel lane runs the encoders and the token embedding on the whole microbatch, then
+            # its own tokens of the sequence (runtime.context_parallel).
+            on = shard.whole if shard is not None and self.seam is not None and i <= self.seam else batch
             if ckpt:
-                acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, batch, use_reentrant=False)
+                acts = torch.utils.checkpoint.checkpoint(self.compute[i], acts, on, use_reentrant=False)
                 self._result.recomputed += 1
             else:
-                acts = self.compute[i](acts, batch)
+                acts = self.compute[i](acts, on)
+            if shard is not None and i == self.seam:
+                acts = shard.narrow(acts)
         return acts
 
     def _forward_decoupled(self, ins, mb: int) -> None:

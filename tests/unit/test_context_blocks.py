@@ -84,3 +84,24 @@ def test_subblocks_cut_every_row_into_pieces_no_larger_than_asked():
     assert max(p for _, p in pieces) <= 4 and sum(p for _, p in pieces) == 22
     with pytest.raises(ValueError, match="size must be >= 1, got 0"):
         subblocks([1], 0)
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_a_microbatch_shorter_than_its_lanes_blocks_is_cut_finer_so_that_no_lane_idles(lanes):
+    """Two short samples (well under one 128-token block): each lane still gets tokens, and together the lanes
+    hold every token once."""
+    import torch
+
+    from oobleck_mm.config import load_config
+    from oobleck_mm.data.loader import TrainingData
+    from oobleck_mm.runtime.context_parallel import BLOCK, context_share
+
+    data = TrainingData(load_config("configs/tiny_mm.yaml"))
+    batch = data.microbatch(data.global_batch(0)[:2])
+    tokens = batch.tokens.numel()
+    assert lanes <= tokens < BLOCK
+    shares = [context_share(batch, lane, lanes) for lane in range(lanes)]
+    held = [s.context.positions for s in shares]
+    assert all(len(h) for h in held), [len(h) for h in held]
+    assert sorted(torch.cat(held).tolist()) == list(range(tokens))
+    assert all(s.context.block == tokens // lanes for s in shares)

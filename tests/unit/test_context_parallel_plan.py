@@ -48,9 +48,10 @@ def text_job(**cluster):
         (
             {
                 "cluster": {"context_parallel": 2, "gpus_per_node": 2},
-                "model": {"vision": {"num_layers": 1, "hidden": 32, "num_heads": 2, "patch_size": 8}},
+                "model": {"builder": "examples/custom_model.py:build"},
             },
-            r"cluster.context_parallel \(2\): model.vision is set",
+            r"cluster.context_parallel \(2\): a model.builder model attends with its own attention.*valid: the "
+            r"built-in model \(model.llm\) or a model.huggingface one",
         ),
     ],
 )
@@ -74,6 +75,27 @@ def test_a_context_parallel_stage_divides_the_work_and_the_activations_but_not_t
     assert four.activation_bytes == one.activation_bytes / 4
     assert four.resident_bytes == one.resident_bytes and four.grad_bytes == one.grad_bytes
     assert cluster.stage_gpu_options == (4,)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_encoder_layer_on_a_context_parallel_stage_costs_its_whole_media_on_every_gpu(recompute):
+    """Encoders run whole images on every lane (runtime.context_parallel): their time and activations are not
+    divided, and their attention (over an image's patches) gathers nothing; the LLM layer beside them is split."""
+    vision = LayerCost("vision.block0", "vision", 3.0, 1.0, 1.0, 100, 100, 200, 600, 10, kept_bytes=60, kv_bytes=48)
+    text = LayerCost("llm.block0", "text", 4.0, 2.0, 2.0, 100, 100, 200, 800, 10, kept_bytes=80, kv_bytes=64)
+    prefix = LayerPrefix(effective_layers(ModelProfile("m", "test", 1, (vision, text))))
+    plain = ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9)
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9, context_parallel=4)
+    enc, llm = (stage_cost(prefix, plain, k, k + 1, 1, recompute) for k in (0, 1))
+    both = stage_cost(prefix, cluster, 0, 2, 4, recompute)
+    gather, reduce = cluster.allgather_s(64, 4, cross_node=False), cluster.allreduce_s(64, 4, cross_node=False)
+    assert both.forward_s == pytest.approx(enc.forward_s + llm.forward_s / 4 + gather)
+    assert both.backward_s == pytest.approx(enc.backward_s + llm.backward_s / 4 + reduce + (gather if recompute else 0))
+    assert both.activation_bytes == pytest.approx(enc.activation_bytes + llm.activation_bytes / 4)
+    # additive over layers, as the DP's tables need
+    parts = [stage_cost(prefix, cluster, k, k + 1, 4, recompute) for k in (0, 1)]
+    assert both.forward_s == pytest.approx(sum(p.forward_s for p in parts))
+    assert both.activation_bytes == pytest.approx(sum(p.activation_bytes for p in parts))
 
 
 def test_a_sample_four_times_longer_than_a_stage_holds_fits_with_context_parallel_4():
