@@ -101,6 +101,11 @@ class ModelProfile:
     """Which stages recompute activations in backward (``training.activation_checkpointing``): ``auto``, the
     planner decides per stage (a stage keeps its activations when they fit and recomputes when only that
     fits); ``always``; ``never``. The layer costs themselves are always those of keeping."""
+    frozen_aware: bool = True
+    """Backward times by eq. 3.2 (frozen layers skip their weight gradients, layers with nothing trainable
+    before them skip their input gradients). False prices every layer's backward as if the whole model
+    trained (``B_w + B_d``), as a partitioner unaware of frozen status does (Cornstarch Table 3.2's baseline,
+    ``scripts/bench_modality.py frozen``); memory and gradient bytes stay those of the true frozen status."""
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_POLICIES:
@@ -183,12 +188,15 @@ class EffectiveLayer:
 
 
 def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
-    """Applies eq. 3.2: B = (B_w if trainable) + (B_d if a trainable layer is before it)."""
+    """Applies eq. 3.2: B = (B_w if trainable) + (B_d if a trainable layer is before it); with
+    ``profile.frozen_aware`` off, B = B_w + B_d for every layer (times only)."""
     out = []
     for layer, input_grad in zip(profile.layers, needs_input_grad(profile.layers)):
         backward = (layer.backward_weight_s if layer.trainable else 0.0) + (
             layer.backward_input_s if input_grad else 0.0
         )
+        if not profile.frozen_aware:
+            backward = layer.backward_weight_s + layer.backward_input_s
         runs_backward = layer.trainable or input_grad
         out.append(
             EffectiveLayer(
@@ -201,7 +209,7 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
                 param_bytes=layer.param_bytes,
                 kept_bytes=layer.recompute_bytes if runs_backward else 0,
                 kv_bytes=layer.kv_bytes,
-                recompute_s=layer.forward_s if runs_backward else 0.0,
+                recompute_s=layer.forward_s if runs_backward or not profile.frozen_aware else 0.0,
                 sequence=layer.modality == "text",
             )
         )

@@ -278,6 +278,33 @@ def test_frozen_encoder_drops_backward_where_eq_3_2_says():
     assert [s.forward_s for s in frozen.stages] == [s.forward_s for s in trained.stages]
 
 
+def test_a_frozen_unaware_profile_prices_every_backward_as_trained_and_keeps_the_true_memory():
+    """Cornstarch Table 3.2's baseline (scripts/bench_modality.py frozen): B = B_w + B_d for every layer, frozen
+    or not; memory, gradient bytes and the forward as the true frozen status says."""
+    import dataclasses
+
+    from oobleck_mm.planning.costs import effective_layers
+
+    layers = [
+        layer("vision.0", "vision", bw=1.0, bd=0.5, state=1000),
+        layer("vision.1", "vision", bw=2.0, bd=0.25, state=1000),
+        layer("llm.0", "text", bw=4.0, bd=0.125, state=1000),
+        layer("llm.1", "text", bw=8.0, bd=0.0625, state=1000),
+    ]
+    aware = with_frozen(profile_of(layers), ("vision.",))
+    unaware = [*effective_layers(dataclasses.replace(aware, frozen_aware=False))]
+    assert [e.backward_s for e in unaware] == [1.5, 2.25, 4.125, 8.0625]
+    true = effective_layers(aware)
+    assert [e.backward_s for e in true] == [0.0, 0.0, 4.0, 8.0625]
+    for a, b in zip(unaware, true):
+        assert (a.forward_s, a.resident_bytes, a.grad_bytes, a.activation_bytes) == (
+            b.forward_s,
+            b.resident_bytes,
+            b.grad_bytes,
+            b.activation_bytes,
+        )
+
+
 def test_memory_tight_model_needs_more_nodes():
     profile = profile_of([layer(f"l{i}", state=GB // 8, act=GB // 16) for i in range(8)])
     roomy = ClusterSpec(gpus_per_node=2, device_memory_bytes=64 * GB)

@@ -1,0 +1,154 @@
+"""Multimodal partitioning measured with the planner's exact times (issue 49 item 4).
+
+    python scripts/bench_modality.py frozen [--json out.json]
+
+``frozen`` reproduces Cornstarch's Table 3.2 (dissertation §3.5.3): each of its MLLM configurations
+(``configs/cornstarch_mllm_{sss,mmm,lll}.yaml``: encoders and LLM frozen, only the projectors train, on the
+paper's 6 nodes of four A40s) planned twice by our planner, with the same memory limits and the same
+frozen parts:
+
+- **frozen-aware**: the stage costs of eq. 3.2 (a frozen layer skips its weight gradients; a layer with
+  nothing trainable before it skips its input gradients), which the planner uses by default;
+- **unaware**: every layer's backward priced as if the whole model trained (``ModelProfile.frozen_aware``
+  off: ``B = B_w + B_d``), as Megatron-style partitioning does; memory stays that of the true status.
+
+Both plans (templates, cuts, pipelines and batch split, each chosen by the planner under its own costs)
+are then timed under the true, frozen-aware costs: the exact 1F1B iteration time of every pipeline
+(``planning.pipeline_time``) plus the gradient all-reduce. Printed per configuration: the slowest pipeline's
+largest per-stage forward and backward among the stages that hold encoder layers and among the LLM's
+stages (the paper's "Per-Stage Fwd/Bwd, Enc/LLM" columns), the iteration time, and aware / unaware beside
+the paper's ratio; then the same for one pipeline over every node with the whole batch through it (as a
+pipeline-parallel baseline runs). These are the planner's predicted times on the configured accelerator, not a
+measurement on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from oobleck_mm.config import load_config  # noqa: E402
+from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, effective_layers, stage_cost  # noqa: E402
+from oobleck_mm.planning.plan import Plan, gradient_allreduce_s  # noqa: E402
+from oobleck_mm.planning.planner import plan_job  # noqa: E402
+from oobleck_mm.planning.stage_mapping import map_stages  # noqa: E402
+from oobleck_mm.planning.template import PipelineTemplate  # noqa: E402
+from oobleck_mm.profiling.analytical import profile_from_config  # noqa: E402
+
+PAPER_TABLE_3_2 = {
+    # model: (aware iteration s, unaware iteration s, improvement) from Table 3.2
+    "sss": (21.81, 25.67, 1.18),
+    "mmm": (70.37, 173.01, 2.46),
+    "lll": (143.76, 247.79, 1.72),
+}
+
+
+def repriced(template: PipelineTemplate, prefix: LayerPrefix, cluster: ClusterSpec) -> PipelineTemplate:
+    """``template``'s cuts, GPUs and recomputation with each stage's times from ``prefix`` (the true costs)."""
+    stages = []
+    for s in template.stages:
+        cost = stage_cost(prefix, cluster, s.layer_start, s.layer_end, len(s.gpus), s.recompute)
+        stages.append(
+            dataclasses.replace(s, forward_s=cost.forward_s, backward_s=cost.backward_s, grad_bytes=cost.grad_bytes)
+        )
+    return dataclasses.replace(template, stages=tuple(stages))
+
+
+def timed(plan: Plan, prefix: LayerPrefix, cluster: ClusterSpec, seam: int) -> dict:
+    """``plan`` under the true costs: its iteration time and its slowest pipeline's per-stage times."""
+    templates = [repriced(p.template, prefix, cluster) for p in plan.pipelines]
+    times = [t.iteration_time(p.num_microbatches) for t, p in zip(templates, plan.pipelines)]
+    allreduce = gradient_allreduce_s(templates, cluster)
+    slowest = templates[max(range(len(times)), key=times.__getitem__)]
+    encoder = [s for s in slowest.stages if s.layer_start < seam]
+    llm = [s for s in slowest.stages if s.layer_start >= seam]
+    ms = 1e3
+    return {
+        "iteration_s": max(times) + allreduce,
+        "allreduce_s": allreduce,
+        "pipelines": [f"{p.template.num_stages} stages x {p.num_microbatches} mb" for p in plan.pipelines],
+        "cuts": [[(s.layer_start, s.layer_end) for s in t.stages] for t in templates],
+        "enc_fwd_ms": max((s.forward_s for s in encoder), default=0.0) * ms,
+        "enc_bwd_ms": max((s.backward_s for s in encoder), default=0.0) * ms,
+        "llm_fwd_ms": max((s.forward_s for s in llm), default=0.0) * ms,
+        "llm_bwd_ms": max((s.backward_s for s in llm), default=0.0) * ms,
+    }
+
+
+def frozen(names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        job = load_config(str(ROOT / "configs" / f"cornstarch_mllm_{name}.yaml"))
+        cluster = ClusterSpec.from_config(job.cluster)
+        aware = profile_from_config(job)
+        unaware = dataclasses.replace(aware, frozen_aware=False)
+        truth = LayerPrefix(effective_layers(aware))
+        seam = next(i for i, layer in enumerate(aware.layers) if layer.name == "llm.embed")
+        nodes = [f"n{i}" for i in range(job.cluster.nodes)]
+        row = {}
+        for label, profile in (("aware", aware), ("unaware", unaware)):
+            plan = plan_job(job, profile, nodes).plan
+            row[label] = timed(plan, truth, cluster, seam)
+        row["improvement"] = row["unaware"]["iteration_s"] / row["aware"]["iteration_s"]
+        # As a pipeline-parallel baseline runs it: one pipeline over every node, the whole batch through it.
+        microbatches = job.training.global_batch // job.training.microbatch_size
+        deep = {}
+        for label, profile in (("aware", aware), ("unaware", unaware)):
+            template = map_stages(profile, cluster, job.cluster.nodes, microbatches)
+            deep[label] = repriced(template, truth, cluster).iteration_time(microbatches)
+        row["one_pipeline"] = {
+            "stages": template.num_stages,
+            "microbatches": microbatches,
+            "aware_s": deep["aware"],
+            "unaware_s": deep["unaware"],
+            "improvement": deep["unaware"] / deep["aware"],
+        }
+        row["paper"] = dict(zip(("aware_s", "unaware_s", "improvement"), PAPER_TABLE_3_2[name]))
+        out[name] = row
+        for label in ("aware", "unaware"):
+            r = row[label]
+            print(
+                f"MLLM-{name.upper()} {label:>7}: per-stage fwd enc {r['enc_fwd_ms']:8.1f} ms, llm "
+                f"{r['llm_fwd_ms']:7.1f} ms; bwd enc {r['enc_bwd_ms']:8.1f} ms, llm {r['llm_bwd_ms']:8.1f} ms; "
+                f"iteration {r['iteration_s']:7.2f} s ({', '.join(r['pipelines'])})",
+                flush=True,
+            )
+        one = row["one_pipeline"]
+        print(
+            f"MLLM-{name.upper()} one pipeline of {one['stages']} stages x {one['microbatches']} mb: aware "
+            f"{one['aware_s']:.2f} s, unaware {one['unaware_s']:.2f} s: x{one['improvement']:.2f}",
+            flush=True,
+        )
+        print(
+            f"MLLM-{name.upper()} frozen-aware vs unaware (the planner's plans): x{row['improvement']:.2f} "
+            f"(paper x{row['paper']['improvement']:.2f}: {row['paper']['aware_s']} s vs {row['paper']['unaware_s']} s)",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("frozen", help="Cornstarch Table 3.2: frozen-aware vs unaware cuts")
+    f.add_argument("--models", default=",".join(PAPER_TABLE_3_2), help="comma-separated: sss, mmm, lll")
+    f.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    names = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in PAPER_TABLE_3_2]
+    if unknown:
+        parser.error(f"--models: {unknown} unknown; valid: {', '.join(PAPER_TABLE_3_2)}")
+    result = {"frozen": frozen(names)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
