@@ -100,11 +100,45 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         progress(f"profiled {profile.num_layers} layers ({profile.source}, {profile.device})")
     result = plan_job(job, profile, names, lost=lost, joined=joined, solver=args.solver, progress=progress)
     result.seconds = {"profile": profile_s, **result.seconds}
+    placements = _placements(job, profile, result.plan, progress) if args.placements else None
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        out = result.to_dict()
+        if placements is not None:
+            out["placements"] = placements
+        print(json.dumps(out, indent=2))
     else:
         print(result.format())
+        for row in placements or ():
+            print(row["line"])
     return ExitCode.OK
+
+
+def _placements(job, profile, plan, progress) -> list[dict]:
+    """Per distinct (nodes, microbatches) pipeline of ``plan``: the chain against the encoders as branches."""
+    from oobleck_mm.planning.branches import place
+    from oobleck_mm.planning.costs import ClusterSpec
+
+    cluster = ClusterSpec.from_config(job.cluster)
+    rows = []
+    for nodes, microbatches in sorted({(p.template.num_nodes, p.num_microbatches) for p in plan.pipelines}):
+        if progress is not None:
+            progress(f"placements: {nodes} node(s), {microbatches} microbatches")
+        chosen = place(profile, cluster, nodes, microbatches)
+        rows.append(
+            {
+                "nodes": nodes,
+                "microbatches": microbatches,
+                "chain_s": chosen.chain_s,
+                "branches_s": chosen.branched_s,
+                "faster": chosen.faster,
+                "reason": chosen.reason,
+                "branches": chosen.branched.describe() if chosen.branched is not None else None,
+                "line": f"placement, {nodes} node(s) x {microbatches} microbatches: {chosen.faster} faster ("
+                f"{chosen.reason}); plans run the chain until the runtime runs branches (issue 49)"
+                + (f"\n  branches: {chosen.branched.describe()}" if chosen.branched is not None else ""),
+            }
+        )
+    return rows
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:

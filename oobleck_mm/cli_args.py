@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--join-nodes", type=int, default=0, metavar="K", help="nodes that join after the failures")
     plan.add_argument("--solver", choices=("highs", "mindtpy", "python"), default=None, help="override planning.solver")
     plan.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    plan.add_argument(
+        "--placements",
+        action="store_true",
+        help="for each pipeline of the plan, time its encoders as branches of their own against the chain "
+        "(docs/planning.md, 'Encoder placement')",
+    )
     _add_simulate_parser(sub)
     _add_control_plane_parsers(sub)
     from oobleck_mm.verify import build_parser as verify_parser

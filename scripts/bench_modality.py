@@ -1,6 +1,7 @@
 """Multimodal partitioning measured with the planner's exact times (issue 49 item 4).
 
     python scripts/bench_modality.py frozen [--json out.json]
+    python scripts/bench_modality.py placement [--models sss,lls] [--nodes N] [--json out.json]
 
 ``frozen`` reproduces Cornstarch's Table 3.2 (dissertation §3.5.3): each of its MLLM configurations
 (``configs/cornstarch_mllm_{sss,mmm,lll}.yaml``: encoders and LLM frozen, only the projectors train, on the
@@ -20,6 +21,12 @@ stages (the paper's "Per-Stage Fwd/Bwd, Enc/LLM" columns), the iteration time, a
 the paper's ratio; then the same for one pipeline over every node with the whole batch through it (as a
 pipeline-parallel baseline runs). These are the planner's predicted times on the configured accelerator, not a
 measurement on GPUs.
+
+``placement`` times each model's encoders as branches on stages of their own against the chain (encoders
+one after another, colocated where a stage holds both), one pipeline over the config's nodes with the
+whole batch through it, by the exact 1F1B time (``planning.branches``): MLLM-10B, Cornstarch's SSS, MMM,
+LLL, and MLLM-LLS and MLLM-LLM (LLL's large encoders with the small and medium LLM). Target: branches
+>= 1.2x the chain where the encoders are large (MLLM-LL*), and the chosen placement never the slower.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,18 +141,86 @@ def frozen(names: list[str]) -> dict:
     return out
 
 
+LLM_SIZES = {
+    # Cornstarch Table 3.1's Llama-3 sizes, as configs/cornstarch_mllm_{sss,mmm,lll}.yaml write them
+    "s": ["model.llm.num_layers=16", "model.llm.hidden=2048", "model.llm.num_heads=32", "model.llm.ffn_hidden=8192"],
+    "m": ["model.llm.num_layers=32", "model.llm.hidden=4096", "model.llm.num_heads=32", "model.llm.ffn_hidden=14336"],
+    "l": [],
+}
+PLACEMENT_MODELS = {
+    # name: (config, overrides); MLLM-LLS and MLLM-LLM: the large encoders of MLLM-LLL with a smaller LLM
+    "mllm_10b": ("mllm_10b.yaml", []),
+    "sss": ("cornstarch_mllm_sss.yaml", []),
+    "mmm": ("cornstarch_mllm_mmm.yaml", []),
+    "lll": ("cornstarch_mllm_lll.yaml", []),
+    "lls": ("cornstarch_mllm_lll.yaml", LLM_SIZES["s"]),
+    "llm": ("cornstarch_mllm_lll.yaml", LLM_SIZES["m"]),
+}
+BRANCH_TARGET = 1.2
+
+
+def placement(names: list[str], nodes: int | None) -> dict:
+    """Per model: one pipeline over the config's nodes (or ``nodes``) with the whole batch through it, as
+    the chain and with the encoders as branches (``planning.branches.place``), by the exact 1F1B time."""
+    from oobleck_mm.planning.branches import place
+
+    out = {}
+    for name in names:
+        path, sets = PLACEMENT_MODELS[name]
+        job = load_config(str(ROOT / "configs" / path), overrides=sets)
+        cluster = ClusterSpec.from_config(job.cluster)
+        profile = profile_from_config(job)
+        count = nodes or job.cluster.nodes
+        microbatches = job.training.global_batch // job.training.microbatch_size
+        started = time.perf_counter()
+        chosen = place(profile, cluster, count, microbatches)
+        row = {
+            "config": path,
+            "sets": sets,
+            "nodes": count,
+            "gpus_per_node": cluster.gpus_per_node,
+            "microbatches": microbatches,
+            "chain_s": chosen.chain_s,
+            "branches_s": chosen.branched_s,
+            "faster": chosen.faster,
+            "reason": chosen.reason,
+            "branches_vs_chain": chosen.chain_s / chosen.branched_s if chosen.branched_s and chosen.chain_s else None,
+            "branches": chosen.branched.describe() if chosen.branched is not None else None,
+            "search_s": time.perf_counter() - started,
+        }
+        out[name] = row
+        ratio = f"x{row['branches_vs_chain']:.3f}" if row["branches_vs_chain"] else "-"
+        print(
+            f"{'MLLM-10B' if name == 'mllm_10b' else 'MLLM-' + name.upper()} on {count} x {cluster.gpus_per_node} GPUs, {microbatches} microbatches: chain "
+            f"{chosen.chain_s:.4g} s, branches {chosen.branched_s or float('nan'):.4g} s: branches/chain {ratio}; "
+            f"{chosen.faster} chosen ({row['search_s']:.1f} s to search)",
+            flush=True,
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     f = sub.add_parser("frozen", help="Cornstarch Table 3.2: frozen-aware vs unaware cuts")
     f.add_argument("--models", default=",".join(PAPER_TABLE_3_2), help="comma-separated: sss, mmm, lll")
     f.add_argument("--json", help="write the figures here")
+    pl = sub.add_parser("placement", help="encoders as branches vs the chain, by the exact 1F1B time")
+    pl.add_argument(
+        "--models", default=",".join(PLACEMENT_MODELS), help=f"comma-separated: {', '.join(PLACEMENT_MODELS)}"
+    )
+    pl.add_argument("--nodes", type=int, default=None, help="nodes (default: each config's cluster.nodes)")
+    pl.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    valid = PAPER_TABLE_3_2 if args.command == "frozen" else PLACEMENT_MODELS
     names = [m.strip().lower() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in PAPER_TABLE_3_2]
+    unknown = [m for m in names if m not in valid]
     if unknown:
-        parser.error(f"--models: {unknown} unknown; valid: {', '.join(PAPER_TABLE_3_2)}")
-    result = {"frozen": frozen(names)}
+        parser.error(f"--models: {unknown} unknown; valid: {', '.join(valid)}")
+    if args.command == "frozen":
+        result = {"frozen": frozen(names)}
+    else:
+        result = {"placement": placement(names, args.nodes)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

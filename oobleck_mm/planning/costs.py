@@ -106,6 +106,10 @@ class ModelProfile:
     before them skip their input gradients). False prices every layer's backward as if the whole model
     trained (``B_w + B_d``), as a partitioner unaware of frozen status does (Cornstarch Table 3.2's baseline,
     ``scripts/bench_modality.py frozen``); memory and gradient bytes stay those of the true frozen status."""
+    upstream_trainable: bool = False
+    """A trainable layer outside these layers feeds their text trunk: the LLM's part of a model whose encoder
+    branches are planned apart (``planning.branches``) and train, so its layers back-propagate input
+    gradients (eq. 3.3 across parts)."""
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_POLICIES:
@@ -139,20 +143,21 @@ def with_frozen(profile: ModelProfile, frozen: tuple[str, ...]) -> ModelProfile:
     return replace(profile, layers=layers)
 
 
-def needs_input_grad(layers: tuple[LayerCost, ...]) -> tuple[bool, ...]:
+def needs_input_grad(layers: tuple[LayerCost, ...], upstream_trainable: bool = False) -> tuple[bool, ...]:
     """For each layer: must it back-propagate input gradients (p(L) of eq. 3.3)?
 
     A layer needs B_d only when a trainable layer sits *strictly before* it on
     its data path: earlier in its own encoder branch, or, for the text trunk,
     anywhere earlier in any branch. The seed's eq. 3.3 also counts the layer
     itself, which charges the first trainable layer an input gradient nobody
-    consumes; we do not.
+    consumes; we do not. ``upstream_trainable``: a trainable layer before ``layers``
+    (in another part of the model) feeds the text trunk.
     """
     seen_trainable = {m: False for m in MODALITIES}
     result = []
     for layer in layers:
         if layer.modality == "text":
-            before = any(seen_trainable.values())
+            before = upstream_trainable or any(seen_trainable.values())
         else:
             before = seen_trainable[layer.modality]
         result.append(before)
@@ -191,7 +196,7 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
     """Applies eq. 3.2: B = (B_w if trainable) + (B_d if a trainable layer is before it); with
     ``profile.frozen_aware`` off, B = B_w + B_d for every layer (times only)."""
     out = []
-    for layer, input_grad in zip(profile.layers, needs_input_grad(profile.layers)):
+    for layer, input_grad in zip(profile.layers, needs_input_grad(profile.layers, profile.upstream_trainable)):
         backward = (layer.backward_weight_s if layer.trainable else 0.0) + (
             layer.backward_input_s if input_grad else 0.0
         )

@@ -1,0 +1,414 @@
+"""Encoder branches on stages of their own (Cornstarch's modality parallelism, issue 49 item 2).
+
+A multimodal model is an ordered layer list, vision -> audio -> LLM, and a *chain* template runs it
+that way: a stage may hold layers of both encoders (colocated), and the encoders' stages come one after
+another in the pipeline. A *branched* template gives each encoder (with its projector) a chain of stages
+on nodes of its own; the branches run concurrently, and the LLM's first stage takes every branch's output
+for a microbatch before its forward (and sends each branch its gradient back). ``place`` plans both
+placements for a node count and keeps the faster by the exact 1F1B time, with the reason.
+
+Exact time of a branched template (``simulate_branched``): every stage runs DeepSpeed's
+``TrainSchedule`` for its distance to the pipeline's end (a branch stage ``k`` of ``K`` before ``S``
+LLM stages runs stage ``k`` of ``K + S``, an LLM stage ``j`` runs stage ``1 + j`` of ``1 + S``: a
+stage's instruction order depends only on that distance), executed instruction by instruction with
+blocking rendezvous transfers matched in order on each directed channel, as
+``planning.simulate`` executes a chain; the LLM's first stage receives from every branch in branch
+order and sends each its gradient. With one branch this is a chain, and it equals
+``pipeline_time.iteration_time_1f1b``'s closed recurrence (tests/unit/test_branches.py holds it there).
+
+Planning a branched template: each part (a branch's layers, the LLM's) gets whole nodes; its stage
+cuts and GPUs come from the chain planner (``stage_mapping.map_stages``) on that part alone, and every
+stage is then priced on the whole model's costs (eq. 3.3 per branch: an encoder's input gradients
+depend on its own branch only) at its true 1F1B in-flight count (a branch stage holds the LLM's stages'
+microbatches too), recomputing where only that fits. A part that fits on no allocation leaves the chain.
+
+The runtime runs chains today (issue 49 item 3 is to run branches): ``place`` reports both placements
+and which is faster; plans keep the chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, ModelProfile, effective_layers, stage_cost
+from oobleck_mm.planning.pipeline_time import validate_count
+from oobleck_mm.planning.stage_mapping import map_stages
+from oobleck_mm.planning.template import PipelineTemplate, StageSpec
+
+ENCODERS = ("vision", "audio")
+"""The modalities that may run as branches, in the layer list's order."""
+
+
+@dataclass(frozen=True, slots=True)
+class BranchedTemplate:
+    """Each encoder branch a chain of stages on nodes of its own, then the LLM's chain."""
+
+    modalities: tuple[str, ...]
+    branches: tuple[PipelineTemplate, ...]
+    """Per branch, its stages (layer indices of the whole model, nodes counted from 0 within the part)."""
+    llm: PipelineTemplate
+    merge_s: tuple[float, ...]
+    """Per branch: seconds to send one microbatch's output from its last stage to the LLM's first stage (its
+    gradient back costs the same)."""
+    num_nodes: int = 0
+    """Nodes the template spans (its parts may share one: a part holds whole GPUs, not whole nodes)."""
+
+    def __post_init__(self) -> None:
+        if not self.branches or len(self.branches) != len(self.modalities) or len(self.merge_s) != len(self.branches):
+            raise ValueError(
+                f"a branched template needs one chain and one merge time per branch: {len(self.modalities)} "
+                f"modalities, {len(self.branches)} chains, {len(self.merge_s)} merge times"
+            )
+
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        """Every stage, branch by branch, then the LLM's: the numbering ``simulate_branched`` uses."""
+        return tuple(s for b in self.branches for s in b.stages) + self.llm.stages
+
+    def iteration_time(self, num_microbatches: int) -> float:
+        """Exact seconds of one iteration; beyond ``EXTRAPOLATE_AFTER`` microbatches per stage, from the
+        schedule's steady state (``steady_time``)."""
+        return steady_time(lambda m: simulate_branched(self, m), num_microbatches, len(self.stages))
+
+    def describe(self) -> str:
+        def chain(template: PipelineTemplate) -> str:
+            return " ".join(f"L{s.layer_start}-{s.layer_end - 1}@n{s.node}g{s.gpus[0]}" for s in template.stages)
+
+        parts = [f"{m} [{chain(b)}]" for m, b in zip(self.modalities, self.branches)]
+        return " | ".join(parts) + f" -> llm [{chain(self.llm)}]"
+
+
+EXTRAPOLATE_AFTER = 2
+"""Microbatches per stage beyond which an iteration's time is extrapolated from the schedule's steady state."""
+_PERIODS = (1, 2, 3, 4)
+
+
+def steady_time(time_of, num_microbatches: int, num_stages: int) -> float:
+    """``time_of(num_microbatches)``, or for many microbatches its extrapolation: a 1F1B schedule's iteration
+    time is eventually periodic in the microbatch count (each ``c`` more microbatches add the same seconds,
+    as ``pipeline_time`` finds for chains); found on a few counts past ``EXTRAPOLATE_AFTER`` per stage, and
+    computed outright where no period shows."""
+    base = EXTRAPOLATE_AFTER * num_stages
+    if num_microbatches <= base + 2 * max(_PERIODS):
+        return time_of(num_microbatches)
+    times = [time_of(base + i) for i in range(3 * max(_PERIODS) + 1)]
+    for c in _PERIODS:
+        steps = [times[i + c] - times[i] for i in range(len(times) - c)]
+        if max(steps) - min(steps) <= 1e-9 * max(times):
+            cycles, extra = divmod(num_microbatches - base, c)
+            return times[extra] + cycles * steps[0]
+    return time_of(num_microbatches)
+
+
+# --------------------------------------------------------------------------- exact time
+
+
+def simulate_branched(template: BranchedTemplate, num_microbatches: int) -> float:
+    """Seconds of one iteration of ``template`` (module docstring); raises ``RuntimeError`` on deadlock."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    validate_count("num_microbatches", num_microbatches)
+    m = int(num_microbatches)
+    forward, backward, nexts, prevs, act_s, grad_s, schedules = [], [], [], [], {}, {}, []
+    llm_first = sum(b.num_stages for b in template.branches)
+    depth = template.llm.num_stages
+    base = 0
+    for branch, merge in zip(template.branches, template.merge_s):
+        for k, stage in enumerate(branch.stages):
+            s = base + k
+            last = k == branch.num_stages - 1
+            forward.append(stage.forward_s)
+            backward.append(stage.backward_s)
+            nexts.append(llm_first if last else s + 1)
+            prevs.append([] if k == 0 else [s - 1])
+            hop = merge if last else branch.send_activation_s[k]
+            act_s[(s, nexts[-1])] = hop
+            grad_s[(nexts[-1], s)] = merge if last else branch.send_grad_s[k]
+            schedules.append(ds.TrainSchedule(micro_batches=m, stages=branch.num_stages + depth, stage_id=k))
+        base += branch.num_stages
+    branch_lasts = []
+    base = 0
+    for branch in template.branches:
+        base += branch.num_stages
+        branch_lasts.append(base - 1)
+    for j, stage in enumerate(template.llm.stages):
+        s = llm_first + j
+        forward.append(stage.forward_s)
+        backward.append(stage.backward_s)
+        nexts.append(s + 1 if j + 1 < depth else None)
+        prevs.append(branch_lasts if j == 0 else [s - 1])
+        if j + 1 < depth:
+            act_s[(s, s + 1)] = template.llm.send_activation_s[j]
+            grad_s[(s + 1, s)] = template.llm.send_grad_s[j]
+        schedules.append(ds.TrainSchedule(micro_batches=m, stages=1 + depth, stage_id=1 + j))
+
+    # Each stage's instructions as primitive operations: seconds of compute, or one end of a transfer on a
+    # directed channel (kind, sender, receiver).
+    ops: list[list[tuple]] = []
+    for s, schedule in enumerate(schedules):
+        stream = []
+        for step in schedule:
+            for cmd in step:
+                if isinstance(cmd, ds.ForwardPass):
+                    stream.append(("compute", forward[s]))
+                elif isinstance(cmd, ds.BackwardPass):
+                    stream.append(("compute", backward[s]))
+                elif isinstance(cmd, ds.SendActivation):
+                    stream.append(("send", ("act", s, nexts[s])))
+                elif isinstance(cmd, ds.RecvActivation):
+                    stream.extend(("recv", ("act", p, s)) for p in prevs[s])
+                elif isinstance(cmd, ds.SendGrad):
+                    stream.extend(("send", ("grad", s, p)) for p in prevs[s])
+                elif isinstance(cmd, ds.RecvGrad):
+                    stream.append(("recv", ("grad", nexts[s], s)))
+                elif not isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep)):
+                    raise ValueError(f"stage {s}: no handling for instruction {cmd!r}")
+        ops.append(stream)
+    seconds = {
+        **{("act", a, b): t for (a, b), t in act_s.items()},
+        **{("grad", a, b): t for (a, b), t in grad_s.items()},
+    }
+    return _execute(ops, seconds)
+
+
+def _execute(ops: list[list[tuple]], seconds: dict) -> float:
+    """Runs every stage's operations; a transfer completes when both ends have reached it (the later
+    arrival plus its seconds), so the n-th send on a channel pairs with its n-th receive."""
+    pc = [0] * len(ops)
+    clock = [0.0] * len(ops)
+    waiting: dict[tuple, tuple[int, float]] = {}  # (channel, side) -> (stage, arrival)
+    while True:
+        progressed = False
+        for s in range(len(ops)):
+            while pc[s] < len(ops[s]):
+                kind, what = ops[s][pc[s]]
+                if kind == "compute":
+                    clock[s] += what
+                    pc[s] += 1
+                    progressed = True
+                    continue
+                peer_side = (what, "recv" if kind == "send" else "send")
+                if peer_side not in waiting:
+                    waiting.setdefault((what, kind), (s, clock[s]))
+                    break
+                peer, peer_arrival = waiting.pop(peer_side)
+                arrival = waiting.pop((what, kind), (s, clock[s]))[1]
+                done = max(arrival, peer_arrival) + seconds[what]
+                clock[s] = clock[peer] = done
+                pc[s] += 1
+                pc[peer] += 1
+                progressed = True
+        if all(pc[s] == len(ops[s]) for s in range(len(ops))):
+            return max(clock)
+        if not progressed:
+            blocked = {s: ops[s][pc[s]] for s in range(len(ops)) if pc[s] < len(ops[s])}
+            raise RuntimeError(f"branched pipeline deadlock: stages blocked at {blocked}")
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What ``place`` decided for one node count, and why."""
+
+    chain: PipelineTemplate | None
+    chain_s: float | None
+    branched: BranchedTemplate | None
+    branched_s: float | None
+    faster: str
+    """``chain`` or ``branches``."""
+    reason: str
+
+
+def parts_of(profile: ModelProfile) -> dict[str, range]:
+    """Each encoder branch's layers and the LLM's, by modality (the layer list's order: a branch is contiguous)."""
+    out: dict[str, range] = {}
+    for name in (*ENCODERS, "text"):
+        index = [i for i, layer in enumerate(profile.layers) if layer.modality == name]
+        if index:
+            if index != list(range(index[0], index[-1] + 1)):
+                raise ValueError(f"the {name} layers are not contiguous in the layer list: {index}")
+            out[name] = range(index[0], index[-1] + 1)
+    if "text" not in out:
+        raise ValueError("the model has no text layers: nothing for the branches to feed")
+    return out
+
+
+def place(profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int) -> Placement:
+    """The chain and the best branched template on ``num_nodes`` nodes for ``num_microbatches``, each by its
+    exact 1F1B time, and which is faster."""
+    chain = map_stages(profile, cluster, num_nodes, num_microbatches)
+    chain_s = chain.iteration_time(num_microbatches) if chain is not None else None
+    branched, why_not = best_branched(profile, cluster, num_nodes, num_microbatches)
+    branched_s = branched.iteration_time(num_microbatches) if branched is not None else None
+    if branched_s is None:
+        return Placement(chain, chain_s, None, None, "chain", f"no branched template: {why_not}")
+    if chain_s is None or branched_s < chain_s:
+        ratio = f"x{chain_s / branched_s:.2f}" if chain_s else "the chain does not fit"
+        return Placement(
+            chain, chain_s, branched, branched_s, "branches", f"branches {branched_s:.4g} s vs chain: {ratio}"
+        )
+    return Placement(
+        chain, chain_s, branched, branched_s, "chain", f"chain {chain_s:.4g} s vs branches {branched_s:.4g} s"
+    )
+
+
+def best_branched(
+    profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int
+) -> tuple[BranchedTemplate | None, str]:
+    """The fastest branched template, or None and why. Two families of splits: whole nodes per part (each
+    part's chain may use stages of several GPUs, ``cluster.max_gpus_per_stage``), and consecutive GPUs per
+    part, one GPU a stage (parts may then share a node; up to ``MAX_GPU_SPLIT`` GPUs). Candidates are timed exactly in order of their
+    ``lower_bound`` until the bound passes the best time found (at most ``MAX_TIMED``)."""
+    parts = parts_of(profile)
+    encoders = [m for m in ENCODERS if m in parts]
+    if not encoders:
+        return None, "the model has no encoder"
+    order = (*encoders, "text")
+    prefix = LayerPrefix(effective_layers(profile))
+    trains = any(profile.layers[i].trainable for m in encoders for i in parts[m])
+    per_gpu = dataclasses.replace(cluster, gpus_per_node=1, max_gpus_per_stage=1, context_parallel=1)
+    families = [("node", cluster, num_nodes)]
+    if 1 < cluster.gpus_per_node and num_nodes * cluster.gpus_per_node <= MAX_GPU_SPLIT:
+        families.append(("gpu", per_gpu, num_nodes * cluster.gpus_per_node))
+    chains: dict[tuple[str, str, int], PipelineTemplate | None] = {}
+
+    def chain_of(family: str, unit_cluster: ClusterSpec, part: str, count: int) -> PipelineTemplate | None:
+        key = (family, part, count)
+        if key not in chains:
+            layers = profile.layers[parts[part].start : parts[part].stop]
+            sub = dataclasses.replace(profile, layers=layers, upstream_trainable=part == "text" and trains)
+            chains[key] = map_stages(sub, unit_cluster, count, num_microbatches)
+        return chains[key]
+
+    candidates = []
+    for family, unit_cluster, units in families:
+        if units < len(order):
+            continue
+        for split in _splits(units, len(order)):
+            local = {part: chain_of(family, unit_cluster, part, n) for part, n in zip(order, split)}
+            if any(t is None for t in local.values()):
+                continue
+            template = _assemble(profile, prefix, cluster, parts, encoders, local, num_nodes, per_gpu=family == "gpu")
+            if template is not None:
+                candidates.append((lower_bound(template, num_microbatches), len(candidates), template))
+    if not candidates:
+        return None, f"no split of {num_nodes} node(s) between {', '.join(order)} fits memory"
+    candidates.sort(key=lambda c: c[:2])
+    best, best_s, timed = None, float("inf"), 0
+    for bound, _, template in candidates:
+        if bound >= best_s or timed == MAX_TIMED:
+            break
+        timed += 1
+        seconds = template.iteration_time(num_microbatches)
+        if seconds < best_s:
+            best, best_s = template, seconds
+    return best, f"the best of {len(candidates)} splits ({timed} timed exactly)"
+
+
+MAX_GPU_SPLIT = 32
+"""Up to this many GPUs, parts are also tried on runs of GPUs (splits grow with the square of the GPUs: 465
+splits of 32 GPUs between three parts, each assembled and bounded)."""
+MAX_TIMED = 16
+"""Candidates timed exactly per ``best_branched`` call, lowest bounds first (the bound is within a few per cent
+of the exact time once microbatches outnumber stages: past that, candidates differ by their bottleneck)."""
+
+
+def lower_bound(template: BranchedTemplate, num_microbatches: int) -> float:
+    """No iteration of ``template`` is shorter: on every path (a branch, then the LLM) every stage runs all its
+    microbatches' forwards and backwards, after the stages before it passed it the first microbatch and
+    before they take the last one's gradient back."""
+    bound = 0.0
+    for branch in template.branches:
+        path = branch.stages + template.llm.stages
+        before = 0.0
+        for stage in path:
+            bound = max(bound, before + num_microbatches * (stage.forward_s + stage.backward_s))
+            before += stage.forward_s + stage.backward_s
+    return bound
+
+
+def _splits(total: int, parts: int):
+    """Every way to give ``parts`` parts at least one unit each, ``total`` in all."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in _splits(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def _assemble(
+    profile: ModelProfile,
+    prefix: LayerPrefix,
+    cluster: ClusterSpec,
+    parts: dict[str, range],
+    encoders: Sequence[str],
+    local: dict[str, PipelineTemplate],
+    num_nodes: int,
+    per_gpu: bool,
+) -> BranchedTemplate | None:
+    """The parts' chains placed one after another (the branches', then the LLM's: whole nodes each, or with
+    ``per_gpu`` consecutive GPUs, one a stage), priced on the whole model's costs at their true in-flight
+    counts and their transfers by whether the two ends share a node; None when a stage fits no variant."""
+    llm_stages = local["text"].num_stages
+    modes = {"auto": (False, True), "always": (True,), "never": (False,)}[profile.recompute]
+    g = cluster.gpus_per_node
+    used = 0  # GPUs (per_gpu) or nodes the parts placed so far hold
+
+    def priced(template: PipelineTemplate, offset: int, after: int) -> PipelineTemplate | None:
+        nonlocal used
+        stages = []
+        for k, s in enumerate(template.stages):
+            in_flight = template.num_stages - k + after
+            start, end = s.layer_start + offset, s.layer_end + offset
+            for recompute in modes:
+                cost = stage_cost(prefix, cluster, start, end, len(s.gpus), recompute)
+                if cost.memory_bytes(in_flight) <= cluster.usable_memory_bytes:
+                    break
+            else:
+                return None
+            node, gpus = ((used + s.node) // g, ((used + s.node) % g,)) if per_gpu else (used + s.node, s.gpus)
+            stages.append(
+                dataclasses.replace(
+                    s,
+                    layer_start=start,
+                    layer_end=end,
+                    node=node,
+                    gpus=gpus,
+                    forward_s=cost.forward_s,
+                    backward_s=cost.backward_s,
+                    memory_bytes=cost.memory_bytes(in_flight),
+                    grad_bytes=cost.grad_bytes,
+                    recompute=recompute,
+                )
+            )
+        used += template.num_nodes
+        sends = tuple(
+            cluster.transfer_s(prefix.layers[a.layer_end - 1].output_bytes, cross_node=a.node != b.node)
+            for a, b in zip(stages, stages[1:])
+        )
+        return dataclasses.replace(
+            template, stages=tuple(stages), send_activation_s=sends, send_grad_s=sends, gpus_per_node=g
+        )
+
+    branches = []
+    for m in encoders:
+        chain = priced(local[m], parts[m].start, llm_stages)
+        if chain is None:
+            return None
+        branches.append(chain)
+    llm = priced(local["text"], parts["text"].start, 0)
+    if llm is None:
+        return None
+    first = llm.stages[0]
+    merges = tuple(
+        cluster.transfer_s(
+            prefix.layers[b.stages[-1].layer_end - 1].output_bytes, cross_node=b.stages[-1].node != first.node
+        )
+        for b in branches
+    )
+    return BranchedTemplate(tuple(encoders), tuple(branches), llm, merges, num_nodes)
