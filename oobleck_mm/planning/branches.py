@@ -29,6 +29,7 @@ and which is faster; plans keep the chain.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -240,8 +241,14 @@ def parts_of(profile: ModelProfile) -> dict[str, range]:
 def place(profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int) -> Placement:
     """The chain and the best branched template on ``num_nodes`` nodes for ``num_microbatches``, each by its
     exact 1F1B time, and which is faster."""
-    chain = map_stages(profile, cluster, num_nodes, num_microbatches)
-    chain_s = chain.iteration_time(num_microbatches) if chain is not None else None
+    chain, chain_s = None, None
+    # The chain as the planner maps it, and in its widest stages only (as each branch is also tried): the
+    # planner's local search misses that shallower chain now and then, and branches must beat the better.
+    for variant in _variants(cluster):
+        candidate = map_stages(profile, variant, num_nodes, num_microbatches)
+        seconds = candidate.iteration_time(num_microbatches) if candidate is not None else None
+        if seconds is not None and (chain_s is None or seconds < chain_s):
+            chain, chain_s = candidate, seconds
     branched, why_not = best_branched(profile, cluster, num_nodes, num_microbatches)
     branched_s = branched.iteration_time(num_microbatches) if branched is not None else None
     if branched_s is None:
@@ -260,9 +267,11 @@ def best_branched(
     profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int
 ) -> tuple[BranchedTemplate | None, str]:
     """The fastest branched template, or None and why. Two families of splits: whole nodes per part (each
-    part's chain may use stages of several GPUs, ``cluster.max_gpus_per_stage``), and consecutive GPUs per
-    part, one GPU a stage (parts may then share a node; up to ``MAX_GPU_SPLIT`` GPUs). Candidates are timed exactly in order of their
-    ``lower_bound`` until the bound passes the best time found (at most ``MAX_TIMED``)."""
+    part's chain may use stages of several GPUs, ``cluster.max_gpus_per_stage``, and is also tried in its
+    widest stages only), and consecutive GPUs per
+    part, one GPU a stage (parts may then share a node; up to ``MAX_GPU_SPLIT`` GPUs). Candidates are timed
+    exactly in the order of their ``estimate``, at most ``MAX_TIMED``, skipping those whose ``lower_bound``
+    is past the best time found."""
     parts = parts_of(profile)
     encoders = [m for m in ENCODERS if m in parts]
     if not encoders:
@@ -271,13 +280,15 @@ def best_branched(
     prefix = LayerPrefix(effective_layers(profile))
     trains = any(profile.layers[i].trainable for m in encoders for i in parts[m])
     per_gpu = dataclasses.replace(cluster, gpus_per_node=1, max_gpus_per_stage=1, context_parallel=1)
-    families = [("node", cluster, num_nodes)]
+    # Each part's cuts are its own chain's best, which knows nothing of the stages after it: a part may also
+    # be planned in its widest stages only (fewer, so the branched pipeline stays shallow).
+    families = [("node", _variants(cluster), num_nodes)]
     if 1 < cluster.gpus_per_node and num_nodes * cluster.gpus_per_node <= MAX_GPU_SPLIT:
-        families.append(("gpu", per_gpu, num_nodes * cluster.gpus_per_node))
-    chains: dict[tuple[str, str, int], PipelineTemplate | None] = {}
+        families.append(("gpu", (per_gpu,), num_nodes * cluster.gpus_per_node))
+    chains: dict[tuple[str, int, str, int], PipelineTemplate | None] = {}
 
-    def chain_of(family: str, unit_cluster: ClusterSpec, part: str, count: int) -> PipelineTemplate | None:
-        key = (family, part, count)
+    def chain_of(family: str, variant: int, unit_cluster: ClusterSpec, part: str, count: int):
+        key = (family, variant, part, count)
         if key not in chains:
             layers = profile.layers[parts[part].start : parts[part].stop]
             sub = dataclasses.replace(profile, layers=layers, upstream_trainable=part == "text" and trains)
@@ -285,23 +296,31 @@ def best_branched(
         return chains[key]
 
     candidates = []
-    for family, unit_cluster, units in families:
+    for family, variants, units in families:
         if units < len(order):
             continue
         for split in _splits(units, len(order)):
-            local = {part: chain_of(family, unit_cluster, part, n) for part, n in zip(order, split)}
-            if any(t is None for t in local.values()):
-                continue
-            template = _assemble(profile, prefix, cluster, parts, encoders, local, num_nodes, per_gpu=family == "gpu")
-            if template is not None:
-                candidates.append((lower_bound(template, num_microbatches), len(candidates), template))
+            options = [
+                [t for v, c in enumerate(variants) if (t := chain_of(family, v, c, part, n)) is not None]
+                for part, n in zip(order, split)
+            ]
+            for chosen in itertools.product(*options):
+                local = dict(zip(order, chosen))
+                template = _assemble(
+                    profile, prefix, cluster, parts, encoders, local, num_nodes, per_gpu=family == "gpu"
+                )
+                if template is not None:
+                    guess = estimate(template, num_microbatches)
+                    candidates.append((guess, len(candidates), lower_bound(template, num_microbatches), template))
     if not candidates:
         return None, f"no split of {num_nodes} node(s) between {', '.join(order)} fits memory"
     candidates.sort(key=lambda c: c[:2])
     best, best_s, timed = None, float("inf"), 0
-    for bound, _, template in candidates:
-        if bound >= best_s or timed == MAX_TIMED:
+    for _, _, bound, template in candidates:
+        if timed == MAX_TIMED:
             break
+        if bound >= best_s:
+            continue
         timed += 1
         seconds = template.iteration_time(num_microbatches)
         if seconds < best_s:
@@ -313,8 +332,7 @@ MAX_GPU_SPLIT = 32
 """Up to this many GPUs, parts are also tried on runs of GPUs (splits grow with the square of the GPUs: 465
 splits of 32 GPUs between three parts, each assembled and bounded)."""
 MAX_TIMED = 16
-"""Candidates timed exactly per ``best_branched`` call, lowest bounds first (the bound is within a few per cent
-of the exact time once microbatches outnumber stages: past that, candidates differ by their bottleneck)."""
+"""Candidates timed exactly per ``best_branched`` call, best ``estimate`` first."""
 
 
 def lower_bound(template: BranchedTemplate, num_microbatches: int) -> float:
@@ -329,6 +347,25 @@ def lower_bound(template: BranchedTemplate, num_microbatches: int) -> float:
             bound = max(bound, before + num_microbatches * (stage.forward_s + stage.backward_s))
             before += stage.forward_s + stage.backward_s
     return bound
+
+
+def estimate(template: BranchedTemplate, num_microbatches: int) -> float:
+    """The order candidates are timed in: per path, one microbatch through every stage and back plus the
+    others at the slowest stage's pace (the seed's formula, exact for equal stages: it counts the depth that
+    ``lower_bound`` leaves out)."""
+    return max(
+        sum(s.forward_s + s.backward_s for s in path)
+        + (num_microbatches - 1) * max(s.forward_s + s.backward_s for s in path)
+        for path in (branch.stages + template.llm.stages for branch in template.branches)
+    )
+
+
+def _variants(cluster: ClusterSpec) -> tuple[ClusterSpec, ...]:
+    """``cluster``, and where stages may span several GPUs, the same with its widest stages only."""
+    widest = min(cluster.max_gpus_per_stage, cluster.gpus_per_node)
+    if widest == 1 or cluster.context_parallel > 1:
+        return (cluster,)
+    return (cluster, dataclasses.replace(cluster, min_gpus_per_stage=widest))
 
 
 def _splits(total: int, parts: int):

@@ -240,6 +240,9 @@ class ClusterSpec:
     context_parallel: int = 1
     """Above 1: every stage spans this many GPUs of a node that split each microbatch's tokens (all-gather
     context parallelism) instead of sharding the layers (``stage_cost``)."""
+    min_gpus_per_stage: int = 1
+    """Narrowest stage the planner may use (a planning knob, not a config key: the encoder-branch search
+    plans a part in wide stages only to keep the branched pipeline shallow, ``planning.branches``)."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -275,7 +278,8 @@ class ClusterSpec:
         """GPU counts a stage may use on this cluster: under context parallelism exactly its degree."""
         if self.context_parallel > 1:
             return (self.context_parallel,)
-        return tuple(d for d in (1, 2, 4, 8) if d <= min(self.max_gpus_per_stage, self.gpus_per_node))
+        widest = min(self.max_gpus_per_stage, self.gpus_per_node)
+        return tuple(d for d in (1, 2, 4, 8) if min(self.min_gpus_per_stage, widest) <= d <= widest)
 
     @property
     def usable_memory_bytes(self) -> float:

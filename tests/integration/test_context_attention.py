@@ -196,12 +196,16 @@ def _block_rank(rank: int, port: int, results, block: int = TEXT_BLOCK, kind: st
         results.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("kind", ["built-in", "huggingface"])
-@pytest.mark.parametrize("block", [TEXT_BLOCK, 4096], ids=["both lanes hold tokens", "one lane holds none"])
+@pytest.mark.parametrize(
+    ("block", "kind"),
+    [(TEXT_BLOCK, "built-in"), (4096, "built-in"), (4096, "huggingface")],
+    ids=["both lanes hold tokens", "one lane holds none", "one lane holds none, transformers' LlamaDecoderLayer"],
+)
 def test_a_transformer_block_split_over_two_ranks_equals_the_block_on_the_whole_microbatch(monkeypatch, block, kind):
     """With one block for the whole microbatch, lane 1 holds no token and must still take part in every gather
     (it hung a run once: its block skipped attention on an empty input; transformers' attention cannot reshape
-    0 tokens, which stopped a HuggingFace run)."""
+    0 tokens, which stopped a HuggingFace run). A transformers block whose lanes both hold tokens runs in
+    test_context_parallel_training.py's LLaVA."""
     import torch
 
     from oobleck_mm.runtime.context_parallel import block_tokens

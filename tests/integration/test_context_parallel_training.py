@@ -9,6 +9,8 @@ rank's layers must equal the single-process reference, and the losses too.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import yaml
 
@@ -48,3 +50,40 @@ def test_a_context_parallel_pipeline_beside_an_ordinary_one_equals_the_reference
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
     assert max_param_diff(outs, trainer) < 1e-10
     assert ref_losses[-1] < ref_losses[0]
+
+
+def test_samples_four_times_longer_than_a_stage_holds_train_on_four_lanes_equal_to_the_reference(tmp_path):
+    """800-token samples at a memory where no mapping fits them on one GPU a stage (the same as
+    tests/unit/test_context_parallel_plan.py's): the planner's template for two nodes of four lanes each,
+    run as planned (8 ranks), equal to the reference in float64."""
+    from oobleck_mm.errors import UserError
+    from oobleck_mm.planning.costs import ClusterSpec
+    from oobleck_mm.planning.layout import rank_table
+    from oobleck_mm.planning.plan import Plan, PipelineInstance
+    from oobleck_mm.planning.stage_mapping import map_stages, min_nodes
+    from oobleck_mm.profiling.analytical import profile_from_config
+
+    with open("configs/tiny_mm.yaml") as f:
+        d = yaml.safe_load(f)
+    for part in ("vision", "projector"):
+        d["model"].pop(part)
+    d["data"].update(mean_text_tokens=800, max_seq_len=2048, mean_images_per_sample=0, max_images_per_sample=0)
+    d["training"].update(dtype="float64", steps=2, global_batch=4, microbatch_size=2)
+    d["cluster"].update(nodes=2, gpus_per_node=4, device_memory=6_000_000)
+    d["fault_tolerance"]["f"] = 0
+    plain = config_from_dict(copy.deepcopy(d))
+    with pytest.raises(UserError, match="does not fit"):
+        min_nodes(profile_from_config(plain), ClusterSpec.from_config(plain.cluster))
+    d["cluster"]["context_parallel"] = 4
+    job = config_from_dict(d)
+    profile, cluster = profile_from_config(job), ClusterSpec.from_config(job.cluster)
+    template = map_stages(profile, cluster, 2, 2)
+    planned = Plan((PipelineInstance(template, ("n0", "n1"), 2),), 4, 2, 0.0)
+    plan = ExecutionPlan.from_plan(planned, rank_table(planned))
+    assert plan.world_size == 8 and all(s.context_parallel and s.width == 4 for s in plan.pipelines[0].stages)
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(2)]
+    outs = run_local(job, plan, 2, tmp_path / "run", timeout_s=240)
+    for out in outs:
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+    assert max_param_diff(outs, trainer) < 1e-10

@@ -131,3 +131,12 @@ def test_parts_must_be_contiguous():
     with pytest.raises(ValueError, match="the vision layers are not contiguous"):
         parts_of(shuffled)
     assert parts_of(p) == {"vision": range(0, 2), "audio": range(2, 4), "text": range(4, 7)}
+
+
+def test_a_part_may_be_planned_in_its_widest_stages_only():
+    """``min_gpus_per_stage``: the branch search's shallow variant (and the chain's, for a fair comparison)."""
+    roomy = ClusterSpec(gpus_per_node=4, device_memory_bytes=10**12, max_gpus_per_stage=2)
+    assert roomy.stage_gpu_options == (1, 2)
+    assert dataclasses.replace(roomy, min_gpus_per_stage=2).stage_gpu_options == (2,)
+    # above the widest allowed, the widest
+    assert dataclasses.replace(roomy, min_gpus_per_stage=8).stage_gpu_options == (2,)
