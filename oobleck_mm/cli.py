@@ -116,9 +116,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _placements(job, profile, plan, progress) -> list[dict]:
     """Per distinct (nodes, microbatches) pipeline of ``plan``: the chain against the encoders as branches."""
     from oobleck_mm.planning.branches import place
-    from oobleck_mm.planning.costs import ClusterSpec
+    from oobleck_mm.planning.stage_mapping import planning_cluster
 
-    cluster = ClusterSpec.from_config(job.cluster)
+    cluster = planning_cluster(job, profile)
     rows = []
     for nodes, microbatches in sorted({(p.template.num_nodes, p.num_microbatches) for p in plan.pipelines}):
         if progress is not None:

@@ -53,12 +53,14 @@ class ClusterConfig:
     catalogue's (0.45). Calibrate the analytical cost model to a measured cluster with it."""
     max_gpus_per_stage: int = 1
     """Largest GPU count of one pipeline stage: 1, 2, 4 or 8, at most gpus_per_node."""
-    context_parallel: int = 1
+    context_parallel: int | str = 1
     """GPUs of one node that split every sample's tokens (all-gather context parallelism, Cornstarch §3.4.3):
-    1, 2, 4 or 8, at most gpus_per_node. Above 1 every stage spans that many GPUs of a node, each holding its
-    layers whole and its share of every microbatch's 128-token blocks (Cornstarch's LPT over the attention
-    work); attention gathers the others' keys and values. For samples longer than one GPU's memory holds.
-    The built-in model's LLM only (no model.vision or model.audio yet); not with max_gpus_per_stage above 1."""
+    1, 2, 4 or 8, at most gpus_per_node, or ``auto``. Above 1 every stage spans that many GPUs of a node, each
+    holding its layers whole and its share of every microbatch's 128-token blocks (Cornstarch's LPT over the
+    attention work); attention gathers the others' keys and values. For samples longer than one GPU's memory
+    holds. ``auto``: the planner takes the smallest degree at which the job fits its nodes (1 when it fits
+    without; ``planning.stage_mapping.resolve_context_parallel``). The built-in model and HuggingFace models
+    (their encoders run whole on every GPU of such a stage); not with max_gpus_per_stage above 1."""
     intra_node_bandwidth: float = 150e9
     """Bytes/s between GPUs of a node."""
     inter_node_bandwidth: float = 12.5e9
@@ -126,9 +128,15 @@ class ClusterConfig:
         check(self, "max_gpus_per_stage", as_int, minimum=1)
         if self.max_gpus_per_stage not in (1, 2, 4, 8):
             raise ConfigError(f"cluster.max_gpus_per_stage: must be 1, 2, 4 or 8, got {self.max_gpus_per_stage}")
-        check(self, "context_parallel", as_int, minimum=1)
-        if self.context_parallel not in (1, 2, 4, 8):
-            raise ConfigError(f"cluster.context_parallel: must be 1, 2, 4 or 8, got {self.context_parallel}")
+        if self.context_parallel != "auto":
+            try:
+                check(self, "context_parallel", as_int, minimum=1)
+            except ConfigError:
+                raise ConfigError(
+                    f"cluster.context_parallel: must be 1, 2, 4, 8 or auto, got {self.context_parallel!r}"
+                ) from None
+            if self.context_parallel not in (1, 2, 4, 8):
+                raise ConfigError(f"cluster.context_parallel: must be 1, 2, 4, 8 or auto, got {self.context_parallel}")
         check(self, "intra_node_bandwidth", as_bandwidth)
         check(self, "inter_node_bandwidth", as_bandwidth)
         check(self, "backend", as_choice, ("auto", "gloo", "nccl"))

@@ -68,7 +68,7 @@ def validate(job: Sections) -> None:
         raise ConfigError(
             f"cluster.max_gpus_per_stage ({c.max_gpus_per_stage}) exceeds cluster.gpus_per_node ({c.gpus_per_node})"
         )
-    if c.context_parallel > 1:
+    if c.context_parallel == "auto" or c.context_parallel > 1:
         _validate_context_parallel(m, c)
     if c.backend == "nccl" and c.device == "cpu":
         raise ConfigError("cluster.backend: 'nccl' needs a GPU device, cluster.device is 'cpu'")
@@ -83,9 +83,11 @@ def _validate_context_parallel(m: ModelConfig, c: ClusterConfig) -> None:
     """What context parallelism runs on (``runtime.context_parallel``): the built-in or a HuggingFace model's
     sequence (their encoders run on whole media on every lane)."""
     where = f"cluster.context_parallel ({c.context_parallel})"
-    if c.context_parallel > c.gpus_per_node:
+    if c.context_parallel == "auto":
+        where += " (it may choose a degree above 1)"
+    elif c.context_parallel > c.gpus_per_node:
         raise ConfigError(f"{where} exceeds cluster.gpus_per_node ({c.gpus_per_node}): its GPUs share a node")
-    if c.gpus_per_node % c.context_parallel:
+    if c.context_parallel != "auto" and c.gpus_per_node % c.context_parallel:
         raise ConfigError(
             f"{where} must divide cluster.gpus_per_node ({c.gpus_per_node}): every stage spans that many GPUs"
         )

@@ -221,6 +221,10 @@ def effective_layers(profile: ModelProfile) -> tuple[EffectiveLayer, ...]:
     return tuple(out)
 
 
+AUTO_CONTEXT_PARALLEL = 0
+"""``ClusterSpec.context_parallel`` for the config's ``auto``: no degree chosen yet (maps as 1 until then)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """What the planner knows about the hardware: homogeneous nodes of identical GPUs."""
@@ -253,7 +257,9 @@ class ClusterSpec:
             raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes}")
         if not 0 < self.memory_headroom <= 1:
             raise ValueError(f"memory_headroom must be in (0, 1], got {self.memory_headroom}")
-        if self.context_parallel not in (1, 2, 4, 8) or self.gpus_per_node % self.context_parallel:
+        if self.context_parallel == AUTO_CONTEXT_PARALLEL:
+            pass  # resolved by planning.stage_mapping.resolve_context_parallel before any mapping
+        elif self.context_parallel not in (1, 2, 4, 8) or self.gpus_per_node % self.context_parallel:
             raise ValueError(
                 f"context_parallel must be 1, 2, 4 or 8 and divide gpus_per_node ({self.gpus_per_node}), "
                 f"got {self.context_parallel}"
@@ -270,7 +276,7 @@ class ClusterSpec:
             intra_node_bandwidth=cluster.intra_node_bandwidth,
             inter_node_bandwidth=cluster.inter_node_bandwidth,
             max_gpus_per_stage=cluster.max_gpus_per_stage,
-            context_parallel=cluster.context_parallel,
+            context_parallel=AUTO_CONTEXT_PARALLEL if cluster.context_parallel == "auto" else cluster.context_parallel,
         )
 
     @property

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from oobleck_mm.errors import UserError
-from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
+from oobleck_mm.planning.costs import ModelProfile
 from oobleck_mm.planning.errors import TooFewNodes
 from oobleck_mm.planning.instantiate import instantiate
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
@@ -33,7 +33,7 @@ from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.reconfigure import CannotKeepReplicas, Reconfiguration, reconfigure
 from oobleck_mm.planning.speed import predicted_samples_per_s, speed_aware_plan, with_own_templates
 from oobleck_mm.planning.report import format_plan, format_templates, plan_to_dict, template_to_dict
-from oobleck_mm.planning.stage_mapping import build_templates, recut_for_speeds
+from oobleck_mm.planning.stage_mapping import build_templates, planning_cluster, recut_for_speeds
 from oobleck_mm.planning.template import TemplateSet
 
 
@@ -139,9 +139,14 @@ def plan_job(
     """
     solver = solver or job.planning.solver
     f = job.fault_tolerance.f
-    cluster = ClusterSpec.from_config(job.cluster)
+    cluster = planning_cluster(job, profile)
     seconds: dict[str, float] = {}
     say = progress or (lambda line: None)
+    if job.cluster.context_parallel == "auto":
+        say(
+            f"cluster.context_parallel: auto chose {cluster.context_parallel}"
+            + (" (the model fits without)" if cluster.context_parallel == 1 else "")
+        )
 
     start = time.perf_counter()
     template_set = build_templates(
@@ -273,7 +278,7 @@ def plan_reconfiguration(
             joined,
             template_set,
             job.fault_tolerance.f,
-            ClusterSpec.from_config(job.cluster),
+            planning_cluster(job, profile),
             solver=job.planning.solver,
             replan_gain=math.inf if gain is None else gain,
         )
@@ -311,7 +316,7 @@ def split_for_speeds(
     start = time.perf_counter()
     recut = None
     if profile is not None and job.fault_tolerance.straggler_recut:
-        cluster = ClusterSpec.from_config(job.cluster)
+        cluster = planning_cluster(job, profile)
         recut = lambda template, factors, m: recut_for_speeds(profile, cluster, template, factors, m)  # noqa: E731
     restore = template_set.for_nodes if template_set is not None else None
     plan, split, cut = speed_aware_plan(outcome.plan, slow, job.planning.solver, recut, restore)

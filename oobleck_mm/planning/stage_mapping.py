@@ -88,7 +88,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from oobleck_mm.planning.errors import InfeasiblePlan, TooFewNodes
-from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
+from oobleck_mm.errors import UserError
+from oobleck_mm.planning.costs import AUTO_CONTEXT_PARALLEL, ClusterSpec, ModelProfile
 from oobleck_mm.planning.stage_tables import _CROSS, _INTRA, _LAST, _CostTables, _shift_boundary, _SuffixChain
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 
@@ -205,6 +206,39 @@ def min_nodes(profile: ModelProfile, cluster: ClusterSpec) -> int:
     return _Planner(profile, cluster).min_nodes()
 
 
+def resolve_context_parallel(profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, f: int) -> ClusterSpec:
+    """``cluster`` with ``context_parallel: auto`` (``AUTO_CONTEXT_PARALLEL``) made a degree: the smallest of
+    1, 2, 4, 8 (dividing a node's GPUs) for which templates can be built on ``num_nodes`` nodes with ``f``
+    (``build_templates``' own conditions: a mapping fits memory, ``f + 1`` replicas fit, the node counts
+    covered); a ``UserError`` naming the field when none does. A function of the config and the profile
+    alone (the job's declared ``cluster.nodes``, not the live count), so every planning call of a job
+    resolves it alike. Any other ``cluster`` as it is."""
+    if cluster.context_parallel != AUTO_CONTEXT_PARALLEL:
+        return cluster
+    tried = []
+    for d in (1, 2, 4, 8):
+        if d > cluster.gpus_per_node or cluster.gpus_per_node % d:
+            continue
+        candidate = dataclasses.replace(cluster, context_parallel=d)
+        try:
+            _node_counts(_Planner(profile, candidate), profile, candidate, num_nodes, f)
+        except UserError as exc:
+            tried.append(f"{d}: {exc}")
+            continue
+        return candidate
+    raise UserError(
+        f"cluster.context_parallel: auto found no degree at which the model fits {num_nodes} nodes with f = {f}; "
+        + "; ".join(tried)
+    )
+
+
+def planning_cluster(job, profile: ModelProfile) -> ClusterSpec:
+    """The job's ``ClusterSpec`` for planning, ``context_parallel: auto`` resolved (``resolve_context_parallel``)."""
+    return resolve_context_parallel(
+        profile, ClusterSpec.from_config(job.cluster), job.cluster.nodes, job.fault_tolerance.f
+    )
+
+
 def build_templates(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -231,19 +265,7 @@ def build_templates(
         raise ValueError(f"fault_tolerance must be >= 0, got {fault_tolerance}")
     _check_hint(microbatches_hint)
     planner = _Planner(profile, cluster)
-    n0 = planner.min_nodes()
-    f = fault_tolerance
-    if num_nodes < (f + 1) * n0:
-        raise TooFewNodes(
-            f"num_nodes ({num_nodes}) < (fault_tolerance ({f}) + 1) x min_nodes ({n0}) = {(f + 1) * n0}: "
-            f"{f + 1} replica(s) of model {profile.model_name!r} need at least {(f + 1) * n0} nodes; "
-            f"use cluster.nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1),
-            live_nodes=num_nodes,
-            needed=(f + 1) * n0,
-        )
-    budget_max = num_nodes - f * n0
-    n_max = planner.last_feasible_from(n0, budget_max)
-    _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, planner.max_nodes_by_layers)
+    n0, n_max = _node_counts(planner, profile, cluster, num_nodes, fault_tolerance)
     templates = []
     for n in range(n0, n_max + 1):
         hint = microbatches_hint
@@ -255,6 +277,23 @@ def build_templates(
         if progress is not None:
             progress(_describe(template))
     return TemplateSet(min_nodes=n0, templates=tuple(templates))
+
+
+def _node_counts(planner: _Planner, profile, cluster, num_nodes: int, f: int) -> tuple[int, int]:
+    """The node counts ``n0 .. n_max`` templates are built for, or the ``UserError`` that says why none can."""
+    n0 = planner.min_nodes()
+    if num_nodes < (f + 1) * n0:
+        raise TooFewNodes(
+            f"num_nodes ({num_nodes}) < (fault_tolerance ({f}) + 1) x min_nodes ({n0}) = {(f + 1) * n0}: "
+            f"{f + 1} replica(s) of model {profile.model_name!r} need at least {(f + 1) * n0} nodes; "
+            f"use cluster.nodes >= {(f + 1) * n0}" + _or_fault_tolerance(num_nodes // n0 - 1),
+            live_nodes=num_nodes,
+            needed=(f + 1) * n0,
+        )
+    budget_max = num_nodes - f * n0
+    n_max = planner.last_feasible_from(n0, budget_max)
+    _check_coverage(profile, cluster, num_nodes, f, n0, budget_max, n_max, planner.max_nodes_by_layers)
+    return n0, n_max
 
 
 def _check_positive(name: str, value: int) -> None:

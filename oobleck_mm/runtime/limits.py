@@ -56,14 +56,12 @@ def check_templates(job) -> None:
 
     if job.planning.profile != "analytical" or not shape_measured(job.data):
         return  # a data file's token counts are measured by the master before it plans (data.check)
-    from oobleck_mm.planning.costs import ClusterSpec
-    from oobleck_mm.planning.stage_mapping import build_templates
+    from oobleck_mm.planning.stage_mapping import build_templates, planning_cluster
     from oobleck_mm.profiling.load import load_profile
 
     try:
-        build_templates(
-            load_profile(job), ClusterSpec.from_config(job.cluster), job.cluster.nodes, job.fault_tolerance.f
-        )
+        profile = load_profile(job)
+        build_templates(profile, planning_cluster(job, profile), job.cluster.nodes, job.fault_tolerance.f)
     except UserError as exc:
         raise UserError(f"no pipeline templates for {job.cluster.nodes} nodes (cluster.nodes): {exc}") from None
 

@@ -10,7 +10,8 @@ import math
 from collections.abc import Sequence
 
 from oobleck_mm.errors import UserError
-from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
+from oobleck_mm.planning.costs import ClusterSpec
+from oobleck_mm.planning.stage_mapping import planning_cluster, ModelProfile
 from oobleck_mm.planning.plan import gradient_allreduce_s
 from oobleck_mm.planning.stage_mapping import build_templates
 from oobleck_mm.planning.template import PipelineTemplate
@@ -86,7 +87,7 @@ class VarunaSystem:
     def __init__(self, job, profile: ModelProfile, params: SimParams, max_nodes: int):
         self.job, self.profile, self.params = job, profile, params
         self.saves_on_signal = params.varuna_saves_on_signal
-        self.cluster = ClusterSpec.from_config(job.cluster)
+        self.cluster = planning_cluster(job, profile)
         self.timed = _Timed(params)
         self.note = ""
         self.grid: Grid | None = None

@@ -37,7 +37,8 @@ from typing import Any
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.faults.spec import node_number
-from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
+from oobleck_mm.planning.costs import ClusterSpec
+from oobleck_mm.planning.stage_mapping import planning_cluster, ModelProfile
 from oobleck_mm.planning.plan import Plan
 from oobleck_mm.planning.planner import Planned, plan_fresh, plan_reconfiguration, plan_without_stragglers
 from oobleck_mm.planning.speed import speed_aware_plan
@@ -160,7 +161,7 @@ class OobleckSystem:
                     "`oobleck-launch simulate` samples them)"
                 )
             self.skew, self.skew_mode = SkewPricer(job, profile, skew_samples), mode_of(job.balance)
-        self.cluster = ClusterSpec.from_config(job.cluster)
+        self.cluster = planning_cluster(job, profile)
         self.timed = _Timed(params)
         self.plan: Plan | None = None
         self.templates: TemplateSet | None = None

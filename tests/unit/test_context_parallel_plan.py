@@ -34,7 +34,7 @@ def text_job(**cluster):
     [
         (
             {"cluster": {"context_parallel": 3, "gpus_per_node": 4}},
-            "cluster.context_parallel: must be 1, 2, 4 or 8, got 3",
+            "cluster.context_parallel: must be 1, 2, 4, 8 or auto, got 3",
         ),
         (
             {"cluster": {"context_parallel": 2, "gpus_per_node": 1}},
@@ -142,3 +142,43 @@ def test_a_journal_stage_row_from_before_context_parallelism_still_reads():
 def test_a_pipeline_cannot_mix_context_parallel_and_other_stages():
     with pytest.raises(ValueError, match="every stage of it must be context-parallel over as many GPUs"):
         ExecutionPlan.even(6, [2], [4], 2, widths=[[2, 1]], context_parallel=[True])
+
+
+def test_auto_takes_the_smallest_degree_at_which_the_job_fits_and_says_so():
+    """``cluster.context_parallel: auto``: 1 where the samples fit a GPU a stage; for samples 4x longer at the
+    same memory, the smallest degree that fits the nodes, the same in every planning call of the job."""
+    from oobleck_mm.planning.stage_mapping import planning_cluster
+
+    d = text_job(nodes=3, gpus_per_node=4, device_memory=6_000_000, context_parallel="auto")
+    d["fault_tolerance"]["f"] = 0
+    d["training"].update(global_batch=4, microbatch_size=2)
+    short = config_from_dict(copy.deepcopy(d))
+    assert planning_cluster(short, profile_from_config(short)).context_parallel == 1
+    d["data"].update(mean_text_tokens=800, max_seq_len=2048)
+    long = config_from_dict(copy.deepcopy(d))
+    chosen = planning_cluster(long, profile_from_config(long)).context_parallel
+    assert chosen in (2, 4)
+    # the degree below does not fit: that is why it was not taken
+    below = config_from_dict({**copy.deepcopy(d), "cluster": {**d["cluster"], "context_parallel": chosen // 2}})
+    with pytest.raises(UserError):
+        plan_job(below, profile_from_config(below), ["n0", "n1", "n2"])
+    lines = []
+    planned = plan_job(long, profile_from_config(long), ["n0", "n1", "n2"], progress=lines.append).plan
+    assert f"cluster.context_parallel: auto chose {chosen}" in lines
+    assert all(s.context_parallel and len(s.gpus) == chosen for p in planned.pipelines for s in p.template.stages)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "message"),
+    [
+        ({"context_parallel": "sometimes"}, "cluster.context_parallel: must be 1, 2, 4, 8 or auto"),
+        (
+            {"context_parallel": "auto", "gpus_per_node": 2, "max_gpus_per_stage": 2},
+            r"cluster.context_parallel \(auto\) \(it may choose a degree above 1\) and cluster.max_gpus_per_stage",
+        ),
+    ],
+)
+def test_bad_auto_settings_name_the_field(cluster, message):
+    d = text_job(**cluster)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(d)
