@@ -33,9 +33,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from oobleck_mm.planning.costs import ClusterSpec, LayerPrefix, ModelProfile, effective_layers, stage_cost
+from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
 from oobleck_mm.planning.pipeline_time import validate_count
 from oobleck_mm.planning.stage_mapping import map_stages
+from oobleck_mm.planning.stage_tables import _CostTables
 from oobleck_mm.planning.template import PipelineTemplate, StageSpec
 
 ENCODERS = ("vision", "audio")
@@ -112,7 +113,7 @@ def simulate_branched(template: BranchedTemplate, num_microbatches: int) -> floa
 
     validate_count("num_microbatches", num_microbatches)
     m = int(num_microbatches)
-    forward, backward, nexts, prevs, act_s, grad_s, schedules = [], [], [], [], {}, {}, []
+    forward, backward, nexts, prevs, act_s, grad_s, schedules, branch_lasts = [], [], [], [], {}, {}, [], []
     llm_first = sum(b.num_stages for b in template.branches)
     depth = template.llm.num_stages
     base = 0
@@ -128,10 +129,6 @@ def simulate_branched(template: BranchedTemplate, num_microbatches: int) -> floa
             act_s[(s, nexts[-1])] = hop
             grad_s[(nexts[-1], s)] = merge if last else branch.send_grad_s[k]
             schedules.append(ds.TrainSchedule(micro_batches=m, stages=branch.num_stages + depth, stage_id=k))
-        base += branch.num_stages
-    branch_lasts = []
-    base = 0
-    for branch in template.branches:
         base += branch.num_stages
         branch_lasts.append(base - 1)
     for j, stage in enumerate(template.llm.stages):
@@ -277,7 +274,7 @@ def best_branched(
     if not encoders:
         return None, "the model has no encoder"
     order = (*encoders, "text")
-    prefix = LayerPrefix(effective_layers(profile))
+    tables = _CostTables(profile, cluster)  # every stage's cost in its cheapest variant that fits
     trains = any(profile.layers[i].trainable for m in encoders for i in parts[m])
     per_gpu = dataclasses.replace(cluster, gpus_per_node=1, max_gpus_per_stage=1, context_parallel=1)
     # Each part's cuts are its own chain's best, which knows nothing of the stages after it: a part may also
@@ -306,9 +303,7 @@ def best_branched(
             ]
             for chosen in itertools.product(*options):
                 local = dict(zip(order, chosen))
-                template = _assemble(
-                    profile, prefix, cluster, parts, encoders, local, num_nodes, per_gpu=family == "gpu"
-                )
+                template = _assemble(tables, parts, encoders, local, num_nodes, per_gpu=family == "gpu")
                 if template is not None:
                     guess = estimate(template, num_microbatches)
                     candidates.append((guess, len(candidates), lower_bound(template, num_microbatches), template))
@@ -379,9 +374,7 @@ def _splits(total: int, parts: int):
 
 
 def _assemble(
-    profile: ModelProfile,
-    prefix: LayerPrefix,
-    cluster: ClusterSpec,
+    tables: _CostTables,
     parts: dict[str, range],
     encoders: Sequence[str],
     local: dict[str, PipelineTemplate],
@@ -392,7 +385,7 @@ def _assemble(
     ``per_gpu`` consecutive GPUs, one a stage), priced on the whole model's costs at their true in-flight
     counts and their transfers by whether the two ends share a node; None when a stage fits no variant."""
     llm_stages = local["text"].num_stages
-    modes = {"auto": (False, True), "always": (True,), "never": (False,)}[profile.recompute]
+    cluster, prefix = tables.cluster, tables.prefix
     g = cluster.gpus_per_node
     used = 0  # GPUs (per_gpu) or nodes the parts placed so far hold
 
@@ -402,11 +395,8 @@ def _assemble(
         for k, s in enumerate(template.stages):
             in_flight = template.num_stages - k + after
             start, end = s.layer_start + offset, s.layer_end + offset
-            for recompute in modes:
-                cost = stage_cost(prefix, cluster, start, end, len(s.gpus), recompute)
-                if cost.memory_bytes(in_flight) <= cluster.usable_memory_bytes:
-                    break
-            else:
+            cost, recompute = tables.stage(start, end, len(s.gpus), in_flight)
+            if cost.memory_bytes(in_flight) > cluster.usable_memory_bytes:
                 return None
             node, gpus = ((used + s.node) // g, ((used + s.node) % g,)) if per_gpu else (used + s.node, s.gpus)
             stages.append(
