@@ -16,7 +16,8 @@ blocking rendezvous transfers matched in order on each directed channel, as
 order and sends each its gradient. With one branch this is a chain, and it equals
 ``pipeline_time.iteration_time_1f1b``'s closed recurrence (tests/unit/test_branches.py holds it there).
 
-Planning a branched template: each part (a branch's layers, the LLM's) gets whole nodes; its stage
+Planning a branched template: each part (a branch's layers, the LLM's) gets a run of whole nodes or of
+units of fewer GPUs (a divisor of a node, so parts may share one); its stage
 cuts and GPUs come from the chain planner (``stage_mapping.map_stages``) on that part alone, and every
 stage is then priced on the whole model's costs (eq. 3.3 per branch: an encoder's input gradients
 depend on its own branch only) at its true 1F1B in-flight count (a branch stage holds the LLM's stages'
@@ -263,10 +264,10 @@ def place(profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_micro
 def best_branched(
     profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int
 ) -> tuple[BranchedTemplate | None, str]:
-    """The fastest branched template, or None and why. Two families of splits: whole nodes per part (each
-    part's chain may use stages of several GPUs, ``cluster.max_gpus_per_stage``, and is also tried in its
-    widest stages only), and consecutive GPUs per
-    part, one GPU a stage (parts may then share a node; up to ``MAX_GPU_SPLIT`` GPUs). Candidates are timed
+    """The fastest branched template, or None and why. Parts get runs of units of ``u`` GPUs: whole nodes,
+    and each smaller divisor of a node while there are at most ``MAX_GPU_SPLIT`` units (parts may then share
+    a node, and a part gets exactly the GPUs its depth needs); a part's chain may use stages of up to ``u``
+    GPUs (and ``cluster.max_gpus_per_stage``) and is also tried in its widest stages only. Candidates are timed
     exactly in the order of their ``estimate``, at most ``MAX_TIMED``, skipping those whose ``lower_bound``
     is past the best time found."""
     parts = parts_of(profile)
@@ -276,34 +277,37 @@ def best_branched(
     order = (*encoders, "text")
     tables = _CostTables(profile, cluster)  # every stage's cost in its cheapest variant that fits
     trains = any(profile.layers[i].trainable for m in encoders for i in parts[m])
-    per_gpu = dataclasses.replace(cluster, gpus_per_node=1, max_gpus_per_stage=1, context_parallel=1)
-    # Each part's cuts are its own chain's best, which knows nothing of the stages after it: a part may also
-    # be planned in its widest stages only (fewer, so the branched pipeline stays shallow).
-    families = [("node", _variants(cluster), num_nodes)]
-    if 1 < cluster.gpus_per_node and num_nodes * cluster.gpus_per_node <= MAX_GPU_SPLIT:
-        families.append(("gpu", (per_gpu,), num_nodes * cluster.gpus_per_node))
-    chains: dict[tuple[str, int, str, int], PipelineTemplate | None] = {}
+    # Each part gets a run of u-GPU units (u dividing a node, so no unit straddles two nodes): whole nodes,
+    # and smaller units that let parts share a node and give a part exactly the GPUs its depth needs. (Parts
+    # of different units were tried: on Cornstarch's models at 24 GPUs they found nothing faster.)
+    units = _unit_sizes(cluster, num_nodes)
+    shaped = {
+        u: _variants(
+            dataclasses.replace(cluster, gpus_per_node=u, max_gpus_per_stage=min(cluster.max_gpus_per_stage, u))
+        )
+        for u in units
+    }
+    chains: dict[tuple[int, int, str, int], PipelineTemplate | None] = {}
 
-    def chain_of(family: str, variant: int, unit_cluster: ClusterSpec, part: str, count: int):
-        key = (family, variant, part, count)
-        if key not in chains:
-            layers = profile.layers[parts[part].start : parts[part].stop]
-            sub = dataclasses.replace(profile, layers=layers, upstream_trainable=part == "text" and trains)
-            chains[key] = map_stages(sub, unit_cluster, count, num_microbatches)
-        return chains[key]
+    def chains_of(part: str, unit: int, count: int) -> list[PipelineTemplate]:
+        out = []
+        for v, variant in enumerate(shaped[unit]):
+            key = (unit, v, part, count)
+            if key not in chains:
+                layers = profile.layers[parts[part].start : parts[part].stop]
+                sub = dataclasses.replace(profile, layers=layers, upstream_trainable=part == "text" and trains)
+                chains[key] = map_stages(sub, variant, count, num_microbatches)
+            if chains[key] is not None:
+                out.append(chains[key])
+        return out
 
     candidates = []
-    for family, variants, units in families:
-        if units < len(order):
-            continue
-        for split in _splits(units, len(order)):
-            options = [
-                [t for v, c in enumerate(variants) if (t := chain_of(family, v, c, part, n)) is not None]
-                for part, n in zip(order, split)
-            ]
+    for unit in units:
+        for split in _splits(num_nodes * cluster.gpus_per_node // unit, len(order)):
+            options = [chains_of(part, unit, count) for part, count in zip(order, split)]
             for chosen in itertools.product(*options):
                 local = dict(zip(order, chosen))
-                template = _assemble(tables, parts, encoders, local, num_nodes, per_gpu=family == "gpu")
+                template = _assemble(tables, parts, encoders, local, num_nodes, unit)
                 if template is not None:
                     guess = estimate(template, num_microbatches)
                     candidates.append((guess, len(candidates), lower_bound(template, num_microbatches), template))
@@ -324,8 +328,8 @@ def best_branched(
 
 
 MAX_GPU_SPLIT = 32
-"""Up to this many GPUs, parts are also tried on runs of GPUs (splits grow with the square of the GPUs: 465
-splits of 32 GPUs between three parts, each assembled and bounded)."""
+"""Up to this many units, parts are also tried on runs of units smaller than a node (splits grow with the
+square of the units: 465 splits of 32 units between three parts, each assembled and bounded)."""
 MAX_TIMED = 16
 """Candidates timed exactly per ``best_branched`` call, best ``estimate`` first."""
 
@@ -363,6 +367,14 @@ def _variants(cluster: ClusterSpec) -> tuple[ClusterSpec, ...]:
     return (cluster, dataclasses.replace(cluster, min_gpus_per_stage=widest))
 
 
+def _unit_sizes(cluster: ClusterSpec, num_nodes: int) -> list[int]:
+    """The unit sizes parts are given GPUs in: a whole node always, and every smaller divisor of a node while
+    the template has at most ``MAX_GPU_SPLIT`` units of it (splits grow with the square of the units)."""
+    g = cluster.gpus_per_node
+    d = cluster.context_parallel  # a context-parallel stage is d GPUs wide: a unit holds whole stages
+    return [g] + [u for u in range(g - 1, 0, -1) if g % u == 0 and u % d == 0 and num_nodes * g // u <= MAX_GPU_SPLIT]
+
+
 def _splits(total: int, parts: int):
     """Every way to give ``parts`` parts at least one unit each, ``total`` in all."""
     if parts == 1:
@@ -379,15 +391,16 @@ def _assemble(
     encoders: Sequence[str],
     local: dict[str, PipelineTemplate],
     num_nodes: int,
-    per_gpu: bool,
+    unit: int,
 ) -> BranchedTemplate | None:
-    """The parts' chains placed one after another (the branches', then the LLM's: whole nodes each, or with
-    ``per_gpu`` consecutive GPUs, one a stage), priced on the whole model's costs at their true in-flight
-    counts and their transfers by whether the two ends share a node; None when a stage fits no variant."""
+    """The parts' chains placed one after another (the branches', then the LLM's), each on a run of units of
+    ``unit`` GPUs (its chain was planned on nodes of that many GPUs: its node ``i`` is the run's ``i``-th
+    unit), priced on the whole model's costs at their true in-flight counts and their transfers by
+    whether the two ends share a node; None when a stage fits no variant."""
     llm_stages = local["text"].num_stages
     cluster, prefix = tables.cluster, tables.prefix
     g = cluster.gpus_per_node
-    used = 0  # GPUs (per_gpu) or nodes the parts placed so far hold
+    used = 0  # GPUs the parts placed so far hold
 
     def priced(template: PipelineTemplate, offset: int, after: int) -> PipelineTemplate | None:
         nonlocal used
@@ -398,7 +411,8 @@ def _assemble(
             cost, recompute = tables.stage(start, end, len(s.gpus), in_flight)
             if cost.memory_bytes(in_flight) > cluster.usable_memory_bytes:
                 return None
-            node, gpus = ((used + s.node) // g, ((used + s.node) % g,)) if per_gpu else (used + s.node, s.gpus)
+            first = used + s.node * unit  # the run's unit s.node, as a GPU index of the whole template
+            node, gpus = (first + s.gpus[0]) // g, tuple((first + i) % g for i in s.gpus)
             stages.append(
                 dataclasses.replace(
                     s,
@@ -413,7 +427,7 @@ def _assemble(
                     recompute=recompute,
                 )
             )
-        used += template.num_nodes
+        used += template.num_nodes * unit
         sends = tuple(
             cluster.transfer_s(prefix.layers[a.layer_end - 1].output_bytes, cross_node=a.node != b.node)
             for a, b in zip(stages, stages[1:])

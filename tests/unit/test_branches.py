@@ -140,3 +140,21 @@ def test_a_part_may_be_planned_in_its_widest_stages_only():
     assert dataclasses.replace(roomy, min_gpus_per_stage=2).stage_gpu_options == (2,)
     # above the widest allowed, the widest
     assert dataclasses.replace(roomy, min_gpus_per_stage=8).stage_gpu_options == (2,)
+
+
+def test_parts_may_share_a_node_in_units_of_its_gpus(monkeypatch):
+    """Two nodes of 4 GPUs cannot give three parts a node each; units of 2 GPUs (or 1) can. Every GPU is then
+    used once, a stage stays inside its node, and the parts fill both nodes."""
+    import oobleck_mm.planning.branches as branches
+
+    cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=10**12, max_gpus_per_stage=2)
+    shared = place(profile(4, 4, 4, 1.0, 1.0), cluster, 2, 2)
+    assert shared.branched is not None, shared.reason
+    used = [(s.node, g) for s in shared.branched.stages for g in s.gpus]
+    assert len(set(used)) == len(used) == 8
+    assert {n for n, _ in used} == {0, 1} and all(0 <= g < 4 for _, g in used)
+    # two parts on one node: only units smaller than a node place them so
+    part_nodes = [{s.node for s in part.stages} for part in (*shared.branched.branches, shared.branched.llm)]
+    assert any(a & b for i, a in enumerate(part_nodes) for b in part_nodes[i + 1 :]), part_nodes
+    monkeypatch.setattr(branches, "MAX_GPU_SPLIT", 0)  # whole nodes only
+    assert "no split of 2 node(s)" in place(profile(4, 4, 4, 1.0, 1.0), cluster, 2, 2).reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -389,3 +390,17 @@ def test_local_refuses_a_cluster_the_templates_cannot_cover_before_anything_star
     assert "use cluster.nodes >= 5" in err
     assert not (tmp_path / "run" / "events.jsonl").exists(), "nothing started"
     assert time.perf_counter() - began < 10
+
+
+def test_plan_placements_prints_both_times_and_the_branches_gpus(capsys):
+    """``--placements``: per pipeline, the chain's and the branches' exact times and the faster; on one node of
+    Cornstarch's SSS the three parts share the node's four GPUs (units smaller than a node)."""
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "cornstarch_mllm_sss.yaml")
+    assert main(["plan", "--config", config, "--placements"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("placement, 1 node(s)"))
+    assert "chain" in line and "branches" in line and "faster" in line
+    branches = out.splitlines()[out.splitlines().index(line) + 1]
+    assert "vision [" in branches and "audio [" in branches and "-> llm [" in branches
+    used = re.findall(r"@n(\d+)g(\d+)", branches)
+    assert len(used) == len(set(used)) and {n for n, _ in used} == {"0"}
