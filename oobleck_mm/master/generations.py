@@ -186,9 +186,11 @@ def maybe_plan(ctx: Context) -> None:
         why = (
             (f"generation {s.generation} abandoned step {s.next_step} with no node lost: the same nodes and plan again")
             if counted
+            # lost_now: a node of the current generation is not in this plan: a joiner that is gone, or
+            # one left to join again once the survivors completed a step (``recovery._defer``)
             else (
-                f"the nodes that joined generation {s.generation} are gone: the "
-                f"nodes of generation {want.plan_from} again, with its plan"
+                f"generation {s.generation}'s joiners are out of this plan (gone, or joining again once it "
+                f"completed a step): the nodes of generation {want.plan_from} again, with its plan"
             )
         )
         if not counted and (s.incident is not None and s.incident.cause == "checkpoint"):
@@ -260,7 +262,7 @@ def _may_reform(ctx: Context) -> bool:
             ctx,
             ExitCode.ERROR,
             f"step {s.next_step} was abandoned in {s.reforms + 1} generations in a row "
-            f"with every node alive (the last: {message}); see the agents' logs",
+            f"with every node alive (the last: {message}); {_abandoned_hint(message, ctx.cfg.timeouts)}",
         )
         return False
     s.reforms += 1
@@ -270,6 +272,21 @@ def _may_reform(ctx: Context) -> bool:
         "the same nodes re-form"
     )
     return True
+
+
+def _abandoned_hint(message: str, timeouts) -> str:
+    """What a user can do when the same step keeps being abandoned with every node alive. A wait that timed
+    out with no node lost waited on a live peer for longer than ``collective_timeout``: that peer's work
+    between two transfers (long samples, a slow or overloaded host) takes longer than the bound."""
+    if "timed out" not in message.lower() and "timeout" not in message.lower():
+        return "see the agents' logs"
+    bound = timeouts.collective_timeout.total_seconds()
+    return (
+        f"a wait on a live peer ran past collective_timeout ({bound:g} s: fault_tolerance.heartbeat_timeout "
+        f"{timeouts.heartbeat_timeout.total_seconds():g} s + {bound - timeouts.heartbeat_timeout.total_seconds():g} s): "
+        "a stage whose work between two transfers takes longer (long samples, a slow or overloaded host) needs "
+        "a larger fault_tolerance.heartbeat_timeout; see the agents' logs"
+    )
 
 
 # ---------------------------------------------------------------------- applying a plan
