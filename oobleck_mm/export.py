@@ -8,6 +8,9 @@ checkpoint) of a ``model.huggingface`` job becomes a directory that
 generation config, tokenizer and processor files) copied, and the weights as
 safetensors, sharded with an index above ``--max-shard-size``.
 
+A composed model (``model.huggingface: {vision, llm, projector}``) comes back as one directory per
+part, ``OUT/vision``, ``OUT/llm`` and ``OUT/projector``, each from its own source directory.
+
 Tensor names follow the source directory's files (so a model from the Hub comes
 back with the names it came with); tensors the engine never runs (a CLIP tower's
 layers after ``vision_feature_layer``, its post-layernorm) are copied from
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 from oobleck_mm.config import config_from_dict
+from oobleck_mm.config.huggingface import PROJECTOR_TYPE
 from oobleck_mm.errors import UserError
 from oobleck_mm.model.hf_weights import INDEX_FILE, hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
@@ -74,11 +78,13 @@ def export_checkpoint(
             f"{checkpoint}: a checkpoint of a built-in model (model.name {model.get('name')!r}); "
             "export writes HuggingFace directories of model.huggingface jobs"
         )
-    if not os.path.isdir(source):
-        raise UserError(
-            f"{checkpoint}: its model.huggingface directory {source!r} is gone; export copies its "
-            "config.json and tokenizer files (restore it, or edit meta.json's config.model.huggingface)"
-        )
+    for part, directory in source.items() if isinstance(source, dict) else [("", source)]:
+        if not os.path.isdir(directory):
+            key = f"model.huggingface.{part}" if part else "model.huggingface"
+            raise UserError(
+                f"{checkpoint}: its {key} directory {directory!r} is gone; export copies its "
+                f"config.json and tokenizer files (restore it, or edit meta.json's config.{key})"
+            )
     job = config_from_dict(meta["config"], source=str(checkpoint / "meta.json"))
     if out.exists() and not out.is_dir():  # iterdir() on a file was an internal error (exit 1)
         raise UserError(f"--to: {out} exists and is a file; choose a new directory")
@@ -88,51 +94,86 @@ def export_checkpoint(
     if [s.name for s in specs] != meta["layer_names"]:
         raise UserError(f"{checkpoint}: its layers differ from the model in {source} (config.json changed?)")
 
-    weights = hf_weights(source)
-    tensors: dict[str, torch.Tensor] = {}
+    shape = job.model.hf
+    # Where each component goes: the one directory, or a composition's part directories.
+    target_of = (
+        {"vision": out / "vision", "projector": out / "projector", "text": out / "llm", "head": out / "llm"}
+        if shape.composed
+        else {c: out for c in ("vision", "projector", "text", "head")}
+    )
+    parts: dict[Path, dict[str, torch.Tensor]] = {}
+    sources: dict[Path, str | None] = {}
     for index, spec in enumerate(specs):
         with torch.device("meta"):  # only the names: no memory, no init work
-            skeleton = build_hf_layer(job.model.hf, specs, index, torch.float32)
+            skeleton = build_hf_layer(shape, specs, index, torch.float32)
         params = load_params(checkpoint, spec.name)
         for local, (component, inside) in skeleton.hf_names().items():
-            name = weights.name(component, inside) if weights else _default_name(job, component, inside)
-            tensors[name] = params[local]
+            directory = shape.source(component)
+            weights = hf_weights(directory) if directory is not None else None
+            name = weights.name(component, inside) if weights else _default_name(shape, component, inside)
+            parts.setdefault(target_of[component], {})[name] = params[local]
+            sources[target_of[component]] = directory
         say(f"  {spec.name}: {len(params)} tensors")
-    if weights:  # what the engine does not run stays as it came (see the module docstring)
-        untouched = sorted(set(weights.file_of) - set(tensors))
-        tensors.update(weights.tensors(untouched))
     target = torch_dtype(dtype) if dtype else None
-    source_dtypes = _source_dtypes(weights) if weights else {}
-    for name, value in tensors.items():
-        cast = target or source_dtypes.get(name) or value.dtype
-        tensors[name] = value.to(cast).contiguous()
+    totals = {"tensors": 0, "bytes": 0, "files": []}
+    for where, tensors in parts.items():
+        directory = sources[where]
+        weights = hf_weights(directory) if directory is not None else None
+        if weights:  # what the engine does not run stays as it came (see the module docstring)
+            untouched = sorted(set(weights.file_of) - set(tensors))
+            tensors.update(weights.tensors(untouched))
+        source_dtypes = _source_dtypes(weights) if weights else {}
+        for name, value in tensors.items():
+            cast = target or source_dtypes.get(name) or value.dtype
+            tensors[name] = value.to(cast).contiguous()
+        where.mkdir(parents=True, exist_ok=True)
+        files = _write_safetensors(tensors, where, max_shard_size)
+        if directory is not None:
+            for name in COPIED_FILES:
+                if os.path.exists(os.path.join(directory, name)):
+                    shutil.copy2(os.path.join(directory, name), where / name)
+        if shape.composed and where == target_of["projector"]:
+            (where / "config.json").write_text(json.dumps(_projector_config(shape), indent=2, sort_keys=True))
+        if target is not None:
+            _set_config_dtype(where / "config.json", dtype)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        say(f"wrote {len(tensors)} tensors ({total / 2**20:.1f} MiB) in {len(files)} file(s) to {where}")
+        totals["tensors"] += len(tensors)
+        totals["bytes"] += total
+        totals["files"] += [str((where / f).relative_to(out)) for f in files]
+    return totals
 
-    out.mkdir(parents=True, exist_ok=True)
-    files = _write_safetensors(tensors, out, max_shard_size)
-    for name in COPIED_FILES:
-        if os.path.exists(os.path.join(source, name)):
-            shutil.copy2(os.path.join(source, name), out / name)
-    if target is not None:
-        _set_config_dtype(out / "config.json", dtype)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    say(f"wrote {len(tensors)} tensors ({total / 2**20:.1f} MiB) in {len(files)} file(s) to {out}")
-    return {"tensors": len(tensors), "bytes": total, "files": files}
+
+def _projector_config(shape) -> dict:
+    """A composition's projector directory's config.json (``config.huggingface.composed_model_shape`` reads it)."""
+    return {
+        "model_type": PROJECTOR_TYPE,
+        "architectures": ["LlavaMultiModalProjector"],
+        "projector_hidden_act": shape.projector_act,
+        "multimodal_projector_bias": shape.projector_bias,
+        "vision_hidden_size": shape.vision["hidden_size"],
+        "text_hidden_size": shape.text["hidden_size"],
+    }
 
 
 # In-memory names of transformers 5 (what from_pretrained loads directly) for a source without weights.
 _DEFAULT_PREFIXES = {
-    True: {
+    "llava": {
         "text": "model.language_model.",
         "head": "lm_head.",
         "vision": "model.vision_tower.",
         "projector": "model.multi_modal_projector.",
     },
-    False: {"text": "model.", "head": "lm_head."},
+    "text": {"text": "model.", "head": "lm_head."},
+    # a composition's parts: a CausalLM's, a vision tower's (CLIPVisionModel, as transformers 5 saves it)
+    # and the projector's own names
+    "composition": {"text": "model.", "head": "lm_head.", "vision": "", "projector": ""},
 }
 
 
-def _default_name(job, component: str, inside: str) -> str:
-    return _DEFAULT_PREFIXES[job.model.hf.is_multimodal][component] + inside
+def _default_name(shape, component: str, inside: str) -> str:
+    kind = "composition" if shape.composed else "llava" if shape.is_multimodal else "text"
+    return _DEFAULT_PREFIXES[kind][component] + inside
 
 
 def _source_dtypes(weights) -> dict[str, torch.dtype]:

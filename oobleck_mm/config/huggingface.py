@@ -11,6 +11,13 @@ layers from ``transformers``' own module classes.
 Supported: ``LlavaForConditionalGeneration`` (a CLIP or SigLIP vision tower, a
 Llama, Mistral or Qwen2 text model) and the text-only ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``.
+
+A *composition* (``model.huggingface: {vision: DIR, llm: DIR, projector: DIR}``) builds the same
+LLaVA-style model from separately pretrained parts, as LLaVA itself is first assembled: a vision
+tower's directory (``CLIPVisionModel``/``SiglipVisionModel``, or a whole ``CLIPModel``/``SiglipModel``
+whose vision half is used), a causal LM's, and optionally a projector's (``export`` writes one; without
+it the projector starts from transformers' initialisation). Each part's tensors are read from, and
+exported back to, its own directory (``HFModelShape.source``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,15 @@ TEXT_MODELS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
 TEXT_TYPES = ("llama", "mistral", "qwen2")
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", *TEXT_MODELS)
+PARTS = ("vision", "llm", "projector")
+"""The keys of a composition; ``projector`` may be left out."""
+VISION_TOWERS = {"CLIPVisionModel": "clip_vision_model", "SiglipVisionModel": "siglip_vision_model"}
+WHOLE_VISION_MODELS = {"CLIPModel": "clip_vision_model", "SiglipModel": "siglip_vision_model"}
+"""Dual-encoder models whose ``vision_config`` (and ``vision_model.*`` tensors) a composition uses."""
+PROJECTOR_TYPE = "oobleck_mm_llava_projector"
+"""``model_type`` of a projector directory (``export`` of a composition writes one)."""
+LLAVA_FEATURE_LAYER = -2
+"""LLaVA-1.5's ``vision_feature_layer``, which a composition uses: the second-to-last block's output."""
 
 # Defaults of the transformers config classes for the keys a saved config.json may omit
 # (save_pretrained writes only non-default values for nested configs of some versions).
@@ -102,6 +118,17 @@ class HFModelShape:
     projector_bias: bool = True
     projector_act: str = "gelu"
     tie_word_embeddings: bool = False
+    sources: tuple[tuple[str, str | None], ...] = ()
+    """A composition's directory per component (``text``, ``head``, ``vision``, ``projector``; None: a
+    projector with no directory); empty for one directory, which holds every component."""
+
+    @property
+    def composed(self) -> bool:
+        return bool(self.sources)
+
+    def source(self, component: str) -> str | None:
+        """The directory holding ``component``'s tensors (None: nowhere, it starts from its initialisation)."""
+        return dict(self.sources)[component] if self.sources else self.directory
 
     @property
     def sliding_window(self) -> int | None:
@@ -145,11 +172,11 @@ class HFModelShape:
         return out
 
 
-def read_config_json(directory: str) -> dict[str, Any]:
+def read_config_json(directory: str, key: str = "model.huggingface") -> dict[str, Any]:
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise ConfigError(
-            f"model.huggingface: {directory!r} is not a directory (a transformers model directory "
+            f"{key}: {directory!r} is not a directory (a transformers model directory "
             "on disk; `python examples/make_tiny_llava.py DIR` writes a small random one)"
         )
     try:
@@ -157,14 +184,77 @@ def read_config_json(directory: str) -> dict[str, Any]:
             raw = json.load(fh)
     except FileNotFoundError:
         raise ConfigError(
-            f"model.huggingface: {directory!r} has no config.json (a transformers model directory "
+            f"{key}: {directory!r} has no config.json (a transformers model directory "
             "written by save_pretrained has one)"
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.huggingface: {path} is not readable JSON ({exc})") from None
+        raise ConfigError(f"{key}: {path} is not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"model.huggingface: {path} must hold a JSON object, got {type(raw).__name__}")
+        raise ConfigError(f"{key}: {path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    return archs[0] if isinstance(archs, list) and archs else raw.get("model_type", "<none>")
+
+
+def composed_model_shape(parts: dict[str, str]) -> HFModelShape:
+    """A composition's model (module docstring) as an ``HFModelShape``; ``ConfigError`` naming the part."""
+    llm_dir, vision_dir, projector_dir = parts["llm"], parts["vision"], parts.get("projector")
+    llm = read_config_json(llm_dir, "model.huggingface.llm")
+    arch = _architecture(llm)
+    if arch not in TEXT_MODELS:
+        raise ConfigError(
+            f"model.huggingface.llm: {os.path.join(llm_dir, 'config.json')} is a {arch!r}; a causal LM: "
+            + ", ".join(TEXT_MODELS)
+        )
+    text_type = TEXT_MODELS[arch]
+    text = {**_TEXT_DEFAULTS[text_type], **llm}
+    _check_text(text, text_type, "model.huggingface.llm config.json")
+    raw = read_config_json(vision_dir, "model.huggingface.vision")
+    tower = _architecture(raw)
+    if tower in VISION_TOWERS:
+        vision_type, vision_raw = VISION_TOWERS[tower], raw
+    elif tower in WHOLE_VISION_MODELS:
+        vision_type, vision_raw = WHOLE_VISION_MODELS[tower], raw.get("vision_config") or {}
+    else:
+        raise ConfigError(
+            f"model.huggingface.vision: {os.path.join(vision_dir, 'config.json')} is a {tower!r}; a vision "
+            f"tower: {', '.join((*VISION_TOWERS, *WHOLE_VISION_MODELS))}"
+        )
+    vision = {**_VISION_DEFAULTS[vision_type], **vision_raw}
+    act, bias = "gelu", True
+    if projector_dir is not None:
+        projector = read_config_json(projector_dir, "model.huggingface.projector")
+        if projector.get("model_type") != PROJECTOR_TYPE:
+            raise ConfigError(
+                f"model.huggingface.projector: {os.path.join(projector_dir, 'config.json')} has model_type "
+                f"{projector.get('model_type')!r}; a projector directory has {PROJECTOR_TYPE!r} (export of a "
+                "composed model writes one; leave the key out to start the projector afresh)"
+            )
+        for key, want in (("vision_hidden_size", vision["hidden_size"]), ("text_hidden_size", text["hidden_size"])):
+            if projector.get(key) != want:
+                raise ConfigError(
+                    f"model.huggingface.projector: its {key} is {projector.get(key)!r}, the parts make it {want}"
+                )
+        act, bias = projector.get("projector_hidden_act", act), bool(projector.get("multimodal_projector_bias", bias))
+    clip = vision_type == "clip_vision_model"
+    return HFModelShape(
+        directory=llm_dir,
+        architecture="composition",
+        text_type=text_type,
+        text=text,
+        vision_type=vision_type,
+        vision=vision,
+        vision_layers_used=vision["num_hidden_layers"] + 1 + LLAVA_FEATURE_LAYER,
+        drop_cls=clip,  # LLaVA's "default" strategy on a CLIP tower, "full" on SigLIP: an image is its patches
+        image_token_id=None,
+        projector_bias=bias,
+        projector_act=act,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings")),
+        sources=(("text", llm_dir), ("head", llm_dir), ("vision", vision_dir), ("projector", projector_dir)),
+    )
 
 
 def hf_model_shape(directory: str) -> HFModelShape:

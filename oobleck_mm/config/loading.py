@@ -128,6 +128,11 @@ def read_config_dict(path: str | os.PathLike, deepspeed: str | None = None) -> A
             log.warning("note: %s", note)
     if isinstance(model, dict) and isinstance(model.get("huggingface"), str):
         model["huggingface"] = os.path.join(here, os.path.expanduser(model["huggingface"]))
+    elif isinstance(model, dict) and isinstance(model.get("huggingface"), dict):  # a composition of parts
+        model["huggingface"] = {
+            part: os.path.join(here, os.path.expanduser(d)) if isinstance(d, str) else d
+            for part, d in model["huggingface"].items()
+        }
     if isinstance(model, dict) and isinstance(model.get("builder"), str):
         module, sep, function = model["builder"].rpartition(":")
         if sep and module.endswith(".py"):  # a file path: absolute, so every worker finds it
@@ -154,7 +159,7 @@ def apply_set(raw: dict, overrides: Sequence[str]) -> None:
         except yaml.YAMLError:
             raise ConfigError(f"--set {key}: {_SHORT_TEXT.repr(text)} is not a YAML value") from None
         check_expansion(value, f"--set {key}", len(text))
-        if key in _PATH_KEYS and isinstance(value, str):
+        if (key in _PATH_KEYS or key.startswith("model.huggingface.")) and isinstance(value, str):
             value = os.path.abspath(os.path.expanduser(value))
         node = raw
         parts = key.split(".")

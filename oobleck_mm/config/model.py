@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from oobleck_mm.config.huggingface import HFModelShape, hf_model_shape
+from oobleck_mm.config.huggingface import PARTS, HFModelShape, composed_model_shape, hf_model_shape
 from oobleck_mm.config.values import (
     ConfigError,
     as_bool,
@@ -128,10 +128,12 @@ class ModelConfig:
     _PATH: ClassVar[str] = "model"
     name: str = ""
     """Model name, used for profile caching and logs; default: the ``huggingface`` folder's name."""
-    huggingface: str | None = None
+    huggingface: str | dict[str, str] | None = None
     """A local ``transformers`` model directory (config.json, optionally safetensors weights and
     tokenizer files); its config.json gives the model's shape, so ``llm``, ``vision``, ``audio`` and
-    ``projector`` are not set with it. See docs/models.md for the supported architectures."""
+    ``projector`` are not set with it. Or a composition of separately pretrained parts, ``{vision: DIR,
+    llm: DIR, projector: DIR}`` (``projector`` optional). See docs/models.md for the supported
+    architectures."""
     builder: str | None = None
     """Your own model: ``package.module:function`` or ``path/to/file.py:function`` returning its
     layers (``oobleck_mm.config.shape.CustomLayer``, contract in docs/models.md). The ``llm`` (and
@@ -152,7 +154,10 @@ class ModelConfig:
         if self.name != "":
             check(self, "name", as_str)
         check(self, "frozen", as_str_tuple)
-        check_optional(self, "huggingface", as_str)
+        if isinstance(self.huggingface, dict):
+            self.huggingface = _composition(self.huggingface)
+        else:
+            check_optional(self, "huggingface", as_str)
         check_optional(self, "builder", as_str)
         if self.builder is not None and self.huggingface is not None:
             raise ConfigError("model.builder: cannot be set together with model.huggingface; choose one")
@@ -164,8 +169,9 @@ class ModelConfig:
             if not self.name:
                 raise ConfigError("model.name: required but missing")
             return
-        self.huggingface = os.path.abspath(os.path.expanduser(self.huggingface))
-        shape = hf_shape(self.huggingface)
+        if isinstance(self.huggingface, str):
+            self.huggingface = os.path.abspath(os.path.expanduser(self.huggingface))
+        shape = self.hf
         derived = shape.sections()
         llm = LLMConfig(**derived["llm"])
         vision = VisionConfig(**derived["vision"]) if "vision" in derived else None
@@ -179,15 +185,47 @@ class ModelConfig:
                     "config.json gives the model's shape); remove one of them"
                 )
         self.llm, self.vision, self.projector = llm, vision, projector
-        self.name = self.name or os.path.basename(self.huggingface.rstrip(os.sep))
+        if not self.name:
+            named = (
+                [self.huggingface]
+                if isinstance(self.huggingface, str)
+                else [self.huggingface[p] for p in ("llm", "vision")]
+            )
+            self.name = "+".join(os.path.basename(d.rstrip(os.sep)) for d in named)
 
     @property
     def hf(self) -> HFModelShape | None:
-        """The ``huggingface`` directory's model, or None for a built-in model."""
-        return hf_shape(self.huggingface) if self.huggingface is not None else None
+        """The ``huggingface`` model (a directory's, or a composition's), or None for a built-in model."""
+        if self.huggingface is None:
+            return None
+        if isinstance(self.huggingface, str):
+            return hf_shape(self.huggingface)
+        return composed_shape(tuple(sorted(self.huggingface.items())))
+
+
+def _composition(parts: dict) -> dict[str, str]:
+    """``model.huggingface`` as a composition: its keys checked, each directory absolute."""
+    unknown = sorted(str(k) for k in parts if k not in PARTS)
+    if unknown:
+        raise ConfigError(f"model.huggingface: unknown part(s) {unknown}; a composition has {', '.join(PARTS)}")
+    missing = [k for k in ("vision", "llm") if k not in parts]
+    if missing:
+        raise ConfigError(
+            f"model.huggingface: a composition needs {' and '.join(missing)} (a vision tower's and a causal LM's "
+            "directories; projector is optional)"
+        )
+    return {
+        k: os.path.abspath(os.path.expanduser(as_str(f"model.huggingface.{k}", parts[k]))) for k in PARTS if k in parts
+    }
 
 
 @functools.lru_cache(maxsize=8)
 def hf_shape(directory: str) -> HFModelShape:
     """config.json read once per process (every layer build asks for it)."""
     return hf_model_shape(directory)
+
+
+@functools.lru_cache(maxsize=8)
+def composed_shape(parts: tuple[tuple[str, str], ...]) -> HFModelShape:
+    """A composition's config.json files read once per process."""
+    return composed_model_shape(dict(parts))

@@ -240,6 +240,12 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
 
 
 def _validate_hf_workload(hf: HFModelShape, d: DataConfig) -> None:
+    if hf.composed and d.kind != "synthetic":
+        raise ConfigError(
+            f"data.kind: {d.kind} with a composed model.huggingface is not run yet (the samples are tokenized "
+            "with the model's tokenizer and image token, and a causal LM's tokenizer has no image token); "
+            "valid: synthetic (or a LLaVA directory as model.huggingface)"
+        )
     if hf.vision is not None:
         side = hf.vision["image_size"]
         # The towers' position embeddings have one row per patch of this square image.

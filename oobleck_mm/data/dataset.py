@@ -65,7 +65,7 @@ class ModelInputs:
         if model.huggingface is not None:
             hf = model.hf
             kwargs.update(
-                huggingface=model.huggingface,
+                huggingface=hf.directory,  # its tokenizer (a composition's LLM: data.kind synthetic only)
                 image_token_id=hf.image_token_id,
                 image_side=hf.vision["image_size"] if hf.vision else 0,
             )

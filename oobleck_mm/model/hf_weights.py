@@ -31,9 +31,17 @@ _PROBES = {
     "head": ("weight", ("lm_head.", "language_model.lm_head.")),
     "vision": (
         "embeddings.patch_embedding.weight",
-        ("model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.vision_model.", "vision_tower."),
+        (
+            "model.vision_tower.vision_model.",
+            "model.vision_tower.",
+            "vision_tower.vision_model.",
+            "vision_tower.",
+            "vision_model.",  # a CLIPVisionModel / SiglipVisionModel saved by transformers 4, or a CLIPModel
+            "",  # a CLIPVisionModel / SiglipVisionModel saved by transformers 5 (its tower's own names)
+        ),
     ),
-    "projector": ("linear_1.weight", ("model.multi_modal_projector.", "multi_modal_projector.")),
+    # "": a composition's projector directory (export writes the projector's own names)
+    "projector": ("linear_1.weight", ("model.multi_modal_projector.", "multi_modal_projector.", "")),
 }
 
 
@@ -119,21 +127,31 @@ def hf_weights(directory: str) -> HFWeights:
     return HFWeights(directory)
 
 
-def load_hf_weights(layer, directory: str) -> bool:
-    """Copies the layer's tensors from the directory's weights; False when it has none (random init stays).
+def layer_has_weights(layer_components, shape) -> bool:
+    """Whether every component a layer is made of has a directory with weights (``shape``: the model's
+    ``HFModelShape``): a composition's projector may have none, and any part may be config-only."""
+    return all((d := shape.source(c)) is not None and bool(hf_weights(d)) for c in layer_components)
+
+
+def load_hf_weights(layer, shape) -> bool:
+    """Copies the layer's tensors from the weights of its components' directories (``shape.source``: one
+    directory, or a composition's parts); False when they have none (random init stays).
 
     Copied, not assigned (``load_state_dict(assign=True)``): ``get_tensor`` returns a view of the
     file's private mapping, so an assigned parameter would keep the user's file mapped for the whole
     run (each page read at its first use, a replaced or truncated file a SIGBUS mid-training). The
     mapping's pages are freed with the view once the copy is done."""
-    weights = hf_weights(directory)
-    if not weights:
+    names = layer.hf_names()
+    if not layer_has_weights({c for c, _ in names.values()}, shape):
         return False
     state = layer.state_dict()
-    tensors = weights.read(layer.hf_names(), state)
+    by_directory: dict[str, dict[str, tuple[str, str]]] = {}
+    for local, (component, inside) in names.items():
+        by_directory.setdefault(shape.source(component), {})[local] = (component, inside)
     with torch.no_grad():
-        for name, value in tensors.items():
-            state[name].copy_(value)
+        for directory, part in by_directory.items():
+            for name, value in hf_weights(directory).read(part, state).items():
+                state[name].copy_(value)
     return True
 
 

@@ -344,6 +344,18 @@ def build_hf_layer(
     return layer.to(dtype)
 
 
+def layer_components(name: str) -> frozenset[str]:
+    """The checkpoint components layer ``name``'s tensors come from (``HFLayer.hf_parts``), known before
+    the layer is built: whether to skip its random initialisation depends on them having weights."""
+    if name.startswith("vision.projector"):
+        return frozenset({"projector"})
+    if name.startswith("vision."):
+        return frozenset({"vision"})
+    if name == "llm.head":
+        return frozenset({"text", "head"})  # its norm is the text body's; a tied head reads embed_tokens
+    return frozenset({"text"})
+
+
 def _layer_number(name: str) -> int:
     digits = name[len(name.rstrip("0123456789")) :]
     return int(digits) if digits else 0

@@ -33,8 +33,8 @@ from torch import nn
 from oobleck_mm.config.shape import LayerSpec, custom_layers, layer_specs, resolve_frozen
 from oobleck_mm.data.packing import PackedBatch
 from oobleck_mm.errors import UserError
-from oobleck_mm.model.hf_weights import hf_weights, load_hf_weights
-from oobleck_mm.model.huggingface import build_hf_layer
+from oobleck_mm.model.hf_weights import layer_has_weights, load_hf_weights
+from oobleck_mm.model.huggingface import build_hf_layer, layer_components
 from oobleck_mm.model.graph import zero_of
 from oobleck_mm.model.skip_init import skipping_random_init
 from oobleck_mm.precision import master_dtype
@@ -277,7 +277,7 @@ def build_layer(
     spec = specs[index]
     flash = job.training.flash_attention
     encoders = [m for m in ("vision", "audio") if getattr(job.model, m) is not None]
-    loaded = job.model.hf is not None and bool(hf_weights(job.model.huggingface))
+    loaded = job.model.hf is not None and layer_has_weights(layer_components(spec.name), job.model.hf)
     skip = (loaded or not initialize) and job.model.builder is None
     # One generator per (seed, layer): any rank builds the same layer without talking to others.
     with torch.random.fork_rng(devices=[]), skipping_random_init() if skip else nullcontext():
@@ -285,7 +285,7 @@ def build_layer(
         if job.model.hf is not None:
             layer = build_hf_layer(job.model.hf, specs, index, master_dtype(job.training), initialize=not skip)
             if weights:
-                load_hf_weights(layer, job.model.huggingface)
+                load_hf_weights(layer, job.model.hf)
         elif job.model.builder is not None:
             layer = custom_layers(job.model, job.data)[index].build()
             if not isinstance(layer, nn.Module):

@@ -149,3 +149,55 @@ def make_tiny_model(
     model.save_pretrained(os.fspath(out), **kwargs)
     tokenizer.save_pretrained(os.fspath(out))
     return os.fspath(out)
+
+
+def make_tiny_parts(
+    out: str | os.PathLike, text: str = "llama", vision: str = "clip", tie: bool = False, seed: int = 0
+) -> tuple[str, dict[str, str]]:
+    """A random tiny LLaVA at ``out/llava`` and the same model as three separately saved parts, as a user's
+    pretrained parts are: ``out/vision`` (a ``CLIPVisionModel``/``SiglipVisionModel``), ``out/llm`` (a causal
+    LM with the tokenizer) and ``out/projector`` (the projector directory of a composition). Returns the
+    LLaVA directory and ``{vision, llm, projector}``: a composition of the parts is the LLaVA."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import (
+        AutoModelForCausalLM,
+        CLIPVisionModel,
+        LlavaForConditionalGeneration,
+        SiglipVisionModel,
+    )
+
+    from oobleck_mm.config.huggingface import PROJECTOR_TYPE
+
+    root = os.fspath(out)
+    llava_dir = make_tiny_model(os.path.join(root, "llava"), text, vision, tie=tie, seed=seed)
+    llava = LlavaForConditionalGeneration.from_pretrained(llava_dir)
+    parts = {p: os.path.join(root, p) for p in ("vision", "llm", "projector")}
+    tower_cls = CLIPVisionModel if vision == "clip" else SiglipVisionModel
+    tower = tower_cls(llava.config.vision_config)
+    tower.load_state_dict(llava.model.vision_tower.state_dict())
+    tower.save_pretrained(parts["vision"])
+    lm = AutoModelForCausalLM.from_config(llava.config.text_config)
+    lm.model.load_state_dict(llava.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(llava.lm_head.state_dict())
+    lm.save_pretrained(parts["llm"])
+    tiny_tokenizer(min(llava.config.text_config.vocab_size, 320)).save_pretrained(parts["llm"])
+    projector = llava.model.multi_modal_projector
+    os.makedirs(parts["projector"], exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in projector.state_dict().items()},
+        os.path.join(parts["projector"], "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    config = {
+        "model_type": PROJECTOR_TYPE,
+        "architectures": ["LlavaMultiModalProjector"],
+        "projector_hidden_act": llava.config.projector_hidden_act,
+        "multimodal_projector_bias": llava.config.multimodal_projector_bias,
+        "vision_hidden_size": llava.config.vision_config.hidden_size,
+        "text_hidden_size": llava.config.text_config.hidden_size,
+    }
+    with open(os.path.join(parts["projector"], "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    return llava_dir, parts

@@ -19,19 +19,20 @@ from oobleck_mm.runtime.reference import ReferenceTrainer
 from oobleck_mm.runtime.worker import run_local
 
 pytest.importorskip("transformers")
-from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
+from oobleck_mm.model.tiny_hf import make_tiny_model, make_tiny_parts  # noqa: E402
 
 pytestmark = pytest.mark.integration
 STEPS = 4
 
 
 def hf_job(directory, multimodal: bool, balance: bool = False):
+    """``directory``: an HF model directory, or a composition's parts ``{vision, llm, projector}``."""
     data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 256}
     if multimodal:
         data.update(mean_images_per_sample=1, max_images_per_sample=2, image_size=32)
     return config_from_dict(
         {
-            "model": {"huggingface": str(directory)},
+            "model": {"huggingface": directory if isinstance(directory, dict) else str(directory)},
             "data": data,
             "balance": {"enabled": balance},
             "training": {
@@ -66,9 +67,15 @@ def compare(job, stages, tmp_path):
 @pytest.mark.parametrize(
     "text,vision,tie,balance",
     [("llama", "clip", False, False), ("qwen2", "siglip", True, True), ("qwen2", None, True, False)],
+    ids=["clip-llama", "siglip-qwen2-tied-balancer-composed-from-parts", "qwen2-tied"],
 )
 def test_hf_model_on_heterogeneous_pipelines_equals_reference(tmp_path, text, vision, tie, balance):
-    directory = make_tiny_model(tmp_path / "model", text, vision, tie=tie)
+    """The second case's model is composed from separately saved parts (a SiglipVisionModel, a Qwen2 causal
+    LM with tied embeddings, a projector directory: ``model.huggingface: {vision, llm, projector}``)."""
+    if balance:
+        directory = make_tiny_parts(tmp_path / "parts", text, vision, tie=tie)[1]
+    else:
+        directory = make_tiny_model(tmp_path / "model", text, vision, tie=tie)
     job = hf_job(directory, vision is not None, balance)
     outs = compare(job, [2, 3], tmp_path / "run")
     if tie:  # every copy of the tied matrix, on every stage of every pipeline, is the same tensor

@@ -1,0 +1,212 @@
+"""A multimodal model composed from separately pretrained HuggingFace parts (issue 49 item 1):
+``model.huggingface: {vision: DIR, llm: DIR, projector: DIR}``.
+
+Real ``transformers`` models with random weights: a tiny LLaVA written with ``save_pretrained``, and the
+same weights saved as the parts a user has (a ``CLIPVisionModel``/``SiglipVisionModel``, a causal LM, a
+projector directory: ``tiny_hf.make_tiny_parts``). The composition of the parts is that LLaVA, so its
+layers must compute exactly what the LLaVA directory's layers compute (float64, bit for bit: the same
+tensors through the same modules), and the LLaVA's are held equal to transformers' unsplit model by
+tests/unit/test_hf_model.py; here the composed model is also checked against the unsplit LLaVA directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from oobleck_mm.config import ConfigError, config_from_dict  # noqa: E402
+from oobleck_mm.data.loader import TrainingData  # noqa: E402
+from oobleck_mm.data.sample import IMAGE  # noqa: E402
+from oobleck_mm.export import export_checkpoint  # noqa: E402
+from oobleck_mm.model.layers import build_layer, model_layer_specs  # noqa: E402
+from oobleck_mm.model.tiny_hf import make_tiny_parts  # noqa: E402
+from oobleck_mm.runtime.checkpoint import save_meta, write_layer_file  # noqa: E402
+
+from test_hf_export import checkpoint_without_training, tensors  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As tests/unit/test_hf_model.py: transformers' RMSNorm rounds to float32, so sums must not change order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=[("llama", "clip"), ("qwen2", "siglip")], ids=["clip-llama", "siglip-qwen2"])
+def made(request, tmp_path_factory):
+    text, vision = request.param
+    return make_tiny_parts(tmp_path_factory.mktemp(f"{text}-{vision}"), text, vision)
+
+
+def job(huggingface, dtype="float64", **data):
+    data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 64, "mean_images_per_sample": 1,
+            "max_images_per_sample": 2, "image_size": 32, **data}  # fmt: skip
+    training = {"global_batch": 4, "microbatch_size": 4, "dtype": dtype}
+    return config_from_dict({"model": {"huggingface": huggingface}, "data": data, "training": training})
+
+
+def run(job_, ids=None):
+    """Every layer of ``job_`` built, one microbatch forward and backward: (logits, loss, {layer: grads})."""
+    specs = model_layer_specs(job_)
+    layers = [build_layer(job_, i, specs) for i in range(len(specs))]
+    data = TrainingData(job_)
+    ids = ids if ids is not None else data.global_batch(0)
+    batch = data.microbatch(ids)
+    acts = ()
+    for layer in layers:
+        acts = layer(acts, batch)
+    tokens = int((batch.labels != -100).sum())
+    loss = F.cross_entropy(acts[0], batch.labels, ignore_index=-100, reduction="sum") / tokens
+    loss.backward()
+    grads = {s.name: {n: p.grad for n, p in layer.named_parameters()} for s, layer in zip(specs, layers)}
+    return acts[0].detach(), loss.item(), grads, (data, ids, batch)
+
+
+def test_the_composition_of_the_parts_computes_exactly_what_the_llava_computes(made):
+    llava_dir, parts = made
+    composed, whole = job(parts), job(llava_dir)
+    assert [s.name for s in model_layer_specs(composed)] == [s.name for s in model_layer_specs(whole)]
+    mine, theirs = run(composed), run(whole)
+    assert torch.equal(mine[0], theirs[0]) and mine[1] == theirs[1]
+    for layer, grads in theirs[2].items():
+        for name, grad in grads.items():
+            assert torch.equal(mine[2][layer][name], grad), f"{layer}.{name}"
+    assert composed.model.name == "llm+vision" and composed.model.hf.composed
+
+
+def test_the_composition_equals_the_unsplit_transformers_model_of_its_parts(made):
+    """Each sample's logits against ``LlavaForConditionalGeneration`` holding the parts' weights."""
+    llava_dir, parts = made
+    logits, _, _, (data, ids, batch) = run(job(parts))
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(
+        llava_dir, dtype=torch.float64, attn_implementation="sdpa"
+    ).eval()
+    per_image = (32 // 8) ** 2
+    for seg, (start, end) in enumerate(batch.spans()):
+        sample = data.dataset[ids[seg]]
+        tokens = []
+        for t in sample.tokens.tolist():
+            tokens += [hf.config.image_token_id] * per_image if t == IMAGE else [t]
+        kwargs = {"pixel_values": torch.stack(list(sample.images)).double()} if len(sample.images) else {}
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.tensor([tokens]), **kwargs).logits[0]
+        assert (theirs - logits[start:end]).abs().max().item() <= 1e-10, f"sample {seg}"
+
+
+def test_without_a_projector_directory_the_projector_starts_afresh_the_same_on_every_build(made):
+    llava_dir, parts = made
+    fresh = {k: v for k, v in parts.items() if k != "projector"}
+    specs = model_layer_specs(job(fresh))
+    index = {s.name: i for i, s in enumerate(specs)}
+    a = build_layer(job(fresh), index["vision.projector0"], specs)
+    b = build_layer(job(fresh), index["vision.projector0"], specs)
+    loaded = build_layer(job(parts), index["vision.projector0"], specs)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # any rank builds it alike
+    assert not torch.equal(a.linear_1.weight, loaded.linear_1.weight)
+    # the tower and the LLM still come from their directories
+    tower = index["vision.block0"]
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(
+            build_layer(job(fresh), tower, specs).parameters(), build_layer(job(parts), tower, specs).parameters()
+        )
+    )
+
+
+def test_export_writes_each_part_back_for_from_pretrained_and_as_a_composition(made, tmp_path):
+    llava_dir, parts = made
+    composed = job(parts)
+    ckpt = checkpoint_without_training(composed, tmp_path / "ckpt")
+    for f in sorted((ckpt / "layers").glob("*.pt")):  # change every value, as training would
+        payload = torch.load(f, weights_only=True)
+        payload["params"] = {k: v + 0.25 for k, v in payload["params"].items()}
+        write_layer_file(ckpt, f.stem, payload)
+    save_meta(ckpt, composed, 0, model_layer_specs(composed))
+    out = tmp_path / "out"
+    export_checkpoint(ckpt, out, dtype="float64")  # (the source's dtype by default: float32 here)
+    assert sorted(os.listdir(out)) == ["llm", "projector", "vision"]
+    # each part loads with transformers as the kind of model it came as, moved by the change
+    vision_cls = transformers.AutoConfig.from_pretrained(parts["vision"]).architectures[0]
+    tower = getattr(transformers, vision_cls).from_pretrained(out / "vision")
+    before = getattr(transformers, vision_cls).from_pretrained(parts["vision"])
+    moved = {
+        n for n, p in tower.named_parameters() if torch.equal(p, dict(before.named_parameters())[n].double() + 0.25)
+    }
+    assert any(".layers.0." in n for n in moved) and not any(".layers.2." in n for n in moved)  # unused last block
+    lm = transformers.AutoModelForCausalLM.from_pretrained(out / "llm")
+    original = transformers.AutoModelForCausalLM.from_pretrained(parts["llm"])
+    old = dict(original.named_parameters())
+    assert lm.dtype == torch.float64 and all(torch.equal(p, old[n].double() + 0.25) for n, p in lm.named_parameters())
+    assert os.path.exists(out / "llm" / "tokenizer.json")
+    # the exported parts compose again into the checkpoint's model
+    again = job({k: str(out / k) for k in ("vision", "llm", "projector")})
+    specs = model_layer_specs(again)
+    for i, spec in enumerate(specs):
+        params = torch.load(ckpt / "layers" / f"{spec.name}.pt", weights_only=True)["params"]
+        layer = build_layer(again, i, specs)
+        for name, value in layer.state_dict().items():
+            assert torch.equal(value, params[name]), f"{spec.name}.{name}"
+    assert tensors(out / "projector").keys() == {"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"}
+
+
+def test_composition_mistakes_name_the_part_and_what_is_valid(made, tmp_path):
+    llava_dir, parts = made
+    with pytest.raises(
+        ConfigError,
+        match=r"model.huggingface: unknown part\(s\) \['speech'\]; a composition has vision, llm, projector",
+    ):
+        job({**parts, "speech": parts["llm"]})
+    with pytest.raises(ConfigError, match="a composition needs llm"):
+        job({"vision": parts["vision"]})
+    with pytest.raises(
+        ConfigError,
+        match=r"model.huggingface.vision: .* is a '(Llama|Qwen2)ForCausalLM'; a vision tower: CLIPVisionModel, SiglipVisionModel, CLIPModel, SiglipModel",
+    ):
+        job({"vision": parts["llm"], "llm": parts["llm"]})
+    with pytest.raises(ConfigError, match=r"model.huggingface.llm: .* is a '(CLIP|Siglip)VisionModel'; a causal LM"):
+        job({"vision": parts["vision"], "llm": parts["vision"]})
+    with pytest.raises(ConfigError, match="model.huggingface.projector: .* has model_type"):
+        job({**parts, "projector": parts["llm"]})
+    bad = tmp_path / "projector"
+    bad.mkdir()
+    config = json.loads(open(os.path.join(parts["projector"], "config.json")).read())
+    (bad / "config.json").write_text(json.dumps({**config, "text_hidden_size": 7}))
+    with pytest.raises(
+        ConfigError, match="model.huggingface.projector: its text_hidden_size is 7, the parts make it 64"
+    ):
+        job({**parts, "projector": str(bad)})
+    with pytest.raises(ConfigError, match="data.kind: llava_json with a composed model.huggingface"):
+        job(parts, kind="llava_json", path=parts["llm"])
+
+
+def test_a_whole_clip_model_serves_as_the_tower_and_exports_back_whole(made, tmp_path):
+    """LLaVA-1.5's tower is a whole ``CLIPModel`` checkpoint (openai/clip-vit-large-patch14-336): its
+    ``vision_config`` and ``vision_model.*`` tensors are the tower; the text half comes back untouched."""
+    llava_dir, parts = made
+    tower_cfg = transformers.AutoConfig.from_pretrained(parts["vision"])
+    if tower_cfg.model_type != "clip_vision_model":
+        pytest.skip("the CLIP case covers it")
+    text = transformers.CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    whole = transformers.CLIPModel(
+        transformers.CLIPConfig(text_config=text.to_dict(), vision_config=tower_cfg.to_dict())
+    )
+    tower = transformers.CLIPVisionModel.from_pretrained(parts["vision"])
+    whole.vision_model.load_state_dict(
+        tower.vision_model.state_dict() if hasattr(tower, "vision_model") else tower.state_dict()
+    )
+    whole.save_pretrained(tmp_path / "clip")
+    composed = job({**parts, "vision": str(tmp_path / "clip")})
+    mine, theirs = run(composed), run(job(parts))
+    assert torch.equal(mine[0], theirs[0])
+    ckpt = checkpoint_without_training(composed, tmp_path / "ckpt")
+    export_checkpoint(ckpt, tmp_path / "out")
+    assert tensors(tmp_path / "out" / "vision").keys() == tensors(tmp_path / "clip").keys()
+    assert all(torch.equal(v, tensors(tmp_path / "clip")[k]) for k, v in tensors(tmp_path / "out" / "vision").items())
