@@ -97,7 +97,14 @@ def export_checkpoint(
     shape = job.model.hf
     # Where each component goes: the one directory, or a composition's part directories.
     target_of = (
-        {"vision": out / "vision", "projector": out / "projector", "text": out / "llm", "head": out / "llm"}
+        {
+            "vision": out / "vision",
+            "audio": out / "audio",
+            "projector": out / "projector",
+            "audio_projector": out / "projector",
+            "text": out / "llm",
+            "head": out / "llm",
+        }
         if shape.composed
         else {c: out for c in ("vision", "projector", "text", "head")}
     )
@@ -146,14 +153,18 @@ def export_checkpoint(
 
 def _projector_config(shape) -> dict:
     """A composition's projector directory's config.json (``config.huggingface.composed_model_shape`` reads it)."""
-    return {
+    out = {
         "model_type": PROJECTOR_TYPE,
         "architectures": ["LlavaMultiModalProjector"],
         "projector_hidden_act": shape.projector_act,
         "multimodal_projector_bias": shape.projector_bias,
-        "vision_hidden_size": shape.vision["hidden_size"],
         "text_hidden_size": shape.text["hidden_size"],
     }
+    if shape.vision is not None:
+        out["vision_hidden_size"] = shape.vision["hidden_size"]
+    if shape.audio is not None:
+        out["audio_hidden_size"] = shape.audio["d_model"]
+    return out
 
 
 # In-memory names of transformers 5 (what from_pretrained loads directly) for a source without weights.
@@ -167,7 +178,14 @@ _DEFAULT_PREFIXES = {
     "text": {"text": "model.", "head": "lm_head."},
     # a composition's parts: a CausalLM's, a vision tower's (CLIPVisionModel, as transformers 5 saves it)
     # and the projector's own names
-    "composition": {"text": "model.", "head": "lm_head.", "vision": "", "projector": ""},
+    "composition": {
+        "text": "model.",
+        "head": "lm_head.",
+        "vision": "",
+        "audio": "model.encoder.",
+        "projector": "vision.",
+        "audio_projector": "audio.",
+    },
 }
 
 

@@ -24,6 +24,8 @@ DEFAULT_IMAGE_SIZE = 224
 SYNTHETIC_TEXT_TOKENS = 32.0
 """``data.mean_text_tokens`` of synthetic data when not given."""
 SYNTHETIC_IMAGES_PER_SAMPLE = 1.0
+SYNTHETIC_AUDIO_PROBABILITY = 0.8
+"""Share of synthetic samples with an audio clip when the model has an audio encoder."""
 """``data.mean_images_per_sample`` of synthetic data for a model with a vision encoder, when not given."""
 
 

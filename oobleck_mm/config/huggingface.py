@@ -12,11 +12,12 @@ Supported: ``LlavaForConditionalGeneration`` (a CLIP or SigLIP vision tower, a
 Llama, Mistral or Qwen2 text model) and the text-only ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``.
 
-A *composition* (``model.huggingface: {vision: DIR, llm: DIR, projector: DIR}``) builds the same
-LLaVA-style model from separately pretrained parts, as LLaVA itself is first assembled: a vision
+A *composition* (``model.huggingface: {vision: DIR, audio: DIR, llm: DIR, projector: DIR}``) builds the
+same LLaVA-style model from separately pretrained parts, as LLaVA itself is first assembled: a vision
 tower's directory (``CLIPVisionModel``/``SiglipVisionModel``, or a whole ``CLIPModel``/``SiglipModel``
-whose vision half is used), a causal LM's, and optionally a projector's (``export`` writes one; without
-it the projector starts from transformers' initialisation). Each part's tensors are read from, and
+whose vision half is used), a Whisper checkpoint's (its encoder is the audio tower), a causal LM's, and
+optionally a projector directory holding each encoder's projector (``export`` writes one; without it
+the projectors start from transformers' initialisation). Each part's tensors are read from, and
 exported back to, its own directory (``HFModelShape.source``).
 """
 
@@ -33,8 +34,18 @@ TEXT_MODELS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
 TEXT_TYPES = ("llama", "mistral", "qwen2")
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", *TEXT_MODELS)
-PARTS = ("vision", "llm", "projector")
-"""The keys of a composition; ``projector`` may be left out."""
+PARTS = ("vision", "audio", "llm", "projector")
+"""The keys of a composition: ``llm`` and at least one encoder; ``projector`` may be left out."""
+AUDIO_MODELS = {"WhisperForConditionalGeneration": "whisper", "WhisperModel": "whisper"}
+"""Audio towers a composition takes: a Whisper checkpoint's encoder (its decoder is carried along untouched)."""
+_AUDIO_DEFAULTS = {
+    "whisper": dict(
+        d_model=384, encoder_layers=4, encoder_attention_heads=6, encoder_ffn_dim=1536, num_mel_bins=80,
+        max_source_positions=1500,
+    ),
+}  # fmt: skip
+WHISPER_STRIDE = 2
+"""Mel frames per Whisper token (its second convolution's stride): a clip of 2 x max_source_positions frames."""
 VISION_TOWERS = {"CLIPVisionModel": "clip_vision_model", "SiglipVisionModel": "siglip_vision_model"}
 WHOLE_VISION_MODELS = {"CLIPModel": "clip_vision_model", "SiglipModel": "siglip_vision_model"}
 """Dual-encoder models whose ``vision_config`` (and ``vision_model.*`` tensors) a composition uses."""
@@ -118,6 +129,9 @@ class HFModelShape:
     projector_bias: bool = True
     projector_act: str = "gelu"
     tie_word_embeddings: bool = False
+    audio_type: str | None = None
+    audio: dict[str, Any] | None = None
+    """A composition's Whisper config (its encoder is the audio tower)."""
     sources: tuple[tuple[str, str | None], ...] = ()
     """A composition's directory per component (``text``, ``head``, ``vision``, ``projector``; None: a
     projector with no directory); empty for one directory, which holds every component."""
@@ -139,7 +153,16 @@ class HFModelShape:
 
     @property
     def is_multimodal(self) -> bool:
-        return self.vision is not None
+        return self.vision is not None or self.audio is not None
+
+    @property
+    def audio_clip_frames(self) -> int:
+        """Mel frames of every audio clip (Whisper's 30 s: its feature extractor pads or cuts each clip)."""
+        return WHISPER_STRIDE * self.audio["max_source_positions"] if self.audio is not None else 0
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        return tuple(m for m, cfg in (("vision", self.vision), ("audio", self.audio)) if cfg is not None)
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """Keyword arguments of the built-in ``llm``, ``vision`` and ``projector`` sections."""
@@ -168,7 +191,19 @@ class HFModelShape:
                 in_channels=v["num_channels"],
                 token_merge=1,
             )
-            out["projector"] = dict(num_layers=2)  # LLaVA's linear_1, act, linear_2
+        if self.audio is not None:
+            a = self.audio
+            out["audio"] = dict(
+                num_layers=a["encoder_layers"],
+                hidden=a["d_model"],
+                num_heads=a["encoder_attention_heads"],
+                ffn_hidden=a["encoder_ffn_dim"],
+                mel_bins=a["num_mel_bins"],
+                downsample=WHISPER_STRIDE,
+                token_merge=1,
+            )
+        if self.is_multimodal:
+            out["projector"] = dict(num_layers=2)  # LLaVA's linear_1, act, linear_2 (each encoder its own)
         return out
 
 
@@ -201,7 +236,8 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 def composed_model_shape(parts: dict[str, str]) -> HFModelShape:
     """A composition's model (module docstring) as an ``HFModelShape``; ``ConfigError`` naming the part."""
-    llm_dir, vision_dir, projector_dir = parts["llm"], parts["vision"], parts.get("projector")
+    llm_dir, vision_dir, audio_dir = parts["llm"], parts.get("vision"), parts.get("audio")
+    projector_dir = parts.get("projector")
     llm = read_config_json(llm_dir, "model.huggingface.llm")
     arch = _architecture(llm)
     if arch not in TEXT_MODELS:
@@ -212,18 +248,37 @@ def composed_model_shape(parts: dict[str, str]) -> HFModelShape:
     text_type = TEXT_MODELS[arch]
     text = {**_TEXT_DEFAULTS[text_type], **llm}
     _check_text(text, text_type, "model.huggingface.llm config.json")
-    raw = read_config_json(vision_dir, "model.huggingface.vision")
-    tower = _architecture(raw)
-    if tower in VISION_TOWERS:
-        vision_type, vision_raw = VISION_TOWERS[tower], raw
-    elif tower in WHOLE_VISION_MODELS:
-        vision_type, vision_raw = WHOLE_VISION_MODELS[tower], raw.get("vision_config") or {}
-    else:
-        raise ConfigError(
-            f"model.huggingface.vision: {os.path.join(vision_dir, 'config.json')} is a {tower!r}; a vision "
-            f"tower: {', '.join((*VISION_TOWERS, *WHOLE_VISION_MODELS))}"
-        )
-    vision = {**_VISION_DEFAULTS[vision_type], **vision_raw}
+    vision_type = vision = None
+    if vision_dir is not None:
+        raw = read_config_json(vision_dir, "model.huggingface.vision")
+        tower = _architecture(raw)
+        if tower in VISION_TOWERS:
+            vision_type, vision_raw = VISION_TOWERS[tower], raw
+        elif tower in WHOLE_VISION_MODELS:
+            vision_type, vision_raw = WHOLE_VISION_MODELS[tower], raw.get("vision_config") or {}
+        else:
+            raise ConfigError(
+                f"model.huggingface.vision: {os.path.join(vision_dir, 'config.json')} is a {tower!r}; a vision "
+                f"tower: {', '.join((*VISION_TOWERS, *WHOLE_VISION_MODELS))}"
+            )
+        vision = {**_VISION_DEFAULTS[vision_type], **vision_raw}
+    audio_type = audio = None
+    if audio_dir is not None:
+        raw = read_config_json(audio_dir, "model.huggingface.audio")
+        tower = _architecture(raw)
+        if tower not in AUDIO_MODELS:
+            raise ConfigError(
+                f"model.huggingface.audio: {os.path.join(audio_dir, 'config.json')} is a {tower!r}; an audio "
+                f"tower: {', '.join(AUDIO_MODELS)}"
+            )
+        audio_type = AUDIO_MODELS[tower]
+        audio = {**_AUDIO_DEFAULTS[audio_type], **raw}
+        if audio.get("scale_embedding") or audio.get("encoder_layerdrop"):
+            raise ConfigError(
+                f"model.huggingface.audio: {os.path.join(audio_dir, 'config.json')} sets scale_embedding or "
+                "encoder_layerdrop, which only Whisper's decoder / its training-time layer dropping use; the "
+                "engine runs the encoder without them (set them to false / 0.0)"
+            )
     act, bias = "gelu", True
     if projector_dir is not None:
         projector = read_config_json(projector_dir, "model.huggingface.projector")
@@ -231,9 +286,12 @@ def composed_model_shape(parts: dict[str, str]) -> HFModelShape:
             raise ConfigError(
                 f"model.huggingface.projector: {os.path.join(projector_dir, 'config.json')} has model_type "
                 f"{projector.get('model_type')!r}; a projector directory has {PROJECTOR_TYPE!r} (export of a "
-                "composed model writes one; leave the key out to start the projector afresh)"
+                "composed model writes one; leave the key out to start the projectors afresh)"
             )
-        for key, want in (("vision_hidden_size", vision["hidden_size"]), ("text_hidden_size", text["hidden_size"])):
+        sizes = {"text_hidden_size": text["hidden_size"]}
+        sizes.update({"vision_hidden_size": vision["hidden_size"]} if vision is not None else {})
+        sizes.update({"audio_hidden_size": audio["d_model"]} if audio is not None else {})
+        for key, want in sizes.items():
             if projector.get(key) != want:
                 raise ConfigError(
                     f"model.huggingface.projector: its {key} is {projector.get(key)!r}, the parts make it {want}"
@@ -247,13 +305,22 @@ def composed_model_shape(parts: dict[str, str]) -> HFModelShape:
         text=text,
         vision_type=vision_type,
         vision=vision,
-        vision_layers_used=vision["num_hidden_layers"] + 1 + LLAVA_FEATURE_LAYER,
+        vision_layers_used=vision["num_hidden_layers"] + 1 + LLAVA_FEATURE_LAYER if vision is not None else 0,
         drop_cls=clip,  # LLaVA's "default" strategy on a CLIP tower, "full" on SigLIP: an image is its patches
         image_token_id=None,
         projector_bias=bias,
         projector_act=act,
         tie_word_embeddings=bool(text.get("tie_word_embeddings")),
-        sources=(("text", llm_dir), ("head", llm_dir), ("vision", vision_dir), ("projector", projector_dir)),
+        audio_type=audio_type,
+        audio=audio,
+        sources=(
+            ("text", llm_dir),
+            ("head", llm_dir),
+            ("vision", vision_dir),
+            ("audio", audio_dir),
+            ("projector", projector_dir),
+            ("audio_projector", projector_dir),
+        ),
     )
 
 

@@ -177,19 +177,20 @@ class ModelConfig:
         vision = VisionConfig(**derived["vision"]) if "vision" in derived else None
         projector = ProjectorConfig(**derived.get("projector", {}))
         # A section equal to the derived one is what to_dict/asdict round trips carry; any other is a conflict.
-        given = {"llm": (self.llm, llm), "vision": (self.vision, vision), "audio": (self.audio, None)}
+        audio = AudioConfig(**derived["audio"]) if "audio" in derived else None
+        given = {"llm": (self.llm, llm), "vision": (self.vision, vision), "audio": (self.audio, audio)}
         for key, (mine, theirs) in given.items():
             if mine is not None and mine != theirs:
                 raise ConfigError(
                     f"model.{key}: cannot be set together with model.huggingface (the directory's "
                     "config.json gives the model's shape); remove one of them"
                 )
-        self.llm, self.vision, self.projector = llm, vision, projector
+        self.llm, self.vision, self.audio, self.projector = llm, vision, audio, projector
         if not self.name:
             named = (
                 [self.huggingface]
                 if isinstance(self.huggingface, str)
-                else [self.huggingface[p] for p in ("llm", "vision")]
+                else [self.huggingface[p] for p in ("llm", "vision", "audio") if p in self.huggingface]
             )
             self.name = "+".join(os.path.basename(d.rstrip(os.sep)) for d in named)
 
@@ -208,11 +209,10 @@ def _composition(parts: dict) -> dict[str, str]:
     unknown = sorted(str(k) for k in parts if k not in PARTS)
     if unknown:
         raise ConfigError(f"model.huggingface: unknown part(s) {unknown}; a composition has {', '.join(PARTS)}")
-    missing = [k for k in ("vision", "llm") if k not in parts]
-    if missing:
+    if "llm" not in parts or not ({"vision", "audio"} & set(parts)):
         raise ConfigError(
-            f"model.huggingface: a composition needs {' and '.join(missing)} (a vision tower's and a causal LM's "
-            "directories; projector is optional)"
+            "model.huggingface: a composition needs llm and an encoder (vision, audio or both): a causal LM's and "
+            f"the towers' directories, projector optional; got {', '.join(sorted(map(str, parts))) or 'nothing'}"
         )
     return {
         k: os.path.abspath(os.path.expanduser(as_str(f"model.huggingface.{k}", parts[k]))) for k in PARTS if k in parts

@@ -18,7 +18,12 @@ from oobleck_mm.config.values import (
     ConfigError,
 )
 from oobleck_mm.config.cluster import ClusterConfig, PlanningConfig
-from oobleck_mm.config.data import DEFAULT_IMAGE_SIZE, SYNTHETIC_IMAGES_PER_SAMPLE, DataConfig
+from oobleck_mm.config.data import (
+    DEFAULT_IMAGE_SIZE,
+    SYNTHETIC_AUDIO_PROBABILITY,
+    SYNTHETIC_IMAGES_PER_SAMPLE,
+    DataConfig,
+)
 from oobleck_mm.config.fault_tolerance import FaultToleranceConfig
 from oobleck_mm.config.model import ModelConfig
 from oobleck_mm.config.training import (
@@ -177,6 +182,17 @@ def derive_data_shape(m: ModelConfig, d: DataConfig) -> None:
         raise ConfigError(f"data.min_image_size ({d.min_image_size}) must be <= data.image_size ({d.image_size})")
     if d.kind == "synthetic" and d.mean_images_per_sample is None:
         d.mean_images_per_sample = SYNTHETIC_IMAGES_PER_SAMPLE if m.vision is not None else 0.0
+    whisper = m.hf.audio_clip_frames if m.hf is not None and d.kind == "synthetic" else 0
+    if whisper:  # every clip is the tower's length, in a fixed share of the samples: the mean follows
+        mean = round(SYNTHETIC_AUDIO_PROBABILITY * whisper / d.audio_frames_per_second, 9)
+        if d.mean_audio_seconds is not None and d.mean_audio_seconds != mean:
+            raise ConfigError(
+                f"data.mean_audio_seconds ({d.mean_audio_seconds}): the Whisper tower of model.huggingface.audio "
+                f"takes clips of {whisper} mel frames ({whisper / d.audio_frames_per_second:g} s at "
+                f"data.audio_frames_per_second {d.audio_frames_per_second:g}), as its feature extractor pads "
+                f"them, in {SYNTHETIC_AUDIO_PROBABILITY:.0%} of synthetic samples: {mean:g} (or leave it out)"
+            )
+        d.mean_audio_seconds = mean
     if d.mean_audio_seconds is None and (m.audio is None or d.kind == "synthetic"):
         d.mean_audio_seconds = 0.0  # (synthetic with an audio encoder: the rule below asks for it)
 

@@ -49,6 +49,8 @@ class ModelInputs:
     image_token_id: int | None = None
     image_side: int = 0
     """A HuggingFace tower's fixed square image side."""
+    audio_clip_frames: int = 0
+    """A HuggingFace audio tower's fixed clip length in mel frames (Whisper's 30 s); 0: clips vary."""
 
     @classmethod
     def from_model(cls, model: ModelConfig) -> ModelInputs:
@@ -68,6 +70,7 @@ class ModelInputs:
                 huggingface=hf.directory,  # its tokenizer (a composition's LLM: data.kind synthetic only)
                 image_token_id=hf.image_token_id,
                 image_side=hf.vision["image_size"] if hf.vision else 0,
+                audio_clip_frames=hf.audio_clip_frames,
             )
         return cls(**kwargs)
 

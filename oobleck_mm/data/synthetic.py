@@ -39,6 +39,7 @@ import numpy as np
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.config import DataConfig
+from oobleck_mm.config.data import SYNTHETIC_AUDIO_PROBABILITY
 from oobleck_mm.data.dataset import ModelInputs, check_index
 from oobleck_mm.data.sample import AUDIO, BOS, EOS, IMAGE, Sample, SampleMeta
 from oobleck_mm.data.tokenizer import encode
@@ -57,7 +58,7 @@ COLOURS: dict[str, tuple[float, float, float]] = {
 SHAPES = ("square", "circle", "triangle")
 NOTES = ("c", "d", "e", "f", "g", "a", "b")
 BACKGROUND = 0.1
-AUDIO_PROBABILITY = 0.8
+AUDIO_PROBABILITY = SYNTHETIC_AUDIO_PROBABILITY
 """Share of samples with a clip when the model has an audio encoder."""
 MAX_SHAPES = 3
 _COLOUR_NAMES = tuple(COLOURS)
@@ -176,8 +177,11 @@ class SyntheticDataset:
         clips, notes = (), ()
         if self.inputs.has_audio and has_clip:
             unit = self.inputs.frames_unit
-            frames = unit * max(1, round(self._clip_mean * (0.5 + clip_draw) / unit))
-            frames = min(frames, unit * budget)  # one LLM token per unit of frames
+            if self.inputs.audio_clip_frames:  # a tower of one clip length (Whisper's 30 s): dropped if too long
+                frames = self.inputs.audio_clip_frames if self.inputs.audio_clip_frames <= unit * budget else 0
+            else:
+                frames = unit * max(1, round(self._clip_mean * (0.5 + clip_draw) / unit))
+                frames = min(frames, unit * budget)  # one LLM token per unit of frames
             if frames > 0:
                 clips, notes = (frames,), (int(note_draw * len(NOTES)),)
                 budget -= frames // unit

@@ -40,8 +40,10 @@ _PROBES = {
             "",  # a CLIPVisionModel / SiglipVisionModel saved by transformers 5 (its tower's own names)
         ),
     ),
-    # "": a composition's projector directory (export writes the projector's own names)
-    "projector": ("linear_1.weight", ("model.multi_modal_projector.", "multi_modal_projector.", "")),
+    # "vision." / "audio.": a composition's projector directory holds each encoder's projector under its name
+    "projector": ("linear_1.weight", ("model.multi_modal_projector.", "multi_modal_projector.", "vision.")),
+    "audio_projector": ("linear_1.weight", ("audio.",)),
+    "audio": ("conv1.weight", ("model.encoder.", "encoder.")),  # a Whisper checkpoint's encoder
 }
 
 

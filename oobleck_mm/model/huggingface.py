@@ -50,6 +50,7 @@ _MODELING = {
     "qwen2": ("qwen2.modeling_qwen2", "Qwen2"),
     "clip_vision_model": ("clip.modeling_clip", "CLIP"),
     "siglip_vision_model": ("siglip.modeling_siglip", "Siglip"),
+    "whisper": ("whisper.modeling_whisper", "Whisper"),
 }
 _CONFIGS = {
     "llama": ("llama.configuration_llama", "LlamaConfig"),
@@ -57,6 +58,7 @@ _CONFIGS = {
     "qwen2": ("qwen2.configuration_qwen2", "Qwen2Config"),
     "clip_vision_model": ("clip.configuration_clip", "CLIPVisionConfig"),
     "siglip_vision_model": ("siglip.configuration_siglip", "SiglipVisionConfig"),
+    "whisper": ("whisper.configuration_whisper", "WhisperConfig"),
 }
 
 
@@ -196,46 +198,98 @@ class VisionBlock(HFLayer):
         return (*acts[:-1], out[0] if isinstance(out, tuple) else out)
 
 
-class ProjectorIn(HFLayer):
-    """LLaVA projector's ``linear_1`` on every image's tokens, flattened into the packed token list."""
+class AudioEmbed(HFLayer):
+    """Whisper's encoder stem: both convolutions over each clip's mel frames, then its positions."""
 
-    def __init__(self, shape: HFModelShape, vision_hidden: int, text_hidden: int):
+    def __init__(self, shape: HFModelShape, cfg):
         super().__init__()
-        self.drop_cls = shape.drop_cls
-        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=shape.projector_bias)
-        self.hf_parts = (("linear_1.", "projector", "linear_1."),)
+        from transformers.models.whisper.modeling_whisper import sinusoids
+
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(cfg.d_model, cfg.d_model, kernel_size=3, stride=2, padding=1)
+        self.mel, self.tokens = cfg.num_mel_bins, cfg.max_source_positions
+        # Whisper's embed_positions: fixed sinusoids it never trains (requires_grad False there); a buffer
+        # here, so the engine's optimizer and gradient sync never see a parameter without a gradient.
+        self.register_buffer("positions", sinusoids(cfg.max_source_positions, cfg.d_model), persistent=True)
+        self.hf_parts = (
+            ("conv1.", "audio", "conv1."),
+            ("conv2.", "audio", "conv2."),
+            ("positions", "audio", "embed_positions.weight"),
+        )
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        # [clips * tokens, mel * 2]: each token holds its two frames (packing.fold_frames); every clip has
+        # Whisper's 2 x max_source_positions frames (the data pads or cuts it, as its feature extractor does).
+        feats = batch.audio.features
+        clips = feats.shape[0] // self.tokens
+        mels = feats.reshape(clips, 2 * self.tokens, self.mel).transpose(1, 2)
+        x = torch.nn.functional.gelu(self.conv1(mels))
+        x = torch.nn.functional.gelu(self.conv2(x)).permute(0, 2, 1)
+        return (*acts, x + self.positions.to(x.dtype))
+
+
+class AudioBlock(HFLayer):
+    def __init__(self, shape: HFModelShape, cfg, index: int):
+        super().__init__()
+        self.layer = _hf_class(shape.audio_type, "EncoderLayer")(cfg)
+        self.hf_parts = (("layer.", "audio", f"layers.{index}."),)
+
+    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
+        x = acts[-1]
+        if x.shape[0] == 0:  # no clip in this microbatch (see ``zero_of``)
+            return (*acts[:-1], x + zero_of(self))
+        out = self.layer(x, None)  # every clip has the encoder's length: no mask, as in WhisperEncoder
+        return (*acts[:-1], out[0] if isinstance(out, tuple) else out)
+
+
+class ProjectorIn(HFLayer):
+    """LLaVA projector's ``linear_1`` on every image's tokens, flattened into the packed token list; for an
+    audio tower (a composition's Whisper) first the encoder's final ``layer_norm``, as WhisperEncoder ends."""
+
+    def __init__(self, shape: HFModelShape, encoder_hidden: int, text_hidden: int, modality: str = "vision"):
+        super().__init__()
+        self.drop_cls = shape.drop_cls and modality == "vision"
+        self.norm = nn.LayerNorm(encoder_hidden) if modality == "audio" else None  # WhisperEncoder.layer_norm
+        self.linear_1 = nn.Linear(encoder_hidden, text_hidden, bias=shape.projector_bias)
+        component = "projector" if modality == "vision" else "audio_projector"
+        parts = [("linear_1.", component, "linear_1.")]
+        if self.norm is not None:
+            parts.append(("norm.", "audio", "layer_norm."))
+        self.hf_parts = tuple(parts)
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = acts[-1]
         if self.drop_cls:  # vision_feature_select_strategy "default"
             x = x[:, 1:]
+        if self.norm is not None:
+            x = self.norm(x)
         return (*acts[:-1], self.linear_1(x.reshape(-1, x.shape[-1])))
 
 
 class ProjectorOut(HFLayer):
     """LLaVA projector's activation and ``linear_2``."""
 
-    def __init__(self, shape: HFModelShape, text_hidden: int):
+    def __init__(self, shape: HFModelShape, text_hidden: int, modality: str = "vision"):
         super().__init__()
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[shape.projector_act]
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=shape.projector_bias)
-        self.hf_parts = (("linear_2.", "projector", "linear_2."),)
+        self.hf_parts = (("linear_2.", "projector" if modality == "vision" else "audio_projector", "linear_2."),)
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         return (*acts[:-1], self.linear_2(self.act(acts[-1])))
 
 
 class TokenEmbed(HFLayer):
-    """The text model's ``embed_tokens`` with the projected image tokens put at their positions."""
+    """The text model's ``embed_tokens`` with each encoder's projected tokens put at their positions."""
 
     hf_parts = (("embed_tokens.", "text", "embed_tokens."),)
 
-    def __init__(self, cfg, encoders: int):
+    def __init__(self, cfg, encoders: Sequence[str]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
-        self.encoders = encoders
+        self.encoders = tuple(encoders)
 
     @property
     def tied_weight(self) -> nn.Parameter:
@@ -243,10 +297,11 @@ class TokenEmbed(HFLayer):
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = self.embed_tokens(batch.tokens)
-        if self.encoders and acts[0].shape[0]:
-            x = x.index_put((batch.vision.llm_positions,), acts[0].to(x.dtype))
-        elif self.encoders:
-            x = x + acts[0].sum().to(x.dtype)  # an empty sum, 0: see model.graph.zero_of
+        for modality, feats in zip(self.encoders, acts, strict=True):
+            if feats.shape[0]:
+                x = x.index_put((batch.encoder(modality).llm_positions,), feats.to(x.dtype))
+            else:
+                x = x + feats.sum().to(x.dtype)  # an empty sum, 0: see model.graph.zero_of
         return (x,)
 
 
@@ -322,6 +377,7 @@ def build_hf_layer(
     spec = specs[index]
     text_cfg = hf_config(shape.text_type, shape.text, dtype, PACKED_ATTENTION)
     vision_cfg = hf_config(shape.vision_type, shape.vision, dtype, "sdpa") if shape.vision is not None else None
+    audio_cfg = hf_config(shape.audio_type, shape.audio, dtype, "sdpa") if shape.audio is not None else None
     number = _layer_number(spec.name)
     if spec.name == "vision.embed":
         layer, cfg, kind = VisionEmbed(shape, vision_cfg), vision_cfg, shape.vision_type
@@ -331,8 +387,17 @@ def build_hf_layer(
         layer, cfg, kind = ProjectorIn(shape, vision_cfg.hidden_size, text_cfg.hidden_size), text_cfg, shape.text_type
     elif spec.name == "vision.projector1":
         layer, cfg, kind = ProjectorOut(shape, text_cfg.hidden_size), text_cfg, shape.text_type
+    elif spec.name == "audio.embed":
+        layer, cfg, kind = AudioEmbed(shape, audio_cfg), audio_cfg, shape.audio_type
+    elif spec.name.startswith("audio.block"):
+        layer, cfg, kind = AudioBlock(shape, audio_cfg, number), audio_cfg, shape.audio_type
+    elif spec.name == "audio.projector0":
+        layer = ProjectorIn(shape, audio_cfg.d_model, text_cfg.hidden_size, "audio")
+        cfg, kind = text_cfg, shape.text_type
+    elif spec.name == "audio.projector1":
+        layer, cfg, kind = ProjectorOut(shape, text_cfg.hidden_size, "audio"), text_cfg, shape.text_type
     elif spec.name == "llm.embed":
-        layer, cfg, kind = TokenEmbed(text_cfg, int(shape.is_multimodal)), text_cfg, shape.text_type
+        layer, cfg, kind = TokenEmbed(text_cfg, shape.encoders), text_cfg, shape.text_type
     elif spec.name.startswith("llm.block"):
         layer, cfg, kind = DecoderBlock(shape, text_cfg, number), text_cfg, shape.text_type
     elif spec.name == "llm.head":
@@ -349,8 +414,12 @@ def layer_components(name: str) -> frozenset[str]:
     the layer is built: whether to skip its random initialisation depends on them having weights."""
     if name.startswith("vision.projector"):
         return frozenset({"projector"})
-    if name.startswith("vision."):
-        return frozenset({"vision"})
+    if name == "audio.projector0":
+        return frozenset({"audio_projector", "audio"})  # the encoder's final layer_norm, then linear_1
+    if name.startswith("audio.projector"):
+        return frozenset({"audio_projector"})
+    if name.startswith(("vision.", "audio.")):
+        return frozenset({name.split(".")[0]})
     if name == "llm.head":
         return frozenset({"text", "head"})  # its norm is the text body's; a tied head reads embed_tokens
     return frozenset({"text"})

@@ -151,13 +151,47 @@ def make_tiny_model(
     return os.fspath(out)
 
 
+def tiny_whisper_config(**sizes):
+    """A tiny Whisper: clips of 2 x 8 = 16 mel frames of 8 bins (0.16 s at 100 frames a second)."""
+    from transformers import WhisperConfig
+
+    common = dict(
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_layers=1,
+        decoder_attention_heads=2,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+        max_source_positions=8,
+        max_target_positions=16,
+        vocab_size=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+    )
+    common.update(sizes)
+    return WhisperConfig(**common)
+
+
 def make_tiny_parts(
-    out: str | os.PathLike, text: str = "llama", vision: str = "clip", tie: bool = False, seed: int = 0
+    out: str | os.PathLike,
+    text: str = "llama",
+    vision: str = "clip",
+    tie: bool = False,
+    seed: int = 0,
+    audio: bool = False,
 ) -> tuple[str, dict[str, str]]:
-    """A random tiny LLaVA at ``out/llava`` and the same model as three separately saved parts, as a user's
+    """A random tiny LLaVA at ``out/llava`` and the same model as separately saved parts, as a user's
     pretrained parts are: ``out/vision`` (a ``CLIPVisionModel``/``SiglipVisionModel``), ``out/llm`` (a causal
     LM with the tokenizer) and ``out/projector`` (the projector directory of a composition). Returns the
-    LLaVA directory and ``{vision, llm, projector}``: a composition of the parts is the LLaVA."""
+    LLaVA directory and ``{vision, llm, projector}``: a composition of the parts is the LLaVA. ``audio``: also
+    ``out/audio``, a random tiny ``WhisperForConditionalGeneration`` (``tiny_whisper_config``), and its
+    projector in ``out/projector`` (``{vision, audio, llm, projector}``; the LLaVA has no audio)."""
     import json
 
     from safetensors.torch import save_file
@@ -185,11 +219,18 @@ def make_tiny_parts(
     tiny_tokenizer(min(llava.config.text_config.vocab_size, 320)).save_pretrained(parts["llm"])
     projector = llava.model.multi_modal_projector
     os.makedirs(parts["projector"], exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in projector.state_dict().items()},
-        os.path.join(parts["projector"], "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    weights = {f"vision.{k}": v.contiguous() for k, v in projector.state_dict().items()}
+    if audio:
+        from transformers import WhisperForConditionalGeneration
+
+        whisper_cfg = tiny_whisper_config()
+        parts["audio"] = os.path.join(root, "audio")
+        WhisperForConditionalGeneration(whisper_cfg).save_pretrained(parts["audio"])
+        hidden = llava.config.text_config.hidden_size
+        linear_1, linear_2 = torch.nn.Linear(whisper_cfg.d_model, hidden), torch.nn.Linear(hidden, hidden)
+        for name, linear in (("linear_1", linear_1), ("linear_2", linear_2)):
+            weights.update({f"audio.{name}.{k}": v.detach().contiguous() for k, v in linear.state_dict().items()})
+    save_file(weights, os.path.join(parts["projector"], "model.safetensors"), metadata={"format": "pt"})
     config = {
         "model_type": PROJECTOR_TYPE,
         "architectures": ["LlavaMultiModalProjector"],
@@ -198,6 +239,8 @@ def make_tiny_parts(
         "vision_hidden_size": llava.config.vision_config.hidden_size,
         "text_hidden_size": llava.config.text_config.hidden_size,
     }
+    if audio:
+        config["audio_hidden_size"] = tiny_whisper_config().d_model
     with open(os.path.join(parts["projector"], "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
     return llava_dir, parts

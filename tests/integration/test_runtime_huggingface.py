@@ -67,17 +67,20 @@ def compare(job, stages, tmp_path):
 @pytest.mark.parametrize(
     "text,vision,tie,balance",
     [("llama", "clip", False, False), ("qwen2", "siglip", True, True), ("qwen2", None, True, False)],
-    ids=["clip-llama", "siglip-qwen2-tied-balancer-composed-from-parts", "qwen2-tied"],
+    ids=["clip-llama", "siglip-whisper-qwen2-tied-balancer-composed-from-parts", "qwen2-tied"],
 )
 def test_hf_model_on_heterogeneous_pipelines_equals_reference(tmp_path, text, vision, tie, balance):
-    """The second case's model is composed from separately saved parts (a SiglipVisionModel, a Qwen2 causal
-    LM with tied embeddings, a projector directory: ``model.huggingface: {vision, llm, projector}``)."""
+    """The second case's model is composed from separately saved parts (a SiglipVisionModel, a Whisper, a
+    Qwen2 causal LM with tied embeddings, a projector directory: ``model.huggingface: {vision, audio, llm,
+    projector}``)."""
     if balance:
-        directory = make_tiny_parts(tmp_path / "parts", text, vision, tie=tie)[1]
+        directory = make_tiny_parts(tmp_path / "parts", text, vision, tie=tie, audio=True)[1]
     else:
         directory = make_tiny_model(tmp_path / "model", text, vision, tie=tie)
     job = hf_job(directory, vision is not None, balance)
     outs = compare(job, [2, 3], tmp_path / "run")
+    if balance:  # the Whisper encoder's layers trained on the pipelines too, equal to the reference
+        assert {"audio.embed", "audio.block1", "audio.projector0"} <= {n for out in outs for n in out["states"]}
     if tie:  # every copy of the tied matrix, on every stage of every pipeline, is the same tensor
         copies = [
             state[key]

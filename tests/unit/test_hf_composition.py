@@ -154,17 +154,17 @@ def test_export_writes_each_part_back_for_from_pretrained_and_as_a_composition(m
         layer = build_layer(again, i, specs)
         for name, value in layer.state_dict().items():
             assert torch.equal(value, params[name]), f"{spec.name}.{name}"
-    assert tensors(out / "projector").keys() == {"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"}
+    assert tensors(out / "projector").keys() == {f"vision.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
 
 
 def test_composition_mistakes_name_the_part_and_what_is_valid(made, tmp_path):
     llava_dir, parts = made
     with pytest.raises(
         ConfigError,
-        match=r"model.huggingface: unknown part\(s\) \['speech'\]; a composition has vision, llm, projector",
+        match=r"model.huggingface: unknown part\(s\) \['speech'\]; a composition has vision, audio, llm, projector",
     ):
         job({**parts, "speech": parts["llm"]})
-    with pytest.raises(ConfigError, match="a composition needs llm"):
+    with pytest.raises(ConfigError, match="a composition needs llm and an encoder"):
         job({"vision": parts["vision"]})
     with pytest.raises(
         ConfigError,
@@ -210,3 +210,91 @@ def test_a_whole_clip_model_serves_as_the_tower_and_exports_back_whole(made, tmp
     export_checkpoint(ckpt, tmp_path / "out")
     assert tensors(tmp_path / "out" / "vision").keys() == tensors(tmp_path / "clip").keys()
     assert all(torch.equal(v, tensors(tmp_path / "clip")[k]) for k, v in tensors(tmp_path / "out" / "vision").items())
+
+
+def test_vision_audio_and_llm_parts_equal_their_unsplit_transformers_modules(tmp_path_factory):
+    """``{vision, audio, llm, projector}``: a CLIP tower, a Whisper encoder and a Llama, against the same
+    transformers models run whole per sample (CLIPVisionModel's second-to-last hidden state without CLS,
+    WhisperEncoder on the clip padded to its 30 s as its feature extractor pads it, each through its
+    projector, put at the sample's media positions of the LLM's input embeddings), in float64."""
+    from safetensors.torch import load_file
+
+    from oobleck_mm.data.sample import AUDIO
+
+    _, parts = make_tiny_parts(tmp_path_factory.mktemp("audio"), "llama", "clip", audio=True)
+    composed = job(parts, max_seq_len=128)
+    assert [s.name for s in model_layer_specs(composed)][5:10] == [
+        "audio.embed", "audio.block0", "audio.block1", "audio.projector0", "audio.projector1",
+    ]  # fmt: skip
+    logits, _, grads, (data, ids, batch) = run(composed)
+    assert batch.audio is not None and batch.audio.features.shape[0] > 0  # clips in this microbatch
+    assert all(g is not None for g in grads["audio.block0"].values())  # the audio tower trains
+
+    kw = {"dtype": torch.float64, "attn_implementation": "sdpa"}
+    tower = transformers.CLIPVisionModel.from_pretrained(parts["vision"], **kw).eval()
+    whisper = transformers.WhisperForConditionalGeneration.from_pretrained(parts["audio"], **kw).model.encoder.eval()
+    lm = transformers.AutoModelForCausalLM.from_pretrained(parts["llm"], **kw).eval()
+    weights = load_file(os.path.join(parts["projector"], "model.safetensors"))
+
+    def project(x, who):
+        x = F.linear(x, weights[f"{who}.linear_1.weight"].double(), weights[f"{who}.linear_1.bias"].double())
+        return F.linear(F.gelu(x), weights[f"{who}.linear_2.weight"].double(), weights[f"{who}.linear_2.bias"].double())
+
+    for seg, (start, end) in enumerate(batch.spans()):
+        sample = data.dataset[ids[seg]]
+        images, clips = iter(sample.images), iter(sample.audio)
+        pieces = []
+        with torch.no_grad():
+            for t in sample.tokens.tolist():
+                if t == IMAGE:
+                    hidden = tower(next(images)[None].double(), output_hidden_states=True).hidden_states[-2]
+                    pieces.append(project(hidden[0, 1:], "vision"))
+                elif t == AUDIO:
+                    pieces.append(project(whisper(next(clips).T[None].double()).last_hidden_state[0], "audio"))
+                else:
+                    pieces.append(lm.get_input_embeddings()(torch.tensor([t])))
+            theirs = lm(inputs_embeds=torch.cat(pieces)[None]).logits[0]
+        assert theirs.shape == logits[start:end].shape
+        assert (theirs - logits[start:end]).abs().max().item() <= 1e-10, f"sample {seg}"
+
+
+def test_an_audio_composition_exports_a_whisper_whose_decoder_came_along_untouched(tmp_path):
+    _, parts = make_tiny_parts(tmp_path / "parts", "qwen2", "siglip", audio=True)
+    composed = job(parts, max_seq_len=128)
+    ckpt = checkpoint_without_training(composed, tmp_path / "ckpt")
+    for f in sorted((ckpt / "layers").glob("*.pt")):
+        payload = torch.load(f, weights_only=True)
+        payload["params"] = {k: v + 0.25 for k, v in payload["params"].items()}
+        write_layer_file(ckpt, f.stem, payload)
+    save_meta(ckpt, composed, 0, model_layer_specs(composed))
+    export_checkpoint(ckpt, tmp_path / "out", dtype="float64")
+    assert sorted(os.listdir(tmp_path / "out")) == ["audio", "llm", "projector", "vision"]
+    new = transformers.WhisperForConditionalGeneration.from_pretrained(tmp_path / "out" / "audio")
+    old = dict(transformers.WhisperForConditionalGeneration.from_pretrained(parts["audio"]).named_parameters())
+    moved = {n for n, p in new.named_parameters() if torch.equal(p, old[n].double() + 0.25)}
+    kept = {n for n, p in new.named_parameters() if torch.equal(p, old[n].double())}
+    assert "model.encoder.conv1.weight" in moved and "model.encoder.layer_norm.weight" in moved
+    assert all(n.startswith("model.encoder.") for n in moved) and any(n.startswith("model.decoder.") for n in kept)
+    projector = tensors(tmp_path / "out" / "projector")
+    assert {k.split(".")[0] for k in projector} == {"vision", "audio"}
+    config = json.loads((tmp_path / "out" / "projector" / "config.json").read_text())
+    assert config["audio_hidden_size"] == 32 and config["vision_hidden_size"] == 32
+    again = job({k: str(tmp_path / "out" / k) for k in ("vision", "audio", "llm", "projector")}, max_seq_len=128)
+    specs = model_layer_specs(again)
+    for i, spec in enumerate(specs):
+        params = torch.load(ckpt / "layers" / f"{spec.name}.pt", weights_only=True)["params"]
+        for name, value in build_layer(again, i, specs).state_dict().items():
+            assert torch.equal(value, params[name]), f"{spec.name}.{name}"
+
+
+def test_an_audio_tower_takes_clips_of_its_length_and_other_audio_means_are_refused(tmp_path):
+    _, parts = make_tiny_parts(tmp_path / "parts", "llama", "clip", audio=True)
+    # 16 frames of 100 a second in 80% of samples: 0.128 s a sample, derived when left out
+    assert job(parts, max_seq_len=128).data.mean_audio_seconds == pytest.approx(0.128)
+    with pytest.raises(ConfigError, match=r"data.mean_audio_seconds \(2.0\): the Whisper tower .* 16 mel frames"):
+        job(parts, max_seq_len=128, mean_audio_seconds=2.0)
+    with pytest.raises(ConfigError, match=r"model.huggingface.audio: .* is a 'LlamaForCausalLM'; an audio tower"):
+        job({**parts, "audio": parts["llm"]}, max_seq_len=128)
+    data = TrainingData(job(parts, max_seq_len=128))
+    frames = {tuple(c.shape) for i in range(32) for c in data.dataset[i].audio}
+    assert frames == {(16, 8)}  # every clip is the tower's 16 frames of 8 mel bins
