@@ -64,6 +64,63 @@ class StageLayout:
 class PipelineLayout:
     stages: tuple[StageLayout, ...]
     num_microbatches: int
+    branches: tuple[int, ...] = ()
+    """Encoder branches (Cornstarch's modality parallelism, issue 49): the stage index where each branch
+    starts, the first 0, each branch's stages running its encoder's layers (in layer order, one branch after
+    another) concurrently with the others'; ``merge`` is the LLM's first stage, which takes every branch's
+    output. Empty: a chain, every stage feeding the next."""
+    merge: int = 0
+    """The LLM's first stage of a branched pipeline (``branches``); 0 for a chain."""
+
+    @property
+    def branched(self) -> bool:
+        return bool(self.branches)
+
+    def _branch_of(self, stage: int) -> tuple[int, int]:
+        """(first stage, end stage) of the branch holding ``stage`` (a stage before ``merge``)."""
+        ends = (*self.branches[1:], self.merge)
+        b = max(k for k, start in enumerate(self.branches) if start <= stage)
+        return self.branches[b], ends[b]
+
+    def neighbours(self, stage: int) -> tuple[tuple[int, ...], int | None]:
+        """(stages that send ``stage`` its input, in branch order; the stage it sends its output to, None at
+        the end). A chain's stage has one sender (none for the first); a branch's first stage has none, its
+        last sends to ``merge``, which has one sender per branch."""
+        n = len(self.stages)
+        if not self.branched or stage > self.merge:
+            return ((stage - 1,) if stage > 0 else ()), (stage + 1 if stage + 1 < n else None)
+        if stage == self.merge:
+            ends = (*self.branches[1:], self.merge)
+            return tuple(end - 1 for end in ends), (stage + 1 if stage + 1 < n else None)
+        start, end = self._branch_of(stage)
+        return ((stage - 1,) if stage > start else ()), (stage + 1 if stage + 1 < end else self.merge)
+
+    def schedule_position(self, stage: int) -> tuple[int, int]:
+        """(stages, stage_id) of ``stage``'s DeepSpeed ``TrainSchedule``. A 1F1B stage's instruction order
+        depends only on its distance to the pipeline's end, so a branch's stage ``k`` of ``K`` before the
+        LLM's ``S`` stages runs stage ``k`` of ``K + S``, and the LLM's stage ``j`` runs ``1 + j`` of ``1 + S``
+        (the exact time ``planning.branches.simulate_branched`` computes runs the same)."""
+        if not self.branched:
+            return len(self.stages), stage
+        llm = len(self.stages) - self.merge
+        if stage >= self.merge:
+            return 1 + llm, 1 + stage - self.merge
+        start, end = self._branch_of(stage)
+        return end - start + llm, stage - start
+
+    def upstream_layers(self, stage: int) -> tuple[int, ...]:
+        """The layers whose outputs reach ``stage``'s input (its branch's earlier layers; every earlier layer for
+        a chain or an LLM stage): it needs its input's gradient iff one of them trains."""
+        first = self.stages[stage].layer_start
+        if not self.branched or stage >= self.merge:
+            return tuple(range(first))
+        start, _ = self._branch_of(stage)
+        return tuple(range(self.stages[start].layer_start, first))
+
+    def branch_layers(self, branch: int) -> range:
+        """The layers of branch ``branch``."""
+        ends = (*self.branches[1:], self.merge)
+        return range(self.stages[self.branches[branch]].layer_start, self.stages[ends[branch]].layer_start)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -117,6 +174,8 @@ class ExecutionPlan:
                 expected_start = end
             if expected_start != self.num_layers:
                 raise ValueError(f"execution plan: pipeline {i} ends at layer {expected_start}, not {self.num_layers}")
+            if p.branched:
+                _check_branches(i, p)
             widths = [s.width for s in p.stages]
             if any(p.pieces % w for w in widths):
                 raise ValueError(
@@ -139,6 +198,11 @@ class ExecutionPlan:
                 )
 
     # ------------------------------------------------------------------ queries
+    @property
+    def branched(self) -> bool:
+        """Some pipeline runs encoder branches (``PipelineLayout.branches``)."""
+        return any(p.branched for p in self.pipelines)
+
     @property
     def world_size(self) -> int:
         return sum(s.width for p in self.pipelines for s in p.stages)
@@ -297,6 +361,7 @@ class ExecutionPlan:
                         for s in p.stages
                     ],
                 }
+                | ({"branches": list(p.branches), "merge": p.merge} if p.branched else {})
                 for p in self.pipelines
             ],
         }
@@ -315,6 +380,8 @@ class ExecutionPlan:
                     for s in p["stages"]
                 ),
                 int(p["num_microbatches"]),
+                tuple(map(int, p.get("branches", ()))),
+                int(p.get("merge", 0)),
             )
             for p in d["pipelines"]
         )
@@ -323,12 +390,14 @@ class ExecutionPlan:
     def describe(self) -> str:
         parts = []
         for p in self.pipelines:
-            stages = "|".join(
-                f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
+            # A branched pipeline: its branches side by side ("  ||  "), then "=>" the LLM's stages.
+            stages = "".join(
+                ("" if j == 0 else " || " if j in p.branches else " => " if p.branched and j == p.merge else "|")
+                + f"r{'+'.join(map(str, s.ranks))}:{s.layer_start}-{s.layer_end - 1}"
                 + (f"(slow x{s.slowdown:.2f})" if s.slowdown != 1.0 else "")
                 + ("(r)" if s.recompute else "")
                 + ("(cp)" if s.context_parallel else "")
-                for s in p.stages
+                for j, s in enumerate(p.stages)
             )
             parts.append(f"[{stages}]x{p.num_microbatches}mb")
         return " ".join(parts)
@@ -342,6 +411,23 @@ def rank_table(plan) -> dict[Gpu, int]:
             for gpu in spec.gpus:
                 ranks[(instance.nodes[spec.node], gpu)] = len(ranks)
     return ranks
+
+
+def _check_branches(i: int, p: PipelineLayout) -> None:
+    """A branched pipeline: branches start at 0 in increasing order, each non-empty, before a merge stage that
+    leaves the LLM at least one stage; one-GPU stages (wide stages and context parallelism run chains)."""
+    starts = list(p.branches)
+    if starts[0] != 0 or starts != sorted(set(starts)) or not starts[-1] < p.merge < len(p.stages):
+        raise ValueError(
+            f"execution plan: pipeline {i}'s branches start at stages {starts} and merge at stage {p.merge}: "
+            f"branches start at 0, in increasing order, each before the merge, which is one of its "
+            f"{len(p.stages)} stages"
+        )
+    if any(s.width > 1 for s in p.stages):
+        raise ValueError(
+            f"execution plan: pipeline {i} has encoder branches and stages of several GPUs; branches run "
+            "one-GPU stages"
+        )
 
 
 def piece_samples(samples: Sequence[int], pieces: int, piece: int) -> tuple[int, ...]:

@@ -29,6 +29,8 @@ def plan_to_proto(plan: ExecutionPlan) -> pb.ExecutionPlan:
                     )
                     for s in p.stages
                 ],
+                branches=list(p.branches),
+                merge=p.merge,
             )
             for p in plan.pipelines
         ],
@@ -52,6 +54,8 @@ def plan_from_proto(msg: pb.ExecutionPlan) -> ExecutionPlan:
                 for s in p.stages
             ),
             p.num_microbatches,
+            tuple(p.branches),
+            p.merge,
         )
         for p in msg.pipelines
     )

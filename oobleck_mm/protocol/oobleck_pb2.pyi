@@ -56,12 +56,16 @@ class Stage(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., slowdown: _Optional[float] = ..., shards: _Optional[_Iterable[int]] = ..., recompute: _Optional[bool] = ..., context_parallel: _Optional[bool] = ...) -> None: ...
 
 class Pipeline(_message.Message):
-    __slots__ = ("num_microbatches", "stages")
+    __slots__ = ("num_microbatches", "stages", "branches", "merge")
     NUM_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    MERGE_FIELD_NUMBER: _ClassVar[int]
     num_microbatches: int
     stages: _containers.RepeatedCompositeFieldContainer[Stage]
-    def __init__(self, num_microbatches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ...) -> None: ...
+    branches: _containers.RepeatedScalarFieldContainer[int]
+    merge: int
+    def __init__(self, num_microbatches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., branches: _Optional[_Iterable[int]] = ..., merge: _Optional[int] = ...) -> None: ...
 
 class ExecutionPlan(_message.Message):
     __slots__ = ("num_layers", "microbatch_size", "pipelines")

@@ -142,10 +142,13 @@ class StageEngine(MicrobatchFlow):
         self.pieces = self.pipeline.pieces_of(self.stage_index, rank)
         """The pieces of every microbatch this rank runs: all (one) on a pipeline of one-GPU stages; on a stage
         of several GPUs each rank runs its share of the samples (``PipelineLayout.pieces``)."""
-        first, last = self.stage_index == 0, self.stage_index + 1 == self.num_stages
-        self.prev_ranks = {} if first else {k: self.pipeline.piece_rank(self.stage_index - 1, k) for k in self.pieces}
-        self.next_ranks = {} if last else {k: self.pipeline.piece_rank(self.stage_index + 1, k) for k in self.pieces}
+        senders, receiver = self.pipeline.neighbours(self.stage_index)
+        self.prev_ranks = {k: self.pipeline.piece_rank(senders[0], k) for k in self.pieces} if senders else {}
+        self.next_ranks = {} if receiver is None else {k: self.pipeline.piece_rank(receiver, k) for k in self.pieces}
         """Per piece this rank runs, the rank that sends its input (receives its output)."""
+        self.branch_ranks = tuple(self.pipeline.stages[j].rank for j in senders) if len(senders) > 1 else ()
+        """The merge stage of a branched pipeline (``PipelineLayout.branches``): each branch's last rank, in
+        branch order, whose outputs together are this stage's input (one-GPU stages). Empty elsewhere."""
         self.prev_rank = self.prev_ranks[self.pieces[0]] if self.prev_ranks else None
         self.next_rank = self.next_ranks[self.pieces[0]] if self.next_ranks else None
         """The neighbours of this rank's first piece (the only one on a pipeline of one-GPU stages); None at an end."""
@@ -171,10 +174,17 @@ class StageEngine(MicrobatchFlow):
         """The stage's ops on the emulated device (None: not emulated)."""
 
         trainable = trainable_mask(job, self.specs)
-        # A stage needs the gradient of its input iff a trainable layer precedes it.
-        self.needs_input_grad = any(trainable[: self.stage.layer_start])
-        self.next_needs_grad = self.next_rank is not None and any(trainable[: self.stage.layer_end])
-        self.needs_backward = any(trainable[: self.stage.layer_end])
+        # A stage needs the gradient of its input iff a trainable layer feeds it (every earlier layer in a
+        # chain; a branch's own earlier layers in a branched pipeline: the other branches do not feed it).
+        upstream = self.pipeline.upstream_layers(self.stage_index)
+        feeding = (*upstream, *self.stage.layers)
+        self.needs_input_grad = any(trainable[i] for i in upstream)
+        self.next_needs_grad = self.next_rank is not None and any(trainable[i] for i in feeding)
+        self.needs_backward = any(trainable[i] for i in feeding)
+        self.branch_needs_grad = tuple(
+            any(trainable[i] for i in self.pipeline.branch_layers(b)) for b in range(len(self.branch_ranks))
+        )
+        """Per branch of the merge stage: whether that branch trains, so takes its output's gradient back."""
 
         handed_over = dict(held or {})
         held = dict(held or {})
@@ -267,6 +277,7 @@ class StageEngine(MicrobatchFlow):
         self._loss_tokens = self.data.loss_tokens(ids)
         self._batches: dict = {}
         self._inputs: dict[int, tuple] = {}
+        self._branch_sizes: dict[int, list[int]] = {}  # merge stage: per buffer, the tensors each branch sent
         self._outputs: dict[int, tuple] = {}
         self._grads: dict[int, tuple] = {}
         self._buffer_mb: dict[int, int] = {}
@@ -293,9 +304,8 @@ class StageEngine(MicrobatchFlow):
             ),
             deferred=sum(len(d) for p in assignment.deferred for d in p),
         )
-        schedule = ds.TrainSchedule(
-            micro_batches=len(self._microbatches), stages=self.num_stages, stage_id=self.stage_index
-        )
+        stages, stage_id = self.pipeline.schedule_position(self.stage_index)
+        schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=stages, stage_id=stage_id)
         execute(schedule.steps(), self._dispatch)
         # The microbatches' times, read once the step's work is done (CUDA events: one sync here).
         self._result.microbatch_times = [(self.clock.seconds(f), self.clock.seconds(b)) for f, b in self._intervals]

@@ -177,11 +177,16 @@ class MicrobatchFlow:
     def _recv_activation(self, ins) -> None:
         t0 = time.perf_counter()
         received = {}
-        for piece, src in self.prev_ranks.items():  # every rank in piece order: the senders' order too
-            acts = self._receive(src)
+        if self.branch_ranks:  # the merge stage: every branch's outputs, in branch order, are its input
+            parts = [self._receive(src) for src in self.branch_ranks]
+            self._branch_sizes[ins.buffer_id] = [len(part) for part in parts]
+            sources = {0: [t for part in parts for t in part]}.items()
+        else:
+            sources = ((piece, self._receive(src)) for piece, src in self.prev_ranks.items())
+        for piece, acts in sources:  # every rank in piece order: the senders' order too
             if self.needs_input_grad:
                 acts = tuple(a.requires_grad_() if a.is_floating_point() else a for a in acts)
-            received[piece] = acts
+            received[piece] = tuple(acts)
         self._inputs[ins.buffer_id] = received
         self._result.comm_s += time.perf_counter() - t0
 
@@ -294,5 +299,13 @@ class MicrobatchFlow:
             arrival = self.timer.arrival(self.stage.layer_start - 1, self._llm_microbatches[mb])
         for piece, piece_inputs in inputs.items():
             grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
+            if self.branch_ranks:  # each branch its outputs' gradients, if it trains
+                sizes, offset = self._branch_sizes.pop(ins.buffer_id), 0
+                for src, size, needed in zip(self.branch_ranks, sizes, self.branch_needs_grad, strict=True):
+                    if needed:
+                        part = grads[offset : offset + size]
+                        self._result.bytes_sent += send_tensors(part, src, self.device, self.waiter, arrival)
+                    offset += size
+                continue
             self._result.bytes_sent += send_tensors(grads, self.prev_ranks[piece], self.device, self.waiter, arrival)
         self._result.comm_s += time.perf_counter() - t0

@@ -56,8 +56,12 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     code = run.wait(timeout=150)
     assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     run.assert_all_gone()
-    assert [e["node"] for e in run.events("straggler_detected")] == ["node2"], "the slow node, and no other"
-    assert [e["node"] for e in run.events("straggler_cleared")] == ["node2"]
+    # The slow node first. Another node may read slow too for a while on a loaded host (a suite run at 2 xdist
+    # workers once read node1 >= 2 over 8 steps, after node2: its core was the busiest): it must be cleared
+    # again by the end, as node2 is once restored; a real cluster's nodes do not share cores.
+    detected = [e["node"] for e in run.events("straggler_detected")]
+    assert detected[0] == "node2" and detected.count("node2") == 1, detected
+    assert sorted(e["node"] for e in run.events("straggler_cleared")) == sorted(detected), "every one cleared"
     assert "node node2 is a straggler" in run.stdout
     # Found slow, maybe re-split again as its measured factor moved (``changed``), then cleared.
     *slowed_splits, even_again = [p for p in run.events("plan_decided") if p["cause"] == "straggler"]

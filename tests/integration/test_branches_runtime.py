@@ -1,0 +1,81 @@
+"""Encoder branches in the runtime (issue 49 item 3, first part): a pipeline whose vision and audio encoders run
+on stages of their own, concurrently, feeding the LLM's first stage, beside an ordinary chain pipeline; real
+gloo processes, float64, equal to the reference trainer (one process, the whole model in layer order).
+
+The merge stage receives every branch's outputs in branch order and sends each branch its gradients back
+(only to a branch that trains); each stage walks DeepSpeed's ``TrainSchedule`` for its distance to the end
+(``PipelineLayout.schedule_position``), as ``planning.branches.simulate_branched`` times it. The plans here
+are written by hand (``ExecutionPlan``); the planner's branched templates reach the runtime in a later step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from oobleck_mm.config import config_from_dict
+from oobleck_mm.model.layers import model_layer_specs
+from oobleck_mm.planning.layout import ExecutionPlan, PipelineLayout, StageLayout
+from oobleck_mm.runtime.reference import ReferenceTrainer
+from oobleck_mm.runtime.worker import run_local
+
+pytestmark = pytest.mark.integration
+STEPS = 3
+
+
+def audio_job(**model):
+    with open("configs/tiny_mm_audio.yaml") as f:
+        d = yaml.safe_load(f)
+    d["model"].update(model)
+    d["training"].update(dtype="float64", steps=STEPS, global_batch=8, microbatch_size=2)
+    return config_from_dict(d)
+
+
+def branched_plan(job, vision_stages: int) -> ExecutionPlan:
+    """Pipeline 0: the vision branch on ``vision_stages`` stages, the audio branch on one, the LLM on two;
+    pipeline 1: a chain of two stages. Two microbatches each."""
+    specs = model_layer_specs(job)
+    names = [s.name for s in specs]
+    audio = names.index("audio.embed")
+    llm = names.index("llm.embed")
+    mid = (llm + len(specs)) // 2
+    cuts = [round(k * audio / vision_stages) for k in range(vision_stages + 1)]
+    bounds = [*zip(cuts, cuts[1:]), (audio, llm), (llm, mid), (mid, len(specs))]
+    stages = tuple(StageLayout(rank, start, end) for rank, (start, end) in enumerate(bounds))
+    branched = PipelineLayout(stages, 2, branches=(0, vision_stages), merge=vision_stages + 1)
+    r = len(stages)
+    half = len(specs) // 2
+    chain = PipelineLayout((StageLayout(r, 0, half), StageLayout(r + 1, half, len(specs))), 2)
+    return ExecutionPlan((branched, chain), len(specs), job.training.microbatch_size)
+
+
+def equal_to_reference(job, plan, tmp_path):
+    trainer = ReferenceTrainer(job)
+    ref_losses = [loss for _, loss in trainer.train(STEPS)]
+    names = [s.name for s in trainer.specs]
+    outs = run_local(job, plan, STEPS, tmp_path)
+    worst = 0.0
+    for out in outs:
+        assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
+        for name, state in out["states"].items():
+            ref = trainer.layer_state(names.index(name))
+            worst = max(worst, max((v - ref[k]).abs().max().item() for k, v in state.items()))
+    assert worst < 1e-10, worst
+    assert ref_losses[-1] < ref_losses[0]
+    return outs
+
+
+@pytest.mark.parametrize("vision_stages", [1, 2], ids=["branches-of-one-stage", "a-deeper-vision-branch"])
+def test_branches_beside_a_chain_equal_the_reference(tmp_path, vision_stages):
+    job = audio_job()
+    plan = branched_plan(job, vision_stages)
+    assert plan.pipelines[0].neighbours(vision_stages + 1)[0] == (vision_stages - 1, vision_stages)
+    assert " || " in plan.describe() and " => " in plan.describe()
+    equal_to_reference(job, plan, tmp_path / "run")
+
+
+def test_a_frozen_branch_gets_no_gradient_and_the_other_trains(tmp_path):
+    """The vision tower and its projector frozen: the merge stage sends gradients to the audio branch only
+    (the vision branch waits for none: a mismatch would hang the step), and the update is the reference's."""
+    job = audio_job(frozen=["vision"])
+    equal_to_reference(job, branched_plan(job, 1), tmp_path / "run")
