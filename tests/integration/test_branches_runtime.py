@@ -75,7 +75,16 @@ def test_branches_beside_a_chain_equal_the_reference(tmp_path, vision_stages):
 
 
 def test_a_frozen_branch_gets_no_gradient_and_the_other_trains(tmp_path):
-    """The vision tower and its projector frozen: the merge stage sends gradients to the audio branch only
-    (the vision branch waits for none: a mismatch would hang the step), and the update is the reference's."""
-    job = audio_job(frozen=["vision"])
-    equal_to_reference(job, branched_plan(job, 1), tmp_path / "run")
+    """The vision tower and its projector frozen (the whole branch): the merge stage sends gradients to the audio branch only (the
+    vision branch waits for none; the audio branch waits for its own: a send missing would hang the step), and
+    the update is the reference's. The merge stage sends exactly the vision outputs' gradients less than when
+    every branch trains."""
+    frozen, trained = audio_job(frozen=["vision", "vision.projector"]), audio_job()
+    plan = branched_plan(frozen, 1)
+    merge = plan.pipelines[0].stages[plan.pipelines[0].merge].rank
+    sent = {}
+    for name, job in (("frozen", frozen), ("trained", trained)):
+        outs = equal_to_reference(job, plan, tmp_path / name)
+        sent[name] = sum(r.bytes_sent for r in outs[merge]["results"])
+    vision_tokens_bytes = sent["trained"] - sent["frozen"]
+    assert vision_tokens_bytes > 0 and sent["frozen"] > 0, sent  # the audio branch still gets its gradients
