@@ -425,8 +425,7 @@ def _check_branches(i: int, p: PipelineLayout) -> None:
         )
     if any(s.width > 1 for s in p.stages):
         raise ValueError(
-            f"execution plan: pipeline {i} has encoder branches and stages of several GPUs; branches run "
-            "one-GPU stages"
+            f"execution plan: pipeline {i} has encoder branches and stages of several GPUs; branches run one-GPU stages"
         )
 
 
