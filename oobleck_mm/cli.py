@@ -134,7 +134,7 @@ def _placements(job, profile, plan, progress) -> list[dict]:
                 "reason": chosen.reason,
                 "branches": chosen.branched.describe() if chosen.branched is not None else None,
                 "line": f"placement, {nodes} node(s) x {microbatches} microbatches: {chosen.faster} faster ("
-                f"{chosen.reason}); plans run the chain until the runtime runs branches (issue 49)"
+                f"{chosen.reason}); planning.placement: auto plans the faster (one-GPU stages), chain keeps the chain"
                 + (f"\n  branches: {chosen.branched.describe()}" if chosen.branched is not None else ""),
             }
         )

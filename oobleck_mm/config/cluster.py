@@ -185,9 +185,15 @@ class PlanningConfig:
     replan_gain: float | None = 0.02
     """On reconfiguration, lay the live nodes out afresh (more layer states to copy) when that is
     predicted this much faster than the seed's incremental steps; ``null``: never."""
+    placement: str = "chain"
+    """Where a multimodal model's encoders run: ``chain`` (in the layer list's order, vision -> audio -> LLM,
+    a stage may hold both) or ``auto``: per node count, each encoder on stages of its own, concurrently,
+    feeding the LLM's first stage (Cornstarch's modality parallelism, docs/planning.md "Encoder placement")
+    wherever the exact 1F1B time says it is faster, else the chain."""
 
     def __post_init__(self) -> None:
         check_optional(self, "replan_gain", as_float, minimum=0.0)
+        check(self, "placement", as_choice, ("chain", "auto"))
         check(self, "profile", as_choice, ("analytical", "measured"))
         check(self, "solver", as_choice, ("highs", "mindtpy", "python"))
         check(self, "profile_cache_dir", as_str)

@@ -23,22 +23,26 @@ stage is then priced on the whole model's costs (eq. 3.3 per branch: an encoder'
 depend on its own branch only) at its true 1F1B in-flight count (a branch stage holds the LLM's stages'
 microbatches too), recomputing where only that fits. A part that fits on no allocation leaves the chain.
 
-The runtime runs chains today (issue 49 item 3 is to run branches): ``place`` reports both placements
-and which is faster; plans keep the chain.
+``place`` reports both placements and which is faster (``plan --placements``). With ``planning.placement:
+auto``, ``stage_mapping.build_templates`` keeps per node count the faster of the chain and the best branched
+template the runtime runs (``runnable_branched``: one-GPU stages), as a ``PipelineTemplate`` with
+``branches``/``merge`` (``BranchedTemplate.to_template``), which the runtime executes
+(``planning.layout.PipelineLayout.branches``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from oobleck_mm.planning import branch_time
 from oobleck_mm.planning.costs import ClusterSpec, ModelProfile
-from oobleck_mm.planning.pipeline_time import validate_count
 from oobleck_mm.planning.stage_mapping import map_stages
 from oobleck_mm.planning.stage_tables import _CostTables
-from oobleck_mm.planning.template import PipelineTemplate, StageSpec
+from oobleck_mm.planning.template import PipelineTemplate, StageSpec, TemplateSet
 
 ENCODERS = ("vision", "audio")
 """The modalities that may run as branches, in the layer list's order."""
@@ -71,9 +75,32 @@ class BranchedTemplate:
         return tuple(s for b in self.branches for s in b.stages) + self.llm.stages
 
     def iteration_time(self, num_microbatches: int) -> float:
-        """Exact seconds of one iteration; beyond ``EXTRAPOLATE_AFTER`` microbatches per stage, from the
-        schedule's steady state (``steady_time``)."""
-        return steady_time(lambda m: simulate_branched(self, m), num_microbatches, len(self.stages))
+        """Exact seconds of one iteration (``planning.branch_time.iteration_time``: beyond a few microbatches
+        per stage, from the schedule's steady state)."""
+        return branch_time.iteration_time(self.to_template(), num_microbatches)
+
+    def to_template(self) -> PipelineTemplate:
+        """As one ``PipelineTemplate`` (``branches``/``merge``): the branches' stages, then the LLM's; boundary
+        k is stage k's outgoing transfer, a branch's last stage's to the LLM's first (``merge_s``)."""
+        stages, sends, grads, starts = [], [], [], []
+        for branch, merge in zip(self.branches, self.merge_s):
+            starts.append(len(stages))
+            stages += branch.stages
+            sends += (*branch.send_activation_s, merge)
+            grads += (*branch.send_grad_s, merge)
+        merge_at = len(stages)
+        stages += self.llm.stages
+        sends += self.llm.send_activation_s
+        grads += self.llm.send_grad_s
+        return PipelineTemplate(
+            self.num_nodes,
+            self.llm.gpus_per_node,
+            tuple(stages),
+            tuple(sends),
+            tuple(grads),
+            branches=tuple(starts),
+            merge=merge_at,
+        )
 
     def describe(self) -> str:
         def chain(template: PipelineTemplate) -> str:
@@ -83,127 +110,41 @@ class BranchedTemplate:
         return " | ".join(parts) + f" -> llm [{chain(self.llm)}]"
 
 
-EXTRAPOLATE_AFTER = 2
-"""Microbatches per stage beyond which an iteration's time is extrapolated from the schedule's steady state."""
-_PERIODS = (1, 2, 3, 4)
-
-
-def steady_time(time_of, num_microbatches: int, num_stages: int) -> float:
-    """``time_of(num_microbatches)``, or for many microbatches its extrapolation: a 1F1B schedule's iteration
-    time is eventually periodic in the microbatch count (each ``c`` more microbatches add the same seconds,
-    as ``pipeline_time`` finds for chains); found on a few counts past ``EXTRAPOLATE_AFTER`` per stage, and
-    computed outright where no period shows."""
-    base = EXTRAPOLATE_AFTER * num_stages
-    if num_microbatches <= base + 2 * max(_PERIODS):
-        return time_of(num_microbatches)
-    times = [time_of(base + i) for i in range(3 * max(_PERIODS) + 1)]
-    for c in _PERIODS:
-        steps = [times[i + c] - times[i] for i in range(len(times) - c)]
-        if max(steps) - min(steps) <= 1e-9 * max(times):
-            cycles, extra = divmod(num_microbatches - base, c)
-            return times[extra] + cycles * steps[0]
-    return time_of(num_microbatches)
+@functools.lru_cache(maxsize=1024)
+def as_branched(template: PipelineTemplate) -> BranchedTemplate:
+    """A branched ``PipelineTemplate`` (``BranchedTemplate.to_template``) back as its parts."""
+    ends = (*template.branches[1:], template.merge)
+    branches, merges = [], []
+    for start, end in zip(template.branches, ends):
+        part = template.stages[start:end]
+        branches.append(
+            PipelineTemplate(
+                template.num_nodes,
+                template.gpus_per_node,
+                part,
+                template.send_activation_s[start : end - 1],
+                template.send_grad_s[start : end - 1],
+            )
+        )
+        merges.append(template.send_activation_s[end - 1])
+    llm = PipelineTemplate(
+        template.num_nodes,
+        template.gpus_per_node,
+        template.stages[template.merge :],
+        template.send_activation_s[template.merge :],
+        template.send_grad_s[template.merge :],
+    )
+    modalities = ENCODERS[: len(branches)] if len(branches) == len(ENCODERS) else ("encoder",) * len(branches)
+    return BranchedTemplate(modalities, tuple(branches), llm, tuple(merges), template.num_nodes)
 
 
 # --------------------------------------------------------------------------- exact time
 
 
 def simulate_branched(template: BranchedTemplate, num_microbatches: int) -> float:
-    """Seconds of one iteration of ``template`` (module docstring); raises ``RuntimeError`` on deadlock."""
-    from deepspeed.runtime.pipe import schedule as ds
-
-    validate_count("num_microbatches", num_microbatches)
-    m = int(num_microbatches)
-    forward, backward, nexts, prevs, act_s, grad_s, schedules, branch_lasts = [], [], [], [], {}, {}, [], []
-    llm_first = sum(b.num_stages for b in template.branches)
-    depth = template.llm.num_stages
-    base = 0
-    for branch, merge in zip(template.branches, template.merge_s):
-        for k, stage in enumerate(branch.stages):
-            s = base + k
-            last = k == branch.num_stages - 1
-            forward.append(stage.forward_s)
-            backward.append(stage.backward_s)
-            nexts.append(llm_first if last else s + 1)
-            prevs.append([] if k == 0 else [s - 1])
-            hop = merge if last else branch.send_activation_s[k]
-            act_s[(s, nexts[-1])] = hop
-            grad_s[(nexts[-1], s)] = merge if last else branch.send_grad_s[k]
-            schedules.append(ds.TrainSchedule(micro_batches=m, stages=branch.num_stages + depth, stage_id=k))
-        base += branch.num_stages
-        branch_lasts.append(base - 1)
-    for j, stage in enumerate(template.llm.stages):
-        s = llm_first + j
-        forward.append(stage.forward_s)
-        backward.append(stage.backward_s)
-        nexts.append(s + 1 if j + 1 < depth else None)
-        prevs.append(branch_lasts if j == 0 else [s - 1])
-        if j + 1 < depth:
-            act_s[(s, s + 1)] = template.llm.send_activation_s[j]
-            grad_s[(s + 1, s)] = template.llm.send_grad_s[j]
-        schedules.append(ds.TrainSchedule(micro_batches=m, stages=1 + depth, stage_id=1 + j))
-
-    # Each stage's instructions as primitive operations: seconds of compute, or one end of a transfer on a
-    # directed channel (kind, sender, receiver).
-    ops: list[list[tuple]] = []
-    for s, schedule in enumerate(schedules):
-        stream = []
-        for step in schedule:
-            for cmd in step:
-                if isinstance(cmd, ds.ForwardPass):
-                    stream.append(("compute", forward[s]))
-                elif isinstance(cmd, ds.BackwardPass):
-                    stream.append(("compute", backward[s]))
-                elif isinstance(cmd, ds.SendActivation):
-                    stream.append(("send", ("act", s, nexts[s])))
-                elif isinstance(cmd, ds.RecvActivation):
-                    stream.extend(("recv", ("act", p, s)) for p in prevs[s])
-                elif isinstance(cmd, ds.SendGrad):
-                    stream.extend(("send", ("grad", s, p)) for p in prevs[s])
-                elif isinstance(cmd, ds.RecvGrad):
-                    stream.append(("recv", ("grad", nexts[s], s)))
-                elif not isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep)):
-                    raise ValueError(f"stage {s}: no handling for instruction {cmd!r}")
-        ops.append(stream)
-    seconds = {
-        **{("act", a, b): t for (a, b), t in act_s.items()},
-        **{("grad", a, b): t for (a, b), t in grad_s.items()},
-    }
-    return _execute(ops, seconds)
-
-
-def _execute(ops: list[list[tuple]], seconds: dict) -> float:
-    """Runs every stage's operations; a transfer completes when both ends have reached it (the later
-    arrival plus its seconds), so the n-th send on a channel pairs with its n-th receive."""
-    pc = [0] * len(ops)
-    clock = [0.0] * len(ops)
-    waiting: dict[tuple, tuple[int, float]] = {}  # (channel, side) -> (stage, arrival)
-    while True:
-        progressed = False
-        for s in range(len(ops)):
-            while pc[s] < len(ops[s]):
-                kind, what = ops[s][pc[s]]
-                if kind == "compute":
-                    clock[s] += what
-                    pc[s] += 1
-                    progressed = True
-                    continue
-                peer_side = (what, "recv" if kind == "send" else "send")
-                if peer_side not in waiting:
-                    waiting.setdefault((what, kind), (s, clock[s]))
-                    break
-                peer, peer_arrival = waiting.pop(peer_side)
-                arrival = waiting.pop((what, kind), (s, clock[s]))[1]
-                done = max(arrival, peer_arrival) + seconds[what]
-                clock[s] = clock[peer] = done
-                pc[s] += 1
-                pc[peer] += 1
-                progressed = True
-        if all(pc[s] == len(ops[s]) for s in range(len(ops))):
-            return max(clock)
-        if not progressed:
-            blocked = {s: ops[s][pc[s]] for s in range(len(ops)) if pc[s] < len(ops[s])}
-            raise RuntimeError(f"branched pipeline deadlock: stages blocked at {blocked}")
+    """Seconds of one iteration of ``template`` (``planning.branch_time.simulate``); raises ``RuntimeError`` on
+    deadlock."""
+    return branch_time.simulate(template.to_template(), num_microbatches)
 
 
 # --------------------------------------------------------------------------- planning
@@ -325,6 +266,44 @@ def best_branched(
         if seconds < best_s:
             best, best_s = template, seconds
     return best, f"the best of {len(candidates)} splits ({timed} timed exactly)"
+
+
+def runnable_branched(
+    profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int
+) -> BranchedTemplate | None:
+    """The fastest branched template the runtime runs (one-GPU stages, no context parallelism: the runtime's
+    branched pipelines, ``planning.layout.PipelineLayout.branches``), or None (no encoder, no split fits)."""
+    if cluster.context_parallel > 1:
+        return None
+    one = dataclasses.replace(cluster, max_gpus_per_stage=1, min_gpus_per_stage=1, placement="chain")
+    try:
+        best, _ = best_branched(profile, one, num_nodes, num_microbatches)
+    except ValueError:  # parts not contiguous, or no text layers: the chain only
+        return None
+    return best
+
+
+def with_branches(
+    template_set: TemplateSet,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    num_nodes: int,
+    microbatches_hint: int | None = None,
+    total_microbatches: int | None = None,
+) -> TemplateSet:
+    """``planning.placement: auto``: each template of ``template_set`` (``stage_mapping.build_templates``'
+    chains), or the runnable branched template on as many nodes (``runnable_branched``) where its exact 1F1B
+    time is lower, for the microbatches ``build_templates`` tuned that template for (``microbatches_hint``, or
+    the share of ``total_microbatches`` an ``n``-node pipeline gets; default two per stage of the chain)."""
+    out = []
+    for chain in template_set.templates:
+        n = chain.num_nodes
+        m = microbatches_hint or (max(1, round(total_microbatches * n / num_nodes)) if total_microbatches else 0)
+        m = m or 2 * chain.num_stages
+        branched = runnable_branched(profile, cluster, n, m)
+        template = branched.to_template() if branched is not None else None
+        out.append(template if template is not None and template.iteration_time(m) < chain.iteration_time(m) else chain)
+    return dataclasses.replace(template_set, templates=tuple(out))
 
 
 MAX_GPU_SPLIT = 32

@@ -247,6 +247,8 @@ class ClusterSpec:
     min_gpus_per_stage: int = 1
     """Narrowest stage the planner may use (a planning knob, not a config key: the encoder-branch search
     plans a part in wide stages only to keep the branched pipeline shallow, ``planning.branches``)."""
+    placement: str = "chain"
+    """``planning.placement``: ``auto`` lets ``build_templates`` run encoders as branches where faster."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:

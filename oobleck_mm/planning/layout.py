@@ -338,7 +338,10 @@ class ExecutionPlan:
                         spec.context_parallel,
                     )
                 )
-            pipelines.append(PipelineLayout(tuple(stages), instance.num_microbatches))
+            template = instance.template
+            pipelines.append(
+                PipelineLayout(tuple(stages), instance.num_microbatches, template.branches, template.merge)
+            )
         return cls(tuple(pipelines), plan.pipelines[0].template.num_layers, plan.microbatch_size)
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.costs import ModelProfile
+from oobleck_mm.planning.branches import with_branches
 from oobleck_mm.planning.errors import TooFewNodes
 from oobleck_mm.planning.instantiate import instantiate
 from oobleck_mm.planning.layout import ExecutionPlan, Gpu, rank_table
@@ -158,6 +159,18 @@ def plan_job(
         progress=progress,
         total_microbatches=job.training.global_batch // job.training.microbatch_size,
     )
+    if cluster.placement == "auto":  # encoders as branches wherever faster (planning.branches)
+        template_set = with_branches(
+            template_set,
+            profile,
+            cluster,
+            len(node_names),
+            job.planning.microbatches_hint,
+            job.training.global_batch // job.training.microbatch_size,
+        )
+        for t in template_set.templates:
+            if t.branched:
+                say(f"template {t.num_nodes} nodes: encoder branches ({t.describe()})")
     seconds["templates"] = time.perf_counter() - start
 
     start = time.perf_counter()

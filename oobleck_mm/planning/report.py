@@ -73,14 +73,16 @@ def format_templates(template_set: TemplateSet, layer_names: list[str], microbat
         f"pipeline templates: {len(template_set.templates)} (nodes {template_set.min_nodes}"
         f"..{template_set.max_nodes}; n0 = {template_set.min_nodes})",
         f"  {'nodes':>5} {'stages':>6}  {'iter time @' + str(microbatches) + ' mb':>18}  stage layout "
-        "((r): the stage recomputes its activations in backward; (cp): its GPUs split the tokens)",
+        "((r): the stage recomputes its activations in backward; (cp): its GPUs split the tokens; "
+        "A || B => C: encoder branches A and B run concurrently and feed C)",
     ]
     for t in template_set.templates:
-        layout = " | ".join(
-            f"{_layer_range(layer_names, s.layer_start, s.layer_end)}@n{s.node}g{'+'.join(map(str, s.gpus))}"
+        layout = "".join(
+            ("" if j == 0 else " || " if j in t.branches else " => " if t.branched and j == t.merge else " | ")
+            + f"{_layer_range(layer_names, s.layer_start, s.layer_end)}@n{s.node}g{'+'.join(map(str, s.gpus))}"
             + ("(r)" if s.recompute else "")
             + ("(cp)" if s.context_parallel else "")
-            for s in t.stages
+            for j, s in enumerate(t.stages)
         )
         lines.append(f"  {t.num_nodes:>5} {t.num_stages:>6}  {_ms(t.iteration_time(microbatches)):>18}  {layout}")
     return "\n".join(lines)
@@ -114,8 +116,20 @@ def format_plan(plan: Plan, layer_names: list[str], title: str) -> str:
                 f"mem {s.memory_bytes / 2**30:.2f} GiB"
                 + (", recomputes activations" if s.recompute else "")
                 + (", context-parallel" if s.context_parallel else "")
+                + _branch_role(p.template, k)
             )
     return "\n".join(lines)
+
+
+def _branch_role(template, k: int) -> str:
+    """A branched template's stage: which encoder branch it is in, or that it merges them."""
+    if not template.branched:
+        return ""
+    if k == template.merge:
+        return f", takes the {len(template.branches)} encoder branches' outputs"
+    if k < template.merge:
+        return f", encoder branch {max(b for b, start in enumerate(template.branches) if start <= k)}"
+    return ""
 
 
 def format_ranges(indices: list[int]) -> str:

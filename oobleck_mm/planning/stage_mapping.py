@@ -233,10 +233,12 @@ def resolve_context_parallel(profile: ModelProfile, cluster: ClusterSpec, num_no
 
 
 def planning_cluster(job, profile: ModelProfile) -> ClusterSpec:
-    """The job's ``ClusterSpec`` for planning, ``context_parallel: auto`` resolved (``resolve_context_parallel``)."""
-    return resolve_context_parallel(
+    """The job's ``ClusterSpec`` for planning, ``context_parallel: auto`` resolved (``resolve_context_parallel``)
+    and ``planning.placement`` carried."""
+    resolved = resolve_context_parallel(
         profile, ClusterSpec.from_config(job.cluster), job.cluster.nodes, job.fault_tolerance.f
     )
+    return dataclasses.replace(resolved, placement=job.planning.placement)
 
 
 def build_templates(

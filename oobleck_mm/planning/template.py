@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from oobleck_mm.planning import branch_time
 from oobleck_mm.planning.pipeline_time import iteration_times
 
 
@@ -53,10 +54,19 @@ class PipelineTemplate:
     """Per stage boundary k (between stage k and k+1): seconds to send one microbatch's activation."""
     send_grad_s: tuple[float, ...]
     """Per stage boundary k: seconds to send one microbatch's input gradient back."""
+    branches: tuple[int, ...] = ()
+    """Encoder branches (``planning.branches``; ``planning.layout.PipelineLayout.branches``): the stage where
+    each branch starts; ``merge`` is the LLM's first stage. Empty: a chain. In a branched template boundary k
+    is stage k's outgoing transfer (to the next stage of its branch, or to ``merge`` from a branch's last)."""
+    merge: int = 0
 
     def __post_init__(self) -> None:
         assert len(self.send_activation_s) == len(self.stages) - 1
         assert len(self.send_grad_s) == len(self.stages) - 1
+
+    @property
+    def branched(self) -> bool:
+        return bool(self.branches)
 
     @property
     def num_stages(self) -> int:
@@ -85,7 +95,8 @@ class PipelineTemplate:
     def describe(self) -> str:
         parts = []
         for i, s in enumerate(self.stages):
-            parts.append(f"s{i}[L{s.layer_start}-{s.layer_end - 1} n{s.node} g{','.join(map(str, s.gpus))}]")
+            mark = "|| " if i and i in self.branches else "=> " if self.branched and i == self.merge else ""
+            parts.append(f"{mark}s{i}[L{s.layer_start}-{s.layer_end - 1} n{s.node} g{','.join(map(str, s.gpus))}]")
         return " ".join(parts)
 
 
@@ -99,7 +110,7 @@ class TimeTable:
     needed. Every planning decision and report reads ``T(q)`` from here.
     """
 
-    __slots__ = ("template", "_first", "_values", "_short", "_offsets", "_per_microbatch")
+    __slots__ = ("template", "_first", "_values", "_short", "_offsets", "_per_microbatch", "_branched")
 
     def __init__(self, template: PipelineTemplate):
         self.template = template
@@ -108,16 +119,21 @@ class TimeTable:
         self._first = template.num_stages
         self._values: list[float] = []  # T(first), T(first + 1), ...
         self._short: list[float] = []  # T(1) .. T(first - 1)
+        self._branched: dict[int, float] = {}  # a branched template's T(q), as asked
         # Stage k cannot start before microbatch 0 went forward through stages < k
         # and cannot finish before the last backward came back through them, and
         # it runs all q forwards and backwards itself, one at a time:
         #     T(q) >= max_k sum_{i<k} (F_i + B_i) + q (F_k + B_k).
         busy = [s.forward_s + s.backward_s for s in template.stages]
-        self._offsets = [sum(busy[:k]) for k in range(len(busy))]
+        self._offsets = _path_offsets(template, busy)
         self._per_microbatch = busy
 
     def __call__(self, q: int) -> float:
         assert q >= 1, q
+        if self.template.branched:  # executed instruction by instruction (planning.branches), memoised
+            if q not in self._branched:
+                self._branched[q] = branch_time.iteration_time(self.template, q)
+            return self._branched[q]
         if q < self._first:
             if not self._short:
                 self._short = iteration_times(*self._latencies(), self._first - 1)
@@ -165,6 +181,23 @@ class TimeTable:
             else:
                 hi = mid - 1
         return lo
+
+
+def _path_offsets(template: PipelineTemplate, busy: list[float]) -> list[float]:
+    """Per stage, the work of the stages before it on its path (every earlier stage of a chain; a branch's
+    earlier stages; for the LLM's, the longest branch and the LLM's earlier stages): no microbatch reaches the
+    stage before them, nor leaves before its gradient came back through them."""
+    if not template.branched:
+        return [sum(busy[:k]) for k in range(len(busy))]
+    ends = (*template.branches[1:], template.merge)
+    offsets = [0.0] * len(busy)
+    for start, end in zip(template.branches, ends):
+        for k in range(start, end):
+            offsets[k] = sum(busy[start:k])
+    longest = max(sum(busy[start:end]) for start, end in zip(template.branches, ends))
+    for k in range(template.merge, len(busy)):
+        offsets[k] = longest + sum(busy[template.merge : k])
+    return offsets
 
 
 @lru_cache(maxsize=4096)

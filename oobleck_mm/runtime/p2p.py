@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from oobleck_mm.runtime.waiting import Waiter
+from oobleck_mm.runtime.waiting import PeerFailure, Waiter
 
 _BLOCKING = Waiter()
 
@@ -42,6 +42,26 @@ def encode_header(tensors: Sequence[torch.Tensor], arrival_s: float = 0.0) -> to
         raise ValueError(f"{len(tensors)} tensors of shapes {[tuple(t.shape) for t in tensors]} exceed the header")
     fields += [0] * (_ARRIVAL - len(fields)) + [round(arrival_s * 1e6)]
     return torch.tensor(fields, dtype=torch.int64)
+
+
+ABANDONED = -1
+"""A header's tensor count that says the sender abandoned the step (``send_abandoned``)."""
+
+
+class AbandonedByPeer(PeerFailure):
+    """The rank this one was receiving from abandoned the step (``send_abandoned``)."""
+
+
+def send_abandoned(dst: int, device: torch.device | str = "cpu"):
+    """Tell rank ``dst`` that this rank abandoned the step: a header whose count is ``ABANDONED``, not waited
+    on. A neighbour blocked receiving from this rank (which is alive, so its sockets stay open) would otherwise
+    wait out the group's whole timeout, since gloo's point-to-point waits cannot be interrupted
+    (``runtime.waiting``); the notice ends its wait at once. Sent only when the generation is over (the
+    group is retired after), so one nobody reads is harmless. Returns the request (keep it, and the tensor,
+    alive until the group goes)."""
+    fields = [ABANDONED] + [0] * (HEADER_LEN - 1)
+    header = torch.tensor(fields, dtype=torch.int64).to(device)
+    return header, dist.isend(header, dst)
 
 
 def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
@@ -83,6 +103,8 @@ def recv_tensors_timed(
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     waiter.wait(dist.irecv(header, src), f"receive from rank {src}", pollable=False)
     header = header.cpu()
+    if int(header[0]) == ABANDONED:
+        raise AbandonedByPeer(f"receive from rank {src}: it abandoned the step")
     out = []
     for dtype, shape in decode_header(header):
         t = torch.empty(shape, dtype=dtype, device=device)

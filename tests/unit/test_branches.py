@@ -158,3 +158,42 @@ def test_parts_may_share_a_node_in_units_of_its_gpus(monkeypatch):
     assert any(a & b for i, a in enumerate(part_nodes) for b in part_nodes[i + 1 :]), part_nodes
     monkeypatch.setattr(branches, "MAX_GPU_SPLIT", 0)  # whole nodes only
     assert "no split of 2 node(s)" in place(profile(4, 4, 4, 1.0, 1.0), cluster, 2, 2).reason
+
+
+def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_them():
+    """``planning.placement: auto``: ``with_branches`` keeps, per node count, ``build_templates``' chain or the
+    runnable branched template (one-GPU stages), whichever is faster; the plan's layout carries the branches."""
+    import yaml
+
+    from oobleck_mm.config import config_from_dict
+    from oobleck_mm.planning.branches import as_branched, with_branches
+    from oobleck_mm.planning.layout import ExecutionPlan, rank_table
+    from oobleck_mm.planning.planner import plan_job
+    from oobleck_mm.planning.stage_mapping import build_templates, planning_cluster
+    from oobleck_mm.profiling.analytical import profile_from_config
+
+    with open("configs/tiny_mm_audio.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw["model"]["vision"]["num_layers"] = raw["model"]["audio"]["num_layers"] = 4
+    raw["model"]["llm"]["num_layers"] = 2
+    raw["cluster"].update(nodes=4, device_memory="64MB")
+    raw["training"].update(global_batch=4, microbatch_size=2)
+    raw["planning"] = {"placement": "auto", "microbatches_hint": 1}
+    job = config_from_dict(raw)
+    profile = profile_from_config(job)
+    cluster = planning_cluster(job, profile)
+    assert cluster.placement == "auto"
+    chain = build_templates(profile, cluster, 4, 1, microbatches_hint=1)
+    auto = with_branches(chain, profile, cluster, 4, microbatches_hint=1)
+    assert not any(t.branched for t in chain.templates)
+    branched = [t for t in auto.templates if t.branched]
+    assert branched, [t.describe() for t in auto.templates]
+    for t in branched:
+        same = chain.for_nodes(t.num_nodes)
+        assert t.iteration_time(1) < same.iteration_time(1)  # kept only where faster
+        assert t.iteration_time(3) == pytest.approx(as_branched(t).iteration_time(3))
+        assert all(len(s.gpus) == 1 for s in t.stages)  # what the runtime runs
+        assert "|| " in t.describe() and "=> " in t.describe()
+    outcome = plan_job(job, profile, [f"node{i}" for i in range(4)])
+    layout = ExecutionPlan.from_plan(outcome.plan, rank_table(outcome.plan))
+    assert any(p.branched for p in layout.pipelines), layout.describe()  # a 3-node branched pipeline is planned
