@@ -15,7 +15,8 @@ Point-to-point requests cannot be polled on gloo (their ``is_completed`` only
 turns true inside ``wait``, and a ``wait`` that times out closes the
 connection), so they are waited on whole, bounded by the process group's own
 timeout, which the worker sets to heartbeat timeout + 5 s (every group it
-creates gets the same).
+creates gets the same). A receive from a peer that gave up the step ends at once
+all the same: that peer sends an abandon header (``p2p.send_abandoned``).
 """
 
 from __future__ import annotations

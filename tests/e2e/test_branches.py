@@ -45,6 +45,11 @@ def test_a_branched_pipeline_trains_through_a_kill_and_a_join_equal_to_the_refer
     first = plans[0]["describe"]
     assert " || " in first and " => " in first, f"the first plan runs encoder branches: {first}"
     assert [e["node"] for e in run.events("lost")] == ["node1"]
+    # The survivors meet at once: the merge stage, which gave up the step when its branch died, tells the other
+    # branch waiting on its gradients (a gloo receive cannot be interrupted: it waited out collective_timeout,
+    # 8 s here, before ``p2p.send_abandoned``).
+    [rendezvous] = [e["seconds"] for e in run.events("rendezvous_done") if e["generation"] == 2]
+    assert rendezvous < 5.0, f"the recovery's rendezvous took {rendezvous:.2f} s"
     assert len(plans) >= 3, [p["describe"] for p in plans]  # the start, the kill's, the join's
     assert_matches_reference(config, STEPS, final)
     assert_replicas_identical(final)
