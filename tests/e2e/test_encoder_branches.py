@@ -6,14 +6,22 @@ audio encoders run on stages of their own, concurrently, feeding the LLM's first
 template is ``vision || audio => LLM``). Real launcher, agents and workers, gloo. A node of the branched
 pipeline is killed at step 2 (its layers are copied from a replica into the survivors' new plan) and a node
 joins at step 3; the final checkpoint equals the reference trainer (one process, the layer list in order)
-in float64, every replica the same.
+in float64, every replica the same, and resumes without branches.
 """
 
 from __future__ import annotations
 
 import pytest
 import yaml
-from harness import INTERVAL, ROOT, TIMEOUT, Launch, assert_matches_reference, assert_replicas_identical
+from harness import (
+    INTERVAL,
+    ROOT,
+    TIMEOUT,
+    Launch,
+    assert_matches_reference,
+    assert_replicas_identical,
+    assert_resume_equals_reference,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,3 +61,6 @@ def test_a_branched_pipeline_trains_through_a_kill_and_a_join_equal_to_the_refer
     assert len(plans) >= 3, [p["describe"] for p in plans]  # the start, the kill's, the join's
     assert_matches_reference(config, STEPS, final)
     assert_replicas_identical(final)
+    # The checkpoint of a run whose generations were branched resumes on another layout (one process, the
+    # layers in order) and trains on equal to the uninterrupted run.
+    assert assert_resume_equals_reference(config, STEPS + 2, final) == STEPS
