@@ -25,7 +25,6 @@ from harness import (  # noqa: E402
     ROOT,
     TIMEOUT,
     Launch,
-    assert_matches_reference,
     assert_replicas_identical,
     kill_node1_of_the_deeper_pipeline,
 )
@@ -93,7 +92,8 @@ def test_hf_llava_survives_a_killed_node_and_equals_the_reference(launches, tmp_
         # parallelism: tests/e2e/test_context_parallel.py.)
     else:
         run = kill_node1_of_the_deeper_pipeline(launches, tmp_path, config, final)
-        assert_matches_reference(config, STEPS, final, tolerance)
+        # (The comparison with the reference is verify's, below, at its default 1e-9: computing the float64
+        # reference here as well doubled the test's reference work.)
     if balance:  # decoupled microbatches ran, before and after the kill, and the update is the reference's
         deferred = [e.get("deferred", 0) for e in run.events("step")]
         assert sum(deferred) > 0, deferred
