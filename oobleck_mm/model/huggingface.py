@@ -184,17 +184,20 @@ class VisionEmbed(HFLayer):
         return (*acts, x)
 
 
-class VisionBlock(HFLayer):
-    def __init__(self, shape: HFModelShape, cfg, index: int):
+class EncoderBlock(HFLayer):
+    """One encoder layer of a tower (CLIP/SigLIP's for images, Whisper's for clips) over every item of the
+    microbatch at once: each image has the tower's size and each clip Whisper's length, so no mask."""
+
+    def __init__(self, model_type: str, component: str, inside: str, cfg):
         super().__init__()
-        self.layer = _hf_class(shape.vision_type, "EncoderLayer")(cfg)
-        self.hf_parts = (("layer.", "vision", f"encoder.layers.{index}."),)
+        self.layer = _hf_class(model_type, "EncoderLayer")(cfg)
+        self.hf_parts = (("layer.", component, inside),)
 
     def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
         x = acts[-1]
-        if x.shape[0] == 0:  # no image in this microbatch: still a function of the layer (see ``zero_of``)
+        if x.shape[0] == 0:  # no image (clip) in this microbatch: still a function of the layer (``zero_of``)
             return (*acts[:-1], x + zero_of(self))
-        out = self.layer(x, None)  # every image has the tower's size: no mask
+        out = self.layer(x, None)
         return (*acts[:-1], out[0] if isinstance(out, tuple) else out)
 
 
@@ -226,20 +229,6 @@ class AudioEmbed(HFLayer):
         x = torch.nn.functional.gelu(self.conv1(mels))
         x = torch.nn.functional.gelu(self.conv2(x)).permute(0, 2, 1)
         return (*acts, x + self.positions.to(x.dtype))
-
-
-class AudioBlock(HFLayer):
-    def __init__(self, shape: HFModelShape, cfg, index: int):
-        super().__init__()
-        self.layer = _hf_class(shape.audio_type, "EncoderLayer")(cfg)
-        self.hf_parts = (("layer.", "audio", f"layers.{index}."),)
-
-    def forward(self, acts: Acts, batch: PackedBatch) -> Acts:
-        x = acts[-1]
-        if x.shape[0] == 0:  # no clip in this microbatch (see ``zero_of``)
-            return (*acts[:-1], x + zero_of(self))
-        out = self.layer(x, None)  # every clip has the encoder's length: no mask, as in WhisperEncoder
-        return (*acts[:-1], out[0] if isinstance(out, tuple) else out)
 
 
 class ProjectorIn(HFLayer):
@@ -382,7 +371,8 @@ def build_hf_layer(
     if spec.name == "vision.embed":
         layer, cfg, kind = VisionEmbed(shape, vision_cfg), vision_cfg, shape.vision_type
     elif spec.name.startswith("vision.block"):
-        layer, cfg, kind = VisionBlock(shape, vision_cfg, number), vision_cfg, shape.vision_type
+        layer = EncoderBlock(shape.vision_type, "vision", f"encoder.layers.{number}.", vision_cfg)
+        cfg, kind = vision_cfg, shape.vision_type
     elif spec.name == "vision.projector0":
         layer, cfg, kind = ProjectorIn(shape, vision_cfg.hidden_size, text_cfg.hidden_size), text_cfg, shape.text_type
     elif spec.name == "vision.projector1":
@@ -390,7 +380,8 @@ def build_hf_layer(
     elif spec.name == "audio.embed":
         layer, cfg, kind = AudioEmbed(shape, audio_cfg), audio_cfg, shape.audio_type
     elif spec.name.startswith("audio.block"):
-        layer, cfg, kind = AudioBlock(shape, audio_cfg, number), audio_cfg, shape.audio_type
+        layer = EncoderBlock(shape.audio_type, "audio", f"layers.{number}.", audio_cfg)
+        cfg, kind = audio_cfg, shape.audio_type
     elif spec.name == "audio.projector0":
         layer = ProjectorIn(shape, audio_cfg.d_model, text_cfg.hidden_size, "audio")
         cfg, kind = text_cfg, shape.text_type

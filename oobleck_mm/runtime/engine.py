@@ -139,7 +139,6 @@ class StageEngine(MicrobatchFlow):
         self.pipeline_index, self.stage_index = plan.position(rank)
         self.pipeline = plan.pipelines[self.pipeline_index]
         self.stage = self.pipeline.stages[self.stage_index]
-        self.num_stages = len(self.pipeline.stages)
         self.pieces = self.pipeline.pieces_of(self.stage_index, rank)
         """The pieces of every microbatch this rank runs: all (one) on a pipeline of one-GPU stages; on a stage
         of several GPUs each rank runs its share of the samples (``PipelineLayout.pieces``)."""
