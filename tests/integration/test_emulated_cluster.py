@@ -62,10 +62,19 @@ def test_a_known_delay_and_the_pipeline_schedule_are_measured_as_they_are(bench,
     one = bench.run(bench.calibration_job(1, delayed, 8), 8, tmp_path / "one")
     two = bench.run(bench.calibration_job(2, bench.write_profile(tmp_path, 1.0), 5), 5, tmp_path / "two")
     print(one, two, sep="\n")
-    # Next to other tests an op may lag now and then (the verdict's 1% of a few dozen ops is one op): what
-    # bounds the figures below is how much of the ranks' time their hosts made their devices wait.
-    assert max(one["lag_share"], two["lag_share"]) < 0.01
+    # The known delay is a ratio within one run: a busy host slows its even and odd steps alike (98% busy,
+    # its devices kept waiting 4% of the time, read 1.082).
     widen = 1 if one["valid"] else 2
     assert one["odd_ratio"] / one["even_ratio"] == pytest.approx(1.10, abs=0.015 * widen), one
-    assert one["even_ratio"] == pytest.approx(1.0, abs=0.05 * widen), one  # its undelayed steps: the exact time
-    assert two["ratio"] == pytest.approx(1.0, abs=0.05 * (1 if two["valid"] else 2)), two
+    for run in (one, two):
+        if run["lag_share"] < 0.01:
+            # The hosts made their devices wait for under 1% of the ranks' time (next to other tests an op
+            # may lag now and then: the verdict's 1% of a few dozen ops is one op): that bounds what the
+            # load added to a step, and the step is the exact 1F1B time of its durations.
+            ratio = run["even_ratio"] if run is one else run["ratio"]
+            assert ratio == pytest.approx(1.0, abs=0.05 * (1 if run["valid"] else 2)), run
+        else:
+            # A host that could not keep its deadlines (a slow host with the suite's other tests beside:
+            # 98% busy, 4% of the ranks' time waited, the undelayed steps read x1.14) must say so: a figure
+            # from it is never printed as a measurement.
+            assert not run["valid"] and "late" in run["verdict"], run
