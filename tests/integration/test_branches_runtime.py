@@ -11,6 +11,7 @@ are written by hand (``ExecutionPlan``); the planner's branched templates reach 
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from oobleck_mm.config import config_from_dict
@@ -23,11 +24,13 @@ pytestmark = pytest.mark.integration
 STEPS = 3
 
 
-def audio_job(**model):
+def audio_job(training=None, **model):
     with open("configs/tiny_mm_audio.yaml") as f:
         d = yaml.safe_load(f)
     d["model"].update(model)
-    d["training"].update(dtype="float64", steps=STEPS, global_batch=8, microbatch_size=2)
+    d["training"].update(
+        {"dtype": "float64", "steps": STEPS, "global_batch": 8, "microbatch_size": 2, **(training or {})}
+    )
     return config_from_dict(d)
 
 
@@ -88,3 +91,27 @@ def test_a_frozen_branch_gets_no_gradient_and_the_other_trains(tmp_path):
         sent[name] = sum(r.bytes_sent for r in outs[merge]["results"])
     vision_tokens_bytes = sent["trained"] - sent["frozen"]
     assert vision_tokens_bytes > 0 and sent["frozen"] > 0, sent  # the audio branch still gets its gradients
+
+
+@pytest.mark.parametrize(
+    "dtype,master,tolerance",
+    [("float32", "float64", 1e-9), ("bfloat16", "float32", 1e-3)],
+    ids=["float32-compute-float64-masters", "bfloat16-compute-float32-masters"],
+)
+def test_mixed_precision_on_branches_equals_the_reference_in_the_same_mode(tmp_path, dtype, master, tolerance):
+    """The branches send their outputs in the compute dtype, the merge stage sends their gradients back in it,
+    and every stage accumulates into its masters: the update is the reference's running the same mode (float32
+    compute with float64 masters to 1e-9, as tests/integration/test_runtime_mixed_precision.py holds chains;
+    bfloat16 at its precision). A branch whose gradients came back in another dtype, or not accumulated into
+    its masters, would be off by far more."""
+    from test_runtime_mixed_precision import compare_states
+
+    job = audio_job({"dtype": dtype, "master_dtype": master})
+    plan = branched_plan(job, 2)
+    trainer = ReferenceTrainer(job)
+    outs = run_local(job, plan, STEPS, tmp_path)
+    ref_losses = [trainer.train_step(r.step, r.microbatches) for r in outs[0]["results"]]
+    worst, dtypes = compare_states(outs, trainer)
+    assert dtypes == {getattr(torch, master)}, dtypes  # masters are what a stage holds and hands on
+    assert worst <= tolerance, worst
+    assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-9 if dtype == "float32" else 2e-2)
