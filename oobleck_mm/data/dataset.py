@@ -45,7 +45,9 @@ class ModelInputs:
     """Clip frames are multiples of ``audio_downsample * audio_merge`` (whole LLM tokens)."""
     audio_merge: int = 1
     huggingface: str | None = None
-    """The model's HuggingFace directory: ``llava_json`` uses its tokenizer and image processor."""
+    """The model's HuggingFace directory (a composition's: its LLM's): ``llava_json`` uses its tokenizer."""
+    image_processor_dir: str | None = None
+    """Where ``llava_json`` reads the image processor: the model's directory, a composition's vision part."""
     image_token_id: int | None = None
     image_side: int = 0
     """A HuggingFace tower's fixed square image side."""
@@ -67,7 +69,8 @@ class ModelInputs:
         if model.huggingface is not None:
             hf = model.hf
             kwargs.update(
-                huggingface=hf.directory,  # its tokenizer (a composition's LLM: data.kind synthetic only)
+                huggingface=hf.directory,  # its tokenizer (a composition's: its LLM's, without an image token)
+                image_processor_dir=hf.source("vision") if hf.vision is not None else None,
                 image_token_id=hf.image_token_id,
                 image_side=hf.vision["image_size"] if hf.vision else 0,
                 audio_clip_frames=hf.audio_clip_frames,

@@ -43,7 +43,7 @@ from oobleck_mm.config import DataConfig
 from oobleck_mm.data import record_cache
 from oobleck_mm.data.dataset import BadSample, ModelInputs, check_index
 from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, JsonRecords, image_folder
-from oobleck_mm.data.sample import Sample, SampleMeta
+from oobleck_mm.data.sample import IMAGE, Sample, SampleMeta
 from oobleck_mm.errors import UserError
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -65,7 +65,9 @@ class HFLlavaJsonDataset(JsonRecords):
 
     def __init__(self, data: DataConfig, inputs: ModelInputs) -> None:
         self.tokenizer = load_tokenizer(inputs.huggingface)
-        self.image_processor = load_image_processor(inputs.huggingface) if inputs.has_vision else None
+        self.image_processor = (
+            load_image_processor(inputs.image_processor_dir or inputs.huggingface) if inputs.has_vision else None
+        )
         self.image_tokens = (inputs.image_side // inputs.patch_size) ** 2 // inputs.image_merge
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.cache_folder: str | None = None
@@ -111,6 +113,9 @@ class HFLlavaJsonDataset(JsonRecords):
                 "split": data.split,
                 "image_dir": image_folder(data),
                 "model": record_cache.directory_fingerprint(inputs.huggingface),
+                "image_processor": record_cache.directory_fingerprint(inputs.image_processor_dir)
+                if inputs.image_processor_dir not in (None, inputs.huggingface)
+                else None,
                 "settings": [data.max_seq_len, data.loss_on, data.skip_bad_samples, list(data.excluded_samples)],
                 "inputs": [
                     inputs.has_vision,
@@ -200,18 +205,21 @@ class HFLlavaJsonDataset(JsonRecords):
             if not self.image_exists(path):
                 raise UserError(f"{where}: cannot read image {path!r}: no such file")
         text, answers = self._render(turns, where)
-        # The tokenizers backend itself, as the transformers call ends in it (the same ids and
-        # offsets): its per-call wrapping was a quarter of the time every rank spends here.
-        encoded = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
-        ids = np.asarray(encoded.ids, dtype=np.int64)
-        media = ids == self.inputs.image_token_id if paths else np.zeros(len(ids), dtype=bool)
+        if self.inputs.image_token_id is None:  # a composition's LLM: its tokenizer has no image token
+            ids, offsets, media = self._encode_around_markers(text)
+        else:
+            # The tokenizers backend itself, as the transformers call ends in it (the same ids and
+            # offsets): its per-call wrapping was a quarter of the time every rank spends here.
+            encoded = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+            ids, offsets = np.asarray(encoded.ids, dtype=np.int64), encoded.offsets
+            media = ids == self.inputs.image_token_id if paths else np.zeros(len(ids), dtype=bool)
         if int(media.sum()) != len(paths):
             raise UserError(
                 f"{where}: the tokenizer of {self.inputs.huggingface} turned {len(paths)} '{MARKER}' markers into "
                 f"{int(media.sum())} image tokens (id {self.inputs.image_token_id}, the model's image_token_id); "
                 "its tokenizer must hold '<image>' as one added token"
             )
-        targets = self._targets(encoded.offsets, ids, answers) if self.data.loss_on == "assistant" else None
+        targets = self._targets(offsets, ids, answers) if self.data.loss_on == "assistant" else None
         ids, media, targets = self._fit(ids, media, targets, where)
         if targets is None:
             targets_count = None
@@ -225,6 +233,30 @@ class HFLlavaJsonDataset(JsonRecords):
             target_tokens=targets_count,
         )
         return _Record(sample_id, ids, media, targets, paths, meta)
+
+    def _encode_around_markers(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]], np.ndarray]:
+        """(ids, character offsets, media mask) of ``text`` for a tokenizer without an image token (a composed
+        model's LLM, pretrained on text alone): the text between ``<image>`` markers is encoded piece by
+        piece, each marker becomes one placeholder (``IMAGE``; ``Sample.media`` marks it, and the LLM's first
+        layer puts the image's tokens there whatever its id). That is how a tokenizer with ``<image>`` as an
+        added token encodes it (it splits the text at its added tokens): the same ids elsewhere, the
+        vocabulary and embedding left as pretrained."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        media: list[bool] = []
+        cursor = 0
+        for k, piece in enumerate(text.split(MARKER)):
+            if k:  # the marker before this piece
+                ids.append(IMAGE)
+                offsets.append((cursor, cursor + len(MARKER)))
+                media.append(True)
+                cursor += len(MARKER)
+            encoded = self.tokenizer.backend_tokenizer.encode(piece, add_special_tokens=False)
+            ids += encoded.ids
+            offsets += [(cursor + a, cursor + b) for a, b in encoded.offsets]
+            media += [False] * len(encoded.ids)
+            cursor += len(piece)
+        return np.asarray(ids, dtype=np.int64), offsets, np.asarray(media, dtype=bool)
 
     def _render(self, turns: list[tuple[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the character span of each assistant answer in it."""

@@ -8,6 +8,8 @@ command-line front end.
 
 from __future__ import annotations
 
+import functools
+
 import os
 
 import torch
@@ -68,11 +70,10 @@ CHAT_TEMPLATE = (
 """Vicuna's (LLaVA-1.5's) turn format."""
 
 
-def tiny_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained here (no download) on English-ish text, ``<image>`` as an added
-    token, ids 0-2 ``<pad>``, ``<s>``, ``</s>`` as the tiny configs say, Vicuna's chat template."""
+@functools.lru_cache(maxsize=None)
+def _trained_bpe(vocab_size: int) -> str:
+    """``tiny_tokenizer``'s BPE model, trained on its corpus, as ``tokenizers`` JSON."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -88,6 +89,18 @@ def tiny_tokenizer(vocab_size: int = 320):
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(vocab_size: int = 320, image_token: bool = True):
+    """A byte-level BPE tokenizer trained here (no download) on English-ish text, ``<image>`` as an added
+    token (``image_token``; a text-only LM's has none), ids 0-2 ``<pad>``, ``<s>``, ``</s>`` as the tiny
+    configs say, Vicuna's chat template. Trained once per process and size: the trainer breaks ties between
+    equally frequent pairs in no fixed order, and a LLaVA's parts must tokenize as the LLaVA does."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_trained_bpe(vocab_size))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -96,7 +109,8 @@ def tiny_tokenizer(vocab_size: int = 320):
         unk_token="<unk>",
         chat_template=CHAT_TEMPLATE,
     )
-    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    if image_token:
+        fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
     return fast
 
 
@@ -189,7 +203,8 @@ def make_tiny_parts(
     """A random tiny LLaVA at ``out/llava`` and the same model as separately saved parts, as a user's
     pretrained parts are: ``out/vision`` (a ``CLIPVisionModel``/``SiglipVisionModel``), ``out/llm`` (a causal
     LM with the tokenizer) and ``out/projector`` (the projector directory of a composition). Returns the
-    LLaVA directory and ``{vision, llm, projector}``: a composition of the parts is the LLaVA. ``audio``: also
+    LLaVA directory and ``{vision, llm, projector}``: a composition of the parts is the LLaVA (the vision part
+    has its image processor, the LM's tokenizer no ``<image>``, as a text-only LM's). ``audio``: also
     ``out/audio``, a random tiny ``WhisperForConditionalGeneration`` (``tiny_whisper_config``), and its
     projector in ``out/projector`` (``{vision, audio, llm, projector}``; the LLaVA has no audio)."""
     import json
@@ -212,11 +227,14 @@ def make_tiny_parts(
     tower = tower_cls(llava.config.vision_config)
     tower.load_state_dict(llava.model.vision_tower.state_dict())
     tower.save_pretrained(parts["vision"])
+    # A tower's checkpoint comes with its image processor (openai/clip-vit-*, google/siglip-*), as the LLaVA's.
+    tiny_image_processor(vision, llava.config.vision_config.image_size).save_pretrained(parts["vision"])
     lm = AutoModelForCausalLM.from_config(llava.config.text_config)
     lm.model.load_state_dict(llava.model.language_model.state_dict())
     lm.lm_head.load_state_dict(llava.lm_head.state_dict())
     lm.save_pretrained(parts["llm"])
-    tiny_tokenizer(min(llava.config.text_config.vocab_size, 320)).save_pretrained(parts["llm"])
+    # A causal LM pretrained on text: its tokenizer has no ``<image>`` (the LLaVA's added it).
+    tiny_tokenizer(min(llava.config.text_config.vocab_size, 320), image_token=False).save_pretrained(parts["llm"])
     projector = llava.model.multi_modal_projector
     os.makedirs(parts["projector"], exist_ok=True)
     weights = {f"vision.{k}": v.contiguous() for k, v in projector.state_dict().items()}

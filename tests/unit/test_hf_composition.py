@@ -46,6 +46,14 @@ def made(request, tmp_path_factory):
     return make_tiny_parts(tmp_path_factory.mktemp(f"{text}-{vision}"), text, vision)
 
 
+def whisper_dir(out) -> str:
+    """A random tiny Whisper checkpoint (``tiny_whisper_config``) saved to ``out``."""
+    from oobleck_mm.model.tiny_hf import tiny_whisper_config
+
+    transformers.WhisperForConditionalGeneration(tiny_whisper_config()).save_pretrained(out)
+    return str(out)
+
+
 def job(huggingface, dtype="float64", **data):
     data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 64, "mean_images_per_sample": 1,
             "max_images_per_sample": 2, "image_size": 32, **data}  # fmt: skip
@@ -183,8 +191,12 @@ def test_composition_mistakes_name_the_part_and_what_is_valid(made, tmp_path):
         ConfigError, match="model.huggingface.projector: its text_hidden_size is 7, the parts make it 64"
     ):
         job({**parts, "projector": str(bad)})
-    with pytest.raises(ConfigError, match="data.kind: llava_json with a composed model.huggingface"):
-        job(parts, kind="llava_json", path=parts["llm"])
+    with pytest.raises(ConfigError, match="data.kind: llava_json with a composed model.huggingface that has an audio"):
+        job(
+            {"vision": parts["vision"], "llm": parts["llm"], "audio": whisper_dir(tmp_path / "whisper")},
+            kind="llava_json",
+            path=parts["llm"],
+        )
 
 
 def test_a_whole_clip_model_serves_as_the_tower_and_exports_back_whole(made, tmp_path):
@@ -298,3 +310,64 @@ def test_an_audio_tower_takes_clips_of_its_length_and_other_audio_means_are_refu
     data = TrainingData(job(parts, max_seq_len=128))
     frames = {tuple(c.shape) for i in range(32) for c in data.dataset[i].audio}
     assert frames == {(16, 8)}  # every clip is the tower's 16 frames of 8 mel bins
+
+
+def test_llava_json_records_for_a_composition_through_the_lms_own_tokenizer_equal_transformers(made):
+    """Real records for a composed model: its LM's tokenizer (a text-only LM's, without ``<image>``; for a Qwen2
+    LM transformers' ``Qwen2Tokenizer``) encodes the text between the markers, each marker one image's
+    placeholder, and the vision part's own image processor prepares the pixels. The text decodes back to the
+    chat template's rendering, the loss mask to the answers, the images are the LLaVA's, and the composed
+    model's logits on the records equal transformers' LLaVA (of the same weights) run on the same ids."""
+    from oobleck_mm.data.check import ensure_shape
+    from test_hf_model import FIXTURE, unsplit
+
+    llava_dir, parts = made
+    lm = transformers.AutoTokenizer.from_pretrained(parts["llm"])
+    assert "<image>" not in lm.get_vocab()
+
+    def records_job(huggingface):
+        raw = {
+            "model": {"huggingface": huggingface},
+            "data": {"kind": "llava_json", "path": FIXTURE, "max_seq_len": 128},
+            "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"},
+        }
+        made_job = config_from_dict(raw)
+        ensure_shape(made_job, progress=lambda line: None)
+        return made_job
+
+    composed = records_job(parts)
+    data, theirs = TrainingData(composed), TrainingData(records_job(llava_dir)).dataset
+    records = json.load(open(FIXTURE))
+    assert len(data.dataset) == len(theirs) == len(records) >= 3
+    for i, record in enumerate(records):
+        sample = data.dataset[i]
+        messages = [
+            {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+            for t in record["conversations"]
+        ]
+        pieces, run_ids = [], []
+        for t, is_media in zip(sample.tokens.tolist(), sample.media.tolist()):
+            if is_media:
+                pieces += [lm.decode(run_ids), "<image>"]
+                run_ids = []
+            else:
+                run_ids.append(t)
+        assert "".join([*pieces, lm.decode(run_ids)]) == lm.apply_chat_template(messages, tokenize=False), i
+        answers = "".join(m["content"] for m in messages if m["role"] == "assistant")
+        assert lm.decode(sample.tokens[sample.targets]).replace("</s>", "").replace(" ", "") == answers.replace(
+            " ", ""
+        ), i
+        assert int(sample.media.sum()) == len(sample.images) == len(theirs[i].images), i
+        assert all(torch.equal(x, y) for x, y in zip(sample.images, theirs[i].images)), i
+    logits = run(composed, [0, 1, 2])[0]
+    batch = data.microbatch([0, 1, 2])
+    hf = unsplit(llava_dir)
+    per_image = batch.vision.features.shape[0] // sum(len(data.dataset[i].images) for i in range(3))
+    for seg, (start, end) in enumerate(batch.spans()):
+        sample = data.dataset[seg]
+        ids = []
+        for t, is_image in zip(sample.tokens.tolist(), sample.media.tolist()):
+            ids += [hf.config.image_token_id] * per_image if is_image else [t]
+        kwargs = {"pixel_values": torch.stack(sample.images).double()} if sample.images else {}
+        theirs_logits = hf(input_ids=torch.tensor([ids]), **kwargs).logits[0]
+        assert (theirs_logits - logits[start:end]).abs().max().item() <= 1e-10, seg
