@@ -261,12 +261,6 @@ def _validate_workload(m: ModelConfig, d: DataConfig) -> None:
 
 
 def _validate_hf_workload(hf: HFModelShape, d: DataConfig) -> None:
-    if hf.composed and hf.audio is not None and d.kind != "synthetic":
-        raise ConfigError(
-            f"data.kind: {d.kind} with a composed model.huggingface that has an audio part is not run yet (a "
-            "record's clips are not yet made into its Whisper encoder's input); valid: synthetic, or a "
-            "composition of vision and llm parts for this data"
-        )
     if hf.vision is not None:
         side = hf.vision["image_size"]
         # The towers' position embeddings have one row per patch of this square image.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,13 +41,15 @@ import torch
 from PIL import UnidentifiedImageError
 
 from oobleck_mm.config import DataConfig
-from oobleck_mm.data import record_cache
+from oobleck_mm.data import audio, record_cache
 from oobleck_mm.data.dataset import BadSample, ModelInputs, check_index
-from oobleck_mm.data.llava import ASSISTANT_ROLES, MARKER, JsonRecords, image_folder
-from oobleck_mm.data.sample import IMAGE, Sample, SampleMeta
+from oobleck_mm.data.llava import ASSISTANT_ROLES, AUDIO_MARKER, MARKER, JsonRecords, image_folder
+from oobleck_mm.data.sample import AUDIO, IMAGE, Sample, SampleMeta
 from oobleck_mm.errors import UserError
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_MARKERS = re.compile(f"({re.escape(MARKER)}|{re.escape(AUDIO_MARKER)})")
+"""The media markers of a record's text; split keeps them (at odd positions)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -58,6 +61,7 @@ class _Record:
     targets: np.ndarray | None
     image_paths: tuple[str, ...]
     meta: SampleMeta
+    audio_paths: tuple[str, ...] = ()
 
 
 class HFLlavaJsonDataset(JsonRecords):
@@ -86,11 +90,13 @@ class HFLlavaJsonDataset(JsonRecords):
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
         images = [self._pixels(path, record.sample_id) for path in record.image_paths]
+        audio = [self._whisper_features(path, record.sample_id) for path in record.audio_paths]
         # Copies: a cached record's arrays are read-only views of a file every rank of the node maps.
         return Sample(
             meta=record.meta,
             tokens=torch.from_numpy(np.array(record.tokens, dtype=np.int64)),
             images=images,
+            audio=audio,
             media=torch.from_numpy(np.array(record.media, dtype=bool)),
             targets=torch.from_numpy(np.array(record.targets, dtype=bool)) if record.targets is not None else None,
         )
@@ -154,6 +160,7 @@ class HFLlavaJsonDataset(JsonRecords):
                 {
                     "sample_id": [r.sample_id for r in records],
                     "image_paths": [r.image_paths for r in records],
+                    "audio_paths": [r.audio_paths for r in records],
                     "has_targets": records[0].targets is not None,
                     "skipped": [[b.position, b.reason] for b in self.skipped],
                 },
@@ -176,12 +183,14 @@ class HFLlavaJsonDataset(JsonRecords):
         side = (inputs.image_side,) * 2
         ids, media, targets = a["ids"], a["media"], a["targets"] if strings["has_targets"] else None
         records = []
+        clips = strings.get("audio_paths") or [()] * len(strings["sample_id"])  # (a cache written before clips)
         for i, (sample_id, paths) in enumerate(zip(strings["sample_id"], strings["image_paths"])):
             start, end = offsets[i], offsets[i + 1]
             meta = SampleMeta(
                 index=position[i],
                 text_tokens=end - start,
                 image_sizes=(side,) * len(paths),
+                audio_frames=(inputs.audio_clip_frames,) * len(clips[i]),
                 target_tokens=None if target_tokens[i] < 0 else target_tokens[i],
             )
             records.append(
@@ -192,6 +201,7 @@ class HFLlavaJsonDataset(JsonRecords):
                     targets[start:end] if targets is not None else None,
                     tuple(paths),
                     meta,
+                    tuple(clips[i]),
                 )
             )
         self._records = tuple(records)
@@ -200,7 +210,7 @@ class HFLlavaJsonDataset(JsonRecords):
     # ------------------------------------------------------------------ construction
 
     def _record(self, position: int, entry) -> _Record:
-        sample_id, where, turns, paths, _ = self._entry(position, entry)  # (its models have no audio)
+        sample_id, where, turns, paths, clips = self._entry(position, entry)  # (clips: a composition's Whisper's)
         for path in paths:
             if not self.image_exists(path):
                 raise UserError(f"{where}: cannot read image {path!r}: no such file")
@@ -213,14 +223,14 @@ class HFLlavaJsonDataset(JsonRecords):
             encoded = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
             ids, offsets = np.asarray(encoded.ids, dtype=np.int64), encoded.offsets
             media = ids == self.inputs.image_token_id if paths else np.zeros(len(ids), dtype=bool)
-        if int(media.sum()) != len(paths):
+        if int(media.sum()) != len(paths) + len(clips):
             raise UserError(
                 f"{where}: the tokenizer of {self.inputs.huggingface} turned {len(paths)} '{MARKER}' markers into "
                 f"{int(media.sum())} image tokens (id {self.inputs.image_token_id}, the model's image_token_id); "
                 "its tokenizer must hold '<image>' as one added token"
             )
         targets = self._targets(offsets, ids, answers) if self.data.loss_on == "assistant" else None
-        ids, media, targets = self._fit(ids, media, targets, where)
+        ids, media, targets = self._fit(ids, media, targets, where, len(clips))
         if targets is None:
             targets_count = None
         else:
@@ -230,31 +240,35 @@ class HFLlavaJsonDataset(JsonRecords):
             index=position,
             text_tokens=len(ids),
             image_sizes=((self.inputs.image_side,) * 2,) * len(paths),
+            audio_frames=(self.inputs.audio_clip_frames,) * len(clips),
             target_tokens=targets_count,
         )
-        return _Record(sample_id, ids, media, targets, paths, meta)
+        for path in clips:
+            if not self.image_exists(path):
+                raise UserError(f"{where}: cannot read audio clip {path!r}: no such file")
+        return _Record(sample_id, ids, media, targets, paths, meta, clips)
 
     def _encode_around_markers(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]], np.ndarray]:
         """(ids, character offsets, media mask) of ``text`` for a tokenizer without an image token (a composed
-        model's LLM, pretrained on text alone): the text between ``<image>`` markers is encoded piece by
-        piece, each marker becomes one placeholder (``IMAGE``; ``Sample.media`` marks it, and the LLM's first
-        layer puts the image's tokens there whatever its id). That is how a tokenizer with ``<image>`` as an
+        model's LLM, pretrained on text alone): the text between ``<image>`` (and ``<audio>``) markers is
+        encoded piece by piece, each marker becomes one placeholder (``IMAGE``, ``AUDIO``; ``Sample.media``
+        marks it, and the LLM's first layer puts the medium's tokens there whatever its id). That is how a tokenizer with ``<image>`` as an
         added token encodes it (it splits the text at its added tokens): the same ids elsewhere, the
         vocabulary and embedding left as pretrained."""
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
         media: list[bool] = []
         cursor = 0
-        for k, piece in enumerate(text.split(MARKER)):
-            if k:  # the marker before this piece
-                ids.append(IMAGE)
-                offsets.append((cursor, cursor + len(MARKER)))
+        for k, piece in enumerate(_MARKERS.split(text)):
+            if k % 2:  # a marker: its medium's placeholder (``IMAGE``, ``AUDIO``: packing tells them apart)
+                ids.append(IMAGE if piece == MARKER else AUDIO)
+                offsets.append((cursor, cursor + len(piece)))
                 media.append(True)
-                cursor += len(MARKER)
-            encoded = self.tokenizer.backend_tokenizer.encode(piece, add_special_tokens=False)
-            ids += encoded.ids
-            offsets += [(cursor + a, cursor + b) for a, b in encoded.offsets]
-            media += [False] * len(encoded.ids)
+            else:
+                encoded = self.tokenizer.backend_tokenizer.encode(piece, add_special_tokens=False)
+                ids += encoded.ids
+                offsets += [(cursor + a, cursor + b) for a, b in encoded.offsets]
+                media += [False] * len(encoded.ids)
             cursor += len(piece)
         return np.asarray(ids, dtype=np.int64), offsets, np.asarray(media, dtype=bool)
 
@@ -300,23 +314,45 @@ class HFLlavaJsonDataset(JsonRecords):
                 targets[last + 1] = True
         return targets
 
-    def _fit(self, ids, media, targets, where: str):
-        """Cut text at the end so the LLM sequence fits ``data.max_seq_len``; images are never cut."""
-        expand = self.image_tokens - 1
-        length = len(ids) + expand * int(media.sum())
+    def _fit(self, ids, media, targets, where: str, clips: int = 0):
+        """Cut text at the end so the LLM sequence fits ``data.max_seq_len``; images and clips are never cut."""
+        clip_tokens = self.inputs.clip_llm_tokens(self.inputs.audio_clip_frames) if clips else 0
+        length = len(ids) + (self.image_tokens - 1) * (int(media.sum()) - clips) + (clip_tokens - 1) * clips
         limit = self.data.max_seq_len
         if length <= limit:
             return ids, media, targets
-        images = int(media.sum())
+        images = int(media.sum()) - clips
         keep = len(ids) - (length - limit)
-        if keep < 2 or int(media[:keep].sum()) != images:
+        if keep < 2 or int(media[:keep].sum()) != images + clips:
+            clipped = f" and {clips} audio clips" if clips else ""
             raise UserError(
-                f"{where}: its {images} images take {images * self.image_tokens} LLM tokens, which with its text "
-                f"before them exceed data.max_seq_len ({limit}); raise data.max_seq_len"
+                f"{where}: its {images} images{clipped} take {images * self.image_tokens + clips * clip_tokens} LLM "
+                f"tokens, which with its text before them exceed data.max_seq_len ({limit}); raise data.max_seq_len"
             )
         return ids[:keep], media[:keep], (targets[:keep] if targets is not None else None)
 
     # ------------------------------------------------------------------ loading
+
+    def _whisper_features(self, path: str, sample_id: str) -> torch.Tensor:
+        """float32 ``[clip frames, mel bins]``: a clip as a composition's Whisper encoder takes it, padded with
+        silence (or cut) to its fixed length before the log-mel features, as ``WhisperFeatureExtractor``
+        pads it; a ``.npy`` clip holds those features already, exactly that long."""
+        frames, bins = self.inputs.audio_clip_frames, self.inputs.mel_bins
+        try:
+            with self.open_audio(path) as f:
+                if audio.suffix(path) == ".npy":
+                    features = np.load(f, allow_pickle=False)
+                    if features.shape != (frames, bins):
+                        raise audio.BadClip(
+                            f"log-mel features must be [{frames}, {bins}] (the Whisper encoder's clip), got "
+                            f"{list(features.shape)}"
+                        )
+                else:
+                    hop = audio.hop_length(self.data.audio_frames_per_second)
+                    features = audio.log_mel(_whisper_clip(audio.read_wav(path, f), frames, hop), bins, hop)
+        except (OSError, audio.BadClip, ValueError) as exc:
+            raise UserError(f"{self.data.path}: sample {sample_id!r}: cannot decode audio {path!r}: {exc}") from None
+        return torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
 
     def _pixels(self, path: str, sample_id: str) -> torch.Tensor:
         try:
@@ -332,6 +368,12 @@ class HFLlavaJsonDataset(JsonRecords):
                 f"vision tower takes [{self.inputs.in_channels}, {side}, {side}]"
             )
         return pixels.float()
+
+
+def _whisper_clip(waveform: np.ndarray, frames: int, hop: int) -> np.ndarray:
+    """The waveform as Whisper's feature extractor takes it: zeros after it, or cut, to ``frames`` frames."""
+    samples = frames * hop
+    return np.pad(waveform[:samples], (0, max(0, samples - len(waveform))))
 
 
 def load_tokenizer(directory: str):

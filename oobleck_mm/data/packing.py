@@ -234,7 +234,10 @@ def pack(
         for piece, media, targets in _split_at_media(sample, spec):
             pos = offset + sum(len(s) for s in seq)
             if media:
-                if int(piece) == AUDIO and sample.media is None:
+                # Without a media mask the ids say which medium; with one (a HuggingFace tokenizer's ids), a
+                # LLaVA's slots are all images, whatever its image token's id, and a composition's records
+                # (``hf_llava``) write ``AUDIO`` for a clip: a model with an audio encoder reads it so.
+                if int(piece) == AUDIO and (sample.media is None or spec.has_audio):
                     feats, grid = fold_frames(next(clips), spec.audio_downsample)
                     n = audio.add(feats, grid, pos, spec.audio_merge)
                 else:

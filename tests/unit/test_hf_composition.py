@@ -46,14 +46,6 @@ def made(request, tmp_path_factory):
     return make_tiny_parts(tmp_path_factory.mktemp(f"{text}-{vision}"), text, vision)
 
 
-def whisper_dir(out) -> str:
-    """A random tiny Whisper checkpoint (``tiny_whisper_config``) saved to ``out``."""
-    from oobleck_mm.model.tiny_hf import tiny_whisper_config
-
-    transformers.WhisperForConditionalGeneration(tiny_whisper_config()).save_pretrained(out)
-    return str(out)
-
-
 def job(huggingface, dtype="float64", **data):
     data = {"mean_text_tokens": 16, "max_seq_len": 96, "num_samples": 64, "mean_images_per_sample": 1,
             "max_images_per_sample": 2, "image_size": 32, **data}  # fmt: skip
@@ -191,12 +183,6 @@ def test_composition_mistakes_name_the_part_and_what_is_valid(made, tmp_path):
         ConfigError, match="model.huggingface.projector: its text_hidden_size is 7, the parts make it 64"
     ):
         job({**parts, "projector": str(bad)})
-    with pytest.raises(ConfigError, match="data.kind: llava_json with a composed model.huggingface that has an audio"):
-        job(
-            {"vision": parts["vision"], "llm": parts["llm"], "audio": whisper_dir(tmp_path / "whisper")},
-            kind="llava_json",
-            path=parts["llm"],
-        )
 
 
 def test_a_whole_clip_model_serves_as_the_tower_and_exports_back_whole(made, tmp_path):
@@ -226,13 +212,7 @@ def test_a_whole_clip_model_serves_as_the_tower_and_exports_back_whole(made, tmp
 
 def test_vision_audio_and_llm_parts_equal_their_unsplit_transformers_modules(tmp_path_factory):
     """``{vision, audio, llm, projector}``: a CLIP tower, a Whisper encoder and a Llama, against the same
-    transformers models run whole per sample (CLIPVisionModel's second-to-last hidden state without CLS,
-    WhisperEncoder on the clip padded to its 30 s as its feature extractor pads it, each through its
-    projector, put at the sample's media positions of the LLM's input embeddings), in float64."""
-    from safetensors.torch import load_file
-
-    from oobleck_mm.data.sample import AUDIO
-
+    transformers models run whole per sample (``assert_equals_the_parts_run_whole``), in float64."""
     _, parts = make_tiny_parts(tmp_path_factory.mktemp("audio"), "llama", "clip", audio=True)
     composed = job(parts, max_seq_len=128)
     assert [s.name for s in model_layer_specs(composed)][5:10] == [
@@ -241,6 +221,17 @@ def test_vision_audio_and_llm_parts_equal_their_unsplit_transformers_modules(tmp
     logits, _, grads, (data, ids, batch) = run(composed)
     assert batch.audio is not None and batch.audio.features.shape[0] > 0  # clips in this microbatch
     assert all(g is not None for g in grads["audio.block0"].values())  # the audio tower trains
+    assert_equals_the_parts_run_whole(parts, logits, data, ids, batch)
+
+
+def assert_equals_the_parts_run_whole(parts, logits, data, ids, batch) -> None:
+    """``logits`` (the composed layers' on ``batch``, samples ``ids`` of ``data``) equal the parts' own
+    transformers models run whole per sample: CLIPVisionModel's second-to-last hidden state without CLS,
+    WhisperEncoder on the clip as its feature extractor pads it, each through its projector, put at the
+    sample's media positions of the LLM's input embeddings (float64, 1e-10)."""
+    from safetensors.torch import load_file
+
+    from oobleck_mm.data.sample import AUDIO
 
     kw = {"dtype": torch.float64, "attn_implementation": "sdpa"}
     tower = transformers.CLIPVisionModel.from_pretrained(parts["vision"], **kw).eval()
@@ -255,14 +246,17 @@ def test_vision_audio_and_llm_parts_equal_their_unsplit_transformers_modules(tmp
     for seg, (start, end) in enumerate(batch.spans()):
         sample = data.dataset[ids[seg]]
         images, clips = iter(sample.images), iter(sample.audio)
+        # Media slots: a record's mask (its ids are the LM tokenizer's), else the placeholder ids.
+        tokens = sample.tokens.tolist()
+        media = sample.media.tolist() if sample.media is not None else [t in (IMAGE, AUDIO) for t in tokens]
         pieces = []
         with torch.no_grad():
-            for t in sample.tokens.tolist():
-                if t == IMAGE:
+            for t, is_media in zip(tokens, media):
+                if is_media and t == AUDIO:
+                    pieces.append(project(whisper(next(clips).T[None].double()).last_hidden_state[0], "audio"))
+                elif is_media:
                     hidden = tower(next(images)[None].double(), output_hidden_states=True).hidden_states[-2]
                     pieces.append(project(hidden[0, 1:], "vision"))
-                elif t == AUDIO:
-                    pieces.append(project(whisper(next(clips).T[None].double()).last_hidden_state[0], "audio"))
                 else:
                     pieces.append(lm.get_input_embeddings()(torch.tensor([t])))
             theirs = lm(inputs_embeds=torch.cat(pieces)[None]).logits[0]
@@ -371,3 +365,56 @@ def test_llava_json_records_for_a_composition_through_the_lms_own_tokenizer_equa
         kwargs = {"pixel_values": torch.stack(sample.images).double()} if sample.images else {}
         theirs_logits = hf(input_ids=torch.tensor([ids]), **kwargs).logits[0]
         assert (theirs_logits - logits[start:end]).abs().max().item() <= 1e-10, seg
+
+
+def test_records_with_clips_for_a_vision_audio_and_llm_composition_equal_the_parts_run_whole(tmp_path):
+    """Records with ``<audio>`` markers and WAV clips for a composition with a Whisper part: each clip padded
+    with silence (or cut) to the encoder's length before its log-mel features, as transformers'
+    ``WhisperFeatureExtractor`` makes them; the logits on the records equal the parts run whole
+    (``assert_equals_the_parts_run_whole``)."""
+    import shutil
+    import wave
+
+    import numpy as np
+
+    from oobleck_mm.data.check import ensure_shape
+    from oobleck_mm.data.sample import AUDIO
+    from test_hf_model import FIXTURE
+
+    _, parts = make_tiny_parts(tmp_path / "parts", "llama", "clip", audio=True)
+    shutil.copytree(os.path.dirname(FIXTURE), tmp_path / "data")
+    (tmp_path / "data" / "clips").mkdir()
+    rng = np.random.default_rng(0)
+    waves = {"short.wav": 0.1, "long.wav": 0.3}  # the tiny Whisper's clip is 16 frames, 0.16 s
+    for name, seconds in waves.items():
+        samples = (rng.uniform(-0.5, 0.5, int(16000 * seconds)) * 32767).astype(np.int16)
+        with wave.open(str(tmp_path / "data" / "clips" / name), "wb") as w:
+            w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(samples.tobytes())
+        waves[name] = samples.astype(np.float32) / 32768.0
+    records = json.loads((tmp_path / "data" / "llava.json").read_text())
+    records[0]["audio"] = "clips/short.wav"
+    records[0]["conversations"][0]["value"] = "<audio>\n" + records[0]["conversations"][0]["value"]
+    records[1]["audio"] = ["clips/long.wav", "clips/short.wav"]
+    records[1]["conversations"][0]["value"] += " <audio> or <audio>?"
+    (tmp_path / "data" / "llava.json").write_text(json.dumps(records))
+    raw = {
+        "model": {"huggingface": parts},
+        "data": {"kind": "llava_json", "path": str(tmp_path / "data" / "llava.json"), "max_seq_len": 160},
+        "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"},
+    }
+    composed = config_from_dict(raw)
+    ensure_shape(composed, progress=lambda line: None)
+    assert composed.data.mean_audio_seconds > 0
+    data = TrainingData(composed)
+    first, second = data.dataset[0], data.dataset[1]
+    assert [t for t, m in zip(first.tokens.tolist(), first.media.tolist()) if m] == [AUDIO, IMAGE]
+    assert [t for t, m in zip(second.tokens.tolist(), second.media.tolist()) if m] == [AUDIO, AUDIO]
+    assert data.dataset.meta(1).audio_frames == (16, 16)
+    extractor = transformers.WhisperFeatureExtractor(feature_size=8, sampling_rate=16000, hop_length=160, n_fft=400)
+    extractor.n_samples, extractor.nb_max_frames = 16 * 160, 16  # the tiny Whisper's clip, as its 30 s
+    for got, name in ((first.audio[0], "short.wav"), *zip(second.audio, ("long.wav", "short.wav"))):
+        want = extractor(waves[name], sampling_rate=16000, return_tensors="np").input_features[0].T
+        assert got.shape == (16, 8) and np.allclose(got.numpy(), want, atol=1e-5), name
+    logits, _, _, (_, ids, batch) = run(composed, [0, 1, 2])
+    assert batch.audio.features.shape[0] > 0
+    assert_equals_the_parts_run_whole(parts, logits, data, ids, batch)
