@@ -90,7 +90,10 @@ class HFLlavaJsonDataset(JsonRecords):
     def __getitem__(self, index: int) -> Sample:
         record = self._records[check_index(index, len(self))]
         images = [self._pixels(path, record.sample_id) for path in record.image_paths]
-        audio = [self._whisper_features(path, record.sample_id) for path in record.audio_paths]
+        audio = [
+            self._clip_features(record, path, frames)
+            for path, frames in zip(record.audio_paths, record.meta.audio_frames)
+        ]
         # Copies: a cached record's arrays are read-only views of a file every rank of the node maps.
         return Sample(
             meta=record.meta,
@@ -333,11 +336,12 @@ class HFLlavaJsonDataset(JsonRecords):
 
     # ------------------------------------------------------------------ loading
 
-    def _whisper_features(self, path: str, sample_id: str) -> torch.Tensor:
-        """float32 ``[clip frames, mel bins]``: a clip as a composition's Whisper encoder takes it, padded with
-        silence (or cut) to its fixed length before the log-mel features, as ``WhisperFeatureExtractor``
-        pads it; a ``.npy`` clip holds those features already, exactly that long."""
-        frames, bins = self.inputs.audio_clip_frames, self.inputs.mel_bins
+    def _clip_features(self, record: _Record, path: str, frames: int) -> torch.Tensor:
+        """float32 ``[frames, mel bins]``: a clip as a composition's Whisper encoder takes it (``frames``: its
+        fixed length), padded with silence (or cut) to that length before the log-mel features, as
+        ``WhisperFeatureExtractor`` pads it; a ``.npy`` clip holds those features already, exactly that long.
+        (What ``decode_images``, the master's check of every record, decodes too.)"""
+        bins, sample_id = self.inputs.mel_bins, record.sample_id
         try:
             with self.open_audio(path) as f:
                 if audio.suffix(path) == ".npy":
