@@ -432,4 +432,6 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from oobleck_mm.lifetime import end_now
+
+    end_now(int(main()))  # nothing to release: torch's teardown took 1.3 s after the verdict

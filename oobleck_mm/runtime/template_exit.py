@@ -13,17 +13,7 @@ nothing; what it printed is flushed first.
 """
 
 import atexit
-import os
-import sys
 
+from oobleck_mm.lifetime import end_now
 
-def _exit_now() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # closed or replaced: nothing left to say
-            pass
-    os._exit(0)
-
-
-atexit.register(_exit_now)
+atexit.register(end_now, 0)

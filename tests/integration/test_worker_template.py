@@ -295,3 +295,36 @@ def test_a_template_ends_without_tearing_torch_down_and_says_what_it_printed(tmp
     )
     assert out.returncode == 0 and out.stdout == "said before the exit\n", (out.returncode, out.stdout, out.stderr)
     assert not ran.exists(), "a handler registered before the template's exit ran"
+
+
+END_NOW = """
+import atexit, sys
+sys.path[:0] = sys.argv[2:]
+atexit.register(lambda: open(sys.argv[1], "w").close())
+import torch
+from oobleck_mm.lifetime import end_now
+print("the verdict")
+print("verified", file=sys.stderr)
+end_now(3)
+"""
+
+
+def test_a_finished_command_ends_at_once_with_its_code_and_its_output(tmp_path):
+    """``lifetime.end_now`` (a finished ``verify`` or ``export``, a template): the code and every line printed
+    arrive, and no exit handler runs (torch's teardown took 1.3 s after a verdict); ``oobleck-launch verify``
+    ends through it with its own exit status and message."""
+    ran = tmp_path / "teardown-ran"
+    out = subprocess.run(
+        [sys.executable, "-c", END_NOW, str(ran), *sys.path], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (3, "the verdict\n", "verified\n")
+    assert not ran.exists()
+    bad = subprocess.run(
+        [sys.executable, "-m", "oobleck_mm.cli", "verify", "--config", str(tmp_path / "none.yaml"), "--steps", "1"]
+        + ["--against", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "none.yaml' does not exist" in bad.stderr, (bad.returncode, bad.stderr)
