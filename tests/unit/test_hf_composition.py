@@ -312,25 +312,14 @@ def test_llava_json_records_for_a_composition_through_the_lms_own_tokenizer_equa
     placeholder, and the vision part's own image processor prepares the pixels. The text decodes back to the
     chat template's rendering, the loss mask to the answers, the images are the LLaVA's, and the composed
     model's logits on the records equal transformers' LLaVA (of the same weights) run on the same ids."""
-    from oobleck_mm.data.check import ensure_shape
-    from test_hf_model import FIXTURE, unsplit
+    from test_hf_model import FIXTURE, llava_json_job, unsplit
 
     llava_dir, parts = made
     lm = transformers.AutoTokenizer.from_pretrained(parts["llm"])
     assert "<image>" not in lm.get_vocab()
 
-    def records_job(huggingface):
-        raw = {
-            "model": {"huggingface": huggingface},
-            "data": {"kind": "llava_json", "path": FIXTURE, "max_seq_len": 128},
-            "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"},
-        }
-        made_job = config_from_dict(raw)
-        ensure_shape(made_job, progress=lambda line: None)
-        return made_job
-
-    composed = records_job(parts)
-    data, theirs = TrainingData(composed), TrainingData(records_job(llava_dir)).dataset
+    composed = llava_json_job(parts)
+    data, theirs = TrainingData(composed), TrainingData(llava_json_job(llava_dir)).dataset
     records = json.load(open(FIXTURE))
     assert len(data.dataset) == len(theirs) == len(records) >= 3
     for i, record in enumerate(records):
@@ -377,9 +366,8 @@ def test_records_with_clips_for_a_vision_audio_and_llm_composition_equal_the_par
 
     import numpy as np
 
-    from oobleck_mm.data.check import ensure_shape
     from oobleck_mm.data.sample import AUDIO
-    from test_hf_model import FIXTURE
+    from test_hf_model import FIXTURE, llava_json_job
 
     _, parts = make_tiny_parts(tmp_path / "parts", "llama", "clip", audio=True)
     shutil.copytree(os.path.dirname(FIXTURE), tmp_path / "data")
@@ -397,13 +385,7 @@ def test_records_with_clips_for_a_vision_audio_and_llm_composition_equal_the_par
     records[1]["audio"] = ["clips/long.wav", "clips/short.wav"]
     records[1]["conversations"][0]["value"] += " <audio> or <audio>?"
     (tmp_path / "data" / "llava.json").write_text(json.dumps(records))
-    raw = {
-        "model": {"huggingface": parts},
-        "data": {"kind": "llava_json", "path": str(tmp_path / "data" / "llava.json"), "max_seq_len": 160},
-        "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"},
-    }
-    composed = config_from_dict(raw)
-    ensure_shape(composed, progress=lambda line: None)
+    composed = llava_json_job(parts, path=tmp_path / "data" / "llava.json", max_seq_len=160)
     assert composed.data.mean_audio_seconds > 0
     data = TrainingData(composed)
     first, second = data.dataset[0], data.dataset[1]

@@ -308,12 +308,13 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def llava_json_job(directory, path=FIXTURE, **data):
-    """A worker's job: the data's planning shape measured, as the master does before it ships the job."""
+    """A worker's job: the data's planning shape measured, as the master does before it ships the job.
+    ``directory``: an HF model directory, or a composition's parts."""
     from oobleck_mm.data.check import ensure_shape
 
     job = config_from_dict(
         {
-            "model": {"huggingface": str(directory)},
+            "model": {"huggingface": directory if isinstance(directory, dict) else str(directory)},
             "data": {"kind": "llava_json", "path": str(path), "max_seq_len": 128, **data},
             "training": {"global_batch": 3, "microbatch_size": 3, "dtype": "float64"},
         }
