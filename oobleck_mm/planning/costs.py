@@ -385,13 +385,13 @@ def stage_cost(
     if recompute:
         backward += (prefix.recompute[end] - prefix.recompute[start]) / d
     activations = prefix.kept if recompute else prefix.act
+    activations_whole = 0.0
     if d > 1 and cluster.context_parallel > 1:
-        # Context parallelism: each GPU runs 1/d of every microbatch's tokens with every layer whole (state
-        # and gradients not divided); each attention gathers the keys and values of the whole sequence
-        # before its forward (again when recomputing) and sums their gradients over the GPUs in its backward
-        # (an all-reduce: ``runtime.context_parallel``). Encoder layers run whole media on every GPU: their
-        # time and activations are not divided.
-        activations_whole = 0.0
+        # Context parallelism: each GPU runs 1/d of every microbatch's tokens; each attention gathers the keys
+        # and values of the whole sequence before its forward (again when recomputing) and sums their
+        # gradients over the GPUs in its backward (an all-reduce: ``runtime.context_parallel``). Encoder
+        # layers run whole media on every GPU: their time and activations are not divided. The layers'
+        # state is sharded over the GPUs as below (FSDP2 over the lanes, torchtitan's ``dp_shard_cp``).
         for layer in prefix.layers[start:end]:
             if not layer.sequence:  # the 1/d taken above, given back
                 forward += (1 - 1 / d) * layer.forward_s
@@ -402,14 +402,6 @@ def stage_cost(
                 forward += gather
                 if layer.backward_s > 0:
                     backward += cluster.allreduce_s(layer.kv_bytes, d, cross_node=False) + (gather if recompute else 0)
-        return StageCost(
-            forward_s=forward,
-            backward_s=backward,
-            resident_bytes=prefix.resident[end] - prefix.resident[start],
-            activation_bytes=(activations[end] - activations[start]) / d + activations_whole,
-            output_bytes=prefix.layers[end - 1].output_bytes,
-            grad_bytes=prefix.grad[end] - prefix.grad[start],
-        )
     if d > 1:
         for layer in prefix.layers[start:end]:
             gather = cluster.allgather_s(layer.param_bytes, d, cross_node=False)
@@ -420,7 +412,7 @@ def stage_cost(
         forward_s=forward,
         backward_s=backward,
         resident_bytes=(prefix.resident[end] - prefix.resident[start]) / d,
-        activation_bytes=(activations[end] - activations[start]) / d,
+        activation_bytes=(activations[end] - activations[start]) / d + activations_whole,
         output_bytes=prefix.layers[end - 1].output_bytes,
         grad_bytes=(prefix.grad[end] - prefix.grad[start]) / d,
     )

@@ -35,10 +35,12 @@ class StageLayout:
     """Recompute the stage's activations in backward, each layer keeping only its input (the planner's
     per-stage choice, ``planning.template.StageSpec.recompute``)."""
     context_parallel: bool = False
-    """A stage of several GPUs that splits every microbatch's *tokens* over ``ranks`` instead of sharding its
-    layers: each rank holds every layer whole and its share of the sequence's 128-token blocks, and attention
-    gathers the others' keys and values (``runtime.context_parallel``). A pipeline with such a stage has only
-    such stages, all as wide: rank ``k`` of every stage runs share ``k`` (a lane)."""
+    """A stage of several GPUs that splits every microbatch's *tokens* over ``ranks`` instead of its samples:
+    each rank runs its share of the sequence's 128-token blocks, and attention gathers the others' keys and
+    values (``runtime.context_parallel``). Its layers are sharded over the ranks all the same (FSDP2, as any
+    stage of several GPUs: torchtitan's ``dp_shard_cp``), so a lane holds 1/width of their state too. A
+    pipeline with such a stage has only such stages, all as wide: rank ``k`` of every stage runs share ``k``
+    (a lane)."""
 
     @property
     def layers(self) -> range:
@@ -56,8 +58,8 @@ class StageLayout:
 
     @property
     def sharded(self) -> bool:
-        """Its layers are sharded over its GPUs (FSDP2): several GPUs, not context-parallel."""
-        return self.width > 1 and not self.context_parallel
+        """Its layers are sharded over its GPUs (FSDP2): any stage of several GPUs, context-parallel or not."""
+        return self.width > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,26 +236,13 @@ class ExecutionPlan:
         return self.pipelines[i].stages[j]
 
     def holders(self, layer: int) -> tuple[int, ...]:
-        """Ranks holding ``layer`` whole, in pipeline order: one per pipeline (a sharded stage's first rank),
-        every rank of a context-parallel stage."""
-        return tuple(
-            r
-            for p in self.pipelines
-            for s in p.stages
-            if s.layer_start <= layer < s.layer_end
-            for r in (s.ranks if s.context_parallel else (s.rank,))
-        )
+        """The ranks standing for each copy of ``layer``, in pipeline order: one per pipeline (a sharded
+        stage's first rank)."""
+        return tuple(s.rank for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
 
     def shard_holders(self, layer: int) -> tuple[tuple[int, ...], ...]:
-        """The ranks of each copy of ``layer``, in pipeline order: a sharded stage's ranks in shard order, each
-        rank of a context-parallel stage alone (it holds the layer whole)."""
-        return tuple(
-            ranks
-            for p in self.pipelines
-            for s in p.stages
-            if s.layer_start <= layer < s.layer_end
-            for ranks in (tuple((r,) for r in s.ranks) if s.context_parallel else (s.ranks,))
-        )
+        """The ranks of each copy of ``layer``, in pipeline order: a sharded stage's ranks in shard order."""
+        return tuple(s.ranks for p in self.pipelines for s in p.stages if s.layer_start <= layer < s.layer_end)
 
     def checkpoint_owner(self, layer: int) -> int:
         """The one rank that writes ``layer`` in a periodic checkpoint: its replicas take turns by layer

@@ -63,11 +63,12 @@ Memory
 Under 1F1B stage ``k`` of ``S`` keeps ``S - k`` microbatches of activations in
 flight (assuming at least ``S`` microbatches). Building from the back, the DP
 knows how many GPUs follow a stage but not how many stages, so it uses
-``in_flight = min(1 + gpus_after, 1 + L - w')`` (each later stage has at least
-one GPU and one layer). This is exact when ``max_gpus_per_stage == 1`` (every
-GPU is one stage) and never an underestimate otherwise, so a mapping the DP
-accepts always fits; with wider stages it may reject a few mappings that
-would fit. The reported ``StageSpec.memory_bytes`` uses the exact ``S - k``.
+``in_flight = min(1 + gpus_after // w_min, 1 + L - w')`` (each later stage has at
+least the narrowest option's ``w_min`` GPUs and one layer). This is exact when
+every stage is as wide (``max_gpus_per_stage == 1``: every GPU is one stage;
+``context_parallel: d``: every stage is ``d`` lanes) and never an underestimate
+otherwise, so a mapping the DP accepts always fits; with stages of mixed widths
+it may reject a few mappings that would fit. The reported ``StageSpec.memory_bytes`` uses the exact ``S - k``.
 
 Recomputation (``profile.recompute``, from ``training.activation_checkpointing``) is a per-stage
 variant: under ``auto`` every stage ``[w, w')`` costs its keep-everything time where that fits

@@ -59,10 +59,15 @@ class _CostTables:
         self._choice: dict[tuple[int, int], np.ndarray] = {}
         self._masked: dict[tuple[int, int, int], np.ndarray] = {}
 
+    def stages_after(self, gpus_after: int) -> int:
+        """The most stages ``gpus_after`` GPUs can be: each has at least the narrowest option's GPUs (all of a
+        context-parallel pipeline's stages are as wide as its lanes)."""
+        return gpus_after // min(self.options)
+
     def in_flight(self, gpus_after: int) -> np.ndarray:
         """Per end layer w': microbatches the stage may hold (see module docstring), never an underestimate."""
         ends = np.arange(self.num_layers + 1)
-        return np.minimum(1 + gpus_after, 1 + self.num_layers - ends)
+        return np.minimum(1 + self.stages_after(gpus_after), 1 + self.num_layers - ends)
 
     def memory(self, d: int, gpus_after: int, recompute: bool | None = None) -> np.ndarray:
         """Peak bytes per GPU of every stage ``[w, w')`` on ``d`` GPUs (inf where w >= w'): with or without
@@ -74,8 +79,8 @@ class _CostTables:
     def choice(self, d: int, gpus_after: int) -> np.ndarray:
         """Per stage ``[w, w')``: the index into ``modes`` of its cheapest variant that fits memory, or
         ``len(modes)`` where none does."""
-        # Beyond L - 1 GPUs after, in_flight no longer depends on gpus_after.
-        key = (d, min(gpus_after, self.num_layers - 1))
+        # Beyond L - 1 stages after, in_flight no longer depends on gpus_after.
+        key = (d, min(self.stages_after(gpus_after), self.num_layers - 1))
         choice = self._choice.get(key)
         if choice is None:
             choice = np.full((self.num_layers + 1, self.num_layers + 1), len(self.modes), dtype=np.int8)

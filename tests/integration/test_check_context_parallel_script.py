@@ -1,6 +1,6 @@
 """``scripts/check_context_parallel.py``'s premise, without its 20-worker launches (run by hand; figures in
 docs/benchmarks.md): at each model's cap the long samples fit no plain mapping and fit four lanes on the
-check's nodes, and the longest plain sample it reports is one that fits."""
+check's nodes, the longest plain sample it reports is one that fits, and the long ones are 4x longer."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def test_the_long_samples_fit_only_on_lanes_and_the_longest_plain_sample_fits(tm
     plain = check.longest_plain(tmp_path, name, 6)
     assert check.fits(check.make_config(tmp_path, name, plain, 1, 6))[0]
     assert not check.fits(check.make_config(tmp_path, name, plain + 8, 1, 6))[0]
+    assert tokens >= check.AT_LEAST * plain  # issue 50: four lanes hold samples 4x the longest plain one
     refused, why = check.fits(check.make_config(tmp_path, name, tokens, 1, 6))
     assert not refused and "does not fit" in why and str(cap) in why
     lanes, where = check.fits(check.make_config(tmp_path, name, tokens, check.LANES, 6))

@@ -41,15 +41,22 @@ def test_a_context_parallel_pipeline_beside_an_ordinary_one_equals_the_reference
     ref_losses = [loss for _, loss in trainer.train(STEPS)]
     layers = len(trainer.specs)
     plan = ExecutionPlan.even(layers, [2, 1], [4, 4], 2, widths=[[2, 2], [1]], context_parallel=[True, False])
-    assert not plan.sharded and plan.holders(0) == (0, 1, 4)
+    # the lanes shard their layers (FSDP2 over the stage): one copy a pipeline
+    assert plan.sharded and plan.holders(0) == (0, 4) and plan.shard_holders(0) == ((0, 1), (4,))
     outs = run_local(job, plan, STEPS, tmp_path, timeout_s=240)
     names = [s.name for s in trainer.specs]
     held = [name for out in outs for name in out["states"]]
-    assert sorted(held.count(n) for n in names) == [3] * layers  # two lanes' copies and pipeline 1's
+    assert sorted(held.count(n) for n in names) == [3] * layers  # each lane gathers its copy whole, pipeline 1's
     for out in outs:
         assert out["losses"] == pytest.approx(ref_losses, abs=1e-12)
     assert max_param_diff(outs, trainer) < 1e-10
     assert ref_losses[-1] < ref_losses[0]
+    # Each lane holds its share of its stage's parameters, gradients and moments: the four lanes (ranks 0-3)
+    # hold together what pipeline 1's one rank holds whole, each lane about half its stage's.
+    held = [out["results"][-1].state_bytes for out in outs]
+    assert sum(held[:4]) == held[4]
+    for stage in ((0, 1), (2, 3)):
+        assert all(held[r] < 0.6 * sum(held[k] for k in stage) for r in stage)
 
 
 def test_samples_four_times_longer_than_a_stage_holds_train_on_four_lanes_equal_to_the_reference(tmp_path):

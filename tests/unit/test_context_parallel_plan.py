@@ -63,17 +63,30 @@ def test_bad_context_parallel_settings_name_the_field_and_what_would_do(change, 
         config_from_dict(d)
 
 
-def test_a_context_parallel_stage_divides_the_work_and_the_activations_but_not_the_state():
+def fsdp_s(cluster, layer, d=4):
+    """(forward, backward) seconds of FSDP2's collectives for ``layer`` sharded over ``d`` GPUs: its parameters
+    gathered before the forward and again before the backward, its gradients reduce-scattered after."""
+    gather = cluster.allgather_s(layer.param_bytes, d, cross_node=False)
+    return gather, gather + cluster.allgather_s(layer.grad_bytes, d, cross_node=False)
+
+
+def test_a_context_parallel_stage_divides_the_work_the_activations_and_the_state():
+    """The lanes split the tokens (work and activations / 4, plus the keys' and values' gathers) and shard
+    the layers' state over them (FSDP2 over the lanes: state / 4, plus its parameter gathers and gradient
+    reduce-scatters)."""
     layer = LayerCost("llm.block0", "text", 4.0, 2.0, 2.0, 100, 100, 200, 800, 10, kv_bytes=64)
     prefix = LayerPrefix(effective_layers(ModelProfile("m", "test", 1, (layer, layer))))
     one = stage_cost(prefix, ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9), 0, 2, 1)
     cluster = ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9, context_parallel=4)
     four = stage_cost(prefix, cluster, 0, 2, 4)
     gather = cluster.allgather_s(64, 4, cross_node=False)
-    assert four.forward_s == pytest.approx(one.forward_s / 4 + 2 * gather)
-    assert four.backward_s == pytest.approx(one.backward_s / 4 + 2 * cluster.allreduce_s(64, 4, cross_node=False))
+    fsdp_forward, fsdp_backward = fsdp_s(cluster, prefix.layers[0])
+    assert four.forward_s == pytest.approx(one.forward_s / 4 + 2 * gather + 2 * fsdp_forward)
+    assert four.backward_s == pytest.approx(
+        one.backward_s / 4 + 2 * cluster.allreduce_s(64, 4, cross_node=False) + 2 * fsdp_backward
+    )
     assert four.activation_bytes == one.activation_bytes / 4
-    assert four.resident_bytes == one.resident_bytes and four.grad_bytes == one.grad_bytes
+    assert four.resident_bytes == one.resident_bytes / 4 and four.grad_bytes == one.grad_bytes / 4
     assert cluster.stage_gpu_options == (4,)
 
 
@@ -89,9 +102,13 @@ def test_an_encoder_layer_on_a_context_parallel_stage_costs_its_whole_media_on_e
     enc, llm = (stage_cost(prefix, plain, k, k + 1, 1, recompute) for k in (0, 1))
     both = stage_cost(prefix, cluster, 0, 2, 4, recompute)
     gather, reduce = cluster.allgather_s(64, 4, cross_node=False), cluster.allreduce_s(64, 4, cross_node=False)
-    assert both.forward_s == pytest.approx(enc.forward_s + llm.forward_s / 4 + gather)
-    assert both.backward_s == pytest.approx(enc.backward_s + llm.backward_s / 4 + reduce + (gather if recompute else 0))
+    fsdp = [fsdp_s(cluster, layer) for layer in prefix.layers]
+    assert both.forward_s == pytest.approx(enc.forward_s + llm.forward_s / 4 + gather + sum(f for f, _ in fsdp))
+    assert both.backward_s == pytest.approx(
+        enc.backward_s + llm.backward_s / 4 + reduce + (gather if recompute else 0) + sum(b for _, b in fsdp)
+    )
     assert both.activation_bytes == pytest.approx(enc.activation_bytes + llm.activation_bytes / 4)
+    assert both.resident_bytes == pytest.approx((enc.resident_bytes + llm.resident_bytes) / 4)  # state sharded
     # additive over layers, as the DP's tables need
     parts = [stage_cost(prefix, cluster, k, k + 1, 4, recompute) for k in (0, 1)]
     assert both.forward_s == pytest.approx(sum(p.forward_s for p in parts))
@@ -112,18 +129,20 @@ def test_a_sample_four_times_longer_than_a_stage_holds_fits_with_context_paralle
     d["cluster"].update(context_parallel=4)
     d["fault_tolerance"]["f"] = 0
     job = config_from_dict(d)
-    assert min_nodes(profile_from_config(job), ClusterSpec.from_config(job.cluster)) == 2
+    # (one node: its four lanes hold a quarter of every layer's state and of the long samples' activations)
+    assert min_nodes(profile_from_config(job), ClusterSpec.from_config(job.cluster)) == 1
     planned = plan_job(job, profile_from_config(job), ["n0", "n1", "n2", "n3"]).plan
     stages = [s for p in planned.pipelines for s in p.template.stages]
     assert stages and all(s.context_parallel and s.gpus == (0, 1, 2, 3) for s in stages)
     assert plan_from_dict(plan_to_dict(planned)) == planned
     layout = ExecutionPlan.from_plan(planned, rank_table(planned))
     assert all(s.context_parallel and s.width == 4 for p in layout.pipelines for s in p.stages)
-    assert "(cp)" in layout.describe() and not layout.sharded and layout.wide
+    assert "(cp)" in layout.describe() and layout.sharded and layout.wide
     assert ExecutionPlan.from_dict(layout.to_dict()) == layout
     assert plan_from_proto(plan_to_proto(layout)) == layout
-    # every lane holds the layers whole: each is a holder of its own
-    assert len(layout.holders(0)) == 4 * len(layout.pipelines)
+    # the lanes shard the layers: one copy a pipeline, its four lanes in shard order
+    assert len(layout.holders(0)) == len(layout.pipelines)
+    assert all(len(ranks) == 4 for ranks in layout.shard_holders(0))
 
 
 def test_a_journal_stage_row_from_before_context_parallelism_still_reads():
