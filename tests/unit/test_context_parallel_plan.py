@@ -201,3 +201,19 @@ def test_bad_auto_settings_name_the_field(cluster, message):
     d = text_job(**cluster)
     with pytest.raises(ConfigError, match=message):
         config_from_dict(d)
+
+
+def test_the_mapping_counts_a_context_parallel_pipelines_stages_not_its_gpus():
+    """Under 1F1B a stage keeps a microbatch in flight per stage from it to the end. Building from the back the
+    DP knows the GPUs after a stage: on lanes of four, eight GPUs after are two stages (three microbatches in
+    flight), where a pipeline of one-GPU stages could have eight (nine). Counting GPUs made a two-node pipeline
+    of lanes keep five microbatches' activations on its first stage, and refused samples it holds."""
+    from oobleck_mm.planning.stage_tables import _CostTables
+
+    job = config_from_dict(text_job(gpus_per_node=4, context_parallel=4))
+    profile = profile_from_config(job)
+    lanes = _CostTables(profile, ClusterSpec.from_config(job.cluster))
+    plain = _CostTables(profile, ClusterSpec(gpus_per_node=4, device_memory_bytes=10**9))
+    assert lanes.in_flight(8)[0] == 3 and lanes.in_flight(4)[0] == 2 and lanes.in_flight(0)[0] == 1
+    assert plain.in_flight(8)[0] == min(9, 1 + profile.num_layers)
+    assert lanes.in_flight(8)[-1] == 1  # a stage ending at the last layer is the last stage
