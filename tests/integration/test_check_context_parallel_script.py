@@ -20,8 +20,8 @@ def test_the_long_samples_fit_only_on_lanes_and_the_longest_plain_sample_fits(tm
     cap, tokens, _ = check.MODELS[name]
     plain = check.longest_plain(tmp_path, name, 6)
     assert check.fits(check.make_config(tmp_path, name, plain, 1, 6))[0]
-    assert not check.fits(check.make_config(tmp_path, name, plain + 8, 1, 6))[0]
-    assert tokens >= check.AT_LEAST * plain  # issue 50: four lanes hold samples 4x the longest plain one
+    assert not check.fits(check.make_config(tmp_path, name, plain + check.STEP, 1, 6))[0]
+    assert tokens >= check.AT_LEAST * (plain + check.STEP)  # issue 50: 4x the longest plain sample
     refused, why = check.fits(check.make_config(tmp_path, name, tokens, 1, 6))
     assert not refused and "does not fit" in why and str(cap) in why
     lanes, where = check.fits(check.make_config(tmp_path, name, tokens, check.LANES, 6))
