@@ -57,10 +57,11 @@ def gradient_allreduce_s(templates: list[PipelineTemplate] | tuple[PipelineTempl
     Every layer is all-reduced across all r replicas (layer-wise, §2.6.1). The
     replicas of a layer sit on different nodes, so the ring runs over the
     inter-node links; each GPU reduces its own stage's gradients in parallel
-    with the others, so the slowest stage bounds the phase. Under context parallelism every GPU of a stage
-    holds a whole copy: d copies per pipeline take part.
+    with the others, so the slowest stage bounds the phase. A stage of several GPUs (sharded, or context-
+    parallel lanes, which shard their layers too) holds one copy, each GPU its 1/d of the rows
+    (``StageSpec.grad_bytes`` per GPU), summed with the other pipelines' GPUs holding the same rows.
     """
-    replicas = len(templates) * getattr(cluster, "context_parallel", 1)
+    replicas = len(templates)
     worst = max(s.grad_bytes for t in templates for s in t.stages)
     return cluster.allreduce_s(worst, replicas, cross_node=True)
 

@@ -19,9 +19,11 @@ on the rank's tokens. Both attend causally inside each sample (images and clips 
 words carry no span bits.
 
 A stage with ``StageLayout.context_parallel`` (``cluster.context_parallel: d``) runs its lanes this way:
-``context_share`` cuts each microbatch by LPT, the embedding, head and loss run on a lane's tokens, and the
-layer-wise all-reduce sums the lanes' gradients with the other pipelines' (docs/runtime.md, "Context
-parallelism"). Encoder layers (and the token embedding that merges their outputs into the sequence) run on
+``context_share`` cuts each microbatch by LPT, the embedding, head and loss run on a lane's tokens. The
+stage's layers are sharded over its lanes as any stage of several GPUs is (FSDP2, ``runtime.sharding``):
+a layer's parameters are gathered for each lane's forward and backward, and its gradients summed over the
+lanes by FSDP2's reduce-scatter (each lane's gradient is its own tokens' share), then over the pipelines by
+the layer-wise sums (docs/runtime.md, "Context parallelism"). Encoder layers (and the token embedding that merges their outputs into the sequence) run on
 the whole microbatch on every lane (``ContextShard.whole``): an image's patches attend to each other, not
 to the sequence, so there is nothing to gather; each lane's copy then receives gradients from its own tokens
 only, and the lanes' sum is the whole gradient. Not yet: media spans as bidirectional, encoders split.
