@@ -141,6 +141,8 @@ def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResu
     where the exact 1F1B model predicts that pipeline faster (else left as it was)."""
     if problem.llm_cost is None:
         raise ValueError("deferral needs the problem's LLM costs (BalanceProblem.build fills them)")
+    if any(b is not None for b in problem.branched):
+        raise ValueError("Entrain's deferral does not run on branched pipelines (planning.placement: auto)")
     index = {int(s): n for n, s in enumerate(problem.sample_ids)}
     encoder_cost = problem.cost - problem.llm_cost
     pipelines, deferred, times, changed = [], [], list(result.predicted_s), 0

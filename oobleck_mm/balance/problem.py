@@ -39,6 +39,10 @@ class PipelineShape:
     recompute: tuple[bool, ...] = ()
     """Per stage, whether it recomputes its activations in backward (one more forward per microbatch, the
     plan's ``StageLayout.recompute``); empty: none does."""
+    branches: tuple[int, ...] = ()
+    """Encoder branches (``planning.layout.PipelineLayout.branches``): the stage where each branch starts, the
+    branches running concurrently before ``merge``, the LLM's first stage. Empty: a chain."""
+    merge: int = 0
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
@@ -48,6 +52,30 @@ class PipelineShape:
         for name in ("slowdowns", "recompute"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.stages):
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {len(self.stages)} stages")
+        if self.branches and not (
+            self.branches[0] == 0
+            and all(a < b for a, b in zip(self.branches, (*self.branches[1:], self.merge)))
+            and self.merge < len(self.stages)
+        ):
+            raise ValueError(
+                f"branches {self.branches} must start at stage 0 and ascend below merge {self.merge}, which must "
+                f"be one of the {len(self.stages)} stages"
+            )
+
+    def chain_positions(self) -> tuple[tuple[int, ...], ...]:
+        """The stages at each position of the chain the search sees: a chain's stages one by one; a branched
+        pipeline's branch stages aligned at the merge (each branch's last stage at the position before the
+        LLM's first, its earlier ones before that), then the LLM's stages one by one. The stages of one
+        position run concurrently, and the slowest of them holds the LLM's first stage each microbatch."""
+        if not self.branches:
+            return tuple((k,) for k in range(len(self.stages)))
+        ends = (*self.branches[1:], self.merge)
+        depth = max(end - start for start, end in zip(self.branches, ends))
+        positions: list[list[int]] = [[] for _ in range(depth)]
+        for start, end in zip(self.branches, ends):
+            for k in range(start, end):
+                positions[depth - (end - k)].append(k)
+        return (*map(tuple, positions), *((k,) for k in range(self.merge, len(self.stages))))
 
 
 def recompute_factor(forward_share: float) -> float:
@@ -67,6 +95,8 @@ def pipeline_shapes(plan) -> tuple[PipelineShape, ...]:
             if any(s.slowdown != 1.0 or s.width > 1 for s in p.stages)
             else (),
             tuple(s.recompute for s in p.stages) if any(s.recompute for s in p.stages) else (),
+            p.branches,
+            p.merge,
         )
         for p in plan.pipelines
     )
@@ -105,6 +135,15 @@ class BalanceProblem:
     llm_cost: np.ndarray | None = None
     """``(N, U + 1)`` the part of ``cost`` on the LLM's layers (its features: ``work.LLM_FEATURES``); the
     rest is the encoders'. Entrain's deferral (``deferral.py``) moves only this part between microbatches."""
+    concurrent: tuple[tuple[int, ...], ...] = ()
+    """Columns standing for the concurrent stages of a branched pipeline's chain position (``PipelineShape.
+    chain_positions``): column ``U - len(concurrent) + g`` is concurrent group ``g``, whose members are these
+    columns of the stages. Its per-sample cost is the largest of its members' for that sample: the search's
+    linear stand-in for the slowest branch (at least the microbatch's real slowest branch's ticks, at most
+    their sum). Exact times run the branches themselves (``branched``)."""
+    branched: tuple[tuple[tuple[int, ...], tuple[int, ...], int] | None, ...] = ()
+    """Per pipeline: None for a chain; for a branched one (its stages' own columns in plan order, its
+    ``branches``, its ``merge``), which ``predicted_times`` runs as the engine does."""
 
     @property
     def num_samples(self) -> int:
@@ -143,20 +182,28 @@ class BalanceProblem:
             )
             for p in pipelines
         ]
+        # A branched pipeline's concurrent branch stages become one position of the search's chain, a column
+        # of its own (``concurrent``); a position of one stage is that stage's column.
+        chains = [
+            [tuple(sorted({keys[k] for k in at})) for at in p.chain_positions()] for p, keys in zip(pipelines, keyed)
+        ]
         distinct = sorted({stage for stages in keyed for stage in stages})
+        groups = sorted({at for chain in chains for at in chain if len(at) > 1})
         position = {stage: i for i, stage in enumerate(distinct)}
-        vectors = np.zeros((len(distinct) + 1, NUM_FEATURES))
-        share = np.ones(len(distinct) + 1)
+        position.update({(group,): len(distinct) + g for g, group in enumerate(groups)})
+        width = len(distinct) + len(groups)
+        vectors = np.zeros((width + 1, NUM_FEATURES))
+        share = np.ones(width + 1)
         for i, (start, end, slowdown, recompute) in enumerate(distinct):
             forward = model.forward_share(start, end)
             factor = recompute_factor(forward) if recompute else 1.0
             vectors[i] = model.stage_vector(coefficients, start, end) * slowdown * factor
             share[i] = forward / factor
-        s_max = max(len(p.stages) for p in pipelines)
-        stage_index = np.full((len(pipelines), s_max), len(distinct), dtype=np.int64)
-        for i, stages in enumerate(keyed):
-            stage_index[i, : len(stages)] = [position[s] for s in stages]
-        cost = np.zeros((len(ids), len(distinct) + 1))
+        s_max = max(len(chain) for chain in chains)
+        stage_index = np.full((len(pipelines), s_max), width, dtype=np.int64)
+        for i, chain in enumerate(chains):
+            stage_index[i, : len(chain)] = [position[at[0] if len(at) == 1 else (at,)] for at in chain]
+        cost = np.zeros((len(ids), width + 1))
         llm_cost = np.zeros_like(cost)
         # Every layer's terms read features of its own modality only (``work.LINEAR_FEATURE``), so the
         # LLM features' columns are exactly the LLM layers' cost: the split needs no layer boundary.
@@ -166,25 +213,45 @@ class BalanceProblem:
                 cost += term
                 if f in LLM_FEATURES:
                     llm_cost += term
+        cost, llm_cost = np.rint(cost / tick_s), np.rint(llm_cost / tick_s)
+        fixed = np.rint(vectors[:, 0] / tick_s)
+        concurrent = tuple(tuple(position[key] for key in group) for group in groups)
+        for g, members in enumerate(concurrent):
+            column, members = len(distinct) + g, list(members)
+            cost[:, column] = cost[:, members].max(axis=1)
+            llm_cost[:, column] = llm_cost[:, members].max(axis=1)
+            fixed[column] = fixed[members].max()
+            # The search times the position with one forward share: the slowest member's, by the batch's mean.
+            typical = cost[:, members].mean(axis=0) + fixed[members]
+            forward = (share[members] * typical).max()
+            backward = ((1 - share[members]) * typical).max()
+            share[column] = forward / (forward + backward) if forward + backward > 0 else share[members[0]]
         return cls(
             sample_ids=ids,
             features=features,
             num_microbatches=np.array([p.num_microbatches for p in pipelines], dtype=np.int64),
-            num_stages=np.array([len(p.stages) for p in pipelines], dtype=np.int64),
+            num_stages=np.array([len(chain) for chain in chains], dtype=np.int64),
             stage_index=stage_index,
-            cost=np.rint(cost / tick_s),
-            microbatch_cost=np.rint(vectors[:, 0] / tick_s),
+            cost=cost,
+            microbatch_cost=fixed,
             forward_share=share,
             microbatch_size=microbatch_size,
             seed=seed,
             tick_s=tick_s,
-            llm_cost=np.rint(llm_cost / tick_s),
+            llm_cost=llm_cost,
+            concurrent=concurrent,
+            branched=tuple(
+                (tuple(position[key] for key in keys), p.branches, p.merge) if p.branches else None
+                for p, keys in zip(pipelines, keyed)
+            ),
         )
 
     def with_pipeline_speeds(self, factors) -> BalanceProblem:
         """The same problem with pipeline ``p``'s stages costing ``factors[p]`` times as much (each pipeline its
         own distinct stages): what a placement should aim at when a pipeline will run faster or slower than
         its stages' costs say (e.g. after Entrain's deferral inside it)."""
+        if any(b is not None for b in self.branched):
+            raise ValueError("with_pipeline_speeds: a branched pipeline's columns are not rescaled (deferral only)")
         columns, index = [], np.zeros_like(self.stage_index)
         zero = self.cost.shape[1] - 1
         for p in range(self.num_pipelines):
@@ -249,8 +316,26 @@ class BalanceProblem:
         return out + self.microbatch_cost[self.stage_index][:, :, None] * exists[:, None, :]
 
     def predicted_times(self, placement: Placement) -> np.ndarray:
-        """``(P,)`` seconds: each pipeline's exact 1F1B iteration time (``schedule_time``)."""
-        return self.iteration_seconds(np.arange(self.num_pipelines), self.microbatch_ticks(placement))
+        """``(P,)`` seconds: each pipeline's exact 1F1B iteration time (``schedule_time``); a branched pipeline's
+        with its branches run as the engine runs them (``planning.branch_time.simulate_microbatches``)."""
+        times = self.iteration_seconds(np.arange(self.num_pipelines), self.microbatch_ticks(placement))
+        for p, branched in enumerate(self.branched):
+            if branched is not None:
+                times[p] = self._branched_seconds(p, branched, placement)
+        return times
+
+    def _branched_seconds(self, p: int, branched, placement: Placement) -> float:
+        from oobleck_mm.planning.branch_time import simulate_microbatches
+
+        columns, branches, merge = branched
+        m = int(self.num_microbatches[p])
+        mine = np.flatnonzero(placement.pipeline == p)
+        ticks = np.stack(
+            [np.bincount(placement.microbatch[mine], weights=self.cost[mine, c], minlength=m) for c in columns]
+        ) + self.microbatch_cost[list(columns)][:, None]
+        seconds = ticks * self.tick_s
+        forward = seconds * self.forward_share[list(columns)][:, None]
+        return simulate_microbatches(branches, merge, forward.tolist(), (seconds - forward).tolist())
 
     def iteration_seconds(self, pipes: np.ndarray, ticks: np.ndarray) -> np.ndarray:
         """``(I,)`` exact 1F1B seconds of instances of pipelines ``pipes`` with microbatch stage

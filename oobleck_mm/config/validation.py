@@ -77,11 +77,6 @@ def validate(job: Sections) -> None:
         _validate_context_parallel(m, c)
     if c.backend == "nccl" and c.device == "cpu":
         raise ConfigError("cluster.backend: 'nccl' needs a GPU device, cluster.device is 'cpu'")
-    if job.planning.placement == "auto" and job.balance.enabled:
-        raise ConfigError(
-            "planning.placement: auto may run encoders as branches, which the balancer does not price yet (it "
-            "models a pipeline as a chain of stages); valid: balance.enabled false, or planning.placement chain"
-        )
     _validate_scheduler(t)
     _validate_model(m)
     _validate_workload(m, d)

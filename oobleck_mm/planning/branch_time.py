@@ -44,20 +44,38 @@ def iteration_time(template, num_microbatches: int) -> float:
 
 def simulate(template, num_microbatches: int) -> float:
     """Seconds of one iteration of a branched ``PipelineTemplate``; raises ``RuntimeError`` on deadlock."""
-    from deepspeed.runtime.pipe import schedule as ds
-
     validate_count("num_microbatches", num_microbatches)
     m = int(num_microbatches)
-    n, merge = len(template.stages), template.merge
-    ends = (*template.branches[1:], merge)
+    return simulate_microbatches(
+        template.branches,
+        template.merge,
+        [[st.forward_s] * m for st in template.stages],
+        [[st.backward_s] * m for st in template.stages],
+        template.send_activation_s,
+        template.send_grad_s,
+    )
+
+
+def simulate_microbatches(
+    branches, merge: int, forward, backward, send_activation_s=None, send_grad_s=None
+) -> float:
+    """Seconds of one iteration of a branched pipeline whose microbatches differ: ``forward[s][j]`` and
+    ``backward[s][j]`` are stage ``s``'s seconds of microbatch ``j`` (its ``j``-th forward and backward, as
+    DeepSpeed's schedule runs them in order); ``send_activation_s[s]``/``send_grad_s[s]``: stage ``s``'s
+    outgoing transfers (default free). The balancer's exact time of a branched pipeline
+    (``balance.problem.BalanceProblem.predicted_times``); raises ``RuntimeError`` on deadlock."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    n = len(forward)
+    m = len(forward[0]) if n else 0
+    validate_count("num_microbatches", m)
+    ends = (*branches[1:], merge)
     depth = n - merge
-    forward = [st.forward_s for st in template.stages]
-    backward = [st.backward_s for st in template.stages]
     nexts: list[int | None] = []
     prevs: list[list[int]] = []
     schedules = []
     act_s, grad_s = {}, {}
-    for start, end in zip(template.branches, ends):
+    for start, end in zip(branches, ends):
         for s in range(start, end):
             nexts.append(s + 1 if s + 1 < end else merge)
             prevs.append([] if s == start else [s - 1])
@@ -67,20 +85,23 @@ def simulate(template, num_microbatches: int) -> float:
         prevs.append([end - 1 for end in ends] if s == merge else [s - 1])
         schedules.append(ds.TrainSchedule(micro_batches=m, stages=1 + depth, stage_id=1 + s - merge))
     for s in range(n - 1):
-        act_s[(s, nexts[s])] = template.send_activation_s[s]
-        grad_s[(nexts[s], s)] = template.send_grad_s[s]
+        act_s[(s, nexts[s])] = send_activation_s[s] if send_activation_s is not None else 0.0
+        grad_s[(nexts[s], s)] = send_grad_s[s] if send_grad_s is not None else 0.0
 
     # Each stage's instructions as primitive operations: seconds of compute, or one end of a transfer on a
-    # directed channel (kind, sender, receiver).
+    # directed channel (kind, sender, receiver). A stage's forwards (and backwards) run its microbatches in order.
     ops: list[list[tuple]] = []
     for s, schedule in enumerate(schedules):
         stream = []
+        forwards = backwards = 0
         for step in schedule:
             for cmd in step:
                 if isinstance(cmd, ds.ForwardPass):
-                    stream.append(("compute", forward[s]))
+                    stream.append(("compute", forward[s][forwards]))
+                    forwards += 1
                 elif isinstance(cmd, ds.BackwardPass):
-                    stream.append(("compute", backward[s]))
+                    stream.append(("compute", backward[s][backwards]))
+                    backwards += 1
                 elif isinstance(cmd, ds.SendActivation):
                     stream.append(("send", ("act", s, nexts[s])))
                 elif isinstance(cmd, ds.RecvActivation):

@@ -11,7 +11,8 @@ in float64, every replica the same, and resumes without branches.
 Twice: the built-in model (``configs/tiny_mm_audio.yaml``) and a model composed from separately saved
 HuggingFace parts, as a user's pretrained parts are (``model.huggingface: {vision, audio, llm, projector}``:
 a ``SiglipVisionModel``, a Whisper encoder and a Qwen2 causal LM with random weights, ``tiny_hf``): their
-branches are transformers' own vision tower and Whisper encoder layers.
+branches are transformers' own vision tower and Whisper encoder layers, and the balancer places the samples
+(``llava_tiny.yaml``'s, on: it prices the branches as running concurrently, ``balance.problem``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def branched_config(tmp_path, composed: bool) -> str:
         raw = yaml.safe_load((ROOT / "configs" / "llava_tiny.yaml").read_text())
         parts = make_tiny_parts(tmp_path / "parts", "qwen2", "siglip", audio=True)[1]
         raw["model"]["huggingface"] = parts  # 2 SigLIP + 2 Whisper encoder layers, 2 Qwen2 layers
-        raw["balance"]["enabled"] = False  # (the balancer prices pipelines as chains: refused with branches)
+        assert raw["balance"]["enabled"]  # llava_tiny's balancer on: it prices the branches concurrent
     else:
         raw = yaml.safe_load((ROOT / "configs" / "tiny_mm_audio.yaml").read_text())
         raw["model"]["vision"]["num_layers"] = raw["model"]["audio"]["num_layers"] = 4

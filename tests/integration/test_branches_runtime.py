@@ -24,10 +24,12 @@ pytestmark = pytest.mark.integration
 STEPS = 3
 
 
-def audio_job(training=None, **model):
+def audio_job(training=None, balance=None, **model):
     with open("configs/tiny_mm_audio.yaml") as f:
         d = yaml.safe_load(f)
     d["model"].update(model)
+    if balance is not None:
+        d["balance"] = balance
     d["training"].update(
         {"dtype": "float64", "steps": STEPS, "global_batch": 8, "microbatch_size": 2, **(training or {})}
     )
@@ -115,3 +117,28 @@ def test_mixed_precision_on_branches_equals_the_reference_in_the_same_mode(tmp_p
     assert dtypes == {getattr(torch, master)}, dtypes  # masters are what a stage holds and hands on
     assert worst <= tolerance, worst
     assert outs[0]["losses"] == pytest.approx(ref_losses, abs=1e-9 if dtype == "float32" else 2e-2)
+
+
+def test_the_balancer_places_samples_on_branches_beside_a_chain_and_the_update_is_the_references(tmp_path):
+    """With the balancer on (its threshold 0: it always places), a branched pipeline and a chain take the samples
+    it assigns them (priced with the branches concurrent: ``balance.problem``), every rank the same, and the
+    update is the reference's: the placement moves samples, never changes what is learnt. Some step's
+    assignment must differ from the contiguous split, or the balancer was not exercised."""
+    from oobleck_mm.balance.assignment import contiguous_assignment
+    from oobleck_mm.data.loader import TrainingData
+
+    job = audio_job(balance={"enabled": True, "threshold": 0.0, "fit_every": 2})
+    plan = branched_plan(job, 1)
+    outs = equal_to_reference(job, plan, tmp_path)
+    data = TrainingData(job)
+    counts = [p.num_microbatches for p in plan.pipelines]
+    moved = 0
+    for result in outs[0]["results"]:
+        contiguous = contiguous_assignment(data.global_batch(result.step), counts, plan.microbatch_size)
+        ran = result.microbatches
+        assert all(o["results"][result.step].microbatches == ran for o in outs)  # every rank the same
+        moved += tuple(tuple(sorted(mb)) for p in contiguous.pipelines for mb in p) != tuple(
+            map(tuple, map(sorted, ran))
+        )
+    assert moved, "the balancer kept the contiguous split at every step"
+    assert outs[0]["balancer"]["metrics"]["predicted_imbalance"] >= 1.0
