@@ -173,6 +173,9 @@ def run(job, steps: int, workdir: Path) -> dict:
     ]
     verdict = judge(rows, cpu.share(began + sum(per_step[:WARMUP_STEPS]), time.time()))
     measured = statistics.median(per_step[s] for s in timed)
+    # The host's set-up of each step before its first op (assignment, packing), the slowest rank's: device
+    # idle time that is the step's own, reported apart from the device's (``emulation.clock.Lateness.setup_s``).
+    setup = statistics.median(max(o["results"][s].lateness.setup_s for o in outs) for s in timed)
     truth, data = Truth(job), TrainingData(job)
     exact = {s: predicted_step_s(truth.at_step(s), data, plan, s) for s in timed}
     predicted = statistics.median(exact.values())
@@ -192,6 +195,8 @@ def run(job, steps: int, workdir: Path) -> dict:
         "deadlines_kept": lateness.valid,
         "cpu_share": verdict.cpu_share,
         "lag_share": lateness.late_s / (len(outs) * sum(per_step[s] for s in timed)),
+        "setup_s": setup,
+        "setup_share": setup / measured,
     }
 
 

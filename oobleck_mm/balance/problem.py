@@ -330,9 +330,12 @@ class BalanceProblem:
         columns, branches, merge = branched
         m = int(self.num_microbatches[p])
         mine = np.flatnonzero(placement.pipeline == p)
-        ticks = np.stack(
-            [np.bincount(placement.microbatch[mine], weights=self.cost[mine, c], minlength=m) for c in columns]
-        ) + self.microbatch_cost[list(columns)][:, None]
+        ticks = (
+            np.stack(
+                [np.bincount(placement.microbatch[mine], weights=self.cost[mine, c], minlength=m) for c in columns]
+            )
+            + self.microbatch_cost[list(columns)][:, None]
+        )
         seconds = ticks * self.tick_s
         forward = seconds * self.forward_share[list(columns)][:, None]
         return simulate_microbatches(branches, merge, forward.tolist(), (seconds - forward).tolist())

@@ -60,6 +60,10 @@ class Lateness:
     """Seconds of lag and late wake-ups, summed over every op."""
     short_ops: int = 0
     """Ops below ``GUARDED_S``: not judged."""
+    setup_s: float = 0.0
+    """Seconds the device idled at a step's start for the host's set-up of the step (its assignment, packing
+    its first microbatch): the step's own time, not judged, but not device time either; a report says how
+    much of a step it was."""
 
     def record(self, duration: float, late: float, device_time: bool = True) -> None:
         """An op of ``duration`` that was ``late`` (``device_time``: its duration is device time of its own,
@@ -82,6 +86,7 @@ class Lateness:
         self.emulated_s += other.emulated_s
         self.late_s += other.late_s
         self.short_ops += other.short_ops
+        self.setup_s += other.setup_s
 
     @property
     def valid(self) -> bool:
@@ -116,6 +121,8 @@ class DeviceClock:
         """Queues an op of ``duration`` the host issued at ``issued``; returns its (start, end) on the device.
         ``judged=False``: an op issued after a real collective, whose wait for the slowest peer is not lag."""
         lag = issued - self.free_at if judged and not self._idle else 0.0
+        if self._idle:
+            self.lateness.setup_s += max(0.0, issued - self.free_at)
         self._idle = False
         start = max(self.free_at, issued)
         self.free_at = start + duration
@@ -149,11 +156,17 @@ class DeviceClock:
             self.sleep(remaining if interrupt is None else min(remaining, INTERRUPT_POLL_S))
             slept = True
         now = self.now()
-        if slept and covered > 0:  # a wake-up: how late, against the device time it waited out
+        if covered > 0 and (slept or now > deadline):
+            # A wake-up, how late; or a host that reached the sync only after its device had finished (its own
+            # work, a real collective's, outlasted the device time since the last sync): either way the host,
+            # not the device, set the time from here, judged against the device time it should have covered.
             self.lateness.record(covered, now - deadline, device_time=False)
             if covered >= GUARDED_S and now - deadline > LATE_FRACTION * covered:
                 log.debug(
-                    "late %s: woke %.1f ms after %.1f ms of device time", what, 1e3 * (now - deadline), 1e3 * covered
+                    "late %s: the host came %.1f ms after %.1f ms of device time",
+                    what,
+                    1e3 * (now - deadline),
+                    1e3 * covered,
                 )
         self.free_at = max(self.free_at, now)
         self._synced_at = self.free_at

@@ -56,9 +56,7 @@ def simulate(template, num_microbatches: int) -> float:
     )
 
 
-def simulate_microbatches(
-    branches, merge: int, forward, backward, send_activation_s=None, send_grad_s=None
-) -> float:
+def simulate_microbatches(branches, merge: int, forward, backward, send_activation_s=None, send_grad_s=None) -> float:
     """Seconds of one iteration of a branched pipeline whose microbatches differ: ``forward[s][j]`` and
     ``backward[s][j]`` are stage ``s``'s seconds of microbatch ``j`` (its ``j``-th forward and backward, as
     DeepSpeed's schedule runs them in order); ``send_activation_s[s]``/``send_grad_s[s]``: stage ``s``'s

@@ -273,6 +273,30 @@ def test_a_late_wake_up_is_judged_against_the_device_time_it_waited_out():
     assert clock.lateness.late_ops == 1
 
 
+def test_a_host_that_reaches_a_sync_after_its_device_finished_is_late():
+    """The host's own work after its last op (a real collective on shared cores) outlasted the device's time:
+    the step is the host's from there, which the run must own up to (it once went unjudged, and a 'valid'
+    calibration read 6% over its exact time)."""
+    clock = FakeClock()
+    clock.begin_step()
+    clock.run(100.0, 0.1)  # the device is done at 100.1
+    clock.t = 100.11  # the host comes 10 ms later: 10% of the 0.1 s it should have covered
+    assert clock.sync() == pytest.approx(100.11) and clock.slept == []
+    assert clock.lateness.late_ops == 1 and clock.lateness.late_s == pytest.approx(0.01)
+    clock.run(clock.t, 0.1)
+    clock.t += 0.102  # 2 ms after 0.1 s: within LATE_FRACTION
+    clock.sync()
+    assert clock.lateness.late_ops == 1
+
+
+def test_the_hosts_set_up_of_a_step_is_counted_apart():
+    clock = FakeClock()
+    clock.begin_step()
+    clock.t += 0.03  # the host assigns and packs the step's first microbatch
+    clock.run(clock.t, 0.1)
+    assert clock.lateness.setup_s == pytest.approx(0.03) and clock.lateness.late_ops == 0
+
+
 def test_ops_below_the_judged_length_are_counted_apart():
     lateness = Lateness()
     lateness.record(GUARDED_S / 2, 1.0)
