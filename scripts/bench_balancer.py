@@ -231,6 +231,59 @@ def run_deferral(seeds: int = 4) -> int:
     return 0
 
 
+def run_branches(batches: int = 20, json_out: Path | None = None) -> int:
+    """Predicted by the cost model: a pipeline whose encoders run as branches (vision on one or two stages
+    beside audio on one, the LLM on two) beside chains of 2 and 3 stages, 8 microbatches each; the slowest
+    pipeline under the contiguous split over the balanced one, and both imbalances (docs/balancer.md,
+    "Branched pipelines")."""
+    from oobleck_mm.balance.balancer import balance
+
+    job, cost_model, coefficients, dims = bench_model()
+    names = [s.name for s in layer_specs(job.model, job.data)]
+    audio, llm, end = names.index("audio.embed"), names.index("llm.embed"), len(names)
+    mid = (llm + end) // 2
+    rows = []
+    for vision_stages in (1, 2):
+        vision = [round(k * audio / vision_stages) for k in range(vision_stages + 1)]
+        stages = (*zip(vision, vision[1:]), (audio, llm), (llm, mid), (mid, end))
+        branched = PipelineShape(8, stages, branches=(0, vision_stages), merge=vision_stages + 1)
+        gains, before, after = [], [], []
+        for seed in range(batches):
+            rng = np.random.default_rng(seed)
+            num = 3 * 8 * MICROBATCH_SIZE
+            features = sample_features(skewed_metas(num, dims, rng), dims)
+            mean = features.mean(axis=0)
+            mean[0] = 1.0 / MICROBATCH_SIZE
+            chains = [PipelineShape(8, cut_stages(cost_model, coefficients, mean * MICROBATCH_SIZE, d)) for d in (2, 3)]
+            problem = BalanceProblem.build(
+                np.arange(num), features, [branched, *chains], cost_model, coefficients, MICROBATCH_SIZE, seed
+            )
+            result = balance(problem, "ours", 0.0)
+            gains.append(max(result.unbalanced_s) / max(result.predicted_s))
+            before.append(imbalance(result.unbalanced_s))
+            after.append(imbalance(result.predicted_s))
+        row = {
+            "vision_stages": vision_stages,
+            "batches": batches,
+            "contiguous_over_balanced_median": float(np.median(gains)),
+            "contiguous_over_balanced_worst": float(np.min(gains)),
+            "imbalance_contiguous_median": float(np.median(before)),
+            "imbalance_balanced_median": float(np.median(after)),
+            "imbalance_balanced_worst": float(np.max(after)),
+        }
+        rows.append(row)
+        print(
+            f"vision on {vision_stages} stage(s) || audio => LLM on 2, beside chains of 2 and 3 stages: slowest "
+            f"pipeline contiguous / balanced x{row['contiguous_over_balanced_median']:.3f} median "
+            f"(x{row['contiguous_over_balanced_worst']:.3f} worst of {batches} batches); imbalance "
+            f"{row['imbalance_contiguous_median']:.3f} -> {row['imbalance_balanced_median']:.3f} "
+            f"(worst {row['imbalance_balanced_worst']:.3f})"
+        )
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -238,9 +291,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="decision timings per row (best is kept)")
     parser.add_argument("--real", action="store_true", help="measured on-vs-off run on this machine")
     parser.add_argument("--deferral", action="store_true", help="Entrain's deferral, predicted (seconds)")
+    parser.add_argument("--branches", action="store_true", help="a branched pipeline beside chains, predicted")
     args = parser.parse_args(argv)
     if args.deferral:
         return run_deferral()
+    if args.branches:
+        return run_branches(json_out=args.json)
     if args.real:
         from _bench_balancer_real import run_real
 
