@@ -211,13 +211,9 @@ class ExecutionPlan:
 
     @property
     def sharded(self) -> bool:
-        """Some stage shards its layers over several GPUs (FSDP2)."""
+        """Some stage spans several GPUs: it shards its layers over them (FSDP2), context-parallel or not, and
+        its ranks get a group of their own."""
         return any(s.sharded for p in self.pipelines for s in p.stages)
-
-    @property
-    def wide(self) -> bool:
-        """Some stage spans several GPUs (sharded or context-parallel): its ranks get a group of their own."""
-        return any(s.width > 1 for p in self.pipelines for s in p.stages)
 
     @property
     def global_batch(self) -> int:

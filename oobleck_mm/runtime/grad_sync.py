@@ -191,7 +191,6 @@ def subgroup_ranks(
         out += [s.ranks for s in piece_sums(plan, trainable, rows)]
         pieces = tied_pieces(plan, trainable, tied, tied_rows or 0) if tied_holders(plan, trainable, tied) else []
         out += list(dict.fromkeys(p.ranks for p in pieces if len(p.ranks) > 1))
-    if plan.wide:
         out += stage_meshes(plan)
     tied_ranks = tied_holders(plan, trainable, tied)
     if len(tied_ranks) > 1 and not plan.sharded:

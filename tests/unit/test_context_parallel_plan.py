@@ -137,7 +137,7 @@ def test_a_sample_four_times_longer_than_a_stage_holds_fits_with_context_paralle
     assert plan_from_dict(plan_to_dict(planned)) == planned
     layout = ExecutionPlan.from_plan(planned, rank_table(planned))
     assert all(s.context_parallel and s.width == 4 for p in layout.pipelines for s in p.stages)
-    assert "(cp)" in layout.describe() and layout.sharded and layout.wide
+    assert "(cp)" in layout.describe() and layout.sharded
     assert ExecutionPlan.from_dict(layout.to_dict()) == layout
     assert plan_from_proto(plan_to_proto(layout)) == layout
     # the lanes shard the layers: one copy a pipeline, its four lanes in shard order
