@@ -245,27 +245,38 @@ def test_a_node_whose_compute_is_slow_is_judged_by_the_machine_and_named_in_the_
     assert (cleared["node"], cleared["reason"]) == ("node4", "no longer in the plan")
 
 
-def test_tensorboard_opens_in_the_background_and_keeps_what_was_written_meanwhile_in_order(tmp_path):
-    """``torch.utils.tensorboard`` imports torch (~1 s): opened in the constructor, it held every master's
-    start (and a restarted one's) that long before it listened. The writer now opens in a thread: the
-    constructor returns while the opening cannot finish (the sink's lock is held here, as a write holds
-    it), and the scalars written before it opened reach the files, in order."""
-    import threading
-
+def test_the_masters_tensorboard_files_read_back_as_torchs_summary_writer_writes_them(tmp_path):
+    """``TensorBoardWriter`` (tensorboard's own event writer, no torch in the master) against
+    ``torch.utils.tensorboard.SummaryWriter`` given the same calls: TensorBoard reads the same tags,
+    steps, wall times, values, plugins and texts from both."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
 
-    from oobleck_mm.master.metrics import OpeningWriter
+    from oobleck_mm.master.metrics import TensorBoardWriter
 
-    lock = threading.Lock()
-    with lock:  # the opening thread needs it to write the queue: nothing can be written through yet
-        writer = OpeningWriter(str(tmp_path / "tb"), lock)
-        for step, value in ((1, 3.0), (2, 2.0), (3, 1.0)):
-            writer.add_scalar("train/loss", value, step)
-        assert writer._writer is None, "opened without the lock"
-    assert writer.wait_open(60), "the writer never opened"
-    with lock:
-        writer.add_scalar("train/loss", 0.5, 4)  # open now: written at once
+    def calls(writer):
+        for step, value in ((1, 3.0), (2, 2.5), (3, 1.0)):
+            writer.add_scalar("train/loss", value, step, walltime=100.0 + step)
+        writer.add_text("recovery", "lost: node=node4, reason=stream_closed", 3, walltime=104.0)
+        writer.add_scalar("recovery/resumed_s", 0.42, 3, walltime=104.5)
         writer.close()
-    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+
+    calls(TensorBoardWriter(str(tmp_path / "ours")))
+    calls(SummaryWriter(str(tmp_path / "torch")))
+
+    def read(name):
+        acc = EventAccumulator(str(tmp_path / name), size_guidance={"tensors": 0, "scalars": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        scalars = {t: [(e.wall_time, e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
+        tensors = {
+            t: [(e.wall_time, e.step, e.tensor_proto.string_val, acc.SummaryMetadata(t).plugin_data.plugin_name)]
+            for t in tags["tensors"]
+            for e in acc.Tensors(t)
+        }
+        return scalars, tensors
+
+    ours, theirs = read("ours"), read("torch")
+    assert ours == theirs
+    assert ours[0]["train/loss"] == [(101.0, 1, 3.0), (102.0, 2, 2.5), (103.0, 3, 1.0)]
+    assert ours[1]["recovery/text_summary"] == [(104.0, 3, [b"lost: node=node4, reason=stream_closed"], "text")]
