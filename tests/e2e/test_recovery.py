@@ -213,10 +213,12 @@ def test_a_notice_planned_before_a_join_is_switched_to_and_sent_after_it_is_plan
     assert again["previous_generation"] == 2 and sorted(again["nodes"]) == ["node1", "node2", "node3"], again
     assert again["joined"] == [] and not [e for e in run.events("plan_decided") if e["generation"] > 4]
     # Generation 4's assignments went out right behind 3's (both queued behind 3's held journal; the log's
-    # lines too): resumed well within reform_after (TIMEOUT_S) of node0's dismissal, logged with them.
+    # lines too): resumed within reform_after (TIMEOUT_S) of node0's dismissal, logged with them; waiting out
+    # reform_after from the abandoned step, which comes after the dismissal, would take longer. (Not a tighter
+    # bound: 1.79 s in a suite run on a 2-core host 2x slower than the one that measured 1.2 s.)
     [left] = run.events("left", node="node0")
     resumed = run.events("resumed", generation=4)[0]
-    assert resumed["ts"] - left["ts"] < min(1.5, TIMEOUT_S), (left, resumed)
+    assert resumed["ts"] - left["ts"] < TIMEOUT_S, (left, resumed)
     assert sorted({e["step"] for e in run.events("step")}) == list(range(steps))
     check_final(config, steps, final)
 
