@@ -45,12 +45,9 @@ Acts = tuple[torch.Tensor, ...]
 # --------------------------------------------------------------------------- attention
 
 
-def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding over the last dim of [heads, T, d]."""
-    d = x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d))
-    ang = positions.to(x.dtype)[:, None] * inv[None, :]
-    cos, sin = ang.cos(), ang.sin()
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the last dim of [heads, T, d], by the angles' ``cos`` and ``sin``
+    [T, d / 2] (``PackedBatch.rotary``)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
 
@@ -69,7 +66,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(hidden, hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, spans, causal: bool, positions: torch.Tensor | None, context=None
+        self, x: torch.Tensor, spans, causal: bool, rotary: tuple[torch.Tensor, torch.Tensor] | None, context=None
     ) -> torch.Tensor:
         """Attention within each ``(start, end)`` span of the packed tokens (causal inside it when
         ``causal``), nothing across spans: block-diagonal, so a microbatch costs the sum of its
@@ -81,8 +78,8 @@ class Attention(nn.Module):
         q = self.q(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
         k = self.k(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = self.v(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        if positions is not None:
-            q, k = _rotary(q, positions), _rotary(k, positions)
+        if rotary is not None:
+            q, k = _rotary(q, *rotary), _rotary(k, *rotary)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
@@ -126,10 +123,11 @@ class Block(nn.Module):
             return (*acts[:-1], x + zero_of(self))
         context = None
         if self.stream == "text":
-            spans, causal, positions, context = batch.spans(), True, batch.positions, batch.context
+            spans, causal, context = batch.spans(), True, batch.context
+            rotary = batch.rotary(self.attn.head_dim, x.dtype)
         else:
-            spans, causal, positions = batch.encoder(self.stream).spans(), False, None
-        x = x + self.attn(self.norm1(x), spans, causal, positions, context)
+            spans, causal, rotary = batch.encoder(self.stream).spans(), False, None
+        x = x + self.attn(self.norm1(x), spans, causal, rotary, context)
         y = self.norm2(x)
         y = F.silu(self.gate(y)) * self.fc1(y) if self.gated else F.gelu(self.fc1(y))
         return (*acts[:-1], x + self.fc2(y))
