@@ -25,3 +25,26 @@ def procs(tmp_path):
     started = Procs(tmp_path)
     yield started
     started.cleanup()
+
+
+_MADE_REFERENCE_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    """One folder for the reference trainer's states this run (``harness.REFERENCE_CACHE_ENV``), made by the
+    first process (xdist's controller, whose workers inherit its environment) and removed by it at the end."""
+    import os
+    import tempfile
+
+    from harness import REFERENCE_CACHE_ENV
+
+    if not os.environ.get(REFERENCE_CACHE_ENV):
+        os.environ[REFERENCE_CACHE_ENV] = tempfile.mkdtemp(prefix="oobleck-test-references-")
+        _MADE_REFERENCE_CACHE.append(os.environ[REFERENCE_CACHE_ENV])
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for folder in _MADE_REFERENCE_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -332,18 +332,30 @@ def send(proc: subprocess.Popen, sig: signal.Signals) -> float:
 # ---------------------------------------------------------------------- the oracle
 _REFERENCES: dict[tuple[str, int], dict[str, dict]] = {}
 
+REFERENCE_CACHE_ENV = "OOBLECK_TEST_REFERENCE_CACHE"
+"""A folder the suite's processes share (``tests/conftest.py`` makes one per run, removed at its end): the
+reference trainer's whole state (layers, Adam moments, loss scale) at each step count it was asked for."""
+_CACHE_MAX_BYTES = 64 * 2**20
+"""States larger than this are not written (the tiny models' are ~6 MB)."""
+
+
+def _trainer(config: str):
+    import torch
+
+    from oobleck_mm.runtime.reference import ReferenceTrainer
+
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads, and OpenMP spins on a busy machine
+    return ReferenceTrainer(load_config(config))
+
 
 def _trained_states(config: str, steps: int, checkpoint: str | Path | None = None) -> tuple[dict[str, dict], int]:
     """Layer name -> parameters of the reference trainer after ``steps``, from step 0 or resumed from
     ``checkpoint`` (parameters, Adam moments, loss scale, its step); and the step it started from."""
     import torch
 
-    from oobleck_mm.runtime.reference import ReferenceTrainer
-
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from threads, and OpenMP spins on a busy machine
     try:
-        trainer = ReferenceTrainer(load_config(config))
+        trainer = _trainer(config)
         start = 0 if checkpoint is None else trainer.load_checkpoint(str(checkpoint))
         for _ in trainer.train(steps - start, start_step=start):
             pass
@@ -352,12 +364,85 @@ def _trained_states(config: str, steps: int, checkpoint: str | Path | None = Non
         torch.set_num_threads(threads)
 
 
+def _trajectory_key(config: str) -> str:
+    """What the reference's parameters after step ``s`` depend on besides ``s``: the model, the data and the
+    training section, less ``training.steps`` (a step's samples and lr are functions of the step) unless a
+    learning-rate schedule spans the run; and an injected overflow."""
+    from oobleck_mm.runtime.mixed import OVERFLOW_ENV
+
+    raw = yaml.safe_load(Path(config).read_text())
+    training = dict(raw.get("training") or {})
+    if not training.get("scheduler"):
+        training.pop("steps", None)
+    return json.dumps(
+        {
+            "model": raw.get("model"),
+            "data": raw.get("data"),
+            "training": training,
+            "overflow": os.environ.get(OVERFLOW_ENV),
+        },
+        sort_keys=True,
+    )
+
+
+def _cached_reference(config: str, steps: int) -> dict[str, dict]:
+    """The reference after ``steps``, trained on from the longest trajectory of the same job any test of this
+    run already trained (``REFERENCE_CACHE_ENV``) no further than ``steps``: the e2e tests ask for 8 to 330
+    steps of the same float64 tiny job, ~0.16 s of CPU a step, and each trained from step 0. The same
+    arithmetic from the same state on one thread: bit for bit what training from 0 gives
+    (``tests/unit/test_reference_cache.py``)."""
+    import hashlib
+
+    import torch
+
+    folder = os.environ.get(REFERENCE_CACHE_ENV)
+    if not folder:
+        return _trained_states(config, steps)[0]
+    cache = Path(folder) / hashlib.sha256(_trajectory_key(config).encode()).hexdigest()[:24]
+    cache.mkdir(parents=True, exist_ok=True)
+    done = sorted((int(f.stem), f) for f in cache.glob("*.pt") if f.stem.isdigit() and int(f.stem) <= steps)
+    threads = torch.get_num_threads()
+    try:
+        trainer = _trainer(config)
+        start = 0
+        for at, path in reversed(done):
+            try:
+                saved = torch.load(path, weights_only=False)
+            except Exception:  # noqa: BLE001 - a file another process is still renaming into place: the next one
+                continue
+            for i, layer in enumerate(trainer.layers):
+                layer.load_state_dict(saved["layers"][i])
+            for i, optimizer in trainer.optimizers.items():
+                optimizer.load_state_dict(saved["optimizers"][i])
+            if trainer.scaler is not None:
+                trainer.scaler.load_state_dict(saved["scaler"])
+            if trainer.mixed is not None:
+                trainer.mixed.sync()
+            start = at
+            break
+        for _ in trainer.train(steps - start, start_step=start):
+            pass
+        if start != steps:
+            state = {
+                "layers": [layer.state_dict() for layer in trainer.layers],
+                "optimizers": {i: o.state_dict() for i, o in trainer.optimizers.items()},
+                "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+            }
+            size = sum(t.numel() * t.element_size() for t in trainer.layers.parameters()) * 3
+            if size <= _CACHE_MAX_BYTES:
+                tmp = cache / f".{steps}.{os.getpid()}.tmp"
+                torch.save(state, tmp)
+                os.replace(tmp, cache / f"{steps}.pt")  # whole or absent to a reader
+        return {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def reference_state(config: str, steps: int) -> dict[str, dict]:
     """Layer name -> parameters after ``steps`` reference steps (cached across tests: only the cluster differs)."""
-    raw = yaml.safe_load(Path(config).read_text())
-    key = (json.dumps({k: raw[k] for k in ("model", "data", "training")}, sort_keys=True), steps)
+    key = (_trajectory_key(config), steps)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _trained_states(config, steps)[0]
+        _REFERENCES[key] = _cached_reference(config, steps)
     return _REFERENCES[key]
 
 
