@@ -44,6 +44,7 @@ from oobleck_mm.master.effects import (
     WarmPlanner,
     WriteJournal,
     WriteMeta,
+    PrepareMeta,
 )
 from oobleck_mm.master.disk import HOLD_ENV, DiskQueue, journal_hold
 from oobleck_mm.master.generations import MAX_REFORMS, SETTLE_S
@@ -418,6 +419,9 @@ class Coordinator:
             # CPU from the workers' start (about 1.5 s of torch's imports per master here: ~45 s of the suite).
             # A time-based or a stop's checkpoint then builds it as before.
             return
+        self._prepare_meta_now()
+
+    def _prepare_meta_now(self, e: PrepareMeta | None = None) -> None:
         if self._sampler is None and self._sampler_ready is None:
             self._sampler_ready = start_meta_sampler(self.job)
 
@@ -481,6 +485,7 @@ _EFFECTS: dict[type, Callable[[Coordinator, object], None]] = {
     WarmPlanner: Coordinator._warm_planner,
     WriteJournal: Coordinator._write_journal,
     WriteMeta: Coordinator._write_meta,
+    PrepareMeta: Coordinator._prepare_meta_now,
     PruneCheckpoints: Coordinator._prune,
     StartProgress: Coordinator._start_progress,
     ProgressMetrics: Coordinator._progress_metrics,

@@ -100,6 +100,15 @@ class WriteMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class PrepareMeta:
+    """Start building what ``meta.json`` records (``checkpointing.start_meta_sampler``: the data order, torch's
+    imports, seconds on a busy host) in the background: a checkpoint round began, and the job's exit waits for
+    its ``meta.json``. Built when the round's ``WriteMeta`` came instead, it outlasted the master's shutdown
+    grace under load and the stop's checkpoint was left without one (and its ``checkpoint_written`` event,
+    queued behind it, unwritten)."""
+
+
+@dataclass(frozen=True, slots=True)
 class PruneCheckpoints:
     """Keep the ``keep`` newest complete periodic checkpoints beside ``directory``, and ``pinned``."""
 

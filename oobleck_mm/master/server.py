@@ -296,8 +296,12 @@ class MasterServer:
                 # Let every agent read its Shutdown before the server goes away (queued behind the run dir's
                 # writes, if any), and let those writes end before the journal is ended.
                 self.coordinator.wait_streams_closed(timeout=timeouts.shutdown_grace.total_seconds())
-                if not self.coordinator.flush_disk(timeout=timeouts.shutdown_grace.total_seconds()):
-                    log.warning("the run dir's writes did not finish within fault_tolerance.shutdown_grace")
+                # The writes are the journal, meta.json of the checkpoint the exit message names and the events
+                # queued behind them: waited for as long as a checkpoint round, not the agents' grace (a stop's
+                # meta.json outlasted 3 s under load: its checkpoint was left unreadable).
+                flush_s = max(timeouts.shutdown_grace, timeouts.checkpoint_round_timeout).total_seconds()
+                if not self.coordinator.flush_disk(timeout=flush_s):
+                    log.warning("the run dir's writes did not finish within %.0f s (checkpoint_round_timeout)", flush_s)
             finally:
                 self._exit_code = result.exit_code if result is not None else ExitCode.ERROR
                 end_journal(self.run_dir, self._exit_code)  # its agents were told: nothing left to re-adopt

@@ -22,7 +22,7 @@ from oobleck_mm.master.checkpointing import (
     round_verdict,
 )
 from oobleck_mm.master.context import Context, base_held_by_everyone_alive, cancel_planning, finish, write_journal
-from oobleck_mm.master.effects import PruneCheckpoints, WriteMeta
+from oobleck_mm.master.effects import PrepareMeta, PruneCheckpoints, WriteMeta
 from oobleck_mm.master.policies import ROUND, SHARES, keep_checkpoints
 from oobleck_mm.master.recovery import GenerationView, Request
 from oobleck_mm.master.state import TRAINING, JobPhase
@@ -107,6 +107,7 @@ def _start_round(
     deadline = ctx.now + ctx.cfg.timeouts.checkpoint_round_timeout.total_seconds()
     s.round = CheckpointRound(directory, gen, writers, why, ctx.now, deadline, requested=requested)
     s.phase = JobPhase.CHECKPOINTING
+    ctx.effects.append(PrepareMeta())  # while the workers write their layers
     _send_round(ctx, s.round)
     held = f" (held as generation {gen.number})" if gen.number != s.generation else ""
     ctx.say(

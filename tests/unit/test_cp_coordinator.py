@@ -1104,8 +1104,12 @@ def test_a_requested_stop_writes_the_current_step_and_exits_3_with_the_resume_co
     start(j, "a", "b")
     j.train(1, 0)
     j.train(1, 1)
+    assert j.c._sampler_ready is None  # no periodic checkpoint by steps: nothing built at start
     j.c.request_stop("SIGTERM")
     assert j.c.phase == JobPhase.CHECKPOINTING
+    # meta.json's data order starts building with the round, while the workers write: built when the round's
+    # WriteMeta came, it outlasted the shutdown grace under load and the checkpoint was left without meta.json.
+    assert j.c._sampler_ready is not None
     [request] = read_events(j.events, "checkpoint_requested")
     assert sorted(request["writers"]) == ["a", "b"]  # every node writes what it owns: one replica each
     boxes = j.drain_all()
