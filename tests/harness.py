@@ -359,7 +359,7 @@ def _trained_states(config: str, steps: int, checkpoint: str | Path | None = Non
         start = 0 if checkpoint is None else trainer.load_checkpoint(str(checkpoint))
         for _ in trainer.train(steps - start, start_step=start):
             pass
-        return {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}, start
+        return _layer_states(trainer), start
     finally:
         torch.set_num_threads(threads)
 
@@ -385,7 +385,11 @@ def _trajectory_key(config: str) -> str:
     )
 
 
-def _cached_reference(config: str, steps: int) -> dict[str, dict]:
+def _layer_states(trainer) -> dict[str, dict]:
+    return {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}
+
+
+def _cached_reference(config: str, key: str, steps: int) -> dict[str, dict]:
     """The reference after ``steps``, trained on from the longest trajectory of the same job any test of this
     run already trained (``REFERENCE_CACHE_ENV``) no further than ``steps``: the e2e tests ask for 8 to 330
     steps of the same float64 tiny job, ~0.16 s of CPU a step, and each trained from step 0. The same
@@ -398,7 +402,7 @@ def _cached_reference(config: str, steps: int) -> dict[str, dict]:
     folder = os.environ.get(REFERENCE_CACHE_ENV)
     if not folder:
         return _trained_states(config, steps)[0]
-    cache = Path(folder) / hashlib.sha256(_trajectory_key(config).encode()).hexdigest()[:24]
+    cache = Path(folder) / hashlib.sha256(key.encode()).hexdigest()[:24]
     cache.mkdir(parents=True, exist_ok=True)
     done = sorted((int(f.stem), f) for f in cache.glob("*.pt") if f.stem.isdigit() and int(f.stem) <= steps)
     threads = torch.get_num_threads()
@@ -433,7 +437,7 @@ def _cached_reference(config: str, steps: int) -> dict[str, dict]:
                 tmp = cache / f".{steps}.{os.getpid()}.tmp"
                 torch.save(state, tmp)
                 os.replace(tmp, cache / f"{steps}.pt")  # whole or absent to a reader
-        return {spec.name: trainer.layer_state(i) for i, spec in enumerate(trainer.specs)}
+        return _layer_states(trainer)
     finally:
         torch.set_num_threads(threads)
 
@@ -442,7 +446,7 @@ def reference_state(config: str, steps: int) -> dict[str, dict]:
     """Layer name -> parameters after ``steps`` reference steps (cached across tests: only the cluster differs)."""
     key = (_trajectory_key(config), steps)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _cached_reference(config, steps)
+        _REFERENCES[key] = _cached_reference(config, key[0], steps)
     return _REFERENCES[key]
 
 
