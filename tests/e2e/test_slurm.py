@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness import ROOT, wait_for, write_config
 from oobleck_mm.events import read_events
@@ -22,6 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LAUNCH = ROOT / "examples" / "launch"
 NODES = ["n0", "n1", "n2"]
 NO_GPUS = ["--nodes=3", "--gpus-per-node=0", "--cpus-per-task=1"]
+RESUMED_STEPS = 12
+"""What the resubmitted job trains after its checkpoint (the test shortens the run to that)."""
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +98,8 @@ def test_a_failed_node_is_down_for_slurm_and_planned_out_then_a_notice_checkpoin
     2. Then ``scancel --signal=TERM`` (what SLURM's preemption with a GraceTime and the file's
        ``--signal=TERM@120`` send: SIGTERM to every step's tasks, not to the batch script): the agents take
        it as a notice, the master checkpoints the step and exits 3; slurm_resume.sh submits again with
-       ``--resume`` from that checkpoint (once n2 is back: the job asks for 3 nodes) and the second job ends
-       with 0. The window from the checkpoint to the final save equals the reference trainer's (float64,
+       ``--resume`` from that checkpoint (once n2 is back: the job asks for 3 nodes; the user shortened the
+       run in its config meanwhile) and the second job ends with 0. The window from the checkpoint to the final save equals the reference trainer's (float64,
        1e-9)."""
     from oobleck_mm.config import load_config
     from oobleck_mm.verify import compare_windows
@@ -139,6 +142,12 @@ def test_a_failed_node_is_down_for_slurm_and_planned_out_then_a_notice_checkpoin
             )
             subprocess.run(["scancel", "--signal=TERM", jobs[0]], env=slurm.env, check=True, timeout=20)
             wait_for(lambda: read_events(first / "events.jsonl", "shutdown"), 120, "try 1's master stopping")
+            # The user shortens the run before the resubmitted job starts (it waits for n2, still down, and
+            # reads the file when its master starts): the resume is checked over a dozen steps, not the
+            # hundreds that only made sure try 1 still trained when SLURM acted (each a reference step too).
+            raw = yaml.safe_load(Path(config).read_text())
+            raw["training"]["steps"] = steps = max(e["step"] for e in _steps(first)) + 1 + RESUMED_STEPS
+            Path(config).write_text(yaml.safe_dump(raw))
         finally:
             slurm.network.heal("n2")
             slurm.resume("n2")  # back for try 2 (3 nodes) and the next test
