@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import re
 import shlex
+import signal
 import shutil
 import subprocess
 import sys
@@ -211,16 +212,17 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
 def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, launches):
     from harness import Launch
 
-    # Three joiners for two free places; 200 steps leave every joiner's workers time to start under load
-    # (a joiner is admitted once they are ready; the second starts a fresh agent: step 71 of 400 in CI,
-    # next to another test).
+    # Three joiners for two free places; steps enough that every joiner's workers start under load (a joiner
+    # is admitted once they are ready; the second starts a fresh agent: step 71 of 400 in CI, next to another
+    # test). Once the third is refused the job is stopped (SIGTERM: it checkpoints and exits 3): the steps
+    # after it would train for nothing.
     run = Launch(
         tmp_path,
         str(ROOT / "configs" / "tiny_mm.yaml"),
         "--nnodes",
         "2:4",
         "--steps",
-        "200",
+        "400",
         "--log-every",
         "50",
         "--inject",
@@ -231,9 +233,11 @@ def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, 
         "join@step7",
     )
     launches.append(run)
-    assert run.wait(timeout=240) == 0, run.stderr[-3000:]
+    [refused] = [run.wait_event("refused", timeout=180)]
+    assert "already runs on 4 nodes, its maximum" in refused["reason"], refused
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 3, run.stderr[-3000:]
     plans = run.events("plan_decided")
     assert len(plans[0]["nodes"]) == 2  # started at MIN
     assert max(len(p["nodes"]) for p in plans) == 4  # two joins taken, up to MAX
-    refused = run.events("refused")
-    assert len(refused) == 1 and "already runs on 4 nodes, its maximum" in refused[0]["reason"]
+    assert len(run.events("refused")) == 1

@@ -8,10 +8,14 @@ cleared, and the parameters equal a run without any of it (the same samples ever
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 import pytest
 
-from harness import Launch, assert_matches_reference, write_config
+from harness import Launch, assert_matches_reference, wait_for, write_config
 from oobleck_mm.faults.slowdown import SignalFreezer, freezer_for
+from oobleck_mm.runtime.checkpoint import read_meta
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -21,6 +25,32 @@ def _needs_a_freezer() -> None:
     probe.close()
     if isinstance(probe, SignalFreezer):
         pytest.skip("no writable cgroup freezer here: a SIGSTOPped worker would be reported as failed")
+
+
+def _stop_when(run: Launch, done, what: str) -> int:
+    """Stops the job (SIGTERM: it checkpoints the step it is at and exits 3) once ``done()`` says the scenario
+    played out: the steps after it would train, and be replayed by the reference, for nothing (their count
+    is set for a loaded host). Returns the step of the stop's checkpoint."""
+    wait_for(done, 150, what)
+    run.proc.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=120)
+    assert code == 3, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    run.assert_all_gone()
+    return read_meta(_stop_checkpoint(run))["step"]
+
+
+def _aborted_before_the_stop(run: Launch) -> list[dict]:
+    """Iterations abandoned before the test stopped the job: a switch the stop lands in may break its first
+    collective (an ``aborted`` record; the stop's checkpoint is exact all the same), which is not the
+    scenario's."""
+    [stop] = run.events("stop_requested")
+    return [e for e in run.events("aborted") if e["ts"] < stop["ts"]]
+
+
+def _stop_checkpoint(run: Launch) -> Path:
+    """The checkpoint the stop wrote (periodic ones are off)."""
+    [written] = run.events("checkpoint_written")
+    return Path(written["dir"])
 
 
 def _microbatches_by_node(plan: dict) -> dict[str, int]:
@@ -39,7 +69,6 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     # steps, and in CI (two test workers) once read a median of 1.5 over 8 steps; a node frozen 7/8 of the
     # time reads 2-4 there, since the others take the core it leaves.
     config = write_config(tmp_path, nodes=4, steps=steps, fault_tolerance={"straggler_factor": 2.0})
-    final = tmp_path / "final"
     run = Launch(
         tmp_path,
         config,
@@ -47,15 +76,22 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
         "4",
         "--steps",
         str(steps),
-        "--save-final",
-        str(final),
         "--inject",
         "slow:node2@step20x8+6s",
     )
     launches.append(run)
-    code = run.wait(timeout=150)
-    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    run.assert_all_gone()
+
+    def settled() -> bool:
+        """node2 found, cleared and its split undone (or left even), and every node found slow cleared."""
+        detected, cleared = run.events("straggler_detected"), run.events("straggler_cleared")
+        if not cleared or sorted(e["node"] for e in cleared) != sorted(e["node"] for e in detected):
+            return False
+        after = cleared[0]["ts"]
+        return any(p["cause"] == "straggler" and p["ts"] >= after for p in run.events("plan_decided")) or any(
+            e["ts"] >= after for e in run.events("speed_split_unchanged")
+        )
+
+    steps = _stop_when(run, settled, "node2 found slow, then cleared")
     # The slow node first. Another node may read slow too for a while on a loaded host (a suite run at 2 xdist
     # workers once read node1 >= 2 over 8 steps, after node2: its core was the busiest): it must be cleared
     # again by the end, as node2 is once restored; a real cluster's nodes do not share cores.
@@ -90,9 +126,11 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
     for plan in (*slowed_splits, even_again):
         assert sum(p["num_microbatches"] for p in plan["layout"]["pipelines"]) * plan["layout"]["microbatch_size"] == 16
         assert sorted(plan["nodes"]) == ["node0", "node1", "node2", "node3"] and plan["layer_states_moved"] == 0
-    assert not run.events("lost") and not run.events("aborted"), "switched at iteration boundaries, nothing lost"
+    assert not run.events("lost") and not _aborted_before_the_stop(run), (
+        "switched at iteration boundaries, nothing lost"
+    )
     assert run.events("slowed") and run.events("slow_restored")
-    assert_matches_reference(config, steps, final)
+    assert_matches_reference(config, steps, _stop_checkpoint(run))
 
 
 def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_run_equals_the_reference(
@@ -118,7 +156,6 @@ def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_
         training={"global_batch": 6, "microbatch_size": 1},
         fault_tolerance={"straggler_factor": 1.5, "straggler_replan_after": "1s", "straggler_bench": "3s"},
     )
-    final = tmp_path / "final"
     run = Launch(
         tmp_path,
         config,
@@ -126,17 +163,31 @@ def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_
         "3",
         "--steps",
         str(steps),
-        "--save-final",
-        str(final),
         "--inject",
         "slow:node2@step10x16",
     )
     launches.append(run)
-    code = run.wait(timeout=150)
-    assert code == 0, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    run.assert_all_gone()
-    benched = run.events("straggler_benched")
-    assert benched and {e["node"] for e in benched} == {"node2"}, benched
+
+    def taken_back() -> bool:
+        """node2 benched, then back and trained a step with: a stop inside the switch that takes it back is
+        another scenario (the joiner's start-step agreement breaks, an ``aborted`` record, and the stop's
+        checkpoint is still exact)."""
+        benched = run.events("straggler_benched")
+        back = [
+            p["generation"]
+            for p in run.events("plan_decided")
+            if benched and p["generation"] > benched[0]["generation"] and "node2" in p["joined"]
+        ]
+        return bool(back) and bool(run.events("step", generation=back[0]))
+
+    steps = _stop_when(run, taken_back, "node2 benched, then taken back")
+    # node2 first, each of its benches twice as long as the one before. Another node may be benched as well
+    # after it: on two shared cores a node can read slow for a while (a suite run at 2 xdist workers benched
+    # node1 after node2: the three shared the cores the test beside them left); a real cluster's nodes do
+    # not share cores (the emulated cluster measures that case: scripts/bench_emulated.py straggler).
+    benched_all = run.events("straggler_benched")
+    benched = [e for e in benched_all if e["node"] == "node2"]
+    assert benched_all and benched_all[0]["node"] == "node2", benched_all
     assert [e["seconds"] for e in benched] == [3.0 * 2**i for i in range(len(benched))], "each bench twice as long"
     assert "benched for 3 s" in run.stdout
     plans = run.events("plan_decided")
@@ -149,5 +200,5 @@ def test_a_node_slow_for_good_is_benched_at_a_boundary_taken_back_later_and_the_
     # then) folds the return into its plan, whose cause is then that verdict's: one switch for both.
     assert back and back[0]["cause"] in ("joined", "straggler"), back[:1]
     assert [e["node"] for e in run.events("straggler_returns")][:1] == ["node2"]
-    assert not run.events("lost") and not run.events("aborted"), "benched at a boundary, nothing lost"
-    assert_matches_reference(config, steps, final)
+    assert not run.events("lost") and not _aborted_before_the_stop(run), "benched at a boundary, nothing lost"
+    assert_matches_reference(config, steps, _stop_checkpoint(run))
