@@ -3,6 +3,7 @@
 the reference trainer's CPU per step.
 
     python scripts/bench_launch_cpu.py [--nodes 3] [--steps 8,200] [--json OUT]
+    python scripts/bench_launch_cpu.py --compare-templates 3 --steps 8 [--json OUT]
 
 What one e2e test of the suite costs the machine (the float64 tiny model, test heartbeats; the suite's
 2 cores are CPU-bound at two tests at a time, so a test's CPU, not its waits, sets the suite's time):
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -50,11 +52,23 @@ def _kind(cmdline: list[str]) -> str:
     return next((k for k in KINDS if k in line), "other")
 
 
-def launch_cpu(config: Path, run_dir: Path) -> dict:
+def launch_cpu(config: Path, run_dir: Path, template: tuple[str, int] | None = None) -> dict:
+    """One launch's CPU by process kind; ``template``: (address, pid) of a worker template this process runs,
+    offered to the launch (``OOBLECK_WORKER_TEMPLATE``): the workers it forks for the launch are counted, its
+    own imports (paid once for every launch) are not."""
+    from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV
+
+    env = dict(os.environ)
+    given, before = None, set()
+    if template is not None:
+        env[SHARED_TEMPLATE_ENV] = template[0]
+        given = psutil.Process(template[1])
+        before = {p.pid for p in given.children()}
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "oobleck_mm.cli", "local", "--config", str(config), "--run-dir", str(run_dir)],
         cwd=ROOT,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -64,6 +78,8 @@ def launch_cpu(config: Path, run_dir: Path) -> dict:
     while proc.poll() is None:
         try:
             procs = [root, *root.children(recursive=True)]
+            if given is not None:
+                procs += [w for w in given.children(recursive=True) if w.pid not in before]
         except psutil.NoSuchProcess:
             break
         for p in procs:
@@ -104,12 +120,63 @@ def reference_cpu_per_step(config: Path, steps: int = 10) -> float:
     return (time.process_time() - start) / steps
 
 
+def compare_templates(nodes: int, steps: int, rounds: int) -> dict:
+    """``rounds`` launches each way, interleaved: the launcher starting its own worker template, and one this
+    process keeps for all of them (what the tests' launches do: ``tests/harness.py``, ``suite_template``)."""
+    from multiprocessing import forkserver
+
+    from oobleck_mm.runtime.template import start_shared_template
+
+    address = start_shared_template({**os.environ, "OMP_NUM_THREADS": "1"})
+    template = (address, forkserver._forkserver._forkserver_pid)
+    runs: dict[str, list[dict]] = {"own": [], "given": []}
+    with tempfile.TemporaryDirectory(prefix="bench-launch-cpu-") as tmp:
+        folder = Path(tmp)
+        config = _config(folder, nodes, steps)
+        for i in range(rounds):
+            for way in ("own", "given"):
+                run = launch_cpu(config, folder / f"{way}-{i}", template if way == "given" else None)
+                runs[way].append(run)
+                print(
+                    f"  {way} template, launch {i + 1}: wall {run['wall_s']:.1f} s, CPU {run['cpu_s']:.1f} s",
+                    flush=True,
+                )
+    own_cpu, given_cpu = (sum(r["cpu_s"] for r in runs[w]) / rounds for w in ("own", "given"))
+    own_wall, given_wall = (sum(r["wall_s"] for r in runs[w]) / rounds for w in ("own", "given"))
+    template_cpu = sum(psutil.Process(template[1]).cpu_times()[:2])
+    print(
+        f"a launch of {nodes} nodes, {steps} steps: own template wall {own_wall:.1f} s / CPU {own_cpu:.1f} s, "
+        f"a given one wall {given_wall:.1f} s / CPU {given_cpu:.1f} s (x{given_cpu / own_cpu:.2f} CPU, "
+        f"x{given_wall / own_wall:.2f} wall); the given template's own imports, once: {template_cpu:.1f} s"
+    )
+    return {
+        "nodes": nodes,
+        "steps": steps,
+        "rounds": rounds,
+        "own": {"wall_s": round(own_wall, 2), "cpu_s": round(own_cpu, 2)},
+        "given": {"wall_s": round(given_wall, 2), "cpu_s": round(given_cpu, 2)},
+        "given_template_imports_cpu_s": round(template_cpu, 2),
+        "runs": runs,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--steps", default="8,200", help="comma-separated step counts, one run each")
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument(
+        "--compare-templates",
+        type=int,
+        metavar="ROUNDS",
+        help="instead: ROUNDS launches (of the first --steps) with their own worker template and with one given",
+    )
     args = parser.parse_args()
+    if args.compare_templates:
+        results = compare_templates(args.nodes, int(args.steps.split(",")[0]), args.compare_templates)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        return
     counts = [int(s) for s in args.steps.split(",")]
     results: dict = {"nodes": args.nodes, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-launch-cpu-") as tmp:

@@ -38,6 +38,14 @@ def pytest_configure(config):
 
     from harness import REFERENCE_CACHE_ENV
 
+    # Every worker template this process starts (``run_local``'s, the launches': ``harness.suite_template``)
+    # imports the tests' model code too (``tests/template_preload.py``); only the first call decides. By the
+    # name the template finds from the repository's root (its ``sys.path[0]``, the working directory: Python
+    # 3.11's forkserver takes no ``sys.path`` from its starter), where the suite runs.
+    from oobleck_mm.runtime.template import warm_context
+
+    warm_context(["tests.template_preload"])
+
     if not os.environ.get(REFERENCE_CACHE_ENV):
         os.environ[REFERENCE_CACHE_ENV] = tempfile.mkdtemp(prefix="oobleck-test-references-")
         _MADE_REFERENCE_CACHE.append(os.environ[REFERENCE_CACHE_ENV])

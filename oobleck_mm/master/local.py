@@ -28,6 +28,7 @@ while joins remain to be injected.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import psutil
 
 from oobleck_mm.lifetime import stop_tree
 from oobleck_mm.master.journal import running_job
@@ -501,6 +503,21 @@ class LocalCluster:
             if proc.poll() is None:
                 log.warning("agent %s still running; stopping it", node)
                 stop_tree(proc)
+        # What is left of a node once its agent is gone is a leak: a hung node's workers (stopped by a fault,
+        # they cannot see their agent die) or ones a test stopped. They are in their agent's process group but
+        # not under it: forks of a worker template, which ends with this launcher only when it is its own
+        # (a template named in SHARED_TEMPLATE_ENV outlives the run).
+        groups = {proc.pid: node for node, (proc, _) in agents}  # each agent leads its group (process_group=0)
+        left: dict[str, list[int]] = {}
+        for p in psutil.process_iter(["pid", "status"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                node = groups.get(os.getpgid(p.pid))
+                if node is not None and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.setdefault(node, []).append(p.pid)
+        for node, pids in left.items():
+            log.warning("node %s's processes %s outlived its agent; killing them", node, pids)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(next(pid for pid, n in groups.items() if n == node), signal.SIGKILL)
 
     def _judge_emulation(self, events: list[dict]) -> None:
         """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the

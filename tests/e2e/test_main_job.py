@@ -210,7 +210,7 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
 
 
 def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, launches):
-    from harness import Launch
+    from harness import Launch, wait_for
 
     # Three joiners for two free places; steps enough that every joiner's workers start under load (a joiner
     # is admitted once they are ready; the second starts a fresh agent: step 71 of 400 in CI, next to another
@@ -233,8 +233,16 @@ def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, 
         "join@step7",
     )
     launches.append(run)
-    [refused] = [run.wait_event("refused", timeout=180)]
+    refused = run.wait_event("refused", timeout=180)
     assert "already runs on 4 nodes, its maximum" in refused["reason"], refused
+
+    def four_nodes_trained() -> bool:
+        """The second join's generation (the refusal may come before it is planned) trained a step: a stop
+        inside its switch is another scenario (test_slow_node.py says which)."""
+        four = [p["generation"] for p in run.events("plan_decided") if len(p["nodes"]) == 4]
+        return bool(four) and bool(run.events("step", generation=four[0]))
+
+    wait_for(four_nodes_trained, 120, "a step on 4 nodes")
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 3, run.stderr[-3000:]
     plans = run.events("plan_decided")

@@ -87,7 +87,11 @@ def test_a_slowed_node_is_named_its_pipeline_gets_fewer_microbatches_and_the_run
         if not cleared or sorted(e["node"] for e in cleared) != sorted(e["node"] for e in detected):
             return False
         after = cleared[0]["ts"]
-        return any(p["cause"] == "straggler" and p["ts"] >= after for p in run.events("plan_decided")) or any(
+        # The split undone and a step trained on it (a stop inside that switch is another scenario: its
+        # checkpoint round asked the generation the workers had just left, and the job exited 1, a bug
+        # left open; see the issue tracker's notes), or no switch at all.
+        undone = [p["generation"] for p in run.events("plan_decided") if p["cause"] == "straggler" and p["ts"] >= after]
+        return bool(undone and run.events("step", generation=undone[-1])) or any(
             e["ts"] >= after for e in run.events("speed_split_unchanged")
         )
 
