@@ -156,6 +156,8 @@ def check_round(ctx: Context) -> None:
     if isinstance(verdict, RoundPending):
         return
     if isinstance(verdict, RoundFailed):
+        if r.complete() and _round_left_behind(ctx, r):
+            return
         finish(ctx, ExitCode.ERROR, verdict.message)
         return
     assert isinstance(verdict, RoundWritten)
@@ -174,6 +176,28 @@ def check_round(ctx: Context) -> None:
         generation=r.gen.number,
     )
     stop_below_threshold(ctx, r.reason, (directory, verdict.step), headline=r.reason if r.requested else None)
+
+
+def _round_left_behind(ctx: Context, r: CheckpointRound) -> bool:
+    """Writers that answered -1 (not holding the round's generation) had left it for one the master sent
+    before the round began: a switch in flight (a join, a re-split) when the stop came, which they made at
+    the step's boundary before they read the round's command. The round is asked again of the newest
+    generation everyone alive holds once their reports say so; until the round's deadline it waits for
+    them. True: asked again, or waiting; False: no such switch, the round has failed."""
+    s = ctx.s
+    if s.generation <= r.gen.number or all(d.step >= 0 for d in r.reports.values()):
+        return False
+    base = base_held_by_everyone_alive(ctx)
+    if base is None or base.generation <= r.gen.number:
+        return ctx.now <= r.deadline  # their reports of the new generation are still to come
+    ctx.record(
+        "checkpoint_round_again",
+        generation=base.generation,
+        previous_generation=r.gen.number,
+        reason=f"the writers left generation {r.gen.number} for {base.generation} before they read the round",
+    )
+    _start_round(ctx, s.gens[base.generation].view, base.holding_nodes, r.reason, r.reason, requested=r.requested)
+    return True
 
 
 def state_lost(ctx: Context, why: str, without_checkpoint: str) -> None:

@@ -1146,6 +1146,57 @@ def test_a_stop_whose_iteration_in_flight_completes_names_its_checkpoint_by_the_
     assert read_events(j.events, "checkpoint_written")[0]["dir"] == renamed
 
 
+def test_a_stop_during_a_switch_in_flight_asks_the_round_again_of_the_generation_the_writers_moved_to(make):
+    """Seen end to end (a straggler re-split's switch sent, then SIGTERM): the round asked the generation
+    everyone held, the workers had switched at the step's boundary before they read it and answered -1, and
+    the job exited 1 ("the checkpoint ... is inconsistent") instead of 3 with the checkpoint. Either order of
+    their -1 answers and their reports of the new generation ends with the checkpoint of the new one."""
+    for reports_first in (False, True):
+        j = make(nodes=2, steps=10)
+        start(j, "a", "b")
+        j.train(1, 0)
+        j.join("late")
+        j.c.tick()
+        assert j.c.generation == 2  # the join's switch is sent: the workers switch at their next boundary
+        j.drain_all()
+        j.c.request_stop("SIGTERM")
+        [first] = read_events(j.events, "checkpoint_requested")
+        assert first["generation"] == 1 and sorted(first["writers"]) == ["a", "b"]
+
+        def left_behind() -> None:
+            for name in ("a", "b"):
+                j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir=first["dir"], step=-1, layers=0))
+
+        def switched() -> None:
+            for gpu in (("a", 0), ("b", 0), ("late", 0)):
+                j.report(gpu, phase=pb.PhaseDone(generation=2, phase="states_copied", step=1))
+                j.report(gpu, phase=pb.PhaseDone(generation=2, phase="resumed", step=1))
+
+        for happen in (switched, left_behind) if reports_first else (left_behind, switched):
+            happen()
+            assert j.c.tick() is None or j.c.phase == JobPhase.CHECKPOINTING  # not failed in between
+        [again] = read_events(j.events, "checkpoint_round_again")
+        assert (again["generation"], again["previous_generation"]) == (2, 1)
+        second = read_events(j.events, "checkpoint_requested")[-1]
+        assert second["generation"] == 2 and sorted(second["writers"]) == ["a", "b", "late"]
+        for name in ("a", "b", "late"):
+            j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir=second["dir"], step=2, layers=4))
+        result = j.c.tick()
+        assert result.exit_code == 3 and "Checkpoint of step 2" in result.message, result.message
+
+
+def test_a_round_answered_minus_one_with_no_switch_in_flight_still_fails(make):
+    j = make(nodes=2, steps=10)
+    start(j, "a", "b")
+    j.train(1, 0)
+    j.c.request_stop("SIGTERM")
+    [request] = read_events(j.events, "checkpoint_requested")
+    for name in ("a", "b"):
+        j.report((name, 0), checkpoint_done=pb.CheckpointDone(dir=request["dir"], step=-1, layers=0))
+    result = j.c.tick()
+    assert result.exit_code == 1 and "inconsistent" in result.message
+
+
 def test_a_stop_requested_before_any_step_ends_the_job_at_once(make):
     j = make(nodes=2, steps=10)
     start(j, "a", "b")
