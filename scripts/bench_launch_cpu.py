@@ -123,12 +123,9 @@ def reference_cpu_per_step(config: Path, steps: int = 10) -> float:
 def compare_templates(nodes: int, steps: int, rounds: int) -> dict:
     """``rounds`` launches each way, interleaved: the launcher starting its own worker template, and one this
     process keeps for all of them (what the tests' launches do: ``tests/harness.py``, ``suite_template``)."""
-    from multiprocessing import forkserver
+    from oobleck_mm.runtime.template import start_shared_template, template_pid
 
-    from oobleck_mm.runtime.template import start_shared_template
-
-    address = start_shared_template({**os.environ, "OMP_NUM_THREADS": "1"})
-    template = (address, forkserver._forkserver._forkserver_pid)
+    template = (start_shared_template({**os.environ, "OMP_NUM_THREADS": "1"}), template_pid())
     runs: dict[str, list[dict]] = {"own": [], "given": []}
     with tempfile.TemporaryDirectory(prefix="bench-launch-cpu-") as tmp:
         folder = Path(tmp)

@@ -93,14 +93,12 @@ def suite_template() -> tuple[str, int]:
     (``SHARED_TEMPLATE_ENV``): its address and its pid. The one ``run_local`` forks its ranks from: each
     launch then skips a template's imports of its own (~4.5 s of CPU, a third of a short launch's). Started
     again should it have died (``ensure_running``)."""
-    from multiprocessing import forkserver
-
-    from oobleck_mm.runtime.template import start_shared_template
+    from oobleck_mm.runtime.template import start_shared_template, template_pid
 
     # As ``local`` starts its own: one torch thread per simulated GPU (the workers set it from their agent's
     # environment in any case).
     address = start_shared_template({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    return address, forkserver._forkserver._forkserver_pid
+    return address, template_pid()
 
 
 class Launch:
@@ -170,6 +168,14 @@ class Launch:
             ) from None
         self._watch.join(1)
         return self.proc.returncode
+
+    def stop_when(self, done, what: str, timeout: float = 150.0) -> int:
+        """SIGTERM to the launcher (the job checkpoints the step it is at and exits 3) once ``done()`` says the
+        scenario played out: the steps after it would train, and be replayed by the reference, for nothing
+        (a test's step count is set for a loaded host). Returns the launcher's exit code."""
+        wait_for(done, timeout, what)
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout=120)
 
     def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
         return [e for e in read_events(self.events_path, name) if all(e.get(k) == v for k, v in match.items())]

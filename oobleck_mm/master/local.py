@@ -508,16 +508,16 @@ class LocalCluster:
         # not under it: forks of a worker template, which ends with this launcher only when it is its own
         # (a template named in SHARED_TEMPLATE_ENV outlives the run).
         groups = {proc.pid: node for node, (proc, _) in agents}  # each agent leads its group (process_group=0)
-        left: dict[str, list[int]] = {}
+        left: dict[int, list[int]] = {}
         for p in psutil.process_iter(["pid", "status"]):
             with contextlib.suppress(psutil.Error, OSError):
-                node = groups.get(os.getpgid(p.pid))
-                if node is not None and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    left.setdefault(node, []).append(p.pid)
-        for node, pids in left.items():
-            log.warning("node %s's processes %s outlived its agent; killing them", node, pids)
+                group = os.getpgid(p.pid)
+                if group in groups and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.setdefault(group, []).append(p.pid)
+        for group, pids in left.items():
+            log.warning("node %s's processes %s outlived its agent; killing them", groups[group], pids)
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(next(pid for pid, n in groups.items() if n == node), signal.SIGKILL)
+                os.killpg(group, signal.SIGKILL)
 
     def _judge_emulation(self, events: list[dict]) -> None:
         """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the

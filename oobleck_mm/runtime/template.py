@@ -141,6 +141,13 @@ def start_shared_template(environ: Mapping[str, str], extra_preload: list[str] |
     return ("@" + address[1:] if address.startswith("\0") else address) + (f"#{key.hex()}" if key else "")
 
 
+def template_pid() -> int:
+    """The pid of this process's own running template (after ``start_shared_template``)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
+
+
 def use_shared_template(value: str) -> None:
     """Points this process's ``forkserver`` context at the template another process started
     (``start_shared_template``'s value): each ``Process`` it starts is then a fork of that

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import re
 import shlex
-import signal
 import shutil
 import subprocess
 import sys
@@ -210,7 +209,7 @@ def test_workers_see_torchruns_variables_for_their_generation(tmp_path, launches
 
 
 def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, launches):
-    from harness import Launch, wait_for
+    from harness import Launch
 
     # Three joiners for two free places; steps enough that every joiner's workers start under load (a joiner
     # is admitted once they are ready; the second starts a fresh agent: step 71 of 400 in CI, next to another
@@ -242,9 +241,7 @@ def test_nnodes_2_to_4_starts_2_accepts_2_joins_and_refuses_the_third(tmp_path, 
         four = [p["generation"] for p in run.events("plan_decided") if len(p["nodes"]) == 4]
         return bool(four) and bool(run.events("step", generation=four[0]))
 
-    wait_for(four_nodes_trained, 120, "a step on 4 nodes")
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.wait(timeout=120) == 3, run.stderr[-3000:]
+    assert run.stop_when(four_nodes_trained, "a step on 4 nodes", timeout=120) == 3, run.stderr[-3000:]
     plans = run.events("plan_decided")
     assert len(plans[0]["nodes"]) == 2  # started at MIN
     assert max(len(p["nodes"]) for p in plans) == 4  # two joins taken, up to MAX

@@ -8,12 +8,11 @@ cleared, and the parameters equal a run without any of it (the same samples ever
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
-from harness import Launch, assert_matches_reference, wait_for, write_config
+from harness import Launch, assert_matches_reference, write_config
 from oobleck_mm.faults.slowdown import SignalFreezer, freezer_for
 from oobleck_mm.runtime.checkpoint import read_meta
 
@@ -28,12 +27,8 @@ def _needs_a_freezer() -> None:
 
 
 def _stop_when(run: Launch, done, what: str) -> int:
-    """Stops the job (SIGTERM: it checkpoints the step it is at and exits 3) once ``done()`` says the scenario
-    played out: the steps after it would train, and be replayed by the reference, for nothing (their count
-    is set for a loaded host). Returns the step of the stop's checkpoint."""
-    wait_for(done, 150, what)
-    run.proc.send_signal(signal.SIGTERM)
-    code = run.wait(timeout=120)
+    """``Launch.stop_when``, checked: exit 3 and every process gone. Returns the step of the stop's checkpoint."""
+    code = run.stop_when(done, what)
     assert code == 3, f"exit {code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     run.assert_all_gone()
     return read_meta(_stop_checkpoint(run))["step"]
