@@ -5,7 +5,18 @@ tests/e2e and tests/integration alike.)"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One torch thread per process, the suite over: xdist's workers, every rank an in-process test spawns and
+# every process they start inherit it (a test that wants more sets its own). The suite runs two tests at a
+# time on two cores, each of several processes; with torch's default of a thread per core, each process's
+# OpenMP threads spin-wait for cores the others hold: test_engine_prefetch, test_engine_world_of_one and
+# test_worker_generations cost 80 CPU-s alone against 32 CPU-s with one thread (x2.5), and worse beside
+# another test. Set before anything imports torch (its OpenMP reads it when it loads). The launches' workers
+# already default to 1 (``oobleck-launch local``).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
