@@ -39,6 +39,12 @@ INTERVAL, TIMEOUT = "200ms", "3s"
 INTERVAL_S, TIMEOUT_S = 0.2, 3.0
 """Short heartbeats; the timeout leaves room for a 2-core machine where five workers start at once
 (importing torch) next to other test runs: 1-2 s timeouts declared healthy nodes lost there."""
+STEP_PACE_S = 0.2
+PACE = f"pace:{STEP_PACE_S:g}"
+"""An ``OOBLECK_HOLD_AT`` entry (``runtime/hold.py``) for a test whose job must still be training when something
+slow happens (a join, a detection, a held journal): its workers start steps at least ``STEP_PACE_S`` apart, so
+N steps span N * STEP_PACE_S seconds on any host, and the test's step count is set by the wall time it needs
+instead of by the fastest host's steps (each trained, and replayed by the reference, for nothing after)."""
 SMALL_GPU = 8_000_000
 """Bytes of device memory that make the float64 tiny model need n0 = 2 nodes: pipelines span nodes."""
 

@@ -27,6 +27,13 @@ Points:
   generation does not hold again): a worker silent past ``collective_timeout`` while its agent
   heartbeats, so every peer's collective times out with no node lost.
 
+One entry is a pace, not a pause: ``pace:SECONDS`` starts this worker's steps at least SECONDS apart
+(it sleeps what its step left of them). A test whose job must still be training when something slow
+happens (a joiner's start-up, a heartbeat timeout, a held journal) then needs steps for that wall time
+at the pace on any host, not for the fastest host's steps: the tiny model trained 120 steps at ~0.05 s
+each for a 6 s wait, and the suite, CPU-bound on 2 cores, paid every one of them. Below the pace a
+step costs no CPU; a host slower than the pace trains as it would without it.
+
 A worker that holds says so first (``set_announcer``: the agent's worker reports it to the master,
 which logs ``holding``): ``--inject kill:NODE@phase:copy`` fires on that report, so the kill lands
 while the worker is inside the phase.
@@ -44,10 +51,12 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 ENV = "OOBLECK_HOLD_AT"
-POINTS = ("checkpoint", "copy", "rendezvous", "connect", "forming", "reduce", "stepN")
+POINTS = ("checkpoint", "copy", "rendezvous", "connect", "forming", "reduce", "pace", "stepN")
 _held_once: set[str] = set()
 """Points this process already held at (``stepN`` and ``reduce`` hold once)."""
 _announce: Callable[[str, float], None] | None = None
+_last_step_start: float | None = None
+"""When this process's last step began (monotonic), for the ``pace``."""
 
 
 def set_announcer(announce: Callable[[str, float], None] | None) -> None:
@@ -69,8 +78,16 @@ def hold(point: str, node: str) -> None:
 
 
 def hold_step(step: int, node: str) -> None:
-    """The ``stepN`` point: before step ``step``, the first time this process reaches it."""
+    """The ``stepN`` point: before step ``step``, the first time this process reaches it; then the ``pace``."""
     hold_once(f"step{step}", node)
+    global _last_step_start
+    table = holds()
+    pace = table.get(("pace", node), table.get(("pace", None)))
+    now = time.monotonic()
+    if pace and _last_step_start is not None and now < _last_step_start + pace:
+        time.sleep(_last_step_start + pace - now)
+        now = time.monotonic()
+    _last_step_start = now
 
 
 def hold_once(point: str, node: str) -> None:

@@ -17,6 +17,7 @@ import signal
 import pytest
 
 from harness import (
+    PACE,
     SMALL_GPU,
     TIMEOUT_S,
     Launch,
@@ -146,12 +147,15 @@ def test_a_fault_tour_kill_killworker_stop_on_heterogeneous_pipelines(launches, 
     check_final(config, steps, final)
 
 
-def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path):
+def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path, monkeypatch):
     # The joiner is admitted once its worker has started (seconds: imports), while the others train on:
     # the job must still be training then, on a loaded machine too.
-    steps = 60  # the standby agent's worker template is warm: the join comes within a few steps
+    # The standby agent's worker template is warm: the join comes within a few steps. Paced (PACE): 24 steps
+    # last 4.8 s or more.
+    steps = 24
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
+    monkeypatch.setenv("OOBLECK_HOLD_AT", PACE)
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
     finish_ok(run)
     [joined] = run.events("injected", kind="join")
@@ -190,10 +194,12 @@ def test_a_notice_planned_before_a_join_is_switched_to_and_sent_after_it_is_plan
     Here 3's journal write is held 4 s (``OOBLECK_MASTER_HOLD_AT``: its assignments queue behind it) while the
     join's groups form 1.5 s late. Such a survivor now abandons generation 3 like a broken iteration, the
     master plans again from 2, and the job ends equal to the reference."""
-    steps = 120  # ~0.05 s a step: at step ~75 (idle) when generation 3 goes out, still training
+    # Paced (PACE): 40 steps last 8 s or more, past generation 3's 4 s hold and 4's switch on any host (at the
+    # tiny model's ~0.05 s a step unpaced, generation 3 went out at step ~75 of the 120 it took).
+    steps = 40
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
-    monkeypatch.setenv("OOBLECK_HOLD_AT", "forming:1.5")  # in the background: generation 1 trains on
+    monkeypatch.setenv("OOBLECK_HOLD_AT", f"forming:1.5,{PACE}")  # in the background: generation 1 trains on
     monkeypatch.setenv("OOBLECK_MASTER_HOLD_AT", "journal3:4")
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
     joining = run.wait_event("plan_decided", generation=2)
@@ -464,15 +470,18 @@ def test_a_peer_killed_after_the_arrival_before_it_connected_costs_no_group_time
     check_final(config, steps, final)
 
 
-def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches, tmp_path):
+def test_a_survivor_killed_while_a_joins_groups_form_in_the_background(launches, tmp_path, monkeypatch):
     """--inject join@step2 and kill:node1@phase:forming: node1's thread that forms the join generation's
     groups ahead holds there (its training thread steps on), the kill lands, and the join generation,
     never switched to, is dropped for one planned from what everyone holds; nobody waits for it. The
     joiner holds nothing of that base and the two survivors keep f + 1 replicas: it waits out the loss
     (its workers in the dropped generation's rendezvous) and joins the generation after."""
-    steps = 60  # the job still trains when the joiner's worker is ready (the standby's: warm), loaded too
+    # The job still trains when the joiner's worker is ready (the standby's: warm), after the loss and the join
+    # after it: paced (PACE), 30 steps last 6 s or more.
+    steps = 30
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
+    monkeypatch.setenv("OOBLECK_HOLD_AT", PACE)
     run = start(
         launches,
         tmp_path,
@@ -526,13 +535,15 @@ def test_a_joiner_killed_right_after_it_registered_costs_the_survivors_nothing(l
 
 
 def test_a_failure_during_recovery_replans_from_the_generation_everyone_still_holds(launches, tmp_path, monkeypatch):
-    steps = 60  # the job still trains when the joiner's worker is ready (the standby's: warm), loaded too
+    # The job still trains when the joiner's worker is ready (the standby's: warm) and when the generation after
+    # the loss takes it in: paced (PACE), 30 steps train 6 s or more besides the holds.
+    steps = 30
     config = write_config(tmp_path, nodes=3, steps=steps)
     final = tmp_path / "final"
     # Every worker holds 3 s before a new generation's state copy (runtime/hold.py): generation 2,
     # which takes the joiner in, cannot complete a step before the kill below lands, however fast
     # the joiner's worker starts.
-    monkeypatch.setenv("OOBLECK_HOLD_AT", "copy:3")
+    monkeypatch.setenv("OOBLECK_HOLD_AT", f"copy:3,{PACE}")
     run = start(launches, tmp_path, config, "--save-final", str(final), "--inject", "join@step2")
     # A survivor dies during generation 2's rendezvous or copy: generation 2 never completes a step.
     joining = run.wait_event("plan_decided", generation=2)
@@ -756,14 +767,17 @@ def test_a_writer_killed_inside_a_periodic_checkpoint_is_made_up_after_the_next_
     assert_windows_match_reference(config, windows)
 
 
-def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equals_the_reference(launches, tmp_path):
+def test_time_based_checkpoints_every_rank_at_the_same_step_and_the_resume_equals_the_reference(
+    launches, tmp_path, monkeypatch
+):
     """fault_tolerance.checkpoint_every (no step interval): each worker's clock is asked in the step's
     last collective, so every owner snapshots after the same step and the checkpoints complete; the
     newest, resumed (in this process), equals the reference."""
-    steps = 60
+    steps = 20  # paced (PACE): 4 s or more, a few checkpoints a second apart
     config = write_config(
         tmp_path, nodes=3, steps=steps, fault_tolerance={"checkpoint_interval": 0, "checkpoint_every": "1s"}
     )
+    monkeypatch.setenv("OOBLECK_HOLD_AT", PACE)
     run = start(launches, tmp_path, config, name="timed")
     finish_ok(run)
     saved = [e["step"] for e in run.events("checkpoint_saved")]

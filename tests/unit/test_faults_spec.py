@@ -232,6 +232,30 @@ def test_hold_points_parse_per_node_and_refuse_unknown_points():
         holds("checkpoint@node1")
 
 
+def test_the_pace_starts_steps_no_closer_than_it_says_and_holds_no_slower_step(monkeypatch):
+    """``pace:S``: a step that took less than S is made up to S by sleeping; one that took longer is not
+    held at all; ``pace@node2`` paces node2 only."""
+    import time
+
+    from oobleck_mm.runtime import hold
+
+    monkeypatch.setattr(hold, "_last_step_start", None)
+    monkeypatch.setenv(hold.ENV, "pace@node1:0.2")
+    starts = []
+    for step in range(3):
+        hold.hold_step(step, "node1")
+        starts.append(time.monotonic())
+    assert all(b - a >= 0.2 for a, b in zip(starts, starts[1:])), starts
+    time.sleep(0.25)  # a step slower than the pace
+    before = time.monotonic()
+    hold.hold_step(3, "node1")
+    assert time.monotonic() - before < 0.05
+    before = time.monotonic()
+    hold.hold_step(4, "node2")  # not paced
+    assert time.monotonic() - before < 0.05
+    assert hold.holds("pace:0.1") == {("pace", None): 0.1}
+
+
 def test_phase_triggers_parse_for_failures_and_say_which_workers_hold():
     from oobleck_mm.faults.spec import PHASE_HOLD_S, hold_points
     from oobleck_mm.runtime.hold import holds
