@@ -25,6 +25,7 @@ import torch
 
 from harness import (
     INTERVAL_S,
+    PACE,
     ROOT,
     TIMEOUT_S,
     Procs,
@@ -453,21 +454,24 @@ def test_the_workers_rendezvous_store_is_behind_the_job_token_on_the_masters_one
         assert refused and all(r["reason"] == "wrong token" for r in refused)
 
 
-def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, procs):
+def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, procs, monkeypatch):
     """Issue 27 9(ii): a healthy node declared lost (here: its processes paused past the heartbeat timeout,
     as a host too busy to heartbeat would be) must always come back as a join, whether its agent first sees
     the stream the master ended or a heartbeat answered NOT_FOUND (once that one exited with 1)."""
     from oobleck_mm.verify import checkpoint_windows
 
     final = tmp_path / "final"
-    steps = 90  # node2 is back (a fork of its warm worker template) within a few steps of its resume
+    # node2 is back (a fork of its warm worker template) within a few steps of its resume. Paced (harness.PACE):
+    # 50 steps last 10 s or more, past the pause, its detection and the join (90 unpaced, for a fast host).
+    steps = 50
     config = write_config(
         tmp_path,
         nodes=3,
         steps=steps,
         training={"dtype": "float64"},
-        fault_tolerance={"checkpoint_interval": 45, "keep_checkpoints": 0},
+        fault_tolerance={"checkpoint_interval": 25, "keep_checkpoints": 0},
     )
+    monkeypatch.setenv("OOBLECK_HOLD_AT", PACE)  # the agents' environment, their workers'
     master, address, events, token = start_master_process(procs, config, tmp_path, "--save-final", str(final))
     agents = {node: procs.agent(address, node, token) for node in ("node0", "node1", "node2")}
     wait_event(events, "step", step=2, timeout=120)
@@ -500,8 +504,8 @@ def test_a_node_declared_lost_while_alive_registers_again_and_joins(tmp_path, pr
     # instead: tests/e2e/test_verify.py, which also shows such a verdict failing one update off).
     windows = checkpoint_windows(str(tmp_path / "run" / "checkpoints"), str(final))
     # The checkpoint of the last step is written in the background as the job ends: complete (issue 30: the
-    # end killed its writers, leaving .tmp files), and equal to the final save (both judged at step 90).
-    assert [w[2] for w in windows] == [45, 90, 90] and windows[0][0] is None
+    # end killed its writers, leaving .tmp files), and equal to the final save (both judged at step 50).
+    assert [w[2] for w in windows] == [25, 50, 50] and windows[0][0] is None
     assert_windows_match_reference(config, windows)
 
 
