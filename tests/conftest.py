@@ -29,6 +29,15 @@ def launches():
 
 
 @pytest.fixture
+def paced(monkeypatch):
+    """The processes this test starts pace their steps (``harness.PACE``): for a job that trains only until the
+    test has seen what it waits for (a loss, a notice, a stop), every step past the pace trains for nothing."""
+    from harness import PACE
+
+    monkeypatch.setenv("OOBLECK_HOLD_AT", PACE)
+
+
+@pytest.fixture
 def procs(tmp_path):
     """Single agents and masters a test starts (``harness.Procs``): killed at teardown, and none may survive."""
     from harness import Procs

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import ROOT, wait_for, write_config
+from harness import PACE, ROOT, wait_for, write_config
 from oobleck_mm.events import read_events
 from oobleck_mm.runtime.worker import free_port
 
@@ -119,7 +119,9 @@ def test_a_failed_node_is_down_for_slurm_and_planned_out_then_a_notice_checkpoin
             "--save-final",
             str(final),
         ],
-        env=_env(slurm, BASE=str(base)),
+        # Paced (harness.PACE): the job trains through SLURM's ~15 s to set n2 down at 5 steps a second or fewer,
+        # not the ~12 a second an idle host's two survivors ran (each step a worker's CPU, for nothing).
+        env=_env(slurm, BASE=str(base), OOBLECK_HOLD_AT=PACE),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -121,6 +121,7 @@ def test_a_wrong_or_missing_token_is_refused_and_never_gets_a_plan(tmp_path, pro
 # ---------------------------------------------------------------------- workers and the master dying
 
 
+@pytest.mark.usefixtures("paced")
 def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
         agents = start_agents(procs, master, "node0", "node1")
@@ -141,6 +142,7 @@ def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
         assert_all_gone(started, 5)
 
 
+@pytest.mark.usefixtures("paced")
 def test_a_terminated_agent_is_a_notice_its_node_leaves_and_nothing_is_lost(tmp_path, procs):
     """SIGTERM is a spot provider's notice: node0 asks to leave; one node cannot keep f+1 replicas, so the
     job stops with a checkpoint (exit 3) while node0 is still there, and node0 is never declared lost."""
@@ -159,6 +161,7 @@ def test_a_terminated_agent_is_a_notice_its_node_leaves_and_nothing_is_lost(tmp_
         assert read_events(master.event_log_path, "checkpoint_written")
 
 
+@pytest.mark.usefixtures("paced")
 def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
         agents = start_agents(procs, master, "node0", "node1")
@@ -174,6 +177,7 @@ def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, p
         assert master.wait(15) == 3  # below f+1 replicas
 
 
+@pytest.mark.usefixtures("paced")
 def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_resume_equals_the_reference(
     tmp_path, procs
 ):
@@ -336,6 +340,7 @@ def test_local_trains_three_nodes_and_exits_0(tmp_path):
     assert all(not _running(pid) for pid in pids)
 
 
+@pytest.mark.usefixtures("paced")
 def test_local_nodes_fork_one_template_die_as_nodes_and_an_interrupt_kills_every_child(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
