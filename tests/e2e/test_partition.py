@@ -43,7 +43,9 @@ def network():
     net.close()
 
 
-def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fresh_join(tmp_path, procs, network):
+def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fresh_join(
+    tmp_path, procs, network, monkeypatch
+):
     """One launch, two faults of the network (both on real links, neither kills a process):
 
     1. node1's link slowed to 8 Mbit/s (both directions, a token bucket) for 4 s: a step moves ~2.9 MB
@@ -61,11 +63,14 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     from oobleck_mm.verify import checkpoint_windows, compare_windows
 
     # Steps enough for all three faults, however fast the survivors train while node2 rejoins (its old worker
-    # waits out an 8 s collective timeout first): idle, they reached step 87 by then on this project's 2-core
-    # host on 2026-11-30 (twice as slow as it was on 11-29, when 205 were seen, 108 under CI's load). Every
-    # step past the notice trains (and a judged window replays) for nothing. Windows of 20 steps: each
-    # judged one replays 20 reference steps.
-    final, steps, every = tmp_path / "final", 240, 20
+    # waits out an 8 s collective timeout first): idle and unpaced they reached step 87 by then on this
+    # project's 2-core host on 2026-11-30 (205 on 11-29's faster one, 108 under CI's load), so 240 steps were
+    # asked for. Paced at 0.4 s a step (``runtime/hold.py``), 100 steps last 40 s or more on any host, past the
+    # rejoin (10 s after the first step, step 9, paced: the notice went at step 28). Every step past the
+    # notice trains (and a judged window replays) for nothing. Windows of 20 steps: each judged one replays 20
+    # reference steps.
+    final, steps, every = tmp_path / "final", 100, 20
+    monkeypatch.setenv("OOBLECK_HOLD_AT", "pace:0.4")  # the agents' environment, their workers'
     config = write_config(
         tmp_path,
         nodes=3,
