@@ -78,11 +78,12 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+    """``pid`` (first) and every process below it, alive now."""
+    found = []
+    for each in descendants([pid], parents()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.append(psutil.Process(each))
+    return found
 
 
 def parents() -> dict[int, int]:
@@ -195,7 +196,7 @@ class Launch:
     def _watch_tree(self) -> None:
         while self.proc.poll() is None:
             for p in self._processes():
-                if p.pid not in self.seen or self.seen[p.pid] is not p:
+                if self.seen.get(p.pid) is not p:  # new, or a new process under a reused pid
                     self.seen[p.pid] = p
                     with contextlib.suppress(psutil.Error):
                         self.commands[p.pid] = p.cmdline()

@@ -68,8 +68,7 @@ def set_announcer(announce: Callable[[str, float], None] | None) -> None:
 def hold(point: str, node: str) -> None:
     """Sleep here if ``OOBLECK_HOLD_AT`` names ``point`` for every node or for ``node``."""
     assert point in POINTS or _is_step(point), point
-    table = holds()
-    seconds = table.get((point, node), table.get((point, None)))
+    seconds = _seconds(point, node)
     if seconds:
         log.warning("holding %.1f s at %s (%s)", seconds, point, ENV)
         if _announce is not None:
@@ -81,8 +80,7 @@ def hold_step(step: int, node: str) -> None:
     """The ``stepN`` point: before step ``step``, the first time this process reaches it; then the ``pace``."""
     hold_once(f"step{step}", node)
     global _last_step_start
-    table = holds()
-    pace = table.get(("pace", node), table.get(("pace", None)))
+    pace = _seconds("pace", node)
     now = time.monotonic()
     if pace and _last_step_start is not None and now < _last_step_start + pace:
         time.sleep(_last_step_start + pace - now)
@@ -95,6 +93,12 @@ def hold_once(point: str, node: str) -> None:
     if point not in _held_once:
         _held_once.add(point)
         hold(point, node)
+
+
+def _seconds(point: str, node: str) -> float | None:
+    """What ``OOBLECK_HOLD_AT`` says of ``point`` for ``node`` (its own entry, else the one for every node)."""
+    table = holds()
+    return table.get((point, node), table.get((point, None)))
 
 
 def _is_step(point: str) -> bool:
