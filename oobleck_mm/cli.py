@@ -518,6 +518,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         faults=faults,
         log_every=args.log_every,
         tensorboard=args.tensorboard,
+        figure=args.figure,
         log_level=args.log_level or "info",
         master_log_level=args.log_level or "warning",
     )

@@ -315,6 +315,12 @@ def _add_control_plane_parsers(sub) -> None:
         metavar="SPEC",
         help="faults to inject, e.g. kill:node1@step4,stop:node2@t10s,join@step6 (repeatable)",
     )
+    local.add_argument(
+        "--no-figure",
+        dest="figure",
+        action="store_false",
+        help="no run.png at the end (drawing it takes ~1 s of CPU; the recovery table is still printed)",
+    )
     local.add_argument("--trace", default=None, metavar="FILE", help="replay a spot-instance trace (kills, joins)")
     local.add_argument("--time-scale", type=float, default=1.0, help="trace seconds -> run seconds (default 1)")
     local.add_argument(

@@ -86,11 +86,13 @@ def tree(pid: int) -> list[psutil.Process]:
     return found
 
 
-def parents() -> dict[int, int]:
-    """pid -> parent pid of every process on the machine, in one pass over ``/proc``. Written here because
-    psutil's only public way (``children(recursive=True)``, ``process_iter``) makes such a pass per call and
-    per root: a launch's watcher asked for several each 50 ms poll, ~2.5 ms each with two tests' processes
-    running, and spent 8 of a 36 s e2e test's CPU-seconds there (py-spy) on a suite that is CPU-bound."""
+def process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks since boot) of every process on the machine, in one pass
+    over ``/proc``. Written here because psutil's only public way (``children(recursive=True)``,
+    ``process_iter``) makes such a pass per call and per root: a launch's watcher asked for several each 50 ms
+    poll, ~2.5 ms each with two tests' processes running, and spent 8 of a 36 s e2e test's CPU-seconds there
+    (py-spy) on a suite that is CPU-bound. The start time tells a process from a later one under its reused pid
+    without another read per process (``psutil.Process.is_running`` reads its ``stat`` again)."""
     found = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -99,9 +101,16 @@ def parents() -> dict[int, int]:
                     stat = f.read()
             except OSError:  # ended meanwhile
                 continue
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ")"
-            found[int(entry.name)] = int(stat[stat.rindex(b")") + 2 :].split(maxsplit=2)[1])
+            # "pid (comm) state ppid ... starttime ...": comm may hold spaces and parentheses, so split after its
+            # last ")"; starttime is the stat's 22nd field, the 20th after comm
+            fields = stat[stat.rindex(b")") + 2 :].split(maxsplit=20)
+            found[int(entry.name)] = (int(fields[1]), int(fields[19]))
     return found
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process on the machine (``process_table``)."""
+    return {pid: ppid for pid, (ppid, _) in process_table().items()}
 
 
 def descendants(roots: list[int], parent_of: dict[int, int]) -> list[int]:
@@ -145,7 +154,15 @@ class Launch:
     Its agents fork their workers from this test process's template (``suite_template``) unless
     ``own_template``: those workers are remembered as the template's children that appeared during the run."""
 
-    def __init__(self, tmp_path: Path, config: str, *args: str, name: str = "run", own_template: bool = False) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        config: str,
+        *args: str,
+        name: str = "run",
+        own_template: bool = False,
+        figure: bool = False,
+    ) -> None:
         self.run_dir = tmp_path / name
         self.events_path = self.run_dir / "events.jsonl"
         cmd = [
@@ -158,6 +175,8 @@ class Launch:
             "--run-dir",
             str(self.run_dir),
             *args,
+            # run.png costs ~1 CPU-s a launch (matplotlib), on a suite that is CPU-bound; test_main_job checks it
+            *([] if figure else ["--no-figure"]),
         ]
         env = dict(os.environ)
         self._template: psutil.Process | None = None
@@ -170,6 +189,8 @@ class Launch:
             self._template_before = {p.pid for p in self._template.children()}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen: dict[int, psutil.Process] = {}
+        self._started: dict[int, int] = {}
+        """pid -> start time (``process_table``) of the process ``seen`` holds under it."""
         self.commands: dict[int, list[str]] = {}
         """pid -> command line, read when the watcher first saw it (it may be gone when asked)."""
         self.stdout = self.stderr = ""
@@ -178,26 +199,33 @@ class Launch:
 
     def _processes(self) -> list[psutil.Process]:
         """The launcher's tree, and the workers the suite's template forked for it (with their children)."""
-        parent_of = parents()
+        return [p for p, _ in self._scan()]
+
+    def _scan(self) -> list[tuple[psutil.Process, int]]:
+        """``_processes`` with each one's start time, from one ``process_table``: a process ``seen`` already
+        (same pid, same start) is not read again."""
+        table = process_table()
+        parent_of = {pid: ppid for pid, (ppid, _) in table.items()}
         roots = [self.proc.pid]
         if self._template is not None:
             template = self._template.pid
             roots += [pid for pid, ppid in parent_of.items() if ppid == template and pid not in self._template_before]
-        procs = []
+        found = []
         for pid in descendants(roots, parent_of):
+            started = table[pid][1]
             known = self.seen.get(pid)
-            if known is not None and known.is_running():  # the same process, not a reused pid
-                procs.append(known)
+            if known is not None and self._started.get(pid) == started:  # the same process, not a reused pid
+                found.append((known, started))
                 continue
             with contextlib.suppress(psutil.Error):
-                procs.append(psutil.Process(pid))
-        return procs
+                found.append((psutil.Process(pid), started))
+        return found
 
     def _watch_tree(self) -> None:
         while self.proc.poll() is None:
-            for p in self._processes():
+            for p, started in self._scan():
                 if self.seen.get(p.pid) is not p:  # new, or a new process under a reused pid
-                    self.seen[p.pid] = p
+                    self.seen[p.pid], self._started[p.pid] = p, started
                     with contextlib.suppress(psutil.Error):
                         self.commands[p.pid] = p.cmdline()
             # A process that lives under 0.1 s unseen cannot outlive the run; one reparented away from the tree

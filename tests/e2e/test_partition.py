@@ -65,11 +65,12 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     # Steps enough for all three faults, however fast the survivors train while node2 rejoins (its old worker
     # waits out an 8 s collective timeout first): idle and unpaced they reached step 87 by then on this
     # project's 2-core host on 2026-11-30 (205 on 11-29's faster one, 108 under CI's load), so 240 steps were
-    # asked for. Paced at 0.4 s a step (``runtime/hold.py``), 100 steps last 40 s or more on any host, past the
-    # rejoin (10 s after the first step, step 9, paced: the notice went at step 28). Every step past the
-    # notice trains (and a judged window replays) for nothing. Windows of 20 steps: each judged one replays 20
+    # asked for. Paced at 0.4 s a step (``runtime/hold.py``), no host trains more than 2.5 steps a second, so
+    # the rejoin (10 s after the first step, step 9, paced: the notice went at step 28) comes by step ~30
+    # however fast the host, and 60 steps leave the notice's generation 30 to train in. Every step past the
+    # notice trains (and a judged window replays) for nothing. Windows of 15 steps: each judged one replays 15
     # reference steps.
-    final, steps, every = tmp_path / "final", 100, 20
+    final, steps, every = tmp_path / "final", 60, 15
     monkeypatch.setenv("OOBLECK_HOLD_AT", "pace:0.4")  # the agents' environment, their workers'
     config = write_config(
         tmp_path,

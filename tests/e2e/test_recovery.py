@@ -29,7 +29,7 @@ from harness import (
     wait_for,
     write_config,
 )
-from oobleck_mm.faults.report import recovery_rows
+from oobleck_mm.faults.report import format_table, recovery_rows
 from oobleck_mm.runtime.checkpoint import read_meta
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -182,6 +182,9 @@ def test_a_node_joins_and_receives_every_layer_state(launches, tmp_path, monkeyp
     # standby's warm template no longer makes a yardstick (0.1-0.6 s).
     [row] = [r for r in recovery_rows(run.events()) if r.kind == "join"]
     assert row.lost_s is not None and row.lost_s < TIMEOUT_S, (row.lost_s, ready["startup_s"])
+    # --no-figure (the harness's default): the recovery table printed, no run.png drawn
+    table = format_table(recovery_rows(run.events()))
+    assert table in run.stdout and not (run.run_dir / "run.png").exists(), run.stdout[-2000:]
     check_final(config, steps, final)
 
 
