@@ -12,7 +12,7 @@ ranks equal the block on the whole microbatch.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from oobleck_mm.runtime.template import warm_context, warm_process
 import traceback
 from datetime import timedelta
 
@@ -72,12 +72,12 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def _run_ranks(target, ranks: int, *extra) -> list[tuple]:
-    """``target(rank, port, results, *extra)`` on ``ranks`` spawned processes; their results by rank; all joined
+    """``target(rank, port, results, *extra)`` on ``ranks`` forks of the warm template; their results by rank; all joined
     or killed."""
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()  # forks of the suite's template: torch is imported once, not per rank
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, port, results, *extra), daemon=True) for rank in range(ranks)]
+    procs = [warm_process(target, rank, port, results, *extra) for rank in range(ranks)]
     try:
         for p in procs:
             p.start()

@@ -19,7 +19,7 @@ waited out its timeout (a 7.0 s leave under ``scripts/soak_churn.py``).
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
+from oobleck_mm.runtime.template import warm_context, warm_process
 import time
 from datetime import timedelta
 
@@ -92,11 +92,9 @@ def _abandon_and_leave(held: list, retired, leave_group) -> tuple[float, float, 
 @pytest.mark.parametrize("pending_on", ["subgroup", "default group"])
 def test_an_abandoned_operation_does_not_hold_the_thread_that_drops_its_group(pending_on):
     store, port = serve_store_only(TOKEN)
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()  # forks of the suite's template: torch is imported once, not per rank
     results, finished = ctx.Queue(), ctx.Event()
-    procs = [
-        ctx.Process(target=_rank, args=(rank, port, results, finished, pending_on), daemon=True) for rank in (0, 1)
-    ]
+    procs = [warm_process(_rank, rank, port, results, finished, pending_on) for rank in (0, 1)]
     try:
         for p in procs:
             p.start()

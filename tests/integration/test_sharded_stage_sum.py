@@ -16,7 +16,7 @@ must not (the sum is what makes them equal: the test can fail).
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from oobleck_mm.runtime.template import warm_context, warm_process
 import socket
 import traceback
 from datetime import timedelta
@@ -119,10 +119,10 @@ def _free_port() -> int:
 def test_a_layer_sharded_two_ways_by_one_pipeline_and_whole_in_another_sums_to_the_reference(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # three ranks on two cores
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()  # forks of the suite's template: torch is imported once, not per rank
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(rank, port, results), daemon=True) for rank in range(3)]
+    procs = [warm_process(_rank, rank, port, results) for rank in range(3)]
     try:
         for p in procs:
             p.start()
