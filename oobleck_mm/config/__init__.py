@@ -33,7 +33,7 @@ from oobleck_mm.config.training import (
 )
 from oobleck_mm.config.validation import validate
 from oobleck_mm.config.fault_tolerance import FaultToleranceConfig
-from oobleck_mm.config.loading import apply_overrides, dump_config, load_config, parse_config_text
+from oobleck_mm.config.loading import apply_overrides, config_text, dump_config, load_config, parse_config_text
 from oobleck_mm.config.values import ConfigError
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "VisionConfig",
     "apply_overrides",
     "config_from_dict",
+    "config_text",
     "dump_config",
     "load_config",
     "parse_config_text",

@@ -9,7 +9,16 @@ import os
 import pytest
 import yaml
 
-from oobleck_mm.config import ConfigError, JobConfig, apply_overrides, config_from_dict, load_config
+from oobleck_mm.config import (
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    config_from_dict,
+    config_text,
+    dump_config,
+    load_config,
+    parse_config_text,
+)
 from oobleck_mm.config.devices import DEVICES
 from oobleck_mm.planning.costs import ClusterSpec
 
@@ -55,6 +64,33 @@ def test_every_shipped_config_loads_and_round_trips():
         assert config_from_dict(job.to_dict()) == job, path
         # to_dict must be plain YAML (no timedelta or tuple objects).
         assert config_from_dict(yaml.safe_load(yaml.safe_dump(job.to_dict()))) == job, path
+        # ... and what the master ships to agents, workers and its planner (JSON) reads back as the same job.
+        text = config_text(job)
+        assert text.startswith("{") and config_from_dict(parse_config_text(text)) == job, path
+
+
+def test_the_job_shipped_as_json_reads_back_from_text_and_file_fast_and_yaml_still_reads(tmp_path):
+    """A config with 600,000 excluded samples cost 4.5 s to dump and 5.1 s to read as YAML (libyaml), in the
+    master, each agent, each worker and each plan; as JSON it reads back the same job in a fraction of that."""
+    import time
+
+    raw = copy.deepcopy(MINIMAL)
+    raw["data"] = {"kind": "synthetic", "num_samples": 1_200_000, "excluded_samples": list(range(0, 1_200_000, 2))}
+    raw["training"] = {"optimizer": {"type": "AdamW", "params": {"lr": 1.0e-5}}}  # 1e-05: a string to YAML 1.1
+    job = config_from_dict(raw)
+    text = config_text(job)
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    started = time.process_time()
+    from_text, from_file = config_from_dict(parse_config_text(text)), load_config(path)
+    json_s = time.process_time() - started
+    assert from_text == job and from_file == job and job.training.optimizer.params.lr == 1.0e-5
+    started = time.process_time()
+    assert config_from_dict(parse_config_text(dump_config(job))) == job  # the run dir's YAML, read as before
+    yaml_s = time.process_time() - started
+    assert json_s < yaml_s / 4, (json_s, yaml_s)  # measured ~0.3 s against ~9 s
+    # A YAML flow mapping is not JSON: read as YAML.
+    assert parse_config_text("{model: {name: m}}") == {"model": {"name": "m"}}
 
 
 def test_shipped_paper_configs_match_their_setups():
