@@ -362,12 +362,22 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float) -> None:
 
 
 class Procs:
-    """Processes started by one test; ``cleanup`` kills them all and checks that none survived."""
+    """Processes started by one test; ``cleanup`` kills them all and checks that none survived.
+
+    Its agents fork their workers from this test process's template (``suite_template``), as ``Launch``'s do,
+    unless started in a network namespace (a fork of the template would be in the test's) or with
+    ``own_template``: a template per agent, as on a cluster, is ~5 CPU-s of imports each, most of a short
+    control-plane test's CPU on a suite that is CPU-bound. Those agents' workers are remembered from their logs
+    (``remember``), and at ``cleanup`` with every other process the template forked meanwhile."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.started: list[subprocess.Popen] = []
         self.seen: list[psutil.Process] = []  # everything ever observed under them
+        self._logs: dict[int, Path] = {}
+        """Agent pid -> its log, for agents that fork their workers from the suite's template."""
+        self._template: psutil.Process | None = None
+        self._template_before: set[int] = set()
 
     def spawn(
         self, args: list[str], log_name: str, env: dict[str, str] | None = None, wrap=lambda argv: argv
@@ -388,23 +398,51 @@ class Procs:
         return proc, log_path
 
     def agent(
-        self, address: str, node: str, token_file: str, network=None, extra: tuple[str, ...] = ()
+        self,
+        address: str,
+        node: str,
+        token_file: str,
+        network=None,
+        extra: tuple[str, ...] = (),
+        own_template: bool = False,
     ) -> tuple[subprocess.Popen, Path]:
         """An agent (``extra``: more of its flags); with ``network`` (a ``tests/network.Network``) in ``node``'s
-        namespace."""
+        namespace, with a worker template of its own."""
         args = ["agent", "--master", address, "--node", node, "--token-file", token_file, *extra]
-        if network is None:
+        if network is not None:
+            return self.spawn(
+                args, f"agent-{node}.log", env=network.env(), wrap=lambda argv: network.command(node, argv)
+            )
+        if own_template:
             return self.spawn(args, f"agent-{node}.log")
-        return self.spawn(args, f"agent-{node}.log", env=network.env(), wrap=lambda argv: network.command(node, argv))
+        from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV
+
+        address_of_template, pid = suite_template()
+        if self._template is None:
+            self._template = psutil.Process(pid)
+            self._template_before = {p.pid for p in self._template.children()}
+        proc, log = self.spawn(args, f"agent-{node}.log", env={SHARED_TEMPLATE_ENV: address_of_template})
+        self._logs[proc.pid] = log
+        return proc, log
 
     def remember(self, pid: int) -> list[psutil.Process]:
+        """``pid``'s processes, alive now: its tree, and for an agent whose workers the suite's template forks,
+        the workers its log names so far (and theirs)."""
         found = tree(pid)
+        if pid in self._logs:
+            text = self._logs[pid].read_text()
+            for worker in re.findall(r"started worker \d+ \(pid (\d+)\)", text):
+                found += tree(int(worker))
         self.seen.extend(found)
         return found
 
     def cleanup(self) -> None:
         for proc in self.started:
             self.remember(proc.pid)
+        if self._template is not None:  # what it forked during the test: the agents' workers
+            forked = [p.pid for p in self._template.children() if p.pid not in self._template_before]
+            for pid in forked:
+                self.remember(pid)
         for p in self.seen:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()  # also ends SIGSTOPped ones

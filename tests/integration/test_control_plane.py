@@ -3,7 +3,10 @@
 Each test starts its own master (in this process, or as ``oobleck-launch
 master`` when the test kills it) and ``oobleck-launch agent`` subprocesses,
 injects a fault with a signal and checks the event log's timeline; teardown
-kills whatever is left and fails if any process a test started survived.
+kills whatever is left and fails if any process a test started survived. The agents
+fork their workers from the suite's warm template (``harness.Procs``), as
+``oobleck-launch local``'s do, but for one test's, which have a template each as on
+a cluster.
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ from oobleck_mm.protocol.auth import call_metadata, write_token
 pytestmark = pytest.mark.integration
 
 
-def start_agents(procs: Procs, master, *nodes: str) -> dict[str, tuple[subprocess.Popen, object]]:
-    agents = {node: procs.agent(master.address, node, master.token_file) for node in nodes}
+def start_agents(
+    procs: Procs, master, *nodes: str, own_template: bool = False
+) -> dict[str, tuple[subprocess.Popen, object]]:
+    agents = {node: procs.agent(master.address, node, master.token_file, own_template=own_template) for node in nodes}
     for node in nodes:
         wait_event(master.event_log_path, "subscribed", node=node)
     return agents
@@ -127,7 +132,7 @@ def test_a_killed_worker_makes_its_agent_report_the_node_lost(tmp_path, procs):
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
         agents = start_agents(procs, master, "node0", "node1")
         pid = worker_pid(agents["node0"][1])
-        wait_for(lambda: len(tree(agents["node1"][0].pid)) > 1, 10, "node1's worker")
+        worker_pid(agents["node1"][1], timeout=10)
         started = procs.remember(agents["node0"][0].pid) + procs.remember(agents["node1"][0].pid)
         wait_event(master.event_log_path, "plan_decided", timeout=30)  # workers start before it: a job is running
         killed_at = time.time()
@@ -164,8 +169,10 @@ def test_a_terminated_agent_is_a_notice_its_node_leaves_and_nothing_is_lost(tmp_
 
 @pytest.mark.usefixtures("paced")
 def test_an_interrupted_agent_takes_its_workers_and_its_node_is_lost(tmp_path, procs):
+    # A worker template per agent, as on a cluster (the others share the suite's): the node's workers are
+    # forks of its own template, which the agent's end takes with it.
     with master_in_process(write_config(tmp_path, nodes=2, steps=1000), tmp_path) as master:
-        agents = start_agents(procs, master, "node0", "node1")
+        agents = start_agents(procs, master, "node0", "node1", own_template=True)
         worker_pid(agents["node0"][1])
         started = procs.remember(agents["node0"][0].pid)
         assert len(started) >= 2  # the agent and its worker
