@@ -21,11 +21,9 @@ TINY = str(ROOT / "configs" / "tiny_mm.yaml")
 sys.path.insert(0, str(ROOT / "tests" / "unit"))  # their helpers: one home, in the unit tests of each concept
 from test_balance import make_problem, mllm  # noqa: E402,F401  (the fixture is used by name)
 from test_data import dataset  # noqa: E402
-from test_hf_export import checkpoint_without_training, job_of  # noqa: E402
 
 from oobleck_mm.balance.balancer import ALGORITHMS  # noqa: E402
 from oobleck_mm.data.sampler import GlobalBatchSampler  # noqa: E402
-from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
 
 
 def test_bad_config_exits_2_naming_the_field(tmp_path):
@@ -149,64 +147,3 @@ def test_a_worker_imports_numba_only_when_its_balancer_runs_ours():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().startswith("numba"), "the search's kernels are not numba's"
-
-
-def test_export_refuses_a_missing_checkpoint_and_a_nonempty_target(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "oobleck_mm.cli",
-        "export",
-        "--checkpoint",
-        str(tmp_path / "nope"),
-        "--to",
-        str(tmp_path / "o"),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
-    source = make_tiny_model(tmp_path / "src", "llama", None)
-    ckpt = checkpoint_without_training(job_of(source), tmp_path / "ckpt")
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "x").write_text("x")
-    cmd[5:] = [str(ckpt), "--to", str(tmp_path / "full")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr, proc.stderr
-    cmd[-1] = str(tmp_path / "full" / "x")  # a file (issue 30: exit 1, "internal error")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "exists and is a file" in proc.stderr, proc.stderr
-
-
-def test_cli_exits_2_naming_an_unsupported_architecture_and_profiles_hf_layers(tmp_path):
-    import subprocess
-    import sys
-
-    import yaml
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"model": {"huggingface": "gpt2"}}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(bad)], cwd=root, capture_output=True, text=True
-    )
-    assert proc.returncode == 2 and "'GPT2LMHeadModel'; supported architectures" in proc.stderr, proc.stderr
-    good = tmp_path / "good.yaml"  # the measured profiler runs transformers' modules
-    model = make_tiny_model(tmp_path / "qwen2-siglip", text="qwen2", vision="siglip", tie=False)
-    good.write_text(
-        yaml.safe_dump(
-            {
-                "model": {"huggingface": model},
-                "data": {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 96, "mean_text_tokens": 16},
-                "planning": {"profile": "measured"},
-                "cluster": {"nodes": 2},
-            }
-        )
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "oobleck_mm.cli", "plan", "--config", str(good)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0 and "profiled 11 layers (measured" in proc.stderr, proc.stderr[-2000:]

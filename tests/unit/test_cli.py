@@ -404,3 +404,32 @@ def test_plan_placements_prints_both_times_and_the_branches_gpus(capsys):
     assert "vision [" in branches and "audio [" in branches and "-> llm [" in branches
     used = re.findall(r"@n(\d+)g(\d+)", branches)
     assert len(used) == len(set(used)) and {n for n, _ in used} == {"0"}
+
+
+def test_plan_exits_2_naming_an_unsupported_architecture_and_profiles_hf_layers(tmp_path, capsys):
+    import yaml
+
+    from oobleck_mm.model.tiny_hf import make_tiny_model
+
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"model": {"huggingface": "gpt2"}}))
+    assert main(["plan", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "'GPT2LMHeadModel'; supported architectures" in err, err
+    good = tmp_path / "good.yaml"  # the measured profiler runs transformers' modules
+    model = make_tiny_model(tmp_path / "qwen2-siglip", text="qwen2", vision="siglip", tie=False)
+    good.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"huggingface": model},
+                "data": {"mean_images_per_sample": 1, "image_size": 32, "max_seq_len": 96, "mean_text_tokens": 16},
+                "planning": {"profile": "measured"},
+                "cluster": {"nodes": 2},
+            }
+        )
+    )
+    assert main(["plan", "--config", str(good)]) == 0
+    err = capsys.readouterr().err
+    assert "profiled 11 layers (measured" in err, err[-2000:]

@@ -93,3 +93,25 @@ def test_export_loads_with_from_pretrained_and_holds_the_checkpoints_values(tmp_
     # every tensor the engine trains moved by exactly the change; CLIP's unused last block did not
     assert changed == shifted and len(changed) > 0
     assert not any(".encoder.layers.2." in n for n in changed)
+
+
+def test_export_refuses_a_missing_checkpoint_and_a_nonempty_target(tmp_path, capsys):
+    """The CLI's own ``main`` (exit code and message; ``tests/integration/test_other_processes.py`` starts the
+    CLI as a process elsewhere): exit 2 naming what is wrong, never an internal error."""
+    from oobleck_mm.cli import main
+
+    def export(checkpoint, to) -> tuple[int, str]:
+        capsys.readouterr()
+        code = main(["export", "--checkpoint", str(checkpoint), "--to", str(to)])
+        return code, capsys.readouterr().err
+
+    code, err = export(tmp_path / "nope", tmp_path / "o")
+    assert code == 2 and "not a complete checkpoint" in err, err
+    source = make_tiny_model(tmp_path / "src", "llama", None)
+    ckpt = checkpoint_without_training(job_of(source), tmp_path / "ckpt")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    code, err = export(ckpt, tmp_path / "full")
+    assert code == 2 and "exists and is not empty" in err, err
+    code, err = export(ckpt, tmp_path / "full" / "x")  # a file (issue 30: exit 1, "internal error")
+    assert code == 2 and "exists and is a file" in err, err
