@@ -26,12 +26,20 @@ BOUND_S = 90.0
 
 
 def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_worker_starts(launches, tmp_path):
+    from oobleck_mm.config import load_config
+    from oobleck_mm.model.layers import model_layer_specs
+    from oobleck_mm.runtime.checkpoint import save_layers, save_meta
+    from oobleck_mm.runtime.engine import fresh_layer
+
     config = write_config(tmp_path, nodes=2, steps=3)
-    final = tmp_path / "final"
-    first = Launch(tmp_path, config, "--save-final", str(final), name="first")
-    launches.append(first)
-    assert first.wait() == 0, first.stderr[-3000:]
+    # A complete checkpoint as a run's final save writes it (every layer's file, then meta.json), written
+    # here: what is tested is the resume that reads it, not a run that trains for it.
+    final, job = tmp_path / "final", load_config(config)
+    specs = model_layer_specs(job)
+    save_layers(final, {i: fresh_layer(job, i, specs) for i in range(len(specs))}, range(len(specs)), specs)
+    save_meta(final, job, 3, specs)
     shard = final / "layers" / "llm.block0.pt"
+    assert shard.exists(), sorted(p.name for p in (final / "layers").iterdir())
     os.truncate(shard, shard.stat().st_size // 2)
 
     resumed = Launch(tmp_path, config, "--steps", "6", "--resume", str(final), name="resumed")
