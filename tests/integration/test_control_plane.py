@@ -12,6 +12,7 @@ a cluster.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -20,11 +21,13 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 import torch
+import yaml
 
 from harness import (
     INTERVAL_S,
@@ -523,7 +526,13 @@ def test_a_config_past_grpcs_default_4_mib_registers(tmp_path, procs):
     gRPC's defaults is still refused, so the size is what is tested."""
     from oobleck_mm.protocol.auth import read_token
 
-    config = write_config(tmp_path, nodes=2, steps=5, data={"excluded_samples": list(range(0, 1_200_000, 2))})
+    # Written as JSON, which the config loader reads too (``config_text``): as YAML the file alone took ~10 s of
+    # CPU to write and read back.
+    raw = yaml.safe_load(Path(write_config(tmp_path, nodes=2, steps=5)).read_text())
+    raw["data"]["excluded_samples"] = list(range(0, 1_200_000, 2))
+    config = tmp_path / "job-6mib.yaml"
+    config.write_text(json.dumps(raw))
+    config = str(config)
     with master_in_process(config, tmp_path) as master:
         procs.agent(master.address, "node0", master.token_file)
         wait_event(master.event_log_path, "subscribed", node="node0", timeout=60)
