@@ -148,6 +148,25 @@ def suite_template() -> tuple[str, int]:
     return address, template_pid()
 
 
+class TemplateForks:
+    """The suite's template (``suite_template``, started if need be) and what it had forked before a run
+    started: the run's workers are the children it forks after (``Launch``'s and ``Procs``' agents)."""
+
+    def __init__(self) -> None:
+        self.address, self.pid = suite_template()
+        self.before = {p.pid for p in psutil.Process(self.pid).children()}
+
+    def forked(self, parent_of: dict[int, int] | None = None) -> list[int]:
+        """Its children that were not there at the start, from ``parent_of`` (a ``parents()`` snapshot) or a
+        fresh pass."""
+        parent_of = parents() if parent_of is None else parent_of
+        return [pid for pid, ppid in parent_of.items() if ppid == self.pid and pid not in self.before]
+
+
+WORKER_STARTED = re.compile(r"started worker (\d+) \(pid (\d+)\)")
+"""An agent's log line for each worker it starts: local rank, pid."""
+
+
 class Launch:
     """``oobleck-launch local`` in a subprocess; every process ever under it is remembered.
 
@@ -179,14 +198,12 @@ class Launch:
             *([] if figure else ["--no-figure"]),
         ]
         env = dict(os.environ)
-        self._template: psutil.Process | None = None
-        self._template_before: set[int] = set()
+        self._template: TemplateForks | None = None
         if not own_template:
             from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV
 
-            env[SHARED_TEMPLATE_ENV], pid = suite_template()
-            self._template = psutil.Process(pid)
-            self._template_before = {p.pid for p in self._template.children()}
+            self._template = TemplateForks()
+            env[SHARED_TEMPLATE_ENV] = self._template.address
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.seen: dict[int, psutil.Process] = {}
         self._started: dict[int, int] = {}
@@ -208,8 +225,7 @@ class Launch:
         parent_of = {pid: ppid for pid, (ppid, _) in table.items()}
         roots = [self.proc.pid]
         if self._template is not None:
-            template = self._template.pid
-            roots += [pid for pid, ppid in parent_of.items() if ppid == template and pid not in self._template_before]
+            roots += self._template.forked(parent_of)
         found = []
         for pid in descendants(roots, parent_of):
             started = table[pid][1]
@@ -347,9 +363,11 @@ def wait_event(path: str | Path, event: str, timeout: float = 10.0, **match: Any
 
 def worker_pid(log_path: Path, local_rank: int = 0, timeout: float = 60.0) -> int:
     """The pid of a worker as its agent logged it when starting it."""
-    pattern = re.compile(rf"started worker {local_rank} \(pid (\d+)\)")
-    found = wait_for(lambda: pattern.search(log_path.read_text()), timeout, f"worker {local_rank} in {log_path}")
-    return int(found.group(1))
+
+    def pids() -> list[str]:
+        return [pid for rank, pid in WORKER_STARTED.findall(log_path.read_text()) if int(rank) == local_rank]
+
+    return int(wait_for(pids, timeout, f"worker {local_rank} in {log_path}")[0])
 
 
 def assert_all_gone(procs: list[psutil.Process], timeout: float) -> None:
@@ -376,8 +394,7 @@ class Procs:
         self.seen: list[psutil.Process] = []  # everything ever observed under them
         self._logs: dict[int, Path] = {}
         """Agent pid -> its log, for agents that fork their workers from the suite's template."""
-        self._template: psutil.Process | None = None
-        self._template_before: set[int] = set()
+        self._template: TemplateForks | None = None
 
     def spawn(
         self, args: list[str], log_name: str, env: dict[str, str] | None = None, wrap=lambda argv: argv
@@ -417,11 +434,9 @@ class Procs:
             return self.spawn(args, f"agent-{node}.log")
         from oobleck_mm.runtime.template import SHARED_TEMPLATE_ENV
 
-        address_of_template, pid = suite_template()
         if self._template is None:
-            self._template = psutil.Process(pid)
-            self._template_before = {p.pid for p in self._template.children()}
-        proc, log = self.spawn(args, f"agent-{node}.log", env={SHARED_TEMPLATE_ENV: address_of_template})
+            self._template = TemplateForks()
+        proc, log = self.spawn(args, f"agent-{node}.log", env={SHARED_TEMPLATE_ENV: self._template.address})
         self._logs[proc.pid] = log
         return proc, log
 
@@ -431,7 +446,7 @@ class Procs:
         found = tree(pid)
         if pid in self._logs:
             text = self._logs[pid].read_text()
-            for worker in re.findall(r"started worker \d+ \(pid (\d+)\)", text):
+            for _, worker in WORKER_STARTED.findall(text):
                 found += tree(int(worker))
         self.seen.extend(found)
         return found
@@ -440,8 +455,7 @@ class Procs:
         for proc in self.started:
             self.remember(proc.pid)
         if self._template is not None:  # what it forked during the test: the agents' workers
-            forked = [p.pid for p in self._template.children() if p.pid not in self._template_before]
-            for pid in forked:
+            for pid in self._template.forked():
                 self.remember(pid)
         for p in self.seen:
             with contextlib.suppress(psutil.NoSuchProcess):

@@ -34,6 +34,7 @@ from harness import (
     PACE,
     ROOT,
     TIMEOUT_S,
+    WORKER_STARTED,
     Procs,
     assert_all_gone,
     assert_matches_reference,
@@ -316,7 +317,7 @@ def _started_pids(run_dir) -> list[int]:
     """Agents (from the event log) and workers (from the agents' logs) a local run started."""
     pids = [e["pid"] for e in read_events(run_dir / "events.jsonl", "registered")]
     for log in run_dir.glob("agent-*.log"):
-        pids += [int(p) for p in re.findall(r"started worker \d+ \(pid (\d+)\)", log.read_text())]
+        pids += [int(pid) for _, pid in WORKER_STARTED.findall(log.read_text())]
     return pids
 
 
