@@ -290,12 +290,15 @@ def test_a_slowdown_holds_the_nodes_own_worker_for_its_share_and_never_looks_sto
         seen, samples, held = set(), 0, 0
         while time.time() < before + 1.2:
             seen |= {status(worker), status(agent.pid)}
-            samples, held = samples + 1, held + _frozen(worker)
+            samples, held = samples + 1, held + _frozen(worker, requested=True)
             time.sleep(0.003)
         assert psutil.STATUS_STOPPED not in seen, "frozen, never stopped: the agent would call it a failure"
-        # x3 holds the worker 2/3 of the time. The freezer's own thread competes for the cores under load, so
-        # only "held a good share of the window" is asserted; freezing the wrong process reads 0.
-        assert held / samples > 0.3, f"x3: the worker was seen held {held / samples:.2f} of the window"
+        # x3 asks the kernel to hold the worker 2/3 of the time: the share of samples in which the worker's own
+        # cgroup was frozen (freezing the wrong process reads 0). The freezer's own thread competes for the
+        # cores under load, so only "a good share of the window" is asserted. What the kernel achieved is not:
+        # a task that gets no core during a 13 ms freeze is never seen frozen (a CI run on a loaded machine
+        # read 0/259), and it was held anyway, by the load.
+        assert held / samples > 0.3, f"x3: the worker's cgroup was frozen {held / samples:.2f} of the window"
         restored = []
         eventually(
             lambda: restored.extend(r for r in injector.poll(time.time()) if r["event"] == "slow_restored") or restored
@@ -320,20 +323,25 @@ def test_a_slowdown_holds_the_nodes_own_worker_for_its_share_and_never_looks_sto
 
 def _frozen(pid: int, *, requested: bool = False) -> bool:
     """Held by the slowdown: stopped (the SIGSTOP fallback), or frozen by a cgroup freezer (v1 shows a frozen
-    task in disk sleep; v2 sets ``frozen 1`` in its cgroup's ``cgroup.events``).
+    task in disk sleep and ``FROZEN`` in its cgroup's ``freezer.state``; v2 sets ``frozen 1`` in its cgroup's
+    ``cgroup.events``).
 
-    ``requested``: the duty cycle's decision instead (v2's ``cgroup.freeze`` reads 1). The kernel freezes a
+    ``requested``: the duty cycle's decision instead (v2's ``cgroup.freeze`` reads 1, v1's ``freezer.state``
+    reads ``FREEZING`` or ``FROZEN``). The kernel freezes a
     task only once the task is scheduled to enter the freezer's trap, and ``frozen 1`` shows only once every
     task of the cgroup did; under load that lags the request by a few milliseconds of a 20 ms cycle while
     the thaw shows at once, so the achieved share reads below the requested one (a CI run: 0.58 for x4's
     0.75)."""
     state = status(pid)
-    if state in (psutil.STATUS_STOPPED, psutil.STATUS_DISK_SLEEP):
+    if state in (psutil.STATUS_STOPPED, psutil.STATUS_DISK_SLEEP) and not requested:
         return True
     try:
         for line in open(f"/proc/{pid}/cgroup").read().splitlines():
-            hierarchy, _, group = line.split(":", 2)
-            if hierarchy == "0" and "oobleck-slow-" in group:
+            _, controllers, group = line.split(":", 2)
+            if "freezer" in controllers.split(",") and "oobleck-slow-" in group:  # v1: FREEZING until all are
+                state = open(f"/sys/fs/cgroup/freezer{group}/freezer.state").read().strip()
+                return state in ("FROZEN", "FREEZING") if requested else state == "FROZEN"
+            if controllers == "" and "oobleck-slow-" in group:
                 for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
                     if requested and os.path.exists(f"{root}{group}/cgroup.freeze"):
                         return open(f"{root}{group}/cgroup.freeze").read().strip() == "1"
