@@ -111,7 +111,7 @@ def launch(
 def _run(command, config, nodes, steps, model, dataset, columns, save_final, resume, run_dir, overrides, extra) -> Run:
     raw, was_built = _raw(config)
     if run_dir is None:
-        from oobleck_mm.master.server import default_run_dir
+        from oobleck_mm.master.run_dir import default_run_dir
 
         run_dir = base = default_run_dir(str((raw.get("model") or {}).get("name") or "job"))
         for k in range(2, 1000):  # two calls in one second of one process: the folder name is second and pid

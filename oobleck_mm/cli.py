@@ -315,7 +315,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
     journal = None
     if not args.resume_master and args.run_dir and not args.launched_by:
-        from oobleck_mm.master.journal import running_job
+        from oobleck_mm.master.run_dir import running_job
 
         if (generation := running_job(args.run_dir)) is not None:
             # The same command started again (a scheduler restarting a master that died): starting a new
@@ -356,6 +356,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard,
         status_host=args.status_host,
         status_port=args.status_port,
+        planner_start="fork",  # this process: nothing of gRPC's runs before the server starts
     )
     server = MasterServer(job, options, journal=journal)
     interrupted: list[int] = []
@@ -474,7 +475,7 @@ def _resolve_resume(args: argparse.Namespace, job) -> None:
     a checkpoint's own folder is kept as given. ``UserError`` says where it looked."""
     if not getattr(args, "resume", None):
         return
-    from oobleck_mm.runtime.checkpoint import newest_checkpoint
+    from oobleck_mm.runtime.checkpoint_meta import newest_checkpoint
 
     if args.resume == "latest":
         roots = [args.run_dir] if args.run_dir else sorted(glob.glob(os.path.join("runs", f"{job.model.name}-*")))

@@ -37,7 +37,8 @@ from oobleck_mm.model.hf_weights import INDEX_FILE, hf_weights
 from oobleck_mm.model.huggingface import build_hf_layer
 from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.precision import torch_dtype
-from oobleck_mm.runtime.checkpoint import check_layer_files, load_params, read_meta
+from oobleck_mm.runtime.checkpoint import load_params
+from oobleck_mm.runtime.checkpoint_meta import check_layer_files, read_meta
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 COPIED_FILES = (

@@ -119,7 +119,8 @@ def compare(
     import torch
 
     from oobleck_mm.precision import compute_dtype, master_dtype
-    from oobleck_mm.runtime.checkpoint import check_layer_files, load_layer, read_meta
+    from oobleck_mm.runtime.checkpoint import load_layer
+    from oobleck_mm.runtime.checkpoint_meta import check_layer_files, read_meta
 
     meta = read_meta(directory)
     # The manifest first: sizes and the sha256 each writer recorded (a flipped byte in an optimizer moment
@@ -216,7 +217,7 @@ def checkpoint_windows(checkpoints_dir: str, final_dir: str | None = None) -> li
     """(start checkpoint or None for step 0, end checkpoint, end step) for every window between the
     complete periodic checkpoints in ``checkpoints_dir`` (``stepNNNNNNNN`` with ``meta.json``), then
     from the last of them to ``final_dir``."""
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
 
     found = []
     if os.path.isdir(checkpoints_dir):
@@ -266,7 +267,7 @@ def _blind_spot(job, steps: int, tolerance: float) -> str:
 
 
 def _reference(job, directory: str, start_dir: str | None, reverse: bool = False) -> ReferenceTrainer:
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
     from oobleck_mm.runtime.reference import ReferenceTrainer
 
     trainer = ReferenceTrainer(job, reverse_microbatches=reverse)
@@ -370,7 +371,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     args = args if args is not None else build_parser().parse_args(argv)
     from oobleck_mm.config import load_config
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
 
     start = time.perf_counter()
     try:

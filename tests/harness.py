@@ -621,7 +621,8 @@ def reference_state(config: str, steps: int) -> dict[str, dict]:
 
 
 def max_param_diff(config: str, steps: int, directory: Path) -> tuple[float, str]:
-    from oobleck_mm.runtime.checkpoint import load_params, read_meta
+    from oobleck_mm.runtime.checkpoint import load_params
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
 
     assert read_meta(directory)["step"] == steps
     worst, where = 0.0, ""
@@ -672,7 +673,7 @@ def windows_with_switches(windows: list[tuple[str | None, str, int]], events: st
     generation trained without a fault, as the failure-free tests do already, and each costs the reference
     trainer ~75 ms a step on one core: a test whose run must be long enough for its faults to happen under
     load compares where they happened."""
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
 
     switched = {int(e["step"]) for e in read_events(events, "resumed")}
     kept = []

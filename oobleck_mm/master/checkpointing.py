@@ -266,17 +266,15 @@ def doomed_checkpoints(
 
 
 def meta_sampler(job):
-    """The data order every ``meta.json`` of the job records. Building it reads the whole dataset, and its
-    imports (torch, the model's layers, the checkpoint format) are the master's first: 4.7 s on this
-    2-core machine, 5.2 s on an H200's host, during which a master that did it under its lock at the
-    first checkpoint answered nothing ("the master did not run for 5.19s"). ``start_meta_sampler`` does
-    it in the background when the master starts."""
-    from oobleck_mm.data.loader import build_dataset
+    """The data order every ``meta.json`` of the job records. Building it reads the whole dataset (a file
+    dataset's index: seconds for a large one), so ``start_meta_sampler`` does it in the background when the
+    master starts; a master that did it under its lock at the first checkpoint answered nothing for 5 s
+    ("the master did not run for 5.19s", when this also imported torch: the master no longer does)."""
+    from oobleck_mm.config.shape import layer_specs
+    from oobleck_mm.data.build import build_dataset
     from oobleck_mm.data.sampler import GlobalBatchSampler
-    from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime.checkpoint import save_meta  # noqa: F401 - imported now, not at the first write
 
-    model_layer_specs(job)
+    layer_specs(job.model, job.data)
     return GlobalBatchSampler(len(build_dataset(job)), job.training.global_batch, job.training.seed)
 
 
@@ -297,12 +295,12 @@ def start_meta_sampler(job) -> Future:
 def write_meta(directory: str, job, step: int, sampler=None):
     """``meta.json`` of a checkpoint whose layer files the workers wrote; returns the sampler it used
     (pass it back next time: ``meta_sampler`` says what building it costs)."""
-    from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime.checkpoint import save_meta
+    from oobleck_mm.config.shape import layer_specs
+    from oobleck_mm.runtime.checkpoint_meta import save_meta
 
     if sampler is None:
         sampler = meta_sampler(job)
-    save_meta(directory, job, step, model_layer_specs(job), sampler)
+    save_meta(directory, job, step, layer_specs(job.model, job.data), sampler)
     return sampler
 
 
@@ -313,14 +311,14 @@ def resume_step(directory: str, job, progress: Callable[[str], None] | None = No
     (present, the recorded size, readable), the model's shape sections and the
     training settings the data order depends on.
     """
-    from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime.checkpoint import check_layer_files, read_meta
+    from oobleck_mm.config.shape import layer_specs
+    from oobleck_mm.runtime.checkpoint_meta import check_layer_files, read_meta
 
     try:
         meta = read_meta(directory)
     except UserError as err:
         raise UserError(f"--resume: {err}") from None
-    names = [s.name for s in model_layer_specs(job)]
+    names = [s.name for s in layer_specs(job.model, job.data)]
     if meta["layer_names"] != names:
         raise UserError(f"--resume: {directory} holds layers {meta['layer_names']}, this job's model has {names}")
     try:

@@ -33,8 +33,8 @@ from oobleck_mm.master.recovery import GenerationView
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.planning.plan import plan_from_dict, plan_to_dict
+from oobleck_mm.master.run_dir import JOURNAL_FILE
 
-JOURNAL_FILE = "master-journal.json"
 VERSION = 2
 """2: the plan inside the JSON (1 named a pickle beside it: refused, never unpickled)."""
 KEEP_GENERATIONS = 3
@@ -99,16 +99,6 @@ def end_journal(run_dir: str, exit_code: int) -> None:
         _write_atomically(path, json.dumps(record, indent=1).encode())
     except (OSError, ValueError):
         pass  # no journal (the job never planned), or a disk that refuses: nothing to mark
-
-
-def running_job(run_dir: str) -> int | None:
-    """The generation of the job a master ran in ``run_dir`` and never ended (it died), else None."""
-    try:
-        with open(os.path.join(run_dir, JOURNAL_FILE), encoding="utf-8") as fh:
-            record = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return None if "ended" in record else int(record.get("generation", 0)) or None
 
 
 def read_journal(run_dir: str) -> Journal:

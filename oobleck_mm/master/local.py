@@ -43,13 +43,11 @@ from typing import Sequence
 import psutil
 
 from oobleck_mm.lifetime import stop_tree
-from oobleck_mm.master.journal import running_job
-from oobleck_mm.master.server import default_run_dir, make_run_dir
+from oobleck_mm.master.run_dir import default_run_dir, make_run_dir, running_job
 from oobleck_mm.config import dump_config
 from oobleck_mm.errors import ExitCode
 from oobleck_mm.events import EventLog, read_events
 from oobleck_mm.emulation.speed import SPEED_DIR_ENV
-from oobleck_mm.emulation.truth import describe_emulation
 from oobleck_mm.emulation.validity import HostCpu, judge
 from oobleck_mm.faults.spec import hold_points
 from oobleck_mm.runtime.hold import ENV as HOLD_ENV
@@ -153,6 +151,8 @@ class LocalCluster:
                 with open(self.token_file, encoding="utf-8") as fh:  # this console is the job owner's
                     print(f"status page: http://127.0.0.1:{self.status_port}/?token={fh.read().strip()}", flush=True)
             if self.job.cluster.emulate is not None:
+                from oobleck_mm.emulation.truth import describe_emulation  # numpy: only an emulated run's
+
                 self._host_cpu = HostCpu()
                 print(describe_emulation(self.job), flush=True)
             for i in range(self.job.cluster.nodes):
@@ -521,6 +521,8 @@ class LocalCluster:
                 os.killpg(group, signal.SIGKILL)
 
     def _judge_emulation(self, events: list[dict]) -> None:
+        from oobleck_mm.emulation.truth import describe_emulation
+
         """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the
         console and in ``RUN_DIR/emulation.json``."""
         if self._host_cpu is None:

@@ -3,8 +3,8 @@
 ``plan_job`` is CPU-bound Python (model building, the MILP): run in the master's
 own process it would hold the GIL for seconds, heartbeats would go unanswered
 and agents would give the master up for dead. ``PlannerPool`` runs it in one
-long-lived spawned process (imports paid once, at start-up) that dies with the
-master. Inputs and outputs are plain data: the job's YAML, node names, and the
+long-lived process (forked from ``oobleck-launch master`` as it starts: imports
+paid once) that dies with the master. Inputs and outputs are plain data: the job's YAML, node names, and the
 planning ``Plan`` dataclass the previous call returned (pickled only between the
 master and its own helper, never on the network).
 
@@ -159,16 +159,26 @@ def _done(fn, *args) -> Future:
 
 
 class PlannerPool:
-    """One planning process for the master's lifetime."""
+    """One planning process for the master's lifetime.
 
-    def __init__(self) -> None:
+    ``fork`` (what ``oobleck-launch master`` asks for): the master has imported the planner already (this
+    module does), so the helper starts with it, where a spawned one pays an interpreter and the planner's
+    imports again (~1 CPU-s on a 2-core machine, at every master start). Only where nothing runs gRPC yet:
+    a fork copies just the forking thread, and a process whose other threads were inside gRPC forked a
+    helper that never planned (a master embedded in a test's process). ``spawn`` otherwise."""
+
+    def __init__(self, start_method: str = "spawn") -> None:
+        if start_method not in ("fork", "spawn"):
+            raise ValueError(f"planner start method {start_method!r}: 'fork' or 'spawn'")
+        if start_method not in multiprocessing.get_all_start_methods():
+            start_method = "spawn"
         self._pool = ProcessPoolExecutor(
             max_workers=1,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=multiprocessing.get_context(start_method),
             initializer=_init_helper,
             initargs=(os.getpid(),),
         )
-        # Start it and pay the planner's imports now, not at the first plan.
+        # Start it now (a fork pool starts its process at the first submit), not at the first plan.
         self._submitted = [self._pool.submit(_warm_up)]
 
     def fresh(self, config_yaml: str, names: Sequence[str], slow=None) -> Future:

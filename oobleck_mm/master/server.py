@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import threading
-import time
 from concurrent import futures
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -23,6 +22,7 @@ from oobleck_mm.master.checkpointing import resume_step
 from oobleck_mm.master.coordinator import Coordinator, RunOptions
 from oobleck_mm.master.journal import Journal, end_journal, write_journal
 from oobleck_mm.master.metrics import MetricsSink
+from oobleck_mm.master.run_dir import default_run_dir, make_run_dir
 from oobleck_mm.master.planning import PlannerPool
 from oobleck_mm.master.stalls import StallWatch
 from oobleck_mm.master.status import StatusBoard, StatusServer
@@ -93,6 +93,10 @@ class MasterOptions:
     stall_dumps: bool = True
     """Write every thread's stack to ``RUN_DIR/master-stalls.log`` when a control-loop pass stalls
     (``STALL_LOG``)."""
+    planner_start: str = "spawn"
+    """How the planning helper starts (``master.planning.PlannerPool``): ``fork`` only where this process
+    runs nothing of gRPC's before ``start`` (``oobleck-launch master``), ``spawn`` for a master embedded in
+    a process that may."""
 
 
 def aio_server(threads: int, interceptors: list) -> grpc.aio.Server:
@@ -116,10 +120,6 @@ def heartbeat_load_warning(nodes: int, interval_s: float) -> str | None:
         f"fault_tolerance.heartbeat_interval to at least {fits:g}s (and heartbeat_timeout to several "
         f"intervals)."
     )
-
-
-def default_run_dir(job_name: str) -> str:
-    return os.path.join("runs", f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
 def _quiet_poller_at_exit(loop: asyncio.AbstractEventLoop, context: dict) -> None:
@@ -181,6 +181,9 @@ class MasterServer:
         return format_address(self.options.host, self.port)
 
     def start(self) -> None:
+        # First, from the main thread (the helper's parent-death signal follows the thread that started it),
+        # and before this master's gRPC threads exist: a forked helper copies only this thread.
+        self._planner = PlannerPool(self.options.planner_start)
         host = self.options.host
         advertised = "" if host in _WILDCARD_HOSTS else host.strip("[]")
         # Long polls of the rendezvous store may hold up to this many of the unary calls' threads (the event
@@ -220,8 +223,6 @@ class MasterServer:
         # (which answers anyone who reaches its port; oobleck_mm/master/store.py).
         self._store = KeyValueStore()
         self.events.subscribe(self._forget_old_rendezvous)
-        # Started from this (the main) thread: the helper's parent-death signal follows it.
-        self._planner = PlannerPool()
         self.coordinator = Coordinator(
             self.job,
             num_nodes=self.num_nodes,
@@ -374,15 +375,6 @@ def _check_data(job, progress: Callable[[str], None]) -> None:
     from oobleck_mm.data.check import check_samples  # torch: the master's planning imports it anyway
 
     check_samples(job, progress)
-
-
-def make_run_dir(path: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"--run-dir: {path!r} is a file; give a folder (created if missing)")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--run-dir: cannot create {path!r}: {exc.strerror}") from None
 
 
 def _load_or_create_token(path: str) -> str:

@@ -49,11 +49,8 @@ from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.protocol.convert import plan_from_proto
 from oobleck_mm.protocol.pipe import send_report
 from oobleck_mm.runtime.async_checkpoint import AsyncCheckpointer
-from oobleck_mm.runtime.checkpoint import (
-    periodic_checkpoint_dir,
-    save_layers,
-    write_error,
-)
+from oobleck_mm.runtime.checkpoint import save_layers, write_error
+from oobleck_mm.runtime.checkpoint_meta import periodic_checkpoint_dir
 from oobleck_mm.model.layers import import_layer_code
 from oobleck_mm.runtime.emulated import Emulation
 from oobleck_mm.runtime.balancing import warm_balancer

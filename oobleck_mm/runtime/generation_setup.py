@@ -24,7 +24,8 @@ from oobleck_mm.errors import UserError
 from oobleck_mm.model.layers import model_layer_specs
 from oobleck_mm.planning.layout import ExecutionPlan
 from oobleck_mm.protocol.convert import plan_from_proto
-from oobleck_mm.runtime.checkpoint import load_layer, read_meta, read_shared_state
+from oobleck_mm.runtime.checkpoint import load_layer, read_shared_state
+from oobleck_mm.runtime.checkpoint_meta import read_meta
 from oobleck_mm.runtime.engine import StageEngine, engine_subgroups
 from oobleck_mm.runtime.group import PreparedGroup, connect_store, join_generation, leave_group, torchrun_environment
 from oobleck_mm.runtime.hold import hold

@@ -117,7 +117,8 @@ class ReferenceTrainer:
         head, whose weight the reference holds once (in the embedding's optimizer), takes the rest
         of its state from its shard.
         """
-        from oobleck_mm.runtime.checkpoint import load_layer, read_loss_scaler, read_meta
+        from oobleck_mm.runtime.checkpoint import load_layer, read_loss_scaler
+        from oobleck_mm.runtime.checkpoint_meta import read_meta
 
         meta = read_meta(directory)
         names = [s.name for s in self.specs]

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from oobleck_mm.config.emulation import compute_job
 from oobleck_mm.errors import UserError
 from oobleck_mm.planning.layout import ExecutionPlan
-from oobleck_mm.runtime.checkpoint import load_layer, read_meta, save_layers, save_meta, write_error
+from oobleck_mm.runtime.checkpoint import load_layer, save_layers, write_error
+from oobleck_mm.runtime.checkpoint_meta import read_meta, save_meta
 from oobleck_mm.runtime.emulated import Emulation
 from oobleck_mm.runtime.engine import StageEngine, StepResult, engine_subgroups
 from oobleck_mm.model.layers import model_layer_specs

@@ -28,7 +28,8 @@ BOUND_S = 90.0
 def test_a_resume_from_a_truncated_shard_exits_2_naming_the_file_before_any_worker_starts(launches, tmp_path):
     from oobleck_mm.config import load_config
     from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime.checkpoint import save_layers, save_meta
+    from oobleck_mm.runtime.checkpoint import save_layers
+    from oobleck_mm.runtime.checkpoint_meta import save_meta
     from oobleck_mm.runtime.engine import fresh_layer
 
     config = write_config(tmp_path, nodes=2, steps=3)

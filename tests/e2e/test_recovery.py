@@ -30,7 +30,7 @@ from harness import (
     write_config,
 )
 from oobleck_mm.faults.report import format_table, recovery_rows
-from oobleck_mm.runtime.checkpoint import read_meta
+from oobleck_mm.runtime.checkpoint_meta import read_meta
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import pytest
 
 from harness import Launch, assert_matches_reference, write_config
 from oobleck_mm.faults.slowdown import SignalFreezer, freezer_for
-from oobleck_mm.runtime.checkpoint import read_meta
+from oobleck_mm.runtime.checkpoint_meta import read_meta
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

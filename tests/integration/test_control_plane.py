@@ -196,7 +196,7 @@ def test_when_the_master_dies_the_workers_write_the_step_they_are_at_and_the_res
     """SIGKILL of the master mid-run, and none restarted: every agent sees its stream break, its workers
     train on for ``master_timeout``, then finish the iteration in flight and write that step together (a complete checkpoint without a master: issue 13), the agents
     exit 3 naming the resume command, nothing is left running, and the resumed run equals the reference."""
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
 
     # No master comes back within master_timeout: the workers train on until then, and write that step.
     config = write_config(

@@ -134,7 +134,7 @@ def test_audio_and_vision_model_equals_reference(tmp_path):
 def test_saved_run_verifies_against_the_reference(tmp_path, capsys):
     """--save-final writes each layer once; `python -m oobleck_mm.verify` replays and compares."""
     from oobleck_mm import verify
-    from oobleck_mm.runtime.checkpoint import read_meta
+    from oobleck_mm.runtime.checkpoint_meta import read_meta
 
     job = tiny_job()
     plan = ExecutionPlan.even(10, [2, 3], [4, 4], job.training.microbatch_size)

@@ -67,10 +67,10 @@ def test_every_layer_has_one_checkpoint_owner_and_replicas_share_the_work():
 def test_a_write_that_fails_is_reported_with_the_reason_and_the_path(tmp_path):
     """A full disk: the layer's temporary file is /dev/full, which answers every write with ENOSPC.
     The checkpoint is lost and said to be, with the reason and the path; nothing else happens."""
-    from oobleck_mm.runtime.checkpoint import _layer_file
+    from oobleck_mm.runtime.checkpoint_meta import layer_file
 
     directory = tmp_path / "step00000004"
-    tmp = _layer_file(directory, "a").with_suffix(".tmp")
+    tmp = layer_file(directory, "a").with_suffix(".tmp")
     tmp.parent.mkdir(parents=True)
     tmp.symlink_to("/dev/full")
     failed, written = [], []

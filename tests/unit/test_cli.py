@@ -271,7 +271,7 @@ def test_verify_windows_judges_every_window_with_the_given_tolerance(monkeypatch
 
     seen = []
     monkeypatch.setattr(verify, "checkpoint_windows", lambda folder, final: [(None, "w1", 2), ("w1", "w2", 4)])
-    monkeypatch.setattr("oobleck_mm.runtime.checkpoint.read_meta", lambda directory: {"step": 2, "config": {}})
+    monkeypatch.setattr("oobleck_mm.runtime.checkpoint_meta.read_meta", lambda directory: {"step": 2, "config": {}})
 
     def compare(job, step, end, progress=None, start_dir=None, tolerance=None):
         from types import SimpleNamespace
@@ -307,7 +307,7 @@ def test_resume_latest_or_a_run_dir_picks_the_newest_complete_checkpoint(tmp_pat
     from oobleck_mm.cli import _resolve_resume
     from oobleck_mm.config import load_config
     from oobleck_mm.errors import UserError
-    from oobleck_mm.runtime.checkpoint import FORMAT
+    from oobleck_mm.runtime.checkpoint_meta import FORMAT
 
     def checkpoint(path, step):
         path.mkdir(parents=True)
@@ -347,7 +347,8 @@ def test_verify_replays_the_schedule_the_run_had_not_the_files_steps(monkeypatch
 
     seen = []
     monkeypatch.setattr(
-        "oobleck_mm.runtime.checkpoint.read_meta", lambda directory: {"step": 6, "config": {"training": {"steps": 6}}}
+        "oobleck_mm.runtime.checkpoint_meta.read_meta",
+        lambda directory: {"step": 6, "config": {"training": {"steps": 6}}},
     )
 
     def compare(job, step, end, progress=None, start_dir=None, tolerance=None):

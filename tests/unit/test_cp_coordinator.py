@@ -697,7 +697,7 @@ def test_a_checkpoint_that_cannot_resume_this_job_is_refused_before_any_worker_s
     from oobleck_mm.master.checkpointing import resume_step
     from oobleck_mm.errors import UserError
     from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime.checkpoint import save_meta
+    from oobleck_mm.runtime.checkpoint_meta import save_meta
 
     job = load_config(TINY)
     specs = model_layer_specs(job)
@@ -1250,8 +1250,9 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path,
     from oobleck_mm.master.checkpointing import resume_step
     from oobleck_mm.errors import UserError
     from oobleck_mm.model.layers import model_layer_specs
-    from oobleck_mm.runtime import checkpoint
-    from oobleck_mm.runtime.checkpoint import save_meta, write_layer_file
+    from oobleck_mm.runtime import checkpoint_meta
+    from oobleck_mm.runtime.checkpoint import write_layer_file
+    from oobleck_mm.runtime.checkpoint_meta import save_meta
 
     job = load_config(TINY)
     specs = model_layer_specs(job)
@@ -1264,7 +1265,7 @@ def test_resume_finds_a_shard_corrupted_in_place_by_its_writers_sha256(tmp_path,
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert set(meta["layer_sha256"]) == {s.name for s in specs}
     lines = []
-    monkeypatch.setattr(checkpoint, "PROGRESS_EVERY_S", 0.0)  # a large checkpoint: progress while it is read
+    monkeypatch.setattr(checkpoint_meta, "PROGRESS_EVERY_S", 0.0)  # a large checkpoint: progress while it is read
     assert resume_step(str(tmp_path), job, lines.append) == 4
     assert len(lines) == len(specs) and f"checked {len(specs)}/{len(specs)} shards" in lines[-1], lines
     shard = tmp_path / "layers" / "llm.head.pt"
@@ -1436,7 +1437,8 @@ def test_a_restarted_master_that_finds_no_node_back_says_so_instead_of_planning_
 
 
 def test_a_journal_of_an_ended_job_is_never_re_adopted_and_the_same_command_starts_a_new_job(make, tmp_path):
-    from oobleck_mm.master.journal import end_journal, read_journal, running_job, write_journal
+    from oobleck_mm.master.journal import end_journal, read_journal, write_journal
+    from oobleck_mm.master.run_dir import running_job
     from oobleck_mm.errors import UserError
 
     journal, _ = _lost_master(make, nodes=2, steps=10, trained=0)
@@ -1460,7 +1462,8 @@ def test_the_journal_is_owner_only_json_and_a_planted_or_broken_file_is_refused_
     import pickle
     import stat
 
-    from oobleck_mm.master.journal import JOURNAL_FILE, read_journal, write_journal
+    from oobleck_mm.master.journal import read_journal, write_journal
+    from oobleck_mm.master.run_dir import JOURNAL_FILE
     from oobleck_mm.errors import UserError
 
     journal, _ = _lost_master(make, nodes=2, steps=10)

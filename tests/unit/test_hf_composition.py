@@ -26,7 +26,8 @@ from oobleck_mm.data.sample import IMAGE  # noqa: E402
 from oobleck_mm.export import export_checkpoint  # noqa: E402
 from oobleck_mm.model.layers import build_layer, model_layer_specs  # noqa: E402
 from oobleck_mm.model.tiny_hf import make_tiny_parts  # noqa: E402
-from oobleck_mm.runtime.checkpoint import save_meta, write_layer_file  # noqa: E402
+from oobleck_mm.runtime.checkpoint import write_layer_file  # noqa: E402
+from oobleck_mm.runtime.checkpoint_meta import save_meta  # noqa: E402
 
 from test_hf_export import checkpoint_without_training, tensors  # noqa: E402
 

@@ -15,7 +15,8 @@ from oobleck_mm.config import config_from_dict  # noqa: E402
 from oobleck_mm.export import export_checkpoint  # noqa: E402
 from oobleck_mm.model.layers import model_layer_specs  # noqa: E402
 from oobleck_mm.model.tiny_hf import make_tiny_model  # noqa: E402
-from oobleck_mm.runtime.checkpoint import save_layers, save_meta, write_layer_file  # noqa: E402
+from oobleck_mm.runtime.checkpoint import save_layers, write_layer_file  # noqa: E402
+from oobleck_mm.runtime.checkpoint_meta import save_meta  # noqa: E402
 from oobleck_mm.runtime.engine import fresh_layer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,7 +8,7 @@ import pytest
 from oobleck_mm.errors import UserError
 from oobleck_mm.protocol import oobleck_pb2 as pb
 from oobleck_mm.runtime.generation_setup import UnreadableCheckpoint, _read_resume
-from oobleck_mm.runtime.checkpoint import read_meta
+from oobleck_mm.runtime.checkpoint_meta import read_meta
 from oobleck_mm.runtime.waiting import PeerFailure
 
 
