@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import yaml
 from harness import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,12 +47,13 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
         -2000:
     ]  # step 11 or after (1-based)
     assert re.search(r"^2\s+join\s+node5\s.*resumed at step", out, re.M), out[-2000:]
-    assert re.search(r"done: 80 steps in", out)
+    steps = yaml.safe_load((ROOT / "configs" / "mission.yaml").read_text())["training"]["steps"]
+    assert re.search(rf"done: {steps} steps in", out)
     # Start-up says what it waits for; the layout is printed when it changes, not on every step.
     for line in ("agent node0 registered", "planning pipelines for 5 nodes", "starting 5 workers", "workers ready"):
         assert line in out, out[:2000]
     step_lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(step_lines) == 80 and not any("pipelines" in line for line in step_lines)
+    assert len(step_lines) == steps and not any("pipelines" in line for line in step_lines)
     assert all(re.search(r"loss \S+  lr \S+  gnorm \S+ .* tok/s .*, eta \d+:\d\d\]$", line) for line in step_lines[1:])
     # It ends by saying where the figure, the metrics and the logs are.
     run = tmp_path / "run"
@@ -60,7 +62,7 @@ def test_make_run_shows_heterogeneous_pipelines_surviving_a_kill_and_taking_a_jo
     assert tail[2] == f"tensorboard: tensorboard --logdir {run / 'tensorboard'}"
     with open(run / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert [int(r["step"]) for r in rows] == list(range(1, 81))  # one row per step, none twice after the kill
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))  # one row per step, none twice after the kill
     nodes = [int(r["live_nodes"]) for r in rows]
     # The kill once 10 steps are done (a busy machine may fire it a step late), the join once node5 is up.
     assert nodes[0] == 5 and 10 <= nodes.index(4) <= 12 and nodes[-1] == 5, nodes

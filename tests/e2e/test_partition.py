@@ -158,7 +158,16 @@ def test_a_slow_link_is_no_loss_and_a_partitioned_node_is_lost_then_back_as_a_fr
     # switches (the loss, the rejoin, the leave) trained in, and the last (``windows_with_switches``).
     steps_at = [w[2] for w in windows]
     assert windows[0][0] is None and steps_at[0] == every and steps_at[-2:] == [steps, steps], windows
-    assert set(steps_at) <= set(range(every, steps + 1, every)) and len(steps_at) >= 5, windows
+    # A periodic checkpoint the switch found without a leaver's share is made up after the next generation's
+    # first step (``checkpoint_cut_short``), even when the leaver's share arrives after all (seen once: the
+    # checkpoints of steps 30 and 32 both complete).
+    made_up = {
+        r["step"] + 1
+        for cut in read_events(events, "checkpoint_cut_short")
+        for r in read_events(events, "resumed")
+        if r["generation"] == cut["generation"]
+    }
+    assert set(steps_at) <= set(range(every, steps + 1, every)) | made_up and len(steps_at) >= 5, windows
     judged = windows_with_switches(windows, events)
     switched = [e["step"] for e in read_events(events, "resumed")]
     assert len(judged) < len(windows), (switched, windows)  # the windows of one generation training alone are skipped
