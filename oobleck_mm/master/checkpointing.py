@@ -216,7 +216,8 @@ def cut_short(
 
 
 def step_of(directory: str) -> int:
-    """The step of a periodic checkpoint directory (``runtime.checkpoint`` names them ``stepNNNNNNNN``)."""
+    """The step of a periodic checkpoint directory (``runtime.checkpoint_meta.periodic_checkpoint_dir``
+    names them ``stepNNNNNNNN``)."""
     name = os.path.basename(directory)
     return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else -1
 
@@ -274,7 +275,7 @@ def meta_sampler(job):
     from oobleck_mm.data.build import build_dataset
     from oobleck_mm.data.sampler import GlobalBatchSampler
 
-    layer_specs(job.model, job.data)
+    layer_specs(job.model, job.data)  # a ``model.builder``'s module imported here, not at the first checkpoint
     return GlobalBatchSampler(len(build_dataset(job)), job.training.global_batch, job.training.seed)
 
 

@@ -521,10 +521,10 @@ class LocalCluster:
                 os.killpg(group, signal.SIGKILL)
 
     def _judge_emulation(self, events: list[dict]) -> None:
-        from oobleck_mm.emulation.truth import describe_emulation
-
         """An emulated run says whether it measured the engine or the host (``emulation.validity``), on the
         console and in ``RUN_DIR/emulation.json``."""
+        from oobleck_mm.emulation.truth import describe_emulation
+
         if self._host_cpu is None:
             return
         self._host_cpu.stop()

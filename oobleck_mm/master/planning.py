@@ -4,9 +4,10 @@
 own process it would hold the GIL for seconds, heartbeats would go unanswered
 and agents would give the master up for dead. ``PlannerPool`` runs it in one
 long-lived process (forked from ``oobleck-launch master`` as it starts: imports
-paid once) that dies with the master. Inputs and outputs are plain data: the job's YAML, node names, and the
-planning ``Plan`` dataclass the previous call returned (pickled only between the
-master and its own helper, never on the network).
+paid once) that dies with the master. Inputs and outputs are plain data: the
+job's YAML, node names, and the planning ``Plan`` dataclass the previous call
+returned (pickled only between the master and its own helper, never on the
+network).
 
 Two calls:
 
