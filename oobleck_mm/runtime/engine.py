@@ -146,10 +146,13 @@ class StageEngine(MicrobatchFlow):
         self.prev_ranks = {k: self.pipeline.piece_rank(senders[0], k) for k in self.pieces} if senders else {}
         self.next_ranks = {} if receiver is None else {k: self.pipeline.piece_rank(receiver, k) for k in self.pieces}
         """Per piece this rank runs, the rank that sends its input (receives its output)."""
-        self.branch_ranks = tuple(self.pipeline.stages[j].rank for j in senders) if len(senders) > 1 else ()
+        self.branch_ranks = (
+            {k: tuple(self.pipeline.piece_rank(j, k) for j in senders) for k in self.pieces} if len(senders) > 1 else {}
+        )
+        """The merge stage of a branched pipeline (``PipelineLayout.branches``): per piece this rank runs, the
+        rank of each branch's last stage that runs that piece, in branch order; their outputs together are the
+        piece's input. Empty elsewhere."""
         self._abandon_notices: list = []  # (tensor, request) of the notices sent when a step was given up
-        """The merge stage of a branched pipeline (``PipelineLayout.branches``): each branch's last rank, in
-        branch order, whose outputs together are this stage's input (one-GPU stages). Empty elsewhere."""
         self.prev_rank = self.prev_ranks[self.pieces[0]] if self.prev_ranks else None
         self.next_rank = self.next_ranks[self.pieces[0]] if self.next_ranks else None
         """The neighbours of this rank's first piece (the only one on a pipeline of one-GPU stages); None at an end."""
@@ -183,7 +186,8 @@ class StageEngine(MicrobatchFlow):
         self.next_needs_grad = self.next_rank is not None and any(trainable[i] for i in feeding)
         self.needs_backward = any(trainable[i] for i in feeding)
         self.branch_needs_grad = tuple(
-            any(trainable[i] for i in self.pipeline.branch_layers(b)) for b in range(len(self.branch_ranks))
+            any(trainable[i] for i in self.pipeline.branch_layers(b))
+            for b in range(len(senders) if self.branch_ranks else 0)
         )
         """Per branch of the merge stage: whether that branch trains, so takes its output's gradient back."""
 
@@ -278,7 +282,8 @@ class StageEngine(MicrobatchFlow):
         self._loss_tokens = self.data.loss_tokens(ids)
         self._batches: dict = {}
         self._inputs: dict[int, tuple] = {}
-        self._branch_sizes: dict[int, list[int]] = {}  # merge stage: per buffer, the tensors each branch sent
+        self._branch_sizes: dict[int, dict[int, list[int]]] = {}  # merge stage: per buffer and piece, the
+        # tensors each branch sent
         self._outputs: dict[int, tuple] = {}
         self._grads: dict[int, tuple] = {}
         self._buffer_mb: dict[int, int] = {}
@@ -341,7 +346,8 @@ class StageEngine(MicrobatchFlow):
         blocked receiving from it is told at once (``p2p.send_abandoned``), so the abort spreads along the
         pipeline in milliseconds instead of one group timeout per stage (measured: a branched pipeline's
         audio branch waited out 8 s for the gradients of a merge stage that had already given up)."""
-        peers = {*self.prev_ranks.values(), *self.next_ranks.values(), *self.branch_ranks} - {self.rank}
+        branches = (r for ranks in self.branch_ranks.values() for r in ranks)
+        peers = {*self.prev_ranks.values(), *self.next_ranks.values(), *branches} - {self.rank}
         for peer in sorted(peers):
             try:
                 self._abandon_notices.append(send_abandoned(peer, self.device))

@@ -177,10 +177,14 @@ class MicrobatchFlow:
     def _recv_activation(self, ins) -> None:
         t0 = time.perf_counter()
         received = {}
-        if self.branch_ranks:  # the merge stage: every branch's outputs, in branch order, are its input
-            parts = [self._receive(src) for src in self.branch_ranks]
-            self._branch_sizes[ins.buffer_id] = [len(part) for part in parts]
-            sources = {0: [t for part in parts for t in part]}.items()
+        if self.branch_ranks:  # the merge stage: every branch's outputs of a piece, in branch order, are its input
+            sizes, merged = {}, []
+            for piece, srcs in self.branch_ranks.items():
+                parts = [self._receive(src) for src in srcs]
+                sizes[piece] = [len(part) for part in parts]
+                merged.append((piece, [t for part in parts for t in part]))
+            self._branch_sizes[ins.buffer_id] = sizes
+            sources = merged
         else:
             sources = ((piece, self._receive(src)) for piece, src in self.prev_ranks.items())
         for piece, acts in sources:  # every rank in piece order: the senders' order too
@@ -291,6 +295,7 @@ class MicrobatchFlow:
         else:
             inputs = self._inputs.pop(ins.buffer_id)
         mb = self._grad_mb.pop(ins.buffer_id, None)
+        branch_sizes = self._branch_sizes.pop(ins.buffer_id, None)
         if not self.needs_input_grad:
             return
         t0 = time.perf_counter()
@@ -300,8 +305,10 @@ class MicrobatchFlow:
         for piece, piece_inputs in inputs.items():
             grads = tuple(a.grad if a.grad is not None else torch.zeros_like(a) for a in piece_inputs)
             if self.branch_ranks:  # each branch its outputs' gradients, if it trains
-                sizes, offset = self._branch_sizes.pop(ins.buffer_id), 0
-                for src, size, needed in zip(self.branch_ranks, sizes, self.branch_needs_grad, strict=True):
+                offset = 0
+                for src, size, needed in zip(
+                    self.branch_ranks[piece], branch_sizes[piece], self.branch_needs_grad, strict=True
+                ):
                     if needed:
                         part = grads[offset : offset + size]
                         self._result.bytes_sent += send_tensors(part, src, self.device, self.waiter, arrival)

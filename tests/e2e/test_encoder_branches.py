@@ -3,8 +3,8 @@
 ``planning.placement: auto``: per node count the planner keeps the chain or the template whose vision and
 audio encoders run on stages of their own, concurrently, feeding the LLM's first stage, whichever its exact
 1F1B time says is faster (tuned for one microbatch per pipeline here, where depth weighs most: the 3-node
-template is ``vision || audio => LLM``). Real launcher, agents and workers, gloo. A node of the branched
-pipeline is killed at step 2 (its layers are copied from a replica into the survivors' new plan) and a node
+template is ``vision || audio => LLM``, the LLM's stage on two GPUs for the built-in model). Real launcher,
+agents and workers, gloo. A node of the branched pipeline is killed at step 2 (its layers are copied from a replica into the survivors' new plan) and a node
 joins at step 3; the final checkpoint equals the reference trainer (one process, the layer list in order)
 in float64, every replica the same, and resumes without branches.
 
@@ -16,6 +16,8 @@ branches are transformers' own vision tower and Whisper encoder layers, and the 
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import yaml
@@ -49,6 +51,11 @@ def branched_config(tmp_path, composed: bool) -> str:
     # Two microbatches on 4 nodes: a 3-node branched pipeline and a 1-node one (the planner's choice).
     raw["training"].update(dtype="float64", steps=STEPS, global_batch=4, microbatch_size=2)
     raw["cluster"].update(nodes=4, device_memory="64MB")
+    if not composed:
+        # Two GPUs a node, stages of up to two, 5 nodes: a 3-node branched pipeline whose merge stage spans two
+        # GPUs (each takes one sample of every microbatch from the branch ranks that run it) beside a 2-node
+        # chain; after the kill two 2-node chains, after the join the first plan again.
+        raw["cluster"].update(nodes=5, gpus_per_node=2, max_gpus_per_stage=2)
     raw["planning"] = {**raw.get("planning", {}), "placement": "auto", "microbatches_hint": 1}
     raw["fault_tolerance"].update(heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT, straggler_factor=0)
     path = tmp_path / "branches.yaml"
@@ -67,6 +74,9 @@ def test_a_branched_pipeline_trains_through_a_kill_and_a_join_equal_to_the_refer
     plans = run.events("plan_decided")
     first = plans[0]["describe"]
     assert " || " in first and " => " in first, f"the first plan runs encoder branches: {first}"
+    if not composed:  # ... and a stage of two GPUs in them, before the kill and after the join
+        branched = [b for p in (plans[0], plans[-1]) for b in re.findall(r"\[[^]]*\]", p["describe"]) if " => " in b]
+        assert len(branched) == 2 and all("+" in b.split(" => ")[1] for b in branched), branched
     assert [e["node"] for e in run.events("lost")] == ["node1"]
     # The survivors meet at once: the merge stage, which gave up the step when its branch died, tells the other
     # branch waiting on its gradients (a gloo receive cannot be interrupted: it waited out collective_timeout,

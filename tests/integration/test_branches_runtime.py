@@ -5,7 +5,7 @@ gloo processes, float64, equal to the reference trainer (one process, the whole 
 The merge stage receives every branch's outputs in branch order and sends each branch its gradients back
 (only to a branch that trains); each stage walks DeepSpeed's ``TrainSchedule`` for its distance to the end
 (``PipelineLayout.schedule_position``), as ``planning.branches.simulate_branched`` times it. The plans here
-are written by hand (``ExecutionPlan``); the planner's branched templates reach the runtime in a later step.
+are written by hand (``ExecutionPlan``); the planner's branched templates run in tests/e2e/test_encoder_branches.py.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def audio_job(training=None, balance=None, **model):
     return config_from_dict(d)
 
 
-def branched_plan(job, vision_stages: int) -> ExecutionPlan:
-    """Pipeline 0: the vision branch on ``vision_stages`` stages, the audio branch on one, the LLM on two;
-    pipeline 1: a chain of two stages. Two microbatches each."""
+def branched_plan(job, vision_stages: int, widths: tuple[int, ...] = ()) -> ExecutionPlan:
+    """Pipeline 0: the vision branch on ``vision_stages`` stages, the audio branch on one, the LLM on two, of
+    ``widths`` GPUs each (default one); pipeline 1: a chain of two stages. Two microbatches each."""
     specs = model_layer_specs(job)
     names = [s.name for s in specs]
     audio = names.index("audio.embed")
@@ -46,9 +46,11 @@ def branched_plan(job, vision_stages: int) -> ExecutionPlan:
     mid = (llm + len(specs)) // 2
     cuts = [round(k * audio / vision_stages) for k in range(vision_stages + 1)]
     bounds = [*zip(cuts, cuts[1:]), (audio, llm), (llm, mid), (mid, len(specs))]
-    stages = tuple(StageLayout(rank, start, end) for rank, (start, end) in enumerate(bounds))
-    branched = PipelineLayout(stages, 2, branches=(0, vision_stages), merge=vision_stages + 1)
-    r = len(stages)
+    stages, r = [], 0
+    for (start, end), width in zip(bounds, widths or (1,) * len(bounds), strict=True):
+        stages.append(StageLayout(r, start, end, shards=tuple(range(r + 1, r + width))))
+        r += width
+    branched = PipelineLayout(tuple(stages), 2, branches=(0, vision_stages), merge=vision_stages + 1)
     half = len(specs) // 2
     chain = PipelineLayout((StageLayout(r, 0, half), StageLayout(r + 1, half, len(specs))), 2)
     return ExecutionPlan((branched, chain), len(specs), job.training.microbatch_size)
@@ -70,13 +72,24 @@ def equal_to_reference(job, plan, tmp_path):
     return outs
 
 
-@pytest.mark.parametrize("vision_stages", [1, 2], ids=["branches-of-one-stage", "a-deeper-vision-branch"])
-def test_branches_beside_a_chain_equal_the_reference(tmp_path, vision_stages):
+@pytest.mark.parametrize(
+    "vision_stages,widths",
+    [(1, (2, 1, 2, 1)), (2, ())],
+    ids=["branches-of-one-stage-some-of-two-GPUs", "a-deeper-vision-branch"],
+)
+def test_branches_beside_a_chain_equal_the_reference(tmp_path, vision_stages, widths):
+    """With stages of two GPUs (the vision branch's and the merge stage, FSDP2 over each, the audio branch on
+    one GPU): each microbatch runs as two pieces of one sample, the merge stage's rank ``k`` takes piece ``k``
+    from the vision rank ``k`` and from the audio rank, which sends its two pieces to two ranks, and sends
+    each its gradients back. A piece delivered to the wrong rank, or its gradient to the wrong branch, would
+    hang the step or train other samples than the reference."""
     job = audio_job()
-    plan = branched_plan(job, vision_stages)
+    plan = branched_plan(job, vision_stages, widths)
     assert plan.pipelines[0].neighbours(vision_stages + 1)[0] == (vision_stages - 1, vision_stages)
     assert " || " in plan.describe() and " => " in plan.describe()
-    equal_to_reference(job, plan, tmp_path / "run")
+    assert plan.sharded == bool(widths)
+    outs = equal_to_reference(job, plan, tmp_path / "run")
+    assert len(outs) == plan.world_size
 
 
 def test_a_frozen_branch_gets_no_gradient_and_the_other_trains(tmp_path):

@@ -160,9 +160,12 @@ def test_parts_may_share_a_node_in_units_of_its_gpus(monkeypatch):
     assert "no split of 2 node(s)" in place(profile(4, 4, 4, 1.0, 1.0), cluster, 2, 2).reason
 
 
-def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_them():
+@pytest.mark.parametrize("gpus_per_node,nodes", [(1, 4), (2, 5)], ids=["one-GPU-nodes", "stages-of-two-GPUs"])
+def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_them(gpus_per_node, nodes):
     """``planning.placement: auto``: ``with_branches`` keeps, per node count, ``build_templates``' chain or the
-    runnable branched template (one-GPU stages), whichever is faster; the plan's layout carries the branches."""
+    runnable branched template, whichever is faster; the plan's layout carries the branches. With two GPUs a
+    node and stages of up to two, the 3-node branched template's LLM stage spans both GPUs of its node (each
+    taking one sample of a microbatch), and the 5-node plan runs it."""
     import yaml
 
     from oobleck_mm.config import config_from_dict
@@ -176,15 +179,17 @@ def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_the
         raw = yaml.safe_load(f)
     raw["model"]["vision"]["num_layers"] = raw["model"]["audio"]["num_layers"] = 4
     raw["model"]["llm"]["num_layers"] = 2
-    raw["cluster"].update(nodes=4, device_memory="64MB")
+    raw["cluster"].update(
+        nodes=nodes, device_memory="64MB", gpus_per_node=gpus_per_node, max_gpus_per_stage=gpus_per_node
+    )
     raw["training"].update(global_batch=4, microbatch_size=2)
     raw["planning"] = {"placement": "auto", "microbatches_hint": 1}
     job = config_from_dict(raw)
     profile = profile_from_config(job)
     cluster = planning_cluster(job, profile)
     assert cluster.placement == "auto"
-    chain = build_templates(profile, cluster, 4, 1, microbatches_hint=1)
-    auto = with_branches(chain, profile, cluster, 4, microbatches_hint=1)
+    chain = build_templates(profile, cluster, nodes, 1, microbatches_hint=1)
+    auto = with_branches(chain, profile, cluster, nodes, microbatches_hint=1)
     assert not any(t.branched for t in chain.templates)
     branched = [t for t in auto.templates if t.branched]
     assert branched, [t.describe() for t in auto.templates]
@@ -192,8 +197,9 @@ def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_the
         same = chain.for_nodes(t.num_nodes)
         assert t.iteration_time(1) < same.iteration_time(1)  # kept only where faster
         assert t.iteration_time(3) == pytest.approx(as_branched(t).iteration_time(3))
-        assert all(len(s.gpus) == 1 for s in t.stages)  # what the runtime runs
         assert "|| " in t.describe() and "=> " in t.describe()
-    outcome = plan_job(job, profile, [f"node{i}" for i in range(4)])
+    assert any(len(s.gpus) == 2 for t in branched for s in t.stages) == (gpus_per_node == 2)
+    outcome = plan_job(job, profile, [f"node{i}" for i in range(nodes)])
     layout = ExecutionPlan.from_plan(outcome.plan, rank_table(outcome.plan))
-    assert any(p.branched for p in layout.pipelines), layout.describe()  # a 3-node branched pipeline is planned
+    [planned] = [p for p in layout.pipelines if p.branched]  # a 3-node branched pipeline is planned
+    assert (planned.pieces == 2) == (gpus_per_node == 2), layout.describe()
