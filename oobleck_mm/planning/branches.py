@@ -25,7 +25,7 @@ microbatches too), recomputing where only that fits. A part that fits on no allo
 
 ``place`` reports both placements and which is faster (``plan --placements``). With ``planning.placement:
 auto``, ``stage_mapping.build_templates`` keeps per node count the faster of the chain and the best branched
-template the runtime runs (``runnable_branched``: no context-parallel lanes), as a ``PipelineTemplate`` with
+template (``runnable_branched``), as a ``PipelineTemplate`` with
 ``branches``/``merge`` (``BranchedTemplate.to_template``), which the runtime executes
 (``planning.layout.PipelineLayout.branches``).
 """
@@ -271,11 +271,9 @@ def best_branched(
 def runnable_branched(
     profile: ModelProfile, cluster: ClusterSpec, num_nodes: int, num_microbatches: int
 ) -> BranchedTemplate | None:
-    """The fastest branched template the runtime runs (stages of one GPU or of samples split over several, no
-    context parallelism: the runtime's branched pipelines, ``planning.layout.PipelineLayout.branches``), or None
-    (no encoder, no split fits)."""
-    if cluster.context_parallel > 1:
-        return None
+    """The fastest branched template (the runtime runs any: stages of one GPU, of samples split over several,
+    or of context-parallel lanes; ``planning.layout.PipelineLayout.branches``), or None (no encoder, no split
+    fits)."""
     try:
         best, _ = best_branched(profile, dataclasses.replace(cluster, placement="chain"), num_nodes, num_microbatches)
     except ValueError:  # parts not contiguous, or no text layers: the chain only

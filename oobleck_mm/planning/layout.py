@@ -403,19 +403,15 @@ def rank_table(plan) -> dict[Gpu, int]:
 
 def _check_branches(i: int, p: PipelineLayout) -> None:
     """A branched pipeline: branches start at 0 in increasing order, each non-empty, before a merge stage that
-    leaves the LLM at least one stage; no context parallelism (its lanes run chains). Stages of several GPUs
-    are fine: piece ``k`` of a microbatch goes from each branch's rank running it to the merge stage's."""
+    leaves the LLM at least one stage. Stages of several GPUs are fine: piece ``k`` of a microbatch (its
+    samples' share, or under context parallelism lane ``k``, whose encoders run on the whole media) goes from
+    each branch's rank running it to the merge stage's."""
     starts = list(p.branches)
     if starts[0] != 0 or starts != sorted(set(starts)) or not starts[-1] < p.merge < len(p.stages):
         raise ValueError(
             f"execution plan: pipeline {i}'s branches start at stages {starts} and merge at stage {p.merge}: "
             f"branches start at 0, in increasing order, each before the merge, which is one of its "
             f"{len(p.stages)} stages"
-        )
-    if any(s.context_parallel for s in p.stages):
-        raise ValueError(
-            f"execution plan: pipeline {i} has encoder branches and context-parallel stages; branched pipelines "
-            "run stages of whole microbatches or of samples split over their GPUs, not of token lanes"
         )
 
 

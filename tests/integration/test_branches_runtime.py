@@ -36,9 +36,10 @@ def audio_job(training=None, balance=None, **model):
     return config_from_dict(d)
 
 
-def branched_plan(job, vision_stages: int, widths: tuple[int, ...] = ()) -> ExecutionPlan:
+def branched_plan(job, vision_stages: int, widths: tuple[int, ...] = (), lanes: bool = False) -> ExecutionPlan:
     """Pipeline 0: the vision branch on ``vision_stages`` stages, the audio branch on one, the LLM on two, of
-    ``widths`` GPUs each (default one); pipeline 1: a chain of two stages. Two microbatches each."""
+    ``widths`` GPUs each (default one; ``lanes``: context-parallel); pipeline 1: a chain of two stages. Two
+    microbatches each."""
     specs = model_layer_specs(job)
     names = [s.name for s in specs]
     audio = names.index("audio.embed")
@@ -48,7 +49,7 @@ def branched_plan(job, vision_stages: int, widths: tuple[int, ...] = ()) -> Exec
     bounds = [*zip(cuts, cuts[1:]), (audio, llm), (llm, mid), (mid, len(specs))]
     stages, r = [], 0
     for (start, end), width in zip(bounds, widths or (1,) * len(bounds), strict=True):
-        stages.append(StageLayout(r, start, end, shards=tuple(range(r + 1, r + width))))
+        stages.append(StageLayout(r, start, end, shards=tuple(range(r + 1, r + width)), context_parallel=lanes))
         r += width
     branched = PipelineLayout(tuple(stages), 2, branches=(0, vision_stages), merge=vision_stages + 1)
     half = len(specs) // 2
@@ -73,18 +74,21 @@ def equal_to_reference(job, plan, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "vision_stages,widths",
-    [(1, (2, 1, 2, 1)), (2, ())],
-    ids=["branches-of-one-stage-some-of-two-GPUs", "a-deeper-vision-branch"],
+    "vision_stages,widths,lanes",
+    [(1, (2, 1, 2, 1), False), (2, (), False), (1, (2, 2, 2, 2), True)],
+    ids=["branches-of-one-stage-some-of-two-GPUs", "a-deeper-vision-branch", "context-parallel-lanes"],
 )
-def test_branches_beside_a_chain_equal_the_reference(tmp_path, vision_stages, widths):
+def test_branches_beside_a_chain_equal_the_reference(tmp_path, vision_stages, widths, lanes):
     """With stages of two GPUs (the vision branch's and the merge stage, FSDP2 over each, the audio branch on
     one GPU): each microbatch runs as two pieces of one sample, the merge stage's rank ``k`` takes piece ``k``
     from the vision rank ``k`` and from the audio rank, which sends its two pieces to two ranks, and sends
     each its gradients back. A piece delivered to the wrong rank, or its gradient to the wrong branch, would
-    hang the step or train other samples than the reference."""
+    hang the step or train other samples than the reference. With two context-parallel lanes on every stage:
+    each branch's lane runs its encoder on the whole media and sends it to the merge stage's lane of the same
+    index, which keeps its own blocks of the sequence after the token embedding and sends back the gradient
+    of its blocks' share; the lanes' sums make the encoders' update the reference's."""
     job = audio_job()
-    plan = branched_plan(job, vision_stages, widths)
+    plan = branched_plan(job, vision_stages, widths, lanes)
     assert plan.pipelines[0].neighbours(vision_stages + 1)[0] == (vision_stages - 1, vision_stages)
     assert " || " in plan.describe() and " => " in plan.describe()
     assert plan.sharded == bool(widths)

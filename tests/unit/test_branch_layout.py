@@ -59,9 +59,10 @@ def test_a_malformed_branched_pipeline_is_refused_naming_it(branches, merge, mes
         ExecutionPlan((PipelineLayout(stages, 1, branches, merge),), 4, 1)
 
 
-def test_wide_stages_branch_piece_by_piece_and_context_parallel_lanes_do_not():
+def test_wide_stages_and_context_parallel_lanes_branch_piece_by_piece():
     """A merge stage of two GPUs runs piece ``k`` of each microbatch on its ``k``-th rank, which takes piece ``k``
-    from the rank of each branch running it: a one-GPU branch sends its two pieces to two ranks."""
+    from the rank of each branch running it: a one-GPU branch sends its two pieces to two ranks. Lanes pair
+    up by index the same way."""
     stages = (StageLayout(0, 0, 1, shards=(1,)), StageLayout(2, 1, 2), StageLayout(3, 2, 3, shards=(4,)))
     plan = ExecutionPlan((PipelineLayout(stages, 1, (0, 1), 2),), 3, 2)
     p = plan.pipelines[0]
@@ -69,8 +70,9 @@ def test_wide_stages_branch_piece_by_piece_and_context_parallel_lanes_do_not():
     assert [[p.piece_rank(j, k) for j in (0, 1)] for k in range(2)] == [[0, 2], [1, 2]]
     assert [p.piece_rank(2, k) for k in range(2)] == [3, 4]
     lanes = tuple(StageLayout(2 * i, i, i + 1, shards=(2 * i + 1,), context_parallel=True) for i in range(3))
-    with pytest.raises(ValueError, match="encoder branches and context-parallel stages"):
-        ExecutionPlan((PipelineLayout(lanes, 1, (0, 1), 2),), 3, 2)
+    p = ExecutionPlan((PipelineLayout(lanes, 1, (0, 1), 2),), 3, 1).pipelines[0]
+    assert [[p.piece_rank(j, k) for j in (0, 1)] for k in range(2)] == [[0, 2], [1, 3]]
+    assert [p.piece_rank(2, k) for k in range(2)] == [4, 5]
 
 
 def test_a_branched_plan_round_trips_through_json_and_protobuf():

@@ -160,12 +160,17 @@ def test_parts_may_share_a_node_in_units_of_its_gpus(monkeypatch):
     assert "no split of 2 node(s)" in place(profile(4, 4, 4, 1.0, 1.0), cluster, 2, 2).reason
 
 
-@pytest.mark.parametrize("gpus_per_node,nodes", [(1, 4), (2, 5)], ids=["one-GPU-nodes", "stages-of-two-GPUs"])
-def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_them(gpus_per_node, nodes):
+@pytest.mark.parametrize(
+    "gpus_per_node,nodes,lanes",
+    [(1, 4, 1), (2, 5, 1), (2, 5, 2)],
+    ids=["one-GPU-nodes", "stages-of-two-GPUs", "context-parallel-lanes"],
+)
+def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_them(gpus_per_node, nodes, lanes):
     """``planning.placement: auto``: ``with_branches`` keeps, per node count, ``build_templates``' chain or the
     runnable branched template, whichever is faster; the plan's layout carries the branches. With two GPUs a
     node and stages of up to two, the 3-node branched template's LLM stage spans both GPUs of its node (each
-    taking one sample of a microbatch), and the 5-node plan runs it."""
+    taking one sample of a microbatch), and the 5-node plan runs it; with two context-parallel lanes every
+    stage of a branched template is two lanes wide."""
     import yaml
 
     from oobleck_mm.config import config_from_dict
@@ -179,9 +184,8 @@ def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_the
         raw = yaml.safe_load(f)
     raw["model"]["vision"]["num_layers"] = raw["model"]["audio"]["num_layers"] = 4
     raw["model"]["llm"]["num_layers"] = 2
-    raw["cluster"].update(
-        nodes=nodes, device_memory="64MB", gpus_per_node=gpus_per_node, max_gpus_per_stage=gpus_per_node
-    )
+    raw["cluster"].update(nodes=nodes, device_memory="64MB", gpus_per_node=gpus_per_node)
+    raw["cluster"].update(max_gpus_per_stage=gpus_per_node // lanes, context_parallel=lanes)
     raw["training"].update(global_batch=4, microbatch_size=2)
     raw["planning"] = {"placement": "auto", "microbatches_hint": 1}
     job = config_from_dict(raw)
@@ -199,7 +203,8 @@ def test_placement_auto_builds_branched_templates_where_faster_and_plans_run_the
         assert t.iteration_time(3) == pytest.approx(as_branched(t).iteration_time(3))
         assert "|| " in t.describe() and "=> " in t.describe()
     assert any(len(s.gpus) == 2 for t in branched for s in t.stages) == (gpus_per_node == 2)
+    assert all(s.context_parallel == (lanes > 1) for t in branched for s in t.stages)
     outcome = plan_job(job, profile, [f"node{i}" for i in range(nodes)])
     layout = ExecutionPlan.from_plan(outcome.plan, rank_table(outcome.plan))
-    [planned] = [p for p in layout.pipelines if p.branched]  # a 3-node branched pipeline is planned
+    [planned] = [p for p in layout.pipelines if p.branched]  # a 3-node (4-node with lanes) branched pipeline
     assert (planned.pieces == 2) == (gpus_per_node == 2), layout.describe()
