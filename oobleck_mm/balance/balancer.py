@@ -101,7 +101,8 @@ def balance(
     # One objective: a pipeline that deferral makes faster can take more samples. Place again on a problem
     # whose pipelines cost what they ran at after deferral, defer again, and keep the faster of the two.
     gains = [a / b if b > 0 else 1.0 for a, b in zip(result.predicted_s, deferred.predicted_s)]
-    if max(gains) <= 1 + DEFERRAL_REPLACE_GAIN:
+    # (Not with branched pipelines: their concurrent branch columns are not rescaled, with_pipeline_speeds.)
+    if max(gains) <= 1 + DEFERRAL_REPLACE_GAIN or any(b is not None for b in problem.branched):
         return deferred
     again = _balance(problem.with_pipeline_speeds([1 / g for g in gains]), algorithm, threshold)
     placed = _placement(problem, again.assignment)
@@ -141,13 +142,14 @@ def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResu
     where the exact 1F1B model predicts that pipeline faster (else left as it was)."""
     if problem.llm_cost is None:
         raise ValueError("deferral needs the problem's LLM costs (BalanceProblem.build fills them)")
-    if any(b is not None for b in problem.branched):
-        raise ValueError("Entrain's deferral does not run on branched pipelines (planning.placement: auto)")
     index = {int(s): n for n, s in enumerate(problem.sample_ids)}
     encoder_cost = problem.cost - problem.llm_cost
     pipelines, deferred, times, changed = [], [], list(result.predicted_s), 0
     for p, microbatches in enumerate(result.assignment.pipelines):
-        columns = problem.stage_index[p, : problem.num_stages[p]]
+        # A branched pipeline's own stages (its branches' and the LLM's), timed as the engine runs them: its
+        # branch stages run the encoder groups, the merge stage regroups them into the LLM's microbatches.
+        branched = problem.branched[p] if problem.branched else None
+        columns = np.asarray(branched[0]) if branched is not None else problem.stage_index[p, : problem.num_stages[p]]
         llm, enc = problem.llm_cost[:, columns], encoder_cost[:, columns]
         positions = [[index[i] for i in mb] for mb in microbatches]
         best = None
@@ -166,14 +168,13 @@ def with_deferral(problem: BalanceProblem, result: BalanceResult) -> BalanceResu
                 gone = [tuple(order[slot][x] for x in plan.deferred[slot]) for slot in range(len(order))]
                 fwd, bwd = decoupled_ticks(enc, llm, problem.microbatch_cost[columns], [tuple(o) for o in order], gone)
                 share = problem.forward_share[columns][:, None]
-                seconds = float(
-                    iteration_times(
-                        (fwd * share * problem.tick_s)[None],
-                        (bwd * (1 - share) * problem.tick_s)[None],
-                        [len(columns)],
-                        [len(order)],
-                    )[0]
-                )
+                forward, backward = fwd * share * problem.tick_s, bwd * (1 - share) * problem.tick_s
+                if branched is not None:
+                    from oobleck_mm.planning.branch_time import simulate_microbatches
+
+                    seconds = simulate_microbatches(branched[1], branched[2], forward.tolist(), backward.tolist())
+                else:
+                    seconds = float(iteration_times(forward[None], backward[None], [len(columns)], [len(order)])[0])
                 if seconds < (best[0] if best else times[p] * (1 - IMPROVEMENT)):
                     best = (seconds, order, gone)
         if best is not None:

@@ -179,9 +179,9 @@ class StepBalancer:
         problem = BalanceProblem.build(
             ids, self.features(ids), pipeline_shapes(plan), self.model, self.coefficients, plan.microbatch_size, step
         )
-        # Entrain's deferral regroups whole microbatches at the LLM's first layer; on a pipeline whose
-        # stages split microbatches over several GPUs, or whose encoders run as branches, it does not run yet.
-        deferral = self.config.deferral and not plan.sharded and not plan.branched
+        # Entrain's deferral regroups whole microbatches at the LLM's first layer (a branched pipeline's merge
+        # stage); on a pipeline whose stages split microbatches over several GPUs it does not run yet.
+        deferral = self.config.deferral and not plan.sharded
         result = balance(problem, self.config.algorithm, self.config.threshold, deferral)
         self.last_metrics = step_metrics(problem, result)
         if result.unbalanced_s is not None:

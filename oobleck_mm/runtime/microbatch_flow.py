@@ -88,6 +88,7 @@ class MicrobatchFlow:
         ]
         self._group_in: dict[tuple[int, str], tuple] = {}
         self._group_out: dict[tuple[int, str], tuple] = {}
+        self._group_sizes: dict[tuple[int, str], list[int]] = {}  # merge stage: per group, each branch's tensors
         self._held: dict[int, tuple] = {}
         self._backward_groups: dict[int, list[tuple[int, str]]] = {}
 
@@ -134,12 +135,11 @@ class MicrobatchFlow:
     def _forward_decoupled(self, ins, mb: int) -> None:
         groups = self._forward_groups(mb)
         received = self._inputs.pop(ins.buffer_id, {}).get(0, ()) if self.prev_rank is not None else ()
-        per = len(received) // len(groups)
+        inputs = self._split_groups(received, groups, self._branch_sizes.pop(ins.buffer_id, {}).get(0))
         encoder_layers = [i for i in self.stage.layers if i < self.seam]
         with torch.set_grad_enabled(self.needs_backward):
             outs = {}
-            for n, group in enumerate(groups):
-                acts = tuple(received[n * per : (n + 1) * per])
+            for group, acts in zip(groups, inputs, strict=True):
                 self._group_in[group] = acts
                 if encoder_layers:  # (a seam stage starting at llm.embed packs only L_k, below)
                     acts = self._run_layers(encoder_layers, acts, self._pack(mb, self._group_ids(group)))
@@ -157,6 +157,23 @@ class MicrobatchFlow:
             batch = self._pack(mb, self._llm_microbatches[mb])
             acts = self._run_layers([i for i in self.stage.layers if i >= self.seam], acts, batch)
             self._outputs[ins.buffer_id] = {0: self._maybe_loss(acts, batch)}
+
+    def _split_groups(self, received, groups, branch_sizes=None) -> list[tuple]:
+        """Per group of ``groups``, its tensors of ``received``: a sender sends its groups' tensors one group
+        after another; the merge stage of a branched pipeline received every branch's (``branch_sizes``: how
+        many tensors each sent), in branch order, and a group's input is each branch's part of it, in branch
+        order (``_group_sizes`` keeps each branch's count, to send each its gradients back)."""
+        parts, offset = [], 0
+        for size in branch_sizes or [len(received)]:
+            parts.append(received[offset : offset + size])
+            offset += size
+        out = []
+        for n, group in enumerate(groups):
+            per = [len(part) // len(groups) for part in parts]
+            out.append(tuple(t for part, k in zip(parts, per) for t in part[n * k : (n + 1) * k]))
+            if branch_sizes:
+                self._group_sizes[group] = per
+        return out
 
     def _maybe_loss(self, acts, batch, weight: float = 1.0):
         """``weight`` 0: a filler piece (``_piece_ids``), whose loss and gradients are exact zeros."""
@@ -241,6 +258,23 @@ class MicrobatchFlow:
             self.timer.received(arrival)
         return tensors
 
+    def _backward_group_inputs(self, groups) -> tuple[dict, dict | None]:
+        """The inputs of the encoder groups a backward reached, in the order their senders wait for the
+        gradients: one group after another (``_backward_groups_of``); at a branched pipeline's merge stage,
+        per branch, its part of each group (and each branch's count of them)."""
+        tensors = [self._group_in.pop(g) for g in groups]
+        if not self.branch_ranks:
+            return {0: tuple(t for group in tensors for t in group)}, None
+        sizes = [self._group_sizes.pop(g) for g in groups]  # per group, per branch
+        ordered, counts = [], []
+        for b in range(len(sizes[0])):
+            before = len(ordered)
+            for group, per in zip(tensors, sizes, strict=True):
+                start = sum(per[:b])
+                ordered.extend(group[start : start + per[b]])
+            counts.append(len(ordered) - before)
+        return {0: tuple(ordered)}, {0: counts}
+
     def _recv_grad(self, ins) -> None:
         if not self.next_needs_grad:
             return
@@ -290,12 +324,13 @@ class MicrobatchFlow:
             )
 
     def _send_grad(self, ins) -> None:
+        branch_sizes = self._branch_sizes.pop(ins.buffer_id, None)
         if self._decoupled and self.side != "llm":
-            inputs = {0: tuple(t for g in self._backward_groups.pop(ins.buffer_id) for t in self._group_in.pop(g))}
+            groups = self._backward_groups.pop(ins.buffer_id)
+            inputs, branch_sizes = self._backward_group_inputs(groups)
         else:
             inputs = self._inputs.pop(ins.buffer_id)
         mb = self._grad_mb.pop(ins.buffer_id, None)
-        branch_sizes = self._branch_sizes.pop(ins.buffer_id, None)
         if not self.needs_input_grad:
             return
         t0 = time.perf_counter()

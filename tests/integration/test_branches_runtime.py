@@ -24,10 +24,11 @@ pytestmark = pytest.mark.integration
 STEPS = 3
 
 
-def audio_job(training=None, balance=None, **model):
+def audio_job(training=None, balance=None, data=None, **model):
     with open("configs/tiny_mm_audio.yaml") as f:
         d = yaml.safe_load(f)
     d["model"].update(model)
+    d["data"].update(data or {})
     if balance is not None:
         d["balance"] = balance
     d["training"].update(
@@ -159,3 +160,23 @@ def test_the_balancer_places_samples_on_branches_beside_a_chain_and_the_update_i
         )
     assert moved, "the balancer kept the contiguous split at every step"
     assert outs[0]["balancer"]["metrics"]["predicted_imbalance"] >= 1.0
+
+
+def test_deferral_on_a_branched_pipeline_equals_the_reference(tmp_path):
+    """Entrain's deferral with the encoders as branches: each branch runs slot k's kept and deferred samples as
+    two groups, the merge stage splits every branch's message into them, holds the deferred group's outputs a
+    slot, runs the LLM on ``kept_k + D_{k-1}``, and sends each branch the gradients of its own part of the
+    groups the backward reached, group after group. Nearly every sample has images (and audio), so deferred
+    samples carry encoder work: a gradient sent to the wrong branch or group would change the update (or hang
+    the step). The one pipeline is branched, so a deferral counted is its own."""
+    import dataclasses
+
+    job = audio_job(
+        {"global_batch": 16},
+        balance={"enabled": True, "threshold": 0.0, "fit_every": 2, "deferral": True},
+        data={"mean_images_per_sample": 2.7},
+    )
+    two = branched_plan(job, 1)
+    plan = dataclasses.replace(two, pipelines=(dataclasses.replace(two.pipelines[0], num_microbatches=8),))
+    outs = equal_to_reference(job, plan, tmp_path)
+    assert sum(r.deferred for r in outs[0]["results"]) > 0, "no step deferred: the regrouping went unexercised"
