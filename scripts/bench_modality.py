@@ -2,6 +2,7 @@
 
     python scripts/bench_modality.py frozen [--json out.json]
     python scripts/bench_modality.py placement [--models sss,lls] [--nodes N] [--json out.json]
+    python scripts/bench_modality.py lookahead [--models lls,llm] [--json out.json]
 
 ``frozen`` reproduces Cornstarch's Table 3.2 (dissertation §3.5.3): each of its MLLM configurations
 (``configs/cornstarch_mllm_{sss,mmm,lll}.yaml``: encoders and LLM frozen, only the projectors train, on the
@@ -27,6 +28,13 @@ one after another, colocated where a stage holds both), one pipeline over the co
 whole batch through it, by the exact 1F1B time (``planning.branches``): MLLM-10B, Cornstarch's SSS, MMM,
 LLL, and MLLM-LLS and MLLM-LLM (LLL's large encoders with the small and medium LLM). Target: branches
 >= 1.2x the chain where the encoders are large (MLLM-LL*), and the chosen placement never the slower.
+
+``lookahead`` is a what-if, not a schedule the runtime runs: the same chain and branched templates, with
+their *frozen prefix* (stages whose layers and inputs are all frozen: Cornstarch's encoders below their
+trained projectors) running its forwards ahead into the next iteration, which it may (its outputs depend on
+no update): unbounded buffers, no share in the step's last collective (an upper bound), the other stages
+1F1B as now, iterations separated by that collective. Printed: each template's steady iteration period
+(the 4th iteration's) in lock-step (equal to the planner's exact time) and with the lookahead.
 """
 
 from __future__ import annotations
@@ -199,6 +207,172 @@ def placement(names: list[str], nodes: int | None) -> dict:
     return out
 
 
+def frozen_prefix(template: PipelineTemplate, profile) -> list[bool]:
+    """Per stage: its layers and every layer feeding it are frozen (it needs no backward at all)."""
+    _, prevs, _ = _topology(template)
+    prefix: list[bool] = []
+    for s, stage in enumerate(template.stages):  # senders are numbered before their receivers
+        own = all(not profile.layers[i].trainable for i in range(stage.layer_start, stage.layer_end))
+        prefix.append(own and all(prefix[p] for p in prevs[s]))
+    return prefix
+
+
+def _topology(template: PipelineTemplate):
+    """(next stage, sending stages, (stages, stage_id) of its TrainSchedule) per stage, as
+    ``planning.branch_time.simulate_microbatches`` wires a chain or a branched template."""
+    n = len(template.stages)
+    if not template.branched:
+        return (
+            [s + 1 if s + 1 < n else None for s in range(n)],
+            [[s - 1] if s else [] for s in range(n)],
+            [(n, s) for s in range(n)],
+        )
+    ends = (*template.branches[1:], template.merge)
+    depth = n - template.merge
+    nexts, prevs, positions = [], [], []
+    for start, end in zip(template.branches, ends):
+        for s in range(start, end):
+            nexts.append(s + 1 if s + 1 < end else template.merge)
+            prevs.append([] if s == start else [s - 1])
+            positions.append((end - start + depth, s - start))
+    for s in range(template.merge, n):
+        nexts.append(s + 1 if s + 1 < n else None)
+        prevs.append([e - 1 for e in ends] if s == template.merge else [s - 1])
+        positions.append((1 + depth, 1 + s - template.merge))
+    return nexts, prevs, positions
+
+
+def steady_period(template: PipelineTemplate, prefix: list[bool], microbatches: int, iterations: int = 4) -> float:
+    """Seconds between the ends of the last two of ``iterations`` iterations. Stages of ``prefix`` run their
+    forwards back to back across iterations (sends into unbounded buffers); the others run DeepSpeed's 1F1B
+    instruction streams with blocking transfers, waiting for a prefix's output where they would receive it,
+    and meet at a barrier (the step's last collective) after each iteration. No prefix: lock-step 1F1B, each
+    iteration the planner's exact time."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    n, m = len(template.stages), microbatches
+    nexts, prevs, positions = _topology(template)
+    f = [s.forward_s for s in template.stages]
+    b = [s.backward_s for s in template.stages]
+    act = dict(enumerate(template.send_activation_s))
+    grad = dict(enumerate(template.send_grad_s))
+    ready: dict[tuple[int, int], float] = {}  # (prefix stage, microbatch across iterations) -> output ready
+    for s in range(n):
+        if prefix[s]:
+            clock = 0.0
+            for k in range(iterations * m):
+                clock = max([clock] + [ready[(p, k)] + act[p] for p in prevs[s]]) + f[s]
+                ready[(s, k)] = clock
+    ops: dict[int, list[tuple]] = {s: [] for s in range(n) if not prefix[s]}
+    for it in range(iterations):
+        for s, stream in ops.items():
+            stages, stage_id = positions[s]
+            forwards = 0
+            for step in ds.TrainSchedule(micro_batches=m, stages=stages, stage_id=stage_id):
+                for cmd in step:
+                    if isinstance(cmd, ds.ForwardPass):
+                        stream.append(("compute", f[s]))
+                        forwards += 1
+                    elif isinstance(cmd, ds.BackwardPass):
+                        stream.append(("compute", b[s]))
+                    elif isinstance(cmd, ds.SendActivation):
+                        stream.append(("send", ("act", s, nexts[s], it)))
+                    elif isinstance(cmd, ds.RecvActivation):
+                        for p in prevs[s]:  # (forwards counts the forward this receive feeds, from 0)
+                            stream.append(
+                                ("wait", ready[(p, it * m + forwards)] + act[p])
+                                if prefix[p]
+                                else ("recv", ("act", p, s, it))
+                            )
+                    elif isinstance(cmd, ds.SendGrad):
+                        stream.extend(("send", ("grad", s, p, it)) for p in prevs[s] if not prefix[p])
+                    elif isinstance(cmd, ds.RecvGrad):
+                        stream.append(("recv", ("grad", nexts[s], s, it)))
+            stream.append(("barrier", it))
+    ends = _execute_streams(ops, lambda c: act[c[1]] if c[0] == "act" else grad[c[2]])
+    return ends[-1] - (ends[-2] if len(ends) > 1 else 0.0)
+
+
+def _execute_streams(ops: dict[int, list[tuple]], seconds) -> list[float]:
+    """``planning.branch_time._execute`` with two more operations: ``wait`` (until a time) and ``barrier``
+    (every stream at once, at the latest arrival); returns each barrier's time."""
+    pc = dict.fromkeys(ops, 0)
+    clock = dict.fromkeys(ops, 0.0)
+    waiting: dict[tuple, tuple[int, float]] = {}
+    arrived: dict[int, float] = {}
+    ends: list[float] = []
+    while True:
+        progressed = False
+        for s, stream in ops.items():
+            while pc[s] < len(stream):
+                kind, what = stream[pc[s]]
+                if kind in ("compute", "wait"):
+                    clock[s] = clock[s] + what if kind == "compute" else max(clock[s], what)
+                    pc[s] += 1
+                    progressed = True
+                    continue
+                if kind == "barrier":
+                    arrived[s] = clock[s]
+                    if len(arrived) == len(ops):
+                        ends.append(max(arrived.values()))
+                        for k in ops:
+                            clock[k], pc[k] = ends[-1], pc[k] + 1
+                        arrived.clear()
+                        progressed = True
+                    break
+                other = (what, "recv" if kind == "send" else "send")
+                if other not in waiting:
+                    waiting.setdefault((what, kind), (s, clock[s]))
+                    break
+                peer, peer_arrival = waiting.pop(other)
+                done = max(waiting.pop((what, kind), (s, clock[s]))[1], peer_arrival) + seconds(what)
+                clock[s] = clock[peer] = done
+                pc[s] += 1
+                pc[peer] += 1
+                progressed = True
+        if all(pc[s] == len(stream) for s, stream in ops.items()):
+            return ends
+        if not progressed:
+            raise RuntimeError("deadlock in the lookahead streams")
+
+
+def lookahead(names: list[str]) -> dict:
+    """Per model: the ``placement`` templates' steady period in lock-step and with the frozen prefix ahead."""
+    from oobleck_mm.planning.branches import place
+
+    out = {}
+    for name in names:
+        path, sets = PLACEMENT_MODELS[name]
+        job = load_config(str(ROOT / "configs" / path), overrides=sets)
+        cluster = ClusterSpec.from_config(job.cluster)
+        profile = profile_from_config(job)
+        microbatches = job.training.global_batch // job.training.microbatch_size
+        chosen = place(profile, cluster, job.cluster.nodes, microbatches)
+        row = {}
+        for label, template in (("chain", chosen.chain), ("branches", chosen.branched)):
+            if template is None:
+                continue
+            template = template.to_template() if label == "branches" else template
+            prefix = frozen_prefix(template, profile)
+            lock = steady_period(template, [False] * len(prefix), microbatches)
+            ahead = steady_period(template, prefix, microbatches)
+            row[label] = {"lockstep_s": lock, "lookahead_s": ahead, "prefix_stages": sum(prefix)}
+            print(
+                f"MLLM-{name.upper()} {label}: {sum(prefix)} of {len(prefix)} stages a frozen prefix; lock-step "
+                f"{lock:.4g} s, lookahead {ahead:.4g} s: x{lock / ahead:.3f}",
+                flush=True,
+            )
+        if len(row) == 2:
+            row["branches_vs_chain"] = {k: row["chain"][k] / row["branches"][k] for k in ("lockstep_s", "lookahead_s")}
+            print(
+                f"MLLM-{name.upper()} branches / chain: lock-step x{row['branches_vs_chain']['lockstep_s']:.3f}, "
+                f"lookahead x{row['branches_vs_chain']['lookahead_s']:.3f}",
+                flush=True,
+            )
+        out[name] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     pl.add_argument("--nodes", type=int, default=None, help="nodes (default: each config's cluster.nodes)")
     pl.add_argument("--json", help="write the figures here")
+    la = sub.add_parser("lookahead", help="what-if: the frozen prefix running ahead into the next iteration")
+    la.add_argument("--models", default="lls,llm,lll", help=f"comma-separated: {', '.join(PLACEMENT_MODELS)}")
+    la.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     valid = PAPER_TABLE_3_2 if args.command == "frozen" else PLACEMENT_MODELS
     names = [m.strip().lower() for m in args.models.split(",") if m.strip()]
@@ -219,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {unknown} unknown; valid: {', '.join(valid)}")
     if args.command == "frozen":
         result = {"frozen": frozen(names)}
+    elif args.command == "lookahead":
+        result = {"lookahead": lookahead(names)}
     else:
         result = {"placement": placement(names, args.nodes)}
     if args.json:

@@ -32,3 +32,23 @@ def test_an_unknown_model_is_named_with_what_is_valid(capsys):
         bench_modality.main(["frozen", "--models", "sss,xl"])
     assert stop.value.code == 2
     assert "['xl'] unknown; valid: sss, mmm, lll" in capsys.readouterr().err
+
+
+def test_the_lookahead_what_if_is_the_planners_time_without_a_prefix_and_never_slower_with_one(tmp_path):
+    """``lookahead``'s lock-step period is the planner's exact 1F1B time of the same template (its streams,
+    barrier and waits are the what-if's whole machinery: off by anything, the ratios it prints mean
+    nothing); with the frozen prefix running ahead no iteration is slower, and SSS's encoders below their
+    projectors are such a prefix."""
+    from oobleck_mm.planning.branches import place
+
+    path, sets = bench_modality.PLACEMENT_MODELS["sss"]
+    job = bench_modality.load_config(str(bench_modality.ROOT / "configs" / path), overrides=sets)
+    profile = bench_modality.profile_from_config(job)
+    microbatches = job.training.global_batch // job.training.microbatch_size
+    chosen = place(profile, bench_modality.ClusterSpec.from_config(job.cluster), job.cluster.nodes, microbatches)
+    for template in (chosen.chain, chosen.branched.to_template()):
+        prefix = bench_modality.frozen_prefix(template, profile)
+        assert any(prefix) and not all(prefix)
+        lock = bench_modality.steady_period(template, [False] * len(prefix), microbatches)
+        assert lock == pytest.approx(template.iteration_time(microbatches), rel=1e-9)
+        assert bench_modality.steady_period(template, prefix, microbatches) < lock
