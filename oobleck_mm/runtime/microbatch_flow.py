@@ -167,9 +167,9 @@ class MicrobatchFlow:
         for size in branch_sizes or [len(received)]:
             parts.append(received[offset : offset + size])
             offset += size
+        per = [len(part) // len(groups) for part in parts]
         out = []
         for n, group in enumerate(groups):
-            per = [len(part) // len(groups) for part in parts]
             out.append(tuple(t for part, k in zip(parts, per) for t in part[n * k : (n + 1) * k]))
             if branch_sizes:
                 self._group_sizes[group] = per
