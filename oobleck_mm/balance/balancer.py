@@ -101,8 +101,7 @@ def balance(
     # One objective: a pipeline that deferral makes faster can take more samples. Place again on a problem
     # whose pipelines cost what they ran at after deferral, defer again, and keep the faster of the two.
     gains = [a / b if b > 0 else 1.0 for a, b in zip(result.predicted_s, deferred.predicted_s)]
-    # (Not with branched pipelines: their concurrent branch columns are not rescaled, with_pipeline_speeds.)
-    if max(gains) <= 1 + DEFERRAL_REPLACE_GAIN or any(b is not None for b in problem.branched):
+    if max(gains) <= 1 + DEFERRAL_REPLACE_GAIN:
         return deferred
     again = _balance(problem.with_pipeline_speeds([1 / g for g in gains]), algorithm, threshold)
     placed = _placement(problem, again.assignment)

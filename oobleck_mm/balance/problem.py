@@ -249,16 +249,24 @@ class BalanceProblem:
     def with_pipeline_speeds(self, factors) -> BalanceProblem:
         """The same problem with pipeline ``p``'s stages costing ``factors[p]`` times as much (each pipeline its
         own distinct stages): what a placement should aim at when a pipeline will run faster or slower than
-        its stages' costs say (e.g. after Entrain's deferral inside it)."""
-        if any(b is not None for b in self.branched):
-            raise ValueError("with_pipeline_speeds: a branched pipeline's columns are not rescaled (deferral only)")
+        its stages' costs say (e.g. after Entrain's deferral inside it). A branched pipeline's own stage
+        columns (``branched``) are copied and scaled too, so its exact time scales with its factor; the
+        rescaled problem names no ``concurrent`` groups (its columns are per pipeline; nothing reads them)."""
         columns, index = [], np.zeros_like(self.stage_index)
         zero = self.cost.shape[1] - 1
+        branched = []
         for p in range(self.num_pipelines):
             for j in range(int(self.num_stages[p])):
                 index[p, j] = len(columns)
                 columns.append((int(self.stage_index[p, j]), float(factors[p])))
             index[p, int(self.num_stages[p]) :] = -1
+            shape = self.branched[p] if self.branched else None
+            if shape is not None:
+                own, branches, merge = shape
+                branched.append((tuple(range(len(columns), len(columns) + len(own))), branches, merge))
+                columns.extend((int(c), float(factors[p])) for c in own)
+            else:
+                branched.append(None)
         width = len(columns)
         index[index < 0] = width
         take = np.array([c for c, _ in columns] + [zero])
@@ -271,6 +279,8 @@ class BalanceProblem:
             microbatch_cost=scaled(self.microbatch_cost),
             forward_share=self.forward_share[take],
             llm_cost=scaled(self.llm_cost) if self.llm_cost is not None else None,
+            concurrent=(),
+            branched=tuple(branched) if self.branched else (),
         )
 
     # ------------------------------------------------------------------ derived costs

@@ -184,3 +184,25 @@ def test_deferral_on_a_branched_pipeline_is_kept_only_where_its_branched_time_is
 def test_bad_branches_name_the_numbers():
     with pytest.raises(ValueError, match=r"branches \(0, 3\) must start at stage 0 and ascend below merge 2"):
         PipelineShape(2, ((0, 1), (1, 2), (2, 3), (3, 4)), branches=(0, 3), merge=2)
+
+
+def test_pipeline_speeds_scale_a_branched_pipelines_exact_time(mllm):
+    """``with_pipeline_speeds`` (what ``balance`` re-places on after deferral) copies a branched pipeline's own
+    stage columns with its factor: any placement's exact time of each pipeline scales by its factor (up to the
+    ticks' rounding). A branched pipeline left at its old columns would keep its old time."""
+    _, _, _, names = mllm
+    problem = problem_of(mllm, [branched_shape(names, 4, 2), chain_shape(names, 4, 2)])
+    result = balance(problem, "ours", threshold=0.0)
+    index = {int(s): n for n, s in enumerate(problem.sample_ids)}
+    pipe = np.zeros(problem.num_samples, dtype=np.int64)
+    micro = np.zeros(problem.num_samples, dtype=np.int64)
+    for p, microbatches in enumerate(result.assignment.pipelines):
+        for k, mb in enumerate(microbatches):
+            for i in mb:
+                pipe[index[i]], micro[index[i]] = p, k
+    placement = Placement(pipe, micro)
+    factors = [0.7, 1.3]
+    scaled = problem.with_pipeline_speeds(factors)
+    assert scaled.branched[0] is not None and scaled.branched[1] is None
+    expected = [f * t for f, t in zip(factors, problem.predicted_times(placement))]
+    assert list(scaled.predicted_times(placement)) == pytest.approx(expected, rel=1e-6)
