@@ -167,6 +167,14 @@ PLACEMENT_MODELS = {
 BRANCH_TARGET = 1.2
 
 
+def placement_model(name: str):
+    """(job, cluster, profile, microbatches: the whole batch through one pipeline) of a ``PLACEMENT_MODELS`` entry."""
+    path, sets = PLACEMENT_MODELS[name]
+    job = load_config(str(ROOT / "configs" / path), overrides=sets)
+    microbatches = job.training.global_batch // job.training.microbatch_size
+    return job, ClusterSpec.from_config(job.cluster), profile_from_config(job), microbatches
+
+
 def placement(names: list[str], nodes: int | None) -> dict:
     """Per model: one pipeline over the config's nodes (or ``nodes``) with the whole batch through it, as
     the chain and with the encoders as branches (``planning.branches.place``), by the exact 1F1B time."""
@@ -175,11 +183,8 @@ def placement(names: list[str], nodes: int | None) -> dict:
     out = {}
     for name in names:
         path, sets = PLACEMENT_MODELS[name]
-        job = load_config(str(ROOT / "configs" / path), overrides=sets)
-        cluster = ClusterSpec.from_config(job.cluster)
-        profile = profile_from_config(job)
+        job, cluster, profile, microbatches = placement_model(name)
         count = nodes or job.cluster.nodes
-        microbatches = job.training.global_batch // job.training.microbatch_size
         started = time.perf_counter()
         chosen = place(profile, cluster, count, microbatches)
         row = {
@@ -342,11 +347,7 @@ def lookahead(names: list[str]) -> dict:
 
     out = {}
     for name in names:
-        path, sets = PLACEMENT_MODELS[name]
-        job = load_config(str(ROOT / "configs" / path), overrides=sets)
-        cluster = ClusterSpec.from_config(job.cluster)
-        profile = profile_from_config(job)
-        microbatches = job.training.global_batch // job.training.microbatch_size
+        job, cluster, profile, microbatches = placement_model(name)
         chosen = place(profile, cluster, job.cluster.nodes, microbatches)
         row = {}
         for label, template in (("chain", chosen.chain), ("branches", chosen.branched)):

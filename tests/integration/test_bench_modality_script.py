@@ -41,11 +41,8 @@ def test_the_lookahead_what_if_is_the_planners_time_without_a_prefix_and_never_s
     projectors are such a prefix."""
     from oobleck_mm.planning.branches import place
 
-    path, sets = bench_modality.PLACEMENT_MODELS["sss"]
-    job = bench_modality.load_config(str(bench_modality.ROOT / "configs" / path), overrides=sets)
-    profile = bench_modality.profile_from_config(job)
-    microbatches = job.training.global_batch // job.training.microbatch_size
-    chosen = place(profile, bench_modality.ClusterSpec.from_config(job.cluster), job.cluster.nodes, microbatches)
+    job, cluster, profile, microbatches = bench_modality.placement_model("sss")
+    chosen = place(profile, cluster, job.cluster.nodes, microbatches)
     for template in (chosen.chain, chosen.branched.to_template()):
         prefix = bench_modality.frozen_prefix(template, profile)
         assert any(prefix) and not all(prefix)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oobleck_mm.balance.balancer import balance
+from oobleck_mm.balance.balancer import _placement, balance
 from oobleck_mm.balance.cost_model import CostCoefficients, CostModel
 from oobleck_mm.balance.metrics import imbalance
 from oobleck_mm.balance.problem import BalanceProblem, Placement, PipelineShape
@@ -148,14 +148,8 @@ def test_the_balancer_evens_a_branched_pipeline_with_a_chain(mllm, vision_stages
     assert max(result.predicted_s) < max(result.unbalanced_s)
     assert imbalance(result.predicted_s) < imbalance(result.unbalanced_s)
     # what balance() reports is the exact time of its assignment
-    index = {int(s): n for n, s in enumerate(problem.sample_ids)}
-    pipe = np.zeros(problem.num_samples, dtype=np.int64)
-    micro = np.zeros(problem.num_samples, dtype=np.int64)
-    for p, microbatches in enumerate(result.assignment.pipelines):
-        for k, mb in enumerate(microbatches):
-            for i in mb:
-                pipe[index[i]], micro[index[i]] = p, k
-    assert list(problem.predicted_times(Placement(pipe, micro))) == pytest.approx(result.predicted_s, rel=1e-12)
+    placement = _placement(problem, result.assignment)
+    assert list(problem.predicted_times(placement)) == pytest.approx(result.predicted_s, rel=1e-12)
 
 
 def test_deferral_on_a_branched_pipeline_is_kept_only_where_its_branched_time_is_lower(mllm):
@@ -193,14 +187,7 @@ def test_pipeline_speeds_scale_a_branched_pipelines_exact_time(mllm):
     _, _, _, names = mllm
     problem = problem_of(mllm, [branched_shape(names, 4, 2), chain_shape(names, 4, 2)])
     result = balance(problem, "ours", threshold=0.0)
-    index = {int(s): n for n, s in enumerate(problem.sample_ids)}
-    pipe = np.zeros(problem.num_samples, dtype=np.int64)
-    micro = np.zeros(problem.num_samples, dtype=np.int64)
-    for p, microbatches in enumerate(result.assignment.pipelines):
-        for k, mb in enumerate(microbatches):
-            for i in mb:
-                pipe[index[i]], micro[index[i]] = p, k
-    placement = Placement(pipe, micro)
+    placement = _placement(problem, result.assignment)
     factors = [0.7, 1.3]
     scaled = problem.with_pipeline_speeds(factors)
     assert scaled.branched[0] is not None and scaled.branched[1] is None
