@@ -11,7 +11,9 @@ cache: ``data.cache_dir: null``), then each
 is read in a fresh process (as a rank is) by both readers: the built-in model's byte-level one and a tiny
 HF LLaVA's own tokenizer and image processor (``data.cache_dir: null``: every rank's cost without the
 node's cache). Two figures each: the records built per second (what a rank does before its first step)
-and samples loaded per second (``dataset[i]`` for ``--loads`` random indices: pixels decoded and resized).
+and samples loaded per second (``dataset[i]`` for ``--loads`` random indices: pixels decoded and resized),
+and, beside it, the same samples' layouts per second (``dataset.layout(i)``: text and media placeholders, no
+pixels: what the stages after the encoders' input layers read, ``TrainingData.microbatch(media=False)``).
 """
 
 from __future__ import annotations
@@ -105,7 +107,11 @@ def _one(raw: dict, loads: int, out) -> None:
     began = time.perf_counter()
     for i in indices:
         dataset[i]
-    out.put((len(dataset), built, time.perf_counter() - began))
+    loaded = time.perf_counter() - began
+    began = time.perf_counter()
+    for i in indices:
+        dataset.layout(i)
+    out.put((len(dataset), built, loaded, time.perf_counter() - began))
 
 
 def run(raw: dict, loads: int) -> tuple:
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
         for reader, make in readers.items():
             for kind, path in paths.items():
                 data = {"kind": kind.split()[0], "path": path, "mean_text_tokens": 100, "mean_images_per_sample": 0.9}
-                n, built, loaded = run(make(data), args.loads)
+                n, built, loaded, laid_out = run(make(data), args.loads)
                 row = {
                     "reader": reader,
                     "format": kind,
@@ -155,11 +161,13 @@ def main(argv=None) -> int:
                     "build_s": round(built, 2),
                     "records_per_s": round(n / built),
                     "samples_loaded_per_s": round(args.loads / loaded),
+                    "layouts_loaded_per_s": round(args.loads / laid_out),
                 }
                 rows.append(row)
                 print(
                     f"{reader:<32} {kind:<20} built {n} records in {built:6.2f} s ({n / built:8.0f}/s); "
-                    f"loaded {args.loads / loaded:6.0f} samples/s",
+                    f"loaded {args.loads / loaded:6.0f} samples/s, {args.loads / laid_out:6.0f} layouts/s "
+                    f"(x{loaded / laid_out:.1f})",
                     flush=True,
                 )
     for reader in readers:

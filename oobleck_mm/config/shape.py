@@ -110,6 +110,8 @@ def model_param_count(specs: Sequence[LayerSpec]) -> int:
 
 
 LAYER_KINDS = ("patch_embed", "frame_embed", "block", "projector", "token_embed", "lm_head")
+MEDIA_INPUT_KINDS = ("patch_embed", "frame_embed")
+"""The kinds of layer that read a microbatch's pixels and frames (``PackedBatch.vision/audio.features``)."""
 
 
 # --------------------------------------------------------------------------- model -> layers

@@ -28,6 +28,11 @@ class Dataset(Protocol):
 
     def __getitem__(self, index: int) -> Sample: ...
 
+    # Optional: ``layout(index) -> Sample``, the sample without its media's pixels and frames (``images`` and
+    # ``audio`` empty; text, media placeholders and targets as ``__getitem__`` gives them): what a stage that
+    # holds no encoder input layer packs (``TrainingData.microbatch(media=False)``). A dataset without it is
+    # read whole there, which is correct, only slower.
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInputs:

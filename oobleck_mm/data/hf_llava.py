@@ -88,18 +88,23 @@ class HFLlavaJsonDataset(JsonRecords):
             self._read(self.cache_folder, data, inputs)
 
     def __getitem__(self, index: int) -> Sample:
-        record = self._records[check_index(index, len(self))]
-        images = [self._pixels(path, record.sample_id) for path in record.image_paths]
-        audio = [
+        sample = self.layout(index)
+        record = self._records[index]
+        sample.images = [self._pixels(path, record.sample_id) for path in record.image_paths]
+        sample.audio = [
             self._clip_features(record, path, frames)
             for path, frames in zip(record.audio_paths, record.meta.audio_frames)
         ]
+        return sample
+
+    def layout(self, index: int) -> Sample:
+        """Sample ``index`` without its images' pixels or its clips' frames (``data.dataset.Dataset``): no file
+        is opened."""
+        record = self._records[check_index(index, len(self))]
         # Copies: a cached record's arrays are read-only views of a file every rank of the node maps.
         return Sample(
             meta=record.meta,
             tokens=torch.from_numpy(np.array(record.tokens, dtype=np.int64)),
-            images=images,
-            audio=audio,
             media=torch.from_numpy(np.array(record.media, dtype=bool)),
             targets=torch.from_numpy(np.array(record.targets, dtype=bool)) if record.targets is not None else None,
         )

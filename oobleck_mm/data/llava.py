@@ -216,17 +216,23 @@ class LlavaJsonDataset(JsonRecords):
         self._header_sizes = {}
 
     def __getitem__(self, index: int) -> Sample:
-        record = self._records[check_index(index, len(self))]
-        images = []
+        sample = self.layout(index)
+        record = self._records[index]
         for path, size in zip(record.image_paths, record.meta.image_sizes):
             try:
                 with self.open_image(path) as im:
-                    images.append(_pixels(im, size, self.inputs.in_channels))
+                    sample.images.append(_pixels(im, size, self.inputs.in_channels))
             except (OSError, UnidentifiedImageError) as exc:  # a header that read fine, a body that does not
                 raise UserError(
                     f"{self.data.path}: sample {record.sample_id!r}: cannot decode image {path!r}: {exc}"
                 ) from None
-        clips = [self._clip_features(record, p, f) for p, f in zip(record.audio_paths, record.meta.audio_frames)]
+        sample.audio = [self._clip_features(record, p, f) for p, f in zip(record.audio_paths, record.meta.audio_frames)]
+        return sample
+
+    def layout(self, index: int) -> Sample:
+        """Sample ``index`` without its images' pixels or its clips' frames (``data.dataset.Dataset``): no file
+        is opened."""
+        record = self._records[check_index(index, len(self))]
         tokens = self._tokens(record)
         targets = None
         if record.targets is not None:
@@ -237,7 +243,7 @@ class LlavaJsonDataset(JsonRecords):
                 parts.append(mask)
             parts.append(np.array([record.eos_target]))
             targets = torch.from_numpy(np.concatenate(parts))
-        return Sample(meta=record.meta, tokens=tokens, images=images, audio=clips, targets=targets)
+        return Sample(meta=record.meta, tokens=tokens, targets=targets)
 
     # ------------------------------------------------------------------ construction
 

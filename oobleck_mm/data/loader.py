@@ -48,6 +48,13 @@ class TrainingData:
         """Tokens the LLM runs over for these samples (text plus every medium's tokens): tokens/s."""
         return sum(self.inputs.llm_tokens(m) for m in self.metas(ids))
 
-    def microbatch(self, ids: Sequence[int]) -> PackedBatch:
-        samples = [self.dataset[i] for i in ids]
-        return pack(samples, self.spec, self.dtype, self.vision_in, self.audio_in)
+    def microbatch(self, ids: Sequence[int], media: bool = True) -> PackedBatch:
+        """The packed microbatch of samples ``ids``. ``media=False``: its layout without the pixels and frames
+        (``pack``), read through the dataset's ``layout`` where it has one: what a stage without an encoder
+        input layer needs, at a fraction of the cost (rendering or decoding the media is most of it)."""
+        if media:
+            samples = [self.dataset[i] for i in ids]
+        else:
+            load = getattr(self.dataset, "layout", self.dataset.__getitem__)
+            samples = [load(i) for i in ids]
+        return pack(samples, self.spec, self.dtype, self.vision_in, self.audio_in, media=media)

@@ -176,6 +176,12 @@ def fold_frames(clip: torch.Tensor, downsample: int) -> tuple[torch.Tensor, torc
     return clip.reshape(n, mel * downsample), grid
 
 
+def _no_pixels(height: int, width: int) -> torch.Tensor:
+    """An image of ``height`` x ``width`` without pixels, for ``pack(media=False)``: [0, H, W], whose
+    patches ``patchify`` makes ``[patches, 0]`` with the grid a real image's patches have."""
+    return torch.empty(0, height, width)
+
+
 @dataclass(frozen=True, slots=True)
 class PackingSpec:
     """What packing needs from the model config."""
@@ -236,18 +242,28 @@ def pack(
     dtype: torch.dtype = torch.float32,
     vision_in: int = 0,
     audio_in: int = 0,
+    media: bool = True,
 ) -> PackedBatch:
-    """One microbatch of ``samples`` (in that order); ``*_in`` size empty encoder inputs."""
+    """One microbatch of ``samples`` (in that order); ``*_in`` size empty encoder inputs.
+
+    ``media=False``: the layout alone, for a stage that holds no encoder input layer (``patch_embed``,
+    ``frame_embed``: the only layers that read pixels and frames). Every medium's tokens are counted from
+    its sample's meta, the samples need no pixels or frames (``Dataset.layout``), and the encoder inputs'
+    ``features`` are ``[tokens, 0]``; everything else is what ``media=True`` packs."""
     tokens, labels, positions, segments = [], [], [], []
     vision, audio = _EncoderParts(), _EncoderParts()
     offset = 0
     for seg, sample in enumerate(samples):
-        images, clips = iter(sample.images), iter(sample.audio)
+        if media:
+            images, clips = iter(sample.images), iter(sample.audio)
+        else:
+            images = (_no_pixels(h, w) for h, w in sample.meta.image_sizes)
+            clips = (torch.empty(frames, 0) for frames in sample.meta.audio_frames)
         seq: list[torch.Tensor] = []
         is_target: list[torch.Tensor] = []
-        for piece, media, targets in _split_at_media(sample, spec):
+        for piece, is_medium, targets in _split_at_media(sample, spec):
             pos = offset + sum(len(s) for s in seq)
-            if media:
+            if is_medium:
                 # Without a media mask the ids say which medium; with one (a HuggingFace tokenizer's ids), a
                 # LLaVA's slots are all images, whatever its image token's id, and a composition's records
                 # (``hf_llava``) write ``AUDIO`` for a clip: a model with an audio encoder reads it so.

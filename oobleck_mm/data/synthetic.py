@@ -152,9 +152,16 @@ class SyntheticDataset:
 
     def __getitem__(self, index: int) -> Sample:
         plan = self.plan(index)
-        images = [self._render_image(im) for im in plan.images]
-        audio = [_render_clip(f, n, self.inputs.mel_bins) for f, n in zip(plan.clip_frames, plan.clip_notes)]
-        return Sample(meta=plan.meta, tokens=self._tokens(plan), images=images, audio=audio)
+        sample = self.layout(index)
+        sample.images = [self._render_image(im) for im in plan.images]
+        sample.audio = [_render_clip(f, n, self.inputs.mel_bins) for f, n in zip(plan.clip_frames, plan.clip_notes)]
+        return sample
+
+    def layout(self, index: int) -> Sample:
+        """Sample ``index`` without pixels or frames (``data.dataset.Dataset``): rendering them is most of what
+        a sample costs."""
+        plan = self.plan(index)
+        return Sample(meta=plan.meta, tokens=self._tokens(plan))
 
     # ------------------------------------------------------------------ drawing (cheap, no pixels)
 

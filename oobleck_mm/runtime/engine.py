@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
 
 from oobleck_mm.balance.assignment import Assignment, contiguous_assignment
+from oobleck_mm.config.shape import MEDIA_INPUT_KINDS
 from oobleck_mm.data.loader import TrainingData
 from oobleck_mm.model.layers import (
     build_layer,
@@ -157,6 +158,9 @@ class StageEngine(MicrobatchFlow):
         self.next_rank = self.next_ranks[self.pieces[0]] if self.next_ranks else None
         """The neighbours of this rank's first piece (the only one on a pipeline of one-GPU stages); None at an end."""
 
+        self.reads_media = any(self.specs[i].kind in MEDIA_INPUT_KINDS for i in self.stage.layers)
+        """Whether this stage holds an encoder's input layer, the only layers that read pixels and frames: the
+        other stages pack their microbatches' layout alone (``TrainingData.microbatch(media=False)``)."""
         embeds = [i for i, spec in enumerate(self.specs) if spec.kind == "token_embed"]
         self.seam = embeds[0] if embeds and embeds[0] > 0 else None
         """The LLM's first layer (``llm.embed``), where encoder outputs become the LLM's input: the

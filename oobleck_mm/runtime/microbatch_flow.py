@@ -29,7 +29,7 @@ class MicrobatchFlow:
             t0 = time.perf_counter()
             ids = self._piece_ids(mb, piece)
             # Built on the host, then copied to the stage's device (pinned, asynchronous on a GPU).
-            batch = self.data.microbatch(ids).to(self.device, non_blocking=True)
+            batch = self.data.microbatch(ids, media=self.reads_media).to(self.device, non_blocking=True)
             if self.stage.context_parallel:  # this lane's share of the sequence's tokens
                 batch = context_share(batch, piece, self.stage.width, self.sync.stage_group)
             self._batches[(mb, piece)] = batch
@@ -96,7 +96,7 @@ class MicrobatchFlow:
         key = tuple(ids)
         if key not in self._batches:
             t0 = time.perf_counter()
-            self._batches[key] = self.data.microbatch(key).to(self.device, non_blocking=True)
+            self._batches[key] = self.data.microbatch(key, media=self.reads_media).to(self.device, non_blocking=True)
             spent = time.perf_counter() - t0
             self._pack_s[slot] = self._pack_s.get(slot, 0.0) + spent
             self._result.pack_s += spent

@@ -105,6 +105,12 @@ def test_images_and_clips_keep_their_text_order(tmp_path):
     ds = LlavaJsonDataset(DataConfig(kind="llava_json", path=str(tmp_path / "d.json"), image_size=8), INPUTS)
     media = [t for t in ds[0].tokens.tolist() if t in (IMAGE, AUDIO)]
     assert media == [AUDIO, IMAGE]
+    # Without pixels or frames (a stage with no encoder input layer): the same text, no file opened.
+    layout = ds.layout(0)
+    assert torch.equal(layout.tokens, ds[0].tokens) and layout.images == [] and layout.audio == []
+    (tmp_path / "i.png").unlink()
+    (tmp_path / "a.wav").unlink()
+    assert torch.equal(ds.layout(0).tokens, layout.tokens)
 
 
 @pytest.mark.parametrize(

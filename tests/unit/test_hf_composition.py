@@ -403,3 +403,6 @@ def test_records_with_clips_for_a_vision_audio_and_llm_composition_equal_the_par
     logits, _, _, (_, ids, batch) = run(composed, [0, 1, 2])
     assert batch.audio.features.shape[0] > 0
     assert_equals_the_parts_run_whole(parts, logits, data, ids, batch)
+    from test_packing import assert_layout_is_the_packed_batch_without_media
+
+    assert_layout_is_the_packed_batch_without_media(data, [0, 1, 2])  # its chat template's media mask too

@@ -90,6 +90,42 @@ def test_media_slots_equal_projected_tokens(job, data):
     assert len(batch.tokens) == sum(m.llm_tokens(job.model.vision.patch_size) for m in metas)
 
 
+def assert_layout_is_the_packed_batch_without_media(data, ids) -> None:
+    """``microbatch(ids, media=False)`` (what a stage without an encoder input layer packs, without pixels or
+    frames) is ``microbatch(ids)`` field for field, each medium's ``features`` ``[tokens, 0]``."""
+    whole, layout = data.microbatch(ids), data.microbatch(ids, media=False)
+    for name in ("tokens", "labels", "positions", "segments"):
+        assert torch.equal(getattr(layout, name), getattr(whole, name)), name
+    assert layout.spans() == whole.spans() and layout.sample_ids == whole.sample_ids
+    for modality in ("vision", "audio"):
+        got, want = layout.encoder(modality), whole.encoder(modality)
+        assert (got is None) == (want is None), modality
+        if want is None:
+            continue
+        for name in ("grid", "segments", "llm_positions"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (modality, name)
+        assert got.features.shape == (want.features.shape[0], 0), modality
+        assert got.spans() == want.spans()
+
+
+@pytest.mark.parametrize("config", ["configs/tiny_mm.yaml", "configs/tiny_mm_audio.yaml"])
+def test_a_stage_without_encoder_inputs_packs_the_layout_alone(config):
+    """Stages after the encoders' input layers pack the layout from the samples' metadata: nothing renders
+    the synthetic images or clips (``SyntheticDataset.layout``), and the rest is the whole batch."""
+    data = TrainingData(load_config(config))
+    batches = [data.global_batch(step)[:4] for step in range(3)]
+    metas = [m for ids in batches for m in data.metas(ids)]
+    assert any(m.num_images for m in metas) and any(not m.num_images for m in metas)
+    assert any(m.num_audio for m in metas) == data.spec.has_audio
+    for ids in batches:
+        assert_layout_is_the_packed_batch_without_media(data, ids)
+    rendered = []
+    data.dataset._render_image = rendered.append
+    for ids in batches:
+        data.microbatch(ids, media=False)
+    assert not rendered
+
+
 def test_patchify_and_fold_invert():
     img = torch.rand(3, 16, 24)
     patches, grid = patchify(img, 8)
