@@ -17,6 +17,7 @@ A run that fails either is *invalid*: its figures must not be printed as results
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Verdict:
     late_ops: int
     worst_lateness: float
     cpu_share: float | None
+    workers: WorkerDemand | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -47,6 +49,47 @@ class Verdict:
             "late_ops": self.late_ops,
             "worst_lateness": self.worst_lateness,
             "cpu_share": self.cpu_share,
+            "workers": self.workers.to_dict() if self.workers is not None else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDemand:
+    """What the workers' processes asked of the host, per judged step (``StepResult.host_cpu_s``): an invalid
+    run says with it how many cores its workers alone would need, which a user can act on (fewer nodes, a
+    narrower compute copy, a larger host)."""
+
+    cpu_s: float
+    """CPU seconds of every worker's process in a step, summed (mean over the judged steps)."""
+    busiest_rank_cpu_s: float
+    """The most CPU seconds one worker spent in a step."""
+    step_s: float
+    """Wall seconds of a step (mean over the judged steps)."""
+
+    @property
+    def cores(self) -> float:
+        """Cores the workers kept busy: their CPU seconds over the step's wall seconds."""
+        return self.cpu_s / self.step_s
+
+    @property
+    def cores_needed(self) -> int:
+        """The fewest cores on which the workers alone stay under ``CPU_LIMIT``."""
+        return max(1, math.ceil(self.cores / CPU_LIMIT - 1e-9))
+
+    def describe(self) -> str:
+        return (
+            f"the workers took {self.cpu_s:.2f} CPU-s a step (busiest rank {self.busiest_rank_cpu_s:.2f}) in "
+            f"{self.step_s:.2f} s steps: {self.cores:.2f} cores, {self.cores_needed} for them alone at "
+            f"{100 * CPU_LIMIT:.0f}%"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "cpu_s": self.cpu_s,
+            "busiest_rank_cpu_s": self.busiest_rank_cpu_s,
+            "step_s": self.step_s,
+            "cores": self.cores,
+            "cores_needed": self.cores_needed,
         }
 
 
@@ -59,6 +102,7 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     ops = late = 0
     worst = 0.0
     seen: set = set()
+    demand = []  # (workers' CPU s, busiest rank's, step s) of each judged step that reported them
     for row in steps:
         generation = row.get("generation")
         if generation is not None and generation not in seen:
@@ -67,6 +111,23 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
         ops += int(row.get("emulated_ops") or 0)
         late += int(row.get("emulated_late_ops") or 0)
         worst = max(worst, float(row.get("emulated_worst_lateness") or 0.0))
+        if row.get("emulated_host_cpu_s") and row.get("step_time_s"):
+            demand.append(
+                (
+                    float(row["emulated_host_cpu_s"]),
+                    float(row.get("emulated_busiest_rank_cpu_s") or 0.0),
+                    float(row["step_time_s"]),
+                )
+            )
+    workers = (
+        WorkerDemand(
+            sum(d[0] for d in demand) / len(demand),
+            max(d[1] for d in demand),
+            sum(d[2] for d in demand) / len(demand),
+        )
+        if demand
+        else None
+    )
     problems = []
     if ops == 0:
         problems.append("no emulated op was judged (no step ran, or every op was under the judged length)")
@@ -78,10 +139,17 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     if cpu_share is not None and cpu_share > CPU_LIMIT:
         problems.append(f"the host's CPU was {100 * cpu_share:.0f}% busy (at most {100 * CPU_LIMIT:.0f}%)")
     cpu = f", host CPU {100 * cpu_share:.0f}% busy" if cpu_share is not None else ""
+    cpu += f"; {workers.describe()}" if workers is not None else ""
     if problems:
-        return Verdict(False, "INVALID: " + "; ".join(problems) + cpu, ops, late, worst, cpu_share)
+        return Verdict(False, "INVALID: " + "; ".join(problems) + cpu, ops, late, worst, cpu_share, workers)
     return Verdict(
-        True, f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}", ops, late, worst, cpu_share
+        True,
+        f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}",
+        ops,
+        late,
+        worst,
+        cpu_share,
+        workers,
     )
 
 

@@ -54,6 +54,8 @@ COLUMNS = (
     "emulated_ops",
     "emulated_late_ops",
     "emulated_worst_lateness",
+    "emulated_host_cpu_s",
+    "emulated_busiest_rank_cpu_s",
 )
 """``metrics.csv``'s header. ``step`` counts steps done (the console's numbering: the event log's
 ``step`` + 1). ``predicted_*`` are the balancer's model (empty with it off); ``measured_*`` are the
@@ -67,7 +69,8 @@ pause, are these gaps less the run's median (``oobleck_mm.faults.report``). ``st
 slow after this step; ``slowest_node_factor``: the highest node's compute over the other nodes' per unit
 of predicted work in this step (``oobleck_mm/master/stragglers.py``; 1 for a node like the rest). ``emulated_*``: an
 emulated run's ops on its emulated devices this step, those that ended late and the worst lateness over its
-op's duration (``oobleck_mm/emulation/clock.py``; empty when not emulated)."""
+op's duration (``oobleck_mm/emulation/clock.py``; empty when not emulated), and the CPU seconds the workers'
+processes spent in the step, all of them and the busiest rank's (``StepResult.host_cpu_s``)."""
 
 SCALARS = {
     "loss": "train/loss",

@@ -131,6 +131,8 @@ def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], fact
             emulated_late_ops=sum(r.emulated_late_ops for r in reports),
             emulated_worst_lateness=max(r.emulated_worst_lateness for r in reports),
             emulated_late_s=sum(r.emulated_late_s for r in reports),
+            emulated_host_cpu_s=sum(r.host_cpu_s for r in reports),
+            emulated_busiest_rank_cpu_s=max(r.host_cpu_s for r in reports),
         )
     if facts.balancer:
         row.update(

@@ -162,7 +162,7 @@ class WorkerCommand(_message.Message):
     def __init__(self, assignment: _Optional[_Union[Assignment, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., master_lost: _Optional[_Union[MasterLost, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s", "lr", "grad_norm", "tokens", "peak_memory_bytes", "pipeline_s", "skipped", "loss_scale", "predicted_max_s", "predicted_mean_s", "predicted_contiguous_max_s", "finished_at", "deferred", "emulated_ops", "emulated_late_ops", "emulated_worst_lateness", "emulated_s", "emulated_late_s", "expected_compute_s")
+    __slots__ = ("generation", "step", "rank", "loss", "samples_per_s", "step_time_s", "forward_s", "backward_s", "comm_s", "lr", "grad_norm", "tokens", "peak_memory_bytes", "pipeline_s", "skipped", "loss_scale", "predicted_max_s", "predicted_mean_s", "predicted_contiguous_max_s", "finished_at", "deferred", "emulated_ops", "emulated_late_ops", "emulated_worst_lateness", "emulated_s", "emulated_late_s", "expected_compute_s", "host_cpu_s")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class StepMetrics(_message.Message):
     EMULATED_S_FIELD_NUMBER: _ClassVar[int]
     EMULATED_LATE_S_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_CPU_S_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     rank: int
@@ -217,7 +218,8 @@ class StepMetrics(_message.Message):
     emulated_s: float
     emulated_late_s: float
     expected_compute_s: float
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., comm_s: _Optional[float] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., pipeline_s: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., predicted_max_s: _Optional[float] = ..., predicted_mean_s: _Optional[float] = ..., predicted_contiguous_max_s: _Optional[float] = ..., finished_at: _Optional[float] = ..., deferred: _Optional[int] = ..., emulated_ops: _Optional[int] = ..., emulated_late_ops: _Optional[int] = ..., emulated_worst_lateness: _Optional[float] = ..., emulated_s: _Optional[float] = ..., emulated_late_s: _Optional[float] = ..., expected_compute_s: _Optional[float] = ...) -> None: ...
+    host_cpu_s: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., comm_s: _Optional[float] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., pipeline_s: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., predicted_max_s: _Optional[float] = ..., predicted_mean_s: _Optional[float] = ..., predicted_contiguous_max_s: _Optional[float] = ..., finished_at: _Optional[float] = ..., deferred: _Optional[int] = ..., emulated_ops: _Optional[int] = ..., emulated_late_ops: _Optional[int] = ..., emulated_worst_lateness: _Optional[float] = ..., emulated_s: _Optional[float] = ..., emulated_late_s: _Optional[float] = ..., expected_compute_s: _Optional[float] = ..., host_cpu_s: _Optional[float] = ...) -> None: ...
 
 class WorkerDone(_message.Message):
     __slots__ = ("step",)

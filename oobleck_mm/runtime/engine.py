@@ -268,7 +268,7 @@ class StageEngine(MicrobatchFlow):
     # ------------------------------------------------------------------ iteration
     def train_step(self, step: int, assignment: Assignment | None = None) -> StepResult:
         """Run global iteration ``step`` (0-based) on this stage; every rank of the plan must call it."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if self.emulation is not None:
             self.emulation.begin_step(step, self.waiter.interrupt)
         self._pipeline_mark = self.clock.start()
@@ -343,6 +343,7 @@ class StageEngine(MicrobatchFlow):
         if self.emulation is not None:
             self._result.lateness = self.emulation.take()
         self._result.step_time_s = time.perf_counter() - t0
+        self._result.host_cpu_s = time.process_time() - cpu0
         return self._result
 
     def _tell_neighbours_abandoned(self) -> None:

@@ -93,6 +93,9 @@ class StepResult:
     them: float32 compute rounds differently for another microbatch composition)."""
     lateness: object = None
     """An emulated run (``cluster.emulate``): this rank's ``emulation.clock.Lateness`` of the step."""
+    host_cpu_s: float = 0.0
+    """CPU seconds this worker's process spent in the step, every thread (``time.process_time``): what the
+    step cost its host, beside what it cost the device (an emulated run's verdict adds them up)."""
 
 
 @dataclass(slots=True)

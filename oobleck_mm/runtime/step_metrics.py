@@ -36,6 +36,7 @@ def step_metrics(a, plan: ExecutionPlan, engine: StageEngine, result) -> pb.Step
         predicted_contiguous_max_s=predicted.get("predicted_contiguous_max_s", 0.0),
         finished_at=time.time(),
         deferred=result.deferred,
+        host_cpu_s=result.host_cpu_s,
         **_lateness_fields(result.lateness),
     )
 

@@ -47,6 +47,7 @@ def test_an_emulated_run_trains_its_compute_copy_exactly_as_the_reference_does(t
     assert max_param_diff(outs, trainer) < 1e-10
     assert outs[0]["losses"] == pytest.approx(losses, abs=1e-12)
     assert all(r.lateness is not None and r.lateness.emulated_s > 0 for o in outs for r in o["results"])
+    assert all(0 < r.host_cpu_s < 60 for o in outs for r in o["results"])  # what the step cost its host
 
 
 def test_a_known_delay_and_the_pipeline_schedule_are_measured_as_they_are(bench, tmp_path):

@@ -318,6 +318,26 @@ def test_the_verdict_names_what_made_a_run_invalid():
     assert judge(warm, None).valid  # a generation's first step warms its workers up: left out
 
 
+def test_the_verdict_says_how_many_cores_the_workers_needed():
+    """The workers' CPU seconds a step (``emulated_host_cpu_s``: every worker's process, summed) over the step's
+    wall seconds are the cores they kept busy; at most ``CPU_LIMIT`` of a host may be: 16 emulated nodes that
+    took 7.2 CPU-s in 4.5 s steps kept 1.6 cores busy and need 3 cores for themselves."""
+    row = {"emulated_ops": 100, "emulated_late_ops": 0, "step_time_s": 4.5}
+    rows = [
+        {**row, "generation": 1, "emulated_host_cpu_s": 99.0, "emulated_busiest_rank_cpu_s": 9.0},  # warm-up
+        {**row, "generation": 1, "emulated_host_cpu_s": 7.0, "emulated_busiest_rank_cpu_s": 0.9},
+        {**row, "generation": 1, "emulated_host_cpu_s": 7.4, "emulated_busiest_rank_cpu_s": 1.1},
+    ]
+    verdict = judge(rows, 0.75)
+    assert verdict.workers.cpu_s == pytest.approx(7.2) and verdict.workers.busiest_rank_cpu_s == 1.1
+    assert verdict.workers.cores == pytest.approx(1.6) and verdict.workers.cores_needed == 3
+    assert "7.20 CPU-s a step (busiest rank 1.10) in 4.50 s steps: 1.60 cores, 3 for them alone" in verdict.reason
+    assert verdict.to_dict()["workers"]["cores_needed"] == 3
+    exactly = judge([row, {**row, "emulated_host_cpu_s": 0.6 * 4.5}], 0.3).workers  # 0.6 cores: one at 60%
+    assert exactly.cores_needed == 1
+    assert judge([row, row], 0.3).workers is None  # runs that did not report it (an older worker) say nothing
+
+
 def test_a_slowed_node_reads_its_speed_factor_when_it_changes(tmp_path):
     speed = SpeedFile("node3", str(tmp_path))
     assert speed.read() == 1.0

@@ -69,6 +69,28 @@ def test_step_row_takes_the_slowest_rank_and_each_pipelines_slowest_stage():
     assert row["prediction_error"] == pytest.approx(0.40 / 0.35 - 1)  # the slowest measured over the predicted
 
 
+def test_an_emulated_steps_row_sums_its_ranks_ops_and_host_cpu_and_judges_them():
+    """An emulated step's row (``emulated_*``): its ranks' ops and late ops summed, the worst lateness, and the
+    workers' CPU seconds, all of them and the busiest rank's: what the run's verdict reads (``validity.judge``)."""
+    from oobleck_mm.emulation.validity import judge
+
+    def emulated(step):
+        out = reports(step)
+        for r in out:
+            r.emulated_ops, r.emulated_late_ops, r.emulated_s = 10, int(r.rank == 2), 0.4
+            r.emulated_worst_lateness, r.host_cpu_s = 0.1 * r.rank, 0.2 + 0.1 * r.rank
+        return out
+
+    row = step_row(GEN, 4, emulated(4), FACTS)
+    assert (row["emulated_ops"], row["emulated_late_ops"]) == (50, 1)
+    assert row["emulated_worst_lateness"] == pytest.approx(0.4)
+    assert row["emulated_host_cpu_s"] == pytest.approx(2.0) and row["emulated_busiest_rank_cpu_s"] == pytest.approx(0.6)
+    assert "emulated_host_cpu_s" not in step_row(GEN, 4, reports(), FACTS)  # not emulated: no such columns
+    verdict = judge([step_row(GEN, s, emulated(s), FACTS) for s in range(3)], 0.5)
+    assert verdict.workers.cpu_s == pytest.approx(2.0) and verdict.workers.step_s == pytest.approx(0.6)
+    assert verdict.workers.cores_needed == 6  # 3.33 cores busy: 6 cores at 60%
+
+
 def test_predictions_are_absent_with_the_balancer_off_but_measured_times_are_not():
     row = step_row(GEN, 4, reports(), StepFacts(global_batch=16))
     assert "predicted_max_s" not in row and row["measured_max_s"] == pytest.approx(0.40)
