@@ -16,6 +16,7 @@ A run that fails either is *invalid*: its figures must not be printed as results
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 import math
 import threading
@@ -40,6 +41,8 @@ class Verdict:
     worst_lateness: float
     cpu_share: float | None
     workers: WorkerDemand | None = None
+    late_ranks: dict[int, int] | None = None
+    """Late ops per rank over the judged steps, the most first (ranks with none left out)."""
 
     def to_dict(self) -> dict:
         return {
@@ -50,6 +53,7 @@ class Verdict:
             "worst_lateness": self.worst_lateness,
             "cpu_share": self.cpu_share,
             "workers": self.workers.to_dict() if self.workers is not None else None,
+            "late_ranks": {str(rank): n for rank, n in (self.late_ranks or {}).items()},
         }
 
 
@@ -103,6 +107,7 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     worst = 0.0
     seen: set = set()
     demand = []  # (workers' CPU s, busiest rank's, step s) of each judged step that reported them
+    by_rank: Counter = Counter()
     for row in steps:
         generation = row.get("generation")
         if generation is not None and generation not in seen:
@@ -111,6 +116,7 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
         ops += int(row.get("emulated_ops") or 0)
         late += int(row.get("emulated_late_ops") or 0)
         worst = max(worst, float(row.get("emulated_worst_lateness") or 0.0))
+        by_rank.update({int(rank): int(n) for rank, n in (row.get("emulated_late_ranks") or {}).items()})
         if row.get("emulated_host_cpu_s") and row.get("step_time_s"):
             demand.append(
                 (
@@ -132,16 +138,19 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     if ops == 0:
         problems.append("no emulated op was judged (no step ran, or every op was under the judged length)")
     elif late > LATE_SHARE * ops:
+        where = ", ".join(f"{rank} ({n})" for rank, n in by_rank.most_common(4))
         problems.append(
             f"{late} of {ops} ops ({100 * late / ops:.1f}%) ended more than {100 * LATE_FRACTION:.0f}% "
             f"of their duration late (at most {100 * LATE_SHARE:.0f}% may)"
+            + (f", most on ranks {where}" if where else "")
         )
     if cpu_share is not None and cpu_share > CPU_LIMIT:
         problems.append(f"the host's CPU was {100 * cpu_share:.0f}% busy (at most {100 * CPU_LIMIT:.0f}%)")
+    late_ranks = dict(by_rank.most_common())
     cpu = f", host CPU {100 * cpu_share:.0f}% busy" if cpu_share is not None else ""
     cpu += f"; {workers.describe()}" if workers is not None else ""
     if problems:
-        return Verdict(False, "INVALID: " + "; ".join(problems) + cpu, ops, late, worst, cpu_share, workers)
+        return Verdict(False, "INVALID: " + "; ".join(problems) + cpu, ops, late, worst, cpu_share, workers, late_ranks)
     return Verdict(
         True,
         f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}",
@@ -150,6 +159,7 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
         worst,
         cpu_share,
         workers,
+        late_ranks,
     )
 
 

@@ -133,6 +133,8 @@ def step_row(gen: GenerationView, step: int, reports: list[pb.StepMetrics], fact
             emulated_late_s=sum(r.emulated_late_s for r in reports),
             emulated_host_cpu_s=sum(r.host_cpu_s for r in reports),
             emulated_busiest_rank_cpu_s=max(r.host_cpu_s for r in reports),
+            # Which ranks' ops were late (the event log only: a dict is no metrics.csv column)
+            emulated_late_ranks={str(r.rank): r.emulated_late_ops for r in reports if r.emulated_late_ops},
         )
     if facts.balancer:
         row.update(

@@ -316,6 +316,16 @@ def test_the_verdict_names_what_made_a_run_invalid():
     assert not judge([], None).valid
     warm = [{"generation": 1, "emulated_ops": 10, "emulated_late_ops": 9}, *rows]
     assert judge(warm, None).valid  # a generation's first step warms its workers up: left out
+    # the ranks whose ops were late, the most first (the event log's JSON keys are strings)
+    ranked = judge(
+        [
+            {"emulated_ops": 100, "emulated_late_ops": 3, "emulated_late_ranks": {"4": 2, "0": 1}},
+            {"emulated_ops": 100, "emulated_late_ops": 3, "emulated_late_ranks": {"4": 1, "0": 1, "7": 1}},
+        ],
+        0.5,
+    )
+    assert "most on ranks 4 (3), 0 (2), 7 (1)" in ranked.reason and ranked.late_ranks == {4: 3, 0: 2, 7: 1}
+    assert ranked.to_dict()["late_ranks"] == {"4": 3, "0": 2, "7": 1}
 
 
 def test_the_verdict_says_how_many_cores_the_workers_needed():

@@ -82,7 +82,7 @@ def test_an_emulated_steps_row_sums_its_ranks_ops_and_host_cpu_and_judges_them()
         return out
 
     row = step_row(GEN, 4, emulated(4), FACTS)
-    assert (row["emulated_ops"], row["emulated_late_ops"]) == (50, 1)
+    assert (row["emulated_ops"], row["emulated_late_ops"]) == (50, 1) and row["emulated_late_ranks"] == {"2": 1}
     assert row["emulated_worst_lateness"] == pytest.approx(0.4)
     assert row["emulated_host_cpu_s"] == pytest.approx(2.0) and row["emulated_busiest_rank_cpu_s"] == pytest.approx(0.6)
     assert "emulated_host_cpu_s" not in step_row(GEN, 4, reports(), FACTS)  # not emulated: no such columns
