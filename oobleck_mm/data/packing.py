@@ -294,8 +294,8 @@ def pack(
         labels=torch.cat(labels),
         positions=torch.cat(positions),
         segments=torch.cat(segments),
-        vision=vision.build(vision_in, dtype) if spec.has_vision else None,
-        audio=audio.build(audio_in, dtype) if spec.has_audio else None,
+        vision=vision.build(vision_in if media else 0, dtype) if spec.has_vision else None,
+        audio=audio.build(audio_in if media else 0, dtype) if spec.has_audio else None,
     )
 
 

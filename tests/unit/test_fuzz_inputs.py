@@ -140,6 +140,7 @@ def data_dir(tmp_path_factory):
 def test_any_llava_records_load_or_are_refused_naming_the_file_and_sample(data_dir, records, skip, seq):
     from oobleck_mm.data.check import check_samples
     from oobleck_mm.data.loader import TrainingData
+    from test_packing import assert_layout_is_the_packed_batch_without_media
 
     good = {
         "id": "good",
@@ -162,4 +163,6 @@ def test_any_llava_records_load_or_are_refused_naming_the_file_and_sample(data_d
     training = TrainingData(config_from_dict(job.to_dict()))  # what a worker builds from the master's config
     for index in range(len(training.dataset)):
         training.microbatch([index])  # loads, decodes and packs: no error may be left for a worker
+        # and the stages after the encoders' inputs pack the same layout without the pixels
+        assert_layout_is_the_packed_batch_without_media(training, [index])
     event(f"trained on {len(training.dataset) - 4} fuzzed samples, {len(job.data.excluded_samples)} left out")
