@@ -169,6 +169,10 @@ def run(job, steps: int, workdir: Path) -> dict:
             "emulated_ops": lateness.ops,
             "emulated_late_ops": lateness.late_ops,
             "emulated_worst_lateness": lateness.worst,
+            # what the workers asked of the host (the verdict's cores), per timed step
+            "emulated_host_cpu_s": statistics.mean(sum(o["results"][s].host_cpu_s for o in outs) for s in timed),
+            "emulated_busiest_rank_cpu_s": max(o["results"][s].host_cpu_s for o in outs for s in timed),
+            "step_time_s": statistics.mean(per_step[s] for s in timed),
         }
     ]
     verdict = judge(rows, cpu.share(began + sum(per_step[:WARMUP_STEPS]), time.time()))

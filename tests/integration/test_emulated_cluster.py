@@ -63,6 +63,8 @@ def test_a_known_delay_and_the_pipeline_schedule_are_measured_as_they_are(bench,
     one = bench.run(bench.calibration_job(1, delayed, 8), 8, tmp_path / "one")
     two = bench.run(bench.calibration_job(2, bench.write_profile(tmp_path, 1.0), 5), 5, tmp_path / "two")
     print(one, two, sep="\n")
+    for run in (one, two):  # every verdict says what the workers asked of the host
+        assert "CPU-s a step" in run["verdict"] and "for them alone" in run["verdict"], run
     # The known delay is a ratio within one run: a busy host slows its even and odd steps alike (98% busy,
     # its devices kept waiting 4% of the time, read 1.082). A host that made the devices wait past their
     # deadlines (6.5% of the ops late on a slow host beside the suite read 1.043) blurs even that: the run
