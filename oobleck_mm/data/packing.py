@@ -176,12 +176,6 @@ def fold_frames(clip: torch.Tensor, downsample: int) -> tuple[torch.Tensor, torc
     return clip.reshape(n, mel * downsample), grid
 
 
-def _no_pixels(height: int, width: int) -> torch.Tensor:
-    """An image of ``height`` x ``width`` without pixels, for ``pack(media=False)``: [0, H, W], whose
-    patches ``patchify`` makes ``[patches, 0]`` with the grid a real image's patches have."""
-    return torch.empty(0, height, width)
-
-
 @dataclass(frozen=True, slots=True)
 class PackingSpec:
     """What packing needs from the model config."""
@@ -256,8 +250,9 @@ def pack(
     for seg, sample in enumerate(samples):
         if media:
             images, clips = iter(sample.images), iter(sample.audio)
-        else:
-            images = (_no_pixels(h, w) for h, w in sample.meta.image_sizes)
+        else:  # media of their sizes without pixels or frames: [0, H, W] and [F, 0], which patchify and
+            # fold_frames make [tokens, 0] with a real medium's grid
+            images = (torch.empty(0, h, w) for h, w in sample.meta.image_sizes)
             clips = (torch.empty(frames, 0) for frames in sample.meta.audio_frames)
         seq: list[torch.Tensor] = []
         is_target: list[torch.Tensor] = []

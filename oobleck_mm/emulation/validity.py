@@ -106,7 +106,8 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     ops = late = 0
     worst = 0.0
     seen: set = set()
-    demand = []  # (workers' CPU s, busiest rank's, step s) of each judged step that reported them
+    cpu_s = step_s = busiest = 0.0  # the workers' demand, over the judged steps that reported it
+    reported = 0
     by_rank: Counter = Counter()
     for row in steps:
         generation = row.get("generation")
@@ -118,22 +119,11 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
         worst = max(worst, float(row.get("emulated_worst_lateness") or 0.0))
         by_rank.update({int(rank): int(n) for rank, n in (row.get("emulated_late_ranks") or {}).items()})
         if row.get("emulated_host_cpu_s") and row.get("step_time_s"):
-            demand.append(
-                (
-                    float(row["emulated_host_cpu_s"]),
-                    float(row.get("emulated_busiest_rank_cpu_s") or 0.0),
-                    float(row["step_time_s"]),
-                )
-            )
-    workers = (
-        WorkerDemand(
-            sum(d[0] for d in demand) / len(demand),
-            max(d[1] for d in demand),
-            sum(d[2] for d in demand) / len(demand),
-        )
-        if demand
-        else None
-    )
+            reported += 1
+            cpu_s += float(row["emulated_host_cpu_s"])
+            step_s += float(row["step_time_s"])
+            busiest = max(busiest, float(row.get("emulated_busiest_rank_cpu_s") or 0.0))
+    workers = WorkerDemand(cpu_s / reported, busiest, step_s / reported) if reported else None
     problems = []
     if ops == 0:
         problems.append("no emulated op was judged (no step ran, or every op was under the judged length)")
@@ -149,18 +139,12 @@ def judge(steps: Iterable[Mapping], cpu_share: float | None) -> Verdict:
     late_ranks = dict(by_rank.most_common())
     cpu = f", host CPU {100 * cpu_share:.0f}% busy" if cpu_share is not None else ""
     cpu += f"; {workers.describe()}" if workers is not None else ""
-    if problems:
-        return Verdict(False, "INVALID: " + "; ".join(problems) + cpu, ops, late, worst, cpu_share, workers, late_ranks)
-    return Verdict(
-        True,
-        f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}",
-        ops,
-        late,
-        worst,
-        cpu_share,
-        workers,
-        late_ranks,
+    reason = (
+        "INVALID: " + "; ".join(problems) + cpu
+        if problems
+        else f"valid: {late} of {ops} ops late, worst {100 * worst:.1f}% of its op{cpu}"
     )
+    return Verdict(not problems, reason, ops, late, worst, cpu_share, workers, late_ranks)
 
 
 class HostCpu:
