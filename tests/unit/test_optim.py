@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oobleck_mm.config import OptimizerConfig, OptimizerParams, SchedulerConfig, TrainingConfig
+from oobleck_mm.runtime.update import grad_sq
 from oobleck_mm.runtime.optim import (
     betas_at,
     build_layer_optimizer,
@@ -273,3 +274,37 @@ def test_load_rejects_state_of_another_layer():
     wrong["0.exp_avg"] = torch.zeros(3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"'0.exp_avg': shape \(3, 4\)"):
         load_optimizer_state(opt, wrong)
+
+
+def test_layer_optimizer_is_torchs_fused_adamw_with_the_loops_math():
+    # The fused kernel (one per layer, not ~10 ops per tensor) updates as the per-tensor loop does.
+    t = training(lr=0.05, weight_decay=0.1)
+    fused_params, loop_params = layer_params(), layer_params()
+    fused = build_layer_optimizer(fused_params, t)
+    assert all(group["fused"] for group in fused.param_groups)
+    hp = t.optimizer.params
+    loop = torch.optim.AdamW(
+        loop_params, lr=lr_at(t, 0), betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay, foreach=False
+    )
+    train_steps(fused_params, fused, t, range(3))
+    train_steps(loop_params, loop, t, range(3))
+    for a, b in zip(fused_params, loop_params):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
+def test_grad_sq_sums_each_tensors_norm_in_float64():
+    layer = torch.nn.Linear(300, 200)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) * 10 for p in layer.parameters()]
+    exact = sum(float(g.pow(2).sum()) for g in grads)
+    for p, g in zip(layer.parameters(), grads):
+        p.grad = g.float()
+    got = grad_sq(layer)
+    assert got.dtype == torch.float64
+    assert abs(float(got) - exact) <= 1e-6 * exact  # float32 gradients: each tensor's norm in float32
+    layer.double()
+    for p, g in zip(layer.parameters(), grads):
+        p.grad = g.clone()
+    assert abs(float(grad_sq(layer)) - exact) <= 1e-14 * exact  # float64 gradients: float64 throughout
+    layer.weight.grad = None  # a parameter without a gradient adds nothing
+    assert abs(float(grad_sq(layer)) - float(grads[1].pow(2).sum())) <= 1e-14 * exact
