@@ -3,6 +3,7 @@
     python scripts/bench_modality.py frozen [--json out.json]
     python scripts/bench_modality.py placement [--models sss,lls] [--nodes N] [--json out.json]
     python scripts/bench_modality.py lookahead [--models lls,llm] [--json out.json]
+    python scripts/bench_modality.py plans [--models lls,sss] [--json out.json]
 
 ``frozen`` reproduces Cornstarch's Table 3.2 (dissertation §3.5.3): each of its MLLM configurations
 (``configs/cornstarch_mllm_{sss,mmm,lll}.yaml``: encoders and LLM frozen, only the projectors train, on the
@@ -35,6 +36,11 @@ trained projectors) running its forwards ahead into the next iteration, which it
 no update): unbounded buffers, no share in the step's last collective (an upper bound), the other stages
 1F1B as now, iterations separated by that collective. Printed: each template's steady iteration period
 (the 4th iteration's) in lock-step (equal to the planner's exact time) and with the lookahead.
+
+``plans`` is what a user of each model gets: the planner's whole plan over the config's nodes (templates,
+pipelines, batch split) with ``planning.placement: chain`` and with ``auto`` (branches wherever a template's
+exact time says so), each timed as the planner times it (the slowest pipeline's exact 1F1B time plus the
+gradient all-reduce), beside ``placement``'s one pipeline over every node.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -374,6 +381,40 @@ def lookahead(names: list[str]) -> dict:
     return out
 
 
+def plans(names: list[str]) -> dict:
+    """Per model: the planner's plan over the config's nodes with the encoders chained and with placement
+    ``auto``, by the planner's exact times."""
+    out = {}
+    for name in names:
+        path, sets = PLACEMENT_MODELS[name]
+        row = {"config": path, "sets": sets}
+        for placement in ("chain", "auto"):
+            job = load_config(str(ROOT / "configs" / path), overrides=[*sets, f"planning.placement={placement}"])
+            cluster = ClusterSpec.from_config(job.cluster)
+            started = time.perf_counter()
+            plan = plan_job(job, profile_from_config(job), [f"n{i}" for i in range(job.cluster.nodes)]).plan
+            templates = [p.template for p in plan.pipelines]
+            slowest = max(t.iteration_time(p.num_microbatches) for t, p in zip(templates, plan.pipelines))
+            row[placement] = {
+                "iteration_s": slowest + gradient_allreduce_s(templates, cluster),
+                "pipelines": [f"{t.describe()} x {p.num_microbatches} mb" for t, p in zip(templates, plan.pipelines)],
+                "branched_pipelines": sum(1 for t in templates if t.branched),
+                "plan_s": time.perf_counter() - started,
+            }
+        row["auto_vs_chain"] = row["chain"]["iteration_s"] / row["auto"]["iteration_s"]
+        out[name] = row
+        auto = row["auto"]
+        print(
+            f"{'MLLM-10B' if name == 'mllm_10b' else 'MLLM-' + name.upper()} on {job.cluster.nodes} x "
+            f"{cluster.gpus_per_node} GPUs, the planner's plan: chain {row['chain']['iteration_s']:.4g} s, auto "
+            f"{auto['iteration_s']:.4g} s (x{row['auto_vs_chain']:.3f}; {auto['branched_pipelines']} of "
+            f"{len(auto['pipelines'])} pipelines branched): "
+            + ", ".join(f"{n} x [{p}]" for p, n in Counter(auto["pipelines"]).items()),
+            flush=True,
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -389,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     la = sub.add_parser("lookahead", help="what-if: the frozen prefix running ahead into the next iteration")
     la.add_argument("--models", default="lls,llm,lll", help=f"comma-separated: {', '.join(PLACEMENT_MODELS)}")
     la.add_argument("--json", help="write the figures here")
+    pp = sub.add_parser("plans", help="the planner's whole plan with the encoders chained vs placement auto")
+    pp.add_argument("--models", default="lls,llm,lll,mmm,sss", help=f"comma-separated: {', '.join(PLACEMENT_MODELS)}")
+    pp.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     valid = PAPER_TABLE_3_2 if args.command == "frozen" else PLACEMENT_MODELS
     names = [m.strip().lower() for m in args.models.split(",") if m.strip()]
@@ -399,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"frozen": frozen(names)}
     elif args.command == "lookahead":
         result = {"lookahead": lookahead(names)}
+    elif args.command == "plans":
+        result = {"plans": plans(names)}
     else:
         result = {"placement": placement(names, args.nodes)}
     if args.json:

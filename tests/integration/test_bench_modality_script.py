@@ -49,3 +49,16 @@ def test_the_lookahead_what_if_is_the_planners_time_without_a_prefix_and_never_s
         lock = bench_modality.steady_period(template, [False] * len(prefix), microbatches)
         assert lock == pytest.approx(template.iteration_time(microbatches), rel=1e-9)
         assert bench_modality.steady_period(template, prefix, microbatches) < lock
+
+
+def test_the_planners_plan_with_placement_auto_is_never_slower_than_the_chained_one(tmp_path, capsys):
+    """``plans``: the planner's whole plan with branches allowed (``planning.placement: auto``) against the same
+    with the chain only. Auto picks per template by the exact time, so its plan can only tie or win."""
+    out = tmp_path / "plans.json"
+    assert bench_modality.main(["plans", "--models", "sss", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["plans"]["sss"]
+    assert row["auto_vs_chain"] >= 1.0 - 1e-12, row
+    for placement in ("chain", "auto"):
+        assert row[placement]["iteration_s"] > 0 and row[placement]["pipelines"], row
+    assert row["chain"]["branched_pipelines"] == 0
+    assert "MLLM-SSS on 6 x 4 GPUs, the planner's plan: chain" in capsys.readouterr().out
