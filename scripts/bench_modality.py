@@ -40,7 +40,8 @@ no update): unbounded buffers, no share in the step's last collective (an upper 
 ``plans`` is what a user of each model gets: the planner's whole plan over the config's nodes (templates,
 pipelines, batch split) with ``planning.placement: chain`` and with ``auto`` (branches wherever a template's
 exact time says so), each timed as the planner times it (the slowest pipeline's exact 1F1B time plus the
-gradient all-reduce), beside ``placement``'s one pipeline over every node.
+gradient all-reduce), beside ``placement``'s one pipeline over every node; and the same plan under the
+``lookahead`` what-if.
 """
 
 from __future__ import annotations
@@ -392,11 +393,18 @@ def plans(names: list[str]) -> dict:
             job = load_config(str(ROOT / "configs" / path), overrides=[*sets, f"planning.placement={placement}"])
             cluster = ClusterSpec.from_config(job.cluster)
             started = time.perf_counter()
-            plan = plan_job(job, profile_from_config(job), [f"n{i}" for i in range(job.cluster.nodes)]).plan
+            profile = profile_from_config(job)
+            plan = plan_job(job, profile, [f"n{i}" for i in range(job.cluster.nodes)]).plan
             templates = [p.template for p in plan.pipelines]
             slowest = max(t.iteration_time(p.num_microbatches) for t, p in zip(templates, plan.pipelines))
+            allreduce = gradient_allreduce_s(templates, cluster)
+            ahead = max(
+                steady_period(t, frozen_prefix(t, profile), p.num_microbatches)
+                for t, p in zip(templates, plan.pipelines)
+            )
             row[placement] = {
-                "iteration_s": slowest + gradient_allreduce_s(templates, cluster),
+                "iteration_s": slowest + allreduce,
+                "lookahead_s": ahead + allreduce,
                 "pipelines": [f"{t.describe()} x {p.num_microbatches} mb" for t, p in zip(templates, plan.pipelines)],
                 "branched_pipelines": sum(1 for t in templates if t.branched),
                 "plan_s": time.perf_counter() - started,
@@ -409,7 +417,8 @@ def plans(names: list[str]) -> dict:
             f"{cluster.gpus_per_node} GPUs, the planner's plan: chain {row['chain']['iteration_s']:.4g} s, auto "
             f"{auto['iteration_s']:.4g} s (x{row['auto_vs_chain']:.3f}; {auto['branched_pipelines']} of "
             f"{len(auto['pipelines'])} pipelines branched): "
-            + ", ".join(f"{n} x [{p}]" for p, n in Counter(auto["pipelines"]).items()),
+            + ", ".join(f"{n} x [{p}]" for p, n in Counter(auto["pipelines"]).items())
+            + f"; with its frozen prefix ahead (the lookahead what-if) {auto['lookahead_s']:.4g} s",
             flush=True,
         )
     return out

@@ -60,5 +60,6 @@ def test_the_planners_plan_with_placement_auto_is_never_slower_than_the_chained_
     assert row["auto_vs_chain"] >= 1.0 - 1e-12, row
     for placement in ("chain", "auto"):
         assert row[placement]["iteration_s"] > 0 and row[placement]["pipelines"], row
+        assert row[placement]["lookahead_s"] <= row[placement]["iteration_s"] * (1 + 1e-9), row
     assert row["chain"]["branched_pipelines"] == 0
     assert "MLLM-SSS on 6 x 4 GPUs, the planner's plan: chain" in capsys.readouterr().out
