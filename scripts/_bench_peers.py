@@ -184,6 +184,14 @@ def _measure(trainer, spec: RunSpec, index: int, num_turns: int, turns) -> dict:
     return {"losses": losses, "step_s": step_s, "breakdown": breakdown}
 
 
+def peer_adamw(params, hp) -> torch.optim.AdamW:
+    """A peer's AdamW with the job's hyperparameters and the engine's fused kernel
+    (``runtime.optim.build_layer_optimizer``): the same update cost on both sides of a comparison."""
+    return torch.optim.AdamW(
+        params, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay, fused=True
+    )
+
+
 def _add(breakdown: dict[str, float], key: str, seconds: float) -> None:
     breakdown[key] = breakdown.get(key, 0.0) + seconds
 
@@ -267,14 +275,7 @@ class DDPTrainer:
         # Unused parameters are real here: a microbatch without images leaves the vision encoder idle.
         self.model = DistributedDataParallel(WholeModel(spec.job), find_unused_parameters=True)
         hp = spec.job.training.optimizer.params
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            fused=True,  # the engine's kernel (runtime.optim.build_layer_optimizer): the same update cost
-        )
+        self.optimizer = peer_adamw(self.model.parameters(), hp)
         self.breakdown: dict[str, float] = {}
 
     def step(self, step: int) -> float:
@@ -408,14 +409,7 @@ class DeepSpeedTrainer:
             raise ValueError(f"DeepSpeed cut the layers at {list(module.parts)}, the engine's plan at {cuts}")
         training = spec.job.training
         hp = training.optimizer.params
-        optimizer = torch.optim.AdamW(
-            module.parameters(),
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            fused=True,  # the engine's kernel (runtime.optim.build_layer_optimizer): the same update cost
-        )
+        optimizer = peer_adamw(module.parameters(), hp)
         config = {
             "train_micro_batch_size_per_gpu": self.mbs,
             "gradient_accumulation_steps": self.gas,
@@ -523,14 +517,7 @@ class HFDDPTrainer(DDPTrainer):
         self.model = DistributedDataParallel(model, find_unused_parameters=True)
         hp = spec.job.training.optimizer.params
         # The parameters the engine trains (CLIP's unused tail gets no gradient and AdamW skips it).
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            fused=True,  # the engine's kernel (runtime.optim.build_layer_optimizer): the same update cost
-        )
+        self.optimizer = peer_adamw(self.model.parameters(), hp)
         self.breakdown: dict[str, float] = {}
 
 
