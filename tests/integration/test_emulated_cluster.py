@@ -68,13 +68,16 @@ def test_a_known_delay_and_the_pipeline_schedule_are_measured_as_they_are(bench,
     # The known delay is a ratio within one run: a busy host slows its even and odd steps alike (98% busy,
     # its devices kept waiting 4% of the time, read 1.082). A host that made the devices wait past their
     # deadlines (6.5% of the ops late on a slow host beside the suite read 1.043) blurs even that: the run
-    # must then call itself INVALID for its lateness, and the delay still reads as one (slower, not past it).
+    # must then call itself INVALID and say why, and the delay still reads as a delay. Its size is then no
+    # measurement, in either direction: beside four busy loops (the host 100% busy, 1.9-2.8% of the ops
+    # late) four runs read 1.081, 1.097, 1.114 and 1.135.
     known = one["odd_ratio"] / one["even_ratio"]
     if one["valid"]:
         assert known == pytest.approx(1.10, abs=0.015), one
     else:
-        assert one["verdict"].startswith("INVALID: "), one  # its reason named: late ops, a busy host
-        assert 1.0 < known < 1.10 + 0.03, one
+        assert one["verdict"].startswith("INVALID: "), one
+        assert "late" in one["verdict"] or "busy" in one["verdict"], one  # its reason named
+        assert known > 1.0, one
     for run in (one, two):
         if run["lag_share"] < 0.01:
             # The hosts made their devices wait for under 1% of the ranks' time (next to other tests an op
