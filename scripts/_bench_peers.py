@@ -184,6 +184,12 @@ def _measure(trainer, spec: RunSpec, index: int, num_turns: int, turns) -> dict:
     return {"losses": losses, "step_s": step_s, "breakdown": breakdown}
 
 
+DDP_OPTIONS = {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+"""The DDP peers' options. Unused parameters are real here: a microbatch without images leaves the vision
+encoder idle. Gradients as views of DDP's buckets (saving its copy back after each bucket's all-reduce), as the
+engine's are of its chunks' (``GradientSync.attach``): DDP as a user tuning for speed runs it."""
+
+
 def peer_adamw(params, hp) -> torch.optim.AdamW:
     """A peer's AdamW with the job's hyperparameters and the engine's fused kernel
     (``runtime.optim.build_layer_optimizer``): the same update cost on both sides of a comparison."""
@@ -272,8 +278,7 @@ class DDPTrainer:
         _join(spec.job, rank, port, spec.plan.world_size)
         self.job, self.plan, self.rank = spec.job, spec.plan, rank
         self.data = TrainingData(spec.job)
-        # Unused parameters are real here: a microbatch without images leaves the vision encoder idle.
-        self.model = DistributedDataParallel(WholeModel(spec.job), find_unused_parameters=True)
+        self.model = DistributedDataParallel(WholeModel(spec.job), **DDP_OPTIONS)
         hp = spec.job.training.optimizer.params
         self.optimizer = peer_adamw(self.model.parameters(), hp)
         self.breakdown: dict[str, float] = {}
@@ -514,7 +519,7 @@ class HFDDPTrainer(DDPTrainer):
         self.job, self.plan, self.rank = spec.job, spec.plan, rank
         self.data = TrainingData(spec.job)
         model = HFModel(spec.job)
-        self.model = DistributedDataParallel(model, find_unused_parameters=True)
+        self.model = DistributedDataParallel(model, **DDP_OPTIONS)
         hp = spec.job.training.optimizer.params
         # The parameters the engine trains (CLIP's unused tail gets no gradient and AdamW skips it).
         self.optimizer = peer_adamw(self.model.parameters(), hp)

@@ -316,6 +316,7 @@ class StageEngine(MicrobatchFlow):
         )
         stages, stage_id = self.pipeline.schedule_position(self.stage_index)
         schedule = ds.TrainSchedule(micro_batches=len(self._microbatches), stages=stages, stage_id=stage_id)
+        self.sync.attach(self.layers)  # the backward accumulates into the all-reduce's buffers
         try:
             execute(schedule.steps(), self._dispatch)
         except RuntimeError:
@@ -375,6 +376,7 @@ class StageEngine(MicrobatchFlow):
             poison_gradients(self.layers)
         self._result.grad_bytes = self.sync.all_reduce(self.layers, self.waiter)
         self._result.grad_bytes_overlapped = self.sync.overlapped_bytes
+        self._result.grad_bytes_copied = self.sync.copied_bytes
         if self.timer is not None:
             self.timer.allreduce(ready)
         self._result.comm_s += time.perf_counter() - t0

@@ -59,11 +59,10 @@ class ComputeCopies:
 
 def _into(master: nn.Parameter):
     def hook(p: torch.Tensor) -> None:
-        grad = p.grad.to(master.dtype)
         if master.grad is None:
-            master.grad = grad
-        else:
-            master.grad.add_(grad)
+            master.grad = p.grad.to(master.dtype)
+        else:  # (the usual case: ``GradientSync.attach`` gave it a view of its chunk's buffer)
+            master.grad.add_(p.grad)  # cast as it is read: the same sum, no master-dtype temporary
         p.grad = None
 
     return hook

@@ -57,6 +57,9 @@ class StepResult:
     """Bytes this rank all-reduced of its layers' gradients (the bucket sums, those over pieces, the tied one)."""
     grad_bytes_overlapped: int = 0
     """Of the buckets' bytes, those whose all-reduce started during the backward (``training.grad_overlap``)."""
+    grad_bytes_copied: int = 0
+    """Of the buckets' bytes, those copied into a buffer to be summed and back, not summed where the backward made
+    them (``GradientSync.attach``: a sum in another dtype than the gradients')."""
     microbatch_times: list[tuple[float, float]] = field(default_factory=list)
     """(forward s, backward s) of each microbatch on this stage, in order."""
     pack_s: float = 0.0

@@ -52,6 +52,11 @@ def worst_against_reference(outs, j, steps: int) -> float:
     )
 
 
+def copied(outs) -> int:
+    """Bytes the bucket sums copied into a buffer and back, over every rank and step."""
+    return sum(r.grad_bytes_copied for out in outs for r in out["results"])
+
+
 def overlapped(outs) -> tuple[int, int]:
     """(bytes started during a backward, bytes summed) over every rank and step."""
     results = [r for out in outs for r in out["results"]]
@@ -76,6 +81,8 @@ def test_overlapped_sums_equal_the_sums_after_the_backward_and_the_reference(nam
     early, total = overlapped(outs_on)
     assert total > 0 and early > 0, f"no all-reduce started during a backward ({early} of {total} bytes)"
     assert overlapped(outs_off) == (0, total), "without overlap every sum starts after the backward, same bytes"
+    # Gradients are views of the buffers summed (GradientSync.attach): nothing copied, on either path.
+    assert copied(outs_on) == copied(outs_off) == 0
     a, b = states(outs_on), states(outs_off)
     assert a.keys() == b.keys()
     for key in a:
@@ -102,4 +109,5 @@ def test_overlapped_sums_survive_a_lost_node_and_equal_the_reference(tmp_path):
     outs = run_local(j, before, 2, tmp_path, phases=[Phase(after, 2, {r: r for r in range(5)})])
     early, total = overlapped(outs)
     assert early > 0 and total > early
+    assert copied(outs) == 0, "the new generation's chunks sum their own buffers too"
     assert worst_against_reference(outs, j, 4) < 1e-10

@@ -46,7 +46,12 @@ def run(j, tmp_path):
     # per microbatch, so the oracle replays exactly those (the sum they make is the same either way).
     ref_losses = [trainer.train_step(r.step, r.microbatches) for r in outs[0]["results"]]
     worst, dtypes = compare_states(outs, trainer)
-    return worst, dtypes, outs[0]["losses"], ref_losses
+    return worst, dtypes, outs[0]["losses"], ref_losses, outs
+
+
+def bucket_bytes(outs, field: str) -> int:
+    """A ``StepResult`` byte count summed over every rank and step."""
+    return sum(getattr(r, field) for out in outs for r in out["results"])
 
 
 def compare_states(outs, trainer) -> tuple[float, set]:
@@ -63,7 +68,7 @@ def compare_states(outs, trainer) -> tuple[float, set]:
 
 
 def test_float32_compute_with_float64_masters_equals_reference(tmp_path):
-    worst, dtypes, losses, ref_losses = run(job("float32", "float64"), tmp_path)  # balancer on
+    worst, dtypes, losses, ref_losses, _ = run(job("float32", "float64"), tmp_path)  # balancer on
     assert dtypes == {torch.float64}  # the masters are what a worker holds and hands on
     assert worst <= 1e-9, worst
     assert losses == pytest.approx(ref_losses, abs=1e-9)
@@ -80,7 +85,7 @@ def test_mixed_precision_differs_from_plain_float32(tmp_path):
 
 
 def test_bfloat16_compute_is_within_bf16_precision_of_the_bf16_reference(tmp_path):
-    worst, dtypes, losses, ref_losses = run(job("bfloat16"), tmp_path)
+    worst, dtypes, losses, ref_losses, _ = run(job("bfloat16"), tmp_path)
     assert dtypes == {torch.float32}  # fp32 masters, never bf16 weights in a checkpoint
     assert worst <= 1e-3, worst
     assert losses == pytest.approx(ref_losses, abs=2e-2)
@@ -90,9 +95,13 @@ def test_bfloat16_compute_is_within_bf16_precision_of_the_bf16_reference(tmp_pat
 def test_bfloat16_gradient_reduction_rounds_the_all_reduce_only(tmp_path):
     """grad_reduce_dtype: bfloat16 sends half the bytes; its rounding of the summed gradients is the
     only difference from the reference (which reduces nothing), so it stays within bf16's 3 digits."""
-    worst, dtypes, losses, ref_losses = run(job("bfloat16", reduce="bfloat16"), tmp_path / "bf16")
-    exact, _, _, _ = run(job("bfloat16"), tmp_path / "fp32")
+    worst, dtypes, losses, ref_losses, outs = run(job("bfloat16", reduce="bfloat16"), tmp_path / "bf16")
+    exact, _, _, _, outs_fp32 = run(job("bfloat16"), tmp_path / "fp32")
     assert dtypes == {torch.float32}
+    # A bf16 sum of float32 gradients goes by a copy; a float32 one sums the buffers the compute copies' hooks
+    # accumulated into (GradientSync.attach).
+    assert bucket_bytes(outs, "grad_bytes_copied") == bucket_bytes(outs, "grad_bytes") > 0
+    assert bucket_bytes(outs_fp32, "grad_bytes_copied") == 0 < bucket_bytes(outs_fp32, "grad_bytes")
     assert worst != exact and worst <= 1e-2, (worst, exact)
     assert losses == pytest.approx(ref_losses, abs=2e-2)
 
@@ -117,7 +126,7 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(tmp_path, monkeyp
 
     monkeypatch.setenv(OVERFLOW_ENV, "2@1")  # an inf in a gradient of rank 1 at step 2
     j = fp16_job()
-    worst, dtypes, losses, ref_losses = run(j, tmp_path)
+    worst, dtypes, losses, ref_losses, _ = run(j, tmp_path)
     outs = run_local(j, ExecutionPlan.even(10, [2, 3], [4, 4], 2), STEPS, tmp_path / "again")
     for out in outs:
         assert [r.skipped for r in out["results"]] == [False, False, True, False]
