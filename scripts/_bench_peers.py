@@ -23,11 +23,15 @@ by the global number of loss tokens, the same clipping and AdamW settings):
 processes (one torch thread each) and process group, taking turns step by step,
 and returns what each rank wrote: per-step losses and times, a time breakdown
 and the peak RSS (``ru_maxrss``). Any failure kills every process it started.
+Given ``hosts``, rank r of every system runs in host r's network namespace
+(``tests/network.py``: a veth link each, on one bridge), so its traffic crosses
+a real link that ``tc`` can slow.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import multiprocessing as mp
@@ -79,14 +83,47 @@ class RunSpec:
 # --------------------------------------------------------------------------- launching
 
 
-def launch(specs: Sequence[RunSpec], out_dir: Path, timeout_s: float = 900.0) -> list[list[dict]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Host:
+    """A simulated host of a bench network: rank r of every system runs in hosts[r]."""
+
+    namespace: str
+    """The path of its network namespace (``/run/netns/NAME``)."""
+    address: str
+    interface: str
+    """The interface gloo binds in it (``GLOO_SOCKET_IFNAME``)."""
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_namespace(path: str) -> None:
+    """Move this process into the network namespace at ``path`` (``setns(2)``; Python 3.11's ``os`` has no
+    ``setns``). Called first thing in a worker, before it has a thread or a socket: threads it starts later
+    and every socket they open are in the namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def launch(
+    specs: Sequence[RunSpec], out_dir: Path, timeout_s: float = 900.0, hosts: Sequence[Host] | None = None
+) -> list[list[dict]]:
     """Run ``specs`` side by side, each in its own processes and process group, taking turns step by step.
 
     Step s of specs[0] runs, then step s of specs[1], ... (the others' processes sleep on a
     barrier meanwhile), so load from elsewhere on the machine hits every system alike while
     each keeps its own peak RSS. Returns, per spec, each rank's report. Kills every worker
-    it started, whatever happens.
+    it started, whatever happens. ``hosts``: rank r of every system runs in ``hosts[r]``'s network
+    namespace, its group's store on ``hosts[0]``'s address (else every rank on this host's loopback).
     """
+    if hosts is not None and len(hosts) < max(s.plan.world_size for s in specs):
+        raise ValueError(f"{len(hosts)} hosts for {max(s.plan.world_size for s in specs)} ranks")
     if len({s.warmup + s.timed for s in specs}) != 1:
         raise ValueError("specs taking turns must run the same number of steps")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +134,7 @@ def launch(specs: Sequence[RunSpec], out_dir: Path, timeout_s: float = 900.0) ->
         port = free_port()
         for rank in range(spec.plan.world_size):
             tag = f"{index}-{spec.system}-rank{rank}"
-            args = (spec, index, len(specs), rank, port, turns, str(out_dir / tag))
+            args = (spec, index, len(specs), rank, port, turns, str(out_dir / tag), hosts)
             procs.append((tag, ctx.Process(target=_entry, args=args, daemon=True)))
     try:
         for _, p in procs:
@@ -138,7 +175,14 @@ def _worker_error(prefix: Path) -> str:
     return log.read_text()[-4000:] if log.exists() else "(no output)"
 
 
-def _entry(spec: RunSpec, index: int, num_turns: int, rank: int, port: int, turns, prefix: str) -> None:
+def _entry(
+    spec: RunSpec, index: int, num_turns: int, rank: int, port: int, turns, prefix: str, hosts: Sequence[Host] | None
+) -> None:
+    global STORE_HOST
+    if hosts is not None:
+        enter_namespace(hosts[rank].namespace)
+        os.environ["GLOO_SOCKET_IFNAME"] = hosts[rank].interface
+        STORE_HOST = hosts[0].address
     out = Path(prefix)
     # DeepSpeed prints its whole config at start-up: keep each worker's chatter in its own file.
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (lives as long as the process)
@@ -202,9 +246,13 @@ def _add(breakdown: dict[str, float], key: str, seconds: float) -> None:
     breakdown[key] = breakdown.get(key, 0.0) + seconds
 
 
+STORE_HOST = "127.0.0.1"
+"""Where rank 0's store listens: its host's address on a bench network (``launch``'s ``hosts``)."""
+
+
 def _join(job, rank: int, port: int, world_size: int) -> None:
     """Join this system's group on a store its rank 0 hosts."""
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=120))
+    store = dist.TCPStore(STORE_HOST, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=120))
     join_generation(
         store,
         0,

@@ -33,6 +33,11 @@ proves the same weights and batch, close afterwards the same update.
       (COMM_HEAVY: many parameters, few tokens). Issue 52's targets: overlap / no overlap
       >= 1.10, overlap / DDP >= 1.0.
 
+``--link-mbit N`` runs every case on a bench network instead of this host's loopback: rank r of every
+system in host r's network namespace (``tests/network.py``: a veth link each, one bridge; needs root and
+iproute2), each link limited to N Mbit/s each way by ``tc``'s token bucket (0: no limit). There the
+all-reduce waits on a wire, as between a cluster's nodes, not only on the CPU it shares with the backward.
+
 Without ``--config`` the model is configs/tiny_mm.yaml scaled up by BENCH_OVERRIDES
 (the tiny model is all overhead); ``--config FILE`` uses that job file as it is.
 Target: engine/peer >= 0.9 in every case. Exit status 1 if the losses disagree.
@@ -41,6 +46,7 @@ Target: engine/peer >= 0.9 in every case. Exit status 1 if the losses disagree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -61,7 +67,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import yaml  # noqa: E402
 from deepspeed.runtime.utils import partition_uniform  # noqa: E402
 
-from _bench_peers import RunSpec, launch  # noqa: E402
+from _bench_peers import Host, RunSpec, launch  # noqa: E402
 from oobleck_mm.config import config_from_dict, load_config  # noqa: E402
 from oobleck_mm.data.loader import TrainingData  # noqa: E402
 from oobleck_mm.model.layers import model_layer_specs  # noqa: E402
@@ -188,7 +194,7 @@ def rate(spec: RunSpec, step_s: list[float]) -> float:
     return spec.plan.global_batch * len(step_s) / sum(step_s)
 
 
-def run_case(key: str, name: str, engine: RunSpec, peer: RunSpec, rounds: int, work: Path) -> dict:
+def run_case(key: str, name: str, engine: RunSpec, peer: RunSpec, rounds: int, work: Path, hosts=None) -> dict:
     """Engine and peer side by side, taking turns step by step; the turn order flips every round."""
     runs: dict[str, list[dict]] = {"engine": [], "peer": []}
     for r in range(rounds):
@@ -197,7 +203,7 @@ def run_case(key: str, name: str, engine: RunSpec, peer: RunSpec, rounds: int, w
         print(
             f"  {name}: round {r + 1}/{rounds}, {' and '.join(s.system for _, s in order)} taking turns ...", flush=True
         )
-        reports = launch([spec for _, spec in order], work / f"{key}{r}")
+        reports = launch([spec for _, spec in order], work / f"{key}{r}", hosts=hosts)
         for (side, spec), ranks in zip(order, reports, strict=True):
             runs[side].append(summarise(spec, ranks))
     # Per step, the fastest round: a burst of load must hit the same step in every round to count.
@@ -229,7 +235,7 @@ def run_case(key: str, name: str, engine: RunSpec, peer: RunSpec, rounds: int, w
     }
 
 
-def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict) -> dict:
+def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict, hosts=None) -> dict:
     """Case (d): engine with overlap, engine without, DDP; three side by side, the order rotated each round."""
     on = config_from_dict(_merge(job_dict, {"training": {"grad_overlap": True}}))
     off = config_from_dict(_merge(job_dict, {"training": {"grad_overlap": False}}))
@@ -250,7 +256,7 @@ def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict) -> di
     for r in range(rounds):
         order = list(sides)[r % 3 :] + list(sides)[: r % 3]
         print(f"  (d) overlap: round {r + 1}/{rounds}, {' and '.join(order)} taking turns ...", flush=True)
-        for name, ranks in zip(order, launch([sides[n] for n in order], work / f"d{r}"), strict=True):
+        for name, ranks in zip(order, launch([sides[n] for n in order], work / f"d{r}", hosts=hosts), strict=True):
             runs[name].append(summarise(sides[name], ranks))
     best = {name: [min(x["step_s"][i] for x in rs) for i in range(steps["timed"])] for name, rs in runs.items()}
     rates = {name: rate(sides[name], b) for name, b in best.items()}
@@ -345,6 +351,29 @@ def print_table(cases: list[dict]) -> None:
             print(f"  {side} s/step per rank (round 1): {' '.join(parts)}")
 
 
+def bench_network(link_mbit: float):
+    """WORLD hosts on a bridge (``tests/network.py``), each link limited to ``link_mbit`` Mbit/s (0: none):
+    ``(network, hosts)``; the caller closes the network. Exits 2 naming ``--link-mbit`` when this machine
+    cannot make one."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from network import GLOO_INTERFACE, Network, unavailable
+
+    why = unavailable()
+    if why is not None:
+        print(f"--link-mbit needs network namespaces: {why}", file=sys.stderr)
+        sys.exit(2)
+    network = Network([f"host{r}" for r in range(WORLD)])
+    try:
+        if link_mbit > 0:
+            for node in network.nodes:
+                network.throttle(node, round(link_mbit * 1000))
+        hosts = [Host(f"/run/netns/{network.namespace(n)}", network.address(n), GLOO_INTERFACE) for n in network.nodes]
+    except BaseException:
+        network.close()
+        raise
+    return network, hosts
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -362,7 +391,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="which cases to run: letters of abcd (default ab; c: the HF LLaVA; d: the overlap)",
     )
     ap.add_argument("--config", help="job YAML used as is (default: configs/tiny_mm.yaml + BENCH_OVERRIDES)")
+    ap.add_argument(
+        "--link-mbit",
+        type=float,
+        help="run on a bench network, one namespace per rank, each link limited to this many Mbit/s (0: no limit)",
+    )
     args = ap.parse_args(argv)
+    if args.link_mbit is not None and args.link_mbit < 0:
+        ap.error(f"--link-mbit must be >= 0 (0: no limit), got {args.link_mbit:g}")
     for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
@@ -410,7 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"warmup": args.warmup, "timed": args.steps}
     cases = []
     load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
+    with contextlib.ExitStack() as stack:
+        hosts, network = None, None
+        if args.link_mbit is not None:
+            network, hosts = bench_network(args.link_mbit)
+            stack.callback(network.close)
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_runtime_"))
         work = Path(tmp)
         selected = [
             c
@@ -437,9 +478,17 @@ def main(argv: list[str] | None = None) -> int:
                     RunSpec(peer, case_job, plan, **steps),
                     args.rounds,
                     work,
+                    hosts,
                 )
             )
-        overlap = run_overlap_case(_merge(raw, COMM_HEAVY), args.rounds, work, steps) if "d" in args.cases else None
+        overlap = (
+            run_overlap_case(_merge(raw, COMM_HEAVY), args.rounds, work, steps, hosts) if "d" in args.cases else None
+        )
+        if network is not None:
+            held = [network.throttled_packets(n) for n in network.nodes]
+            print(
+                f"bench network: {network.nodes} at {args.link_mbit:g} Mbit/s; times each link held packets back: {held}"
+            )
     load.append(os.getloadavg()[0])
     wall_s = time.perf_counter() - started
     print(
@@ -461,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             **steps,
             "rounds": args.rounds,
             "load_average_start_end": load,
+            "link_mbit": args.link_mbit,
             "wall_s": round(wall_s, 1),
         }
         write_json(args.json, cases, model, settings, argv)
