@@ -124,7 +124,10 @@ class Network:
     def throttle(self, node: str, kbit: int) -> None:
         """A slow link: both directions of ``node``'s link through a token bucket of ``kbit`` kbit/s, so every
         packet queues behind the ones before it. (This kernel has no ``sch_netem``, so no fixed delay; a
-        bucket's queueing is the slow link that a shared or congested uplink is.)"""
+        bucket's queueing is the slow link that a shared or congested uplink is.) The bucket holds 10 ms of the
+        rate, 16 kB at least: refilled once a timer tick, a smaller one cannot carry a fast rate (16 kB at
+        1 Gbit/s carried 0.29 Gbit/s)."""
+        burst = max(16_000, kbit * 1000 // 8 // 100)  # bytes
         for where, device in self._both_ends(node):
             subprocess.run(
                 [
@@ -139,7 +142,7 @@ class Network:
                     "rate",
                     f"{kbit}kbit",
                     "burst",
-                    "16kb",
+                    str(burst),
                     "latency",
                     "2s",
                 ],
