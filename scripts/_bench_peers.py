@@ -218,11 +218,14 @@ def _measure(trainer, spec: RunSpec, index: int, num_turns: int, turns) -> dict:
             if turn != index:
                 continue
             t0, cpu0 = time.perf_counter(), time.process_time()
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             losses.append(trainer.step(step))
             if step >= spec.warmup:
                 step_s.append(time.perf_counter() - t0)
                 # CPU seconds of every thread of the process: a rank that waits without spinning uses none.
                 _add(trainer.breakdown, "cpu_s", time.process_time() - cpu0)
+                # Pages first touched (a fresh allocation's): each costs the kernel a zeroed page, on this CPU.
+                _add(trainer.breakdown, "page_faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0)
     turns.wait(TURN_TIMEOUT_S)  # nobody tears down (reports, group shutdown) while another system still steps
     breakdown = {k: v / spec.timed for k, v in trainer.breakdown.items()}
     return {"losses": losses, "step_s": step_s, "breakdown": breakdown}

@@ -277,6 +277,11 @@ def run_overlap_case(job_dict: dict, rounds: int, work: Path, steps: dict, hosts
     }
 
 
+def _part(key: str, value: float) -> str:
+    """One entry of a breakdown: seconds (``*_s``) to the millisecond, counts whole."""
+    return f"{key.removesuffix('_s')} {value:.3f}" if key.endswith("_s") else f"{key} {value:.0f}"
+
+
 def print_overlap(c: dict) -> None:
     r = c["samples_s"]
     print(
@@ -291,9 +296,7 @@ def print_overlap(c: dict) -> None:
     for name, parts in c["breakdown_s_per_step"].items():
         print(
             f"  {name} s/step per rank (round 1): "
-            + " ".join(
-                "{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}" for b in parts
-            )
+            + " ".join("{" + ", ".join(_part(k, v) for k, v in sorted(b.items())) + "}" for b in parts)
         )
 
 
@@ -345,7 +348,7 @@ def print_table(cases: list[dict]) -> None:
         )
         for side in ("engine", "peer"):
             parts = [
-                "{" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in sorted(b.items())) + "}"
+                "{" + ", ".join(_part(k, v) for k, v in sorted(b.items())) + "}"
                 for b in c[f"{side}_breakdown_s_per_step"]
             ]
             print(f"  {side} s/step per rank (round 1): {' '.join(parts)}")
