@@ -354,8 +354,8 @@ def print_table(cases: list[dict]) -> None:
             print(f"  {side} s/step per rank (round 1): {' '.join(parts)}")
 
 
-def bench_network(link_mbit: float):
-    """WORLD hosts on a bridge (``tests/network.py``), each link limited to ``link_mbit`` Mbit/s (0: none):
+def bench_network(link_mbit: float, count: int = WORLD):
+    """``count`` hosts on a bridge (``tests/network.py``), each link limited to ``link_mbit`` Mbit/s (0: none):
     ``(network, hosts)``; the caller closes the network. Exits 2 naming ``--link-mbit`` when this machine
     cannot make one."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -365,7 +365,7 @@ def bench_network(link_mbit: float):
     if why is not None:
         print(f"--link-mbit needs network namespaces: {why}", file=sys.stderr)
         sys.exit(2)
-    network = Network([f"host{r}" for r in range(WORLD)])
+    network = Network([f"host{r}" for r in range(count)])
     try:
         if link_mbit > 0:
             for node in network.nodes:

@@ -221,6 +221,14 @@ class _Buffer:
     flat: torch.Tensor | None
     views: list[torch.Tensor]
 
+    def holds(self, p: nn.Parameter, view: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is ``view``, its place in the buffer."""
+        return p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+
+    def holds_all(self) -> bool:
+        """Whether every gradient of the chunk is its view: the buffer is what to sum."""
+        return self.flat is not None and all(self.holds(p, view) for p, view in zip(self.params, self.views))
+
 
 @dataclass(slots=True)
 class _Started:
@@ -377,7 +385,7 @@ class GradientSync:
                     p.grad = view
                 continue
             for p, view in zip(made.params, made.views):
-                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                if made.holds(p, view):
                     continue
                 if p.grad is None:
                     view.zero_()
@@ -421,9 +429,7 @@ class GradientSync:
     def _start(self, k: int, layers: Mapping[int, nn.Module]) -> None:
         chunk, made = self.chunks[k], self._buffer(k, layers)
         group, what = self.groups[chunk.holders], f"gradient all-reduce over ranks {chunk.holders}"
-        if made.flat is not None and all(
-            p.grad is not None and p.grad.data_ptr() == view.data_ptr() for p, view in zip(made.params, made.views)
-        ):
+        if made.holds_all():
             self._started.append(_Started.in_place(made.flat, group, what))
             return
         for i in chunk.layers:

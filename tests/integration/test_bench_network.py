@@ -12,8 +12,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
-from _bench_peers import Host, RunSpec, launch  # noqa: E402
-from network import GLOO_INTERFACE, Network, unavailable  # noqa: E402
+import bench_runtime  # noqa: E402
+from _bench_peers import RunSpec, launch  # noqa: E402
+from network import unavailable  # noqa: E402
 
 from oobleck_mm.config import config_from_dict  # noqa: E402
 from oobleck_mm.model.layers import model_layer_specs  # noqa: E402
@@ -31,11 +32,8 @@ def test_a_system_on_the_bench_network_trains_across_its_slowed_links(tmp_path):
     raw["training"]["global_batch"] = 8  # two pipelines of two microbatches of 2
     job = config_from_dict(raw)
     plan = ExecutionPlan.even(len(model_layer_specs(job)), [1, 1], [2, 2], job.training.microbatch_size)
-    network = Network(["host0", "host1"])
+    network, hosts = bench_runtime.bench_network(50, count=2)  # 50 Mbit/s: the all-reduce's packets queue
     try:
-        for node in network.nodes:
-            network.throttle(node, 50_000)  # 50 Mbit/s: the gradient all-reduce's packets queue
-        hosts = [Host(f"/run/netns/{network.namespace(n)}", network.address(n), GLOO_INTERFACE) for n in network.nodes]
         reports = launch([RunSpec("ddp", job, plan, warmup=1, timed=1)], tmp_path, timeout_s=300, hosts=hosts)
         held = [network.throttled_packets(n) for n in network.nodes]
     finally:
